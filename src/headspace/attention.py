@@ -1,0 +1,501 @@
+"""MultiHeadAttention: the four projections, per-head views, forward and the KV cache."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .functional import attention_pattern, attention_scores, get_backend, repeat_kv
+from .heads import Head, HeadList
+from .hooks import HookPoint
+from .masks import canonical_mask
+
+
+def _shape(t: Tensor) -> list[int]:
+    return list(t.shape)
+
+
+def resolve_head_dims(d_model: int, n_heads: int, d_head: int | None, n_kv_heads: int | None) -> tuple[int, int]:
+    """Validate and complete (d_head, n_kv_heads); errors name the numbers that do not fit."""
+    for name, value in (("d_model", d_model), ("n_heads", n_heads)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name} must be a positive int; got {value!r}")
+    if d_head is None:
+        if d_model % n_heads != 0:
+            raise ValueError(
+                f"d_model={d_model} is not divisible by n_heads={n_heads}; pass d_head explicitly "
+                f"(e.g. d_head={max(1, d_model // n_heads)}) or choose n_heads among the divisors of d_model"
+            )
+        d_head = d_model // n_heads
+    elif not isinstance(d_head, int) or isinstance(d_head, bool) or d_head <= 0:
+        raise ValueError(f"d_head must be a positive int; got {d_head!r}")
+    if n_kv_heads is None:
+        n_kv_heads = n_heads
+    elif not isinstance(n_kv_heads, int) or isinstance(n_kv_heads, bool) or n_kv_heads <= 0:
+        raise ValueError(f"n_kv_heads must be a positive int; got {n_kv_heads!r}")
+    if n_heads % n_kv_heads != 0:
+        raise ValueError(
+            f"n_heads={n_heads} is not divisible by n_kv_heads={n_kv_heads}; each key/value head serves a "
+            f"group of query heads, so n_kv_heads must divide n_heads"
+        )
+    return d_head, n_kv_heads
+
+
+def _check_finite(name: str, t: Tensor) -> None:
+    bad = ~torch.isfinite(t)
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        value = t[where].item()
+        raise ValueError(
+            f"{name} has a non-finite value ({value}) at index {where} (shape {_shape(t)}); "
+            "check_finite=True refuses NaN/Inf"
+        )
+
+
+class KVCache:
+    """A preallocated key/value cache for incremental decoding.
+
+    Holds ``k`` and ``v`` of shape [batch, n_kv_heads, capacity, d_head]; ``length`` positions are filled.
+    Appending past ``capacity``, or with another batch size, dtype or device, raises ``ValueError``.
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        n_kv_heads: int,
+        d_head: int,
+        capacity: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if capacity <= 0:
+            raise ValueError(f"KVCache capacity must be positive; got {capacity}")
+        if batch <= 0:
+            raise ValueError(f"KVCache batch must be positive; got {batch}")
+        self.k = torch.zeros(batch, n_kv_heads, capacity, d_head, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.length = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[0]
+
+    def reset(self) -> None:
+        self.length = 0
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store new keys/values [batch, n_kv_heads, new, d_head]; return all filled ones so far."""
+        new = k.shape[2]
+        if k.shape[0] != self.batch:
+            raise ValueError(
+                f"KV cache was made for batch={self.batch} but the input has batch={k.shape[0]}; "
+                "make a new cache (or reset one of the right batch size)"
+            )
+        if k.dtype != self.k.dtype:
+            raise ValueError(f"KV cache holds dtype {self.k.dtype} but the input projects to dtype {k.dtype}")
+        if k.device != self.k.device:
+            raise ValueError(f"KV cache is on {self.k.device} but the input is on {k.device}")
+        if tuple(k.shape[1:2]) + tuple(k.shape[3:]) != (self.k.shape[1], self.k.shape[3]):
+            raise ValueError(
+                f"KV cache holds [batch, n_kv_heads, capacity, d_head] = {_shape(self.k)}; the new keys have "
+                f"shape {_shape(k)}"
+            )
+        if self.length + new > self.capacity:
+            raise ValueError(
+                f"KV cache overflow: {self.length} positions filled + {new} new > capacity {self.capacity}; "
+                "make the cache with a larger capacity"
+            )
+        end = self.length + new
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class MultiHeadAttention(nn.Module):
+    r"""Multi-head attention with every head's projections in plain sight.
+
+    For each head ``h`` (right-multiplication convention, as in the textbook and TransformerLens)::
+
+        q_h = x W_Q[h] + b_Q[h]            W_Q: [n_heads, d_model, d_head]
+        k_h = c W_K[g(h)] + b_K[g(h)]      W_K: [n_kv_heads, kdim, d_head]
+        v_h = c W_V[g(h)] + b_V[g(h)]      W_V: [n_kv_heads, vdim, d_head]
+        z_h = softmax(q_h k_h^T * scale + mask) v_h          scale = 1 / sqrt(d_head)
+        out = concat_h(z_h) W_O + b_O = sum_h z_h W_O[h] + b_O     W_O: [n_heads, d_head, d_model]
+
+    with ``x`` the query input, ``c`` the key/value input (``x`` itself for self-attention) and
+    ``g(h) = h // (n_heads / n_kv_heads)`` the key/value head serving query head ``h`` (grouped-query
+    attention; ``n_kv_heads = n_heads`` is ordinary multi-head attention, ``1`` multi-query).
+
+    Paper symbols (Vaswani et al. 2017): ``W_Q[h] = W_i^Q``, ``W_K[h] = W_i^K``, ``W_V[h] = W_i^V``,
+    ``W_O = W^O`` split into per-head row blocks ``W_O[h]``. Defaults give the paper's d_model=512,
+    8 heads, d_head=64.
+
+    Storage is fused for speed: ``qkv_weight`` [(n_heads + 2 n_kv_heads) d_head, d_model] (or separate
+    ``q_weight``/``k_weight``/``v_weight`` when kdim or vdim differ from d_model), ``qkv_bias``,
+    ``o_weight`` [d_model, n_heads d_head] and ``o_bias``, in ``nn.Linear``'s [out, in] layout. The
+    properties ``W_Q``, ``W_K``, ``W_V``, ``W_O``, ``b_Q``, ``b_K``, ``b_V``, ``b_O`` and ``heads[h]`` are
+    zero-copy views of that storage: writing into them (under ``torch.no_grad()``) changes the layer.
+
+    Masks: bool masks mean True = may attend; ``key_padding`` is True for real tokens; float masks are
+    additive. See :mod:`headspace.masks` for the whole convention. A query with nothing to attend to
+    gives zeros with finite gradients.
+
+    ``check_finite`` (default False, as checking costs a pass over the inputs): when True, NaN/Inf in
+    the inputs or the output raise ``ValueError`` naming the tensor and the first bad index.
+    """
+
+    def __init__(
+        self,
+        d_model: int = 512,
+        n_heads: int = 8,
+        d_head: int | None = None,
+        n_kv_heads: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        *,
+        scale: float | None = None,
+        check_finite: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        d_head, n_kv_heads = resolve_head_dims(d_model, n_heads, d_head, n_kv_heads)
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1); got {dropout}")
+        self.d_model = d_model
+        self.n_heads = n_heads
+        self.d_head = d_head
+        self.n_kv_heads = n_kv_heads
+        self.kdim = d_model if kdim is None else kdim
+        self.vdim = d_model if vdim is None else vdim
+        self.dropout = dropout
+        self.scale = 1.0 / math.sqrt(d_head) if scale is None else float(scale)
+        self.check_finite = check_finite
+        self.fused = self.kdim == d_model and self.vdim == d_model
+        f = {"device": device, "dtype": dtype}
+        hq, hkv = n_heads * d_head, n_kv_heads * d_head
+        if self.fused:
+            self.qkv_weight = nn.Parameter(torch.empty(hq + 2 * hkv, d_model, **f))
+        else:
+            self.q_weight = nn.Parameter(torch.empty(hq, d_model, **f))
+            self.k_weight = nn.Parameter(torch.empty(hkv, self.kdim, **f))
+            self.v_weight = nn.Parameter(torch.empty(hkv, self.vdim, **f))
+        self.qkv_bias = nn.Parameter(torch.empty(hq + 2 * hkv, **f)) if bias else None
+        self.o_weight = nn.Parameter(torch.empty(d_model, hq, **f))
+        self.o_bias = nn.Parameter(torch.empty(d_model, **f)) if bias else None
+
+        self.hook_q = HookPoint()  # [batch, seq_q, n_heads, d_head]
+        self.hook_k = HookPoint()  # [batch, seq_k, n_kv_heads, d_head]
+        self.hook_v = HookPoint()  # [batch, seq_k, n_kv_heads, d_head]
+        self.hook_scores = HookPoint()  # [batch, n_heads, seq_q, seq_k]
+        self.hook_pattern = HookPoint()  # [batch, n_heads, seq_q, seq_k]
+        self.hook_z = HookPoint()  # [batch, seq_q, n_heads, d_head]
+        self.hook_result = HookPoint()  # [batch, seq_q, n_heads, d_model]
+        self._hook_points = (
+            self.hook_q,
+            self.hook_k,
+            self.hook_v,
+            self.hook_scores,
+            self.hook_pattern,
+            self.hook_z,
+            self.hook_result,
+        )
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ parameters and views
+    def reset_parameters(self) -> None:
+        """Xavier-uniform projections and zero biases (as torch.nn.MultiheadAttention)."""
+        hq, hkv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
+        with torch.no_grad():
+            if self.fused:
+                # each of W_Q, W_K, W_V initialised as its own [out, in] matrix
+                for rows in (slice(0, hq), slice(hq, hq + hkv), slice(hq + hkv, hq + 2 * hkv)):
+                    nn.init.xavier_uniform_(self.qkv_weight[rows])
+            else:
+                for w in (self.q_weight, self.k_weight, self.v_weight):
+                    nn.init.xavier_uniform_(w)
+            nn.init.xavier_uniform_(self.o_weight)
+            if self.qkv_bias is not None:
+                self.qkv_bias.zero_()
+            if self.o_bias is not None:
+                self.o_bias.zero_()
+
+    def _rows(self, which: str) -> Tensor:
+        """The [out, in] weight rows of one projection ('q', 'k' or 'v'), a view of the storage."""
+        hq, hkv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
+        if not self.fused:
+            return {"q": self.q_weight, "k": self.k_weight, "v": self.v_weight}[which]
+        start = {"q": 0, "k": hq, "v": hq + hkv}[which]
+        return self.qkv_weight[start : start + (hq if which == "q" else hkv)]
+
+    def _bias_rows(self, which: str) -> Tensor | None:
+        if self.qkv_bias is None:
+            return None
+        hq, hkv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
+        start = {"q": 0, "k": hq, "v": hq + hkv}[which]
+        return self.qkv_bias[start : start + (hq if which == "q" else hkv)]
+
+    @property
+    def W_Q(self) -> Tensor:
+        """[n_heads, d_model, d_head] view: ``q_h = x @ W_Q[h]``."""
+        return self._rows("q").view(self.n_heads, self.d_head, self.d_model).transpose(1, 2)
+
+    @property
+    def W_K(self) -> Tensor:
+        """[n_kv_heads, kdim, d_head] view: ``k_g = c @ W_K[g]``."""
+        return self._rows("k").view(self.n_kv_heads, self.d_head, self.kdim).transpose(1, 2)
+
+    @property
+    def W_V(self) -> Tensor:
+        """[n_kv_heads, vdim, d_head] view: ``v_g = c @ W_V[g]``."""
+        return self._rows("v").view(self.n_kv_heads, self.d_head, self.vdim).transpose(1, 2)
+
+    @property
+    def W_O(self) -> Tensor:
+        """[n_heads, d_head, d_model] view: ``out = sum_h z_h @ W_O[h] + b_O``."""
+        return self.o_weight.view(self.d_model, self.n_heads, self.d_head).permute(1, 2, 0)
+
+    @property
+    def b_Q(self) -> Tensor | None:
+        """[n_heads, d_head] view, or None without bias."""
+        b = self._bias_rows("q")
+        return None if b is None else b.view(self.n_heads, self.d_head)
+
+    @property
+    def b_K(self) -> Tensor | None:
+        """[n_kv_heads, d_head] view, or None without bias."""
+        b = self._bias_rows("k")
+        return None if b is None else b.view(self.n_kv_heads, self.d_head)
+
+    @property
+    def b_V(self) -> Tensor | None:
+        """[n_kv_heads, d_head] view, or None without bias."""
+        b = self._bias_rows("v")
+        return None if b is None else b.view(self.n_kv_heads, self.d_head)
+
+    @property
+    def b_O(self) -> Tensor | None:
+        """[d_model] (shared by all heads), or None without bias."""
+        return self.o_bias
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head."""
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def heads(self) -> HeadList:
+        """``attn.heads[h]``: one head's W_Q, W_K, W_V, W_O and biases (views)."""
+        return HeadList(self)
+
+    def head(self, index: int) -> Head:
+        return self.heads[index]
+
+    @property
+    def hooks_active(self) -> bool:
+        return any(h.fns for h in self._hook_points)
+
+    def make_kv_cache(self, batch: int, capacity: int) -> KVCache:
+        """A cache for incremental self-attention decoding, in this layer's dtype and device."""
+        w = self.o_weight
+        return KVCache(batch, self.n_kv_heads, self.d_head, capacity, dtype=w.dtype, device=w.device)
+
+    def extra_repr(self) -> str:
+        s = f"d_model={self.d_model}, n_heads={self.n_heads}, d_head={self.d_head}"
+        if self.n_kv_heads != self.n_heads:
+            s += f", n_kv_heads={self.n_kv_heads}"
+        if not self.fused:
+            s += f", kdim={self.kdim}, vdim={self.vdim}"
+        return s + f", bias={self.qkv_bias is not None}, dropout={self.dropout}"
+
+    # ------------------------------------------------------------------ checks
+    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+        for name, t, dim, dim_name in (
+            ("query", query, self.d_model, "d_model"),
+            ("key", key, self.kdim, "kdim"),
+            ("value", value, self.vdim, "vdim"),
+        ):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name} must be a tensor [batch, seq, {dim_name}]; got {type(t).__name__}")
+            if t.dim() != 3:
+                raise ValueError(
+                    f"{name} must be 3-D [batch, seq, {dim_name}={dim}]; got a {t.dim()}-D tensor of shape "
+                    f"{_shape(t)}" + (" (for one unbatched sequence use .unsqueeze(0))" if t.dim() == 2 else "")
+                )
+            if t.shape[-1] != dim:
+                raise ValueError(
+                    f"{name} must have last dimension {dim_name}={dim}; got shape {_shape(t)}"
+                )
+        w = self.o_weight
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if t.dtype != w.dtype:
+                raise TypeError(f"{name} has dtype {t.dtype} but the layer's weights are {w.dtype}")
+            if t.device != w.device:
+                raise ValueError(f"{name} is on {t.device} but the layer's weights are on {w.device}")
+        if key.shape[0] != query.shape[0] or value.shape[0] != query.shape[0]:
+            raise ValueError(
+                f"query, key and value must have the same batch size; got query {_shape(query)}, key "
+                f"{_shape(key)}, value {_shape(value)}"
+            )
+        if key.shape[1] != value.shape[1]:
+            raise ValueError(
+                f"key and value must have the same length seq_k; got key {_shape(key)}, value {_shape(value)}"
+            )
+
+    # ------------------------------------------------------------------ forward
+    def project_qkv(
+        self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The per-head projections: q [batch, n_heads, seq_q, d_head], k, v [batch, n_kv_heads, seq_k, d_head]."""
+        B, Sq, _ = query.shape
+        H, Hkv, dh = self.n_heads, self.n_kv_heads, self.d_head
+        if key is None and self.fused:
+            qkv = F.linear(query, self.qkv_weight, self.qkv_bias)  # (B, Sq, (H + 2 Hkv) dh)
+            qkv = qkv.view(B, Sq, H + 2 * Hkv, dh).transpose(1, 2)  # (B, H + 2 Hkv, Sq, dh)
+            q, k, v = qkv.split([H, Hkv, Hkv], dim=1)  # (B, H, Sq, dh), (B, Hkv, Sq, dh) x 2
+            return q, k, v
+        key = query if key is None else key
+        value = key if value is None else value
+        q = F.linear(query, self._rows("q"), self._bias_rows("q"))  # (B, Sq, H dh)
+        q = q.view(B, Sq, H, dh).transpose(1, 2)  # (B, H, Sq, dh)
+        Sk = key.shape[1]
+        if self.fused and key is value:
+            hq = H * dh
+            b = None if self.qkv_bias is None else self.qkv_bias[hq:]
+            kv = F.linear(key, self.qkv_weight[hq:], b)  # (B, Sk, 2 Hkv dh)
+            kv = kv.view(B, Sk, 2 * Hkv, dh).transpose(1, 2)  # (B, 2 Hkv, Sk, dh)
+            k, v = kv.split([Hkv, Hkv], dim=1)  # (B, Hkv, Sk, dh) x 2
+            return q, k, v
+        k = F.linear(key, self._rows("k"), self._bias_rows("k"))  # (B, Sk, Hkv dh)
+        k = k.view(B, Sk, Hkv, dh).transpose(1, 2)  # (B, Hkv, Sk, dh)
+        v = F.linear(value, self._rows("v"), self._bias_rows("v"))  # (B, Sk, Hkv dh)
+        v = v.view(B, Sk, Hkv, dh).transpose(1, 2)  # (B, Hkv, Sk, dh)
+        return q, k, v
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        key_padding: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = False,
+        need_weights: bool = False,
+        kv_cache: KVCache | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Attend from ``query`` to ``key``/``value`` (self-attention when both are None).
+
+        Notation used for tensor shapes:
+            batch, seq_q, seq_k, d_model, kdim, vdim, n_heads, n_kv_heads, d_head.
+
+        Args:
+            query: [batch, seq_q, d_model].
+            key: [batch, seq_k, kdim] or None (self-attention).
+            value: [batch, seq_k, vdim] or None (= key).
+            key_padding: bool [batch, seq_k], True for real tokens (with a KV cache, seq_k counts every
+                cached position).
+            attn_mask: bool (True = may attend) or float (additive) [seq_q, seq_k], [batch, seq_q, seq_k]
+                or [batch, n_heads, seq_q, seq_k].
+            is_causal: combine (AND) a causal mask aligned bottom-right with any other mask.
+            need_weights: also return the per-head pattern [batch, n_heads, seq_q, seq_k] (never averaged).
+            kv_cache: a :class:`KVCache` from :meth:`make_kv_cache`; the new keys and values are appended
+                and the queries attend to every cached position (self-attention only).
+
+        Returns:
+            out [batch, seq_q, d_model], or (out, pattern) with ``need_weights=True``.
+        """
+        self_attention = key is None and value is None
+        if key is None and value is not None:
+            raise ValueError("value was given without key; pass key too (value defaults to key)")
+        if self_attention and not self.fused:
+            raise ValueError(
+                f"self-attention needs kdim == vdim == d_model; this layer has d_model={self.d_model}, "
+                f"kdim={self.kdim}, vdim={self.vdim}: pass key and value"
+            )
+        k_in = query if key is None else key
+        v_in = k_in if value is None else value
+        self._check_inputs(query, k_in, v_in)
+        if kv_cache is not None and not self_attention:
+            raise ValueError("kv_cache is for self-attention decoding; pass key=None and value=None with it")
+        if self.check_finite:
+            _check_finite("query", query)
+            if not self_attention:
+                _check_finite("key", k_in)
+                if v_in is not k_in:
+                    _check_finite("value", v_in)
+
+        B, Sq, _ = query.shape
+        H, dh = self.n_heads, self.d_head
+        seq_k = k_in.shape[1] + (kv_cache.length if kv_cache is not None else 0)
+        if seq_k == 0:
+            raise ValueError(f"key length seq_k must be at least 1; got key of shape {_shape(k_in)}")
+        if B == 0 or Sq == 0:
+            z = query.new_zeros(B, Sq, H * dh)  # (B, Sq, H dh)
+            out = F.linear(z, self.o_weight, self.o_bias)  # (B, Sq, d_model)
+            if need_weights:
+                return out, query.new_zeros(B, H, Sq, seq_k)
+            return out
+
+        q, k, v = self.project_qkv(query, None if self_attention else k_in, None if self_attention else v_in)
+        traced = self.hooks_active
+        if traced:
+            q = self.hook_q(q.transpose(1, 2)).transpose(1, 2)  # (B, H, Sq, dh)
+            k = self.hook_k(k.transpose(1, 2)).transpose(1, 2)  # (B, Hkv, Sk_new, dh)
+            v = self.hook_v(v.transpose(1, 2)).transpose(1, 2)  # (B, Hkv, Sk_new, dh)
+        if kv_cache is not None:
+            k, v = kv_cache.append(k, v)  # (B, Hkv, Sk, dh) x 2
+        mask = canonical_mask(
+            batch=B,
+            n_heads=H,
+            seq_q=Sq,
+            seq_k=seq_k,
+            key_padding=key_padding,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            dtype=q.dtype,
+            device=q.device,
+        )
+        dropout_p = self.dropout if self.training else 0.0
+
+        if traced:
+            out, pattern = self._traced_forward(q, k, v, mask, dropout_p)
+        else:
+            backend = get_backend("explicit" if need_weights else "sdpa")
+            z, pattern = backend(q, k, v, mask, scale=self.scale, dropout_p=dropout_p)  # (B, H, Sq, dh)
+            z = z.transpose(1, 2).reshape(B, Sq, H * dh)  # (B, Sq, H dh): heads concatenated
+            out = F.linear(z, self.o_weight, self.o_bias)  # (B, Sq, d_model)
+        if self.check_finite:
+            _check_finite("attention output (inputs were finite: check the weights)", out)
+        if need_weights:
+            return out, pattern
+        return out
+
+    def _traced_forward(self, q: Tensor, k: Tensor, v: Tensor, mask, dropout_p: float) -> tuple[Tensor, Tensor]:
+        """The explicit path with every hook point fired (used while any hook is active)."""
+        B, H, Sq, dh = q.shape
+        scores = self.hook_scores(attention_scores(q, k, mask, scale=self.scale))  # (B, H, Sq, Sk)
+        pattern = self.hook_pattern(attention_pattern(scores, mask))  # (B, H, Sq, Sk)
+        weights = F.dropout(pattern, p=dropout_p) if dropout_p > 0.0 else pattern
+        z = torch.matmul(weights, repeat_kv(v, H))  # (B, H, Sq, dh)
+        z = self.hook_z(z.transpose(1, 2))  # (B, Sq, H, dh)
+        if self.hook_result.active:
+            result = torch.einsum("bshd,hdm->bshm", z, self.W_O)  # (B, Sq, H, d_model)
+            result = self.hook_result(result)
+            out = result.sum(dim=2)  # (B, Sq, d_model)
+            if self.o_bias is not None:
+                out = out + self.o_bias
+        else:
+            out = F.linear(z.reshape(B, Sq, H * dh), self.o_weight, self.o_bias)  # (B, Sq, d_model)
+        return out, pattern

@@ -1,0 +1,188 @@
+"""Mask building and checking: causal, padding and user masks -> one canonical form.
+
+The one mask convention of headspace (as in ``torch.nn.functional.scaled_dot_product_attention``):
+
+* boolean masks mean **True = may attend**;
+* ``key_padding`` is a boolean ``[batch, seq_k]`` tensor, **True for real tokens**;
+* a floating-point ``attn_mask`` is *additive*: it is added to the scaled scores, ``-inf`` blocks;
+* integer masks are refused (their polarity cannot be guessed);
+* a float ``attn_mask`` together with a bool ``key_padding`` is refused (fold one into the other);
+* ``is_causal=True`` is combined with any other mask by logical AND (a key must pass every mask).
+  Causality is aligned *bottom-right*: the ``seq_q`` queries are the last ``seq_q`` positions of the
+  ``seq_k`` keys, so query ``i`` may see keys ``j <= i + (seq_k - seq_q)``. With ``seq_q == seq_k`` this is
+  the usual lower triangle; with a KV cache it is exactly incremental decoding.
+
+A query row left with no key to attend to ("dead row") produces an all-zero output and an all-zero
+pattern row, with finite gradients, on every backend: :func:`canonical_mask` records those rows and
+opens them up, so that no softmax ever sees a row of ``-inf``; the backends then zero them.
+
+Accepted ``attn_mask`` shapes (each dimension either full or 1, where it broadcasts):
+``[seq_q, seq_k]``, ``[batch, seq_q, seq_k]`` and ``[batch, n_heads, seq_q, seq_k]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+ACCEPTED_MASK_SHAPES = "[seq_q, seq_k], [batch, seq_q, seq_k] or [batch, n_heads, seq_q, seq_k]"
+
+
+@dataclass(frozen=True)
+class CanonicalMask:
+    """A mask in the form every backend understands.
+
+    Attributes:
+        mask: ``None`` (attend everywhere), a bool tensor ``[batch|1, n_heads|1, seq_q, seq_k]`` with
+            True = may attend, or a float tensor of the same shape that is added to the scores.
+            Dead rows have been opened up (so a softmax over them is finite).
+        is_causal: True only when causality is the *sole* constraint and ``seq_q == seq_k``; then
+            ``mask`` is None and a backend may use its causal kernel.
+        dead_rows: ``None`` or a bool tensor ``[batch|1, n_heads|1, seq_q, 1]``, True where a query had
+            nothing to attend to; backends zero the output and the pattern there.
+    """
+
+    mask: Tensor | None
+    is_causal: bool
+    dead_rows: Tensor | None
+
+
+def causal_mask(seq_q: int, seq_k: int, device: torch.device | str | None = None) -> Tensor:
+    """Bool ``[seq_q, seq_k]`` lower-triangular mask, aligned bottom-right (True = may attend)."""
+    offset = seq_k - seq_q
+    return torch.ones(seq_q, seq_k, dtype=torch.bool, device=device).tril(diagonal=offset)
+
+
+def _check_mask_dtype(name: str, mask: Tensor) -> None:
+    if mask.dtype == torch.bool or mask.is_floating_point():
+        return
+    raise TypeError(
+        f"{name} must be a bool tensor (True = may attend) or a float tensor (additive, -inf blocks); "
+        f"got dtype {mask.dtype}. Integer masks are refused because their polarity cannot be guessed: "
+        f"convert with {name}.bool() if 1 means 'may attend', or ({name} == 0) if 1 means 'masked'."
+    )
+
+
+def _as_4d(attn_mask: Tensor, batch: int, n_heads: int, seq_q: int, seq_k: int) -> Tensor:
+    """Return ``attn_mask`` viewed as [batch|1, n_heads|1, seq_q, seq_k], or raise naming the shapes."""
+    shape = tuple(attn_mask.shape)
+    if attn_mask.dim() == 2:
+        m = attn_mask[None, None]  # (1, 1, seq_q, seq_k)
+    elif attn_mask.dim() == 3:
+        m = attn_mask[:, None]  # (batch, 1, seq_q, seq_k)
+    elif attn_mask.dim() == 4:
+        m = attn_mask
+    else:
+        m = None
+    want = (batch, n_heads, seq_q, seq_k)
+    if m is None or any(got not in (1, full) for got, full in zip(m.shape, want)) or m.shape[-2:] != (
+        seq_q,
+        seq_k,
+    ):
+        raise ValueError(
+            f"attn_mask has shape {list(shape)}, which does not fit batch={batch}, n_heads={n_heads}, "
+            f"seq_q={seq_q}, seq_k={seq_k}; accepted shapes: {ACCEPTED_MASK_SHAPES} "
+            "(batch and n_heads may be 1 to broadcast)"
+        )
+    return m
+
+
+def check_key_padding(key_padding: Tensor, batch: int, seq_k: int, device: torch.device) -> None:
+    """Validate a ``key_padding`` tensor: bool ``[batch, seq_k]`` on ``device``, True = real token."""
+    if not isinstance(key_padding, Tensor):
+        raise TypeError(f"key_padding must be a bool tensor [batch, seq_k]; got {type(key_padding).__name__}")
+    if key_padding.dtype != torch.bool:
+        raise TypeError(
+            f"key_padding must be a bool tensor [batch, seq_k] with True for real tokens; got dtype "
+            f"{key_padding.dtype} (integer and float padding masks are refused: their polarity cannot be "
+            "guessed; for a 1 = real token convention pass key_padding.bool())"
+        )
+    if tuple(key_padding.shape) != (batch, seq_k):
+        raise ValueError(
+            f"key_padding must have shape [batch, seq_k] = [{batch}, {seq_k}]; got {list(key_padding.shape)}"
+        )
+    if key_padding.device != device:
+        raise ValueError(f"key_padding is on {key_padding.device} but the inputs are on {device}")
+
+
+def canonical_mask(
+    *,
+    batch: int,
+    n_heads: int,
+    seq_q: int,
+    seq_k: int,
+    key_padding: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | None = None,
+) -> CanonicalMask:
+    """Combine ``key_padding``, ``attn_mask`` and ``is_causal`` into one :class:`CanonicalMask`.
+
+    Args:
+        batch, n_heads, seq_q, seq_k: the sizes of the attention the mask is for.
+        key_padding: bool ``[batch, seq_k]``, True for real tokens.
+        attn_mask: bool (True = may attend) or float (additive) in one of the accepted shapes.
+        is_causal: add the bottom-right-aligned causal constraint (combined by AND).
+        dtype: the dtype of the scores; a float ``attn_mask`` must have it.
+        device: the device of the inputs; masks must be on it.
+
+    Raises:
+        TypeError: integer masks; a float mask with a bool ``key_padding``; a float mask of another dtype.
+        ValueError: shapes that do not broadcast; masks on another device.
+    """
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if key_padding is not None:
+        check_key_padding(key_padding, batch, seq_k, device)
+    mask: Tensor | None = None
+    is_float = False
+    if attn_mask is not None:
+        if not isinstance(attn_mask, Tensor):
+            raise TypeError(f"attn_mask must be a tensor; got {type(attn_mask).__name__}")
+        _check_mask_dtype("attn_mask", attn_mask)
+        if attn_mask.device != device:
+            raise ValueError(f"attn_mask is on {attn_mask.device} but the inputs are on {device}")
+        is_float = attn_mask.is_floating_point()
+        if is_float and attn_mask.dtype != dtype:
+            raise TypeError(
+                f"attn_mask is a float (additive) mask of dtype {attn_mask.dtype}, but the scores are {dtype}; "
+                f"pass attn_mask.to({dtype})"
+            )
+        if is_float and key_padding is not None:
+            raise TypeError(
+                "attn_mask is a float (additive) mask but key_padding is bool: a float mask mixed with a bool "
+                "mask is refused; either pass a bool attn_mask, or fold the padding into the float mask "
+                "(attn_mask.masked_fill(~key_padding[:, None, None, :], float('-inf')))"
+            )
+        mask = _as_4d(attn_mask, batch, n_heads, seq_q, seq_k)
+
+    # The causal kernel path: causality alone, square.
+    if is_causal and mask is None and key_padding is None and seq_q == seq_k:
+        return CanonicalMask(mask=None, is_causal=True, dead_rows=None)
+
+    if key_padding is not None:
+        pad = key_padding[:, None, None, :]  # (batch, 1, 1, seq_k)
+        mask = pad if mask is None else mask & pad
+    if is_causal:
+        tri = causal_mask(seq_q, seq_k, device)[None, None]  # (1, 1, seq_q, seq_k)
+        if mask is None:
+            mask = tri
+        elif is_float:
+            mask = mask.masked_fill(~tri, float("-inf"))
+        else:
+            mask = mask & tri
+    if mask is None:
+        return CanonicalMask(mask=None, is_causal=False, dead_rows=None)
+
+    if is_float:
+        dead = torch.isneginf(mask).all(dim=-1, keepdim=True)  # (b|1, h|1, seq_q, 1)
+        if bool(dead.any()):
+            mask = mask.masked_fill(dead, 0.0)
+            return CanonicalMask(mask=mask, is_causal=False, dead_rows=dead)
+        return CanonicalMask(mask=mask, is_causal=False, dead_rows=None)
+    dead = ~mask.any(dim=-1, keepdim=True)  # (b|1, h|1, seq_q, 1)
+    if seq_k > 0 and bool(dead.any()):
+        return CanonicalMask(mask=mask | dead, is_causal=False, dead_rows=dead)
+    return CanonicalMask(mask=mask, is_causal=False, dead_rows=None)
