@@ -1,4 +1,4 @@
-"""``python -m headspace``: a short demo of the attention layer (replaced by the CLI as it grows)."""
+"""``python -m headspace``: the ``headspace`` command; with no command, a short demo of the attention layer."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from . import MultiHeadAttention
 
 
-def main() -> None:
+def demo() -> None:
     torch.manual_seed(0)
     attn = MultiHeadAttention(d_model=512, n_heads=8)  # the textbook configuration
     x = torch.randn(1, 6, 512)  # (batch, seq, d_model)
@@ -21,4 +21,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from .cli import main
+
     main()

@@ -1,9 +1,40 @@
-"""The ``headspace`` command (grows with the CLI issue)."""
+"""The ``headspace`` command.
+
+Commands live beside the code they drive and are registered here. Errors a user can cause are one
+line on stderr with exit code 2 (:class:`UsageError`), never a traceback.
+"""
 
 from __future__ import annotations
 
+import sys
 
-def main() -> None:
-    from .__main__ import main as demo
+import click
 
-    demo()
+
+class UsageError(click.ClickException):
+    """A user error: printed as one line ('error: ...'), exit code 2."""
+
+    exit_code = 2
+
+    def show(self, file=None) -> None:  # noqa: ANN001 - click's signature
+        click.echo(f"error: {self.format_message()}", err=True, file=file)
+
+
+@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="headspace")
+@click.pass_context
+def cli(ctx: click.Context) -> None:
+    """headspace: multi-head attention with every head's W_Q, W_K, W_V and W_O in plain sight."""
+    if ctx.invoked_subcommand is None:
+        from .__main__ import demo
+
+        demo()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the ``headspace`` console script and ``python -m headspace``."""
+    cli.main(args=argv, prog_name="headspace", standalone_mode=True)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
