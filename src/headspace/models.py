@@ -1,0 +1,525 @@
+"""Encoder (BERT family), Decoder (GPT family) and their one configuration dataclass.
+
+Both models are a stack of :class:`~headspace.block.TransformerBlock` between an embedding layer and an
+output::
+
+    Encoder (BERT):  e = LN_emb(E_tok[t] + E_pos[p] + E_type[s]);  h_l = Block_l(h_{l-1}) (post-LN)
+                     out = h_L
+    Decoder (GPT-2): e = E_tok[t] + E_pos[p];  h_l = Block_l(h_{l-1}) (pre-LN, causal)
+                     logits = LN_f(h_L) E_tok^T
+
+Every intermediate has a named hook point (``hook_embed``, ``blocks.3.attn.hook_pattern``,
+``blocks.0.hook_resid_post`` ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention import KVCache, resolve_head_dims
+from .block import ACTIVATIONS, NORMS, TransformerBlock
+from .hooks import HookPoint
+
+ARCHS = ("encoder", "decoder")
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"ModelConfig.{name} must be a positive int; got {value!r}")
+
+
+def _probability(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise ValueError(f"ModelConfig.{name} must be a float in [0, 1); got {value!r}")
+
+
+@dataclass
+class ModelConfig:
+    """Everything that fixes the shape and behaviour of an :class:`Encoder` or :class:`Decoder`.
+
+    Fields left as ``None`` are derived in ``__post_init__`` (their documented default), so a stored
+    config always lists concrete values. Invalid values raise ``ValueError`` naming the field.
+    ``to_dict()``/``from_dict()`` round-trip through JSON.
+    """
+
+    #: "encoder" (BERT family: bidirectional, token-type embeddings) or "decoder" (GPT family: causal).
+    arch: str = "encoder"
+    #: Number of token ids (rows of the token embedding, columns of the logits).
+    vocab_size: int = 30522
+    #: Width of the residual stream.
+    d_model: int = 512
+    #: Number of transformer blocks.
+    n_layers: int = 6
+    #: Query heads per attention layer.
+    n_heads: int = 8
+    #: Width of one head; derived: d_model // n_heads (d_model must then be divisible by n_heads).
+    d_head: int | None = None
+    #: Key/value heads (grouped-query attention; must divide n_heads); derived: n_heads.
+    n_kv_heads: int | None = None
+    #: Hidden width of the feed-forward network (the paper's d_ff); derived: 4 * d_model.
+    d_mlp: int | None = None
+    #: Rows of the learned position table: the longest sequence the model accepts.
+    max_seq_len: int = 512
+    #: Feed-forward activation, one of "gelu" (exact), "gelu_tanh", "relu"; derived: encoder "gelu",
+    #: decoder "gelu_tanh" (GPT-2's gelu_new).
+    act: str | None = None
+    #: "post" (LN after each residual add: BERT) or "pre" (LN before each sublayer: GPT-2); derived:
+    #: encoder "post", decoder "pre".
+    norm: str | None = None
+    #: Dropout on each sublayer's output before the residual add, in [0, 1).
+    dropout: float = 0.0
+    #: Dropout on the attention pattern, in [0, 1).
+    attn_dropout: float = 0.0
+    #: Dropout on the embeddings; derived: dropout.
+    emb_dropout: float | None = None
+    #: LayerNorm epsilon (BERT 1e-12, GPT-2 1e-5).
+    ln_eps: float = 1e-5
+    #: Biases in the attention and feed-forward projections.
+    bias: bool = True
+    #: Rows of the token-type (segment) embedding; 0 = none; derived: encoder 2, decoder 0.
+    type_vocab_size: int | None = None
+    #: Decoder: the output projection is the token embedding transposed; derived: decoder True,
+    #: encoder False (an encoder has no output projection).
+    tie_embeddings: bool | None = None
+    #: Id of the padding token (None = no padding token); must be < vocab_size.
+    pad_token_id: int | None = None
+    #: LayerNorm on the embeddings (BERT); derived: norm == "post".
+    embed_ln: bool | None = None
+    #: LayerNorm after the last block (GPT-2's ln_f); derived: norm == "pre".
+    final_ln: bool | None = None
+    #: Standard deviation of the normal initialisation of embeddings and feed-forward weights.
+    init_std: float = 0.02
+    #: A free-form name shown in summaries (e.g. "all-MiniLM-L6-v2").
+    name: str = ""
+    #: Free-form extra information (e.g. where the weights came from); must be JSON-serialisable.
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"ModelConfig.arch must be one of {list(ARCHS)}; got {self.arch!r}")
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+            _positive_int(name, getattr(self, name))
+        try:
+            self.d_head, self.n_kv_heads = resolve_head_dims(
+                self.d_model, self.n_heads, self.d_head, self.n_kv_heads
+            )
+        except ValueError as e:
+            raise ValueError(f"ModelConfig: {e}") from None
+        encoder = self.arch == "encoder"
+        if self.d_mlp is None:
+            self.d_mlp = 4 * self.d_model
+        _positive_int("d_mlp", self.d_mlp)
+        if self.act is None:
+            self.act = "gelu" if encoder else "gelu_tanh"
+        if self.act not in ACTIVATIONS:
+            raise ValueError(f"ModelConfig.act must be one of {list(ACTIVATIONS)}; got {self.act!r}")
+        if self.norm is None:
+            self.norm = "post" if encoder else "pre"
+        if self.norm not in NORMS:
+            raise ValueError(f"ModelConfig.norm must be one of {list(NORMS)}; got {self.norm!r}")
+        if self.emb_dropout is None:
+            self.emb_dropout = self.dropout
+        for name in ("dropout", "attn_dropout", "emb_dropout"):
+            _probability(name, getattr(self, name))
+        if isinstance(self.ln_eps, bool) or not isinstance(self.ln_eps, (int, float)) or not self.ln_eps > 0:
+            raise ValueError(f"ModelConfig.ln_eps must be a positive float; got {self.ln_eps!r}")
+        if self.type_vocab_size is None:
+            self.type_vocab_size = 2 if encoder else 0
+        if (
+            not isinstance(self.type_vocab_size, int)
+            or isinstance(self.type_vocab_size, bool)
+            or self.type_vocab_size < 0
+        ):
+            raise ValueError(f"ModelConfig.type_vocab_size must be an int >= 0; got {self.type_vocab_size!r}")
+        if self.tie_embeddings is None:
+            self.tie_embeddings = not encoder
+        if self.embed_ln is None:
+            self.embed_ln = self.norm == "post"
+        if self.final_ln is None:
+            self.final_ln = self.norm == "pre"
+        for name in ("bias", "tie_embeddings", "embed_ln", "final_ln"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig.{name} must be a bool; got {getattr(self, name)!r}")
+        if self.pad_token_id is not None and (
+            not isinstance(self.pad_token_id, int)
+            or isinstance(self.pad_token_id, bool)
+            or not 0 <= self.pad_token_id < self.vocab_size
+        ):
+            raise ValueError(
+                f"ModelConfig.pad_token_id must be None or an int in [0, vocab_size={self.vocab_size}); "
+                f"got {self.pad_token_id!r}"
+            )
+        if (
+            isinstance(self.init_std, bool)
+            or not isinstance(self.init_std, (int, float))
+            or self.init_std <= 0
+        ):
+            raise ValueError(f"ModelConfig.init_std must be a positive float; got {self.init_std!r}")
+        if not isinstance(self.name, str):
+            raise ValueError(f"ModelConfig.name must be a str; got {self.name!r}")
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"ModelConfig.extra must be a dict; got {type(self.extra).__name__}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, derived ones included, as JSON-serialisable values."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """Build a config from :meth:`to_dict` output; unknown keys are an error that lists them."""
+        if not isinstance(data, dict):
+            raise TypeError(f"ModelConfig.from_dict expects a dict; got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"ModelConfig.from_dict: unknown fields {unknown}; known fields: {sorted(known)}"
+            )
+        return cls(**data)
+
+    def summary(self) -> str:
+        """One line: architecture and sizes."""
+        name = f"{self.name}: " if self.name else ""
+        return (
+            f"{name}{self.arch}, {self.n_layers} layers x {self.n_heads} heads, d_model {self.d_model}, "
+            f"d_head {self.d_head}, d_mlp {self.d_mlp}, vocab {self.vocab_size}, "
+            f"max_seq_len {self.max_seq_len}, "
+            f"{self.norm}-LN, {self.act}"
+        )
+
+
+def _check_config(config: Any, arch: str, cls_name: str) -> ModelConfig:
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"{cls_name}(config) expects a headspace.ModelConfig; got {type(config).__name__}")
+    if config.arch != arch:
+        raise ValueError(f"{cls_name} needs ModelConfig(arch={arch!r}); got arch={config.arch!r}")
+    return config
+
+
+def check_tokens(tokens: Any, config: ModelConfig, *, start: int = 0, name: str = "tokens") -> None:
+    """Tokens must be an integer tensor [batch, seq] of ids < vocab_size fitting the position table."""
+    if not isinstance(tokens, Tensor):
+        raise TypeError(
+            f"{name} must be an int64 tensor [batch, seq] of token ids; got {type(tokens).__name__}"
+        )
+    if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
+        raise TypeError(
+            f"{name} must be an integer tensor [batch, seq] of token ids; got dtype {tokens.dtype}"
+        )
+    if tokens.dim() != 2:
+        hint = " (for one sequence use .unsqueeze(0))" if tokens.dim() == 1 else ""
+        raise ValueError(f"{name} must be 2-D [batch, seq]; got shape {list(tokens.shape)}{hint}")
+    seq = tokens.shape[1]
+    if start + seq > config.max_seq_len:
+        where = f" starting at position {start}" if start else ""
+        raise ValueError(
+            f"{name} has length {seq}{where}, longer than the position table "
+            f"(max_seq_len={config.max_seq_len}); "
+            f"refused, not truncated: truncate the input to at most {config.max_seq_len - start} tokens"
+        )
+    if tokens.numel():
+        lo, hi = int(tokens.min()), int(tokens.max())
+        if lo < 0 or hi >= config.vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{name} contains id {bad}, outside [0, vocab_size={config.vocab_size})")
+
+
+class _Stack(nn.Module):
+    """What Encoder and Decoder share: embeddings, blocks, optional LayerNorms, initialisation."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        c = config
+        self.config = c
+        self.tok_embed = nn.Embedding(c.vocab_size, c.d_model)
+        self.pos_embed = nn.Embedding(c.max_seq_len, c.d_model)
+        self.type_embed = nn.Embedding(c.type_vocab_size, c.d_model) if c.type_vocab_size else None
+        self.embed_ln = nn.LayerNorm(c.d_model, eps=c.ln_eps) if c.embed_ln else None
+        self.embed_dropout = nn.Dropout(c.emb_dropout)
+        self.hook_embed = HookPoint()  # [batch, seq, d_model]: the residual stream entering block 0
+        self.blocks = nn.ModuleList(
+            TransformerBlock(
+                c.d_model,
+                c.n_heads,
+                c.d_mlp,
+                d_head=c.d_head,
+                n_kv_heads=c.n_kv_heads,
+                act=c.act,
+                norm=c.norm,
+                dropout=c.dropout,
+                attn_dropout=c.attn_dropout,
+                ln_eps=c.ln_eps,
+                bias=c.bias,
+            )
+            for _ in range(c.n_layers)
+        )
+        self.ln_final = nn.LayerNorm(c.d_model, eps=c.ln_eps) if c.final_ln else None
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        """Normal(0, init_std) embeddings and feed-forward weights, zero biases, unit LayerNorms.
+
+        Attention layers keep their own initialisation (Xavier-uniform, as torch.nn.MultiheadAttention).
+        """
+        std = self.config.init_std
+        for m in self.modules():
+            if isinstance(m, nn.Embedding):
+                nn.init.normal_(m.weight, std=std)
+            elif isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=std)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.LayerNorm):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def embed(self, tokens: Tensor, *, start: int = 0, token_type_ids: Tensor | None = None) -> Tensor:
+        """Token + position (+ token-type) embeddings, LayerNorm and dropout as configured.
+
+        Shapes: tokens [batch, seq] -> [batch, seq, d_model]; positions are ``start .. start + seq - 1``.
+        """
+        seq = tokens.shape[1]
+        positions = torch.arange(start, start + seq, device=tokens.device)  # (seq,)
+        e = self.tok_embed(tokens) + self.pos_embed(positions)  # (batch, seq, d_model)
+        if self.type_embed is not None:
+            if token_type_ids is None:
+                e = e + self.type_embed.weight[0]  # every token of segment 0
+            else:
+                e = e + self.type_embed(token_type_ids)  # (batch, seq, d_model)
+        if self.embed_ln is not None:
+            e = self.embed_ln(e)
+        e = self.embed_dropout(e)
+        if self.hook_embed.fns:
+            e = self.hook_embed(e)
+        return e
+
+    def extra_repr(self) -> str:
+        return self.config.summary()
+
+
+class Encoder(_Stack):
+    r"""A BERT-family encoder: embeddings, then bidirectional post-LN transformer blocks.
+
+    Formula::
+
+        h_0 = Dropout(LN_emb(E_tok[t_i] + E_pos[i] + E_type[s_i]))
+        h_l = Block_l(h_{l-1}, key_padding)          l = 1 .. n_layers
+        out = h_L  (LN_final(h_L) when config.final_ln, i.e. pre-LN encoders)
+
+    Padding tokens are never attended to (their own rows are computed, as in BERT, and can be ignored).
+    ``.blocks[l]`` is a :class:`~headspace.block.TransformerBlock`; ``.hook_embed`` sees ``h_0``.
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(_check_config(config, "encoder", "Encoder"))
+
+    def forward(
+        self, tokens: Tensor, key_padding: Tensor | None = None, token_type_ids: Tensor | None = None
+    ) -> Tensor:
+        """Token states for a (padded) batch.
+
+        Notation used for tensor shapes:
+            batch, seq (<= config.max_seq_len), d_model.
+
+        Args:
+            tokens: int64 [batch, seq] token ids.
+            key_padding: bool [batch, seq], True for real tokens (None: every token is real).
+            token_type_ids: int64 [batch, seq] segment ids (None: all segment 0).
+
+        Returns:
+            hidden states [batch, seq, d_model].
+        """
+        check_tokens(tokens, self.config)
+        if token_type_ids is not None:
+            if self.type_embed is None:
+                raise ValueError("token_type_ids were given but this encoder has type_vocab_size=0")
+            if not isinstance(token_type_ids, Tensor) or token_type_ids.shape != tokens.shape:
+                got = (
+                    list(token_type_ids.shape) if isinstance(token_type_ids, Tensor) else type(token_type_ids)
+                )
+                raise ValueError(
+                    f"token_type_ids must have the shape of tokens {list(tokens.shape)}; got {got}"
+                )
+            check_tokens(
+                token_type_ids,
+                dataclasses.replace(self.config, vocab_size=self.config.type_vocab_size),
+                name="token_type_ids",
+            )
+        x = self.embed(tokens, token_type_ids=token_type_ids)  # (batch, seq, d_model)
+        for block in self.blocks:
+            x = block(x, key_padding=key_padding)  # (batch, seq, d_model)
+        if self.ln_final is not None:
+            x = self.ln_final(x)
+        return x
+
+
+class Decoder(_Stack):
+    r"""A GPT-family decoder: embeddings, causal pre-LN transformer blocks, final LayerNorm, logits.
+
+    Formula::
+
+        h_0 = Dropout(E_tok[t_i] + E_pos[i])
+        h_l = Block_l(h_{l-1}, causal)               l = 1 .. n_layers
+        logits = LN_f(h_L) W_U                       W_U = E_tok^T when config.tie_embeddings
+
+    ``generate()`` samples continuations with a KV cache (temperature, top-k, reproducible with a seed).
+    """
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(_check_config(config, "decoder", "Decoder"))
+        c = self.config
+        self.lm_head = None if c.tie_embeddings else nn.Linear(c.d_model, c.vocab_size, bias=False)
+        if self.lm_head is not None:
+            nn.init.normal_(self.lm_head.weight, std=c.init_std)
+
+    @property
+    def W_U(self) -> Tensor:
+        """The unembedding [d_model, vocab_size]: ``logits = LN_f(h_L) @ W_U`` (a view)."""
+        w = self.tok_embed.weight if self.lm_head is None else self.lm_head.weight
+        return w.T  # (d_model, vocab_size)
+
+    def make_kv_caches(self, batch: int, capacity: int | None = None) -> list[KVCache]:
+        """One :class:`~headspace.KVCache` per block, for ``capacity`` positions (default max_seq_len)."""
+        capacity = self.config.max_seq_len if capacity is None else capacity
+        if capacity > self.config.max_seq_len:
+            raise ValueError(
+                f"capacity={capacity} exceeds the position table (max_seq_len={self.config.max_seq_len})"
+            )
+        return [block.attn.make_kv_cache(batch, capacity) for block in self.blocks]
+
+    def hidden_states(
+        self, tokens: Tensor, key_padding: Tensor | None = None, kv_caches: list[KVCache] | None = None
+    ) -> Tensor:
+        """The final residual stream after LN_f, [batch, seq, d_model]: ``forward`` without unembedding."""
+        start = 0
+        if kv_caches is not None:
+            if not isinstance(kv_caches, (list, tuple)) or len(kv_caches) != len(self.blocks):
+                got = len(kv_caches) if isinstance(kv_caches, (list, tuple)) else type(kv_caches).__name__
+                raise ValueError(
+                    f"kv_caches must be a list of {len(self.blocks)} KVCache (one per block, from "
+                    f"make_kv_caches); got {got}"
+                )
+            start = kv_caches[0].length
+        check_tokens(tokens, self.config, start=start)
+        x = self.embed(tokens, start=start)  # (batch, seq, d_model)
+        for i, block in enumerate(self.blocks):
+            cache = None if kv_caches is None else kv_caches[i]
+            x = block(x, key_padding=key_padding, is_causal=True, kv_cache=cache)  # (batch, seq, d_model)
+        if self.ln_final is not None:
+            x = self.ln_final(x)
+        return x
+
+    def forward(
+        self, tokens: Tensor, key_padding: Tensor | None = None, kv_caches: list[KVCache] | None = None
+    ) -> Tensor:
+        """Next-token logits at every position.
+
+        Notation used for tensor shapes:
+            batch, seq (new positions), seq_k (seq plus cached positions), d_model, vocab_size.
+
+        Args:
+            tokens: int64 [batch, seq] token ids.
+            key_padding: bool [batch, seq_k], True for real tokens (None: all real).
+            kv_caches: from :meth:`make_kv_caches`; the new positions follow the cached ones and their
+                keys/values are appended.
+
+        Returns:
+            logits [batch, seq, vocab_size].
+        """
+        h = self.hidden_states(tokens, key_padding, kv_caches)  # (batch, seq, d_model)
+        if self.lm_head is None:
+            return F.linear(h, self.tok_embed.weight)  # (batch, seq, vocab_size)
+        return self.lm_head(h)  # (batch, seq, vocab_size)
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        tokens: Tensor,
+        max_new_tokens: int,
+        *,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        seed: int | None = None,
+        use_cache: bool = True,
+    ) -> Tensor:
+        """Sample ``max_new_tokens`` continuation tokens after each prompt.
+
+        Notation used for tensor shapes:
+            batch, prompt_len, new (= max_new_tokens).
+
+        Args:
+            tokens: int64 [batch, prompt_len] prompts (all of the same length, no padding).
+            max_new_tokens: number of tokens to add (prompt_len + max_new_tokens <= max_seq_len).
+            temperature: logits are divided by it before sampling; 0 means greedy (argmax).
+            top_k: sample only among the k most likely tokens (None: all).
+            seed: seeds a private generator, so the same seed gives the same tokens (None: torch's
+                global RNG).
+            use_cache: decode with a KV cache (default); False recomputes the whole sequence each step
+                (the reference the cache is tested against).
+
+        Returns:
+            [batch, prompt_len + new]: the prompts followed by the sampled tokens.
+
+        The model is put in eval mode for the call (no dropout) and restored afterwards.
+        """
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be an int >= 0; got {max_new_tokens!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
+            raise ValueError(f"temperature must be a float >= 0 (0 = greedy); got {temperature!r}")
+        if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+            raise ValueError(f"top_k must be None or an int >= 1; got {top_k!r}")
+        check_tokens(tokens, self.config)
+        batch, prompt_len = tokens.shape
+        if prompt_len == 0:
+            raise ValueError("tokens must hold a prompt of at least 1 token; got prompt_len=0")
+        total = prompt_len + max_new_tokens
+        if total > self.config.max_seq_len:
+            raise ValueError(
+                f"prompt_len {prompt_len} + max_new_tokens {max_new_tokens} = {total} exceeds the position "
+                f"table (max_seq_len={self.config.max_seq_len})"
+            )
+        if max_new_tokens == 0:
+            return tokens.clone()
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=tokens.device)
+            generator.manual_seed(seed)
+        was_training = self.training
+        self.eval()
+        try:
+            out = torch.empty(batch, total, dtype=torch.long, device=tokens.device)  # (batch, total)
+            out[:, :prompt_len] = tokens
+            caches = self.make_kv_caches(batch, total) if use_cache else None
+            logits = self(tokens.long(), kv_caches=caches)[:, -1]  # (batch, vocab_size)
+            for pos in range(prompt_len, total):
+                out[:, pos] = _sample(logits, temperature, top_k, generator)
+                if pos + 1 == total:
+                    break
+                if use_cache:
+                    logits = self(out[:, pos : pos + 1], kv_caches=caches)[:, -1]  # (batch, vocab_size)
+                else:
+                    logits = self(out[:, : pos + 1])[:, -1]  # (batch, vocab_size)
+        finally:
+            self.train(was_training)
+        return out
+
+
+def _sample(
+    logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> Tensor:
+    """One token id per row of ``logits`` [batch, vocab_size] -> [batch]."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (batch, 1)
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    probs = torch.softmax(logits, dim=-1)  # (batch, vocab_size)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (batch,)
