@@ -11,14 +11,16 @@ from torch import Tensor, nn
 from .functional import attention_pattern, attention_scores, get_backend, repeat_kv
 from .heads import Head, HeadList
 from .hooks import HookPoint
-from .masks import canonical_mask
+from .masks import CanonicalMask, canonical_mask
 
 
 def _shape(t: Tensor) -> list[int]:
     return list(t.shape)
 
 
-def resolve_head_dims(d_model: int, n_heads: int, d_head: int | None, n_kv_heads: int | None) -> tuple[int, int]:
+def resolve_head_dims(
+    d_model: int, n_heads: int, d_head: int | None, n_kv_heads: int | None
+) -> tuple[int, int]:
     """Validate and complete (d_head, n_kv_heads); errors name the numbers that do not fit."""
     for name, value in (("d_model", d_model), ("n_heads", n_heads)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -59,7 +61,13 @@ class KVCache:
     """A preallocated key/value cache for incremental decoding.
 
     Holds ``k`` and ``v`` of shape [batch, n_kv_heads, capacity, d_head]; ``length`` positions are filled.
-    Appending past ``capacity``, or with another batch size, dtype or device, raises ``ValueError``.
+    Appending past ``capacity``, or with another batch size, dtype or device, raises ``ValueError`` and
+    leaves the cache as it was.
+
+    The buffers are written without autograd history (they are storage, not part of the graph). When
+    the appended keys/values carry gradients (decoding with grad enabled), the cache also keeps the
+    appended pieces and returns their concatenation, so that backpropagating through several decoding
+    steps gives the same gradients as the full forward instead of an in-place-modification error.
     """
 
     def __init__(
@@ -79,6 +87,9 @@ class KVCache:
         self.k = torch.zeros(batch, n_kv_heads, capacity, d_head, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.length = 0
+        # pieces with autograd history, kept only while decoding with gradients (see the class docstring)
+        self._k_parts: list[Tensor] = []
+        self._v_parts: list[Tensor] = []
 
     @property
     def capacity(self) -> int:
@@ -90,33 +101,52 @@ class KVCache:
 
     def reset(self) -> None:
         self.length = 0
+        self._k_parts.clear()
+        self._v_parts.clear()
 
-    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """Store new keys/values [batch, n_kv_heads, new, d_head]; return all filled ones so far."""
-        new = k.shape[2]
-        if k.shape[0] != self.batch:
+    def check(self, batch: int, new: int, dtype: torch.dtype, device: torch.device) -> None:
+        """Raise ``ValueError`` unless ``new`` positions of this batch, dtype and device fit in the cache."""
+        if batch != self.batch:
             raise ValueError(
-                f"KV cache was made for batch={self.batch} but the input has batch={k.shape[0]}; "
+                f"KV cache was made for batch={self.batch} but the input has batch={batch}; "
                 "make a new cache (or reset one of the right batch size)"
             )
-        if k.dtype != self.k.dtype:
-            raise ValueError(f"KV cache holds dtype {self.k.dtype} but the input projects to dtype {k.dtype}")
-        if k.device != self.k.device:
-            raise ValueError(f"KV cache is on {self.k.device} but the input is on {k.device}")
-        if tuple(k.shape[1:2]) + tuple(k.shape[3:]) != (self.k.shape[1], self.k.shape[3]):
-            raise ValueError(
-                f"KV cache holds [batch, n_kv_heads, capacity, d_head] = {_shape(self.k)}; the new keys have "
-                f"shape {_shape(k)}"
-            )
+        if dtype != self.k.dtype:
+            raise ValueError(f"KV cache holds dtype {self.k.dtype} but the input projects to dtype {dtype}")
+        if device != self.k.device:
+            raise ValueError(f"KV cache is on {self.k.device} but the input is on {device}")
         if self.length + new > self.capacity:
             raise ValueError(
                 f"KV cache overflow: {self.length} positions filled + {new} new > capacity {self.capacity}; "
                 "make the cache with a larger capacity"
             )
-        end = self.length + new
-        self.k[:, :, self.length : end] = k
-        self.v[:, :, self.length : end] = v
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Store new keys/values [batch, n_kv_heads, new, d_head]; return all filled ones so far."""
+        fits = k.dim() == 4 and (k.shape[1], k.shape[3]) == (self.k.shape[1], self.k.shape[3])
+        if not fits or v.shape != k.shape:
+            raise ValueError(
+                f"KV cache holds [batch, n_kv_heads, capacity, d_head] = {_shape(self.k)}; the new keys have "
+                f"shape {_shape(k)} and the new values {_shape(v)}"
+            )
+        new = k.shape[2]
+        self.check(k.shape[0], new, k.dtype, k.device)
+        start, end = self.length, self.length + new
+        with torch.no_grad():
+            self.k[:, :, start:end] = k
+            self.v[:, :, start:end] = v
         self.length = end
+        tracked = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
+        if tracked or self._k_parts:
+            if not self._k_parts and start > 0:
+                # earlier positions were appended without history: they enter as constants
+                self._k_parts.append(self.k[:, :, :start].clone())  # (batch, n_kv_heads, start, d_head)
+                self._v_parts.append(self.v[:, :, :start].clone())  # (batch, n_kv_heads, start, d_head)
+            self._k_parts.append(k)
+            self._v_parts.append(v)
+            k_all = torch.cat(self._k_parts, dim=2)  # (batch, n_kv_heads, end, d_head)
+            v_all = torch.cat(self._v_parts, dim=2)  # (batch, n_kv_heads, end, d_head)
+            return k_all, v_all
         return self.k[:, :, :end], self.v[:, :, :end]
 
 
@@ -329,14 +359,13 @@ class MultiHeadAttention(nn.Module):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name} must be a tensor [batch, seq, {dim_name}]; got {type(t).__name__}")
             if t.dim() != 3:
+                hint = " (for one unbatched sequence use .unsqueeze(0))" if t.dim() == 2 else ""
                 raise ValueError(
                     f"{name} must be 3-D [batch, seq, {dim_name}={dim}]; got a {t.dim()}-D tensor of shape "
-                    f"{_shape(t)}" + (" (for one unbatched sequence use .unsqueeze(0))" if t.dim() == 2 else "")
+                    f"{_shape(t)}{hint}"
                 )
             if t.shape[-1] != dim:
-                raise ValueError(
-                    f"{name} must have last dimension {dim_name}={dim}; got shape {_shape(t)}"
-                )
+                raise ValueError(f"{name} must have last dimension {dim_name}={dim}; got shape {_shape(t)}")
         w = self.o_weight
         for name, t in (("query", query), ("key", key), ("value", value)):
             if t.dtype != w.dtype:
@@ -357,7 +386,10 @@ class MultiHeadAttention(nn.Module):
     def project_qkv(
         self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """The per-head projections: q [batch, n_heads, seq_q, d_head], k, v [batch, n_kv_heads, seq_k, d_head]."""
+        """The per-head projections.
+
+        Returns q [batch, n_heads, seq_q, d_head] and k, v [batch, n_kv_heads, seq_k, d_head].
+        """
         B, Sq, _ = query.shape
         H, Hkv, dh = self.n_heads, self.n_kv_heads, self.d_head
         if key is None and self.fused:
@@ -438,9 +470,24 @@ class MultiHeadAttention(nn.Module):
 
         B, Sq, _ = query.shape
         H, dh = self.n_heads, self.d_head
-        seq_k = k_in.shape[1] + (kv_cache.length if kv_cache is not None else 0)
-        if seq_k == 0:
+        if not self_attention and k_in.shape[1] == 0:
+            # (self-attention on an empty sequence is the seq_q == 0 case below: an empty output)
             raise ValueError(f"key length seq_k must be at least 1; got key of shape {_shape(k_in)}")
+        seq_k = k_in.shape[1] + (kv_cache.length if kv_cache is not None else 0)
+        if kv_cache is not None:
+            # checked before anything is appended, so a refused call leaves the cache as it was
+            kv_cache.check(B, Sq, self.o_weight.dtype, self.o_weight.device)
+        mask = canonical_mask(
+            batch=B,
+            n_heads=H,
+            seq_q=Sq,
+            seq_k=seq_k,
+            key_padding=key_padding,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            dtype=query.dtype,
+            device=query.device,
+        )
         if B == 0 or Sq == 0:
             z = query.new_zeros(B, Sq, H * dh)  # (B, Sq, H dh)
             out = F.linear(z, self.o_weight, self.o_bias)  # (B, Sq, d_model)
@@ -456,17 +503,6 @@ class MultiHeadAttention(nn.Module):
             v = self.hook_v(v.transpose(1, 2)).transpose(1, 2)  # (B, Hkv, Sk_new, dh)
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)  # (B, Hkv, Sk, dh) x 2
-        mask = canonical_mask(
-            batch=B,
-            n_heads=H,
-            seq_q=Sq,
-            seq_k=seq_k,
-            key_padding=key_padding,
-            attn_mask=attn_mask,
-            is_causal=is_causal,
-            dtype=q.dtype,
-            device=q.device,
-        )
         dropout_p = self.dropout if self.training else 0.0
 
         if traced:
@@ -482,7 +518,9 @@ class MultiHeadAttention(nn.Module):
             return out, pattern
         return out
 
-    def _traced_forward(self, q: Tensor, k: Tensor, v: Tensor, mask, dropout_p: float) -> tuple[Tensor, Tensor]:
+    def _traced_forward(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: CanonicalMask, dropout_p: float
+    ) -> tuple[Tensor, Tensor]:
         """The explicit path with every hook point fired (used while any hook is active)."""
         B, H, Sq, dh = q.shape
         scores = self.hook_scores(attention_scores(q, k, mask, scale=self.scale))  # (B, H, Sq, Sk)
