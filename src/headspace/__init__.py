@@ -6,6 +6,7 @@ from .heads import Head, HeadList
 from .hooks import HookPoint
 from .masks import CanonicalMask, canonical_mask, causal_mask
 from .models import Decoder, Encoder, ModelConfig
+from .pretrained import load, load_bert, load_gpt2
 
 __version__ = "0.1.0"
 
@@ -23,4 +24,7 @@ __all__ = [
     "__version__",
     "canonical_mask",
     "causal_mask",
+    "load",
+    "load_bert",
+    "load_gpt2",
 ]

