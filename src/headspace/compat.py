@@ -1,0 +1,616 @@
+"""A drop-in for ``torch.nn.MultiheadAttention`` built on headspace's :class:`~headspace.MultiHeadAttention`.
+
+``headspace.compat.MultiheadAttention`` takes torch's constructor arguments, holds torch's parameters
+under torch's names (so ``load_state_dict`` works both ways), and speaks torch's conventions in
+``forward``:
+
+* inputs are ``(seq, batch, embed)`` unless ``batch_first=True``; 2-D inputs are one unbatched sequence;
+* boolean masks mean **True = NOT allowed** (the opposite of the rest of headspace); float masks are
+  additive;
+* ``key_padding_mask`` is ``[batch, seq_k]`` (``[seq_k]`` unbatched), True = padding;
+* ``attn_mask`` is ``[seq_q, seq_k]`` or ``[batch * num_heads, seq_q, seq_k]`` (``[num_heads, seq_q, seq_k]``
+  unbatched);
+* ``need_weights=True`` by default, and the returned weights are averaged over heads unless
+  ``average_attn_weights=False``; in training they are the weights after dropout, as in torch;
+* ``is_causal`` is a *hint* that ``attn_mask`` is the causal mask and needs ``attn_mask``. As in torch,
+  when neither ``key_padding_mask`` nor ``need_weights`` asks for the explicit mask, the hint replaces
+  ``attn_mask`` by the causal mask aligned top-left (query ``i`` sees keys ``j <= i``); otherwise
+  ``attn_mask`` is used as given. A wrong hint therefore gives the same (wrong) answer as torch;
+* ``add_bias_kv`` appends ``bias_k``/``bias_v`` as one extra key/value position, ``add_zero_attn`` appends
+  a zero key/value position after it; masks get an "allowed" column for each.
+
+Where it differs from torch, on purpose:
+
+* a query row with nothing to attend to (every key masked) gets an all-zero weight row and a zero
+  value mix, so its output is ``out_proj.bias``; torch returns NaN there. Gradients stay finite;
+* key length 0 (with neither ``add_bias_kv`` nor ``add_zero_attn``) raises ``ValueError``; torch returns
+  ``out_proj.bias``;
+* bad inputs raise exceptions that are both the ``ValueError``/``TypeError`` of headspace's contract
+  (naming the argument, what was expected and what came) and the exception class torch raises
+  (``AssertionError`` or ``RuntimeError``), so handlers written for either keep working;
+* the shape and dtype of ``attn_mask`` are checked even when the ``is_causal`` hint makes torch skip it;
+* torch's inference fast path (``torch._native_multi_head_attention``) is not used; the results agree
+  to float32 tolerance.
+
+The per-head views of headspace work here too: ``mha.W_Q`` ``[num_heads, embed_dim, head_dim]``,
+``mha.heads[3].W_O``, and the hook points (``hook_q`` ... ``hook_result``) fire while traced.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention import MultiHeadAttention, _check_finite
+from .functional import attention_pattern, attention_scores, sdpa_attention
+from .masks import CanonicalMask, canonical_mask
+
+try:  # the class torch uses for out_proj (it only changes how quantization treats the layer)
+    from torch.nn.modules.linear import NonDynamicallyQuantizableLinear as _OutProj
+except ImportError:  # pragma: no cover - older/newer torch without it
+    _OutProj = nn.Linear  # type: ignore[misc,assignment]
+
+__all__ = ["MultiheadAttention", "MultiheadAttentionInputError", "MultiheadAttentionTypeError"]
+
+
+class MultiheadAttentionInputError(ValueError, AssertionError):
+    """A bad input value or shape: a ``ValueError`` that is also the ``AssertionError`` torch raises."""
+
+
+class MultiheadAttentionTypeError(TypeError, AssertionError):
+    """A bad input type or dtype: a ``TypeError`` that is also the ``AssertionError`` torch raises."""
+
+
+class MultiheadAttentionMaskShapeError(ValueError, RuntimeError):
+    """An ``attn_mask`` of the wrong shape: a ``ValueError`` that is also the ``RuntimeError`` torch raises."""
+
+
+class MultiheadAttentionCausalHintError(ValueError, RuntimeError):
+    """``is_causal=True`` without ``attn_mask``: a ``ValueError`` and torch's ``RuntimeError``."""
+
+
+class MultiheadAttentionDtypeError(TypeError, RuntimeError):
+    """A float mask whose dtype is not the query's: a ``TypeError`` and torch's ``RuntimeError``."""
+
+
+def _shape(t: Tensor) -> list[int]:
+    return list(t.shape)
+
+
+class MultiheadAttention(MultiHeadAttention):
+    r"""``torch.nn.MultiheadAttention`` with headspace inside.
+
+    For each head ``h`` of ``num_heads``, with ``head_dim = embed_dim // num_heads`` and torch's [out, in]
+    weights split into row blocks of ``head_dim``::
+
+        q_h = query W_q[h]^T + b_q[h]          W_q = in_proj_weight[:E]      (or q_proj_weight)
+        k_h = key   W_k[h]^T + b_k[h]          W_k = in_proj_weight[E:2E]    (or k_proj_weight)
+        v_h = value W_v[h]^T + b_v[h]          W_v = in_proj_weight[2E:]     (or v_proj_weight)
+        (optionally one more key/value position: bias_k[h], bias_v[h]; then a zero one)
+        z_h = softmax(q_h k_h^T / sqrt(head_dim) + mask) v_h
+        out = concat_h(z_h) out_proj.weight^T + out_proj.bias
+
+    which is headspace's ``out = sum_h z_h W_O[h] + b_O`` with ``W_Q[h] = W_q[h]^T`` and so on: the
+    properties ``W_Q``, ``W_K``, ``W_V``, ``W_O``, ``b_Q`` ... and ``heads[h]`` are views of torch's
+    parameters.
+
+    Parameters (the names and shapes of torch): ``in_proj_weight`` [3 E, E] when ``kdim == vdim == E``,
+    else ``q_proj_weight`` [E, E], ``k_proj_weight`` [E, kdim], ``v_proj_weight`` [E, vdim];
+    ``in_proj_bias`` [3 E]; ``bias_k``, ``bias_v`` [1, 1, E] with ``add_bias_kv``; ``out_proj.weight``
+    [E, E] and ``out_proj.bias`` [E]. Initialisation follows torch step by step, so under the same seed
+    both modules start with identical weights.
+
+    See the module docstring for the conventions of ``forward`` and the deliberate differences (a fully
+    masked row gives 0, never NaN).
+    """
+
+    def __init__(
+        self,
+        embed_dim: int,
+        num_heads: int,
+        dropout: float = 0.0,
+        bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        batch_first: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"{name} must be an int; got {type(value).__name__} {value!r}")
+        if embed_dim <= 0 or num_heads <= 0:
+            raise ValueError(
+                f"embed_dim and num_heads must be greater than 0, got embed_dim={embed_dim} and "
+                f"num_heads={num_heads} instead"
+            )
+        if embed_dim % num_heads != 0:
+            raise MultiheadAttentionInputError(
+                f"embed_dim must be divisible by num_heads; got embed_dim={embed_dim}, num_heads={num_heads} "
+                f"(head_dim would be {embed_dim / num_heads:g})"
+            )
+        super().__init__(
+            d_model=embed_dim,
+            n_heads=num_heads,
+            kdim=kdim,
+            vdim=vdim,
+            bias=bias,
+            dropout=dropout,
+            device=device,
+            dtype=dtype,
+        )
+        # headspace's constructor made its parameters under headspace's names (still uninitialised: the
+        # reset_parameters below skips until the torch layout exists). Re-register them under torch's
+        # names, in torch's order, so that state_dict() and named_parameters() read exactly like torch's.
+        made = dict(self._parameters)
+        self._parameters.clear()
+        if self.fused:
+            self.in_proj_weight = made["qkv_weight"]  # [3 E, E]
+            self.register_parameter("q_proj_weight", None)
+            self.register_parameter("k_proj_weight", None)
+            self.register_parameter("v_proj_weight", None)
+        else:
+            self.register_parameter("in_proj_weight", None)
+            self.q_proj_weight = made["q_weight"]  # [E, E]
+            self.k_proj_weight = made["k_weight"]  # [E, kdim]
+            self.v_proj_weight = made["v_weight"]  # [E, vdim]
+        self.register_parameter("in_proj_bias", made["qkv_bias"])  # [3 E] or None
+        factory = {"device": device, "dtype": dtype}
+        self.out_proj = _OutProj(embed_dim, embed_dim, bias=bias, **factory)
+        if add_bias_kv:
+            self.bias_k = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
+            self.bias_v = nn.Parameter(torch.empty(1, 1, embed_dim, **factory))
+        else:
+            self.bias_k = self.bias_v = None
+        self.embed_dim = embed_dim
+        self.num_heads = num_heads
+        self.head_dim = embed_dim // num_heads
+        self._qkv_same_embed_dim = self.fused
+        self.add_zero_attn = add_zero_attn
+        self.batch_first = batch_first
+        self._reset_parameters()
+
+    # ------------------------------------------------------------------ headspace's names, torch's storage
+    # headspace's methods (views W_Q ..., project_qkv, heads) read these names; here they are aliases of
+    # torch's parameters. While headspace's constructor runs, they fall back to its own registrations
+    # (and raise AttributeError before those exist, so that nn.Module can register them).
+    def _get_alias(self, torch_name: str, headspace_name: str) -> Tensor | None:
+        params = self.__dict__["_parameters"]
+        owner, name = self._alias_owner(torch_name)
+        if owner is not None and name in owner.__dict__["_parameters"]:
+            return owner.__dict__["_parameters"][name]
+        if headspace_name in params:
+            return params[headspace_name]
+        raise AttributeError(f"{type(self).__name__} has no parameter {torch_name!r} yet")
+
+    def _set_alias(self, torch_name: str, headspace_name: str, value: Tensor | None) -> None:
+        owner, name = self._alias_owner(torch_name)
+        if owner is not None and name in owner.__dict__["_parameters"]:
+            setattr(owner, name, value)
+        else:
+            self.__dict__["_parameters"][headspace_name] = value
+
+    def _alias_owner(self, torch_name: str) -> tuple[nn.Module | None, str]:
+        if torch_name.startswith("out_proj."):
+            return self.__dict__["_modules"].get("out_proj"), torch_name.split(".", 1)[1]
+        return self, torch_name
+
+    qkv_weight = property(  # type: ignore[assignment]
+        lambda self: self._get_alias("in_proj_weight", "qkv_weight"),
+        lambda self, v: self._set_alias("in_proj_weight", "qkv_weight", v),
+    )
+    q_weight = property(  # type: ignore[assignment]
+        lambda self: self._get_alias("q_proj_weight", "q_weight"),
+        lambda self, v: self._set_alias("q_proj_weight", "q_weight", v),
+    )
+    k_weight = property(  # type: ignore[assignment]
+        lambda self: self._get_alias("k_proj_weight", "k_weight"),
+        lambda self, v: self._set_alias("k_proj_weight", "k_weight", v),
+    )
+    v_weight = property(  # type: ignore[assignment]
+        lambda self: self._get_alias("v_proj_weight", "v_weight"),
+        lambda self, v: self._set_alias("v_proj_weight", "v_weight", v),
+    )
+    qkv_bias = property(  # type: ignore[assignment]
+        lambda self: self._get_alias("in_proj_bias", "qkv_bias"),
+        lambda self, v: self._set_alias("in_proj_bias", "qkv_bias", v),
+    )
+    o_weight = property(  # type: ignore[assignment]
+        lambda self: self._get_alias("out_proj.weight", "o_weight"),
+        lambda self, v: self._set_alias("out_proj.weight", "o_weight", v),
+    )
+    o_bias = property(  # type: ignore[assignment]
+        lambda self: self._get_alias("out_proj.bias", "o_bias"),
+        lambda self, v: self._set_alias("out_proj.bias", "o_bias", v),
+    )
+
+    def _reset_parameters(self) -> None:
+        """torch's initialisation, step by step: xavier-uniform in-projection, zero biases, xavier-normal
+        ``bias_k``/``bias_v`` (``out_proj.weight`` keeps ``nn.Linear``'s own initialisation)."""
+        if "out_proj" not in self._modules:  # called by headspace's constructor, before the torch layout
+            return
+        if self._qkv_same_embed_dim:
+            nn.init.xavier_uniform_(self.in_proj_weight)
+        else:
+            nn.init.xavier_uniform_(self.q_proj_weight)
+            nn.init.xavier_uniform_(self.k_proj_weight)
+            nn.init.xavier_uniform_(self.v_proj_weight)
+        if self.in_proj_bias is not None:
+            nn.init.constant_(self.in_proj_bias, 0.0)
+            nn.init.constant_(self.out_proj.bias, 0.0)
+        if self.bias_k is not None:
+            nn.init.xavier_normal_(self.bias_k)
+        if self.bias_v is not None:
+            nn.init.xavier_normal_(self.bias_v)
+
+    def reset_parameters(self) -> None:
+        """Re-initialise as torch does (see :meth:`_reset_parameters`)."""
+        self._reset_parameters()
+
+    def extra_repr(self) -> str:
+        s = f"embed_dim={self.embed_dim}, num_heads={self.num_heads}, head_dim={self.head_dim}"
+        if not self._qkv_same_embed_dim:
+            s += f", kdim={self.kdim}, vdim={self.vdim}"
+        s += f", bias={self.in_proj_bias is not None}, dropout={self.dropout}"
+        if self.bias_k is not None:
+            s += ", add_bias_kv=True"
+        if self.add_zero_attn:
+            s += ", add_zero_attn=True"
+        return s + f", batch_first={self.batch_first}"
+
+    # ------------------------------------------------------------------ input checks
+    def _check_inputs_torch(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+    ) -> bool:
+        """Check ranks, sizes, dtypes and devices in torch's layout; return whether the input is batched."""
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if not isinstance(t, Tensor):
+                raise MultiheadAttentionTypeError(f"{name} must be a tensor; got {type(t).__name__}")
+        layout = "(batch, seq, embed)" if self.batch_first else "(seq, batch, embed)"
+        if query.dim() == 3:
+            batched = True
+            if key.dim() != 3 or value.dim() != 3:
+                raise MultiheadAttentionInputError(
+                    f"for a batched (3-D) query, key and value must be 3-D {layout} too; got key of shape "
+                    f"{_shape(key)} and value of shape {_shape(value)}"
+                )
+        elif query.dim() == 2:
+            batched = False
+            if key.dim() != 2 or value.dim() != 2:
+                raise MultiheadAttentionInputError(
+                    "for an unbatched (2-D) query [seq_q, embed_dim], key and value must be 2-D [seq_k, dim] "
+                    f"too; got key of shape {_shape(key)} and value of shape {_shape(value)}"
+                )
+        else:
+            raise MultiheadAttentionInputError(
+                f"query must be 2-D [seq_q, embed_dim] (unbatched) or 3-D {layout} (batched); got a "
+                f"{query.dim()}-D tensor of shape {_shape(query)}"
+            )
+        for name, t, dim, dim_name in (
+            ("query", query, self.embed_dim, "embed_dim"),
+            ("key", key, self.kdim, "kdim"),
+            ("value", value, self.vdim, "vdim"),
+        ):
+            if t.shape[-1] != dim:
+                raise MultiheadAttentionInputError(
+                    f"{name} must have last dimension {dim_name}={dim}; got shape {_shape(t)}"
+                )
+        batch_dim = 0 if (self.batch_first or not batched) else 1
+        seq_dim = 1 - batch_dim if batched else 0
+        if batched and not key.shape[batch_dim] == value.shape[batch_dim] == query.shape[batch_dim]:
+            raise MultiheadAttentionInputError(
+                f"query, key and value must have the same batch size (dimension {batch_dim} for {layout}); "
+                f"got query {_shape(query)}, key {_shape(key)}, value {_shape(value)}"
+            )
+        if key.shape[seq_dim] != value.shape[seq_dim]:
+            raise MultiheadAttentionInputError(
+                f"key and value must have the same length seq_k (dimension {seq_dim}); got key "
+                f"{_shape(key)}, value {_shape(value)}"
+            )
+        w = self.out_proj.weight
+        for name, t in (("query", query), ("key", key), ("value", value)):
+            if t.dtype != w.dtype:
+                raise MultiheadAttentionTypeError(
+                    f"{name} has dtype {t.dtype} but the layer's weights are {w.dtype}"
+                )
+            if t.device != w.device:
+                raise MultiheadAttentionInputError(
+                    f"{name} is on {t.device} but the layer's weights are on {w.device}"
+                )
+
+        batch = query.shape[batch_dim] if batched else 1
+        seq_q, seq_k = query.shape[seq_dim], key.shape[seq_dim]
+        for name, mask in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
+            if mask is None:
+                continue
+            if not isinstance(mask, Tensor):
+                raise MultiheadAttentionTypeError(
+                    f"{name} must be a tensor or None; got {type(mask).__name__}"
+                )
+            if mask.dtype != torch.bool and not mask.is_floating_point():
+                raise MultiheadAttentionTypeError(
+                    f"{name} must be a bool tensor (True = not allowed, torch's convention) or a float tensor "
+                    f"(additive); got dtype {mask.dtype}. Integer masks are refused: their polarity cannot be "
+                    f"guessed (use {name}.bool() if 1 means 'masked')"
+                )
+            if mask.is_floating_point() and mask.dtype != query.dtype:
+                raise MultiheadAttentionDtypeError(
+                    f"{name} is a float (additive) mask of dtype {mask.dtype} but query is {query.dtype}; "
+                    f"pass {name}.to({query.dtype})"
+                )
+            if mask.device != query.device:
+                raise MultiheadAttentionInputError(
+                    f"{name} is on {mask.device} but query is on {query.device}"
+                )
+        if key_padding_mask is not None:
+            want = (batch, seq_k) if batched else (seq_k,)
+            if tuple(key_padding_mask.shape) != want:
+                expected = "[batch, seq_k]" if batched else "[seq_k] (unbatched input)"
+                raise MultiheadAttentionInputError(
+                    f"key_padding_mask must have shape {expected} = {list(want)}; got {_shape(key_padding_mask)}"
+                )
+        if attn_mask is not None:
+            heads = batch * self.num_heads if batched else self.num_heads
+            ok = tuple(attn_mask.shape) in ((seq_q, seq_k), (heads, seq_q, seq_k))
+            if not ok:
+                three = "[batch * num_heads, seq_q, seq_k]" if batched else "[num_heads, seq_q, seq_k]"
+                raise MultiheadAttentionMaskShapeError(
+                    f"attn_mask must have shape [seq_q, seq_k] = {[seq_q, seq_k]} or {three} = "
+                    f"{[heads, seq_q, seq_k]}; got {_shape(attn_mask)}"
+                )
+        return batched
+
+    # ------------------------------------------------------------------ masks
+    def _combined_mask(
+        self,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        batch: int,
+        seq_q: int,
+        seq_k: int,
+        extra: int,
+    ) -> Tensor | None:
+        """torch's masks -> one headspace mask [batch|1, n_heads|1, seq_q, seq_k + extra].
+
+        All-bool masks stay bool and flip to headspace's polarity (True = may attend); as soon as one is a
+        float, every mask becomes additive (bool True -> -inf) and they are summed, as torch does. The
+        ``extra`` appended key positions (bias_k/bias_v, zero attention) are always allowed.
+        """
+        if key_padding_mask is None and attn_mask is None:
+            return None
+        H = self.num_heads
+        am4 = None
+        if attn_mask is not None:
+            if attn_mask.dim() == 2:
+                am4 = attn_mask[None, None]  # (1, 1, seq_q, seq_k)
+            else:
+                am4 = attn_mask.view(batch, H, seq_q, seq_k)  # (batch, H, seq_q, seq_k)
+        kp4 = (
+            None if key_padding_mask is None else key_padding_mask.view(batch, 1, 1, seq_k)
+        )  # (b, 1, 1, seq_k)
+        parts = [m for m in (am4, kp4) if m is not None]
+        if all(m.dtype == torch.bool for m in parts):
+            allowed = ~parts[0]
+            for m in parts[1:]:
+                allowed = allowed & ~m  # (b|1, H|1, seq_q|1, seq_k)
+            allowed = allowed.expand(*allowed.shape[:2], seq_q, seq_k)  # (b|1, H|1, seq_q, seq_k)
+            if extra:
+                pad = allowed.new_ones(*allowed.shape[:3], extra)  # (b|1, H|1, seq_q, extra)
+                allowed = torch.cat([allowed, pad], dim=-1)  # (b|1, H|1, seq_q, seq_k + extra)
+            return allowed
+        dtype = next(m.dtype for m in parts if m.is_floating_point())
+        additive = None
+        for m in parts:
+            f = (
+                m
+                if m.is_floating_point()
+                else torch.zeros_like(m, dtype=dtype).masked_fill_(m, float("-inf"))
+            )
+            additive = f if additive is None else additive + f  # (b|1, H|1, seq_q|1, seq_k)
+        assert additive is not None
+        additive = additive.expand(*additive.shape[:2], seq_q, seq_k)  # (b|1, H|1, seq_q, seq_k)
+        if extra:
+            pad = additive.new_zeros(*additive.shape[:3], extra)  # (b|1, H|1, seq_q, extra)
+            additive = torch.cat([additive, pad], dim=-1)  # (b|1, H|1, seq_q, seq_k + extra)
+        return additive
+
+    # ------------------------------------------------------------------ forward
+    def forward(  # type: ignore[override]
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None = None,
+        need_weights: bool = True,
+        attn_mask: Tensor | None = None,
+        average_attn_weights: bool = True,
+        is_causal: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """torch's ``MultiheadAttention.forward``: same arguments, conventions and outputs.
+
+        Notation used for tensor shapes:
+            batch (N), seq_q (L), seq_k (S), embed_dim (E), kdim, vdim, num_heads (H),
+            head_dim = E // H. Batched tensors are (seq, batch, dim) unless ``batch_first``.
+
+        Args:
+            query: (L, N, E), (N, L, E) with ``batch_first``, or (L, E) unbatched.
+            key: (S, N, kdim), (N, S, kdim) or (S, kdim).
+            value: (S, N, vdim), (N, S, vdim) or (S, vdim).
+            key_padding_mask: bool (True = padding) or float (additive), (N, S) or (S,) unbatched.
+            need_weights: also return the attention weights (default True, as torch).
+            attn_mask: bool (True = not allowed) or float (additive), (L, S) or (N * H, L, S)
+                ((H, L, S) unbatched).
+            average_attn_weights: average the returned weights over heads (default True).
+            is_causal: hint that ``attn_mask`` is the causal mask (requires ``attn_mask``; see the
+                module docstring for when the hint replaces it).
+
+        Returns:
+            ``(attn_output, attn_weights)``: attn_output (L, N, E), (N, L, E) or (L, E); attn_weights
+            (N, L, S') averaged or (N, H, L, S') per head ((L, S') / (H, L, S') unbatched), with
+            ``S' = S + add_bias_kv + add_zero_attn``; None when ``need_weights=False``. Rows with
+            nothing to attend to are zero (torch: NaN).
+        """
+        batched = self._check_inputs_torch(query, key, value, key_padding_mask, attn_mask)
+        if is_causal and attn_mask is None:
+            raise MultiheadAttentionCausalHintError(
+                "is_causal=True is a hint that attn_mask is the causal mask, so attn_mask is needed with it "
+                "(as in torch); got attn_mask=None. Pass attn_mask=nn.Transformer.generate_square_subsequent_mask"
+                "(seq_len), or use headspace.MultiHeadAttention, whose is_causal needs no mask"
+            )
+        if (
+            key_padding_mask is not None
+            and attn_mask is not None
+            and key_padding_mask.dtype != attn_mask.dtype
+        ):
+            warnings.warn(
+                "Support for mismatched key_padding_mask and attn_mask is deprecated. Use same type for both "
+                "instead.",
+                stacklevel=2,
+            )
+
+        # to headspace's batch-first layout, keeping `query is key is value` (the fused projections)
+        if not batched:
+            kpm = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)  # (1, S)
+            to_bf = lambda t: t.unsqueeze(0)  # noqa: E731  (L, E) -> (1, L, E)
+        elif self.batch_first:
+            kpm = key_padding_mask
+            to_bf = lambda t: t  # noqa: E731
+        else:
+            kpm = key_padding_mask
+            to_bf = lambda t: t.transpose(0, 1)  # noqa: E731  (L, N, E) -> (N, L, E)
+        q_in = to_bf(query)  # (N, L, E)
+        k_in = q_in if key is query else to_bf(key)  # (N, S, kdim)
+        v_in = k_in if value is key else to_bf(value)  # (N, S, vdim)
+        if self.check_finite:
+            for name, t in (("query", query), ("key", key), ("value", value)):
+                _check_finite(name, t)
+
+        B, L, _ = q_in.shape
+        S = k_in.shape[1]
+        H, dh = self.num_heads, self.head_dim
+        extra = int(self.bias_k is not None) + int(self.add_zero_attn)
+        S_total = S + extra
+        if S_total == 0:
+            raise ValueError(
+                f"key length seq_k must be at least 1; got key of shape {_shape(key)} (and neither add_bias_kv "
+                "nor add_zero_attn adds a position)"
+            )
+
+        # The causal hint: torch drops attn_mask and asks SDPA for its (top-left) causal mask.
+        causal_hint = is_causal and kpm is None and not need_weights
+        causal_square = False
+        if causal_hint:
+            if L == S_total:
+                mask4, causal_square = None, True
+            else:
+                mask4 = torch.ones(L, S_total, dtype=torch.bool, device=query.device).tril()  # (L, S')
+        else:
+            mask4 = self._combined_mask(kpm, attn_mask, B, L, S, extra)  # (N|1, H|1, L, S') or None
+
+        if B == 0 or L == 0:
+            z = q_in.new_zeros(B, H, L, dh)  # (N, H, L, dh)
+            weights: Tensor | None = q_in.new_zeros(B, H, L, S_total) if need_weights else None
+            return self._finish(z, weights, batched, average_attn_weights)
+
+        q, k, v = self._project(q_in, k_in, v_in)  # (N, H, L, dh), (N, H, S, dh) x 2
+        if self.bias_k is not None and self.bias_v is not None:
+            bk = self.bias_k.view(1, H, 1, dh).expand(B, H, 1, dh)  # (N, H, 1, dh)
+            bv = self.bias_v.view(1, H, 1, dh).expand(B, H, 1, dh)  # (N, H, 1, dh)
+            k = torch.cat([k, bk], dim=2)  # (N, H, S + 1, dh)
+            v = torch.cat([v, bv], dim=2)  # (N, H, S + 1, dh)
+        if self.add_zero_attn:
+            k = torch.cat([k, k.new_zeros(B, H, 1, dh)], dim=2)  # (N, H, S', dh)
+            v = torch.cat([v, v.new_zeros(B, H, 1, dh)], dim=2)  # (N, H, S', dh)
+
+        traced = self.hooks_active
+        if traced:
+            q = self.hook_q(q.transpose(1, 2)).transpose(1, 2)  # (N, H, L, dh)
+            k = self.hook_k(k.transpose(1, 2)).transpose(1, 2)  # (N, H, S', dh)
+            v = self.hook_v(v.transpose(1, 2)).transpose(1, 2)  # (N, H, S', dh)
+        mask = canonical_mask(
+            batch=B,
+            n_heads=H,
+            seq_q=L,
+            seq_k=S_total,
+            attn_mask=mask4,
+            is_causal=causal_square,
+            dtype=q.dtype,
+            device=q.device,
+        )
+        dropout_p = self.dropout if self.training else 0.0
+        if need_weights or traced:
+            z, weights = self._explicit(q, k, v, mask, dropout_p, traced)  # (N, H, L, dh), (N, H, L, S')
+            if not need_weights:
+                weights = None
+        else:
+            z, _ = sdpa_attention(q, k, v, mask, scale=self.scale, dropout_p=dropout_p)  # (N, H, L, dh)
+            weights = None
+        return self._finish(z, weights, batched, average_attn_weights, traced=traced)
+
+    def _project(self, q_in: Tensor, k_in: Tensor, v_in: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """headspace's projections, fused where the inputs are the same tensor (as torch does)."""
+        if q_in is k_in and k_in is v_in and self.fused:
+            return self.project_qkv(q_in)
+        return self.project_qkv(q_in, k_in, v_in)
+
+    def _explicit(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: CanonicalMask, dropout_p: float, traced: bool
+    ) -> tuple[Tensor, Tensor]:
+        """Scores, softmax, dropout and the value mix written out; returns (z, weights after dropout)."""
+        scores = attention_scores(q, k, mask, scale=self.scale)  # (N, H, L, S')
+        if traced:
+            scores = self.hook_scores(scores)
+        pattern = attention_pattern(scores, mask)  # (N, H, L, S')
+        if traced:
+            pattern = self.hook_pattern(pattern)
+        weights = F.dropout(pattern, p=dropout_p) if dropout_p > 0.0 else pattern  # (N, H, L, S')
+        z = torch.matmul(weights, v)  # (N, H, L, dh)
+        return z, weights
+
+    def _finish(
+        self,
+        z: Tensor,
+        weights: Tensor | None,
+        batched: bool,
+        average_attn_weights: bool,
+        *,
+        traced: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Output projection in torch's layout, and the weights averaged/squeezed as torch returns them."""
+        B, H, L, dh = z.shape
+        E = self.embed_dim
+        if traced:
+            z_heads = self.hook_z(z.transpose(1, 2))  # (N, L, H, dh)
+            if self.hook_result.active:
+                result = self.hook_result(torch.einsum("blhd,hdm->blhm", z_heads, self.W_O))  # (N, L, H, E)
+                out = result.sum(dim=2)  # (N, L, E)
+                if self.out_proj.bias is not None:
+                    out = out + self.out_proj.bias
+            else:
+                out = self.out_proj(z_heads.reshape(B, L, H * dh))  # (N, L, E)
+            if not (self.batch_first or not batched):
+                out = out.transpose(0, 1)  # (L, N, E)
+        elif self.batch_first or not batched:
+            out = self.out_proj(z.transpose(1, 2).reshape(B, L, E))  # (N, L, E)
+        else:
+            out = self.out_proj(z.permute(2, 0, 1, 3).reshape(L, B, E))  # (L, N, E)
+        if not batched:
+            out = out.squeeze(0)  # (L, E)
+        if self.check_finite:
+            _check_finite("attention output (inputs were finite: check the weights)", out)
+        if weights is not None:
+            if average_attn_weights:
+                weights = weights.mean(dim=1)  # (N, L, S')
+            if not batched:
+                weights = weights.squeeze(0)  # (L, S') or (H, L, S')
+        return out, weights
