@@ -65,7 +65,7 @@ class MultiheadAttentionTypeError(TypeError, AssertionError):
 
 
 class MultiheadAttentionMaskShapeError(ValueError, RuntimeError):
-    """An ``attn_mask`` of the wrong shape: a ``ValueError`` that is also the ``RuntimeError`` torch raises."""
+    """An ``attn_mask`` of the wrong shape: a ``ValueError`` and the ``RuntimeError`` torch raises."""
 
 
 class MultiheadAttentionCausalHintError(ValueError, RuntimeError):
@@ -339,9 +339,9 @@ class MultiheadAttention(MultiHeadAttention):
                 )
             if mask.dtype != torch.bool and not mask.is_floating_point():
                 raise MultiheadAttentionTypeError(
-                    f"{name} must be a bool tensor (True = not allowed, torch's convention) or a float tensor "
-                    f"(additive); got dtype {mask.dtype}. Integer masks are refused: their polarity cannot be "
-                    f"guessed (use {name}.bool() if 1 means 'masked')"
+                    f"{name} must be a bool tensor (True = not allowed, torch's convention) or a float "
+                    f"tensor (additive); got dtype {mask.dtype}. Integer masks are refused: their polarity "
+                    f"cannot be guessed (use {name}.bool() if 1 means 'masked')"
                 )
             if mask.is_floating_point() and mask.dtype != query.dtype:
                 raise MultiheadAttentionDtypeError(
@@ -357,7 +357,8 @@ class MultiheadAttention(MultiHeadAttention):
             if tuple(key_padding_mask.shape) != want:
                 expected = "[batch, seq_k]" if batched else "[seq_k] (unbatched input)"
                 raise MultiheadAttentionInputError(
-                    f"key_padding_mask must have shape {expected} = {list(want)}; got {_shape(key_padding_mask)}"
+                    f"key_padding_mask must have shape {expected} = {list(want)}; "
+                    f"got {_shape(key_padding_mask)}"
                 )
         if attn_mask is not None:
             heads = batch * self.num_heads if batched else self.num_heads
@@ -464,8 +465,9 @@ class MultiheadAttention(MultiHeadAttention):
         if is_causal and attn_mask is None:
             raise MultiheadAttentionCausalHintError(
                 "is_causal=True is a hint that attn_mask is the causal mask, so attn_mask is needed with it "
-                "(as in torch); got attn_mask=None. Pass attn_mask=nn.Transformer.generate_square_subsequent_mask"
-                "(seq_len), or use headspace.MultiHeadAttention, whose is_causal needs no mask"
+                "(as in torch); got attn_mask=None. Pass attn_mask="
+                "nn.Transformer.generate_square_subsequent_mask(seq_len), or use "
+                "headspace.MultiHeadAttention, whose is_causal needs no mask"
             )
         if (
             key_padding_mask is not None
@@ -502,8 +504,8 @@ class MultiheadAttention(MultiHeadAttention):
         S_total = S + extra
         if S_total == 0:
             raise ValueError(
-                f"key length seq_k must be at least 1; got key of shape {_shape(key)} (and neither add_bias_kv "
-                "nor add_zero_attn adds a position)"
+                f"key length seq_k must be at least 1; got key of shape {_shape(key)} (and neither "
+                "add_bias_kv nor add_zero_attn adds a position)"
             )
 
         # The causal hint: torch drops attn_mask and asks SDPA for its (top-left) causal mask.
