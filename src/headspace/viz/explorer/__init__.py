@@ -1,0 +1,40 @@
+"""The explorer: one offline HTML page showing what every head does and how W_Q, W_K, W_V, W_O produce it.
+
+``headspace view "a sentence" -o page.html`` (see :mod:`.command`), or in Python::
+
+    from headspace.viz.explorer import Explorer
+    page = Explorer(headspace.load("minilm"), "The cat sat on the mat.")
+    page.save("page.html")        # one self-contained file: no CDN, no request leaves the page
+    page                          # in Jupyter: shown inline
+
+The page's views: (1) heads (lines or heatmap of each token's attention), (2) the pipeline of one head
+for one token (q, every k and v, scores, softmax, z, the heads' concatenation, W_O, the output),
+(3) head x head subspace overlaps beside the random baseline, (4) each head's share of the output.
+"""
+
+from __future__ import annotations
+
+from .data import (
+    FORMAT,
+    LayerCapture,
+    build_page_data,
+    capture_layers,
+    head_shares,
+    random_overlap_baseline,
+    subspace_overlap,
+)
+from .page import Explorer, render_page, serve_page, write_page
+
+__all__ = [
+    "FORMAT",
+    "Explorer",
+    "LayerCapture",
+    "build_page_data",
+    "capture_layers",
+    "head_shares",
+    "random_overlap_baseline",
+    "render_page",
+    "serve_page",
+    "subspace_overlap",
+    "write_page",
+]

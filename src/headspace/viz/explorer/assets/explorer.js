@@ -1,0 +1,639 @@
+// headspace explorer: draws the data embedded in the page (#explorer-data); makes no request.
+//
+// Stored per layer (see headspace/viz/explorer/data.py): q [seq, H, dh], k and v [seq, Hkv, dh],
+// W_O [H, dh, d_model], b_O [d_model], shares [seq, H], overlaps. Everything else is computed here
+// with the model's own formulas, in float64:
+//   score_j = (q_t . k_j) * scale  (masked keys excluded)   w = softmax(score)   z_h = sum_j w_j v_j
+//   out = sum_h z_h W_O[h] + b_O
+"use strict";
+(function () {
+  const DATA = JSON.parse(document.getElementById("explorer-data").textContent);
+  const TOKENS = DATA.tokens;
+  const SEQ = TOKENS.length;
+  const N_LAYERS = DATA.layers.length;
+  const LONG = SEQ > 64; // long inputs: top-k edges, no per-row labels, top rows in tables
+  const TABLE_ROWS = 24;
+  const LINE_TOP_K = 3;
+  const $ = (id) => document.getElementById(id);
+
+  // ------------------------------------------------------------------ decoding the stored arrays
+  const F16 = (() => {
+    const t = new Float32Array(65536);
+    for (let i = 0; i < 65536; i++) {
+      const s = i >> 15, e = (i >> 10) & 31, f = i & 1023;
+      let v;
+      if (e === 0) v = f * Math.pow(2, -24);
+      else if (e === 31) v = f ? NaN : Infinity;
+      else v = (1 + f / 1024) * Math.pow(2, e - 15);
+      t[i] = s ? -v : v;
+    }
+    return t;
+  })();
+
+  function decode(a) {
+    if (a === null) return null;
+    const bin = atob(a.data);
+    const bytes = new Uint8Array(bin.length);
+    for (let i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
+    if (a.dtype === "float32") return new Float32Array(bytes.buffer);
+    const half = new Uint16Array(bytes.buffer);
+    const out = new Float32Array(half.length);
+    for (let i = 0; i < half.length; i++) out[i] = F16[half[i]];
+    return out;
+  }
+
+  const decoded = new Map();
+  function layerData(l) {
+    if (!decoded.has(l)) {
+      const L = DATA.layers[l];
+      const overlap = {};
+      for (const key of Object.keys(L.overlap)) overlap[key] = { shape: L.overlap[key].shape, v: decode(L.overlap[key]) };
+      decoded.set(l, {
+        meta: L, H: L.n_heads, Hkv: L.n_kv_heads, dh: L.d_head, dm: L.d_model,
+        q: decode(L.q), k: decode(L.k), v: decode(L.v), WO: decode(L.W_O), bO: decode(L.b_O),
+        shares: decode(L.shares), overlap: overlap, patterns: new Map(),
+      });
+    }
+    return decoded.get(l);
+  }
+
+  // ------------------------------------------------------------------ the model's maths
+  function kvHead(L, h) { return Math.floor(h / (L.H / L.Hkv)); }
+  function allowed(L, t, j) { return L.meta.mask !== "causal" || j <= t; }
+
+  // One query row of one head: {scores, weights} over every key (masked keys: score -Infinity, weight 0).
+  function row(L, h, t) {
+    const { H, Hkv, dh } = L, g = kvHead(L, h), scale = L.meta.scale;
+    const scores = new Float64Array(SEQ), weights = new Float64Array(SEQ);
+    const qo = (t * H + h) * dh;
+    let max = -Infinity;
+    for (let j = 0; j < SEQ; j++) {
+      if (!allowed(L, t, j)) { scores[j] = -Infinity; continue; }
+      const ko = (j * Hkv + g) * dh;
+      let s = 0;
+      for (let i = 0; i < dh; i++) s += L.q[qo + i] * scale * L.k[ko + i];
+      scores[j] = s;
+      if (s > max) max = s;
+    }
+    let sum = 0;
+    for (let j = 0; j < SEQ; j++) {
+      const e = scores[j] === -Infinity ? 0 : Math.exp(scores[j] - max);
+      weights[j] = e;
+      sum += e;
+    }
+    for (let j = 0; j < SEQ; j++) weights[j] = sum > 0 ? weights[j] / sum : 0;
+    return { scores, weights };
+  }
+
+  // The whole pattern of one head [seq_q, seq_k], computed once per (layer, head).
+  function pattern(L, h) {
+    if (!L.patterns.has(h)) {
+      const p = new Float32Array(SEQ * SEQ);
+      for (let t = 0; t < SEQ; t++) p.set(row(L, h, t).weights, t * SEQ);
+      L.patterns.set(h, p);
+    }
+    return L.patterns.get(h);
+  }
+
+  function zOf(L, h, t, weights) {
+    const { Hkv, dh } = L, g = kvHead(L, h);
+    const w = weights || row(L, h, t).weights;
+    const z = new Float64Array(dh);
+    for (let j = 0; j < SEQ; j++) {
+      if (w[j] === 0) continue;
+      const vo = (j * Hkv + g) * dh;
+      for (let i = 0; i < dh; i++) z[i] += w[j] * L.v[vo + i];
+    }
+    return z;
+  }
+
+  function contribution(L, h, z) { // z_h W_O[h] -> [d_model]
+    const { dh, dm } = L, out = new Float64Array(dm);
+    for (let i = 0; i < dh; i++) {
+      const o = (h * dh + i) * dm;
+      for (let m = 0; m < dm; m++) out[m] += z[i] * L.WO[o + m];
+    }
+    return out;
+  }
+
+  function compute(l, h, t) {
+    const L = layerData(l);
+    const { scores, weights } = row(L, h, t);
+    let top = 0;
+    for (let j = 1; j < SEQ; j++) if (weights[j] > weights[top]) top = j;
+    const zs = [];
+    for (let hh = 0; hh < L.H; hh++) zs.push(hh === h ? zOf(L, hh, t, weights) : zOf(L, hh, t));
+    const concat = new Float64Array(L.H * L.dh);
+    zs.forEach((z, hh) => concat.set(z, hh * L.dh));
+    const out = new Float64Array(L.dm);
+    let contrib = null;
+    for (let hh = 0; hh < L.H; hh++) {
+      const c = contribution(L, hh, zs[hh]);
+      if (hh === h) contrib = c;
+      for (let m = 0; m < L.dm; m++) out[m] += c[m];
+    }
+    if (L.bO) for (let m = 0; m < L.dm; m++) out[m] += L.bO[m];
+    const g = kvHead(L, h);
+    const q = Array.from(L.q.subarray((t * L.H + h) * L.dh, (t * L.H + h + 1) * L.dh));
+    return { L, scores, weights, top, z: zs[h], concat, contrib, out, q, g };
+  }
+
+  // ------------------------------------------------------------------ colours and legends
+  const PURPLE = [75, 41, 145], RED = [178, 24, 43], BLUE = [33, 102, 172];
+  function mix(c, a) { return [255 + (c[0] - 255) * a, 255 + (c[1] - 255) * a, 255 + (c[2] - 255) * a]; }
+  function diverging(v, m) { const t = m > 0 ? Math.max(-1, Math.min(1, v / m)) : 0; return mix(t >= 0 ? RED : BLUE, Math.abs(t)); }
+  function sequential(v, lo, hi) { const t = hi > lo ? Math.max(0, Math.min(1, (v - lo) / (hi - lo))) : 0; return mix(PURPLE, t); }
+  function css(c) { return `rgb(${c[0] | 0},${c[1] | 0},${c[2] | 0})`; }
+  function dark(c) { return c[0] * 0.299 + c[1] * 0.587 + c[2] * 0.114 < 140; }
+  function headColor(h, H) { return `hsl(${Math.round((h * 360) / H)}, 70%, 42%)`; }
+  function maxAbs(arr) { let m = 0; for (const x of arr) if (Math.abs(x) > m) m = Math.abs(x); return m; }
+  function fmt(x, d) { return Number(x).toFixed(d); }
+
+  // A colour bar with its range; kind "div" (blue - white - red around 0) or "seq" (white - purple).
+  function legend(container, kind, lo, hi, label, marker) {
+    const box = document.createElement("span");
+    box.className = "legend";
+    const c = document.createElement("canvas");
+    c.width = 150; c.height = 12;
+    const ctx = c.getContext("2d");
+    for (let x = 0; x < 150; x++) {
+      const v = lo + ((hi - lo) * x) / 149;
+      ctx.fillStyle = css(kind === "div" ? diverging(v, Math.max(Math.abs(lo), Math.abs(hi))) : sequential(v, lo, hi));
+      ctx.fillRect(x, 0, 1, 12);
+    }
+    if (marker !== undefined && hi > lo) {
+      const x = Math.round(((marker.value - lo) / (hi - lo)) * 149);
+      ctx.fillStyle = "#000"; ctx.fillRect(Math.max(0, x - 1), 0, 2, 12);
+    }
+    const l = document.createElement("span"); l.textContent = label + ":";
+    const a = document.createElement("span"); a.textContent = fmt(lo, 3);
+    const b = document.createElement("span"); b.textContent = fmt(hi, 3);
+    box.append(l, a, c, b);
+    if (marker !== undefined) { const m = document.createElement("span"); m.textContent = marker.label; box.append(m); }
+    container.append(box);
+  }
+
+  // ------------------------------------------------------------------ canvas grids with hover text
+  const tip = $("tip");
+  function showTip(ev, text) {
+    tip.textContent = text; tip.hidden = false;
+    tip.style.left = ev.clientX + 12 + "px"; tip.style.top = ev.clientY + 12 + "px";
+  }
+  function hideTip() { tip.hidden = true; }
+
+  // Paint rows x cols cells of cw x ch pixels at offset (ox, oy); colorAt(r, c) -> [r, g, b].
+  function paintGrid(canvas, rows, cols, colorAt, o) {
+    const cw = o.cw, ch = o.ch, ox = o.ox || 0, oy = o.oy || 0;
+    canvas.width = ox + cols * cw; canvas.height = oy + rows * ch;
+    const ctx = canvas.getContext("2d");
+    ctx.fillStyle = "#fff"; ctx.fillRect(0, 0, canvas.width, canvas.height);
+    const img = ctx.createImageData(cols * cw, rows * ch);
+    const W = cols * cw;
+    for (let r = 0; r < rows; r++) {
+      for (let c = 0; c < cols; c++) {
+        const col = colorAt(r, c);
+        for (let y = r * ch; y < (r + 1) * ch; y++) {
+          let p = (y * W + c * cw) * 4;
+          for (let x = 0; x < cw; x++, p += 4) { img.data[p] = col[0]; img.data[p + 1] = col[1]; img.data[p + 2] = col[2]; img.data[p + 3] = 255; }
+        }
+      }
+    }
+    ctx.putImageData(img, ox, oy);
+    ctx.font = "11px ui-monospace, monospace"; ctx.fillStyle = "#1d1d1f"; ctx.textBaseline = "middle";
+    if (o.rowLabels) {
+      ctx.textAlign = "right";
+      for (let r = 0; r < rows; r++) ctx.fillText(o.rowLabels[r].slice(0, 12), ox - 4, oy + r * ch + ch / 2);
+    }
+    if (o.colLabels) {
+      ctx.save(); ctx.textAlign = "left";
+      for (let c = 0; c < cols; c++) {
+        ctx.save(); ctx.translate(ox + c * cw + cw / 2, oy - 4); ctx.rotate(-Math.PI / 2);
+        ctx.fillText(o.colLabels[c].slice(0, 12), 0, 0); ctx.restore();
+      }
+      ctx.restore();
+    }
+    canvas._grid = { rows, cols, cw, ch, ox, oy };
+    return ctx;
+  }
+
+  function outline(ctx, canvas, r0, c0, nr, nc, color) {
+    const g = canvas._grid;
+    ctx.strokeStyle = color; ctx.lineWidth = 2;
+    ctx.strokeRect(g.ox + c0 * g.cw + 1, g.oy + r0 * g.ch + 1, nc * g.cw - 2, nr * g.ch - 2);
+  }
+
+  function cellAt(canvas, ev) {
+    const g = canvas._grid, rect = canvas.getBoundingClientRect();
+    const x = ((ev.clientX - rect.left) * canvas.width) / rect.width - g.ox;
+    const y = ((ev.clientY - rect.top) * canvas.height) / rect.height - g.oy;
+    const c = Math.floor(x / g.cw), r = Math.floor(y / g.ch);
+    return r >= 0 && r < g.rows && c >= 0 && c < g.cols ? { r, c } : null;
+  }
+
+  function hoverable(canvas, textAt, onClick) {
+    canvas.addEventListener("mousemove", (ev) => {
+      const cell = canvas._grid && cellAt(canvas, ev);
+      if (cell) showTip(ev, textAt(cell.r, cell.c)); else hideTip();
+    });
+    canvas.addEventListener("mouseleave", hideTip);
+    if (onClick) canvas.addEventListener("click", (ev) => { const cell = cellAt(canvas, ev); if (cell) onClick(cell.r, cell.c); });
+  }
+
+  function cells(container, values, m, prefix) {
+    container.replaceChildren();
+    values.forEach((x, i) => {
+      const d = document.createElement("span");
+      const c = diverging(x, m);
+      d.className = "cell" + (dark(c) ? " dark" : "");
+      d.style.background = css(c);
+      d.textContent = fmt(x, 2);
+      d.dataset.value = String(x);
+      d.title = `${prefix}[${i}] = ${fmt(x, 6)}`;
+      container.append(d);
+    });
+  }
+
+  // ------------------------------------------------------------------ state and selectors
+  const state = { layer: 0, head: 0, token: SEQ > 1 ? 1 : 0, shown: null, mode: LONG ? "heatmap" : "lines", matrix: "W_Q" };
+
+  function radioGroup(container, items, selected, onPick, cls) {
+    container.replaceChildren();
+    items.forEach((item, i) => {
+      const b = document.createElement("button");
+      b.type = "button"; b.setAttribute("role", "radio"); b.className = cls;
+      b.textContent = item.label; b.dataset.index = String(i);
+      if (item.title) b.title = item.title;
+      if (item.data) for (const [k, v] of Object.entries(item.data)) b.dataset[k] = v;
+      b.setAttribute("aria-checked", String(i === selected));
+      b.tabIndex = i === selected ? 0 : -1;
+      b.addEventListener("click", () => onPick(i));
+      container.append(b);
+    });
+  }
+
+  // Arrow keys / Home / End move the choice within a radio group (roving tabindex).
+  function arrowKeys(container, count, current, onPick) {
+    container.addEventListener("keydown", (ev) => {
+      const n = count(), i = current();
+      let j = null;
+      if (ev.key === "ArrowRight" || ev.key === "ArrowDown") j = (i + 1) % n;
+      else if (ev.key === "ArrowLeft" || ev.key === "ArrowUp") j = (i - 1 + n) % n;
+      else if (ev.key === "Home") j = 0;
+      else if (ev.key === "End") j = n - 1;
+      if (j === null) return;
+      ev.preventDefault(); ev.stopPropagation();
+      onPick(j);
+      const b = container.querySelector(`[role="radio"][data-index="${j}"]`);
+      if (b) b.focus();
+    });
+  }
+
+  function setLayer(l) {
+    state.layer = (l + N_LAYERS) % N_LAYERS;
+    for (const [key, L] of decoded) if (key !== state.layer) L.patterns.clear(); // keep memory bounded
+    const H = layerData(state.layer).H;
+    if (state.head >= H) state.head = 0;
+    state.shown = new Set([...Array(H).keys()]);
+    buildLayerControls();
+    render();
+  }
+  function setHead(h) { state.head = (h + layerData(state.layer).H) % layerData(state.layer).H; state.shown.add(state.head); buildLayerControls(); render(); }
+  function setToken(t) { state.token = (t + SEQ) % SEQ; syncTokens(); render(); }
+
+  function buildLayerControls() {
+    const L = layerData(state.layer);
+    radioGroup($("layer-select"), DATA.layers.map((x, i) => ({ label: "L" + i, title: x.name, data: { layer: String(i) } })),
+      state.layer, setLayer, "layer-pick");
+    radioGroup($("head-select"), [...Array(L.H).keys()].map((h) => ({ label: "H" + h, data: { head: String(h) } })),
+      state.head, setHead, "head-pick");
+    const tg = $("head-toggles");
+    tg.replaceChildren();
+    for (let h = 0; h < L.H; h++) {
+      const b = document.createElement("button");
+      b.type = "button"; b.className = "head-toggle"; b.textContent = String(h);
+      b.dataset.head = String(h); b.title = `show head ${h}`;
+      b.style.borderColor = headColor(h, L.H); b.style.background = headColor(h, L.H); b.style.color = "#fff";
+      b.setAttribute("aria-pressed", String(state.shown.has(h)));
+      b.tabIndex = h === 0 ? 0 : -1;
+      b.addEventListener("click", () => {
+        if (state.shown.has(h)) state.shown.delete(h); else state.shown.add(h);
+        b.setAttribute("aria-pressed", String(state.shown.has(h)));
+        renderHeads();
+      });
+      tg.append(b);
+    }
+  }
+
+  function syncTokens() {
+    for (const b of $("tokens").children) {
+      const on = Number(b.dataset.index) === state.token;
+      b.setAttribute("aria-checked", String(on)); b.tabIndex = on ? 0 : -1;
+    }
+  }
+
+  function buildStaticControls() {
+    radioGroup($("tokens"), TOKENS.map((t, i) => ({ label: t, title: `token ${i}` })), state.token, setToken, "token");
+    arrowKeys($("layer-select"), () => N_LAYERS, () => state.layer, setLayer);
+    arrowKeys($("head-select"), () => layerData(state.layer).H, () => state.head, setHead);
+    arrowKeys($("tokens"), () => SEQ, () => state.token, setToken);
+    // head toggles: arrows move the focus, Space/Enter (native buttons) toggle
+    $("head-toggles").addEventListener("keydown", (ev) => {
+      const bs = [...$("head-toggles").children], i = bs.indexOf(document.activeElement);
+      if (i < 0) return;
+      let j = null;
+      if (ev.key === "ArrowRight") j = (i + 1) % bs.length;
+      else if (ev.key === "ArrowLeft") j = (i - 1 + bs.length) % bs.length;
+      if (j === null) return;
+      ev.preventDefault(); ev.stopPropagation();
+      bs[i].tabIndex = -1; bs[j].tabIndex = 0; bs[j].focus();
+    });
+    $("show-all").addEventListener("click", () => { state.shown = new Set([...Array(layerData(state.layer).H).keys()]); buildLayerControls(); renderHeads(); });
+    $("show-none").addEventListener("click", () => { state.shown = new Set(); buildLayerControls(); renderHeads(); });
+    const modes = $("mode-select");
+    for (const b of modes.children) b.addEventListener("click", () => { state.mode = b.dataset.mode; renderHeads(); });
+    radioGroup($("matrix-select"), ["W_Q", "W_K", "W_V", "W_O"].map((m) => ({ label: m, data: { matrix: m } })), 0,
+      (i) => { state.matrix = ["W_Q", "W_K", "W_V", "W_O"][i]; syncMatrix(); renderSubspaces(); }, "matrix-pick");
+    arrowKeys($("matrix-select"), () => 4, () => ["W_Q", "W_K", "W_V", "W_O"].indexOf(state.matrix),
+      (i) => { state.matrix = ["W_Q", "W_K", "W_V", "W_O"][i]; syncMatrix(); renderSubspaces(); });
+    document.addEventListener("keydown", (ev) => {
+      if (ev.target.closest && ev.target.closest('[role="radiogroup"], #head-toggles')) return;
+      const keys = { "[": () => setLayer(state.layer - 1), "]": () => setLayer(state.layer + 1),
+        ",": () => setHead(state.head - 1), ".": () => setHead(state.head + 1),
+        h: () => setToken(state.token - 1), l: () => setToken(state.token + 1) };
+      if (keys[ev.key] && !ev.ctrlKey && !ev.metaKey && !ev.altKey) { ev.preventDefault(); keys[ev.key](); }
+    });
+  }
+
+  function syncMatrix() {
+    for (const b of $("matrix-select").children) {
+      const on = b.dataset.matrix === state.matrix;
+      b.setAttribute("aria-checked", String(on)); b.tabIndex = on ? 0 : -1;
+    }
+  }
+
+  // ------------------------------------------------------------------ view 1: heads
+  function renderHeads() {
+    const L = layerData(state.layer);
+    for (const b of $("mode-select").children) b.setAttribute("aria-checked", String(b.dataset.mode === state.mode));
+    const shown = [...state.shown].sort((a, b) => a - b);
+    const legendBox = $("heads-legend");
+    legendBox.replaceChildren();
+    $("lines-view").hidden = state.mode !== "lines";
+    $("heatmap-view").hidden = state.mode !== "heatmap";
+    if (state.mode === "lines") {
+      $("heads-note").textContent = LONG
+        ? `each token's ${LINE_TOP_K} most attended tokens per shown head; the selected token's lines are drawn strong`
+        : "every weight above 0.02 per shown head; the selected token's lines are drawn strong";
+      legend(legendBox, "seq", 0, 1, "line opacity = attention weight");
+      const hl = document.createElement("span");
+      hl.className = "legend";
+      hl.innerHTML = shown.map((h) => `<span class="swatch" style="background:${headColor(h, L.H)}"></span>H${h}`).join(" ");
+      legendBox.append(hl);
+      drawLines(L, shown);
+    } else {
+      $("heads-note").textContent = shown.length === 1 ? `pattern of head ${shown[0]} (rows: queries, columns: keys)`
+        : `mean pattern over ${shown.length} shown heads (rows: queries, columns: keys)`;
+      legend(legendBox, "seq", 0, 1, "attention weight");
+      drawHeatmap(L, shown);
+    }
+  }
+
+  function drawLines(L, shown) {
+    const left = $("lines-left"), right = $("lines-right"), canvas = $("lines-canvas");
+    if (left.childElementCount !== SEQ) {
+      left.replaceChildren(); right.replaceChildren();
+      TOKENS.forEach((t, i) => {
+        for (const col of [left, right]) {
+          const d = document.createElement("div");
+          d.className = "lt"; d.textContent = t; d.dataset.index = String(i);
+          d.addEventListener("click", () => setToken(i));
+          col.append(d);
+        }
+      });
+    }
+    for (const col of [left, right]) for (const d of col.children) d.classList.toggle("sel", Number(d.dataset.index) === state.token);
+    const RH = 20, W = 260;
+    canvas.width = W; canvas.height = SEQ * RH;
+    const ctx = canvas.getContext("2d");
+    ctx.clearRect(0, 0, W, canvas.height);
+    const draw = (t, j, w, strong, color) => {
+      ctx.globalAlpha = strong ? Math.max(0.08, w) : 0.25 * w;
+      ctx.strokeStyle = color; ctx.lineWidth = strong ? 1 + 3 * w : 1;
+      ctx.beginPath(); ctx.moveTo(2, t * RH + RH / 2); ctx.lineTo(W - 2, j * RH + RH / 2); ctx.stroke();
+    };
+    for (const strongPass of [false, true]) {
+      for (const h of shown) {
+        const p = pattern(L, h), color = headColor(h, L.H);
+        for (let t = 0; t < SEQ; t++) {
+          if ((t === state.token) !== strongPass) continue;
+          const r = p.subarray(t * SEQ, (t + 1) * SEQ);
+          if (LONG) {
+            const idx = [...Array(SEQ).keys()].sort((a, b) => r[b] - r[a]).slice(0, LINE_TOP_K);
+            for (const j of idx) draw(t, j, r[j], strongPass, color);
+          } else {
+            for (let j = 0; j < SEQ; j++) if (r[j] >= 0.02) draw(t, j, r[j], strongPass, color);
+          }
+        }
+      }
+    }
+    ctx.globalAlpha = 1;
+  }
+
+  function drawHeatmap(L, shown) {
+    const canvas = $("heatmap-canvas");
+    const mean = new Float32Array(SEQ * SEQ);
+    for (const h of shown) { const p = pattern(L, h); for (let i = 0; i < p.length; i++) mean[i] += p[i] / shown.length; }
+    const cell = Math.max(1, Math.min(36, Math.floor(560 / SEQ)));
+    const labels = SEQ <= 48;
+    const ctx = paintGrid(canvas, SEQ, SEQ, (r, c) => sequential(mean[r * SEQ + c], 0, 1),
+      { cw: cell, ch: cell, ox: labels ? 90 : 0, oy: labels ? 70 : 0, rowLabels: labels ? TOKENS : null, colLabels: labels ? TOKENS : null });
+    outline(ctx, canvas, state.token, 0, 1, SEQ, "#e8710a");
+    canvas._hover = (r, c) => `${TOKENS[r]} (${r}) -> ${TOKENS[c]} (${c}): ${fmt(mean[r * SEQ + c], 4)}`;
+  }
+
+  // ------------------------------------------------------------------ view 2: the pipeline
+  let last = null;
+  function renderPipeline() {
+    const l = state.layer, h = state.head, t = state.token;
+    const r = compute(l, h, t);
+    last = { layer: l, head: h, token: t, ...r };
+    const L = r.L;
+    $("pipeline-title").textContent = `layer ${l} (${L.meta.name}), head ${h}` + (L.Hkv !== L.H ? ` (reads k/v head ${r.g})` : "") +
+      `, token ${t} "${TOKENS[t]}"; d_head = ${L.dh}, d_model = ${L.dm}; ${DATA.precision === "float16" ? "values stored as float16 (about 3 significant digits)" : "float32 values, as traced"}`;
+    const top = $("top-token");
+    top.textContent = TOKENS[r.top]; top.dataset.index = String(r.top);
+    $("top-weight").textContent = fmt(r.weights[r.top], 4);
+
+    const qm = maxAbs(r.q);
+    cells($("q-cells"), r.q, qm, "q");
+    $("q-legend").replaceChildren(); legend($("q-legend"), "div", -qm, qm, "q");
+
+    // k and v of every token, this head's columns
+    let km = 0;
+    for (let j = 0; j < SEQ; j++) for (let i = 0; i < L.dh; i++) {
+      const o = (j * L.Hkv + r.g) * L.dh + i;
+      km = Math.max(km, Math.abs(L.k[o]), Math.abs(L.v[o]));
+    }
+    const ch = LONG ? Math.max(1, Math.floor(640 / SEQ)) : 14;
+    const labels = LONG ? null : TOKENS;
+    for (const [id, arr, name] of [["k-canvas", L.k, "k"], ["v-canvas", L.v, "v"]]) {
+      const canvas = $(id);
+      const ctx = paintGrid(canvas, SEQ, L.dh, (j, i) => diverging(arr[(j * L.Hkv + r.g) * L.dh + i], km),
+        { cw: 8, ch, ox: labels ? 84 : 0, rowLabels: labels });
+      outline(ctx, canvas, name === "k" ? t : r.top, 0, 1, L.dh, name === "k" ? "#e8710a" : "#1d1d1f");
+      canvas._hover = (j, i) => `${name} of ${TOKENS[j]} (${j}), [${i}] = ${fmt(arr[(j * L.Hkv + r.g) * L.dh + i], 6)}`;
+    }
+    $("kv-legend").replaceChildren(); legend($("kv-legend"), "div", -km, km, "k, v");
+
+    $("scores-note").textContent = `scale = ${fmt(L.meta.scale, 6)}, mask: ${L.meta.mask}` +
+      (SEQ > TABLE_ROWS ? `; the ${TABLE_ROWS} largest weights of ${SEQ}, largest first` : "; every token, in order");
+    const order = SEQ > TABLE_ROWS ? [...Array(SEQ).keys()].sort((a, b) => r.weights[b] - r.weights[a]).slice(0, TABLE_ROWS) : [...Array(SEQ).keys()];
+    const body = $("scores-table").tBodies[0];
+    body.replaceChildren();
+    for (const j of order) {
+      const tr = document.createElement("tr");
+      tr.dataset.index = String(j);
+      if (j === r.top) tr.className = "top";
+      const masked = r.scores[j] === -Infinity;
+      tr.innerHTML = `<td>${j}</td><td class="tok"></td><td class="score"></td><td class="weight"></td><td class="bar-col"><div class="bar"></div></td>`;
+      tr.children[1].textContent = TOKENS[j];
+      tr.children[2].textContent = masked ? "masked" : fmt(r.scores[j], 4);
+      tr.children[2].dataset.value = String(r.scores[j]);
+      tr.children[3].textContent = fmt(r.weights[j], 4);
+      tr.children[3].dataset.value = String(r.weights[j]);
+      tr.querySelector(".bar").style.width = Math.round(140 * r.weights[j]) + "px";
+      body.append(tr);
+    }
+
+    const zm = maxAbs(r.z);
+    cells($("z-cells"), r.z, zm, "z");
+    $("z-legend").replaceChildren(); legend($("z-legend"), "div", -zm, zm, "z");
+
+    const cm = maxAbs(r.concat);
+    const cc = $("concat-canvas");
+    const cctx = paintGrid(cc, 1, L.H * L.dh, (_, i) => diverging(r.concat[i], cm), { cw: 2, ch: 18 });
+    outline(cctx, cc, 0, h * L.dh, 1, L.dh, "#e8710a");
+    cc._hover = (_, i) => `head ${Math.floor(i / L.dh)}, z[${i % L.dh}] = ${fmt(r.concat[i], 6)}`;
+    $("concat-legend").replaceChildren(); legend($("concat-legend"), "div", -cm, cm, "concat (this head outlined)");
+
+    let wm = 0;
+    for (let i = 0; i < L.dh * L.dm; i++) wm = Math.max(wm, Math.abs(L.WO[h * L.dh * L.dm + i]));
+    const wc = $("wo-canvas");
+    paintGrid(wc, L.dh, L.dm, (i, m) => diverging(L.WO[(h * L.dh + i) * L.dm + m], wm), { cw: 2, ch: 5 });
+    wc._hover = (i, m) => `W_O[${h}][${i}, ${m}] = ${fmt(L.WO[(h * L.dh + i) * L.dm + m], 6)}`;
+    $("wo-legend").replaceChildren(); legend($("wo-legend"), "div", -wm, wm, "W_O[h]");
+
+    const om = Math.max(maxAbs(r.out), maxAbs(r.contrib));
+    for (const [id, arr, name] of [["contrib-canvas", r.contrib, "z_h W_O[h]"], ["out-canvas", r.out, "out"]]) {
+      const c = $(id);
+      paintGrid(c, 1, L.dm, (_, m) => diverging(arr[m], om), { cw: 2, ch: 18 });
+      c._hover = (_, m) => `${name}[${m}] = ${fmt(arr[m], 6)}`;
+    }
+    $("out-legend").replaceChildren(); legend($("out-legend"), "div", -om, om, "z_h W_O[h] and out");
+    const topDims = [...Array(L.dm).keys()].sort((a, b) => Math.abs(r.out[b]) - Math.abs(r.out[a])).slice(0, 5);
+    const share = L.shares[t * L.H + h];
+    $("out-top").innerHTML = "";
+    $("out-top").append(`largest |out| dimensions: ` + topDims.map((m) => `out[${m}] = ${fmt(r.out[m], 4)}`).join(", ") +
+      `; this head's share of the token's output: ${fmt(share, 4)}`);
+  }
+
+  // ------------------------------------------------------------------ view 3: subspaces
+  function renderSubspaces() {
+    const L = layerData(state.layer);
+    const M = L.overlap[state.matrix];
+    const n = M.shape[0];
+    const canvas = $("overlap-canvas");
+    const names = [...Array(n).keys()].map((i) => (state.matrix === "W_K" || state.matrix === "W_V") && L.Hkv !== L.H ? "kv" + i : "H" + i);
+    const ctx = paintGrid(canvas, n, n, (a, b) => sequential(M.v[a * n + b], 0, 1), { cw: 32, ch: 22, ox: 40, oy: 34, rowLabels: names, colLabels: names });
+    ctx.textAlign = "center"; ctx.font = "10px ui-monospace, monospace";
+    for (let a = 0; a < n; a++) for (let b = 0; b < n; b++) {
+      const v = M.v[a * n + b];
+      ctx.fillStyle = dark(sequential(v, 0, 1)) ? "#fff" : "#1d1d1f";
+      ctx.fillText(fmt(v, 2), 40 + b * 32 + 16, 34 + a * 22 + 11);
+    }
+    const focus = (state.matrix === "W_K" || state.matrix === "W_V") ? kvHead(L, state.head) : state.head;
+    outline(ctx, canvas, focus, 0, 1, n, "#e8710a");
+    canvas._hover = (a, b) => `${state.matrix}: ${names[a]} vs ${names[b]} overlap ${fmt(M.v[a * n + b], 4)}`;
+    const base = L.meta.overlap_baseline;
+    $("overlap-note").textContent = `${state.matrix} of layer ${state.layer}: mean squared cosine of the principal angles between two heads' ` +
+      `subspaces (1 = same subspace, 0 = orthogonal). Random ${L.dh}-dim subspaces of R^${L.dm} give ${fmt(base, 4)} on average.`;
+    $("overlap-legend").replaceChildren();
+    legend($("overlap-legend"), "seq", 0, 1, "overlap", { value: base, label: `| = random baseline ${fmt(base, 3)}` });
+  }
+
+  // ------------------------------------------------------------------ view 4: W_O's weighing of heads
+  function renderMixing() {
+    const L = layerData(state.layer);
+    let sm = 0;
+    for (const x of L.shares) sm = Math.max(sm, x);
+    const canvas = $("shares-canvas");
+    const ch = LONG ? 3 : 18;
+    const ctx = paintGrid(canvas, SEQ, L.H, (t, h) => sequential(L.shares[t * L.H + h], 0, sm),
+      { cw: 28, ch, ox: LONG ? 0 : 90, oy: 30, rowLabels: LONG ? null : TOKENS, colLabels: [...Array(L.H).keys()].map((h) => "H" + h) });
+    if (!LONG) {
+      ctx.textAlign = "center"; ctx.font = "10px ui-monospace, monospace";
+      for (let t = 0; t < SEQ; t++) for (let h = 0; h < L.H; h++) {
+        const v = L.shares[t * L.H + h];
+        ctx.fillStyle = dark(sequential(v, 0, sm)) ? "#fff" : "#1d1d1f";
+        ctx.fillText(fmt(v, 2), 90 + h * 28 + 14, 30 + t * ch + ch / 2);
+      }
+    }
+    outline(ctx, canvas, state.token, 0, 1, L.H, "#e8710a");
+    outline(ctx, canvas, 0, state.head, SEQ, 1, "#1d1d1f");
+    canvas._hover = (t, h) => `${TOKENS[t]} (${t}), head ${h}: share ${fmt(L.shares[t * L.H + h], 4)}`;
+    $("shares-legend").replaceChildren(); legend($("shares-legend"), "seq", 0, sm, "share of the output");
+
+    const norms = L.meta.wo_norms, nm = Math.max(...norms);
+    const nc = $("wo-norms-canvas");
+    const nctx = paintGrid(nc, 1, L.H, (_, h) => sequential(norms[h], 0, nm), { cw: 40, ch: 22, oy: 0 });
+    nctx.textAlign = "center"; nctx.font = "10px ui-monospace, monospace";
+    norms.forEach((v, h) => { nctx.fillStyle = dark(sequential(v, 0, nm)) ? "#fff" : "#1d1d1f"; nctx.fillText(`H${h} ${fmt(v, 1)}`, h * 40 + 20, 11); });
+    nc._hover = (_, h) => `||W_O[${h}]||_F = ${fmt(norms[h], 4)}`;
+    $("wo-norms-legend").replaceChildren(); legend($("wo-norms-legend"), "seq", 0, nm, "||W_O[h]||_F");
+  }
+
+  function render() {
+    renderHeads();
+    renderPipeline();
+    renderSubspaces();
+    renderMixing();
+  }
+
+  // ------------------------------------------------------------------ start
+  function start() {
+    const t0 = performance.now();
+    $("subtitle").textContent = `${DATA.model ? DATA.model + " — " : ""}${SEQ} tokens, ${N_LAYERS} attention layers` +
+      (DATA.sentence ? `: "${DATA.sentence.length > 160 ? DATA.sentence.slice(0, 160) + "…" : DATA.sentence}"` : "");
+    $("footer").textContent = `${DATA.format}; ${DATA.precision} values; written by headspace. Scores, softmax, z and out ` +
+      "are computed in this page from the traced q, k, v and the model's W_O, b_O.";
+    state.shown = new Set([...Array(layerData(0).H).keys()]);
+    buildStaticControls();
+    buildLayerControls();
+    syncTokens(); syncMatrix();
+    for (const id of ["heatmap-canvas", "k-canvas", "v-canvas", "concat-canvas", "wo-canvas", "contrib-canvas",
+      "out-canvas", "overlap-canvas", "shares-canvas", "wo-norms-canvas"]) {
+      const c = $(id);
+      hoverable(c, (r, col) => (c._hover ? c._hover(r, col) : ""), id === "heatmap-canvas" || id === "shares-canvas" ? (r) => setToken(r) : null);
+    }
+    $("overlap-canvas").addEventListener("click", (ev) => {
+      const cell = cellAt($("overlap-canvas"), ev);
+      if (cell && state.matrix !== "W_K" && state.matrix !== "W_V") setHead(cell.r);
+    });
+    render();
+    document.body.dataset.ready = "true";
+    document.body.dataset.renderMs = String(Math.round(performance.now() - t0));
+  }
+
+  // What the page shows, for tests and the console: the numbers of the current pipeline.
+  window.headspaceExplorer = {
+    state,
+    select(o) { if (o.layer !== undefined) setLayer(o.layer); if (o.head !== undefined) setHead(o.head); if (o.token !== undefined) setToken(o.token); },
+    snapshot() {
+      const r = last;
+      return { layer: r.layer, head: r.head, token: r.token, top: r.top, topToken: TOKENS[r.top],
+        scores: Array.from(r.scores, (x) => (x === -Infinity ? null : x)), weights: Array.from(r.weights), q: r.q,
+        z: Array.from(r.z), concat: Array.from(r.concat), contrib: Array.from(r.contrib), out: Array.from(r.out) };
+    },
+  };
+  start();
+})();

@@ -1,0 +1,296 @@
+"""The explorer's data: one traced forward pass of a real model, packed for the page.
+
+What the page stores, per attention layer (``seq`` = the sentence's tokens)::
+
+    q                [seq, n_heads, d_head]       hook_q: each token's query, per head
+    k, v             [seq, n_kv_heads, d_head]    hook_k, hook_v
+    W_O              [n_heads, d_head, d_model]   out = sum_h z_h W_O[h] + b_O
+    b_O              [d_model] or null
+    scale, mask      the scores' scale and mask ("none" or "causal")
+    shares           [seq, n_heads]               ||z_h W_O[h]|| / sum_h' ||z_h' W_O[h']|| per token
+    wo_norms         [n_heads]                    ||W_O[h]||_F, no input needed
+    overlap          {"W_Q", "W_K", "W_V", "W_O"} [heads, heads]: mean squared cosine of the principal
+                     angles between two heads' subspaces, with the random baseline d_head / d_model
+
+The page computes the rest in the browser from these: ``scores = q k^T * scale`` (masked),
+``pattern = softmax(scores)``, ``z = pattern v``, the concatenation of the heads and
+``out = concat(z) W_O + b_O``. Nothing is approximated by that: :func:`capture_layers` checks that the
+traced scores are exactly ``q k^T * scale`` under the stated mask before the page is built, and the
+browser test holds the page's numbers against the trace.
+
+Arrays travel as ``{"dtype", "shape", "data"}`` with ``data`` the base64 of the little-endian bytes
+(float32, or float16 for long inputs to keep the file small; the page says which).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor, nn
+
+from ...attention import MultiHeadAttention
+
+#: Format tag written into every page, bumped when the data layout changes.
+FORMAT = "headspace-explorer/1"
+#: ``precision="auto"`` stores float32 up to this many tokens and float16 above.
+AUTO_FLOAT32_MAX_TOKENS = 128
+PRECISIONS = ("auto", "float32", "float16")
+#: The hook points of an attention layer the explorer reads, with the shapes they carry (batch 1).
+_HOOKS = ("hook_q", "hook_k", "hook_v", "hook_scores", "hook_pattern", "hook_z", "hook_result")
+
+
+@dataclass
+class LayerCapture:
+    """One attention layer's activations for a single sequence (the batch axis dropped).
+
+    Shapes: ``q``, ``z`` [seq, n_heads, d_head]; ``k``, ``v`` [seq, n_kv_heads, d_head];
+    ``scores``, ``pattern`` [n_heads, seq, seq]; ``result`` [seq, n_heads, d_model];
+    ``out`` [seq, d_model] (= ``result.sum(1) + b_O``, the attention layer's output).
+    """
+
+    name: str
+    attn: MultiHeadAttention
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    scores: Tensor
+    pattern: Tensor
+    z: Tensor
+    result: Tensor
+    out: Tensor
+    mask: str
+
+
+def attention_layers(model: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
+    """Every :class:`~headspace.MultiHeadAttention` inside ``model``, in module order, with its path."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
+
+
+def _mask_kind(name: str, scores: Tensor) -> str:
+    """``"none"`` if every score is finite, ``"causal"`` if exactly the causal triangle is; else refuse."""
+    finite = torch.isfinite(scores)  # (H, Sq, Sk)
+    if bool(finite.all()):
+        return "none"
+    seq_q, seq_k = scores.shape[-2:]
+    tri = torch.ones(seq_q, seq_k, dtype=torch.bool, device=scores.device).tril(seq_k - seq_q)  # (Sq, Sk)
+    if bool((finite == tri).all()):
+        return "causal"
+    raise ValueError(
+        f"the explorer draws unmasked or causal self-attention; layer {name!r} masks another set of keys "
+        "(padding or a custom mask): pass a single unpadded sequence"
+    )
+
+
+def capture_layers(model: nn.Module, run: Callable[[], Any]) -> list[LayerCapture]:
+    """Run ``run()`` (a forward pass of ``model`` on one sequence) with every attention hook recorded.
+
+    Hooks are added to the layers' hook points directly and removed afterwards, even on error. Each
+    layer must run exactly once, as self-attention on a batch of one.
+    """
+    layers = attention_layers(model)
+    if not layers:
+        raise ValueError(f"model has no headspace MultiHeadAttention layer to show ({type(model).__name__})")
+    records: list[dict[str, Tensor]] = [{} for _ in layers]
+    removers: list[Callable[[], None]] = []
+
+    def recorder(store: dict[str, Tensor], key: str) -> Callable[[Tensor, Any], None]:
+        def record(value: Tensor, point: Any) -> None:
+            if key in store:
+                raise ValueError(
+                    f"layer {point.name or key} ran twice in one forward pass; the explorer shows one pass"
+                )
+            store[key] = value.detach()
+
+        return record
+
+    try:
+        for (_, attn), store in zip(layers, records):
+            for key in _HOOKS:
+                removers.append(getattr(attn, key).add(recorder(store, key)))
+        with torch.no_grad():
+            run()
+    finally:
+        for remove in removers:
+            remove()
+
+    captures = []
+    for (name, attn), rec in zip(layers, records):
+        missing = [k for k in _HOOKS if k not in rec]
+        if missing:
+            raise ValueError(
+                f"attention layer {name!r} did not run during the forward pass (no {missing[0]} value)"
+            )
+        q = rec["hook_q"]
+        if q.shape[0] != 1:
+            raise ValueError(f"the explorer shows one sequence; the forward pass had batch={q.shape[0]}")
+        k = rec["hook_k"]
+        if k.shape[1] != q.shape[1]:
+            raise ValueError(
+                f"the explorer shows self-attention; layer {name!r} had {q.shape[1]} queries and "
+                f"{k.shape[1]} keys"
+            )
+        q, k, v = q[0].float(), k[0].float(), rec["hook_v"][0].float()  # (S, H, dh), (S, Hkv, dh) x 2
+        scores = rec["hook_scores"][0].float()  # (H, S, S)
+        mask = _mask_kind(name, scores)
+        _check_scores_are_qk(name, attn, q, k, scores)
+        result = rec["hook_result"][0].float()  # (S, H, d_model)
+        out = result.sum(dim=1)  # (S, d_model)
+        if attn.b_O is not None:
+            out = out + attn.b_O.detach().float()
+        captures.append(
+            LayerCapture(
+                name=name,
+                attn=attn,
+                q=q,
+                k=k,
+                v=v,
+                scores=scores,
+                pattern=rec["hook_pattern"][0].float(),  # (H, S, S)
+                z=rec["hook_z"][0].float(),  # (S, H, dh)
+                result=result,
+                out=out,
+                mask=mask,
+            )
+        )
+    return captures
+
+
+def _check_scores_are_qk(name: str, attn: MultiHeadAttention, q: Tensor, k: Tensor, scores: Tensor) -> None:
+    """The page recomputes scores as ``q k^T * scale``; refuse a layer whose scores are something else
+    (an additive float mask or a position bias would make the page's numbers wrong)."""
+    group = q.shape[1] // k.shape[1]
+    k_rep = k.repeat_interleave(group, dim=1)  # (S, H, dh)
+    recomputed = torch.einsum("qhd,khd->hqk", q * attn.scale, k_rep)  # (H, S, S)
+    finite = torch.isfinite(scores)
+    if not torch.allclose(recomputed[finite], scores[finite], rtol=1e-4, atol=1e-4):
+        worst = (recomputed[finite] - scores[finite]).abs().max().item()
+        raise ValueError(
+            f"layer {name!r}'s scores are not q k^T * scale (max difference {worst:.3g}): the explorer "
+            "cannot show layers with additive masks or position biases"
+        )
+
+
+def subspace_overlap(W: Tensor) -> Tensor:
+    """Head x head overlap of the column spaces of ``W`` [heads, d_model, d_head] -> [heads, heads].
+
+    ``overlap(a, b) = ||U_a^T U_b||_F^2 / min(r_a, r_b)``: the mean squared cosine of the principal
+    angles between the two subspaces (``U`` an orthonormal basis of rank ``r``); 1 for the same
+    subspace, 0 for orthogonal ones.
+    """
+    W = W.detach().double()
+    bases = []
+    for w in W:
+        U, S, _ = torch.linalg.svd(w, full_matrices=False)  # (d_model, dh), (dh,)
+        rank = int((S > S.max() * max(w.shape) * torch.finfo(torch.float64).eps).sum()) if S.numel() else 0
+        bases.append(U[:, :rank])
+    n = len(bases)
+    out = torch.zeros(n, n, dtype=torch.float64)
+    for a in range(n):
+        for b in range(n):
+            r = min(bases[a].shape[1], bases[b].shape[1])
+            if r > 0:
+                out[a, b] = (bases[a].T @ bases[b]).pow(2).sum() / r
+    return out.float()
+
+
+def random_overlap_baseline(d_head: int, d_model: int) -> float:
+    """Expected :func:`subspace_overlap` of two uniformly random d_head-dim subspaces of R^d_model."""
+    return min(d_head, d_model) / d_model
+
+
+def head_shares(result: Tensor) -> Tensor:
+    """Each head's share of the attention output per token: ``||result_h|| / sum_h' ||result_h'||``.
+
+    ``result`` [seq, n_heads, d_model] (= z_h W_O[h]) -> [seq, n_heads]; rows sum to 1 (0 if all vanish).
+    """
+    norms = result.norm(dim=-1)  # (S, H)
+    total = norms.sum(dim=-1, keepdim=True)  # (S, 1)
+    safe = total.clamp_min(torch.finfo(norms.dtype).tiny)  # (S, 1)
+    return torch.where(total > 0, norms / safe, torch.zeros_like(norms))
+
+
+def pack(t: Tensor, dtype: str) -> dict[str, Any]:
+    """A tensor as ``{"dtype", "shape", "data"}``: base64 of its little-endian bytes."""
+    np_dtype = {"float32": "<f4", "float16": "<f2"}[dtype]
+    arr = np.ascontiguousarray(t.detach().cpu().double().numpy().astype(np_dtype))
+    return {"dtype": dtype, "shape": list(arr.shape), "data": base64.b64encode(arr.tobytes()).decode("ascii")}
+
+
+def unpack(a: dict[str, Any]) -> np.ndarray:
+    """Inverse of :func:`pack` (as float32)."""
+    np_dtype = {"float32": "<f4", "float16": "<f2"}[a["dtype"]]
+    raw = np.frombuffer(base64.b64decode(a["data"]), dtype=np_dtype)
+    return raw.reshape(a["shape"]).astype(np.float32)
+
+
+def resolve_precision(precision: str, seq: int) -> str:
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {list(PRECISIONS)}; got {precision!r}")
+    if precision == "auto":
+        return "float32" if seq <= AUTO_FLOAT32_MAX_TOKENS else "float16"
+    return precision
+
+
+def build_page_data(
+    captures: Sequence[LayerCapture],
+    tokens: Sequence[str],
+    *,
+    title: str = "headspace explorer",
+    model_name: str = "",
+    sentence: str = "",
+    precision: str = "auto",
+) -> dict[str, Any]:
+    """The JSON object the page reads (see the module docstring for every field)."""
+    if not captures:
+        raise ValueError("captures is empty: nothing to show")
+    tokens = [str(t) for t in tokens]
+    seq = captures[0].q.shape[0]
+    if len(tokens) != seq:
+        raise ValueError(f"tokens has {len(tokens)} labels but the traced sequence has {seq} positions")
+    dtype = resolve_precision(precision, seq)
+    layers = []
+    for c in captures:
+        attn = c.attn
+        W_O = attn.W_O.detach().float()  # (H, dh, d_model)
+        overlap = {
+            "W_Q": subspace_overlap(attn.W_Q),
+            "W_K": subspace_overlap(attn.W_K),
+            "W_V": subspace_overlap(attn.W_V),
+            "W_O": subspace_overlap(attn.W_O.transpose(1, 2)),  # (H, d_model, dh): W_O[h]^T's column space
+        }
+        layers.append(
+            {
+                "name": c.name,
+                "n_heads": attn.n_heads,
+                "n_kv_heads": attn.n_kv_heads,
+                "d_head": attn.d_head,
+                "d_model": attn.d_model,
+                "scale": attn.scale,
+                "mask": c.mask,
+                "q": pack(c.q, dtype),
+                "k": pack(c.k, dtype),
+                "v": pack(c.v, dtype),
+                "W_O": pack(W_O, dtype),
+                "b_O": None if attn.b_O is None else pack(attn.b_O.detach().float(), dtype),
+                "shares": pack(head_shares(c.result), "float32"),
+                "wo_norms": [float(x) for x in W_O.flatten(1).norm(dim=1)],
+                "overlap": {key: pack(m, "float32") for key, m in overlap.items()},
+                "overlap_baseline": random_overlap_baseline(attn.d_head, attn.d_model),
+            }
+        )
+    return {
+        "format": FORMAT,
+        "title": title,
+        "model": model_name,
+        "sentence": sentence,
+        "tokens": tokens,
+        "precision": dtype,
+        "layers": layers,
+    }

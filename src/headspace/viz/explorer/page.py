@@ -1,0 +1,206 @@
+"""The explorer page: one self-contained HTML file (its CSS, JS and data inline, no request made).
+
+``render_page(data)`` fills the packaged ``assets/template.html`` with ``explorer.css``, ``explorer.js``
+and the JSON of :func:`~headspace.viz.explorer.data.build_page_data`; ``write_page`` writes it
+atomically; :class:`Explorer` does both from a model and a sentence and shows inline in Jupyter;
+``serve_page`` serves a written page on localhost.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import os
+import re
+import tempfile
+import threading
+from collections.abc import Callable, Sequence
+from functools import cache
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .data import build_page_data, capture_layers
+
+_PLACEHOLDERS = re.compile(r"/\*__CSS__\*/|/\*__JS__\*/|__DATA__|__TITLE__")
+
+
+@cache
+def asset(name: str) -> str:
+    """The text of a packaged asset (``template.html``, ``explorer.js``, ``explorer.css``)."""
+    return resources.files(__package__).joinpath("assets", name).read_text(encoding="utf-8")
+
+
+def _json_for_script(data: dict[str, Any]) -> str:
+    """JSON safe inside ``<script type="application/json">``: no ``</`` or ``<!--`` can end the element."""
+    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+    return text.replace("<", "\\u003c").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
+
+
+def render_page(data: dict[str, Any]) -> str:
+    """The whole HTML page for ``data`` (from :func:`build_page_data`) as a string."""
+    if not isinstance(data, dict) or "layers" not in data or "tokens" not in data:
+        raise TypeError("data must be the dict from build_page_data (with 'tokens' and 'layers')")
+    parts = {
+        "/*__CSS__*/": asset("explorer.css"),
+        "/*__JS__*/": asset("explorer.js"),
+        "__DATA__": _json_for_script(data),
+        "__TITLE__": html.escape(str(data.get("title", "headspace explorer"))),
+    }
+    # one pass, so nothing inserted (a token that reads "__DATA__") is substituted again
+    return _PLACEHOLDERS.sub(lambda m: parts[m.group(0)], asset("template.html"))
+
+
+def write_page(path: str | os.PathLike[str], page: str) -> Path:
+    """Write ``page`` to ``path`` atomically (temp file in the same folder, then ``os.replace``)."""
+    path = Path(path)
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise ValueError(f"output folder {str(folder)!r} does not exist (for output file {str(path)!r})")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(page)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def _token_labels(pretrained: Any, ids: Sequence[int]) -> list[str]:
+    tok = pretrained.tokenizer
+    if hasattr(tok, "id_to_token"):
+        return [str(tok.id_to_token(int(i))) for i in ids]
+    return [str(i) for i in ids]
+
+
+class Explorer:
+    """The explorer page of one model on one input.
+
+    ``Explorer(pretrained, "a sentence")`` for a pretrained object (``headspace.load("minilm")``: it has
+    ``.model``, ``.tokenizer`` and ``.tokenize``), or ``Explorer(model, tokens)`` for any module with
+    headspace attention layers and an int64 token tensor [1, seq] (labels via ``labels=``). In Jupyter
+    the object shows the page inline (``_repr_html_``: an iframe holding the whole page); ``.html`` is
+    the page, ``.save(path)`` writes it, ``.data`` is what it embeds.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        sentence: str | Tensor | Sequence[int],
+        *,
+        labels: Sequence[str] | None = None,
+        precision: str = "auto",
+        name: str | None = None,
+        run: Callable[[], Any] | None = None,
+    ) -> None:
+        is_pretrained = hasattr(model, "model") and hasattr(model, "tokenize")
+        module = model.model if is_pretrained else model
+        if not isinstance(module, nn.Module):
+            raise TypeError(
+                "model must be a pretrained object (headspace.load(...)) or a torch.nn.Module with headspace "
+                f"attention layers; got {type(model).__name__}"
+            )
+        text = ""
+        if isinstance(sentence, str):
+            if not is_pretrained:
+                raise TypeError(
+                    "a sentence needs a model with a tokenizer (headspace.load(...)); for a bare module pass "
+                    "an int64 token tensor [1, seq] instead"
+                )
+            if not sentence.strip():
+                raise ValueError("sentence is empty; give at least one word")
+            text = sentence
+            tokens, key_padding = model.tokenize([sentence])
+            tokens = tokens[:, : int(key_padding[0].sum())] if key_padding is not None else tokens  # (1, seq)
+            ids = tokens[0].tolist()
+            labels = _token_labels(model, ids) if labels is None else labels
+
+            def default_run() -> Any:
+                return module(tokens)
+
+        else:
+            tokens = torch.as_tensor(sentence)
+            if tokens.dim() == 1:
+                tokens = tokens.unsqueeze(0)  # (1, seq)
+            if tokens.dim() != 2 or tokens.shape[0] != 1 or tokens.dtype != torch.int64:
+                raise ValueError(
+                    "tokens must be an int64 tensor [1, seq] (one sequence); got dtype "
+                    f"{tokens.dtype} and shape {list(tokens.shape)}"
+                )
+            ids = tokens[0].tolist()
+            labels = [str(i) for i in ids] if labels is None else labels
+
+            def default_run() -> Any:
+                return module(tokens)
+
+        was_training = module.training
+        module.eval()
+        try:
+            captures = capture_layers(module, run or default_run)
+        finally:
+            module.train(was_training)
+        self.name = name or getattr(model, "name", None) or type(module).__name__
+        self.data = build_page_data(
+            captures,
+            list(labels),
+            title=f"headspace explorer: {self.name}",
+            model_name=str(self.name),
+            sentence=text,
+            precision=precision,
+        )
+        self.captures = captures
+        self._html: str | None = None
+
+    @property
+    def html(self) -> str:
+        if self._html is None:
+            self._html = render_page(self.data)
+        return self._html
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        return write_page(path, self.html)
+
+    def _repr_html_(self) -> str:
+        return (
+            f'<iframe srcdoc="{html.escape(self.html, quote=True)}" sandbox="allow-scripts" '
+            'style="width: 100%; height: 900px; border: 1px solid #ddd;" title="headspace explorer"></iframe>'
+        )
+
+
+def serve_page(
+    path: str | os.PathLike[str], *, port: int = 8000, host: str = "127.0.0.1"
+) -> ThreadingHTTPServer:
+    """A localhost HTTP server that answers every GET with the page at ``path`` (call ``serve_forever``).
+
+    ``port=0`` picks a free port (``server.server_address[1]``).
+    """
+    body = Path(path).read_bytes()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.split("?")[0] not in ("/", "/index.html", "/" + Path(path).name):
+                self.send_error(404, "the explorer serves one page, at /")
+                return
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    return ThreadingHTTPServer((host, port), Handler)
+
+
+def serve_in_thread(server: ThreadingHTTPServer) -> threading.Thread:
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    return thread
