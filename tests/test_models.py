@@ -1,0 +1,264 @@
+"""ModelConfig, Encoder and Decoder on small random models: shapes, masks, causality, cache, generate.
+
+(Equality with transformers' BertModel and GPT2LMHeadModel is tested in test_pretrained.py, through
+load_bert/load_gpt2 on checkpoints saved by transformers.)
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from headspace import Decoder, Encoder, ModelConfig
+from headspace.hooks import name_hook_points
+
+B, S, H, DH, V, L = 2, 3, 7, 5, 13, 2  # batch, seq, n_heads, d_head, vocab, layers: distinct primes
+D = H * DH  # d_model = 35
+
+
+def encoder_config(**kw) -> ModelConfig:
+    return ModelConfig(
+        arch="encoder", vocab_size=V, d_model=D, n_layers=L, n_heads=H, d_mlp=11, max_seq_len=17, **kw
+    )
+
+
+def decoder_config(**kw) -> ModelConfig:
+    args = {"vocab_size": V, "d_model": D, "n_layers": L, "n_heads": H, "d_mlp": 11, "max_seq_len": 19}
+    return ModelConfig(arch="decoder", **{**args, **kw})
+
+
+# ---------------------------------------------------------------------------------------------- config
+def test_config_derives_fields_by_architecture() -> None:
+    enc = ModelConfig(arch="encoder", vocab_size=V, d_model=D, n_heads=H)
+    assert (enc.d_head, enc.n_kv_heads, enc.d_mlp) == (DH, H, 4 * D)
+    assert (enc.act, enc.norm, enc.type_vocab_size, enc.tie_embeddings) == ("gelu", "post", 2, False)
+    assert (enc.embed_ln, enc.final_ln) == (True, False)
+    dec = ModelConfig(arch="decoder", vocab_size=V, d_model=D, n_heads=H, dropout=0.25)
+    assert (dec.act, dec.norm, dec.type_vocab_size, dec.tie_embeddings) == ("gelu_tanh", "pre", 0, True)
+    assert (dec.embed_ln, dec.final_ln, dec.emb_dropout) == (False, True, 0.25)
+
+
+def test_config_json_round_trip() -> None:
+    config = decoder_config(n_kv_heads=1, name="tiny", extra={"source": "test"})
+    text = json.dumps(config.to_dict())
+    again = ModelConfig.from_dict(json.loads(text))
+    assert again == config
+    assert again.to_dict()["d_head"] == DH
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"arch": "seq2seq"}, ["arch", "'seq2seq'", "encoder"]),
+        ({"vocab_size": 0}, ["vocab_size", "0"]),
+        ({"n_layers": 2.0}, ["n_layers", "2.0"]),
+        ({"n_heads": 4}, ["d_model=35", "n_heads=4"]),
+        ({"n_kv_heads": 3}, ["n_heads=7", "n_kv_heads=3"]),
+        ({"act": "tanh"}, ["act", "'tanh'"]),
+        ({"norm": "sandwich"}, ["norm", "'sandwich'"]),
+        ({"dropout": -0.1}, ["dropout", "-0.1"]),
+        ({"ln_eps": 0}, ["ln_eps", "0"]),
+        ({"pad_token_id": V}, ["pad_token_id", f"vocab_size={V}", str(V)]),
+        ({"type_vocab_size": -1}, ["type_vocab_size", "-1"]),
+        ({"bias": "yes"}, ["bias", "'yes'"]),
+    ],
+)
+def test_config_validation_names_the_field(kwargs: dict, words: list[str]) -> None:
+    args = {"vocab_size": V, "d_model": D, "n_heads": H, **kwargs}
+    with pytest.raises(ValueError) as info:
+        ModelConfig(**args)
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_config_from_dict_lists_unknown_fields() -> None:
+    data = encoder_config().to_dict() | {"hidden_size": 3, "n_embd": 4}
+    with pytest.raises(ValueError, match=r"unknown fields \['hidden_size', 'n_embd'\]"):
+        ModelConfig.from_dict(data)
+    with pytest.raises(TypeError, match="expects a dict"):
+        ModelConfig.from_dict([1])
+
+
+def test_models_refuse_the_other_architecture() -> None:
+    with pytest.raises(ValueError, match="Encoder needs ModelConfig\\(arch='encoder'\\); got arch='decoder'"):
+        Encoder(decoder_config())
+    with pytest.raises(TypeError, match=r"expects a headspace.ModelConfig; got dict"):
+        Decoder({"arch": "decoder"})
+
+
+# ---------------------------------------------------------------------------------------------- encoder
+def test_encoder_shapes_and_hook_names() -> None:
+    model = Encoder(encoder_config()).eval()
+    tokens = torch.randint(0, V, (B, S))
+    out = model(tokens, token_type_ids=torch.ones(B, S, dtype=torch.long))
+    assert out.shape == (B, S, D)
+    names = name_hook_points(model)
+    for name in (
+        "hook_embed",
+        "blocks.1.attn.hook_pattern",
+        "blocks.0.hook_resid_post",
+        "blocks.1.mlp.hook_post",
+    ):
+        assert name in names
+
+
+def test_encoder_padding_does_not_change_real_tokens() -> None:
+    model = Encoder(encoder_config()).eval()
+    tokens = torch.randint(1, V, (B, S))
+    padded = torch.cat([tokens, torch.zeros(B, 4, dtype=torch.long)], dim=1)  # (B, S + 4)
+    key_padding = torch.arange(S + 4)[None].expand(B, -1) < S  # (B, S + 4)
+    with torch.no_grad():
+        torch.testing.assert_close(model(padded, key_padding)[:, :S], model(tokens))
+
+
+def test_encoder_is_bidirectional_and_token_types_matter() -> None:
+    model = Encoder(encoder_config()).eval()
+    tokens = torch.randint(0, V, (1, S))
+    changed = tokens.clone()
+    changed[0, -1] = (tokens[0, -1] + 1) % V
+    with torch.no_grad():
+        a, b = model(tokens), model(changed)
+        assert not torch.allclose(a[0, 0], b[0, 0])  # the first token sees the last one
+        c = model(tokens, token_type_ids=torch.ones_like(tokens))
+        assert not torch.allclose(a, c)
+
+
+def test_encoder_embedding_formula() -> None:
+    """h_0 = LN(E_tok[t] + E_pos[i] + E_type[s])."""
+    model = Encoder(encoder_config()).eval()
+    tokens = torch.randint(0, V, (B, S))
+    types = torch.randint(0, 2, (B, S))
+    seen = {}
+    model.hook_embed.add(lambda v, hp: seen.__setitem__("e", v))
+    with torch.no_grad():
+        model(tokens, token_type_ids=types)
+        raw = model.tok_embed.weight[tokens] + model.pos_embed.weight[:S] + model.type_embed.weight[types]
+        torch.testing.assert_close(seen["e"], model.embed_ln(raw))
+
+
+def test_encoder_bad_inputs_name_the_argument() -> None:
+    model = Encoder(encoder_config())
+    with pytest.raises(TypeError, match=r"tokens must be an integer tensor .* got dtype torch.float32"):
+        model(torch.zeros(B, S))
+    with pytest.raises(TypeError, match=r"tokens must be an int64 tensor .* got list"):
+        model([[1, 2]])
+    with pytest.raises(ValueError, match=r"tokens must be 2-D \[batch, seq\]; got shape \[3\]"):
+        model(torch.zeros(S, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"tokens contains id 13, outside \[0, vocab_size=13\)"):
+        model(torch.full((B, S), V))
+    with pytest.raises(
+        ValueError, match=r"tokens has length 18, longer than the position table .*max_seq_len=17"
+    ):
+        model(torch.zeros(1, 18, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"token_type_ids contains id 2, outside \[0, vocab_size=2\)"):
+        model(torch.zeros(B, S, dtype=torch.long), token_type_ids=torch.full((B, S), 2))
+    with pytest.raises(
+        ValueError, match=r"token_type_ids must have the shape of tokens \[2, 3\]; got \[2, 2\]"
+    ):
+        model(torch.zeros(B, S, dtype=torch.long), token_type_ids=torch.zeros(B, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"key_padding must have shape \[batch, seq_k\] = \[2, 3\]"):
+        model(torch.zeros(B, S, dtype=torch.long), torch.ones(B, S + 1, dtype=torch.bool))
+
+
+# ---------------------------------------------------------------------------------------------- decoder
+def test_decoder_shapes_tied_embeddings_and_causality() -> None:
+    model = Decoder(decoder_config()).eval()
+    tokens = torch.randint(0, V, (B, 5))
+    with torch.no_grad():
+        logits = model(tokens)
+        assert logits.shape == (B, 5, V)
+        assert model.W_U.data_ptr() == model.tok_embed.weight.data_ptr()  # tied: one tensor
+        torch.testing.assert_close(logits, model.hidden_states(tokens) @ model.tok_embed.weight.T)
+        changed = tokens.clone()
+        changed[:, -1] = (tokens[:, -1] + 1) % V
+        torch.testing.assert_close(model(changed)[:, :-1], logits[:, :-1])  # the past never sees the future
+
+
+def test_decoder_untied_head() -> None:
+    model = Decoder(decoder_config(tie_embeddings=False))
+    assert model.lm_head is not None and model.W_U.shape == (D, V)
+    assert model(torch.randint(0, V, (B, S))).shape == (B, S, V)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    batch=st.integers(1, 3), prompt=st.integers(1, 6), steps=st.integers(1, 5), n_kv=st.sampled_from([1, 7])
+)
+def test_cached_forward_equals_full_forward(batch: int, prompt: int, steps: int, n_kv: int) -> None:
+    torch.manual_seed(prompt * 10 + steps)
+    model = Decoder(decoder_config(n_kv_heads=n_kv)).eval()
+    tokens = torch.randint(0, V, (batch, prompt + steps))
+    with torch.no_grad():
+        full = model(tokens)
+        caches = model.make_kv_caches(batch, prompt + steps)
+        parts = [model(tokens[:, :prompt], kv_caches=caches)]
+        parts += [model(tokens[:, i : i + 1], kv_caches=caches) for i in range(prompt, prompt + steps)]
+    torch.testing.assert_close(torch.cat(parts, dim=1), full)
+
+
+def test_generate_with_cache_equals_full_recompute() -> None:
+    model = Decoder(decoder_config())
+    prompt = torch.randint(0, V, (B, 4))
+    for kwargs in (
+        {"temperature": 0.0},
+        {"temperature": 1.3, "seed": 7},
+        {"temperature": 0.8, "top_k": 3, "seed": 1},
+    ):
+        cached = model.generate(prompt, 9, **kwargs)
+        full = model.generate(prompt, 9, use_cache=False, **kwargs)
+        assert cached.shape == (B, 13)
+        assert torch.equal(cached[:, :4], prompt)
+        assert torch.equal(cached, full), kwargs
+
+
+def test_generate_is_reproducible_with_a_seed_and_greedy_is_argmax() -> None:
+    model = Decoder(decoder_config())
+    prompt = torch.randint(0, V, (1, 3))
+    a = model.generate(prompt, 12, seed=3)
+    assert torch.equal(a, model.generate(prompt, 12, seed=3))
+    assert not torch.equal(a, model.generate(prompt, 12, seed=4))  # 13**12 sequences: seeds 3 and 4 differ
+    greedy = model.generate(prompt, 5, temperature=0)
+    assert torch.equal(greedy, model.generate(prompt, 5, top_k=1, seed=9))  # top-1 sampling is greedy
+    with torch.no_grad():
+        step = model(greedy[:, :-1])[:, -1].argmax(-1)
+    assert torch.equal(step, greedy[:, -1])
+    assert model.training  # generate restores the mode
+
+
+def test_generate_top_k_only_samples_the_k_best() -> None:
+    model = Decoder(decoder_config())
+    prompt = torch.randint(0, V, (1, 1))
+    with torch.no_grad():
+        top2 = set(model(prompt)[0, -1].topk(2).indices.tolist())
+    firsts = {int(model.generate(prompt, 1, top_k=2, temperature=5.0, seed=s)[0, 1]) for s in range(20)}
+    assert firsts <= top2 and len(firsts) == 2
+
+
+def test_decoder_bad_inputs() -> None:
+    model = Decoder(decoder_config())
+    prompt = torch.randint(0, V, (1, 10))
+    with pytest.raises(ValueError, match=r"prompt_len 10 \+ max_new_tokens 10 = 20 exceeds .*max_seq_len=19"):
+        model.generate(prompt, 10)
+    with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0; got -1"):
+        model.generate(prompt, -1)
+    with pytest.raises(ValueError, match="temperature must be a float >= 0"):
+        model.generate(prompt, 1, temperature=-1.0)
+    with pytest.raises(ValueError, match="top_k must be None or an int >= 1; got 0"):
+        model.generate(prompt, 1, top_k=0)
+    with pytest.raises(ValueError, match="at least 1 token; got prompt_len=0"):
+        model.generate(prompt[:, :0], 1)
+    assert torch.equal(model.generate(prompt, 0), prompt)
+    caches = model.make_kv_caches(1, 19)
+    model(prompt, kv_caches=caches)
+    with pytest.raises(
+        ValueError, match="tokens has length 10 starting at position 10, longer than the position"
+    ):
+        model(prompt, kv_caches=caches)
+    with pytest.raises(ValueError, match=r"kv_caches must be a list of 2 KVCache .*got 1"):
+        model(prompt, kv_caches=caches[:1])
+    with pytest.raises(ValueError, match="capacity=20 exceeds the position table"):
+        model.make_kv_caches(1, 20)
