@@ -1,12 +1,14 @@
 """headspace: multi-head attention with every head's W_Q, W_K, W_V and W_O in plain sight."""
 
+from . import analysis
 from .attention import KVCache, MultiHeadAttention
 from .block import TransformerBlock
-from .heads import Head, HeadList
+from .heads import FactoredMatrix, Head, HeadList, ablate, prune_heads
 from .hooks import HookPoint
 from .masks import CanonicalMask, canonical_mask, causal_mask
 from .models import Decoder, Encoder, ModelConfig
 from .pretrained import load, load_bert, load_gpt2
+from .trace import Trace, trace  # trace() shadows the submodule: use `from headspace.trace import ...`
 
 __version__ = "0.1.0"
 
@@ -14,17 +16,23 @@ __all__ = [
     "CanonicalMask",
     "Decoder",
     "Encoder",
+    "FactoredMatrix",
     "Head",
     "HeadList",
     "HookPoint",
     "KVCache",
     "ModelConfig",
     "MultiHeadAttention",
+    "Trace",
     "TransformerBlock",
     "__version__",
+    "ablate",
+    "analysis",
     "canonical_mask",
     "causal_mask",
     "load",
     "load_bert",
     "load_gpt2",
+    "prune_heads",
+    "trace",
 ]

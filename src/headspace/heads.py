@@ -1,11 +1,21 @@
-"""Per-head views of an attention layer: one head's W_Q, W_K, W_V, W_O and biases, and its circuits."""
+"""Per-head views of an attention layer, its circuits as factored matrices, ablation and pruning.
+
+* :class:`Head`: one head's W_Q, W_K, W_V, W_O and biases, views of the layer's fused storage.
+* :class:`FactoredMatrix`: a product ``A @ B`` kept as its factors (QK and OV circuits are rank
+  ``d_head`` matrices of size ``d_model x d_model``): norms, SVD and eigenvalues computed through the
+  factors, never through the dense product.
+* :func:`ablate`: a context manager that zero- or mean-ablates heads (through ``hook_z``).
+* :func:`prune_heads`: removes heads for good, shrinking the fused weights.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
 if TYPE_CHECKING:
     from .attention import MultiHeadAttention
@@ -63,17 +73,25 @@ class Head:
         b = self.attn.b_V
         return None if b is None else b[self.kv_index]
 
-    def qk(self) -> Tensor:
-        """The QK circuit ``W_Q W_K^T`` [d_model, kdim]: bilinear form of the (unscaled) score."""
-        return self.W_Q @ self.W_K.T
+    def qk(self) -> FactoredMatrix:
+        """The QK circuit ``W_Q W_K^T`` [d_model, kdim] as factors (``.AB`` is the dense product).
 
-    def ov(self) -> Tensor:
-        """The OV circuit ``W_V W_O`` [vdim, d_model]: what attending to a token writes to the output."""
-        return self.W_V @ self.W_O
+        The (unscaled, bias-free) score of query input ``x_i`` on key input ``c_j`` is
+        ``x_i W_Q W_K^T c_j^T``; the layer multiplies it by ``scale``.
+        """
+        return FactoredMatrix(self.W_Q, self.W_K.T)
+
+    def ov(self) -> FactoredMatrix:
+        """The OV circuit ``W_V W_O`` [vdim, d_model] as factors.
+
+        What attending to a token writes to the output: ``c_j W_V W_O`` (times the attention weight).
+        """
+        return FactoredMatrix(self.W_V, self.W_O)
 
     def __repr__(self) -> str:
         a = self.attn
-        return f"Head({self.index} of {a.n_heads}, d_model={a.d_model}, d_head={a.d_head}, kv_head={self.kv_index})"
+        dims = f"d_model={a.d_model}, d_head={a.d_head}, kv_head={self.kv_index}"
+        return f"Head({self.index} of {a.n_heads}, {dims})"
 
 
 class HeadList:
@@ -90,3 +108,375 @@ class HeadList:
 
     def __iter__(self) -> Iterator[Head]:
         return (Head(self.attn, i) for i in range(self.attn.n_heads))
+
+
+# ---------------------------------------------------------------------------------------------- factored
+
+
+def effective_rank(singular_values: Tensor, kind: str = "entropy") -> Tensor:
+    """Effective rank of a matrix from its singular values ``[..., k]`` -> ``[...]``.
+
+    ``kind="entropy"`` (Roy & Vetterli, 2007): ``exp(H(p))`` with ``p = s / sum(s)``, between 1 (one
+    direction) and k (all singular values equal). ``kind="stable"``: ``sum(s^2) / max(s)^2``
+    (the stable rank). A zero matrix has effective rank 0 for both.
+    """
+    if not isinstance(singular_values, Tensor) or singular_values.dim() < 1:
+        raise TypeError(f"singular_values must be a tensor [..., k]; got {singular_values!r}")
+    s = singular_values.clamp_min(0)
+    total = s.sum(-1, keepdim=True)  # (..., 1)
+    if kind == "entropy":
+        p = s / total.clamp_min(torch.finfo(s.dtype).tiny)  # (..., k)
+        h = -(p * torch.log(p.clamp_min(torch.finfo(s.dtype).tiny))).sum(-1)  # (...)
+        return torch.where(total.squeeze(-1) > 0, torch.exp(h), torch.zeros_like(h))
+    if kind == "stable":
+        top = s.amax(-1)  # (...)
+        return torch.where(top > 0, (s**2).sum(-1) / top.clamp_min(torch.finfo(s.dtype).tiny) ** 2, top * 0)
+    raise ValueError(f"kind must be 'entropy' or 'stable'; got {kind!r}")
+
+
+class FactoredMatrix:
+    r"""A matrix ``M = A B`` kept as its factors: ``A`` [..., m, r], ``B`` [..., r, n] -> ``M`` [..., m, n].
+
+    Leading axes are batch axes (e.g. one circuit per head: ``A`` [n_heads, d_model, d_head]).
+    The dense product is ``.AB`` (or ``.dense()``). Everything else goes through the factors, costing
+    O((m + n) r^2) instead of O(m n r):
+
+    * ``svd()``: with thin QR factorisations ``A = Q_A R_A`` and ``B^T = Q_B R_B``,
+      ``M = Q_A (R_A R_B^T) Q_B^T``; the SVD of the small core ``R_A R_B^T = U_c S V_c^T`` gives
+      ``M = (Q_A U_c) S (Q_B V_c)^T``.
+    * ``norm()``: Frobenius, nuclear or spectral norm from those singular values.
+    * ``eigenvalues()`` (square ``M``): the nonzero eigenvalues of ``A B`` are those of ``B A`` [r, r].
+    * ``M @ X``, ``X @ M``, ``M1 @ M2``, ``.T`` and ``M[h]`` (indexing the batch axes) stay factored.
+
+    Example: ``attn.heads[3].qk()`` is ``W_Q[3] W_K[3]^T`` and ``attn.heads[3].ov()`` is ``W_V[3] W_O[3]``.
+    """
+
+    def __init__(self, A: Tensor, B: Tensor) -> None:
+        for name, t in (("A", A), ("B", B)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"FactoredMatrix {name} must be a tensor; got {type(t).__name__}")
+            if t.dim() < 2:
+                raise ValueError(
+                    f"FactoredMatrix {name} must have at least 2 dims [..., rows, cols]; got {list(t.shape)}"
+                )
+        if A.shape[-1] != B.shape[-2]:
+            raise ValueError(
+                f"FactoredMatrix needs A [..., m, r] and B [..., r, n] with the same r; "
+                f"got A {list(A.shape)}, B {list(B.shape)}"
+            )
+        try:
+            torch.broadcast_shapes(A.shape[:-2], B.shape[:-2])
+        except RuntimeError:
+            raise ValueError(
+                f"FactoredMatrix batch axes of A {list(A.shape)} and B {list(B.shape)} do not broadcast"
+            ) from None
+        self.A = A
+        self.B = B
+
+    # -- shape
+    @property
+    def shape(self) -> torch.Size:
+        """[..., m, n], the shape of the dense product."""
+        batch = torch.broadcast_shapes(self.A.shape[:-2], self.B.shape[:-2])
+        return torch.Size((*batch, self.A.shape[-2], self.B.shape[-1]))
+
+    @property
+    def inner_dim(self) -> int:
+        """r, the inner dimension (an upper bound on the rank)."""
+        return self.A.shape[-1]
+
+    def __repr__(self) -> str:
+        return f"FactoredMatrix(shape={list(self.shape)}, inner_dim={self.inner_dim})"
+
+    # -- products
+    @property
+    def AB(self) -> Tensor:
+        """The dense product ``A @ B`` [..., m, n]."""
+        return self.A @ self.B
+
+    def dense(self) -> Tensor:
+        """The dense product ``A @ B`` [..., m, n] (same as ``.AB``)."""
+        return self.AB
+
+    @property
+    def BA(self) -> Tensor:
+        """``B @ A`` [..., r, r] (for square ``M``: same nonzero eigenvalues as ``A @ B``)."""
+        if self.A.shape[-2] != self.B.shape[-1]:
+            raise ValueError(f"BA needs a square matrix (m == n); this one has shape {list(self.shape)}")
+        return self.B @ self.A
+
+    @property
+    def T(self) -> FactoredMatrix:
+        """The transpose ``B^T A^T``, still factored."""
+        return FactoredMatrix(self.B.transpose(-2, -1), self.A.transpose(-2, -1))
+
+    def __matmul__(self, other: Tensor | FactoredMatrix) -> FactoredMatrix:
+        if isinstance(other, FactoredMatrix):
+            if self.inner_dim <= other.inner_dim:
+                return FactoredMatrix(self.A, (self.B @ other.A) @ other.B)
+            return FactoredMatrix(self.A @ (self.B @ other.A), other.B)
+        if isinstance(other, Tensor) and other.dim() >= 2:
+            return FactoredMatrix(self.A, self.B @ other)
+        return NotImplemented
+
+    def __rmatmul__(self, other: Tensor) -> FactoredMatrix:
+        if isinstance(other, Tensor) and other.dim() >= 2:
+            return FactoredMatrix(other @ self.A, self.B)
+        return NotImplemented
+
+    def __getitem__(self, index: Any) -> FactoredMatrix:
+        """Index the batch axes only: ``circuits[h]`` is head ``h``'s matrix."""
+        batch = self.shape[:-2]
+        if not batch:
+            raise IndexError(f"this FactoredMatrix has no batch axes to index (shape {list(self.shape)})")
+        A = self.A.expand(*batch, *self.A.shape[-2:])  # (..., m, r)
+        B = self.B.expand(*batch, *self.B.shape[-2:])  # (..., r, n)
+        return FactoredMatrix(A[index], B[index])
+
+    # -- spectra
+    def svd(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Thin SVD through the factors: ``U`` [..., m, k], ``S`` [..., k] (descending), ``Vh`` [..., k, n].
+
+        ``k = min(m, n, r)`` and ``U diag(S) Vh == A @ B``.
+        """
+        Qa, Ra = torch.linalg.qr(self.A)  # (..., m, ka), (..., ka, r)
+        Qb, Rb = torch.linalg.qr(self.B.transpose(-2, -1))  # (..., n, kb), (..., kb, r)
+        core = Ra @ Rb.transpose(-2, -1)  # (..., ka, kb)
+        Uc, S, Vch = torch.linalg.svd(core, full_matrices=False)  # (..., ka, k), (..., k), (..., k, kb)
+        U = Qa @ Uc  # (..., m, k)
+        Vh = Vch @ Qb.transpose(-2, -1)  # (..., k, n)
+        return U, S, Vh
+
+    @property
+    def singular_values(self) -> Tensor:
+        """[..., k] in descending order, through the factors."""
+        Ra = torch.linalg.qr(self.A, mode="r")[1]  # (..., ka, r)
+        Rb = torch.linalg.qr(self.B.transpose(-2, -1), mode="r")[1]  # (..., kb, r)
+        return torch.linalg.svdvals(Ra @ Rb.transpose(-2, -1))  # (..., k)
+
+    def norm(self, kind: str = "fro") -> Tensor:
+        """Norm [...]: ``"fro"`` (Frobenius), ``"nuc"`` (sum of singular values) or ``"spectral"``."""
+        s = self.singular_values
+        if kind == "fro":
+            return s.pow(2).sum(-1).sqrt()
+        if kind == "nuc":
+            return s.sum(-1)
+        if kind == "spectral":
+            return s[..., 0]
+        raise ValueError(f"kind must be 'fro', 'nuc' or 'spectral'; got {kind!r}")
+
+    def effective_rank(self, kind: str = "entropy") -> Tensor:
+        """:func:`effective_rank` of this matrix's singular values -> [...]."""
+        return effective_rank(self.singular_values, kind)
+
+    def eigenvalues(self) -> Tensor:
+        """Complex eigenvalues [..., r] of a square ``A @ B``, via the small ``B @ A`` (the rest are 0)."""
+        return torch.linalg.eigvals(self.BA)  # (..., r)
+
+
+# ---------------------------------------------------------------------------------------------- ablation
+
+ABLATION_MODES = ("zero", "mean")
+
+
+def _layers(model: Any) -> list[MultiHeadAttention]:
+    from .trace import attention_layers  # deferred: trace imports attention, which imports this module
+
+    layers = [m for _, m in attention_layers(model)]
+    if not layers:
+        raise ValueError(f"model has no MultiHeadAttention layer; got {type(model).__name__}")
+    return layers
+
+
+def _check_layer_head(layers: Sequence[MultiHeadAttention], layer: Any, head: Any, arg: str) -> None:
+    n = len(layers)
+    if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < n:
+        raise ValueError(f"{arg}: layer must be an int in [0, {n}) for this model; got {layer!r}")
+    h = layers[layer].n_heads
+    if not isinstance(head, int) or isinstance(head, bool) or not 0 <= head < h:
+        raise ValueError(f"{arg}: head must be an int in [0, {h}) for layer {layer}; got {head!r}")
+
+
+@contextmanager
+def ablate(
+    model: Any,
+    heads: Mapping[tuple[int, int], str] | Sequence[tuple[int, int]],
+    *,
+    means: Mapping[tuple[int, int], Tensor] | None = None,
+) -> Iterator[None]:
+    """Ablate heads while the block runs: ``with ablate(model, {(0, 3): "zero", (2, 1): "mean"}): model(x)``.
+
+    A head is ablated by replacing its ``z_h`` (``hook_z``, [batch, seq_q, n_heads, d_head]) before
+    ``W_O``, so its contribution ``z_h W_O[h]`` to the layer output changes and ``b_O`` stays:
+
+    * ``"zero"``: ``z_h = 0`` (the head writes nothing).
+    * ``"mean"``: ``z_h`` is replaced by ``means[(layer, head)]`` (any shape broadcasting to
+      [batch, seq_q, d_head], e.g. a [d_head] mean over a reference set, see
+      :func:`headspace.analysis.ablation.mean_z`) or, without ``means``, by its mean over the batch and
+      positions of the current input (padding positions included).
+
+    Args:
+        model: a :class:`~headspace.MultiHeadAttention` (layer 0), a model with attention layers, or a
+            pretrained wrapper with a ``.model``. Layer ``i`` is the ``i``-th attention layer in module
+            order (``blocks.i.attn``).
+        heads: ``{(layer, head): "zero" | "mean"}``, or a sequence of ``(layer, head)`` (all zeroed).
+        means: optional reference means for ``"mean"`` ablation, by ``(layer, head)``.
+    """
+    from .trace import attention_layers, hooked
+
+    layers = _layers(model)
+    if isinstance(heads, Mapping):
+        spec = dict(heads)
+    elif isinstance(heads, Sequence) and not isinstance(heads, str):
+        spec = {}
+        for item in heads:
+            if not isinstance(item, tuple) or len(item) != 2:
+                raise TypeError(f"heads must hold (layer, head) pairs; got {item!r}")
+            spec[item] = "zero"
+    else:
+        raise TypeError(
+            f"heads must be a dict {{(layer, head): 'zero' | 'mean'}}; got {type(heads).__name__}"
+        )
+    per_layer: dict[int, dict[int, str]] = {}
+    for key, mode in spec.items():
+        if not isinstance(key, tuple) or len(key) != 2:
+            raise TypeError(f"heads keys must be (layer, head) pairs; got {key!r}")
+        _check_layer_head(layers, key[0], key[1], "heads")
+        if mode not in ABLATION_MODES:
+            raise ValueError(f"heads[{key}] must be one of {ABLATION_MODES}; got {mode!r}")
+        per_layer.setdefault(key[0], {})[key[1]] = mode
+    means = dict(means or {})
+    for key in means:
+        if not isinstance(key, tuple) or len(key) != 2:
+            raise TypeError(f"means keys must be (layer, head) pairs; got {key!r}")
+        _check_layer_head(layers, key[0], key[1], "means")
+
+    def make_fn(layer: int, modes: dict[int, str]):
+        def fn(z: Tensor, point: Any) -> Tensor:  # z: (batch, seq_q, n_heads, d_head)
+            z = z.clone()
+            for h, mode in modes.items():
+                if mode == "zero":
+                    z[:, :, h] = 0.0
+                elif (layer, h) in means:
+                    z[:, :, h] = means[(layer, h)].to(z)
+                else:
+                    z[:, :, h] = z[:, :, h].mean(dim=(0, 1), keepdim=True)  # (1, 1, d_head)
+            return z
+
+        return fn
+
+    hooks = {}
+    paths = [p for p, _ in attention_layers(model)]
+    for layer, modes in per_layer.items():
+        name = f"{paths[layer]}.hook_z" if paths[layer] else "hook_z"
+        hooks[name] = make_fn(layer, modes)
+    with hooked(model, hooks):
+        yield
+
+
+# ---------------------------------------------------------------------------------------------- pruning
+
+
+def _kept_rows(weight: Tensor, keep: Sequence[int], width: int) -> Tensor:
+    """Rows ``[i * width, (i + 1) * width)`` of ``weight`` for each ``i`` in ``keep``, concatenated."""
+    if not keep:
+        return weight[:0]
+    return torch.cat([weight[i * width : (i + 1) * width] for i in keep], dim=0)
+
+
+def _kept_kv_heads(attn: MultiHeadAttention, keep: Sequence[int], arg: str) -> list[int]:
+    """The key/value heads that serve some kept query head; refuses unequal group sizes (GQA)."""
+    g = attn.group_size
+    counts = [sum(1 for h in keep if h // g == j) for j in range(attn.n_kv_heads)]
+    kept_kv = [j for j in range(attn.n_kv_heads) if counts[j] > 0]
+    if len({counts[j] for j in kept_kv}) > 1:
+        raise ValueError(
+            f"{arg}: pruning would leave key/value heads serving unequal numbers of query heads (kept query "
+            f"heads per kv head: {dict(enumerate(counts))}, group size {g}); with grouped-query attention "
+            "prune whole groups or the same number of heads from every surviving group"
+        )
+    return kept_kv
+
+
+def shrink_attention(attn: MultiHeadAttention, keep: Sequence[int]) -> None:
+    """Rebuild ``attn``'s fused storage with only the query heads ``keep`` (in place).
+
+    Grouped-query attention: a key/value head is removed when none of its query heads is kept; every
+    surviving key/value head must keep the same number of query heads (the layer's group size), else
+    ``ValueError`` lists the counts. Biases of kept heads and ``b_O`` are kept.
+    """
+    H, Hkv, dh = attn.n_heads, attn.n_kv_heads, attn.d_head
+    keep = sorted(set(keep))
+    if not keep:
+        raise ValueError(
+            f"keep: cannot prune all {H} heads of a layer (a layer needs at least one head); zero-ablate "
+            "them with headspace.ablate instead, or remove the block"
+        )
+    kept_kv = _kept_kv_heads(attn, keep, "keep")
+    hq, hkv = H * dh, Hkv * dh
+
+    def param(t: Tensor, like: nn.Parameter) -> nn.Parameter:
+        return nn.Parameter(t.detach().clone(), requires_grad=like.requires_grad)
+
+    def split_kept(t: Tensor) -> Tensor:
+        """Kept rows of a stacked [q; k; v] tensor (weight or bias)."""
+        q, k, v = t[:hq], t[hq : hq + hkv], t[hq + hkv :]
+        parts = [_kept_rows(q, keep, dh), _kept_rows(k, kept_kv, dh), _kept_rows(v, kept_kv, dh)]
+        return torch.cat(parts, dim=0)  # ((H' + 2 Hkv') dh, ...)
+
+    with torch.no_grad():
+        if attn.fused:
+            attn.qkv_weight = param(split_kept(attn.qkv_weight), attn.qkv_weight)
+        else:
+            attn.q_weight = param(_kept_rows(attn.q_weight, keep, dh), attn.q_weight)
+            attn.k_weight = param(_kept_rows(attn.k_weight, kept_kv, dh), attn.k_weight)
+            attn.v_weight = param(_kept_rows(attn.v_weight, kept_kv, dh), attn.v_weight)
+        if attn.qkv_bias is not None:
+            attn.qkv_bias = param(split_kept(attn.qkv_bias), attn.qkv_bias)
+        o = attn.o_weight  # (d_model, H dh)
+        new_o = _kept_rows(o.T, keep, dh).T  # (d_model, H' dh)
+        attn.o_weight = param(new_o.contiguous(), o)
+    attn.n_heads = len(keep)
+    attn.n_kv_heads = len(kept_kv)
+
+
+def prune_heads(model: Any, heads: Mapping[int, Sequence[int]]) -> dict[int, list[int]]:
+    """Remove heads for good: ``prune_heads(model, {0: [3, 5], 2: [1]})``.
+
+    Each named layer's fused weights are rebuilt without the pruned heads' rows of ``W_Q``/``b_Q`` and
+    columns of ``W_O`` (so ``n_heads`` and the parameter count drop); the layer then computes exactly
+    what the unpruned layer computes with those heads zero-ablated (``b_O`` is kept). Layer indices are
+    those of :func:`headspace.trace.attention_layers`; head indices are the layer's current ones.
+
+    Grouped-query attention: a key/value head (its ``W_K``, ``W_V``, biases) goes when all its query
+    heads go. Pruning that would leave surviving key/value heads with unequal numbers of query heads is
+    refused with ``ValueError`` (a layer has one group size). Pruning every head of a layer is refused.
+
+    ``model.config`` (if any) is not changed: after pruning, read head counts from the layers.
+    Optimisers and KV caches made before pruning are stale.
+
+    Returns:
+        ``{layer: [original indices of the kept heads]}`` for each pruned layer.
+    """
+    layers = _layers(model)
+    if not isinstance(heads, Mapping):
+        raise TypeError(f"heads must be a dict {{layer: [head, ...]}}; got {type(heads).__name__}")
+    plans: dict[int, list[int]] = {}
+    for layer, drop in heads.items():
+        if isinstance(drop, int) or not isinstance(drop, Sequence):
+            raise TypeError(f"heads[{layer!r}] must be a list of head indices; got {drop!r}")
+        for h in drop:
+            _check_layer_head(layers, layer, h, "heads")
+        attn = layers[layer]
+        keep = [h for h in range(attn.n_heads) if h not in set(drop)]
+        if not keep:
+            raise ValueError(
+                f"heads[{layer}] would prune all {attn.n_heads} heads of layer {layer}; a layer needs at "
+                "least one head (zero-ablate with headspace.ablate instead)"
+            )
+        plans[layer] = keep
+    for layer, keep in plans.items():  # check every layer before changing any (GQA group sizes)
+        _kept_kv_heads(layers[layer], keep, f"heads[{layer}]")
+    for layer, keep in plans.items():
+        shrink_attention(layers[layer], keep)
+    return plans

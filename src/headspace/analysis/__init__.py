@@ -1,0 +1,59 @@
+"""Head analysis: roles, importance, weight-space circuits and subspaces, and how W_O mixes the heads.
+
+Every result is a dataclass of plain tensors with documented shapes and a ``to_dict()``/``to_json()``
+form; layer ``i`` is the ``i``-th attention layer (``blocks.i.attn``).
+
+* :func:`head_roles` (:mod:`.roles`): mean attention mass on the previous / next / current / first /
+  last token, pattern entropy and a role label per head, over inputs.
+* :func:`head_importance` (:mod:`.ablation`): change of a metric (sentence-embedding cosine for
+  encoders, LM loss for decoders) when each head is ablated.
+* :func:`qk_circuit`, :func:`ov_circuit`, :func:`circuit_spectra`, :func:`principal_angles`,
+  :func:`subspace_overlaps` (:mod:`.subspaces`): no inputs needed.
+* :func:`head_mixing`, :func:`wo_norms` (:mod:`.mixing`): each head's share of the attention output.
+"""
+
+from .ablation import HeadImportance, head_importance, mean_z
+from .mixing import HeadMixing, head_mixing, shares_from_result, wo_norms
+from .roles import TARGETS, HeadRoles, head_roles, roles_from_patterns
+from .subspaces import (
+    SUBSPACES,
+    CircuitSpectra,
+    SubspaceOverlaps,
+    circuit_spectra,
+    head_subspaces,
+    orthonormal_basis,
+    ov_circuit,
+    overlap_matrix,
+    principal_angles,
+    qk_circuit,
+    random_overlap,
+    subspace_overlap,
+    subspace_overlaps,
+)
+
+__all__ = [
+    "SUBSPACES",
+    "TARGETS",
+    "CircuitSpectra",
+    "HeadImportance",
+    "HeadMixing",
+    "HeadRoles",
+    "SubspaceOverlaps",
+    "circuit_spectra",
+    "head_importance",
+    "head_mixing",
+    "head_roles",
+    "head_subspaces",
+    "mean_z",
+    "orthonormal_basis",
+    "ov_circuit",
+    "overlap_matrix",
+    "principal_angles",
+    "qk_circuit",
+    "random_overlap",
+    "roles_from_patterns",
+    "shares_from_result",
+    "subspace_overlap",
+    "subspace_overlaps",
+    "wo_norms",
+]

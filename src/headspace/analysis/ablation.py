@@ -1,0 +1,320 @@
+"""Head importance: how much a metric changes when one head is ablated.
+
+For each (layer, head) the model is run with that head ablated (:func:`headspace.ablate`, ``"zero"`` or
+``"mean"``) and a metric is compared with the unablated run:
+
+* ``"cosine"`` (encoders): sentence embeddings ``e_i`` (the pretrained wrapper's ``encode()``, or the
+  mean of the real tokens' final states) with and without the head; score ``1 - mean_i cos(e_i, e'_i)``.
+* ``"loss"`` (decoders): mean next-token cross-entropy over real tokens; score ``loss' - loss``.
+* a callable ``metric(model) -> float``: score ``metric under ablation - metric``.
+
+Larger scores mean a more important head for the built-in metrics. Loops over many heads show a tqdm
+progress bar (rate and ETA).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from tqdm.auto import tqdm
+
+from ..heads import ABLATION_MODES, ablate
+from ..trace import as_module, attention_layers, hooked, trace
+from ._common import Batch, JsonResult, eval_mode, make_batches, pad_heads
+
+METRICS = ("auto", "cosine", "loss")
+
+
+@dataclass
+class HeadImportance(JsonResult):
+    """Per-head importance.
+
+    * ``scores``: [n_layers, max_heads], the change of the metric when the head is ablated (larger =
+      more important for ``"cosine"`` and ``"loss"``); NaN for heads not evaluated or absent (pruned);
+    * ``ablated``: [n_layers, max_heads], the metric with the head ablated (mean cosine to the
+      unablated embeddings, or the loss);
+    * ``baseline``: the metric without ablation (1.0 for ``"cosine"``);
+    * ``metric``: ``"cosine"``, ``"loss"`` or the callable's name; ``mode``: ``"zero"`` or ``"mean"``.
+    """
+
+    kind = "head_importance"
+
+    scores: Tensor
+    ablated: Tensor
+    baseline: float
+    metric: str
+    mode: str
+
+    def ranking(self) -> list[tuple[int, int, float]]:
+        """(layer, head, score) of the evaluated heads, most important first."""
+        items = [
+            (i, h, float(s))
+            for i, row in enumerate(self.scores)
+            for h, s in enumerate(row)
+            if not torch.isnan(s)
+        ]
+        return sorted(items, key=lambda x: -x[2])
+
+
+def mean_z(model: Any, inputs: Any, *, key_padding: Tensor | None = None, batch_size: int = 32) -> dict:
+    """Mean of every head's ``z`` over the real tokens of ``inputs``: ``{(layer, head): [d_head]}``.
+
+    The reference for ``ablate(model, {...: "mean"}, means=mean_z(model, inputs))``.
+    """
+    module = as_module(model)
+    layers = attention_layers(model)
+    batches = make_batches(model, inputs, key_padding, batch_size)
+    sums: list[Tensor | None] = [None] * len(layers)
+    count = 0
+    with eval_mode(module):
+        for batch in batches:
+            with trace(model, "*hook_z") as t:
+                batch.run(module)
+            w = batch.real.to(torch.float64)[:, :, None, None]  # (batch, seq, 1, 1)
+            for i in range(len(layers)):
+                s = (t.z(i).to(torch.float64) * w).sum(dim=(0, 1))  # (n_heads, d_head)
+                sums[i] = s if sums[i] is None else sums[i] + s
+            count += int(batch.real.sum())
+    means = {}
+    for i, (_, attn) in enumerate(layers):
+        m = (sums[i] / max(count, 1)).to(attn.o_weight.dtype)  # (n_heads, d_head)
+        for h in range(attn.n_heads):
+            means[(i, h)] = m[h]
+    return means
+
+
+def _is_decoder(module: nn.Module) -> bool:
+    config = getattr(module, "config", None)
+    return getattr(config, "arch", None) == "decoder"
+
+
+def _replicate(t: Tensor, n: int) -> Tensor:
+    """[b, ...] -> [n b, ...]: ``n`` copies stacked on the batch axis (copy ``r``: rows r b .. r b + b)."""
+    return t.repeat(n, *([1] * (t.dim() - 1)))  # (n b, ...)
+
+
+def _replica_hook(heads: Sequence[int], mode: str, means: Tensor | None, b: int) -> Callable:
+    """A ``hook_z`` function ablating head ``heads[r]`` in copy ``r`` of a replicated batch."""
+
+    def fn(z: Tensor, point: Any) -> Tensor:  # z: (R b, seq, n_heads, d_head)
+        z = z.clone()
+        zr = z.view(len(heads), b, *z.shape[1:])  # (R, b, seq, n_heads, d_head), a view of the clone
+        for r, h in enumerate(heads):
+            zr[r, :, :, h] = 0.0 if mode == "zero" else means[h].to(z)
+        return z
+
+    return fn
+
+
+class _Metric:
+    """A built-in metric evaluated on R ablated copies of a batch at once: sums and counts per copy."""
+
+    name = ""
+
+    def __init__(self, model: Any, module: nn.Module, batches: Sequence[Batch]) -> None:
+        self.model, self.module, self.batches = model, module, batches
+
+    def stats(self, batch_index: int, out: Tensor, R: int) -> tuple[Tensor, Tensor]:
+        raise NotImplementedError
+
+    def baseline(self) -> float:
+        raise NotImplementedError
+
+    def value(self, total: Tensor, count: Tensor) -> Tensor:
+        return total / count.clamp_min(1)
+
+    def score(self, value: Tensor, baseline: float) -> Tensor:
+        return value - baseline
+
+
+class _Cosine(_Metric):
+    """Mean cosine between sentence embeddings with and without the ablation; score 1 - cosine."""
+
+    name = "cosine"
+
+    def __init__(self, model: Any, module: nn.Module, batches: Sequence[Batch]) -> None:
+        super().__init__(model, module, batches)
+        self.reference = [self.embed(b.run(module), b.real) for b in batches]  # [(b, d_model)]
+
+    def embed(self, states: Tensor, real: Tensor) -> Tensor:
+        """Sentence embeddings [b, d]: the wrapper's pool() (as its encode()), else the masked mean."""
+        pool = getattr(self.model, "pool", None)
+        if callable(pool):
+            return pool(states, real).to(torch.float64)
+        w = real.to(torch.float64)[:, :, None]  # (b, seq, 1)
+        return (states.to(torch.float64) * w).sum(1) / w.sum(1).clamp_min(1)  # (b, d_model)
+
+    def stats(self, batch_index: int, out: Tensor, R: int) -> tuple[Tensor, Tensor]:
+        batch = self.batches[batch_index]
+        ref = self.reference[batch_index]  # (b, d)
+        b = ref.shape[0]
+        e = self.embed(out, _replicate(batch.real, R)).view(R, b, -1)  # (R, b, d)
+        cos = F.cosine_similarity(e, ref[None], dim=-1)  # (R, b)
+        return cos.sum(1), torch.full((R,), float(b), dtype=torch.float64)
+
+    def baseline(self) -> float:
+        return 1.0
+
+    def score(self, value: Tensor, baseline: float) -> Tensor:
+        return baseline - value
+
+
+class _Loss(_Metric):
+    """Mean next-token cross-entropy over pairs of real tokens; score loss' - loss."""
+
+    name = "loss"
+
+    def __init__(self, model: Any, module: nn.Module, batches: Sequence[Batch]) -> None:
+        super().__init__(model, module, batches)
+        for batch in batches:
+            if batch.tokens is None:
+                raise TypeError("metric='loss' needs token ids [batch, seq]; got activations")
+
+    def stats(self, batch_index: int, out: Tensor, R: int) -> tuple[Tensor, Tensor]:
+        batch = self.batches[batch_index]
+        tokens, real = _replicate(batch.tokens, R), _replicate(batch.real, R)  # (R b, seq) x 2
+        pair = (real[:, :-1] & real[:, 1:]).to(torch.float64)  # (R b, seq - 1): context end and target real
+        logits = out[:, :-1].transpose(1, 2).to(torch.float64)  # (R b, vocab, seq - 1)
+        ce = F.cross_entropy(logits, tokens[:, 1:], reduction="none")  # (R b, seq - 1)
+        b = batch.tokens.shape[0]
+        return (ce * pair).view(R, b, -1).sum(dim=(1, 2)), pair.view(R, b, -1).sum(dim=(1, 2))
+
+    def baseline(self) -> float:
+        total, count = torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+        for i, batch in enumerate(self.batches):
+            t, c = self.stats(i, batch.run(self.module), 1)
+            total, count = total + t, count + c
+        if float(count) == 0:
+            raise ValueError("metric='loss' needs sequences of at least two real tokens")
+        return float(total / count)
+
+
+def head_importance(
+    model: Any,
+    inputs: Any = None,
+    *,
+    metric: str | Callable[[Any], float] = "auto",
+    mode: str = "zero",
+    key_padding: Tensor | None = None,
+    heads: Sequence[tuple[int, int]] | None = None,
+    batch_size: int = 32,
+    max_rows: int = 256,
+    progress: bool = True,
+) -> HeadImportance:
+    """Ablate each head in turn and measure the change of ``metric`` (see the module docstring).
+
+    Args:
+        model: a pretrained wrapper (``headspace.load("minilm")``), an Encoder or a Decoder (or any
+            module with attention layers, with a callable metric).
+        inputs: sentences (pretrained wrapper), token ids [batch, seq], or a list of tensors; may be
+            None with a callable metric and ``mode="zero"``.
+        metric: ``"auto"`` (``"loss"`` for a decoder, else ``"cosine"``), ``"cosine"``, ``"loss"``, or a
+            callable ``metric(model) -> float`` evaluated under each ablation (one run per head).
+        mode: ``"zero"`` or ``"mean"`` (z replaced by its mean over the real tokens of ``inputs``).
+        key_padding: bool [batch, seq], True for real tokens, with a single tensor input.
+        heads: the (layer, head) pairs to evaluate (default: all).
+        batch_size: sentences per forward pass of the inputs.
+        max_rows: the built-in metrics ablate several heads of a layer in one forward pass, each in its
+            own copy of the batch (copy ``r`` has head ``r`` ablated), up to ``max_rows`` rows per pass.
+        progress: show a tqdm bar over the heads.
+
+    The built-in metrics give exactly what one :func:`headspace.ablate` run per head gives (a test holds
+    this). The model runs in eval mode without autograd; its mode is restored. Deterministic for a
+    deterministic model: two calls give identical results.
+    """
+    module = as_module(model)
+    layers = attention_layers(model)
+    if not layers:
+        raise ValueError(f"model has no MultiHeadAttention layer; got {type(model).__name__}")
+    if mode not in ABLATION_MODES:
+        raise ValueError(f"mode must be one of {ABLATION_MODES}; got {mode!r}")
+    if not callable(metric) and metric not in METRICS:
+        raise ValueError(
+            f"metric must be one of {METRICS} or a callable metric(model) -> float; got {metric!r}"
+        )
+    if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows <= 0:
+        raise ValueError(f"max_rows must be a positive int; got {max_rows!r}")
+    if not callable(metric) and metric == "auto":
+        metric = "loss" if _is_decoder(module) else "cosine"
+    all_heads = [(i, h) for i, (_, attn) in enumerate(layers) for h in range(attn.n_heads)]
+    if heads is None:
+        todo = all_heads
+    else:
+        valid = set(all_heads)
+        todo = []
+        for pair in heads:
+            if pair not in valid:
+                raise ValueError(
+                    f"heads: {pair!r} is not a (layer, head) of this model (layers 0..{len(layers) - 1}, "
+                    f"heads per layer {[a.n_heads for _, a in layers]})"
+                )
+            todo.append(pair)
+    if inputs is None and (not callable(metric) or mode == "mean"):
+        raise ValueError("inputs are needed for the built-in metrics and for mode='mean'; got None")
+    batches = make_batches(model, inputs, key_padding, batch_size) if inputs is not None else []
+    means = mean_z(model, inputs, key_padding=key_padding, batch_size=batch_size) if mode == "mean" else None
+
+    ablated = [torch.full((attn.n_heads,), float("nan"), dtype=torch.float64) for _, attn in layers]
+    scores = [torch.full((attn.n_heads,), float("nan"), dtype=torch.float64) for _, attn in layers]
+    with eval_mode(module):
+        if callable(metric):
+            name = getattr(metric, "__name__", type(metric).__name__)
+            baseline = float(metric(model))
+            bar = tqdm(todo, desc=f"ablating heads ({name}, {mode})", unit="head", disable=not progress)
+            for layer, head in bar:
+                with ablate(model, {(layer, head): mode}, means=means):
+                    value = float(metric(model))
+                ablated[layer][head] = value
+                scores[layer][head] = value - baseline
+        else:
+            m: _Metric = (_Loss if metric == "loss" else _Cosine)(model, module, batches)
+            name = m.name
+            baseline = m.baseline()
+            by_layer: dict[int, list[int]] = {}
+            for layer, head in todo:
+                by_layer.setdefault(layer, []).append(head)
+            paths = [p for p, _ in layers]
+            bar = tqdm(
+                total=len(todo), desc=f"ablating heads ({name}, {mode})", unit="head", disable=not progress
+            )
+            for layer, layer_heads in by_layer.items():
+                n_heads = layers[layer][1].n_heads
+                layer_means = None
+                if means is not None:
+                    layer_means = torch.stack(
+                        [means[(layer, h)] for h in range(n_heads)]
+                    )  # (n_heads, d_head)
+                total = torch.zeros(len(layer_heads), dtype=torch.float64)
+                count = torch.zeros(len(layer_heads), dtype=torch.float64)
+                hook_name = f"{paths[layer]}.hook_z" if paths[layer] else "hook_z"
+                for bi, batch in enumerate(batches):
+                    b = batch.args[0].shape[0]
+                    chunk = max(1, max_rows // b)
+                    for start in range(0, len(layer_heads), chunk):
+                        part = layer_heads[start : start + chunk]
+                        R = len(part)
+                        rep = Batch(
+                            tuple(_replicate(a, R) for a in batch.args),
+                            None if batch.key_padding is None else _replicate(batch.key_padding, R),
+                            None if batch.tokens is None else _replicate(batch.tokens, R),
+                        )
+                        with hooked(model, {hook_name: _replica_hook(part, mode, layer_means, b)}):
+                            out = rep.run(module)  # (R b, ...)
+                        t, c = m.stats(bi, out, R)  # (R,) x 2
+                        total[start : start + R] += t
+                        count[start : start + R] += c
+                        if bi == len(batches) - 1:
+                            bar.update(R)
+                values = m.value(total, count)  # (len(layer_heads),)
+                for j, h in enumerate(layer_heads):
+                    ablated[layer][h] = values[j]
+                    scores[layer][h] = m.score(values[j], baseline)
+            bar.close()
+    return HeadImportance(
+        scores=pad_heads(scores), ablated=pad_heads(ablated), baseline=float(baseline), metric=name, mode=mode
+    )

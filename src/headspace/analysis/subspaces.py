@@ -1,0 +1,263 @@
+r"""Weight-space analysis, no inputs needed: circuits, their spectra and the heads' subspaces.
+
+Circuits (Elhage et al. 2021), per query head ``h`` of a layer, kept factored (rank <= d_head):
+
+* QK circuit ``W_Q[h] W_K[g(h)]^T`` [d_model, kdim]: the bilinear form of the (unscaled) score
+  ``x_i W_Q W_K^T c_j^T``;
+* OV circuit ``W_V[g(h)] W_O[h]`` [vdim, d_model]: what attending to ``c_j`` writes to the output.
+
+``g(h)`` is the key/value head serving query head ``h`` (grouped-query attention).
+
+Subspaces: a head *reads* ``x`` only through the column space of ``W_Q[h]`` (``q = x W_Q``), keys and
+values through those of ``W_K``/``W_V``, and *writes* into the row space of ``W_O[h]`` (the column space
+of ``W_O[h]^T``). The principal angles ``theta_1 <= ... <= theta_k`` between two such subspaces come from
+the singular values ``cos theta_i`` of ``Q_A^T Q_B`` (orthonormal bases). Their **overlap** is
+
+    overlap(A, B) = sum_i cos^2 theta_i / min(dim A, dim B)     in [0, 1]
+
+(1: one subspace contains the other; 0: orthogonal). For subspaces of dims ``p`` and ``q`` drawn
+uniformly at random in ``R^d``, ``E[sum_i cos^2 theta_i] = p q / d``, so the expected overlap is
+``max(p, q) / d`` (``d_head / d_model`` for two heads): the baseline reported beside every overlap matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..attention import MultiHeadAttention
+from ..heads import FactoredMatrix, effective_rank
+from ..trace import attention_layers
+from ._common import JsonResult, pad_heads
+
+SUBSPACES = ("q", "k", "v", "o")
+"""Which weight's subspace: ``q`` W_Q[h], ``k`` W_K[g], ``v`` W_V[g] (read), ``o`` W_O[h]^T (written)."""
+
+
+def get_layer(model: Any, layer: int) -> MultiHeadAttention:
+    """The ``layer``-th :class:`MultiHeadAttention` of ``model`` (module order; a bare layer is layer 0)."""
+    layers = attention_layers(model)
+    n = len(layers)
+    if n == 0:
+        raise ValueError(f"model has no MultiHeadAttention layer; got {type(model).__name__}")
+    if not isinstance(layer, int) or isinstance(layer, bool) or not -n <= layer < n:
+        raise ValueError(f"layer must be an int in [0, {n}) for this model; got {layer!r}")
+    return layers[layer][1]
+
+
+def qk_circuit(model: Any, layer: int = 0) -> FactoredMatrix:
+    """QK circuits of every query head of ``layer``: ``W_Q[h] W_K[g(h)]^T``, [n_heads, d_model, kdim]."""
+    attn = get_layer(model, layer)
+    W_K = attn.W_K.repeat_interleave(attn.group_size, dim=0)  # (n_heads, kdim, d_head)
+    W_Kt = W_K.detach().transpose(1, 2)  # (n_heads, d_head, kdim)
+    return FactoredMatrix(attn.W_Q.detach(), W_Kt)
+
+
+def ov_circuit(model: Any, layer: int = 0) -> FactoredMatrix:
+    """OV circuits of every query head of ``layer``: ``W_V[g(h)] W_O[h]``, [n_heads, vdim, d_model]."""
+    attn = get_layer(model, layer)
+    W_V = attn.W_V.repeat_interleave(attn.group_size, dim=0)  # (n_heads, vdim, d_head)
+    return FactoredMatrix(W_V.detach(), attn.W_O.detach())  # A (H, vdim, dh), B (H, dh, d_model)
+
+
+def head_subspaces(attn: MultiHeadAttention, which: str) -> Tensor:
+    """The matrices whose column spaces are the heads' subspaces, [n, dim, d_head].
+
+    ``which``: ``"q"`` -> W_Q [n_heads, d_model, d_head]; ``"k"`` -> W_K [n_kv_heads, kdim, d_head];
+    ``"v"`` -> W_V [n_kv_heads, vdim, d_head]; ``"o"`` -> W_O^T [n_heads, d_model, d_head].
+    """
+    if which not in SUBSPACES:
+        raise ValueError(f"which must be one of {SUBSPACES}; got {which!r}")
+    if which == "q":
+        return attn.W_Q.detach()
+    if which == "k":
+        return attn.W_K.detach()
+    if which == "v":
+        return attn.W_V.detach()
+    return attn.W_O.detach().transpose(1, 2)  # (n_heads, d_model, d_head)
+
+
+def orthonormal_basis(A: Tensor, rtol: float | None = None) -> tuple[Tensor, Tensor]:
+    """Orthonormal bases of the column spaces of ``A`` [..., d, p]: (``U`` [..., d, p], ``rank`` [...]).
+
+    Columns of ``U`` beyond each matrix's rank are zero. Rank: singular values above
+    ``rtol * max(s)``, with ``rtol`` defaulting to ``max(d, p) * eps`` (as ``torch.linalg.matrix_rank``).
+    """
+    if not isinstance(A, Tensor) or A.dim() < 2:
+        raise ValueError(f"A must be a tensor [..., d, p]; got {A!r}")
+    U, S, _ = torch.linalg.svd(A, full_matrices=False)  # (..., d, k), (..., k)
+    if rtol is None:
+        rtol = max(A.shape[-2], A.shape[-1]) * torch.finfo(A.dtype).eps
+    keep = S > rtol * S.amax(-1, keepdim=True)  # (..., k)
+    keep = keep & (S > 0)
+    return U * keep.unsqueeze(-2).to(U.dtype), keep.sum(-1)  # (..., d, k), (...)
+
+
+def _check_pair(A: Tensor, B: Tensor) -> None:
+    for name, t in (("A", A), ("B", B)):
+        if not isinstance(t, Tensor) or t.dim() != 2:
+            got = list(t.shape) if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(f"{name} must be a matrix [d, p] whose columns span a subspace; got {got}")
+    if A.shape[0] != B.shape[0]:
+        raise ValueError(
+            f"A and B must live in the same space (same number of rows); "
+            f"got A {list(A.shape)}, B {list(B.shape)}"
+        )
+
+
+def principal_angles(A: Tensor, B: Tensor) -> Tensor:
+    """Principal angles (radians, ascending) between the column spaces of ``A`` [d, p] and ``B`` [d, q].
+
+    Returns [min(rank A, rank B)]; 0 means a shared direction, pi/2 orthogonal directions.
+    """
+    _check_pair(A, B)
+    Ua, ra = orthonormal_basis(A)
+    Ub, rb = orthonormal_basis(B)
+    k = int(min(ra, rb))
+    cos = torch.linalg.svdvals(Ua.transpose(-2, -1) @ Ub)[:k].clamp(0.0, 1.0)  # (k,) descending
+    return torch.arccos(cos)  # (k,) ascending
+
+
+def subspace_overlap(A: Tensor, B: Tensor) -> Tensor:
+    """Overlap in [0, 1] of the column spaces of ``A`` [d, p] and ``B`` [d, q]: mean cos^2 of the angles.
+
+    NaN when either matrix is zero (a zero-dimensional subspace).
+    """
+    _check_pair(A, B)
+    Ua, ra = orthonormal_basis(A)
+    Ub, rb = orthonormal_basis(B)
+    k = torch.minimum(ra, rb)
+    num = (Ua.transpose(-2, -1) @ Ub).pow(2).sum()  # sum_i cos^2 theta_i
+    return torch.where(k > 0, num / k.clamp_min(1), torch.full_like(num, float("nan")))
+
+
+def random_overlap(d: int, p: int, q: int) -> float:
+    """Expected :func:`subspace_overlap` of uniformly random subspaces of dims ``p``, ``q`` in ``R^d``.
+
+    It is ``max(p, q) / d`` (from ``E[sum_i cos^2 theta_i] = p q / d``).
+    """
+    for name, v in (("d", d), ("p", p), ("q", q)):
+        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            raise ValueError(f"{name} must be a positive int; got {v!r}")
+    if p > d or q > d:
+        raise ValueError(f"subspace dims p={p}, q={q} cannot exceed the ambient dim d={d}")
+    return max(p, q) / d
+
+
+def overlap_matrix(attn: MultiHeadAttention, which: str = "q") -> Tensor:
+    """[n, n] overlaps between the heads' subspaces of one layer (n = n_kv_heads for ``"k"``/``"v"``)."""
+    U, rank = orthonormal_basis(head_subspaces(attn, which).to(torch.float64))  # (n, dim, dh), (n,)
+    G = torch.einsum("idp,jdq->ijpq", U, U)  # (n, n, dh, dh): Q_i^T Q_j
+    num = G.pow(2).sum(dim=(-2, -1))  # (n, n)
+    k = torch.minimum(rank[:, None], rank[None, :]).to(num.dtype)  # (n, n)
+    out = torch.where(k > 0, num / k.clamp_min(1), torch.full_like(num, float("nan")))
+    return out.to(torch.float32)
+
+
+@dataclass
+class SubspaceOverlaps(JsonResult):
+    """Per-layer head x head overlap of one kind of subspace (``which`` in :data:`SUBSPACES`).
+
+    * ``overlap``: [n_layers, n, n] (n = max heads, or kv heads for ``"k"``/``"v"``; NaN-padded);
+    * ``rank``: [n_layers, n], the dimension of each head's subspace (usually d_head);
+    * ``dim``: [n_layers], the ambient dimension (d_model, kdim or vdim);
+    * ``random_expected``: [n_layers], expected overlap of random subspaces of the heads' median rank;
+    * ``mean_offdiag``: [n_layers], mean overlap between distinct heads (compare with ``random_expected``).
+    """
+
+    kind = "subspace_overlaps"
+
+    which: str
+    overlap: Tensor
+    rank: Tensor
+    dim: Tensor
+    random_expected: Tensor
+    mean_offdiag: Tensor
+
+
+def subspace_overlaps(model: Any, which: str = "q") -> SubspaceOverlaps:
+    """Overlap matrices of every attention layer; grouped-query aware (``"k"``/``"v"`` per kv head)."""
+    if which not in SUBSPACES:
+        raise ValueError(f"which must be one of {SUBSPACES}; got {which!r}")
+    layers = attention_layers(model)
+    if not layers:
+        raise ValueError(f"model has no MultiHeadAttention layer; got {type(model).__name__}")
+    mats, ranks, dims, expected, offdiag = [], [], [], [], []
+    for _, attn in layers:
+        W = head_subspaces(attn, which)  # (n, dim, dh)
+        M = overlap_matrix(attn, which)  # (n, n)
+        _, rank = orthonormal_basis(W.to(torch.float64))  # (n,)
+        n, d = M.shape[0], W.shape[1]
+        mats.append(M)
+        ranks.append(rank.to(torch.float32))
+        dims.append(d)
+        r = max(1, int(rank.median()))
+        expected.append(random_overlap(d, min(r, d), min(r, d)))
+        off = M[~torch.eye(n, dtype=torch.bool)]
+        offdiag.append(float(off.nanmean()) if off.numel() else float("nan"))
+    width = max(m.shape[0] for m in mats)
+    overlap = torch.full((len(mats), width, width), float("nan"))
+    for i, m in enumerate(mats):
+        overlap[i, : m.shape[0], : m.shape[1]] = m
+    return SubspaceOverlaps(
+        which=which,
+        overlap=overlap,
+        rank=pad_heads(ranks),
+        dim=torch.tensor(dims),
+        random_expected=torch.tensor(expected),
+        mean_offdiag=torch.tensor(offdiag),
+    )
+
+
+@dataclass
+class CircuitSpectra(JsonResult):
+    """Spectra of every head's QK and OV circuits, computed through the factors (no inputs).
+
+    Shapes (NaN-padded over heads for pruned layers; k = d_head):
+
+    * ``qk_singular_values``, ``ov_singular_values``: [n_layers, max_heads, k], descending;
+    * ``qk_norm``, ``ov_norm``: [n_layers, max_heads], Frobenius norms;
+    * ``qk_effective_rank``, ``ov_effective_rank``: [n_layers, max_heads], entropy effective rank
+      (:func:`headspace.heads.effective_rank`), between 1 and d_head;
+    * ``ov_copying``: [n_layers, max_heads], ``sum Re(lambda) / sum |lambda|`` over the OV circuit's
+      eigenvalues (1: writes back what it reads, as a copying head; -1: the opposite; NaN when
+      vdim != d_model or the circuit is zero).
+    """
+
+    kind = "circuit_spectra"
+
+    qk_singular_values: Tensor
+    ov_singular_values: Tensor
+    qk_norm: Tensor
+    ov_norm: Tensor
+    qk_effective_rank: Tensor
+    ov_effective_rank: Tensor
+    ov_copying: Tensor
+
+
+def circuit_spectra(model: Any) -> CircuitSpectra:
+    """Singular values, norms, effective ranks and the copying score of every head's circuits."""
+    layers = attention_layers(model)
+    if not layers:
+        raise ValueError(f"model has no MultiHeadAttention layer; got {type(model).__name__}")
+    rows: dict[str, list[Tensor]] = {k: [] for k in CircuitSpectra.__dataclass_fields__}
+    for i, (_, attn) in enumerate(layers):
+        qk = qk_circuit(model, i)
+        ov = ov_circuit(model, i)
+        for name, fm in (("qk", qk), ("ov", ov)):
+            fm64 = FactoredMatrix(fm.A.to(torch.float64), fm.B.to(torch.float64))
+            s = fm64.singular_values  # (n_heads, k)
+            rows[f"{name}_singular_values"].append(s.float())
+            rows[f"{name}_norm"].append(s.pow(2).sum(-1).sqrt().float())
+            rows[f"{name}_effective_rank"].append(effective_rank(s).float())
+        if attn.vdim == attn.d_model:
+            ev = FactoredMatrix(ov.A.to(torch.float64), ov.B.to(torch.float64)).eigenvalues()  # (H, dh)
+            mag = ev.abs().sum(-1)  # (H,)
+            copying = torch.where(mag > 0, ev.real.sum(-1) / mag.clamp_min(1e-300), torch.nan)
+        else:
+            copying = torch.full((attn.n_heads,), float("nan"), dtype=torch.float64)
+        rows["ov_copying"].append(copying.float())
+    return CircuitSpectra(**{k: pad_heads(v) for k, v in rows.items()})
