@@ -1,0 +1,577 @@
+"""The training loop: AdamW, warm-up + cosine schedule, gradient clipping, evaluation, exact resume.
+
+:func:`train` trains a :class:`~headspace.models.Decoder` (or an :class:`~headspace.models.Encoder` with
+a linear read-out) described by a :class:`TrainConfig` on a built-in task (:mod:`.tasks`) or a text file
+(:mod:`.data`), and writes a run folder::
+
+    RUN_DIR/config.json        the run: {"format", "train": TrainConfig, "model": ModelConfig, "data"}
+    RUN_DIR/metrics.jsonl      one JSON object per line: {"kind": "train", "step", "loss", "lr",
+                               "grad_norm", "tokens_per_s"} and {"kind": "eval", "step", "loss",
+                               "accuracy", per-head measurements (see :mod:`.metrics`)}
+    RUN_DIR/checkpoints/       see :mod:`.checkpoint` (every ``save_every`` steps and at the end)
+    RUN_DIR/summary.json       synthetic tasks: accuracy and, per relation, the head that serves it
+
+Determinism: the weights are initialised from ``seed``; the batch of step ``s`` is drawn from a
+generator seeded by (seed, s) only; evaluation uses its own generator and never touches the global RNG.
+A checkpoint stores the optimizer state and the RNG states, so a run killed at any step and resumed
+from its last checkpoint ends with the same weights, bit for bit, as a run never interrupted.
+
+Data parallel (``torchrun --nproc-per-node W -m headspace train ...``): every rank draws the same
+global batch and trains on rows ``[r B/W, (r+1) B/W)``; DDP averages the gradients, so a step equals the
+one-process step on the whole batch. Only rank 0 writes files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..models import Decoder, Encoder, ModelConfig
+from ..parallel import (
+    DistInfo,
+    average_across_ranks,
+    barrier,
+    check_same_config,
+    local_batch_slice,
+    setup_distributed,
+    teardown,
+    wrap_model,
+)
+from .checkpoint import (
+    CHECKPOINTS_DIR,
+    LATEST_FILE,
+    CheckpointError,
+    config_differences,
+    load_checkpoint,
+    restore_training_state,
+    save_checkpoint,
+    write_atomic,
+)
+from .data import LEVELS, TextData, load_text
+from .metrics import evaluate, relation_summary, task_loss
+from .tasks import EVAL_STREAM, TASKS, TRAIN_STREAM, Batch, batch_generator, make_task
+
+RUN_FORMAT = "headspace-run/1"
+RUN_CONFIG = "config.json"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILE = "summary.json"
+
+#: Fields of TrainConfig that may change when a run is resumed (they do not change the weights).
+RESUMABLE_CHANGES = ("train.device", "train.save_every", "train.eval_every", "train.log_every", "data.path")
+
+# per-task defaults for the fields left as None
+_DEFAULTS = {
+    "relations": {"n_layers": 1, "n_heads": 2, "d_model": 64, "steps": 600, "lr": 3e-3, "batch_size": 64},
+    "reverse": {"n_layers": 2, "n_heads": 2, "d_model": 64, "steps": 1500, "lr": 3e-3, "batch_size": 64},
+    "text": {"n_layers": 4, "n_heads": 4, "d_model": 128, "steps": 2000, "lr": 1e-3, "batch_size": 32},
+}
+
+
+@dataclass
+class TrainConfig:
+    """Everything that decides a training run (stored as JSON in the run folder and its checkpoints).
+
+    Fields left as ``None`` take the task's default (see ``_DEFAULTS``): ``relations`` trains 1 layer x 2
+    heads, d_model 64, 600 steps; ``text`` 4 layers x 4 heads, d_model 128, 2000 steps. Out-of-range
+    values raise ``ValueError`` naming the field.
+    """
+
+    #: "relations", "reverse" (built-in synthetic tasks) or "text" (a language model on ``data``).
+    task: str = "relations"
+    #: UTF-8 text file for task "text".
+    data: str | None = None
+    #: Text tokens: "char" (characters of the file) or "byte" (UTF-8 bytes).
+    level: str = "char"
+    #: "decoder" (causal) or "encoder" (bidirectional, with a linear read-out; synthetic tasks only).
+    arch: str = "decoder"
+    n_layers: int | None = None
+    n_heads: int | None = None
+    d_model: int | None = None
+    #: Feed-forward width; None: 4 * d_model.
+    d_mlp: int | None = None
+    dropout: float = 0.0
+    #: Window length for text (default 128); synthetic tasks fix their own length.
+    seq_len: int | None = None
+    #: Global batch (split over data-parallel ranks).
+    batch_size: int | None = None
+    steps: int | None = None
+    #: Peak learning rate, reached after ``warmup`` steps, then a cosine decay to ``min_lr_ratio * lr``.
+    lr: float | None = None
+    min_lr_ratio: float = 0.1
+    warmup: int = 50
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.99
+    #: Clip the global gradient norm to this value (0: no clipping).
+    grad_clip: float = 1.0
+    #: Evaluate (and measure every head) every this many steps and at the end.
+    eval_every: int = 100
+    #: Evaluation batch size (a fixed held-out batch).
+    eval_batch: int = 512
+    #: Log the training loss every this many steps.
+    log_every: int = 10
+    #: Write a checkpoint every this many steps (0: only at the end).
+    save_every: int = 0
+    seed: int = 0
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        if self.data is not None and self.task != "text":
+            raise ValueError(f"data={self.data!r} is given, so task must be 'text'; got task={self.task!r}")
+        if self.task not in (*TASKS, "text"):
+            raise ValueError(f"task must be one of {[*TASKS, 'text']}; got {self.task!r}")
+        if self.task == "text" and self.data is None:
+            raise ValueError("task 'text' needs data (a UTF-8 text file, --data FILE)")
+        if self.level not in LEVELS:
+            raise ValueError(f"level must be one of {list(LEVELS)}; got {self.level!r}")
+        if self.arch not in ("decoder", "encoder"):
+            raise ValueError(f"arch must be 'decoder' or 'encoder'; got {self.arch!r}")
+        if self.arch == "encoder" and self.task == "text":
+            raise ValueError(
+                "arch='encoder' trains only synthetic tasks; a text language model needs 'decoder'"
+            )
+        for name, value in _DEFAULTS[self.task].items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+        if self.task == "text" and self.seq_len is None:
+            self.seq_len = 128
+        if self.task != "text" and self.seq_len is not None:
+            raise ValueError(
+                f"seq_len is fixed by the task {self.task!r}; leave it unset (got {self.seq_len})"
+            )
+        for name in ("n_layers", "n_heads", "d_model", "batch_size", "steps", "eval_every", "eval_batch"):
+            _positive_int(name, getattr(self, name))
+        _positive_int("log_every", self.log_every)
+        for name in ("d_mlp", "seq_len"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        for name in ("warmup", "save_every", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an int >= 0; got {v!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"d_model={self.d_model} must be divisible by n_heads={self.n_heads} "
+                "(d_head = d_model / n_heads)"
+            )
+        _in_range("lr", self.lr, 0.0, 10.0, low_open=True)
+        _in_range("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
+        _in_range("weight_decay", self.weight_decay, 0.0, 10.0)
+        _in_range("beta1", self.beta1, 0.0, 1.0, high_open=True)
+        _in_range("beta2", self.beta2, 0.0, 1.0, high_open=True)
+        _in_range("grad_clip", self.grad_clip, 0.0, 1e6)
+        _in_range("dropout", self.dropout, 0.0, 1.0, high_open=True)
+        if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda'; got {self.device!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"TrainConfig: unknown fields {unknown}; known fields: {sorted(known)}")
+        return cls(**data)
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1; got {value!r}")
+
+
+def _in_range(
+    name: str, value: Any, low: float, high: float, *, low_open: bool = False, high_open: bool = False
+) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        lo, hi = "(" if low_open else "[", ")" if high_open else "]"
+        raise ValueError(f"{name} must be a number in {lo}{low}, {high}{hi}; got {value!r}")
+
+
+def learning_rate(config: TrainConfig, step: int) -> float:
+    """Linear warm-up to ``lr`` over ``warmup`` steps, then cosine decay to ``min_lr_ratio * lr``."""
+    peak, floor = config.lr, config.lr * config.min_lr_ratio
+    if step < config.warmup:
+        return peak * (step + 1) / config.warmup
+    span = max(1, config.steps - config.warmup)
+    progress = min(1.0, (step - config.warmup) / span)
+    return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
+
+
+# --------------------------------------------------------------------------------------------- models
+class EncoderReadout(nn.Module):
+    """An :class:`~headspace.models.Encoder` with a linear read-out: ``logits = Encoder(t) W + b``."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.encoder = Encoder(config)
+        self.readout = nn.Linear(config.d_model, config.vocab_size)
+        nn.init.normal_(self.readout.weight, std=config.init_std)
+        nn.init.zeros_(self.readout.bias)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """tokens [batch, seq] -> logits [batch, seq, vocab_size]."""
+        return self.readout(self.encoder(tokens))  # (batch, seq, vocab_size)
+
+
+def model_config_for(config: TrainConfig, vocab_size: int, seq_len: int) -> ModelConfig:
+    return ModelConfig(
+        arch=config.arch,
+        vocab_size=vocab_size,
+        d_model=config.d_model,
+        n_layers=config.n_layers,
+        n_heads=config.n_heads,
+        d_mlp=config.d_mlp,
+        max_seq_len=seq_len,
+        norm="pre",
+        dropout=config.dropout,
+        type_vocab_size=0,
+        final_ln=True,
+        name=f"headspace-train-{config.task}",
+    )
+
+
+def build_model(model_config: ModelConfig) -> nn.Module:
+    """A Decoder, or an Encoder with a read-out, for ``model_config``."""
+    if model_config.arch == "decoder":
+        return Decoder(model_config)
+    return EncoderReadout(model_config)
+
+
+# --------------------------------------------------------------------------------------------- data
+class _Source:
+    """The task or the text, behind one interface: train/eval batches and a description."""
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        if config.task == "text":
+            assert config.data is not None and config.seq_len is not None
+            self.text: TextData | None = load_text(config.data, level=config.level, seq_len=config.seq_len)
+            self.task: Any = None
+            self.vocab_size = self.text.vocab_size
+            self.seq_len = config.seq_len
+        else:
+            self.text = None
+            self.task = make_task(config.task)
+            self.vocab_size = self.task.vocab_size
+            self.seq_len = self.task.seq_len
+
+    def describe(self) -> dict[str, Any]:
+        return self.text.describe() if self.text is not None else self.task.describe()
+
+    def train_batch(self, step: int) -> Batch:
+        g = batch_generator(self.config.seed, step, TRAIN_STREAM)
+        if self.text is not None:
+            return self.text.sample(g, self.config.batch_size, "train")
+        return self.task.sample(g, self.config.batch_size)
+
+    def eval_batch(self) -> Batch:
+        g = batch_generator(self.config.seed, 0, EVAL_STREAM)
+        if self.text is not None:
+            return self.text.sample(g, self.config.eval_batch, "val")
+        return self.task.sample(g, self.config.eval_batch)
+
+
+# --------------------------------------------------------------------------------------------- run folder
+@dataclass
+class RunResult:
+    """What :func:`train` returns: the run folder, the final step, the last evaluation and the summary."""
+
+    run_dir: Path
+    step: int
+    model: nn.Module
+    final_eval: dict[str, Any]
+    summary: dict[str, Any] | None
+
+
+class RunFolderError(ValueError):
+    """The output folder cannot take this run (it holds another run, or nothing to resume)."""
+
+
+def run_record(config: TrainConfig, model_config: ModelConfig, data: dict[str, Any]) -> dict[str, Any]:
+    return {"format": RUN_FORMAT, "train": config.to_dict(), "model": model_config.to_dict(), "data": data}
+
+
+def _check_run_dir(out: Path, record: dict[str, Any], resume: bool) -> None:
+    cfg = out / RUN_CONFIG
+    if resume:
+        if not cfg.exists():
+            raise RunFolderError(
+                f"--resume: {out} holds no run (no {RUN_CONFIG}); start one without --resume"
+            )
+        try:
+            saved = json.loads(cfg.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as e:
+            raise RunFolderError(f"--resume: {cfg} is unreadable ({e})") from None
+        diffs = [
+            d
+            for d in config_differences(saved, record)
+            if not any(d.startswith(f"{f}:") or d.startswith(f"{f}.") for f in RESUMABLE_CHANGES)
+        ]
+        if diffs:
+            raise RunFolderError(
+                f"--resume: {out} holds a run with another configuration; differing fields: "
+                + "; ".join(diffs)
+            )
+        return
+    if out.exists() and not out.is_dir():
+        raise RunFolderError(f"--out {out} is a file, not a folder")
+    if cfg.exists():
+        try:
+            saved = json.loads(cfg.read_text(encoding="utf-8"))
+            what = f"task {saved['train']['task']!r}, {saved['train']['steps']} steps"
+        except (OSError, ValueError, KeyError, TypeError):
+            what = "unreadable config"
+        raise RunFolderError(
+            f"--out {out} already holds another run ({what}); pass --resume to continue it "
+            "or choose a new folder"
+        )
+    if out.exists() and any(out.iterdir()):
+        raise RunFolderError(f"--out {out} is not empty and holds no run; choose a new or empty folder")
+
+
+def _trim_metrics(path: Path, step: int) -> None:
+    """Keep the metrics lines up to ``step`` (a resumed run rewrites what came after its checkpoint)."""
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue  # a line cut short by a kill
+    write_atomic(path, "".join(k + "\n" for k in kept))
+
+
+def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on matrices (>= 2-D), none on biases and LayerNorm gains (as nanoGPT)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [
+        {"params": decay, "weight_decay": config.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), foreach=False)
+
+
+# --------------------------------------------------------------------------------------------- training
+def train(
+    config: TrainConfig,
+    out: str | os.PathLike[str],
+    *,
+    resume: bool = False,
+    progress: bool = True,
+    _info: DistInfo | None = None,
+) -> RunResult:
+    """Train ``config`` into the run folder ``out`` (see the module docstring); returns a :class:`RunResult`.
+
+    ``resume=True`` continues the run in ``out`` from its latest checkpoint (the configuration must be
+    the same, except the fields in ``RESUMABLE_CHANGES``). Errors a user can cause (bad data file, an
+    output folder holding another run, a corrupt checkpoint) raise ``ValueError`` subclasses
+    (:class:`RunFolderError`, :class:`~headspace.train.checkpoint.CheckpointError`).
+    """
+    if not isinstance(config, TrainConfig):
+        raise TypeError(f"config must be a TrainConfig; got {type(config).__name__}")
+    out = Path(out)
+    info = _info or setup_distributed(config.device)
+    try:
+        return _train(config, out, resume, progress, info)
+    finally:
+        if _info is None:
+            teardown(info)
+
+
+def _train(config: TrainConfig, out: Path, resume: bool, progress: bool, info: DistInfo) -> RunResult:
+    device = torch.device(config.device if config.device != "cuda" else f"cuda:{info.local_rank}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA device is available; use --device cpu")
+    source = _Source(config)
+    model_config = model_config_for(config, source.vocab_size, source.seq_len)
+    record = run_record(config, model_config, source.describe())
+    check_same_config({k: v for k, v in config.to_dict().items() if k != "device"}, info)
+    _check_run_dir(out, record, resume)
+    local_rows = local_batch_slice(config.batch_size, info)
+
+    torch.manual_seed(config.seed)
+    model = build_model(model_config).to(device)
+    optimizer = _optimizer(model, config)
+    start = 0
+    if resume:
+        try:
+            ckpt = load_checkpoint(out, expected_config=record, allow_differ=RESUMABLE_CHANGES)
+        except CheckpointError:
+            raise
+        restore_training_state(ckpt, model, optimizer)
+        start = ckpt.step
+    elif info.is_main:
+        out.mkdir(parents=True, exist_ok=True)
+        write_atomic(out / RUN_CONFIG, json.dumps(record, indent=2, sort_keys=True) + "\n")
+    barrier(info)
+    metrics_path = out / METRICS_FILE
+    if info.is_main and resume:
+        _trim_metrics(metrics_path, start)
+        write_atomic(out / RUN_CONFIG, json.dumps(record, indent=2, sort_keys=True) + "\n")
+    wrapped = wrap_model(model, info)
+    eval_batch = source.eval_batch().to(device)
+    tokens_per_step = config.batch_size * source.seq_len
+    delay = float(os.environ.get("HEADSPACE_TRAIN_STEP_DELAY", "0") or 0)  # testing aid: slow each step
+
+    bar = None
+    if progress and info.is_main:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(
+            total=config.steps, initial=start, desc=f"train {config.task}", unit="step", dynamic_ncols=True
+        )
+    log = open(metrics_path, "a", encoding="utf-8") if info.is_main else None
+    last_eval: dict[str, Any] = {}
+    prev_det = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        model.train()
+        t_last, tokens_since = time.perf_counter(), 0
+        for step in range(start, config.steps):
+            lr = learning_rate(config, step)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            batch = source.train_batch(step).rows(local_rows.start, local_rows.stop).to(device)
+            logits = wrapped(batch.tokens)  # (local_batch, seq, vocab)
+            loss = task_loss(logits, batch.targets)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            if config.grad_clip > 0:
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip))
+            else:
+                grad_norm = float(
+                    torch.linalg.vector_norm(
+                        torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])
+                    )
+                )
+            optimizer.step()
+            done = step + 1
+            tokens_since += tokens_per_step
+            if delay:
+                time.sleep(delay)
+            if done % config.log_every == 0 or done == config.steps:
+                mean_loss = average_across_ranks(loss.detach(), info)
+                now = time.perf_counter()
+                tps = tokens_since / max(now - t_last, 1e-9)
+                t_last, tokens_since = now, 0
+                if log is not None:
+                    row = {"kind": "train", "step": done, "loss": mean_loss, "lr": lr, "grad_norm": grad_norm,
+                           "tokens_per_s": tps}  # fmt: skip
+                    log.write(json.dumps(row) + "\n")
+                    log.flush()
+                if bar is not None:
+                    bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
+            if info.is_main and (done % config.eval_every == 0 or done == config.steps):
+                last_eval = evaluate(model, source.task, eval_batch, heads=True)
+                last_eval = {"kind": "eval", "step": done, **last_eval}
+                assert log is not None
+                log.write(json.dumps(last_eval) + "\n")
+                log.flush()
+                if bar is not None:
+                    acc = last_eval.get("accuracy")
+                    extra = {} if acc is None else {"acc": f"{acc:.3f}"}
+                    bar.set_postfix(
+                        loss=f"{float(loss.detach()):.4f}",
+                        eval=f"{last_eval['loss']:.4f}",
+                        **extra,
+                        refresh=False,
+                    )
+            if info.is_main and (
+                (config.save_every and done % config.save_every == 0) or done == config.steps
+            ):
+                save_checkpoint(out, done, config=record, model=model, optimizer=optimizer)
+            if bar is not None:
+                bar.update(1)
+    finally:
+        torch.use_deterministic_algorithms(prev_det)
+        if bar is not None:
+            bar.close()
+        if log is not None:
+            log.close()
+    barrier(info)
+
+    summary = None
+    if info.is_main:
+        if not last_eval:  # resumed at the last step: evaluate once more for the summary
+            last_eval = {"kind": "eval", "step": config.steps, **evaluate(model, source.task, eval_batch)}
+        if source.task is not None:
+            summary = {
+                "task": config.task,
+                "n_layers": config.n_layers,
+                "n_heads": config.n_heads,
+                "d_model": config.d_model,
+                "steps": config.steps,
+                "accuracy": last_eval["accuracy"],
+                "loss": last_eval["loss"],
+                "relations": relation_summary(source.task, last_eval),
+            }
+            write_atomic(out / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+    return RunResult(out, config.steps, model, last_eval, summary)
+
+
+# --------------------------------------------------------------------------------------------- loading a run
+def load_run(run_dir: str | os.PathLike[str], *, device: str = "cpu") -> tuple[nn.Module, dict[str, Any]]:
+    """The trained model of a run folder (its latest checkpoint) and the run record (config.json)."""
+    run_dir = Path(run_dir)
+    ckpt = load_checkpoint(run_dir)
+    record = ckpt.config
+    try:
+        model_config = ModelConfig.from_dict(record["model"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise CheckpointError(f"{ckpt.folder / RUN_CONFIG}: no usable model configuration ({e})") from None
+    model = build_model(model_config)
+    from .checkpoint import load_weights_into
+
+    load_weights_into(model, ckpt)
+    return model.to(device).eval(), record
+
+
+def generate_text(
+    run_dir: str | os.PathLike[str],
+    prompt: str,
+    *,
+    max_new_tokens: int = 200,
+    temperature: float = 0.8,
+    top_k: int | None = None,
+    seed: int | None = 0,
+    device: str = "cpu",
+) -> str:
+    """Continue ``prompt`` with the language model trained in ``run_dir`` (KV-cached decoding)."""
+    from .data import decode, encode
+
+    model, record = load_run(run_dir, device=device)
+    data = record.get("data", {})
+    if data.get("name") != "text" or not isinstance(model, Decoder):
+        raise ValueError(f"{run_dir} holds a {data.get('name', 'unknown')!r} run, not a text language model")
+    if not prompt:
+        raise ValueError("prompt must hold at least one character")
+    ids = encode(prompt, data["level"], data.get("vocab")).to(device)
+    max_len = model.config.max_seq_len
+    if ids.numel() >= max_len:
+        ids = ids[-(max_len - 1) :]
+    new = min(max_new_tokens, max_len - ids.numel())
+    out = model.generate(ids[None, :], new, temperature=temperature, top_k=top_k, seed=seed)  # (1, n + new)
+    return prompt + decode(out[0, ids.numel() :], data["level"], data.get("vocab"))
+
+
+def checkpoints_of(run_dir: str | os.PathLike[str]) -> list[Path]:
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    return sorted(p for p in root.glob("step-*") if p.is_dir()) if (root / LATEST_FILE).exists() else []
