@@ -26,7 +26,7 @@ HEAD_CONFIGS = {"mha": 6, "gqa": 2, "mqa": 1}  # n_kv_heads for n_heads=6
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-# ---------------------------------------------------------------------------------------------- helpers
+# --- helpers
 def randomize_(layer: MultiHeadAttention, generator: torch.Generator | None = None) -> MultiHeadAttention:
     """Fill every parameter with normal noise of std 1/sqrt(fan_in), biases too (so none of them is zero)."""
     with torch.no_grad():
@@ -172,7 +172,7 @@ def grads_of(layer: MultiHeadAttention, inputs: dict, weight: Tensor, **kw: Any)
     return list(torch.autograd.grad((out * weight).sum(), leaves))
 
 
-# ---------------------------------------------------------------------------------------------- defaults
+# --- defaults
 def test_defaults_are_the_textbook_configuration() -> None:
     attn = MultiHeadAttention()
     assert (attn.d_model, attn.n_heads, attn.d_head, attn.n_kv_heads) == (512, 8, 64, 8)
@@ -199,7 +199,7 @@ def test_shapes_with_distinct_primes() -> None:
     assert pattern.shape == (B, N_HEADS, SQ, SK)  # per head, never averaged
 
 
-# ---------------------------------------------------------------------------------------------- the grid
+# --- the grid
 MASK_KINDS = [
     "none",
     "key_padding",
@@ -279,7 +279,7 @@ def test_pattern_rows_sum_to_one_or_zero() -> None:
     assert (pattern[~mask[:, None].expand_as(pattern)] == 0).all()
 
 
-# ---------------------------------------------------------------------------------------------- by hand
+# --- by hand
 def test_arange_weights_by_hand() -> None:
     """Two one-hot tokens, two heads of width 1 (scale = 1), weights from arange: every number by hand.
 
@@ -321,7 +321,7 @@ def test_arange_weights_by_hand() -> None:
     assert_close(pattern_c[0, :, 0], torch.tensor([[1.0, 0.0], [1.0, 0.0]], dtype=torch.float64))
 
 
-# ---------------------------------------------------------------------------------------------- gradcheck
+# --- gradcheck
 @pytest.mark.parametrize("need_weights", [False, True])
 def test_gradcheck_cross_gqa_masked(need_weights: bool) -> None:
     """float64 gradcheck on inputs and every parameter; distinct primes; GQA, cross dims, dead row."""
@@ -363,7 +363,7 @@ def test_gradcheck_self_causal_padding(need_weights: bool) -> None:
     assert torch.autograd.gradcheck(f, (x, *params))
 
 
-# ---------------------------------------------------------------------------------------------- hypothesis
+# --- hypothesis
 @settings(max_examples=40, deadline=None)
 @given(
     batch=st.integers(1, 3),
@@ -429,7 +429,7 @@ def test_paths_agree_on_random_shapes_and_masks(
         assert_close(a, b)
 
 
-# ---------------------------------------------------------------------------------------------- dead rows
+# --- dead rows
 DEAD_ROW_CASES = {
     "bool_row": lambda sq, sk: {
         "attn_mask": torch.ones(sq, sk, dtype=torch.bool).index_fill_(0, torch.tensor([1]), False)
@@ -500,7 +500,7 @@ def test_fully_padded_sample_leaves_the_others_unchanged(need_weights: bool) -> 
     assert_close(out_all[1], layer.b_O.detach().expand(SQ, D_MODEL), rtol=0, atol=0)
 
 
-# ---------------------------------------------------------------------------------------------- KV cache
+# --- KV cache
 @pytest.mark.parametrize("heads", list(HEAD_CONFIGS))
 @pytest.mark.parametrize("chunks", [[1] * 7, [3, 1, 2, 1], [7]])
 def test_kv_cache_decoding_equals_full_causal_forward(heads: str, chunks: list[int]) -> None:
@@ -564,7 +564,7 @@ def test_kv_cache_capacity_and_reset() -> None:
         assert_close(layer(x, kv_cache=cache, is_causal=True), layer(x, is_causal=True))
 
 
-# ---------------------------------------------------------------------------------------------- strides
+# --- strides
 @pytest.mark.parametrize("need_weights", [False, True])
 def test_noncontiguous_and_broadcast_inputs_equal_contiguous(need_weights: bool) -> None:
     layer = make_layer(2, kdim=KDIM, vdim=VDIM)
@@ -598,7 +598,7 @@ def test_self_attention_with_expanded_query() -> None:
         assert_close(got[0] if nw else got, want[0] if nw else want)
 
 
-# ---------------------------------------------------------------------------------------------- empty
+# --- empty
 @pytest.mark.parametrize("need_weights", [False, True])
 def test_batch_zero_and_query_length_zero_give_empty_outputs(need_weights: bool) -> None:
     layer = make_layer(2, kdim=KDIM, vdim=VDIM)
@@ -617,7 +617,7 @@ def test_batch_zero_and_query_length_zero_give_empty_outputs(need_weights: bool)
     assert (res[0] if need_weights else res).shape == (B, 0, D_MODEL)
 
 
-# ---------------------------------------------------------------------------------------------- dropout
+# --- dropout
 def _dropout_probe(p: float, n_batch: int = 64) -> tuple[MultiHeadAttention, Tensor]:
     """A layer whose output *is* its (dropped-out) pattern: one head, one-hot tokens, W_V = W_O = I.
 
@@ -669,7 +669,7 @@ def test_dropout_zero_in_training_equals_eval() -> None:
     assert_close(layer.train()(x), layer.eval()(x))
 
 
-# ---------------------------------------------------------------------------------------------- hooks
+# --- hooks
 def test_hooks_traced_path_equals_untraced_and_results_sum_to_output() -> None:
     layer = make_layer(2)
     inp = inputs_for("self")
@@ -713,7 +713,7 @@ def test_hook_replacing_a_value_patches_the_output() -> None:
     assert_close(patched, layer(x))
 
 
-# ---------------------------------------------------------------------------------------------- torch MHA
+# --- torch MHA
 def torch_mha_pair(bias: bool, cross_dims: bool) -> tuple[torch.nn.MultiheadAttention, MultiHeadAttention]:
     """torch MHA and a headspace layer with the same weights (copied in the test, not via layouts.py)."""
     E, H = 15, 3  # d_head = 5

@@ -80,10 +80,14 @@ class KVCache:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
     ) -> None:
-        if capacity <= 0:
-            raise ValueError(f"KVCache capacity must be positive; got {capacity}")
-        if batch <= 0:
-            raise ValueError(f"KVCache batch must be positive; got {batch}")
+        for name, value in (
+            ("batch", batch),
+            ("n_kv_heads", n_kv_heads),
+            ("d_head", d_head),
+            ("capacity", capacity),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"KVCache {name} must be a positive int; got {value!r}")
         self.k = torch.zeros(batch, n_kv_heads, capacity, d_head, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.length = 0
@@ -108,16 +112,16 @@ class KVCache:
         """Raise ``ValueError`` unless ``new`` positions of this batch, dtype and device fit in the cache."""
         if batch != self.batch:
             raise ValueError(
-                f"KV cache was made for batch={self.batch} but the input has batch={batch}; "
+                f"kv_cache was made for batch={self.batch} but the input has batch={batch}; "
                 "make a new cache (or reset one of the right batch size)"
             )
         if dtype != self.k.dtype:
-            raise ValueError(f"KV cache holds dtype {self.k.dtype} but the input projects to dtype {dtype}")
+            raise ValueError(f"kv_cache holds dtype {self.k.dtype} but the input projects to dtype {dtype}")
         if device != self.k.device:
-            raise ValueError(f"KV cache is on {self.k.device} but the input is on {device}")
+            raise ValueError(f"kv_cache is on {self.k.device} but the input is on {device}")
         if self.length + new > self.capacity:
             raise ValueError(
-                f"KV cache overflow: {self.length} positions filled + {new} new > capacity {self.capacity}; "
+                f"kv_cache overflow: {self.length} positions filled + {new} new > capacity {self.capacity}; "
                 "make the cache with a larger capacity"
             )
 
@@ -126,7 +130,7 @@ class KVCache:
         fits = k.dim() == 4 and (k.shape[1], k.shape[3]) == (self.k.shape[1], self.k.shape[3])
         if not fits or v.shape != k.shape:
             raise ValueError(
-                f"KV cache holds [batch, n_kv_heads, capacity, d_head] = {_shape(self.k)}; the new keys have "
+                f"kv_cache holds [batch, n_kv_heads, capacity, d_head] = {_shape(self.k)}; the new keys have "
                 f"shape {_shape(k)} and the new values {_shape(v)}"
             )
         new = k.shape[2]
@@ -201,8 +205,19 @@ class MultiHeadAttention(nn.Module):
     ) -> None:
         super().__init__()
         d_head, n_kv_heads = resolve_head_dims(d_model, n_heads, d_head, n_kv_heads)
+        for name, dim in (("kdim", kdim), ("vdim", vdim)):
+            if dim is not None and (not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0):
+                raise ValueError(
+                    f"{name} must be a positive int (or None for d_model={d_model}); got {dim!r}"
+                )
+        if not isinstance(dropout, (int, float)) or isinstance(dropout, bool):
+            raise TypeError(f"dropout must be a float in [0, 1); got {type(dropout).__name__} {dropout!r}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1); got {dropout}")
+        if scale is not None and (
+            not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale)
+        ):
+            raise ValueError(f"scale must be a finite float (or None for 1/sqrt(d_head)); got {scale!r}")
         self.d_model = d_model
         self.n_heads = n_heads
         self.d_head = d_head
@@ -459,6 +474,10 @@ class MultiHeadAttention(nn.Module):
         k_in = query if key is None else key
         v_in = k_in if value is None else value
         self._check_inputs(query, k_in, v_in)
+        if kv_cache is not None and not isinstance(kv_cache, KVCache):
+            raise TypeError(
+                f"kv_cache must be a KVCache (from make_kv_cache) or None; got {type(kv_cache).__name__}"
+            )
         if kv_cache is not None and not self_attention:
             raise ValueError("kv_cache is for self-attention decoding; pass key=None and value=None with it")
         if self.check_finite:
