@@ -31,6 +31,12 @@ def cli(ctx: click.Context) -> None:
         demo()
 
 
+from .train.commands import COMMANDS as _TRAIN_COMMANDS  # noqa: E402 - train, plot-run, generate
+
+for _command in _TRAIN_COMMANDS:
+    cli.add_command(_command)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the ``headspace`` console script and ``python -m headspace``."""
     cli.main(args=argv, prog_name="headspace", standalone_mode=True)

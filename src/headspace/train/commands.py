@@ -1,0 +1,148 @@
+"""The ``headspace train``, ``headspace plot-run`` and ``headspace generate`` commands.
+
+User errors (bad data file, values out of range, an output folder holding another run, a corrupt or
+foreign checkpoint) are one line on stderr with exit code 2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+try:
+    from ..errors import UsageError
+except ImportError:  # pragma: no cover - before errors.py existed
+    from ..cli import UsageError
+
+
+def _fail(e: Exception) -> UsageError:
+    return UsageError(str(e).replace("\n", " "))
+
+
+@click.command("train")
+@click.option(
+    "--task",
+    type=click.Choice(["relations", "reverse", "text"]),
+    default=None,
+    help="Built-in synthetic task (default relations; 'text' with --data).",
+)
+@click.option(
+    "--data",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="UTF-8 text file: train a character- or byte-level language model on it.",
+)
+@click.option("--level", type=click.Choice(["char", "byte"]), default="char", show_default=True)
+@click.option("--arch", type=click.Choice(["decoder", "encoder"]), default="decoder", show_default=True)
+@click.option("--layers", "n_layers", type=int, default=None, help="Transformer blocks (task default).")
+@click.option("--heads", "n_heads", type=int, default=None, help="Heads per layer (relations: 2).")
+@click.option("--d-model", type=int, default=None, help="Residual width (relations: 64).")
+@click.option("--d-mlp", type=int, default=None, help="Feed-forward width (4 * d_model).")
+@click.option("--seq-len", type=int, default=None, help="Text window length (128).")
+@click.option("--batch-size", type=int, default=None)
+@click.option("--steps", type=int, default=None, help="Optimizer steps (relations: 600).")
+@click.option("--lr", type=float, default=None, help="Peak learning rate (AdamW).")
+@click.option("--warmup", type=int, default=50, show_default=True)
+@click.option("--weight-decay", type=float, default=0.01, show_default=True)
+@click.option("--grad-clip", type=float, default=1.0, show_default=True)
+@click.option("--dropout", type=float, default=0.0, show_default=True)
+@click.option("--eval-every", type=int, default=100, show_default=True)
+@click.option(
+    "--save-every", type=int, default=0, show_default=True, help="Checkpoint every N steps (0: at the end)."
+)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@click.option("--out", "out", type=click.Path(file_okay=False), required=True, help="Run folder.")
+@click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
+@click.option("--no-progress", is_flag=True, help="No progress bar.")
+def train_command(
+    task: str | None, data: str | None, level: str, arch: str, n_layers: int | None, n_heads: int | None,
+    d_model: int | None, d_mlp: int | None, seq_len: int | None, batch_size: int | None, steps: int | None,
+    lr: float | None, warmup: int, weight_decay: float, grad_clip: float, dropout: float, eval_every: int,
+    save_every: int, seed: int, device: str, out: str, resume: bool, no_progress: bool,
+) -> None:  # fmt: skip
+    """Train an Encoder or Decoder and watch its heads specialise (metrics, checkpoints, summary.json)."""
+    from .checkpoint import CheckpointError
+    from .loop import TrainConfig, train
+
+    if task is None:
+        task = "text" if data is not None else "relations"
+    try:
+        config = TrainConfig(
+            task=task, data=data, level=level, arch=arch, n_layers=n_layers, n_heads=n_heads, d_model=d_model,
+            d_mlp=d_mlp, seq_len=seq_len, batch_size=batch_size, steps=steps, lr=lr, warmup=warmup,
+            weight_decay=weight_decay, grad_clip=grad_clip, dropout=dropout, eval_every=eval_every,
+            save_every=save_every, seed=seed, device=device,
+        )  # fmt: skip
+        result = train(config, out, resume=resume, progress=not no_progress)
+    except (ValueError, TypeError, CheckpointError) as e:
+        raise _fail(e) from None
+    if result.summary is not None:
+        s = result.summary
+        click.echo(f"accuracy {s['accuracy']:.4f}  ({s['n_layers']} layer(s) x {s['n_heads']} head(s))")
+        for name, r in s["relations"].items():
+            click.echo(
+                f"  {name:16s} head L{r['head'][0]}H{r['head'][1]}  "
+                f"attention_mass {r['attention_mass']:.3f}  "
+                f"ablation_drop {r['ablation_drop']:.3f}  other_drop {r['other_drop']:.3f}"
+            )
+        click.echo(f"summary: {Path(out) / 'summary.json'}")
+    elif result.final_eval:
+        click.echo(f"eval loss {result.final_eval['loss']:.4f}; run folder: {out}")
+
+
+@click.command("plot-run")
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option(
+    "--out",
+    "out",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="PNG path (default RUN_DIR/heads_over_training.png).",
+)
+def plot_run_command(run_dir: str, out: str | None) -> None:
+    """Draw the loss curves and per-head metrics over training of RUN_DIR (PNG)."""
+    from .plots import plot_run
+
+    if not Path(run_dir).is_dir():
+        raise UsageError(f"RUN_DIR {run_dir} is not a folder")
+    try:
+        path = plot_run(run_dir, out)
+    except ValueError as e:
+        raise _fail(e) from None
+    click.echo(str(path))
+
+
+@click.command("generate")
+@click.argument("run_dir", type=click.Path(file_okay=False))
+@click.option("--prompt", required=True, help="Text to continue.")
+@click.option("--tokens", "max_new_tokens", type=int, default=200, show_default=True)
+@click.option("--temperature", type=float, default=0.8, show_default=True)
+@click.option("--top-k", type=int, default=None)
+@click.option("--seed", type=int, default=0, show_default=True)
+def generate_command(
+    run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None, seed: int
+) -> None:
+    """Continue --prompt with the language model trained in RUN_DIR (KV-cached decoding)."""
+    from .checkpoint import CheckpointError
+    from .loop import generate_text
+
+    if not Path(run_dir).is_dir():
+        raise UsageError(f"RUN_DIR {run_dir} is not a folder")
+    try:
+        text = generate_text(
+            run_dir, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
+        )
+    except (ValueError, TypeError, CheckpointError, KeyError) as e:
+        raise _fail(e) from None
+    click.echo(text)
+
+
+COMMANDS = (train_command, plot_run_command, generate_command)
+
+
+def summary_json(run_dir: str) -> dict:
+    """The summary of a run folder (for scripts)."""
+    return json.loads((Path(run_dir) / "summary.json").read_text(encoding="utf-8"))
