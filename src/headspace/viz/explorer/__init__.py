@@ -19,9 +19,6 @@ from .data import (
     LayerCapture,
     build_page_data,
     capture_layers,
-    head_shares,
-    random_overlap_baseline,
-    subspace_overlap,
 )
 from .page import Explorer, render_page, serve_page, write_page
 
@@ -31,10 +28,7 @@ __all__ = [
     "LayerCapture",
     "build_page_data",
     "capture_layers",
-    "head_shares",
-    "random_overlap_baseline",
     "render_page",
     "serve_page",
-    "subspace_overlap",
     "write_page",
 ]

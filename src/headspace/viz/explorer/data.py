@@ -33,7 +33,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from ...analysis import overlap_matrix, random_overlap, shares_from_result
 from ...attention import MultiHeadAttention
+from ...trace import attention_layers, trace
 
 #: Format tag written into every page, bumped when the data layout changes.
 FORMAT = "headspace-explorer/1"
@@ -66,13 +68,6 @@ class LayerCapture:
     mask: str
 
 
-def attention_layers(model: nn.Module) -> list[tuple[str, MultiHeadAttention]]:
-    """Every :class:`~headspace.MultiHeadAttention` inside ``model``, in module order, with its path."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-    return [(name, m) for name, m in model.named_modules() if isinstance(m, MultiHeadAttention)]
-
-
 def _mask_kind(name: str, scores: Tensor) -> str:
     """``"none"`` if every score is finite, ``"causal"`` if exactly the causal triangle is; else refuse."""
     finite = torch.isfinite(scores)  # (H, Sq, Sk)
@@ -89,58 +84,43 @@ def _mask_kind(name: str, scores: Tensor) -> str:
 
 
 def capture_layers(model: nn.Module, run: Callable[[], Any]) -> list[LayerCapture]:
-    """Run ``run()`` (a forward pass of ``model`` on one sequence) with every attention hook recorded.
+    """Run ``run()`` (a forward pass of ``model`` on one sequence) under :func:`headspace.trace`, recording
+    every attention layer's ``hook_q`` ... ``hook_result``.
 
-    Hooks are added to the layers' hook points directly and removed afterwards, even on error. Each
-    layer must run exactly once, as self-attention on a batch of one.
+    Each layer must run exactly once, as self-attention on a batch of one; its scores must be
+    ``q k^T * scale`` under no mask or the causal mask (what the page recomputes).
     """
     layers = attention_layers(model)
     if not layers:
         raise ValueError(f"model has no headspace MultiHeadAttention layer to show ({type(model).__name__})")
-    records: list[dict[str, Tensor]] = [{} for _ in layers]
-    removers: list[Callable[[], None]] = []
-
-    def recorder(store: dict[str, Tensor], key: str) -> Callable[[Tensor, Any], None]:
-        def record(value: Tensor, point: Any) -> None:
-            if key in store:
-                raise ValueError(
-                    f"layer {point.name or key} ran twice in one forward pass; the explorer shows one pass"
-                )
-            store[key] = value.detach()
-
-        return record
-
-    try:
-        for (_, attn), store in zip(layers, records):
-            for key in _HOOKS:
-                removers.append(getattr(attn, key).add(recorder(store, key)))
-        with torch.no_grad():
-            run()
-    finally:
-        for remove in removers:
-            remove()
-
+    with torch.no_grad(), trace(model, [f"*{h}" for h in _HOOKS]) as t:
+        run()
     captures = []
-    for (name, attn), rec in zip(layers, records):
-        missing = [k for k in _HOOKS if k not in rec]
+    for i, (name, attn) in enumerate(layers):
+        rec = t.layer(i)
+        missing = [k for k in _HOOKS if k.removeprefix("hook_") not in rec]
         if missing:
             raise ValueError(
                 f"attention layer {name!r} did not run during the forward pass (no {missing[0]} value)"
             )
-        q = rec["hook_q"]
+        runs = max(t.calls.get(t.full_name(h, i), 0) for h in _HOOKS)
+        if runs > 1:
+            raise ValueError(
+                f"layer {name!r} ran {runs} times in one forward pass; the explorer shows one pass"
+            )
+        q = rec["q"]
         if q.shape[0] != 1:
             raise ValueError(f"the explorer shows one sequence; the forward pass had batch={q.shape[0]}")
-        k = rec["hook_k"]
-        if k.shape[1] != q.shape[1]:
+        if rec["k"].shape[1] != q.shape[1]:
             raise ValueError(
                 f"the explorer shows self-attention; layer {name!r} had {q.shape[1]} queries and "
-                f"{k.shape[1]} keys"
+                f"{rec['k'].shape[1]} keys"
             )
-        q, k, v = q[0].float(), k[0].float(), rec["hook_v"][0].float()  # (S, H, dh), (S, Hkv, dh) x 2
-        scores = rec["hook_scores"][0].float()  # (H, S, S)
+        q, k, v = q[0].float(), rec["k"][0].float(), rec["v"][0].float()  # (S, H, dh), (S, Hkv, dh) x 2
+        scores = rec["scores"][0].float()  # (H, S, S)
         mask = _mask_kind(name, scores)
         _check_scores_are_qk(name, attn, q, k, scores)
-        result = rec["hook_result"][0].float()  # (S, H, d_model)
+        result = rec["result"][0].float()  # (S, H, d_model)
         out = result.sum(dim=1)  # (S, d_model)
         if attn.b_O is not None:
             out = out + attn.b_O.detach().float()
@@ -152,8 +132,8 @@ def capture_layers(model: nn.Module, run: Callable[[], Any]) -> list[LayerCaptur
                 k=k,
                 v=v,
                 scores=scores,
-                pattern=rec["hook_pattern"][0].float(),  # (H, S, S)
-                z=rec["hook_z"][0].float(),  # (S, H, dh)
+                pattern=rec["pattern"][0].float(),  # (H, S, S)
+                z=rec["z"][0].float(),  # (S, H, dh)
                 result=result,
                 out=out,
                 mask=mask,
@@ -175,45 +155,6 @@ def _check_scores_are_qk(name: str, attn: MultiHeadAttention, q: Tensor, k: Tens
             f"layer {name!r}'s scores are not q k^T * scale (max difference {worst:.3g}): the explorer "
             "cannot show layers with additive masks or position biases"
         )
-
-
-def subspace_overlap(W: Tensor) -> Tensor:
-    """Head x head overlap of the column spaces of ``W`` [heads, d_model, d_head] -> [heads, heads].
-
-    ``overlap(a, b) = ||U_a^T U_b||_F^2 / min(r_a, r_b)``: the mean squared cosine of the principal
-    angles between the two subspaces (``U`` an orthonormal basis of rank ``r``); 1 for the same
-    subspace, 0 for orthogonal ones.
-    """
-    W = W.detach().double()
-    bases = []
-    for w in W:
-        U, S, _ = torch.linalg.svd(w, full_matrices=False)  # (d_model, dh), (dh,)
-        rank = int((S > S.max() * max(w.shape) * torch.finfo(torch.float64).eps).sum()) if S.numel() else 0
-        bases.append(U[:, :rank])
-    n = len(bases)
-    out = torch.zeros(n, n, dtype=torch.float64)
-    for a in range(n):
-        for b in range(n):
-            r = min(bases[a].shape[1], bases[b].shape[1])
-            if r > 0:
-                out[a, b] = (bases[a].T @ bases[b]).pow(2).sum() / r
-    return out.float()
-
-
-def random_overlap_baseline(d_head: int, d_model: int) -> float:
-    """Expected :func:`subspace_overlap` of two uniformly random d_head-dim subspaces of R^d_model."""
-    return min(d_head, d_model) / d_model
-
-
-def head_shares(result: Tensor) -> Tensor:
-    """Each head's share of the attention output per token: ``||result_h|| / sum_h' ||result_h'||``.
-
-    ``result`` [seq, n_heads, d_model] (= z_h W_O[h]) -> [seq, n_heads]; rows sum to 1 (0 if all vanish).
-    """
-    norms = result.norm(dim=-1)  # (S, H)
-    total = norms.sum(dim=-1, keepdim=True)  # (S, 1)
-    safe = total.clamp_min(torch.finfo(norms.dtype).tiny)  # (S, 1)
-    return torch.where(total > 0, norms / safe, torch.zeros_like(norms))
 
 
 def pack(t: Tensor, dtype: str) -> dict[str, Any]:
@@ -259,12 +200,9 @@ def build_page_data(
     for c in captures:
         attn = c.attn
         W_O = attn.W_O.detach().float()  # (H, dh, d_model)
-        overlap = {
-            "W_Q": subspace_overlap(attn.W_Q),
-            "W_K": subspace_overlap(attn.W_K),
-            "W_V": subspace_overlap(attn.W_V),
-            "W_O": subspace_overlap(attn.W_O.transpose(1, 2)),  # (H, d_model, dh): W_O[h]^T's column space
-        }
+        # head x head overlaps (headspace.analysis): "q" W_Q, "k" W_K, "v" W_V, "o" W_O[h]^T
+        overlap = {f"W_{w.upper()}": overlap_matrix(attn, w) for w in ("q", "k", "v", "o")}
+        share, _ = shares_from_result(c.result.unsqueeze(0))  # (1, S, H)
         layers.append(
             {
                 "name": c.name,
@@ -279,10 +217,10 @@ def build_page_data(
                 "v": pack(c.v, dtype),
                 "W_O": pack(W_O, dtype),
                 "b_O": None if attn.b_O is None else pack(attn.b_O.detach().float(), dtype),
-                "shares": pack(head_shares(c.result), "float32"),
+                "shares": pack(share[0], "float32"),
                 "wo_norms": [float(x) for x in W_O.flatten(1).norm(dim=1)],
                 "overlap": {key: pack(m, "float32") for key, m in overlap.items()},
-                "overlap_baseline": random_overlap_baseline(attn.d_head, attn.d_model),
+                "overlap_baseline": random_overlap(attn.d_model, attn.d_head, attn.d_head),
             }
         )
     return {

@@ -73,11 +73,13 @@ def write_page(path: str | os.PathLike[str], page: str) -> Path:
     return path
 
 
-def _token_labels(pretrained: Any, ids: Sequence[int]) -> list[str]:
-    tok = pretrained.tokenizer
-    if hasattr(tok, "id_to_token"):
-        return [str(tok.id_to_token(int(i))) for i in ids]
-    return [str(i) for i in ids]
+def _token_labels(pretrained: Any, sentence: str, ids: Sequence[int]) -> list[str]:
+    """The token strings of ``sentence`` from the tokenizer (ids as text when it cannot say)."""
+    tok = getattr(pretrained, "tokenizer", None)
+    labels = tok.tokens(sentence) if hasattr(tok, "tokens") else None
+    if labels is None or len(labels) != len(ids):
+        return [str(i) for i in ids]
+    return [str(t) for t in labels]
 
 
 class Explorer:
@@ -117,10 +119,18 @@ class Explorer:
             if not sentence.strip():
                 raise ValueError("sentence is empty; give at least one word")
             text = sentence
-            tokens, key_padding = model.tokenize([sentence])
-            tokens = tokens[:, : int(key_padding[0].sum())] if key_padding is not None else tokens  # (1, seq)
-            ids = tokens[0].tolist()
-            labels = _token_labels(model, ids) if labels is None else labels
+            encoded = model.tokenize([sentence])
+            # PretrainedEncoder.tokenize -> (tokens, key_padding); PretrainedDecoder.tokenize -> tokens.
+            # One sentence has no padding: tokens is (1, seq).
+            tokens = encoded[0] if isinstance(encoded, tuple) else encoded
+            if labels is None:
+                labels = _token_labels(model, sentence, tokens[0].tolist())
+            max_len = getattr(getattr(module, "config", None), "max_seq_len", None)
+            if max_len is not None and tokens.shape[1] > max_len:
+                raise ValueError(
+                    f"sentence has {tokens.shape[1]} tokens but the model's position table holds "
+                    f"max_seq_len={max_len}; shorten the sentence"
+                )
 
             def default_run() -> Any:
                 return module(tokens)
@@ -146,7 +156,8 @@ class Explorer:
             captures = capture_layers(module, run or default_run)
         finally:
             module.train(was_training)
-        self.name = name or getattr(model, "name", None) or type(module).__name__
+        config_name = getattr(getattr(module, "config", None), "name", "")
+        self.name = name or config_name or type(module).__name__
         self.data = build_page_data(
             captures,
             list(labels),
