@@ -10,14 +10,9 @@ import sys
 
 import click
 
+from .errors import UsageError
 
-class UsageError(click.ClickException):
-    """A user error: printed as one line ('error: ...'), exit code 2."""
-
-    exit_code = 2
-
-    def show(self, file=None) -> None:  # noqa: ANN001 - click's signature
-        click.echo(f"error: {self.format_message()}", err=True, file=file)
+__all__ = ["UsageError", "cli", "main"]
 
 
 @click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
@@ -30,6 +25,15 @@ def cli(ctx: click.Context) -> None:
 
         demo()
 
+
+def _register() -> None:
+    from .cli_lesson import COMMANDS
+
+    for command in COMMANDS:
+        cli.add_command(command)
+
+
+_register()
 
 from .train.commands import COMMANDS as _TRAIN_COMMANDS  # noqa: E402 - train, plot-run, generate
 

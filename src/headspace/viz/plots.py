@@ -1,0 +1,220 @@
+"""Pictures of heads (matplotlib, headless): patterns, attention rows, W_O shares, overlaps, spectra.
+
+Every function takes plain tensors or lists, writes one PNG (or SVG, by the suffix) and returns its path.
+Axes are labelled with tokens, colour scales have colour bars, titles name the layer and head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+import numpy as np
+from torch import Tensor
+
+ArrayLike = Tensor | np.ndarray | Sequence
+
+
+def _np(a: ArrayLike) -> np.ndarray:
+    if isinstance(a, Tensor):
+        return a.detach().float().cpu().numpy()
+    return np.asarray(a, dtype=np.float64)
+
+
+def _save(fig: plt.Figure, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _token_ticks(ax: plt.Axes, tokens: Sequence[str], axis: str, max_labels: int = 80) -> None:
+    n = len(tokens)
+    step = max(1, int(np.ceil(n / max_labels)))
+    idx = list(range(0, n, step))
+    labels = [tokens[i] for i in idx]
+    if axis == "x":
+        ax.set_xticks(idx)
+        ax.set_xticklabels(labels, rotation=90, fontsize=8)
+    else:
+        ax.set_yticks(idx)
+        ax.set_yticklabels(labels, fontsize=8)
+
+
+def plot_pattern(
+    pattern: ArrayLike,
+    tokens: Sequence[str],
+    path: str | Path,
+    *,
+    title: str = "",
+    highlight: int | None = None,
+) -> Path:
+    """Heatmap of one head's pattern [seq_q, seq_k]: rows are queries, columns the keys they attend to."""
+    p = _np(pattern)
+    n = max(len(tokens), 1)
+    size = min(4 + 0.28 * n, 16)
+    fig, ax = plt.subplots(figsize=(size + 1.2, size))
+    im = ax.imshow(p, cmap="viridis", vmin=0.0, vmax=1.0, aspect="equal")
+    _token_ticks(ax, tokens, "x")
+    _token_ticks(ax, tokens, "y")
+    ax.set_xlabel("key (attended to)")
+    ax.set_ylabel("query (attending)")
+    if highlight is not None:
+        ax.axhline(highlight - 0.5, color="white", lw=1)
+        ax.axhline(highlight + 0.5, color="white", lw=1)
+    ax.set_title(title or "attention pattern")
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="attention weight")
+    return _save(fig, path)
+
+
+def plot_attention_row(
+    weights: ArrayLike, tokens: Sequence[str], path: str | Path, *, title: str = "", query: int | None = None
+) -> Path:
+    """Bar chart of one token's attention over the keys [seq_k]."""
+    w = _np(weights)
+    fig, ax = plt.subplots(figsize=(min(3 + 0.45 * len(tokens), 16), 3.6))
+    colors = ["#d62728" if i == query else "#1f77b4" for i in range(len(w))]
+    ax.bar(range(len(w)), w, color=colors)
+    _token_ticks(ax, tokens, "x")
+    ax.set_ylim(0, max(1.0, float(w.max()) if len(w) else 1.0))
+    ax.set_ylabel("softmax weight")
+    ax.set_title(title or "attention of one token")
+    for i, v in enumerate(w):
+        if v >= 0.05:
+            ax.text(i, v + 0.01, f"{v:.2f}", ha="center", fontsize=7)
+    return _save(fig, path)
+
+
+def plot_head_shares(
+    shares: ArrayLike, path: str | Path, *, title: str = "", highlight: int | None = None
+) -> Path:
+    """Bar chart of each head's share of the attention output [n_heads]."""
+    s = _np(shares)
+    fig, ax = plt.subplots(figsize=(max(4, 0.5 * len(s) + 2), 3.4))
+    colors = ["#d62728" if i == highlight else "#2ca02c" for i in range(len(s))]
+    ax.bar(range(len(s)), s, color=colors)
+    ax.set_xticks(range(len(s)))
+    ax.set_xticklabels([f"H{i}" for i in range(len(s))], fontsize=8)
+    ax.set_xlabel("head")
+    ax.set_ylabel("share of || z_h W_O[h] ||")
+    ax.set_title(title or "how W_O weighs the heads")
+    return _save(fig, path)
+
+
+def plot_vectors(
+    rows: dict[str, ArrayLike], path: str | Path, *, title: str = "", row_labels: Sequence[str] | None = None
+) -> Path:
+    """Stacked coloured cells of several vectors (e.g. q, z) or one matrix per name (e.g. k [seq, d_head])."""
+    mats = {k: np.atleast_2d(_np(v)) for k, v in rows.items()}
+    total = sum(m.shape[0] for m in mats.values())
+    width = max(m.shape[1] for m in mats.values())
+    fig, axes = plt.subplots(
+        len(mats),
+        1,
+        figsize=(min(2 + 0.22 * width, 16), 1.0 + 0.3 * total + 0.4 * len(mats)),
+        gridspec_kw={"height_ratios": [m.shape[0] for m in mats.values()]},
+        squeeze=False,
+    )
+    vmax = max(float(np.abs(m).max()) for m in mats.values()) or 1.0
+    im = None
+    for ax, (name, m) in zip(axes[:, 0], mats.items()):
+        im = ax.imshow(m, cmap="RdBu_r", vmin=-vmax, vmax=vmax, aspect="auto")
+        ax.set_ylabel(name, rotation=0, ha="right", va="center")
+        if m.shape[0] > 1 and row_labels is not None and len(row_labels) == m.shape[0]:
+            _token_ticks(ax, row_labels, "y")
+        else:
+            ax.set_yticks([])
+        ax.set_xticks([])
+    axes[-1, 0].set_xlabel("d_head dimension")
+    fig.suptitle(title)
+    fig.colorbar(im, ax=axes[:, 0].tolist(), fraction=0.03, pad=0.02, label="value")
+    return _save(fig, path)
+
+
+def plot_pattern_grid(
+    patterns: Sequence[ArrayLike], tokens: Sequence[str], path: str | Path, *, title: str = ""
+) -> Path:
+    """Grid of every head's pattern: a row per layer, a column per head (``patterns[l]`` [n_heads, s, s])."""
+    pats = [_np(p) for p in patterns]
+    n_layers, n_heads = len(pats), max(p.shape[0] for p in pats)
+    cell = 1.6
+    fig, axes = plt.subplots(
+        n_layers, n_heads, figsize=(cell * n_heads + 1.5, cell * n_layers + 0.8), squeeze=False
+    )
+    im = None
+    for l, p in enumerate(pats):
+        for h in range(n_heads):
+            ax = axes[l, h]
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if h < p.shape[0]:
+                im = ax.imshow(p[h], cmap="viridis", vmin=0.0, vmax=1.0)
+            else:
+                ax.axis("off")
+            if l == 0:
+                ax.set_title(f"H{h}", fontsize=9)
+            if h == 0:
+                ax.set_ylabel(f"L{l}", fontsize=9)
+    fig.suptitle(title or f"every head's pattern ({len(tokens)} tokens; rows: queries, columns: keys)")
+    fig.colorbar(im, ax=axes.ravel().tolist(), fraction=0.02, pad=0.01, label="attention weight")
+    return _save(fig, path)
+
+
+def plot_overlap(
+    matrix: ArrayLike,
+    path: str | Path,
+    *,
+    baseline: float | None = None,
+    title: str = "",
+    label: str = "overlap",
+) -> Path:
+    """Head x head overlap heatmap [n_heads, n_heads], with the random-subspace baseline in the colour bar."""
+    m = _np(matrix)
+    n = m.shape[0]
+    fig, ax = plt.subplots(figsize=(max(4.5, 0.45 * n + 2.5), max(4, 0.45 * n + 1.5)))
+    im = ax.imshow(m, cmap="magma", vmin=0.0, vmax=1.0)
+    ax.set_xticks(range(n))
+    ax.set_yticks(range(n))
+    ax.set_xticklabels([f"H{i}" for i in range(n)], fontsize=7, rotation=90)
+    ax.set_yticklabels([f"H{i}" for i in range(n)], fontsize=7)
+    cb = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label=label)
+    if baseline is not None:
+        cb.ax.axhline(baseline, color="cyan", lw=2)
+        cb.ax.text(
+            1.6,
+            baseline,
+            f" random {baseline:.2f}",
+            color="black",
+            fontsize=7,
+            va="center",
+            transform=cb.ax.get_yaxis_transform(),
+        )
+    ax.set_title(title or "head x head subspace overlap")
+    return _save(fig, path)
+
+
+def plot_spectra(
+    spectra: Sequence[ArrayLike], path: str | Path, *, title: str = "", labels: Sequence[str] | None = None
+) -> Path:
+    """Singular values of several circuits (one line each, log scale)."""
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for i, s in enumerate(spectra):
+        v = _np(s)
+        ax.semilogy(
+            range(1, len(v) + 1),
+            np.clip(v, 1e-12, None),
+            lw=1,
+            label=labels[i] if labels is not None else None,
+        )
+    ax.set_xlabel("singular value index")
+    ax.set_ylabel("singular value")
+    ax.set_title(title or "circuit spectra")
+    if labels is not None and len(labels) <= 16:
+        ax.legend(fontsize=6, ncol=2)
+    return _save(fig, path)

@@ -1,0 +1,213 @@
+"""The ``headspace`` command: in-process (click's runner) and as a subprocess, on the bundled MiniLM."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import headspace
+from headspace import cli_lesson
+from headspace.cli import cli
+from headspace.explain import DEFAULT_SENTENCE, explain, record, tokenize_one
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    return headspace.load("minilm")
+
+
+@pytest.fixture()
+def runner(minilm, monkeypatch):
+    """A click runner whose --model minilm reuses the module's loaded model (loading once is enough)."""
+    real = cli_lesson.load_model
+    monkeypatch.setattr(cli_lesson, "load_model", lambda spec: minilm if spec == "minilm" else real(spec))
+    return CliRunner()
+
+
+def _run(runner: CliRunner, args: list[str]):
+    return runner.invoke(cli, args, catch_exceptions=False)
+
+
+def test_explain_default_names_top_heads_and_real_shapes(runner, minilm):
+    res = _run(runner, ["explain"])
+    assert res.exit_code == 0, res.output
+    e = explain(minilm)
+    out = res.output
+    cfg = minilm.model.config
+    # the shapes printed are the model's dimensions
+    assert f"[{cfg.d_model}]" in out
+    assert f"W_Q[{e.head}]: [{cfg.d_model}, {cfg.d_model // cfg.n_heads}]" in out
+    assert f"[{cfg.n_heads} x {e.d_head} = {cfg.n_heads * e.d_head}]" in out
+    # the top-ranked heads and their top attended tokens are named
+    for f in e.ranking[:3]:
+        assert f.focus_token in out
+        assert f"{f.focus:.3f}" in out
+    assert f"Layer {e.layer}, head {e.head}" in out
+    assert "'it'" in out
+
+
+def test_explain_json_holds_the_api_numbers(runner, minilm):
+    res = _run(runner, ["explain", "--json", "--layer", "3", "--head", "1"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    e = explain(minilm, layer=3, head=1)
+    assert data["layer"] == 3 and data["head"] == 1 and data["token"] == "it"
+    for key in ("x", "q", "k", "v", "pattern", "z", "concat", "out", "head_shares"):
+        assert data[key] == getattr(e, key), key
+    assert data["top"][0]["token"] == e.top[0].token
+    assert data["shapes"]["q"] == [32] and data["shapes"]["x"] == [384]
+
+
+def test_explain_numbers_follow_the_formula(minilm):
+    """Every stage equals the textbook formula applied to the layer's own weights."""
+    e = explain(minilm, layer=2, head=5)
+    attn = minilm.model.blocks[2].attn
+    W_Q, W_O = attn.W_Q.detach(), attn.W_O.detach()
+    x = torch.tensor(e.x)
+    q = x @ W_Q[5] + attn.b_Q[5].detach()
+    torch.testing.assert_close(torch.tensor(e.q), q)
+    k = torch.tensor(e.k)
+    scores = k @ q / math.sqrt(attn.d_head)
+    torch.testing.assert_close(torch.tensor(e.scores), scores, rtol=1e-5, atol=1e-4)  # dot of 32 terms ~10
+    p = torch.softmax(torch.tensor(e.scores), dim=0)
+    torch.testing.assert_close(torch.tensor(e.pattern), p)
+    z = p @ torch.tensor(e.v)
+    torch.testing.assert_close(torch.tensor(e.z), z)
+    concat = torch.tensor(e.concat)  # (n_heads * d_head,)
+    out = concat @ W_O.reshape(-1, attn.d_model) + attn.b_O.detach()
+    torch.testing.assert_close(torch.tensor(e.out), out, rtol=1e-5, atol=1e-4)
+    assert math.isclose(sum(e.head_shares), 1.0, rel_tol=1e-5)
+    # and the attention output the model computes for this token is the same
+    ids, pad = tokenize_one(minilm, DEFAULT_SENTENCE)
+    outputs = []
+    handle = attn.register_forward_hook(lambda m, a, o: outputs.append(o))
+    try:
+        with torch.inference_mode():
+            minilm.model(ids, pad)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(outputs[0][0, e.token_index], torch.tensor(e.out))
+
+
+def test_explain_pictures(runner, tmp_path):
+    from PIL import Image
+
+    res = _run(runner, ["explain", "--layer", "5", "--head", "11", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    names = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert names == sorted(
+        [
+            "explain_L5_H11_pattern.png",
+            "explain_L5_H11_row.png",
+            "explain_L5_H11_qkvz.png",
+            "explain_L5_wo_shares.png",
+        ]
+    )
+    for name in names:
+        with Image.open(tmp_path / name) as im:
+            im.verify()
+        with Image.open(tmp_path / name) as im:
+            w, h = im.size
+            assert 300 <= w <= 2500 and 200 <= h <= 2500, (name, im.size)
+
+
+def test_heads_json_matches_analysis_and_draws_grid(runner, minilm, tmp_path):
+    from headspace.analysis import head_roles, wo_norms
+
+    res = _run(
+        runner, ["heads", "A cat sat on the mat.", "--no-importance", "--json", "--out", str(tmp_path)]
+    )
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    roles = head_roles(minilm, ["A cat sat on the mat."])
+    assert data["roles"]["labels"] == roles.labels
+    assert data["wo_norm"] == wo_norms(minilm).tolist()
+    assert (tmp_path / "heads_patterns.png").is_file()
+
+
+def test_heads_table_with_importance(runner, tmp_path):
+    f = tmp_path / "s.txt"
+    f.write_text("The dog barked.\nShe gave him the book.\n", encoding="utf-8")
+    res = _run(runner, ["heads", "--sentences", str(f)])
+    assert res.exit_code == 0, res.output
+    assert "importance" in res.output and "entropy" in res.output
+    assert res.output.count("\n") > 72  # one row per head (6 x 12)
+
+
+def test_subspaces_json_matches_analysis(runner, minilm, tmp_path):
+    from headspace.analysis import subspace_overlaps
+
+    res = _run(runner, ["subspaces", "--layer", "1", "--json", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    ov = subspace_overlaps(minilm, "q")
+    (layer,) = data["layers"]
+    assert layer["layer"] == 1
+    torch.testing.assert_close(torch.tensor(layer["overlap"]), ov.overlap[1])
+    assert layer["random_expected"] == pytest.approx(float(ov.random_expected[1]))
+    assert {p.name for p in tmp_path.glob("*.png")} == {"subspaces_L1_q.png", "subspaces_L1_spectra.png"}
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["explain", "--model", "nosuchmodel"], "unknown model 'nosuchmodel'"),
+        (["explain", "--token", "zebra"], "token 'zebra' is not in the sentence; its tokens are: 0:[CLS]"),
+        (["explain", "--layer", "6"], "layer 6 is out of range: valid layers are 0..5"),
+        (["explain", "--head", "12"], "head 12 is out of range: valid heads are 0..11"),
+        (["subspaces", "--layer", "-1"], "layer -1 is out of range: valid layers are 0..5"),
+        (
+            ["heads", "--sentences", "/nonexistent/sentences.txt"],
+            "cannot read sentences file /nonexistent/sentences.txt",
+        ),
+    ],
+)
+def test_errors_are_one_line_exit_2(runner, args, needle):
+    res = runner.invoke(cli, args)
+    assert res.exit_code == 2, res.output
+    assert needle in res.output
+    assert "Traceback" not in res.output
+    assert len(res.output.strip().splitlines()) == 1
+
+
+def test_subprocess_json_and_error():
+    exe = [sys.executable, "-m", "headspace"]
+    ok = subprocess.run(
+        [*exe, "explain", "--json", "--top", "3"], capture_output=True, text=True, timeout=300
+    )
+    assert ok.returncode == 0, ok.stderr
+    data = json.loads(ok.stdout)
+    assert data["tokens"][data["token_index"]] == "it" and len(data["ranking"]) == 3
+    bad = subprocess.run(
+        [*exe, "explain", "--model", "nosuchmodel"], capture_output=True, text=True, timeout=300
+    )
+    assert bad.returncode == 2
+    assert bad.stderr.strip().startswith("error: unknown model 'nosuchmodel'")
+    assert "Traceback" not in bad.stderr
+
+
+def test_load_model_reads_a_folder(tmp_path):
+    """--model PATH: a folder without config.json or of another model type is a clear error."""
+    with pytest.raises(cli_lesson.UsageError, match="cannot read"):
+        cli_lesson.load_model(str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    with pytest.raises(cli_lesson.UsageError, match="supported model types: \\['bert', 'gpt2'\\]"):
+        cli_lesson.load_model(str(tmp_path))
+    assert Path(headspace.pretrained.minilm_path()).is_dir()
+    pm = cli_lesson.load_model(str(headspace.pretrained.minilm_path()))
+    assert pm.model.config.n_layers == 6
+
+
+def test_record_matches_need_weights(minilm):
+    ids, pad = tokenize_one(minilm, "Heads attend.")
+    rec = record(minilm.model, lambda: minilm.model(ids, pad))
+    x = rec["input"][0]
+    _, pattern = minilm.model.blocks[0].attn(x, key_padding=pad, need_weights=True)
+    torch.testing.assert_close(rec["pattern"][0], pattern.detach())
