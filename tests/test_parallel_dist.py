@@ -351,6 +351,7 @@ def _model_worker(rank: int, world: int) -> None:
     from headspace import MultiHeadAttention
     from headspace.models import Decoder, ModelConfig
     from headspace.parallel import HeadParallelAttention, HeadParallelFeedForward, gather_model, shard_model
+    from headspace.analysis import head_roles
     from headspace.trace import trace
 
     torch.manual_seed(300)
@@ -393,6 +394,10 @@ def _model_worker(rank: int, world: int) -> None:
         assert_close(t_full.result(layer), t_ref.result(layer))
         hs = model.blocks[layer].attn.head_slice
         assert_close(t_local.pattern(layer), t_ref.pattern(layer)[:, hs])
+    roles, want_roles = head_roles(full, tokens), head_roles(ref, tokens)
+    assert roles.labels == want_roles.labels and len(roles.labels[0]) == config.n_heads
+    for field in ("previous", "next", "current", "first", "last", "entropy"):
+        assert_close(getattr(roles, field), getattr(want_roles, field), msg=field)
 
 
 def test_head_parallel_decoder_matches_and_gathers_for_the_per_head_tools(two_rank_results: list) -> None:

@@ -426,13 +426,7 @@ def attention_shard(attn: MultiHeadAttention, rank: int, world_size: int) -> Mul
     """
     if not isinstance(attn, MultiHeadAttention):
         raise TypeError(f"attn must be a headspace.MultiHeadAttention; got {type(attn).__name__}")
-    if (
-        not isinstance(world_size, int)
-        or world_size <= 0
-        or not isinstance(rank, int)
-        or not 0 <= rank < world_size
-    ):
-        raise ValueError(f"need 0 <= rank < world_size; got rank={rank!r}, world_size={world_size!r}")
+    _check_rank(rank, world_size)
     _check_divisible("n_heads", attn.n_heads, world_size)
     _check_divisible("n_kv_heads", attn.n_kv_heads, world_size)
     hs = _head_range(attn.n_heads, rank, world_size)
@@ -577,13 +571,13 @@ class HeadParallelAttention(nn.Module):
         Returns:
             out [batch, seq_q, d_model] (the same on every rank), or (out, pattern).
         """
-        if isinstance(attn_mask, Tensor) and attn_mask.dim() == 4 and self.world_size > 1:
+        if isinstance(attn_mask, Tensor) and attn_mask.dim() == 4:
             if attn_mask.shape[1] not in (1, self.n_heads):
                 raise ValueError(
                     f"attn_mask has shape {list(attn_mask.shape)}; a 4-D mask must be [batch, n_heads, "
                     f"seq_q, seq_k] with n_heads={self.n_heads} or 1 (to broadcast)"
                 )
-            if attn_mask.shape[1] == self.n_heads:
+            if attn_mask.shape[1] == self.n_heads and self.world_size > 1:
                 attn_mask = attn_mask[:, self.head_slice]  # (batch, n_local_heads, seq_q, seq_k)
         distributed = self.world_size > 1
         if distributed:
