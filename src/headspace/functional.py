@@ -18,7 +18,8 @@ Query head ``h`` reads key/value head ``h // (n_heads // n_kv_heads)`` (grouped-
 
 Backends:
     ``"sdpa"``     torch's fused ``scaled_dot_product_attention``; returns no pattern.
-    ``"explicit"`` scores and softmax written out; the reference the others are tested against.
+    ``"explicit"``  scores and softmax written out by a blocked kernel; returns the pattern.
+    ``"reference"`` the same maths in plain autograd ops; the reference the others are tested against.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from .masks import CanonicalMask, causal_mask
 
@@ -71,15 +73,198 @@ def attention_pattern(scores: Tensor, mask: CanonicalMask) -> Tensor:
     return pattern
 
 
-def explicit_attention(
+def reference_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: CanonicalMask, *, scale: float, dropout_p: float = 0.0
 ) -> tuple[Tensor, Tensor]:
-    """Reference backend: scores, softmax and the weighted sum written out. Returns (out, pattern)."""
+    """Reference backend: scores, softmax and the weighted sum written out with plain autograd ops.
+
+    The slowest and simplest backend, differentiable to any order; every other backend is tested
+    against it. Returns (out, pattern).
+    """
     scores = attention_scores(q, k, mask, scale=scale)  # (batch, n_heads, seq_q, seq_k)
     pattern = attention_pattern(scores, mask)  # (batch, n_heads, seq_q, seq_k)
     weights = F.dropout(pattern, p=dropout_p) if dropout_p > 0.0 else pattern
     out = torch.matmul(weights, repeat_kv(v, q.shape[1]))  # (batch, n_heads, seq_q, d_head)
     return out, pattern
+
+
+# ---------------------------------------------------------------------------------------------------
+# The blocked explicit kernel (need_weights=True without dropout).
+#
+# The pattern [batch, n_heads, seq_q, seq_k] is the one big tensor of the explicit path. The kernel
+# writes each block of it exactly once, in place: scores (scale folded into the GEMM), mask, softmax
+# and dead rows are applied while the block is still in cache, and the block is multiplied by v
+# before moving on. The backward pass reuses one block-sized buffer for dP -> dS
+# (dS = P * (dP - rowsum(dP * P))), so beyond the pattern itself neither pass allocates anything of
+# size seq_q x seq_k. Grouped-query attention needs no repeat_kv copies: the G query heads of one
+# key/value head are laid out as G * seq_q rows of one matrix that multiplies that head's keys.
+# ---------------------------------------------------------------------------------------------------
+
+#: Target size in bytes of one block of scores; a few blocks fit in L2/L3 cache.
+BLOCK_BYTES = 1 << 20
+
+
+def _blocks(batch: int, n_heads: int, n_kv_heads: int, seq_q: int, seq_k: int, itemsize: int):
+    """Yield (b, h0, h1, i0, i1): heads h0:h1 of sample b, queries i0:i1, about BLOCK_BYTES each.
+
+    Either the block holds whole key/value groups (h0:h1 a multiple of the group size, all queries)
+    or a band of queries of one head.
+    """
+    group = n_heads // n_kv_heads
+    unit = group * seq_q * seq_k * itemsize  # one key/value group of one sample
+    if unit <= BLOCK_BYTES:
+        n_units = max(1, BLOCK_BYTES // unit)
+        for b in range(batch):
+            for g0 in range(0, n_kv_heads, n_units):
+                g1 = min(n_kv_heads, g0 + n_units)
+                yield b, g0 * group, g1 * group, 0, seq_q
+    else:
+        rows = max(1, BLOCK_BYTES // (seq_k * itemsize))
+        for b in range(batch):
+            for h in range(n_heads):
+                for i0 in range(0, seq_q, rows):
+                    yield b, h, h + 1, i0, min(seq_q, i0 + rows)
+
+
+def _block_views(t: Tensor, b: int, h0: int, h1: int, i0: int, i1: int, group: int, seq_q: int) -> Tensor:
+    """Block of a contiguous [batch, n_heads, seq_q, X] tensor as [kv heads in block, rows, X]."""
+    if h1 - h0 == 1:
+        return t[b, h0, i0:i1].unsqueeze(0)  # (1, rows, X): a band of one head's queries
+    return t[b, h0:h1].view((h1 - h0) // group, group * seq_q, t.shape[-1])  # (g, G seq_q, X): whole groups
+
+
+def _kv_block(t: Tensor, b: int, h0: int, h1: int, group: int) -> Tensor:
+    """The key/value heads serving query heads h0:h1 of sample b: [kv heads in block, seq_k, d_head]."""
+    return t[b, h0 // group : (h1 - 1) // group + 1]  # (g, seq_k, d_head)
+
+
+def _mask_parts(mask: CanonicalMask, shape: tuple[int, int, int, int], device: torch.device):
+    """(blocked bool, additive float, dead rows), each expanded to ``shape`` or None."""
+    m = mask.mask
+    if mask.is_causal:
+        m = causal_mask(shape[2], shape[3], device)[None, None]  # (1, 1, seq_q, seq_k)
+    blocked = additive = dead = None
+    if m is not None:
+        if m.dtype == torch.bool:
+            blocked = (~m).expand(shape)  # (batch, n_heads, seq_q, seq_k), broadcast view
+        else:
+            additive = m.expand(shape)  # (batch, n_heads, seq_q, seq_k), broadcast view
+    if mask.dead_rows is not None:
+        dead = mask.dead_rows.expand(*shape[:3], 1)  # (batch, n_heads, seq_q, 1), broadcast view
+    return blocked, additive, dead
+
+
+def _blocked_forward(
+    q: Tensor, k: Tensor, v: Tensor, mask: CanonicalMask, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Forward of the blocked kernel on contiguous q [B, H, Sq, dh], k, v [B, Hkv, Sk, dh]."""
+    B, H, Sq, dh = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    group = H // Hkv
+    pattern = q.new_empty(B, H, Sq, Sk)
+    out = q.new_empty(B, H, Sq, dh)
+    blocked, additive, dead = _mask_parts(mask, (B, H, Sq, Sk), q.device)
+    for b, h0, h1, i0, i1 in _blocks(B, H, Hkv, Sq, Sk, q.element_size()):
+        p = _block_views(pattern, b, h0, h1, i0, i1, group, Sq)  # (g, rows, Sk)
+        kb, vb = _kv_block(k, b, h0, h1, group), _kv_block(v, b, h0, h1, group)  # (g, Sk, dh)
+        p.baddbmm_(_block_views(q, b, h0, h1, i0, i1, group, Sq), kb.transpose(1, 2), beta=0.0, alpha=scale)
+        p4 = pattern[b, h0:h1, i0:i1]  # (heads, queries, Sk): the same memory, per head
+        if blocked is not None:
+            p4.masked_fill_(blocked[b, h0:h1, i0:i1], float("-inf"))
+        if additive is not None:
+            p4.add_(additive[b, h0:h1, i0:i1])
+        torch._softmax(p, -1, False, out=p)  # in place: the CPU and CUDA kernels read a row before writing it
+        if dead is not None:
+            p4.masked_fill_(dead[b, h0:h1, i0:i1], 0.0)
+        torch.bmm(p, vb, out=_block_views(out, b, h0, h1, i0, i1, group, Sq))  # (g, rows, dh)
+    return out, pattern
+
+
+def _blocked_backward(
+    grad_out: Tensor,
+    grad_pattern: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pattern: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of the blocked kernel: dq [B, H, Sq, dh], dk, dv [B, Hkv, Sk, dh]."""
+    B, H, Sq, _ = q.shape
+    Hkv, Sk = k.shape[1], k.shape[2]
+    group = H // Hkv
+    grad_out = grad_out.contiguous()
+    grad_pattern = None if grad_pattern is None else grad_pattern.contiguous()
+    dq = torch.empty_like(q)
+    dk = torch.zeros_like(k)
+    dv = torch.zeros_like(v)
+    buf = None
+    for b, h0, h1, i0, i1 in _blocks(B, H, Hkv, Sq, Sk, q.element_size()):
+        p = _block_views(pattern, b, h0, h1, i0, i1, group, Sq)  # (g, rows, Sk)
+        do = _block_views(grad_out, b, h0, h1, i0, i1, group, Sq)  # (g, rows, dh)
+        qb = _block_views(q, b, h0, h1, i0, i1, group, Sq)  # (g, rows, dh)
+        kb, vb = _kv_block(k, b, h0, h1, group), _kv_block(v, b, h0, h1, group)  # (g, Sk, dh)
+        if buf is None:
+            buf = torch.empty_like(p).view(-1)  # every block has at most the first block's size
+        ds = buf[: p.numel()].view(p.shape)  # (g, rows, Sk)
+        torch.bmm(do, vb.transpose(1, 2), out=ds)  # dP = dO v^T
+        if grad_pattern is not None:
+            ds.add_(_block_views(grad_pattern, b, h0, h1, i0, i1, group, Sq))
+        ds.mul_(p)  # P * dP
+        ds.addcmul_(p, ds.sum(-1, keepdim=True), value=-1.0)  # dS = P * dP - P * rowsum(P * dP)
+        _block_views(dq, b, h0, h1, i0, i1, group, Sq).baddbmm_(ds, kb, beta=0.0, alpha=scale)
+        _kv_block(dk, b, h0, h1, group).baddbmm_(ds.transpose(1, 2), qb, alpha=scale)  # sums the group
+        _kv_block(dv, b, h0, h1, group).baddbmm_(p.transpose(1, 2), do)  # sums the group
+    return dq, dk, dv
+
+
+class _BlockedExplicitAttention(torch.autograd.Function):
+    """Autograd wrapper of the blocked kernel; saves q, k, v and the pattern (nothing else)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: CanonicalMask, scale: float):  # type: ignore[override]
+        out, pattern = _blocked_forward(q, k, v, mask, scale)
+        ctx.save_for_backward(q, k, v, pattern)
+        ctx.scale = scale
+        return out, pattern
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: Tensor, grad_pattern: Tensor | None):  # type: ignore[override]
+        q, k, v, pattern = ctx.saved_tensors
+        dq, dk, dv = _blocked_backward(grad_out, grad_pattern, q, k, v, pattern, ctx.scale)
+        return dq, dk, dv, None, None
+
+
+def explicit_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: CanonicalMask, *, scale: float, dropout_p: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """Explicit backend: the pattern is materialised and returned. Returns (out, pattern).
+
+    Same maths as :func:`reference_attention`, computed by a blocked kernel that writes the pattern
+    once in place and whose backward needs only one block-sized buffer (see the comment above
+    :data:`BLOCK_BYTES`). The kernel's backward is once-differentiable; the reference path is used
+    instead with dropout, a float mask that requires grad, empty inputs, or when double backward may
+    be needed (``torch.is_grad_enabled()`` with ``create_graph`` cannot be detected here: use the
+    ``"reference"`` backend for higher-order gradients).
+    """
+    m = mask.mask
+    if (
+        dropout_p > 0.0
+        or (m is not None and m.requires_grad)
+        or q.numel() == 0
+        or k.numel() == 0
+        or q.shape[1] % k.shape[1] != 0
+    ):
+        return reference_attention(q, k, v, mask, scale=scale, dropout_p=dropout_p)
+    q, k, v = (
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+    )  # O(seq * d_head) copies; cheap beside the pattern
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _BlockedExplicitAttention.apply(q, k, v, mask, scale)
+    return _blocked_forward(q, k, v, mask, scale)
 
 
 def sdpa_attention(
@@ -102,7 +287,11 @@ def sdpa_attention(
     return out, None
 
 
-BACKENDS: dict[str, AttentionBackend] = {"sdpa": sdpa_attention, "explicit": explicit_attention}
+BACKENDS: dict[str, AttentionBackend] = {
+    "sdpa": sdpa_attention,
+    "explicit": explicit_attention,
+    "reference": reference_attention,
+}
 
 
 def get_backend(name: str) -> AttentionBackend:

@@ -1,0 +1,178 @@
+"""The blocked explicit backend against the plain-autograd reference, on every mask kind and GQA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import headspace.functional as fn
+from headspace.masks import CanonicalMask, canonical_mask
+
+MASK_KINDS = ("none", "padding", "causal", "causal+padding", "bool3", "bool4", "float4", "float2-dead")
+
+
+def _mask(
+    kind: str, B: int, H: int, Sq: int, Sk: int, dtype: torch.dtype, gen: torch.Generator
+) -> CanonicalMask:
+    kw: dict = {}
+    if "padding" in kind:
+        pad = torch.rand(B, Sk, generator=gen) > 0.4
+        pad[0] = False  # a whole sample padded: every row of it is dead
+        kw["key_padding"] = pad
+    if "causal" in kind:
+        kw["is_causal"] = True
+    if kind == "bool3":
+        kw["attn_mask"] = torch.rand(B, Sq, Sk, generator=gen) > 0.5
+    if kind == "bool4":
+        kw["attn_mask"] = torch.rand(B, H, Sq, Sk, generator=gen) > 0.5
+    if kind == "float4":
+        kw["attn_mask"] = torch.randn(B, H, Sq, Sk, generator=gen, dtype=dtype)
+    if kind == "float2-dead":
+        m = torch.randn(Sq, Sk, generator=gen, dtype=dtype)
+        m[0] = float("-inf")  # query 0 sees nothing
+        kw["attn_mask"] = m
+    return canonical_mask(batch=B, n_heads=H, seq_q=Sq, seq_k=Sk, dtype=dtype, **kw)
+
+
+def _qkv(B: int, H: int, Hkv: int, Sq: int, Sk: int, dh: int, dtype: torch.dtype, gen: torch.Generator):
+    q = torch.randn(B, H, Sq, dh, generator=gen, dtype=dtype).requires_grad_()
+    k = torch.randn(B, Hkv, Sk, dh, generator=gen, dtype=dtype).requires_grad_()
+    v = torch.randn(B, Hkv, Sk, dh, generator=gen, dtype=dtype).requires_grad_()
+    return q, k, v
+
+
+def _compare(
+    q, k, v, mask: CanonicalMask, scale: float, with_grad_pattern: bool, gen: torch.Generator
+) -> None:
+    out, pattern = fn.explicit_attention(q, k, v, mask, scale=scale)
+    ref_out, ref_pattern = fn.reference_attention(q, k, v, mask, scale=scale)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(pattern, ref_pattern)
+    g_out = torch.randn(out.shape, generator=gen, dtype=out.dtype)
+    outputs, ref_outputs, grads = (out,), (ref_out,), (g_out,)
+    if with_grad_pattern:  # a loss on the pattern too (e.g. an attention-entropy penalty)
+        g_pat = torch.randn(pattern.shape, generator=gen, dtype=out.dtype)
+        outputs, ref_outputs, grads = (out, pattern), (ref_out, ref_pattern), (g_out, g_pat)
+    got = torch.autograd.grad(outputs, (q, k, v), grads)
+    want = torch.autograd.grad(ref_outputs, (q, k, v), grads)
+    for name, a, b in zip("qkv", got, want):
+        torch.testing.assert_close(a, b, msg=lambda m, name=name: f"d{name}: {m}")
+
+
+@pytest.mark.parametrize("kind", MASK_KINDS)
+@pytest.mark.parametrize("block_bytes", [96, 1 << 20], ids=["bands", "whole-groups"])
+@pytest.mark.parametrize("n_kv_heads", [6, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_blocked_matches_reference(
+    kind: str, block_bytes: int, n_kv_heads: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(fn, "BLOCK_BYTES", block_bytes)
+    gen = torch.Generator().manual_seed(7)
+    B, H, Sq, Sk, dh = 2, 6, 5, 7, 3
+    if "causal" in kind:
+        Sq = Sk  # the square causal kernel case as well as bottom-right alignment with padding
+    q, k, v = _qkv(B, H, n_kv_heads, Sq, Sk, dh, torch.float32, gen)
+    mask = _mask(kind, B, H, Sq, Sk, torch.float32, gen)
+    _compare(q, k, v, mask, 0.37, with_grad_pattern=kind in ("none", "padding", "float2-dead"), gen=gen)
+
+
+def test_dead_rows_are_zero_with_finite_grads() -> None:
+    gen = torch.Generator().manual_seed(1)
+    q, k, v = _qkv(2, 3, 3, 5, 7, 2, torch.float32, gen)
+    mask = _mask("padding", 2, 3, 5, 7, torch.float32, gen)  # sample 0 fully padded
+    out, pattern = fn.explicit_attention(q, k, v, mask, scale=0.5)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    assert torch.equal(pattern[0], torch.zeros_like(pattern[0]))
+    torch.testing.assert_close(pattern[1].sum(-1), torch.ones(3, 5))
+    out.sum().backward()
+    for t in (q, k, v):
+        assert torch.isfinite(t.grad).all()
+    assert torch.equal(q.grad[0], torch.zeros_like(q.grad[0]))  # nothing flows into dead rows
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    B=st.integers(1, 3),
+    n_kv=st.integers(1, 3),
+    group=st.integers(1, 3),
+    Sq=st.integers(1, 9),
+    Sk=st.integers(1, 9),
+    dh=st.integers(1, 6),
+    block_bytes=st.sampled_from([4, 64, 300, 1 << 20]),
+    kind=st.sampled_from(["none", "padding", "bool4", "float4"]),
+)
+def test_blocked_matches_reference_any_shape(
+    B: int, n_kv: int, group: int, Sq: int, Sk: int, dh: int, block_bytes: int, kind: str
+) -> None:
+    old = fn.BLOCK_BYTES
+    fn.BLOCK_BYTES = block_bytes
+    try:
+        gen = torch.Generator().manual_seed(B * 1000 + Sq * 10 + Sk)
+        H = n_kv * group
+        q, k, v = _qkv(B, H, n_kv, Sq, Sk, dh, torch.float32, gen)
+        _compare(q, k, v, _mask(kind, B, H, Sq, Sk, torch.float32, gen), 0.41, True, gen)
+    finally:
+        fn.BLOCK_BYTES = old
+
+
+@pytest.mark.parametrize("kind", ["causal+padding", "float2-dead", "bool4"])
+def test_blocked_gradcheck_float64(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fn, "BLOCK_BYTES", 200)  # several blocks per head
+    gen = torch.Generator().manual_seed(3)
+    B, H, Hkv, Sq, Sk, dh = 2, 4, 2, 5, 5, 3
+    q, k, v = _qkv(B, H, Hkv, Sq, Sk, dh, torch.float64, gen)
+    mask = _mask(kind, B, H, Sq, Sk, torch.float64, gen)
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: fn.explicit_attention(q, k, v, mask, scale=0.6), (q, k, v)
+    )
+
+
+def test_no_grad_path_equals_grad_path_and_keeps_inputs() -> None:
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = _qkv(2, 4, 2, 6, 6, 5, torch.float32, gen)
+    mask = _mask("causal", 2, 4, 6, 6, torch.float32, gen)
+    before = [t.detach().clone() for t in (q, k, v)]
+    out, pattern = fn.explicit_attention(q, k, v, mask, scale=0.2)
+    with torch.no_grad():
+        out0, pattern0 = fn.explicit_attention(q, k, v, mask, scale=0.2)
+    assert torch.equal(out.detach(), out0) and torch.equal(pattern.detach(), pattern0)
+    for t, b in zip((q, k, v), before):
+        assert torch.equal(t.detach(), b)
+
+
+def test_non_contiguous_inputs_give_the_same_result() -> None:
+    gen = torch.Generator().manual_seed(9)
+    B, H, S, dh = 2, 3, 5, 4
+    qkv = torch.randn(B, S, 3 * H, dh, generator=gen)
+    q, k, v = qkv.transpose(1, 2).split([H, H, H], dim=1)  # (B, H, S, dh) strided views
+    mask = _mask("none", B, H, S, S, torch.float32, gen)
+    out, pattern = fn.explicit_attention(q, k, v, mask, scale=0.5)
+    ref_out, ref_pattern = fn.explicit_attention(
+        q.contiguous(), k.contiguous(), v.contiguous(), mask, scale=0.5
+    )
+    assert torch.equal(out, ref_out) and torch.equal(pattern, ref_pattern)
+
+
+def test_dropout_and_higher_order_use_the_reference() -> None:
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = _qkv(1, 2, 2, 3, 4, 2, torch.float64, gen)
+    mask = _mask("none", 1, 2, 3, 4, torch.float64, gen)
+    torch.manual_seed(0)
+    out, _ = fn.explicit_attention(q, k, v, mask, scale=0.5, dropout_p=0.5)
+    torch.manual_seed(0)
+    ref, _ = fn.reference_attention(q, k, v, mask, scale=0.5, dropout_p=0.5)
+    torch.testing.assert_close(out, ref)
+    assert torch.autograd.gradgradcheck(
+        lambda q, k, v: fn.reference_attention(q, k, v, mask, scale=0.5)[0], (q, k, v)
+    )
+    out, _ = fn.explicit_attention(q, k, v, mask, scale=0.5)
+    (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError):  # the blocked kernel is once-differentiable, and says so
+        g.sum().backward()
+
+
+def test_backends_registry() -> None:
+    assert set(fn.BACKENDS) == {"sdpa", "explicit", "reference"}
+    with pytest.raises(ValueError, match="known backends"):
+        fn.get_backend("flash")
