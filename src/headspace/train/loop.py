@@ -405,6 +405,7 @@ def _train(config: TrainConfig, out: Path, resume: bool, progress: bool, info: D
     record = run_record(config, model_config, source.describe())
     check_same_config({k: v for k, v in config.to_dict().items() if k != "device"}, info)
     _check_run_dir(out, record, resume)
+    barrier(info)  # every rank checks the folder before rank 0 writes into it
     local_rows = local_batch_slice(config.batch_size, info)
 
     torch.manual_seed(config.seed)
