@@ -1,0 +1,71 @@
+"""Attention benchmark: headspace vs torch MHA, a nanoGPT-style module, a textbook module and the GEMM floor.
+
+Prints a Markdown table (median ms, ratio to the GEMM floor, peak extra MiB) and writes JSON with the
+machine's description. The logic lives in :mod:`headspace.bench` (also behind ``headspace bench``).
+
+    python benchmarks/attention.py                       # seed configuration, seq 128 512 1024 2048
+    python benchmarks/attention.py --quick               # small sizes, under a minute
+    python benchmarks/attention.py --seq 512 1024 --repeats 5 --threads 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from headspace.bench import CASES, MODES, format_table, machine_info, run_attention_benchmark, write_json
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument(
+        "--seq", type=int, nargs="+", default=None, help="sequence lengths (default: 128 512 1024 2048)"
+    )
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--d-model", type=int, default=512)
+    p.add_argument("--n-heads", type=int, default=8)
+    p.add_argument("--repeats", type=int, default=None, help="timed steps per case (default: 3-15 by size)")
+    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    p.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    p.add_argument("--quick", action="store_true", help="seq 128 256, batch 4, 3 repeats: a smoke run")
+    p.add_argument("--out", default="benchmarks/results/attention.json", help="JSON output path")
+    a = p.parse_args(argv)
+    for name in ("batch", "d_model", "n_heads", "repeats", "threads"):
+        value = getattr(a, name)
+        if value is not None and value <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive; got {value}")
+    seqs = a.seq or ([128, 256] if a.quick else [128, 512, 1024, 2048])
+    if any(s <= 0 for s in seqs):
+        p.error(f"--seq values must be positive; got {seqs}")
+    batch = 4 if a.quick and a.batch == 8 else a.batch
+    repeats = 3 if a.quick and a.repeats is None else a.repeats
+    start = time.time()
+    rows = run_attention_benchmark(
+        seqs,
+        batch=batch,
+        d_model=a.d_model,
+        n_heads=a.n_heads,
+        modes=a.modes,
+        cases=a.cases,
+        repeats=repeats,
+        threads=a.threads,
+        measure_memory=not a.no_memory,
+    )
+    info = machine_info()
+    print(
+        f"\nmachine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, "
+        f"{info['torch_threads']} threads, load average {info.get('load_average_1m', '?')}\n"
+    )
+    print(format_table(rows))
+    write_json(
+        rows, a.out, extra={"argv": sys.argv[1:] if argv is None else argv, "wall_s": time.time() - start}
+    )
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

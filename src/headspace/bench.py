@@ -1,0 +1,632 @@
+"""The attention benchmark: headspace against torch MHA, nanoGPT-style, textbook and the GEMM floor.
+
+Every case computes the same self-attention (no mask, no dropout, float32) of one layer with
+``d_model`` and ``n_heads`` on an input [batch, seq, d_model], in two modes:
+
+* ``forward``: eval mode under ``torch.no_grad()``;
+* ``backward``: forward then ``out.backward(grad)`` (grads of the input and of every parameter; the
+  parameters' grads are set to None before each step so every step allocates them, as in training).
+
+Cases (``CASES``):
+
+==========================  ============================================================================
+``headspace``               :class:`~headspace.MultiHeadAttention`, fast path (fused QKV + SDPA)
+``headspace_idle_hooks``    the same, on a layer whose hook points had functions added and removed again
+``headspace_weights``       the same layer with ``need_weights=True`` (explicit path, per-head pattern)
+``torch_mha``               ``torch.nn.MultiheadAttention(batch_first=True)``, ``need_weights=False``
+``torch_mha_weights``       the same with ``need_weights=True, average_attn_weights=False``
+``nanogpt``                 nanoGPT-style: one ``nn.Linear`` to QKV, split, view, SDPA, ``nn.Linear`` out
+``textbook``                per-head ``nn.Linear`` q/k/v, a Python loop over heads, softmax, concat, W_O
+``gemm_floor``              the bare matrix products of the same shapes (see below)
+==========================  ============================================================================
+
+The GEMM floor is the time of the matrix products that any exact implementation of this layer must
+do, as plain ``torch.matmul(..., out=...)`` on preallocated float32 tensors (B = batch, S = seq,
+D = d_model, H = n_heads, dh = D / H)::
+
+    forward    X[B S, D] @ W_qkv[D, 3D]         Q[B H, S, dh] @ K^T[B H, dh, S]
+               P[B H, S, S] @ V[B H, S, dh]     Z[B S, D] @ W_O[D, D]
+    backward   the four above, then             dY[B S, D] @ W_O^T -> dZ      Z^T @ dY -> dW_O
+               dZ[B H, S, dh] @ V^T -> dP       P^T @ dZ -> dV
+               dS[B H, S, S] @ K -> dQ          dS^T @ Q -> dK
+               dQKV[B S, 3D] @ W_qkv^T -> dX    X^T @ dQKV -> dW_qkv
+
+No softmax, bias, mask, reshape or allocation is in the floor: it is a lower bound on time, not an
+implementation (it needs no extra memory because its buffers are built beforehand).
+
+Timing: all cases of one (seq, mode) are built, run once to warm up, then run round-robin
+``repeats`` times, so that a change in machine load touches every case alike; we report the median.
+Peak extra memory: in a fresh subprocess per (seq, mode), each case is built and warmed up, then
+the kernel's resident-set high-water mark is reset (``/proc/self/clear_refs``) and one more step is
+run; the peak extra memory is the high-water mark minus the resident set before the step. glibc's
+malloc is told (``MALLOC_MMAP_THRESHOLD_``) to map every block of 64 KiB or more afresh and unmap
+it on free, so no case runs in memory that an earlier one left behind. On systems without
+``/proc`` the memory columns are left empty.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .attention import MultiHeadAttention
+
+CASES: tuple[str, ...] = (
+    "headspace",
+    "headspace_idle_hooks",
+    "headspace_weights",
+    "torch_mha",
+    "torch_mha_weights",
+    "nanogpt",
+    "textbook",
+    "gemm_floor",
+)
+MODES: tuple[str, ...] = ("forward", "backward")
+
+LABELS: dict[str, str] = {
+    "headspace": "headspace (fast path)",
+    "headspace_idle_hooks": "headspace, idle hook points",
+    "headspace_weights": "headspace need_weights=True",
+    "torch_mha": "torch MHA",
+    "torch_mha_weights": "torch MHA need_weights=True",
+    "nanogpt": "nanoGPT-style fused QKV + SDPA",
+    "textbook": "textbook per-head loop",
+    "gemm_floor": "GEMM floor",
+}
+
+#: One-line definition of the floor, written into the JSON (the module docstring has the full list).
+GEMM_FLOOR = (
+    "plain torch.matmul(out=...) on preallocated float32 tensors; forward: X@W_qkv [BS,D]x[D,3D], "
+    "Q@K^T [BH,S,dh]x[BH,dh,S], P@V [BH,S,S]x[BH,S,dh], Z@W_O [BS,D]x[D,D]; forward+backward adds "
+    "dY@W_O^T, Z^T@dY, dZ@V^T, P^T@dZ, dS@K, dS^T@Q, dQKV@W_qkv^T, X^T@dQKV; no softmax, bias, mask, "
+    "copy or allocation"
+)
+
+#: The targets of the issue, as (description, check) pairs evaluated by :func:`check_targets`.
+FAST_VS_FLOOR = {"forward": 1.05, "backward": 1.12}
+WEIGHTS_VS_TORCH = 0.8
+IDLE_HOOKS_TOLERANCE = 1.05
+
+
+# ---------------------------------------------------------------------------------------------------
+# The comparison modules
+# ---------------------------------------------------------------------------------------------------
+class NanoGPTAttention(nn.Module):
+    """nanoGPT-style self-attention, one fused QKV Linear: ``y = SDPA(split(x W_attn + b)) W_proj + b``."""
+
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads = n_heads
+        self.c_attn = nn.Linear(d_model, 3 * d_model)
+        self.c_proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Notation used for tensor shapes: B batch, T seq, C d_model, nh n_heads, hs d_head.
+
+        x [B, T, C] -> [B, T, C].
+        """
+        B, T, C = x.shape
+        nh, hs = self.n_heads, C // self.n_heads
+        q, k, v = self.c_attn(x).split(C, dim=2)  # (B, T, C) x 3
+        q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        k = k.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        v = v.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
+        y = F.scaled_dot_product_attention(q, k, v)  # (B, nh, T, hs)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.c_proj(y)
+
+
+class TextbookAttention(nn.Module):
+    """The per-head textbook layer: ``head_h = softmax(x W_Q^h (x W_K^h)^T / sqrt(dh)) x W_V^h``,
+    ``y = concat_h(head_h) W_O``, with one ``nn.Linear`` per head and projection and a loop over heads.
+    """
+
+    def __init__(self, d_model: int, n_heads: int) -> None:
+        super().__init__()
+        d_head = d_model // n_heads
+        self.d_head = d_head
+        self.q = nn.ModuleList(nn.Linear(d_model, d_head) for _ in range(n_heads))
+        self.k = nn.ModuleList(nn.Linear(d_model, d_head) for _ in range(n_heads))
+        self.v = nn.ModuleList(nn.Linear(d_model, d_head) for _ in range(n_heads))
+        self.o = nn.Linear(d_model, d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Notation used for tensor shapes: batch, seq, d_model, d_head.
+
+        x [batch, seq, d_model] -> [batch, seq, d_model].
+        """
+        heads = []
+        for wq, wk, wv in zip(self.q, self.k, self.v):
+            q, k, v = wq(x), wk(x), wv(x)  # (batch, seq, d_head) x 3
+            scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_head)  # (batch, seq, seq)
+            heads.append(torch.softmax(scores, dim=-1) @ v)  # (batch, seq, d_head)
+        return self.o(torch.cat(heads, dim=-1))  # (batch, seq, d_model)
+
+
+def copy_weights(src: MultiHeadAttention, dst: nn.Module) -> None:
+    """Give a comparison module exactly the weights of ``src`` (so all cases compute one function)."""
+    D, H, dh = src.d_model, src.n_heads, src.d_head
+    with torch.no_grad():
+        if isinstance(dst, nn.MultiheadAttention):
+            dst.in_proj_weight.copy_(src.qkv_weight)  # both [3D, D]: q rows, k rows, v rows
+            dst.in_proj_bias.copy_(src.qkv_bias)
+            dst.out_proj.weight.copy_(src.o_weight)
+            dst.out_proj.bias.copy_(src.o_bias)
+        elif isinstance(dst, NanoGPTAttention):
+            dst.c_attn.weight.copy_(src.qkv_weight)
+            dst.c_attn.bias.copy_(src.qkv_bias)
+            dst.c_proj.weight.copy_(src.o_weight)
+            dst.c_proj.bias.copy_(src.o_bias)
+        elif isinstance(dst, TextbookAttention):
+            w = src.qkv_weight.view(3, H, dh, D)  # (q|k|v, head, d_head, d_model): [out, in] per head
+            b = src.qkv_bias.view(3, H, dh)  # (q|k|v, head, d_head)
+            for h in range(H):
+                for i, lin in enumerate((dst.q[h], dst.k[h], dst.v[h])):
+                    lin.weight.copy_(w[i, h])
+                    lin.bias.copy_(b[i, h])
+            dst.o.weight.copy_(src.o_weight)
+            dst.o.bias.copy_(src.o_bias)
+        else:
+            raise TypeError(f"copy_weights: unsupported module {type(dst).__name__}")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Cases
+# ---------------------------------------------------------------------------------------------------
+@dataclass
+class Case:
+    """One benchmark case: ``step()`` runs one timed unit of work; ``output()`` returns the layer output."""
+
+    name: str
+    step: Callable[[], None]
+    output: Callable[[], Tensor]
+
+
+def _gemm_floor(batch: int, seq: int, d_model: int, n_heads: int, mode: str, gen: torch.Generator) -> Case:
+    """The bare matmuls of the layer on preallocated tensors (the definition is in the module docstring)."""
+    B, S, D, H = batch, seq, d_model, n_heads
+    dh = D // H
+
+    def r(*shape: int) -> Tensor:
+        return torch.randn(*shape, generator=gen) * 0.1
+
+    x, w_qkv, w_o = r(B * S, D), r(D, 3 * D), r(D, D)
+    q, kt, v = r(B * H, S, dh), r(B * H, dh, S), r(B * H, S, dh)
+    qkv, scores, z, zo, y = r(B * S, 3 * D), r(B * H, S, S), r(B * H, S, dh), r(B * S, D), r(B * S, D)
+    backward = mode == "backward"
+    if backward:
+        dy, dz, dw_o = r(B * S, D), r(B * S, D), r(D, D)  # output projection
+        dzh, dp, dv, dq, dk = (
+            r(B * H, S, dh),
+            r(B * H, S, S),
+            r(B * H, S, dh),
+            r(B * H, S, dh),
+            r(B * H, S, dh),
+        )
+        dqkv, dx, dw_qkv = r(B * S, 3 * D), r(B * S, D), r(D, 3 * D)  # input projection
+        k, vt = (
+            kt.transpose(1, 2),
+            v.transpose(1, 2),
+        )  # (B H, S, dh), (B H, dh, S): strided views, as in autograd
+
+    def step() -> None:
+        torch.matmul(x, w_qkv, out=qkv)
+        torch.matmul(q, kt, out=scores)
+        torch.matmul(scores, v, out=z)
+        torch.matmul(zo, w_o, out=y)
+        if backward:
+            torch.matmul(dy, w_o.t(), out=dz)
+            torch.matmul(zo.t(), dy, out=dw_o)
+            torch.matmul(dzh, vt, out=dp)
+            torch.matmul(scores.transpose(1, 2), dzh, out=dv)
+            torch.matmul(dp, k, out=dq)
+            torch.matmul(dp.transpose(1, 2), q, out=dk)
+            torch.matmul(dqkv, w_qkv.t(), out=dx)
+            torch.matmul(x.t(), dqkv, out=dw_qkv)
+
+    return Case("gemm_floor", step, lambda: y.view(B, S, D))
+
+
+def build_case(
+    name: str, *, seq: int, batch: int, d_model: int, n_heads: int, mode: str, seed: int = 0
+) -> Case:
+    """Build one case with its own input (the same values for every case of one seed)."""
+    if name not in CASES:
+        raise ValueError(f"unknown benchmark case {name!r}; known cases: {list(CASES)}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {list(MODES)}; got {mode!r}")
+    gen = torch.Generator().manual_seed(seed)
+    if name == "gemm_floor":
+        return _gemm_floor(batch, seq, d_model, n_heads, mode, gen)
+    torch.manual_seed(seed)
+    layer = MultiHeadAttention(d_model, n_heads)
+    if name == "headspace_idle_hooks":
+        removers = [hp.add(lambda value, hook: None) for hp in layer._hook_points]
+        for remove in removers:
+            remove()
+    model: nn.Module = layer
+    if name.startswith("torch_mha"):
+        model = nn.MultiheadAttention(d_model, n_heads, batch_first=True)
+    elif name == "nanogpt":
+        model = NanoGPTAttention(d_model, n_heads)
+    elif name == "textbook":
+        model = TextbookAttention(d_model, n_heads)
+    if model is not layer:
+        copy_weights(layer, model)
+    x = torch.randn(batch, seq, d_model, generator=gen)
+    grad_y = torch.randn(batch, seq, d_model, generator=gen)
+    backward = mode == "backward"
+    model.train(backward)
+    params = list(model.parameters())
+    if backward:
+        x.requires_grad_(True)
+
+    def call() -> tuple[Tensor, Tensor | None]:
+        """(out, pattern or None); a need_weights caller holds the pattern until the step ends."""
+        if name == "headspace_weights":
+            return layer(x, need_weights=True)
+        if name == "torch_mha":
+            return model(x, x, x, need_weights=False)
+        if name == "torch_mha_weights":
+            return model(x, x, x, need_weights=True, average_attn_weights=False)
+        return model(x), None
+
+    def run() -> None:
+        out, _pattern = call()
+        if backward:
+            out.backward(grad_y)
+
+    if backward:
+
+        def step() -> None:
+            x.grad = None
+            for p in params:
+                p.grad = None
+            run()
+    else:
+
+        def step() -> None:
+            with torch.no_grad():
+                run()
+
+    def output() -> Tensor:
+        with torch.no_grad():
+            return call()[0]
+
+    return Case(name, step, output)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Measurement
+# ---------------------------------------------------------------------------------------------------
+def machine_info() -> dict:
+    """CPU model, cores, threads, versions and load: what a reader needs to judge the numbers."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info = {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+    if hasattr(os, "getloadavg"):
+        info["load_average_1m"] = round(os.getloadavg()[0], 2)
+    return info
+
+
+def _read_status_kib(field: str) -> int | None:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def measure_peak_extra_mib(step: Callable[[], None]) -> float | None:
+    """Run ``step`` once; return the growth of the resident-set high-water mark in MiB (None without /proc).
+
+    Sound only in a process started with ``MALLOC_MMAP_THRESHOLD_`` set (see the module docstring);
+    :func:`_memory_probe` arranges that.
+    """
+    gc.collect()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current resident set
+    except OSError:
+        return None
+    base = _read_status_kib("VmRSS")
+    step()
+    peak = _read_status_kib("VmHWM")
+    if base is None or peak is None:
+        return None
+    return max(0, peak - base) / 1024
+
+
+def _memory_probe(cases: Sequence[str], seq: int, batch: int, d_model: int, n_heads: int, mode: str) -> dict:
+    """In a fresh interpreter: peak extra MiB of each case of one (seq, mode)."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    args = {
+        "cases": list(cases),
+        "seq": seq,
+        "batch": batch,
+        "d_model": d_model,
+        "n_heads": n_heads,
+        "mode": mode,
+        "threads": torch.get_num_threads(),
+    }
+    code = "import sys; from headspace.bench import _memory_probe_main; _memory_probe_main(sys.argv[1])"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, json.dumps(args)], env=env, capture_output=True, text=True, check=False
+    )
+    if proc.returncode != 0:
+        raise RuntimeError(f"memory probe for seq={seq} mode={mode} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _memory_probe_main(arg: str) -> None:
+    """Entry point of the memory subprocess: prints one JSON line {case: MiB or None}."""
+    a = json.loads(arg)
+    torch.set_num_threads(a["threads"])
+    out = {}
+    for name in a["cases"]:
+        case = build_case(
+            name, seq=a["seq"], batch=a["batch"], d_model=a["d_model"], n_heads=a["n_heads"], mode=a["mode"]
+        )
+        case.step()  # warm-up: one-time allocations (thread pools, library scratch) are not the case's
+        out[name] = measure_peak_extra_mib(case.step)
+        del case
+        gc.collect()
+    print(json.dumps(out))
+
+
+def _auto_repeats(round_s: float, target_s: float = 25.0) -> int:
+    """Repeats for one (seq, mode): about ``target_s`` seconds of timing, between 3 and 15."""
+    return max(3, min(15, int(target_s / max(round_s, 1e-9))))
+
+
+def run_attention_benchmark(
+    seqs: Iterable[int] = (128, 512, 1024, 2048),
+    *,
+    batch: int = 8,
+    d_model: int = 512,
+    n_heads: int = 8,
+    modes: Iterable[str] = MODES,
+    cases: Iterable[str] = CASES,
+    repeats: int | None = None,
+    threads: int | None = None,
+    measure_memory: bool = True,
+    progress: bool = True,
+) -> list[dict]:
+    """Time (and measure the peak extra memory of) every case at every seq and mode.
+
+    Args:
+        seqs: sequence lengths.
+        batch, d_model, n_heads: the layer and input sizes (float32, d_head = d_model // n_heads).
+        modes: "forward" (eval, no_grad) and/or "backward" (forward + backward).
+        cases: a subset of :data:`CASES`.
+        repeats: timed steps per case after one warm-up; None picks 3 to 15 by the size (about 25 s of
+            timing per (seq, mode)).
+        threads: ``torch.set_num_threads`` for the run (None keeps torch's setting); recorded per row.
+        measure_memory: measure peak extra memory in a subprocess per (seq, mode).
+        progress: show a tqdm progress bar.
+
+    Returns:
+        One dict per (seq, mode, case): ``case``, ``label``, ``seq``, ``mode``, ``batch``, ``d_model``,
+        ``n_heads``, ``threads``, ``repeats``, ``median_ms``, ``times_ms``, ``peak_extra_mib`` (or None)
+        and ``vs_floor`` (median over the GEMM floor's median, when the floor was run).
+    """
+    seqs, modes, cases = [int(s) for s in seqs], list(modes), list(cases)
+    for name, values, known in (("modes", modes, MODES), ("cases", cases, CASES)):
+        bad = [v for v in values if v not in known]
+        if bad or not values:
+            raise ValueError(f"{name} must be a non-empty subset of {list(known)}; got {values}")
+    for name, value in (
+        ("batch", batch),
+        ("d_model", d_model),
+        ("n_heads", n_heads),
+        *(("seq", s) for s in seqs),
+    ):
+        if not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive int; got {value!r}")
+    if not seqs:
+        raise ValueError("seqs must name at least one sequence length; got none")
+    if d_model % n_heads != 0:
+        raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
+    if repeats is not None and (not isinstance(repeats, int) or repeats < 1):
+        raise ValueError(f"repeats must be a positive int or None; got {repeats!r}")
+    if threads is not None:
+        torch.set_num_threads(threads)
+    n_threads = torch.get_num_threads()
+
+    from tqdm.auto import tqdm
+
+    groups = [(s, m) for s in seqs for m in modes]
+    bar = tqdm(total=len(groups), desc="attention benchmark", unit="group", disable=not progress)
+    rows: list[dict] = []
+    for seq, mode in groups:
+        bar.set_postfix_str(f"seq={seq} {mode}")
+        memory = (
+            _memory_probe(cases, seq, batch, d_model, n_heads, mode)
+            if measure_memory
+            else dict.fromkeys(cases)
+        )
+        built = [
+            build_case(c, seq=seq, batch=batch, d_model=d_model, n_heads=n_heads, mode=mode) for c in cases
+        ]
+        t0 = time.perf_counter()
+        for case in built:
+            case.step()  # warm-up
+        n = repeats if repeats is not None else _auto_repeats(time.perf_counter() - t0)
+        times: dict[str, list[float]] = {c.name: [] for c in built}
+        for _ in range(n):
+            for case in built:  # round-robin: load changes touch every case alike
+                t = time.perf_counter()
+                case.step()
+                times[case.name].append((time.perf_counter() - t) * 1e3)
+        del built
+        gc.collect()
+        floor = statistics.median(times["gemm_floor"]) if "gemm_floor" in times else None
+        for name in cases:
+            med = statistics.median(times[name])
+            rows.append(
+                {
+                    "case": name,
+                    "label": LABELS[name],
+                    "seq": seq,
+                    "mode": mode,
+                    "batch": batch,
+                    "d_model": d_model,
+                    "n_heads": n_heads,
+                    "threads": n_threads,
+                    "repeats": n,
+                    "median_ms": med,
+                    "times_ms": times[name],
+                    "peak_extra_mib": memory.get(name),
+                    "vs_floor": None if floor is None else med / floor,
+                }
+            )
+        bar.update(1)
+    bar.close()
+    return rows
+
+
+# ---------------------------------------------------------------------------------------------------
+# Targets and the table
+# ---------------------------------------------------------------------------------------------------
+def check_targets(rows: Sequence[dict]) -> list[dict]:
+    """Evaluate the issue's targets on ``rows``; one dict per check: target, seq, mode, value, limit, ok."""
+    by = {(r["case"], r["seq"], r["mode"]): r for r in rows}
+    checks: list[dict] = []
+
+    def add(target: str, seq: int, mode: str, value: float, limit: float) -> None:
+        checks.append(
+            {"target": target, "seq": seq, "mode": mode, "value": value, "limit": limit, "ok": value <= limit}
+        )
+
+    for (case, seq, mode), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2], kv[0][0])):
+        if case != "headspace":
+            continue
+        fl, nano = by.get(("gemm_floor", seq, mode)), by.get(("nanogpt", seq, mode))
+        idle = by.get(("headspace_idle_hooks", seq, mode))
+        if seq >= 512 and fl is not None:
+            add("fast path / GEMM floor", seq, mode, r["median_ms"] / fl["median_ms"], FAST_VS_FLOOR[mode])
+        if seq >= 512 and nano is not None:
+            add("fast path / nanoGPT-style", seq, mode, r["median_ms"] / nano["median_ms"], 1.0)
+        if idle is not None:
+            add(
+                "idle hook points / fast path",
+                seq,
+                mode,
+                idle["median_ms"] / r["median_ms"],
+                IDLE_HOOKS_TOLERANCE,
+            )
+    for (case, seq, mode), r in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][2])):
+        torch_w = by.get(("torch_mha_weights", seq, mode))
+        if case != "headspace_weights" or seq < 1024 or torch_w is None:
+            continue
+        add(
+            "need_weights time / torch MHA's",
+            seq,
+            mode,
+            r["median_ms"] / torch_w["median_ms"],
+            WEIGHTS_VS_TORCH,
+        )
+        if r["peak_extra_mib"] is not None and torch_w["peak_extra_mib"]:
+            add(
+                "need_weights memory / torch MHA's",
+                seq,
+                mode,
+                r["peak_extra_mib"] / torch_w["peak_extra_mib"],
+                1.0,
+            )
+    return checks
+
+
+def format_table(rows: Sequence[dict], *, targets: bool = True) -> str:
+    """A plain-text (Markdown) table per mode: median ms, x GEMM floor and peak extra MiB per seq."""
+    if not rows:
+        return "(no benchmark rows)"
+    lines: list[str] = []
+    seqs = sorted({r["seq"] for r in rows})
+    by = {(r["case"], r["seq"], r["mode"]): r for r in rows}
+    first = rows[0]
+    for mode in [m for m in MODES if any(r["mode"] == m for r in rows)]:
+        title = "forward (eval, no_grad)" if mode == "forward" else "forward + backward"
+        lines.append(
+            f"{title}: batch={first['batch']}, d_model={first['d_model']}, n_heads={first['n_heads']}, "
+            f"float32, {first['threads']} threads; median ms (x GEMM floor) / peak extra MiB"
+        )
+        lines.append("")
+        lines.append("| case | " + " | ".join(f"seq {s}" for s in seqs) + " |")
+        lines.append("|---|" + "---:|" * len(seqs))
+        for case in [c for c in CASES if any(r["case"] == c and r["mode"] == mode for r in rows)]:
+            cells = []
+            for s in seqs:
+                r = by.get((case, s, mode))
+                if r is None:
+                    cells.append("")
+                    continue
+                cell = f"{r['median_ms']:.1f}"
+                if r["vs_floor"] is not None and case != "gemm_floor":
+                    cell += f" ({r['vs_floor']:.2f}x)"
+                if r["peak_extra_mib"] is not None:
+                    cell += f" / {r['peak_extra_mib']:.0f}"
+                cells.append(cell)
+            lines.append(f"| {LABELS[case]} | " + " | ".join(cells) + " |")
+        lines.append("")
+    if targets:
+        checks = check_targets(rows)
+        if checks:
+            lines.append("| target | seq | mode | measured | limit | met |")
+            lines.append("|---|---:|---|---:|---:|---|")
+            for c in checks:
+                lines.append(
+                    f"| {c['target']} | {c['seq']} | {c['mode']} | {c['value']:.3f} | {c['limit']:.2f} | "
+                    f"{'yes' if c['ok'] else 'NO'} |"
+                )
+            lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def write_json(rows: Sequence[dict], path: str | os.PathLike[str], *, extra: dict | None = None) -> None:
+    """Write rows, machine info, the floor's definition and the target checks as JSON, atomically."""
+    doc = {
+        "benchmark": "attention",
+        "machine": machine_info(),
+        "gemm_floor": GEMM_FLOOR,
+        "rows": list(rows),
+        "targets": check_targets(rows),
+        **(extra or {}),
+    }
+    path = os.fspath(path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(doc, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
