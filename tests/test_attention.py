@@ -8,6 +8,7 @@ key/value heads).
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any
 
@@ -91,10 +92,9 @@ def reference_attention(
         else:
             additive = additive + m.to(f64)
     if is_causal:
-        for i in range(seq_q):
-            for j in range(seq_k):
-                if j > i + (seq_k - seq_q):  # bottom-right aligned
-                    allowed[:, :, i, j] = False
+        i = torch.arange(seq_q)[:, None]  # (seq_q, 1)
+        j = torch.arange(seq_k)[None, :]  # (1, seq_k)
+        allowed &= j <= i + (seq_k - seq_q)  # bottom-right aligned: query i is position i + seq_k - seq_q
 
     def param(t: Tensor | None, shape: tuple[int, ...]) -> Tensor:
         return torch.zeros(shape, dtype=f64) if t is None else t.detach().to(f64)
@@ -336,11 +336,11 @@ def test_gradcheck_cross_gqa_masked(need_weights: bool) -> None:
     mask = torch.rand(2, 3, 5) > 0.4
     mask[0, 1] = False  # a dead row: zero output, zero (finite) gradient
 
-    def f(x: Tensor, c: Tensor, cv: Tensor, *ps: Tensor) -> Tensor:
+    def f(x: Tensor, c: Tensor, cv: Tensor, *ps: Tensor) -> Tensor | tuple[Tensor, Tensor]:
         out = torch.func.functional_call(
             layer, dict(zip(names, ps)), (x, c, cv), {"attn_mask": mask, "need_weights": need_weights}
         )
-        return out[0] if need_weights else out
+        return out  # with need_weights: (out, pattern), so gradients through the pattern are checked too
 
     assert torch.autograd.gradcheck(f, (x, c, cv, *params))
 
@@ -355,10 +355,9 @@ def test_gradcheck_self_causal_padding(need_weights: bool) -> None:
     x = torch.randn(2, 7, 5, dtype=torch.float64, requires_grad=True)
     pad = torch.tensor([[False, True, True, True, False, True, True], [True] * 7])  # row 0 of sample 0 dead
 
-    def f(x: Tensor, *ps: Tensor) -> Tensor:
+    def f(x: Tensor, *ps: Tensor) -> Tensor | tuple[Tensor, Tensor]:
         kw = {"key_padding": pad, "is_causal": True, "need_weights": need_weights}
-        out = torch.func.functional_call(layer, dict(zip(names, ps)), (x,), kw)
-        return out[0] if need_weights else out
+        return torch.func.functional_call(layer, dict(zip(names, ps)), (x,), kw)
 
     assert torch.autograd.gradcheck(f, (x, *params))
 
@@ -427,6 +426,40 @@ def test_paths_agree_on_random_shapes_and_masks(
     for a, b in zip(g_fast, g_slow):
         assert torch.isfinite(a).all() and torch.isfinite(b).all()
         assert_close(a, b)
+
+
+# --- long sequences (the explicit kernel's per-head band blocks)
+@pytest.mark.parametrize("n_kv_heads", [4, 2])
+def test_long_sequence_paths_agree(n_kv_heads: int) -> None:
+    """seq 613: one head's pattern (613^2 floats = 1.5 MB) exceeds the explicit kernel's block, so it runs
+    in bands of queries; outputs, patterns and gradients still match sdpa and the float64 reference."""
+    seq = 613
+    layer = randomize_(MultiHeadAttention(6, 4, d_head=3, n_kv_heads=n_kv_heads))
+    x = torch.randn(2, seq, 6, requires_grad=True)
+    pad = torch.ones(2, seq, dtype=torch.bool)
+    pad[1, :17] = False  # left padding: the first 17 queries of sample 1 are dead under causality
+    kw = {"key_padding": pad, "is_causal": True}
+    fast = layer(x, **kw)
+    slow, pattern = layer(x, need_weights=True, **kw)
+    ref_out, ref_pattern = reference_attention(layer, x, **kw)
+    assert_close(fast, ref_out.float())
+    assert_close(slow, ref_out.float())
+    assert_close(pattern, ref_pattern.float())
+    weight = torch.randn(2, seq, 6)
+    leaves = [x, *layer.parameters()]
+    g_fast = torch.autograd.grad((fast * weight).sum(), leaves)
+    g_slow = torch.autograd.grad((slow * weight).sum(), leaves)
+    # gradient truth: the same layer in float64
+    layer64 = copy.deepcopy(layer).double()
+    x64 = x.detach().double().requires_grad_(True)
+    out64 = layer64(x64, **kw)
+    g64 = torch.autograd.grad((out64 * weight.double()).sum(), [x64, *layer64.parameters()])
+    for a, b, c in zip(g_fast, g_slow, g64):
+        # the parameter gradients are float32 sums over 2 x 613 positions of terms up to ~100: their error
+        # scales with the largest entry, not with each entry, hence an atol relative to that entry
+        tol = {"rtol": 1.3e-6, "atol": max(1e-5, 2e-6 * c.abs().max().item())}
+        assert_close(a, c.float(), **tol)
+        assert_close(b, c.float(), **tol)
 
 
 # --- dead rows
