@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import pytest
 import torch
 from torch import Tensor, nn
@@ -244,3 +245,15 @@ def test_no_bias_views_are_none() -> None:
     assert layer.b_Q is None and layer.b_K is None and layer.b_V is None and layer.b_O is None
     head = layer.heads[0]
     assert head.b_Q is None and head.b_K is None and head.b_V is None
+
+
+def test_head_index_types() -> None:
+    layer = make()
+    assert layer.heads[np.int64(2)].index == 2  # any integer type with __index__
+    assert layer.heads[torch.tensor(5)].index == 5
+    with pytest.raises(TypeError, match=r"head index must be an int in \[0, 6\).*got bool True"):
+        layer.heads[True]
+    with pytest.raises(TypeError, match=r"got float 1.0"):
+        layer.heads[1.0]
+    with pytest.raises(TypeError, match=r"got slice.*list\(attn.heads\)\[a:b\]"):
+        layer.heads[1:3]

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
@@ -32,7 +33,14 @@ class Head:
 
     def __init__(self, attn: MultiHeadAttention, index: int) -> None:
         n = attn.n_heads
-        if not isinstance(index, int) or not -n <= index < n:
+        if isinstance(index, bool) or not hasattr(index, "__index__"):
+            raise TypeError(
+                f"head index must be an int in [0, {n}) for a layer with n_heads={n}; got "
+                f"{type(index).__name__} {index!r}"
+                + (" (for several heads use list(attn.heads)[a:b])" if isinstance(index, slice) else "")
+            )
+        index = operator.index(index)
+        if not -n <= index < n:
             raise IndexError(f"head index must be in [0, {n}) for a layer with n_heads={n}; got {index!r}")
         self.attn = attn
         self.index = index % n
