@@ -81,7 +81,14 @@ def _run_workers(rank: int, world: int, names: list[str], out_dir: str) -> None:
         json.dump(results, f)
 
 
-WORKERS = ["_attention_worker", "_feed_forward_worker", "_sync_worker", "_bad_input_worker", "_model_worker"]
+WORKERS = [
+    "_attention_worker",
+    "_feed_forward_worker",
+    "_sync_worker",
+    "_bad_input_worker",
+    "_model_worker",
+    "_train_config_worker",
+]
 
 
 @pytest.fixture(scope="module")
@@ -349,9 +356,9 @@ def test_from_module_broadcasts_the_first_ranks_weights(two_rank_results: list) 
 # ---------------------------------------------------------------------------------------------- whole model
 def _model_worker(rank: int, world: int) -> None:
     from headspace import MultiHeadAttention
+    from headspace.analysis import head_roles
     from headspace.models import Decoder, ModelConfig
     from headspace.parallel import HeadParallelAttention, HeadParallelFeedForward, gather_model, shard_model
-    from headspace.analysis import head_roles
     from headspace.trace import trace
 
     torch.manual_seed(300)
@@ -404,3 +411,31 @@ def test_head_parallel_decoder_matches_and_gathers_for_the_per_head_tools(two_ra
     """shard_model on a GQA Decoder: same logits and replicated-parameter gradients; gather_model gives
     the single-process model back, and trace() on it sees every head exactly as on one process."""
     _check_worker(two_rank_results, "_model_worker")
+
+
+# ------------------------------------------------------------------------------------------- training start
+def _train_config_worker(rank: int, world: int) -> None:
+    import tempfile
+
+    from headspace.parallel import DistInfo
+    from headspace.train.loop import TrainConfig, train
+
+    info = DistInfo(rank, world, rank, "gloo")
+    out = tempfile.mkdtemp(prefix=f"headspace-rank{rank}-")
+    config = TrainConfig(task="relations", n_layers=1, n_heads=2, d_model=16, batch_size=8, steps=2,
+                         lr=1e-3 if rank == 0 else 2e-3)  # fmt: skip
+    _raises_on_every_rank(
+        ValueError,
+        lambda: train(config, out, progress=False, _info=info),
+        "differs across the 2 ranks",
+        "lr (rank 0=0.001, rank 1=0.002)",
+    )
+    config = TrainConfig(task="relations", n_layers=1, n_heads=2, d_model=16, batch_size=7, steps=2)
+    _raises_on_every_rank(
+        ValueError, lambda: train(config, out, progress=False, _info=info), "global_batch=7 is not divisible"
+    )
+
+
+def test_training_refuses_configs_that_differ_across_ranks(two_rank_results: list) -> None:
+    """Detected at the start of train(), before anything is written, with the same error on every rank."""
+    _check_worker(two_rank_results, "_train_config_worker")
