@@ -383,6 +383,9 @@ def _model_worker(rank: int, world: int) -> None:
             continue  # sharded: checked layer by layer in the attention and feed-forward workers
         assert_close(p.grad, ref_grads[name].grad, msg=name)  # replicated parameters: full gradients
 
+    # KV-cached generation on the shards (each rank caches its own key/value heads) picks the same tokens
+    assert torch.equal(model.generate(tokens[:, :3], 4, top_k=1), ref.generate(tokens[:, :3], 4, top_k=1))
+
     # the per-head tools on a head-parallel model: gather the heads, then trace as on one process
     full = gather_model(model)
     assert all(type(b.attn) is MultiHeadAttention for b in full.blocks)
