@@ -88,7 +88,9 @@ def orthonormal_basis(A: Tensor, rtol: float | None = None) -> tuple[Tensor, Ten
     """
     if not isinstance(A, Tensor) or A.dim() < 2:
         raise ValueError(f"A must be a tensor [..., d, p]; got {A!r}")
-    U, S, _ = torch.linalg.svd(A, full_matrices=False)  # (..., d, k), (..., k)
+    Q, R = torch.linalg.qr(A)  # (..., d, k), (..., k, p): k = min(d, p)
+    Ur, S, _ = torch.linalg.svd(R, full_matrices=False)  # (..., k, k), (..., k): the small core only
+    U = Q @ Ur  # (..., d, k): A = U diag(S) V^T
     if rtol is None:
         rtol = max(A.shape[-2], A.shape[-1]) * torch.finfo(A.dtype).eps
     keep = S > rtol * S.amax(-1, keepdim=True)  # (..., k)
@@ -147,14 +149,18 @@ def random_overlap(d: int, p: int, q: int) -> float:
     return max(p, q) / d
 
 
-def overlap_matrix(attn: MultiHeadAttention, which: str = "q") -> Tensor:
-    """[n, n] overlaps between the heads' subspaces of one layer (n = n_kv_heads for ``"k"``/``"v"``)."""
+def _overlaps_and_ranks(attn: MultiHeadAttention, which: str) -> tuple[Tensor, Tensor]:
     U, rank = orthonormal_basis(head_subspaces(attn, which).to(torch.float64))  # (n, dim, dh), (n,)
     G = torch.einsum("idp,jdq->ijpq", U, U)  # (n, n, dh, dh): Q_i^T Q_j
     num = G.pow(2).sum(dim=(-2, -1))  # (n, n)
     k = torch.minimum(rank[:, None], rank[None, :]).to(num.dtype)  # (n, n)
     out = torch.where(k > 0, num / k.clamp_min(1), torch.full_like(num, float("nan")))
-    return out.to(torch.float32)
+    return out.to(torch.float32), rank
+
+
+def overlap_matrix(attn: MultiHeadAttention, which: str = "q") -> Tensor:
+    """[n, n] overlaps between the heads' subspaces of one layer (n = n_kv_heads for ``"k"``/``"v"``)."""
+    return _overlaps_and_ranks(attn, which)[0]
 
 
 @dataclass
@@ -187,10 +193,8 @@ def subspace_overlaps(model: Any, which: str = "q") -> SubspaceOverlaps:
         raise ValueError(f"model has no MultiHeadAttention layer; got {type(model).__name__}")
     mats, ranks, dims, expected, offdiag = [], [], [], [], []
     for _, attn in layers:
-        W = head_subspaces(attn, which)  # (n, dim, dh)
-        M = overlap_matrix(attn, which)  # (n, n)
-        _, rank = orthonormal_basis(W.to(torch.float64))  # (n,)
-        n, d = M.shape[0], W.shape[1]
+        M, rank = _overlaps_and_ranks(attn, which)  # (n, n), (n,)
+        n, d = M.shape[0], head_subspaces(attn, which).shape[1]
         mats.append(M)
         ranks.append(rank.to(torch.float32))
         dims.append(d)
