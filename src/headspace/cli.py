@@ -35,6 +35,11 @@ def _register() -> None:
 
 _register()
 
+from .viz.explorer.command import view  # noqa: E402 - `headspace view`, the explorer page
+
+cli.add_command(view)
+
+
 from .train.commands import COMMANDS as _TRAIN_COMMANDS  # noqa: E402 - train, plot-run, generate
 
 for _command in _TRAIN_COMMANDS:

@@ -146,11 +146,12 @@ def _check_scores_are_qk(name: str, attn: MultiHeadAttention, q: Tensor, k: Tens
     """The page recomputes scores as ``q k^T * scale``; refuse a layer whose scores are something else
     (an additive float mask or a position bias would make the page's numbers wrong)."""
     group = q.shape[1] // k.shape[1]
-    k_rep = k.repeat_interleave(group, dim=1)  # (S, H, dh)
-    recomputed = torch.einsum("qhd,khd->hqk", q * attn.scale, k_rep)  # (H, S, S)
-    finite = torch.isfinite(scores)
-    if not torch.allclose(recomputed[finite], scores[finite], rtol=1e-4, atol=1e-4):
-        worst = (recomputed[finite] - scores[finite]).abs().max().item()
+    k_rep = k.repeat_interleave(group, dim=1).transpose(0, 1)  # (H, S, dh)
+    recomputed = torch.matmul((q * attn.scale).transpose(0, 1), k_rep.transpose(1, 2))  # (H, S, S)
+    diff = (recomputed - scores).abs()  # (H, S, S); inf where masked
+    bad = torch.isfinite(scores) & (diff > 1e-4 + 1e-4 * scores.abs())
+    if bool(bad.any()):
+        worst = diff[bad].max().item()
         raise ValueError(
             f"layer {name!r}'s scores are not q k^T * scale (max difference {worst:.3g}): the explorer "
             "cannot show layers with additive masks or position biases"

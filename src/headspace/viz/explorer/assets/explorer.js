@@ -66,12 +66,15 @@
     const { H, Hkv, dh } = L, g = kvHead(L, h), scale = L.meta.scale;
     const scores = new Float64Array(SEQ), weights = new Float64Array(SEQ);
     const qo = (t * H + h) * dh;
+    const qs = new Float64Array(dh);
+    for (let i = 0; i < dh; i++) qs[i] = L.q[qo + i] * scale;
+    const K = L.k;
     let max = -Infinity;
     for (let j = 0; j < SEQ; j++) {
       if (!allowed(L, t, j)) { scores[j] = -Infinity; continue; }
       const ko = (j * Hkv + g) * dh;
       let s = 0;
-      for (let i = 0; i < dh; i++) s += L.q[qo + i] * scale * L.k[ko + i];
+      for (let i = 0; i < dh; i++) s += qs[i] * K[ko + i];
       scores[j] = s;
       if (s > max) max = s;
     }
@@ -293,11 +296,21 @@
     for (const [key, L] of decoded) if (key !== state.layer) L.patterns.clear(); // keep memory bounded
     const H = layerData(state.layer).H;
     if (state.head >= H) state.head = 0;
-    state.shown = new Set([...Array(H).keys()]);
+    state.shown = defaultShown(H);
     buildLayerControls();
     render();
   }
-  function setHead(h) { state.head = (h + layerData(state.layer).H) % layerData(state.layer).H; state.shown.add(state.head); buildLayerControls(); render(); }
+  // Short inputs show every head; long ones only the pipeline's head (each shown head costs a full
+  // seq x seq pattern), and then picking another head moves the single shown head along.
+  function defaultShown(H) { return LONG ? new Set([state.head]) : new Set([...Array(H).keys()]); }
+  function setHead(h) {
+    const H = layerData(state.layer).H;
+    const single = state.shown.size === 1 && state.shown.has(state.head);
+    state.head = (h + H) % H;
+    if (LONG && single) state.shown = new Set([state.head]); else state.shown.add(state.head);
+    buildLayerControls();
+    render();
+  }
   function setToken(t) { state.token = (t + SEQ) % SEQ; syncTokens(); render(); }
 
   function buildLayerControls() {
@@ -384,17 +397,17 @@
       $("heads-note").textContent = LONG
         ? `each token's ${LINE_TOP_K} most attended tokens per shown head; the selected token's lines are drawn strong`
         : "every weight above 0.02 per shown head; the selected token's lines are drawn strong";
-      legend(legendBox, "seq", 0, 1, "line opacity = attention weight");
+      const wmax = drawLines(L, shown);
+      legend(legendBox, "seq", 0, wmax, "line opacity = attention weight");
       const hl = document.createElement("span");
       hl.className = "legend";
       hl.innerHTML = shown.map((h) => `<span class="swatch" style="background:${headColor(h, L.H)}"></span>H${h}`).join(" ");
       legendBox.append(hl);
-      drawLines(L, shown);
     } else {
       $("heads-note").textContent = shown.length === 1 ? `pattern of head ${shown[0]} (rows: queries, columns: keys)`
         : `mean pattern over ${shown.length} shown heads (rows: queries, columns: keys)`;
-      legend(legendBox, "seq", 0, 1, "attention weight");
-      drawHeatmap(L, shown);
+      const max = drawHeatmap(L, shown);
+      legend(legendBox, "seq", 0, max, "attention weight");
     }
   }
 
@@ -416,39 +429,55 @@
     canvas.width = W; canvas.height = SEQ * RH;
     const ctx = canvas.getContext("2d");
     ctx.clearRect(0, 0, W, canvas.height);
-    const draw = (t, j, w, strong, color) => {
-      ctx.globalAlpha = strong ? Math.max(0.08, w) : 0.25 * w;
-      ctx.strokeStyle = color; ctx.lineWidth = strong ? 1 + 3 * w : 1;
-      ctx.beginPath(); ctx.moveTo(2, t * RH + RH / 2); ctx.lineTo(W - 2, j * RH + RH / 2); ctx.stroke();
-    };
+    // edges: every weight >= 0.02 (short inputs) or each row's LINE_TOP_K largest (long inputs)
+    const edges = [];
+    let wmax = 0;
+    for (const h of shown) {
+      const p = pattern(L, h), color = headColor(h, L.H);
+      for (let t = 0; t < SEQ; t++) {
+        const r = p.subarray(t * SEQ, (t + 1) * SEQ);
+        const js = LONG ? topK(r, LINE_TOP_K) : [...Array(SEQ).keys()].filter((j) => r[j] >= 0.02);
+        for (const j of js) { edges.push([t, j, r[j], color]); if (r[j] > wmax) wmax = r[j]; }
+      }
+    }
     for (const strongPass of [false, true]) {
-      for (const h of shown) {
-        const p = pattern(L, h), color = headColor(h, L.H);
-        for (let t = 0; t < SEQ; t++) {
-          if ((t === state.token) !== strongPass) continue;
-          const r = p.subarray(t * SEQ, (t + 1) * SEQ);
-          if (LONG) {
-            const idx = [...Array(SEQ).keys()].sort((a, b) => r[b] - r[a]).slice(0, LINE_TOP_K);
-            for (const j of idx) draw(t, j, r[j], strongPass, color);
-          } else {
-            for (let j = 0; j < SEQ; j++) if (r[j] >= 0.02) draw(t, j, r[j], strongPass, color);
-          }
-        }
+      for (const [t, j, w, color] of edges) {
+        const strong = t === state.token;
+        if (strong !== strongPass) continue;
+        const a = wmax > 0 ? w / wmax : 0; // opacity: weight relative to the largest drawn
+        ctx.globalAlpha = strong ? Math.max(0.08, a) : 0.25 * a;
+        ctx.strokeStyle = color; ctx.lineWidth = strong ? 1 + 3 * a : 1;
+        ctx.beginPath(); ctx.moveTo(2, t * RH + RH / 2); ctx.lineTo(W - 2, j * RH + RH / 2); ctx.stroke();
       }
     }
     ctx.globalAlpha = 1;
+    const view = $("lines-view"), y = state.token * RH; // keep the selected token in sight
+    if (y < view.scrollTop || y > view.scrollTop + view.clientHeight - RH) view.scrollTop = Math.max(0, y - view.clientHeight / 2);
+    return wmax;
+  }
+
+  function topK(r, k) { // indices of the k largest entries of r
+    const idx = [];
+    for (let j = 0; j < r.length; j++) {
+      if (idx.length < k) { idx.push(j); idx.sort((a, b) => r[b] - r[a]); }
+      else if (r[j] > r[idx[k - 1]]) { idx[k - 1] = j; idx.sort((a, b) => r[b] - r[a]); }
+    }
+    return idx;
   }
 
   function drawHeatmap(L, shown) {
     const canvas = $("heatmap-canvas");
     const mean = new Float32Array(SEQ * SEQ);
     for (const h of shown) { const p = pattern(L, h); for (let i = 0; i < p.length; i++) mean[i] += p[i] / shown.length; }
+    let max = 0;
+    for (const x of mean) if (x > max) max = x;
     const cell = Math.max(1, Math.min(36, Math.floor(560 / SEQ)));
     const labels = SEQ <= 48;
-    const ctx = paintGrid(canvas, SEQ, SEQ, (r, c) => sequential(mean[r * SEQ + c], 0, 1),
+    const ctx = paintGrid(canvas, SEQ, SEQ, (r, c) => sequential(mean[r * SEQ + c], 0, max),
       { cw: cell, ch: cell, ox: labels ? 90 : 0, oy: labels ? 70 : 0, rowLabels: labels ? TOKENS : null, colLabels: labels ? TOKENS : null });
     outline(ctx, canvas, state.token, 0, 1, SEQ, "#e8710a");
     canvas._hover = (r, c) => `${TOKENS[r]} (${r}) -> ${TOKENS[c]} (${c}): ${fmt(mean[r * SEQ + c], 4)}`;
+    return max;
   }
 
   // ------------------------------------------------------------------ view 2: the pipeline
@@ -523,13 +552,12 @@
     wc._hover = (i, m) => `W_O[${h}][${i}, ${m}] = ${fmt(L.WO[(h * L.dh + i) * L.dm + m], 6)}`;
     $("wo-legend").replaceChildren(); legend($("wo-legend"), "div", -wm, wm, "W_O[h]");
 
-    const om = Math.max(maxAbs(r.out), maxAbs(r.contrib));
-    for (const [id, arr, name] of [["contrib-canvas", r.contrib, "z_h W_O[h]"], ["out-canvas", r.out, "out"]]) {
-      const c = $(id);
-      paintGrid(c, 1, L.dm, (_, m) => diverging(arr[m], om), { cw: 2, ch: 18 });
-      c._hover = (_, m) => `${name}[${m}] = ${fmt(arr[m], 6)}`;
+    for (const [id, arr, name, legendId] of [["contrib-canvas", r.contrib, "z_h W_O[h]", "contrib-legend"], ["out-canvas", r.out, "out", "out-legend"]]) {
+      const c = $(id), m = maxAbs(arr);
+      paintGrid(c, 1, L.dm, (_, i) => diverging(arr[i], m), { cw: 2, ch: 18 });
+      c._hover = (_, i) => `${name}[${i}] = ${fmt(arr[i], 6)}`;
+      $(legendId).replaceChildren(); legend($(legendId), "div", -m, m, name);
     }
-    $("out-legend").replaceChildren(); legend($("out-legend"), "div", -om, om, "z_h W_O[h] and out");
     const topDims = [...Array(L.dm).keys()].sort((a, b) => Math.abs(r.out[b]) - Math.abs(r.out[a])).slice(0, 5);
     const share = L.shares[t * L.H + h];
     $("out-top").innerHTML = "";
@@ -585,9 +613,9 @@
 
     const norms = L.meta.wo_norms, nm = Math.max(...norms);
     const nc = $("wo-norms-canvas");
-    const nctx = paintGrid(nc, 1, L.H, (_, h) => sequential(norms[h], 0, nm), { cw: 40, ch: 22, oy: 0 });
+    const nctx = paintGrid(nc, 1, L.H, (_, h) => sequential(norms[h], 0, nm), { cw: 60, ch: 22, oy: 0 });
     nctx.textAlign = "center"; nctx.font = "10px ui-monospace, monospace";
-    norms.forEach((v, h) => { nctx.fillStyle = dark(sequential(v, 0, nm)) ? "#fff" : "#1d1d1f"; nctx.fillText(`H${h} ${fmt(v, 1)}`, h * 40 + 20, 11); });
+    norms.forEach((v, h) => { nctx.fillStyle = dark(sequential(v, 0, nm)) ? "#fff" : "#1d1d1f"; nctx.fillText(`H${h} ${fmt(v, 2)}`, h * 60 + 30, 11); });
     nc._hover = (_, h) => `||W_O[${h}]||_F = ${fmt(norms[h], 4)}`;
     $("wo-norms-legend").replaceChildren(); legend($("wo-norms-legend"), "seq", 0, nm, "||W_O[h]||_F");
   }
@@ -606,7 +634,7 @@
       (DATA.sentence ? `: "${DATA.sentence.length > 160 ? DATA.sentence.slice(0, 160) + "…" : DATA.sentence}"` : "");
     $("footer").textContent = `${DATA.format}; ${DATA.precision} values; written by headspace. Scores, softmax, z and out ` +
       "are computed in this page from the traced q, k, v and the model's W_O, b_O.";
-    state.shown = new Set([...Array(layerData(0).H).keys()]);
+    state.shown = defaultShown(layerData(0).H);
     buildStaticControls();
     buildLayerControls();
     syncTokens(); syncMatrix();
@@ -621,7 +649,8 @@
     });
     render();
     document.body.dataset.ready = "true";
-    document.body.dataset.renderMs = String(Math.round(performance.now() - t0));
+    document.body.dataset.renderMs = String(Math.round(performance.now() - t0)); // drawing, after parsing
+    document.body.dataset.readyMs = String(Math.round(performance.now())); // since navigation start
   }
 
   // What the page shows, for tests and the console: the numbers of the current pipeline.

@@ -1,0 +1,301 @@
+"""The explorer's data and page, without a browser (tests/test_explorer_browser.py drives Chromium).
+
+The page recomputes scores, softmax, z and the output from the stored q, k, v, W_O and b_O; here a
+numpy mirror of that arithmetic is held against an independent trace of the model (hook_pattern,
+hook_z and the block's hook_attn_out), on small random models with distinct prime sizes.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+import threading
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from click.testing import CliRunner
+
+from headspace import trace
+from headspace.cli import cli
+from headspace.models import Decoder, Encoder, ModelConfig
+from headspace.viz.explorer import (
+    Explorer,
+    build_page_data,
+    capture_layers,
+    render_page,
+    serve_page,
+    write_page,
+)
+from headspace.viz.explorer.data import AUTO_FLOAT32_MAX_TOKENS, unpack
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+# distinct primes: seq=11, n_heads=7, d_head=5 (d_model=35), 2 layers, vocab 53
+SEQ, N_HEADS, D_HEAD, VOCAB = 11, 7, 5, 53
+
+
+def encoder() -> Encoder:
+    torch.manual_seed(1)
+    return Encoder(
+        ModelConfig(arch="encoder", vocab_size=VOCAB, d_model=N_HEADS * D_HEAD, n_layers=2, n_heads=N_HEADS)
+    ).eval()
+
+
+def gqa_decoder() -> Decoder:
+    torch.manual_seed(2)
+    config = ModelConfig(
+        arch="decoder", vocab_size=VOCAB, d_model=30, n_layers=2, n_heads=6, n_kv_heads=2, d_head=5
+    )
+    return Decoder(config).eval()
+
+
+def tokens(seq: int = SEQ) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(3))  # (1, seq)
+
+
+def reference(model: torch.nn.Module, toks: torch.Tensor) -> list[dict[str, torch.Tensor]]:
+    """Per layer: pattern [H, S, S], z [S, H, dh], attention output [S, d_model], from a plain trace."""
+    with torch.no_grad(), trace(model, ["*.hook_pattern", "*.hook_z", "*.hook_attn_out"]) as t:
+        model(toks)
+    return [
+        {
+            "pattern": t.pattern(i)[0],
+            "z": t.z(i)[0],
+            "out": t.act("attn_out", i)[0],
+        }
+        for i in range(t.n_layers)
+    ]
+
+
+def mirror(layer: dict) -> dict[str, np.ndarray]:
+    """What explorer.js computes from one stored layer, in float64 (scores, softmax, z, out)."""
+    q, k, v = unpack(layer["q"]).astype(np.float64), unpack(layer["k"]), unpack(layer["v"])  # (S, H, dh) ...
+    W_O = unpack(layer["W_O"]).astype(np.float64)  # (H, dh, d_model)
+    H, Hkv = q.shape[1], k.shape[1]
+    k = np.repeat(k, H // Hkv, axis=1).astype(np.float64)  # (S, H, dh)
+    v = np.repeat(v, H // Hkv, axis=1).astype(np.float64)  # (S, H, dh)
+    scores = np.einsum("qhd,khd->hqk", q * layer["scale"], k)  # (H, S, S)
+    if layer["mask"] == "causal":
+        scores = np.where(np.tril(np.ones(scores.shape[1:], dtype=bool)), scores, -np.inf)
+    e = np.exp(scores - scores.max(-1, keepdims=True))
+    pattern = e / e.sum(-1, keepdims=True)  # (H, S, S)
+    z = np.einsum("hqk,khd->qhd", pattern, v)  # (S, H, dh)
+    out = np.einsum("qhd,hdm->qm", z, W_O)  # (S, d_model)
+    if layer["b_O"] is not None:
+        out = out + unpack(layer["b_O"])
+    return {"pattern": pattern, "z": z, "out": out}
+
+
+def close(actual: np.ndarray, expected: torch.Tensor) -> None:
+    """float32 defaults of assert_close, the float64 mirror rounded to float32 first."""
+    torch.testing.assert_close(torch.from_numpy(np.asarray(actual, dtype=np.float32)), expected.float())
+
+
+# ---------------------------------------------------------------------------------------------- data
+@pytest.mark.parametrize("make", [encoder, gqa_decoder], ids=["encoder", "gqa-decoder"])
+def test_page_arithmetic_reproduces_the_trace(make) -> None:
+    model = make()
+    toks = tokens()
+    page = Explorer(model, toks, labels=[f"t{i}" for i in range(SEQ)])
+    ref = reference(model, toks)
+    assert len(page.data["layers"]) == len(ref) == 2
+    for layer, r in zip(page.data["layers"], ref):
+        m = mirror(layer)
+        close(m["pattern"], r["pattern"])
+        close(m["z"], r["z"])
+        close(m["out"], r["out"])
+
+
+def test_stored_arrays_have_documented_shapes_and_are_the_traced_values() -> None:
+    model = gqa_decoder()
+    toks = tokens()
+    page = Explorer(model, toks)
+    layer = page.data["layers"][1]
+    assert layer["mask"] == "causal"
+    assert unpack(layer["q"]).shape == (SEQ, 6, 5)  # [seq, n_heads, d_head]
+    assert unpack(layer["k"]).shape == unpack(layer["v"]).shape == (SEQ, 2, 5)  # [seq, n_kv_heads, d_head]
+    assert unpack(layer["W_O"]).shape == (6, 5, 30)  # [n_heads, d_head, d_model]
+    assert unpack(layer["shares"]).shape == (SEQ, 6)
+    assert unpack(layer["overlap"]["W_Q"]).shape == (6, 6)
+    assert unpack(layer["overlap"]["W_K"]).shape == (2, 2)  # grouped-query: per kv head
+    # Traced the way the page traces (every layer, hook_result too: the sum over heads then replaces the
+    # fused output projection, which changes the last bits of the next layer's input), float32 storage
+    # is the traced tensor bit for bit.
+    with torch.no_grad(), trace(model, ["*.hook_q", "*.hook_v", "*.hook_result"]) as t:
+        model(toks)
+    np.testing.assert_array_equal(unpack(layer["q"]), t["blocks.1.attn.hook_q"][0].numpy())
+    np.testing.assert_array_equal(unpack(layer["v"]), t["blocks.1.attn.hook_v"][0].numpy())
+    np.testing.assert_array_equal(unpack(layer["W_O"]), model.blocks[1].attn.W_O.detach().numpy())
+    assert page.data["tokens"] == [str(i) for i in toks[0].tolist()]
+
+
+def test_shares_are_each_heads_norm_over_the_sum_of_norms() -> None:
+    model = encoder()
+    toks = tokens()
+    page = Explorer(model, toks)
+    with torch.no_grad(), trace(model, "*.hook_z") as t:
+        model(toks)
+    for i, layer in enumerate(page.data["layers"]):
+        z = t.z(i)[0]  # (S, H, dh)
+        norms = torch.einsum("shd,hdm->shm", z, model.blocks[i].attn.W_O).norm(dim=-1)  # (S, H)
+        expected = norms / norms.sum(-1, keepdim=True)
+        torch.testing.assert_close(torch.from_numpy(unpack(layer["shares"])), expected)
+        assert layer["wo_norms"] == pytest.approx(
+            model.blocks[i].attn.W_O.detach().flatten(1).norm(dim=1).tolist()
+        )
+
+
+def test_overlaps_show_planted_structure_and_the_random_baseline() -> None:
+    model = encoder()
+    attn = model.blocks[0].attn
+    with torch.no_grad():
+        attn.W_Q[1] = attn.W_Q[0] @ torch.randn(D_HEAD, D_HEAD)  # same column space as head 0
+        basis = torch.linalg.qr(torch.randn(N_HEADS * D_HEAD, N_HEADS * D_HEAD))[0]  # (35, 35)
+        attn.W_Q[2] = basis[:, :D_HEAD]  # orthogonal to head 3's subspace
+        attn.W_Q[3] = basis[:, D_HEAD : 2 * D_HEAD]
+    page = Explorer(model, tokens())
+    layer = page.data["layers"][0]
+    ov = unpack(layer["overlap"]["W_Q"])
+    assert ov[0, 1] == pytest.approx(1.0, abs=1e-5)
+    assert ov[2, 3] == pytest.approx(0.0, abs=1e-5)
+    np.testing.assert_allclose(np.diag(ov), 1.0, atol=1e-5)
+    assert layer["overlap_baseline"] == pytest.approx(D_HEAD / (N_HEADS * D_HEAD))
+
+
+def test_precision_auto_float16_and_its_rounding() -> None:
+    model = encoder()
+    toks = tokens()
+    f32 = Explorer(model, toks, precision="float32").data
+    f16 = Explorer(model, toks, precision="float16").data
+    assert Explorer(model, toks).data["precision"] == "float32"  # 11 <= AUTO_FLOAT32_MAX_TOKENS
+    assert SEQ <= AUTO_FLOAT32_MAX_TOKENS
+    q32, q16 = unpack(f32["layers"][0]["q"]), unpack(f16["layers"][0]["q"])
+    assert len(f16["layers"][0]["q"]["data"]) < 0.6 * len(f32["layers"][0]["q"]["data"])
+    np.testing.assert_array_equal(q16, q32.astype(np.float16).astype(np.float32))
+    long_toks = torch.randint(0, VOCAB, (1, AUTO_FLOAT32_MAX_TOKENS + 1))
+    long = Explorer(encoder_with_positions(AUTO_FLOAT32_MAX_TOKENS + 1), long_toks).data
+    assert long["precision"] == "float16"
+
+
+def encoder_with_positions(n: int) -> Encoder:
+    config = ModelConfig(arch="encoder", vocab_size=VOCAB, d_model=10, n_layers=1, n_heads=2, max_seq_len=n)
+    return Encoder(config).eval()
+
+
+# ---------------------------------------------------------------------------------------------- bad input
+def test_bad_inputs_name_the_problem() -> None:
+    model = encoder()
+    with pytest.raises(ValueError, match=r"tokens must be an int64 tensor \[1, seq\].*shape \[2, 11\]"):
+        Explorer(model, torch.randint(0, VOCAB, (2, SEQ)))
+    with pytest.raises(ValueError, match=r"dtype torch\.float32"):
+        Explorer(model, torch.zeros(1, SEQ))
+    with pytest.raises(TypeError, match="a sentence needs a model with a tokenizer"):
+        Explorer(model, "a sentence")
+    with pytest.raises(TypeError, match="got int"):
+        Explorer(3, tokens())
+    with pytest.raises(ValueError, match=r"precision must be one of.*'float8'"):
+        Explorer(model, tokens(), precision="float8")
+    with pytest.raises(ValueError, match="no headspace MultiHeadAttention"):
+        Explorer(torch.nn.Linear(3, 3), tokens(), run=lambda: None)
+    with pytest.raises(ValueError, match="tokens has 2 labels but the traced sequence has 11"):
+        Explorer(model, tokens(), labels=["a", "b"])
+
+
+def test_refuses_masks_and_biases_it_cannot_redraw() -> None:
+    model = encoder()
+    toks = tokens()
+    pad = torch.ones(1, SEQ, dtype=torch.bool)
+    pad[0, -3:] = False
+    with pytest.raises(ValueError, match="masks another set of keys"):
+        Explorer(model, toks, run=lambda: model(toks, key_padding=pad))
+    attn = model.blocks[0].attn
+    bias = torch.randn(SEQ, SEQ)  # an additive float mask: scores are no longer q k^T * scale
+    x = torch.randn(1, SEQ, N_HEADS * D_HEAD)
+    with pytest.raises(ValueError, match="scores are not q k\\^T \\* scale"):
+        capture_layers(attn, lambda: attn(x, attn_mask=bias))
+    with pytest.raises(ValueError, match="ran 2 times"):
+        capture_layers(attn, lambda: (attn(x), attn(x)))
+    with pytest.raises(ValueError, match="did not run"):
+        capture_layers(model, lambda: None)
+
+
+# ---------------------------------------------------------------------------------------------- page
+def test_page_is_self_contained_and_escapes_its_data(tmp_path: Path) -> None:
+    model = encoder()
+    labels = [f"t{i}" for i in range(SEQ)]
+    labels[3] = "</script><script>alert(1)</script>"
+    labels[4] = "__DATA__ /*__JS__*/"
+    page = Explorer(model, tokens(), labels=labels)
+    text = page.html
+    # nothing can be fetched: no URL, no external script/style/font, and a CSP that forbids requests
+    assert "default-src 'none'" in text
+    assert not re.search(r"https?://", text)
+    assert not re.search(r"<(link|img|iframe)\b|\bsrc=|@import|url\(", text)
+    assert text.count("</script>") == 2  # the data element and the code element, nothing from a label
+    data = json.loads(
+        re.search(r'<script type="application/json" id="explorer-data">(.*?)</script>', text, re.S)[1]
+    )
+    assert data["tokens"] == labels
+    assert data == json.loads(json.dumps(page.data))
+    path = page.save(tmp_path / "page.html")
+    assert path.read_text(encoding="utf-8") == text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["page.html"]  # no temp file left behind
+
+
+def test_render_and_write_check_their_arguments(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match="data must be the dict from build_page_data"):
+        render_page({"x": 1})
+    with pytest.raises(ValueError, match=r"output folder .*missing.* does not exist"):
+        write_page(tmp_path / "missing" / "page.html", "<html></html>")
+    with pytest.raises(ValueError, match="captures is empty"):
+        build_page_data([], [])
+
+
+def test_repr_html_is_an_iframe_holding_the_whole_page() -> None:
+    page = Explorer(encoder(), tokens())
+    frame = page._repr_html_()
+    assert frame.startswith("<iframe ") and 'sandbox="allow-scripts"' in frame
+    srcdoc = re.search(r'srcdoc="([^"]*)"', frame)[1]
+    assert html.unescape(srcdoc) == page.html
+
+
+def test_serve_page_answers_with_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "page.html"
+    path.write_text("<html>explorer</html>", encoding="utf-8")
+    server = serve_page(path, port=0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.server_address[1]
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as r:
+            assert r.read() == path.read_bytes()
+            assert r.headers["Content-Type"].startswith("text/html")
+        with pytest.raises(urllib.error.HTTPError, match="404"):
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/elsewhere.js", timeout=10)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+# ---------------------------------------------------------------------------------------------- CLI errors
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["view", "a sentence"], "say where the page goes: -o FILE.html"),
+        (["view", "   ", "-o", "x.html"], "SENTENCE is empty"),
+        (["view", "hi", "--model", "nosuchmodel", "-o", "x.html"], "unknown model 'nosuchmodel'"),
+        (["view", "hi", "-o", "no/such/folder/x.html"], "the folder 'no/such/folder' does not exist"),
+    ],
+)
+def test_view_usage_errors_are_one_line_with_exit_code_2(args: list[str], message: str) -> None:
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
+    assert "Traceback" not in result.output
