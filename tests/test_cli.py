@@ -211,3 +211,16 @@ def test_record_matches_need_weights(minilm):
     x = rec["input"][0]
     _, pattern = minilm.model.blocks[0].attn(x, key_padding=pad, need_weights=True)
     torch.testing.assert_close(rec["pattern"][0], pattern.detach())
+
+
+def test_bench_runs_at_given_sizes(runner):
+    res = _run(
+        runner,
+        ["bench", "--seq", "8", "--seq", "16", "--batch", "1", "--repeats", "1", "--no-memory", "--json"],
+    )
+    assert res.exit_code == 0, res.output
+    rows = json.loads(res.output)
+    assert {r["seq"] for r in rows} == {8, 16}
+    assert all(r["batch"] == 1 for r in rows)
+    bad = runner.invoke(cli, ["bench", "--seq", "0"])
+    assert bad.exit_code == 2 and "--seq must be a positive integer; got 0" in bad.output

@@ -534,24 +534,32 @@ def subspaces_cmd(
 
 
 @click.command("bench")
-@click.option("--seq", "seqs", type=int, multiple=True, help="Sequence length(s) (repeat the option).")
+@click.option("--seq", "seqs", type=int, multiple=True, help="Sequence length(s); repeat the option.")
 @click.option("--batch", type=int, default=8, show_default=True)
-@click.option("--quick", is_flag=True, help="Fewer repeats.")
+@click.option("--repeats", type=int, default=None, help="Timed steps per case (default: by size).")
+@click.option("--quick", is_flag=True, help="3 repeats and no memory measurement.")
+@click.option("--no-memory", is_flag=True, help="Skip the peak-memory subprocesses.")
 @json_option
-def bench_cmd(seqs: tuple[int, ...], batch: int, quick: bool, as_json: bool) -> None:
+def bench_cmd(
+    seqs: tuple[int, ...], batch: int, repeats: int | None, quick: bool, no_memory: bool, as_json: bool
+) -> None:
     """Run the attention benchmark (headspace vs torch MHA, nanoGPT-style, textbook, GEMM floor)."""
     from . import bench
 
-    for s in seqs:
-        if s <= 0:
-            raise UsageError(f"--seq must be positive; got {s}")
-    if batch <= 0:
-        raise UsageError(f"--batch must be positive; got {batch}")
+    for name, values in (("--seq", seqs), ("--batch", (batch,)), ("--repeats", (repeats or 1,))):
+        for v in values:
+            if v <= 0:
+                raise UsageError(f"{name} must be a positive integer; got {v}")
     kwargs: dict[str, Any] = {"batch": batch, "progress": not as_json}
     if seqs:
         kwargs["seqs"] = tuple(seqs)
     if quick:
-        kwargs["quick"] = True
+        kwargs["repeats"] = 3
+        kwargs["measure_memory"] = False
+    if repeats is not None:
+        kwargs["repeats"] = repeats
+    if no_memory:
+        kwargs["measure_memory"] = False
     rows = bench.run_attention_benchmark(**kwargs)
     if as_json:
         _json_out(_clean(rows))
