@@ -212,6 +212,9 @@ def test_name_filters_globs_lists_and_predicates() -> None:
     }
     assert len(select_hook_points(model, ["blocks.1.*"])) > 10
     assert set(select_hook_points(model, lambda n: n.endswith("hook_embed"))) == {"hook_embed"}
+    # a bare hook name means that hook point in every layer
+    assert set(select_hook_points(model, "hook_z")) == {"blocks.0.attn.hook_z", "blocks.1.attn.hook_z"}
+    assert set(select_hook_points(model, "attn.hook_q")) == {"blocks.0.attn.hook_q", "blocks.1.attn.hook_q"}
 
 
 def test_bad_names_and_keys_say_what_is_valid() -> None:
@@ -268,3 +271,20 @@ def test_attention_layers_in_module_order() -> None:
     model = encoder()
     assert [p for p, _ in attention_layers(model)] == ["blocks.0.attn", "blocks.1.attn"]
     assert attention_layers(model.blocks[1].attn)[0][1] is model.blocks[1].attn
+
+
+def test_patched_forward_is_differentiable_float64_gradcheck() -> None:
+    attn = MultiHeadAttention(d_model=10, n_heads=2, dtype=torch.float64)
+    scale = torch.tensor([2.0, -0.5], dtype=torch.float64)[:, None]  # (n_heads, 1)
+
+    def patch(z: torch.Tensor, point: object) -> torch.Tensor:  # z: (batch, seq, n_heads, d_head)
+        return z * scale
+
+    x = torch.randn(2, 3, 10, dtype=torch.float64, requires_grad=True)
+    with hs.trace(attn, "hook_result") as plain:
+        attn(x)
+    with hs.trace(attn, "hook_result", hooks={"hook_z": patch}, detach=False):
+        patched = attn(x)
+        assert torch.autograd.gradcheck(lambda u: attn(u), (x,))
+    want = (plain["hook_result"] * scale).sum(dim=2) + attn.b_O  # each head's result scaled
+    torch.testing.assert_close(patched, want)

@@ -82,7 +82,9 @@ def select_hook_points(model: Any, names: NameFilter = None) -> dict[str, HookPo
     """The hook points of ``model`` whose full names pass ``names``.
 
     ``names``: None (all), a full name or ``fnmatch`` glob, a sequence of them, or a predicate on the
-    full name. A name or glob that matches nothing raises ``ValueError`` listing close valid names.
+    full name. A name that matches no full name is tried as a suffix, so ``"hook_pattern"`` means every
+    layer's ``hook_pattern``. A name or glob that still matches nothing raises ``ValueError`` listing
+    close valid names.
     """
     points = name_hook_points(as_module(model))
     if names is None:
@@ -95,6 +97,8 @@ def select_hook_points(model: Any, names: NameFilter = None) -> dict[str, HookPo
         if not isinstance(pattern, str):
             raise TypeError(f"names must hold strings (full hook names or globs); got {pattern!r}")
         hits = [n for n in points if n == pattern or fnmatch.fnmatchcase(n, pattern)]
+        if not hits:  # a bare hook name ("hook_pattern") means that hook point in every layer
+            hits = [n for n in points if fnmatch.fnmatchcase(n, f"*.{pattern}")]
         if not hits:
             close = difflib.get_close_matches(pattern, list(points), n=3, cutoff=0.5)
             some = close or list(points)[:5]
@@ -276,7 +280,8 @@ def trace(
         model: any module holding hook points (a :class:`MultiHeadAttention`, a block, an Encoder or a
             Decoder), or a pretrained wrapper with a ``.model``.
         names: which values to record: None (all), a full name or ``fnmatch`` glob
-            (``"*.hook_pattern"``, ``"blocks.3.*"``), a sequence of them, or a predicate on the full name.
+            (``"*.hook_pattern"``, ``"blocks.3.*"``), a bare hook name (``"hook_pattern"``: every layer's),
+            a sequence of them, or a predicate on the full name.
             Layers none of whose hook points are chosen stay on their fused fast path.
         hooks: extra functions by full name or glob, ``fn(value, hook_point) -> None | Tensor``, that run
             *before* recording and may return a replacement value (patching); they are removed on exit.

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..trace import attention_layers, trace
+from ..trace import as_module, attention_layers, trace
 from ._common import JsonResult, eval_mode, make_batches, pad_heads
 
 
@@ -86,7 +86,7 @@ def head_mixing(model: Any, inputs: Any, *, key_padding: Tensor | None = None) -
     if len(batches) != 1:
         raise ValueError(f"head_mixing takes one batch of inputs; got {len(batches)} tensors")
     batch = batches[0]
-    module = model if isinstance(model, torch.nn.Module) else model.model
+    module = as_module(model)
     with eval_mode(module), trace(model, "*hook_result") as t:
         batch.run(module)
     shares, projections = [], []

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..trace import attention_layers, trace
+from ..trace import as_module, attention_layers, trace
 from ._common import JsonResult, eval_mode, make_batches, pad_heads
 
 TARGETS = ("previous", "next", "current", "first", "last")
@@ -194,7 +194,7 @@ def head_roles(
     Only ``hook_pattern`` is traced; the model runs in eval mode without autograd (its mode is restored).
     """
     threshold = _check_threshold(threshold)
-    module = model if isinstance(model, torch.nn.Module) else getattr(model, "model", model)
+    module = as_module(model)
     layers = attention_layers(model)
     if not layers:
         raise ValueError(f"model has no MultiHeadAttention layer; got {type(model).__name__}")
