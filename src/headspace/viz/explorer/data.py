@@ -25,7 +25,8 @@ Arrays travel as ``{"dtype", "shape", "data"}`` with ``data`` the base64 of the 
 from __future__ import annotations
 
 import base64
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,6 +173,21 @@ def unpack(a: dict[str, Any]) -> np.ndarray:
     return raw.reshape(a["shape"]).astype(np.float32)
 
 
+@contextmanager
+def _one_thread() -> Iterator[None]:
+    """Run tiny batched LAPACK calls (SVD/QR of [heads, d_model, d_head]) on one intra-op thread.
+
+    They gain nothing from threads, and on a busy machine the thread hand-off made the overlaps of
+    MiniLM take 25 s instead of 1 s. The previous thread count is restored.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def resolve_precision(precision: str, seq: int) -> str:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {list(PRECISIONS)}; got {precision!r}")
@@ -202,7 +218,8 @@ def build_page_data(
         attn = c.attn
         W_O = attn.W_O.detach().float()  # (H, dh, d_model)
         # head x head overlaps (headspace.analysis): "q" W_Q, "k" W_K, "v" W_V, "o" W_O[h]^T
-        overlap = {f"W_{w.upper()}": overlap_matrix(attn, w) for w in ("q", "k", "v", "o")}
+        with _one_thread():
+            overlap = {f"W_{w.upper()}": overlap_matrix(attn, w) for w in ("q", "k", "v", "o")}
         share, _ = shares_from_result(c.result.unsqueeze(0))  # (1, S, H)
         layers.append(
             {
