@@ -268,3 +268,36 @@ def test_a_512_token_input_opens_and_works(browser: Any, minilm: Any, tmp_path: 
         assert w.requests == [path.as_uri()]
     finally:
         w.page.close()
+
+
+def test_repr_html_runs_inside_a_notebook_iframe(browser: Any, tmp_path: Path) -> None:
+    """What Jupyter shows: the page inside a sandboxed iframe's srcdoc, scripts running, nothing fetched."""
+    from headspace.models import Encoder, ModelConfig
+
+    torch.manual_seed(0)
+    model = Encoder(ModelConfig(arch="encoder", vocab_size=53, d_model=35, n_layers=2, n_heads=7)).eval()
+    toks = torch.randint(0, 53, (1, 11))
+    page = Explorer(model, toks, labels=[f"w{i}" for i in range(11)])
+    notebook = tmp_path / "notebook.html"
+    notebook.write_text(
+        f"<html><body><h1>cell output</h1>{page._repr_html_()}</body></html>", encoding="utf-8"
+    )
+    errors: list[str] = []
+    requests: list[str] = []
+    tab = browser.new_page()
+    tab.on("console", lambda m: errors.append(m.text) if m.type in ("error", "warning") else None)
+    tab.on("pageerror", lambda e: errors.append(str(e)))
+    tab.on("request", lambda r: requests.append(r.url))
+    try:
+        tab.goto(notebook.as_uri())
+        frame = tab.frames[1]
+        frame.wait_for_selector("body[data-ready='true']", timeout=30_000)
+        frame.click(".token[data-index='4']")
+        with torch.no_grad(), trace(model, "*.hook_pattern") as t:
+            model(toks)
+        top = int(t.pattern(0, 0)[0, 4].argmax())
+        assert frame.inner_text("#top-token") == f"w{top}"
+        assert errors == []
+        assert requests == [notebook.as_uri()], requests  # the notebook itself; the iframe fetches nothing
+    finally:
+        tab.close()
