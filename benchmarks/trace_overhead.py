@@ -9,6 +9,7 @@ Variants, timed round-robin in one run (medians over rounds, ratios to ``fresh``
                           for reference: that is the cost of asking for every intermediate.
 
 Usage: python benchmarks/trace_overhead.py [--rounds 30] [--batch 8] [--seq 128] [--d-model 512] [--heads 8]
+       [--threads N]
 Writes benchmarks/results/trace_overhead.json.
 """
 
@@ -31,12 +32,19 @@ from tqdm.auto import tqdm
 import headspace as hs
 
 
-def timed(fn: Callable[[], object], inner: int) -> float:
-    """Seconds per call, averaged over ``inner`` calls."""
+def timed(run: Callable[[int], object], inner: int) -> float:
+    """Seconds per call of ``run(inner)``, which makes ``inner`` calls."""
     t0 = time.perf_counter()
-    for _ in range(inner):
-        fn()
+    run(inner)
     return (time.perf_counter() - t0) / inner
+
+
+def repeat(fn: Callable[[], object]) -> Callable[[int], None]:
+    def run(inner: int) -> None:
+        for _ in range(inner):
+            fn()
+
+    return run
 
 
 def main() -> None:
@@ -47,9 +55,12 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--d-model", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "trace_overhead.json"))
     args = ap.parse_args()
 
+    if args.threads > 0:
+        torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     stack = nn.ModuleList(
         [hs.MultiHeadAttention(args.d_model, args.heads), hs.MultiHeadAttention(args.d_model, args.heads)]
@@ -62,25 +73,27 @@ def main() -> None:
         layer(x)
     assert len(t) == 7 and not layer.hooks_active
 
-    def other_layer_traced() -> None:
-        with hs.trace(stack, "0.hook_pattern"):
+    def other_layer_traced(inner: int) -> None:
+        with hs.trace(stack, "0.hook_pattern"):  # entered once per timing, as a user would
             assert stack[0].hooks_active and not layer.hooks_active
-            layer(x)
+            for _ in range(inner):
+                layer(x)
 
-    def traced() -> None:
+    def traced(inner: int) -> None:
         with hs.trace(layer):
-            layer(x)
+            for _ in range(inner):
+                layer(x)
 
-    variants: dict[str, Callable[[], object]] = {
-        "fresh": lambda: fresh(x),
-        "after_trace": lambda: layer(x),
+    variants: dict[str, Callable[[int], object]] = {
+        "fresh": repeat(lambda: fresh(x)),
+        "after_trace": repeat(lambda: layer(x)),
         "other_layer_traced": other_layer_traced,
         "traced": traced,
     }
     times: dict[str, list[float]] = {k: [] for k in variants}
     with torch.inference_mode():
         for fn in variants.values():  # warm-up
-            fn()
+            fn(1)
         for _ in tqdm(range(args.rounds), desc="rounds", unit="round"):
             for name, fn in variants.items():
                 times[name].append(timed(fn, args.inner))
