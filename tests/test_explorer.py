@@ -19,8 +19,10 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from headspace import trace
+from headspace import MultiHeadAttention, trace
 from headspace.cli import cli
 from headspace.models import Decoder, Encoder, ModelConfig
 from headspace.viz.explorer import (
@@ -111,6 +113,34 @@ def test_page_arithmetic_reproduces_the_trace(make) -> None:
         close(m["out"], r["out"])
 
 
+@settings(max_examples=12, deadline=None)
+@given(
+    n_kv_heads=st.sampled_from([1, 2, 3]),
+    group=st.sampled_from([1, 2]),
+    d_head=st.integers(1, 6),
+    seq=st.integers(1, 9),
+    causal=st.booleans(),
+    bias=st.booleans(),
+)
+def test_page_arithmetic_holds_for_any_head_layout(
+    n_kv_heads: int, group: int, d_head: int, seq: int, causal: bool, bias: bool
+) -> None:
+    """One attention layer of any head count, kv grouping, width and length, causal or not."""
+    n_heads = n_kv_heads * group
+    torch.manual_seed(seq * 31 + d_head)
+    attn = MultiHeadAttention(
+        d_model=7, n_heads=n_heads, d_head=d_head, n_kv_heads=n_kv_heads, bias=bias
+    ).eval()
+    x = torch.randn(1, seq, 7)  # (1, seq, d_model)
+    layer = build_page_data(capture_layers(attn, lambda: attn(x, is_causal=causal)), ["t"] * seq)["layers"][0]
+    assert layer["mask"] == ("causal" if causal and seq > 1 else "none")
+    with torch.no_grad():
+        out, pattern = attn(x, is_causal=causal, need_weights=True)  # the fused layer, untraced
+    m = mirror(layer)
+    close(m["pattern"], pattern[0])
+    close(m["out"], out[0])
+
+
 def test_stored_arrays_have_documented_shapes_and_are_the_traced_values() -> None:
     model = gqa_decoder()
     toks = tokens()
@@ -190,7 +220,9 @@ def encoder_with_positions(n: int) -> Encoder:
 # ---------------------------------------------------------------------------------------------- bad input
 def test_bad_inputs_name_the_problem() -> None:
     model = encoder()
-    with pytest.raises(ValueError, match=r"tokens must be an int64 tensor \[1, seq\].*shape \[2, 11\]"):
+    with pytest.raises(
+        ValueError, match=r"sentence must be a str .* or an int64 token tensor \[1, seq\].*shape \[2, 11\]"
+    ):
         Explorer(model, torch.randint(0, VOCAB, (2, SEQ)))
     with pytest.raises(ValueError, match=r"dtype torch\.float32"):
         Explorer(model, torch.zeros(1, SEQ))
@@ -202,8 +234,10 @@ def test_bad_inputs_name_the_problem() -> None:
         Explorer(model, tokens(), precision="float8")
     with pytest.raises(ValueError, match="no headspace MultiHeadAttention"):
         Explorer(torch.nn.Linear(3, 3), tokens(), run=lambda: None)
-    with pytest.raises(ValueError, match="tokens has 2 labels but the traced sequence has 11"):
+    with pytest.raises(ValueError, match="labels has 2 entries but the input has 11 tokens"):
         Explorer(model, tokens(), labels=["a", "b"])
+    with pytest.raises(ValueError, match="tokens has 2 labels but the traced sequence has 11"):
+        build_page_data(capture_layers(model, lambda: model(tokens())), ["a", "b"])
 
 
 def test_refuses_masks_and_biases_it_cannot_redraw() -> None:

@@ -6,6 +6,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 
@@ -15,7 +16,7 @@ from .data import PRECISIONS
 DEFAULT_SENTENCE = "The cat sat on the mat because it was tired."
 
 
-def _load_model(name: str):
+def _load_model(name: str) -> Any:
     """``headspace.load(name)``, or a BERT / GPT-2 checkpoint folder; bad names become a UsageError."""
     from ... import pretrained
 

@@ -170,7 +170,7 @@ def unpack(a: dict[str, Any]) -> np.ndarray:
     """Inverse of :func:`pack` (as float32)."""
     np_dtype = {"float32": "<f4", "float16": "<f2"}[a["dtype"]]
     raw = np.frombuffer(base64.b64decode(a["data"]), dtype=np_dtype)
-    return raw.reshape(a["shape"]).astype(np.float32)
+    return raw.reshape(a["shape"]).astype(np.float32)  # (the stored shape)
 
 
 @contextmanager

@@ -141,7 +141,8 @@ class Explorer:
                 tokens = tokens.unsqueeze(0)  # (1, seq)
             if tokens.dim() != 2 or tokens.shape[0] != 1 or tokens.dtype != torch.int64:
                 raise ValueError(
-                    "tokens must be an int64 tensor [1, seq] (one sequence); got dtype "
+                    "sentence must be a str (for a pretrained model) or an int64 token tensor [1, seq] "
+                    "(one sequence); got dtype "
                     f"{tokens.dtype} and shape {list(tokens.shape)}"
                 )
             ids = tokens[0].tolist()
@@ -150,6 +151,11 @@ class Explorer:
             def default_run() -> Any:
                 return module(tokens)
 
+        if labels is not None and len(labels) != tokens.shape[1]:
+            raise ValueError(
+                f"labels has {len(labels)} entries but the input has {tokens.shape[1]} tokens; "
+                "give one label per token"
+            )
         was_training = module.training
         module.eval()
         try:
