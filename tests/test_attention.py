@@ -462,6 +462,32 @@ def test_long_sequence_paths_agree(n_kv_heads: int) -> None:
         assert_close(b, c.float(), **tol)
 
 
+# --- low precision
+@pytest.mark.parametrize(
+    ("dtype", "tol"),
+    [
+        # bf16 keeps 8 significant bits (relative step 2^-8 = 0.4%); the ~10 rounded ops of a forward
+        # accumulate to 1-2% on outputs of order 1, hence 3e-2
+        (torch.bfloat16, 3e-2),
+        # fp16 keeps 11 bits (step 0.05%): same reasoning, 5e-3
+        (torch.float16, 5e-3),
+    ],
+)
+def test_half_precision_paths_match_float64(dtype: torch.dtype, tol: float) -> None:
+    layer = make_layer(2, dtype=dtype)
+    layer64 = copy.deepcopy(layer).double()
+    x = torch.randn(B, 5, D_MODEL, dtype=dtype)
+    pad = torch.tensor([[True] * 5, [False, False, True, True, True]])  # row 0, 1 of sample 1 dead
+    kw = {"key_padding": pad, "is_causal": True}
+    want = layer64(x.double(), **kw)
+    for nw in (False, True):
+        res = layer(x, need_weights=nw, **kw)
+        out = res[0] if nw else res
+        assert out.dtype == dtype
+        assert_close(out.double(), want, rtol=tol, atol=tol)
+        assert_close(out[1, :2], layer.b_O.detach().expand(2, D_MODEL), rtol=0, atol=0)
+
+
 # --- dead rows
 DEAD_ROW_CASES = {
     "bool_row": lambda sq, sk: {
@@ -479,12 +505,19 @@ DEAD_ROW_CASES = {
 }
 
 
-@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("path", ["sdpa", "explicit", "traced", "dropout_sdpa", "dropout_explicit"])
 @pytest.mark.parametrize("case", list(DEAD_ROW_CASES))
-def test_dead_rows_give_zeros_and_finite_grads(case: str, need_weights: bool) -> None:
-    """A query with nothing to attend to: z = 0 (so out = b_O), pattern row 0, finite gradients."""
+def test_dead_rows_give_zeros_and_finite_grads(case: str, path: str) -> None:
+    """A query with nothing to attend to: z = 0 (so out = b_O), pattern row 0, finite gradients, on every
+    path: sdpa, explicit (need_weights), traced (a hook is active) and both with dropout in training."""
     seq_q, seq_k = 5, 3
     layer = make_layer(2)
+    need_weights = path in ("explicit", "traced", "dropout_explicit")
+    if path.startswith("dropout"):
+        layer.dropout = 0.5
+        layer.train()
+    if path == "traced":
+        layer.hook_pattern.add(lambda t, hp: None)
     x = torch.randn(B, seq_q, D_MODEL, requires_grad=True)
     c = torch.randn(B, seq_k, D_MODEL, requires_grad=True)
     kw = DEAD_ROW_CASES[case](seq_q, seq_k)

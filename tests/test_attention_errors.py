@@ -358,3 +358,16 @@ def test_check_finite_catches_non_finite_weights() -> None:
     with torch.no_grad():
         layer.W_V[3, 0, 1] = float("nan")
     raises(ValueError, lambda: layer(x(B, SQ, D_MODEL)), "output", "weights", "nan")
+
+
+def test_check_finite_float_mask() -> None:
+    """-inf is a legal additive mask entry (it blocks); NaN and +inf are not."""
+    layer = MultiHeadAttention(D_MODEL, N_HEADS, check_finite=True)
+    q = x(B, SQ, D_MODEL)
+    m = torch.zeros(SQ, SQ)
+    m[0, 2] = float("-inf")
+    assert torch.isfinite(layer(q, attn_mask=m)).all()
+    for bad in (float("nan"), float("inf")):
+        m_bad = m.clone()
+        m_bad[2, 1] = bad
+        raises(ValueError, lambda m_bad=m_bad: layer(q, attn_mask=m_bad), "attn_mask", str(bad), "(2, 1)")

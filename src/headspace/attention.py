@@ -46,14 +46,21 @@ def resolve_head_dims(
     return d_head, n_kv_heads
 
 
-def _check_finite(name: str, t: Tensor) -> None:
+def _check_finite(name: str, t: Tensor, *, allow_neg_inf: bool = False) -> None:
+    """Raise ``ValueError`` naming ``name``, the first bad index and its value if ``t`` has NaN/Inf.
+
+    ``allow_neg_inf``: -inf is legal (an additive mask's "blocked").
+    """
     bad = ~torch.isfinite(t)
+    if allow_neg_inf:
+        bad &= ~torch.isneginf(t)
     if bool(bad.any()):
         where = tuple(int(i) for i in bad.nonzero()[0])
         value = t[where].item()
+        refused = "NaN/+Inf (-inf blocks)" if allow_neg_inf else "NaN/Inf"
         raise ValueError(
             f"{name} has a non-finite value ({value}) at index {where} (shape {_shape(t)}); "
-            "check_finite=True refuses NaN/Inf"
+            f"check_finite=True refuses {refused}"
         )
 
 
@@ -184,7 +191,8 @@ class MultiHeadAttention(nn.Module):
     gives zeros with finite gradients.
 
     ``check_finite`` (default False, as checking costs a pass over the inputs): when True, NaN/Inf in
-    the inputs or the output raise ``ValueError`` naming the tensor and the first bad index.
+    the inputs (NaN/+inf in a float ``attn_mask``) or the output raise ``ValueError`` naming the tensor
+    and the first bad index. With the default, NaN/Inf propagate like in any torch layer.
     """
 
     def __init__(
@@ -456,7 +464,8 @@ class MultiHeadAttention(nn.Module):
             attn_mask: bool (True = may attend) or float (additive) [seq_q, seq_k], [batch, seq_q, seq_k]
                 or [batch, n_heads, seq_q, seq_k].
             is_causal: combine (AND) a causal mask aligned bottom-right with any other mask.
-            need_weights: also return the per-head pattern [batch, n_heads, seq_q, seq_k] (never averaged).
+            need_weights: also return the per-head pattern [batch, n_heads, seq_q, seq_k] (never averaged;
+                the softmax itself, before dropout: rows sum to 1, rows with nothing to attend to are 0).
             kv_cache: a :class:`KVCache` from :meth:`make_kv_cache`; the new keys and values are appended
                 and the queries attend to every cached position (self-attention only).
 
@@ -486,6 +495,8 @@ class MultiHeadAttention(nn.Module):
                 _check_finite("key", k_in)
                 if v_in is not k_in:
                     _check_finite("value", v_in)
+            if isinstance(attn_mask, Tensor) and attn_mask.is_floating_point():
+                _check_finite("attn_mask", attn_mask, allow_neg_inf=True)
 
         B, Sq, _ = query.shape
         H, dh = self.n_heads, self.d_head
