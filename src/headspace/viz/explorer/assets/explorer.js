@@ -513,6 +513,10 @@
       canvas._hover = (j, i) => `${name} of ${TOKENS[j]} (${j}), [${i}] = ${fmt(arr[(j * L.Hkv + r.g) * L.dh + i], 6)}`;
     }
     $("kv-legend").replaceChildren(); legend($("kv-legend"), "div", -km, km, "k, v");
+    const marks = document.createElement("span");
+    marks.innerHTML = '<span class="swatch" style="border:2px solid #e8710a"></span>the selected token\'s k ' +
+      '<span class="swatch" style="border:2px solid #1d1d1f"></span>the top attended token\'s v';
+    $("kv-legend").append(marks);
 
     $("scores-note").textContent = `scale = ${fmt(L.meta.scale, 6)}, mask: ${L.meta.mask}` +
       (SEQ > TABLE_ROWS ? `; the ${TABLE_ROWS} largest weights of ${SEQ}, largest first` : "; every token, in order");
