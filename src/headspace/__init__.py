@@ -1,6 +1,6 @@
 """headspace: multi-head attention with every head's W_Q, W_K, W_V and W_O in plain sight."""
 
-from . import analysis
+from . import analysis, train  # train: headspace.train.train(TrainConfig(...), run_dir)
 from .attention import KVCache, MultiHeadAttention
 from .block import TransformerBlock
 from .heads import FactoredMatrix, Head, HeadList, ablate, prune_heads
@@ -9,11 +9,13 @@ from .masks import CanonicalMask, canonical_mask, causal_mask
 from .models import Decoder, Encoder, ModelConfig
 from .pretrained import load, load_bert, load_gpt2
 from .trace import Trace, trace  # trace() shadows the submodule: use `from headspace.trace import ...`
+from .train.checkpoint import CheckpointError
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CanonicalMask",
+    "CheckpointError",
     "Decoder",
     "Encoder",
     "FactoredMatrix",
@@ -35,4 +37,5 @@ __all__ = [
     "load_gpt2",
     "prune_heads",
     "trace",
+    "train",
 ]
