@@ -50,6 +50,9 @@ def _fail(e: Exception) -> UsageError:
 @click.option("--dropout", type=float, default=0.0, show_default=True)
 @click.option("--eval-every", type=int, default=100, show_default=True)
 @click.option(
+    "--eval-batch", type=int, default=512, show_default=True, help="Held-out evaluation batch size."
+)
+@click.option(
     "--log-every", type=int, default=10, show_default=True, help="Log the training loss every N steps."
 )
 @click.option(
@@ -64,7 +67,8 @@ def train_command(
     task: str | None, data: str | None, level: str, arch: str, n_layers: int | None, n_heads: int | None,
     d_model: int | None, d_mlp: int | None, seq_len: int | None, batch_size: int | None, steps: int | None,
     lr: float | None, warmup: int, weight_decay: float, grad_clip: float, dropout: float, eval_every: int,
-    log_every: int, save_every: int, seed: int, device: str, out: str, resume: bool, no_progress: bool,
+    eval_batch: int, log_every: int, save_every: int, seed: int, device: str, out: str, resume: bool,
+    no_progress: bool,
 ) -> None:  # fmt: skip
     """Train an Encoder or Decoder and watch its heads specialise (metrics, checkpoints, summary.json)."""
     from .checkpoint import CheckpointError
@@ -77,7 +81,7 @@ def train_command(
             task=task, data=data, level=level, arch=arch, n_layers=n_layers, n_heads=n_heads, d_model=d_model,
             d_mlp=d_mlp, seq_len=seq_len, batch_size=batch_size, steps=steps, lr=lr, warmup=warmup,
             weight_decay=weight_decay, grad_clip=grad_clip, dropout=dropout, eval_every=eval_every,
-            save_every=save_every, seed=seed, device=device, log_every=log_every,
+            eval_batch=eval_batch, log_every=log_every, save_every=save_every, seed=seed, device=device,
         )  # fmt: skip
         result = train(config, out, resume=resume, progress=not no_progress)
     except (ValueError, TypeError, CheckpointError) as e:
