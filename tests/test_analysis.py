@@ -294,7 +294,9 @@ def test_decoder_importance_is_the_loss_change_of_each_ablation(mode: str) -> No
         # abs: a float32 loss near 3.6 is resolved to ~4e-7, and the score is a difference of two losses
         assert float(imp.scores[layer, head]) == pytest.approx(want, rel=1e-5, abs=2e-6)
     if mode == "zero":
-        assert float(imp.scores[1, 5]) == pytest.approx(0.0, abs=1e-9)
+        # zero up to float32 rounding: the ablated layer runs the explicit path, the baseline the fused one
+        assert float(imp.scores[1, 5]) == pytest.approx(0.0, abs=1e-6)
+        assert abs(float(imp.scores[1, 5])) < 1e-3 * float(imp.scores.nan_to_num().abs().max())
     assert not any(b.attn.hooks_active for b in model.blocks)
 
 
