@@ -279,6 +279,21 @@ def test_pattern_rows_sum_to_one_or_zero() -> None:
     assert (pattern[~mask[:, None].expand_as(pattern)] == 0).all()
 
 
+@pytest.mark.parametrize("heads", list(HEAD_CONFIGS))
+def test_key_as_value_and_explicit_self_attention(heads: str) -> None:
+    """attn(x, c) (value defaults to key: one fused K/V projection) and attn(x, x, x) match the reference."""
+    layer = make_layer(HEAD_CONFIGS[heads])
+    x, c = torch.randn(B, SQ, D_MODEL), torch.randn(B, SK, D_MODEL)
+    ref_kv, _ = reference_attention(layer, x, c, c, is_causal=True)
+    ref_self, _ = reference_attention(layer, x, is_causal=True)
+    for nw in (False, True):
+        got_kv = layer(x, c, is_causal=True, need_weights=nw)
+        got_self = layer(x, x, x, is_causal=True, need_weights=nw)
+        assert_close(got_kv[0] if nw else got_kv, ref_kv.float())
+        assert_close(got_self[0] if nw else got_self, ref_self.float())
+        assert_close(got_self[0] if nw else got_self, layer(x, is_causal=True))
+
+
 # --- by hand
 def test_arange_weights_by_hand() -> None:
     """Two one-hot tokens, two heads of width 1 (scale = 1), weights from arange: every number by hand.
@@ -588,6 +603,21 @@ def test_kv_cache_decoding_equals_full_causal_forward(heads: str, chunks: list[i
         last, last_pattern = layer(x[:, 6:], kv_cache=cache, is_causal=True, need_weights=True)
         assert_close(last, full[:, 6:])
         assert_close(last_pattern, full_pattern[:, :, 6:])
+
+
+def test_kv_cache_decoding_with_hooks_active() -> None:
+    """The traced path decodes with the cache too; hook_k sees only the new positions."""
+    layer = make_layer(2).eval()
+    x = torch.randn(B, 5, D_MODEL)
+    seen: list[tuple[int, ...]] = []
+    layer.hook_k.add(lambda t, hp: seen.append(tuple(t.shape)))
+    with torch.no_grad():
+        full = layer(x, is_causal=True)
+        cache = layer.make_kv_cache(B, capacity=5)
+        outs = [layer(x[:, :2], kv_cache=cache, is_causal=True)]
+        outs += [layer(x[:, t : t + 1], kv_cache=cache, is_causal=True) for t in range(2, 5)]
+    assert_close(torch.cat(outs, dim=1), full)
+    assert seen == [(B, 5, 2, D_HEAD), (B, 2, 2, D_HEAD)] + [(B, 1, 2, D_HEAD)] * 3
 
 
 def test_kv_cache_with_left_padding() -> None:
