@@ -1,0 +1,198 @@
+"""The training loop: config checks, schedule, run folder, per-head metrics, resume and specialisation."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from headspace.train import TrainConfig, learning_rate, load_run, train
+from headspace.train.checkpoint import CheckpointError
+from headspace.train.loop import RunFolderError
+from headspace.train.metrics import part_accuracy
+from headspace.train.tasks import EVAL_STREAM, RelationsTask, batch_generator
+
+TINY = {"task": "relations", "d_model": 16, "n_heads": 2, "batch_size": 8, "eval_batch": 64, "warmup": 5}
+
+
+def _rows(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------------------------------- config
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"d_model": 64, "n_heads": 3}, "d_model=64 must be divisible by n_heads=3"),
+        ({"steps": 0}, "steps must be an int >= 1; got 0"),
+        ({"lr": 0.0}, "lr must be a number in (0.0, 10.0]; got 0.0"),
+        ({"lr": float("nan")}, "lr must be a number in (0.0, 10.0]; got nan"),
+        ({"dropout": 1.0}, "dropout must be a number in [0.0, 1.0); got 1.0"),
+        ({"beta2": 1.0}, "beta2 must be a number in [0.0, 1.0); got 1.0"),
+        ({"save_every": -1}, "save_every must be an int >= 0; got -1"),
+        ({"task": "copy"}, "task must be one of ['relations', 'reverse', 'text']; got 'copy'"),
+        ({"task": "text"}, "task 'text' needs data"),
+        ({"data": "x.txt"}, "data='x.txt' is given, so task must be 'text'"),
+        ({"task": "text", "data": "x.txt", "arch": "encoder"}, "a text language model needs 'decoder'"),
+        ({"seq_len": 32}, "seq_len is fixed by the task 'relations'"),
+        ({"device": "tpu"}, "device must be 'cpu' or 'cuda'; got 'tpu'"),
+    ],
+)
+def test_config_values_out_of_range(kwargs: dict, words: str) -> None:
+    with pytest.raises(ValueError) as info:
+        TrainConfig(**kwargs)
+    assert words in str(info.value)
+
+
+def test_task_defaults_fill_unset_fields() -> None:
+    c = TrainConfig()
+    assert (c.n_layers, c.n_heads, c.d_model, c.steps, c.batch_size) == (1, 2, 64, 600, 64)
+    assert TrainConfig(n_heads=1).n_heads == 1
+    assert TrainConfig.from_dict(c.to_dict()) == c
+    with pytest.raises(ValueError, match=r"unknown fields \['heads'\]"):
+        TrainConfig.from_dict({**c.to_dict(), "heads": 2})
+
+
+def test_learning_rate_warms_up_then_follows_a_cosine() -> None:
+    c = TrainConfig(lr=1e-2, warmup=10, steps=110, min_lr_ratio=0.1)
+    assert learning_rate(c, 0) == pytest.approx(1e-3)
+    assert learning_rate(c, 9) == pytest.approx(1e-2)
+    assert learning_rate(c, 10) == pytest.approx(1e-2)
+    assert learning_rate(c, 60) == pytest.approx(1e-3 + 0.5 * 9e-3 * (1 + math.cos(math.pi * 0.5)))
+    assert learning_rate(c, 110) == pytest.approx(1e-3)
+    lrs = [learning_rate(c, s) for s in range(10, 111)]
+    assert all(a >= b for a, b in itertools.pairwise(lrs))
+
+
+# ---------------------------------------------------------------------------------------- a tiny run
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, object]:
+    run = tmp_path_factory.mktemp("tiny") / "run"
+    torch.manual_seed(0)
+    result = train(TrainConfig(**TINY, steps=20, eval_every=10, save_every=7), run, progress=False)
+    return run, result
+
+
+def test_run_folder_holds_config_metrics_checkpoints_and_summary(tiny_run) -> None:
+    run, result = tiny_run
+    record = json.loads((run / "config.json").read_text())
+    assert record["train"]["d_model"] == 16 and record["model"]["n_heads"] == 2
+    assert record["data"]["name"] == "relations"
+    rows = _rows(run)
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [10, 20]
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [10, 20]
+    assert {"loss", "lr", "grad_norm", "tokens_per_s"} <= set(rows[0])
+    ckpts = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
+    assert ckpts == ["step-000014", "step-000020"]  # every 7 steps and at the end, newest two kept
+    summary = json.loads((run / "summary.json").read_text())
+    assert set(summary["relations"]) == {"previous_token", "matching_type"}
+    assert 0.0 <= summary["accuracy"] <= 1.0
+    model, _ = load_run(run)
+    for p, q in zip(model.state_dict().values(), result.model.state_dict().values()):
+        assert torch.equal(p, q)
+
+
+def test_per_head_metrics_match_an_independent_computation(tiny_run) -> None:
+    run, result = tiny_run
+    ev = [r for r in _rows(run) if r["kind"] == "eval"][-1]
+    model = result.model.eval()
+    task = RelationsTask()
+    batch = task.sample(batch_generator(0, 0, EVAL_STREAM), 64)
+    attn = model.blocks[0].attn
+    # W_O block norms straight from the weights
+    for h in range(2):
+        assert ev["wo_norm"][0][h] == pytest.approx(float(attn.W_O[h].norm()), rel=1e-6)
+    # attention mass on the ground truth, position by position, from the pattern need_weights returns
+    patterns = []
+    remove = attn.hook_pattern.add(lambda p, _: patterns.append(p.detach()))
+    with torch.no_grad():
+        logits = model(batch.tokens)
+    remove()
+    pattern = patterns[0]  # (batch, heads, seq, seq)
+    for r, name in enumerate(task.relations):
+        for h in range(2):
+            total, count = 0.0, 0
+            for b in range(64):
+                for i in range(task.n_types, task.seq_len):
+                    total += float(pattern[b, h, i, batch.relation_pos[b, i, r]])
+                    count += 1
+            assert ev["relation_mass"][name][0][h] == pytest.approx(total / count, rel=1e-5)
+        # entropy of head 0 by the textbook formula
+    p = pattern[:, 0].double()
+    ent = -(torch.where(p > 0, p * p.log(), torch.zeros_like(p))).sum(-1).mean()
+    assert ev["entropy"][0][0] == pytest.approx(float(ent), rel=1e-5)
+    # ablation: zeroing head h's columns of the output projection is the same as zeroing z_h
+    _, parts = part_accuracy(task, logits, batch)
+    for h in range(2):
+        ablated = model.__class__(model.config)
+        ablated.load_state_dict(model.state_dict())
+        ablated.eval()
+        with torch.no_grad():
+            ablated.blocks[0].attn.W_O[h].zero_()
+            _, parts_h = part_accuracy(task, ablated(batch.tokens), batch)
+        for r, name in enumerate(task.relations):
+            assert ev["ablation_acc"][name][0][h] == pytest.approx(parts[r] - parts_h[r], abs=1e-9)
+
+
+# ---------------------------------------------------------------------------------------- run folders
+def test_output_folder_holding_another_run_is_refused(tiny_run) -> None:
+    run, _ = tiny_run
+    with pytest.raises(
+        RunFolderError, match=r"already holds another run \(task 'relations', 20 steps\); pass --resume"
+    ):
+        train(TrainConfig(**TINY, steps=5), run, progress=False)
+
+
+def test_non_empty_folder_and_resume_without_run(tmp_path: Path) -> None:
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(RunFolderError, match="is not empty and holds no run"):
+        train(TrainConfig(**TINY, steps=5), tmp_path, progress=False)
+    with pytest.raises(RunFolderError, match="holds no run"):
+        train(TrainConfig(**TINY, steps=5), tmp_path / "empty", resume=True, progress=False)
+
+
+def test_resume_with_another_config_lists_the_differing_fields(tiny_run) -> None:
+    run, _ = tiny_run
+    with pytest.raises(RunFolderError) as info:
+        train(TrainConfig(**{**TINY, "batch_size": 16}, steps=20, lr=1e-2), run, resume=True, progress=False)
+    msg = str(info.value)
+    assert "train.batch_size: checkpoint has 8, requested 16" in msg
+    assert "train.lr: checkpoint has 0.003, requested 0.01" in msg
+    assert "d_model" not in msg
+
+
+def test_resume_from_a_corrupt_checkpoint_names_the_file(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    config = TrainConfig(**TINY, steps=4, eval_every=100)
+    train(config, run, progress=False)
+    weights = next((run / "checkpoints").glob("step-*")) / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"model\.safetensors: truncated"):
+        train(config, run, resume=True, progress=False)
+
+
+# ---------------------------------------------------------------------------------------- specialisation
+def test_two_heads_specialise_one_per_relation(tmp_path: Path) -> None:
+    """A shortened version of `headspace train --task relations` (default model, 250 of its 600 steps)."""
+    result = train(TrainConfig(steps=250, eval_every=250, eval_batch=256), tmp_path / "r", progress=False)
+    s = result.summary
+    assert s is not None and s["accuracy"] >= 0.98
+    prev, match = s["relations"]["previous_token"], s["relations"]["matching_type"]
+    assert prev["head"] != match["head"]
+    for r in (prev, match):
+        assert r["attention_mass"] >= 0.8
+        assert r["ablation_drop"] >= 0.5
+        assert r["other_drop"] <= 0.05
+
+
+def test_encoder_trains_on_the_task(tmp_path: Path) -> None:
+    result = train(
+        TrainConfig(**TINY, arch="encoder", steps=30, eval_every=30), tmp_path / "e", progress=False
+    )
+    rows = [r for r in _rows(tmp_path / "e") if r["kind"] == "train"]
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert result.summary is not None and len(result.final_eval["entropy"][0]) == 2
