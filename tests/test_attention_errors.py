@@ -371,3 +371,12 @@ def test_check_finite_float_mask() -> None:
         m_bad = m.clone()
         m_bad[2, 1] = bad
         raises(ValueError, lambda m_bad=m_bad: layer(q, attn_mask=m_bad), "attn_mask", str(bad), "(2, 1)")
+
+
+def test_hook_returning_a_wrong_shape(layer: MultiHeadAttention) -> None:
+    layer.hook_pattern.name = "attn.hook_pattern"
+    remove = layer.hook_pattern.add(lambda t, hp: t[..., :-1])
+    raises(ValueError, lambda: layer(x(B, SQ, D_MODEL)), "attn.hook_pattern", "[2, 6, 3, 3]", "[2, 6, 3, 2]")
+    remove()
+    layer.hook_z.add(lambda t, hp: "not a tensor")
+    raises(ValueError, lambda: layer(x(B, SQ, D_MODEL)), "hook", "None or a tensor", "str")
