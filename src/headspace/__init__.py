@@ -1,6 +1,6 @@
 """headspace: multi-head attention with every head's W_Q, W_K, W_V and W_O in plain sight."""
 
-from . import analysis, train  # train: headspace.train.train(TrainConfig(...), run_dir)
+from . import analysis, compat, layouts, train  # train: headspace.train.train(TrainConfig(...), run_dir)
 from .attention import KVCache, MultiHeadAttention
 from .block import TransformerBlock
 from .heads import FactoredMatrix, Head, HeadList, ablate, prune_heads
@@ -32,6 +32,8 @@ __all__ = [
     "analysis",
     "canonical_mask",
     "causal_mask",
+    "compat",
+    "layouts",
     "load",
     "load_bert",
     "load_gpt2",
