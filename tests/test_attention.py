@@ -9,6 +9,7 @@ key/value heads).
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 from typing import Any
 
@@ -603,6 +604,37 @@ def test_kv_cache_decoding_equals_full_causal_forward(heads: str, chunks: list[i
         last, last_pattern = layer(x[:, 6:], kv_cache=cache, is_causal=True, need_weights=True)
         assert_close(last, full[:, 6:])
         assert_close(last_pattern, full_pattern[:, :, 6:])
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    n_kv_heads=st.sampled_from([1, 2, 3, 6]),
+    cuts=st.lists(st.integers(1, 7), min_size=1, max_size=4, unique=True),
+    left_pad=st.integers(0, 3),
+    need_weights=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_kv_cache_random_chunks(
+    n_kv_heads: int, cuts: list[int], left_pad: int, need_weights: bool, seed: int
+) -> None:
+    """Any split of 8 positions into chunks, any GQA grouping, left padding: decoding == full causal."""
+    g = torch.Generator().manual_seed(seed)
+    layer = randomize_(MultiHeadAttention(D_MODEL, N_HEADS, d_head=D_HEAD, n_kv_heads=n_kv_heads), g).eval()
+    seq = 8
+    x = torch.randn(B, seq, D_MODEL, generator=g)
+    pad = torch.ones(B, seq, dtype=torch.bool)
+    pad[0, :left_pad] = False
+    bounds = [0, *sorted(cuts), seq]
+    with torch.no_grad():
+        full = layer(x, is_causal=True, key_padding=pad)
+        cache = layer.make_kv_cache(B, capacity=seq)
+        outs = []
+        for a, b in itertools.pairwise(bounds):
+            res = layer(
+                x[:, a:b], kv_cache=cache, is_causal=True, key_padding=pad[:, :b], need_weights=need_weights
+            )
+            outs.append(res[0] if need_weights else res)
+    assert_close(torch.cat(outs, dim=1), full)
 
 
 def test_kv_cache_decoding_with_hooks_active() -> None:
