@@ -137,10 +137,7 @@ def test_identical_W_Q_overlap_one_orthogonal_zero() -> None:
     torch.testing.assert_close(M[0, 4], torch.tensor(2.0 / 5))
     torch.testing.assert_close(M, M.T)
     angles = principal_angles(attn.W_Q[0].detach(), attn.W_Q[4].detach())
-    torch.testing.assert_close(
-        angles, torch.tensor([0.0, 0.0, math.pi / 2, math.pi / 2, math.pi / 2]), atol=1e-3, rtol=0
-    )
-    # arccos near 1 loses half the digits: angles of 0 come back as ~1e-4 in float32
+    torch.testing.assert_close(angles, torch.tensor([0.0, 0.0, math.pi / 2, math.pi / 2, math.pi / 2]))
 
 
 def test_principal_angles_known_planes_and_overlap() -> None:
@@ -223,6 +220,49 @@ def test_qk_ov_circuits_are_gqa_aware() -> None:
         torch.testing.assert_close(ov[h].AB, attn.heads[h].ov().AB)
     with pytest.raises(ValueError, match=r"layer must be an int in \[0, 1\)"):
         analysis.qk_circuit(attn, 1)
+
+
+def test_head_angles_between_heads_and_layers_gqa_aware() -> None:
+    cfg = hs.ModelConfig(
+        arch="encoder", vocab_size=37, d_model=30, n_layers=2, n_heads=6, n_kv_heads=2, max_seq_len=16
+    )
+    model = hs.Encoder(cfg)
+    a0, a1 = model.blocks[0].attn, model.blocks[1].attn
+    with torch.no_grad():
+        a1.W_Q[4] = a0.W_Q[1] @ torch.randn(5, 5)  # same subspace in another layer
+    angles = analysis.head_angles(model, (0, 1), (1, 4), "q")
+    torch.testing.assert_close(angles, torch.zeros(5))
+    torch.testing.assert_close(
+        analysis.head_angles(model, (0, 0), (0, 2), "k"), torch.zeros(5)
+    )  # one kv head
+    want = principal_angles(a0.W_K[0].detach(), a0.W_K[1].detach())
+    torch.testing.assert_close(analysis.head_angles(model, (0, 0), (0, 3), "k"), want)
+    want = principal_angles(a0.W_O[0].detach().T, a1.W_O[5].detach().T)
+    torch.testing.assert_close(analysis.head_angles(model, (0, 0), (1, 5), "o"), want)
+    with pytest.raises(ValueError, match=r"b: head must be an int in \[0, 6\) for layer 1; got 6"):
+        analysis.head_angles(model, (0, 0), (1, 6))
+    with pytest.raises(TypeError, match=r"a must be a \(layer, head\) pair"):
+        analysis.head_angles(model, 0, (1, 1))
+
+
+def test_analysis_of_a_pruned_model_pads_missing_heads_with_nan() -> None:
+    cfg = hs.ModelConfig(arch="encoder", vocab_size=37, d_model=35, n_layers=2, n_heads=7, max_seq_len=16)
+    model = hs.Encoder(cfg).eval()
+    hs.prune_heads(model, {1: [0, 3]})
+    tokens = torch.randint(0, 37, (2, 11))
+    roles = head_roles(model, tokens)
+    assert [len(row) for row in roles.labels] == [7, 5]
+    assert torch.isnan(roles.previous[1, 5:]).all() and not torch.isnan(roles.previous[1, :5]).any()
+    spec = circuit_spectra(model)
+    assert spec.qk_norm.shape == (2, 7) and torch.isnan(spec.qk_norm[1, 5:]).all()
+    ov = subspace_overlaps(model, "q")
+    assert ov.overlap.shape == (2, 7, 7) and torch.isnan(ov.overlap[1, 5:]).all()
+    mix = head_mixing(model, tokens)
+    torch.testing.assert_close(mix.share[1, ..., :5].sum(-1), torch.ones(2, 11))
+    imp = head_importance(model, tokens, progress=False)
+    assert int(torch.isnan(imp.scores).sum()) == 2
+    data = json.loads(roles.to_json())
+    assert data["previous"][1][5] is None
 
 
 # ------------------------------------------------------------------------------------------ mixing

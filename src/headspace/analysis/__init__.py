@@ -8,7 +8,7 @@ form; layer ``i`` is the ``i``-th attention layer (``blocks.i.attn``).
 * :func:`head_importance` (:mod:`.ablation`): change of a metric (sentence-embedding cosine for
   encoders, LM loss for decoders) when each head is ablated.
 * :func:`qk_circuit`, :func:`ov_circuit`, :func:`circuit_spectra`, :func:`principal_angles`,
-  :func:`subspace_overlaps` (:mod:`.subspaces`): no inputs needed.
+  :func:`head_angles`, :func:`subspace_overlaps` (:mod:`.subspaces`): no inputs needed.
 * :func:`head_mixing`, :func:`wo_norms` (:mod:`.mixing`): each head's share of the attention output.
 """
 
@@ -20,6 +20,7 @@ from .subspaces import (
     CircuitSpectra,
     SubspaceOverlaps,
     circuit_spectra,
+    head_angles,
     head_subspaces,
     orthonormal_basis,
     ov_circuit,
@@ -40,6 +41,7 @@ __all__ = [
     "HeadRoles",
     "SubspaceOverlaps",
     "circuit_spectra",
+    "head_angles",
     "head_importance",
     "head_mixing",
     "head_roles",

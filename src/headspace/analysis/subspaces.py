@@ -113,14 +113,40 @@ def _check_pair(A: Tensor, B: Tensor) -> None:
 def principal_angles(A: Tensor, B: Tensor) -> Tensor:
     """Principal angles (radians, ascending) between the column spaces of ``A`` [d, p] and ``B`` [d, q].
 
-    Returns [min(rank A, rank B)]; 0 means a shared direction, pi/2 orthogonal directions.
+    Returns [min(rank A, rank B)] in ``A``'s dtype (computed in float64); 0 means a shared direction,
+    pi/2 orthogonal directions.
     """
     _check_pair(A, B)
-    Ua, ra = orthonormal_basis(A)
-    Ub, rb = orthonormal_basis(B)
+    # float64 inside: arccos near 1 loses half the digits (a zero angle would come back as ~1e-3 in float32)
+    Ua, ra = orthonormal_basis(A.to(torch.float64))
+    Ub, rb = orthonormal_basis(B.to(torch.float64))
     k = int(min(ra, rb))
     cos = torch.linalg.svdvals(Ua.transpose(-2, -1) @ Ub)[:k].clamp(0.0, 1.0)  # (k,) descending
-    return torch.arccos(cos)  # (k,) ascending
+    return torch.arccos(cos).to(A.dtype if A.is_floating_point() else torch.float64)  # (k,) ascending
+
+
+def head_angles(model: Any, a: tuple[int, int], b: tuple[int, int], which: str = "q") -> Tensor:
+    """Principal angles (radians, ascending) between two heads' subspaces; ``a``, ``b``: (layer, head).
+
+    Heads are query-head indices; for ``"k"``/``"v"`` each is mapped to the key/value head it reads
+    (grouped-query attention), so two heads of one group give angles of 0. Heads may be in different
+    layers (the subspaces live in the same residual stream).
+    """
+    if which not in SUBSPACES:
+        raise ValueError(f"which must be one of {SUBSPACES}; got {which!r}")
+    mats = []
+    for arg, pair in (("a", a), ("b", b)):
+        if not isinstance(pair, tuple) or len(pair) != 2:
+            raise TypeError(f"{arg} must be a (layer, head) pair; got {pair!r}")
+        attn = get_layer(model, pair[0])
+        head = pair[1]
+        if not isinstance(head, int) or isinstance(head, bool) or not 0 <= head < attn.n_heads:
+            raise ValueError(
+                f"{arg}: head must be an int in [0, {attn.n_heads}) for layer {pair[0]}; got {head!r}"
+            )
+        index = head // attn.group_size if which in ("k", "v") else head
+        mats.append(head_subspaces(attn, which)[index])  # (dim, d_head)
+    return principal_angles(mats[0], mats[1])
 
 
 def subspace_overlap(A: Tensor, B: Tensor) -> Tensor:
