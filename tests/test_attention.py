@@ -378,6 +378,29 @@ def test_gradcheck_self_causal_padding(need_weights: bool) -> None:
     assert torch.autograd.gradcheck(f, (x, *params))
 
 
+@pytest.mark.parametrize("need_weights", [False, True])
+def test_gradcheck_learned_additive_mask(need_weights: bool) -> None:
+    """A float mask that requires grad (a learned positional bias) gets correct gradients on both paths;
+    -inf entries (blocked, one dead row) stay out of the finite-difference check by construction."""
+    torch.manual_seed(3)
+    layer = randomize_(MultiHeadAttention(5, 3, d_head=2, n_kv_heads=1, dtype=torch.float64))
+    x = torch.randn(2, 3, 5, dtype=torch.float64)
+    c = torch.randn(2, 7, 5, dtype=torch.float64)
+    bias = torch.randn(3, 3, 7, dtype=torch.float64, requires_grad=True)  # per head: [n_heads, seq_q, seq_k]
+    blocked = torch.zeros(3, 3, 7, dtype=torch.bool)
+    blocked[1, 2] = True  # head 1, query 2: a dead row
+    blocked[0, :, 4] = True
+
+    def f(bias: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        m = bias.masked_fill(blocked, float("-inf"))[None]  # (1, n_heads, seq_q, seq_k)
+        return layer(x, c, attn_mask=m, need_weights=need_weights)
+
+    assert torch.autograd.gradcheck(f, (bias,))
+    out = f(bias)
+    (g,) = torch.autograd.grad((out[0] if need_weights else out).sum(), [bias])
+    assert (g[blocked] == 0).all()
+
+
 # --- hypothesis
 @settings(max_examples=40, deadline=None)
 @given(
