@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 import operator
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -359,7 +359,7 @@ def ablate(
             raise TypeError(f"means keys must be (layer, head) pairs; got {key!r}")
         _check_layer_head(layers, key[0], key[1], "means")
 
-    def make_fn(layer: int, modes: dict[int, str]):
+    def make_fn(layer: int, modes: dict[int, str]) -> Callable[[Tensor, Any], Tensor]:
         def fn(z: Tensor, point: Any) -> Tensor:  # z: (batch, seq_q, n_heads, d_head)
             z = z.clone()
             for h, mode in modes.items():

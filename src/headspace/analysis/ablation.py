@@ -61,7 +61,9 @@ class HeadImportance(JsonResult):
         return sorted(items, key=lambda x: -x[2])
 
 
-def mean_z(model: Any, inputs: Any, *, key_padding: Tensor | None = None, batch_size: int = 32) -> dict:
+def mean_z(
+    model: Any, inputs: Any, *, key_padding: Tensor | None = None, batch_size: int = 32
+) -> dict[tuple[int, int], Tensor]:
     """Mean of every head's ``z`` over the real tokens of ``inputs``: ``{(layer, head): [d_head]}``.
 
     The reference for ``ablate(model, {...: "mean"}, means=mean_z(model, inputs))``.
