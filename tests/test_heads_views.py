@@ -257,3 +257,20 @@ def test_head_index_types() -> None:
         layer.heads[1.0]
     with pytest.raises(TypeError, match=r"got slice.*list\(attn.heads\)\[a:b\]"):
         layer.heads[1:3]
+
+
+def test_device_and_dtype_arguments() -> None:
+    """device= and dtype= place every parameter (and so every view); meta -> to_empty -> reset works."""
+    layer = MultiHeadAttention(
+        D_MODEL, N_HEADS, d_head=D_HEAD, n_kv_heads=N_KV, device="meta", dtype=torch.float64
+    )
+    assert all(p.device.type == "meta" and p.dtype == torch.float64 for p in layer.parameters())
+    assert layer.W_Q.device.type == "meta" and layer.W_Q.shape == (N_HEADS, D_MODEL, D_HEAD)
+    layer = layer.to_empty(device="cpu")
+    layer.reset_parameters()
+    assert inside(layer.W_K, layer.qkv_weight) and layer.W_K.dtype == torch.float64
+    assert (layer.qkv_bias == 0).all() and (layer.o_bias == 0).all()
+    # Xavier-uniform per projection: W_Q's [out, in] = [30, 7] block is bounded by sqrt(6 / (30 + 7))
+    bound = (6 / (N_HEADS * D_HEAD + D_MODEL)) ** 0.5
+    assert layer.qkv_weight[: N_HEADS * D_HEAD].abs().max() <= bound
+    assert layer(torch.randn(B, S, D_MODEL, dtype=torch.float64)).shape == (B, S, D_MODEL)
