@@ -7,6 +7,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import headspace as hs
 from headspace import MultiHeadAttention, analysis
@@ -99,6 +101,27 @@ def test_roles_from_hand_made_patterns() -> None:
     torch.testing.assert_close(roles.entropy[0], torch.tensor([0.0, math.log(S), 0.0]))
     # the threshold decides between a label and "mixed"
     assert roles_from_patterns([pattern], threshold=0.1).labels == [["previous", "previous", "last"]]
+
+
+@settings(max_examples=25, deadline=None)
+@given(length=st.integers(2, 7), n_pad=st.integers(1, 4), left=st.booleans(), heads=st.sampled_from([1, 3]))
+def test_roles_of_a_padded_sequence_equal_those_of_its_real_tokens(
+    length: int, n_pad: int, left: bool, heads: int
+) -> None:
+    g = torch.Generator().manual_seed(length * 100 + n_pad * 10 + heads)
+    real_pattern = torch.softmax(torch.randn(1, heads, length, length, generator=g) * 3, dim=-1)
+    S = length + n_pad
+    pad = torch.zeros(1, S, dtype=torch.bool)
+    pos = slice(n_pad, S) if left else slice(0, length)
+    pad[0, pos] = True
+    padded = torch.rand(1, heads, S, S, generator=g)  # garbage on padded query rows
+    padded[..., :, ~pad[0]] = 0.0  # padding keys are never attended
+    padded[:, :, pos, pos] = real_pattern
+    want = roles_from_patterns([real_pattern])
+    got = roles_from_patterns([padded], pad)
+    for name in (*analysis.TARGETS, "entropy"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), equal_nan=True)
+    assert got.labels == want.labels and got.n_queries == want.n_queries == length
 
 
 def test_roles_bad_input() -> None:
