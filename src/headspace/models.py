@@ -409,9 +409,12 @@ class Decoder(_Stack):
             start = kv_caches[0].length
         check_tokens(tokens, self.config, start=start)
         x = self.embed(tokens, start=start)  # (batch, seq, d_model)
+        # one new query after the cached positions sees every key: causality is vacuous there, and
+        # dropping it lets attention run without building a mask in every layer
+        causal = not (kv_caches is not None and tokens.shape[1] == 1)
         for i, block in enumerate(self.blocks):
             cache = None if kv_caches is None else kv_caches[i]
-            x = block(x, key_padding=key_padding, is_causal=True, kv_cache=cache)  # (batch, seq, d_model)
+            x = block(x, key_padding=key_padding, is_causal=causal, kv_cache=cache)  # (batch, seq, d_model)
         if self.ln_final is not None:
             x = self.ln_final(x)
         return x

@@ -1,0 +1,148 @@
+"""Decoder per-token latency with the KV cache at positions 64 ... 1024, against full recompute.
+
+A GPT-2-small-shaped headspace Decoder (12 layers, 12 heads, d_model 768, vocab 50257, 1024 positions,
+random weights: latency does not depend on the values) decodes one token at context length ``p``:
+
+* cached: the cache holds ``p - 1`` positions, one new token is run (its keys/values appended);
+* full recompute: the whole ``p``-token sequence is run to get the same logits.
+
+Each measurement is repeated and the median quoted; before timing, the script checks that both give
+the same logits. Target: the cached step at position 1024 within 1.5x of the one at position 64.
+
+    python benchmarks/decode.py                       # GPT-2 small shape, 2 threads
+    python benchmarks/decode.py --small --repeats 5   # a smaller model, for a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from headspace import Decoder, ModelConfig
+
+POSITIONS = (64, 128, 256, 512, 1024)
+
+
+def write_json_atomic(data: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        json.dump(data, f, indent=2)
+    os.replace(tmp, path)
+
+
+def timed(fn, repeats: int) -> list[float]:
+    out = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=30, help="timed cached steps per position")
+    p.add_argument("--full-repeats", type=int, default=3, help="timed full recomputes per position")
+    p.add_argument("--small", action="store_true", help="6 layers, d_model 384, vocab 8192 (quick look)")
+    p.add_argument("--out", default="benchmarks/results/decode.json")
+    a = p.parse_args(argv)
+    for name in ("threads", "repeats", "full_repeats"):
+        if getattr(a, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be positive; got {getattr(a, name)}")
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(0)
+    if a.small:
+        config = ModelConfig(
+            arch="decoder", vocab_size=8192, d_model=384, n_layers=6, n_heads=6, max_seq_len=1024
+        )
+    else:
+        config = ModelConfig(
+            arch="decoder", vocab_size=50257, d_model=768, n_layers=12, n_heads=12, max_seq_len=1024
+        )
+    model = Decoder(config).eval()
+    tokens = torch.randint(0, config.vocab_size, (1, max(POSITIONS)))
+    caches = model.make_kv_caches(1, max(POSITIONS))
+
+    def step(pos: int) -> torch.Tensor:
+        for c in caches:
+            c.length = pos - 1  # rewind to p - 1 cached positions (the same prefix), run token p
+        return model(tokens[:, pos - 1 : pos], kv_caches=caches)
+
+    def full(pos: int) -> torch.Tensor:
+        return model(tokens[:, :pos])
+
+    cached: dict[int, list[float]] = {pos: [] for pos in POSITIONS}
+    recompute: dict[int, list[float]] = {pos: [] for pos in POSITIONS}
+    with torch.inference_mode():
+        model(tokens[:, : max(POSITIONS) - 1], kv_caches=caches)  # prefill once: every position shares it
+        for pos in POSITIONS:
+            torch.testing.assert_close(
+                step(pos)[:, -1], full(pos)[:, -1], rtol=1e-4, atol=1e-4
+            )  # float32, 12 layers
+        # round-robin over positions, so that load on a shared machine hits every position alike
+        for r in tqdm(range(a.repeats), desc="cached rounds", unit="round"):
+            for pos in POSITIONS[r % len(POSITIONS) :] + POSITIONS[: r % len(POSITIONS)]:
+                cached[pos] += timed(lambda pos=pos: step(pos), 1)
+        for _ in tqdm(range(a.full_repeats), desc="full-recompute rounds", unit="round"):
+            for pos in POSITIONS:
+                recompute[pos] += timed(lambda pos=pos: full(pos), 1)
+    rows = [
+        {
+            "position": pos,
+            "cached_ms": 1e3 * statistics.median(cached[pos]),
+            "full_recompute_ms": 1e3 * statistics.median(recompute[pos]),
+            "cached_times_ms": [1e3 * t for t in cached[pos]],
+            "full_times_ms": [1e3 * t for t in recompute[pos]],
+        }
+        for pos in POSITIONS
+    ]
+    base = rows[0]["cached_ms"]
+    print(f"\n{config.summary()}; batch 1, float32, {a.threads} threads, torch {torch.__version__}\n")
+    print("| position | cached ms/token | full recompute ms | recompute / cached | cached vs position 64 |")
+    print("|---:|---:|---:|---:|---:|")
+    for r in rows:
+        r["vs_position_64"] = r["cached_ms"] / base
+        r["recompute_over_cached"] = r["full_recompute_ms"] / r["cached_ms"]
+        print(
+            f"| {r['position']} | {r['cached_ms']:.2f} | {r['full_recompute_ms']:.1f} | "
+            f"{r['recompute_over_cached']:.1f}x | {r['vs_position_64']:.2f}x |"
+        )
+    ratio = rows[-1]["vs_position_64"]
+    target = 1.5
+    print(
+        f"\nposition 1024 / position 64 (cached): {ratio:.2f}x "
+        f"(target <= {target}x: {'met' if ratio <= target else 'NOT met'})"
+    )
+    write_json_atomic(
+        {
+            "benchmark": "decode",
+            "config": config.to_dict(),
+            "threads": a.threads,
+            "repeats": a.repeats,
+            "full_repeats": a.full_repeats,
+            "torch": torch.__version__,
+            "load_average_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+            "rows": rows,
+            "position_1024_over_64": ratio,
+            "target": target,
+            "target_met": ratio <= target,
+        },
+        Path(a.out),
+    )
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
