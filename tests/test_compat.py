@@ -480,11 +480,21 @@ def test_non_contiguous_and_broadcast_inputs() -> None:
     q = torch.randn(N, L, E).transpose(0, 1)  # (L, N, E) non-contiguous
     k = torch.randn(1, N, KDIM).expand(S, N, KDIM)  # stride 0 along seq
     v = torch.randn(S, N, 2 * VDIM)[..., ::2]  # strided last dim
-    a = ours(q, k, v)
-    b = ours(q.contiguous(), k.contiguous(), v.contiguous())
+    mask = bool_blocked(N * H, S, L, g=torch.Generator().manual_seed(8)).transpose(
+        1, 2
+    )  # (N H, L, S) strided
+    kpm = bool_blocked(S, N, g=torch.Generator().manual_seed(9)).T  # (N, S) strided
+    a = ours(q, k, v, attn_mask=mask, key_padding_mask=kpm)
+    b = ours(
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        attn_mask=mask.contiguous(),
+        key_padding_mask=kpm.contiguous(),
+    )
     torch.testing.assert_close(a[0], b[0])
     torch.testing.assert_close(a[1], b[1])
-    torch.testing.assert_close(a[0], ref(q, k, v)[0])
+    torch.testing.assert_close(a[0], ref(q, k, v, attn_mask=mask, key_padding_mask=kpm)[0])
 
 
 def test_empty_batch_and_empty_query_give_torch_shapes() -> None:

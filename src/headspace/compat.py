@@ -395,10 +395,10 @@ class MultiheadAttention(MultiHeadAttention):
             if attn_mask.dim() == 2:
                 am4 = attn_mask[None, None]  # (1, 1, seq_q, seq_k)
             else:
-                am4 = attn_mask.view(batch, H, seq_q, seq_k)  # (batch, H, seq_q, seq_k)
-        kp4 = (
-            None if key_padding_mask is None else key_padding_mask.view(batch, 1, 1, seq_k)
-        )  # (b, 1, 1, seq_k)
+                am4 = attn_mask.reshape(batch, H, seq_q, seq_k)  # (batch, H, seq_q, seq_k)
+        kp4 = None
+        if key_padding_mask is not None:
+            kp4 = key_padding_mask.reshape(batch, 1, 1, seq_k)  # (batch, 1, 1, seq_k)
         parts = [m for m in (am4, kp4) if m is not None]
         if all(m.dtype == torch.bool for m in parts):
             allowed = ~parts[0]
