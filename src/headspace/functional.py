@@ -24,6 +24,8 @@ Backends:
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from collections.abc import Callable
 
 import torch
@@ -92,7 +94,7 @@ def reference_attention(
 # The blocked explicit kernel (need_weights=True without dropout).
 #
 # The pattern [batch, n_heads, seq_q, seq_k] is the one big tensor of the explicit path. The kernel
-# writes each block of it exactly once, in place: scores (scale folded into the GEMM), mask, softmax
+# writes each block of it exactly once, in place: scores (scale folded into q), mask, softmax
 # and dead rows are applied while the block is still in cache, and the block is multiplied by v
 # before moving on. The backward pass reuses one block-sized buffer for dP -> dS
 # (dS = P * (dP - rowsum(dP * P))), so beyond the pattern itself neither pass allocates anything of
@@ -102,6 +104,42 @@ def reference_attention(
 
 #: Target size in bytes of one block of scores; a few blocks fit in L2/L3 cache.
 BLOCK_BYTES = 1 << 20
+
+#: Buffers at least this large get transparent huge pages asked for (see :func:`advise_huge_pages`).
+HUGE_PAGE_MIN_BYTES = 16 << 20
+_HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14
+_madvise: Callable[..., int] | None = None
+
+
+def advise_huge_pages(t: Tensor) -> None:
+    """Ask Linux for transparent huge pages under a fresh, large CPU tensor, before its first touch.
+
+    A freshly allocated buffer is mapped page by page on first write; for a 4 KiB page that fault
+    costs about as much as writing the page, so filling a new 1 GiB pattern costs more in faults than
+    in softmax. ``madvise(MADV_HUGEPAGE)`` on the 2 MiB-aligned interior of the buffer cuts the faults
+    512-fold where the kernel allows it (``/sys/kernel/mm/transparent_hugepage/enabled`` = always or
+    madvise). Only memory inside the tensor is touched; anywhere else (other OS, GPU, small tensors,
+    no libc) this does nothing.
+    """
+    global _madvise
+    n = t.numel() * t.element_size()
+    if t.device.type != "cpu" or n < HUGE_PAGE_MIN_BYTES or not sys.platform.startswith("linux"):
+        return
+    if _madvise is None:
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            fn = libc.madvise
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            fn.restype = ctypes.c_int
+            _madvise = fn
+        except (OSError, AttributeError):
+            _madvise = lambda *args: -1  # noqa: E731  (no libc: never try again)
+    start = t.data_ptr()
+    lo = -(-start // _HUGE_PAGE) * _HUGE_PAGE  # first 2 MiB boundary inside the buffer
+    hi = (start + n) // _HUGE_PAGE * _HUGE_PAGE  # last one
+    if hi > lo:
+        _madvise(lo, hi - lo, _MADV_HUGEPAGE)  # a refusal (e.g. THP disabled) just leaves 4 KiB pages
 
 
 def _blocks(batch: int, n_heads: int, n_kv_heads: int, seq_q: int, seq_k: int, itemsize: int):
@@ -154,20 +192,20 @@ def _mask_parts(mask: CanonicalMask, shape: tuple[int, int, int, int], device: t
     return blocked, additive, dead
 
 
-def _blocked_forward(
-    q: Tensor, k: Tensor, v: Tensor, mask: CanonicalMask, scale: float
-) -> tuple[Tensor, Tensor]:
-    """Forward of the blocked kernel on contiguous q [B, H, Sq, dh], k, v [B, Hkv, Sk, dh]."""
+def _blocked_forward(qs: Tensor, k: Tensor, v: Tensor, mask: CanonicalMask) -> tuple[Tensor, Tensor]:
+    """Forward of the blocked kernel on contiguous qs = q * scale [B, H, Sq, dh], k, v [B, Hkv, Sk, dh]."""
+    q = qs
     B, H, Sq, dh = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = H // Hkv
     pattern = q.new_empty(B, H, Sq, Sk)
+    advise_huge_pages(pattern)
     out = q.new_empty(B, H, Sq, dh)
     blocked, additive, dead = _mask_parts(mask, (B, H, Sq, Sk), q.device)
     for b, h0, h1, i0, i1 in _blocks(B, H, Hkv, Sq, Sk, q.element_size()):
         p = _block_views(pattern, b, h0, h1, i0, i1, group, Sq)  # (g, rows, Sk)
         kb, vb = _kv_block(k, b, h0, h1, group), _kv_block(v, b, h0, h1, group)  # (g, Sk, dh)
-        p.baddbmm_(_block_views(q, b, h0, h1, i0, i1, group, Sq), kb.transpose(1, 2), beta=0.0, alpha=scale)
+        torch.bmm(_block_views(q, b, h0, h1, i0, i1, group, Sq), kb.transpose(1, 2), out=p)  # (q * scale) k^T
         p4 = pattern[b, h0:h1, i0:i1]  # (heads, queries, Sk): the same memory, per head
         if blocked is not None:
             p4.masked_fill_(blocked[b, h0:h1, i0:i1], float("-inf"))
@@ -186,15 +224,25 @@ def _blocked_backward(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    out: Tensor,
     pattern: Tensor,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of the blocked kernel: dq [B, H, Sq, dh], dk, dv [B, Hkv, Sk, dh]."""
+    """Gradients of the blocked kernel: dq [B, H, Sq, dh], dk, dv [B, Hkv, Sk, dh]; ``q`` is q * scale.
+
+    Softmax backward is ``dS = P * (dP - D)`` with ``D = rowsum(P * dP)``. Since ``out = P v`` and
+    ``dP = dO v^T``, ``rowsum(P * dP) = rowsum(dO * out)``: D costs O(seq_q * d_head), not a pass over
+    the pattern (plus ``rowsum(P * dPattern)`` when the pattern itself has a gradient). ``dP - D`` is
+    formed by the GEMM itself (``baddbmm`` with ``-D`` as its input), so each block of dS takes one
+    GEMM and one in-place multiply.
+    """
     B, H, Sq, _ = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = H // Hkv
     grad_out = grad_out.contiguous()
-    grad_pattern = None if grad_pattern is None else grad_pattern.contiguous()
+    neg_d = (grad_out * out).sum(-1, keepdim=True).neg_()  # (B, H, Sq, 1): -rowsum(dO * out)
+    if grad_pattern is not None:
+        grad_pattern = grad_pattern.contiguous()
     dq = torch.empty_like(q)
     dk = torch.zeros_like(k)
     dv = torch.zeros_like(v)
@@ -204,35 +252,47 @@ def _blocked_backward(
         do = _block_views(grad_out, b, h0, h1, i0, i1, group, Sq)  # (g, rows, dh)
         qb = _block_views(q, b, h0, h1, i0, i1, group, Sq)  # (g, rows, dh)
         kb, vb = _kv_block(k, b, h0, h1, group), _kv_block(v, b, h0, h1, group)  # (g, Sk, dh)
+        nd = _block_views(neg_d, b, h0, h1, i0, i1, group, Sq)  # (g, rows, 1)
         if buf is None:
             buf = torch.empty_like(p).view(-1)  # every block has at most the first block's size
         ds = buf[: p.numel()].view(p.shape)  # (g, rows, Sk)
-        torch.bmm(do, vb.transpose(1, 2), out=ds)  # dP = dO v^T
         if grad_pattern is not None:
-            ds.add_(_block_views(grad_pattern, b, h0, h1, i0, i1, group, Sq))
-        ds.mul_(p)  # P * dP
-        ds.addcmul_(p, ds.sum(-1, keepdim=True), value=-1.0)  # dS = P * dP - P * rowsum(P * dP)
-        _block_views(dq, b, h0, h1, i0, i1, group, Sq).baddbmm_(ds, kb, beta=0.0, alpha=scale)
-        _kv_block(dk, b, h0, h1, group).baddbmm_(ds.transpose(1, 2), qb, alpha=scale)  # sums the group
+            gp = _block_views(grad_pattern, b, h0, h1, i0, i1, group, Sq)  # (g, rows, Sk)
+            nd = nd - torch.linalg.vecdot(gp, p).unsqueeze(-1)  # (g, rows, 1): - rowsum(P * dPattern)
+        torch.baddbmm(nd.expand(p.shape), do, vb.transpose(1, 2), out=ds)  # dP - D
+        if grad_pattern is not None:
+            ds.add_(gp)
+        ds.mul_(p)  # dS = P * (dP - D)
+        torch.bmm(ds, kb, out=_block_views(dq, b, h0, h1, i0, i1, group, Sq))  # dq / scale
+        _kv_block(dk, b, h0, h1, group).baddbmm_(ds.transpose(1, 2), qb)  # dS^T (q * scale): sums the group
         _kv_block(dv, b, h0, h1, group).baddbmm_(p.transpose(1, 2), do)  # sums the group
-    return dq, dk, dv
+    return dq.mul_(scale), dk, dv
+
+
+def _scaled_contiguous(q: Tensor, scale: float) -> Tensor:
+    """q * scale in a fresh contiguous [B, H, Sq, dh] tensor (the scale folded into q, not the scores)."""
+    qs = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (B, H, Sq, dh), contiguous
+    return torch.mul(q, scale, out=qs)
 
 
 class _BlockedExplicitAttention(torch.autograd.Function):
-    """Autograd wrapper of the blocked kernel; saves q, k, v and the pattern (nothing else)."""
+    """Autograd wrapper of the blocked kernel; saves q * scale, k, v, the output and the pattern."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: CanonicalMask, scale: float):  # type: ignore[override]
-        out, pattern = _blocked_forward(q, k, v, mask, scale)
-        ctx.save_for_backward(q, k, v, pattern)
+        qs = _scaled_contiguous(q, scale)  # (B, H, Sq, dh)
+        out, pattern = _blocked_forward(qs, k, v, mask)
+        ctx.save_for_backward(qs, k, v, out, pattern)
         ctx.scale = scale
         return out, pattern
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: Tensor, grad_pattern: Tensor | None):  # type: ignore[override]
-        q, k, v, pattern = ctx.saved_tensors
-        dq, dk, dv = _blocked_backward(grad_out, grad_pattern, q, k, v, pattern, ctx.scale)
+        qs, k, v, out, pattern = ctx.saved_tensors
+        if grad_out is None:  # only the pattern was used
+            grad_out = torch.zeros_like(out)
+        dq, dk, dv = _blocked_backward(grad_out, grad_pattern, qs, k, v, out, pattern, ctx.scale)
         return dq, dk, dv, None, None
 
 
@@ -257,14 +317,11 @@ def explicit_attention(
         or q.shape[1] % k.shape[1] != 0
     ):
         return reference_attention(q, k, v, mask, scale=scale, dropout_p=dropout_p)
-    q, k, v = (
-        q.contiguous(),
-        k.contiguous(),
-        v.contiguous(),
-    )  # O(seq * d_head) copies; cheap beside the pattern
+    # O(seq * d_head) copies, cheap beside the pattern; the blocks are views of them
+    k, v = k.contiguous(), v.contiguous()  # (B, Hkv, Sk, dh) x 2
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _BlockedExplicitAttention.apply(q, k, v, mask, scale)
-    return _blocked_forward(q, k, v, mask, scale)
+    return _blocked_forward(_scaled_contiguous(q, scale), k, v, mask)
 
 
 def sdpa_attention(
