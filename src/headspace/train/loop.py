@@ -566,11 +566,24 @@ def generate_text(
         raise ValueError("prompt must hold at least one character")
     ids = encode(prompt, data["level"], data.get("vocab")).to(device)
     max_len = model.config.max_seq_len
-    if ids.numel() >= max_len:
-        ids = ids[-(max_len - 1) :]
-    new = min(max_new_tokens, max_len - ids.numel())
-    out = model.generate(ids[None, :], new, temperature=temperature, top_k=top_k, seed=seed)  # (1, n + new)
-    return prompt + decode(out[0, ids.numel() :], data["level"], data.get("vocab"))
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0; got {max_new_tokens!r}")
+    if max_len < 2:
+        raise ValueError(f"this model's position table holds {max_len} position; generation needs >= 2")
+    # Decode with the KV cache while the text fits the position table; past it, slide: keep the last
+    # half window as context and decode the next chunk with a fresh cache.
+    out = ids
+    remaining = max_new_tokens
+    chunk_seed = seed
+    while remaining > 0:
+        context = out[-max(1, max_len // 2) :] if out.numel() >= max_len else out
+        new = min(remaining, max_len - context.numel())
+        grown = model.generate(context[None, :], new, temperature=temperature, top_k=top_k, seed=chunk_seed)
+        out = torch.cat([out, grown[0, context.numel() :]])  # (n + new,)
+        remaining -= new
+        chunk_seed = None if chunk_seed is None else chunk_seed + 1
+    new_ids = out[ids.numel() :]
+    return prompt + decode(new_ids, data["level"], data.get("vocab"))
 
 
 def checkpoints_of(run_dir: str | os.PathLike[str]) -> list[Path]:
