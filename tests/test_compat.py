@@ -480,10 +480,10 @@ def test_non_contiguous_and_broadcast_inputs() -> None:
     q = torch.randn(N, L, E).transpose(0, 1)  # (L, N, E) non-contiguous
     k = torch.randn(1, N, KDIM).expand(S, N, KDIM)  # stride 0 along seq
     v = torch.randn(S, N, 2 * VDIM)[..., ::2]  # strided last dim
-    mask = bool_blocked(N * H, S, L, g=torch.Generator().manual_seed(8)).transpose(
-        1, 2
-    )  # (N H, L, S) strided
-    kpm = bool_blocked(S, N, g=torch.Generator().manual_seed(9)).T  # (N, S) strided
+    mask = bool_blocked(N * H, L, S, g=torch.Generator().manual_seed(8))
+    mask = mask.transpose(1, 2).contiguous().transpose(1, 2)  # (N H, L, S), strided like a transpose
+    kpm = bool_blocked(N, S, g=torch.Generator().manual_seed(9)).T.contiguous().T  # (N, S), strided
+    assert not mask.is_contiguous() and not kpm.is_contiguous()
     a = ours(q, k, v, attn_mask=mask, key_padding_mask=kpm)
     b = ours(
         q.contiguous(),
