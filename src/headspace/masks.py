@@ -77,10 +77,8 @@ def _as_4d(attn_mask: Tensor, batch: int, n_heads: int, seq_q: int, seq_k: int) 
     else:
         m = None
     want = (batch, n_heads, seq_q, seq_k)
-    if m is None or any(got not in (1, full) for got, full in zip(m.shape, want)) or m.shape[-2:] != (
-        seq_q,
-        seq_k,
-    ):
+    fits = m is not None and m.shape[-2:] == (seq_q, seq_k)
+    if not fits or any(got not in (1, full) for got, full in zip(m.shape, want)):
         raise ValueError(
             f"attn_mask has shape {list(shape)}, which does not fit batch={batch}, n_heads={n_heads}, "
             f"seq_q={seq_q}, seq_k={seq_k}; accepted shapes: {ACCEPTED_MASK_SHAPES} "
@@ -147,13 +145,13 @@ def canonical_mask(
         is_float = attn_mask.is_floating_point()
         if is_float and attn_mask.dtype != dtype:
             raise TypeError(
-                f"attn_mask is a float (additive) mask of dtype {attn_mask.dtype}, but the scores are {dtype}; "
-                f"pass attn_mask.to({dtype})"
+                f"attn_mask is a float (additive) mask of dtype {attn_mask.dtype}, but the scores are "
+                f"{dtype}; pass attn_mask.to({dtype})"
             )
         if is_float and key_padding is not None:
             raise TypeError(
-                "attn_mask is a float (additive) mask but key_padding is bool: a float mask mixed with a bool "
-                "mask is refused; either pass a bool attn_mask, or fold the padding into the float mask "
+                "attn_mask is a float (additive) mask but key_padding is bool: a float mask mixed with a "
+                "bool mask is refused; either pass a bool attn_mask, or fold the padding into the float mask "
                 "(attn_mask.masked_fill(~key_padding[:, None, None, :], float('-inf')))"
             )
         mask = _as_4d(attn_mask, batch, n_heads, seq_q, seq_k)
