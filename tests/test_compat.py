@@ -302,7 +302,8 @@ def test_is_causal_needs_attn_mask_like_torch() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- dead rows
-def test_fully_masked_rows_give_zero_not_nan() -> None:
+@pytest.mark.parametrize("mask_dtype", ["bool", "float"])
+def test_fully_masked_rows_give_zero_not_nan(mask_dtype: str) -> None:
     """torch: NaN rows. compat: zero weights, output = out_proj.bias there, finite gradients; the other
     rows (outputs and gradients) equal torch run on the live rows alone."""
     ref, ours = make_pair(batch_first=True)
@@ -310,6 +311,8 @@ def test_fully_masked_rows_give_zero_not_nan() -> None:
     mask = bool_blocked(L, S, g=torch.Generator().manual_seed(4))
     dead = [1, 3]
     mask[dead] = True  # rows 1 and 3: every key blocked
+    if mask_dtype == "float":
+        mask = torch.randn(L, S).masked_fill(mask, float("-inf"))  # additive: rows 1 and 3 all -inf
     live = [i for i in range(L) if i not in dead]
     q, k, _ = make_inputs("shared_kv", True, True, E, E)
 

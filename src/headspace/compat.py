@@ -33,7 +33,8 @@ Where it differs from torch, on purpose:
   to float32 tolerance.
 
 The per-head views of headspace work here too: ``mha.W_Q`` ``[num_heads, embed_dim, head_dim]``,
-``mha.heads[3].W_O``, and the hook points (``hook_q`` ... ``hook_result``) fire while traced.
+``mha.heads[3].W_O``, and the hook points (``hook_q`` ... ``hook_result``) fire while traced (``hook_k``,
+``hook_v`` and the patterns include the appended ``bias_k``/zero-attention positions, as the scores do).
 """
 
 from __future__ import annotations
