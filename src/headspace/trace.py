@@ -19,6 +19,9 @@ that may *replace* a value (patching, ablation); the trace records the value aft
 
 A bare :class:`~headspace.MultiHeadAttention` is a one-layer model: its names are ``hook_pattern`` ...
 and its layer index is 0.
+
+``headspace.trace`` is the function :func:`trace` (the package exports it under the module's name);
+import the rest with ``from headspace.trace import Trace, hooked, attention_layers``.
 """
 
 from __future__ import annotations
