@@ -426,6 +426,22 @@ def test_head_ablation_hook_equals_zeroing_its_out_proj_columns_in_torch() -> No
     torch.testing.assert_close(out, ref(q, q, q, need_weights=False)[0])
 
 
+def test_trace_collects_headspace_hook_points_batch_first_whatever_the_layout() -> None:
+    from headspace.trace import trace
+
+    ref, ours = make_pair(add_bias_kv=True)  # batch_first=False: (seq, batch, embed)
+    random_params(ref, ours)
+    q = torch.randn(L, N, E)
+    with trace(ours) as t:
+        out, w = ours(q, q, q, average_attn_weights=False)
+    assert tuple(t["hook_result"].shape) == (N, L, H, E)
+    torch.testing.assert_close(t["hook_result"].sum(dim=2) + ours.out_proj.bias, out.transpose(0, 1))
+    torch.testing.assert_close(t["hook_pattern"], w)
+    ref_out, ref_w = ref(q, q, q, average_attn_weights=False)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(w, ref_w)
+
+
 # ---------------------------------------------------------------------------------------------- paths
 @pytest.mark.parametrize("need_weights", [False, True])
 def test_matches_torch_inference_fast_path(need_weights: bool) -> None:
