@@ -188,11 +188,15 @@ def copy_weights(src: MultiHeadAttention, dst: nn.Module) -> None:
 # ---------------------------------------------------------------------------------------------------
 @dataclass
 class Case:
-    """One benchmark case: ``step()`` runs one timed unit of work; ``output()`` returns the layer output."""
+    """One benchmark case: ``step()`` runs one timed unit of work; ``output()`` returns the layer output.
+
+    ``module`` is the layer under test (None for the GEMM floor).
+    """
 
     name: str
     step: Callable[[], None]
     output: Callable[[], Tensor]
+    module: nn.Module | None = None
 
 
 def _gemm_floor(batch: int, seq: int, d_model: int, n_heads: int, mode: str, gen: torch.Generator) -> Case:
@@ -306,7 +310,7 @@ def build_case(
         with torch.no_grad():
             return call()[0]
 
-    return Case(name, step, output)
+    return Case(name, step, output, model)
 
 
 # ---------------------------------------------------------------------------------------------------

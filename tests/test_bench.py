@@ -1,0 +1,137 @@
+"""The attention benchmark: every case computes the same layer; rows, table, targets, memory probe, JSON."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from headspace import bench
+
+SMALL = {"seq": 7, "batch": 2, "d_model": 12, "n_heads": 3}
+
+
+@pytest.mark.parametrize("mode", bench.MODES)
+def test_every_case_computes_the_same_layer(mode: str) -> None:
+    cases = {name: bench.build_case(name, mode=mode, **SMALL) for name in bench.CASES}
+    ref = cases["headspace"].output()
+    assert ref.shape == (2, 7, 12)
+    for name, case in cases.items():
+        case.step()  # a timed step must not change what the layer computes
+        if name != "gemm_floor":
+            torch.testing.assert_close(case.output(), ref, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_backward_step_fills_every_gradient() -> None:
+    for name in ("headspace", "headspace_weights", "torch_mha_weights", "textbook"):
+        case = bench.build_case(name, mode="backward", **SMALL)
+        case.step()
+        grads = [p.grad for p in case.module.parameters()]
+        assert grads and all(g is not None and bool(g.abs().sum() > 0) for g in grads), name
+
+
+def test_idle_hook_case_leaves_no_active_hook() -> None:
+    case = bench.build_case("headspace_idle_hooks", mode="forward", **SMALL)
+    layer = case.module
+    assert len(layer._hook_points) == 7 and all(hp.fns == [] for hp in layer._hook_points)
+    assert not layer.hooks_active
+
+
+def test_gemm_floor_flops_shapes() -> None:
+    case = bench.build_case("gemm_floor", mode="backward", seq=5, batch=2, d_model=12, n_heads=3)
+    case.step()
+    assert case.output().shape == (2, 5, 12)
+
+
+def test_run_rows_table_and_targets() -> None:
+    rows = bench.run_attention_benchmark(
+        (8, 16), batch=2, d_model=8, n_heads=2, repeats=2, measure_memory=False, progress=False
+    )
+    assert len(rows) == 2 * len(bench.MODES) * len(bench.CASES)
+    for r in rows:
+        assert len(r["times_ms"]) == r["repeats"] == 2
+        assert r["median_ms"] == pytest.approx(sorted(r["times_ms"])[0] / 2 + sorted(r["times_ms"])[1] / 2)
+        floor = next(
+            f for f in rows if f["case"] == "gemm_floor" and (f["seq"], f["mode"]) == (r["seq"], r["mode"])
+        )
+        assert r["vs_floor"] == pytest.approx(r["median_ms"] / floor["median_ms"])
+        assert r["peak_extra_mib"] is None and r["threads"] == torch.get_num_threads()
+    table = bench.format_table(rows)
+    for label in bench.LABELS.values():
+        assert table.count(f"| {label} |") == len(bench.MODES)
+    assert "seq 8" in table and "seq 16" in table and "forward + backward" in table
+
+
+def _row(case: str, seq: int, mode: str, ms: float, mib: float | None = None) -> dict:
+    return {"case": case, "seq": seq, "mode": mode, "median_ms": ms, "peak_extra_mib": mib}
+
+
+def test_check_targets_pass_and_fail() -> None:
+    rows = [
+        _row("headspace", 1024, "forward", 104.0),
+        _row("gemm_floor", 1024, "forward", 100.0),
+        _row("nanogpt", 1024, "forward", 103.0),  # fast path slower than nanoGPT: must fail
+        _row("headspace_idle_hooks", 1024, "forward", 104.5),
+        _row("headspace_weights", 1024, "forward", 79.0, 900.0),
+        _row("torch_mha_weights", 1024, "forward", 100.0, 1000.0),
+        _row("headspace", 128, "forward", 300.0),  # seq < 512: no floor target
+        _row("gemm_floor", 128, "forward", 100.0),
+    ]
+    checks = {(c["target"], c["seq"]): c for c in bench.check_targets(rows)}
+    assert checks[("fast path / GEMM floor", 1024)]["ok"]
+    assert checks[("fast path / GEMM floor", 1024)]["value"] == pytest.approx(1.04)
+    assert not checks[("fast path / nanoGPT-style", 1024)]["ok"]
+    assert checks[("idle hook points / fast path", 1024)]["ok"]
+    assert checks[("need_weights time / torch MHA's", 1024)]["ok"]
+    assert checks[("need_weights memory / torch MHA's", 1024)]["value"] == pytest.approx(0.9)
+    assert ("fast path / GEMM floor", 128) not in checks
+    rows[4] = _row("headspace_weights", 1024, "forward", 81.0, 1100.0)
+    checks = {(c["target"], c["seq"]): c for c in bench.check_targets(rows)}
+    assert not checks[("need_weights time / torch MHA's", 1024)]["ok"]
+    assert not checks[("need_weights memory / torch MHA's", 1024)]["ok"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="peak memory needs Linux /proc")
+def test_memory_probe_sees_the_returned_pattern() -> None:
+    # The need_weights pattern [2, 2, 512, 512] float32 = 2 MiB is returned, so it is resident at the
+    # peak; the GEMM floor allocates nothing in its step.
+    mem = bench._memory_probe(["headspace_weights", "gemm_floor"], 512, 2, 16, 2, "forward")
+    pattern_mib = 2 * 2 * 512 * 512 * 4 / 2**20
+    assert mem["headspace_weights"] >= 0.95 * pattern_mib
+    assert mem["gemm_floor"] < 0.5
+
+
+def test_bad_arguments_name_themselves() -> None:
+    with pytest.raises(ValueError, match="modes"):
+        bench.run_attention_benchmark((8,), modes=("sideways",), progress=False)
+    with pytest.raises(ValueError, match="cases"):
+        bench.run_attention_benchmark((8,), cases=("flash9",), progress=False)
+    with pytest.raises(ValueError, match="seq"):
+        bench.run_attention_benchmark((0,), progress=False)
+    with pytest.raises(ValueError, match="repeats"):
+        bench.run_attention_benchmark((8,), repeats=0, progress=False)
+    with pytest.raises(ValueError, match="n_heads"):
+        bench.run_attention_benchmark((8,), d_model=10, n_heads=3, progress=False)
+    with pytest.raises(ValueError, match="unknown benchmark case"):
+        bench.build_case("nope", seq=4, batch=1, d_model=4, n_heads=2, mode="forward")
+
+
+def test_script_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "attention.py"
+    spec = importlib.util.spec_from_file_location("bench_attention_script", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    out = tmp_path / "sub" / "attention.json"
+    argv = ["--seq", "8", "--batch", "2", "--d-model", "8", "--n-heads", "2", "--repeats", "1"]
+    assert module.main([*argv, "--no-memory", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert {"machine", "rows", "targets", "gemm_floor", "argv"} <= set(doc)
+    assert {"cpu", "cores", "torch", "torch_threads"} <= set(doc["machine"])
+    assert len(doc["rows"]) == len(bench.CASES) * len(bench.MODES)
+    assert "GEMM floor" in capsys.readouterr().out
+    assert not list(out.parent.glob("*.tmp*"))  # written atomically, no temp file left
