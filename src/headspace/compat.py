@@ -482,15 +482,14 @@ class MultiheadAttention(MultiHeadAttention):
             )
 
         # to headspace's batch-first layout, keeping `query is key is value` (the fused projections)
-        if not batched:
-            kpm = None if key_padding_mask is None else key_padding_mask.unsqueeze(0)  # (1, S)
-            to_bf = lambda t: t.unsqueeze(0)  # noqa: E731  (L, E) -> (1, L, E)
-        elif self.batch_first:
-            kpm = key_padding_mask
-            to_bf = lambda t: t  # noqa: E731
-        else:
-            kpm = key_padding_mask
-            to_bf = lambda t: t.transpose(0, 1)  # noqa: E731  (L, N, E) -> (N, L, E)
+        def to_bf(t: Tensor) -> Tensor:
+            if not batched:
+                return t.unsqueeze(0)  # (L, E) -> (1, L, E)
+            return t if self.batch_first else t.transpose(0, 1)  # (L, N, E) -> (N, L, E)
+
+        kpm = key_padding_mask
+        if kpm is not None and not batched:
+            kpm = kpm.unsqueeze(0)  # (S,) -> (1, S)
         q_in = to_bf(query)  # (N, L, E)
         k_in = q_in if key is query else to_bf(key)  # (N, S, kdim)
         v_in = k_in if value is key else to_bf(value)  # (N, S, vdim)
