@@ -199,6 +199,14 @@ def test_torch_mha_conversion_reproduces_torch(kvdims: bool, bias: bool) -> None
         assert torch.equal(back.state_dict()[k], v), k
 
 
+def test_torch_mha_from_inside_a_transformer_encoder_layer() -> None:
+    enc = randomize(nn.TransformerEncoderLayer(D, H, dim_feedforward=11, dropout=0.0, batch_first=True))
+    attn = hl.from_torch_mha(enc.state_dict(), n_heads=H, prefix="self_attn.")  # linear1.* etc. are ignored
+    x = torch.randn(B, S, D)
+    causal = nn.Transformer.generate_square_subsequent_mask(S)
+    torch.testing.assert_close(attn(x, is_causal=True), enc.self_attn(x, x, x, attn_mask=causal)[0])
+
+
 def test_torch_mha_bias_kv_goes_to_compat() -> None:
     ref = randomize(nn.MultiheadAttention(D, H, add_bias_kv=True))
     with pytest.raises(hl.LayoutError, match=r"compat\.MultiheadAttention") as err:
