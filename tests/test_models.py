@@ -140,6 +140,23 @@ def test_encoder_embedding_formula() -> None:
         torch.testing.assert_close(seen["e"], model.embed_ln(raw))
 
 
+@pytest.mark.parametrize(
+    "kw", [{}, {"norm": "pre", "act": "gelu_tanh"}, {"act": "relu", "n_kv_heads": 1}, {"bias": False}]
+)
+def test_encoder_infer_equals_forward(kw: dict) -> None:
+    model = Encoder(encoder_config(**kw)).eval()
+    tokens = torch.randint(0, V, (B, 5))
+    key_padding = torch.tensor([[True] * 5, [True, True, False, False, False]])
+    with torch.inference_mode():
+        for pad in (key_padding, None, torch.ones(B, 5, dtype=torch.bool)):
+            torch.testing.assert_close(model.infer(tokens, pad), model(tokens, pad))
+    seen = []
+    model.blocks[0].attn.hook_pattern.add(lambda v, hp: seen.append(v))
+    with torch.inference_mode():
+        model.infer(tokens, key_padding)  # a hook is active: infer falls back to forward, the hook fires
+    assert len(seen) == 1
+
+
 def test_encoder_bad_inputs_name_the_argument() -> None:
     model = Encoder(encoder_config())
     with pytest.raises(TypeError, match=r"tokens must be an integer tensor .* got dtype torch.float32"):

@@ -15,6 +15,8 @@ entries inside the attention layer.
 
 from __future__ import annotations
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import KVCache, MultiHeadAttention
@@ -203,3 +205,51 @@ class TransformerBlock(nn.Module):
 
     def extra_repr(self) -> str:
         return f"norm={self.norm!r}"
+
+    def infer(self, x: Tensor, attn_mask: Tensor | None = None) -> Tensor:
+        """Inference-only forward with fewer passes over memory; same result as :meth:`forward`.
+
+        The residual add is fused into the output GEMMs (``x + z W_O^T`` and ``h + a W_out^T`` by
+        ``addmm`` into a copy of the residual), the activation runs in place, and no hook point fires.
+        Used by :meth:`headspace.Encoder.infer`; call it only without autograd, in eval mode and with
+        no hook active (the caller checks).
+
+        Notation used for tensor shapes:
+            batch, seq, d_model, d_mlp, n_heads, n_kv_heads, d_head.
+
+        Args:
+            x: [batch, seq, d_model].
+            attn_mask: None or bool [batch, 1, 1, seq] (True = real key), as sdpa takes it.
+
+        Returns:
+            [batch, seq, d_model].
+        """
+        B, S, d = x.shape
+        a, mlp = self.attn, self.mlp
+        H, Hkv, dh = a.n_heads, a.n_kv_heads, a.d_head
+        x2 = x.reshape(B * S, d)  # (B S, d_model)
+        src = F.layer_norm(x2, (d,), self.ln1.weight, self.ln1.bias, self.ln1.eps) if self.pre_ln else x2
+        qkv = F.linear(src, a.qkv_weight, a.qkv_bias)  # (B S, (H + 2 Hkv) dh)
+        qkv = qkv.view(B, S, H + 2 * Hkv, dh).transpose(1, 2)  # (B, H + 2 Hkv, S, dh)
+        q, k, v = qkv.split([H, Hkv, Hkv], dim=1)  # (B, H, S, dh), (B, Hkv, S, dh) x 2
+        z = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, scale=a.scale, enable_gqa=Hkv != H
+        )  # (B, H, S, dh)
+        z = z.transpose(1, 2).reshape(B * S, H * dh)  # (B S, H dh): heads concatenated
+        h = torch.addmm(x2, z, a.o_weight.t())  # (B S, d_model): x + z W_O^T
+        if a.o_bias is not None:
+            h += a.o_bias
+        if not self.pre_ln:
+            h = F.layer_norm(h, (d,), self.ln1.weight, self.ln1.bias, self.ln1.eps)
+        src = F.layer_norm(h, (d,), self.ln2.weight, self.ln2.bias, self.ln2.eps) if self.pre_ln else h
+        u = F.linear(src, mlp.fc_in.weight, mlp.fc_in.bias)  # (B S, d_mlp)
+        if mlp.act_name == "relu":
+            u.relu_()
+        else:
+            torch.ops.aten.gelu_(u, approximate="tanh" if mlp.act_name == "gelu_tanh" else "none")
+        out = torch.addmm(h, u, mlp.fc_out.weight.t())  # (B S, d_model): h + act(u) W_out^T
+        if mlp.fc_out.bias is not None:
+            out += mlp.fc_out.bias
+        if not self.pre_ln:
+            out = F.layer_norm(out, (d,), self.ln2.weight, self.ln2.bias, self.ln2.eps)
+        return out.view(B, S, d)  # (B, S, d_model)

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from .attention import KVCache, resolve_head_dims
 from .block import ACTIVATIONS, NORMS, TransformerBlock
 from .hooks import HookPoint
+from .masks import check_key_padding
 
 ARCHS = ("encoder", "decoder")
 
@@ -355,6 +356,49 @@ class Encoder(_Stack):
         x = self.embed(tokens, token_type_ids=token_type_ids)  # (batch, seq, d_model)
         for block in self.blocks:
             x = block(x, key_padding=key_padding)  # (batch, seq, d_model)
+        if self.ln_final is not None:
+            x = self.ln_final(x)
+        return x
+
+    def infer(
+        self, tokens: Tensor, key_padding: Tensor | None = None, token_type_ids: Tensor | None = None
+    ) -> Tensor:
+        """:meth:`forward` for inference: the same token states with fewer passes over memory.
+
+        Falls back to :meth:`forward` whenever the fast path could differ from it: with autograd on,
+        in training mode (dropout), while any hook point has a function, or with ``check_finite`` set.
+
+        Notation used for tensor shapes:
+            batch, seq (<= config.max_seq_len), d_model.
+
+        Args:
+            tokens: int64 [batch, seq] token ids.
+            key_padding: bool [batch, seq], True for real tokens (None: every token is real).
+            token_type_ids: int64 [batch, seq] segment ids (None: all segment 0).
+
+        Returns:
+            hidden states [batch, seq, d_model].
+        """
+        if (
+            torch.is_grad_enabled()
+            or self.training
+            or token_type_ids is not None
+            or any(m.fns for m in self.modules() if isinstance(m, HookPoint))
+            or any(b.attn.check_finite for b in self.blocks)
+        ):
+            return self(tokens, key_padding, token_type_ids)
+        check_tokens(tokens, self.config)
+        batch, seq = tokens.shape
+        mask = None
+        if key_padding is not None:
+            check_key_padding(key_padding, batch, seq, tokens.device)
+            if not bool(key_padding.all()):
+                if not bool(key_padding.any(dim=1).all()):
+                    return self(tokens, key_padding)  # a sample with no real token: forward's dead-row rule
+                mask = key_padding[:, None, None, :]  # (batch, 1, 1, seq)
+        x = self.embed(tokens).contiguous()  # (batch, seq, d_model)
+        for block in self.blocks:
+            x = block.infer(x, mask)  # (batch, seq, d_model)
         if self.ln_final is not None:
             x = self.ln_final(x)
         return x

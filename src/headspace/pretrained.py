@@ -339,7 +339,8 @@ class PretrainedEncoder:
         for start in starts:
             rows = order[start : start + batch_size]
             tokens, key_padding = self.tokenizer.pad([ids[i] for i in rows])  # (b, seq) x 2
-            out[rows] = self.pool(self.model(tokens, key_padding), key_padding, normalize=normalize)
+            states = self.model.infer(tokens, key_padding)  # (b, seq, d_model)
+            out[rows] = self.pool(states, key_padding, normalize=normalize)
         return out
 
     @staticmethod
