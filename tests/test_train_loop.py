@@ -50,7 +50,7 @@ def test_config_values_out_of_range(kwargs: dict, words: str) -> None:
 
 def test_task_defaults_fill_unset_fields() -> None:
     c = TrainConfig()
-    assert (c.n_layers, c.n_heads, c.d_model, c.steps, c.batch_size) == (1, 2, 64, 600, 64)
+    assert (c.n_layers, c.n_heads, c.d_model, c.steps, c.batch_size) == (1, 2, 64, 400, 64)
     assert TrainConfig(n_heads=1).n_heads == 1
     assert TrainConfig.from_dict(c.to_dict()) == c
     with pytest.raises(ValueError, match=r"unknown fields \['heads'\]"):
@@ -177,7 +177,7 @@ def test_resume_from_a_corrupt_checkpoint_names_the_file(tmp_path: Path) -> None
 
 # ---------------------------------------------------------------------------------------- specialisation
 def test_two_heads_specialise_one_per_relation(tmp_path: Path) -> None:
-    """A shortened version of `headspace train --task relations` (default model, 250 of its 600 steps)."""
+    """A shortened version of `headspace train --task relations` (default model, 250 of its 400 steps)."""
     result = train(TrainConfig(steps=250, eval_every=250, eval_batch=256), tmp_path / "r", progress=False)
     s = result.summary
     assert s is not None and s["accuracy"] >= 0.98

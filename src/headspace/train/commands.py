@@ -42,7 +42,7 @@ def _fail(e: Exception) -> UsageError:
 @click.option("--d-mlp", type=int, default=None, help="Feed-forward width (4 * d_model).")
 @click.option("--seq-len", type=int, default=None, help="Text window length (128).")
 @click.option("--batch-size", type=int, default=None)
-@click.option("--steps", type=int, default=None, help="Optimizer steps (relations: 600).")
+@click.option("--steps", type=int, default=None, help="Optimizer steps (relations: 400).")
 @click.option("--lr", type=float, default=None, help="Peak learning rate (AdamW).")
 @click.option("--warmup", type=int, default=50, show_default=True)
 @click.option("--weight-decay", type=float, default=0.01, show_default=True)

@@ -70,7 +70,7 @@ RESUMABLE_CHANGES = ("train.device", "train.save_every", "train.eval_every", "tr
 
 # per-task defaults for the fields left as None
 _DEFAULTS = {
-    "relations": {"n_layers": 1, "n_heads": 2, "d_model": 64, "steps": 600, "lr": 3e-3, "batch_size": 64},
+    "relations": {"n_layers": 1, "n_heads": 2, "d_model": 64, "steps": 400, "lr": 3e-3, "batch_size": 64},
     "reverse": {"n_layers": 2, "n_heads": 2, "d_model": 64, "steps": 1500, "lr": 3e-3, "batch_size": 64},
     "text": {"n_layers": 4, "n_heads": 4, "d_model": 128, "steps": 2000, "lr": 1e-3, "batch_size": 32},
 }
@@ -81,7 +81,7 @@ class TrainConfig:
     """Everything that decides a training run (stored as JSON in the run folder and its checkpoints).
 
     Fields left as ``None`` take the task's default (see ``_DEFAULTS``): ``relations`` trains 1 layer x 2
-    heads, d_model 64, 600 steps; ``text`` 4 layers x 4 heads, d_model 128, 2000 steps. Out-of-range
+    heads, d_model 64, 400 steps; ``text`` 4 layers x 4 heads, d_model 128, 2000 steps. Out-of-range
     values raise ``ValueError`` naming the field.
     """
 
