@@ -141,17 +141,24 @@ def test_no_grad_path_equals_grad_path_and_keeps_inputs() -> None:
         assert torch.equal(t.detach(), b)
 
 
-def test_non_contiguous_inputs_give_the_same_result() -> None:
+@pytest.mark.parametrize("n_kv_heads", [3, 1])
+def test_views_of_a_fused_projection_match_the_reference(n_kv_heads: int) -> None:
+    # q, k, v as the layer makes them: strided views of one [B, S, (H + 2 Hkv) dh] projection
     gen = torch.Generator().manual_seed(9)
     B, H, S, dh = 2, 3, 5, 4
-    qkv = torch.randn(B, S, 3 * H, dh, generator=gen)
-    q, k, v = qkv.transpose(1, 2).split([H, H, H], dim=1)  # (B, H, S, dh) strided views
-    mask = _mask("none", B, H, S, S, torch.float32, gen)
+    qkv = torch.randn(B, S, H + 2 * n_kv_heads, dh, generator=gen).requires_grad_()
+    q, k, v = qkv.transpose(1, 2).split([H, n_kv_heads, n_kv_heads], dim=1)  # (B, heads, S, dh) views
+    mask = _mask("causal+padding", B, H, S, S, torch.float32, gen)
     out, pattern = fn.explicit_attention(q, k, v, mask, scale=0.5)
-    ref_out, ref_pattern = fn.explicit_attention(
-        q.contiguous(), k.contiguous(), v.contiguous(), mask, scale=0.5
-    )
-    assert torch.equal(out, ref_out) and torch.equal(pattern, ref_pattern)
+    ref_out, ref_pattern = fn.reference_attention(q, k, v, mask, scale=0.5)
+    torch.testing.assert_close(out, ref_out)
+    torch.testing.assert_close(pattern, ref_pattern)
+    if n_kv_heads == H:  # heads concatenated is a view of the output, not a copy
+        assert out.transpose(1, 2).reshape(B, S, H * dh).data_ptr() == out.data_ptr()
+    g = torch.randn(out.shape, generator=gen)
+    (got,) = torch.autograd.grad(out, qkv, g)
+    (want,) = torch.autograd.grad(ref_out, qkv, g)
+    torch.testing.assert_close(got, want)
 
 
 def test_dropout_and_higher_order_use_the_reference() -> None:

@@ -165,9 +165,14 @@ def _blocks(batch: int, n_heads: int, n_kv_heads: int, seq_q: int, seq_k: int, i
 
 
 def _block_views(t: Tensor, b: int, h0: int, h1: int, i0: int, i1: int, group: int, seq_q: int) -> Tensor:
-    """Block of a contiguous [batch, n_heads, seq_q, X] tensor as [kv heads in block, rows, X]."""
-    if h1 - h0 == 1:
-        return t[b, h0, i0:i1].unsqueeze(0)  # (1, rows, X): a band of one head's queries
+    """Block of a [batch, n_heads, seq_q, X] tensor as [kv heads in block, rows, X] (a view, no copy).
+
+    With one query head per key/value head (``group == 1``) or a band of one head this is plain
+    slicing and works on any strides; whole groups of ``group > 1`` heads are merged into
+    ``group * seq_q`` rows, which needs ``t[b]`` contiguous.
+    """
+    if group == 1 or h1 - h0 == 1:
+        return t[b, h0:h1, i0:i1]  # (heads, rows, X)
     return t[b, h0:h1].view((h1 - h0) // group, group * seq_q, t.shape[-1])  # (g, G seq_q, X): whole groups
 
 
@@ -192,20 +197,32 @@ def _mask_parts(mask: CanonicalMask, shape: tuple[int, int, int, int], device: t
     return blocked, additive, dead
 
 
-def _blocked_forward(qs: Tensor, k: Tensor, v: Tensor, mask: CanonicalMask) -> tuple[Tensor, Tensor]:
-    """Forward of the blocked kernel on contiguous qs = q * scale [B, H, Sq, dh], k, v [B, Hkv, Sk, dh]."""
-    q = qs
+def _new_out(q: Tensor, group: int) -> Tensor:
+    """Output buffer [B, H, Sq, dh]; for group == 1 stored as [B, Sq, H, dh] so that the caller's
+    ``transpose(1, 2).reshape(B, Sq, H * dh)`` (heads concatenated) is a view, not a copy."""
     B, H, Sq, dh = q.shape
+    if group == 1:
+        return q.new_empty(B, Sq, H, dh).transpose(1, 2)  # (B, H, Sq, dh) view of (B, Sq, H, dh)
+    return q.new_empty(B, H, Sq, dh)  # (B, H, Sq, dh)
+
+
+def _blocked_forward(
+    q: Tensor, k: Tensor, v: Tensor, mask: CanonicalMask, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Forward of the blocked kernel: q [B, H, Sq, dh], k, v [B, Hkv, Sk, dh] (any strides with last
+    stride 1; q contiguous when H > Hkv). Returns (out, pattern)."""
+    B, H, Sq, _ = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = H // Hkv
     pattern = q.new_empty(B, H, Sq, Sk)
     advise_huge_pages(pattern)
-    out = q.new_empty(B, H, Sq, dh)
+    out = _new_out(q, group)
     blocked, additive, dead = _mask_parts(mask, (B, H, Sq, Sk), q.device)
     for b, h0, h1, i0, i1 in _blocks(B, H, Hkv, Sq, Sk, q.element_size()):
         p = _block_views(pattern, b, h0, h1, i0, i1, group, Sq)  # (g, rows, Sk)
         kb, vb = _kv_block(k, b, h0, h1, group), _kv_block(v, b, h0, h1, group)  # (g, Sk, dh)
-        torch.bmm(_block_views(q, b, h0, h1, i0, i1, group, Sq), kb.transpose(1, 2), out=p)  # (q * scale) k^T
+        qb = _block_views(q, b, h0, h1, i0, i1, group, Sq)  # (g, rows, dh)
+        p.baddbmm_(qb, kb.transpose(1, 2), beta=0.0, alpha=scale)  # q k^T * scale, scale inside the GEMM
         p4 = pattern[b, h0:h1, i0:i1]  # (heads, queries, Sk): the same memory, per head
         if blocked is not None:
             p4.masked_fill_(blocked[b, h0:h1, i0:i1], float("-inf"))
@@ -228,24 +245,25 @@ def _blocked_backward(
     pattern: Tensor,
     scale: float,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Gradients of the blocked kernel: dq [B, H, Sq, dh], dk, dv [B, Hkv, Sk, dh]; ``q`` is q * scale.
+    """Gradients of the blocked kernel: dq [B, H, Sq, dh], dk, dv [B, Hkv, Sk, dh].
 
     Softmax backward is ``dS = P * (dP - D)`` with ``D = rowsum(P * dP)``. Since ``out = P v`` and
     ``dP = dO v^T``, ``rowsum(P * dP) = rowsum(dO * out)``: D costs O(seq_q * d_head), not a pass over
     the pattern (plus ``rowsum(P * dPattern)`` when the pattern itself has a gradient). ``dP - D`` is
     formed by the GEMM itself (``baddbmm`` with ``-D`` as its input), so each block of dS takes one
-    GEMM and one in-place multiply.
+    GEMM and one in-place multiply, in one reused block-sized buffer.
     """
-    B, H, Sq, _ = q.shape
+    B, H, Sq, dh = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = H // Hkv
-    grad_out = grad_out.contiguous()
-    neg_d = (grad_out * out).sum(-1, keepdim=True).neg_()  # (B, H, Sq, 1): -rowsum(dO * out)
-    if grad_pattern is not None:
-        grad_pattern = grad_pattern.contiguous()
-    dq = torch.empty_like(q)
-    dk = torch.zeros_like(k)
-    dv = torch.zeros_like(v)
+    if group > 1:  # whole-group blocks merge heads into rows: contiguous layout needed
+        grad_out = grad_out.contiguous()
+        if grad_pattern is not None:
+            grad_pattern = grad_pattern.contiguous()
+    neg_d = (grad_out * out).sum(-1, keepdim=True).neg_().contiguous()  # (B, H, Sq, 1): -rowsum(dO * out)
+    dq = q.new_empty(B, H, Sq, dh)
+    dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)  # (B, Hkv, Sk, dh)
+    dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)  # (B, Hkv, Sk, dh)
     buf = None
     for b, h0, h1, i0, i1 in _blocks(B, H, Hkv, Sq, Sk, q.element_size()):
         p = _block_views(pattern, b, h0, h1, i0, i1, group, Sq)  # (g, rows, Sk)
@@ -254,7 +272,7 @@ def _blocked_backward(
         kb, vb = _kv_block(k, b, h0, h1, group), _kv_block(v, b, h0, h1, group)  # (g, Sk, dh)
         nd = _block_views(neg_d, b, h0, h1, i0, i1, group, Sq)  # (g, rows, 1)
         if buf is None:
-            buf = torch.empty_like(p).view(-1)  # every block has at most the first block's size
+            buf = torch.empty(p.numel(), dtype=p.dtype, device=p.device)  # no later block is larger
         ds = buf[: p.numel()].view(p.shape)  # (g, rows, Sk)
         if grad_pattern is not None:
             gp = _block_views(grad_pattern, b, h0, h1, i0, i1, group, Sq)  # (g, rows, Sk)
@@ -264,35 +282,26 @@ def _blocked_backward(
             ds.add_(gp)
         ds.mul_(p)  # dS = P * (dP - D)
         torch.bmm(ds, kb, out=_block_views(dq, b, h0, h1, i0, i1, group, Sq))  # dq / scale
-        _kv_block(dk, b, h0, h1, group).baddbmm_(ds.transpose(1, 2), qb)  # dS^T (q * scale): sums the group
+        _kv_block(dk, b, h0, h1, group).baddbmm_(ds.transpose(1, 2), qb, alpha=scale)  # sums the group
         _kv_block(dv, b, h0, h1, group).baddbmm_(p.transpose(1, 2), do)  # sums the group
     return dq.mul_(scale), dk, dv
 
 
-def _scaled_contiguous(q: Tensor, scale: float) -> Tensor:
-    """q * scale in a fresh contiguous [B, H, Sq, dh] tensor (the scale folded into q, not the scores)."""
-    qs = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # (B, H, Sq, dh), contiguous
-    return torch.mul(q, scale, out=qs)
-
-
 class _BlockedExplicitAttention(torch.autograd.Function):
-    """Autograd wrapper of the blocked kernel; saves q * scale, k, v, the output and the pattern."""
+    """Autograd wrapper of the blocked kernel; saves q, k, v, the output and the pattern."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, mask: CanonicalMask, scale: float):  # type: ignore[override]
-        qs = _scaled_contiguous(q, scale)  # (B, H, Sq, dh)
-        out, pattern = _blocked_forward(qs, k, v, mask)
-        ctx.save_for_backward(qs, k, v, out, pattern)
+        out, pattern = _blocked_forward(q, k, v, mask, scale)
+        ctx.save_for_backward(q, k, v, out, pattern)
         ctx.scale = scale
         return out, pattern
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out: Tensor, grad_pattern: Tensor | None):  # type: ignore[override]
-        qs, k, v, out, pattern = ctx.saved_tensors
-        if grad_out is None:  # only the pattern was used
-            grad_out = torch.zeros_like(out)
-        dq, dk, dv = _blocked_backward(grad_out, grad_pattern, qs, k, v, out, pattern, ctx.scale)
+        q, k, v, out, pattern = ctx.saved_tensors
+        dq, dk, dv = _blocked_backward(grad_out, grad_pattern, q, k, v, out, pattern, ctx.scale)
         return dq, dk, dv, None, None
 
 
@@ -302,11 +311,11 @@ def explicit_attention(
     """Explicit backend: the pattern is materialised and returned. Returns (out, pattern).
 
     Same maths as :func:`reference_attention`, computed by a blocked kernel that writes the pattern
-    once in place and whose backward needs only one block-sized buffer (see the comment above
-    :data:`BLOCK_BYTES`). The kernel's backward is once-differentiable; the reference path is used
-    instead with dropout, a float mask that requires grad, empty inputs, or when double backward may
-    be needed (``torch.is_grad_enabled()`` with ``create_graph`` cannot be detected here: use the
-    ``"reference"`` backend for higher-order gradients).
+    once in place, reads q, k and v where they lie (views of the fused projection, no copies), and
+    whose backward needs only one block-sized buffer (see the comment above :data:`BLOCK_BYTES`).
+    The kernel's backward is once-differentiable. The reference path is used instead with dropout,
+    a float mask that requires grad, or empty inputs; use the ``"reference"`` backend when higher-order
+    gradients are needed.
     """
     m = mask.mask
     if (
@@ -317,11 +326,13 @@ def explicit_attention(
         or q.shape[1] % k.shape[1] != 0
     ):
         return reference_attention(q, k, v, mask, scale=scale, dropout_p=dropout_p)
-    # O(seq * d_head) copies, cheap beside the pattern; the blocks are views of them
-    k, v = k.contiguous(), v.contiguous()  # (B, Hkv, Sk, dh) x 2
+    if q.shape[1] != k.shape[1]:
+        q = q.contiguous()  # (B, H, Sq, dh): G query heads of a group become G * Sq rows of one matrix
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # (B, H|Hkv, S, dh): GEMM-friendly rows
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _BlockedExplicitAttention.apply(q, k, v, mask, scale)
-    return _blocked_forward(_scaled_contiguous(q, scale), k, v, mask)
+    return _blocked_forward(q, k, v, mask, scale)
 
 
 def sdpa_attention(
