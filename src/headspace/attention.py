@@ -540,6 +540,9 @@ class MultiHeadAttention(nn.Module):
         else:
             backend = get_backend("explicit" if need_weights else "sdpa")
             z, pattern = backend(q, k, v, mask, scale=self.scale, dropout_p=dropout_p)  # (B, H, Sq, dh)
+            # (bench helper) drop our references to the fused projection before W_O allocates the
+            # output: without grad this frees [B, S, 3 d_model] early and lowers the peak memory.
+            del q, k, v
             z = z.transpose(1, 2).reshape(B, Sq, H * dh)  # (B, Sq, H dh): heads concatenated
             out = F.linear(z, self.o_weight, self.o_bias)  # (B, Sq, d_model)
         if self.check_finite:
