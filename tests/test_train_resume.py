@@ -1,4 +1,7 @@
-"""A run killed with SIGKILL at an arbitrary step and resumed ends bit-identical to an uninterrupted one."""
+"""A run killed with SIGKILL at an arbitrary step and resumed ends bit-identical to an uninterrupted one.
+
+Dropout is on, so the resumed run must also restore the global RNG state to match.
+"""
 
 from __future__ import annotations
 
@@ -15,8 +18,8 @@ from safetensors.torch import load_file
 
 ARGS = [
     "--task", "relations", "--d-model", "16", "--heads", "2", "--batch-size", "8", "--steps", "30",
-    "--warmup", "5", "--save-every", "4", "--eval-every", "10", "--eval-batch", "32", "--log-every", "1",
-    "--no-progress",
+    "--warmup", "5", "--dropout", "0.1", "--save-every", "4", "--eval-every", "10", "--eval-batch", "32",
+    "--log-every", "1", "--no-progress",
 ]  # fmt: skip
 
 
