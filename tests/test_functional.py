@@ -62,7 +62,7 @@ def _compare(
 
 
 @pytest.mark.parametrize("kind", MASK_KINDS)
-@pytest.mark.parametrize("block_bytes", [96, 1 << 20], ids=["bands", "whole-groups"])
+@pytest.mark.parametrize("block_bytes", [96, 600, 1 << 20], ids=["bands", "groups", "samples"])
 @pytest.mark.parametrize("n_kv_heads", [6, 2, 1], ids=["mha", "gqa", "mqa"])
 def test_blocked_matches_reference(
     kind: str, block_bytes: int, n_kv_heads: int, monkeypatch: pytest.MonkeyPatch
@@ -153,8 +153,6 @@ def test_views_of_a_fused_projection_match_the_reference(n_kv_heads: int) -> Non
     ref_out, ref_pattern = fn.reference_attention(q, k, v, mask, scale=0.5)
     torch.testing.assert_close(out, ref_out)
     torch.testing.assert_close(pattern, ref_pattern)
-    if n_kv_heads == H:  # heads concatenated is a view of the output, not a copy
-        assert out.transpose(1, 2).reshape(B, S, H * dh).data_ptr() == out.data_ptr()
     g = torch.randn(out.shape, generator=gen)
     (got,) = torch.autograd.grad(out, qkv, g)
     (want,) = torch.autograd.grad(ref_out, qkv, g)

@@ -103,7 +103,7 @@ def reference_attention(
 # ---------------------------------------------------------------------------------------------------
 
 #: Target size in bytes of one block of scores; a few blocks fit in L2/L3 cache.
-BLOCK_BYTES = 1 << 20
+BLOCK_BYTES = 4 << 20
 
 #: Buffers at least this large get transparent huge pages asked for (see :func:`advise_huge_pages`).
 HUGE_PAGE_MIN_BYTES = 16 << 20
@@ -142,43 +142,66 @@ def advise_huge_pages(t: Tensor) -> None:
         _madvise(lo, hi - lo, _MADV_HUGEPAGE)  # a refusal (e.g. THP disabled) just leaves 4 KiB pages
 
 
-def _blocks(batch: int, n_heads: int, n_kv_heads: int, seq_q: int, seq_k: int, itemsize: int):
-    """Yield (b, h0, h1, i0, i1): heads h0:h1 of sample b, queries i0:i1, about BLOCK_BYTES each.
+Block = tuple[int, int, int, int, int, int]  # (b0, b1, h0, h1, i0, i1)
 
-    Either the block holds whole key/value groups (h0:h1 a multiple of the group size, all queries)
-    or a band of queries of one head.
+
+def _samples_per_block(batch: int, n_heads: int, seq_q: int, seq_k: int, itemsize: int) -> int:
+    """How many whole samples one block holds (0 or 1: blocks stay inside one sample).
+
+    Blocks of several samples need q, k, v, dO contiguous (samples and heads merge into one batch
+    dimension); small problems take that copy to do a few large GEMMs instead of many tiny ones.
+    """
+    per_sample = n_heads * seq_q * seq_k * itemsize
+    return min(batch, BLOCK_BYTES // per_sample) if batch > 1 and per_sample <= BLOCK_BYTES // 2 else 0
+
+
+def _blocks(batch: int, n_heads: int, n_kv_heads: int, seq_q: int, seq_k: int, itemsize: int):
+    """Yield blocks (b0, b1, h0, h1, i0, i1) of about BLOCK_BYTES of the pattern.
+
+    A block is either several whole samples (b1 - b0 > 1), or whole key/value groups of one sample
+    (h0:h1 a multiple of the group size, all queries), or a band of queries of one head.
     """
     group = n_heads // n_kv_heads
+    n_samples = _samples_per_block(batch, n_heads, seq_q, seq_k, itemsize)
     unit = group * seq_q * seq_k * itemsize  # one key/value group of one sample
-    if unit <= BLOCK_BYTES:
+    if n_samples > 1:
+        for b0 in range(0, batch, n_samples):
+            yield b0, min(batch, b0 + n_samples), 0, n_heads, 0, seq_q
+    elif unit <= BLOCK_BYTES:
         n_units = max(1, BLOCK_BYTES // unit)
         for b in range(batch):
             for g0 in range(0, n_kv_heads, n_units):
                 g1 = min(n_kv_heads, g0 + n_units)
-                yield b, g0 * group, g1 * group, 0, seq_q
+                yield b, b + 1, g0 * group, g1 * group, 0, seq_q
     else:
         rows = max(1, BLOCK_BYTES // (seq_k * itemsize))
         for b in range(batch):
             for h in range(n_heads):
                 for i0 in range(0, seq_q, rows):
-                    yield b, h, h + 1, i0, min(seq_q, i0 + rows)
+                    yield b, b + 1, h, h + 1, i0, min(seq_q, i0 + rows)
 
 
-def _block_views(t: Tensor, b: int, h0: int, h1: int, i0: int, i1: int, group: int, seq_q: int) -> Tensor:
+def _block_views(t: Tensor, blk: Block, group: int, seq_q: int) -> Tensor:
     """Block of a [batch, n_heads, seq_q, X] tensor as [kv heads in block, rows, X] (a view, no copy).
 
-    With one query head per key/value head (``group == 1``) or a band of one head this is plain
-    slicing and works on any strides; whole groups of ``group > 1`` heads are merged into
-    ``group * seq_q`` rows, which needs ``t[b]`` contiguous.
+    A band of one head, or heads of one sample with ``group == 1``, is plain slicing and works on any
+    strides; merging samples, or the ``group`` query heads of a key/value head into ``group * seq_q``
+    rows, needs ``t`` contiguous (``.view`` raises otherwise: never a silent copy).
     """
+    b0, b1, h0, h1, i0, i1 = blk
+    if b1 - b0 > 1:
+        return t[b0:b1].view(-1, group * seq_q, t.shape[-1])  # (samples * kv heads, G seq_q, X)
     if group == 1 or h1 - h0 == 1:
-        return t[b, h0:h1, i0:i1]  # (heads, rows, X)
-    return t[b, h0:h1].view((h1 - h0) // group, group * seq_q, t.shape[-1])  # (g, G seq_q, X): whole groups
+        return t[b0, h0:h1, i0:i1]  # (heads, rows, X)
+    return t[b0, h0:h1].view((h1 - h0) // group, group * seq_q, t.shape[-1])  # (g, G seq_q, X)
 
 
-def _kv_block(t: Tensor, b: int, h0: int, h1: int, group: int) -> Tensor:
-    """The key/value heads serving query heads h0:h1 of sample b: [kv heads in block, seq_k, d_head]."""
-    return t[b, h0 // group : (h1 - 1) // group + 1]  # (g, seq_k, d_head)
+def _kv_block(t: Tensor, blk: Block, group: int) -> Tensor:
+    """The key/value heads serving the block's query heads: [kv heads in block, seq_k, d_head]."""
+    b0, b1, h0, h1, _, _ = blk
+    if b1 - b0 > 1:
+        return t[b0:b1].view(-1, t.shape[-2], t.shape[-1])  # (samples * kv heads, seq_k, d_head)
+    return t[b0, h0 // group : (h1 - 1) // group + 1]  # (g, seq_k, d_head)
 
 
 def _mask_parts(mask: CanonicalMask, shape: tuple[int, int, int, int], device: torch.device):
@@ -197,15 +220,6 @@ def _mask_parts(mask: CanonicalMask, shape: tuple[int, int, int, int], device: t
     return blocked, additive, dead
 
 
-def _new_out(q: Tensor, group: int) -> Tensor:
-    """Output buffer [B, H, Sq, dh]; for group == 1 stored as [B, Sq, H, dh] so that the caller's
-    ``transpose(1, 2).reshape(B, Sq, H * dh)`` (heads concatenated) is a view, not a copy."""
-    B, H, Sq, dh = q.shape
-    if group == 1:
-        return q.new_empty(B, Sq, H, dh).transpose(1, 2)  # (B, H, Sq, dh) view of (B, Sq, H, dh)
-    return q.new_empty(B, H, Sq, dh)  # (B, H, Sq, dh)
-
-
 def _blocked_forward(
     q: Tensor, k: Tensor, v: Tensor, mask: CanonicalMask, scale: float
 ) -> tuple[Tensor, Tensor]:
@@ -216,22 +230,25 @@ def _blocked_forward(
     group = H // Hkv
     pattern = q.new_empty(B, H, Sq, Sk)
     advise_huge_pages(pattern)
-    out = _new_out(q, group)
+    # Contiguous on purpose: torch.bmm(out=) into a strided (heads-last) block takes a slow
+    # non-BLAS path with more than one thread (about 15x slower, measured).
+    out = q.new_empty(B, H, Sq, q.shape[-1])  # (B, H, Sq, dh)
     blocked, additive, dead = _mask_parts(mask, (B, H, Sq, Sk), q.device)
-    for b, h0, h1, i0, i1 in _blocks(B, H, Hkv, Sq, Sk, q.element_size()):
-        p = _block_views(pattern, b, h0, h1, i0, i1, group, Sq)  # (g, rows, Sk)
-        kb, vb = _kv_block(k, b, h0, h1, group), _kv_block(v, b, h0, h1, group)  # (g, Sk, dh)
-        qb = _block_views(q, b, h0, h1, i0, i1, group, Sq)  # (g, rows, dh)
+    for blk in _blocks(B, H, Hkv, Sq, Sk, q.element_size()):
+        p = _block_views(pattern, blk, group, Sq)  # (g, rows, Sk)
+        kb, vb = _kv_block(k, blk, group), _kv_block(v, blk, group)  # (g, Sk, dh)
+        qb = _block_views(q, blk, group, Sq)  # (g, rows, dh)
         p.baddbmm_(qb, kb.transpose(1, 2), beta=0.0, alpha=scale)  # q k^T * scale, scale inside the GEMM
-        p4 = pattern[b, h0:h1, i0:i1]  # (heads, queries, Sk): the same memory, per head
+        b0, b1, h0, h1, i0, i1 = blk
+        p4 = pattern[b0:b1, h0:h1, i0:i1]  # (heads, queries, Sk): the same memory, per head
         if blocked is not None:
-            p4.masked_fill_(blocked[b, h0:h1, i0:i1], float("-inf"))
+            p4.masked_fill_(blocked[b0:b1, h0:h1, i0:i1], float("-inf"))
         if additive is not None:
-            p4.add_(additive[b, h0:h1, i0:i1])
+            p4.add_(additive[b0:b1, h0:h1, i0:i1])
         torch._softmax(p, -1, False, out=p)  # in place: the CPU and CUDA kernels read a row before writing it
         if dead is not None:
-            p4.masked_fill_(dead[b, h0:h1, i0:i1], 0.0)
-        torch.bmm(p, vb, out=_block_views(out, b, h0, h1, i0, i1, group, Sq))  # (g, rows, dh)
+            p4.masked_fill_(dead[b0:b1, h0:h1, i0:i1], 0.0)
+        torch.bmm(p, vb, out=_block_views(out, blk, group, Sq))  # (g, rows, dh)
     return out, pattern
 
 
@@ -256,7 +273,7 @@ def _blocked_backward(
     B, H, Sq, dh = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = H // Hkv
-    if group > 1:  # whole-group blocks merge heads into rows: contiguous layout needed
+    if group > 1 or _samples_per_block(B, H, Sq, Sk, q.element_size()) > 1:  # merged blocks need contiguous
         grad_out = grad_out.contiguous()
         if grad_pattern is not None:
             grad_pattern = grad_pattern.contiguous()
@@ -265,25 +282,25 @@ def _blocked_backward(
     dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)  # (B, Hkv, Sk, dh)
     dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)  # (B, Hkv, Sk, dh)
     buf = None
-    for b, h0, h1, i0, i1 in _blocks(B, H, Hkv, Sq, Sk, q.element_size()):
-        p = _block_views(pattern, b, h0, h1, i0, i1, group, Sq)  # (g, rows, Sk)
-        do = _block_views(grad_out, b, h0, h1, i0, i1, group, Sq)  # (g, rows, dh)
-        qb = _block_views(q, b, h0, h1, i0, i1, group, Sq)  # (g, rows, dh)
-        kb, vb = _kv_block(k, b, h0, h1, group), _kv_block(v, b, h0, h1, group)  # (g, Sk, dh)
-        nd = _block_views(neg_d, b, h0, h1, i0, i1, group, Sq)  # (g, rows, 1)
+    for blk in _blocks(B, H, Hkv, Sq, Sk, q.element_size()):
+        p = _block_views(pattern, blk, group, Sq)  # (g, rows, Sk)
+        do = _block_views(grad_out, blk, group, Sq)  # (g, rows, dh)
+        qb = _block_views(q, blk, group, Sq)  # (g, rows, dh)
+        kb, vb = _kv_block(k, blk, group), _kv_block(v, blk, group)  # (g, Sk, dh)
+        nd = _block_views(neg_d, blk, group, Sq)  # (g, rows, 1)
         if buf is None:
             buf = torch.empty(p.numel(), dtype=p.dtype, device=p.device)  # no later block is larger
         ds = buf[: p.numel()].view(p.shape)  # (g, rows, Sk)
         if grad_pattern is not None:
-            gp = _block_views(grad_pattern, b, h0, h1, i0, i1, group, Sq)  # (g, rows, Sk)
+            gp = _block_views(grad_pattern, blk, group, Sq)  # (g, rows, Sk)
             nd = nd - torch.linalg.vecdot(gp, p).unsqueeze(-1)  # (g, rows, 1): - rowsum(P * dPattern)
         torch.baddbmm(nd.expand(p.shape), do, vb.transpose(1, 2), out=ds)  # dP - D
         if grad_pattern is not None:
             ds.add_(gp)
         ds.mul_(p)  # dS = P * (dP - D)
-        torch.bmm(ds, kb, out=_block_views(dq, b, h0, h1, i0, i1, group, Sq))  # dq / scale
-        _kv_block(dk, b, h0, h1, group).baddbmm_(ds.transpose(1, 2), qb, alpha=scale)  # sums the group
-        _kv_block(dv, b, h0, h1, group).baddbmm_(p.transpose(1, 2), do)  # sums the group
+        torch.bmm(ds, kb, out=_block_views(dq, blk, group, Sq))  # dq / scale
+        _kv_block(dk, blk, group).baddbmm_(ds.transpose(1, 2), qb, alpha=scale)  # sums the group
+        _kv_block(dv, blk, group).baddbmm_(p.transpose(1, 2), do)  # sums the group
     return dq.mul_(scale), dk, dv
 
 
@@ -326,7 +343,10 @@ def explicit_attention(
         or q.shape[1] % k.shape[1] != 0
     ):
         return reference_attention(q, k, v, mask, scale=scale, dropout_p=dropout_p)
-    if q.shape[1] != k.shape[1]:
+    if _samples_per_block(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.element_size()) > 1:
+        # small problem: samples and heads merge into one batch of GEMMs (a few large ones, not many tiny)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # (B, H, Sq, dh), (B, Hkv, Sk, dh) x 2
+    elif q.shape[1] != k.shape[1]:
         q = q.contiguous()  # (B, H, Sq, dh): G query heads of a group become G * Sq rows of one matrix
     if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # (B, H|Hkv, S, dh): GEMM-friendly rows
