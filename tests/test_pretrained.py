@@ -141,6 +141,8 @@ def test_minilm_attention_patterns_equal_transformers_eager(
         assert diff <= MAX_ABS, f"layer {layer}: max abs difference {diff:.2e}"
     real = key_padding
     torch.testing.assert_close(states[real], ref.last_hidden_state[real])
+    # pooling the padded token states gives encode()'s embeddings (these sentences are under 256 tokens)
+    torch.testing.assert_close(PretrainedEncoder.pool(states, key_padding), minilm.encode(batch))
 
 
 def test_minilm_hooks_cost_nothing_when_removed(minilm: PretrainedEncoder, sentences: list[str]) -> None:
