@@ -47,7 +47,7 @@ def text_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_text_run_logs_eval_and_per_head_metrics(text_run: Path) -> None:
     rows = [json.loads(line) for line in (text_run / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in rows if r["kind"] == "eval"]
-    assert [r["step"] for r in evals] == [6, 12]
+    assert [r["step"] for r in evals] == [0, 6, 12]
     for key in ("entropy", "role_previous", "wo_norm", "ablation_loss"):
         assert len(evals[-1][key]) == 1 and len(evals[-1][key][0]) == 2, key
     record = json.loads((text_run / "config.json").read_text())

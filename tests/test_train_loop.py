@@ -50,7 +50,7 @@ def test_config_values_out_of_range(kwargs: dict, words: str) -> None:
 
 def test_task_defaults_fill_unset_fields() -> None:
     c = TrainConfig()
-    assert (c.n_layers, c.n_heads, c.d_model, c.steps, c.batch_size) == (1, 2, 64, 400, 64)
+    assert (c.n_layers, c.n_heads, c.d_model, c.steps, c.batch_size, c.eval_every) == (1, 2, 64, 400, 64, 25)
     assert TrainConfig(n_heads=1).n_heads == 1
     assert TrainConfig.from_dict(c.to_dict()) == c
     with pytest.raises(ValueError, match=r"unknown fields \['heads'\]"):
@@ -84,8 +84,8 @@ def test_run_folder_holds_config_metrics_checkpoints_and_summary(tiny_run) -> No
     assert record["data"]["name"] == "relations"
     rows = _rows(run)
     assert [r["step"] for r in rows if r["kind"] == "train"] == [10, 20]
-    assert [r["step"] for r in rows if r["kind"] == "eval"] == [10, 20]
-    assert {"loss", "lr", "grad_norm", "tokens_per_s"} <= set(rows[0])
+    assert [r["step"] for r in rows if r["kind"] == "eval"] == [0, 10, 20]  # before training, too
+    assert {"loss", "lr", "grad_norm", "tokens_per_s"} <= set(rows[1])
     ckpts = sorted(p.name for p in (run / "checkpoints").glob("step-*"))
     assert ckpts == ["step-000014", "step-000020"]  # every 7 steps and at the end, newest two kept
     summary = json.loads((run / "summary.json").read_text())
@@ -105,7 +105,7 @@ def test_per_head_metrics_match_an_independent_computation(tiny_run) -> None:
     attn = model.blocks[0].attn
     # W_O block norms straight from the weights
     for h in range(2):
-        assert ev["wo_norm"][0][h] == pytest.approx(float(attn.W_O[h].norm()), rel=1e-6)
+        assert ev["wo_norm"][0][h] == pytest.approx(float(attn.W_O[h].detach().norm()), rel=1e-6)
     # attention mass on the ground truth, position by position, from the pattern need_weights returns
     patterns = []
     remove = attn.hook_pattern.add(lambda p, _: patterns.append(p.detach()))

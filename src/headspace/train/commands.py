@@ -48,7 +48,7 @@ def _fail(e: Exception) -> UsageError:
 @click.option("--weight-decay", type=float, default=0.01, show_default=True)
 @click.option("--grad-clip", type=float, default=1.0, show_default=True)
 @click.option("--dropout", type=float, default=0.0, show_default=True)
-@click.option("--eval-every", type=int, default=100, show_default=True)
+@click.option("--eval-every", type=int, default=None, help="Evaluate every N steps (relations: 25).")
 @click.option(
     "--eval-batch", type=int, default=512, show_default=True, help="Held-out evaluation batch size."
 )
@@ -66,9 +66,9 @@ def _fail(e: Exception) -> UsageError:
 def train_command(
     task: str | None, data: str | None, level: str, arch: str, n_layers: int | None, n_heads: int | None,
     d_model: int | None, d_mlp: int | None, seq_len: int | None, batch_size: int | None, steps: int | None,
-    lr: float | None, warmup: int, weight_decay: float, grad_clip: float, dropout: float, eval_every: int,
-    eval_batch: int, log_every: int, save_every: int, seed: int, device: str, out: str, resume: bool,
-    no_progress: bool,
+    lr: float | None, warmup: int, weight_decay: float, grad_clip: float, dropout: float,
+    eval_every: int | None, eval_batch: int, log_every: int, save_every: int, seed: int, device: str,
+    out: str, resume: bool, no_progress: bool,
 ) -> None:  # fmt: skip
     """Train an Encoder or Decoder and watch its heads specialise (metrics, checkpoints, summary.json)."""
     from .checkpoint import CheckpointError

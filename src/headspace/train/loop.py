@@ -70,9 +70,33 @@ RESUMABLE_CHANGES = ("train.device", "train.save_every", "train.eval_every", "tr
 
 # per-task defaults for the fields left as None
 _DEFAULTS = {
-    "relations": {"n_layers": 1, "n_heads": 2, "d_model": 64, "steps": 400, "lr": 3e-3, "batch_size": 64},
-    "reverse": {"n_layers": 2, "n_heads": 2, "d_model": 64, "steps": 1500, "lr": 3e-3, "batch_size": 64},
-    "text": {"n_layers": 4, "n_heads": 4, "d_model": 128, "steps": 2000, "lr": 1e-3, "batch_size": 32},
+    "relations": {
+        "n_layers": 1,
+        "n_heads": 2,
+        "d_model": 64,
+        "steps": 400,
+        "lr": 3e-3,
+        "batch_size": 64,
+        "eval_every": 25,
+    },
+    "reverse": {
+        "n_layers": 2,
+        "n_heads": 2,
+        "d_model": 64,
+        "steps": 1500,
+        "lr": 3e-3,
+        "batch_size": 64,
+        "eval_every": 100,
+    },
+    "text": {
+        "n_layers": 4,
+        "n_heads": 4,
+        "d_model": 128,
+        "steps": 2000,
+        "lr": 1e-3,
+        "batch_size": 32,
+        "eval_every": 250,
+    },
 }
 
 
@@ -81,7 +105,8 @@ class TrainConfig:
     """Everything that decides a training run (stored as JSON in the run folder and its checkpoints).
 
     Fields left as ``None`` take the task's default (see ``_DEFAULTS``): ``relations`` trains 1 layer x 2
-    heads, d_model 64, 400 steps; ``text`` 4 layers x 4 heads, d_model 128, 2000 steps. Out-of-range
+    heads, d_model 64, 400 steps, evaluated every 25; ``text`` 4 layers x 4 heads, d_model 128, 2000
+    steps. Out-of-range
     values raise ``ValueError`` naming the field.
     """
 
@@ -113,8 +138,8 @@ class TrainConfig:
     beta2: float = 0.99
     #: Clip the global gradient norm to this value (0: no clipping).
     grad_clip: float = 1.0
-    #: Evaluate (and measure every head) every this many steps and at the end.
-    eval_every: int = 100
+    #: Evaluate (and measure every head) before training, every this many steps and at the end.
+    eval_every: int | None = None
     #: Evaluation batch size (a fixed held-out batch).
     eval_batch: int = 512
     #: Log the training loss every this many steps.
@@ -444,6 +469,11 @@ def _train(config: TrainConfig, out: Path, resume: bool, progress: bool, info: D
     prev_det = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
+        if info.is_main and start == 0:  # the heads before any training: random matrices
+            last_eval = {"kind": "eval", "step": 0, **evaluate(model, source.task, eval_batch)}
+            assert log is not None
+            log.write(json.dumps(last_eval) + "\n")
+            log.flush()
         model.train()
         t_last, tokens_since = time.perf_counter(), 0
         for step in range(start, config.steps):
