@@ -112,6 +112,9 @@ def test_minilm_embeddings_equal_sentence_transformers(
 def test_minilm_encode_one_string_and_order(minilm: PretrainedEncoder, sentences: list[str]) -> None:
     one = minilm.encode(sentences[1])
     assert one.shape == (1, 384)
+    probe = torch.nn.Linear(384, 2)
+    probe(one).sum().backward()  # embeddings are ordinary tensors: a probe trains on them
+    assert probe.weight.grad is not None
     both = minilm.encode([sentences[2], sentences[1]])
     torch.testing.assert_close(both[1:], one)  # input order is kept whatever the internal sorting
 

@@ -485,7 +485,7 @@ class Decoder(_Stack):
             return F.linear(h, self.tok_embed.weight)  # (batch, seq, vocab_size)
         return self.lm_head(h)  # (batch, seq, vocab_size)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def generate(
         self,
         tokens: Tensor,

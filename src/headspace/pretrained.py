@@ -289,7 +289,7 @@ class PretrainedEncoder:
         """
         return self._need_tokenizer()(sentences, max_length=max_length)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def __call__(
         self,
         sentences_or_tokens: Sequence[str] | str | Tensor,
@@ -309,7 +309,7 @@ class PretrainedEncoder:
             tokens, key_padding = self.tokenize(sentences_or_tokens)
         return self.model(tokens, key_padding, token_type_ids)
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def encode(
         self,
         sentences: Sequence[str] | str,
@@ -323,7 +323,8 @@ class PretrainedEncoder:
         As sentence-transformers does for all-MiniLM-L6-v2: each sentence is truncated to
         :attr:`max_length` tokens ([CLS] and [SEP] included), sentences are sorted by length and run in
         batches of ``batch_size``, and the result comes back in the input order. A single string is a
-        list of one sentence.
+        list of one sentence. Runs under ``torch.no_grad()`` (not inference mode), so the embeddings
+        can feed a model that is trained afterwards (a probe, say).
         """
         sentences = check_sentences(sentences)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -517,7 +518,7 @@ class PretrainedDecoder:
             raise ValueError("this checkpoint folder had no tokenizer.json; pass token ids instead of text")
         return self.tokenizer(texts)[0]
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def __call__(self, tokens: Tensor | Sequence[str] | str) -> Tensor:
         """Logits [batch, seq, vocab_size] for token ids or texts."""
         if not isinstance(tokens, Tensor):
