@@ -196,3 +196,12 @@ def test_encoder_trains_on_the_task(tmp_path: Path) -> None:
     rows = [r for r in _rows(tmp_path / "e") if r["kind"] == "train"]
     assert rows[-1]["loss"] < rows[0]["loss"]
     assert result.summary is not None and len(result.final_eval["entropy"][0]) == 2
+
+
+def test_reverse_task_runs_and_summarises_its_one_relation(tmp_path: Path) -> None:
+    config = TrainConfig(**{**TINY, "task": "reverse"}, steps=6, eval_every=3)
+    result = train(config, tmp_path / "rev", progress=False)
+    assert result.summary is not None and list(result.summary["relations"]) == ["mirror"]
+    mirror = result.summary["relations"]["mirror"]
+    assert mirror["other_drop"] == 0.0 and len(mirror["head"]) == 2
+    assert len(result.final_eval["relation_mass"]["mirror"]) == 2  # two layers (the reverse default)
