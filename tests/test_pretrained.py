@@ -250,6 +250,26 @@ def test_load_bert_equals_transformers_outputs_and_gradients(tmp_path: Path) -> 
         ours.encode(["text"])
 
 
+def test_load_bert_task_checkpoint_with_prefix_and_head(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    config = transformers.BertConfig(
+        vocab_size=97,
+        hidden_size=35,
+        num_hidden_layers=2,
+        num_attention_heads=7,
+        intermediate_size=11,
+        max_position_embeddings=19,
+    )
+    ref = transformers.BertForMaskedLM(config).eval()
+    ref.save_pretrained(tmp_path / "mlm")
+    ours = load_bert(tmp_path / "mlm")
+    assert ours.pooler is None
+    assert ours.ignored and all(name.startswith("cls.") for name in ours.ignored)  # the MLM head
+    tokens = torch.randint(0, 97, (2, 5))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), ref.bert(input_ids=tokens).last_hidden_state)
+
+
 def test_load_bert_missing_files_are_named(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match=r"does not exist"):
         load_bert(tmp_path / "nowhere")

@@ -316,7 +316,7 @@ class PretrainedEncoder:
         batch_size: int = 32,
         *,
         normalize: bool = True,
-        progress: bool = False,
+        progress: bool | None = None,
     ) -> Tensor:
         """Sentence embeddings [n, d_model]: mean of the token states over real tokens, then L2-normalised.
 
@@ -324,7 +324,8 @@ class PretrainedEncoder:
         :attr:`max_length` tokens ([CLS] and [SEP] included), sentences are sorted by length and run in
         batches of ``batch_size``, and the result comes back in the input order. A single string is a
         list of one sentence. Runs under ``torch.no_grad()`` (not inference mode), so the embeddings
-        can feed a model that is trained afterwards (a probe, say).
+        can feed a model that is trained afterwards (a probe, say). ``progress``: a tqdm bar (rate,
+        ETA); None shows it when there are more than 8 batches.
         """
         sentences = check_sentences(sentences)
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
@@ -333,7 +334,7 @@ class PretrainedEncoder:
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
         out = torch.empty(len(ids), self.config.d_model)  # (n, d_model)
         starts = range(0, len(order), batch_size)
-        if progress:
+        if progress or (progress is None and len(starts) > 8):
             from tqdm.auto import tqdm
 
             starts = tqdm(starts, desc="encode", unit="batch")
