@@ -372,6 +372,25 @@ def test_load_gpt2_generation_equals_transformers_and_cache_equals_recompute(tmp
     assert torch.equal(cached, theirs)
 
 
+def test_load_gpt2_text_prompt_with_tokenizer_json(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    folder = tiny_gpt2_folder(tmp_path)
+    words = ["<unk>"] + [f"w{i}" for i in range(96)]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.save(str(folder / "tokenizer.json"))
+    ours = load_gpt2(folder)
+    ids = ours.tokenize("w5 w17 w3")
+    assert ids.tolist() == [[6, 18, 4]]
+    text = ours.generate("w5 w17 w3", 4, temperature=0)
+    expected = ours.model.generate(ids, 4, temperature=0)
+    assert text == ours.tokenizer.decode(expected[0])
+    assert text.split()[:3] == ["w5", "w17", "w3"] and len(text.split()) == 7
+    with pytest.raises(ValueError, match=r"no padding token, so a batch must hold sequences of one length"):
+        ours.tokenize(["w1 w2", "w3"])
+
+
 def test_load_gpt2_errors(tmp_path: Path) -> None:
     folder = tiny_gpt2_folder(tmp_path)
     config = json.loads((folder / "config.json").read_text())
