@@ -68,6 +68,7 @@ def test_blocked_matches_reference(
     kind: str, block_bytes: int, n_kv_heads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(fn, "BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr(fn, "FORWARD_BLOCK_BYTES", block_bytes)
     gen = torch.Generator().manual_seed(7)
     B, H, Sq, Sk, dh = 2, 6, 5, 7, 3
     if "causal" in kind:
@@ -105,20 +106,21 @@ def test_dead_rows_are_zero_with_finite_grads() -> None:
 def test_blocked_matches_reference_any_shape(
     B: int, n_kv: int, group: int, Sq: int, Sk: int, dh: int, block_bytes: int, kind: str
 ) -> None:
-    old = fn.BLOCK_BYTES
-    fn.BLOCK_BYTES = block_bytes
+    old = fn.BLOCK_BYTES, fn.FORWARD_BLOCK_BYTES
+    fn.BLOCK_BYTES = fn.FORWARD_BLOCK_BYTES = block_bytes
     try:
         gen = torch.Generator().manual_seed(B * 1000 + Sq * 10 + Sk)
         H = n_kv * group
         q, k, v = _qkv(B, H, n_kv, Sq, Sk, dh, torch.float32, gen)
         _compare(q, k, v, _mask(kind, B, H, Sq, Sk, torch.float32, gen), 0.41, True, gen)
     finally:
-        fn.BLOCK_BYTES = old
+        fn.BLOCK_BYTES, fn.FORWARD_BLOCK_BYTES = old
 
 
 @pytest.mark.parametrize("kind", ["causal+padding", "float2-dead", "bool4"])
 def test_blocked_gradcheck_float64(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(fn, "BLOCK_BYTES", 200)  # several blocks per head
+    monkeypatch.setattr(fn, "FORWARD_BLOCK_BYTES", 200)
     gen = torch.Generator().manual_seed(3)
     B, H, Hkv, Sq, Sk, dh = 2, 4, 2, 5, 5, 3
     q, k, v = _qkv(B, H, Hkv, Sq, Sk, dh, torch.float64, gen)

@@ -94,16 +94,22 @@ def reference_attention(
 # The blocked explicit kernel (need_weights=True without dropout).
 #
 # The pattern [batch, n_heads, seq_q, seq_k] is the one big tensor of the explicit path. The kernel
-# writes each block of it exactly once, in place: scores (scale folded into q), mask, softmax
-# and dead rows are applied while the block is still in cache, and the block is multiplied by v
-# before moving on. The backward pass reuses one block-sized buffer for dP -> dS
-# (dS = P * (dP - rowsum(dP * P))), so beyond the pattern itself neither pass allocates anything of
-# size seq_q x seq_k. Grouped-query attention needs no repeat_kv copies: the G query heads of one
-# key/value head are laid out as G * seq_q rows of one matrix that multiplies that head's keys.
+# writes each block of it exactly once, in place: scores (scale inside the GEMM), mask, softmax and
+# dead rows, then the block is multiplied by v. The backward pass reuses one block-sized buffer for
+# dP -> dS (dS = P * (dP - rowsum(dP * P))), so beyond the pattern and that buffer neither pass
+# allocates anything of size seq_q x seq_k. Grouped-query attention needs no repeat_kv copies: the
+# G query heads of one key/value head are laid out as G * seq_q rows of one matrix.
+#
+# Blocks are large on purpose. Small cache-sized blocks bought little (measured: the kernel already
+# runs at the sum of its GEMMs and softmax) and cost much on a busy machine, where every parallel
+# region of a 2-thread GEMM may wait for a descheduled thread (a 512 x 64 x 2048 GEMM measured 10x
+# slower with 2 threads than with 1 on a shared 2-core box): a few large GEMMs, not many small ones.
 # ---------------------------------------------------------------------------------------------------
 
-#: Target size in bytes of one block of scores; a few blocks fit in L2/L3 cache.
-BLOCK_BYTES = 4 << 20
+#: Forward block size in bytes of the pattern (the forward needs no buffer of its own).
+FORWARD_BLOCK_BYTES = 256 << 20
+#: Backward block size in bytes: the size of the one dS buffer the backward allocates.
+BLOCK_BYTES = 64 << 20
 
 #: Buffers at least this large get transparent huge pages asked for (see :func:`advise_huge_pages`).
 HUGE_PAGE_MIN_BYTES = 16 << 20
@@ -145,36 +151,40 @@ def advise_huge_pages(t: Tensor) -> None:
 Block = tuple[int, int, int, int, int, int]  # (b0, b1, h0, h1, i0, i1)
 
 
-def _samples_per_block(batch: int, n_heads: int, seq_q: int, seq_k: int, itemsize: int) -> int:
+def _samples_per_block(
+    batch: int, n_heads: int, seq_q: int, seq_k: int, itemsize: int, block_bytes: int
+) -> int:
     """How many whole samples one block holds (0 or 1: blocks stay inside one sample).
 
     Blocks of several samples need q, k, v, dO contiguous (samples and heads merge into one batch
     dimension); small problems take that copy to do a few large GEMMs instead of many tiny ones.
     """
     per_sample = n_heads * seq_q * seq_k * itemsize
-    return min(batch, BLOCK_BYTES // per_sample) if batch > 1 and per_sample <= BLOCK_BYTES // 2 else 0
+    return min(batch, block_bytes // per_sample) if batch > 1 and per_sample <= block_bytes // 2 else 0
 
 
-def _blocks(batch: int, n_heads: int, n_kv_heads: int, seq_q: int, seq_k: int, itemsize: int):
-    """Yield blocks (b0, b1, h0, h1, i0, i1) of about BLOCK_BYTES of the pattern.
+def _blocks(
+    batch: int, n_heads: int, n_kv_heads: int, seq_q: int, seq_k: int, itemsize: int, block_bytes: int
+):
+    """Yield blocks (b0, b1, h0, h1, i0, i1) of about ``block_bytes`` of the pattern.
 
     A block is either several whole samples (b1 - b0 > 1), or whole key/value groups of one sample
     (h0:h1 a multiple of the group size, all queries), or a band of queries of one head.
     """
     group = n_heads // n_kv_heads
-    n_samples = _samples_per_block(batch, n_heads, seq_q, seq_k, itemsize)
+    n_samples = _samples_per_block(batch, n_heads, seq_q, seq_k, itemsize, block_bytes)
     unit = group * seq_q * seq_k * itemsize  # one key/value group of one sample
     if n_samples > 1:
         for b0 in range(0, batch, n_samples):
             yield b0, min(batch, b0 + n_samples), 0, n_heads, 0, seq_q
-    elif unit <= BLOCK_BYTES:
-        n_units = max(1, BLOCK_BYTES // unit)
+    elif unit <= block_bytes:
+        n_units = max(1, block_bytes // unit)
         for b in range(batch):
             for g0 in range(0, n_kv_heads, n_units):
                 g1 = min(n_kv_heads, g0 + n_units)
                 yield b, b + 1, g0 * group, g1 * group, 0, seq_q
     else:
-        rows = max(1, BLOCK_BYTES // (seq_k * itemsize))
+        rows = max(1, block_bytes // (seq_k * itemsize))
         for b in range(batch):
             for h in range(n_heads):
                 for i0 in range(0, seq_q, rows):
@@ -234,7 +244,7 @@ def _blocked_forward(
     # non-BLAS path with more than one thread (about 15x slower, measured).
     out = q.new_empty(B, H, Sq, q.shape[-1])  # (B, H, Sq, dh)
     blocked, additive, dead = _mask_parts(mask, (B, H, Sq, Sk), q.device)
-    for blk in _blocks(B, H, Hkv, Sq, Sk, q.element_size()):
+    for blk in _blocks(B, H, Hkv, Sq, Sk, q.element_size(), FORWARD_BLOCK_BYTES):
         p = _block_views(pattern, blk, group, Sq)  # (g, rows, Sk)
         kb, vb = _kv_block(k, blk, group), _kv_block(v, blk, group)  # (g, Sk, dh)
         qb = _block_views(q, blk, group, Sq)  # (g, rows, dh)
@@ -273,7 +283,9 @@ def _blocked_backward(
     B, H, Sq, dh = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = H // Hkv
-    if group > 1 or _samples_per_block(B, H, Sq, Sk, q.element_size()) > 1:  # merged blocks need contiguous
+    if (
+        group > 1 or _samples_per_block(B, H, Sq, Sk, q.element_size(), BLOCK_BYTES) > 1
+    ):  # merged blocks need contiguous
         grad_out = grad_out.contiguous()
         if grad_pattern is not None:
             grad_pattern = grad_pattern.contiguous()
@@ -282,7 +294,7 @@ def _blocked_backward(
     dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device)  # (B, Hkv, Sk, dh)
     dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device)  # (B, Hkv, Sk, dh)
     buf = None
-    for blk in _blocks(B, H, Hkv, Sq, Sk, q.element_size()):
+    for blk in _blocks(B, H, Hkv, Sq, Sk, q.element_size(), BLOCK_BYTES):
         p = _block_views(pattern, blk, group, Sq)  # (g, rows, Sk)
         do = _block_views(grad_out, blk, group, Sq)  # (g, rows, dh)
         qb = _block_views(q, blk, group, Sq)  # (g, rows, dh)
@@ -343,7 +355,8 @@ def explicit_attention(
         or q.shape[1] % k.shape[1] != 0
     ):
         return reference_attention(q, k, v, mask, scale=scale, dropout_p=dropout_p)
-    if _samples_per_block(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.element_size()) > 1:
+    big = max(FORWARD_BLOCK_BYTES, BLOCK_BYTES)  # the backward reuses the saved q, k, v
+    if _samples_per_block(q.shape[0], q.shape[1], q.shape[2], k.shape[2], q.element_size(), big) > 1:
         # small problem: samples and heads merge into one batch of GEMMs (a few large ones, not many tiny)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()  # (B, H, Sq, dh), (B, Hkv, Sk, dh) x 2
     elif q.shape[1] != k.shape[1]:
