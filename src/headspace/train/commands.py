@@ -67,7 +67,7 @@ def train_command(
     task: str | None, data: str | None, level: str, arch: str, n_layers: int | None, n_heads: int | None,
     d_model: int | None, d_mlp: int | None, seq_len: int | None, batch_size: int | None, steps: int | None,
     lr: float | None, warmup: int, weight_decay: float, grad_clip: float, dropout: float,
-    eval_every: int | None, eval_batch: int, log_every: int, save_every: int, seed: int, device: str,
+    eval_every: int | None, eval_batch: int | None, log_every: int, save_every: int, seed: int, device: str,
     out: str, resume: bool, no_progress: bool,
 ) -> None:  # fmt: skip
     """Train an Encoder or Decoder and watch its heads specialise (metrics, checkpoints, summary.json)."""
