@@ -132,3 +132,12 @@ def test_bad_task_name_and_generator_arguments() -> None:
         batch_generator(0, -1)
     with pytest.raises(ValueError, match="batch_size must be >= 1; got 0"):
         RelationsTask().sample(batch_generator(0, 0), 0)
+
+
+def test_step_seed_depends_on_seed_step_and_stream_only():
+    from headspace.train.tasks import DROPOUT_STREAM, step_seed
+
+    assert step_seed(3, 10, DROPOUT_STREAM) == step_seed(3, 10, DROPOUT_STREAM)
+    seeds = {step_seed(3, s, DROPOUT_STREAM + r) for s in range(20) for r in range(4)}
+    assert len(seeds) == 80  # every (step, rank) gets its own dropout stream
+    assert step_seed(3, 10, 0) != step_seed(4, 10, 0)

@@ -12,9 +12,11 @@ a linear read-out) described by a :class:`TrainConfig` on a built-in task (:mod:
     RUN_DIR/summary.json       synthetic tasks: accuracy and, per relation, the head that serves it
 
 Determinism: the weights are initialised from ``seed``; the batch of step ``s`` is drawn from a
-generator seeded by (seed, s) only; evaluation uses its own generator and never touches the global RNG.
-A checkpoint stores the optimizer state and the RNG states, so a run killed at any step and resumed
-from its last checkpoint ends with the same weights, bit for bit, as a run never interrupted.
+generator seeded by (seed, s) only; the global RNG (dropout) is reseeded at every step from
+(seed, s, rank), so data-parallel ranks draw different dropout masks; evaluation uses its own generator
+and never touches the global RNG. A checkpoint stores the optimizer state and the RNG states, so a run
+killed at any step and resumed from its last checkpoint ends with the same weights, bit for bit, as a
+run never interrupted.
 
 Data parallel (``torchrun --nproc-per-node W -m headspace train ...``): every rank draws the same
 global batch and trains on rows ``[r B/W, (r+1) B/W)``; DDP averages the gradients, so a step equals the
@@ -58,7 +60,16 @@ from .checkpoint import (
 )
 from .data import LEVELS, TextData, load_text
 from .metrics import evaluate, relation_summary, task_loss
-from .tasks import EVAL_STREAM, TASKS, TRAIN_STREAM, Batch, batch_generator, make_task
+from .tasks import (
+    DROPOUT_STREAM,
+    EVAL_STREAM,
+    TASKS,
+    TRAIN_STREAM,
+    Batch,
+    batch_generator,
+    make_task,
+    step_seed,
+)
 
 RUN_FORMAT = "headspace-run/1"
 RUN_CONFIG = "config.json"
@@ -485,6 +496,8 @@ def _train(config: TrainConfig, out: Path, resume: bool, progress: bool, info: D
             for group in optimizer.param_groups:
                 group["lr"] = lr
             batch = source.train_batch(step).rows(local_rows.start, local_rows.stop).to(device)
+            # dropout masks: a function of (seed, step, rank), so ranks differ and a resume replays them
+            torch.manual_seed(step_seed(config.seed, step, DROPOUT_STREAM + info.rank))
             logits = wrapped(batch.tokens)  # (local_batch, seq, vocab)
             loss = task_loss(logits, batch.targets)
             optimizer.zero_grad(set_to_none=True)

@@ -48,19 +48,25 @@ IGNORE = -100  # target value meaning "no target at this position" (cross_entrop
 
 TRAIN_STREAM = 0
 EVAL_STREAM = 1
+DROPOUT_STREAM = 2  # + rank: each rank draws its own dropout masks
 
 
-def batch_generator(seed: int, step: int, stream: int = TRAIN_STREAM) -> torch.Generator:
-    """A CPU generator whose state depends only on (seed, step, stream).
+def step_seed(seed: int, step: int, stream: int = TRAIN_STREAM) -> int:
+    """A 64-bit seed that depends only on (seed, step, stream), mixed by NumPy's SeedSequence.
 
-    The seed words are mixed by NumPy's SeedSequence, so neighbouring steps get unrelated streams.
+    Neighbouring steps (and streams) get unrelated values.
     """
     for name, value in (("seed", seed), ("step", step), ("stream", stream)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ValueError(f"{name} must be a non-negative int; got {value!r}")
     state = np.random.SeedSequence([seed, step, stream]).generate_state(2, dtype=np.uint32)
+    return int(state[0]) << 32 | int(state[1])
+
+
+def batch_generator(seed: int, step: int, stream: int = TRAIN_STREAM) -> torch.Generator:
+    """A CPU generator whose state depends only on (seed, step, stream) (see :func:`step_seed`)."""
     g = torch.Generator(device="cpu")
-    g.manual_seed(int(state[0]) << 32 | int(state[1]))
+    g.manual_seed(step_seed(seed, step, stream))
     return g
 
 
