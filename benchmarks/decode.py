@@ -16,11 +16,9 @@ the same logits. Target: the cached step at position 1024 within 1.5x of the one
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -28,16 +26,9 @@ import torch
 from tqdm import tqdm
 
 from headspace import Decoder, ModelConfig
+from headspace.fileio import write_json
 
 POSITIONS = (64, 128, 256, 512, 1024)
-
-
-def write_json_atomic(data: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
 
 
 def timed(fn, repeats: int) -> list[float]:
@@ -124,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         f"\nposition 1024 / position 64 (cached): {ratio:.2f}x "
         f"(target <= {target}x: {'met' if ratio <= target else 'NOT met'})"
     )
-    write_json_atomic(
+    write_json(
+        Path(a.out),
         {
             "benchmark": "decode",
             "config": config.to_dict(),
@@ -138,7 +130,6 @@ def main(argv: list[str] | None = None) -> int:
             "target": target,
             "target_met": ratio <= target,
         },
-        Path(a.out),
     )
     print(f"wrote {a.out}")
     return 0

@@ -13,12 +13,10 @@ in rotating order; the table quotes medians.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -28,6 +26,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from headspace import load
+from headspace.fileio import write_json
 from headspace.pretrained import minilm_path
 
 WORDS = (
@@ -73,14 +72,6 @@ def embed_transformers(
             mean = (states * mask).sum(1) / mask.sum(1).clamp(min=1e-9)  # (b, d_model)
             out[rows] = F.normalize(mean, dim=1)
     return out
-
-
-def write_json_atomic(data: dict, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        json.dump(data, f, indent=2)
-    os.replace(tmp, path)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -165,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
         f"(target >= {target}x: {'met' if speedup >= target else 'NOT met'})"
     )
     load_avg = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
-    write_json_atomic(
+    write_json(
+        Path(a.out),
         {
             "benchmark": "encode",
             "sentences": a.sentences,
@@ -185,7 +177,6 @@ def main(argv: list[str] | None = None) -> int:
             "target": target,
             "target_met": speedup >= target,
         },
-        Path(a.out),
     )
     print(f"wrote {a.out}")
     return 0

@@ -6,7 +6,6 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -14,6 +13,8 @@ from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
+
+from ..fileio import write_atomic
 
 
 @dataclass
@@ -146,21 +147,6 @@ def to_plain(value: Any) -> Any:
     return value
 
 
-def write_json_atomic(path: str | os.PathLike[str], text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file in the same folder and ``os.replace``."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 class JsonResult:
     """Mixin for result dataclasses: ``to_dict()`` (tensors as lists, NaN as None) and ``to_json()``."""
 
@@ -174,5 +160,5 @@ class JsonResult:
         """The JSON text of :meth:`to_dict`; also written atomically to ``path`` when given."""
         text = json.dumps(self.to_dict(), indent=indent)
         if path is not None:
-            write_json_atomic(path, text)
+            write_atomic(path, text, make_parents=True)
         return text

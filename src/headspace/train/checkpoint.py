@@ -38,6 +38,8 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor, nn
 
+from ..fileio import fsync_dir, write_atomic, write_file_synced
+
 FORMAT = "headspace-checkpoint/1"
 CONFIG_FILE = "config.json"
 MODEL_FILE = "model.safetensors"
@@ -52,40 +54,9 @@ class CheckpointError(ValueError):
 
 
 # ------------------------------------------------------------------------------------------ writing helpers
-def _write_file(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` and flush it to disk (the one place bytes reach the disk)."""
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
-
-
-def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> None:
-    """Write one file atomically: a temporary file in the same folder, then ``os.replace``."""
-    path = Path(path)
-    raw = data.encode("utf-8") if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        _write_file(Path(tmp), raw)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+# (the checkpoint folder's files go through _write_file, which tests replace to simulate a full disk)
+_write_file = write_file_synced
+_fsync_dir = fsync_dir
 
 
 def _json_bytes(obj: Any) -> bytes:

@@ -12,7 +12,6 @@ import html
 import json
 import os
 import re
-import tempfile
 import threading
 from collections.abc import Callable, Sequence
 from functools import cache
@@ -24,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ...fileio import write_atomic
 from .data import build_page_data, capture_layers
 
 _PLACEHOLDERS = re.compile(r"/\*__CSS__\*/|/\*__JS__\*/|__DATA__|__TITLE__")
@@ -61,15 +61,7 @@ def write_page(path: str | os.PathLike[str], page: str) -> Path:
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise ValueError(f"output folder {str(folder)!r} does not exist (for output file {str(path)!r})")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(page)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, page)
     return path
 
 
