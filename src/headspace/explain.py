@@ -161,35 +161,35 @@ def find_token(tokens: list[str], token: str | int) -> int:
 
 
 def record(model: nn.Module, run: Callable[[], Any]) -> dict[str, list[Tensor]]:
-    """Run ``run()`` with every attention layer's hook points recording; return the values per layer.
+    """Run ``run()`` under :func:`headspace.trace` of every attention layer; return the values per layer.
 
-    Keys: ``input`` (the attention's query input [batch, seq, d_model]) and ``q, k, v, scores, pattern,
-    z, result`` (the hook points' values, shapes as in :class:`~headspace.MultiHeadAttention`).
+    Keys: ``input`` (the attention's query input [batch, seq, d_model], after the block's LayerNorm in
+    pre-LN models) and ``q, k, v, scores, pattern, z, result`` (the hook points' values, shapes as in
+    :class:`~headspace.MultiHeadAttention`).
     """
+    from .trace import trace
+
     layers = _attention_layers(model)
+    inputs: list[Tensor | None] = [None] * len(layers)
+
+    def grab_input(i: int) -> Callable[..., None]:
+        def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> None:
+            inputs[i] = args[0].detach().clone()
+
+        return hook
+
+    handles = [
+        attn.register_forward_pre_hook(grab_input(i), with_kwargs=True) for i, attn in enumerate(layers)
+    ]
     names = ("q", "k", "v", "scores", "pattern", "z", "result")
-    rec: dict[str, list[Tensor]] = {n: [None] * len(layers) for n in (*names, "input")}  # type: ignore[misc]
-    removers: list[Callable[[], None]] = []
-    handles = []
-    for i, attn in enumerate(layers):
-        for n in names:
-
-            def grab(value: Tensor, _point: Any, n: str = n, i: int = i) -> None:
-                rec[n][i] = value.detach().clone()
-
-            removers.append(getattr(attn, f"hook_{n}").add(grab))
-
-        def grab_input(_mod: nn.Module, args: tuple, kwargs: dict, i: int = i) -> None:
-            rec["input"][i] = args[0].detach().clone()
-
-        handles.append(attn.register_forward_pre_hook(grab_input, with_kwargs=True))
     try:
-        run()
+        with trace(model, [f"hook_{n}" for n in names]) as t:
+            run()
     finally:
-        for r in removers:
-            r()
         for h in handles:
             h.remove()
+    rec = {n: [t.act(n, i) for i in range(len(layers))] for n in names}
+    rec["input"] = inputs  # type: ignore[assignment]
     return rec
 
 
