@@ -110,6 +110,9 @@ def reference_attention(
 FORWARD_BLOCK_BYTES = 256 << 20
 #: Backward block size in bytes: the size of the one dS buffer the backward allocates.
 BLOCK_BYTES = 64 << 20
+#: Samples are merged into one block (at the price of contiguous copies of q, k, v) only while one
+#: sample's pattern is at most this large: beyond it the copies would raise the peak memory.
+MERGE_SAMPLES_MAX_BYTES = 8 << 20
 
 #: Buffers at least this large get transparent huge pages asked for (see :func:`advise_huge_pages`).
 HUGE_PAGE_MIN_BYTES = 16 << 20
@@ -160,7 +163,9 @@ def _samples_per_block(
     dimension); small problems take that copy to do a few large GEMMs instead of many tiny ones.
     """
     per_sample = n_heads * seq_q * seq_k * itemsize
-    return min(batch, block_bytes // per_sample) if batch > 1 and per_sample <= block_bytes // 2 else 0
+    if batch < 2 or per_sample > min(block_bytes // 2, MERGE_SAMPLES_MAX_BYTES):
+        return 0
+    return min(batch, block_bytes // per_sample)
 
 
 def _blocks(
@@ -283,9 +288,8 @@ def _blocked_backward(
     B, H, Sq, dh = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = H // Hkv
-    if (
-        group > 1 or _samples_per_block(B, H, Sq, Sk, q.element_size(), BLOCK_BYTES) > 1
-    ):  # merged blocks need contiguous
+    merged = _samples_per_block(B, H, Sq, Sk, q.element_size(), BLOCK_BYTES) > 1
+    if group > 1 or merged:  # heads merged into rows, or samples merged: contiguous layouts needed
         grad_out = grad_out.contiguous()
         if grad_pattern is not None:
             grad_pattern = grad_pattern.contiguous()
