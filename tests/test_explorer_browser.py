@@ -32,7 +32,7 @@ if not (Path(CHROMIUM).is_file() and shutil.which(CHROMIUM)):
     if os.environ.get("HEADSPACE_REQUIRE_BROWSER"):
         raise RuntimeError(f"HEADSPACE_REQUIRE_BROWSER is set but no Chromium at {CHROMIUM}")
     pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium)", allow_module_level=True)
-sync_api = pytest.importorskip("playwright.sync_api")
+from playwright import sync_api  # noqa: E402 - the [dev] extra; never downloads a browser
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -157,7 +157,8 @@ def test_click_layer_head_token_shows_the_traced_numbers(shown: Watched, referen
 
 
 def test_page_weights_equal_hugging_face_attentions(shown: Watched, minilm: Any) -> None:
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     from headspace.pretrained import minilm_path
 
     hf = transformers.BertModel.from_pretrained(str(minilm_path()), attn_implementation="eager").eval()

@@ -19,7 +19,6 @@ from headspace.compat import MultiheadAttention as CompatMHA
 B, S, H, DH = 3, 5, 2, 7
 D = H * DH
 
-transformers = pytest.importorskip("transformers")  # a test-only dependency (the [dev] extra)
 from transformers import BertConfig, GPT2Config  # noqa: E402
 from transformers.models.bert.modeling_bert import BertAttention, BertModel  # noqa: E402
 from transformers.models.gpt2.modeling_gpt2 import GPT2Attention, GPT2Model  # noqa: E402

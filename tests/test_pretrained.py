@@ -13,14 +13,13 @@ import json
 from pathlib import Path
 
 import pytest
+import sentence_transformers
 import torch
+import transformers
 from safetensors.torch import load_file, save_file
 
 import headspace
 from headspace.pretrained import PretrainedDecoder, PretrainedEncoder, load, load_bert, load_gpt2, minilm_path
-
-transformers = pytest.importorskip("transformers")
-sentence_transformers = pytest.importorskip("sentence_transformers")
 
 MAX_ABS = 1e-5  # the bound for embeddings and attention patterns (max absolute difference)
 
