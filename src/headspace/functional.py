@@ -24,8 +24,6 @@ Backends:
 
 from __future__ import annotations
 
-import ctypes
-import sys
 from collections.abc import Callable
 
 import torch
@@ -113,43 +111,6 @@ BLOCK_BYTES = 64 << 20
 #: Samples are merged into one block (at the price of contiguous copies of q, k, v) only while one
 #: sample's pattern is at most this large: beyond it the copies would raise the peak memory.
 MERGE_SAMPLES_MAX_BYTES = 8 << 20
-
-#: Buffers at least this large get transparent huge pages asked for (see :func:`advise_huge_pages`).
-HUGE_PAGE_MIN_BYTES = 16 << 20
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
-_madvise: Callable[..., int] | None = None
-
-
-def advise_huge_pages(t: Tensor) -> None:
-    """Ask Linux for transparent huge pages under a fresh, large CPU tensor, before its first touch.
-
-    A freshly allocated buffer is mapped page by page on first write; for a 4 KiB page that fault
-    costs about as much as writing the page, so filling a new 1 GiB pattern costs more in faults than
-    in softmax. ``madvise(MADV_HUGEPAGE)`` on the 2 MiB-aligned interior of the buffer cuts the faults
-    512-fold where the kernel allows it (``/sys/kernel/mm/transparent_hugepage/enabled`` = always or
-    madvise). Only memory inside the tensor is touched; anywhere else (other OS, GPU, small tensors,
-    no libc) this does nothing.
-    """
-    global _madvise
-    n = t.numel() * t.element_size()
-    if t.device.type != "cpu" or n < HUGE_PAGE_MIN_BYTES or not sys.platform.startswith("linux"):
-        return
-    if _madvise is None:
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            fn = libc.madvise
-            fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-            fn.restype = ctypes.c_int
-            _madvise = fn
-        except (OSError, AttributeError):
-            _madvise = lambda *args: -1  # noqa: E731  (no libc: never try again)
-    start = t.data_ptr()
-    lo = -(-start // _HUGE_PAGE) * _HUGE_PAGE  # first 2 MiB boundary inside the buffer
-    hi = (start + n) // _HUGE_PAGE * _HUGE_PAGE  # last one
-    if hi > lo:
-        _madvise(lo, hi - lo, _MADV_HUGEPAGE)  # a refusal (e.g. THP disabled) just leaves 4 KiB pages
-
 
 Block = tuple[int, int, int, int, int, int]  # (b0, b1, h0, h1, i0, i1)
 
@@ -244,7 +205,6 @@ def _blocked_forward(
     Hkv, Sk = k.shape[1], k.shape[2]
     group = H // Hkv
     pattern = q.new_empty(B, H, Sq, Sk)
-    advise_huge_pages(pattern)
     # Contiguous on purpose: torch.bmm(out=) into a strided (heads-last) block takes a slow
     # non-BLAS path with more than one thread (about 15x slower, measured).
     out = q.new_empty(B, H, Sq, q.shape[-1])  # (B, H, Sq, dh)
