@@ -23,17 +23,10 @@ from tqdm import tqdm
 
 import headspace
 from headspace.viz.explorer import Explorer
+from headspace.viz.explorer.page import HEADLESS_CHROMIUM_ARGS
 
 os.environ.setdefault("PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1")
-LAUNCH_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
+LAUNCH_ARGS = list(HEADLESS_CHROMIUM_ARGS)
 TEXT = (
     "Attention lets every token look at every other token. Each head projects the tokens into its own "
     "small subspace with W_Q, W_K and W_V, scores the pairs, and W_O mixes what the heads found. "

@@ -25,6 +25,7 @@ import headspace
 from headspace import trace
 from headspace.cli import cli
 from headspace.viz.explorer import Explorer
+from headspace.viz.explorer.page import HEADLESS_CHROMIUM_ARGS
 
 os.environ.setdefault("PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1")
 CHROMIUM = os.environ.get("HEADSPACE_CHROMIUM", "/usr/bin/chromium")
@@ -38,15 +39,7 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 SENTENCE = "The cat sat on the mat because it was tired."
 LAYER, HEAD, TOKEN = 2, 5, 8  # token 8 is "it" ([CLS] the cat sat on the mat because it ...)
-LAUNCH_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
+LAUNCH_ARGS = list(HEADLESS_CHROMIUM_ARGS)
 
 
 @pytest.fixture(scope="module")

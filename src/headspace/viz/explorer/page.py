@@ -26,6 +26,18 @@ from torch import Tensor, nn
 from ...fileio import write_atomic
 from .data import build_page_data, capture_layers
 
+#: Flags for opening the page in a headless Chromium with no network at all (the browser test and
+#: benchmarks/explorer.py use them): no sandbox (root), no GPU, no background requests of its own.
+HEADLESS_CHROMIUM_ARGS = (
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+)
+
 _PLACEHOLDERS = re.compile(r"/\*__CSS__\*/|/\*__JS__\*/|__DATA__|__TITLE__")
 
 
