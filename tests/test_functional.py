@@ -61,6 +61,32 @@ def _compare(
         torch.testing.assert_close(a, b, msg=lambda m, name=name: f"d{name}: {m}")
 
 
+@pytest.mark.parametrize("which", ["out", "pattern"])
+def test_blocked_backward_with_one_output_unused(which: str) -> None:
+    """Only one of (out, pattern) reaches the loss: the unused one's gradient is never materialised
+    (None reaches the kernel), and the gradients still equal the reference's."""
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = _qkv(2, 6, 2, 5, 7, 3, torch.float64, gen)
+    mask = _mask("padding", 2, 6, 5, 7, torch.float64, gen)
+    used = {"out": 0, "pattern": 1}[which]
+    got_out = fn.explicit_attention(q, k, v, mask, scale=0.37)[used]
+    want_out = fn.reference_attention(q, k, v, mask, scale=0.37)[used]
+    g = torch.randn(got_out.shape, generator=gen, dtype=torch.float64)
+    got = torch.autograd.grad(got_out, (q, k, v), g, allow_unused=True, materialize_grads=True)
+    want = torch.autograd.grad(want_out, (q, k, v), g, allow_unused=True, materialize_grads=True)
+    for name, a, b in zip("qkv", got, want):
+        torch.testing.assert_close(a, b, msg=lambda m, name=name: f"d{name}: {m}")
+    seen = []
+    real = fn._blocked_backward
+    try:
+        fn._blocked_backward = lambda go, gp, *rest: seen.append((go is None, gp is None)) or real(go, gp, *rest)
+        out, pattern = fn.explicit_attention(q, k, v, mask, scale=0.37)
+        (out if which == "out" else pattern).backward(g)
+    finally:
+        fn._blocked_backward = real
+    assert seen == [(False, True)] if which == "out" else seen == [(False, False)]
+
+
 @pytest.mark.parametrize("kind", MASK_KINDS)
 @pytest.mark.parametrize("block_bytes", [96, 600, 1 << 20], ids=["bands", "groups", "samples"])
 @pytest.mark.parametrize("n_kv_heads", [6, 2, 1], ids=["mha", "gqa", "mqa"])

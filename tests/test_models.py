@@ -14,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from headspace import Decoder, Encoder, ModelConfig
+from headspace.block import Workspace
 from headspace.hooks import name_hook_points
 
 B, S, H, DH, V, L = 2, 3, 7, 5, 13, 2  # batch, seq, n_heads, d_head, vocab, layers: distinct primes
@@ -155,6 +156,35 @@ def test_encoder_infer_equals_forward(kw: dict) -> None:
     with torch.inference_mode():
         model.infer(tokens, key_padding)  # a hook is active: infer falls back to forward, the hook fires
     assert len(seen) == 1
+
+
+@pytest.mark.parametrize("kw", [{}, {"norm": "pre", "act": "gelu_tanh"}, {"bias": False}])
+def test_encoder_infer_shared_workspace(kw: dict) -> None:
+    """One workspace reused across calls of different shapes: results equal forward, the input is
+    never written, and a returned tensor is never workspace memory (a later call leaves it alone)."""
+    model = Encoder(encoder_config(**kw)).eval()
+    ws = Workspace()
+    shapes = [(5, 11), (B, 7), (3, 13)]  # grows, shrinks, grows again
+    with torch.inference_mode():
+        results = []
+        for batch, seq in shapes:
+            tokens = torch.randint(0, V, (batch, seq))
+            pad = torch.ones(batch, seq, dtype=torch.bool)
+            pad[0, seq // 2 :] = False
+            out = model.infer(tokens, pad, workspace=ws)
+            torch.testing.assert_close(out, model(tokens, pad))
+            results.append((tokens, pad, out, out.clone()))
+        for _, _, out, copy in results:
+            assert torch.equal(out, copy)
+        block = model.blocks[0]
+        x = torch.randn(B, 7, D)
+        x_before = x.clone()
+        first = block.infer(x, None, ws)
+        torch.testing.assert_close(first, block(x))
+        assert torch.equal(x, x_before)
+        kept = first.clone()
+        block.infer(torch.randn(B, 7, D), None, ws)
+        assert torch.equal(first, kept)
 
 
 def test_encoder_bad_inputs_name_the_argument() -> None:

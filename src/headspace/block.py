@@ -28,6 +28,37 @@ ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
 NORMS = ("post", "pre")
 
 
+class Workspace:
+    """Scratch matrices that the blocks of an inference pass reuse instead of allocating afresh.
+
+    A large fresh allocation comes from the operating system untouched, so the first write to each of
+    its pages faults; for the [tokens, d_mlp] MLP matrix of a batch that costs as much as a pass over
+    it. :meth:`headspace.Encoder.infer` passes one workspace to every block, and
+    :meth:`~headspace.pretrained.PretrainedEncoder.encode` one to every batch, so that memory is
+    faulted in once. Buffers grow to the largest request and are kept; contents are garbage between
+    uses.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, Tensor] = {}
+
+    def matrix(self, name: str, rows: int, cols: int, like: Tensor) -> Tensor:
+        """A [rows, cols] matrix of ``like``'s dtype and device (uninitialised), named ``name``."""
+        n = rows * cols
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() < n or buf.dtype != like.dtype or buf.device != like.device:
+            buf = torch.empty(n, dtype=like.dtype, device=like.device)
+            self._buffers[name] = buf
+        return buf[:n].view(rows, cols)
+
+    def linear(self, name: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        """``x W^T + b`` ([rows, in] -> [rows, out]) written into the matrix ``name``."""
+        out = self.matrix(name, x.shape[0], weight.shape[0], x)  # (rows, out)
+        if bias is None:
+            return torch.mm(x, weight.t(), out=out)
+        return torch.addmm(bias, x, weight.t(), out=out)
+
+
 def make_activation(act: str) -> nn.Module:
     """``"gelu"`` (exact, erf: BERT), ``"gelu_tanh"`` (tanh approximation: GPT-2's gelu_new), ``"relu"``."""
     if act == "gelu":
@@ -206,13 +237,15 @@ class TransformerBlock(nn.Module):
     def extra_repr(self) -> str:
         return f"norm={self.norm!r}"
 
-    def infer(self, x: Tensor, attn_mask: Tensor | None = None) -> Tensor:
+    def infer(self, x: Tensor, attn_mask: Tensor | None = None, workspace: Workspace | None = None) -> Tensor:
         """Inference-only forward with fewer passes over memory; same result as :meth:`forward`.
 
         The residual add is fused into the output GEMMs (``x + z W_O^T`` and ``h + a W_out^T`` by
-        ``addmm`` into a copy of the residual), the activation runs in place, and no hook point fires.
-        Used by :meth:`headspace.Encoder.infer`; call it only without autograd, in eval mode and with
-        no hook active (the caller checks).
+        ``addmm``), the activation runs in place, the QKV, residual and MLP matrices are written into
+        ``workspace`` (memory the caller reuses across blocks and batches, instead of fresh memory
+        the kernel must fault in page by page), and no hook point fires. ``x`` is never written to
+        and the result never lies in ``workspace``. Used by :meth:`headspace.Encoder.infer`; call it
+        only without autograd, in eval mode and with no hook active (the caller checks).
 
         Notation used for tensor shapes:
             batch, seq, d_model, d_mlp, n_heads, n_kv_heads, d_head.
@@ -220,6 +253,7 @@ class TransformerBlock(nn.Module):
         Args:
             x: [batch, seq, d_model].
             attn_mask: None or bool [batch, 1, 1, seq] (True = real key), as sdpa takes it.
+            workspace: scratch memory to reuse (None: a fresh one for this call).
 
         Returns:
             [batch, seq, d_model].
@@ -227,27 +261,32 @@ class TransformerBlock(nn.Module):
         B, S, d = x.shape
         a, mlp = self.attn, self.mlp
         H, Hkv, dh = a.n_heads, a.n_kv_heads, a.d_head
-        x2 = x.reshape(B * S, d)  # (B S, d_model)
+        ws = Workspace() if workspace is None else workspace
+        N = B * S
+        x2 = x.reshape(N, d)  # (B S, d_model)
         src = F.layer_norm(x2, (d,), self.ln1.weight, self.ln1.bias, self.ln1.eps) if self.pre_ln else x2
-        qkv = F.linear(src, a.qkv_weight, a.qkv_bias)  # (B S, (H + 2 Hkv) dh)
+        qkv = ws.linear("qkv", src, a.qkv_weight, a.qkv_bias)  # (B S, (H + 2 Hkv) dh)
         qkv = qkv.view(B, S, H + 2 * Hkv, dh).transpose(1, 2)  # (B, H + 2 Hkv, S, dh)
         q, k, v = qkv.split([H, Hkv, Hkv], dim=1)  # (B, H, S, dh), (B, Hkv, S, dh) x 2
         z = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, scale=a.scale, enable_gqa=Hkv != H
-        )  # (B, H, S, dh)
-        z = z.transpose(1, 2).reshape(B * S, H * dh)  # (B S, H dh): heads concatenated
-        h = torch.addmm(x2, z, a.o_weight.t())  # (B S, d_model): x + z W_O^T
+        )  # (B, H, S, dh), stored as (B, S, H, dh)
+        z = z.transpose(1, 2).reshape(N, H * dh)  # (B S, H dh): heads concatenated (a view)
+        h = torch.addmm(x2, z, a.o_weight.t(), out=ws.matrix("h", N, d, x))  # (B S, d_model): x + z W_O^T
         if a.o_bias is not None:
             h += a.o_bias
         if not self.pre_ln:
-            h = F.layer_norm(h, (d,), self.ln1.weight, self.ln1.bias, self.ln1.eps)
+            h = F.layer_norm(h, (d,), self.ln1.weight, self.ln1.bias, self.ln1.eps)  # fresh, not ws
         src = F.layer_norm(h, (d,), self.ln2.weight, self.ln2.bias, self.ln2.eps) if self.pre_ln else h
-        u = F.linear(src, mlp.fc_in.weight, mlp.fc_in.bias)  # (B S, d_mlp)
+        u = ws.linear("mlp", src, mlp.fc_in.weight, mlp.fc_in.bias)  # (B S, d_mlp)
         if mlp.act_name == "relu":
             u.relu_()
         else:
             torch.ops.aten.gelu_(u, approximate="tanh" if mlp.act_name == "gelu_tanh" else "none")
-        out = torch.addmm(h, u, mlp.fc_out.weight.t())  # (B S, d_model): h + act(u) W_out^T
+        if self.pre_ln:
+            out = torch.addmm(h, u, mlp.fc_out.weight.t())  # (B S, d_model): h + act(u) W_out^T, fresh
+        else:
+            out = h.addmm_(u, mlp.fc_out.weight.t())  # (B S, d_model): in place on LN1's fresh output
         if mlp.fc_out.bias is not None:
             out += mlp.fc_out.bias
         if not self.pre_ln:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import KVCache, resolve_head_dims
-from .block import ACTIVATIONS, NORMS, TransformerBlock
+from .block import ACTIVATIONS, NORMS, TransformerBlock, Workspace
 from .hooks import HookPoint
 from .masks import check_key_padding
 
@@ -361,9 +361,18 @@ class Encoder(_Stack):
         return x
 
     def infer(
-        self, tokens: Tensor, key_padding: Tensor | None = None, token_type_ids: Tensor | None = None
+        self,
+        tokens: Tensor,
+        key_padding: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+        *,
+        workspace: Workspace | None = None,
     ) -> Tensor:
         """:meth:`forward` for inference: the same token states with fewer passes over memory.
+
+        The blocks share one :class:`~headspace.block.Workspace` for their large intermediate
+        matrices; pass your own ``workspace`` to keep that memory across calls (as ``encode`` does
+        across batches). The returned tensor is always fresh memory, never part of the workspace.
 
         Falls back to :meth:`forward` whenever the fast path could differ from it: with autograd on,
         in training mode (dropout), while any hook point has a function, or with ``check_finite`` set.
@@ -375,6 +384,7 @@ class Encoder(_Stack):
             tokens: int64 [batch, seq] token ids.
             key_padding: bool [batch, seq], True for real tokens (None: every token is real).
             token_type_ids: int64 [batch, seq] segment ids (None: all segment 0).
+            workspace: scratch memory to reuse (None: a fresh one for this call).
 
         Returns:
             hidden states [batch, seq, d_model].
@@ -396,9 +406,10 @@ class Encoder(_Stack):
                 if not bool(key_padding.any(dim=1).all()):
                     return self(tokens, key_padding)  # a sample with no real token: forward's dead-row rule
                 mask = key_padding[:, None, None, :]  # (batch, 1, 1, seq)
+        ws = Workspace() if workspace is None else workspace
         x = self.embed(tokens).contiguous()  # (batch, seq, d_model)
         for block in self.blocks:
-            x = block.infer(x, mask)  # (batch, seq, d_model)
+            x = block.infer(x, mask, ws)  # (batch, seq, d_model)
         if self.ln_final is not None:
             x = self.ln_final(x)
         return x

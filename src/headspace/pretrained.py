@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from . import layouts
+from .block import Workspace
 from .models import Decoder, Encoder, ModelConfig
 from .tokenization import TextTokenizer, check_sentences
 
@@ -351,10 +352,11 @@ class PretrainedEncoder:
             from tqdm.auto import tqdm
 
             starts = tqdm(starts, desc="encode", unit="batch")
+        workspace = Workspace()  # one scratch memory for every batch (the first, longest, sizes it)
         for start in starts:
             rows = order[start : start + batch_size]
             tokens, key_padding = self.tokenizer.pad([ids[i] for i in rows])  # (b, seq) x 2
-            states = self.model.infer(tokens, key_padding)  # (b, seq, d_model)
+            states = self.model.infer(tokens, key_padding, workspace=workspace)  # (b, seq, d_model)
             out[rows] = self.pool(states, key_padding, normalize=normalize)
         return out
 
