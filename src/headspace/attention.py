@@ -12,6 +12,7 @@ from .functional import attention_pattern, attention_scores, get_backend, repeat
 from .heads import Head, HeadList
 from .hooks import HookPoint
 from .masks import CanonicalMask, canonical_mask
+from .workspace import THREAD_SCRATCH_MIN_BYTES, Workspace, thread_workspace
 
 
 def _shape(t: Tensor) -> list[int]:
@@ -407,16 +408,28 @@ class MultiHeadAttention(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def project_qkv(
-        self, query: Tensor, key: Tensor | None = None, value: Tensor | None = None
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        workspace: Workspace | None = None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """The per-head projections.
+
+        ``workspace``: self-attention only: write the fused projection into its ``"qkv"`` matrix
+        instead of fresh memory; q, k, v are then views of the workspace, valid until its next use.
 
         Returns q [batch, n_heads, seq_q, d_head] and k, v [batch, n_kv_heads, seq_k, d_head].
         """
         B, Sq, _ = query.shape
         H, Hkv, dh = self.n_heads, self.n_kv_heads, self.d_head
         if key is None and self.fused:
-            qkv = F.linear(query, self.qkv_weight, self.qkv_bias)  # (B, Sq, (H + 2 Hkv) dh)
+            if workspace is None:
+                qkv = F.linear(query, self.qkv_weight, self.qkv_bias)  # (B, Sq, (H + 2 Hkv) dh)
+            else:
+                x2 = query.reshape(B * Sq, query.shape[-1])  # (B Sq, d_model)
+                qkv = workspace.linear("qkv", x2, self.qkv_weight, self.qkv_bias)  # (B Sq, (H + 2 Hkv) dh)
             qkv = qkv.view(B, Sq, H + 2 * Hkv, dh).transpose(1, 2)  # (B, H + 2 Hkv, Sq, dh)
             q, k, v = qkv.split([H, Hkv, Hkv], dim=1)  # (B, H, Sq, dh), (B, Hkv, Sq, dh) x 2
             return q, k, v
@@ -525,8 +538,16 @@ class MultiHeadAttention(nn.Module):
                 return out, query.new_zeros(B, H, Sq, seq_k)
             return out
 
-        q, k, v = self.project_qkv(query, None if self_attention else k_in, None if self_attention else v_in)
         traced = self.hooks_active
+        scratch = None
+        if self._may_use_thread_workspace(query, self_attention, traced, kv_cache):
+            scratch = thread_workspace()  # q, k, v below are views of it, dead before this call returns
+        q, k, v = self.project_qkv(
+            query,
+            None if self_attention else k_in,
+            None if self_attention else v_in,
+            workspace=scratch,
+        )
         if traced:
             q = self.hook_q(q.transpose(1, 2)).transpose(1, 2)  # (B, H, Sq, dh)
             k = self.hook_k(k.transpose(1, 2)).transpose(1, 2)  # (B, Hkv, Sk_new, dh)
@@ -550,6 +571,28 @@ class MultiHeadAttention(nn.Module):
         if need_weights:
             return out, pattern
         return out
+
+    def _may_use_thread_workspace(
+        self, query: Tensor, self_attention: bool, traced: bool, kv_cache: KVCache | None
+    ) -> bool:
+        """Whether the fused QKV projection may go to the thread's workspace (see :mod:`headspace.workspace`).
+
+        Only when nothing can keep a reference to it past this call: self-attention on the CPU, no
+        autograd graph (it would save the projection for backward), no hook (a hook may keep q, k or
+        v), no KV cache (it may keep the new keys and values); and only when large enough to gain.
+        """
+        if not (self_attention and self.fused) or traced or kv_cache is not None:
+            return False
+        if query.device.type != "cpu":
+            return False
+        if torch.is_grad_enabled() and (
+            query.requires_grad
+            or self.qkv_weight.requires_grad
+            or (self.qkv_bias is not None and self.qkv_bias.requires_grad)
+        ):
+            return False
+        n_out = self.qkv_weight.shape[0]
+        return query.numel() // query.shape[-1] * n_out * query.element_size() >= THREAD_SCRATCH_MIN_BYTES
 
     def _traced_forward(
         self, q: Tensor, k: Tensor, v: Tensor, mask: CanonicalMask, dropout_p: float

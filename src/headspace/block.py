@@ -21,42 +21,12 @@ from torch import Tensor, nn
 
 from .attention import KVCache, MultiHeadAttention
 from .hooks import HookPoint
+from .workspace import Workspace
 
 #: Activation names accepted by :class:`FeedForward` and the models' configs.
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
 #: Residual/LayerNorm arrangements accepted by :class:`TransformerBlock`.
 NORMS = ("post", "pre")
-
-
-class Workspace:
-    """Scratch matrices that the blocks of an inference pass reuse instead of allocating afresh.
-
-    A large fresh allocation comes from the operating system untouched, so the first write to each of
-    its pages faults; for the [tokens, d_mlp] MLP matrix of a batch that costs as much as a pass over
-    it. :meth:`headspace.Encoder.infer` passes one workspace to every block, and
-    :meth:`~headspace.pretrained.PretrainedEncoder.encode` one to every batch, so that memory is
-    faulted in once. Buffers grow to the largest request and are kept; contents are garbage between
-    uses.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, Tensor] = {}
-
-    def matrix(self, name: str, rows: int, cols: int, like: Tensor) -> Tensor:
-        """A [rows, cols] matrix of ``like``'s dtype and device (uninitialised), named ``name``."""
-        n = rows * cols
-        buf = self._buffers.get(name)
-        if buf is None or buf.numel() < n or buf.dtype != like.dtype or buf.device != like.device:
-            buf = torch.empty(n, dtype=like.dtype, device=like.device)
-            self._buffers[name] = buf
-        return buf[:n].view(rows, cols)
-
-    def linear(self, name: str, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        """``x W^T + b`` ([rows, in] -> [rows, out]) written into the matrix ``name``."""
-        out = self.matrix(name, x.shape[0], weight.shape[0], x)  # (rows, out)
-        if bias is None:
-            return torch.mm(x, weight.t(), out=out)
-        return torch.addmm(bias, x, weight.t(), out=out)
 
 
 def make_activation(act: str) -> nn.Module:

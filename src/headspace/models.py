@@ -24,9 +24,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import KVCache, resolve_head_dims
-from .block import ACTIVATIONS, NORMS, TransformerBlock, Workspace
+from .block import ACTIVATIONS, NORMS, TransformerBlock
 from .hooks import HookPoint
 from .masks import check_key_padding
+from .workspace import Workspace
 
 ARCHS = ("encoder", "decoder")
 
