@@ -79,7 +79,12 @@ def test_blocked_backward_with_one_output_unused(which: str) -> None:
     seen = []
     real = fn._blocked_backward
     try:
-        fn._blocked_backward = lambda go, gp, *rest: seen.append((go is None, gp is None)) or real(go, gp, *rest)
+
+        def spy(go, gp, *rest):
+            seen.append((go is None, gp is None))
+            return real(go, gp, *rest)
+
+        fn._blocked_backward = spy
         out, pattern = fn.explicit_attention(q, k, v, mask, scale=0.37)
         (out if which == "out" else pattern).backward(g)
     finally:

@@ -262,6 +262,71 @@ def test_generate_with_cache_equals_full_recompute() -> None:
         assert torch.equal(cached, full), kwargs
 
 
+LENGTHS = (5, 2, 3)  # a ragged batch of prompts: distinct lengths, the longest unpadded
+
+
+def left_padded(lengths: tuple[int, ...] = LENGTHS, fill: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [batch, max_len], key_padding [batch, max_len]): random prompts, right-aligned."""
+    seq = max(lengths)
+    tokens = torch.full((len(lengths), seq), fill)  # (batch, seq)
+    key_padding = torch.zeros(len(lengths), seq, dtype=torch.bool)  # (batch, seq)
+    for i, n in enumerate(lengths):
+        tokens[i, seq - n :] = torch.randint(0, V, (n,))
+        key_padding[i, seq - n :] = True
+    return tokens, key_padding
+
+
+@pytest.mark.parametrize("n_kv", [1, 7])
+def test_left_padded_logits_equal_each_prompt_alone(n_kv: int) -> None:
+    model = Decoder(decoder_config(n_kv_heads=n_kv)).eval()
+    tokens, key_padding = left_padded()
+    positions = (key_padding.cumsum(dim=1) - 1).clamp(min=0)  # (batch, seq)
+    seq = tokens.shape[1]
+    with torch.no_grad():
+        logits = model(tokens, key_padding, positions=positions)  # (batch, seq, V)
+        for i, n in enumerate(LENGTHS):
+            torch.testing.assert_close(logits[i, seq - n :], model(tokens[i : i + 1, seq - n :])[0])
+        # without the per-row positions a padded row is shifted: the logits change
+        assert not torch.allclose(model(tokens, key_padding)[1, -1], logits[1, -1])
+
+
+@pytest.mark.parametrize("use_cache", [True, False])
+@pytest.mark.parametrize("n_kv", [1, 7])
+def test_generate_left_padded_greedy_equals_each_prompt_alone(use_cache: bool, n_kv: int) -> None:
+    model = Decoder(decoder_config(n_kv_heads=n_kv))
+    tokens, key_padding = left_padded()
+    seq, new = tokens.shape[1], 7
+    out = model.generate(tokens, new, key_padding=key_padding, temperature=0, use_cache=use_cache)
+    assert out.shape == (len(LENGTHS), seq + new)
+    assert torch.equal(out[:, :seq], tokens)  # the prompts come back as given, padding included
+    for i, n in enumerate(LENGTHS):
+        alone = model.generate(tokens[i : i + 1, seq - n :], new, temperature=0, use_cache=use_cache)
+        assert torch.equal(out[i, seq - n :], alone[0]), f"row {i} (prompt length {n})"
+    # the ids at padded positions are never read
+    other = tokens.masked_fill(~key_padding, V - 1)
+    again = model.generate(other, new, key_padding=key_padding, temperature=0, use_cache=use_cache)
+    assert torch.equal(again[:, seq:], out[:, seq:])
+    # an all-True key_padding is the unpadded batch
+    full = torch.ones_like(key_padding)
+    assert torch.equal(
+        model.generate(tokens, new, key_padding=full, temperature=0),
+        model.generate(tokens, new, temperature=0),
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs", [{"temperature": 1.0, "seed": 11}, {"temperature": 1.0, "top_k": 3, "seed": 2}]
+)
+def test_generate_left_padded_cache_equals_full_recompute(kwargs: dict) -> None:
+    model = Decoder(decoder_config(n_kv_heads=1))
+    tokens, key_padding = left_padded()
+    cached = model.generate(tokens, 11, key_padding=key_padding, **kwargs)
+    full = model.generate(tokens, 11, key_padding=key_padding, use_cache=False, **kwargs)
+    assert cached.shape == (len(LENGTHS), 5 + 11)
+    assert torch.equal(cached, full), kwargs
+    assert torch.equal(cached, model.generate(tokens, 11, key_padding=key_padding, **kwargs))  # seeded
+
+
 def test_generate_is_reproducible_with_a_seed_and_greedy_is_argmax() -> None:
     model = Decoder(decoder_config())
     prompt = torch.randint(0, V, (1, 3))
@@ -310,3 +375,44 @@ def test_decoder_bad_inputs() -> None:
         model(prompt, kv_caches=caches[:1])
     with pytest.raises(ValueError, match="capacity=20 exceeds the position table"):
         model.make_kv_caches(1, 20)
+
+
+def test_generate_bad_key_padding_names_it() -> None:
+    model = Decoder(decoder_config())
+    tokens, key_padding = left_padded()
+    right = key_padding.flip(1)  # right padding: [T, T, F, F, F] ...
+    with pytest.raises(ValueError, match=r"key_padding must be left padding: .*; row 1 is TTFFF"):
+        model.generate(tokens, 2, key_padding=right)
+    gap = key_padding.clone()
+    gap[2, 3] = False  # [F, F, T, F, T]: a hole inside the prompt
+    with pytest.raises(ValueError, match=r"key_padding must be left padding: .*; row 2 is FFTFT"):
+        model.generate(tokens, 2, key_padding=gap)
+    with pytest.raises(
+        ValueError, match=r"key_padding must have shape \[batch, seq_k\] = \[3, 5\]; got \[3, 4\]"
+    ):
+        model.generate(tokens, 2, key_padding=key_padding[:, 1:])
+    with pytest.raises(TypeError, match=r"key_padding must be a bool tensor .*got dtype torch.int64"):
+        model.generate(tokens, 2, key_padding=key_padding.long())  # as forward says it
+    empty = key_padding.clone()
+    empty[1] = False
+    with pytest.raises(ValueError, match=r"key_padding row 1 has no real token \(all False\)"):
+        model.generate(tokens, 2, key_padding=empty)
+    with pytest.raises(TypeError, match=r"key_padding must be a bool tensor .*got list"):
+        model.generate(tokens, 2, key_padding=key_padding.tolist())
+    with pytest.raises(ValueError, match=r"prompt_len 5 \+ max_new_tokens 15 = 20 exceeds"):  # padding counts
+        model.generate(tokens, 15, key_padding=key_padding)
+
+
+def test_decoder_bad_positions_name_them() -> None:
+    model = Decoder(decoder_config())
+    tokens = torch.randint(0, V, (B, S))
+    positions = torch.arange(S).expand(B, S)  # (B, S)
+    torch.testing.assert_close(model(tokens, positions=positions), model(tokens))  # the default positions
+    with pytest.raises(
+        ValueError, match=r"positions must have the shape of tokens \[batch, seq\] = \[2, 3\]"
+    ):
+        model(tokens, positions=positions[:, :2])
+    with pytest.raises(TypeError, match=r"positions must be an integer tensor .*got dtype torch.float32"):
+        model(tokens, positions=positions.float())
+    with pytest.raises(ValueError, match=r"positions contains 19, outside the position table"):
+        model(tokens, positions=positions + 17)

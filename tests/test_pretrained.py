@@ -371,7 +371,36 @@ def test_load_gpt2_generation_equals_transformers_and_cache_equals_recompute(tmp
     assert torch.equal(cached, theirs)
 
 
-def test_load_gpt2_text_prompt_with_tokenizer_json(tmp_path: Path) -> None:
+def test_load_gpt2_left_padded_generation_equals_transformers(tmp_path: Path) -> None:
+    folder = tiny_gpt2_folder(tmp_path)
+    ours = load_gpt2(folder)
+    ref = transformers.GPT2LMHeadModel.from_pretrained(folder).eval()
+    lengths, new = (5, 2, 3), 13
+    seq = max(lengths)
+    tokens = torch.zeros(len(lengths), seq, dtype=torch.long)  # (batch, seq): pad id 0, never attended
+    key_padding = torch.zeros(len(lengths), seq, dtype=torch.bool)  # (batch, seq)
+    for i, n in enumerate(lengths):
+        tokens[i, seq - n :] = torch.randint(1, 97, (n,))
+        key_padding[i, seq - n :] = True
+    cached = ours.generate(tokens, new, key_padding=key_padding, temperature=0)
+    assert torch.equal(
+        cached, ours.generate(tokens, new, key_padding=key_padding, temperature=0, use_cache=False)
+    )
+    with torch.no_grad():  # GPT-2's generate derives position_ids from the attention mask (cumsum - 1)
+        theirs = ref.generate(
+            tokens, attention_mask=key_padding.long(), do_sample=False, max_new_tokens=new, pad_token_id=0
+        )
+    assert theirs.shape == cached.shape == (len(lengths), seq + new)
+    assert torch.equal(cached, theirs)
+    for i, n in enumerate(lengths):  # and each row is what its prompt gives alone
+        alone = ours.generate(tokens[i : i + 1, seq - n :], new, temperature=0)
+        assert torch.equal(cached[i, seq - n :], alone[0])
+    # the comparison has teeth: ignoring the padding (attending to it, shifted positions) changes the tokens
+    assert not torch.equal(ours.generate(tokens, new, temperature=0), cached)
+
+
+def tiny_gpt2_folder_with_words(tmp_path: Path) -> Path:
+    """The tiny GPT-2 folder plus a word-level tokenizer.json: "w0" .. "w95" are ids 1 .. 96, no pad token."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     folder = tiny_gpt2_folder(tmp_path)
@@ -379,7 +408,11 @@ def test_load_gpt2_text_prompt_with_tokenizer_json(tmp_path: Path) -> None:
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(str(folder / "tokenizer.json"))
-    ours = load_gpt2(folder)
+    return folder
+
+
+def test_load_gpt2_text_prompt_with_tokenizer_json(tmp_path: Path) -> None:
+    ours = load_gpt2(tiny_gpt2_folder_with_words(tmp_path))
     ids = ours.tokenize("w5 w17 w3")
     assert ids.tolist() == [[6, 18, 4]]
     text = ours.generate("w5 w17 w3", 4, temperature=0)
@@ -388,6 +421,25 @@ def test_load_gpt2_text_prompt_with_tokenizer_json(tmp_path: Path) -> None:
     assert text.split()[:3] == ["w5", "w17", "w3"] and len(text.split()) == 7
     with pytest.raises(ValueError, match=r"no padding token, so a batch must hold sequences of one length"):
         ours.tokenize(["w1 w2", "w3"])
+
+
+def test_load_gpt2_list_of_text_prompts_of_different_lengths(tmp_path: Path) -> None:
+    ours = load_gpt2(tiny_gpt2_folder_with_words(tmp_path))
+    prompts = ["w5 w17 w3 w40 w2", "w8 w61"]  # 5 and 2 tokens: the second is left-padded by 3
+    texts = ours.generate(prompts, 6, temperature=0)
+    assert isinstance(texts, list) and len(texts) == 2
+    assert texts == [ours.generate(p, 6, temperature=0) for p in prompts]
+    assert [len(t.split()) for t in texts] == [11, 8]  # prompt + continuation, no padding
+    assert texts[1].split()[:2] == ["w8", "w61"]
+    assert ours.generate(prompts[1:], 6, temperature=0) == texts[1:]  # a list of one gives a list of one
+    sampled = ours.generate(prompts, 6, seed=3, top_k=5)
+    assert sampled == ours.generate(prompts, 6, seed=3, top_k=5, use_cache=False)
+    with pytest.raises(ValueError, match=r"key_padding is computed from the text prompts"):
+        ours.generate(prompts, 2, key_padding=torch.ones(2, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"prompt\[1\] \(''\) tokenizes to no token"):
+        ours.generate(["w1", ""], 2)
+    with pytest.raises(ValueError, match=r"prompt is empty"):
+        ours.generate([], 2)
 
 
 def test_load_gpt2_errors(tmp_path: Path) -> None:

@@ -233,6 +233,62 @@ def check_tokens(tokens: Any, config: ModelConfig, *, start: int = 0, name: str 
             raise ValueError(f"{name} contains id {bad}, outside [0, vocab_size={config.vocab_size})")
 
 
+def check_positions(positions: Any, tokens: Tensor, config: ModelConfig) -> None:
+    """Positions must be an integer tensor shaped like ``tokens`` with values in [0, max_seq_len)."""
+    if not isinstance(positions, Tensor):
+        raise TypeError(
+            "positions must be an int64 tensor [batch, seq] of position indices; "
+            f"got {type(positions).__name__}"
+        )
+    if positions.dtype == torch.bool or positions.is_floating_point() or positions.is_complex():
+        raise TypeError(
+            "positions must be an integer tensor [batch, seq] of position indices; "
+            f"got dtype {positions.dtype}"
+        )
+    if positions.shape != tokens.shape:
+        raise ValueError(
+            f"positions must have the shape of tokens [batch, seq] = {list(tokens.shape)}; "
+            f"got {list(positions.shape)}"
+        )
+    if positions.device != tokens.device:
+        raise ValueError(f"positions is on {positions.device} but tokens is on {tokens.device}")
+    if positions.numel():
+        lo, hi = int(positions.min()), int(positions.max())
+        if lo < 0 or hi >= config.max_seq_len:
+            bad = lo if lo < 0 else hi
+            raise ValueError(
+                f"positions contains {bad}, outside the position table [0, max_seq_len={config.max_seq_len})"
+            )
+
+
+def check_left_padding(key_padding: Any, tokens: Tensor) -> None:
+    """A prompt mask for :meth:`Decoder.generate`: bool, shaped like ``tokens``, left-padded, no empty row.
+
+    Left padding: in every row the real tokens (True) are right-aligned, ``[F, F, T, T]``; a False after
+    a True (``[T, F, T]``, ``[T, T, F]``) is refused, and so is a row with no True.
+    """
+    check_key_padding(key_padding, tokens.shape[0], tokens.shape[1], tokens.device)
+
+    def show(row: int) -> str:
+        flags = "".join("T" if x else "F" for x in key_padding[row].tolist())
+        return flags if len(flags) <= 40 else f"{flags[:18]}...{flags[-18:]}"
+
+    empty = (~key_padding.any(dim=1)).nonzero()  # (n_empty, 1)
+    if len(empty):
+        row = int(empty[0, 0])
+        raise ValueError(
+            f"key_padding row {row} has no real token (all False); every prompt needs at least 1 token"
+        )
+    # a real token followed by padding: the real tokens of that row are not right-aligned
+    gaps = (key_padding[:, :-1] & ~key_padding[:, 1:]).any(dim=1).nonzero()  # (n_bad, 1)
+    if len(gaps):
+        row = int(gaps[0, 0])
+        raise ValueError(
+            "key_padding must be left padding: each row's real tokens (True) right-aligned after its "
+            f"padding (False), like FFTTT; row {row} is {show(row)}"
+        )
+
+
 class _Stack(nn.Module):
     """What Encoder and Decoder share: embeddings, blocks, optional LayerNorms, initialisation."""
 
@@ -282,13 +338,25 @@ class _Stack(nn.Module):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
 
-    def embed(self, tokens: Tensor, *, start: int = 0, token_type_ids: Tensor | None = None) -> Tensor:
+    def embed(
+        self,
+        tokens: Tensor,
+        *,
+        start: int = 0,
+        token_type_ids: Tensor | None = None,
+        positions: Tensor | None = None,
+    ) -> Tensor:
         """Token + position (+ token-type) embeddings, LayerNorm and dropout as configured.
 
-        Shapes: tokens [batch, seq] -> [batch, seq, d_model]; positions are ``start .. start + seq - 1``.
+        Shapes: tokens [batch, seq] -> [batch, seq, d_model]; positions are ``start .. start + seq - 1``
+        for every row, or the given per-row ``positions`` int64 [batch, seq] (left-padded batches:
+        each row counts from 0 at its first real token). Give ``start`` or ``positions``, not both.
         """
-        seq = tokens.shape[1]
-        positions = torch.arange(start, start + seq, device=tokens.device)  # (seq,)
+        if positions is None:
+            seq = tokens.shape[1]
+            positions = torch.arange(start, start + seq, device=tokens.device)  # (seq,)
+        elif start:
+            raise ValueError(f"embed takes start or positions, not both; got start={start} and positions")
         e = self.tok_embed(tokens) + self.pos_embed(positions)  # (batch, seq, d_model)
         if self.type_embed is not None:
             if token_type_ids is None:
@@ -425,7 +493,8 @@ class Decoder(_Stack):
         h_l = Block_l(h_{l-1}, causal)               l = 1 .. n_layers
         logits = LN_f(h_L) W_U                       W_U = E_tok^T when config.tie_embeddings
 
-    ``generate()`` samples continuations with a KV cache (temperature, top-k, reproducible with a seed).
+    ``generate()`` samples continuations with a KV cache (temperature, top-k, reproducible with a seed);
+    prompts of different lengths go in one left-padded batch with their ``key_padding``.
     """
 
     def __init__(self, config: ModelConfig) -> None:
@@ -451,7 +520,12 @@ class Decoder(_Stack):
         return [block.attn.make_kv_cache(batch, capacity) for block in self.blocks]
 
     def hidden_states(
-        self, tokens: Tensor, key_padding: Tensor | None = None, kv_caches: list[KVCache] | None = None
+        self,
+        tokens: Tensor,
+        key_padding: Tensor | None = None,
+        kv_caches: list[KVCache] | None = None,
+        *,
+        positions: Tensor | None = None,
     ) -> Tensor:
         """The final residual stream after LN_f, [batch, seq, d_model]: ``forward`` without unembedding."""
         start = 0
@@ -464,7 +538,11 @@ class Decoder(_Stack):
                 )
             start = kv_caches[0].length
         check_tokens(tokens, self.config, start=start)
-        x = self.embed(tokens, start=start)  # (batch, seq, d_model)
+        if positions is None:
+            x = self.embed(tokens, start=start)  # (batch, seq, d_model)
+        else:
+            check_positions(positions, tokens, self.config)
+            x = self.embed(tokens, positions=positions)  # (batch, seq, d_model)
         # one new query after the cached positions sees every key: causality is vacuous there, and
         # dropping it lets attention run without building a mask in every layer
         causal = not (kv_caches is not None and tokens.shape[1] == 1)
@@ -476,7 +554,12 @@ class Decoder(_Stack):
         return x
 
     def forward(
-        self, tokens: Tensor, key_padding: Tensor | None = None, kv_caches: list[KVCache] | None = None
+        self,
+        tokens: Tensor,
+        key_padding: Tensor | None = None,
+        kv_caches: list[KVCache] | None = None,
+        *,
+        positions: Tensor | None = None,
     ) -> Tensor:
         """Next-token logits at every position.
 
@@ -488,11 +571,15 @@ class Decoder(_Stack):
             key_padding: bool [batch, seq_k], True for real tokens (None: all real).
             kv_caches: from :meth:`make_kv_caches`; the new positions follow the cached ones and their
                 keys/values are appended.
+            positions: int64 [batch, seq] indices into the position table, per row (None: the column
+                index, after any cached positions). Left-padded batches pass ``cumsum(key_padding) - 1``
+                (clamped at 0) so that each row counts from 0 at its first real token, as
+                :meth:`generate` does.
 
         Returns:
             logits [batch, seq, vocab_size].
         """
-        h = self.hidden_states(tokens, key_padding, kv_caches)  # (batch, seq, d_model)
+        h = self.hidden_states(tokens, key_padding, kv_caches, positions=positions)  # (batch, seq, d_model)
         if self.lm_head is None:
             return F.linear(h, self.tok_embed.weight)  # (batch, seq, vocab_size)
         return self.lm_head(h)  # (batch, seq, vocab_size)
@@ -503,6 +590,7 @@ class Decoder(_Stack):
         tokens: Tensor,
         max_new_tokens: int,
         *,
+        key_padding: Tensor | None = None,
         temperature: float = 1.0,
         top_k: int | None = None,
         seed: int | None = None,
@@ -510,12 +598,25 @@ class Decoder(_Stack):
     ) -> Tensor:
         """Sample ``max_new_tokens`` continuation tokens after each prompt.
 
+        Prompts of different lengths are left-padded into one batch, with ``key_padding`` marking the
+        real tokens. Each row then behaves as if generated alone: its positions count from 0 at its first
+        real token (``cumsum(key_padding) - 1``, as transformers' GPT-2 ``generate`` derives
+        ``position_ids`` from the attention mask) and its padded keys are never attended, neither by the
+        prompt nor by any generated token, with or without the KV cache. Greedy decoding
+        (``temperature=0``) of a padded batch equals decoding each prompt alone; sampling draws for the
+        whole batch at once, so with a seed it is reproducible but not equal to per-prompt sampling.
+
         Notation used for tensor shapes:
-            batch, prompt_len, new (= max_new_tokens).
+            batch, prompt_len (the longest prompt; shorter ones are left-padded to it),
+            new (= max_new_tokens).
 
         Args:
-            tokens: int64 [batch, prompt_len] prompts (all of the same length, no padding).
-            max_new_tokens: number of tokens to add (prompt_len + max_new_tokens <= max_seq_len).
+            tokens: int64 [batch, prompt_len] prompts; left-padded when they differ in length (any
+                valid id at padded positions: they never affect the real rows).
+            max_new_tokens: number of tokens to add (prompt_len + max_new_tokens <= max_seq_len, the
+                padding counted).
+            key_padding: bool [batch, prompt_len], True for real tokens; every row's real tokens must be
+                right-aligned (``[F, F, T, T]``) and at least one (None: every token is real).
             temperature: logits are divided by it before sampling; 0 means greedy (argmax).
             top_k: sample only among the k most likely tokens (None: all).
             seed: seeds a private generator, so the same seed gives the same tokens (None: torch's
@@ -524,7 +625,8 @@ class Decoder(_Stack):
                 (the reference the cache is tested against).
 
         Returns:
-            [batch, prompt_len + new]: the prompts followed by the sampled tokens.
+            [batch, prompt_len + new]: the prompts (padding included, as given) followed by the sampled
+            tokens.
 
         The model is put in eval mode for the call (no dropout) and restored afterwards.
         """
@@ -538,6 +640,10 @@ class Decoder(_Stack):
         batch, prompt_len = tokens.shape
         if prompt_len == 0:
             raise ValueError("tokens must hold a prompt of at least 1 token; got prompt_len=0")
+        if key_padding is not None:
+            check_left_padding(key_padding, tokens)
+            if bool(key_padding.all()):
+                key_padding = None  # nothing padded: the unmasked path, as without key_padding
         total = prompt_len + max_new_tokens
         if total > self.config.max_seq_len:
             raise ValueError(
@@ -546,6 +652,16 @@ class Decoder(_Stack):
             )
         if max_new_tokens == 0:
             return tokens.clone()
+        real = positions = None
+        if key_padding is not None:
+            real = torch.ones(batch, total, dtype=torch.bool, device=tokens.device)  # (batch, total)
+            real[:, :prompt_len] = key_padding
+            # each row counts from 0 at its first real token; padding (never attended) takes position 0
+            positions = (real.cumsum(dim=1) - 1).clamp(min=0)  # (batch, total)
+
+        def cols(t: Tensor | None, lo: int, hi: int) -> Tensor | None:
+            return None if t is None else t[:, lo:hi]  # (batch, hi - lo)
+
         generator = None
         if seed is not None:
             generator = torch.Generator(device=tokens.device)
@@ -556,15 +672,25 @@ class Decoder(_Stack):
             out = torch.empty(batch, total, dtype=torch.long, device=tokens.device)  # (batch, total)
             out[:, :prompt_len] = tokens
             caches = self.make_kv_caches(batch, total) if use_cache else None
-            logits = self(tokens.long(), kv_caches=caches)[:, -1]  # (batch, vocab_size)
+            logits = self(
+                tokens.long(), cols(real, 0, prompt_len), caches, positions=cols(positions, 0, prompt_len)
+            )[:, -1]  # (batch, vocab_size)
             for pos in range(prompt_len, total):
                 out[:, pos] = _sample(logits, temperature, top_k, generator)
                 if pos + 1 == total:
                     break
                 if use_cache:
-                    logits = self(out[:, pos : pos + 1], kv_caches=caches)[:, -1]  # (batch, vocab_size)
+                    # key_padding covers every cached position plus the new one
+                    logits = self(
+                        out[:, pos : pos + 1],
+                        cols(real, 0, pos + 1),
+                        caches,
+                        positions=cols(positions, pos, pos + 1),
+                    )[:, -1]  # (batch, vocab_size)
                 else:
-                    logits = self(out[:, : pos + 1])[:, -1]  # (batch, vocab_size)
+                    logits = self(
+                        out[:, : pos + 1], cols(real, 0, pos + 1), positions=cols(positions, 0, pos + 1)
+                    )[:, -1]  # (batch, vocab_size)
         finally:
             self.train(was_training)
         return out

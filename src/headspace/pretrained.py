@@ -529,11 +529,17 @@ class PretrainedDecoder:
     def __repr__(self) -> str:
         return f"PretrainedDecoder({self.config.summary()})"
 
-    def tokenize(self, texts: Sequence[str] | str) -> Tensor:
-        """Token ids [batch, seq] (texts of one batch must tokenize to the same length: GPT-2 has no pad)."""
+    def _need_tokenizer(self) -> TextTokenizer:
         if self.tokenizer is None:
             raise ValueError("this checkpoint folder had no tokenizer.json; pass token ids instead of text")
-        return self.tokenizer(texts)[0]
+        return self.tokenizer
+
+    def tokenize(self, texts: Sequence[str] | str) -> Tensor:
+        """Token ids [batch, seq] (texts of one batch must tokenize to the same length: GPT-2 has no pad).
+
+        :meth:`generate` left-pads prompts of different lengths itself.
+        """
+        return self._need_tokenizer()(texts)[0]
 
     @torch.no_grad()
     def __call__(self, tokens: Tensor | Sequence[str] | str) -> Tensor:
@@ -542,14 +548,41 @@ class PretrainedDecoder:
             tokens = self.tokenize(tokens)
         return self.model(tokens)
 
-    def generate(self, prompt: str | Tensor, max_new_tokens: int, **kwargs: Any) -> str | Tensor:
-        """:meth:`Decoder.generate` on token ids, or on a text prompt (then the continuation is text)."""
+    def generate(
+        self, prompt: str | Sequence[str] | Tensor, max_new_tokens: int, **kwargs: Any
+    ) -> str | list[str] | Tensor:
+        """:meth:`Decoder.generate` on token ids, on a text prompt, or on a list of text prompts.
+
+        Token ids (a Tensor) give token ids back, and take every keyword of :meth:`Decoder.generate`
+        (``key_padding`` included). A text gives text back: the prompt followed by its continuation,
+        decoded without special tokens. A list of texts gives a list of such texts, one per prompt: the
+        prompts may tokenize to different lengths; they are left-padded into one batch with its
+        ``key_padding``, so each continuation is the one that prompt gets alone (exactly so with
+        ``temperature=0``; sampled batches draw their random numbers together).
+
+        Raises:
+            ValueError: no tokenizer.json in the checkpoint folder; a text prompt that tokenizes to no
+                token; ``key_padding`` passed with text prompts (it is computed from them).
+        """
         if isinstance(prompt, Tensor):
             return self.model.generate(prompt, max_new_tokens, **kwargs)
-        tokens = self.tokenize(check_sentences(prompt, "prompt")[:1])
-        out = self.model.generate(tokens, max_new_tokens, **kwargs)
-        assert self.tokenizer is not None
-        return self.tokenizer.decode(out[0])
+        if "key_padding" in kwargs:
+            raise ValueError("key_padding is computed from the text prompts; pass it only with token ids")
+        texts = check_sentences(prompt, "prompt")
+        tokenizer = self._need_tokenizer()
+        ids = tokenizer.encode_ids(texts)
+        for i, row in enumerate(ids):
+            if not row:
+                where = "prompt" if isinstance(prompt, str) else f"prompt[{i}]"
+                raise ValueError(f"{where} ({texts[i]!r:.60}) tokenizes to no token; give at least 1 token")
+        # the padded ids are masked out, never read: any id will do where the tokenizer has no pad token
+        fill = 0 if tokenizer.pad_id is None else tokenizer.pad_id
+        tokens, key_padding = tokenizer.pad(ids, side="left", fill_id=fill)  # (batch, seq) x 2
+        padded = None if bool(key_padding.all()) else key_padding
+        out = self.model.generate(tokens, max_new_tokens, key_padding=padded, **kwargs)  # (batch, seq + new)
+        seq = tokens.shape[1]
+        decoded = [tokenizer.decode(out[i, seq - len(row) :]) for i, row in enumerate(ids)]
+        return decoded[0] if isinstance(prompt, str) else decoded
 
 
 def load_gpt2(folder: str | Path, *, name: str = "") -> PretrainedDecoder:

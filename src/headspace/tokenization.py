@@ -1,10 +1,11 @@
 """Text -> token ids with a Hugging Face ``tokenizer.json``, read by the ``tokenizers`` library.
 
 :class:`TextTokenizer` turns a list of sentences into a right-padded ``[batch, seq]`` id tensor and its
-``key_padding`` mask (True for real tokens), the two inputs every headspace model takes. The special
-tokens ([CLS] ... [SEP] for BERT) come from the tokenizer's own post-processor. The padding and
-truncation settings stored in ``tokenizer.json`` are switched off: headspace pads to the longest
-sentence of each batch and truncates only when asked (``max_length``).
+``key_padding`` mask (True for real tokens), the two inputs every headspace model takes (``pad`` also
+left-pads, for decoder prompts). The special tokens ([CLS] ... [SEP] for BERT) come from the
+tokenizer's own post-processor. The padding and truncation settings stored in ``tokenizer.json`` are
+switched off: headspace pads to the longest sentence of each batch and truncates only when asked
+(``max_length``).
 """
 
 from __future__ import annotations
@@ -79,19 +80,35 @@ class TextTokenizer:
         """The token strings of one sentence (special tokens included)."""
         return self._tok.encode(check_sentences(sentence, "sentence")[0]).tokens
 
-    def pad(self, ids: Sequence[Sequence[int]]) -> tuple[Tensor, Tensor]:
-        """Right-pad id lists into (tokens int64 [batch, seq], key_padding bool [batch, seq], True = real)."""
+    def pad(
+        self, ids: Sequence[Sequence[int]], *, side: str = "right", fill_id: int | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """Pad id lists into (tokens int64 [batch, seq], key_padding bool [batch, seq], True = real).
+
+        Args:
+            ids: one list of token ids per sequence.
+            side: "right" (default: encoders) or "left" (decoder prompts for ``Decoder.generate``: every
+                row's real tokens end at the last column).
+            fill_id: the id written at padded positions (None: ``pad_id``; a tokenizer without one then
+                refuses sequences of unequal length). Use it when the padded ids are never read, as with
+                ``Decoder.generate``'s masked prompts.
+        """
+        if side not in ("right", "left"):
+            raise ValueError(f"side must be 'right' or 'left'; got {side!r}")
+        fill = self.pad_id if fill_id is None else fill_id
         lengths = [len(x) for x in ids]
         seq = max(lengths)
-        if self.pad_id is None and min(lengths) != seq:
+        if fill is None and min(lengths) != seq:
             raise ValueError(
                 f"this tokenizer has no padding token, so a batch must hold sequences of one length; got "
                 f"lengths {sorted(set(lengths))}"
             )
-        tokens = torch.full((len(ids), seq), self.pad_id or 0, dtype=torch.long)  # (batch, seq)
+        tokens = torch.full((len(ids), seq), fill or 0, dtype=torch.long)  # (batch, seq)
+        key_padding = torch.zeros(len(ids), seq, dtype=torch.bool)  # (batch, seq)
         for i, row in enumerate(ids):
-            tokens[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        key_padding = torch.arange(seq)[None, :] < torch.tensor(lengths)[:, None]  # (batch, seq)
+            cols = slice(0, len(row)) if side == "right" else slice(seq - len(row), seq)
+            tokens[i, cols] = torch.tensor(row, dtype=torch.long)
+            key_padding[i, cols] = True
         return tokens, key_padding
 
     def __call__(
