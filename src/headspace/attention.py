@@ -540,7 +540,7 @@ class MultiHeadAttention(nn.Module):
 
         traced = self.hooks_active
         scratch = None
-        if self._may_use_thread_workspace(query, self_attention, traced, kv_cache):
+        if not need_weights and self._may_use_thread_workspace(query, self_attention, traced, kv_cache):
             scratch = thread_workspace()  # q, k, v below are views of it, dead before this call returns
         q, k, v = self.project_qkv(
             query,
@@ -580,6 +580,8 @@ class MultiHeadAttention(nn.Module):
         Only when nothing can keep a reference to it past this call: self-attention on the CPU, no
         autograd graph (it would save the projection for backward), no hook (a hook may keep q, k or
         v), no KV cache (it may keep the new keys and values); and only when large enough to gain.
+        The caller also leaves it out with ``need_weights=True``: there the fresh pattern dominates
+        the time, and the projection freed before W_O keeps the peak memory below torch's.
         """
         if not (self_attention and self.fused) or traced or kv_cache is not None:
             return False
