@@ -157,3 +157,91 @@ def test_workspace_matrix_grows_and_reuses() -> None:
     x, w, bias = torch.randn(5, 3), torch.randn(7, 3), torch.randn(7)
     torch.testing.assert_close(ws.linear("y", x, w, bias), torch.nn.functional.linear(x, w, bias))
     torch.testing.assert_close(ws.linear("y", x, w, None), x @ w.t())
+
+
+# ------------------------------------------------------------------------------ recycled results
+@pytest.fixture
+def recycle_all(monkeypatch: pytest.MonkeyPatch):
+    """Every CPU result recycled, whatever its size; a clean pool before and after."""
+    import headspace.workspace as workspace_module
+
+    monkeypatch.setattr(workspace_module, "THREAD_SCRATCH_MIN_BYTES", 0)
+    release_thread_workspace()
+    yield workspace_module
+    release_thread_workspace()
+
+
+def test_pattern_memory_is_reused_only_once_dropped(recycle_all) -> None:
+    attn = layer()
+    x1, x2 = torch.randn(B, S, D), torch.randn(B, S, D)
+    with torch.no_grad():
+        _, p1 = attn(x1, need_weights=True)
+        ptr = p1.data_ptr()
+        kept = p1.clone()
+        _, p2 = attn(x2, need_weights=True)  # p1 is held: new memory, p1 untouched
+        assert p2.data_ptr() != ptr and torch.equal(p1, kept)
+        _, ref_pattern = fresh_outputs(attn, x2, need_weights=True)
+        assert torch.equal(p2, ref_pattern)
+        del p1
+        _, p3 = attn(x1, need_weights=True)  # p1's memory is free again: reused
+        assert p3.data_ptr() == ptr and torch.equal(p3, kept)
+
+
+def test_a_view_keeps_the_memory_in_use(recycle_all) -> None:
+    attn = layer()
+    with torch.no_grad():
+        _, pattern = attn(torch.randn(B, S, D), need_weights=True)
+        row = pattern[1, 3]  # (seq_q, seq_k): a view, sharing the storage
+        kept = row.clone()
+        del pattern
+        attn(torch.randn(B, S, D), need_weights=True)
+        assert torch.equal(row, kept)
+
+
+def test_at_most_one_idle_buffer_is_kept(recycle_all) -> None:
+    f = recycle_all.recycled_empty
+    cpu = torch.device("cpu")
+    held = [f((7, 11), torch.float32, cpu) for _ in range(3)]  # three in use
+    assert len(recycle_all._local.recycled) == 3
+    del held  # all three idle now
+    small = f((2, 3), torch.float32, cpu)  # far smaller than each: none fits, all idle ones dropped
+    assert len(recycle_all._local.recycled) == 1 and small.shape == (2, 3)
+    del small
+    again = f((2, 3), torch.float64, cpu)  # 48 bytes: the idle 24-byte one is too small, replaced
+    assert len(recycle_all._local.recycled) == 1 and again.dtype == torch.float64
+    release_thread_workspace()
+    assert recycle_all._local.recycled == []
+
+
+def test_recycled_pattern_through_autograd(recycle_all) -> None:
+    """Saved for backward, the pattern stays in use until the graph is freed, then its memory returns."""
+    attn = layer()
+    x = torch.randn(B, S, D, requires_grad=True)
+    out, pattern = attn(x, need_weights=True)
+    ptr = pattern.data_ptr()
+    with torch.no_grad():
+        _, other = attn(x, need_weights=True)
+    assert other.data_ptr() != ptr  # the graph still holds the first pattern
+    del other
+    out.sum().backward()
+    ref = layer()
+    ref_x = x.detach().clone().requires_grad_(True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(recycle_all, "THREAD_SCRATCH_MIN_BYTES", 1 << 62)
+        ref(ref_x, need_weights=True)[0].sum().backward()
+    torch.testing.assert_close(x.grad, ref_x.grad, rtol=0, atol=0)
+    del out, pattern
+    with torch.no_grad():
+        _, again = attn(x, need_weights=True)
+    assert again.data_ptr() == ptr  # backward freed the saved pattern: its memory is the first idle one
+
+
+def test_small_or_non_cpu_requests_are_plain_empty() -> None:
+    from headspace.workspace import recycled_empty
+
+    release_thread_workspace()
+    t = recycled_empty((3, 5), torch.float32, torch.device("cpu"))  # far below the threshold
+    assert t.shape == (3, 5) and t.untyped_storage().resizable()
+    import headspace.workspace as workspace_module
+
+    assert getattr(workspace_module._local, "recycled", []) == []

@@ -41,12 +41,13 @@ the kernel's resident-set high-water mark is reset (``/proc/self/clear_refs``) a
 run; the peak extra memory is the high-water mark minus the resident set before the step. glibc's
 malloc is told (``MALLOC_MMAP_THRESHOLD_``) to map every block of 64 KiB or more afresh and unmap
 it on free, so no case runs in memory that an earlier one left behind. headspace's per-thread
-workspace (:mod:`headspace.workspace`, which keeps the fused QKV projection of large no-grad calls
-between calls) is released after the warm-up, so the measured step allocates it again and its size
-counts. On systems without ``/proc`` the memory columns are left empty.
+workspace (:mod:`headspace.workspace`: the fused QKV projection of large no-grad calls, and the memory
+of dropped attention patterns) is released after the warm-up, so the measured step allocates it again
+and its size counts. On systems without ``/proc`` the memory columns are left empty.
 
 Timing runs in one process: there headspace's workspace stays allocated from call to call, which
-is what it is for; the memory it keeps is the QKV projection's, [B S, 3D] floats.
+is what it is for; between calls it keeps the QKV projection ([B S, 3D] floats) and one dropped
+pattern ([B, H, S, S]).
 """
 
 from __future__ import annotations

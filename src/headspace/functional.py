@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from .masks import CanonicalMask, causal_mask
+from .workspace import recycled_empty
 
 AttentionBackend = Callable[..., tuple[Tensor, Tensor | None]]
 
@@ -91,7 +92,9 @@ def reference_attention(
 # ---------------------------------------------------------------------------------------------------
 # The blocked explicit kernel (need_weights=True without dropout).
 #
-# The pattern [batch, n_heads, seq_q, seq_k] is the one big tensor of the explicit path. The kernel
+# The pattern [batch, n_heads, seq_q, seq_k] is the one big tensor of the explicit path. Its memory is
+# recycled (headspace.workspace.recycled_empty): a pattern the caller has dropped serves the next one,
+# so a loop over batches faults its pages in once, not on every call. The kernel
 # writes each block of it exactly once, in place: scores (scale inside the GEMM), mask, softmax and
 # dead rows, then the block is multiplied by v. The backward pass reuses one block-sized buffer for
 # dP -> dS (dS = P * (dP - rowsum(dP * P))), so beyond the pattern and that buffer neither pass
@@ -204,7 +207,7 @@ def _blocked_forward(
     B, H, Sq, _ = q.shape
     Hkv, Sk = k.shape[1], k.shape[2]
     group = H // Hkv
-    pattern = q.new_empty(B, H, Sq, Sk)
+    pattern = recycled_empty((B, H, Sq, Sk), q.dtype, q.device)  # reused once the caller drops it
     # Contiguous on purpose: torch.bmm(out=) into a strided (heads-last) block takes a slow
     # non-BLAS path with more than one thread (about 15x slower, measured).
     out = q.new_empty(B, H, Sq, q.shape[-1])  # (B, H, Sq, dh)

@@ -16,18 +16,26 @@ Two owners:
   and the projection is at least :data:`THREAD_SCRATCH_MIN_BYTES`. It keeps the largest projection seen
   until :func:`release_thread_workspace` (or the thread's end).
 
-Nothing returned to a caller ever lies in a workspace.
+Nothing returned to a caller ever lies in a workspace. Results are a third case,
+:func:`recycled_empty`: the attention pattern (``need_weights=True``) is handed to the caller, and once
+the caller drops every view of it, its memory serves the next pattern of a similar size in that thread
+instead of going back to the OS (after each call at most one idle pattern is kept per thread). At
+seq 2048 (batch 8, 8 heads) that 1 GiB took 0.45 s to fault in on every call.
 """
 
 from __future__ import annotations
 
+import math
+import mmap
+import sys
 import threading
 
 import torch
 from torch import Tensor
 
-#: The attention layer writes its QKV projection into the thread's workspace only from this size on:
-#: glibc's ceiling for serving a block from its reused heap (smaller blocks fault only once).
+#: The attention layer writes its QKV projection into the thread's workspace, and recycles patterns,
+#: only from this size on: glibc's ceiling for serving a block from its reused heap (smaller blocks
+#: fault only once).
 THREAD_SCRATCH_MIN_BYTES = 32 << 20
 
 
@@ -70,5 +78,39 @@ def thread_workspace() -> Workspace:
 
 
 def release_thread_workspace() -> None:
-    """Free this thread's workspace memory (the next large inference call allocates it again)."""
+    """Free this thread's workspace memory and its idle recycled results (see :func:`recycled_empty`)."""
     _local.workspace = None
+    _local.recycled = []
+
+
+def recycled_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``torch.empty(shape)``, but a large CPU tensor reuses the memory of an earlier result since dropped.
+
+    For results handed to the caller (the attention pattern): the memory of a tensor of at least
+    :data:`THREAD_SCRATCH_MIN_BYTES` comes from an anonymous mapping that this thread keeps after the
+    caller drops every view of it, so the next call of a similar size (at most 2x smaller) writes into
+    pages already faulted in. Whether a mapping is still in use is its reference count: every tensor
+    storage made by ``torch.frombuffer`` holds one. After each call at most one idle mapping is kept
+    per thread; :func:`release_thread_workspace` drops it. Such tensors cannot be resized in place.
+    """
+    numel = math.prod(shape)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    n_bytes = numel * itemsize
+    if device.type != "cpu" or n_bytes < THREAD_SCRATCH_MIN_BYTES:
+        return torch.empty(shape, dtype=dtype, device=device)
+    pool: list[mmap.mmap] = _local.__dict__.setdefault("recycled", [])
+    chosen = None
+    keep = []
+    for i in range(len(pool)):
+        in_use = sys.getrefcount(pool[i]) > 2  # the list's reference and getrefcount's argument
+        if in_use:
+            keep.append(pool[i])
+        elif chosen is None and n_bytes <= len(pool[i]) <= 2 * n_bytes:
+            chosen = pool[i]
+            keep.append(chosen)
+        # other idle mappings are dropped here: unmapped once nothing refers to them
+    if chosen is None:
+        chosen = mmap.mmap(-1, n_bytes)
+        keep.append(chosen)
+    pool[:] = keep
+    return torch.frombuffer(chosen, dtype=dtype, count=numel).view(shape)
