@@ -580,8 +580,9 @@ class MultiHeadAttention(nn.Module):
         Only when nothing can keep a reference to it past this call: self-attention on the CPU, no
         autograd graph (it would save the projection for backward), no hook (a hook may keep q, k or
         v), no KV cache (it may keep the new keys and values); and only when large enough to gain.
-        The caller also leaves it out with ``need_weights=True``: there the fresh pattern dominates
-        the time, and the projection freed before W_O keeps the peak memory below torch's.
+        The caller also leaves it out with ``need_weights=True``: there the projection is freed before
+        the output GEMM, which keeps that path's peak memory below torch MHA's (kept in the workspace,
+        it measured 16 KiB above torch's at seq 1024, batch 8, d_model 512).
         """
         if not (self_attention and self.fused) or traced or kv_cache is not None:
             return False
