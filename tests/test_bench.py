@@ -95,11 +95,13 @@ def test_check_targets_pass_and_fail() -> None:
     assert not checks[("need_weights memory / torch MHA's", 1024)]["ok"]
 
 
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="peak memory needs Linux /proc")
 def test_memory_probe_sees_the_returned_pattern() -> None:
     # The need_weights pattern [2, 2, 512, 512] float32 = 2 MiB is returned, so it is resident at the
     # peak; the GEMM floor allocates nothing in its step.
     mem = bench._memory_probe(["headspace_weights", "gemm_floor"], 512, 2, 16, 2, "forward")
+    if not Path("/proc/self/clear_refs").exists():  # no Linux /proc: the documented answer is "unknown"
+        assert mem == {"headspace_weights": None, "gemm_floor": None}
+        return
     pattern_mib = 2 * 2 * 512 * 512 * 4 / 2**20
     assert mem["headspace_weights"] >= 0.95 * pattern_mib
     assert mem["gemm_floor"] < 0.5
