@@ -235,9 +235,7 @@ class TransformerBlock(nn.Module):
         N = B * S
         x2 = x.reshape(N, d)  # (B S, d_model)
         src = F.layer_norm(x2, (d,), self.ln1.weight, self.ln1.bias, self.ln1.eps) if self.pre_ln else x2
-        qkv = ws.linear("qkv", src, a.qkv_weight, a.qkv_bias)  # (B S, (H + 2 Hkv) dh)
-        qkv = qkv.view(B, S, H + 2 * Hkv, dh).transpose(1, 2)  # (B, H + 2 Hkv, S, dh)
-        q, k, v = qkv.split([H, Hkv, Hkv], dim=1)  # (B, H, S, dh), (B, Hkv, S, dh) x 2
+        q, k, v = a.project_qkv(src.view(B, S, d), workspace=ws)  # (B, H, S, dh), (B, Hkv, S, dh) x 2
         z = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, scale=a.scale, enable_gqa=Hkv != H
         )  # (B, H, S, dh), stored as (B, S, H, dh)

@@ -205,16 +205,25 @@ def _check_config(config: Any, arch: str, cls_name: str) -> ModelConfig:
     return config
 
 
+def _check_integer_matrix(t: Any, name: str, what: str) -> None:
+    """``t`` must be an integer tensor (``what``: "token ids", "position indices"); errors name it."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be an int64 tensor [batch, seq] of {what}; got {type(t).__name__}")
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise TypeError(f"{name} must be an integer tensor [batch, seq] of {what}; got dtype {t.dtype}")
+
+
+def _check_below(t: Tensor, name: str, bound: int, outside: str, noun: str = "") -> None:
+    """Every value of ``t`` in [0, bound); else ``"{name} contains {noun}{value}, outside {outside}"``."""
+    if t.numel():
+        lo, hi = int(t.min()), int(t.max())
+        if lo < 0 or hi >= bound:
+            raise ValueError(f"{name} contains {noun}{lo if lo < 0 else hi}, outside {outside}")
+
+
 def check_tokens(tokens: Any, config: ModelConfig, *, start: int = 0, name: str = "tokens") -> None:
     """Tokens must be an integer tensor [batch, seq] of ids < vocab_size fitting the position table."""
-    if not isinstance(tokens, Tensor):
-        raise TypeError(
-            f"{name} must be an int64 tensor [batch, seq] of token ids; got {type(tokens).__name__}"
-        )
-    if tokens.dtype == torch.bool or tokens.is_floating_point() or tokens.is_complex():
-        raise TypeError(
-            f"{name} must be an integer tensor [batch, seq] of token ids; got dtype {tokens.dtype}"
-        )
+    _check_integer_matrix(tokens, name, "token ids")
     if tokens.dim() != 2:
         hint = " (for one sequence use .unsqueeze(0))" if tokens.dim() == 1 else ""
         raise ValueError(f"{name} must be 2-D [batch, seq]; got shape {list(tokens.shape)}{hint}")
@@ -226,25 +235,12 @@ def check_tokens(tokens: Any, config: ModelConfig, *, start: int = 0, name: str 
             f"(max_seq_len={config.max_seq_len}); "
             f"refused, not truncated: truncate the input to at most {config.max_seq_len - start} tokens"
         )
-    if tokens.numel():
-        lo, hi = int(tokens.min()), int(tokens.max())
-        if lo < 0 or hi >= config.vocab_size:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"{name} contains id {bad}, outside [0, vocab_size={config.vocab_size})")
+    _check_below(tokens, name, config.vocab_size, f"[0, vocab_size={config.vocab_size})", noun="id ")
 
 
 def check_positions(positions: Any, tokens: Tensor, config: ModelConfig) -> None:
     """Positions must be an integer tensor shaped like ``tokens`` with values in [0, max_seq_len)."""
-    if not isinstance(positions, Tensor):
-        raise TypeError(
-            "positions must be an int64 tensor [batch, seq] of position indices; "
-            f"got {type(positions).__name__}"
-        )
-    if positions.dtype == torch.bool or positions.is_floating_point() or positions.is_complex():
-        raise TypeError(
-            "positions must be an integer tensor [batch, seq] of position indices; "
-            f"got dtype {positions.dtype}"
-        )
+    _check_integer_matrix(positions, "positions", "position indices")
     if positions.shape != tokens.shape:
         raise ValueError(
             f"positions must have the shape of tokens [batch, seq] = {list(tokens.shape)}; "
@@ -252,13 +248,8 @@ def check_positions(positions: Any, tokens: Tensor, config: ModelConfig) -> None
         )
     if positions.device != tokens.device:
         raise ValueError(f"positions is on {positions.device} but tokens is on {tokens.device}")
-    if positions.numel():
-        lo, hi = int(positions.min()), int(positions.max())
-        if lo < 0 or hi >= config.max_seq_len:
-            bad = lo if lo < 0 else hi
-            raise ValueError(
-                f"positions contains {bad}, outside the position table [0, max_seq_len={config.max_seq_len})"
-            )
+    table = f"the position table [0, max_seq_len={config.max_seq_len})"
+    _check_below(positions, "positions", config.max_seq_len, table)
 
 
 def check_left_padding(key_padding: Any, tokens: Tensor) -> None:
@@ -439,7 +430,7 @@ class Encoder(_Stack):
     ) -> Tensor:
         """:meth:`forward` for inference: the same token states with fewer passes over memory.
 
-        The blocks share one :class:`~headspace.block.Workspace` for their large intermediate
+        The blocks share one :class:`~headspace.workspace.Workspace` for their large intermediate
         matrices; pass your own ``workspace`` to keep that memory across calls (as ``encode`` does
         across batches). The returned tensor is always fresh memory, never part of the workspace.
 

@@ -94,8 +94,7 @@ def recycled_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
     per thread; :func:`release_thread_workspace` drops it. Such tensors cannot be resized in place.
     """
     numel = math.prod(shape)
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    n_bytes = numel * itemsize
+    n_bytes = numel * dtype.itemsize
     if device.type != "cpu" or n_bytes < THREAD_SCRATCH_MIN_BYTES:
         return torch.empty(shape, dtype=dtype, device=device)
     pool: list[mmap.mmap] = _local.__dict__.setdefault("recycled", [])
