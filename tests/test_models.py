@@ -327,6 +327,27 @@ def test_generate_left_padded_cache_equals_full_recompute(kwargs: dict) -> None:
     assert torch.equal(cached, model.generate(tokens, 11, key_padding=key_padding, **kwargs))  # seeded
 
 
+@pytest.mark.parametrize("use_cache", [True, False])
+def test_generate_left_padding_takes_no_position(use_cache: bool) -> None:
+    """The limit is the longest real prompt + new tokens: padding columns may pass max_seq_len."""
+    model = Decoder(decoder_config())  # max_seq_len = 19
+    tokens, key_padding = left_padded()  # 5 columns, the longest prompt has 5 real tokens
+    wide = torch.cat([torch.zeros(len(LENGTHS), 11, dtype=torch.long), tokens], dim=1)  # (3, 16)
+    wide_padding = torch.cat([torch.zeros(len(LENGTHS), 11, dtype=torch.bool), key_padding], dim=1)
+    new = 14  # 5 + 14 = 19 positions fit; 16 + 14 = 30 columns would not
+    out = model.generate(wide, new, key_padding=wide_padding, temperature=0, use_cache=use_cache)
+    assert out.shape == (len(LENGTHS), 16 + new)
+    narrow = model.generate(tokens, new, key_padding=key_padding, temperature=0, use_cache=use_cache)
+    assert torch.equal(out[:, 11:], narrow)  # extra padding changes nothing
+    with pytest.raises(
+        ValueError,
+        match=r"the longest prompt's 5 real tokens \+ max_new_tokens 15 = 20 exceeds .*max_seq_len=19",
+    ):
+        model.generate(wide, 15, key_padding=wide_padding)
+    with pytest.raises(ValueError, match=r"prompt_len 16 \+ max_new_tokens 14 = 30 exceeds"):
+        model.generate(wide, new)  # without key_padding every column is a real token
+
+
 def test_generate_is_reproducible_with_a_seed_and_greedy_is_argmax() -> None:
     model = Decoder(decoder_config())
     prompt = torch.randint(0, V, (1, 3))

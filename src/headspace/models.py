@@ -221,14 +221,20 @@ def _check_below(t: Tensor, name: str, bound: int, outside: str, noun: str = "")
             raise ValueError(f"{name} contains {noun}{lo if lo < 0 else hi}, outside {outside}")
 
 
-def check_tokens(tokens: Any, config: ModelConfig, *, start: int = 0, name: str = "tokens") -> None:
-    """Tokens must be an integer tensor [batch, seq] of ids < vocab_size fitting the position table."""
+def check_tokens(
+    tokens: Any, config: ModelConfig, *, start: int = 0, name: str = "tokens", check_length: bool = True
+) -> None:
+    """Tokens must be an integer tensor [batch, seq] of ids < vocab_size fitting the position table.
+
+    ``check_length=False`` leaves the length to the caller: with per-row positions (left-padded
+    batches) the columns may outnumber the position table while every position stays inside it.
+    """
     _check_integer_matrix(tokens, name, "token ids")
     if tokens.dim() != 2:
         hint = " (for one sequence use .unsqueeze(0))" if tokens.dim() == 1 else ""
         raise ValueError(f"{name} must be 2-D [batch, seq]; got shape {list(tokens.shape)}{hint}")
     seq = tokens.shape[1]
-    if start + seq > config.max_seq_len:
+    if check_length and start + seq > config.max_seq_len:
         where = f" starting at position {start}" if start else ""
         raise ValueError(
             f"{name} has length {seq}{where}, longer than the position table "
@@ -528,7 +534,8 @@ class Decoder(_Stack):
                     f"make_kv_caches); got {got}"
                 )
             start = kv_caches[0].length
-        check_tokens(tokens, self.config, start=start)
+        # with per-row positions the table bounds the positions (checked below), not the columns
+        check_tokens(tokens, self.config, start=start, check_length=positions is None)
         if positions is None:
             x = self.embed(tokens, start=start)  # (batch, seq, d_model)
         else:
@@ -604,8 +611,8 @@ class Decoder(_Stack):
         Args:
             tokens: int64 [batch, prompt_len] prompts; left-padded when they differ in length (any
                 valid id at padded positions: they never affect the real rows).
-            max_new_tokens: number of tokens to add (prompt_len + max_new_tokens <= max_seq_len, the
-                padding counted).
+            max_new_tokens: number of tokens to add: the longest prompt's real tokens + max_new_tokens
+                <= max_seq_len (left padding takes no position, so it is not counted).
             key_padding: bool [batch, prompt_len], True for real tokens; every row's real tokens must be
                 right-aligned (``[F, F, T, T]``) and at least one (None: every token is real).
             temperature: logits are divided by it before sampling; 0 means greedy (argmax).
@@ -627,19 +634,26 @@ class Decoder(_Stack):
             raise ValueError(f"temperature must be a float >= 0 (0 = greedy); got {temperature!r}")
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
             raise ValueError(f"top_k must be None or an int >= 1; got {top_k!r}")
-        check_tokens(tokens, self.config)
+        check_tokens(tokens, self.config, check_length=key_padding is None)
         batch, prompt_len = tokens.shape
         if prompt_len == 0:
             raise ValueError("tokens must hold a prompt of at least 1 token; got prompt_len=0")
+        longest = prompt_len
         if key_padding is not None:
             check_left_padding(key_padding, tokens)
+            longest = int(key_padding.sum(dim=1).max())
             if bool(key_padding.all()):
                 key_padding = None  # nothing padded: the unmasked path, as without key_padding
-        total = prompt_len + max_new_tokens
-        if total > self.config.max_seq_len:
+        total = prompt_len + max_new_tokens  # columns of the result, padding included
+        if longest + max_new_tokens > self.config.max_seq_len:
+            what = (
+                f"prompt_len {prompt_len}"
+                if longest == prompt_len
+                else f"the longest prompt's {longest} real tokens"
+            )
             raise ValueError(
-                f"prompt_len {prompt_len} + max_new_tokens {max_new_tokens} = {total} exceeds the position "
-                f"table (max_seq_len={self.config.max_seq_len})"
+                f"{what} + max_new_tokens {max_new_tokens} = {longest + max_new_tokens} exceeds the "
+                f"position table (max_seq_len={self.config.max_seq_len}); refused, not truncated"
             )
         if max_new_tokens == 0:
             return tokens.clone()
@@ -662,7 +676,8 @@ class Decoder(_Stack):
         try:
             out = torch.empty(batch, total, dtype=torch.long, device=tokens.device)  # (batch, total)
             out[:, :prompt_len] = tokens
-            caches = self.make_kv_caches(batch, total) if use_cache else None
+            # one slot per column, padding included (may exceed max_seq_len; positions never do)
+            caches = [b.attn.make_kv_cache(batch, total) for b in self.blocks] if use_cache else None
             logits = self(
                 tokens.long(), cols(real, 0, prompt_len), caches, positions=cols(positions, 0, prompt_len)
             )[:, -1]  # (batch, vocab_size)
