@@ -95,6 +95,23 @@ def test_check_targets_pass_and_fail() -> None:
     assert not checks[("need_weights memory / torch MHA's", 1024)]["ok"]
 
 
+def test_check_targets_report_the_per_round_spread() -> None:
+    # round i of every case ran back to back: the ratio of round i is paired, not of medians
+    fast = {**_row("headspace", 512, "forward", 105.0), "times_ms": [110.0, 105.0, 100.0]}
+    floor = {**_row("gemm_floor", 512, "forward", 100.0), "times_ms": [100.0, 100.0, 100.0]}
+    check = bench.check_targets([fast, floor])[0]
+    assert check["target"] == "fast path / GEMM floor"
+    assert (check["value"], check["ok"]) == (pytest.approx(1.05), True)
+    assert check["round_min"] == pytest.approx(1.0) and check["round_max"] == pytest.approx(1.1)
+    assert check["round_median"] == pytest.approx(1.05)
+    assert (check["rounds_met"], check["rounds"]) == (2, 3)  # 1.10 is over the 1.05 limit
+    shape = {"batch": 2, "d_model": 8, "n_heads": 2, "threads": 1, "vs_floor": None}
+    assert "1.00-1.10, 2 of 3" in bench.format_table([{**fast, **shape}, {**floor, **shape}])
+    # rows without aligned times (hand-made, or of different lengths) keep the plain verdict
+    floor["times_ms"] = [100.0]
+    assert "rounds" not in bench.check_targets([fast, floor])[0]
+
+
 def test_memory_probe_sees_the_returned_pattern() -> None:
     # The need_weights pattern [2, 2, 512, 512] float32 = 2 MiB is returned, so it is resident at the
     # peak; the GEMM floor allocates nothing in its step.
