@@ -46,7 +46,10 @@ malloc is told (``MALLOC_MMAP_THRESHOLD_``) to map every block of 64 KiB or more
 it on free, so no case runs in memory that an earlier one left behind. headspace's per-thread
 workspace (:mod:`headspace.workspace`: the fused QKV projection of large no-grad calls, and the memory
 of dropped attention patterns) is released after the warm-up, so the measured step allocates it again
-and its size counts. On systems without ``/proc`` the memory columns are left empty.
+and its size counts. On systems without ``/proc`` the memory columns are left empty. The kernel
+counts resident pages in per-CPU (older kernels: per-thread) counters that it reads approximately, so
+a figure is exact only to :func:`rss_counter_slack_mib` (1.5 MiB on 2 CPUs and 2 threads), far
+below the patterns the memory targets compare.
 
 Timing runs in one process: there headspace's workspace stays allocated from call to call, which
 is what it is for; between calls it keeps the QKV projection ([B S, 3D] floats) and one dropped
@@ -361,8 +364,25 @@ def _read_status_kib(field: str) -> int | None:
     return None
 
 
+def rss_counter_slack_mib(threads: int | None = None) -> float:
+    """How far :func:`measure_peak_extra_mib` may be off, in MiB, from the kernel's counting alone.
+
+    Linux keeps each process's resident-page count in per-CPU counters (since 6.2; a counter may
+    hold back up to ``max(32, 2 * cpus)`` pages per CPU before it is folded into the total that
+    ``/proc/self/status`` reads) or, before 6.2, in per-thread caches (up to 64 page faults per
+    thread). A measurement reads the count twice (the base and the high-water mark), so the bound is
+    twice the larger of the two.
+    """
+    cpus = os.cpu_count() or 1
+    threads = torch.get_num_threads() if threads is None else threads
+    pages = max(max(32, 2 * cpus) * cpus, 64 * (threads + 1))  # +1: the calling thread
+    return 2 * pages * 4096 / 2**20
+
+
 def measure_peak_extra_mib(step: Callable[[], None]) -> float | None:
     """Run ``step`` once; return the growth of the resident-set high-water mark in MiB (None without /proc).
+
+    Exact to :func:`rss_counter_slack_mib` (the kernel reads its page counters approximately).
 
     Sound only in a process started with ``MALLOC_MMAP_THRESHOLD_`` set (see the module docstring);
     :func:`_memory_probe` arranges that.
