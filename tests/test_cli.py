@@ -65,6 +65,16 @@ def test_explain_json_holds_the_api_numbers(runner, minilm):
     assert data["shapes"]["q"] == [32] and data["shapes"]["x"] == [384]
 
 
+def test_explain_checks_the_head_against_a_pruned_layer():
+    pretrained = headspace.load("minilm")  # a copy of its own: this test prunes it
+    headspace.prune_heads(pretrained, {0: list(range(6))})
+    with pytest.raises(ValueError, match=r"head 8 is out of range: layer 0 has heads 0\.\.5"):
+        explain(pretrained, layer=0, head=8)
+    e = explain(pretrained, layer=0, head=5)
+    assert (e.n_heads, len(e.head_shares)) == (6, 6)
+    assert explain(pretrained, layer=1, head=8).n_heads == 12
+
+
 def test_explain_numbers_follow_the_formula(minilm):
     """Every stage equals the textbook formula applied to the layer's own weights."""
     e = explain(minilm, layer=2, head=5)

@@ -269,6 +269,51 @@ def test_pruning_refuses_unequal_groups_and_all_heads_before_changing_anything()
         shrink_attention(model.blocks[0].attn, [])
 
 
+def test_pruned_model_is_rebuilt_by_its_config_and_its_checkpoint_loads(tmp_path) -> None:
+    import json
+
+    from headspace.train.checkpoint import load_checkpoint, load_weights_into, save_checkpoint
+
+    model = small_encoder().eval()
+    config = model.config
+    tokens = torch.randint(0, 37, (2, 11))
+    with ablate(model, [(0, 1), (0, 4), (0, 5), (1, 6)]):
+        want = model(tokens)
+    prune_heads(model, {0: [1, 4]})
+    assert prune_heads(model, {0: [3], 1: [6]}) == {0: [0, 1, 2, 4], 1: [0, 1, 2, 3, 4, 5]}
+    # the second call named layer 0's current head 3, which was head 5 before any pruning
+    assert model.config.pruned_heads == {0: [1, 4, 5], 1: [6]}
+    assert config.pruned_heads == {}  # the config the model was built from is not mutated
+    assert model.config.n_heads == 7 and model.blocks[0].attn.n_heads == 4
+    torch.testing.assert_close(model(tokens), want)
+
+    again = hs.Encoder(hs.ModelConfig.from_dict(json.loads(json.dumps(model.config.to_dict())))).eval()
+    assert [b.attn.n_heads for b in again.blocks] == [4, 6]
+    again.load_state_dict(model.state_dict())  # strict: every name and shape agrees
+    torch.testing.assert_close(again(tokens), want)
+
+    save_checkpoint(tmp_path, 3, config={"model": model.config.to_dict()}, model=model)
+    ckpt = load_checkpoint(tmp_path)
+    restored = hs.Encoder(hs.ModelConfig.from_dict(ckpt.config["model"])).eval()
+    load_weights_into(restored, ckpt)
+    torch.testing.assert_close(
+        restored(tokens), model(tokens), rtol=0, atol=0
+    )  # the same weights, bit for bit
+
+
+def test_pruning_updates_a_loaded_models_config() -> None:
+    from headspace.pretrained import PretrainedEncoder
+
+    enc = PretrainedEncoder(small_encoder(), None)
+    prune_heads(enc, {1: [0, 2]})
+    assert enc.config is enc.model.config and enc.config.pruned_heads == {1: [0, 2]}
+    # a layer already changed behind the config's back is not recorded (the config cannot say it)
+    other = small_encoder()
+    shrink_attention(other.blocks[0].attn, [0, 1, 2])
+    prune_heads(other, {1: [0]})
+    assert other.config.pruned_heads == {} and other.blocks[1].attn.n_heads == 6
+
+
 def test_pruning_cross_attention_layer() -> None:
     attn = MultiHeadAttention(d_model=35, n_heads=7, kdim=11, vdim=13).eval()
     x, c = torch.randn(2, 3, 35), torch.randn(2, 5, 11)

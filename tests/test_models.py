@@ -66,6 +66,13 @@ def test_config_json_round_trip() -> None:
         ({"pad_token_id": V}, ["pad_token_id", f"vocab_size={V}", str(V)]),
         ({"type_vocab_size": -1}, ["type_vocab_size", "-1"]),
         ({"bias": "yes"}, ["bias", "'yes'"]),
+        ({"pruned_heads": [1]}, ["pruned_heads", "dict", "list"]),
+        ({"pruned_heads": {6: [0]}}, ["pruned_heads", "n_layers=6", "layer 6"]),
+        ({"pruned_heads": {"x": [0]}}, ["pruned_heads", "layer 'x'"]),
+        ({"pruned_heads": {0: [7]}}, ["pruned_heads", "n_heads=7", "got 7 for layer 0"]),
+        ({"pruned_heads": {0: 3}}, ["pruned_heads", "got 3 for layer 0"]),
+        ({"pruned_heads": {0: list(range(7))}}, ["pruned_heads[0]", "all 7 heads"]),
+        ({"pruned_heads": {0: [0], "0": [1]}}, ["layer 0 is given twice"]),
     ],
 )
 def test_config_validation_names_the_field(kwargs: dict, words: list[str]) -> None:
@@ -74,6 +81,25 @@ def test_config_validation_names_the_field(kwargs: dict, words: list[str]) -> No
         ModelConfig(**args)
     for word in words:
         assert word in str(info.value)
+
+
+def test_config_pruned_heads_are_normalised_and_survive_json() -> None:
+    config = decoder_config(pruned_heads={1: (4, 0, 4), 0: []})
+    assert config.pruned_heads == {1: [0, 4]}  # sorted, deduplicated, empty layers dropped
+    assert config.kept_heads(1) == [1, 2, 3, 5, 6] and config.kept_heads(0) == list(range(H))
+    assert config.to_dict()["pruned_heads"] == {
+        "1": [0, 4]
+    }  # JSON's own key type: a stored config compares equal
+    again = ModelConfig.from_dict(json.loads(json.dumps(config.to_dict())))
+    assert again == config and again.to_dict() == config.to_dict()
+    assert "2 heads pruned" in config.summary()
+    with pytest.raises(ValueError, match=r"layer must be an int in \[0, n_layers=2\); got 2"):
+        config.kept_heads(2)
+    # grouped-query attention: the survivors of each key/value group must be equally many
+    with pytest.raises(ValueError, match=r"pruned_heads\[0\].*unequal"):
+        ModelConfig(vocab_size=V, d_model=6 * DH, n_heads=6, n_kv_heads=2, pruned_heads={0: [0]})
+    ok = ModelConfig(vocab_size=V, d_model=6 * DH, n_heads=6, n_kv_heads=2, pruned_heads={0: [0, 1, 2]})
+    assert ok.kept_heads(0) == [3, 4, 5]
 
 
 def test_config_from_dict_lists_unknown_fields() -> None:

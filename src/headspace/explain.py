@@ -243,11 +243,18 @@ def explain(
         raise ValueError(f"sentence must be a non-empty string; got {sentence!r}")
     model = pretrained.model
     config = model.config
-    n_layers, n_heads = config.n_layers, config.n_heads
+    n_layers = config.n_layers
     if layer is not None and not 0 <= layer < n_layers:
         raise ValueError(f"layer {layer} is out of range: this model has layers 0..{n_layers - 1}")
+    # per layer, not config.n_heads: a layer has fewer heads after headspace.prune_heads
+    n_heads = (
+        _attention_layers(model)[layer].n_heads
+        if layer is not None
+        else max(a.n_heads for a in _attention_layers(model))
+    )
     if head is not None and not 0 <= head < n_heads:
-        raise ValueError(f"head {head} is out of range: this model has heads 0..{n_heads - 1}")
+        where = f"layer {layer} has" if layer is not None else "this model has"
+        raise ValueError(f"head {head} is out of range: {where} heads 0..{n_heads - 1}")
     tokens = token_strings(pretrained, sentence)
     index = find_token(tokens, token)
     ids, key_padding = tokenize_one(pretrained, sentence)

@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -392,11 +393,15 @@ def _kept_rows(weight: Tensor, keep: Sequence[int], width: int) -> Tensor:
     return torch.cat([weight[i * width : (i + 1) * width] for i in keep], dim=0)
 
 
-def _kept_kv_heads(attn: MultiHeadAttention, keep: Sequence[int], arg: str) -> list[int]:
-    """The key/value heads that serve some kept query head; refuses unequal group sizes (GQA)."""
-    g = attn.group_size
-    counts = [sum(1 for h in keep if h // g == j) for j in range(attn.n_kv_heads)]
-    kept_kv = [j for j in range(attn.n_kv_heads) if counts[j] > 0]
+def kept_kv_heads(n_heads: int, n_kv_heads: int, keep: Sequence[int], arg: str) -> list[int]:
+    """The key/value heads that serve some kept query head; refuses unequal group sizes (GQA).
+
+    Query head ``h`` is served by key/value head ``h // (n_heads // n_kv_heads)``. Pure arithmetic on the
+    counts, so :class:`~headspace.ModelConfig` checks ``pruned_heads`` with it before any layer exists.
+    """
+    g = n_heads // n_kv_heads
+    counts = [sum(1 for h in keep if h // g == j) for j in range(n_kv_heads)]
+    kept_kv = [j for j in range(n_kv_heads) if counts[j] > 0]
     if len({counts[j] for j in kept_kv}) > 1:
         raise ValueError(
             f"{arg}: pruning would leave key/value heads serving unequal numbers of query heads (kept query "
@@ -404,6 +409,10 @@ def _kept_kv_heads(attn: MultiHeadAttention, keep: Sequence[int], arg: str) -> l
             "prune whole groups or the same number of heads from every surviving group"
         )
     return kept_kv
+
+
+def _kept_kv_heads(attn: MultiHeadAttention, keep: Sequence[int], arg: str) -> list[int]:
+    return kept_kv_heads(attn.n_heads, attn.n_kv_heads, keep, arg)
 
 
 def shrink_attention(attn: MultiHeadAttention, keep: Sequence[int]) -> None:
@@ -460,8 +469,12 @@ def prune_heads(model: Any, heads: Mapping[int, Sequence[int]]) -> dict[int, lis
     heads go. Pruning that would leave surviving key/value heads with unequal numbers of query heads is
     refused with ``ValueError`` (a layer has one group size). Pruning every head of a layer is refused.
 
-    ``model.config`` (if any) is not changed: after pruning, read head counts from the layers.
-    Optimisers and KV caches made before pruning are stale.
+    An :class:`~headspace.Encoder` or :class:`~headspace.Decoder` (or a loaded model wrapping one) gets a
+    new ``config`` whose ``pruned_heads`` lists, per layer, the *original* indices of every head pruned
+    so far, so ``type(model)(model.config)`` builds the pruned shapes and the pruned weights load into it
+    (checkpoints round-trip). ``n_heads`` in the config stays the unpruned count; read a layer's current
+    count from the layer. Other models have no config to update. Optimisers and KV caches made before
+    pruning are stale.
 
     Returns:
         ``{layer: [original indices of the kept heads]}`` for each pruned layer.
@@ -485,6 +498,30 @@ def prune_heads(model: Any, heads: Mapping[int, Sequence[int]]) -> dict[int, lis
         plans[layer] = keep
     for layer, keep in plans.items():  # check every layer before changing any (GQA group sizes)
         _kept_kv_heads(layers[layer], keep, f"heads[{layer}]")
+    owner = _config_owner(model, layers)
+    if owner is not None:  # original indices before any layer changes
+        config = owner.config
+        pruned = dict(config.pruned_heads)
+        for layer, keep in plans.items():
+            before = config.kept_heads(layer)  # original index of each current head
+            kept = {before[h] for h in keep}
+            pruned[layer] = [h for h in range(config.n_heads) if h not in kept]
     for layer, keep in plans.items():
         shrink_attention(layers[layer], keep)
+    if owner is not None:
+        owner.config = dataclasses.replace(config, pruned_heads=pruned)
     return plans
+
+
+def _config_owner(model: Any, layers: Sequence[MultiHeadAttention]) -> Any:
+    """The Encoder/Decoder behind ``model`` whose config describes exactly ``layers``, else None."""
+    from .models import _Stack  # deferred: models imports this module
+    from .trace import as_module
+
+    module = as_module(model)
+    if not isinstance(module, _Stack) or [b.attn for b in module.blocks] != list(layers):
+        return None
+    config = module.config
+    if any(len(config.kept_heads(i)) != a.n_heads for i, a in enumerate(layers)):
+        return None  # layers changed behind the config's back (shrink_attention): nothing to record
+    return module

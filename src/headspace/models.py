@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from .attention import KVCache, resolve_head_dims
 from .block import ACTIVATIONS, NORMS, TransformerBlock
+from .heads import kept_kv_heads, shrink_attention
 from .hooks import HookPoint
 from .masks import check_key_padding
 from .workspace import Workspace
@@ -102,6 +103,13 @@ class ModelConfig:
     name: str = ""
     #: Free-form extra information (e.g. where the weights came from); must be JSON-serialisable.
     extra: dict[str, Any] = field(default_factory=dict)
+    #: Heads removed for good, ``{layer: [original head indices]}`` (empty: none): the model is built
+    #: with those heads' rows of W_Q (and of W_K/W_V for a key/value group that loses all its query
+    #: heads) and columns of W_O left out, as :func:`headspace.prune_heads` leaves them, so a pruned
+    #: model's config rebuilds it and its saved weights load back. Sorted and checked here: layers in
+    #: [0, n_layers), heads in [0, n_heads), at least one head kept per layer, equal group sizes under
+    #: grouped-query attention. JSON keys (strings) are read back as ints.
+    pruned_heads: dict[int, list[int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -168,10 +176,22 @@ class ModelConfig:
             raise ValueError(f"ModelConfig.name must be a str; got {self.name!r}")
         if not isinstance(self.extra, dict):
             raise ValueError(f"ModelConfig.extra must be a dict; got {type(self.extra).__name__}")
+        self.pruned_heads = _checked_pruned_heads(
+            self.pruned_heads, self.n_layers, self.n_heads, self.n_kv_heads
+        )
+
+    def kept_heads(self, layer: int) -> list[int]:
+        """The original indices of the heads layer ``layer`` keeps (all ``n_heads`` unless pruned)."""
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.n_layers:
+            raise ValueError(f"layer must be an int in [0, n_layers={self.n_layers}); got {layer!r}")
+        pruned = set(self.pruned_heads.get(layer, ()))
+        return [h for h in range(self.n_heads) if h not in pruned]
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field, derived ones included, as JSON-serialisable values."""
-        return dataclasses.asdict(self)
+        """Every field, derived ones included, as JSON values (``pruned_heads`` keys as strings)."""
+        d = dataclasses.asdict(self)
+        d["pruned_heads"] = {str(layer): heads for layer, heads in self.pruned_heads.items()}
+        return d
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
@@ -194,7 +214,42 @@ class ModelConfig:
             f"d_head {self.d_head}, d_mlp {self.d_mlp}, vocab {self.vocab_size}, "
             f"max_seq_len {self.max_seq_len}, "
             f"{self.norm}-LN, {self.act}"
+            + (f", {sum(map(len, self.pruned_heads.values()))} heads pruned" if self.pruned_heads else "")
         )
+
+
+def _checked_pruned_heads(value: Any, n_layers: int, n_heads: int, n_kv_heads: int) -> dict[int, list[int]]:
+    """``ModelConfig.pruned_heads`` normalised to ``{layer: sorted heads}`` (int keys, no empty lists)."""
+    what = "ModelConfig.pruned_heads must be a dict {layer: [head, ...]}"
+    if not isinstance(value, dict):
+        raise ValueError(f"{what}; got {type(value).__name__}")
+    out: dict[int, list[int]] = {}
+    for key, heads in value.items():
+        layer = int(key) if isinstance(key, str) and key.isdigit() else key
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < n_layers:
+            raise ValueError(f"{what} with layers in [0, n_layers={n_layers}); got layer {key!r}")
+        if layer in out:
+            raise ValueError(f"{what}; layer {layer} is given twice ({key!r})")
+        if isinstance(heads, (str, bytes, dict)) or not hasattr(heads, "__iter__"):
+            raise ValueError(f"{what}; got {heads!r} for layer {layer}")
+        heads = list(heads)
+        for h in heads:
+            if not isinstance(h, int) or isinstance(h, bool) or not 0 <= h < n_heads:
+                raise ValueError(f"{what} with heads in [0, n_heads={n_heads}); got {h!r} for layer {layer}")
+        heads = sorted(set(heads))
+        if len(heads) == n_heads:
+            raise ValueError(
+                f"ModelConfig.pruned_heads[{layer}] prunes all {n_heads} heads; a layer needs at least one"
+            )
+        kept_kv_heads(
+            n_heads,
+            n_kv_heads,
+            [h for h in range(n_heads) if h not in heads],
+            f"ModelConfig.pruned_heads[{layer}]",
+        )
+        if heads:
+            out[layer] = heads
+    return dict(sorted(out.items()))
 
 
 def _check_config(config: Any, arch: str, cls_name: str) -> ModelConfig:
@@ -317,6 +372,9 @@ class _Stack(nn.Module):
         )
         self.ln_final = nn.LayerNorm(c.d_model, eps=c.ln_eps) if c.final_ln else None
         self._init_weights()
+        if c.pruned_heads:
+            for layer in c.pruned_heads:
+                shrink_attention(self.blocks[layer].attn, c.kept_heads(layer))  # (H', ...) fused storage
 
     def _init_weights(self) -> None:
         """Normal(0, init_std) embeddings and feed-forward weights, zero biases, unit LayerNorms.

@@ -276,12 +276,16 @@ class PretrainedEncoder:
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.config = model.config
         self.max_length = (
             model.config.max_seq_len if max_length is None else min(max_length, model.config.max_seq_len)
         )
         self.pooler = pooler
         self.ignored = list(ignored)
+
+    @property
+    def config(self) -> ModelConfig:
+        """The model's :class:`~headspace.ModelConfig` (always ``self.model.config``: pruning updates it)."""
+        return self.model.config
 
     def __repr__(self) -> str:
         return f"PretrainedEncoder({self.config.summary()}, encode max_length={self.max_length})"
@@ -523,8 +527,12 @@ class PretrainedDecoder:
     ) -> None:
         self.model = model.eval()
         self.tokenizer = tokenizer
-        self.config = model.config
         self.ignored = list(ignored)
+
+    @property
+    def config(self) -> ModelConfig:
+        """The model's :class:`~headspace.ModelConfig` (always ``self.model.config``: pruning updates it)."""
+        return self.model.config
 
     def __repr__(self) -> str:
         return f"PretrainedDecoder({self.config.summary()})"
