@@ -254,6 +254,24 @@ def test_reference_float64_layer_matches_to_double_precision() -> None:
     assert_close(call(layer, inp, **kw), ref_out, rtol=1e-12, atol=1e-12)
 
 
+def test_layer_second_derivatives_with_and_without_the_pattern() -> None:
+    # need_weights=True is differentiable to any order (the explicit kernel's create_graph backward);
+    # the fast path is torch's SDPA, whose CPU flash kernel has none: torch's math kernel gives them
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    layer = MultiHeadAttention(6, 3, d_head=2, n_kv_heads=1).double()  # grouped-query: 3 heads, 1 kv
+    randomize_(layer)
+    x = torch.randn(2, 5, 6, dtype=torch.float64, requires_grad=True)
+    pad = torch.tensor([[True, True, True, False, False], [True] * 5])
+
+    def with_pattern(x: Tensor) -> tuple[Tensor, Tensor]:
+        return layer(x, x, x, key_padding=pad, is_causal=True, need_weights=True)
+
+    assert torch.autograd.gradgradcheck(with_pattern, (x,))
+    with sdpa_kernel(SDPBackend.MATH):
+        assert torch.autograd.gradgradcheck(lambda x: layer(x, x, x, key_padding=pad, is_causal=True), (x,))
+
+
 def test_need_weights_changes_neither_scaling_nor_masks_with_custom_scale() -> None:
     layer = MultiHeadAttention(D_MODEL, N_HEADS, d_head=D_HEAD, n_kv_heads=3, scale=0.37)
     randomize_(layer)

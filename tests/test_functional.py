@@ -205,10 +205,35 @@ def test_dropout_and_higher_order_use_the_reference() -> None:
     assert torch.autograd.gradgradcheck(
         lambda q, k, v: fn.reference_attention(q, k, v, mask, scale=0.5)[0], (q, k, v)
     )
-    out, _ = fn.explicit_attention(q, k, v, mask, scale=0.5)
-    (g,) = torch.autograd.grad(out.sum(), q, create_graph=True)
-    with pytest.raises(RuntimeError):  # the blocked kernel is once-differentiable, and says so
-        g.sum().backward()
+
+
+@pytest.mark.parametrize("kind", ["causal+padding", "float2-dead", "bool4"])
+def test_blocked_kernel_is_differentiable_to_higher_orders(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # create_graph=True takes the plain-op backward on the saved pattern; gradients of the pattern
+    # output and of the output both reach second order, with grouped-query heads and dead rows
+    monkeypatch.setattr(fn, "BLOCK_BYTES", 200)
+    monkeypatch.setattr(fn, "FORWARD_BLOCK_BYTES", 200)
+    gen = torch.Generator().manual_seed(4)
+    B, H, Hkv, Sq, Sk, dh = 2, 4, 2, 3, 5, 2  # distinct sizes: a swapped axis fails
+    q, k, v = _qkv(B, H, Hkv, Sq, Sk, dh, torch.float64, gen)
+    mask = _mask(kind, B, H, Sq, Sk, torch.float64, gen)
+    assert torch.autograd.gradgradcheck(
+        lambda q, k, v: fn.explicit_attention(q, k, v, mask, scale=0.6), (q, k, v)
+    )
+    # and equal to the reference's second derivatives (a Hessian-vector product through both outputs)
+    w = torch.randn(B, H, Sq, Sk, dtype=torch.float64, generator=gen)
+    vecs = [torch.randn(t.shape, dtype=torch.float64, generator=gen) for t in (q, k, v)]
+
+    def hvp(backend) -> tuple[torch.Tensor, ...]:
+        out, pattern = backend(q, k, v, mask, scale=0.6)
+        loss = (out**2).sum() + (pattern * w).sum()
+        grads = torch.autograd.grad(loss, (q, k, v), create_graph=True)
+        return torch.autograd.grad(sum((g * u).sum() for g, u in zip(grads, vecs)), (q, k, v))
+
+    for got, want in zip(hvp(fn.explicit_attention), hvp(fn.reference_attention)):
+        torch.testing.assert_close(got, want)
 
 
 def test_backends_registry() -> None:

@@ -29,7 +29,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.autograd.function import once_differentiable
 
 from .masks import CanonicalMask, causal_mask
 from .workspace import recycled_empty
@@ -298,15 +297,52 @@ class _BlockedExplicitAttention(torch.autograd.Function):
         return out, pattern
 
     @staticmethod
-    @once_differentiable
     def backward(ctx, grad_out: Tensor | None, grad_pattern: Tensor | None):  # type: ignore[override]
         q, k, v, out, pattern = ctx.saved_tensors
         if grad_out is None and grad_pattern is None:
             return None, None, None, None, None
+        if torch.is_grad_enabled():  # backward(create_graph=True): gradients that are differentiable too
+            dq, dk, dv = _differentiable_backward(grad_out, grad_pattern, q, k, v, pattern, ctx.scale)
+            return dq, dk, dv, None, None
         if grad_out is None:  # only the pattern reaches the loss
             grad_out = torch.zeros_like(out)  # (B, H, Sq, dh): small next to the pattern
         dq, dk, dv = _blocked_backward(grad_out, grad_pattern, q, k, v, out, pattern, ctx.scale)
         return dq, dk, dv, None, None
+
+
+def _differentiable_backward(
+    grad_out: Tensor | None,
+    grad_pattern: Tensor | None,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    pattern: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The blocked kernel's gradients in plain autograd ops, for ``create_graph=True`` (higher orders).
+
+    The same formulas as :func:`_blocked_backward`, on whole tensors: ``dP = dO v^T (+ dPattern)``,
+    ``dS = P * (dP - rowsum(P * dP))``, ``dq = scale dS k``, ``dk = scale dS^T q``, ``dv = P^T dO`` (the
+    last two summed over each key/value head's group). ``P`` is the saved pattern, an output of the
+    kernel, so a gradient that reaches it flows back through the kernel's own backward: every order
+    is available. Masked entries and dead rows have ``P = 0`` and so no gradient.
+    """
+    B, H, _, dh = q.shape  # (B, H, Sq, dh)
+    Hkv, Sk = k.shape[1], k.shape[2]
+    kr, vr = repeat_kv(k, H), repeat_kv(v, H)  # (B, H, Sk, dh): head h reads kv head h // group
+    dp = torch.zeros_like(pattern) if grad_out is None else torch.matmul(grad_out, vr.transpose(-1, -2))
+    if grad_pattern is not None:
+        dp = dp + grad_pattern  # (B, H, Sq, Sk)
+    ds = pattern * (dp - (pattern * dp).sum(-1, keepdim=True))  # (B, H, Sq, Sk): softmax backward
+    dq = torch.matmul(ds, kr) * scale  # (B, H, Sq, dh)
+    dk = torch.matmul(ds.transpose(-1, -2), q) * scale  # (B, H, Sk, dh), one per query head
+    dk = dk.view(B, Hkv, H // Hkv, Sk, dh).sum(2)  # (B, Hkv, Sk, dh): the group's sum
+    if grad_out is None:
+        dv = torch.zeros_like(v)  # (B, Hkv, Sk, dh)
+    else:
+        dv = torch.matmul(pattern.transpose(-1, -2), grad_out)  # (B, H, Sk, dh)
+        dv = dv.view(B, Hkv, H // Hkv, Sk, dh).sum(2)  # (B, Hkv, Sk, dh)
+    return dq, dk, dv
 
 
 def explicit_attention(
@@ -317,9 +353,9 @@ def explicit_attention(
     Same maths as :func:`reference_attention`, computed by a blocked kernel that writes the pattern
     once in place, reads q, k and v where they lie (views of the fused projection, no copies), and
     whose backward needs only one block-sized buffer (see the comment above :data:`BLOCK_BYTES`).
-    The kernel's backward is once-differentiable. The reference path is used instead with dropout,
-    a float mask that requires grad, or empty inputs; use the ``"reference"`` backend when higher-order
-    gradients are needed.
+    Differentiable to any order: ``backward(create_graph=True)`` computes the gradients with plain
+    autograd ops on the saved pattern instead of the in-place kernel. The reference path is used
+    instead with dropout, a float mask that requires grad, or empty inputs.
     """
     m = mask.mask
     if (
