@@ -139,6 +139,38 @@ def test_roles_bad_input() -> None:
         head_roles(planted_role_layer(), positions(2), key_padding=torch.ones(2, 5, dtype=torch.bool))
 
 
+def test_roles_from_patterns_refuses_mismatched_layers_bad_padding_and_nan() -> None:
+    p2 = torch.softmax(torch.randn(2, 7, 3, 3), dim=-1)  # batch 2, heads 7, seq 3
+    p5 = torch.softmax(torch.randn(5, 7, 3, 3), dim=-1)
+    with pytest.raises(
+        ValueError,
+        match=r"patterns\[1\] \(layer 1\) has batch 5, seq 3 .* patterns\[0\] \(layer 0\) has batch 2",
+    ):
+        roles_from_patterns([p2, p5])
+    with pytest.raises(ValueError, match=r"patterns\[1\] \(layer 1\) has batch 2, seq 5"):
+        roles_from_patterns([p2, torch.softmax(torch.randn(2, 7, 5, 5), dim=-1)])
+    with pytest.raises(TypeError, match=r"key_padding must be a bool tensor .*got dtype torch.int64"):
+        roles_from_patterns([p2], key_padding=torch.ones(2, 3, dtype=torch.long))
+    with pytest.raises(TypeError, match=r"key_padding must be a bool tensor .*got list"):
+        roles_from_patterns([p2], key_padding=[[True] * 3] * 2)  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"key_padding must have shape \[batch, seq\] = \[2, 3\] .*got \[3, 2\]"
+    ):
+        roles_from_patterns([p2], key_padding=torch.ones(3, 2, dtype=torch.bool))
+    with pytest.raises(
+        TypeError, match=r"patterns must be a list of .* got a single tensor of shape \[2, 2, 7, 3, 3\]"
+    ):
+        roles_from_patterns(torch.stack([p2, p2]))  # type: ignore[arg-type]
+    nan = p2.clone()
+    nan[1, 6, 2, 0] = float("nan")
+    with pytest.raises(
+        ValueError, match=r"patterns\[1\] \(layer 1\) has 1 non-finite values \(NaN/Inf\) of 126"
+    ):
+        roles_from_patterns([p2, nan])
+    roles = roles_from_patterns(list(torch.stack([p2, p2]).unbind(0)))  # the fix the message suggests
+    assert len(roles.labels) == 2
+
+
 # ------------------------------------------------------------------------------------------ subspaces
 
 
@@ -321,6 +353,42 @@ def test_mixing_mean_share_uses_only_real_tokens() -> None:
     assert torch.equal(mix.tokens, tokens) and torch.equal(mix.key_padding, pad)
 
 
+def test_subspace_functions_refuse_integer_nan_and_a_model_for_a_layer() -> None:
+    with pytest.raises(
+        TypeError, match=r"A must be a floating-point tensor .*got dtype torch.int64 \(shape \[11, 5\]\)"
+    ):
+        analysis.orthonormal_basis(torch.ones(11, 5, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"A has 1 non-finite values \(NaN/Inf\) of 55"):
+        analysis.orthonormal_basis(
+            torch.randn(11, 5).index_put_((torch.tensor(3), torch.tensor(2)), torch.tensor(float("nan")))
+        )
+    B = torch.randn(11, 3)
+    B[0, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"B has 1 non-finite values \(NaN/Inf\) of 33 \(shape \[11, 3\]\)"):
+        principal_angles(torch.randn(11, 5), B)
+    with pytest.raises(ValueError, match=r"A has 55 non-finite values"):
+        principal_angles(torch.full((11, 5), float("nan")), torch.randn(11, 3))
+    with pytest.raises(ValueError, match=r"A has 55 non-finite values"):
+        subspace_overlap(torch.full((11, 5), float("nan")), torch.randn(11, 3))
+    enc = hs.Encoder(
+        hs.ModelConfig(
+            arch="encoder", vocab_size=37, d_model=35, n_layers=2, n_heads=7, d_mlp=23, max_seq_len=19
+        )
+    )
+    with pytest.raises(
+        TypeError, match=r"attn must be one MultiHeadAttention layer .*got Encoder .*subspace_overlaps"
+    ):
+        overlap_matrix(enc)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"attn must be one MultiHeadAttention layer"):
+        analysis.head_subspaces(enc, "q")  # type: ignore[arg-type]
+    with torch.no_grad():
+        enc.blocks[1].attn.W_Q[2, 0, 0] = float("nan")
+    with pytest.raises(ValueError, match=r"W_Q has 1 non-finite values"):
+        subspace_overlaps(enc, "q")
+    # integer matrices stay accepted where they were: principal_angles works in float64 inside
+    assert principal_angles(torch.eye(11, 2, dtype=torch.long), torch.eye(11, 3)).tolist() == [0.0, 0.0]
+
+
 # ------------------------------------------------------------------------------------------ importance
 
 
@@ -387,6 +455,59 @@ def test_importance_callable_metric_heads_subset_and_bad_input() -> None:
         head_importance(model, progress=False)
 
 
+def small_encoder() -> hs.Encoder:
+    cfg = hs.ModelConfig(
+        arch="encoder", vocab_size=37, d_model=35, n_layers=2, n_heads=7, d_mlp=23, max_seq_len=19
+    )
+    return hs.Encoder(cfg).eval()
+
+
+def test_loss_metric_is_refused_for_an_encoder() -> None:
+    enc = small_encoder()
+    tokens = torch.randint(0, 37, (2, 3))
+    with pytest.raises(
+        ValueError,
+        match=r"metric='loss' is a decoder metric.*got model Encoder \(arch='encoder'\).*metric='cosine'",
+    ):
+        head_importance(enc, tokens, metric="loss", progress=False)
+    assert head_importance(enc, tokens, heads=[(0, 1)], progress=False).metric == "cosine"  # auto
+
+
+def test_importance_heads_as_lists_and_bad_heads() -> None:
+    enc = small_encoder()
+    tokens = torch.randint(0, 37, (2, 3))
+    as_lists = head_importance(enc, tokens, heads=[[0, 1], [1, 6]], progress=False)
+    as_tuples = head_importance(enc, tokens, heads=[(0, 1), (1, 6)], progress=False)
+    torch.testing.assert_close(as_lists.scores, as_tuples.scores, equal_nan=True)
+    assert int(torch.isnan(as_lists.scores).sum()) == 12
+    with pytest.raises(
+        TypeError,
+        match=r"heads\[0\] must be a \(layer, head\) pair of ints; got 0 \(for one head pass heads=\[",
+    ):
+        head_importance(enc, tokens, heads=(0, 1), progress=False)  # type: ignore[arg-type]
+    with pytest.raises(
+        TypeError, match=r"heads\[1\] must be a \(layer, head\) pair of ints; got \(0, 1, 2\)"
+    ):
+        head_importance(enc, tokens, heads=[(0, 1), (0, 1, 2)], progress=False)  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"heads must be a list of \(layer, head\) pairs"):
+        head_importance(enc, tokens, heads=3, progress=False)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"heads: \(0, 7\) is not a \(layer, head\)"):
+        head_importance(enc, tokens, heads=[[0, 7]], progress=False)
+
+
+def test_mean_z_refuses_inputs_without_a_real_token() -> None:
+    enc = small_encoder()
+    tokens = torch.randint(0, 37, (2, 3))
+    none_real = torch.zeros(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"no real token was given \(key_padding is all False"):
+        analysis.mean_z(enc, tokens, key_padding=none_real)
+    with pytest.raises(ValueError, match=r"no real token was given"):
+        head_importance(enc, tokens, key_padding=none_real, mode="mean", progress=False)
+    one_real = none_real.clone()
+    one_real[1, 2] = True
+    assert analysis.mean_z(enc, tokens, key_padding=one_real)[(0, 0)].shape == (5,)
+
+
 def test_importance_restores_training_mode() -> None:
     model = small_decoder().train()
     head_importance(model, torch.randint(0, 37, (2, 5)), heads=[(0, 0)], progress=False)
@@ -437,3 +558,10 @@ def test_minilm_mixing_and_json(minilm) -> None:
     torch.testing.assert_close(mix.share.sum(-1), torch.ones(6, 2, tokens.shape[1]))
     data = json.loads(mix.to_json())
     assert data["kind"] == "head_mixing" and len(data["wo_norm"]) == 6
+
+
+def test_minilm_refuses_the_decoder_loss_metric(minilm) -> None:
+    with pytest.raises(
+        ValueError, match=r"metric='loss' is a decoder metric.*got model Encoder \(arch='encoder'\)"
+    ):
+        head_importance(minilm, SENTENCES, metric="loss", progress=False)

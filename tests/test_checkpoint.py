@@ -251,3 +251,24 @@ def test_config_differences_reads_nested_fields() -> None:
         "a.c: checkpoint has 2, requested 3"
     ]
     assert config_differences({"x": 1}, {"x": 1}) == []
+
+
+@pytest.mark.parametrize(
+    ("config", "exc", "words"),
+    [
+        ({"t": torch.zeros(1)}, TypeError, "config['t'] is a Tensor"),
+        ({"train": {"betas": [0.9, torch.tensor(0.99)]}}, TypeError, "['train']['betas'][1] is a Tensor"),
+        ({"train": {"lr": float("nan")}}, ValueError, "config['train']['lr'] is nan"),
+        ({"model": {"tags": {"a", "b"}}}, TypeError, "config['model']['tags'] is a set"),
+    ],
+)  # fmt: skip
+def test_config_that_is_not_json_is_refused_naming_the_field(
+    tmp_path: Path, config: dict, exc: type[Exception], words: str
+) -> None:
+    model, _ = _trained(0)
+    with pytest.raises(exc) as info:
+        save_checkpoint(tmp_path, 1, config=config, model=model)
+    assert words in str(info.value) and "config must hold only JSON values" in str(info.value)
+    assert not (tmp_path / "checkpoints").exists()  # refused before anything is written
+    with pytest.raises(TypeError, match=r"extra_state\['seen'\] is a Tensor"):
+        save_checkpoint(tmp_path, 1, config=CONFIG, model=model, extra_state={"seen": torch.ones(2)})

@@ -438,3 +438,52 @@ def test_zero_biases_load_into_a_bias_free_layer_but_others_do_not() -> None:
     sd["output.dense.bias"] = torch.ones(D)
     with pytest.raises(ValueError, match="bias"):
         hl.load_hf_bert(target, sd)
+
+
+@pytest.mark.parametrize(
+    ("read", "key", "shape", "words"),
+    [
+        (hl.from_hf_bert, "self.query.weight", (D,), ["must be a 2-D", f"1-D tensor of shape [{D}]"]),
+        (hl.from_hf_bert, "self.query.weight", (H, DH, D), ["2-D tensor [n_heads d_head, d_model]", "3-D"]),
+        (hl.from_hf_bert, "self.query.weight", (), ["query.weight must be a 2-D", "0-D tensor of shape []"]),
+        (hl.from_torch_mha, "in_proj_weight", (), ["in_proj_weight must be a 2-D tensor", "0-D"]),
+        (hl.from_torch_mha, "in_proj_weight", (3 * D,), ["[3 embed_dim, embed_dim]", f"shape [{3 * D}]"]),
+        (hl.from_torch_mha, "q_proj_weight", (D, D, 3), ["q_proj_weight must be a 2-D", "3-D"]),
+        (hl.from_gpt2, "c_attn.weight", (), ["c_attn.weight must be a 2-D tensor", "0-D"]),
+        (hl.from_gpt2, "c_attn.weight", (D, 3, D), ["[d_model, 3 d_model]", f"3-D tensor of shape [{D}, 3,"]),
+    ],
+)
+def test_weights_of_the_wrong_rank_are_named_with_the_expected_shape(read, key, shape, words) -> None:
+    with pytest.raises(hl.LayoutError) as err:
+        read({key: torch.zeros(shape)}, n_heads=H)
+    for w in words:
+        assert w in str(err.value), (w, str(err.value))
+
+
+def test_transformer_lens_k_of_the_wrong_rank_is_named() -> None:
+    sd = hl.to_transformer_lens(layer())
+    with pytest.raises(
+        hl.LayoutError, match=r"W_K must be a 3-D tensor \[n_kv_heads, kdim, d_head\]; got a 0-D"
+    ):
+        hl.from_transformer_lens({**sd, "W_K": torch.tensor(1.0)})
+
+
+@pytest.mark.parametrize(
+    ("to", "read", "load"),
+    [
+        (hl.to_torch_mha, hl.from_torch_mha, hl.load_torch_mha),
+        (hl.to_hf_bert, hl.from_hf_bert, hl.load_hf_bert),
+        (hl.to_gpt2, hl.from_gpt2, hl.load_gpt2),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_integer_weights_are_refused_naming_the_keys(to, read, load, dtype: torch.dtype) -> None:
+    sd = {k: v.to(dtype) for k, v in to(layer(), prefix="blk.").items()}
+    first = next(iter(sd))
+    with pytest.raises(hl.LayoutError, match=rf"weights must be floating point .*got {first} \({dtype}\)"):
+        read(sd, n_heads=H, prefix="blk.")
+    target = layer()
+    before = target.W_Q.detach().clone()
+    with pytest.raises(hl.LayoutError, match="weights must be floating point"):
+        load(target, sd, prefix="blk.")  # copy_ would cast the integers silently
+    assert torch.equal(target.W_Q, before)

@@ -319,6 +319,70 @@ def test_load_bert_refuses_configs_it_cannot_represent(tmp_path: Path) -> None:
         load_bert(folder)
 
 
+def test_load_bert_refuses_nan_and_integer_weights_naming_them(tmp_path: Path) -> None:
+    folder = tiny_bert_folder(tmp_path)
+    weights = folder / "model.safetensors"
+    good = load_file(str(weights))
+    nan = dict(good)
+    nan["embeddings.word_embeddings.weight"] = good["embeddings.word_embeddings.weight"].clone()
+    nan["embeddings.word_embeddings.weight"][3, 2] = float("nan")
+    save_file(nan, str(weights))
+    with pytest.raises(
+        ValueError,
+        match=r"safetensors: weight 'embeddings\.word_embeddings\.weight' has 1 NaN/Inf values of 3395",
+    ):
+        load_bert(folder)
+    nan["encoder.layer.1.attention.self.key.bias"] = torch.full((35,), float("inf"))
+    save_file(nan, str(weights))
+    with pytest.raises(ValueError, match=r"2 weights have NaN/Inf values") as info:
+        load_bert(folder)
+    assert "weight 'encoder.layer.1.attention.self.key.bias' has 35 NaN/Inf values of 35" in str(info.value)
+
+    ints = {**good, "encoder.layer.0.output.dense.weight": torch.ones(35, 11, dtype=torch.int32)}
+    save_file(ints, str(weights))
+    with pytest.raises(
+        ValueError,
+        match=r"weights must be floating point .* encoder\.layer\.0\.output\.dense\.weight \(torch\.int32\)",
+    ):
+        load_bert(folder)
+    # a stored int64 buffer (BertModel's position_ids) is not a weight: still ignored
+    save_file({**good, "embeddings.position_ids": torch.arange(19)[None]}, str(weights))
+    assert load_bert(folder).ignored == ["embeddings.position_ids"]
+
+
+def test_load_bert_max_length_and_pool_check_their_arguments(tmp_path: Path) -> None:
+    folder = tiny_bert_folder(tmp_path)
+    with pytest.raises(
+        TypeError,
+        match=r"max_length must be a positive int .*position table's length 19\); got '256' \(str\)",
+    ):
+        load_bert(folder, max_length="256")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"max_length must be a positive int .*got 0"):
+        load_bert(folder, max_length=0)
+    with pytest.raises(TypeError, match=r"max_length must be a positive int"):
+        load_bert(folder, max_length=True)
+    assert load_bert(folder, max_length=7).max_length == 7
+    assert load_bert(folder, max_length=23).max_length == 19  # capped by the position table
+    states = torch.randn(2, 3, 5)
+    pad = torch.tensor([[True, True, False], [True, False, False]])
+    with pytest.raises(
+        ValueError, match=r"key_padding must have shape \[batch, seq\] = \[2, 3\] .*got \[3\]"
+    ):
+        PretrainedEncoder.pool(states, pad[0])
+    with pytest.raises(
+        ValueError, match=r"key_padding must have shape \[batch, seq\] = \[2, 3\] .*got \[3, 2\]"
+    ):
+        PretrainedEncoder.pool(states, pad.T)
+    with pytest.raises(
+        ValueError, match=r"states must be token states \[batch, seq, d_model\]; got shape \[3, 5\]"
+    ):
+        PretrainedEncoder.pool(states[0], pad)
+    with pytest.raises(TypeError, match=r"key_padding must be a tensor \[batch, seq\].*got list"):
+        PretrainedEncoder.pool(states, pad.tolist())  # type: ignore[arg-type]
+    want = (states[1, 0] / states[1, 0].norm())[None]
+    torch.testing.assert_close(PretrainedEncoder.pool(states, pad)[1:], want)
+
+
 # ---------------------------------------------------------------------------------------------- GPT-2 folders
 def tiny_gpt2_folder(tmp_path: Path, **overrides) -> Path:
     torch.manual_seed(0)
@@ -456,4 +520,22 @@ def test_load_gpt2_errors(tmp_path: Path) -> None:
         load_gpt2(folder)
     (folder / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match=r"has no model.safetensors"):
+        load_gpt2(folder)
+
+
+def test_load_gpt2_refuses_nan_and_integer_weights_naming_them(tmp_path: Path) -> None:
+    folder = tiny_gpt2_folder(tmp_path)
+    weights = folder / "model.safetensors"
+    good = load_file(str(weights))
+    key = next(k for k in good if k.endswith("h.1.attn.c_attn.weight"))
+    bad = {**good, key: good[key].clone()}
+    bad[key][0, 5] = float("-inf")
+    save_file(bad, str(weights))
+    with pytest.raises(
+        ValueError, match=r"model\.safetensors: weight 'h\.1\.attn\.c_attn\.weight' has 1 NaN/Inf values"
+    ):
+        load_gpt2(folder)
+    wpe = next(k for k in good if k.endswith("wpe.weight"))
+    save_file({**good, wpe: torch.zeros(23, 35, dtype=torch.int64)}, str(weights))
+    with pytest.raises(ValueError, match=r"weights must be floating point .*wpe\.weight \(torch\.int64\)"):
         load_gpt2(folder)

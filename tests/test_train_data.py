@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,13 @@ def test_missing_file_and_bad_arguments(tmp_path: Path) -> None:
         load_text(_write(tmp_path, TEXT.encode()), level="word")
     with pytest.raises(ValueError, match="seq_len must be an int >= 1; got 0"):
         load_text(_write(tmp_path, TEXT.encode()), seq_len=0)
+
+
+@pytest.mark.parametrize("bad", ["0.1", None, True, [0.1]])
+def test_val_fraction_of_the_wrong_type_is_named(tmp_path: Path, bad: object) -> None:
+    with pytest.raises(
+        TypeError, match=rf"val_fraction must be a float in \(0, 1\); got {re.escape(repr(bad))}"
+    ):
+        load_text(_write(tmp_path, TEXT.encode()), val_fraction=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"val_fraction must be in \(0, 1\); got nan"):
+        load_text(_write(tmp_path, TEXT.encode()), val_fraction=float("nan"))

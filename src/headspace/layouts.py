@@ -206,10 +206,34 @@ def _check_keys(
     }
     if missing or unexpected or mismatched:
         raise LayoutError(layout, prefix, missing=missing, unexpected=unexpected, mismatched=mismatched)
+    not_float = [
+        f"{prefix + k} ({got[k].dtype})" for k in expected if k in got and not got[k].is_floating_point()
+    ]
+    if not_float:
+        raise LayoutError(
+            layout,
+            prefix,
+            note="weights must be floating point (float32, float64, float16 or bfloat16); got "
+            + ", ".join(not_float),
+        )
     dtypes = {str(got[k].dtype) for k in expected if k in got}
     if len(dtypes) > 1:
         raise LayoutError(
             layout, prefix, note=f"the tensors have different dtypes {sorted(dtypes)}; expected one"
+        )
+
+
+def _require_rank(
+    layout: str, prefix: str, got: Mapping[str, Tensor], key: str, rank: int, shape: str
+) -> None:
+    """``got[key]`` (when present) must have ``rank`` dims: the shape is read from it, so check it first."""
+    if key in got and got[key].dim() != rank:
+        t = got[key]
+        raise LayoutError(
+            layout,
+            prefix,
+            note=f"{prefix + key} must be a {rank}-D tensor {shape}; got a {t.dim()}-D tensor of shape "
+            f"{list(t.shape)}",
         )
 
 
@@ -356,6 +380,10 @@ def _read_torch_mha(sd: Mapping[str, Tensor], n_heads: int, prefix: str) -> _Par
             "headspace.compat.MultiheadAttention(..., add_bias_kv=True) instead",
         )
     fused = "in_proj_weight" in got
+    _require_rank(layout, prefix, got, "in_proj_weight", 2, "[3 embed_dim, embed_dim]")
+    _require_rank(layout, prefix, got, "q_proj_weight", 2, "[embed_dim, embed_dim]")
+    _require_rank(layout, prefix, got, "k_proj_weight", 2, "[embed_dim, kdim]")
+    _require_rank(layout, prefix, got, "v_proj_weight", 2, "[embed_dim, vdim]")
     if fused:
         E = got["in_proj_weight"].shape[-1]
         kdim = vdim = E
@@ -447,6 +475,9 @@ def _read_hf_bert(sd: Mapping[str, Tensor], n_heads: int, prefix: str) -> _Parts
     got = _under_prefix(sd, prefix, layout)
     if "self.query.weight" not in got:
         raise LayoutError(layout, prefix, missing=["self.query.weight"], note=f"found keys {sorted(got)}")
+    _require_rank(
+        layout, prefix, got, "self.query.weight", 2, "[n_heads d_head, d_model] (nn.Linear [out, in])"
+    )
     hd, d = got["self.query.weight"].shape  # (n_heads d_head, d_model)
     expected = {
         "self.query.weight": (hd, d),
@@ -503,6 +534,7 @@ def _read_gpt2(sd: Mapping[str, Tensor], n_heads: int, prefix: str) -> _Parts:
     got = _under_prefix(sd, prefix, layout)
     if "c_attn.weight" not in got:
         raise LayoutError(layout, prefix, missing=["c_attn.weight"], note=f"found keys {sorted(got)}")
+    _require_rank(layout, prefix, got, "c_attn.weight", 2, "[d_model, 3 d_model] (Conv1D [in, out])")
     d = got["c_attn.weight"].shape[0]  # Conv1D [in, out] = [d_model, 3 d_model]
     expected = {
         "c_attn.weight": (d, 3 * d),
@@ -570,6 +602,8 @@ def _read_transformer_lens(sd: Mapping[str, Tensor], prefix: str) -> _Parts:
     k_name, v_name, bk_name, bv_name = (
         ("_W_K", "_W_V", "_b_K", "_b_V") if gqa else ("W_K", "W_V", "b_K", "b_V")
     )
+    _require_rank(layout, prefix, got, k_name, 3, "[n_kv_heads, kdim, d_head]")
+    _require_rank(layout, prefix, got, v_name, 3, "[n_kv_heads, vdim, d_head]")
     Hkv = got[k_name].shape[0] if k_name in got else H
     kdim = got[k_name].shape[1] if k_name in got and got[k_name].dim() == 3 else d
     vdim = got[v_name].shape[1] if v_name in got and got[v_name].dim() == 3 else d

@@ -105,6 +105,30 @@ def _check_tensors(
     return ignored
 
 
+def _check_values(tensors: dict[str, Tensor], names: Sequence[str], source: Path) -> None:
+    """The weights ``names`` must be floating point and finite -> one ValueError naming each bad tensor.
+
+    Buffers the loaders ignore (e.g. ``embeddings.position_ids``, int64) are not in ``names``.
+    """
+    not_float = [f"{k} ({tensors[k].dtype})" for k in names if not tensors[k].is_floating_point()]
+    if not_float:
+        raise ValueError(
+            f"{source}: weights must be floating point (float32, float16, bfloat16 or float64); "
+            f"{len(not_float)} weight(s) are not: " + ", ".join(not_float)
+        )
+    problems = []
+    for k in names:
+        finite = torch.isfinite(tensors[k])
+        if not bool(finite.all()):
+            problems.append(f"weight {k!r} has {int((~finite).sum())} NaN/Inf values of {finite.numel()}")
+    if len(problems) == 1:
+        raise ValueError(f"{source}: {problems[0]}")
+    if problems:
+        raise ValueError(
+            f"{source}: {len(problems)} weights have NaN/Inf values:\n  " + "\n  ".join(problems)
+        )
+
+
 def _strip_prefix(tensors: dict[str, Tensor], prefix: str, marker: str) -> dict[str, Tensor]:
     """Drop ``prefix`` (e.g. 'bert.') when the model's tensors carry it (task-head checkpoints do)."""
     if any(k.startswith(prefix + marker) for k in tensors):
@@ -274,6 +298,16 @@ class PretrainedEncoder:
         pooler: nn.Linear | None = None,
         ignored: Sequence[str] = (),
     ) -> None:
+        if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool)):
+            raise TypeError(
+                f"max_length must be a positive int (or None for the position table's length "
+                f"{model.config.max_seq_len}); got {max_length!r} ({type(max_length).__name__})"
+            )
+        if max_length is not None and max_length < 1:
+            raise ValueError(
+                f"max_length must be a positive int (or None for the position table's length "
+                f"{model.config.max_seq_len}); got {max_length}"
+            )
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.max_length = (
@@ -366,7 +400,23 @@ class PretrainedEncoder:
 
     @staticmethod
     def pool(states: Tensor, key_padding: Tensor, *, normalize: bool = True) -> Tensor:
-        """Mean over real tokens ([batch, seq, d_model] -> [batch, d_model]), then L2 normalisation."""
+        """Mean over real tokens ([batch, seq, d_model] -> [batch, d_model]), then L2 normalisation.
+
+        ``key_padding``: [batch, seq], True (1) for real tokens; a sample with no real token gives zeros.
+        """
+        if not isinstance(states, Tensor) or states.dim() != 3:
+            got = f"shape {list(states.shape)}" if isinstance(states, Tensor) else type(states).__name__
+            raise ValueError(f"states must be token states [batch, seq, d_model]; got {got}")
+        if not isinstance(key_padding, Tensor):
+            raise TypeError(
+                "key_padding must be a tensor [batch, seq] (True for real tokens); got "
+                f"{type(key_padding).__name__}"
+            )
+        if tuple(key_padding.shape) != tuple(states.shape[:2]):
+            raise ValueError(
+                f"key_padding must have shape [batch, seq] = {list(states.shape[:2])} (from states "
+                f"[batch, seq, d_model] = {list(states.shape)}); got {list(key_padding.shape)}"
+            )
         w = key_padding.to(states.dtype).unsqueeze(-1)  # (batch, seq, 1)
         summed = (states * w).sum(dim=1)  # (batch, d_model)
         mean = summed / w.sum(dim=1).clamp(min=1e-9)  # (batch, d_model)
@@ -383,7 +433,9 @@ def load_bert(folder: str | Path, *, name: str = "", max_length: int | None = No
     Raises:
         FileNotFoundError: the folder or a needed file is missing (named).
         ValueError: a config headspace cannot represent; missing/unexpected tensors or shape mismatches
-            (listed with their shapes).
+            (listed with their shapes); weights that are not floating point or hold NaN/Inf (named);
+            ``max_length`` < 1.
+        TypeError: ``max_length`` is not an int (or None).
     """
     path = _folder(folder)
     hf = _read_json(_require(path, "config.json", "the model configuration"))
@@ -396,6 +448,7 @@ def load_bert(folder: str | Path, *, name: str = "", max_length: int | None = No
         expected["pooler.dense.weight"] = (config.d_model, config.d_model)
         expected["pooler.dense.bias"] = (config.d_model,)
     ignored = _check_tensors(tensors, expected, _bert_ignorable, weights)
+    _check_values(tensors, list(expected), weights)
     model = Encoder(config)
     _load_model(
         model, bert_state_dict(tensors, config), tensors, layouts.load_hf_bert, "encoder.layer.{}.attention."
@@ -602,7 +655,8 @@ def load_gpt2(folder: str | Path, *, name: str = "") -> PretrainedDecoder:
 
     Raises:
         FileNotFoundError: the folder or a needed file is missing (named).
-        ValueError: a config headspace cannot represent; missing/unexpected tensors or shape mismatches.
+        ValueError: a config headspace cannot represent; missing/unexpected tensors or shape mismatches;
+            weights that are not floating point or hold NaN/Inf (named).
     """
     path = _folder(folder)
     hf = _read_json(_require(path, "config.json", "the model configuration"))
@@ -610,6 +664,8 @@ def load_gpt2(folder: str | Path, *, name: str = "") -> PretrainedDecoder:
     config = gpt2_config(hf, name=name or path.name)
     tensors = _strip_prefix(_read_tensors(weights), "transformer.", "wte.")
     expected = _gpt2_expected(config)
+    # dtype and NaN/Inf first: a NaN lm_head would otherwise be reported as differing from wte
+    _check_values(tensors, [k for k in tensors if k in expected or k == "lm_head.weight"], weights)
     lm_head = tensors.get("lm_head.weight")
     if not config.tie_embeddings:
         expected["lm_head.weight"] = (config.vocab_size, config.d_model)

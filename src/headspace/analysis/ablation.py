@@ -14,7 +14,7 @@ progress bar (rate and ETA).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,7 +66,8 @@ def mean_z(
 ) -> dict[tuple[int, int], Tensor]:
     """Mean of every head's ``z`` over the real tokens of ``inputs``: ``{(layer, head): [d_head]}``.
 
-    The reference for ``ablate(model, {...: "mean"}, means=mean_z(model, inputs))``.
+    The reference for ``ablate(model, {...: "mean"}, means=mean_z(model, inputs))``. Raises ValueError
+    when ``key_padding`` marks no token as real (there is nothing to average).
     """
     module = as_module(model)
     layers = attention_layers(model)
@@ -82,6 +83,11 @@ def mean_z(
                 s = (t.z(i).to(torch.float64) * w).sum(dim=(0, 1))  # (n_heads, d_head)
                 sums[i] = s if sums[i] is None else sums[i] + s
             count += int(batch.real.sum())
+    if count == 0:
+        raise ValueError(
+            "mean_z needs at least one real token to average over; no real token was given (key_padding is "
+            "all False, in every sequence of the inputs)"
+        )
     means = {}
     for i, (_, attn) in enumerate(layers):
         m = (sums[i] / max(count, 1)).to(attn.o_weight.dtype)  # (n_heads, d_head)
@@ -93,6 +99,43 @@ def mean_z(
 def _is_decoder(module: nn.Module) -> bool:
     config = getattr(module, "config", None)
     return getattr(config, "arch", None) == "decoder"
+
+
+def _model_kind(module: nn.Module) -> str:
+    """``"Encoder (arch='encoder')"``-style description of a model for error messages."""
+    arch = getattr(getattr(module, "config", None), "arch", None)
+    return type(module).__name__ + (f" (arch={arch!r})" if arch is not None else "")
+
+
+def _check_heads(
+    heads: Any, all_heads: Sequence[tuple[int, int]], layers: Sequence[Any]
+) -> list[tuple[int, int]]:
+    """``heads`` as (layer, head) tuples ([layer, head] lists accepted), each a head of the model."""
+    if isinstance(heads, (str, bytes)) or not isinstance(heads, Iterable):
+        raise TypeError(
+            f"heads must be a list of (layer, head) pairs, e.g. [(0, 1), (1, 3)]; got {type(heads).__name__}"
+        )
+    heads = list(heads)
+    valid = set(all_heads)
+    todo = []
+    for idx, pair in enumerate(heads):
+        if isinstance(pair, list):
+            pair = tuple(pair)  # [layer, head] is unambiguous: the same pair
+        if (
+            not isinstance(pair, tuple)
+            or len(pair) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in pair)
+        ):
+            one_pair = len(heads) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in heads)
+            hint = f" (for one head pass heads=[{tuple(heads)!r}])" if one_pair else ""
+            raise TypeError(f"heads[{idx}] must be a (layer, head) pair of ints; got {pair!r}{hint}")
+        if pair not in valid:
+            raise ValueError(
+                f"heads: {pair!r} is not a (layer, head) of this model (layers 0..{len(layers) - 1}, "
+                f"heads per layer {[a.n_heads for _, a in layers]})"
+            )
+        todo.append(pair)
+    return todo
 
 
 def _replicate(t: Tensor, n: int) -> Tensor:
@@ -203,7 +246,7 @@ def head_importance(
     metric: str | Callable[[Any], float] = "auto",
     mode: str = "zero",
     key_padding: Tensor | None = None,
-    heads: Sequence[tuple[int, int]] | None = None,
+    heads: Sequence[tuple[int, int] | Sequence[int]] | None = None,
     batch_size: int = 32,
     max_rows: int = 256,
     progress: bool = True,
@@ -215,11 +258,12 @@ def head_importance(
             module with attention layers, with a callable metric).
         inputs: sentences (pretrained wrapper), token ids [batch, seq], or a list of tensors; may be
             None with a callable metric and ``mode="zero"``.
-        metric: ``"auto"`` (``"loss"`` for a decoder, else ``"cosine"``), ``"cosine"``, ``"loss"``, or a
-            callable ``metric(model) -> float`` evaluated under each ablation (one run per head).
+        metric: ``"auto"`` (``"loss"`` for a decoder, else ``"cosine"``), ``"cosine"``, ``"loss"`` (a
+            decoder only: refused with a ValueError for other models), or a callable
+            ``metric(model) -> float`` evaluated under each ablation (one run per head).
         mode: ``"zero"`` or ``"mean"`` (z replaced by its mean over the real tokens of ``inputs``).
         key_padding: bool [batch, seq], True for real tokens, with a single tensor input.
-        heads: the (layer, head) pairs to evaluate (default: all).
+        heads: the (layer, head) pairs to evaluate (default: all); ``[layer, head]`` lists are accepted.
         batch_size: sentences per forward pass of the inputs.
         max_rows: the built-in metrics ablate several heads of a layer in one forward pass, each in its
             own copy of the batch (copy ``r`` has head ``r`` ablated), up to ``max_rows`` rows per pass.
@@ -243,19 +287,14 @@ def head_importance(
         raise ValueError(f"max_rows must be a positive int; got {max_rows!r}")
     if not callable(metric) and metric == "auto":
         metric = "loss" if _is_decoder(module) else "cosine"
+    if not callable(metric) and metric == "loss" and not _is_decoder(module):
+        raise ValueError(
+            "metric='loss' is a decoder metric (next-token cross-entropy of the logits [batch, seq, "
+            f"vocab_size]); got model {_model_kind(module)}, whose output is not next-token logits. For "
+            "this model use metric='cosine' (or 'auto'), or a callable metric(model) -> float"
+        )
     all_heads = [(i, h) for i, (_, attn) in enumerate(layers) for h in range(attn.n_heads)]
-    if heads is None:
-        todo = all_heads
-    else:
-        valid = set(all_heads)
-        todo = []
-        for pair in heads:
-            if pair not in valid:
-                raise ValueError(
-                    f"heads: {pair!r} is not a (layer, head) of this model (layers 0..{len(layers) - 1}, "
-                    f"heads per layer {[a.n_heads for _, a in layers]})"
-                )
-            todo.append(pair)
+    todo = all_heads if heads is None else _check_heads(heads, all_heads, layers)
     if inputs is None and (not callable(metric) or mode == "mean"):
         raise ValueError("inputs are needed for the built-in metrics and for mode='mean'; got None")
     batches = make_batches(model, inputs, key_padding, batch_size) if inputs is not None else []

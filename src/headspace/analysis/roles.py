@@ -156,16 +156,65 @@ def roles_from_patterns(
     """Head roles from recorded patterns: one [batch, n_heads, seq, seq] tensor per layer.
 
     ``key_padding``: bool [batch, seq], True for real tokens (None: all real).
+
+    Every layer's pattern must come from the same inputs (same batch and seq) and be finite: NaN/Inf
+    patterns are refused (they would label every head ``"mixed"``).
     """
     threshold = _check_threshold(threshold)
+    if isinstance(patterns, Tensor):
+        raise TypeError(
+            "patterns must be a list of [batch, n_heads, seq, seq] tensors, one per layer; got a single "
+            f"tensor of shape {list(patterns.shape)} (for a stacked [n_layers, batch, n_heads, seq, seq] "
+            "tensor pass list(patterns.unbind(0)); for one layer pass [pattern])"
+        )
+    if isinstance(patterns, (str, bytes)) or not isinstance(patterns, Sequence):
+        raise TypeError(
+            "patterns must be a list of [batch, n_heads, seq, seq] tensors, one per layer; got "
+            f"{type(patterns).__name__}"
+        )
     if not patterns:
         raise ValueError("patterns must hold one [batch, n_heads, seq, seq] tensor per layer; got none")
     for i, p in enumerate(patterns):
         if not isinstance(p, Tensor) or p.dim() != 4:
             got = list(p.shape) if isinstance(p, Tensor) else type(p).__name__
             raise ValueError(f"patterns[{i}] must be [batch, n_heads, seq, seq]; got {got}")
-    acc = RoleAccumulator([p.shape[1] for p in patterns])
+        if p.shape[2] != p.shape[3]:
+            raise ValueError(
+                f"head roles need self-attention patterns (seq_q == seq_k); patterns[{i}] (layer {i}) has "
+                f"shape {list(p.shape)}"
+            )
+        if p.shape[0] != patterns[0].shape[0] or p.shape[2] != patterns[0].shape[2]:
+            raise ValueError(
+                f"patterns[{i}] (layer {i}) has batch {p.shape[0]}, seq {p.shape[2]} (shape {list(p.shape)}) "
+                f"but patterns[0] (layer 0) has batch {patterns[0].shape[0]}, seq {patterns[0].shape[2]} "
+                f"(shape {list(patterns[0].shape)}); every layer's pattern must come from the same inputs"
+            )
+        finite = torch.isfinite(p)
+        if not bool(finite.all()):
+            bad = int((~finite).sum())
+            raise ValueError(
+                f"patterns[{i}] (layer {i}) has {bad} non-finite values (NaN/Inf) of {p.numel()}; attention "
+                "patterns must be finite probabilities"
+            )
     B, _, S, _ = patterns[0].shape
+    if key_padding is not None:
+        if not isinstance(key_padding, Tensor):
+            raise TypeError(
+                "key_padding must be a bool tensor [batch, seq] with True for real tokens (or None: all "
+                f"real); got {type(key_padding).__name__}"
+            )
+        if key_padding.dtype != torch.bool:
+            raise TypeError(
+                "key_padding must be a bool tensor [batch, seq] with True for real tokens; got dtype "
+                f"{key_padding.dtype} (integer and float padding masks are refused: their polarity cannot "
+                "be guessed; for a 1 = real token convention pass key_padding.bool())"
+            )
+        if tuple(key_padding.shape) != (B, S):
+            raise ValueError(
+                f"key_padding must have shape [batch, seq] = {[B, S]} (the patterns' batch and seq); got "
+                f"{list(key_padding.shape)}"
+            )
+    acc = RoleAccumulator([p.shape[1] for p in patterns])
     real = torch.ones(B, S, dtype=torch.bool) if key_padding is None else key_padding
     for i, p in enumerate(patterns):
         acc.add(i, p, real)

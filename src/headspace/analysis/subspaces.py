@@ -69,6 +69,11 @@ def head_subspaces(attn: MultiHeadAttention, which: str) -> Tensor:
     ``which``: ``"q"`` -> W_Q [n_heads, d_model, d_head]; ``"k"`` -> W_K [n_kv_heads, kdim, d_head];
     ``"v"`` -> W_V [n_kv_heads, vdim, d_head]; ``"o"`` -> W_O^T [n_heads, d_model, d_head].
     """
+    if not isinstance(attn, MultiHeadAttention):
+        raise TypeError(
+            "attn must be one MultiHeadAttention layer (e.g. get_layer(model, 0) or model.blocks[0].attn); "
+            f"got {type(attn).__name__} (for every layer of a model use subspace_overlaps(model, which))"
+        )
     if which not in SUBSPACES:
         raise ValueError(f"which must be one of {SUBSPACES}; got {which!r}")
     if which == "q":
@@ -80,14 +85,36 @@ def head_subspaces(attn: MultiHeadAttention, which: str) -> Tensor:
     return attn.W_O.detach().transpose(1, 2)  # (n_heads, d_model, d_head)
 
 
+def _check_matrix(t: Any, name: str) -> None:
+    """``t`` must be a finite floating-point (or complex) tensor [..., d, p]."""
+    if not isinstance(t, Tensor) or t.dim() < 2:
+        raise ValueError(f"{name} must be a tensor [..., d, p]; got {t!r}")
+    if not (t.is_floating_point() or t.is_complex()):
+        raise TypeError(
+            f"{name} must be a floating-point tensor [..., d, p] (float32 or float64); got dtype {t.dtype} "
+            f"(shape {list(t.shape)}); convert with {name}.double()"
+        )
+    _check_finite_vectors(t, name)
+
+
+def _check_finite_vectors(t: Tensor, name: str) -> None:
+    finite = torch.isfinite(t)
+    if not bool(finite.all()):
+        bad = int((~finite).sum())
+        raise ValueError(
+            f"{name} has {bad} non-finite values (NaN/Inf) of {t.numel()} (shape {list(t.shape)}); a "
+            "subspace needs finite vectors"
+        )
+
+
 def orthonormal_basis(A: Tensor, rtol: float | None = None) -> tuple[Tensor, Tensor]:
     """Orthonormal bases of the column spaces of ``A`` [..., d, p]: (``U`` [..., d, p], ``rank`` [...]).
 
     Columns of ``U`` beyond each matrix's rank are zero. Rank: singular values above
     ``rtol * max(s)``, with ``rtol`` defaulting to ``max(d, p) * eps`` (as ``torch.linalg.matrix_rank``).
+    Integer/bool matrices are refused (TypeError), and so are NaN/Inf entries (ValueError).
     """
-    if not isinstance(A, Tensor) or A.dim() < 2:
-        raise ValueError(f"A must be a tensor [..., d, p]; got {A!r}")
+    _check_matrix(A, "A")
     Q, R = torch.linalg.qr(A)  # (..., d, k), (..., k, p): k = min(d, p)
     Ur, S, _ = torch.linalg.svd(R, full_matrices=False)  # (..., k, k), (..., k): the small core only
     U = Q @ Ur  # (..., d, k): A = U diag(S) V^T
@@ -108,6 +135,8 @@ def _check_pair(A: Tensor, B: Tensor) -> None:
             f"A and B must live in the same space (same number of rows); "
             f"got A {list(A.shape)}, B {list(B.shape)}"
         )
+    for name, t in (("A", A), ("B", B)):
+        _check_finite_vectors(t, name)
 
 
 def principal_angles(A: Tensor, B: Tensor) -> Tensor:
@@ -176,7 +205,15 @@ def random_overlap(d: int, p: int, q: int) -> float:
 
 
 def _overlaps_and_ranks(attn: MultiHeadAttention, which: str) -> tuple[Tensor, Tensor]:
-    U, rank = orthonormal_basis(head_subspaces(attn, which).to(torch.float64))  # (n, dim, dh), (n,)
+    W = head_subspaces(attn, which)  # (n, dim, dh)
+    finite = torch.isfinite(W)
+    if not bool(finite.all()):
+        weight = {"q": "W_Q", "k": "W_K", "v": "W_V", "o": "W_O"}[which]
+        raise ValueError(
+            f"the layer's {weight} has {int((~finite).sum())} non-finite values (NaN/Inf) of {W.numel()}; "
+            "head subspaces need finite weights"
+        )
+    U, rank = orthonormal_basis(W.to(torch.float64))  # (n, dim, dh), (n,)
     G = torch.einsum("idp,jdq->ijpq", U, U)  # (n, n, dh, dh): Q_i^T Q_j
     num = G.pow(2).sum(dim=(-2, -1))  # (n, n)
     k = torch.minimum(rank[:, None], rank[None, :]).to(num.dtype)  # (n, n)
@@ -185,7 +222,10 @@ def _overlaps_and_ranks(attn: MultiHeadAttention, which: str) -> tuple[Tensor, T
 
 
 def overlap_matrix(attn: MultiHeadAttention, which: str = "q") -> Tensor:
-    """[n, n] overlaps between the heads' subspaces of one layer (n = n_kv_heads for ``"k"``/``"v"``)."""
+    """[n, n] overlaps between the heads' subspaces of one layer (n = n_kv_heads for ``"k"``/``"v"``).
+
+    ``attn`` is one :class:`MultiHeadAttention` (a model is refused: see :func:`subspace_overlaps`).
+    """
     return _overlaps_and_ranks(attn, which)[0]
 
 

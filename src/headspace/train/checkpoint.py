@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import tempfile
@@ -61,6 +62,48 @@ _fsync_dir = fsync_dir
 
 def _json_bytes(obj: Any) -> bytes:
     return (json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n").encode("utf-8")
+
+
+def _json_problem(value: Any, path: str) -> tuple[type[Exception], str] | None:
+    """Where ``value`` stops being JSON that ``json.dumps(allow_nan=False)`` writes, or None.
+
+    Returns (the exception type to raise, ``"config['a'][0] is a Tensor"``): TypeError for a value of
+    another type, ValueError for a NaN/Inf float.
+    """
+    if value is None or isinstance(value, (str, bool, int)):
+        return None
+    if isinstance(value, float):
+        if math.isfinite(value):
+            return None
+        return ValueError, f"{path} is {value!r}, which JSON cannot hold"
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if key is not None and not isinstance(key, (str, int, float, bool)):
+                return TypeError, f"{path} has the key {key!r} of type {type(key).__name__}"
+            found = _json_problem(item, f"{path}[{key!r}]")
+            if found:
+                return found
+        return None
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            found = _json_problem(item, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    return TypeError, f"{path} is a {type(value).__name__}"
+
+
+def _check_json(value: Any, name: str) -> None:
+    """``value`` (the argument ``name``) must be a mapping of JSON values; the error names the field."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"{name} must be a dict of JSON values; got {type(value).__name__}")
+    found = _json_problem(dict(value), name)
+    if found:
+        kind, problem = found
+        raise kind(
+            f"{name} must hold only JSON values (dict, list, str, int, finite float, bool, None) to be "
+            f"stored in {CONFIG_FILE if name == 'config' else STATE_FILE}; {problem}"
+        )
 
 
 def _digest(data: bytes) -> dict[str, Any]:
@@ -188,12 +231,17 @@ def save_checkpoint(
 
     Returns the checkpoint folder ``run_dir/checkpoints/step-NNNNNN``. Only the newest ``keep_last``
     checkpoints are kept. On any failure (e.g. a full disk) the partial folder is removed, the previous
-    checkpoint stays the latest, and a :class:`CheckpointError` says what failed.
+    checkpoint stays the latest, and a :class:`CheckpointError` says what failed. ``config`` and
+    ``extra_state`` must hold plain JSON values, checked before anything is written: another type (a
+    tensor) is a ``TypeError``, a NaN/Inf float a ``ValueError``, each naming the field (``config['lr']``).
     """
     if not isinstance(step, int) or isinstance(step, bool) or step < 0:
         raise ValueError(f"step must be a non-negative int; got {step!r}")
     if not isinstance(keep_last, int) or keep_last < 1:
         raise ValueError(f"keep_last must be an int >= 1; got {keep_last!r}")
+    _check_json(config, "config")
+    if extra_state is not None:
+        _check_json(extra_state, "extra_state")
     root = Path(run_dir) / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
     name = f"step-{step:06d}"

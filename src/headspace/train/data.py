@@ -115,6 +115,10 @@ def load_text(
         raise ValueError(f"level must be one of {list(LEVELS)}; got {level!r}")
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
         raise ValueError(f"seq_len must be an int >= 1; got {seq_len!r}")
+    if isinstance(val_fraction, bool) or not isinstance(val_fraction, (int, float)):
+        raise TypeError(
+            f"val_fraction must be a float in (0, 1); got {val_fraction!r} ({type(val_fraction).__name__})"
+        )
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1); got {val_fraction}")
     p = Path(path)
