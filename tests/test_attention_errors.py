@@ -51,6 +51,17 @@ def test_d_model_not_divisible_by_n_heads() -> None:
     assert MultiHeadAttention(10, 3, d_head=4).W_Q.shape == (3, 10, 4)
 
 
+def test_integer_weight_dtype_is_refused_by_name() -> None:
+    raises(
+        TypeError,
+        lambda: MultiHeadAttention(D_MODEL, N_HEADS, dtype=torch.int64),
+        "dtype",
+        "floating",
+        "int64",
+    )
+    assert MultiHeadAttention(D_MODEL, N_HEADS, dtype=torch.float64).o_weight.dtype == torch.float64
+
+
 def test_n_heads_not_divisible_by_n_kv_heads() -> None:
     raises(ValueError, lambda: MultiHeadAttention(12, 6, n_kv_heads=4), "n_heads=6", "n_kv_heads=4", "divide")
 

@@ -204,6 +204,9 @@ def test_grouped_query_and_no_bias() -> None:
         ({"act": "swish"}, ["act", "gelu", "'swish'"]),
         ({"dropout": 1.0}, ["dropout", "1.0"]),
         ({"ln_eps": 0.0}, ["ln_eps", "0.0"]),
+        ({"ln_eps": float("inf")}, ["ln_eps", "finite", "inf"]),
+        ({"dropout": "0.1"}, ["dropout", "'0.1'"]),
+        ({"attn_dropout": -0.5}, ["attn_dropout", "-0.5"]),
         ({"d_head": None, "n_heads": 4}, ["d_model=35", "n_heads=4"]),
     ],
 )
@@ -223,3 +226,20 @@ def test_bad_input_names_the_tensor() -> None:
         block(torch.randn(B, S, D + 1))
     with pytest.raises(ValueError, match="d_mlp must be a positive int"):
         FeedForward(D, 0)
+
+
+@pytest.mark.parametrize("norm", ["pre", "post"])
+def test_bad_input_is_named_before_any_layer_norm(norm: str) -> None:
+    # pre-LN runs a LayerNorm first: its own error would name neither x nor d_model
+    block = TransformerBlock(D, H, DM, norm=norm).eval()
+    for run in (block, lambda x: block.infer(x)):
+        with pytest.raises(
+            ValueError, match=r"x must have last dimension d_model=35; got shape \[2, 3, 34\]"
+        ):
+            run(torch.randn(B, S, D - 1))
+        with pytest.raises(
+            TypeError, match=r"x has dtype torch.float64 but the layer's weights are torch.float32"
+        ):
+            run(torch.randn(B, S, D, dtype=torch.float64))
+        with pytest.raises(ValueError, match=r"x must be 3-D \[batch, seq, d_model=35\].*unsqueeze"):
+            run(torch.randn(S, D))

@@ -190,6 +190,37 @@ def test_ablate_on_a_model_by_layer_and_list_form() -> None:
     torch.testing.assert_close(model(tokens), base)
 
 
+def test_ablate_checks_means_before_the_block_runs() -> None:
+    model = small_encoder()  # d_head 5
+    with pytest.raises(
+        ValueError, match=r"means\[\(0, 1\)\] must broadcast to \[batch, seq_q, d_head=5\].*got shape \[4\]"
+    ):
+        with ablate(model, {(0, 1): "mean"}, means={(0, 1): torch.zeros(4)}):
+            pass
+    with pytest.raises(TypeError, match=r"means\[\(0, 1\)\] must be a float tensor.*got list"):
+        with ablate(model, {(0, 1): "mean"}, means={(0, 1): [0.0] * 5}):
+            pass
+    with pytest.raises(TypeError, match=r"must be a float tensor.*got dtype torch.int64"):
+        with ablate(model, {(0, 1): "mean"}, means={(0, 1): torch.zeros(5, dtype=torch.long)}):
+            pass
+    for block in model.blocks:
+        assert not block.attn.hooks_active
+
+
+def test_factored_matrix_refuses_mixed_or_integer_factors_and_bad_products() -> None:
+    A, B = torch.randn(3, 7), torch.randn(7, 5)
+    with pytest.raises(TypeError, match=r"A and B must share dtype and device.*float32.*float64"):
+        FactoredMatrix(A, B.double())
+    with pytest.raises(TypeError, match=r"A must be a floating-point tensor; got dtype torch.int64"):
+        FactoredMatrix(A.long(), B.long())
+    m = FactoredMatrix(A, B)  # [3, 5]
+    with pytest.raises(ValueError, match=r"inner sizes differ \(\[3, 5\] @ \[11, 2\], 5 != 11\)"):
+        m @ torch.randn(11, 2)
+    with pytest.raises(ValueError, match=r"inner sizes differ \(\[2, 7\] @ \[3, 5\], 7 != 3\)"):
+        torch.randn(2, 7) @ m
+    assert (m @ torch.randn(5, 2)).shape == (3, 2) and (torch.randn(2, 3) @ m).shape == (2, 5)
+
+
 def test_ablate_bad_input() -> None:
     model = small_encoder()
     with pytest.raises(ValueError, match=r"layer must be an int in \[0, 2\).*got 2"):

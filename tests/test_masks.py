@@ -196,6 +196,14 @@ def test_canonical_mask_allows_exactly_the_and_of_its_parts(
 
 
 # --- canonical_mask errors (the layer-level messages are in test_attention_errors.py)
+def test_causal_mask_refuses_negative_and_fractional_lengths() -> None:
+    with pytest.raises(ValueError, match=r"seq_q must be an int >= 0; got -1"):
+        causal_mask(-1, 3)
+    with pytest.raises(ValueError, match=r"seq_k must be an int >= 0; got 4.5"):
+        causal_mask(3, 4.5)
+    assert causal_mask(0, 3).shape == (0, 3)
+
+
 def test_canonical_mask_errors() -> None:
     base = {"batch": 2, "n_heads": 3, "seq_q": 4, "seq_k": 5}
     with pytest.raises(TypeError, match=r"attn_mask .*got dtype torch.int64"):

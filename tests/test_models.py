@@ -66,6 +66,9 @@ def test_config_json_round_trip() -> None:
         ({"pad_token_id": V}, ["pad_token_id", f"vocab_size={V}", str(V)]),
         ({"type_vocab_size": -1}, ["type_vocab_size", "-1"]),
         ({"bias": "yes"}, ["bias", "'yes'"]),
+        ({"init_std": float("nan")}, ["init_std", "finite", "nan"]),
+        ({"init_std": float("inf")}, ["init_std", "finite", "inf"]),
+        ({"ln_eps": float("inf")}, ["ln_eps", "finite", "inf"]),
         ({"pruned_heads": [1]}, ["pruned_heads", "dict", "list"]),
         ({"pruned_heads": {6: [0]}}, ["pruned_heads", "n_layers=6", "layer 6"]),
         ({"pruned_heads": {"x": [0]}}, ["pruned_heads", "layer 'x'"]),
@@ -396,6 +399,25 @@ def test_generate_top_k_only_samples_the_k_best() -> None:
         top2 = set(model(prompt)[0, -1].topk(2).indices.tolist())
     firsts = {int(model.generate(prompt, 1, top_k=2, temperature=5.0, seed=s)[0, 1]) for s in range(20)}
     assert firsts <= top2 and len(firsts) == 2
+
+
+def test_tokens_of_other_integer_dtypes_devices_and_bad_caches_are_named() -> None:
+    model = Decoder(decoder_config()).eval()
+    tokens = torch.randint(0, V, (B, S))
+    for dtype in (torch.uint8, torch.int16):  # integer, but torch's embedding lookup takes only these two
+        with pytest.raises(TypeError, match=rf"tokens must be an integer tensor \(int64 or int32\).*{dtype}"):
+            model(tokens.to(dtype))
+    assert torch.equal(model(tokens.int()), model(tokens))
+    with pytest.raises(ValueError, match=r"tokens are on device meta but the model's weights are on cpu"):
+        model(tokens.to("meta"))
+    with pytest.raises(TypeError, match=r"kv_caches must hold one KVCache per block.*item 1 is NoneType"):
+        model(tokens, kv_caches=[model.blocks[0].attn.make_kv_cache(B, 19), None])
+    with pytest.raises(ValueError, match=r"capacity must be None or an int >= 1.*got '5'"):
+        model.make_kv_caches(B, "5")
+    with pytest.raises(ValueError, match=r"temperature must be a float >= 0, finite.*got nan"):
+        model.generate(tokens, 2, temperature=float("nan"))
+    with pytest.raises(TypeError, match=r"seed must be None or an int; got 1.5"):
+        model.generate(tokens, 2, seed=1.5)
 
 
 def test_decoder_bad_inputs() -> None:

@@ -217,6 +217,24 @@ def test_name_filters_globs_lists_and_predicates() -> None:
     assert set(select_hook_points(model, "attn.hook_q")) == {"blocks.0.attn.hook_q", "blocks.1.attn.hook_q"}
 
 
+def test_hooks_that_return_another_dtype_or_device_are_refused() -> None:
+    # the replacement would otherwise fail deep inside torch, or (meta) compute from uninitialised memory
+    attn = MultiHeadAttention(D, H).eval()
+    x = torch.randn(B, S, D)
+    for change, words in (
+        (lambda v: v.double(), "torch.float64 on cpu"),
+        (lambda v: v.to("meta"), "on meta"),
+    ):
+        with hooked(attn, {"hook_pattern": lambda v, hp, change=change: change(v)}):
+            with pytest.raises(
+                ValueError,
+                match=rf"must return a tensor of the value's dtype torch.float32 on cpu; got .*{words}",
+            ):
+                attn(x, need_weights=True)
+    with pytest.raises(TypeError, match=r"names must be None, a hook name or glob.*got int 123"):
+        select_hook_points(attn, 123)
+
+
 def test_bad_names_and_keys_say_what_is_valid() -> None:
     model = encoder()
     with pytest.raises(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,28 @@ def resolve_head_dims(
             f"group of query heads, so n_kv_heads must divide n_heads"
         )
     return d_head, n_kv_heads
+
+
+def check_input_tensor(name: str, t: Any, dim: int, dim_name: str, weight: Tensor) -> None:
+    """``t`` must be a 3-D tensor [batch, seq, ``dim_name``=``dim``] of ``weight``'s dtype and device.
+
+    The one check behind every sublayer's input (the attention's query, key and value, a block's
+    residual stream): errors name ``name``, the expected shape, dtype or device, and what came.
+    """
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a tensor [batch, seq, {dim_name}]; got {type(t).__name__}")
+    if t.dim() != 3:
+        hint = " (for one unbatched sequence use .unsqueeze(0))" if t.dim() == 2 else ""
+        raise ValueError(
+            f"{name} must be 3-D [batch, seq, {dim_name}={dim}]; got a {t.dim()}-D tensor of shape "
+            f"{_shape(t)}{hint}"
+        )
+    if t.shape[-1] != dim:
+        raise ValueError(f"{name} must have last dimension {dim_name}={dim}; got shape {_shape(t)}")
+    if t.dtype != weight.dtype:
+        raise TypeError(f"{name} has dtype {t.dtype} but the layer's weights are {weight.dtype}")
+    if t.device != weight.device:
+        raise ValueError(f"{name} is on {t.device} but the layer's weights are on {weight.device}")
 
 
 def _check_finite(name: str, t: Tensor, *, allow_neg_inf: bool = False) -> None:
@@ -227,6 +250,8 @@ class MultiHeadAttention(nn.Module):
             not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale)
         ):
             raise ValueError(f"scale must be a finite float (or None for 1/sqrt(d_head)); got {scale!r}")
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating-point torch.dtype (or None); got {dtype!r}")
         self.d_model = d_model
         self.n_heads = n_heads
         self.d_head = d_head
@@ -375,27 +400,10 @@ class MultiHeadAttention(nn.Module):
 
     # ------------------------------------------------------------------ checks
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
-        for name, t, dim, dim_name in (
-            ("query", query, self.d_model, "d_model"),
-            ("key", key, self.kdim, "kdim"),
-            ("value", value, self.vdim, "vdim"),
-        ):
-            if not isinstance(t, Tensor):
-                raise TypeError(f"{name} must be a tensor [batch, seq, {dim_name}]; got {type(t).__name__}")
-            if t.dim() != 3:
-                hint = " (for one unbatched sequence use .unsqueeze(0))" if t.dim() == 2 else ""
-                raise ValueError(
-                    f"{name} must be 3-D [batch, seq, {dim_name}={dim}]; got a {t.dim()}-D tensor of shape "
-                    f"{_shape(t)}{hint}"
-                )
-            if t.shape[-1] != dim:
-                raise ValueError(f"{name} must have last dimension {dim_name}={dim}; got shape {_shape(t)}")
         w = self.o_weight
-        for name, t in (("query", query), ("key", key), ("value", value)):
-            if t.dtype != w.dtype:
-                raise TypeError(f"{name} has dtype {t.dtype} but the layer's weights are {w.dtype}")
-            if t.device != w.device:
-                raise ValueError(f"{name} is on {t.device} but the layer's weights are on {w.device}")
+        check_input_tensor("query", query, self.d_model, "d_model", w)
+        check_input_tensor("key", key, self.kdim, "kdim", w)
+        check_input_tensor("value", value, self.vdim, "vdim", w)
         if key.shape[0] != query.shape[0] or value.shape[0] != query.shape[0]:
             raise ValueError(
                 f"query, key and value must have the same batch size; got query {_shape(query)}, key "

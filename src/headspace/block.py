@@ -15,11 +15,13 @@ entries inside the attention layer.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import KVCache, MultiHeadAttention
+from .attention import KVCache, MultiHeadAttention, check_input_tensor
 from .hooks import HookPoint
 from .workspace import Workspace
 
@@ -123,10 +125,11 @@ class TransformerBlock(nn.Module):
             raise ValueError(
                 f"norm must be one of {list(NORMS)} ('post' = BERT, 'pre' = GPT-2); got {norm!r}"
             )
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1); got {dropout!r}")
-        if not (isinstance(ln_eps, (int, float)) and ln_eps > 0):
-            raise ValueError(f"ln_eps must be a positive float; got {ln_eps!r}")
+        for name, p in (("dropout", dropout), ("attn_dropout", attn_dropout)):
+            if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+                raise ValueError(f"{name} must be a float in [0, 1); got {p!r}")
+        if isinstance(ln_eps, bool) or not isinstance(ln_eps, (int, float)) or not 0 < ln_eps < math.inf:
+            raise ValueError(f"ln_eps must be a finite positive float; got {ln_eps!r}")
         self.d_model = d_model
         self.norm = norm
         self.pre_ln = norm == "pre"
@@ -168,8 +171,7 @@ class TransformerBlock(nn.Module):
         Returns:
             [batch, seq, d_model].
         """
-        if not isinstance(x, Tensor):
-            raise TypeError(f"x must be a tensor [batch, seq, d_model]; got {type(x).__name__}")
+        check_input_tensor("x", x, self.d_model, "d_model", self.ln1.weight)  # before any LayerNorm
         if self.hook_resid_pre.fns:
             x = self.hook_resid_pre(x)
         kw = {
@@ -228,6 +230,7 @@ class TransformerBlock(nn.Module):
         Returns:
             [batch, seq, d_model].
         """
+        check_input_tensor("x", x, self.d_model, "d_model", self.ln1.weight)
         B, S, d = x.shape
         a, mlp = self.attn, self.mlp
         H, Hkv, dh = a.n_heads, a.n_kv_heads, a.d_head

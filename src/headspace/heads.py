@@ -168,6 +168,13 @@ class FactoredMatrix:
                 raise ValueError(
                     f"FactoredMatrix {name} must have at least 2 dims [..., rows, cols]; got {list(t.shape)}"
                 )
+            if not t.is_floating_point():
+                raise TypeError(f"FactoredMatrix {name} must be a floating-point tensor; got dtype {t.dtype}")
+        if A.dtype != B.dtype or A.device != B.device:
+            raise TypeError(
+                f"FactoredMatrix A and B must share dtype and device; got A {A.dtype} on {A.device}, "
+                f"B {B.dtype} on {B.device}"
+            )
         if A.shape[-1] != B.shape[-2]:
             raise ValueError(
                 f"FactoredMatrix needs A [..., m, r] and B [..., r, n] with the same r; "
@@ -219,7 +226,16 @@ class FactoredMatrix:
         """The transpose ``B^T A^T``, still factored."""
         return FactoredMatrix(self.B.transpose(-2, -1), self.A.transpose(-2, -1))
 
+    def _check_product(self, left: tuple[int, ...], right: tuple[int, ...], what: str) -> None:
+        if left[-1] != right[-2]:
+            raise ValueError(
+                f"cannot multiply {what}: inner sizes differ ({list(left)} @ {list(right)}, "
+                f"{left[-1]} != {right[-2]})"
+            )
+
     def __matmul__(self, other: Tensor | FactoredMatrix) -> FactoredMatrix:
+        if isinstance(other, (FactoredMatrix, Tensor)) and len(other.shape) >= 2:
+            self._check_product(tuple(self.shape), tuple(other.shape), "FactoredMatrix @ other")
         if isinstance(other, FactoredMatrix):
             if self.inner_dim <= other.inner_dim:
                 return FactoredMatrix(self.A, (self.B @ other.A) @ other.B)
@@ -230,6 +246,7 @@ class FactoredMatrix:
 
     def __rmatmul__(self, other: Tensor) -> FactoredMatrix:
         if isinstance(other, Tensor) and other.dim() >= 2:
+            self._check_product(tuple(other.shape), tuple(self.shape), "other @ FactoredMatrix")
             return FactoredMatrix(other @ self.A, self.B)
         return NotImplemented
 
@@ -359,6 +376,17 @@ def ablate(
         if not isinstance(key, tuple) or len(key) != 2:
             raise TypeError(f"means keys must be (layer, head) pairs; got {key!r}")
         _check_layer_head(layers, key[0], key[1], "means")
+        m, dh = means[key], layers[key[0]].d_head
+        if not isinstance(m, Tensor) or not m.is_floating_point():
+            got = f"dtype {m.dtype}" if isinstance(m, Tensor) else type(m).__name__
+            raise TypeError(
+                f"means[{key}] must be a float tensor broadcasting to [batch, seq_q, d_head={dh}]; got {got}"
+            )
+        if m.dim() > 3 or (m.dim() and m.shape[-1] not in (1, dh)):
+            raise ValueError(
+                f"means[{key}] must broadcast to [batch, seq_q, d_head={dh}] (e.g. [{dh}]); "
+                f"got shape {list(m.shape)}"
+            )
 
     def make_fn(layer: int, modes: dict[int, str]) -> Callable[[Tensor, Any], Tensor]:
         def fn(z: Tensor, point: Any) -> Tensor:  # z: (batch, seq_q, n_heads, d_head)

@@ -57,6 +57,11 @@ class HookPoint(nn.Module):
                         f"hook on {self.name or 'hook point'} must return None or a tensor of shape "
                         f"{list(value.shape)}; got {got}"
                     )
+                if out.dtype != value.dtype or out.device != value.device:
+                    raise ValueError(
+                        f"hook on {self.name or 'hook point'} must return a tensor of the value's dtype "
+                        f"{value.dtype} on {value.device}; got {out.dtype} on {out.device}"
+                    )
                 value = out
         return value
 

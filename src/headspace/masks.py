@@ -51,6 +51,9 @@ class CanonicalMask:
 
 def causal_mask(seq_q: int, seq_k: int, device: torch.device | str | None = None) -> Tensor:
     """Bool ``[seq_q, seq_k]`` lower-triangular mask, aligned bottom-right (True = may attend)."""
+    for name, n in (("seq_q", seq_q), ("seq_k", seq_k)):
+        if isinstance(n, (bool, float, str)) or (isinstance(n, int) and n < 0):  # SymInts pass (compile)
+            raise ValueError(f"causal_mask: {name} must be an int >= 0; got {n!r}")
     offset = seq_k - seq_q
     return torch.ones(seq_q, seq_k, dtype=torch.bool, device=device).tril(diagonal=offset)
 

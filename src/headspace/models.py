@@ -138,8 +138,13 @@ class ModelConfig:
             self.emb_dropout = self.dropout
         for name in ("dropout", "attn_dropout", "emb_dropout"):
             _probability(name, getattr(self, name))
-        if isinstance(self.ln_eps, bool) or not isinstance(self.ln_eps, (int, float)) or not self.ln_eps > 0:
-            raise ValueError(f"ModelConfig.ln_eps must be a positive float; got {self.ln_eps!r}")
+        if (
+            isinstance(self.ln_eps, bool)
+            or not isinstance(self.ln_eps, (int, float))
+            or not math.isfinite(self.ln_eps)
+            or not self.ln_eps > 0
+        ):
+            raise ValueError(f"ModelConfig.ln_eps must be a finite positive float; got {self.ln_eps!r}")
         if self.type_vocab_size is None:
             self.type_vocab_size = 2 if encoder else 0
         if (
@@ -169,9 +174,10 @@ class ModelConfig:
         if (
             isinstance(self.init_std, bool)
             or not isinstance(self.init_std, (int, float))
+            or not math.isfinite(self.init_std)
             or self.init_std <= 0
         ):
-            raise ValueError(f"ModelConfig.init_std must be a positive float; got {self.init_std!r}")
+            raise ValueError(f"ModelConfig.init_std must be a finite positive float; got {self.init_std!r}")
         if not isinstance(self.name, str):
             raise ValueError(f"ModelConfig.name must be a str; got {self.name!r}")
         if not isinstance(self.extra, dict):
@@ -264,8 +270,10 @@ def _check_integer_matrix(t: Any, name: str, what: str) -> None:
     """``t`` must be an integer tensor (``what``: "token ids", "position indices"); errors name it."""
     if not isinstance(t, Tensor):
         raise TypeError(f"{name} must be an int64 tensor [batch, seq] of {what}; got {type(t).__name__}")
-    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-        raise TypeError(f"{name} must be an integer tensor [batch, seq] of {what}; got dtype {t.dtype}")
+    if t.dtype not in (torch.int64, torch.int32):  # the dtypes torch's embedding lookup takes
+        raise TypeError(
+            f"{name} must be an integer tensor (int64 or int32) [batch, seq] of {what}; got dtype {t.dtype}"
+        )
 
 
 def _check_below(t: Tensor, name: str, bound: int, outside: str, noun: str = "") -> None:
@@ -277,14 +285,26 @@ def _check_below(t: Tensor, name: str, bound: int, outside: str, noun: str = "")
 
 
 def check_tokens(
-    tokens: Any, config: ModelConfig, *, start: int = 0, name: str = "tokens", check_length: bool = True
+    tokens: Any,
+    config: ModelConfig,
+    *,
+    start: int = 0,
+    name: str = "tokens",
+    check_length: bool = True,
+    device: torch.device | None = None,
 ) -> None:
     """Tokens must be an integer tensor [batch, seq] of ids < vocab_size fitting the position table.
 
     ``check_length=False`` leaves the length to the caller: with per-row positions (left-padded
     batches) the columns may outnumber the position table while every position stays inside it.
+    ``device``: the model's device, which the tokens must be on (None: not checked).
     """
     _check_integer_matrix(tokens, name, "token ids")
+    if device is not None and tokens.device != device:
+        raise ValueError(
+            f"{name} are on device {tokens.device} but the model's weights are on {device}; "
+            f"move them with {name}.to({str(device)!r})"
+        )
     if tokens.dim() != 2:
         hint = " (for one sequence use .unsqueeze(0))" if tokens.dim() == 1 else ""
         raise ValueError(f"{name} must be 2-D [batch, seq]; got shape {list(tokens.shape)}{hint}")
@@ -461,7 +481,7 @@ class Encoder(_Stack):
         Returns:
             hidden states [batch, seq, d_model].
         """
-        check_tokens(tokens, self.config)
+        check_tokens(tokens, self.config, device=self.tok_embed.weight.device)
         if token_type_ids is not None:
             if self.type_embed is None:
                 raise ValueError("token_type_ids were given but this encoder has type_vocab_size=0")
@@ -476,6 +496,7 @@ class Encoder(_Stack):
                 token_type_ids,
                 dataclasses.replace(self.config, vocab_size=self.config.type_vocab_size),
                 name="token_type_ids",
+                device=self.tok_embed.weight.device,
             )
         x = self.embed(tokens, token_type_ids=token_type_ids)  # (batch, seq, d_model)
         for block in self.blocks:
@@ -521,7 +542,7 @@ class Encoder(_Stack):
             or any(b.attn.check_finite for b in self.blocks)
         ):
             return self(tokens, key_padding, token_type_ids)
-        check_tokens(tokens, self.config)
+        check_tokens(tokens, self.config, device=self.tok_embed.weight.device)
         batch, seq = tokens.shape
         mask = None
         if key_padding is not None:
@@ -568,6 +589,8 @@ class Decoder(_Stack):
     def make_kv_caches(self, batch: int, capacity: int | None = None) -> list[KVCache]:
         """One :class:`~headspace.KVCache` per block, for ``capacity`` positions (default max_seq_len)."""
         capacity = self.config.max_seq_len if capacity is None else capacity
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+            raise ValueError(f"capacity must be None or an int >= 1 (positions to cache); got {capacity!r}")
         if capacity > self.config.max_seq_len:
             raise ValueError(
                 f"capacity={capacity} exceeds the position table (max_seq_len={self.config.max_seq_len})"
@@ -591,9 +614,21 @@ class Decoder(_Stack):
                     f"kv_caches must be a list of {len(self.blocks)} KVCache (one per block, from "
                     f"make_kv_caches); got {got}"
                 )
+            bad = [i for i, c in enumerate(kv_caches) if not isinstance(c, KVCache)]
+            if bad:
+                raise TypeError(
+                    f"kv_caches must hold one KVCache per block (from make_kv_caches); item {bad[0]} is "
+                    f"{type(kv_caches[bad[0]]).__name__}"
+                )
             start = kv_caches[0].length
         # with per-row positions the table bounds the positions (checked below), not the columns
-        check_tokens(tokens, self.config, start=start, check_length=positions is None)
+        check_tokens(
+            tokens,
+            self.config,
+            start=start,
+            check_length=positions is None,
+            device=self.tok_embed.weight.device,
+        )
         if positions is None:
             x = self.embed(tokens, start=start)  # (batch, seq, d_model)
         else:
@@ -688,11 +723,20 @@ class Decoder(_Stack):
         """
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be an int >= 0; got {max_new_tokens!r}")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or temperature < 0:
-            raise ValueError(f"temperature must be a float >= 0 (0 = greedy); got {temperature!r}")
+        if (
+            isinstance(temperature, bool)
+            or not isinstance(temperature, (int, float))
+            or not math.isfinite(temperature)
+            or temperature < 0
+        ):
+            raise ValueError(f"temperature must be a float >= 0, finite (0 = greedy); got {temperature!r}")
         if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
             raise ValueError(f"top_k must be None or an int >= 1; got {top_k!r}")
-        check_tokens(tokens, self.config, check_length=key_padding is None)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise TypeError(f"seed must be None or an int; got {seed!r}")
+        check_tokens(
+            tokens, self.config, check_length=key_padding is None, device=self.tok_embed.weight.device
+        )
         batch, prompt_len = tokens.shape
         if prompt_len == 0:
             raise ValueError("tokens must hold a prompt of at least 1 token; got prompt_len=0")

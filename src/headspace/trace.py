@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from contextlib import contextmanager
 from typing import Any
 
@@ -94,6 +94,11 @@ def select_hook_points(model: Any, names: NameFilter = None) -> dict[str, HookPo
         return points
     if callable(names) and not isinstance(names, str):
         return {n: p for n, p in points.items() if names(n)}
+    if not isinstance(names, (str, Sequence, Set)):
+        raise TypeError(
+            "names must be None, a hook name or glob, a list of them, or a predicate on the full name; "
+            f"got {type(names).__name__} {names!r}"
+        )
     patterns = [names] if isinstance(names, str) else list(names)
     chosen: dict[str, HookPoint] = {}
     for pattern in patterns:
