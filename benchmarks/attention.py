@@ -4,7 +4,7 @@ Prints a Markdown table (median ms, ratio to the GEMM floor, peak extra MiB) and
 machine's description. The logic lives in :mod:`headspace.bench` (also behind ``headspace bench``).
 
     python benchmarks/attention.py                       # seed configuration, seq 128 512 1024 2048
-    python benchmarks/attention.py --quick               # small sizes, under a minute
+    python benchmarks/attention.py --quick               # small sizes, under a minute (attention_quick.json)
     python benchmarks/attention.py --seq 512 1024 --repeats 5 --threads 2
 """
 
@@ -31,8 +31,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
     p.add_argument("--quick", action="store_true", help="seq 128 256, batch 4, 3 repeats: a smoke run")
-    p.add_argument("--out", default="benchmarks/results/attention.json", help="JSON output path")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="JSON output path (default: benchmarks/results/attention.json; with --quick "
+        "benchmarks/results/attention_quick.json, so a smoke run never replaces the published results)",
+    )
     a = p.parse_args(argv)
+    if a.out is None:
+        a.out = f"benchmarks/results/attention{'_quick' if a.quick else ''}.json"
     for name in ("batch", "d_model", "n_heads", "repeats", "threads"):
         value = getattr(a, name)
         if value is not None and value <= 0:

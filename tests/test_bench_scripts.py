@@ -51,3 +51,14 @@ def test_encode_script_compares_three_models_and_reports_each_round(
     assert doc["target_met"] == (doc["speedup_vs_faster_reference"] >= doc["target"])
     assert "target held in" in capsys.readouterr().out
     assert not list(tmp_path.glob("*.tmp*"))
+
+
+def test_attention_quick_run_never_replaces_the_published_results(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep_threads: None
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the default output paths are relative to the working folder
+    argv = ["--quick", "--seq", "8", "--batch", "1", "--d-model", "6", "--n-heads", "2", "--repeats", "1"]
+    assert _script("attention").main([*argv, "--no-memory", "--threads", "1"]) == 0
+    results = tmp_path / "benchmarks" / "results"
+    assert (results / "attention_quick.json").exists()
+    assert not (results / "attention.json").exists()
