@@ -378,7 +378,7 @@ def _check_run_dir(out: Path, record: dict[str, Any], resume: bool) -> None:
             what = "unreadable config"
         raise RunFolderError(
             f"--out {out} already holds another run ({what}); pass --resume to continue it "
-            "or choose a new folder"
+            "(in Python: train(..., resume=True)) or choose a new folder"
         )
     if out.exists() and any(out.iterdir()):
         raise RunFolderError(f"--out {out} is not empty and holds no run; choose a new or empty folder")
