@@ -219,6 +219,14 @@ def test_factored_matrix_refuses_mixed_or_integer_factors_and_bad_products() -> 
     with pytest.raises(ValueError, match=r"inner sizes differ \(\[2, 7\] @ \[3, 5\], 7 != 3\)"):
         torch.randn(2, 7) @ m
     assert (m @ torch.randn(5, 2)).shape == (3, 2) and (torch.randn(2, 3) @ m).shape == (2, 5)
+    bad = FactoredMatrix(
+        A, B.clone().index_put_((torch.tensor([0]), torch.tensor([1])), torch.tensor(float("nan")))
+    )
+    for decompose in (lambda: bad.svd(), lambda: bad.singular_values, lambda: bad.norm()):
+        with pytest.raises(
+            ValueError, match=r"FactoredMatrix B has 1 NaN/Inf values of 35 \(shape \[7, 5\]\)"
+        ):
+            decompose()
 
 
 def test_ablate_bad_input() -> None:

@@ -260,11 +260,22 @@ class FactoredMatrix:
         return FactoredMatrix(A[index], B[index])
 
     # -- spectra
+    def _check_finite(self) -> None:
+        """Decompositions of NaN/Inf factors fail inside LAPACK: name the factor instead."""
+        for name, t in (("A", self.A), ("B", self.B)):
+            finite = torch.isfinite(t)
+            if not bool(finite.all()):
+                raise ValueError(
+                    f"FactoredMatrix {name} has {int((~finite).sum())} NaN/Inf values of {t.numel()} "
+                    f"(shape {list(t.shape)}); its singular values are undefined"
+                )
+
     def svd(self) -> tuple[Tensor, Tensor, Tensor]:
         """Thin SVD through the factors: ``U`` [..., m, k], ``S`` [..., k] (descending), ``Vh`` [..., k, n].
 
-        ``k = min(m, n, r)`` and ``U diag(S) Vh == A @ B``.
+        ``k = min(m, n, r)`` and ``U diag(S) Vh == A @ B``. NaN/Inf in a factor raise ``ValueError``.
         """
+        self._check_finite()
         Qa, Ra = torch.linalg.qr(self.A)  # (..., m, ka), (..., ka, r)
         Qb, Rb = torch.linalg.qr(self.B.transpose(-2, -1))  # (..., n, kb), (..., kb, r)
         core = Ra @ Rb.transpose(-2, -1)  # (..., ka, kb)
@@ -276,6 +287,7 @@ class FactoredMatrix:
     @property
     def singular_values(self) -> Tensor:
         """[..., k] in descending order, through the factors."""
+        self._check_finite()
         Ra = torch.linalg.qr(self.A, mode="r")[1]  # (..., ka, r)
         Rb = torch.linalg.qr(self.B.transpose(-2, -1), mode="r")[1]  # (..., kb, r)
         return torch.linalg.svdvals(Ra @ Rb.transpose(-2, -1))  # (..., k)
