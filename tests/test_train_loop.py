@@ -205,3 +205,26 @@ def test_reverse_task_runs_and_summarises_its_one_relation(tmp_path: Path) -> No
     mirror = result.summary["relations"]["mirror"]
     assert mirror["other_drop"] == 0.0 and len(mirror["head"]) == 2
     assert len(result.final_eval["relation_mass"]["mirror"]) == 2  # two layers (the reverse default)
+
+
+def test_a_run_written_before_a_model_field_existed_still_resumes(tmp_path: Path) -> None:
+    # run folders from before ModelConfig.pruned_heads lack the field: absent means its default
+    import hashlib
+
+    run = tmp_path / "run"
+    config = TrainConfig(**TINY, steps=4, eval_every=100)
+    train(config, run, progress=False)
+    ckpt = next((run / "checkpoints").glob("step-*"))
+    for path in (run / "config.json", ckpt / "config.json"):
+        record = json.loads(path.read_text())
+        del record["model"]["pruned_heads"]
+        path.write_text(json.dumps(record, indent=2, sort_keys=True, allow_nan=False) + "\n")
+    state = json.loads((ckpt / "state.json").read_text())
+    data = (ckpt / "config.json").read_bytes()  # the old checkpoint's own, consistent digest
+    state["files"]["config.json"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+    result = train(config, run, resume=True, progress=False)
+    assert result is not None
+    # a real difference is still refused
+    with pytest.raises(RunFolderError, match=r"train.lr: checkpoint has 0.003, requested 0.01"):
+        train(TrainConfig(**TINY, steps=4, eval_every=100, lr=1e-2), run, resume=True, progress=False)

@@ -28,7 +28,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -377,13 +377,16 @@ def load_checkpoint(
     *,
     expected_config: Mapping[str, Any] | None = None,
     allow_differ: tuple = (),
+    normalize_config: Callable[[dict[str, Any]], dict[str, Any]] | None = None,
 ) -> Checkpoint:
     """Read and check a checkpoint (a checkpoint folder, or a run folder for its latest one).
 
     Every file is checked against the size and SHA-256 recorded in ``state.json``. With
     ``expected_config`` the stored configuration is compared field by field first (fields named in
     ``allow_differ``, dotted, may differ); any other difference raises :class:`CheckpointError` listing
-    them. Weights with NaN/Inf are refused.
+    them. ``normalize_config`` is applied to the stored configuration before that comparison (the
+    training loop fills in fields added since the checkpoint was written, with their defaults).
+    Weights with NaN/Inf are refused.
     """
     folder = resolve_checkpoint(path)
     state_path = folder / STATE_FILE
@@ -406,7 +409,9 @@ def load_checkpoint(
     if expected_config is not None:
         diffs = [
             d
-            for d in config_differences(config, dict(expected_config))
+            for d in config_differences(
+                config if normalize_config is None else normalize_config(config), dict(expected_config)
+            )
             if not any(d.startswith(f"{f}:") or d.startswith(f"{f}.") for f in allow_differ)
         ]
         if diffs:

@@ -346,6 +346,23 @@ def run_record(config: TrainConfig, model_config: ModelConfig, data: dict[str, A
     return {"format": RUN_FORMAT, "train": config.to_dict(), "model": model_config.to_dict(), "data": data}
 
 
+def with_current_defaults(saved: dict[str, Any]) -> dict[str, Any]:
+    """A stored run record with the model fields added since it was written filled in by their defaults.
+
+    A field added to :class:`~headspace.ModelConfig` with a default that keeps the old behaviour (such
+    as ``pruned_heads``) is absent from older run folders; read through ``ModelConfig`` they compare
+    equal to a new request, so ``--resume`` keeps working. A record that does not parse is returned as
+    it is, and the comparison names its fields.
+    """
+    model = saved.get("model") if isinstance(saved, dict) else None
+    if not isinstance(model, dict):
+        return saved
+    try:
+        return {**saved, "model": ModelConfig.from_dict(dict(model)).to_dict()}
+    except (TypeError, ValueError):
+        return saved
+
+
 def _check_run_dir(out: Path, record: dict[str, Any], resume: bool) -> None:
     cfg = out / RUN_CONFIG
     if resume:
@@ -359,7 +376,7 @@ def _check_run_dir(out: Path, record: dict[str, Any], resume: bool) -> None:
             raise RunFolderError(f"--resume: {cfg} is unreadable ({e})") from None
         diffs = [
             d
-            for d in config_differences(saved, record)
+            for d in config_differences(with_current_defaults(saved), record)
             if not any(d.startswith(f"{f}:") or d.startswith(f"{f}.") for f in RESUMABLE_CHANGES)
         ]
         if diffs:
@@ -454,7 +471,12 @@ def _train(config: TrainConfig, out: Path, resume: bool, progress: bool, info: D
     start = 0
     if resume:
         try:
-            ckpt = load_checkpoint(out, expected_config=record, allow_differ=RESUMABLE_CHANGES)
+            ckpt = load_checkpoint(
+                out,
+                expected_config=record,
+                allow_differ=RESUMABLE_CHANGES,
+                normalize_config=with_current_defaults,
+            )
         except CheckpointError:
             raise
         restore_training_state(ckpt, model, optimizer)
