@@ -124,12 +124,38 @@ def test_float_mask_dead_row_is_recorded_and_opened() -> None:
         ((1, 7, 3, 5), (1, 7, 3, 5)),
         ((2, 1, 3, 5), (2, 1, 3, 5)),
         ((1, 1, 3, 5), (1, 1, 3, 5)),
+        ((2, 1, 1, 5), (2, 1, 1, 5)),  # Hugging Face-style padding: kept small, broadcast where used
+        ((1, 5), (1, 1, 1, 5)),
+        ((2, 3, 1), (2, 1, 3, 1)),
     ],
 )
 def test_accepted_shapes_broadcast(shape: tuple, canon: tuple) -> None:
     m = torch.ones(shape, dtype=torch.bool)
     cm = canonical_mask(batch=2, n_heads=7, seq_q=3, seq_k=5, attn_mask=m)
     assert tuple(cm.mask.shape) == canon
+
+
+@pytest.mark.parametrize("need_weights", [False, True])
+@pytest.mark.parametrize("shape", [(2, 1, 1, 5), (2, 1, 3, 1), (1, 5)])
+def test_seq_broadcast_masks_equal_their_full_expansion(shape: tuple, need_weights: bool) -> None:
+    # every path (SDPA, the explicit kernel) and the gradients; with is_causal; dead rows stay zero
+    torch.manual_seed(3)
+    layer = MultiHeadAttention(6, 3, n_kv_heads=1, kdim=7, vdim=11).double()
+    q = torch.randn(2, 3, 6, dtype=torch.float64, requires_grad=True)
+    k, v = torch.randn(2, 5, 7, dtype=torch.float64), torch.randn(2, 5, 11, dtype=torch.float64)
+    small = torch.rand(shape) > 0.4
+    full = small.expand(2, 3, 5) if small.dim() == 2 else small.expand(2, 1, 3, 5)
+    for mask in (small, torch.where(small, 0.0, float("-inf")).double()):
+        wide = full.clone() if mask.dtype == torch.bool else torch.where(full, 0.0, float("-inf")).double()
+        got = layer(q, k, v, attn_mask=mask, is_causal=True, need_weights=need_weights)
+        want = layer(q, k, v, attn_mask=wide, is_causal=True, need_weights=need_weights)
+        got, want = (got, want) if need_weights else ((got,), (want,))
+        for a, b in zip(got, want):
+            assert_close(a, b, rtol=0, atol=1e-12)
+        (ga,) = torch.autograd.grad(got[0].sum(), q)
+        (gb,) = torch.autograd.grad(want[0].sum(), q)
+        assert_close(ga, gb, rtol=0, atol=1e-12)
+        assert torch.isfinite(ga).all()
 
 
 def test_3d_mask_is_per_sample_not_per_head() -> None:

@@ -17,7 +17,8 @@ pattern row, with finite gradients, on every backend: :func:`canonical_mask` rec
 opens them up, so that no softmax ever sees a row of ``-inf``; the backends then zero them.
 
 Accepted ``attn_mask`` shapes (each dimension either full or 1, where it broadcasts):
-``[seq_q, seq_k]``, ``[batch, seq_q, seq_k]`` and ``[batch, n_heads, seq_q, seq_k]``.
+``[seq_q, seq_k]``, ``[batch, seq_q, seq_k]`` and ``[batch, n_heads, seq_q, seq_k]``, so a Hugging
+Face-style padding mask ``[batch, 1, 1, seq_k]`` works as it is.
 """
 
 from __future__ import annotations
@@ -80,14 +81,13 @@ def _as_4d(attn_mask: Tensor, batch: int, n_heads: int, seq_q: int, seq_k: int) 
     else:
         m = None
     want = (batch, n_heads, seq_q, seq_k)
-    fits = m is not None and m.shape[-2:] == (seq_q, seq_k)
-    if not fits or any(got not in (1, full) for got, full in zip(m.shape, want)):
+    if m is None or any(got not in (1, full) for got, full in zip(m.shape, want)):
         raise ValueError(
             f"attn_mask has shape {list(shape)}, which does not fit batch={batch}, n_heads={n_heads}, "
             f"seq_q={seq_q}, seq_k={seq_k}; accepted shapes: {ACCEPTED_MASK_SHAPES} "
-            "(batch and n_heads may be 1 to broadcast)"
+            "(any of them may be 1 to broadcast, e.g. [batch, 1, 1, seq_k] for padding)"
         )
-    return m
+    return m  # (batch|1, n_heads|1, seq_q|1, seq_k|1): broadcast where it is used, never copied
 
 
 def check_key_padding(key_padding: Tensor, batch: int, seq_k: int, device: torch.device) -> None:
