@@ -353,6 +353,24 @@ def test_pruning_updates_a_loaded_models_config() -> None:
     assert other.config.pruned_heads == {} and other.blocks[1].attn.n_heads == 6
 
 
+def test_pruning_refuses_a_torch_layout_layer_and_names_the_way_out() -> None:
+    from headspace import compat, layouts
+
+    mha = compat.MultiheadAttention(35, 7, batch_first=True).eval()
+    x = torch.randn(2, 3, 35)
+    before = mha(x, x, x, need_weights=False)[0]
+    with pytest.raises(
+        ValueError, match=r"heads\[0\]: .*compat\.MultiheadAttention.*cannot lose heads.*from_torch_mha"
+    ):
+        prune_heads(mha, {0: [1]})
+    torch.testing.assert_close(mha(x, x, x, need_weights=False)[0], before, rtol=0, atol=0)  # untouched
+    layer = layouts.from_torch_mha(mha.state_dict(), n_heads=7).eval()  # the way out the message names
+    with ablate(layer, [(0, 1)]):
+        want = layer(x)
+    prune_heads(layer, {0: [1]})
+    torch.testing.assert_close(layer(x), want)
+
+
 def test_pruning_cross_attention_layer() -> None:
     attn = MultiHeadAttention(d_model=35, n_heads=7, kdim=11, vdim=13).eval()
     x, c = torch.randn(2, 3, 35), torch.randn(2, 5, 11)

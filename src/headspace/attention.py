@@ -219,6 +219,9 @@ class MultiHeadAttention(nn.Module):
     and the first bad index. With the default, NaN/Inf propagate like in any torch layer.
     """
 
+    #: :func:`headspace.prune_heads` may remove heads of this layer (subclasses with a fixed layout say no).
+    prunable: bool = True
+
     def __init__(
         self,
         d_model: int = 512,

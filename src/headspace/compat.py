@@ -108,6 +108,10 @@ class MultiheadAttention(MultiHeadAttention):
     masked row gives 0, never NaN).
     """
 
+    #: :func:`headspace.prune_heads` refuses this layer: torch's layout needs
+    #: num_heads * head_dim == embed_dim.
+    prunable = False
+
     def __init__(
         self,
         embed_dim: int,

@@ -529,6 +529,14 @@ def prune_heads(model: Any, heads: Mapping[int, Sequence[int]]) -> dict[int, lis
         for h in drop:
             _check_layer_head(layers, layer, h, "heads")
         attn = layers[layer]
+        if not attn.prunable:
+            kind = f"{type(attn).__module__}.{type(attn).__name__}"
+            raise ValueError(
+                f"heads[{layer}]: layer {layer} is a {kind}, which keeps torch.nn.MultiheadAttention's layout"
+                " (num_heads * head_dim == embed_dim) and so cannot lose heads; zero-ablate with "
+                "headspace.ablate, or convert it to a headspace.MultiHeadAttention "
+                "(headspace.layouts.from_torch_mha) and prune that"
+            )
         keep = [h for h in range(attn.n_heads) if h not in set(drop)]
         if not keep:
             raise ValueError(
