@@ -392,9 +392,8 @@ class _Stack(nn.Module):
         )
         self.ln_final = nn.LayerNorm(c.d_model, eps=c.ln_eps) if c.final_ln else None
         self._init_weights()
-        if c.pruned_heads:
-            for layer in c.pruned_heads:
-                shrink_attention(self.blocks[layer].attn, c.kept_heads(layer))  # (H', ...) fused storage
+        for layer in c.pruned_heads:  # built as prune_heads leaves them: (H', ...) fused storage
+            shrink_attention(self.blocks[layer].attn, c.kept_heads(layer))
 
     def _init_weights(self) -> None:
         """Normal(0, init_std) embeddings and feed-forward weights, zero biases, unit LayerNorms.
