@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from .checks import nonfinite_count
+
 if TYPE_CHECKING:
     from .attention import MultiHeadAttention
 
@@ -263,10 +265,10 @@ class FactoredMatrix:
     def _check_finite(self) -> None:
         """Decompositions of NaN/Inf factors fail inside LAPACK: name the factor instead."""
         for name, t in (("A", self.A), ("B", self.B)):
-            finite = torch.isfinite(t)
-            if not bool(finite.all()):
+            bad = nonfinite_count(t)
+            if bad:
                 raise ValueError(
-                    f"FactoredMatrix {name} has {int((~finite).sum())} NaN/Inf values of {t.numel()} "
+                    f"FactoredMatrix {name} has {bad} NaN/Inf values of {t.numel()} "
                     f"(shape {list(t.shape)}); its singular values are undefined"
                 )
 

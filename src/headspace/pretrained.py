@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from . import layouts
+from .checks import nonfinite_count
 from .models import Decoder, Encoder, ModelConfig
 from .tokenization import TextTokenizer, check_sentences
 from .workspace import Workspace
@@ -118,9 +119,9 @@ def _check_values(tensors: dict[str, Tensor], names: Sequence[str], source: Path
         )
     problems = []
     for k in names:
-        finite = torch.isfinite(tensors[k])
-        if not bool(finite.all()):
-            problems.append(f"weight {k!r} has {int((~finite).sum())} NaN/Inf values of {finite.numel()}")
+        bad = nonfinite_count(tensors[k])
+        if bad:
+            problems.append(f"weight {k!r} has {bad} NaN/Inf values of {tensors[k].numel()}")
     if len(problems) == 1:
         raise ValueError(f"{source}: {problems[0]}")
     if problems:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..checks import nonfinite_count
 from ..trace import as_module, attention_layers, trace
 from ._common import JsonResult, eval_mode, make_batches, pad_heads
 
@@ -189,9 +190,8 @@ def roles_from_patterns(
                 f"but patterns[0] (layer 0) has batch {patterns[0].shape[0]}, seq {patterns[0].shape[2]} "
                 f"(shape {list(patterns[0].shape)}); every layer's pattern must come from the same inputs"
             )
-        finite = torch.isfinite(p)
-        if not bool(finite.all()):
-            bad = int((~finite).sum())
+        bad = nonfinite_count(p)
+        if bad:
             raise ValueError(
                 f"patterns[{i}] (layer {i}) has {bad} non-finite values (NaN/Inf) of {p.numel()}; attention "
                 "patterns must be finite probabilities"

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor
 
 from ..attention import MultiHeadAttention
+from ..checks import nonfinite_count
 from ..heads import FactoredMatrix, effective_rank
 from ..trace import attention_layers
 from ._common import JsonResult, pad_heads
@@ -98,9 +99,8 @@ def _check_matrix(t: Any, name: str) -> None:
 
 
 def _check_finite_vectors(t: Tensor, name: str) -> None:
-    finite = torch.isfinite(t)
-    if not bool(finite.all()):
-        bad = int((~finite).sum())
+    bad = nonfinite_count(t)
+    if bad:
         raise ValueError(
             f"{name} has {bad} non-finite values (NaN/Inf) of {t.numel()} (shape {list(t.shape)}); a "
             "subspace needs finite vectors"
@@ -206,11 +206,11 @@ def random_overlap(d: int, p: int, q: int) -> float:
 
 def _overlaps_and_ranks(attn: MultiHeadAttention, which: str) -> tuple[Tensor, Tensor]:
     W = head_subspaces(attn, which)  # (n, dim, dh)
-    finite = torch.isfinite(W)
-    if not bool(finite.all()):
+    bad = nonfinite_count(W)
+    if bad:
         weight = {"q": "W_Q", "k": "W_K", "v": "W_V", "o": "W_O"}[which]
         raise ValueError(
-            f"the layer's {weight} has {int((~finite).sum())} non-finite values (NaN/Inf) of {W.numel()}; "
+            f"the layer's {weight} has {bad} non-finite values (NaN/Inf) of {W.numel()}; "
             "head subspaces need finite weights"
         )
     U, rank = orthonormal_basis(W.to(torch.float64))  # (n, dim, dh), (n,)

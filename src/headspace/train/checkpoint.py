@@ -39,6 +39,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor, nn
 
+from ..checks import nonfinite_count
 from ..fileio import fsync_dir, write_atomic, write_file_synced
 
 FORMAT = "headspace-checkpoint/1"
@@ -425,8 +426,8 @@ def load_checkpoint(
     _verify(model_path, model_bytes, files.get(MODEL_FILE))
     model_state = _load_tensors(model_path, model_bytes)
     for name, t in model_state.items():
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            bad = int((~torch.isfinite(t)).sum())
+        bad = nonfinite_count(t) if t.is_floating_point() else 0
+        if bad:
             raise CheckpointError(f"{model_path}: weight {name!r} has {bad} NaN/Inf values of {t.numel()}")
 
     state_tensors: dict[str, Tensor] = {}
