@@ -21,17 +21,14 @@ from headspace.parallel import (
     HeadParallelAttention,
     HeadParallelFeedForward,
     attention_shard,
-    average_across_ranks,
     barrier,
-    check_same_config,
     feed_forward_shard,
     gather_model,
-    local_batch_slice,
     setup_distributed,
     shard_model,
     teardown,
-    wrap_model,
 )
+from headspace.train.distributed import average_across_ranks, check_same_config, local_batch_slice, wrap_model
 
 SINGLE = DistInfo(rank=0, world_size=1, local_rank=0, backend=None)
 

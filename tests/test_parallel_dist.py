@@ -275,9 +275,9 @@ def _bad_input_worker(rank: int, world: int) -> None:
         DistInfo,
         HeadParallelAttention,
         HeadParallelFeedForward,
-        check_same_config,
         shard_model,
     )
+    from headspace.train.distributed import check_same_config
 
     torch.manual_seed(0)
     _raises_on_every_rank(

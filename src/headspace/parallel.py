@@ -1,27 +1,16 @@
-"""Scale on torch.distributed: data-parallel helpers and head-parallel attention.
+"""Head-parallel attention on torch.distributed: one layer's heads spread over several ranks.
 
-Two ways to spread work over processes, both on ``torch.distributed`` (gloo on CPU, nccl on GPU):
-
-* **Data parallel** (training): :func:`setup_distributed` joins the process group that ``torchrun``
-  describes in the environment, :func:`wrap_model` wraps the model in
-  :class:`~torch.nn.parallel.DistributedDataParallel`, :func:`check_same_config` makes sure every rank
-  was started with the same configuration, :func:`local_batch_slice` says which rows of a global batch
-  a rank owns, and :func:`average_across_ranks` averages a logged value.
-* **Head parallel** (one layer over several ranks): heads are independent until ``W_O`` mixes them, so
-  each rank keeps the ``W_Q``/``W_K``/``W_V`` of its heads and the matching rows of ``W_O``; one
-  all-reduce after ``W_O`` sums the ranks' partial outputs (see :class:`HeadParallelAttention`).
-
-Without ``torchrun`` (no ``WORLD_SIZE`` in the environment) everything runs as one process of a world of
-size 1 and the helpers do nothing.
+Heads are independent until ``W_O`` mixes them, so each rank keeps the ``W_Q``/``W_K``/``W_V`` of its heads
+and the matching rows of ``W_O``; one all-reduce after ``W_O`` sums the ranks' partial outputs (see
+:class:`HeadParallelAttention`). The process group (:func:`setup_distributed`, :class:`DistInfo`) lives
+in :mod:`headspace.process_group` and is re-exported here; the data-parallel training helpers are in
+:mod:`headspace.train.distributed`.
 """
 
 from __future__ import annotations
 
 import copy
 import json
-import os
-from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
@@ -29,242 +18,20 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .attention import KVCache, MultiHeadAttention
+from .process_group import DistInfo, all_gather_bytes, barrier, compare_configs, setup_distributed, teardown
 
 __all__ = [
     "DistInfo",
     "HeadParallelAttention",
     "HeadParallelFeedForward",
-    "average_across_ranks",
+    "attention_shard",
     "barrier",
-    "check_same_config",
+    "feed_forward_shard",
     "gather_model",
-    "local_batch_slice",
     "setup_distributed",
     "shard_model",
     "teardown",
-    "wrap_model",
 ]
-
-
-# ---------------------------------------------------------------------------------------------- process group
-@dataclass(frozen=True)
-class DistInfo:
-    """Where this process stands in the job: ``rank`` of ``world_size`` processes, ``local_rank`` on its
-    machine, and the ``backend`` of the process group ("gloo", "nccl"; None when not distributed)."""
-
-    rank: int
-    world_size: int
-    local_rank: int
-    backend: str | None
-
-    @property
-    def is_main(self) -> bool:
-        """True on rank 0, the only rank that writes checkpoints, metrics and summaries."""
-        return self.rank == 0
-
-    @property
-    def enabled(self) -> bool:
-        """True when more than one process takes part."""
-        return self.world_size > 1
-
-
-def _env_int(name: str, default: int | None = None) -> int:
-    raw = os.environ.get(name)
-    if raw is None:
-        if default is None:
-            raise ValueError(f"environment variable {name} is not set; start the job with torchrun")
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name} must be an integer; got {raw!r}") from None
-
-
-def setup_distributed(device: str = "cpu", *, timeout_s: float = 600.0) -> DistInfo:
-    """Join the process group described by torchrun's environment; a world of one without it.
-
-    Reads ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT`` (set by
-    ``torchrun``). ``device="cpu"`` uses the gloo backend; ``"cuda"`` uses nccl and selects GPU
-    ``LOCAL_RANK``. A process group that is already initialised is reused. ``timeout_s`` bounds every
-    collective, so a rank that never arrives fails the job instead of hanging it.
-
-    Returns:
-        DistInfo of this process (``world_size == 1`` and ``backend None`` without torchrun).
-    """
-    if not isinstance(device, str) or device.split(":")[0] not in ("cpu", "cuda"):
-        raise ValueError(f"device must be 'cpu' or 'cuda' (optionally 'cuda:N'); got {device!r}")
-    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
-        raise ValueError(f"timeout_s must be a positive number of seconds; got {timeout_s!r}")
-    on_cuda = device.startswith("cuda")
-    if dist.is_available() and dist.is_initialized():
-        backend = str(dist.get_backend())
-        return DistInfo(dist.get_rank(), dist.get_world_size(), _env_int("LOCAL_RANK", 0), backend)
-    world_size = _env_int("WORLD_SIZE", 1)
-    if world_size <= 1:
-        return DistInfo(rank=0, world_size=1, local_rank=0, backend=None)
-    if not dist.is_available():
-        raise RuntimeError("WORLD_SIZE > 1 but this torch build has no torch.distributed support")
-    rank = _env_int("RANK")
-    local_rank = _env_int("LOCAL_RANK", rank)
-    if not 0 <= rank < world_size:
-        raise ValueError(f"RANK must be in [0, WORLD_SIZE={world_size}); got RANK={rank}")
-    for name in ("MASTER_ADDR", "MASTER_PORT"):
-        if name not in os.environ:
-            raise ValueError(f"environment variable {name} is not set; start the job with torchrun")
-    if on_cuda:
-        if not torch.cuda.is_available():
-            raise ValueError("device='cuda' (nccl backend) was asked for but no CUDA device is available")
-        if local_rank >= torch.cuda.device_count():
-            raise ValueError(
-                f"LOCAL_RANK={local_rank} but this machine has {torch.cuda.device_count()} CUDA devices; "
-                "start at most one process per GPU (torchrun --nproc-per-node)"
-            )
-        torch.cuda.set_device(local_rank)
-        backend = "nccl"
-    else:
-        backend = "gloo"
-    dist.init_process_group(
-        backend=backend, init_method="env://", rank=rank, world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )  # fmt: skip
-    return DistInfo(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend)
-
-
-def _device_of(info: DistInfo) -> torch.device:
-    """The device collectives of this group use (nccl only moves CUDA tensors)."""
-    if info.backend == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def wrap_model(model: nn.Module, info: DistInfo) -> nn.Module:
-    """DistributedDataParallel around ``model`` when ``info.enabled``; the model itself otherwise.
-
-    DDP broadcasts rank 0's parameters at construction and averages gradients over ranks in backward,
-    so a step on ``world_size`` shards of a global batch equals one step on the whole batch (the loss
-    being a mean over rows).
-    """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
-    if not isinstance(info, DistInfo):
-        raise TypeError(f"info must be a DistInfo (from setup_distributed); got {type(info).__name__}")
-    if not info.enabled:
-        return model
-    if info.backend == "nccl":
-        return nn.parallel.DistributedDataParallel(model, device_ids=[info.local_rank])
-    return nn.parallel.DistributedDataParallel(model)
-
-
-def barrier(info: DistInfo) -> None:
-    """Wait until every rank reaches this point (nothing to do in a world of one)."""
-    if info.enabled:
-        if info.backend == "nccl":
-            dist.barrier(device_ids=[info.local_rank])
-        else:
-            dist.barrier()
-
-
-def teardown(info: DistInfo) -> None:
-    """Leave the process group (nothing to do in a world of one)."""
-    if info.enabled and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-# ---------------------------------------------------------------------------------------------- data helpers
-def local_batch_slice(global_batch: int, info: DistInfo) -> slice:
-    """The rows ``[rank * B / W, (rank + 1) * B / W)`` of a global batch of ``B`` rows this rank owns.
-
-    Every rank draws the same global batch (same seed and step); each trains on its own slice.
-    """
-    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch <= 0:
-        raise ValueError(f"global_batch must be a positive int; got {global_batch!r}")
-    if global_batch % info.world_size != 0:
-        raise ValueError(
-            f"global_batch={global_batch} is not divisible by the world size {info.world_size}; choose a "
-            f"batch size that is a multiple of the number of processes (e.g. "
-            f"{info.world_size * max(1, global_batch // info.world_size)})"
-        )
-    per_rank = global_batch // info.world_size
-    return slice(info.rank * per_rank, (info.rank + 1) * per_rank)
-
-
-def average_across_ranks(value: Tensor | float, info: DistInfo) -> float:
-    """The mean of a scalar over all ranks (for logging a loss); the value itself in a world of one."""
-    t = torch.as_tensor(value, dtype=torch.float64).detach().reshape(())
-    if not info.enabled:
-        return float(t)
-    t = t.to(_device_of(info))
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)
-    return float(t) / info.world_size
-
-
-# ---------------------------------------------------------------------------------------------- config check
-def _all_gather_bytes(
-    payload: bytes, device: torch.device, group: dist.ProcessGroup | None = None
-) -> list[bytes]:
-    """Every rank's ``payload``, in rank order (JSON text travels as uint8 tensors: nothing is pickled)."""
-    world = dist.get_world_size(group)
-    data = torch.tensor(list(payload), dtype=torch.uint8)  # (n_bytes,)
-    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    sizes = [torch.zeros_like(size) for _ in range(world)]
-    dist.all_gather(sizes, size, group=group)
-    longest = max(int(s) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: data.numel()] = data.to(device)
-    gathered = [torch.zeros_like(padded) for _ in range(world)]
-    dist.all_gather(gathered, padded, group=group)
-    return [bytes(g[: int(s)].cpu().tolist()) for g, s in zip(gathered, sizes)]
-
-
-def _config_payload(config: Any) -> bytes:
-    """This rank's config as JSON, or a JSON error record (so a bad value on one rank fails every rank)."""
-    if not isinstance(config, dict):
-        record = {"error": f"config_dict must be a dict; got {type(config).__name__}"}
-    else:
-        try:
-            record = {"config": json.loads(json.dumps(config, sort_keys=True))}
-        except (TypeError, ValueError) as e:
-            record = {"error": f"config_dict must be JSON-serialisable ({e})"}
-    return json.dumps(record, sort_keys=True).encode()
-
-
-def _compare_configs(records: list[dict[str, Any]], what: str) -> None:
-    """Raise ValueError (identically on every rank) if the ranks' records differ."""
-    errors = [f"rank {r}: {rec['error']}" for r, rec in enumerate(records) if "error" in rec]
-    if errors:
-        raise ValueError(f"{what} could not be compared across ranks: " + "; ".join(errors))
-    configs = [rec["config"] for rec in records]
-    keys = sorted(set().union(*(c.keys() for c in configs)))
-    missing = object()
-    differing = []
-    for key in keys:
-        values = [c.get(key, missing) for c in configs]
-        if any(v != values[0] for v in values[1:]):
-            shown = ", ".join(
-                f"rank {r}={'<missing>' if v is missing else json.dumps(v)}" for r, v in enumerate(values)
-            )
-            differing.append(f"{key} ({shown})")
-    if differing:
-        raise ValueError(
-            f"{what} differs across the {len(configs)} ranks; every rank must be started with the same "
-            f"settings. Differing fields: " + "; ".join(differing)
-        )
-
-
-def check_same_config(config_dict: dict[str, Any], info: DistInfo) -> None:
-    """Raise ``ValueError`` on every rank if the ranks were given different configurations.
-
-    Each rank sends its ``config_dict`` as JSON to all others; the message lists each differing field
-    with every rank's value. Nothing to compare in a world of one (only the type is checked).
-    """
-    payload = _config_payload(config_dict)
-    if not info.enabled:
-        record = json.loads(payload)
-        if "error" in record:
-            raise TypeError(record["error"])
-        return
-    records = [json.loads(p) for p in _all_gather_bytes(payload, _device_of(info))]
-    _compare_configs(records, "config_dict")
 
 
 # ---------------------------------------------------------------------------------------------- head parallel
@@ -286,12 +53,12 @@ def _agree_across_group(record: dict[str, Any], what: str, device: torch.device,
     """
     _, world = _group_rank_world(group)
     payload = json.dumps(record, sort_keys=True).encode()
-    records = [record] if world == 1 else [json.loads(p) for p in _all_gather_bytes(payload, device, group)]
+    records = [record] if world == 1 else [json.loads(p) for p in all_gather_bytes(payload, device, group)]
     first = records[0]
     if "error" in first and all(r == first for r in records):
         kind = TypeError if first.get("kind") == "TypeError" else ValueError
         raise kind(first["error"])
-    _compare_configs(records, what)
+    compare_configs(records, what)
 
 
 def _broadcast_from_first_rank(module: nn.Module, group: Any) -> None:

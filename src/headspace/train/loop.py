@@ -38,16 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from ..models import Decoder, Encoder, ModelConfig
-from ..parallel import (
-    DistInfo,
-    average_across_ranks,
-    barrier,
-    check_same_config,
-    local_batch_slice,
-    setup_distributed,
-    teardown,
-    wrap_model,
-)
+from ..process_group import DistInfo, barrier, setup_distributed, teardown
 from .checkpoint import (
     CHECKPOINTS_DIR,
     LATEST_FILE,
@@ -59,6 +50,7 @@ from .checkpoint import (
     write_atomic,
 )
 from .data import LEVELS, TextData, load_text
+from .distributed import average_across_ranks, check_same_config, local_batch_slice, wrap_model
 from .metrics import evaluate, relation_summary, task_loss
 from .tasks import (
     DROPOUT_STREAM,
