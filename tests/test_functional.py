@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import headspace.functional as fn
+import headspace.kernels.blocked as kernel
 from headspace.masks import CanonicalMask, canonical_mask
 
 MASK_KINDS = ("none", "padding", "causal", "causal+padding", "bool3", "bool4", "float4", "float2-dead")
@@ -77,18 +78,18 @@ def test_blocked_backward_with_one_output_unused(which: str) -> None:
     for name, a, b in zip("qkv", got, want):
         torch.testing.assert_close(a, b, msg=lambda m, name=name: f"d{name}: {m}")
     seen = []
-    real = fn._blocked_backward
+    real = kernel._blocked_backward
     try:
 
         def spy(go, gp, *rest):
             seen.append((go is None, gp is None))
             return real(go, gp, *rest)
 
-        fn._blocked_backward = spy
+        kernel._blocked_backward = spy
         out, pattern = fn.explicit_attention(q, k, v, mask, scale=0.37)
         (out if which == "out" else pattern).backward(g)
     finally:
-        fn._blocked_backward = real
+        kernel._blocked_backward = real
     assert seen == [(False, True)] if which == "out" else seen == [(False, False)]
 
 
@@ -98,9 +99,9 @@ def test_blocked_backward_with_one_output_unused(which: str) -> None:
 def test_blocked_matches_reference(
     kind: str, block_bytes: int, n_kv_heads: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(fn, "BLOCK_BYTES", block_bytes)
-    monkeypatch.setattr(fn, "FORWARD_BLOCK_BYTES", block_bytes)
-    monkeypatch.setattr(fn, "MERGE_SAMPLES_MAX_BYTES", 1 << 20 if block_bytes > 1000 else 0)
+    monkeypatch.setattr(kernel, "BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr(kernel, "FORWARD_BLOCK_BYTES", block_bytes)
+    monkeypatch.setattr(kernel, "MERGE_SAMPLES_MAX_BYTES", 1 << 20 if block_bytes > 1000 else 0)
     gen = torch.Generator().manual_seed(7)
     B, H, Sq, Sk, dh = 2, 6, 5, 7, 3
     if "causal" in kind:
@@ -138,21 +139,21 @@ def test_dead_rows_are_zero_with_finite_grads() -> None:
 def test_blocked_matches_reference_any_shape(
     B: int, n_kv: int, group: int, Sq: int, Sk: int, dh: int, block_bytes: int, kind: str
 ) -> None:
-    old = fn.BLOCK_BYTES, fn.FORWARD_BLOCK_BYTES
-    fn.BLOCK_BYTES = fn.FORWARD_BLOCK_BYTES = block_bytes
+    old = kernel.BLOCK_BYTES, kernel.FORWARD_BLOCK_BYTES
+    kernel.BLOCK_BYTES = kernel.FORWARD_BLOCK_BYTES = block_bytes
     try:
         gen = torch.Generator().manual_seed(B * 1000 + Sq * 10 + Sk)
         H = n_kv * group
         q, k, v = _qkv(B, H, n_kv, Sq, Sk, dh, torch.float32, gen)
         _compare(q, k, v, _mask(kind, B, H, Sq, Sk, torch.float32, gen), 0.41, True, gen)
     finally:
-        fn.BLOCK_BYTES, fn.FORWARD_BLOCK_BYTES = old
+        kernel.BLOCK_BYTES, kernel.FORWARD_BLOCK_BYTES = old
 
 
 @pytest.mark.parametrize("kind", ["causal+padding", "float2-dead", "bool4"])
 def test_blocked_gradcheck_float64(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fn, "BLOCK_BYTES", 200)  # several blocks per head
-    monkeypatch.setattr(fn, "FORWARD_BLOCK_BYTES", 200)
+    monkeypatch.setattr(kernel, "BLOCK_BYTES", 200)  # several blocks per head
+    monkeypatch.setattr(kernel, "FORWARD_BLOCK_BYTES", 200)
     gen = torch.Generator().manual_seed(3)
     B, H, Hkv, Sq, Sk, dh = 2, 4, 2, 5, 5, 3
     q, k, v = _qkv(B, H, Hkv, Sq, Sk, dh, torch.float64, gen)
@@ -213,8 +214,8 @@ def test_blocked_kernel_is_differentiable_to_higher_orders(
 ) -> None:
     # create_graph=True takes the plain-op backward on the saved pattern; gradients of the pattern
     # output and of the output both reach second order, with grouped-query heads and dead rows
-    monkeypatch.setattr(fn, "BLOCK_BYTES", 200)
-    monkeypatch.setattr(fn, "FORWARD_BLOCK_BYTES", 200)
+    monkeypatch.setattr(kernel, "BLOCK_BYTES", 200)
+    monkeypatch.setattr(kernel, "FORWARD_BLOCK_BYTES", 200)
     gen = torch.Generator().manual_seed(4)
     B, H, Hkv, Sq, Sk, dh = 2, 4, 2, 3, 5, 2  # distinct sizes: a swapped axis fails
     q, k, v = _qkv(B, H, Hkv, Sq, Sk, dh, torch.float64, gen)

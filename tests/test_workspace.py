@@ -14,7 +14,7 @@ import torch
 
 import headspace.attention as attention_module
 from headspace import MultiHeadAttention
-from headspace.workspace import Workspace, release_thread_workspace, thread_workspace
+from headspace.kernels.workspace import Workspace, release_thread_workspace, thread_workspace
 
 B, S, H, DH = 2, 5, 7, 3  # batch, seq, n_heads, d_head: distinct primes
 D = H * DH  # d_model = 21
@@ -163,7 +163,7 @@ def test_workspace_matrix_grows_and_reuses() -> None:
 @pytest.fixture
 def recycle_all(monkeypatch: pytest.MonkeyPatch):
     """Every CPU result recycled, whatever its size; a clean pool before and after."""
-    import headspace.workspace as workspace_module
+    import headspace.kernels.workspace as workspace_module
 
     monkeypatch.setattr(workspace_module, "THREAD_SCRATCH_MIN_BYTES", 0)
     release_thread_workspace()
@@ -237,11 +237,11 @@ def test_recycled_pattern_through_autograd(recycle_all) -> None:
 
 
 def test_small_or_non_cpu_requests_are_plain_empty() -> None:
-    from headspace.workspace import recycled_empty
+    from headspace.kernels.workspace import recycled_empty
 
     release_thread_workspace()
     t = recycled_empty((3, 5), torch.float32, torch.device("cpu"))  # far below the threshold
     assert t.shape == (3, 5) and t.untyped_storage().resizable()
-    import headspace.workspace as workspace_module
+    import headspace.kernels.workspace as workspace_module
 
     assert getattr(workspace_module._local, "recycled", []) == []

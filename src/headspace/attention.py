@@ -12,8 +12,8 @@ from torch import Tensor, nn
 from .functional import attention_pattern, attention_scores, get_backend, repeat_kv
 from .heads import Head, HeadList
 from .hooks import HookPoint
+from .kernels.workspace import THREAD_SCRATCH_MIN_BYTES, Workspace, thread_workspace
 from .masks import CanonicalMask, canonical_mask
-from .workspace import THREAD_SCRATCH_MIN_BYTES, Workspace, thread_workspace
 
 
 def _shape(t: Tensor) -> list[int]:

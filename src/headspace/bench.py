@@ -75,7 +75,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import MultiHeadAttention
-from .workspace import release_thread_workspace
+from .kernels.workspace import release_thread_workspace
 
 CASES: tuple[str, ...] = (
     "headspace",

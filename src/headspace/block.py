@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from .attention import KVCache, MultiHeadAttention, check_input_tensor
 from .hooks import HookPoint
-from .workspace import Workspace
+from .kernels.workspace import Workspace
 
 #: Activation names accepted by :class:`FeedForward` and the models' configs.
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")

