@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 import headspace as hs
 from headspace import FactoredMatrix, MultiHeadAttention, ablate, prune_heads
-from headspace.heads import effective_rank, shrink_attention
+from headspace.circuits import effective_rank
+from headspace.pruning import shrink_attention
 
 
 def small_encoder(n_heads: int = 7, n_kv_heads: int | None = None, bias: bool = True) -> hs.Encoder:

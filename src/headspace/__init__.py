@@ -3,8 +3,9 @@
 from . import analysis, compat, layouts, train  # train: headspace.train.train(TrainConfig(...), run_dir)
 from .attention import KVCache, MultiHeadAttention
 from .block import TransformerBlock
-from .heads import FactoredMatrix, Head, HeadList, ablate, prune_heads
+from .heads import FactoredMatrix, Head, HeadList
 from .hooks import HookPoint
+from .interventions import ablate, prune_heads
 from .masks import CanonicalMask, canonical_mask, causal_mask
 from .models import Decoder, Encoder, ModelConfig
 from .pretrained import load, load_bert, load_gpt2

@@ -25,10 +25,10 @@ from torch import Tensor, nn
 
 from .attention import KVCache, resolve_head_dims
 from .block import ACTIVATIONS, NORMS, TransformerBlock
-from .heads import kept_kv_heads, shrink_attention
 from .hooks import HookPoint
 from .kernels.workspace import Workspace
 from .masks import check_key_padding
+from .pruning import kept_kv_heads, shrink_attention
 
 ARCHS = ("encoder", "decoder")
 

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
-from ..heads import ABLATION_MODES, ablate
+from ..interventions import ABLATION_MODES, ablate
 from ..trace import as_module, attention_layers, hooked, trace
 from ._common import Batch, JsonResult, eval_mode, make_batches, pad_heads
 

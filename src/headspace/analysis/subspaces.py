@@ -30,7 +30,7 @@ from torch import Tensor
 
 from ..attention import MultiHeadAttention
 from ..checks import nonfinite_count
-from ..heads import FactoredMatrix, effective_rank
+from ..circuits import FactoredMatrix, effective_rank
 from ..trace import attention_layers
 from ._common import JsonResult, pad_heads
 
