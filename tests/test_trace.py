@@ -109,13 +109,13 @@ def test_only_traced_layers_leave_the_fast_path(monkeypatch: pytest.MonkeyPatch)
     model = encoder()
     tokens = torch.randint(0, 37, (B, S))
     calls: list[int] = []
-    original = MultiHeadAttention._traced_forward
+    original = MultiHeadAttention.traced_attention
 
     def spy(self: MultiHeadAttention, *args, **kwargs):
         calls.append(id(self))
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(MultiHeadAttention, "_traced_forward", spy)
+    monkeypatch.setattr(MultiHeadAttention, "traced_attention", spy)
     a0, a1 = model.blocks[0].attn, model.blocks[1].attn
     with hs.trace(model, "blocks.1.attn.hook_pattern") as t:
         assert a1.hooks_active and not a0.hooks_active

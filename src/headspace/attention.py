@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .functional import attention_pattern, attention_scores, get_backend, repeat_kv
+from .functional import get_backend, reference_parts
 from .heads import Head, HeadList
 from .hooks import HookPoint
 from .kernels.workspace import THREAD_SCRATCH_MIN_BYTES, Workspace, thread_workspace
@@ -568,7 +568,8 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
 
         if traced:
-            out, pattern = self._traced_forward(q, k, v, mask, dropout_p)
+            z, pattern, _ = self.traced_attention(q, k, v, mask, dropout_p)  # (B, Sq, H, dh)
+            out = self.output_from_heads(z)  # (B, Sq, d_model)
         else:
             backend = get_backend("explicit" if need_weights else "sdpa")
             z, pattern = backend(q, k, v, mask, scale=self.scale, dropout_p=dropout_p)  # (B, H, Sq, dh)
@@ -608,22 +609,31 @@ class MultiHeadAttention(nn.Module):
         n_out = self.qkv_weight.shape[0]
         return query.numel() // query.shape[-1] * n_out * query.element_size() >= THREAD_SCRATCH_MIN_BYTES
 
-    def _traced_forward(
+    def traced_attention(
         self, q: Tensor, k: Tensor, v: Tensor, mask: CanonicalMask, dropout_p: float
-    ) -> tuple[Tensor, Tensor]:
-        """The explicit path with every hook point fired (used while any hook is active)."""
-        B, H, Sq, dh = q.shape
-        scores = self.hook_scores(attention_scores(q, k, mask, scale=self.scale))  # (B, H, Sq, Sk)
-        pattern = self.hook_pattern(attention_pattern(scores, mask))  # (B, H, Sq, Sk)
-        weights = F.dropout(pattern, p=dropout_p) if dropout_p > 0.0 else pattern
-        z = torch.matmul(weights, repeat_kv(v, H))  # (B, H, Sq, dh)
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The traced path: the reference backend with ``hook_scores``, ``hook_pattern`` and ``hook_z`` fired.
+
+        Used while any hook point of the layer is active (here and in :mod:`headspace.compat`).
+        q [B, H, Sq, dh], k, v [B, Hkv, Sk, dh] (after ``hook_q``/``hook_k``/``hook_v``) ->
+        (z [B, Sq, H, dh] after ``hook_z``, pattern [B, H, Sq, Sk], weights after dropout).
+        """
+        z, pattern, weights = reference_parts(
+            q, k, v, mask, scale=self.scale, dropout_p=dropout_p,
+            on_scores=self.hook_scores, on_pattern=self.hook_pattern,
+        )  # fmt: skip
         z = self.hook_z(z.transpose(1, 2))  # (B, Sq, H, dh)
-        if self.hook_result.active:
-            result = torch.einsum("bshd,hdm->bshm", z, self.W_O)  # (B, Sq, H, d_model)
-            result = self.hook_result(result)
-            out = result.sum(dim=2)  # (B, Sq, d_model)
-            if self.o_bias is not None:
-                out = out + self.o_bias
-        else:
-            out = F.linear(z.reshape(B, Sq, H * dh), self.o_weight, self.o_bias)  # (B, Sq, d_model)
-        return out, pattern
+        return z, pattern, weights
+
+    def output_from_heads(self, z: Tensor) -> Tensor:
+        """``out = sum_h z_h W_O[h] + b_O`` from z [B, Sq, H, dh], firing ``hook_result`` while it is active.
+
+        ``hook_result`` sees each head's part ``z_h W_O[h]`` [B, Sq, H, d_model]; without it the heads are
+        concatenated and multiplied by ``W_O`` in one GEMM. Returns [B, Sq, d_model].
+        """
+        B, Sq, H, dh = z.shape
+        if not self.hook_result.active:
+            return F.linear(z.reshape(B, Sq, H * dh), self.o_weight, self.o_bias)  # (B, Sq, d_model)
+        result = self.hook_result(torch.einsum("bshd,hdm->bshm", z, self.W_O))  # (B, Sq, H, d_model)
+        out = result.sum(dim=2)  # (B, Sq, d_model)
+        return out if self.o_bias is None else out + self.o_bias

@@ -46,8 +46,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import MultiHeadAttention, _check_finite
-from .functional import attention_pattern, attention_scores, sdpa_attention
-from .masks import CanonicalMask, canonical_mask
+from .functional import get_backend, reference_parts
+from .masks import canonical_mask
 
 try:  # the class torch uses for out_proj (it only changes how quantization treats the layer)
     from torch.nn.modules.linear import NonDynamicallyQuantizableLinear as _OutProj
@@ -524,9 +524,11 @@ class MultiheadAttention(MultiHeadAttention):
             mask4 = self._combined_mask(kpm, attn_mask, B, L, S, extra)  # (N|1, H|1, L, S') or None
 
         if B == 0 or L == 0:
-            z = q_in.new_zeros(B, H, L, dh)  # (N, H, L, dh)
+            z = q_in.new_zeros(B, L, H * dh)  # (N, L, H dh)
             weights: Tensor | None = q_in.new_zeros(B, H, L, S_total) if need_weights else None
-            return self._finish(z, weights, batched, average_attn_weights)
+            return self._finish(
+                F.linear(z, self.o_weight, self.o_bias), weights, batched, average_attn_weights
+            )
 
         q, k, v = self._project(q_in, k_in, v_in)  # (N, H, L, dh), (N, H, S, dh) x 2
         if self.bias_k is not None and self.bias_v is not None:
@@ -554,14 +556,17 @@ class MultiheadAttention(MultiHeadAttention):
             device=q.device,
         )
         dropout_p = self.dropout if self.training else 0.0
-        if need_weights or traced:
-            z, weights = self._explicit(q, k, v, mask, dropout_p, traced)  # (N, H, L, dh), (N, H, L, S')
-            if not need_weights:
-                weights = None
+        if traced:
+            z, _, weights = self.traced_attention(q, k, v, mask, dropout_p)  # (N, L, H, dh), (N, H, L, S')
+            out = self.output_from_heads(z)  # (N, L, E)
         else:
-            z, _ = sdpa_attention(q, k, v, mask, scale=self.scale, dropout_p=dropout_p)  # (N, H, L, dh)
-            weights = None
-        return self._finish(z, weights, batched, average_attn_weights, traced=traced)
+            if need_weights and dropout_p > 0.0:  # torch returns the weights after dropout
+                z, _, weights = reference_parts(q, k, v, mask, scale=self.scale, dropout_p=dropout_p)
+            else:
+                backend = get_backend("explicit" if need_weights else "sdpa")
+                z, weights = backend(q, k, v, mask, scale=self.scale, dropout_p=dropout_p)  # (N, H, L, dh)
+            out = F.linear(z.transpose(1, 2).reshape(B, L, H * dh), self.o_weight, self.o_bias)  # (N, L, E)
+        return self._finish(out, weights if need_weights else None, batched, average_attn_weights)
 
     def _project(self, q_in: Tensor, k_in: Tensor, v_in: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """headspace's projections, fused where the inputs are the same tensor (as torch does)."""
@@ -569,47 +574,15 @@ class MultiheadAttention(MultiHeadAttention):
             return self.project_qkv(q_in)
         return self.project_qkv(q_in, k_in, v_in)
 
-    def _explicit(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: CanonicalMask, dropout_p: float, traced: bool
-    ) -> tuple[Tensor, Tensor]:
-        """Scores, softmax, dropout and the value mix written out; returns (z, weights after dropout)."""
-        scores = attention_scores(q, k, mask, scale=self.scale)  # (N, H, L, S')
-        if traced:
-            scores = self.hook_scores(scores)
-        pattern = attention_pattern(scores, mask)  # (N, H, L, S')
-        if traced:
-            pattern = self.hook_pattern(pattern)
-        weights = F.dropout(pattern, p=dropout_p) if dropout_p > 0.0 else pattern  # (N, H, L, S')
-        z = torch.matmul(weights, v)  # (N, H, L, dh)
-        return z, weights
-
     def _finish(
-        self,
-        z: Tensor,
-        weights: Tensor | None,
-        batched: bool,
-        average_attn_weights: bool,
-        *,
-        traced: bool = False,
+        self, out: Tensor, weights: Tensor | None, batched: bool, average_attn_weights: bool
     ) -> tuple[Tensor, Tensor | None]:
-        """Output projection in torch's layout, and the weights averaged/squeezed as torch returns them."""
-        B, H, L, dh = z.shape
-        E = self.embed_dim
-        if traced:
-            z_heads = self.hook_z(z.transpose(1, 2))  # (N, L, H, dh)
-            if self.hook_result.active:
-                result = self.hook_result(torch.einsum("blhd,hdm->blhm", z_heads, self.W_O))  # (N, L, H, E)
-                out = result.sum(dim=2)  # (N, L, E)
-                if self.out_proj.bias is not None:
-                    out = out + self.out_proj.bias
-            else:
-                out = self.out_proj(z_heads.reshape(B, L, H * dh))  # (N, L, E)
-            if not (self.batch_first or not batched):
-                out = out.transpose(0, 1)  # (L, N, E)
-        elif self.batch_first or not batched:
-            out = self.out_proj(z.transpose(1, 2).reshape(B, L, E))  # (N, L, E)
-        else:
-            out = self.out_proj(z.permute(2, 0, 1, 3).reshape(L, B, E))  # (L, N, E)
+        """The output in torch's layout, and the weights averaged/squeezed as torch returns them.
+
+        out [N, L, E] (batch first); weights [N, H, L, S'] or None.
+        """
+        if batched and not self.batch_first:
+            out = out.transpose(0, 1)  # (L, N, E)
         if not batched:
             out = out.squeeze(0)  # (L, E)
         if self.check_finite:

@@ -81,11 +81,36 @@ def reference_attention(
     The slowest and simplest backend, differentiable to any order; every other backend is tested
     against it. Returns (out, pattern).
     """
+    out, pattern, _ = reference_parts(q, k, v, mask, scale=scale, dropout_p=dropout_p)
+    return out, pattern
+
+
+def reference_parts(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: CanonicalMask,
+    *,
+    scale: float,
+    dropout_p: float = 0.0,
+    on_scores: Callable[[Tensor], Tensor] | None = None,
+    on_pattern: Callable[[Tensor], Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The reference maths with its intermediates: returns (out, pattern, weights after dropout).
+
+    ``on_scores`` / ``on_pattern`` see the scores and the pattern and return them, possibly replaced:
+    the traced path of every attention layer passes its hook points here, so a traced layer computes
+    exactly the reference backend's maths.
+    """
     scores = attention_scores(q, k, mask, scale=scale)  # (batch, n_heads, seq_q, seq_k)
+    if on_scores is not None:
+        scores = on_scores(scores)
     pattern = attention_pattern(scores, mask)  # (batch, n_heads, seq_q, seq_k)
+    if on_pattern is not None:
+        pattern = on_pattern(pattern)
     weights = F.dropout(pattern, p=dropout_p) if dropout_p > 0.0 else pattern
     out = torch.matmul(weights, repeat_kv(v, q.shape[1]))  # (batch, n_heads, seq_q, d_head)
-    return out, pattern
+    return out, pattern, weights
 
 
 def explicit_attention(
