@@ -22,8 +22,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import KVCache, MultiHeadAttention, check_input_tensor
+from .functional import sdpa_attention
 from .hooks import HookPoint
 from .kernels.workspace import Workspace
+from .masks import CanonicalMask
 
 #: Activation names accepted by :class:`FeedForward` and the models' configs.
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
@@ -233,15 +235,14 @@ class TransformerBlock(nn.Module):
         check_input_tensor("x", x, self.d_model, "d_model", self.ln1.weight)
         B, S, d = x.shape
         a, mlp = self.attn, self.mlp
-        H, Hkv, dh = a.n_heads, a.n_kv_heads, a.d_head
+        H, dh = a.n_heads, a.d_head
         ws = Workspace() if workspace is None else workspace
         N = B * S
         x2 = x.reshape(N, d)  # (B S, d_model)
         src = F.layer_norm(x2, (d,), self.ln1.weight, self.ln1.bias, self.ln1.eps) if self.pre_ln else x2
         q, k, v = a.project_qkv(src.view(B, S, d), workspace=ws)  # (B, H, S, dh), (B, Hkv, S, dh) x 2
-        z = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, scale=a.scale, enable_gqa=Hkv != H
-        )  # (B, H, S, dh), stored as (B, S, H, dh)
+        mask = CanonicalMask(mask=attn_mask, is_causal=False, dead_rows=None)  # every row has a real key
+        z, _ = sdpa_attention(q, k, v, mask, scale=a.scale)  # (B, H, S, dh), stored as (B, S, H, dh)
         z = z.transpose(1, 2).reshape(N, H * dh)  # (B S, H dh): heads concatenated (a view)
         h = torch.addmm(x2, z, a.o_weight.t(), out=ws.matrix("h", N, d, x))  # (B S, d_model): x + z W_O^T
         if a.o_bias is not None:
