@@ -1,0 +1,159 @@
+"""Decoding: sampling continuation tokens from a Decoder, with or without its KV caches.
+
+:func:`generate` is what :meth:`headspace.Decoder.generate` runs; it is written against the decoder's
+public methods (``forward`` with ``kv_caches`` and ``positions``, ``blocks``, ``config``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from .inputs import check_left_padding, check_tokens
+
+if TYPE_CHECKING:
+    from .models import Decoder
+
+
+@torch.no_grad()
+def generate(
+    self: Decoder,
+    tokens: Tensor,
+    max_new_tokens: int,
+    *,
+    key_padding: Tensor | None = None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    seed: int | None = None,
+    use_cache: bool = True,
+) -> Tensor:
+    """Sample ``max_new_tokens`` continuation tokens after each prompt.
+
+    Prompts of different lengths are left-padded into one batch, with ``key_padding`` marking the
+    real tokens. Each row then behaves as if generated alone: its positions count from 0 at its first
+    real token (``cumsum(key_padding) - 1``, as transformers' GPT-2 ``generate`` derives
+    ``position_ids`` from the attention mask) and its padded keys are never attended, neither by the
+    prompt nor by any generated token, with or without the KV cache. Greedy decoding
+    (``temperature=0``) of a padded batch equals decoding each prompt alone; sampling draws for the
+    whole batch at once, so with a seed it is reproducible but not equal to per-prompt sampling.
+
+    Notation used for tensor shapes:
+        batch, prompt_len (the longest prompt; shorter ones are left-padded to it),
+        new (= max_new_tokens).
+
+    Args:
+        tokens: int64 [batch, prompt_len] prompts; left-padded when they differ in length (any
+            valid id at padded positions: they never affect the real rows).
+        max_new_tokens: number of tokens to add: the longest prompt's real tokens + max_new_tokens
+            <= max_seq_len (left padding takes no position, so it is not counted).
+        key_padding: bool [batch, prompt_len], True for real tokens; every row's real tokens must be
+            right-aligned (``[F, F, T, T]``) and at least one (None: every token is real).
+        temperature: logits are divided by it before sampling; 0 means greedy (argmax).
+        top_k: sample only among the k most likely tokens (None: all).
+        seed: seeds a private generator, so the same seed gives the same tokens (None: torch's
+            global RNG).
+        use_cache: decode with a KV cache (default); False recomputes the whole sequence each step
+            (the reference the cache is tested against).
+
+    Returns:
+        [batch, prompt_len + new]: the prompts (padding included, as given) followed by the sampled
+        tokens.
+
+    The model is put in eval mode for the call (no dropout) and restored afterwards.
+    """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0; got {max_new_tokens!r}")
+    if (
+        isinstance(temperature, bool)
+        or not isinstance(temperature, (int, float))
+        or not math.isfinite(temperature)
+        or temperature < 0
+    ):
+        raise ValueError(f"temperature must be a float >= 0, finite (0 = greedy); got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1; got {top_k!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"seed must be None or an int; got {seed!r}")
+    check_tokens(tokens, self.config, check_length=key_padding is None, device=self.tok_embed.weight.device)
+    batch, prompt_len = tokens.shape
+    if prompt_len == 0:
+        raise ValueError("tokens must hold a prompt of at least 1 token; got prompt_len=0")
+    longest = prompt_len
+    if key_padding is not None:
+        check_left_padding(key_padding, tokens)
+        longest = int(key_padding.sum(dim=1).max())
+        if bool(key_padding.all()):
+            key_padding = None  # nothing padded: the unmasked path, as without key_padding
+    total = prompt_len + max_new_tokens  # columns of the result, padding included
+    if longest + max_new_tokens > self.config.max_seq_len:
+        what = (
+            f"prompt_len {prompt_len}"
+            if longest == prompt_len
+            else f"the longest prompt's {longest} real tokens"
+        )
+        raise ValueError(
+            f"{what} + max_new_tokens {max_new_tokens} = {longest + max_new_tokens} exceeds the "
+            f"position table (max_seq_len={self.config.max_seq_len}); refused, not truncated"
+        )
+    if max_new_tokens == 0:
+        return tokens.clone()
+    real = positions = None
+    if key_padding is not None:
+        real = torch.ones(batch, total, dtype=torch.bool, device=tokens.device)  # (batch, total)
+        real[:, :prompt_len] = key_padding
+        # each row counts from 0 at its first real token; padding (never attended) takes position 0
+        positions = (real.cumsum(dim=1) - 1).clamp(min=0)  # (batch, total)
+
+    def cols(t: Tensor | None, lo: int, hi: int) -> Tensor | None:
+        return None if t is None else t[:, lo:hi]  # (batch, hi - lo)
+
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=tokens.device)
+        generator.manual_seed(seed)
+    was_training = self.training
+    self.eval()
+    try:
+        out = torch.empty(batch, total, dtype=torch.long, device=tokens.device)  # (batch, total)
+        out[:, :prompt_len] = tokens
+        # one slot per column, padding included (may exceed max_seq_len; positions never do)
+        caches = [b.attn.make_kv_cache(batch, total) for b in self.blocks] if use_cache else None
+        logits = self(
+            tokens.long(), cols(real, 0, prompt_len), caches, positions=cols(positions, 0, prompt_len)
+        )[:, -1]  # (batch, vocab_size)
+        for pos in range(prompt_len, total):
+            out[:, pos] = _sample(logits, temperature, top_k, generator)
+            if pos + 1 == total:
+                break
+            if use_cache:
+                # key_padding covers every cached position plus the new one
+                logits = self(
+                    out[:, pos : pos + 1],
+                    cols(real, 0, pos + 1),
+                    caches,
+                    positions=cols(positions, pos, pos + 1),
+                )[:, -1]  # (batch, vocab_size)
+            else:
+                logits = self(
+                    out[:, : pos + 1], cols(real, 0, pos + 1), positions=cols(positions, 0, pos + 1)
+                )[:, -1]  # (batch, vocab_size)
+    finally:
+        self.train(was_training)
+    return out
+
+
+def _sample(
+    logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> Tensor:
+    """One token id per row of ``logits`` [batch, vocab_size] -> [batch]."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (batch, 1)
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    probs = torch.softmax(logits, dim=-1)  # (batch, vocab_size)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (batch,)
