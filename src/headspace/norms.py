@@ -1,0 +1,79 @@
+"""RMSNorm, computed in float32 with transformers' exact order of operations.
+
+For a vector ``x`` of width d_model::
+
+    RMSNorm(x) = x / sqrt(mean(x ** 2) + eps) * (offset + weight)
+
+``offset = 0`` (Llama, Mistral, Qwen, ...): ``weight * (x_f32 * rsqrt(mean(x_f32 ** 2) + eps)).to(dtype)``,
+the operations of transformers' ``LlamaRMSNorm`` (normalise in float32, cast back to the input dtype, then
+multiply by the weight). ``offset = 1`` (Gemma): ``(x_f32 * rsqrt(...) * (1 + weight_f32)).to(dtype)``, the
+operations of ``GemmaRMSNorm`` (the scale is applied in float32, before the cast). Either way float32
+results are bitwise those of transformers.
+
+Notation used for tensor shapes:
+    ...: any leading dims (batch, seq); d_model: the normalised width.
+
+    x, output: [..., d_model]
+    weight:    [d_model]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm over the last dim, with a learned per-feature scale.
+
+    Notation used for tensor shapes:
+        ...: leading dims; d_model.
+
+    Args:
+        d_model: width of the last dim (positive int).
+        eps: added to the mean square before the square root (finite, >= 0).
+        offset: the scale is ``offset + weight``; 0 for Llama-style norms, 1 for Gemma's ``(1 + weight)``.
+            The weight starts at ``1 - offset``, so a fresh norm scales by 1 (ones for offset 0, zeros for
+            Gemma's offset 1, as transformers initialises them).
+
+    Attributes:
+        weight: [d_model] parameter.
+    """
+
+    def __init__(self, d_model: int, eps: float = 1e-6, *, offset: float = 0.0) -> None:
+        super().__init__()
+        if not isinstance(d_model, int) or isinstance(d_model, bool) or d_model <= 0:
+            raise ValueError(f"d_model must be a positive int; got {type(d_model).__name__} {d_model!r}")
+        if not _is_real(eps) or not math.isfinite(eps) or eps < 0:
+            raise ValueError(f"eps must be a finite number >= 0; got {type(eps).__name__} {eps!r}")
+        if not _is_real(offset) or not math.isfinite(offset):
+            raise ValueError(f"offset must be a finite number; got {type(offset).__name__} {offset!r}")
+        self.d_model = d_model
+        self.eps = float(eps)
+        self.offset = float(offset)
+        self.weight = nn.Parameter(torch.full((d_model,), 1.0 - self.offset))
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Normalise ``x`` [..., d_model] over its last dim; returns [..., d_model] in ``x``'s dtype
+        (for offset 0, the dtype that ``weight * x`` promotes to, as transformers)."""
+        if not isinstance(x, Tensor):
+            raise TypeError(f"x must be a tensor [..., d_model={self.d_model}]; got {type(x).__name__}")
+        if x.dim() == 0 or x.shape[-1] != self.d_model:
+            raise ValueError(f"x's last dim must be d_model={self.d_model}; got shape {list(x.shape)}")
+        input_dtype = x.dtype
+        hidden = x.to(torch.float32)  # [..., d_model]
+        variance = hidden.pow(2).mean(-1, keepdim=True)  # [..., 1]
+        hidden = hidden * torch.rsqrt(variance + self.eps)  # [..., d_model]
+        if self.offset == 0.0:
+            return self.weight * hidden.to(input_dtype)
+        return (hidden * (self.offset + self.weight.float())).to(input_dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.d_model}, eps={self.eps}, offset={self.offset}"
