@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .checks import check_positive_int, is_number
 from .functional import get_backend, reference_parts
 from .heads import Head, HeadList
 from .hooks import HookPoint
@@ -25,8 +26,7 @@ def resolve_head_dims(
 ) -> tuple[int, int]:
     """Validate and complete (d_head, n_kv_heads); errors name the numbers that do not fit."""
     for name, value in (("d_model", d_model), ("n_heads", n_heads)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{name} must be a positive int; got {value!r}")
+        check_positive_int(name, value)
     if d_head is None:
         if d_model % n_heads != 0:
             raise ValueError(
@@ -34,12 +34,12 @@ def resolve_head_dims(
                 f"(e.g. d_head={max(1, d_model // n_heads)}) or choose n_heads among the divisors of d_model"
             )
         d_head = d_model // n_heads
-    elif not isinstance(d_head, int) or isinstance(d_head, bool) or d_head <= 0:
-        raise ValueError(f"d_head must be a positive int; got {d_head!r}")
+    else:
+        check_positive_int("d_head", d_head)
     if n_kv_heads is None:
         n_kv_heads = n_heads
-    elif not isinstance(n_kv_heads, int) or isinstance(n_kv_heads, bool) or n_kv_heads <= 0:
-        raise ValueError(f"n_kv_heads must be a positive int; got {n_kv_heads!r}")
+    else:
+        check_positive_int("n_kv_heads", n_kv_heads)
     if n_heads % n_kv_heads != 0:
         raise ValueError(
             f"n_heads={n_heads} is not divisible by n_kv_heads={n_kv_heads}; each key/value head serves a "
@@ -117,8 +117,7 @@ class KVCache:
             ("d_head", d_head),
             ("capacity", capacity),
         ):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"KVCache {name} must be a positive int; got {value!r}")
+            check_positive_int(f"KVCache {name}", value)
         self.k = torch.zeros(batch, n_kv_heads, capacity, d_head, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.length = 0
@@ -241,17 +240,13 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         d_head, n_kv_heads = resolve_head_dims(d_model, n_heads, d_head, n_kv_heads)
         for name, dim in (("kdim", kdim), ("vdim", vdim)):
-            if dim is not None and (not isinstance(dim, int) or isinstance(dim, bool) or dim <= 0):
-                raise ValueError(
-                    f"{name} must be a positive int (or None for d_model={d_model}); got {dim!r}"
-                )
-        if not isinstance(dropout, (int, float)) or isinstance(dropout, bool):
+            if dim is not None:
+                check_positive_int(name, dim, note=f" (or None for d_model={d_model})")
+        if not is_number(dropout):
             raise TypeError(f"dropout must be a float in [0, 1); got {type(dropout).__name__} {dropout!r}")
         if not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout must be in [0, 1); got {dropout}")
-        if scale is not None and (
-            not isinstance(scale, (int, float)) or isinstance(scale, bool) or not math.isfinite(scale)
-        ):
+        if scale is not None and (not is_number(scale) or not math.isfinite(scale)):
             raise ValueError(f"scale must be a finite float (or None for 1/sqrt(d_head)); got {scale!r}")
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating-point torch.dtype (or None); got {dtype!r}")

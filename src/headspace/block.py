@@ -15,13 +15,12 @@ entries inside the attention layer.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import KVCache, MultiHeadAttention, check_input_tensor
+from .checks import check_positive_float, check_positive_int, check_probability
 from .functional import sdpa_attention
 from .hooks import HookPoint
 from .kernels.workspace import Workspace
@@ -55,8 +54,7 @@ class FeedForward(nn.Module):
     def __init__(self, d_model: int, d_mlp: int, act: str = "gelu", bias: bool = True) -> None:
         super().__init__()
         for name, value in (("d_model", d_model), ("d_mlp", d_mlp)):
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"{name} must be a positive int; got {value!r}")
+            check_positive_int(name, value)
         self.act_name = act
         self.act = make_activation(act)
         self.fc_in = nn.Linear(d_model, d_mlp, bias=bias)
@@ -128,10 +126,8 @@ class TransformerBlock(nn.Module):
                 f"norm must be one of {list(NORMS)} ('post' = BERT, 'pre' = GPT-2); got {norm!r}"
             )
         for name, p in (("dropout", dropout), ("attn_dropout", attn_dropout)):
-            if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
-                raise ValueError(f"{name} must be a float in [0, 1); got {p!r}")
-        if isinstance(ln_eps, bool) or not isinstance(ln_eps, (int, float)) or not 0 < ln_eps < math.inf:
-            raise ValueError(f"ln_eps must be a finite positive float; got {ln_eps!r}")
+            check_probability(name, p)
+        check_positive_float("ln_eps", ln_eps)
         self.d_model = d_model
         self.norm = norm
         self.pre_ln = norm == "pre"

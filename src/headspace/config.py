@@ -13,19 +13,18 @@ from typing import Any
 
 from .attention import resolve_head_dims
 from .block import ACTIVATIONS, NORMS
+from .checks import check_index, check_positive_int, check_probability, is_int
 from .pruning import kept_kv_heads
 
 ARCHS = ("encoder", "decoder")
 
 
 def _positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ValueError(f"ModelConfig.{name} must be a positive int; got {value!r}")
+    check_positive_int(f"ModelConfig.{name}", value)
 
 
 def _probability(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
-        raise ValueError(f"ModelConfig.{name} must be a float in [0, 1); got {value!r}")
+    check_probability(f"ModelConfig.{name}", value)
 
 
 @dataclass
@@ -173,8 +172,7 @@ class ModelConfig:
 
     def kept_heads(self, layer: int) -> list[int]:
         """The original indices of the heads layer ``layer`` keeps (all ``n_heads`` unless pruned)."""
-        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.n_layers:
-            raise ValueError(f"layer must be an int in [0, n_layers={self.n_layers}); got {layer!r}")
+        check_index("layer", layer, self.n_layers, of="n_layers")
         pruned = set(self.pruned_heads.get(layer, ()))
         return [h for h in range(self.n_heads) if h not in pruned]
 
@@ -217,7 +215,7 @@ def _checked_pruned_heads(value: Any, n_layers: int, n_heads: int, n_kv_heads: i
     out: dict[int, list[int]] = {}
     for key, heads in value.items():
         layer = int(key) if isinstance(key, str) and key.isdigit() else key
-        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < n_layers:
+        if not is_int(layer) or not 0 <= layer < n_layers:
             raise ValueError(f"{what} with layers in [0, n_layers={n_layers}); got layer {key!r}")
         if layer in out:
             raise ValueError(f"{what}; layer {layer} is given twice ({key!r})")
@@ -225,7 +223,7 @@ def _checked_pruned_heads(value: Any, n_layers: int, n_heads: int, n_kv_heads: i
             raise ValueError(f"{what}; got {heads!r} for layer {layer}")
         heads = list(heads)
         for h in heads:
-            if not isinstance(h, int) or isinstance(h, bool) or not 0 <= h < n_heads:
+            if not is_int(h) or not 0 <= h < n_heads:
                 raise ValueError(f"{what} with heads in [0, n_heads={n_heads}); got {h!r} for layer {layer}")
         heads = sorted(set(heads))
         if len(heads) == n_heads:

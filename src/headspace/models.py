@@ -23,6 +23,7 @@ from torch import Tensor, nn
 
 from .attention import KVCache
 from .block import TransformerBlock
+from .checks import is_int
 from .config import ModelConfig
 from .generate import generate as generate_tokens
 from .hooks import HookPoint
@@ -270,7 +271,7 @@ class Decoder(_Stack):
     def make_kv_caches(self, batch: int, capacity: int | None = None) -> list[KVCache]:
         """One :class:`~headspace.KVCache` per block, for ``capacity`` positions (default max_seq_len)."""
         capacity = self.config.max_seq_len if capacity is None else capacity
-        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 1:
+        if not is_int(capacity) or capacity < 1:
             raise ValueError(f"capacity must be None or an int >= 1 (positions to cache); got {capacity!r}")
         if capacity > self.config.max_seq_len:
             raise ValueError(

