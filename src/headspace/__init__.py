@@ -1,18 +1,43 @@
-"""headspace: multi-head attention with every head's W_Q, W_K, W_V and W_O in plain sight."""
+"""headspace: multi-head attention with every head's W_Q, W_K, W_V and W_O in plain sight.
 
-from . import analysis, compat, layouts, train  # train: headspace.train.train(TrainConfig(...), run_dir)
-from .attention import KVCache, MultiHeadAttention
-from .block import TransformerBlock
-from .heads import FactoredMatrix, Head, HeadList
-from .hooks import HookPoint
-from .interventions import ablate, prune_heads
-from .masks import CanonicalMask, canonical_mask, causal_mask
-from .models import Decoder, Encoder, ModelConfig
-from .pretrained import load, load_bert, load_gpt2
-from .trace import Trace, trace  # trace() shadows the submodule: use `from headspace.trace import ...`
-from .train.checkpoint import CheckpointError
+``import headspace`` is the public face. Its names load on first use (module ``__getattr__``), so
+``import headspace`` and ``headspace --help`` do not import torch; ``from headspace import X`` works as
+it always did.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
+
+#: public name -> the module that defines it (relative to this package).
+_NAMES = {
+    "CanonicalMask": ".masks",
+    "canonical_mask": ".masks",
+    "causal_mask": ".masks",
+    "CheckpointError": ".train.checkpoint",
+    "Decoder": ".models",
+    "Encoder": ".models",
+    "ModelConfig": ".config",
+    "FactoredMatrix": ".circuits",
+    "Head": ".heads",
+    "HeadList": ".heads",
+    "HookPoint": ".hooks",
+    "KVCache": ".attention",
+    "MultiHeadAttention": ".attention",
+    "Trace": ".trace",
+    "trace": ".trace",
+    "TransformerBlock": ".block",
+    "ablate": ".interventions",
+    "prune_heads": ".interventions",
+    "load": ".pretrained",
+    "load_bert": ".pretrained",
+    "load_gpt2": ".pretrained",
+}
+#: submodules that are public names themselves (``headspace.analysis.head_roles`` ...).
+_MODULES = ("analysis", "compat", "layouts", "train")
 
 __all__ = [
     "CanonicalMask",
@@ -42,3 +67,34 @@ __all__ = [
     "trace",
     "train",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _NAMES:
+        value = getattr(importlib.import_module(_NAMES[name], __name__), name)
+    elif name in _MODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module 'headspace' has no attribute {name!r}")
+    globals()[name] = value  # later lookups skip __getattr__ (and `trace` stays the function)
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
+    from . import analysis, compat, layouts, train
+    from .attention import KVCache, MultiHeadAttention
+    from .block import TransformerBlock
+    from .circuits import FactoredMatrix
+    from .config import ModelConfig
+    from .heads import Head, HeadList
+    from .hooks import HookPoint
+    from .interventions import ablate, prune_heads
+    from .masks import CanonicalMask, canonical_mask, causal_mask
+    from .models import Decoder, Encoder
+    from .pretrained import load, load_bert, load_gpt2
+    from .trace import Trace, trace
+    from .train.checkpoint import CheckpointError

@@ -22,8 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-DEFAULT_SENTENCE = "The animal didn't cross the street because it was too tired"
-DEFAULT_TOKEN = "it"
+from .defaults import DEFAULT_SENTENCE, DEFAULT_TOKEN
 
 
 @dataclass

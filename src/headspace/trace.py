@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import sys
+import types
 from collections.abc import Callable, Iterator, Mapping, Sequence, Set
 from contextlib import contextmanager
 from typing import Any
@@ -318,3 +320,18 @@ def trace(
         finally:
             for remove in reversed(removers):
                 remove()
+
+
+class _CallableModule(types.ModuleType):
+    """``headspace.trace`` names both this module and :func:`trace`.
+
+    ``import headspace`` loads its names lazily, and importing this submodule (as the analysis tools do)
+    binds ``headspace.trace`` to the module; calling the module calls :func:`trace`, so
+    ``headspace.trace(model, ...)`` works whichever of the two the name holds.
+    """
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return trace(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule

@@ -6,15 +6,11 @@ foreign checkpoint) are one line on stderr with exit code 2.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import click
 
-try:
-    from ..errors import UsageError
-except ImportError:  # pragma: no cover - before errors.py existed
-    from ..cli import UsageError
+from ..errors import UsageError
 
 
 def _fail(e: Exception) -> UsageError:
@@ -71,8 +67,8 @@ def train_command(
     out: str, resume: bool, no_progress: bool,
 ) -> None:  # fmt: skip
     """Train an Encoder or Decoder and watch its heads specialise (metrics, checkpoints, summary.json)."""
-    from .checkpoint import CheckpointError
-    from .loop import TrainConfig, train
+    from ..train.checkpoint import CheckpointError
+    from ..train.loop import TrainConfig, train
 
     if task is None:
         task = "text" if data is not None else "relations"
@@ -111,7 +107,7 @@ def train_command(
 )
 def plot_run_command(run_dir: str, out: str | None) -> None:
     """Draw the loss curves and per-head metrics over training of RUN_DIR (PNG)."""
-    from .plots import plot_run
+    from ..train.plots import plot_run
 
     if not Path(run_dir).is_dir():
         raise UsageError(f"RUN_DIR {run_dir} is not a folder")
@@ -133,8 +129,8 @@ def generate_command(
     run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None, seed: int
 ) -> None:
     """Continue --prompt with the language model trained in RUN_DIR (KV-cached decoding)."""
-    from .checkpoint import CheckpointError
-    from .loop import generate_text
+    from ..train.checkpoint import CheckpointError
+    from ..train.loop import generate_text
 
     if not Path(run_dir).is_dir():
         raise UsageError(f"RUN_DIR {run_dir} is not a folder")
@@ -148,8 +144,3 @@ def generate_command(
 
 
 COMMANDS = (train_command, plot_run_command, generate_command)
-
-
-def summary_json(run_dir: str) -> dict:
-    """The summary of a run folder (for scripts)."""
-    return json.loads((Path(run_dir) / "summary.json").read_text(encoding="utf-8"))

@@ -2,36 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import click
 
-from ...errors import UsageError
-from .data import PRECISIONS
+from ..defaults import DEFAULT_SENTENCE
+from ..errors import UsageError
+from .loader import load_model
 
-DEFAULT_SENTENCE = "The cat sat on the mat because it was tired."
-
-
-def _load_model(name: str) -> Any:
-    """``headspace.load(name)``, or a BERT / GPT-2 checkpoint folder; bad names become a UsageError."""
-    from ... import pretrained
-
-    path = Path(name)
-    try:
-        if path.is_dir():
-            config_file = path / "config.json"
-            config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
-            if isinstance(config, dict) and config.get("model_type") == "gpt2":
-                return pretrained.load_gpt2(path)
-            return pretrained.load_bert(path)
-        return pretrained.load(name)
-    except (ValueError, TypeError, OSError, ModuleNotFoundError) as e:
-        msg = str(e).splitlines()[0]
-        raise UsageError(f"--model {name!r}: {msg}") from None
+#: --precision choices (:data:`headspace.viz.explorer.data.PRECISIONS`, kept here so --help needs no torch).
+PRECISIONS = ("auto", "float32", "float16")
 
 
 @click.command("view")
@@ -41,7 +23,7 @@ def _load_model(name: str) -> Any:
     "model_name",
     default="minilm",
     show_default=True,
-    help="a model name known to headspace.load, or a BERT / GPT-2 checkpoint folder",
+    help="'minilm' (bundled all-MiniLM-L6-v2) or a folder with a Hugging Face checkpoint",
 )
 @click.option(
     "-o",
@@ -64,7 +46,7 @@ def view(
 ) -> None:
     """Write the explorer page for SENTENCE: every head's attention, the q-k-v-softmax-W_O pipeline of
     one head for one token, subspace overlaps and W_O's shares, from the real model. No network."""
-    from .page import Explorer, serve_page
+    from ..viz.explorer.page import Explorer, serve_page
 
     if output is None and not serve:
         raise UsageError("say where the page goes: -o FILE.html (and/or --serve to open it on localhost)")
@@ -76,7 +58,7 @@ def view(
         folder = Path(output).parent
         if not folder.is_dir():
             raise UsageError(f"-o {output!r}: the folder {str(folder)!r} does not exist")
-    pre = _load_model(model_name)
+    pre = load_model(model_name)
     start = time.perf_counter()
     try:
         page = Explorer(pre, sentence, precision=precision)

@@ -1,0 +1,301 @@
+"""The lesson's commands: ``headspace explain``, ``heads`` and ``subspaces``.
+
+Each prints a rich terminal layout (tables, aligned numbers), writes PNG pictures to ``--out`` and, with
+``--json``, prints the same numbers as the Python API instead. User errors are one line, exit code 2.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import click
+
+from ..defaults import DEFAULT_SENTENCE, DEFAULT_TOKEN
+from ..errors import UsageError
+from .loader import load_model
+from .options import json_option, model_option, out_option
+from .output import clean, json_out
+from .render import console, explain_pictures, pattern_grid, render_explanation
+
+
+def _check_range(name: str, value: int | None, n: int) -> None:
+    if value is not None and not 0 <= value < n:
+        raise UsageError(f"{name} {value} is out of range: valid {name}s are 0..{n - 1}")
+
+
+@click.command("explain")
+@click.argument("sentence", required=False, default=DEFAULT_SENTENCE)
+@click.option(
+    "--token",
+    default=DEFAULT_TOKEN,
+    show_default=True,
+    help="The token to follow (a token of the sentence, or its index).",
+)
+@click.option("--layer", type=int, default=None, help="Layer to explain (default: the best-ranked head's).")
+@click.option(
+    "--head", type=int, default=None, help="Head to explain (default: ranked by where the token attends)."
+)
+@click.option(
+    "--top", "top_heads", type=int, default=5, show_default=True, help="How many ranked heads to show."
+)
+@model_option
+@out_option
+@json_option
+def explain_cmd(
+    sentence: str,
+    token: str,
+    layer: int | None,
+    head: int | None,
+    top_heads: int,
+    model_spec: str,
+    out_dir: Path | None,
+    as_json: bool,
+) -> None:
+    """Walk one token through one head: x -> q, k, v -> scores -> softmax -> z -> concat -> W_O -> out."""
+    pretrained = load_model(model_spec)
+    cfg = pretrained.model.config
+    _check_range("layer", layer, cfg.n_layers)
+    _check_range("head", head, cfg.n_heads)
+    from ..explain import explain, find_token, token_strings
+
+    tokens = token_strings(pretrained, sentence)
+    tok: str | int = int(token) if token.isdigit() and token not in tokens else token
+    try:
+        find_token(tokens, tok)
+        e = explain(pretrained, sentence, tok, layer=layer, head=head, model_name=model_spec)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    pictures = explain_pictures(e, pretrained, out_dir) if out_dir is not None else []
+    if as_json:
+        d = e.to_dict()
+        d["ranking"] = d["ranking"][: max(top_heads, 0)] if top_heads >= 0 else d["ranking"]
+        d["pictures"] = [str(p) for p in pictures]
+        json_out(clean(d))
+        return
+    render_explanation(e, top_heads=top_heads)
+    for p in pictures:
+        click.echo(f"wrote {p}")
+
+
+def _read_sentences(path: Path) -> list[str]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read sentences file {path}: {e.__class__.__name__}: {e}") from None
+    sentences = [line.strip() for line in text.splitlines() if line.strip()]
+    if not sentences:
+        raise UsageError(f"sentences file {path} holds no sentence (one sentence per line expected)")
+    return sentences
+
+
+@click.command("heads")
+@click.argument("sentence", required=False, default=None)
+@click.option(
+    "--sentences",
+    "sentences_file",
+    type=click.Path(path_type=Path),
+    default=None,
+    help="A UTF-8 text file with one sentence per line.",
+)
+@click.option(
+    "--threshold", type=float, default=None, help="Role-label threshold (default: the analysis default)."
+)
+@click.option(
+    "--mode",
+    type=click.Choice(["zero", "mean"]),
+    default="zero",
+    show_default=True,
+    help="Ablation for importance.",
+)
+@click.option("--no-importance", is_flag=True, help="Skip the ablation importance (one forward per head).")
+@model_option
+@out_option
+@json_option
+def heads_cmd(
+    sentence: str | None,
+    sentences_file: Path | None,
+    threshold: float | None,
+    mode: str,
+    no_importance: bool,
+    model_spec: str,
+    out_dir: Path | None,
+    as_json: bool,
+) -> None:
+    """The layer x head table: role, entropy, importance and W_O weight of every head."""
+    if sentence is not None and sentences_file is not None:
+        raise UsageError("give either SENTENCE or --sentences FILE, not both")
+    sentences = (
+        _read_sentences(sentences_file) if sentences_file is not None else [sentence or DEFAULT_SENTENCE]
+    )
+    pretrained = load_model(model_spec)
+    from ..analysis import head_importance, head_roles, wo_norms
+
+    kw = {} if threshold is None else {"threshold": threshold}
+    try:
+        roles = head_roles(pretrained, sentences, **kw)
+        importance = (
+            None if no_importance else head_importance(pretrained, sentences, mode=mode, progress=not as_json)
+        )
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    norms = wo_norms(pretrained)
+    pictures = []
+    if out_dir is not None:
+        pictures.append(pattern_grid(pretrained, sentences[0], out_dir))
+    if as_json:
+        json_out(
+            clean(
+                {
+                    "model": model_spec,
+                    "sentences": sentences,
+                    "roles": roles.to_dict(),
+                    "importance": None if importance is None else importance.to_dict(),
+                    "wo_norm": norms.tolist(),
+                    "pictures": [str(p) for p in pictures],
+                }
+            )
+        )
+        return
+    from rich.table import Table
+
+    t = Table(
+        title=f"{model_spec}: every head over {len(sentences)} sentence(s) (role threshold {roles.threshold})"
+    )
+    for col in (
+        "layer",
+        "head",
+        "role",
+        "prev",
+        "self",
+        "next",
+        "first",
+        "last",
+        "entropy",
+        "importance",
+        "|W_O[h]|",
+    ):
+        t.add_column(col, justify="left" if col == "role" else "right")
+    n_layers, max_heads = norms.shape
+    for layer in range(n_layers):
+        for h in range(max_heads):
+            if math.isnan(float(norms[layer, h])):
+                continue
+            imp = "-" if importance is None else f"{float(importance.scores[layer, h]):.4f}"
+            t.add_row(
+                str(layer),
+                str(h),
+                roles.labels[layer][h],
+                *(
+                    f"{float(roles.mass(k)[layer, h]):.2f}"
+                    for k in ("previous", "current", "next", "first", "last")
+                ),
+                f"{float(roles.entropy[layer, h]):.2f}",
+                imp,
+                f"{float(norms[layer, h]):.2f}",
+                end_section=h == max_heads - 1,
+            )
+    console().print(t)
+    for p in pictures:
+        click.echo(f"wrote {p}")
+
+
+@click.command("subspaces")
+@click.option("--layer", type=int, default=None, help="One layer (default: all).")
+@click.option(
+    "--which",
+    type=click.Choice(["q", "k", "v", "o"]),
+    default="q",
+    show_default=True,
+    help="Which subspaces: the column spaces of W_Q, W_K, W_V or W_O^T.",
+)
+@model_option
+@out_option
+@json_option
+def subspaces_cmd(
+    layer: int | None, which: str, model_spec: str, out_dir: Path | None, as_json: bool
+) -> None:
+    """Head x head subspace overlap per layer beside the random baseline, and the QK/OV spectra."""
+    pretrained = load_model(model_spec)
+    _check_range("layer", layer, pretrained.model.config.n_layers)
+    from ..analysis import circuit_spectra, subspace_overlaps
+    from ..viz import plots
+
+    ov = subspace_overlaps(pretrained, which)
+    spectra = circuit_spectra(pretrained)
+    layers = range(ov.overlap.shape[0]) if layer is None else [layer]
+    pictures = []
+    if out_dir is not None:
+        for i in layers:
+            pictures.append(
+                plots.plot_overlap(
+                    ov.overlap[i],
+                    out_dir / f"subspaces_L{i}_{which}.png",
+                    baseline=float(ov.random_expected[i]),
+                    title=f"layer {i}: overlap of the heads' W_{which.upper()} subspaces",
+                    label="mean cos^2 of principal angles",
+                )
+            )
+            n = spectra.qk_singular_values.shape[1]
+            pictures.append(
+                plots.plot_spectra(
+                    [*spectra.qk_singular_values[i], *spectra.ov_singular_values[i]],
+                    out_dir / f"subspaces_L{i}_spectra.png",
+                    title=f"layer {i}: QK and OV circuit singular values",
+                    labels=[f"QK H{h}" for h in range(n)] + [f"OV H{h}" for h in range(n)],
+                )
+            )
+    if as_json:
+        data = {"model": model_spec, "which": which, "layers": []}
+        for i in layers:
+            data["layers"].append(
+                {
+                    "layer": i,
+                    "overlap": ov.overlap[i].tolist(),
+                    "random_expected": float(ov.random_expected[i]),
+                    "mean_offdiag": float(ov.mean_offdiag[i]),
+                    "qk_singular_values": spectra.qk_singular_values[i].tolist(),
+                    "ov_singular_values": spectra.ov_singular_values[i].tolist(),
+                    "qk_effective_rank": spectra.qk_effective_rank[i].tolist(),
+                    "ov_effective_rank": spectra.ov_effective_rank[i].tolist(),
+                }
+            )
+        data["pictures"] = [str(p) for p in pictures]
+        json_out(clean(data))
+        return
+    from rich.table import Table
+
+    c = console()
+    t = Table(
+        title=f"{model_spec}: W_{which.upper()} subspace overlap between heads "
+        "(1 = same subspace, 0 = orthogonal)"
+    )
+    for col in (
+        "layer",
+        "mean overlap (distinct heads)",
+        "random baseline",
+        "max pair",
+        "QK eff. rank",
+        "OV eff. rank",
+    ):
+        t.add_column(col, justify="right")
+    for i in layers:
+        m = ov.overlap[i].clone()
+        n = m.shape[0]
+        m.fill_diagonal_(float("nan"))
+        flat = int(m.nan_to_num(-1).argmax())
+        a, b = divmod(flat, n)
+        t.add_row(
+            str(i),
+            f"{float(ov.mean_offdiag[i]):.3f}",
+            f"{float(ov.random_expected[i]):.3f}",
+            f"H{a}-H{b} {float(m[a, b]):.3f}",
+            f"{float(spectra.qk_effective_rank[i].nanmean()):.1f}",
+            f"{float(spectra.ov_effective_rank[i].nanmean()):.1f}",
+        )
+    c.print(t)
+    for p in pictures:
+        click.echo(f"wrote {p}")
+
+
+COMMANDS = (explain_cmd, heads_cmd, subspaces_cmd)

@@ -1,0 +1,28 @@
+"""The one model loader of every command: ``--model NAME | FOLDER`` -> a loaded model, or one line.
+
+Every command that runs a model calls :func:`load_model`; it is :func:`headspace.pretrained.load` with
+its errors turned into one :class:`~headspace.errors.UsageError` line (exit code 2) that says what was
+wrong and what is valid.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import UsageError
+
+
+def one_line(e: BaseException) -> str:
+    """An error's message on one line (a multi-line mismatch report joined with '; ')."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    return "; ".join(lines) if lines else type(e).__name__
+
+
+def load_model(spec: str) -> Any:
+    """``minilm`` (the bundled all-MiniLM-L6-v2) or a folder holding a Hugging Face checkpoint."""
+    from .. import pretrained
+
+    try:
+        return pretrained.load(spec)
+    except (ImportError, OSError, ValueError, TypeError, KeyError) as e:
+        raise UsageError(one_line(e)) from None

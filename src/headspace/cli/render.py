@@ -1,0 +1,179 @@
+"""The terminal layout and the pictures of ``headspace explain`` (and the pattern grid of ``heads``)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..explain import Explanation
+
+
+def console():
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    # piped or captured output gets a width that fits the tables instead of the 80-column default
+    return console if console.is_terminal else Console(highlight=False, width=150)
+
+
+def _vec(values: Sequence[float], n: int = 8) -> str:
+    shown = " ".join(f"{v:+.3f}" for v in values[:n])
+    return f"[{shown}{' ...' if len(values) > n else ''}]"
+
+
+def _norm(values: Sequence[float]) -> float:
+    return math.sqrt(sum(v * v for v in values))
+
+
+def _bar(x: float, width: int = 24) -> str:
+    n = max(0, min(width, round(x * width)))
+    return "█" * n + "·" * (width - n)
+
+
+def render_explanation(e: Explanation, *, top_heads: int = 5) -> None:
+    """Print the pipeline of an :class:`Explanation` in order, with real shapes and values."""
+    from rich.panel import Panel
+    from rich.table import Table
+
+    c = console()
+    tok = e.tokens[e.token_index]
+    c.print(
+        Panel.fit(
+            f"[bold]{e.model or 'model'}[/]: {e.n_layers} layers x {e.n_heads} heads, d_model={e.d_model}, "
+            f"d_head={e.d_head}\nsentence: {e.sentence}\ntokens: "
+            + " ".join(f"[reverse]{t}[/]" if i == e.token_index else t for i, t in enumerate(e.tokens)),
+            title="headspace explain",
+        )
+    )
+    if e.ranking:
+        t = Table(title=f"heads ranked by where '{tok}' attends (largest weight on a content token)")
+        for col in ("layer", "head", "focus", "on", "top attended tokens"):
+            t.add_column(col, justify="right" if col in ("layer", "head", "focus") else "left")
+        for f in e.ranking[:top_heads]:
+            top = ", ".join(f"{a.token} {a.weight:.2f}" for a in f.top)
+            t.add_row(str(f.layer), str(f.head), f"{f.focus:.3f}", f.focus_token, top)
+        c.print(t)
+    L, H, dh, dm = e.layer, e.head, e.d_head, e.d_model
+    c.print(f"\n[bold]Layer {L}, head {H}[/] (key/value head {e.kv_head}) for token {e.token_index} '{tok}'")
+    c.print(f"1. x, the token's input to the attention      [{dm}]   |x| = {_norm(e.x):.3f}  {_vec(e.x)}")
+    c.print(
+        f"2. q = x W_Q[{H}] + b_Q[{H}]   W_Q[{H}]: [{dm}, {dh}]  -> q [{dh}]  "
+        f"|q| = {_norm(e.q):.3f}  {_vec(e.q)}"
+    )
+    c.print(
+        f"   k_j = x_j W_K[{e.kv_head}] + b_K, v_j = x_j W_V[{e.kv_head}] + b_V for every token j "
+        f"-> k, v [{len(e.tokens)}, {dh}]"
+    )
+    t = Table(title=f"3. scores q.k_j / sqrt({dh}) and the softmax over the {len(e.tokens)} tokens")
+    for col in ("j", "token", "|k_j|", "score", "softmax", ""):
+        t.add_column(col, justify="left" if col in ("token", "") else "right")
+    for j, token in enumerate(e.tokens):
+        s = e.scores[j]
+        p = e.pattern[j]
+        style = "bold" if j == e.top[0].index else ""
+        t.add_row(
+            str(j),
+            token + (" <- query" if j == e.token_index else ""),
+            f"{_norm(e.k[j]):.2f}",
+            "masked" if s is None else f"{s:+.3f}",
+            f"{p:.4f}",
+            _bar(p),
+            style=style,
+        )
+    c.print(t)
+    c.print("   top attended: " + ", ".join(f"[bold]{a.token}[/] {a.weight:.3f}" for a in e.top[:3]))
+    c.print(
+        f"4. z = sum_j softmax_j v_j                         [{dh}]   |z| = {_norm(e.z):.3f}  {_vec(e.z)}"
+    )
+    c.print(
+        f"5. concat of the {e.n_heads} heads' z for this token    [{e.n_heads} x {dh} = {e.n_heads * dh}]"
+        f"  {_vec(e.concat)}"
+    )
+    c.print(
+        f"6. out = concat W_O + b_O   W_O: [{e.n_heads * dh}, {dm}]  -> out [{dm}]  "
+        f"|out| = {_norm(e.out):.3f}  {_vec(e.out)}"
+    )
+    t = Table(title=f"7. how W_O weighs the heads of layer {L} for '{tok}' (share of sum_h |z_h W_O\\[h]|)")
+    for col in ("head", "|z_h W_O\\[h]|", "share", ""):
+        t.add_column(col, justify="left" if col == "" else "right")
+    order = sorted(range(e.n_heads), key=lambda h: -e.head_shares[h])
+    for h in order:
+        t.add_row(
+            f"{h}{' *' if h == H else ''}",
+            f"{e.head_contributions[h]:.3f}",
+            f"{e.head_shares[h]:.3f}",
+            _bar(e.head_shares[h] * 2),
+        )
+    c.print(t)
+
+
+def explain_pictures(e: Explanation, pretrained: Any, out: Path) -> list[Path]:
+    """PNG pictures of an explanation: the head's pattern, the token's row, q/k/v/z cells, W_O shares."""
+    import torch
+
+    from ..explain import record, tokenize_one
+    from ..viz import plots
+
+    ids, pad = tokenize_one(pretrained, e.sentence)
+    model = pretrained.model
+
+    def run() -> None:
+        with torch.inference_mode():
+            model(ids) if pad is None else model(ids, pad)
+
+    pattern = record(model, run)["pattern"][e.layer][0, e.head]  # (seq, seq)
+    tag = f"L{e.layer}_H{e.head}"
+    tok = e.tokens[e.token_index]
+    return [
+        plots.plot_pattern(
+            pattern,
+            e.tokens,
+            out / f"explain_{tag}_pattern.png",
+            title=f"layer {e.layer}, head {e.head}: attention pattern",
+            highlight=e.token_index,
+        ),
+        plots.plot_attention_row(
+            e.pattern,
+            e.tokens,
+            out / f"explain_{tag}_row.png",
+            title=f"layer {e.layer}, head {e.head}: where '{tok}' attends",
+            query=e.token_index,
+        ),
+        plots.plot_vectors(
+            {"q": e.q, "k": e.k, "v": e.v, "z": e.z},
+            out / f"explain_{tag}_qkvz.png",
+            title=f"layer {e.layer}, head {e.head}: q of '{tok}', k and v of every token, z",
+            row_labels=e.tokens,
+        ),
+        plots.plot_head_shares(
+            e.head_shares,
+            out / f"explain_L{e.layer}_wo_shares.png",
+            title=f"layer {e.layer}: how W_O weighs the heads for '{tok}'",
+            highlight=e.head,
+        ),
+    ]
+
+
+def pattern_grid(pretrained: Any, sentence: str, out: Path) -> Path:
+    import torch
+
+    from ..explain import record, token_strings, tokenize_one
+    from ..viz import plots
+
+    ids, pad = tokenize_one(pretrained, sentence)
+    model = pretrained.model
+
+    def run() -> None:
+        with torch.inference_mode():
+            model(ids) if pad is None else model(ids, pad)
+
+    patterns = [p[0] for p in record(model, run)["pattern"]]  # each (n_heads, seq, seq)
+    return plots.plot_pattern_grid(
+        patterns,
+        token_strings(pretrained, sentence),
+        out / "heads_patterns.png",
+        title=f"every head's pattern: {sentence[:60]}",
+    )
