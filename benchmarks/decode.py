@@ -19,25 +19,16 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from headspace import Decoder, ModelConfig
+from headspace.bench import timed
 from headspace.fileio import write_json
 
 POSITIONS = (64, 128, 256, 512, 1024)
-
-
-def timed(fn, repeats: int) -> list[float]:
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        out.append(time.perf_counter() - t0)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

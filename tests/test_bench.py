@@ -121,7 +121,7 @@ def test_memory_probe_sees_the_returned_pattern() -> None:
     seq = 1024
     while 2 * 2 * seq * seq * 4 / 2**20 < 16 * slack:
         seq *= 2
-    mem = bench._memory_probe(["headspace_weights", "gemm_floor"], seq, 2, 16, 2, "forward")
+    mem = bench.attention._memory_probe(["headspace_weights", "gemm_floor"], seq, 2, 16, 2, "forward")
     if not Path("/proc/self/clear_refs").exists():  # no Linux /proc: the documented answer is "unknown"
         assert mem == {"headspace_weights": None, "gemm_floor": None}
         return
@@ -131,10 +131,10 @@ def test_memory_probe_sees_the_returned_pattern() -> None:
 
 
 def test_rss_counter_slack_counts_cpus_and_threads(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bench.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(bench.measure.os, "cpu_count", lambda: 2)
     assert bench.rss_counter_slack_mib(threads=1) == pytest.approx(2 * 128 * 4096 / 2**20)  # 64 x 2 threads
     assert bench.rss_counter_slack_mib(threads=2) == pytest.approx(2 * 192 * 4096 / 2**20)
-    monkeypatch.setattr(bench.os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(bench.measure.os, "cpu_count", lambda: 64)
     assert bench.rss_counter_slack_mib(threads=2) == pytest.approx(2 * 128 * 64 * 4096 / 2**20)
 
 

@@ -62,7 +62,6 @@ import gc
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -74,8 +73,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import MultiHeadAttention
-from .kernels.workspace import release_thread_workspace
+from ..attention import MultiHeadAttention
+from ..kernels.workspace import release_thread_workspace
+from .measure import machine_info, measure_peak_extra_mib
 
 CASES: tuple[str, ...] = (
     "headspace",
@@ -329,78 +329,6 @@ def build_case(
 # ---------------------------------------------------------------------------------------------------
 # Measurement
 # ---------------------------------------------------------------------------------------------------
-def machine_info() -> dict:
-    """CPU model, cores, threads, versions and load: what a reader needs to judge the numbers."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    info = {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
-    if hasattr(os, "getloadavg"):
-        info["load_average_1m"] = round(os.getloadavg()[0], 2)
-    return info
-
-
-def _read_status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def rss_counter_slack_mib(threads: int | None = None) -> float:
-    """How far :func:`measure_peak_extra_mib` may be off, in MiB, from the kernel's counting alone.
-
-    Linux keeps each process's resident-page count in per-CPU counters (since 6.2; a counter may
-    hold back up to ``max(32, 2 * cpus)`` pages per CPU before it is folded into the total that
-    ``/proc/self/status`` reads) or, before 6.2, in per-thread caches (up to 64 page faults per
-    thread). A measurement reads the count twice (the base and the high-water mark), so the bound is
-    twice the larger of the two.
-    """
-    cpus = os.cpu_count() or 1
-    threads = torch.get_num_threads() if threads is None else threads
-    pages = max(max(32, 2 * cpus) * cpus, 64 * (threads + 1))  # +1: the calling thread
-    return 2 * pages * 4096 / 2**20
-
-
-def measure_peak_extra_mib(step: Callable[[], None]) -> float | None:
-    """Run ``step`` once; return the growth of the resident-set high-water mark in MiB (None without /proc).
-
-    Exact to :func:`rss_counter_slack_mib` (the kernel reads its page counters approximately).
-
-    Sound only in a process started with ``MALLOC_MMAP_THRESHOLD_`` set (see the module docstring);
-    :func:`_memory_probe` arranges that.
-    """
-    gc.collect()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current resident set
-    except OSError:
-        return None
-    base = _read_status_kib("VmRSS")
-    step()
-    peak = _read_status_kib("VmHWM")
-    if base is None or peak is None:
-        return None
-    return max(0, peak - base) / 1024
-
-
 def _memory_probe(cases: Sequence[str], seq: int, batch: int, d_model: int, n_heads: int, mode: str) -> dict:
     """In a fresh interpreter: peak extra MiB of each case of one (seq, mode)."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
@@ -413,7 +341,7 @@ def _memory_probe(cases: Sequence[str], seq: int, batch: int, d_model: int, n_he
         "mode": mode,
         "threads": torch.get_num_threads(),
     }
-    code = "import sys; from headspace.bench import _memory_probe_main; _memory_probe_main(sys.argv[1])"
+    code = "import sys; from headspace.bench.attention import _memory_probe_main as m; m(sys.argv[1])"
     proc = subprocess.run(
         [sys.executable, "-c", code, json.dumps(args)], env=env, capture_output=True, text=True, check=False
     )
