@@ -38,7 +38,6 @@ see :func:`batch_generator`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 import torch
@@ -93,21 +92,6 @@ class Batch:
     def to(self, device: torch.device | str) -> Batch:
         rel = None if self.relation_pos is None else self.relation_pos.to(device)
         return Batch(self.tokens.to(device), self.targets.to(device), rel)
-
-
-class Task(Protocol):
-    """What the training loop needs from a synthetic task."""
-
-    name: str
-    vocab_size: int
-    seq_len: int
-    relations: tuple[str, ...]
-
-    def sample(self, generator: torch.Generator, batch_size: int) -> Batch: ...
-
-    def parts(self, answers: Tensor) -> Tensor: ...
-
-    def describe(self) -> dict: ...
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> int:

@@ -12,7 +12,6 @@ import html
 import json
 import os
 import re
-import threading
 from collections.abc import Callable, Sequence
 from functools import cache
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -219,9 +218,3 @@ def serve_page(
             pass
 
     return ThreadingHTTPServer((host, port), Handler)
-
-
-def serve_in_thread(server: ThreadingHTTPServer) -> threading.Thread:
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    return thread
