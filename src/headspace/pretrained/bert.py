@@ -10,16 +10,15 @@ from torch import Tensor, nn
 from .. import layouts
 from ..config import ModelConfig
 from ..models import Encoder
-from ..tokenization import TextTokenizer
 from .hf import (
     check_tensors,
     check_values,
-    checked_folder,
     config_problems,
+    folder_tokenizer,
     load_converted,
+    open_folder,
     read_json,
     read_tensors,
-    require_file,
     strip_prefix,
 )
 from .wrappers import PretrainedEncoder
@@ -146,9 +145,7 @@ def load_bert(folder: str | Path, *, name: str = "", max_length: int | None = No
             ``max_length`` < 1.
         TypeError: ``max_length`` is not an int (or None).
     """
-    path = checked_folder(folder)
-    hf = read_json(require_file(path, "config.json", "the model configuration"))
-    weights = require_file(path, "model.safetensors", "the weights")
+    path, hf, weights = open_folder(folder)
     config = bert_config(hf, name=name or path.name)
     tensors = strip_prefix(read_tensors(weights), "bert.", "embeddings.")
     expected = _bert_expected(config)
@@ -168,9 +165,7 @@ def load_bert(folder: str | Path, *, name: str = "", max_length: int | None = No
         pooler.load_state_dict(
             {"weight": tensors["pooler.dense.weight"], "bias": tensors["pooler.dense.bias"]}
         )
-    tokenizer = None
-    if (path / "tokenizer.json").is_file():
-        tokenizer = TextTokenizer(path / "tokenizer.json", pad_id=config.pad_token_id or 0)
+    tokenizer = folder_tokenizer(path, config.pad_token_id or 0)
     st_config = path / "sentence_bert_config.json"
     if max_length is None and st_config.is_file():
         max_length = read_json(st_config).get("max_seq_length")

@@ -11,16 +11,14 @@ from torch import Tensor
 from .. import layouts
 from ..config import ModelConfig
 from ..models import Decoder
-from ..tokenization import TextTokenizer
 from .hf import (
     check_tensors,
     check_values,
-    checked_folder,
     config_problems,
+    folder_tokenizer,
     load_converted,
-    read_json,
+    open_folder,
     read_tensors,
-    require_file,
     strip_prefix,
 )
 from .wrappers import PretrainedDecoder
@@ -140,9 +138,7 @@ def load_gpt2(folder: str | Path, *, name: str = "") -> PretrainedDecoder:
         ValueError: a config headspace cannot represent; missing/unexpected tensors or shape mismatches;
             weights that are not floating point or hold NaN/Inf (named).
     """
-    path = checked_folder(folder)
-    hf = read_json(require_file(path, "config.json", "the model configuration"))
-    weights = require_file(path, "model.safetensors", "the weights")
+    path, hf, weights = open_folder(folder)
     config = gpt2_config(hf, name=name or path.name)
     tensors = strip_prefix(read_tensors(weights), "transformer.", "wte.")
     expected = _gpt2_expected(config)
@@ -162,7 +158,5 @@ def load_gpt2(folder: str | Path, *, name: str = "") -> PretrainedDecoder:
     ignored = check_tensors(tensors, expected, _gpt2_ignorable, weights)
     model = Decoder(config)
     load_converted(model, gpt2_state_dict(tensors, config), tensors, layouts.load_gpt2, "h.{}.attn.")
-    tokenizer = None
-    if (path / "tokenizer.json").is_file():
-        tokenizer = TextTokenizer(path / "tokenizer.json", pad_id=config.pad_token_id)
+    tokenizer = folder_tokenizer(path, config.pad_token_id)
     return PretrainedDecoder(model, tokenizer, ignored=ignored)

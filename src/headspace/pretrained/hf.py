@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from torch import Tensor, nn
 
 from ..checks import nonfinite_count
+from ..tokenization import TextTokenizer
 
 
 def require_file(folder: Path, name: str, what: str) -> Path:
@@ -146,3 +147,16 @@ def load_converted(
         )
     for i, block in enumerate(model.blocks):
         load_attention(block.attn, tensors, prefix=prefix.format(i))
+
+
+def open_folder(folder: str | Path) -> tuple[Path, dict[str, Any], Path]:
+    """(the folder, its ``config.json`` as a dict, the path of its ``model.safetensors``), checked."""
+    path = checked_folder(folder)
+    hf = read_json(require_file(path, "config.json", "the model configuration"))
+    return path, hf, require_file(path, "model.safetensors", "the weights")
+
+
+def folder_tokenizer(path: Path, pad_id: int | None) -> TextTokenizer | None:
+    """The folder's ``tokenizer.json`` as a :class:`~headspace.tokenization.TextTokenizer`, or None."""
+    file = path / "tokenizer.json"
+    return TextTokenizer(file, pad_id=pad_id) if file.is_file() else None

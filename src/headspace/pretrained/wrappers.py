@@ -36,7 +36,28 @@ class LoadedModel(Protocol):
         ...
 
 
-class PretrainedEncoder:
+class _Loaded:
+    """What both wrappers share: the config read from the model, the tokenizer or a clear error."""
+
+    model: nn.Module
+    tokenizer: TextTokenizer | None
+    #: what a caller passes instead of token ids (named in the no-tokenizer error)
+    _text_inputs = "text"
+
+    @property
+    def config(self) -> ModelConfig:
+        """The model's :class:`~headspace.ModelConfig` (always ``self.model.config``: pruning updates it)."""
+        return self.model.config
+
+    def _need_tokenizer(self) -> TextTokenizer:
+        if self.tokenizer is None:
+            raise ValueError(
+                f"this checkpoint folder had no tokenizer.json; pass token ids instead of {self._text_inputs}"
+            )
+        return self.tokenizer
+
+
+class PretrainedEncoder(_Loaded):
     """A pretrained BERT-family :class:`~headspace.Encoder` with its tokenizer.
 
     Attributes:
@@ -48,6 +69,8 @@ class PretrainedEncoder:
         pooler: BERT's pooler (``tanh(W h_[CLS] + b)``) when the checkpoint has one, else None.
         ignored: names of checkpoint tensors that were not used (task heads, stored buffers).
     """
+
+    _text_inputs = "sentences"
 
     def __init__(
         self,
@@ -76,20 +99,8 @@ class PretrainedEncoder:
         self.pooler = pooler
         self.ignored = list(ignored)
 
-    @property
-    def config(self) -> ModelConfig:
-        """The model's :class:`~headspace.ModelConfig` (always ``self.model.config``: pruning updates it)."""
-        return self.model.config
-
     def __repr__(self) -> str:
         return f"PretrainedEncoder({self.config.summary()}, encode max_length={self.max_length})"
-
-    def _need_tokenizer(self) -> TextTokenizer:
-        if self.tokenizer is None:
-            raise ValueError(
-                "this checkpoint folder had no tokenizer.json; pass token ids instead of sentences"
-            )
-        return self.tokenizer
 
     def tokenize(
         self, sentences: Sequence[str] | str, *, max_length: int | None = None
@@ -187,7 +198,7 @@ class PretrainedEncoder:
         return F.normalize(mean, p=2.0, dim=1) if normalize else mean
 
 
-class PretrainedDecoder:
+class PretrainedDecoder(_Loaded):
     """A pretrained GPT-2-family :class:`~headspace.Decoder` with its tokenizer (when the folder has one)."""
 
     def __init__(
@@ -197,18 +208,8 @@ class PretrainedDecoder:
         self.tokenizer = tokenizer
         self.ignored = list(ignored)
 
-    @property
-    def config(self) -> ModelConfig:
-        """The model's :class:`~headspace.ModelConfig` (always ``self.model.config``: pruning updates it)."""
-        return self.model.config
-
     def __repr__(self) -> str:
         return f"PretrainedDecoder({self.config.summary()})"
-
-    def _need_tokenizer(self) -> TextTokenizer:
-        if self.tokenizer is None:
-            raise ValueError("this checkpoint folder had no tokenizer.json; pass token ids instead of text")
-        return self.tokenizer
 
     def tokenize(self, texts: Sequence[str] | str) -> Tensor:
         """Token ids [batch, seq] (texts of one batch must tokenize to the same length: GPT-2 has no pad).
