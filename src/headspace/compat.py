@@ -46,6 +46,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import MultiHeadAttention, _check_finite
+from .checks import is_int
 from .functional import get_backend, reference_parts
 from .masks import canonical_mask
 
@@ -127,7 +128,7 @@ class MultiheadAttention(MultiHeadAttention):
         dtype: torch.dtype | None = None,
     ) -> None:
         for name, value in (("embed_dim", embed_dim), ("num_heads", num_heads)):
-            if not isinstance(value, int) or isinstance(value, bool):
+            if not is_int(value):
                 raise TypeError(f"{name} must be an int; got {type(value).__name__} {value!r}")
         if embed_dim <= 0 or num_heads <= 0:
             raise ValueError(

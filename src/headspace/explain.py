@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from .checks import is_int
 from .defaults import DEFAULT_SENTENCE, DEFAULT_TOKEN
 
 
@@ -147,7 +148,7 @@ def special_positions(pretrained: Any, tokens: list[str]) -> set[int]:
 
 def find_token(tokens: list[str], token: str | int) -> int:
     """Index of ``token`` (a string, matched case-insensitively, or an int index) in ``tokens``."""
-    if isinstance(token, int) and not isinstance(token, bool):
+    if is_int(token):
         if not -len(tokens) <= token < len(tokens):
             raise ValueError(f"token index {token} is out of range: the sentence has {len(tokens)} tokens")
         return token % len(tokens)

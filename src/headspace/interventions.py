@@ -15,6 +15,7 @@ from typing import Any
 from torch import Tensor
 
 from .attention import MultiHeadAttention
+from .checks import is_int
 from .models import _Stack
 from .pruning import kept_kv_heads, shrink_attention
 from .trace import as_module, attention_layers, hooked
@@ -31,10 +32,10 @@ def _layers(model: Any) -> list[MultiHeadAttention]:
 
 def _check_layer_head(layers: Sequence[MultiHeadAttention], layer: Any, head: Any, arg: str) -> None:
     n = len(layers)
-    if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < n:
+    if not is_int(layer) or not 0 <= layer < n:
         raise ValueError(f"{arg}: layer must be an int in [0, {n}) for this model; got {layer!r}")
     h = layers[layer].n_heads
-    if not isinstance(head, int) or isinstance(head, bool) or not 0 <= head < h:
+    if not is_int(head) or not 0 <= head < h:
         raise ValueError(f"{arg}: head must be an int in [0, {h}) for layer {layer}; got {head!r}")
 
 

@@ -62,6 +62,7 @@ import torch
 from torch import Tensor
 
 from .attention import MultiHeadAttention
+from .checks import is_int
 
 __all__ = [
     "LAYOUTS",
@@ -250,7 +251,7 @@ def _bias_keys_all_or_none(layout: str, prefix: str, got: Mapping[str, Tensor], 
 
 
 def _check_n_heads(n_heads: int, width: int, what: str) -> int:
-    if not isinstance(n_heads, int) or isinstance(n_heads, bool) or n_heads <= 0:
+    if not is_int(n_heads) or n_heads <= 0:
         raise ValueError(f"n_heads must be a positive int; got {n_heads!r}")
     if width % n_heads != 0:
         raise ValueError(

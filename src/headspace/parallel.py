@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from .attention import KVCache, MultiHeadAttention
+from .checks import is_int
 from .process_group import DistInfo, all_gather_bytes, barrier, compare_configs, setup_distributed, teardown
 
 __all__ = [
@@ -172,7 +173,7 @@ def _check_divisible(name: str, n: int, world_size: int) -> None:
 
 
 def _check_rank(rank: int, world_size: int) -> None:
-    ok = all(isinstance(v, int) and not isinstance(v, bool) for v in (rank, world_size))
+    ok = all(is_int(v) for v in (rank, world_size))
     if not ok or world_size <= 0 or not 0 <= rank < world_size:
         raise ValueError(
             f"need integers 0 <= rank < world_size; got rank={rank!r}, world_size={world_size!r}"

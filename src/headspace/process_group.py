@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .checks import is_number
+
 __all__ = [
     "DistInfo",
     "all_gather_bytes",
@@ -74,7 +76,7 @@ def setup_distributed(device: str = "cpu", *, timeout_s: float = 600.0) -> DistI
     """
     if not isinstance(device, str) or device.split(":")[0] not in ("cpu", "cuda"):
         raise ValueError(f"device must be 'cpu' or 'cuda' (optionally 'cuda:N'); got {device!r}")
-    if not isinstance(timeout_s, (int, float)) or isinstance(timeout_s, bool) or timeout_s <= 0:
+    if not is_number(timeout_s) or timeout_s <= 0:
         raise ValueError(f"timeout_s must be a positive number of seconds; got {timeout_s!r}")
     on_cuda = device.startswith("cuda")
     if dist.is_available() and dist.is_initialized():

@@ -18,6 +18,8 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
+from .checks import is_int
+
 
 def check_sentences(sentences: Any, name: str = "sentences") -> list[str]:
     """A non-empty list of strings (one string is taken as a list of one); errors name the bad item."""
@@ -69,9 +71,7 @@ class TextTokenizer:
     def encode_ids(self, sentences: Sequence[str], *, max_length: int | None = None) -> list[list[int]]:
         """Token ids (special tokens included) of each sentence, truncated to ``max_length`` if given."""
         sentences = check_sentences(sentences)
-        if max_length is not None and (
-            isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 2
-        ):
+        if max_length is not None and (not is_int(max_length) or max_length < 2):
             raise ValueError(f"max_length must be None or an int >= 2; got {max_length!r}")
         self._set_truncation(max_length)
         return [e.ids for e in self._tok.encode_batch(sentences)]

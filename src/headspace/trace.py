@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from .attention import MultiHeadAttention
+from .checks import is_int
 from .hooks import HookFn, HookPoint, name_hook_points
 
 ATTN_HOOKS = ("q", "k", "v", "scores", "pattern", "z", "result")
@@ -204,7 +205,7 @@ class Trace(Mapping[str, Tensor]):
 
     def _check_layer(self, layer: int) -> int:
         n = self.n_layers
-        if not isinstance(layer, int) or isinstance(layer, bool) or not -n <= layer < n:
+        if not is_int(layer) or not -n <= layer < n:
             raise ValueError(f"layer must be an int in [0, {n}) for this model; got {layer!r}")
         return layer % n
 
@@ -232,7 +233,7 @@ class Trace(Mapping[str, Tensor]):
         layer = self._check_layer(layer)
         attn = self._layers[layer]
         n = attn.n_heads
-        if not isinstance(head, int) or isinstance(head, bool) or not -n <= head < n:
+        if not is_int(head) or not -n <= head < n:
             raise ValueError(f"head must be an int in [0, {n}) for layer {layer}; got {head!r}")
         index = head % n
         if short in ("k", "v"):

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor, nn
 
+from ..checks import is_int
 from ..fileio import write_atomic
 
 
@@ -53,7 +54,7 @@ def make_batches(
     attention layer or block), or a list of such tensors (one pass each). ``key_padding`` (bool
     [batch, seq], True = real) goes with a single tensor.
     """
-    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size <= 0:
+    if not is_int(batch_size) or batch_size <= 0:
         raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
     if isinstance(inputs, str):
         inputs = [inputs]

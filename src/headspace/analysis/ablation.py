@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from tqdm.auto import tqdm
 
+from ..checks import is_int
 from ..interventions import ABLATION_MODES, ablate
 from ..trace import as_module, attention_layers, hooked, trace
 from ._common import Batch, JsonResult, eval_mode, make_batches, pad_heads
@@ -121,12 +122,8 @@ def _check_heads(
     for idx, pair in enumerate(heads):
         if isinstance(pair, list):
             pair = tuple(pair)  # [layer, head] is unambiguous: the same pair
-        if (
-            not isinstance(pair, tuple)
-            or len(pair) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) for v in pair)
-        ):
-            one_pair = len(heads) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in heads)
+        if not isinstance(pair, tuple) or len(pair) != 2 or not all(is_int(v) for v in pair):
+            one_pair = len(heads) == 2 and all(is_int(v) for v in heads)
             hint = f" (for one head pass heads=[{tuple(heads)!r}])" if one_pair else ""
             raise TypeError(f"heads[{idx}] must be a (layer, head) pair of ints; got {pair!r}{hint}")
         if pair not in valid:
@@ -283,7 +280,7 @@ def head_importance(
         raise ValueError(
             f"metric must be one of {METRICS} or a callable metric(model) -> float; got {metric!r}"
         )
-    if not isinstance(max_rows, int) or isinstance(max_rows, bool) or max_rows <= 0:
+    if not is_int(max_rows) or max_rows <= 0:
         raise ValueError(f"max_rows must be a positive int; got {max_rows!r}")
     if not callable(metric) and metric == "auto":
         metric = "loss" if _is_decoder(module) else "cosine"

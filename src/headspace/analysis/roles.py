@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..checks import nonfinite_count
+from ..checks import is_number, nonfinite_count
 from ..trace import as_module, attention_layers, trace
 from ._common import JsonResult, eval_mode, make_batches, pad_heads
 
@@ -146,7 +146,7 @@ class RoleAccumulator:
 
 
 def _check_threshold(threshold: Any) -> float:
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 < threshold <= 1.0:
+    if not is_number(threshold) or not 0.0 < threshold <= 1.0:
         raise ValueError(f"threshold must be a number in (0, 1]; got {threshold!r}")
     return float(threshold)
 

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ..attention import MultiHeadAttention
-from ..checks import nonfinite_count
+from ..checks import is_int, nonfinite_count
 from ..circuits import FactoredMatrix, effective_rank
 from ..trace import attention_layers
 from ._common import JsonResult, pad_heads
@@ -44,7 +44,7 @@ def get_layer(model: Any, layer: int) -> MultiHeadAttention:
     n = len(layers)
     if n == 0:
         raise ValueError(f"model has no MultiHeadAttention layer; got {type(model).__name__}")
-    if not isinstance(layer, int) or isinstance(layer, bool) or not -n <= layer < n:
+    if not is_int(layer) or not -n <= layer < n:
         raise ValueError(f"layer must be an int in [0, {n}) for this model; got {layer!r}")
     return layers[layer][1]
 
@@ -169,7 +169,7 @@ def head_angles(model: Any, a: tuple[int, int], b: tuple[int, int], which: str =
             raise TypeError(f"{arg} must be a (layer, head) pair; got {pair!r}")
         attn = get_layer(model, pair[0])
         head = pair[1]
-        if not isinstance(head, int) or isinstance(head, bool) or not 0 <= head < attn.n_heads:
+        if not is_int(head) or not 0 <= head < attn.n_heads:
             raise ValueError(
                 f"{arg}: head must be an int in [0, {attn.n_heads}) for layer {pair[0]}; got {head!r}"
             )
@@ -197,7 +197,7 @@ def random_overlap(d: int, p: int, q: int) -> float:
     It is ``max(p, q) / d`` (from ``E[sum_i cos^2 theta_i] = p q / d``).
     """
     for name, v in (("d", d), ("p", p), ("q", q)):
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+        if not is_int(v) or v <= 0:
             raise ValueError(f"{name} must be a positive int; got {v!r}")
     if p > d or q > d:
         raise ValueError(f"subspace dims p={p}, q={q} cannot exceed the ambient dim d={d}")

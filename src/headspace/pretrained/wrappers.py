@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..checks import is_int
 from ..config import ModelConfig
 from ..kernels.workspace import Workspace
 from ..models import Decoder, Encoder
@@ -81,7 +82,7 @@ class PretrainedEncoder(_Loaded):
         pooler: nn.Linear | None = None,
         ignored: Sequence[str] = (),
     ) -> None:
-        if max_length is not None and (not isinstance(max_length, int) or isinstance(max_length, bool)):
+        if max_length is not None and (not is_int(max_length)):
             raise TypeError(
                 f"max_length must be a positive int (or None for the position table's length "
                 f"{model.config.max_seq_len}); got {max_length!r} ({type(max_length).__name__})"
@@ -155,7 +156,7 @@ class PretrainedEncoder(_Loaded):
         ETA); None shows it when there are more than 8 batches.
         """
         sentences = check_sentences(sentences)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        if not is_int(batch_size) or batch_size < 1:
             raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
         ids = self._need_tokenizer().encode_ids(sentences, max_length=self.max_length)
         order = sorted(range(len(ids)), key=lambda i: -len(ids[i]))

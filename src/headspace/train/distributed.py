@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..checks import is_int
 from ..process_group import DistInfo, all_gather_bytes, compare_configs, device_of
 
 __all__ = ["average_across_ranks", "check_same_config", "local_batch_slice", "wrap_model"]
@@ -44,7 +45,7 @@ def local_batch_slice(global_batch: int, info: DistInfo) -> slice:
 
     Every rank draws the same global batch (same seed and step); each trains on its own slice.
     """
-    if not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch <= 0:
+    if not is_int(global_batch) or global_batch <= 0:
         raise ValueError(f"global_batch must be a positive int; got {global_batch!r}")
     if global_batch % info.world_size != 0:
         raise ValueError(

@@ -43,6 +43,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..checks import is_int
+
 IGNORE = -100  # target value meaning "no target at this position" (cross_entropy's ignore_index)
 
 TRAIN_STREAM = 0
@@ -56,7 +58,7 @@ def step_seed(seed: int, step: int, stream: int = TRAIN_STREAM) -> int:
     Neighbouring steps (and streams) get unrelated values.
     """
     for name, value in (("seed", seed), ("step", step), ("stream", stream)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        if not is_int(value) or value < 0:
             raise ValueError(f"{name} must be a non-negative int; got {value!r}")
     state = np.random.SeedSequence([seed, step, stream]).generate_state(2, dtype=np.uint32)
     return int(state[0]) << 32 | int(state[1])
@@ -95,7 +97,7 @@ class Batch:
 
 
 def _check_int(name: str, value: object, low: int, high: int | None = None) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
+    if not is_int(value):
         raise TypeError(f"{name} must be an int; got {type(value).__name__} {value!r}")
     if value < low or (high is not None and value > high):
         bound = f">= {low}" if high is None else f"in [{low}, {high}]"
