@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from pathlib import Path
 
@@ -26,6 +27,15 @@ def test_char_level_round_trip_and_split(tmp_path: Path) -> None:
     assert data.train.numel() + data.val.numel() == len(TEXT)
     assert data.decode(torch.cat([data.train, data.val])) == TEXT
     assert data.val.numel() == max(8, round(len(TEXT) * 0.1))
+
+
+def test_the_checksum_of_the_content_is_recorded(tmp_path: Path) -> None:
+    p = _write(tmp_path, TEXT.encode())
+    data = load_text(p, seq_len=7)
+    digest = hashlib.sha256(TEXT.encode()).hexdigest()
+    assert data.sha256 == digest and data.describe()["sha256"] == digest
+    p.write_bytes(TEXT[::-1].encode())
+    assert load_text(p, seq_len=7).describe()["sha256"] != digest  # same length, other content
 
 
 def test_byte_level_counts_utf8_bytes(tmp_path: Path) -> None:

@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
+import os
+import shutil
+import signal
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from headspace.train import TrainConfig, learning_rate, load_run, train
+from headspace.train import loop as train_loop
 from headspace.train.checkpoint import CheckpointError
-from headspace.train.loop import RunFolderError
+from headspace.train.loop import (
+    EncoderReadout,
+    RunFolderError,
+    build_model,
+    model_config_for,
+    parameter_count,
+)
 from headspace.train.metrics import part_accuracy
 from headspace.train.tasks import EVAL_STREAM, RelationsTask, batch_generator
 
@@ -21,6 +34,15 @@ TINY = {"task": "relations", "d_model": 16, "n_heads": 2, "batch_size": 8, "eval
 
 def _rows(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def _reseal(folder: Path) -> None:
+    """Rewrite a checkpoint's manifest for its current files (content crafted and sealed)."""
+    manifest = json.loads((folder / "manifest.json").read_text())
+    for name in manifest["files"]:
+        data = (folder / name).read_bytes()
+        manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (folder / "manifest.json").write_text(json.dumps(manifest))
 
 
 # ---------------------------------------------------------------------------------------- config
@@ -209,8 +231,6 @@ def test_reverse_task_runs_and_summarises_its_one_relation(tmp_path: Path) -> No
 
 def test_a_run_written_before_a_model_field_existed_still_resumes(tmp_path: Path) -> None:
     # run folders from before ModelConfig.pruned_heads lack the field: absent means its default
-    import hashlib
-
     run = tmp_path / "run"
     config = TrainConfig(**TINY, steps=4, eval_every=100)
     train(config, run, progress=False)
@@ -219,12 +239,236 @@ def test_a_run_written_before_a_model_field_existed_still_resumes(tmp_path: Path
         record = json.loads(path.read_text())
         del record["model"]["pruned_heads"]
         path.write_text(json.dumps(record, indent=2, sort_keys=True, allow_nan=False) + "\n")
-    state = json.loads((ckpt / "state.json").read_text())
-    data = (ckpt / "config.json").read_bytes()  # the old checkpoint's own, consistent digest
-    state["files"]["config.json"] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    (ckpt / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+    _reseal(ckpt)  # the old checkpoint's own, consistent seal
     result = train(config, run, resume=True, progress=False)
     assert result is not None
     # a real difference is still refused
     with pytest.raises(RunFolderError, match=r"train.lr: checkpoint has 0.003, requested 0.01"):
         train(TrainConfig(**TINY, steps=4, eval_every=100, lr=1e-2), run, resume=True, progress=False)
+
+
+# ---------------------------------------------------------------------------------------- the model size
+@pytest.mark.parametrize(
+    ("kwargs", "words"),
+    [
+        ({"d_model": 10**6}, "the model is too large to train: 12,000,"),
+        ({"n_layers": 10**5}, "parameters (n_layers=100000, d_model=64, d_mlp=256"),
+        ({"d_model": 64, "d_mlp": 10**8}, "d_mlp=100000000"),
+        ({"task": "text", "data": "x.txt", "seq_len": 10**8}, "seq_len=100000000"),
+    ],
+)
+def test_an_oversized_model_is_refused_before_anything_is_allocated(kwargs: dict, words: str) -> None:
+    with pytest.raises(ValueError) as info:
+        TrainConfig(**kwargs)  # instantly: nothing is built
+    msg = str(info.value)
+    assert words in msg and "more than the cap of 2,000,000,000 (MAX_PARAMETERS" in msg
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"task": "relations", "d_model": 24, "n_heads": 3, "n_layers": 2},
+        {"task": "reverse", "arch": "encoder", "d_model": 16, "n_heads": 2, "d_mlp": 40},
+        {"task": "text", "data": "x.txt", "d_model": 8, "n_heads": 2, "n_layers": 3, "seq_len": 11},
+    ],
+)
+def test_parameter_count_is_that_of_the_model_built(kwargs: dict) -> None:
+    config = TrainConfig(**kwargs)
+    vocab, seq = (37, 11) if config.task == "text" else (None, None)
+    if vocab is None:
+        task = train_loop.make_task(config.task)
+        vocab, seq = task.vocab_size, task.seq_len
+    model = build_model(model_config_for(config, vocab, seq))
+    assert isinstance(model, EncoderReadout) == (config.arch == "encoder")
+    assert parameter_count(config, vocab, seq) == sum(p.numel() for p in model.parameters())
+
+
+def test_a_text_model_is_checked_again_with_its_vocabulary(tmp_path: Path, monkeypatch) -> None:
+    data = tmp_path / "d.txt"
+    data.write_text("".join(chr(0x4E00 + i) for i in range(3000)))  # 3000 distinct characters
+    config = TrainConfig(task="text", data=str(data), seq_len=8, n_layers=1, n_heads=2, d_model=16)
+    monkeypatch.setattr(train_loop, "MAX_PARAMETERS", 40_000)  # 1 character: fits; 3000: does not
+    monkeypatch.setattr(train_loop, "build_model", lambda *_: pytest.fail("built before the size check"))
+    with pytest.raises(
+        ValueError, match=r"too large to train: 51,440 parameters .* vocab_size=3000, seq_len=8"
+    ):
+        train(config, tmp_path / "run", progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------------------------------- on_step
+def test_on_step_is_called_after_every_step_and_can_stop_the_run(tmp_path: Path) -> None:
+    seen: list[int] = []
+    train(TrainConfig(**TINY, steps=5, eval_every=100), tmp_path / "a", progress=False, on_step=seen.append)
+    assert seen == [1, 2, 3, 4, 5]
+
+    def stop_at_3(step: int) -> None:
+        if step == 3:
+            raise KeyboardInterrupt
+
+    run = tmp_path / "b"
+    config = TrainConfig(**TINY, steps=5, eval_every=100, save_every=3)
+    with pytest.raises(KeyboardInterrupt):
+        train(config, run, progress=False, on_step=stop_at_3)
+    assert json.loads((run / "checkpoints" / "latest.json").read_text())["step"] == 3  # saved before it ran
+    assert train(config, run, resume=True, progress=False).step == 5
+    with pytest.raises(TypeError, match="on_step must be a callable"):
+        train(config, tmp_path / "c", progress=False, on_step=3)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------- resume, defended
+@pytest.fixture()
+def killed_run(tmp_path: Path) -> tuple[Path, TrainConfig]:
+    """A 4-step run with checkpoints at 2 and 4, left as if killed after step 3 (latest: step 2)."""
+    run = tmp_path / "run"
+    config = TrainConfig(**TINY, steps=4, eval_every=100, save_every=2, log_every=1)
+    train(config, run, progress=False)
+    ckpts = run / "checkpoints"
+    shutil.rmtree(ckpts / "step-000004")
+    (ckpts / "latest.json").write_text(json.dumps({"step": 2, "folder": "step-000002"}))
+    (run / "summary.json").unlink()
+    return run, config
+
+
+def _refused_untouched(
+    run: Path, config: TrainConfig, words: str, exc: type[Exception] = CheckpointError
+) -> None:
+    before = {name: (run / name).read_bytes() for name in ("metrics.jsonl", "config.json")}
+    with pytest.raises(exc, match=words):
+        train(config, run, resume=True, progress=False)
+    assert {name: (run / name).read_bytes() for name in before} == before  # metrics not trimmed
+
+
+def test_an_edited_step_is_refused_and_the_run_folder_left_alone(killed_run) -> None:
+    run, config = killed_run
+    state = run / "checkpoints" / "step-000002" / "state.json"
+    state.write_bytes(state.read_bytes().replace(b'"step": 2', b'"step": 3'))
+    _refused_untouched(run, config, r"step-000002/state\.json: corrupted: its SHA-256 does not match")
+
+
+def test_a_sealed_step_past_the_run_or_unlike_the_optimizer_is_refused(killed_run) -> None:
+    run, config = killed_run
+    ckpts = run / "checkpoints"
+    for step in (10**6, 3):  # renamed and resealed consistently: the folder, the pointer, both JSON files
+        old = next(ckpts.glob("step-*"))
+        new = ckpts / f"step-{step:06d}"
+        os.replace(old, new)
+        for name in ("state.json", "manifest.json"):
+            record = json.loads((new / name).read_text())
+            record["step"] = step
+            (new / name).write_text(json.dumps(record))
+        _reseal(new)
+        (ckpts / "latest.json").write_text(json.dumps({"step": step, "folder": new.name}))
+        words = (
+            r"state\.json: step 1000000 is past the run's last step \(4\)"
+            if step > 4
+            else r"optimizer\.state\.0\.step counts 2 optimizer steps, but the checkpoint is at step 3"
+        )
+        _refused_untouched(run, config, words)
+
+
+def test_a_sealed_moment_of_the_wrong_shape_is_refused_before_metrics_are_trimmed(killed_run) -> None:
+    run, config = killed_run
+    folder = run / "checkpoints" / "step-000002"
+    tensors = load_file(folder / "state.safetensors")
+    tensors["optimizer.state.0.exp_avg"] = tensors["optimizer.state.0.exp_avg"][:1].contiguous()
+    save_file(tensors, folder / "state.safetensors")
+    _reseal(folder)
+    _refused_untouched(run, config, r"state\.safetensors: optimizer\.state\.0\.exp_avg has shape")
+
+
+@pytest.fixture()
+def alarm() -> Iterator[None]:
+    """Fail instead of hanging if a read blocks (a FIFO opened for reading)."""
+
+    def hung(*_: object) -> None:
+        raise TimeoutError("the reader blocked")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    yield
+    signal.alarm(0)
+    signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("name", ["config.json", "metrics.jsonl"])
+def test_run_files_that_are_not_regular_files_are_refused(killed_run, alarm, name: str) -> None:
+    run, config = killed_run
+    (run / name).unlink()
+    os.mkfifo(run / name)
+    with pytest.raises(RunFolderError, match=rf"{name}: a named pipe \(FIFO\), not a regular file"):
+        train(config, run, resume=True, progress=False)
+
+
+def test_temporaries_of_a_killed_save_are_removed_at_resume(killed_run) -> None:
+    run, config = killed_run
+    stale = run / "checkpoints" / ".step-000004.x1y2z3.tmp"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"half written")
+    train(config, run, resume=True, progress=False)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == [
+        "latest.json",
+        "step-000002",
+        "step-000004",
+    ]
+
+
+TEXT_RUN = {"task": "text", "seq_len": 8, "n_layers": 1, "n_heads": 2, "d_model": 16, "batch_size": 4,
+            "eval_batch": 4, "warmup": 1, "steps": 2, "eval_every": 2}  # fmt: skip
+
+
+def test_a_text_run_records_its_data_checksum_and_refuses_changed_data(tmp_path: Path) -> None:
+    data = tmp_path / "notes.txt"
+    text = "the cat sat on the mat. " * 20
+    data.write_text(text)
+    run = tmp_path / "run"
+    config = TrainConfig(**TEXT_RUN, data=str(data))
+    train(config, run, progress=False)
+    record = json.loads((run / "config.json").read_text())
+    assert record["data"]["sha256"] == hashlib.sha256(text.encode()).hexdigest()
+    data.write_text(text.replace("cat", "act"))  # same length, same characters, other content
+    with pytest.raises(RunFolderError) as info:
+        train(config, run, resume=True, progress=False)
+    msg = str(info.value)
+    assert f"the data file {data} is not the one this run was trained on" in msg
+    assert record["data"]["sha256"] in msg and hashlib.sha256(data.read_bytes()).hexdigest() in msg
+    data.write_text(text)  # the content it was trained on: resumes
+    assert train(config, run, resume=True, progress=False).step == 2
+
+
+def test_a_text_run_recorded_before_the_data_checksum_still_resumes(tmp_path: Path) -> None:
+    data = tmp_path / "notes.txt"
+    data.write_text("the cat sat on the mat. " * 20)
+    run = tmp_path / "run"
+    config = TrainConfig(**{**TEXT_RUN, "steps": 4, "save_every": 2}, data=str(data))
+    train(config, run, progress=False)
+    ckpts = run / "checkpoints"
+    shutil.rmtree(ckpts / "step-000004")
+    (ckpts / "latest.json").write_text(json.dumps({"step": 2, "folder": "step-000002"}))
+    for path in (run / "config.json", ckpts / "step-000002" / "config.json"):
+        record = json.loads(path.read_text())
+        del record["data"]["sha256"]
+        path.write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    _reseal(ckpts / "step-000002")
+    assert train(config, run, resume=True, progress=False).step == 4
+
+
+def test_load_run_refuses_a_config_implying_more_weights_than_the_file_holds(
+    tmp_path: Path, monkeypatch
+) -> None:
+    run = tmp_path / "run"
+    train(TrainConfig(**TINY, steps=2, eval_every=100), run, progress=False)
+    folder = run / "checkpoints" / "step-000002"
+    record = json.loads((folder / "config.json").read_text())
+    record["model"]["n_layers"] = 10**5  # resealed: only the content can tell
+    (folder / "config.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    _reseal(folder)
+    monkeypatch.setattr(train_loop, "build_model", lambda *_: pytest.fail("built before the check"))
+    with pytest.raises(CheckpointError) as info:
+        load_run(run)
+    msg = str(info.value)
+    assert (
+        str(folder / "config.json") in msg
+        and "implies at least 204,802,432 parameters" in msg
+        and "n_layers=100000" in msg
+    )

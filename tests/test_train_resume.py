@@ -1,12 +1,14 @@
 """A run killed with SIGKILL at an arbitrary step and resumed ends bit-identical to an uninterrupted one.
 
-Dropout is on, so the resumed run must also restore the global RNG state to match.
+Dropout is on, so the resumed run must also restore the global RNG state to match. The uninterrupted run
+and the resume go through the command line; the run that is killed is the same configuration started
+through ``train()`` in a child process whose ``on_step`` callback sleeps a little after every step, so
+that the kill lands mid-run, between two checkpoints (the resume checks that the configurations agree).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -16,6 +18,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+CONFIG = {
+    "task": "relations", "d_model": 16, "n_heads": 2, "batch_size": 8, "steps": 30, "warmup": 5,
+    "dropout": 0.1, "save_every": 4, "eval_every": 10, "eval_batch": 32, "log_every": 1,
+}  # fmt: skip
 ARGS = [
     "--task", "relations", "--d-model", "16", "--heads", "2", "--batch-size", "8", "--steps", "30",
     "--warmup", "5", "--dropout", "0.1", "--save-every", "4", "--eval-every", "10", "--eval-batch", "32",
@@ -23,14 +29,21 @@ ARGS = [
 ]  # fmt: skip
 
 
+# the run to be killed: CONFIG through the Python API, each step followed by a short sleep
+SLOW_RUN = """
+import json, sys, time
+from headspace.train import TrainConfig, train
+config = TrainConfig(**json.loads(sys.argv[1]))
+train(config, sys.argv[2], progress=False, on_step=lambda step: time.sleep(0.05))
+"""
+
+
 def _command(out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "headspace", "train", *ARGS, "--out", str(out), *extra]
 
 
-def _env(delay: float = 0.0) -> dict[str, str]:
-    env = dict(os.environ)
-    env["HEADSPACE_TRAIN_STEP_DELAY"] = str(delay)
-    return env
+def _slow_command(out: Path) -> list[str]:
+    return [sys.executable, "-c", SLOW_RUN, json.dumps(CONFIG), str(out)]
 
 
 def _latest_step(run: Path) -> int:
@@ -61,12 +74,10 @@ def _final(run: Path) -> tuple[dict, dict]:
 
 def test_sigkill_then_resume_is_bit_identical(tmp_path: Path) -> None:
     whole, killed = tmp_path / "whole", tmp_path / "killed"
-    subprocess.run(_command(whole), env=_env(), check=True, capture_output=True, timeout=300)
+    subprocess.run(_command(whole), check=True, capture_output=True, timeout=300)
 
     # slow each step a little so that the kill lands mid-run, between two checkpoints
-    proc = subprocess.Popen(
-        _command(killed), env=_env(0.05), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-    )
+    proc = subprocess.Popen(_slow_command(killed), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 240
         # wait for the second checkpoint and two more steps, so the kill lands between checkpoints
@@ -85,7 +96,8 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path: Path) -> None:
     assert 8 <= stopped_at < 30
     assert max(_logged_steps(killed)) > stopped_at  # it ran past its last checkpoint: those steps are redone
 
-    subprocess.run(_command(killed, "--resume"), env=_env(), check=True, capture_output=True, timeout=300)
+    resumed = subprocess.run(_command(killed, "--resume"), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]  # the same configuration as the command line's
     weights_a, state_a = _final(whole)
     weights_b, state_b = _final(killed)
     assert weights_a.keys() == weights_b.keys()

@@ -10,12 +10,16 @@ The last ``val_fraction`` of the tokens is held out for evaluation. Batches are 
 ``seq_len + 1`` tokens drawn with a generator that depends only on (seed, step), the inputs being the
 first ``seq_len`` tokens and the targets the next token at each position.
 
+The SHA-256 of the file's content is kept (``TextData.sha256``) and recorded with a run, so that
+``--resume`` refuses a data file whose content changed.
+
 Refused with a ``ValueError`` naming the file: missing or unreadable files, empty files, binary files
 (NUL bytes or invalid UTF-8, with the offset), files too short for one window in each split.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +42,7 @@ class TextData:
         vocab: the characters (char level, sorted) in id order; ``None`` at byte level (id = byte).
         train, val: int64 [n] token ids.
         seq_len: window length.
+        sha256: the SHA-256 of the file's bytes (hex); None for a TextData made by hand.
     """
 
     path: str
@@ -46,13 +51,15 @@ class TextData:
     train: Tensor
     val: Tensor
     seq_len: int
+    sha256: str | None = None
 
     @property
     def vocab_size(self) -> int:
         return 256 if self.vocab is None else len(self.vocab)
 
     def describe(self) -> dict:
-        return {
+        """The run record's ``data`` entry (with ``sha256`` when known)."""
+        out = {
             "name": "text",
             "path": self.path,
             "level": self.level,
@@ -62,6 +69,9 @@ class TextData:
             "train_tokens": int(self.train.numel()),
             "val_tokens": int(self.val.numel()),
         }
+        if self.sha256 is not None:
+            out["sha256"] = self.sha256
+        return out
 
     def sample(self, generator: torch.Generator, batch_size: int, split: str = "train") -> Batch:
         """``batch_size`` random windows: tokens [batch, seq_len], targets = the next tokens."""
@@ -156,4 +166,5 @@ def load_text(
             f"(one window of seq_len + 1 tokens for training and one held out); use a longer file or a "
             f"smaller --seq-len"
         )
-    return TextData(str(p), level, vocab, ids[:n_train].clone(), ids[n_train:].clone(), seq_len)
+    digest = hashlib.sha256(raw).hexdigest()
+    return TextData(str(p), level, vocab, ids[:n_train].clone(), ids[n_train:].clone(), seq_len, digest)

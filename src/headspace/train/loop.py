@@ -30,6 +30,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,17 +38,20 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..fileio import UnsafeFileError, parse_json, read_regular_file, write_atomic
 from ..models import Decoder, Encoder, ModelConfig
 from ..process_group import DistInfo, barrier, setup_distributed, teardown
 from .checkpoint import (
-    CHECKPOINTS_DIR,
-    LATEST_FILE,
+    STATE_FILE,
+    STATE_TENSORS_FILE,
+    Checkpoint,
     CheckpointError,
     config_differences,
     load_checkpoint,
+    load_weights_into,
+    remove_stale_temporaries,
     restore_training_state,
     save_checkpoint,
-    write_atomic,
 )
 from .data import LEVELS, TextData, load_text
 from .distributed import average_across_ranks, check_same_config, local_batch_slice, wrap_model
@@ -68,8 +72,16 @@ RUN_CONFIG = "config.json"
 METRICS_FILE = "metrics.jsonl"
 SUMMARY_FILE = "summary.json"
 
-#: Fields of TrainConfig that may change when a run is resumed (they do not change the weights).
+#: Fields of TrainConfig that may change when a run is resumed (they do not change the weights). A text
+#: run's data file must hold the same content: its SHA-256 (``data.sha256``) is compared on ``--resume``.
 RESUMABLE_CHANGES = ("train.device", "train.save_every", "train.eval_every", "train.log_every", "data.path")
+
+#: The largest model :func:`train` builds, in parameters (checked before anything is allocated). At 16
+#: bytes a parameter (float32 weights, gradients and AdamW's two moments) that is 32 GB before activations.
+MAX_PARAMETERS = 2_000_000_000
+#: Size caps of the run folder's own files read back on ``--resume``.
+MAX_RECORD_BYTES = 64 << 20
+MAX_METRICS_BYTES = 1 << 30
 
 # per-task defaults for the fields left as None
 _DEFAULTS = {
@@ -112,8 +124,9 @@ class TrainConfig:
 
     Fields left as ``None`` take the task's default (see ``_DEFAULTS``): ``relations`` trains 1 layer x 2
     heads, d_model 64, 400 steps, evaluated every 25; ``text`` 4 layers x 4 heads, d_model 128, 2000
-    steps. Out-of-range
-    values raise ``ValueError`` naming the field.
+    steps. Out-of-range values raise ``ValueError`` naming the field, and so does a model of more than
+    :data:`MAX_PARAMETERS` parameters (see :func:`parameter_count`; a text model's vocabulary is known
+    only once its file is read, so :func:`train` checks the count again before building the model).
     """
 
     #: "relations", "reverse" (built-in synthetic tasks) or "text" (a language model on ``data``).
@@ -204,6 +217,12 @@ class TrainConfig:
         _in_range("dropout", self.dropout, 0.0, 1.0, high_open=True)
         if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda'; got {self.device!r}")
+        if self.task == "text":  # the vocabulary is the file's: 256 bytes, or at least one character
+            assert self.seq_len is not None
+            check_model_size(self, 256 if self.level == "byte" else 1, self.seq_len)
+        else:
+            task = make_task(self.task)
+            check_model_size(self, task.vocab_size, task.seq_len)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -231,6 +250,38 @@ def _in_range(
     if not ok:
         lo, hi = "(" if low_open else "[", ")" if high_open else "]"
         raise ValueError(f"{name} must be a number in {lo}{low}, {high}{hi}; got {value!r}")
+
+
+def parameter_count(config: TrainConfig, vocab_size: int, seq_len: int) -> int:
+    """The number of parameters of the model :func:`train` builds for ``config``, without building it.
+
+    With d = d_model, m = d_mlp (default 4 d), V = vocab_size, S = seq_len and L = n_layers: token and
+    position embeddings V d + S d; per block 4 d^2 + 4 d (W_Q, W_K, W_V, W_O and biases), 2 d m + m + d
+    (feed-forward), 4 d (two LayerNorms); the final LayerNorm 2 d; the decoder's unembedding is tied to the
+    token embedding, the encoder's read-out adds d V + V.
+    """
+    d, n_layers = config.d_model, config.n_layers
+    assert d is not None and n_layers is not None
+    m = config.d_mlp if config.d_mlp is not None else 4 * d
+    per_block = (4 * d * d + 4 * d) + (2 * d * m + m + d) + 4 * d
+    total = vocab_size * d + seq_len * d + n_layers * per_block + 2 * d
+    if config.arch == "encoder":
+        total += d * vocab_size + vocab_size
+    return total
+
+
+def check_model_size(config: TrainConfig, vocab_size: int, seq_len: int) -> None:
+    """``ValueError`` when the model of ``config`` would have more than :data:`MAX_PARAMETERS` parameters."""
+    n = parameter_count(config, vocab_size, seq_len)
+    if n > MAX_PARAMETERS:
+        d_mlp = config.d_mlp if config.d_mlp is not None else 4 * (config.d_model or 0)
+        raise ValueError(
+            f"the model is too large to train: {n:,} parameters (n_layers={config.n_layers}, "
+            f"d_model={config.d_model}, d_mlp={d_mlp}, vocab_size={vocab_size}, seq_len={seq_len}), more "
+            f"than the cap of {MAX_PARAMETERS:,} (MAX_PARAMETERS; 16 bytes a parameter for float32 weights, "
+            f"gradients and AdamW moments: {16 * MAX_PARAMETERS / 1e9:.0f} GB); choose a smaller n_layers, "
+            "d_model or d_mlp"
+        )
 
 
 def learning_rate(config: TrainConfig, step: int) -> float:
@@ -355,20 +406,65 @@ def with_current_defaults(saved: dict[str, Any]) -> dict[str, Any]:
         return saved
 
 
+def normalizer_for(record: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    """How a stored run record is read before it is compared with ``record`` (a new request).
+
+    :func:`with_current_defaults`, and a text run's ``data.sha256`` (the checksum of the data file's
+    content, recorded since it was added) taken from ``record`` when the stored record predates it, so
+    such a run folder stays resumable (its vocabulary and token counts are still compared).
+    """
+
+    def normalize(saved: dict[str, Any]) -> dict[str, Any]:
+        out = with_current_defaults(saved)
+        data, wanted = out.get("data") if isinstance(out, dict) else None, record.get("data")
+        if (
+            isinstance(data, dict)
+            and isinstance(wanted, dict)
+            and "sha256" not in data
+            and "sha256" in wanted
+        ):
+            out = {**out, "data": {**data, "sha256": wanted["sha256"]}}
+        return out
+
+    return normalize
+
+
+def _read_record(path: Path) -> Any:
+    """A JSON file of the run folder: a regular file within its size cap, nested at most 32 levels."""
+    return parse_json(read_regular_file(path, max_bytes=MAX_RECORD_BYTES))
+
+
+def _check_same_data(out: Path, saved: Any, record: dict[str, Any]) -> None:
+    """A text run resumes only on the data it was trained on: the SHA-256 of the file's content."""
+    before = saved.get("data") if isinstance(saved, dict) else None
+    now = record.get("data")
+    if not (isinstance(before, dict) and isinstance(now, dict)):
+        return
+    if "sha256" in before and "sha256" in now and before["sha256"] != now["sha256"]:
+        raise RunFolderError(
+            f"--resume: the data file {now.get('path')} is not the one this run was trained on: the "
+            f"SHA-256 of its content is {now['sha256']}, {out / RUN_CONFIG} records {before['sha256']} "
+            f"(for {before.get('path')}); resume with the same data or start a new run"
+        )
+
+
 def _check_run_dir(out: Path, record: dict[str, Any], resume: bool) -> None:
     cfg = out / RUN_CONFIG
     if resume:
-        if not cfg.exists():
+        if not os.path.lexists(cfg):
             raise RunFolderError(
                 f"--resume: {out} holds no run (no {RUN_CONFIG}); start one without --resume"
             )
         try:
-            saved = json.loads(cfg.read_text(encoding="utf-8"))
+            saved = _read_record(cfg)
+        except UnsafeFileError as e:
+            raise RunFolderError(f"--resume: {e}") from None
         except (OSError, ValueError) as e:
             raise RunFolderError(f"--resume: {cfg} is unreadable ({e})") from None
+        _check_same_data(out, saved, record)
         diffs = [
             d
-            for d in config_differences(with_current_defaults(saved), record)
+            for d in config_differences(normalizer_for(record)(saved), record)
             if not any(d.startswith(f"{f}:") or d.startswith(f"{f}.") for f in RESUMABLE_CHANGES)
         ]
         if diffs:
@@ -379,9 +475,9 @@ def _check_run_dir(out: Path, record: dict[str, Any], resume: bool) -> None:
         return
     if out.exists() and not out.is_dir():
         raise RunFolderError(f"--out {out} is a file, not a folder")
-    if cfg.exists():
+    if os.path.lexists(cfg):
         try:
-            saved = json.loads(cfg.read_text(encoding="utf-8"))
+            saved = _read_record(cfg)
             what = f"task {saved['train']['task']!r}, {saved['train']['steps']} steps"
         except (OSError, ValueError, KeyError, TypeError):
             what = "unreadable config"
@@ -393,18 +489,48 @@ def _check_run_dir(out: Path, record: dict[str, Any], resume: bool) -> None:
         raise RunFolderError(f"--out {out} is not empty and holds no run; choose a new or empty folder")
 
 
-def _trim_metrics(path: Path, step: int) -> None:
+def _read_metrics(path: Path) -> str | None:
+    """The metrics file's text (None when there is none yet), read as a bounded regular file."""
+    try:
+        raw = read_regular_file(path, max_bytes=MAX_METRICS_BYTES)
+    except FileNotFoundError:
+        return None
+    except UnsafeFileError as e:
+        raise RunFolderError(f"--resume: {e}") from None
+    except OSError as e:
+        raise RunFolderError(f"--resume: {path} is unreadable ({e.strerror or e})") from None
+    return raw.decode("utf-8", errors="replace")  # a line cut by a kill may end mid-character
+
+
+def _trim_metrics(path: Path, text: str | None, step: int) -> None:
     """Keep the metrics lines up to ``step`` (a resumed run rewrites what came after its checkpoint)."""
-    if not path.exists():
+    if text is None:
         return
     kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    for line in text.splitlines():
         try:
             if json.loads(line)["step"] <= step:
                 kept.append(line)
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             continue  # a line cut short by a kill
     write_atomic(path, "".join(k + "\n" for k in kept))
+
+
+def _check_resume_point(ckpt: Checkpoint, config: TrainConfig) -> None:
+    """The checkpoint's step within the run, and the optimizer's step counts equal to it."""
+    assert config.steps is not None
+    if ckpt.step > config.steps:
+        raise CheckpointError(
+            f"{ckpt.folder / STATE_FILE}: step {ckpt.step} is past the run's last step ({config.steps})"
+        )
+    for name, t in sorted(ckpt.state_tensors.items()):
+        if name.startswith("optimizer.state.") and name.endswith(".step") and t.numel() == 1:
+            counted = float(t)
+            if counted != ckpt.step:
+                raise CheckpointError(
+                    f"{ckpt.folder / STATE_TENSORS_FILE}: {name} counts {counted:g} optimizer steps, but "
+                    f"the checkpoint is at step {ckpt.step}"
+                )
 
 
 def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
@@ -425,35 +551,53 @@ def train(
     *,
     resume: bool = False,
     progress: bool = True,
+    on_step: Callable[[int], None] | None = None,
     _info: DistInfo | None = None,
 ) -> RunResult:
     """Train ``config`` into the run folder ``out`` (see the module docstring); returns a :class:`RunResult`.
 
     ``resume=True`` continues the run in ``out`` from its latest checkpoint (the configuration must be
-    the same, except the fields in ``RESUMABLE_CHANGES``). Errors a user can cause (bad data file, an
-    output folder holding another run, a corrupt checkpoint) raise ``ValueError`` subclasses
-    (:class:`RunFolderError`, :class:`~headspace.train.checkpoint.CheckpointError`).
+    the same, except the fields in ``RESUMABLE_CHANGES``, and a text run's data file must hold the same
+    content). The checkpoint is validated completely before the run folder is touched (see
+    :mod:`.checkpoint`). ``on_step(step)``, when given, is called on every rank after each optimizer step
+    with the number of steps done, once that step's logging, evaluation and checkpoint are written; an
+    exception it raises stops the run there (the last checkpoint stays valid). Errors a user can cause
+    (bad data file, an output folder holding another run, a corrupt checkpoint, a model over
+    :data:`MAX_PARAMETERS`) raise ``ValueError`` subclasses (:class:`RunFolderError`,
+    :class:`~headspace.train.checkpoint.CheckpointError`).
     """
     if not isinstance(config, TrainConfig):
         raise TypeError(f"config must be a TrainConfig; got {type(config).__name__}")
+    if on_step is not None and not callable(on_step):
+        raise TypeError(f"on_step must be a callable taking the step number; got {type(on_step).__name__}")
     out = Path(out)
     info = _info or setup_distributed(config.device)
     try:
-        return _train(config, out, resume, progress, info)
+        return _train(config, out, resume, progress, info, on_step)
     finally:
         if _info is None:
             teardown(info)
 
 
-def _train(config: TrainConfig, out: Path, resume: bool, progress: bool, info: DistInfo) -> RunResult:
+def _train(
+    config: TrainConfig,
+    out: Path,
+    resume: bool,
+    progress: bool,
+    info: DistInfo,
+    on_step: Callable[[int], None] | None,
+) -> RunResult:
     device = torch.device(config.device if config.device != "cuda" else f"cuda:{info.local_rank}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but no CUDA device is available; use --device cpu")
     source = _Source(config)
+    check_model_size(config, source.vocab_size, source.seq_len)  # before anything is allocated
     model_config = model_config_for(config, source.vocab_size, source.seq_len)
     record = run_record(config, model_config, source.describe())
     check_same_config({k: v for k, v in config.to_dict().items() if k != "device"}, info)
     _check_run_dir(out, record, resume)
+    if resume and info.is_main:
+        remove_stale_temporaries(out)  # what a save killed mid-way left behind
     barrier(info)  # every rank checks the folder before rank 0 writes into it
     local_rows = local_batch_slice(config.batch_size, info)
 
@@ -461,30 +605,30 @@ def _train(config: TrainConfig, out: Path, resume: bool, progress: bool, info: D
     model = build_model(model_config).to(device)
     optimizer = _optimizer(model, config)
     start = 0
+    metrics_path = out / METRICS_FILE
+    metrics_text: str | None = None
     if resume:
-        try:
-            ckpt = load_checkpoint(
-                out,
-                expected_config=record,
-                allow_differ=RESUMABLE_CHANGES,
-                normalize_config=with_current_defaults,
-            )
-        except CheckpointError:
-            raise
+        # everything is read and checked before the run folder changes
+        ckpt = load_checkpoint(
+            out,
+            expected_config=record,
+            allow_differ=RESUMABLE_CHANGES,
+            normalize_config=normalizer_for(record),
+        )
+        _check_resume_point(ckpt, config)
+        metrics_text = _read_metrics(metrics_path) if info.is_main else None
         restore_training_state(ckpt, model, optimizer)
         start = ckpt.step
     elif info.is_main:
         out.mkdir(parents=True, exist_ok=True)
         write_atomic(out / RUN_CONFIG, json.dumps(record, indent=2, sort_keys=True) + "\n")
     barrier(info)
-    metrics_path = out / METRICS_FILE
     if info.is_main and resume:
-        _trim_metrics(metrics_path, start)
+        _trim_metrics(metrics_path, metrics_text, start)
         write_atomic(out / RUN_CONFIG, json.dumps(record, indent=2, sort_keys=True) + "\n")
     wrapped = wrap_model(model, info)
     eval_batch = source.eval_batch().to(device)
     tokens_per_step = config.batch_size * source.seq_len
-    delay = float(os.environ.get("HEADSPACE_TRAIN_STEP_DELAY", "0") or 0)  # testing aid: slow each step
 
     bar = None
     if progress and info.is_main:
@@ -527,8 +671,6 @@ def _train(config: TrainConfig, out: Path, resume: bool, progress: bool, info: D
             optimizer.step()
             done = step + 1
             tokens_since += tokens_per_step
-            if delay:
-                time.sleep(delay)
             if done % config.log_every == 0 or done == config.steps:
                 mean_loss = average_across_ranks(loss.detach(), info)
                 now = time.perf_counter()
@@ -562,6 +704,8 @@ def _train(config: TrainConfig, out: Path, resume: bool, progress: bool, info: D
                 save_checkpoint(out, done, config=record, model=model, optimizer=optimizer)
             if bar is not None:
                 bar.update(1)
+            if on_step is not None:
+                on_step(done)
     finally:
         torch.use_deterministic_algorithms(prev_det)
         if bar is not None:
@@ -599,9 +743,18 @@ def load_run(run_dir: str | os.PathLike[str], *, device: str = "cpu") -> tuple[n
         model_config = ModelConfig.from_dict(record["model"])
     except (KeyError, TypeError, ValueError) as e:
         raise CheckpointError(f"{ckpt.folder / RUN_CONFIG}: no usable model configuration ({e})") from None
+    # refuse a configuration implying more parameters than the weights file holds, before building it
+    c = model_config
+    assert c.d_mlp is not None
+    at_least = c.n_layers * 2 * c.d_model * c.d_mlp + (c.vocab_size + c.max_seq_len) * c.d_model
+    held = sum(t.numel() for t in ckpt.model_state.values())
+    if at_least > held:
+        raise CheckpointError(
+            f"{ckpt.folder / RUN_CONFIG}: the model configuration implies at least {at_least:,} parameters "
+            f"(n_layers={c.n_layers}, d_model={c.d_model}, d_mlp={c.d_mlp}, vocab_size={c.vocab_size}, "
+            f"max_seq_len={c.max_seq_len}), but model.safetensors holds {held:,}"
+        )
     model = build_model(model_config)
-    from .checkpoint import load_weights_into
-
     load_weights_into(model, ckpt)
     return model.to(device).eval(), record
 
@@ -645,8 +798,3 @@ def generate_text(
         chunk_seed = None if chunk_seed is None else chunk_seed + 1
     new_ids = out[ids.numel() :]
     return prompt + decode(new_ids, data["level"], data.get("vocab"))
-
-
-def checkpoints_of(run_dir: str | os.PathLike[str]) -> list[Path]:
-    root = Path(run_dir) / CHECKPOINTS_DIR
-    return sorted(p for p in root.glob("step-*") if p.is_dir()) if (root / LATEST_FILE).exists() else []
