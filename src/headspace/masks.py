@@ -177,13 +177,17 @@ def canonical_mask(
     if mask is None:
         return CanonicalMask(mask=None, is_causal=False, dead_rows=None)
 
+    # Dead rows (a query with nothing to attend to) are opened up so the softmax stays finite, and
+    # reported so backends zero them. Eagerly the work is skipped when no row is dead (one check);
+    # under torch.compile the branch-free form is used (a data-dependent branch would break the graph).
+    compiling = torch.compiler.is_compiling()
     if is_float:
         dead = torch.isneginf(mask).all(dim=-1, keepdim=True)  # (b|1, h|1, seq_q, 1)
-        if bool(dead.any()):
+        if compiling or bool(dead.any()):
             mask = mask.masked_fill(dead, 0.0)
             return CanonicalMask(mask=mask, is_causal=False, dead_rows=dead)
         return CanonicalMask(mask=mask, is_causal=False, dead_rows=None)
     dead = ~mask.any(dim=-1, keepdim=True)  # (b|1, h|1, seq_q, 1)
-    if seq_k > 0 and bool(dead.any()):
+    if seq_k > 0 and (compiling or bool(dead.any())):
         return CanonicalMask(mask=mask | dead, is_causal=False, dead_rows=dead)
     return CanonicalMask(mask=mask, is_causal=False, dead_rows=None)
