@@ -6,10 +6,18 @@ left-pads, for decoder prompts). The special tokens ([CLS] ... [SEP] for BERT) c
 tokenizer's own post-processor. The padding and truncation settings stored in ``tokenizer.json`` are
 switched off: headspace pads to the longest sentence of each batch and truncates only when asked
 (``max_length``).
+
+``tokenizer.json`` is untrusted input: only a regular file of at most :data:`MAX_TOKENIZER_BYTES` is
+read (a FIFO or ``/dev/zero`` in its place is refused before reading), and a file ``tokenizers`` cannot
+parse is a ``ValueError`` naming it. Text that cannot be encoded as UTF-8 (a lone surrogate such as
+``"\udcff"``, which ``bytes.decode(errors="surrogateescape")`` produces) is a ``ValueError`` naming
+the sentence's index and the character's position.
 """
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,7 +26,70 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
-from .checks import is_int
+#: The largest ``tokenizer.json`` read (the biggest public ones hold ~20 MB).
+MAX_TOKENIZER_BYTES = 64 << 20
+
+
+def _is_int(value: Any) -> bool:  # checks.is_int; the foundations import nothing from each other
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def read_tokenizer_file(path: Path, max_bytes: int = MAX_TOKENIZER_BYTES) -> str:
+    """The text of ``path``, which must be a regular UTF-8 file of at most ``max_bytes`` (else ValueError).
+
+    The kind and size are checked with ``os.stat`` (symbolic links followed) before the file is opened,
+    so a named pipe cannot block the reader and a device cannot fill memory; at most ``max_bytes + 1``
+    bytes are read.
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such tokenizer file") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "a named pipe" if stat.S_ISFIFO(st.st_mode) else (
+            "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a plain file"
+        )
+        raise ValueError(f"{path}: {kind}, not a regular file; a tokenizer.json must be a regular file")
+    if st.st_size > max_bytes:
+        raise ValueError(f"{path}: {st.st_size} bytes, more than the {max_bytes} allowed for a tokenizer.json")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path}: replaced by something that is not a regular file while being opened")
+        chunks, total = [], 0
+        while total <= max_bytes:
+            chunk = os.read(fd, min(1 << 24, max_bytes + 1 - total))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            total += len(chunk)
+    finally:
+        os.close(fd)
+    if total > max_bytes:
+        raise ValueError(f"{path}: grew past the {max_bytes} bytes allowed for a tokenizer.json while being read")
+    try:
+        return b"".join(chunks).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a valid tokenizer.json: not UTF-8 text ({e})") from None
+
+
+def check_encodable(sentences: Sequence[str] | str, name: str = "sentences") -> None:
+    """Each sentence must encode as UTF-8: a lone surrogate is a ValueError naming index and position.
+
+    ``sentences`` may be one string (then the message names ``name`` without an index).
+    """
+    items = [sentences] if isinstance(sentences, str) else list(sentences)
+    for i, s in enumerate(items):
+        try:
+            s.encode("utf-8")
+        except UnicodeEncodeError as e:
+            bad = s[e.start]
+            where = name if isinstance(sentences, str) else f"{name}[{i}]"
+            raise ValueError(
+                f"{where} cannot be encoded as UTF-8: character {bad!r} (U+{ord(bad):04X}, a lone "
+                f"surrogate) at position {e.start} of {len(s)}; text must be valid Unicode (a string decoded "
+                "with errors='surrogateescape' holds such characters: decode with errors='replace')"
+            ) from None
 
 
 def check_sentences(sentences: Any, name: str = "sentences") -> list[str]:
@@ -45,8 +116,17 @@ class TextTokenizer:
     """
 
     def __init__(self, path: str | Path, *, pad_id: int | None = None) -> None:
+        if not isinstance(path, (str, Path)):
+            raise TypeError(f"path must be a str or pathlib.Path; got {type(path).__name__}")
+        if pad_id is not None and (not _is_int(pad_id) or pad_id < 0):
+            raise ValueError(f"pad_id must be None or an int >= 0; got {pad_id!r}")
         self.path = Path(path)
-        self._tok = Tokenizer.from_file(str(self.path))
+        text = read_tokenizer_file(self.path)
+        try:
+            self._tok = Tokenizer.from_str(text)
+        except Exception as e:  # tokenizers raises its own exception type for every malformed file
+            detail = " ".join(str(e).split())[:300]
+            raise ValueError(f"{self.path}: not a valid tokenizer.json ({detail})") from None
         self._tok.no_padding()
         self._tok.no_truncation()
         self._max_length: int | None = None
@@ -71,10 +151,18 @@ class TextTokenizer:
     def encode_ids(self, sentences: Sequence[str], *, max_length: int | None = None) -> list[list[int]]:
         """Token ids (special tokens included) of each sentence, truncated to ``max_length`` if given."""
         sentences = check_sentences(sentences)
-        if max_length is not None and (not is_int(max_length) or max_length < 2):
+        if max_length is not None and (not _is_int(max_length) or max_length < 2):
             raise ValueError(f"max_length must be None or an int >= 2; got {max_length!r}")
         self._set_truncation(max_length)
         return [e.ids for e in self._tok.encode_batch(sentences)]
+
+    def plain_ids(self, text: str) -> list[int]:
+        """Token ids of ``text`` alone, without special tokens (e.g. an answer token ``" Paris"``)."""
+        return self._tok.encode(check_sentences(text, "text")[0], add_special_tokens=False).ids
+
+    def plain_tokens(self, text: str) -> list[str]:
+        """Token strings of ``text`` alone, without special tokens."""
+        return self._tok.encode(check_sentences(text, "text")[0], add_special_tokens=False).tokens
 
     def tokens(self, sentence: str) -> list[str]:
         """The token strings of one sentence (special tokens included)."""
