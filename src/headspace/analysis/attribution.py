@@ -1,0 +1,197 @@
+"""Which parts write the answer: direct logit attribution and the logit lens (decoders).
+
+**Direct logit attribution.** In a pre-norm decoder the residual stream at the last position is a sum
+of parts: ``x_L = e + sum_l (sum_h r_{l,h} + b_O^l + m_l)``, with ``e`` the embeddings, ``r_{l,h}`` head
+``h``'s output ``z_h W_O[h]`` (``hook_result``), ``b_O^l`` the attention bias and ``m_l`` the MLP output.
+The logit of token ``a`` is ``norm(x_L) . u`` with ``u = W_U[:, a]`` (``W_U[:, a] - W_U[:, b]`` for the
+logit difference a - b). With the final norm's scale frozen from the run (``sigma``, the LayerNorm's or
+RMSNorm's divisor at ``x_L``), the norm is linear, ``norm(x) = c(x) w / sigma + beta`` (``c`` subtracts
+the mean for a LayerNorm), so each part ``p`` contributes ``(c(p) w / sigma) . u`` and the parts add up
+**exactly** to the model's own logit (difference); ``beta . u`` is the norm's bias term.
+
+**Logit lens.** Each layer's residual stream at the last position, read through the final norm and the
+unembedding as if the model stopped there: the top tokens per layer, and the answer's rank and
+probability per layer. The last row is the model's own prediction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..trace import trace
+from ._common import JsonResult, eval_mode
+from .causal_inputs import (
+    centered,
+    frozen_norm,
+    gather_last,
+    is_decoder,
+    prompts_of,
+    stack_of,
+    token_id,
+    token_str,
+)
+
+
+def _decoder(model: Any, what: str) -> Any:
+    module = stack_of(model, what)
+    if not is_decoder(module):
+        raise TypeError(
+            f"{what} reads logits, so it needs a decoder (GPT-2, Llama-family); this model is an "
+            f"{module.config.arch}. For encoders use headspace.analysis.patch with an embedding metric"
+        )
+    return module
+
+
+@dataclass
+class LogitAttribution(JsonResult):
+    """Each part's direct contribution to the logit (difference) at the last position.
+
+    Shapes (``P`` prompts; means over prompts in the fields without ``per_prompt``):
+
+    * ``heads``: [n_layers, n_heads], each head's ``hook_result``;
+    * ``mlps``: [n_layers]; ``attn_biases``: [n_layers] (``b_O``, 0 without bias);
+    * ``embed``, ``norm_bias``, ``total``, ``logit``: scalars (0-d tensors); ``total`` is the sum of every
+      part and equals ``logit``, the model's own logit (difference), up to float rounding;
+    * ``per_prompt``: the same per prompt (``heads`` [P, n_layers, n_heads] ...).
+    """
+
+    kind = "direct_logit_attribution"
+
+    heads: Tensor
+    mlps: Tensor
+    attn_biases: Tensor
+    embed: Tensor
+    norm_bias: Tensor
+    total: Tensor
+    logit: Tensor
+    answer: int
+    other: int | None
+    answer_token: str
+    other_token: str | None
+    per_prompt: dict[str, Tensor] = field(default_factory=dict)
+
+    def top_heads(self, k: int = 10) -> list[tuple[int, int, float]]:
+        """The ``k`` heads with the largest absolute contribution: ``[(layer, head, value), ...]``."""
+        flat = self.heads.flatten()
+        order = flat.abs().argsort(descending=True)[:k]
+        n = self.heads.shape[1]
+        return [(int(i) // n, int(i) % n, float(flat[i])) for i in order]
+
+
+@torch.no_grad()
+def direct_logit_attribution(model: Any, prompts: Any, answer: Any, other: Any = None) -> LogitAttribution:
+    """Direct logit attribution of ``answer`` (minus ``other``) at the last position of each prompt.
+
+    Args:
+        model: a loaded decoder (``headspace.load(...)``) or a :class:`~headspace.Decoder`.
+        prompts: a string, a list of strings (right-padded into one batch) or int64 ids [batch, seq].
+        answer: one token (``" Paris"``) or its id; ``other``: the same, for a logit difference.
+
+    Returns:
+        :class:`LogitAttribution`; ``total == logit`` (the parts add up to the model's logit).
+    """
+    module = _decoder(model, "direct_logit_attribution")
+    p = prompts_of(model, prompts)
+    a = token_id(model, answer, "answer")
+    b = None if other is None else token_id(model, other, "other")
+    n_layers = len(module.blocks)
+    with eval_mode(module), torch.no_grad():
+        names = [
+            "hook_embed",
+            "blocks.*.attn.hook_result",
+            "blocks.*.hook_mlp_out",
+            f"blocks.{n_layers - 1}.hook_resid_post",
+        ]
+        with trace(module, names=names) as t:
+            logits = module(p.tokens, p.key_padding)  # (P, seq, vocab)
+    W_U = module.W_U  # (d_model, vocab)
+    u = W_U[:, a] if b is None else W_U[:, a] - W_U[:, b]  # (d_model,)
+    x_final = gather_last(t[f"blocks.{n_layers - 1}.hook_resid_post"], p.last)  # (P, d_model)
+    scale, beta = frozen_norm(module.ln_final, x_final)  # (P, d_model) x 2
+    norm = module.ln_final
+
+    def contrib(part: Tensor) -> Tensor:  # part (P, ..., d_model) at the last position -> (P, ...)
+        s = scale.view(scale.shape[0], *([1] * (part.dim() - 2)), scale.shape[-1])
+        return (centered(norm, part) * s) @ u
+
+    embed = contrib(gather_last(t["hook_embed"], p.last))  # (P,)
+    heads = torch.stack(
+        [contrib(gather_last(t.result(i), p.last)) for i in range(n_layers)], dim=1
+    )  # (P, L, H)
+    mlps = torch.stack(
+        [contrib(gather_last(t[f"blocks.{i}.hook_mlp_out"], p.last)) for i in range(n_layers)], dim=1
+    )  # (P, L)
+    biases = []
+    for block in module.blocks:
+        b_O = block.attn.o_bias
+        biases.append(torch.zeros_like(embed) if b_O is None else contrib(b_O.expand(p.batch, 1, -1))[:, 0])
+    attn_biases = torch.stack(biases, dim=1)  # (P, L)
+    norm_bias = beta @ u  # (P,)
+    total = embed + heads.sum((1, 2)) + mlps.sum(1) + attn_biases.sum(1) + norm_bias  # (P,)
+    last_logits = gather_last(logits, p.last)  # (P, vocab)
+    logit = last_logits[:, a] if b is None else last_logits[:, a] - last_logits[:, b]  # (P,)
+    per = {
+        "heads": heads, "mlps": mlps, "attn_biases": attn_biases, "embed": embed,
+        "norm_bias": norm_bias, "total": total, "logit": logit,
+    }  # fmt: skip
+    return LogitAttribution(
+        heads=heads.mean(0), mlps=mlps.mean(0), attn_biases=attn_biases.mean(0), embed=embed.mean(0),
+        norm_bias=norm_bias.mean(0), total=total.mean(0), logit=logit.mean(0), answer=a, other=b,
+        answer_token=token_str(model, a), other_token=None if b is None else token_str(model, b),
+        per_prompt=per,
+    )  # fmt: skip
+
+
+@dataclass
+class LogitLens(JsonResult):
+    """Each layer's residual stream read through the final norm and the unembedding (last position).
+
+    Row ``0`` is the embeddings, row ``l`` the stream after block ``l - 1``; the last row is the model's
+    own prediction. Shapes (``P`` prompts, ``R = n_layers + 1`` rows, ``k`` = ``top``):
+
+    * ``top_ids`` int64 [P, R, k], ``top_probs`` [P, R, k], ``top_tokens`` [P][R][k] strings;
+    * ``answer_rank`` int64 [P, R] (0 = the top token) and ``answer_prob`` [P, R], or None without answer.
+    """
+
+    kind = "logit_lens"
+
+    top_ids: Tensor
+    top_probs: Tensor
+    top_tokens: list[list[list[str]]]
+    answer: int | None
+    answer_token: str | None
+    answer_rank: Tensor | None
+    answer_prob: Tensor | None
+
+
+@torch.no_grad()
+def logit_lens(model: Any, prompts: Any, answer: Any = None, *, top: int = 5) -> LogitLens:
+    """The logit lens of each prompt's last position (see the module docstring)."""
+    module = _decoder(model, "logit_lens")
+    if not isinstance(top, int) or isinstance(top, bool) or top < 1:
+        raise ValueError(f"top must be a positive int; got {top!r}")
+    p = prompts_of(model, prompts)
+    a = None if answer is None else token_id(model, answer, "answer")
+    with eval_mode(module), torch.no_grad():
+        with trace(module, names=["hook_embed", "blocks.*.hook_resid_post"]) as t:
+            module(p.tokens, p.key_padding)
+        streams = [t["hook_embed"]] + [t[f"blocks.{i}.hook_resid_post"] for i in range(len(module.blocks))]
+        rows = torch.stack([gather_last(s, p.last) for s in streams], dim=1)  # (P, R, d_model)
+        normed = rows if module.ln_final is None else module.ln_final(rows)  # (P, R, d_model)
+        logits = normed @ module.W_U  # (P, R, vocab)
+        probs = torch.softmax(logits.float(), dim=-1)  # (P, R, vocab)
+    k = min(top, probs.shape[-1])
+    top_probs, top_ids = probs.topk(k, dim=-1)  # (P, R, k) x 2
+    tokens = [[[token_str(model, int(i)) for i in row] for row in prompt] for prompt in top_ids]
+    rank = prob = None
+    if a is not None:
+        prob = probs[..., a]  # (P, R)
+        rank = (probs > prob.unsqueeze(-1)).sum(-1)  # (P, R): how many tokens beat the answer
+    return LogitLens(
+        top_ids=top_ids, top_probs=top_probs, top_tokens=tokens, answer=a,
+        answer_token=None if a is None else token_str(model, a), answer_rank=rank, answer_prob=prob,
+    )  # fmt: skip

@@ -1,0 +1,699 @@
+"""What a head causes: activation patching, attribution patching and path patching.
+
+**Activation patching.** Run the *corrupt* prompt, replace one site's activation by the *clean* run's,
+read the metric (default: ``logit(answer) - logit(other)`` at the last position). The effect is
+normalised, ``(patched - corrupt) / (clean - corrupt)``: 0 = no effect, 1 = the clean behaviour fully
+restored. Sites (``site=``):
+
+* ``"heads"``: each head's output ``hook_z`` (the input of its rows of W_O), all positions -> [layer, head];
+* ``"heads_pos"``: the same per position -> [layer, head, position];
+* ``"resid"``: the residual stream entering each block, per position -> [layer, position];
+* ``"mlp"``: each MLP's output, all positions -> [layer].
+
+**How the sweep is fast** (the numbers are those of one full forward per site):
+
+1. a patch at layer ``l`` leaves the layers below ``l`` as in the corrupt run: a site's run starts at its
+   layer from the corrupt residual stream, and all sites travel up the stack together, one batched pass
+   over the layers, the sites of layer ``l`` joining the batch there;
+2. in a causal model, positions before the first token where the prompts differ are the same in every
+   run (clean, corrupt, patched): their keys and values are computed once (a KV cache of the corrupt
+   prefix) and only the later positions are run;
+3. only the last position is unembedded.
+
+**Attribution patching** estimates every effect to first order from two forwards and one backward:
+``effect ~ (a_clean - a_corrupt) . d metric / d a`` at the corrupt run, normalised the same way.
+
+**Path patching** measures a set of sender heads' effect on the metric only through chosen receiver
+heads' query, key or value inputs: (1) a corrupt run where the senders' ``z`` are the clean run's and
+every other head is frozen to its corrupt ``z`` records the receivers' inputs; (2) a corrupt run with
+only those receiver inputs replaced gives the metric.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..attention import KVCache
+from ..trace import hooked, trace
+from ._common import JsonResult, eval_mode
+from .causal_inputs import Prompts, is_decoder, prompts_of, stack_of, token_id, token_str
+
+#: site -> the axes of its effect tensor
+SITES: dict[str, tuple[str, ...]] = {
+    "heads": ("layer", "head"),
+    "heads_pos": ("layer", "head", "position"),
+    "resid": ("layer", "position"),
+    "mlp": ("layer",),
+}
+#: site -> the JSON key of its effect
+EFFECT_KEYS = {
+    "heads": "head_patch_effect",
+    "heads_pos": "head_position_patch_effect",
+    "resid": "resid_patch_effect",
+    "mlp": "mlp_patch_effect",
+}
+
+Metric = Callable[[Tensor], Tensor]
+
+
+@dataclass
+class PatchResult(JsonResult):
+    """The normalised effect of each site, with its axes, and the metric of each run.
+
+    * ``effect``: [*axes] (``axes`` names them: e.g. ("layer", "head")), ``(patched - corrupt) /
+      (clean - corrupt)``; 0 everywhere when clean and corrupt give the same metric;
+    * ``patched_metric``: [*axes], the raw metric of each patched run;
+    * ``clean_metric``, ``corrupt_metric``: the two unpatched runs;
+    * ``method``: "activation" (real patching) or "attribution" (the first-order estimate);
+    * ``tokens``: the clean prompt's tokens (position labels); ``first_difference``: the first position
+      where the prompts differ.
+    """
+
+    kind = "patching"
+
+    site: str
+    axes: tuple[str, ...]
+    effect: Tensor
+    patched_metric: Tensor
+    clean_metric: float
+    corrupt_metric: float
+    method: str = "activation"
+    tokens: list[str] | None = None
+    first_difference: int = 0
+    metric_name: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        d[EFFECT_KEYS[self.site]] = d["effect"]  # the key names what it holds
+        return d
+
+    def top(self, k: int = 10) -> list[tuple[tuple[int, ...], float]]:
+        """The ``k`` sites with the largest absolute effect: ``[((layer, head), effect), ...]``."""
+        flat = self.effect.flatten()
+        order = flat.abs().argsort(descending=True)[:k]
+        return [
+            (tuple(int(i) for i in torch.unravel_index(j, self.effect.shape)), float(flat[j])) for j in order
+        ]
+
+
+# ---------------------------------------------------------------------------------------------- inputs
+def _pair(model: Any, clean: Any, corrupt: Any) -> tuple[Prompts, Prompts]:
+    c = prompts_of(model, clean, "clean")
+    k = prompts_of(model, corrupt, "corrupt")
+    if c.batch != 1 or k.batch != 1:
+        raise ValueError(f"clean and corrupt must be one prompt each; got {c.batch} and {k.batch}")
+    lc, lk = int(c.last[0]) + 1, int(k.last[0]) + 1
+    if lc != lk:
+        tokenizer = getattr(model, "tokenizer", None)
+        show = ""
+        if tokenizer is not None and c.texts and k.texts:
+            show = f": clean {tokenizer.tokens(c.texts[0])}, corrupt {tokenizer.tokens(k.texts[0])}"
+        raise ValueError(
+            f"clean and corrupt must have the same number of tokens (patching swaps activations position by "
+            f"position); clean has {lc} tokens and corrupt {lk}{show}. Use same-length prompts, e.g. swap "
+            "one name for another name of one token"
+        )
+    return c, k
+
+
+def _metric_fn(
+    model: Any, module: nn.Module, metric: Metric | None, answer: Any, other: Any
+) -> tuple[Metric, str]:
+    if metric is not None:
+        if not callable(metric):
+            raise TypeError(f"metric must be callable(output [runs, ...]) -> [runs]; got {metric!r}")
+        return metric, getattr(metric, "__name__", "metric")
+    if not is_decoder(module):
+        raise ValueError(
+            "an encoder has no logits: pass metric=..., or leave it to patch()'s embedding metric"
+        )
+    if answer is None:
+        raise ValueError("the default metric is logit(answer) - logit(other): pass answer (and other)")
+    a = token_id(model, answer, "answer")
+    b = None if other is None else token_id(model, other, "other")
+    name = f"logit({token_str(model, a)!r})" + ("" if b is None else f" - logit({token_str(model, b)!r})")
+
+    def logit_difference(logits: Tensor) -> Tensor:  # (runs, vocab) -> (runs,)
+        return logits[:, a] if b is None else logits[:, a] - logits[:, b]
+
+    return logit_difference, name
+
+
+def _checked(values: Any, runs: int, name: str) -> Tensor:
+    """The metric's output as [runs]; anything else is an error naming what came."""
+    if not isinstance(values, Tensor):
+        values = torch.as_tensor(values) if isinstance(values, (int, float)) else values
+    if not isinstance(values, Tensor) or not (values.is_floating_point() or values.dtype == torch.int64):
+        raise TypeError(f"metric {name} must return a float tensor [runs]; got {type(values).__name__}")
+    if values.numel() == runs and values.dim() <= 1:
+        return values.reshape(runs).float()
+    raise ValueError(
+        f"metric {name} must return one number per run (a tensor of shape [{runs}]); got shape "
+        f"{list(values.shape)}"
+    )
+
+
+def _output(module: nn.Module, x: Tensor, decoder: bool) -> Tensor:
+    """The final stream [runs, seq, d_model] -> logits at the last position [runs, vocab] (decoder) or the
+    sentence embedding [runs, d_model] (encoder: mean over positions, L2-normalised)."""
+    if decoder:
+        last = x[:, -1]  # (runs, d_model)
+        if module.ln_final is not None:
+            last = module.ln_final(last)
+        return last @ module.W_U  # (runs, vocab)
+    if getattr(module, "ln_final", None) is not None:
+        x = module.ln_final(x)
+    return F.normalize(x.mean(dim=1), dim=-1)  # (runs, d_model)
+
+
+# ---------------------------------------------------------------------------------------------- runs
+@dataclass
+class _Run:
+    """One prompt's activations per layer (index 0 = block 0) and its output."""
+
+    resid_pre: list[Tensor]  # [1, seq, d_model] each
+    z: list[Tensor]  # [1, seq, n_heads, d_head]
+    mlp_out: list[Tensor]  # [1, seq, d_model]
+    output: Tensor  # [1, vocab] or [1, d_model]
+
+
+def _full_run(module: nn.Module, tokens: Tensor, decoder: bool) -> _Run:
+    L = len(module.blocks)
+    names = [
+        "blocks.*.hook_resid_pre",
+        "blocks.*.attn.hook_z",
+        "blocks.*.hook_mlp_out",
+        f"blocks.{L - 1}.hook_resid_post",
+    ]
+    with trace(module, names=names) as t:
+        module(tokens)
+    final = t[f"blocks.{L - 1}.hook_resid_post"]  # (1, seq, d_model)
+    return _Run(
+        resid_pre=[t[f"blocks.{i}.hook_resid_pre"] for i in range(L)],
+        z=[t[f"blocks.{i}.attn.hook_z"] for i in range(L)],
+        mlp_out=[t[f"blocks.{i}.hook_mlp_out"] for i in range(L)],
+        output=_output(module, final, decoder),
+    )
+
+
+@dataclass
+class _Site:
+    layer: int
+    head: int | None = None
+    position: int | None = None  # absolute position
+
+
+def _sites(
+    site: str, n_layers: int, n_heads: list[int], seq: int, p: int
+) -> tuple[list[_Site], list[tuple[int, ...]]]:
+    """The sites to run and the index of each in the effect tensor; positions before ``p`` are skipped
+    (their activations are the same in both runs, so their effect is exactly 0)."""
+    sites: list[_Site] = []
+    where: list[tuple[int, ...]] = []
+    for layer in range(n_layers):
+        if site == "heads":
+            for h in range(n_heads[layer]):
+                sites.append(_Site(layer, head=h))
+                where.append((layer, h))
+        elif site == "heads_pos":
+            for h in range(n_heads[layer]):
+                for pos in range(p, seq):
+                    sites.append(_Site(layer, head=h, position=pos))
+                    where.append((layer, h, pos))
+        elif site == "resid":
+            for pos in range(p, seq):
+                sites.append(_Site(layer, position=pos))
+                where.append((layer, pos))
+        else:
+            sites.append(_Site(layer))
+            where.append((layer,))
+    return sites, where
+
+
+def _sweep(
+    module: nn.Module,
+    site: str,
+    sites: list[_Site],
+    clean: _Run,
+    corrupt_resid: list[Tensor],
+    prefix: list[tuple[Tensor, Tensor]],
+    p: int,
+    decoder: bool,
+) -> Tensor:
+    """The output of every patched run, in the order of ``sites``: [runs, vocab] or [runs, d_model].
+
+    ``corrupt_resid[l]`` is the corrupt stream entering block ``l`` at positions ``p..seq-1``
+    [1, seq - p, d_model]; ``prefix[l]`` that block's keys and values of positions ``0..p-1``.
+    """
+    rotary = getattr(module, "rotary", None)
+    seq = p + corrupt_resid[0].shape[1]
+    positions = torch.arange(p, seq, device=corrupt_resid[0].device)  # (seq - p,)
+    by_layer: dict[int, list[int]] = {}
+    for i, s in enumerate(sites):
+        by_layer.setdefault(s.layer, []).append(i)
+    x: Tensor | None = None
+    order: list[int] = []  # site index of each row of x
+    for layer, block in enumerate(module.blocks):
+        new = by_layer.get(layer, [])
+        if new:
+            fresh = corrupt_resid[layer].expand(len(new), -1, -1)  # (n_new, seq - p, d_model)
+            x = fresh.clone() if x is None else torch.cat([x, fresh], dim=0)
+            first_new = len(order)
+            order.extend(new)
+        if x is None:
+            continue
+        hooks = _patch_hooks(site, [sites[i] for i in new], first_new if new else 0, clean, layer, p)
+        kwargs: dict[str, Any] = {}
+        if decoder:
+            kwargs["is_causal"] = True
+            if p:
+                k, v = prefix[layer]
+                cache = KVCache(x.shape[0], k.shape[1], k.shape[3], seq, dtype=k.dtype, device=k.device)
+                cache.k[:, :, :p] = k
+                cache.v[:, :, :p] = v
+                cache.length = p
+                kwargs["kv_cache"] = cache
+            if rotary is not None:
+                kwargs["positions"] = positions
+        with hooked(module, {f"blocks.{layer}.{name}": fn for name, fn in hooks.items()}):
+            x = block(x, **kwargs)  # (runs, seq - p, d_model)
+    assert x is not None and len(order) == len(sites)
+    out = _output(module, x, decoder)  # (runs, ...)
+    result = torch.empty_like(out)
+    result[torch.tensor(order, device=out.device)] = out
+    return result
+
+
+def _patch_hooks(
+    site: str, new: list[_Site], row0: int, clean: _Run, layer: int, p: int
+) -> dict[str, Callable]:
+    """Hook functions (on one block) that put the clean activation into rows ``row0 ..`` of the batch."""
+    if not new:
+        return {}
+    rows = list(range(row0, row0 + len(new)))
+
+    if site in ("heads", "heads_pos"):
+        clean_z = clean.z[layer][0, p:]  # (seq - p, n_heads, d_head)
+
+        def patch_z(z: Tensor, point: Any) -> Tensor:  # z (runs, seq - p, n_heads, d_head)
+            z = z.clone()
+            for r, s in zip(rows, new):
+                if s.position is None:
+                    z[r, :, s.head] = clean_z[:, s.head]
+                else:
+                    z[r, s.position - p, s.head] = clean_z[s.position - p, s.head]
+            return z
+
+        return {"attn.hook_z": patch_z}
+    if site == "resid":
+        clean_x = clean.resid_pre[layer][0, p:]  # (seq - p, d_model)
+
+        def patch_resid(x: Tensor, point: Any) -> Tensor:  # x (runs, seq - p, d_model)
+            x = x.clone()
+            for r, s in zip(rows, new):
+                x[r, s.position - p] = clean_x[s.position - p]
+            return x
+
+        return {"hook_resid_pre": patch_resid}
+    clean_m = clean.mlp_out[layer][0, p:]  # (seq - p, d_model)
+
+    def patch_mlp(m: Tensor, point: Any) -> Tensor:  # m (runs, seq - p, d_model)
+        m = m.clone()
+        m[rows] = clean_m
+        return m
+
+    return {"hook_mlp_out": patch_mlp}
+
+
+def _corrupt_stream(
+    module: nn.Module, tokens: Tensor, p: int, decoder: bool
+) -> tuple[list[Tensor], list, Tensor]:
+    """(the corrupt stream entering each block at positions p.., the prefix K/V, the corrupt output)."""
+    L = len(module.blocks)
+    names = ["blocks.*.hook_resid_pre", f"blocks.{L - 1}.hook_resid_post"]
+    if decoder and p:
+        caches = module.make_kv_caches(1, tokens.shape[1])
+        module(tokens[:, :p], None, caches)  # the prefix, the same in every run
+        prefix = [(c.k[:, :, :p].clone(), c.v[:, :, :p].clone()) for c in caches]  # (1, Hkv, p, dh) x 2
+        with trace(module, names=names) as t:
+            module(tokens[:, p:], None, caches)
+    else:
+        prefix = []
+        with trace(module, names=names) as t:
+            module(tokens)
+    resid = [t[f"blocks.{i}.hook_resid_pre"] for i in range(L)]  # (1, seq - p, d_model) each
+    return resid, prefix, _output(module, t[f"blocks.{L - 1}.hook_resid_post"], decoder)
+
+
+def _first_difference(a: Tensor, b: Tensor) -> int:
+    diff = (a[0] != b[0]).nonzero()
+    return int(diff[0, 0]) if len(diff) else a.shape[1]
+
+
+def _normalise(patched: Tensor, clean: float, corrupt: float) -> Tensor:
+    denom = clean - corrupt
+    if abs(denom) <= 1e-12 * max(1.0, abs(clean)):
+        return torch.zeros_like(patched)
+    return (patched - corrupt) / denom
+
+
+@torch.no_grad()
+def patch(
+    model: Any,
+    clean: Any,
+    corrupt: Any,
+    metric: Metric | None = None,
+    *,
+    site: str = "heads",
+    answer: Any = None,
+    other: Any = None,
+    max_runs: int = 1024,
+) -> PatchResult:
+    """Activation patching of every ``site`` from the clean run into the corrupt run (see the module doc).
+
+    Args:
+        model: a loaded model (``headspace.load(...)``) or a bare Decoder/Encoder with token ids.
+        clean, corrupt: one prompt each (text or int64 ids [1, seq]) of the same number of tokens.
+        metric: ``fn(output) -> [runs]`` on the output of a batch of runs: a decoder's logits at the last
+            position [runs, vocab], an encoder's sentence embeddings [runs, d_model]. Default: decoders
+            ``logit(answer) - logit(other)``; encoders the cosine of the embedding with the clean one.
+        site: "heads", "heads_pos", "resid" or "mlp".
+        answer, other: the answer token (and the other token) of the default decoder metric.
+        max_runs: how many patched runs go through the stack in one batch at most.
+
+    Returns:
+        :class:`PatchResult` with ``effect`` [*axes], ``clean_metric`` and ``corrupt_metric``.
+    """
+    if site not in SITES:
+        raise ValueError(f"unknown site {site!r}; sites: {list(SITES)}")
+    module = stack_of(model, "patch")
+    decoder = is_decoder(module)
+    c, k = _pair(model, clean, corrupt)
+    with eval_mode(module):
+        clean_run = _full_run(module, c.tokens, decoder)
+        if metric is None and not decoder:
+            target = clean_run.output  # (1, d_model)
+
+            def cosine_to_clean(emb: Tensor) -> Tensor:  # (runs, d_model) -> (runs,)
+                return emb @ target[0]
+
+            fn, name = cosine_to_clean, "cosine to the clean embedding"
+        else:
+            fn, name = _metric_fn(model, module, metric, answer, other)
+        clean_metric = float(_checked(fn(clean_run.output), 1, name)[0])
+        seq = c.tokens.shape[1]
+        p = _first_difference(c.tokens, k.tokens) if decoder else 0
+        n_heads = [b.attn.n_heads for b in module.blocks]
+        sites, where = _sites(site, len(module.blocks), n_heads, seq, p)
+        shape = _effect_shape(site, n_heads, seq, len(module.blocks))
+        if p == seq:  # the same prompt: every patch is a no-op
+            corrupt_metric = clean_metric
+            patched = torch.full(shape, clean_metric)
+        else:
+            resid, prefix, corrupt_out = _corrupt_stream(module, k.tokens, p, decoder)
+            corrupt_metric = float(_checked(fn(corrupt_out), 1, name)[0])
+            patched = torch.full(shape, corrupt_metric)
+            for start in range(0, len(sites), max_runs):
+                chunk = sites[start : start + max_runs]
+                out = _sweep(module, site, chunk, clean_run, resid, prefix, p, decoder)
+                values = _checked(fn(out), len(chunk), name)
+                for idx, v in zip(where[start : start + max_runs], values.tolist()):
+                    patched[idx] = v
+    return PatchResult(
+        site=site, axes=SITES[site], effect=_normalise(patched, clean_metric, corrupt_metric),
+        patched_metric=patched, clean_metric=clean_metric, corrupt_metric=corrupt_metric,
+        tokens=_tokens(model, c), first_difference=p, metric_name=name,
+    )  # fmt: skip
+
+
+def _effect_shape(site: str, n_heads: list[int], seq: int, n_layers: int) -> tuple[int, ...]:
+    H = max(n_heads)
+    return {
+        "heads": (n_layers, H),
+        "heads_pos": (n_layers, H, seq),
+        "resid": (n_layers, seq),
+        "mlp": (n_layers,),
+    }[site]
+
+
+def _tokens(model: Any, prompts: Prompts) -> list[str] | None:
+    tokenizer = getattr(model, "tokenizer", None)
+    if tokenizer is None:
+        return None
+    return [tokenizer.decode([int(t)], skip_special_tokens=False) for t in prompts.tokens[0]]
+
+
+@torch.no_grad()
+def patch_activations(
+    model: Any,
+    clean: Any,
+    corrupt: Any,
+    names: str | Sequence[str],
+    metric: Metric | None = None,
+    *,
+    answer: Any = None,
+    other: Any = None,
+) -> float:
+    """The metric of one corrupt run with the clean run's whole activations at ``names`` (names or globs of
+    hook points, e.g. ``"blocks.3.hook_resid_pre"`` or ``"blocks.*.attn.hook_z"``) put in: one forward, the
+    plain definition the batched :func:`patch` is tested against."""
+    module = stack_of(model, "patch_activations")
+    decoder = is_decoder(module)
+    c, k = _pair(model, clean, corrupt)
+    patterns = [names] if isinstance(names, str) else list(names)
+    L = len(module.blocks)
+    with eval_mode(module):
+        with trace(module, names=patterns) as t:
+            module(c.tokens)
+        stored = dict(t)
+        final: dict[str, Tensor] = {}
+        hooks: dict[str, Callable] = {name: (lambda v, pt, name=name: stored[name]) for name in stored}
+        hooks[f"blocks.{L - 1}.hook_resid_post"] = lambda v, pt: final.__setitem__("x", v)
+        with hooked(module, hooks):
+            module(k.tokens)
+        out = _output(module, final["x"], decoder)
+        if metric is None and not decoder:
+            with trace(module, names=[f"blocks.{L - 1}.hook_resid_post"]) as tc:
+                module(c.tokens)
+            target = _output(module, tc[f"blocks.{L - 1}.hook_resid_post"], decoder)
+            return float((out @ target[0])[0])
+        fn, name = _metric_fn(model, module, metric, answer, other)
+        return float(_checked(fn(out), 1, name)[0])
+
+
+# ---------------------------------------------------------------------------------------------- attribution
+def attribution_patching(
+    model: Any,
+    clean: Any,
+    corrupt: Any,
+    metric: Metric | None = None,
+    *,
+    site: str = "heads",
+    answer: Any = None,
+    other: Any = None,
+) -> PatchResult:
+    """The first-order estimate of :func:`patch`'s effects from two forwards and one backward.
+
+    ``patched - corrupt ~ (a_clean - a_corrupt) . d metric / d a`` at the corrupt run, for each site's
+    activation ``a`` (summed over the site's positions and features), normalised by
+    ``clean - corrupt``. Exact for a metric linear in the activations; a good guide where a patch
+    moves the metric a little, a poor one where it saturates a softmax.
+    """
+    if site not in SITES:
+        raise ValueError(f"unknown site {site!r}; sites: {list(SITES)}")
+    module = stack_of(model, "attribution_patching")
+    decoder = is_decoder(module)
+    c, k = _pair(model, clean, corrupt)
+    hook = {
+        "heads": "attn.hook_z",
+        "heads_pos": "attn.hook_z",
+        "resid": "hook_resid_pre",
+        "mlp": "hook_mlp_out",
+    }[site]
+    L = len(module.blocks)
+    with eval_mode(module):
+        with torch.no_grad():
+            clean_run = _full_run(module, c.tokens, decoder)
+        if metric is None and not decoder:
+            target = clean_run.output.detach()
+            fn, name = (lambda emb: emb @ target[0]), "cosine to the clean embedding"
+        else:
+            fn, name = _metric_fn(model, module, metric, answer, other)
+        clean_metric = float(_checked(fn(clean_run.output), 1, name)[0])
+        acts: dict[int, Tensor] = {}
+
+        def keep(layer: int) -> Callable:
+            def fn_(value: Tensor, point: Any) -> None:  # recorded in the graph, not replaced
+                acts[layer] = value
+
+            return fn_
+
+        # the embeddings become a leaf that needs a gradient, so every later activation is in the graph
+        # (whatever the parameters' requires_grad); the recorded activations are never cut from it
+        hooks: dict[str, Callable] = {"hook_embed": lambda v, pt: v.detach().requires_grad_(True)}
+        hooks.update({f"blocks.{i}.{hook}": keep(i) for i in range(L)})
+        final: dict[str, Tensor] = {}
+        hooks[f"blocks.{L - 1}.hook_resid_post"] = lambda v, pt: final.__setitem__("x", v)
+        with torch.enable_grad(), hooked(module, hooks):
+            module(k.tokens)
+            out = _output(module, final["x"], decoder)
+            value = _checked(fn(out), 1, name)[0]
+            grads = torch.autograd.grad(value, [acts[i] for i in range(L)], allow_unused=True)
+    corrupt_metric = float(value.detach())
+    clean_acts = {
+        "heads": clean_run.z,
+        "heads_pos": clean_run.z,
+        "resid": clean_run.resid_pre,
+        "mlp": clean_run.mlp_out,
+    }[site]
+    rows = []
+    for i in range(L):
+        g = torch.zeros_like(acts[i]) if grads[i] is None else grads[i]
+        delta = (clean_acts[i] - acts[i].detach()) * g  # (1, seq, ...)
+        if site == "heads":
+            rows.append(delta[0].sum(dim=(0, 2)))  # (n_heads,)
+        elif site == "heads_pos":
+            rows.append(delta[0].sum(dim=2).T)  # (n_heads, seq)
+        elif site == "resid":
+            rows.append(delta[0].sum(dim=1))  # (seq,)
+        else:
+            rows.append(delta.sum().reshape(()))
+    estimate = _stack_rows(rows, site)
+    patched = corrupt_metric + estimate
+    return PatchResult(
+        site=site, axes=SITES[site], effect=_normalise(patched, clean_metric, corrupt_metric),
+        patched_metric=patched, clean_metric=clean_metric, corrupt_metric=corrupt_metric,
+        method="attribution", tokens=_tokens(model, c),
+        first_difference=_first_difference(c.tokens, k.tokens), metric_name=name,
+    )  # fmt: skip
+
+
+def _stack_rows(rows: list[Tensor], site: str) -> Tensor:
+    """Per-layer rows (heads may differ in count after pruning) -> one NaN-padded tensor."""
+    if site == "mlp":
+        return torch.stack(rows)
+    width = max(r.shape[0] for r in rows)
+    out = torch.full((len(rows), width, *rows[0].shape[1:]), float("nan"))
+    for i, r in enumerate(rows):
+        out[i, : r.shape[0]] = r
+    return out
+
+
+def correlation(a: PatchResult, b: PatchResult) -> float:
+    """Pearson correlation of two results' effects over the sites both define (e.g. attribution vs real)."""
+    x, y = a.effect.flatten().double(), b.effect.flatten().double()
+    ok = torch.isfinite(x) & torch.isfinite(y)
+    x, y = x[ok] - x[ok].mean(), y[ok] - y[ok].mean()
+    denom = float(x.norm() * y.norm())
+    return float((x * y).sum()) / denom if denom > 0 else float("nan")
+
+
+# ---------------------------------------------------------------------------------------------- paths
+@torch.no_grad()
+def path_patch(
+    model: Any,
+    clean: Any,
+    corrupt: Any,
+    senders: Sequence[tuple[int, int]],
+    receivers: Sequence[tuple[int, int]],
+    *,
+    receiver_input: str = "q",
+    metric: Metric | None = None,
+    answer: Any = None,
+    other: Any = None,
+) -> dict[str, float]:
+    """The effect of ``senders`` (clean) on the metric only through ``receivers``' q, k or v inputs.
+
+    Returns ``{"effect", "patched_metric", "clean_metric", "corrupt_metric"}``; ``effect`` is normalised
+    as in :func:`patch`. Senders and receivers are ``(layer, head)`` pairs; only senders below a
+    receiver's layer can reach it. With grouped-query attention, a receiver's k/v input is its key/value
+    head's (shared by its group).
+    """
+    if receiver_input not in ("q", "k", "v"):
+        raise ValueError(f"receiver_input must be 'q', 'k' or 'v'; got {receiver_input!r}")
+    module = stack_of(model, "path_patch")
+    decoder = is_decoder(module)
+    L = len(module.blocks)
+    for what, pairs in (("senders", senders), ("receivers", receivers)):
+        if not pairs:
+            raise ValueError(f"{what} must name at least one (layer, head)")
+        for pair in pairs:
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise TypeError(f"{what} must hold (layer, head) pairs; got {pair!r}")
+            layer, head = pair
+            if not isinstance(layer, int) or not 0 <= layer < L:
+                raise ValueError(f"{what}: layer must be in [0, {L}); got {layer!r}")
+            n = module.blocks[layer].attn.n_heads
+            if not isinstance(head, int) or not 0 <= head < n:
+                raise ValueError(f"{what}: head must be in [0, {n}) for layer {layer}; got {head!r}")
+    c, k = _pair(model, clean, corrupt)
+    with eval_mode(module):
+        clean_run = _full_run(module, c.tokens, decoder)
+        corrupt_run = _full_run(module, k.tokens, decoder)
+        fn, name = (
+            _metric_fn(model, module, metric, answer, other)
+            if (metric is not None or decoder)
+            else (None, "")
+        )
+        if fn is None:
+            target = clean_run.output
+            fn, name = (lambda emb: emb @ target[0]), "cosine to the clean embedding"
+        clean_metric = float(_checked(fn(clean_run.output), 1, name)[0])
+        corrupt_metric = float(_checked(fn(corrupt_run.output), 1, name)[0])
+        send = {}
+        for layer, head in senders:
+            send.setdefault(layer, []).append(head)
+
+        def frozen_z(layer: int) -> Callable:
+            def fn_(z: Tensor, point: Any) -> Tensor:  # (1, seq, n_heads, d_head)
+                out = corrupt_run.z[layer].clone()
+                for h in send.get(layer, []):
+                    out[:, :, h] = clean_run.z[layer][:, :, h]
+                return out
+
+            return fn_
+
+        point = f"hook_{receiver_input}"
+        by_layer: dict[int, list[int]] = {}
+        for layer, head in receivers:
+            attn = module.blocks[layer].attn
+            index = head if receiver_input == "q" else head // attn.group_size
+            by_layer.setdefault(layer, []).append(index)
+        recorded: dict[int, Tensor] = {}
+        hooks: dict[str, Callable] = {f"blocks.{i}.attn.hook_z": frozen_z(i) for i in range(L)}
+        for layer in by_layer:
+            hooks[f"blocks.{layer}.attn.{point}"] = lambda v, pt, layer=layer: recorded.__setitem__(
+                layer, v.clone()
+            )
+        with hooked(module, hooks):
+            module(k.tokens)
+
+        def replace(layer: int) -> Callable:
+            def fn_(v: Tensor, pt: Any) -> Tensor:  # (1, seq, heads, d_head)
+                v = v.clone()
+                for i in by_layer[layer]:
+                    v[:, :, i] = recorded[layer][:, :, i]
+                return v
+
+            return fn_
+
+        final: dict[str, Tensor] = {}
+        hooks = {f"blocks.{layer}.attn.{point}": replace(layer) for layer in by_layer}
+        hooks[f"blocks.{L - 1}.hook_resid_post"] = lambda v, pt: final.__setitem__("x", v)
+        with hooked(module, hooks):
+            module(k.tokens)
+        patched = float(_checked(fn(_output(module, final["x"], decoder)), 1, name)[0])
+    effect = float(_normalise(torch.tensor([patched]), clean_metric, corrupt_metric)[0])
+    return {
+        "effect": effect,
+        "patched_metric": patched,
+        "clean_metric": clean_metric,
+        "corrupt_metric": corrupt_metric,
+    }
