@@ -1,0 +1,199 @@
+"""``headspace patch`` and ``headspace attribute``: which heads cause the answer, from the command line.
+
+``patch`` runs activation patching (:func:`headspace.analysis.patching.patch`) of a clean prompt into a
+corrupt one and prints the top sites; ``attribute`` prints the logit lens and the heads and MLPs that
+write the answer directly (:mod:`headspace.analysis.attribution`). Both write pictures to ``--out`` and
+the same numbers as JSON with ``--json``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from ..errors import UsageError
+from .loader import load_model
+from .options import json_option, out_option
+from .output import check_writable_folder, clean, json_out
+
+#: The indirect-object prompt pair of the README's worked example.
+DEFAULT_CLEAN = "When Mary and John went to the store, John gave a drink to"
+DEFAULT_CORRUPT = "When Mary and John went to the store, Mary gave a drink to"
+
+decoder_model_option = click.option(
+    "--model",
+    "model_spec",
+    default="smollm2",
+    show_default=True,
+    help="A decoder: 'smollm2' (bundled SmolLM2-135M-Instruct) or a folder with a GPT-2/Llama checkpoint.",
+)
+
+
+def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except (ValueError, TypeError) as e:
+        raise UsageError(" ".join(str(e).split())) from None
+
+
+def _site_name(axes: tuple[str, ...], index: tuple[int, ...], tokens: list[str] | None) -> str:
+    parts = []
+    for axis, i in zip(axes, index):
+        if axis == "position" and tokens is not None:
+            parts.append(f"pos {i} {tokens[i]!r}")
+        else:
+            parts.append(f"{axis} {i}")
+    return ", ".join(parts)
+
+
+@click.command("patch")
+@click.option("--clean", "clean_text", default=DEFAULT_CLEAN, show_default=True, help="The clean prompt.")
+@click.option(
+    "--corrupt", "corrupt_text", default=DEFAULT_CORRUPT, show_default=True, help="The corrupt one."
+)
+@click.option("--answer", default=" Mary", show_default=True, help="The clean answer (one token).")
+@click.option("--other", default=" John", show_default=True, help="The competing answer (one token).")
+@click.option(
+    "--site",
+    type=click.Choice(["heads", "heads_pos", "resid", "mlp"]),
+    default="heads",
+    show_default=True,
+    help="What to patch: each head's z, per position, the residual stream per position, each MLP.",
+)
+@click.option("--top", type=click.IntRange(1, None), default=10, show_default=True, help="Sites to list.")
+@decoder_model_option
+@out_option
+@json_option
+def patch_cmd(
+    clean_text: str, corrupt_text: str, answer: str, other: str, site: str, top: int, model_spec: str,
+    out_dir: Path | None, as_json: bool,
+) -> None:  # fmt: skip
+    """Activation patching: put each site's clean activation into the corrupt run, read logit(answer) -
+    logit(other); 1 = the clean answer restored, 0 = no effect."""
+    if out_dir is not None:
+        check_writable_folder(out_dir)
+    from ..analysis.patching import EFFECT_KEYS, patch
+
+    model = load_model(model_spec)
+    r = _run(patch, model, clean_text, corrupt_text, site=site, answer=answer, other=other)
+    pictures = []
+    if out_dir is not None:
+        from ..viz.causal_plots import plot_patch_effect
+
+        title = f"{model_spec}: patching {site} ({r.metric_name})"
+        pictures.append(
+            plot_patch_effect(
+                r.effect, r.axes, Path(out_dir) / f"patch_{site}.png", title=title, tokens=r.tokens
+            )
+        )
+    ranked = r.top(top)
+    if as_json:
+        data = {
+            "site": site,
+            "axes": list(r.axes),
+            EFFECT_KEYS[site]: r.effect.tolist(),
+            "patched_metric": r.patched_metric.tolist(),
+            "clean_metric": r.clean_metric,
+            "corrupt_metric": r.corrupt_metric,
+            "metric": r.metric_name,
+            "tokens": r.tokens,
+            "first_difference": r.first_difference,
+            "top": [{"site": dict(zip(r.axes, idx)), "effect": value} for idx, value in ranked],
+            "pictures": [str(p) for p in pictures],
+        }
+        json_out(clean(data))
+        return
+    click.echo(f"clean:   {clean_text!r}\ncorrupt: {corrupt_text!r}")
+    click.echo(f"metric {r.metric_name}: clean {r.clean_metric:+.3f}, corrupt {r.corrupt_metric:+.3f}")
+    click.echo(f"top {len(ranked)} sites by |effect| (1 = clean restored, 0 = no effect):")
+    for idx, value in ranked:
+        click.echo(f"  {_site_name(r.axes, idx, r.tokens):<34} {value:+.3f}")
+    for p in pictures:
+        click.echo(f"wrote {p}")
+
+
+@click.command("attribute")
+@click.argument("prompt", required=False, default="The capital of France is")
+@click.option("--answer", default=" Paris", show_default=True, help="The answer token.")
+@click.option("--other", default=None, help="A competing token: attribute the logit difference.")
+@click.option("--top", type=click.IntRange(1, None), default=10, show_default=True, help="Parts to list.")
+@decoder_model_option
+@out_option
+@json_option
+def attribute_cmd(
+    prompt: str, answer: str, other: str | None, top: int, model_spec: str, out_dir: Path | None,
+    as_json: bool,
+) -> None:  # fmt: skip
+    """The logit lens of PROMPT and the heads and MLPs that write --answer directly (direct logit
+    attribution: the parts add up to the model's logit)."""
+    if out_dir is not None:
+        check_writable_folder(out_dir)
+    from ..analysis.attribution import direct_logit_attribution, logit_lens
+
+    model = load_model(model_spec)
+    dla = _run(direct_logit_attribution, model, prompt, answer, other)
+    lens = _run(logit_lens, model, prompt, answer, top=5)
+    heads = dla.top_heads(top)
+    order = dla.mlps.abs().argsort(descending=True)[:top]
+    mlps = [(int(i), float(dla.mlps[i])) for i in order]
+    pictures = []
+    if out_dir is not None:
+        from ..viz.causal_plots import plot_attribution
+
+        title = f"{model_spec}: direct attribution of {dla.answer_token!r} after {prompt!r}"
+        pictures.append(plot_attribution(dla.heads, dla.mlps, Path(out_dir) / "attribution.png", title=title))
+    if as_json:
+        data = {
+            "prompt": prompt,
+            "answer": dla.answer_token,
+            "other": dla.other_token,
+            "logit": float(dla.logit),
+            "total": float(dla.total),
+            "embed": float(dla.embed),
+            "head_attribution": dla.heads.tolist(),
+            "mlp_attribution": dla.mlps.tolist(),
+            "attention_bias_attribution": dla.attn_biases.tolist(),
+            "norm_bias_attribution": float(dla.norm_bias),
+            "top_heads": [{"layer": a, "head": b, "attribution": v} for a, b, v in heads],
+            "top_mlps": [{"layer": a, "attribution": v} for a, v in mlps],
+            "logit_lens": [_lens_row(lens, i) for i in range(len(lens.top_tokens[0]))],
+            "pictures": [str(p) for p in pictures],
+        }
+        json_out(clean(data))
+        return
+    what = f"logit({dla.answer_token!r})" + ("" if other is None else f" - logit({dla.other_token!r})")
+    click.echo(
+        f"prompt: {prompt!r}   {what} = {float(dla.logit):+.3f} (parts add up to {float(dla.total):+.3f})"
+    )
+    click.echo("logit lens (the stream after each layer read through the final norm and W_U):")
+    for i, toks in enumerate(lens.top_tokens[0]):
+        label = "embed" if i == 0 else f"layer {i - 1}"
+        shown = ", ".join(f"{t!r} {float(p):.2f}" for t, p in zip(toks[:3], lens.top_probs[0, i, :3]))
+        rank, prob = int(lens.answer_rank[0, i]), float(lens.answer_prob[0, i])
+        click.echo(f"  {label:<9} answer rank {rank:>6}  p={prob:.3f}  top: {shown}")
+    click.echo(f"top {len(heads)} heads by direct attribution:")
+    for layer, head, value in heads:
+        click.echo(f"  layer {layer:>2} head {head:>2}  {value:+.3f}")
+    click.echo(f"top {len(mlps)} MLPs:")
+    for layer, value in mlps:
+        click.echo(f"  layer {layer:>2} MLP      {value:+.3f}")
+    click.echo(
+        f"embeddings {float(dla.embed):+.3f}, biases {float(dla.attn_biases.sum() + dla.norm_bias):+.3f}"
+    )
+    for p in pictures:
+        click.echo(f"wrote {p}")
+
+
+def _lens_row(lens: Any, i: int) -> dict[str, Any]:
+    return {
+        "layer": i,
+        "top_tokens": lens.top_tokens[0][i],
+        "top_probs": lens.top_probs[0, i].tolist(),
+        "answer_rank": int(lens.answer_rank[0, i]),
+        "answer_prob": float(lens.answer_prob[0, i]),
+    }
+
+
+COMMANDS = (patch_cmd, attribute_cmd)
