@@ -46,12 +46,39 @@ def test_explain_default_names_top_heads_and_real_shapes(runner, minilm):
     assert f"[{cfg.d_model}]" in out
     assert f"W_Q[{e.head}]: [{cfg.d_model}, {cfg.d_model // cfg.n_heads}]" in out
     assert f"[{cfg.n_heads} x {e.d_head} = {cfg.n_heads * e.d_head}]" in out
-    # the top-ranked heads and their top attended tokens are named
-    for f in e.ranking[:3]:
-        assert f.focus_token in out
-        assert f"{f.focus:.3f}" in out
-    assert f"Layer {e.layer}, head {e.head}" in out
+    # two labelled groups, relational heads first, each head with its role and top attended tokens
+    assert out.index("relational heads") < out.index("positional heads") < out.index(f"Layer {e.layer}")
+    for f in e.relational[:3]:
+        assert f.focus_token in out and f"{f.flow:.3f}" in out
+    for f in e.positional[:3]:
+        assert f"{f.top[0].weight:.3f}" in out
+    assert "previous" in out and "first" in out  # layer 0 head 2 -> "because", [CLS] sinks
+    assert f"Layer {e.layer}, head {e.head} for token 10 'it'" in out  # no GQA: no key/value head note
+    assert "key/value head" not in out
+    # the key and value biases carry the key/value head's index, as b_Q carries the head's
+    assert f"+ b_Q[{e.head}]" in out
+    g = e.kv_head
+    assert f"k_j = x_j W_K[{g}] + b_K[{g}], v_j = x_j W_V[{g}] + b_V[{g}] for every token j" in out
     assert "'it'" in out
+
+
+def test_default_walk_is_a_head_that_sends_it_to_animal(minilm):
+    """The lesson's point (README): layer 5 head 11 and layer 3 head 1 resolve "it" to "animal"; the
+    previous-token head 0.2 and the [CLS] sinks must not crowd them out of the default walk."""
+    e = explain(minilm)
+    assert e.token == "it"
+    assert (e.layer, e.head) in {(5, 11), (3, 1)}
+    assert e.top[0].token == "animal"
+    for layer, head in [(5, 11), (3, 1)]:
+        walked = explain(minilm, layer=layer, head=head)
+        assert walked.top[0].token == "animal" and walked.top[0].weight > 0.6
+        f = next(f for f in e.ranking if (f.layer, f.head) == (layer, head))
+        assert f.role == "relational" and f.focus_token == "animal"
+        assert f in e.relational[:5]
+    roles = {(f.layer, f.head): f.role for f in e.ranking}
+    assert roles[(0, 2)] == "previous"  # "it" -> "because" at 1.00
+    assert roles[(1, 8)] == "next"  # "it" -> "was"
+    assert roles[(2, 11)] == "first"  # [CLS]
 
 
 def test_explain_json_holds_the_api_numbers(runner, minilm):
@@ -64,6 +91,26 @@ def test_explain_json_holds_the_api_numbers(runner, minilm):
         assert data[key] == getattr(e, key), key
     assert data["top"][0]["token"] == e.top[0].token
     assert data["shapes"]["q"] == [32] and data["shapes"]["x"] == [384]
+    # the ranking as the terminal shows it (5 per group), every entry with its role
+    shown = [*e.relational[:5], *e.positional[:5]]
+    assert [(r["layer"], r["head"], r["role"]) for r in data["ranking"]] == [
+        (f.layer, f.head, f.role) for f in shown
+    ]
+    assert data["positional"] == [[f.layer, f.head] for f in e.positional]
+    assert (data["token_index"], data["occurrence"], data["occurrences"]) == (10, 1, [10])
+
+
+def test_explain_says_which_occurrence_and_takes_another(runner, minilm):
+    res = _run(runner, ["explain", "--token", "the", "--layer", "0", "--head", "2"])
+    assert res.exit_code == 0, res.output
+    assert "'the' occurs 2 times (positions 1, 7): this is occurrence 1, position 1" in res.output
+    assert "--occurrence N" in res.output
+    res = _run(runner, ["explain", "--token", "the", "--occurrence", "2", "--json", "--top", "1"])
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert (data["token_index"], data["occurrence"], data["occurrences"]) == (7, 2, [1, 7])
+    assert data["tokens"][7] == "the" and len(data["ranking"]) == 2
+    assert data["q"] == explain(minilm, token="the", occurrence=2, layer=data["layer"], head=data["head"]).q
 
 
 def test_explain_checks_the_head_against_a_pruned_layer():
@@ -178,7 +225,32 @@ def test_subspaces_json_matches_analysis(runner, minilm, tmp_path):
             ["heads", "--sentences", "/nonexistent/sentences.txt"],
             "cannot read sentences file /nonexistent/sentences.txt",
         ),
+        (
+            ["heads", "--sentences", "/dev/zero"],
+            "cannot read sentences file /dev/zero: a character device, not a regular file "
+            "(only regular files of at most 16 MB are read)",
+        ),
+        (
+            ["explain", "--token", "the", "--occurrence", "3"],
+            "--occurrence 3 of 'the' is out of range: it occurs 2 time(s) "
+            "(1 at position 1, 2 at position 7); valid occurrences are 1..2",
+        ),
+        (["explain", "--occurrence", "0"], "--occurrence must be a positive integer (1 or more); got 0"),
+        (["explain", "--token", "3", "--occurrence", "1"], "--occurrence needs --token as text"),
+        (["explain", "--top", "-3"], "--top must be a positive integer (1 or more); got -3"),
+        (["explain", "--top", "0"], "--top must be a positive integer (1 or more); got 0"),
+        (["explain", "\udcff"], "argument 2 is not valid UTF-8 text (its bytes: b'\\xff')"),
+        (["explain", "--token", "caf\udce9"], "argument 3 is not valid UTF-8 text (its bytes: b'caf\\xe9')"),
+        (["bench", "--repeats", "0"], "--repeats must be a positive integer; got 0"),
+        (["explain", "--out", "/proc/x"], "--out /proc/x: cannot write in the folder '/proc'"),
+        (
+            ["explain", "--out", "/dev/null/x"],
+            "--out /dev/null/x: cannot write in the folder '/dev/null' (Not a",
+        ),
+        (["heads", "--out", "/proc/x"], "--out /proc/x: cannot write in the folder '/proc'"),
+        (["subspaces", "--out", "/dev/null/x"], "--out /dev/null/x: cannot write in the folder '/dev/null'"),
     ],
+    ids=lambda v: " ".join(v).encode("ascii", "backslashreplace").decode() if isinstance(v, list) else "",
 )
 def test_errors_are_one_line_exit_2(runner, args, needle):
     res = runner.invoke(cli, args)
@@ -195,7 +267,8 @@ def test_subprocess_json_and_error():
     )
     assert ok.returncode == 0, ok.stderr
     data = json.loads(ok.stdout)
-    assert data["tokens"][data["token_index"]] == "it" and len(data["ranking"]) == 3
+    assert data["tokens"][data["token_index"]] == "it" and len(data["ranking"]) == 6  # 3 per group
+    assert [r["role"] for r in data["ranking"]][:3] == ["relational"] * 3
     bad = subprocess.run(
         [*exe, "explain", "--model", "nosuchmodel"], capture_output=True, text=True, timeout=300
     )
@@ -237,3 +310,74 @@ def test_bench_runs_at_given_sizes(runner):
     assert all(r["batch"] == 1 for r in rows)
     bad = runner.invoke(cli, ["bench", "--seq", "0"])
     assert bad.exit_code == 2 and "--seq must be a positive integer; got 0" in bad.output
+
+
+def test_non_utf8_argument_from_the_shell_is_one_line():
+    """``headspace explain $'\\xff'``: the shell passes a byte that is not UTF-8 (Python keeps it as a
+    surrogate escape, which the tokenizer cannot take)."""
+    bad = subprocess.run(
+        [sys.executable, "-m", "headspace", "explain", b"\xff"], capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2, bad.stderr
+    assert bad.stderr.strip() == (
+        "error: argument 2 is not valid UTF-8 text (its bytes: b'\\xff'); pass every argument in UTF-8"
+    )
+
+
+def test_unwritable_out_is_checked_before_the_model_loads(minilm, monkeypatch, tmp_path):
+    def no_load(spec):
+        raise AssertionError("the model was loaded before --out was checked")
+
+    monkeypatch.setattr(cli_lesson, "load_model", no_load)
+    for cmd in ("explain", "heads", "subspaces"):
+        res = CliRunner().invoke(cli, [cmd, "--out", "/proc/x/pics"])
+        assert res.exit_code == 2, res.output
+        assert res.output.startswith("error: --out /proc/x/pics: cannot write in the folder '/proc' (")
+        assert len(res.output.strip().splitlines()) == 1 and "Traceback" not in res.output
+    (tmp_path / "file").write_text("x")
+    # a folder that can be written is created when the pictures are written, and the probe leaves nothing
+    monkeypatch.setattr(cli_lesson, "load_model", lambda spec: minilm)
+    res = CliRunner().invoke(cli, ["subspaces", "--layer", "0", "--json", "--out", str(tmp_path / "a" / "b")])
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a", "file"]
+    assert sorted(p.name for p in (tmp_path / "a" / "b").iterdir()) == [
+        "subspaces_L0_q.png",
+        "subspaces_L0_spectra.png",
+    ]
+
+
+def test_spectra_picture_tells_qk_from_ov_for_every_head(runner, minilm, monkeypatch, tmp_path):
+    """One panel per head, titled with the head, two labelled lines (QK, OV), one legend, labelled axes."""
+    from headspace.viz import plots
+
+    figures = {}
+    real_save = plots._save
+
+    def keep(fig, path):
+        figures[Path(path).name] = (
+            [
+                {
+                    "title": ax.get_title(),
+                    "lines": [line.get_label() for line in ax.get_lines()],
+                }
+                for ax in fig.axes
+                if ax.get_lines()
+            ],
+            [t.get_text() for leg in fig.legends for t in leg.get_texts()],
+            (
+                fig._supxlabel.get_text() if fig._supxlabel else "",
+                fig._supylabel.get_text() if fig._supylabel else "",
+            ),
+        )
+        return real_save(fig, path)
+
+    monkeypatch.setattr(plots, "_save", keep)
+    res = _run(runner, ["subspaces", "--layer", "2", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    panels, legend, (xlabel, ylabel) = figures["subspaces_L2_spectra.png"]
+    assert len(panels) == 12
+    for h, panel in enumerate(panels):
+        assert panel["title"].startswith(f"H{h} ") and "eff. rank" in panel["title"]
+        assert panel["lines"] == ["QK = W_Q W_K^T", "OV = W_V W_O"]
+    assert legend == ["QK = W_Q W_K^T", "OV = W_V W_O"]
+    assert "singular value index" in xlabel and "singular value" in ylabel

@@ -8,6 +8,7 @@ hook_z and the block's hook_attn_out), on small random models with distinct prim
 from __future__ import annotations
 
 import html
+import importlib
 import json
 import re
 import threading
@@ -56,6 +57,16 @@ def gqa_decoder() -> Decoder:
     return Decoder(config).eval()
 
 
+def rotary_decoder() -> Decoder:
+    """Llama-shaped: rotary positions (q and k rotated after the projections), GQA, RMSNorm, no biases."""
+    torch.manual_seed(4)
+    config = ModelConfig(
+        arch="decoder", vocab_size=VOCAB, d_model=36, n_layers=2, n_heads=6, n_kv_heads=2, d_head=6,
+        positions="rotary", norm_kind="rmsnorm", mlp_kind="gated", act="silu", bias=False,
+    )  # fmt: skip
+    return Decoder(config).eval()
+
+
 def tokens(seq: int = SEQ) -> torch.Tensor:
     return torch.randint(0, VOCAB, (1, seq), generator=torch.Generator().manual_seed(3))  # (1, seq)
 
@@ -99,7 +110,9 @@ def close(actual: np.ndarray, expected: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- data
-@pytest.mark.parametrize("make", [encoder, gqa_decoder], ids=["encoder", "gqa-decoder"])
+@pytest.mark.parametrize(
+    "make", [encoder, gqa_decoder, rotary_decoder], ids=["encoder", "gqa-decoder", "rotary-decoder"]
+)
 def test_page_arithmetic_reproduces_the_trace(make) -> None:
     model = make()
     toks = tokens()
@@ -107,6 +120,7 @@ def test_page_arithmetic_reproduces_the_trace(make) -> None:
     ref = reference(model, toks)
     assert len(page.data["layers"]) == len(ref) == 2
     for layer, r in zip(page.data["layers"], ref):
+        assert layer["rotary"] == (make is rotary_decoder)  # there q and k are stored rotated
         m = mirror(layer)
         close(m["pattern"], r["pattern"])
         close(m["z"], r["z"])
@@ -333,3 +347,213 @@ def test_view_usage_errors_are_one_line_with_exit_code_2(args: list[str], messag
     lines = result.output.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
     assert "Traceback" not in result.output
+
+
+def test_view_refuses_an_unwritable_output_folder() -> None:
+    result = CliRunner().invoke(cli, ["view", "hi", "-o", "/proc/page.html"])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.output
+    assert lines[0].startswith("error: -o /proc/page.html: cannot write in the folder '/proc' (")
+
+
+# ---------------------------------------------------------------------------------------------- title
+MARKUP = "</title><img src=x onerror=alert(1)><script>alert(1)</script>"
+
+
+def test_title_is_escaped_in_the_page() -> None:
+    """The title comes from the model's (folder's) name, and the page's CSP allows inline scripts."""
+    page = Explorer(encoder(), tokens(), name=MARKUP)
+    text = page.html
+    title = f"headspace explorer: {MARKUP}"
+    assert page.data["title"] == title
+    assert f"<title>{html.escape(title)}</title>" in text
+    assert f'<h1 id="title">{html.escape(title)}</h1>' in text
+    assert text.count("</title>") == 1 and "<img" not in text and "<script>alert" not in text
+    assert text.count("<script") == 2  # the data element and the code element
+
+
+def test_a_model_folder_named_with_markup_gives_an_escaped_title(tmp_path: Path) -> None:
+    import shutil
+
+    import transformers
+
+    from headspace.pretrained import minilm_path
+
+    folder = tmp_path / "<img src=x onerror=alert(1)>"
+    config = transformers.BertConfig(
+        vocab_size=30522, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+        max_position_embeddings=32,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.BertModel(config).save_pretrained(str(folder), safe_serialization=True)
+    shutil.copy(Path(minilm_path()) / "tokenizer.json", folder / "tokenizer.json")
+    out = tmp_path / "page.html"
+    result = CliRunner().invoke(cli, ["view", "it is here", "--model", str(folder), "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    text = out.read_text(encoding="utf-8")
+    escaped = html.escape(f"headspace explorer: {folder.name}")
+    assert f"<title>{escaped}</title>" in text and f'<h1 id="title">{escaped}</h1>' in text
+    assert "<img" not in text
+
+
+# ---------------------------------------------------------------------------------------------- opening
+def test_page_opens_on_the_head_and_token_explain_walks() -> None:
+    import headspace
+    from headspace.defaults import DEFAULT_SENTENCE
+    from headspace.explain import explain
+
+    minilm = headspace.load("minilm")
+    page = Explorer(minilm, DEFAULT_SENTENCE)
+    e = explain(minilm)
+    assert page.data["initial"] == {"layer": e.layer, "head": e.head, "token": e.token_index}
+    assert page.data["initial"]["token"] == 10 and (e.layer, e.head) in {(5, 11), (3, 1)}
+    # a bare module with ids for labels: the first token and the best-ranked head for it
+    bare = Explorer(encoder(), tokens()).data["initial"]
+    assert bare["token"] == 0 and 0 <= bare["layer"] < 2 and 0 <= bare["head"] < N_HEADS
+    model = encoder()
+    captures = capture_layers(model, lambda: model(tokens()))
+    with pytest.raises(ValueError, match=r"initial head 9 is out of range 0\.\.6"):
+        build_page_data(captures, ["t"] * SEQ, initial={"head": 9})
+
+
+# ---------------------------------------------------------------------------------------------- serving
+def _view_dirs(folder: Path) -> list[Path]:
+    return sorted(folder.glob("headspace-view-*"))
+
+
+@pytest.fixture()
+def private_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """tempfile (and TMPDIR) pointed at a folder of this test's own."""
+    import tempfile
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
+
+
+def test_port_in_use_fails_fast_before_building_anything(private_tmp: Path, monkeypatch) -> None:
+    import socket
+    import time
+
+    cli_view = importlib.import_module("headspace.cli.view")
+
+    def no_load(spec: str):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr(cli_view, "load_model", no_load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        start = time.perf_counter()
+        result = CliRunner().invoke(cli, ["view", "--serve", "--port", str(port)])
+        elapsed = time.perf_counter() - start
+    assert result.exit_code == 2, result.output
+    assert result.output.strip() == (
+        f"error: --port {port}: cannot listen on 127.0.0.1:{port} (Address already in use)"
+    )
+    assert elapsed < 10
+    assert _view_dirs(private_tmp) == []
+
+
+def test_view_reports_the_whole_wait_and_cleans_up_after_ctrl_c(private_tmp: Path, monkeypatch) -> None:
+    import time
+
+    import headspace
+
+    cli_view = importlib.import_module("headspace.cli.view")
+    from headspace.viz.explorer.page import PageServer
+
+    minilm = headspace.load("minilm")
+
+    def slow_load(spec: str):
+        time.sleep(1.5)  # what loading the model costs the user (at least)
+        return minilm
+
+    served: list[Path] = []
+
+    def interrupted(self, *args, **kwargs):
+        served.extend(p / "explorer.html" for p in _view_dirs(private_tmp))
+        assert served and served[0].is_file() and self.body == served[0].read_bytes()
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_view, "load_model", slow_load)
+    monkeypatch.setattr(PageServer, "serve_forever", interrupted)
+    result = CliRunner().invoke(cli, ["view", "--serve", "--port", "0"])
+    assert result.exit_code == 0, result.output
+    m = re.search(r"\) in ([\d.]+) s \(load ([\d.]+) s, build ([\d.]+) s\)", result.output)
+    assert m, result.output
+    total, load, build = map(float, m.groups())
+    assert load >= 1.5 and total >= load + build - 0.11  # rounded to 0.1 s each
+    assert "serving on http://127.0.0.1:" in result.output
+    assert len(served) == 1 and _view_dirs(private_tmp) == []  # the 5 MB page is gone
+
+
+def test_sigterm_stops_the_server_and_removes_its_page(tmp_path: Path) -> None:
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "headspace", "view", "--serve", "--port", "0"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    try:
+        url = None
+        deadline = time.monotonic() + 240
+        while url is None and time.monotonic() < deadline:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            m = re.search(r"serving on (http://\S+/)", line)
+            url = m[1] if m else None
+        assert url, proc.stderr.read() if proc.poll() is not None else "no 'serving on' line"
+        (folder,) = _view_dirs(tmp_path)
+        with urllib.request.urlopen(url, timeout=30) as r:
+            assert r.read() == (folder / "explorer.html").read_bytes()
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        assert not folder.exists() and _view_dirs(tmp_path) == []
+        assert "Traceback" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_client_leaving_mid_download_is_dropped_quietly(tmp_path: Path, capfd) -> None:
+    import socket
+    import struct
+    import time
+
+    path = tmp_path / "big.html"
+    path.write_bytes(b"<html>" + b"x" * (32 << 20) + b"</html>")  # more than the socket buffers hold
+    server = serve_page(path, port=0)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        port = server.server_address[1]
+        for _ in range(3):
+            s = socket.socket()
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect(("127.0.0.1", port))
+            s.sendall(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+            assert s.recv(1024).startswith(b"HTTP/1.0 200")
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with RST
+            s.close()
+        time.sleep(1.0)  # the handlers hit the closed connections
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30) as r:
+            assert len(r.read()) == path.stat().st_size  # still serving
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "Exception occurred" not in err, err

@@ -109,6 +109,65 @@ def as_float(text: str) -> float:
     return float(text.strip())
 
 
+def test_page_opens_on_the_head_and_token_explain_walks(browser: Any, page_file: Path, minilm: Any) -> None:
+    """Not layer 0, head 0, token 1 with every head drawn: the lesson's head and token, one head shown."""
+    from headspace.explain import explain
+
+    e = explain(minilm, SENTENCE)
+    assert (e.layer, e.head, e.token_index) == (5, 11, TOKEN)  # "it" -> "cat"
+    w = Watched(browser, page_file.as_uri())
+    try:
+        page = w.page
+        snap = w.snapshot()
+        assert (snap["layer"], snap["head"], snap["token"]) == (e.layer, e.head, e.token_index)
+        assert snap["topToken"] == e.top[0].token == "cat"
+        assert page.get_attribute(".layer-pick[aria-checked='true']", "data-layer") == str(e.layer)
+        assert page.get_attribute(".head-pick[aria-checked='true']", "data-head") == str(e.head)
+        assert page.inner_text(".token[aria-checked='true']") == "it"
+        pressed = page.eval_on_selector_all(
+            ".head-toggle[aria-pressed='true']", "els => els.map((b) => b.dataset.head)"
+        )
+        assert pressed == [str(e.head)]
+        # while one head is shown, it follows the pipeline's head and layer
+        page.click(".head-pick[data-head='3']")
+        page.click(".layer-pick[data-layer='1']")
+        pressed = page.eval_on_selector_all(
+            ".head-toggle[aria-pressed='true']", "els => els.map((b) => b.dataset.head)"
+        )
+        assert pressed == ["3"]
+        page.click("#show-all")
+        page.click(".layer-pick[data-layer='2']")
+        assert len(page.query_selector_all(".head-toggle[aria-pressed='true']")) == 12
+        assert w.errors == []
+    finally:
+        w.page.close()
+
+
+def test_markup_in_the_model_name_stays_text(browser: Any, tmp_path: Path) -> None:
+    """The title comes from the model folder's name and the page may run inline scripts: no markup in it
+    may run (no dialog opens) or add elements."""
+    from headspace.models import Encoder, ModelConfig
+
+    name = "</title><img src=x onerror=alert(1)><script>alert(2)</script>"
+    torch.manual_seed(0)
+    model = Encoder(ModelConfig(arch="encoder", vocab_size=53, d_model=35, n_layers=2, n_heads=7)).eval()
+    path = Explorer(model, torch.randint(0, 53, (1, 11)), name=name).save(tmp_path / "markup.html")
+    dialogs: list[str] = []
+    tab = browser.new_page()
+    tab.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+    try:
+        tab.goto(path.as_uri())
+        tab.wait_for_selector("body[data-ready='true']", timeout=30_000)
+        tab.wait_for_timeout(300)
+        assert dialogs == []
+        assert tab.title() == f"headspace explorer: {name}"
+        assert tab.inner_text("#title") == f"headspace explorer: {name}"
+        assert tab.evaluate("document.querySelectorAll('img').length") == 0
+        assert tab.evaluate("document.scripts.length") == 2  # the data element and the code element
+    finally:
+        tab.close()
+
+
 def test_click_layer_head_token_shows_the_traced_numbers(shown: Watched, reference: dict[str, Any]) -> None:
     page = shown.page
     page.click(f".layer-pick[data-layer='{LAYER}']")
@@ -182,6 +241,7 @@ def test_keyboard_moves_layer_head_and_token_and_toggles_heads(shown: Watched) -
     page.focus(".token[aria-checked='true']")
     page.keyboard.press("ArrowLeft")
     assert shown.snapshot()["token"] == TOKEN - 1
+    page.click("#show-all")  # the page shows one head until asked for more
     page.focus(".head-toggle[data-head='0']")
     page.keyboard.press("Space")
     assert page.get_attribute(".head-toggle[data-head='0']", "aria-pressed") == "false"

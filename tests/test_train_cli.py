@@ -114,3 +114,50 @@ def test_config_and_folder_errors_are_one_line(text_run: Path, tmp_path: Path) -
     assert plot.exit_code == 2 and "holds no metrics.jsonl" in plot.output
     unknown = CliRunner().invoke(cli, ["generate", str(text_run), "--prompt", "QQ"])
     assert unknown.exit_code == 2 and "never saw in training" in unknown.output
+
+
+def _one_line_error(result) -> str:
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert "Traceback" not in result.output
+    return lines[0]
+
+
+@pytest.mark.parametrize("out", ["/proc/x", "/dev/null/x"])
+def test_unwritable_run_folder_is_refused_before_training(out: str, monkeypatch) -> None:
+    import headspace.train.loop as loop
+
+    def no_train(*args, **kwargs):
+        raise AssertionError("training started before --out was checked")
+
+    monkeypatch.setattr(loop, "train", no_train)
+    line = _one_line_error(CliRunner().invoke(cli, ["train", "--out", out, "--no-progress"]))
+    folder = str(Path(out).parent)
+    assert line.startswith(f"error: --out {out}: cannot write in the folder {folder!r} (")
+    assert line.endswith("(No such file or directory)" if out.startswith("/proc") else "(Not a directory)")
+
+
+def test_unwritable_plot_path_is_one_line(text_run: Path) -> None:
+    line = _one_line_error(CliRunner().invoke(cli, ["plot-run", str(text_run), "--out", "/proc/x.png"]))
+    assert "--out /proc/x.png: cannot write in the folder '/proc'" in line
+    line = _one_line_error(CliRunner().invoke(cli, ["plot-run", str(text_run), "--out", "/dev/null/x.png"]))
+    assert "--out /dev/null/x.png: '/dev/null' is a file, not a folder" in line
+
+
+@pytest.mark.parametrize("seed", ["99999999999999999999", "-1", str(2**63)])
+def test_seeds_outside_the_generator_range_are_refused(seed: str, text_run: Path, tmp_path: Path) -> None:
+    expected = f"--seed must be in 0..{2**63 - 1} (2**63 - 1); got {seed}"
+    line = _one_line_error(CliRunner().invoke(cli, ["train", "--seed", seed, "--out", str(tmp_path / "r")]))
+    assert line == f"error: {expected}"
+    assert not (tmp_path / "r").exists()
+    line = _one_line_error(
+        CliRunner().invoke(cli, ["generate", str(text_run), "--prompt", "a", "--seed", seed])
+    )
+    assert line == f"error: {expected}"
+
+
+def test_the_largest_seed_is_taken(text_run: Path) -> None:
+    result = _invoke("generate", str(text_run), "--prompt", "the ", "--tokens", "3", "--seed", str(2**63 - 1))
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("the ")

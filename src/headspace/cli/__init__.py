@@ -12,6 +12,7 @@ torch at module level, so ``headspace --help`` answers at once.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 
 import click
 
@@ -24,7 +25,34 @@ from .view import view
 __all__ = ["UsageError", "cli", "main"]
 
 
-@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+def check_arguments(args: Sequence[str]) -> None:
+    """Refuse arguments that are not valid UTF-8 text (bytes Python kept as surrogate escapes)."""
+    for i, arg in enumerate(args, start=1):
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError:
+            try:
+                raw = arg.encode("utf-8", "surrogateescape")  # the bytes the shell passed
+            except UnicodeEncodeError:
+                raw = arg.encode("utf-8", "backslashreplace")
+            raise UsageError(
+                f"argument {i} is not valid UTF-8 text (its bytes: {raw!r}); pass every argument in UTF-8"
+            ) from None
+
+
+class HeadspaceGroup(click.Group):
+    """The command group; it checks every argument before click parses any."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        check_arguments(args)
+        return super().parse_args(ctx, args)
+
+
+@click.group(
+    cls=HeadspaceGroup,
+    invoke_without_command=True,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
 @click.version_option(package_name="headspace")
 @click.pass_context
 def cli(ctx: click.Context) -> None:

@@ -14,9 +14,12 @@ import click
 from ..defaults import DEFAULT_SENTENCE, DEFAULT_TOKEN
 from ..errors import UsageError
 from .loader import load_model
-from .options import json_option, model_option, out_option
-from .output import clean, json_out
+from .options import json_option, model_option, out_option, positive_int
+from .output import check_writable_folder, clean, json_out
 from .render import console, explain_pictures, pattern_grid, render_explanation
+
+#: The largest --sentences file read (bytes): far more text than a head table needs.
+MAX_SENTENCES_BYTES = 16 * 1024 * 1024
 
 
 def _check_range(name: str, value: int | None, n: int) -> None:
@@ -34,10 +37,23 @@ def _check_range(name: str, value: int | None, n: int) -> None:
 )
 @click.option("--layer", type=int, default=None, help="Layer to explain (default: the best-ranked head's).")
 @click.option(
-    "--head", type=int, default=None, help="Head to explain (default: ranked by where the token attends)."
+    "--head", type=int, default=None, help="Head to explain (default: the best-ranked relational head)."
 )
 @click.option(
-    "--top", "top_heads", type=int, default=5, show_default=True, help="How many ranked heads to show."
+    "--occurrence",
+    type=int,
+    default=None,
+    callback=positive_int,
+    help="Which occurrence of --token to follow when it appears several times (1 = the first).",
+)
+@click.option(
+    "--top",
+    "top_heads",
+    type=int,
+    default=5,
+    show_default=True,
+    callback=positive_int,
+    help="How many ranked heads to show per group (relational, positional); at least 1.",
 )
 @model_option
 @out_option
@@ -47,29 +63,36 @@ def explain_cmd(
     token: str,
     layer: int | None,
     head: int | None,
+    occurrence: int | None,
     top_heads: int,
     model_spec: str,
     out_dir: Path | None,
     as_json: bool,
 ) -> None:
     """Walk one token through one head: x -> q, k, v -> scores -> softmax -> z -> concat -> W_O -> out."""
+    if out_dir is not None:
+        check_writable_folder(out_dir)
     pretrained = load_model(model_spec)
     cfg = pretrained.model.config
     _check_range("layer", layer, cfg.n_layers)
     _check_range("head", head, cfg.n_heads)
     from ..explain import explain, find_token, token_strings
 
-    tokens = token_strings(pretrained, sentence)
-    tok: str | int = int(token) if token.isdigit() and token not in tokens else token
     try:
-        find_token(tokens, tok)
-        e = explain(pretrained, sentence, tok, layer=layer, head=head, model_name=model_spec)
+        tokens = token_strings(pretrained, sentence)
+        tok: str | int = int(token) if token.isdigit() and token not in tokens else token
+        if occurrence is not None and not isinstance(tok, str):
+            raise ValueError(f"--occurrence needs --token as text; --token {token} is already one position")
+        find_token(tokens, tok, occurrence)
+        e = explain(
+            pretrained, sentence, tok, layer=layer, head=head, model_name=model_spec, occurrence=occurrence
+        )
     except ValueError as err:
-        raise UsageError(str(err)) from None
+        message = str(err)
+        raise UsageError("--" + message if message.startswith("occurrence ") else message) from None
     pictures = explain_pictures(e, pretrained, out_dir) if out_dir is not None else []
     if as_json:
-        d = e.to_dict()
-        d["ranking"] = d["ranking"][: max(top_heads, 0)] if top_heads >= 0 else d["ranking"]
+        d = e.to_dict(top=top_heads)
         d["pictures"] = [str(p) for p in pictures]
         json_out(clean(d))
         return
@@ -79,8 +102,15 @@ def explain_cmd(
 
 
 def _read_sentences(path: Path) -> list[str]:
+    """The non-empty lines of a UTF-8 file: a regular file of at most :data:`MAX_SENTENCES_BYTES`."""
+    from ..fileio import UnsafeFileError, read_regular_file
+
+    limit = f"only regular files of at most {MAX_SENTENCES_BYTES // (1024 * 1024)} MB are read"
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_regular_file(path, max_bytes=MAX_SENTENCES_BYTES).decode("utf-8")
+    except UnsafeFileError as e:
+        reason = str(e).removeprefix(f"{path}: ")
+        raise UsageError(f"cannot read sentences file {path}: {reason} ({limit})") from None
     except (OSError, UnicodeDecodeError) as e:
         raise UsageError(f"cannot read sentences file {path}: {e.__class__.__name__}: {e}") from None
     sentences = [line.strip() for line in text.splitlines() if line.strip()]
@@ -96,7 +126,7 @@ def _read_sentences(path: Path) -> list[str]:
     "sentences_file",
     type=click.Path(path_type=Path),
     default=None,
-    help="A UTF-8 text file with one sentence per line.",
+    help="A UTF-8 text file with one sentence per line (a regular file of at most 16 MB).",
 )
 @click.option(
     "--threshold", type=float, default=None, help="Role-label threshold (default: the analysis default)."
@@ -125,6 +155,8 @@ def heads_cmd(
     """The layer x head table: role, entropy, importance and W_O weight of every head."""
     if sentence is not None and sentences_file is not None:
         raise UsageError("give either SENTENCE or --sentences FILE, not both")
+    if out_dir is not None:
+        check_writable_folder(out_dir)
     sentences = (
         _read_sentences(sentences_file) if sentences_file is not None else [sentence or DEFAULT_SENTENCE]
     )
@@ -216,6 +248,8 @@ def subspaces_cmd(
     layer: int | None, which: str, model_spec: str, out_dir: Path | None, as_json: bool
 ) -> None:
     """Head x head subspace overlap per layer beside the random baseline, and the QK/OV spectra."""
+    if out_dir is not None:
+        check_writable_folder(out_dir)
     pretrained = load_model(model_spec)
     _check_range("layer", layer, pretrained.model.config.n_layers)
     from ..analysis import circuit_spectra, subspace_overlaps
@@ -236,13 +270,17 @@ def subspaces_cmd(
                     label="mean cos^2 of principal angles",
                 )
             )
-            n = spectra.qk_singular_values.shape[1]
+            qk_rank, ov_rank = spectra.qk_effective_rank[i], spectra.ov_effective_rank[i]
             pictures.append(
-                plots.plot_spectra(
-                    [*spectra.qk_singular_values[i], *spectra.ov_singular_values[i]],
+                plots.plot_circuit_spectra(
+                    spectra.qk_singular_values[i],
+                    spectra.ov_singular_values[i],
                     out_dir / f"subspaces_L{i}_spectra.png",
-                    title=f"layer {i}: QK and OV circuit singular values",
-                    labels=[f"QK H{h}" for h in range(n)] + [f"OV H{h}" for h in range(n)],
+                    title=f"layer {i}: singular values of each head's QK and OV circuits",
+                    head_labels=[
+                        f"H{h}  eff. rank QK {float(a):.1f}, OV {float(b):.1f}"
+                        for h, (a, b) in enumerate(zip(qk_rank, ov_rank))
+                    ],
                 )
             )
     if as_json:

@@ -33,6 +33,41 @@ def _bar(x: float, width: int = 24) -> str:
     return "█" * n + "·" * (width - n)
 
 
+def _heads_table(title: str, heads: Sequence[Any], *, relational: bool):
+    from rich.table import Table
+
+    t = Table(title=title)
+    cols = ("layer", "head", "role", "flow" if relational else "weight", "on", "top attended tokens")
+    for col in cols:
+        t.add_column(col, justify="right" if col in ("layer", "head", "flow", "weight") else "left")
+    for f in heads:
+        top = ", ".join(f"{a.token} {a.weight:.2f}" for a in f.top)
+        key = f.top[0]
+        value = f"{f.flow:.3f}" if relational else f"{key.weight:.3f}"
+        t.add_row(str(f.layer), str(f.head), f.role, value, key.token, top)
+    return t
+
+
+def occurrence_note(e: Explanation) -> str:
+    """Which occurrence of the token is explained, when the sentence holds it more than once."""
+    if len(e.occurrences) < 2:
+        return ""
+    where = ", ".join(str(i) for i in e.occurrences)
+    return (
+        f"'{e.token}' occurs {len(e.occurrences)} times (positions {where}): this is occurrence "
+        f"{e.occurrence}, position {e.token_index}; choose another with --occurrence N"
+    )
+
+
+def kv_note(e: Explanation) -> str:
+    """' (key/value head g, shared by query heads a-b)' with grouped-query attention, else ''."""
+    if e.n_kv_heads >= e.n_heads:
+        return ""
+    shared = e.kv_shared_by
+    heads = f"{shared[0]}-{shared[-1]}" if len(shared) > 2 else " and ".join(map(str, shared))
+    return f" (key/value head {e.kv_head}, shared by query heads {heads})"
+
+
 def render_explanation(e: Explanation, *, top_heads: int = 5) -> None:
     """Print the pipeline of an :class:`Explanation` in order, with real shapes and values."""
     from rich.panel import Panel
@@ -48,23 +83,37 @@ def render_explanation(e: Explanation, *, top_heads: int = 5) -> None:
             title="headspace explain",
         )
     )
-    if e.ranking:
-        t = Table(title=f"heads ranked by where '{tok}' attends (largest weight on a content token)")
-        for col in ("layer", "head", "focus", "on", "top attended tokens"):
-            t.add_column(col, justify="right" if col in ("layer", "head", "focus") else "left")
-        for f in e.ranking[:top_heads]:
-            top = ", ".join(f"{a.token} {a.weight:.2f}" for a in f.top)
-            t.add_row(str(f.layer), str(f.head), f"{f.focus:.3f}", f.focus_token, top)
-        c.print(t)
+    note = occurrence_note(e)
+    if note:
+        c.print(note)
+    if e.relational:
+        c.print(
+            _heads_table(
+                f"relational heads: '{tok}' attends most to another content token "
+                "(ranked by flow = weight x |v_j W_O\\[h]|: what that token adds to the output)",
+                e.relational[:top_heads],
+                relational=True,
+            )
+        )
+    if e.positional:
+        c.print(
+            _heads_table(
+                f"positional heads: '{tok}' attends most to itself, a neighbour or a special token "
+                "(ranked by weight)",
+                e.positional[:top_heads],
+                relational=False,
+            )
+        )
     L, H, dh, dm = e.layer, e.head, e.d_head, e.d_model
-    c.print(f"\n[bold]Layer {L}, head {H}[/] (key/value head {e.kv_head}) for token {e.token_index} '{tok}'")
+    g = e.kv_head
+    c.print(f"\n[bold]Layer {L}, head {H}[/]{kv_note(e)} for token {e.token_index} '{tok}'")
     c.print(f"1. x, the token's input to the attention      [{dm}]   |x| = {_norm(e.x):.3f}  {_vec(e.x)}")
+    b_q, b_k, b_v = (f" + b_Q[{H}]", f" + b_K[{g}]", f" + b_V[{g}]") if e.bias else ("", "", "")
     c.print(
-        f"2. q = x W_Q[{H}] + b_Q[{H}]   W_Q[{H}]: [{dm}, {dh}]  -> q [{dh}]  "
-        f"|q| = {_norm(e.q):.3f}  {_vec(e.q)}"
+        f"2. q = x W_Q[{H}]{b_q}   W_Q[{H}]: [{dm}, {dh}]  -> q [{dh}]  |q| = {_norm(e.q):.3f}  {_vec(e.q)}"
     )
     c.print(
-        f"   k_j = x_j W_K[{e.kv_head}] + b_K, v_j = x_j W_V[{e.kv_head}] + b_V for every token j "
+        f"   k_j = x_j W_K[{g}]{b_k}, v_j = x_j W_V[{g}]{b_v} for every token j "
         f"-> k, v [{len(e.tokens)}, {dh}]"
     )
     t = Table(title=f"3. scores q.k_j / sqrt({dh}) and the softmax over the {len(e.tokens)} tokens")
@@ -93,7 +142,8 @@ def render_explanation(e: Explanation, *, top_heads: int = 5) -> None:
         f"  {_vec(e.concat)}"
     )
     c.print(
-        f"6. out = concat W_O + b_O   W_O: [{e.n_heads * dh}, {dm}]  -> out [{dm}]  "
+        f"6. out = concat W_O{' + b_O' if e.out_bias else ''}   W_O: [{e.n_heads * dh}, {dm}]  "
+        f"-> out [{dm}]  "
         f"|out| = {_norm(e.out):.3f}  {_vec(e.out)}"
     )
     t = Table(title=f"7. how W_O weighs the heads of layer {L} for '{tok}' (share of sum_h |z_h W_O\\[h]|)")

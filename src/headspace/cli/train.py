@@ -11,6 +11,8 @@ from pathlib import Path
 import click
 
 from ..errors import UsageError
+from .options import seed_value
+from .output import check_writable_folder
 
 
 def _fail(e: Exception) -> UsageError:
@@ -54,7 +56,7 @@ def _fail(e: Exception) -> UsageError:
 @click.option(
     "--save-every", type=int, default=0, show_default=True, help="Checkpoint every N steps (0: at the end)."
 )
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, callback=seed_value, help="0..2**63-1.")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 @click.option("--out", "out", type=click.Path(file_okay=False), required=True, help="Run folder.")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
@@ -72,6 +74,7 @@ def train_command(
 
     if task is None:
         task = "text" if data is not None else "relations"
+    check_writable_folder(out)  # before any training: a run that cannot be saved is not started
     try:
         config = TrainConfig(
             task=task, data=data, level=level, arch=arch, n_layers=n_layers, n_heads=n_heads, d_model=d_model,
@@ -111,6 +114,10 @@ def plot_run_command(run_dir: str, out: str | None) -> None:
 
     if not Path(run_dir).is_dir():
         raise UsageError(f"RUN_DIR {run_dir} is not a folder")
+    if out is None:
+        check_writable_folder(run_dir, "RUN_DIR")
+    else:
+        check_writable_folder(Path(out).parent, "--out", out)
     try:
         path = plot_run(run_dir, out)
     except ValueError as e:
@@ -124,7 +131,7 @@ def plot_run_command(run_dir: str, out: str | None) -> None:
 @click.option("--tokens", "max_new_tokens", type=int, default=200, show_default=True)
 @click.option("--temperature", type=float, default=0.8, show_default=True)
 @click.option("--top-k", type=int, default=None)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, callback=seed_value, help="0..2**63-1.")
 def generate_command(
     run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None, seed: int
 ) -> None:

@@ -2,15 +2,22 @@
 
 from __future__ import annotations
 
+import shutil
+import signal
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import click
 
 from ..defaults import DEFAULT_SENTENCE
 from ..errors import UsageError
 from .loader import load_model
+from .output import check_writable_folder
 
 #: --precision choices (:data:`headspace.viz.explorer.data.PRECISIONS`, kept here so --help needs no torch).
 PRECISIONS = ("auto", "float32", "float16")
@@ -46,8 +53,7 @@ def view(
 ) -> None:
     """Write the explorer page for SENTENCE: every head's attention, the q-k-v-softmax-W_O pipeline of
     one head for one token, subspace overlaps and W_O's shares, from the real model. No network."""
-    from ..viz.explorer.page import Explorer, serve_page
-
+    start = time.perf_counter()  # what the user waits for: imports and the model load included
     if output is None and not serve:
         raise UsageError("say where the page goes: -o FILE.html (and/or --serve to open it on localhost)")
     if sentence is None:
@@ -58,32 +64,65 @@ def view(
         folder = Path(output).parent
         if not folder.is_dir():
             raise UsageError(f"-o {output!r}: the folder {str(folder)!r} does not exist")
-    pre = load_model(model_name)
-    start = time.perf_counter()
-    try:
-        page = Explorer(pre, sentence, precision=precision)
-    except ValueError as e:
-        raise UsageError(str(e).splitlines()[0]) from None
-    if output is not None:
-        path = page.save(output)
-    else:
-        path = page.save(Path(tempfile.mkdtemp(prefix="headspace-view-")) / "explorer.html")
-    n_tokens = len(page.data["tokens"])
-    size_mb = path.stat().st_size / 1e6
-    click.echo(
-        f"wrote {path} ({size_mb:.1f} MB, {n_tokens} tokens, {len(page.data['layers'])} layers, "
-        f"{page.data['precision']}) in {time.perf_counter() - start:.1f} s"
-    )
-    if serve:
+        check_writable_folder(folder, "-o", output)
+    from ..viz.explorer.page import Explorer, page_server
+
+    server = None
+    if serve:  # bind first: a port in use is known before the model is loaded and the page built
         try:
-            server = serve_page(path, port=port)
+            server = page_server(port=port)
         except OSError as e:
             raise UsageError(f"--port {port}: cannot listen on 127.0.0.1:{port} ({e.strerror})") from None
-        host, bound = server.server_address[:2]
-        click.echo(f"serving on http://{host}:{bound}/ (Ctrl-C to stop)")
+    temp: Path | None = None
+    with _sigterm_exits():
         try:
-            server.serve_forever()
-        except KeyboardInterrupt:
-            pass
+            pre = load_model(model_name)
+            loaded = time.perf_counter()
+            try:
+                page = Explorer(pre, sentence, precision=precision)
+            except ValueError as e:
+                raise UsageError(str(e).splitlines()[0]) from None
+            if output is not None:
+                path = page.save(output)
+            else:
+                temp = Path(tempfile.mkdtemp(prefix="headspace-view-"))
+                path = page.save(temp / "explorer.html")
+            done = time.perf_counter()
+            n_tokens = len(page.data["tokens"])
+            size_mb = path.stat().st_size / 1e6
+            click.echo(
+                f"wrote {path} ({size_mb:.1f} MB, {n_tokens} tokens, {len(page.data['layers'])} layers, "
+                f"{page.data['precision']}) in {done - start:.1f} s "
+                f"(load {loaded - start:.1f} s, build {done - loaded:.1f} s)"
+            )
+            if server is not None:
+                server.set_page(path)
+                host, bound = server.server_address[:2]
+                note = "" if temp is None else "; the page is removed when the server stops"
+                click.echo(f"serving on http://{host}:{bound}/ (Ctrl-C to stop{note})")
+                try:
+                    server.serve_forever()
+                except KeyboardInterrupt:
+                    pass
         finally:
-            server.server_close()
+            if server is not None:
+                server.server_close()
+            if temp is not None:
+                shutil.rmtree(temp, ignore_errors=True)
+
+
+@contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """While inside, SIGTERM raises SystemExit (143), so ``finally`` blocks run (the temp page goes)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if before is None else before)

@@ -218,3 +218,49 @@ def plot_spectra(
     if labels is not None and len(labels) <= 16:
         ax.legend(fontsize=6, ncol=2)
     return _save(fig, path)
+
+
+def plot_circuit_spectra(
+    qk: Sequence[ArrayLike] | ArrayLike,
+    ov: Sequence[ArrayLike] | ArrayLike,
+    path: str | Path,
+    *,
+    title: str = "",
+    head_labels: Sequence[str] | None = None,
+    ncols: int = 4,
+) -> Path:
+    """Small multiples of the QK and OV circuits' singular values: one panel per head, two lines each.
+
+    ``qk[h]`` and ``ov[h]`` are head h's singular values (largest first; NaN rows, a pruned head's, are
+    left out). Every panel shares the log-scaled y axis, so heads compare at a glance; one legend tells
+    QK from OV.
+    """
+    qks, ovs = [_np(s) for s in qk], [_np(s) for s in ov]
+    if len(qks) != len(ovs):
+        raise ValueError(f"qk has {len(qks)} heads but ov has {len(ovs)}; give both circuits of every head")
+    heads = [h for h in range(len(qks)) if np.isfinite(qks[h]).any() or np.isfinite(ovs[h]).any()]
+    labels = list(head_labels) if head_labels is not None else [f"head {h}" for h in range(len(qks))]
+    ncols = max(1, min(ncols, len(heads) or 1))
+    nrows = max(1, -(-len(heads) // ncols))
+    fig, axes = plt.subplots(
+        nrows, ncols, figsize=(2.6 * ncols + 0.8, 2.0 * nrows + 1.0), sharex=True, sharey=True, squeeze=False
+    )
+    for ax in axes.flat[len(heads) :]:
+        ax.axis("off")
+    for ax, h in zip(axes.flat, heads):
+        lines = ((qks[h], "QK = W_Q W_K^T", "#1f77b4"), (ovs[h], "OV = W_V W_O", "#d62728"))
+        for values, name, color in lines:
+            v = values[np.isfinite(values)]
+            ax.semilogy(range(1, len(v) + 1), np.clip(v, 1e-12, None), lw=1.6, color=color, label=name)
+        ax.set_title(labels[h], fontsize=9)
+        ax.grid(True, which="major", alpha=0.3)
+        ax.tick_params(labelsize=7)
+    fig.supxlabel("singular value index (largest first)", fontsize=9)
+    fig.supylabel("singular value (log scale)", fontsize=9)
+    handles, names = axes.flat[0].get_legend_handles_labels()
+    fig.suptitle(title or "QK and OV circuit singular values per head", fontsize=11)
+    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    fig.legend(
+        handles, names, loc="upper center", ncol=2, fontsize=9, frameon=False, bbox_to_anchor=(0.5, 0.96)
+    )
+    return _save(fig, path)

@@ -4,6 +4,7 @@ What the page stores, per attention layer (``seq`` = the sentence's tokens)::
 
     q                [seq, n_heads, d_head]       hook_q: each token's query, per head
     k, v             [seq, n_kv_heads, d_head]    hook_k, hook_v
+                     (rotary layers: q and k after the rotation, hook_rot_q and hook_rot_k; "rotary" true)
     W_O              [n_heads, d_head, d_model]   out = sum_h z_h W_O[h] + b_O
     b_O              [d_model] or null
     scale, mask      the scores' scale and mask ("none" or "causal")
@@ -11,6 +12,8 @@ What the page stores, per attention layer (``seq`` = the sentence's tokens)::
     wo_norms         [n_heads]                    ||W_O[h]||_F, no input needed
     overlap          {"W_Q", "W_K", "W_V", "W_O"} [heads, heads]: mean squared cosine of the principal
                      angles between two heads' subspaces, with the random baseline d_head / d_model
+
+and, for the whole page, ``initial`` {"layer", "head", "token"}: where it opens.
 
 The page computes the rest in the browser from these: ``scores = q k^T * scale`` (masked),
 ``pattern = softmax(scores)``, ``z = pattern v``, the concatenation of the heads and
@@ -45,6 +48,8 @@ AUTO_FLOAT32_MAX_TOKENS = 128
 PRECISIONS = ("auto", "float32", "float16")
 #: The hook points of an attention layer the explorer reads, with the shapes they carry (batch 1).
 _HOOKS = ("hook_q", "hook_k", "hook_v", "hook_scores", "hook_pattern", "hook_z", "hook_result")
+#: Rotary layers also have these: q and k after the rotation, the ones the scores are made of.
+_ROTARY_HOOKS = ("hook_rot_q", "hook_rot_k")
 
 
 @dataclass
@@ -94,7 +99,8 @@ def capture_layers(model: nn.Module, run: Callable[[], Any]) -> list[LayerCaptur
     layers = attention_layers(model)
     if not layers:
         raise ValueError(f"model has no headspace MultiHeadAttention layer to show ({type(model).__name__})")
-    with torch.no_grad(), trace(model, [f"*{h}" for h in _HOOKS]) as t:
+    wanted = set(_HOOKS + _ROTARY_HOOKS)
+    with torch.no_grad(), trace(model, lambda name: name.rsplit(".", 1)[-1] in wanted) as t:
         run()
     captures = []
     for i, (name, attn) in enumerate(layers):
@@ -117,7 +123,12 @@ def capture_layers(model: nn.Module, run: Callable[[], Any]) -> list[LayerCaptur
                 f"the explorer shows self-attention; layer {name!r} had {q.shape[1]} queries and "
                 f"{rec['k'].shape[1]} keys"
             )
-        q, k, v = q[0].float(), rec["k"][0].float(), rec["v"][0].float()  # (S, H, dh), (S, Hkv, dh) x 2
+        rot_q, rot_k = f"{name}.hook_rot_q", f"{name}.hook_rot_k"
+        if rot_q in t and rot_k in t:  # rotary positions: the scores are q k^T of the rotated q and k
+            q, k = t[rot_q], t[rot_k]
+        else:
+            k = rec["k"]
+        q, k, v = q[0].float(), k[0].float(), rec["v"][0].float()  # (S, H, dh), (S, Hkv, dh) x 2
         scores = rec["scores"][0].float()  # (H, S, S)
         mask = _mask_kind(name, scores)
         _check_scores_are_qk(name, attn, q, k, scores)
@@ -204,8 +215,14 @@ def build_page_data(
     model_name: str = "",
     sentence: str = "",
     precision: str = "auto",
+    initial: dict[str, int] | None = None,
 ) -> dict[str, Any]:
-    """The JSON object the page reads (see the module docstring for every field)."""
+    """The JSON object the page reads (see the module docstring for every field).
+
+    ``initial`` ({"layer", "head", "token"}) is the selection the page opens on (default: layer 0,
+    head 0, token 1); :class:`~headspace.viz.explorer.Explorer` passes the head and token that
+    ``headspace explain`` walks by default.
+    """
     if not captures:
         raise ValueError("captures is empty: nothing to show")
     tokens = [str(t) for t in tokens]
@@ -213,6 +230,13 @@ def build_page_data(
     if len(tokens) != seq:
         raise ValueError(f"tokens has {len(tokens)} labels but the traced sequence has {seq} positions")
     dtype = resolve_precision(precision, seq)
+    start = {"layer": 0, "head": 0, "token": 1 if seq > 1 else 0, **(initial or {})}
+    for key, n in (("layer", len(captures)), ("token", seq)):
+        if not 0 <= int(start[key]) < n:
+            raise ValueError(f"initial {key} {start[key]} is out of range 0..{n - 1}")
+    n_heads = captures[int(start["layer"])].attn.n_heads
+    if not 0 <= int(start["head"]) < n_heads:
+        raise ValueError(f"initial head {start['head']} is out of range 0..{n_heads - 1}")
     layers = []
     for c in captures:
         attn = c.attn
@@ -230,6 +254,7 @@ def build_page_data(
                 "d_model": attn.d_model,
                 "scale": attn.scale,
                 "mask": c.mask,
+                "rotary": getattr(attn, "hook_rot_q", None) is not None,
                 "q": pack(c.q, dtype),
                 "k": pack(c.k, dtype),
                 "v": pack(c.v, dtype),
@@ -248,5 +273,6 @@ def build_page_data(
         "sentence": sentence,
         "tokens": tokens,
         "precision": dtype,
+        "initial": {key: int(start[key]) for key in ("layer", "head", "token")},
         "layers": layers,
     }

@@ -12,6 +12,7 @@ import html
 import json
 import os
 import re
+import sys
 from collections.abc import Callable, Sequence
 from functools import cache
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from ...fileio import write_atomic
-from .data import build_page_data, capture_layers
+from .data import LayerCapture, build_page_data, capture_layers
 
 #: Flags for opening the page in a headless Chromium with no network at all (the browser test and
 #: benchmarks/explorer.py use them): no sandbox (root), no GPU, no background requests of its own.
@@ -74,6 +75,19 @@ def write_page(path: str | os.PathLike[str], page: str) -> Path:
         raise ValueError(f"output folder {str(folder)!r} does not exist (for output file {str(path)!r})")
     write_atomic(path, page)
     return path
+
+
+def initial_selection(captures: Sequence[LayerCapture], labels: Sequence[str]) -> dict[str, int]:
+    """Where the page opens: the token ``headspace explain`` follows by default ("it" if the input has it,
+    else its first non-special token) and the head it walks for that token (:func:`headspace.explain.
+    rank_heads`: the best relational head)."""
+    from ...explain import default_index, rank_heads, special_positions, value_norms
+
+    index = default_index(labels)
+    norms = [value_norms(c.v, c.attn.W_O) for c in captures]  # (H, S) each
+    patterns = [c.pattern for c in captures]  # (H, S, S) each
+    best = rank_heads(patterns, labels, index, special_positions(None, labels), norms=norms)[0]
+    return {"layer": best.layer, "head": best.head, "token": index}
 
 
 def _token_labels(pretrained: Any, sentence: str, ids: Sequence[int]) -> list[str]:
@@ -174,6 +188,7 @@ class Explorer:
             model_name=str(self.name),
             sentence=text,
             precision=precision,
+            initial=initial_selection(captures, list(labels)),
         )
         self.captures = captures
         self._html: str | None = None
@@ -194,27 +209,70 @@ class Explorer:
         )
 
 
-def serve_page(
-    path: str | os.PathLike[str], *, port: int = 8000, host: str = "127.0.0.1"
-) -> ThreadingHTTPServer:
-    """A localhost HTTP server that answers every GET with the page at ``path`` (call ``serve_forever``).
+#: What a client that goes away mid-download raises in the server (nothing to report: it left).
+_CLIENT_GONE = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError)
 
-    ``port=0`` picks a free port (``server.server_address[1]``).
+
+class PageServer(ThreadingHTTPServer):
+    """A localhost HTTP server that answers every GET of ``/`` with one page (``set_page``).
+
+    Bound when created, so a port in use is known before any page is built; until ``set_page`` it
+    answers 503. A client that disconnects mid-download is dropped quietly; the server keeps serving.
     """
-    body = Path(path).read_bytes()
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            if self.path.split("?")[0] not in ("/", "/index.html", "/" + Path(path).name):
-                self.send_error(404, "the explorer serves one page, at /")
-                return
+    daemon_threads = True
+    body: bytes | None = None
+    page_name = "explorer.html"
+
+    def set_page(self, path: str | os.PathLike[str]) -> None:
+        self.body = Path(path).read_bytes()
+        self.page_name = Path(path).name
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        if isinstance(sys.exc_info()[1], _CLIENT_GONE):
+            return
+        super().handle_error(request, client_address)
+
+
+class _PageHandler(BaseHTTPRequestHandler):
+    server: PageServer
+
+    def do_GET(self) -> None:
+        if self.path.split("?")[0] not in ("/", "/index.html", "/" + self.server.page_name):
+            self.send_error(404, "the explorer serves one page, at /")
+            return
+        body = self.server.body
+        if body is None:
+            self.send_error(503, "the page is being built; reload in a few seconds")
+            return
+        try:
             self.send_response(200)
             self.send_header("Content-Type", "text/html; charset=utf-8")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
+        except _CLIENT_GONE:
+            self.close_connection = True
 
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
 
-    return ThreadingHTTPServer((host, port), Handler)
+
+def page_server(*, port: int = 8000, host: str = "127.0.0.1") -> PageServer:
+    """A bound :class:`PageServer` with no page yet (``port=0`` picks a free port); raises ``OSError``
+    when the port cannot be bound."""
+    return PageServer((host, port), _PageHandler)
+
+
+def serve_page(path: str | os.PathLike[str], *, port: int = 8000, host: str = "127.0.0.1") -> PageServer:
+    """A localhost HTTP server that answers every GET with the page at ``path`` (call ``serve_forever``).
+
+    ``port=0`` picks a free port (``server.server_address[1]``).
+    """
+    server = page_server(port=port, host=host)
+    try:
+        server.set_page(path)
+    except BaseException:
+        server.server_close()
+        raise
+    return server

@@ -257,7 +257,12 @@
   }
 
   // ------------------------------------------------------------------ state and selectors
-  const state = { layer: 0, head: 0, token: SEQ > 1 ? 1 : 0, shown: null, mode: LONG ? "heatmap" : "lines", matrix: "W_Q" };
+  // The page opens where `headspace explain` starts: its default head and token (DATA.initial), one head shown.
+  const INITIAL = DATA.initial || {};
+  const inRange = (v, n, fallback) => (Number.isInteger(v) && v >= 0 && v < n ? v : fallback);
+  const initialLayer = inRange(INITIAL.layer, N_LAYERS, 0);
+  const state = { layer: initialLayer, head: inRange(INITIAL.head, DATA.layers[initialLayer].n_heads, 0),
+    token: inRange(INITIAL.token, SEQ, SEQ > 1 ? 1 : 0), shown: null, mode: LONG ? "heatmap" : "lines", matrix: "W_Q" };
 
   function radioGroup(container, items, selected, onPick, cls) {
     container.replaceChildren();
@@ -291,23 +296,25 @@
     });
   }
 
+  // Only the pipeline's head is shown at first; while it is the one head shown, picking another head or
+  // layer moves it along. Once more heads are shown ("all", the toggles), a new layer shows all its heads
+  // on short inputs (long ones stay at one: each shown head costs a full seq x seq pattern).
+  const single = () => state.shown.size === 1 && state.shown.has(state.head);
   function setLayer(l) {
+    const one = single();
     state.layer = (l + N_LAYERS) % N_LAYERS;
     for (const [key, L] of decoded) if (key !== state.layer) L.patterns.clear(); // keep memory bounded
     const H = layerData(state.layer).H;
     if (state.head >= H) state.head = 0;
-    state.shown = defaultShown(H);
+    state.shown = one || LONG ? new Set([state.head]) : new Set([...Array(H).keys()]);
     buildLayerControls();
     render();
   }
-  // Short inputs show every head; long ones only the pipeline's head (each shown head costs a full
-  // seq x seq pattern), and then picking another head moves the single shown head along.
-  function defaultShown(H) { return LONG ? new Set([state.head]) : new Set([...Array(H).keys()]); }
   function setHead(h) {
     const H = layerData(state.layer).H;
-    const single = state.shown.size === 1 && state.shown.has(state.head);
+    const one = single();
     state.head = (h + H) % H;
-    if (LONG && single) state.shown = new Set([state.head]); else state.shown.add(state.head);
+    if (one) state.shown = new Set([state.head]); else state.shown.add(state.head);
     buildLayerControls();
     render();
   }
@@ -638,7 +645,7 @@
       (DATA.sentence ? `: "${DATA.sentence.length > 160 ? DATA.sentence.slice(0, 160) + "…" : DATA.sentence}"` : "");
     $("footer").textContent = `${DATA.format}; ${DATA.precision} values; written by headspace. Scores, softmax, z and out ` +
       "are computed in this page from the traced q, k, v and the model's W_O, b_O.";
-    state.shown = defaultShown(layerData(0).H);
+    state.shown = new Set([state.head]);
     buildStaticControls();
     buildLayerControls();
     syncTokens(); syncMatrix();
