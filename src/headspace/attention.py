@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -15,6 +16,7 @@ from .heads import Head, HeadList
 from .hooks import HookPoint
 from .kernels.workspace import THREAD_SCRATCH_MIN_BYTES, Workspace, thread_workspace
 from .masks import CanonicalMask, canonical_mask
+from .positions import Rotary
 
 
 def _shape(t: Tensor) -> list[int]:
@@ -86,6 +88,85 @@ def _check_finite(name: str, t: Tensor, *, allow_neg_inf: bool = False) -> None:
             f"{name} has a non-finite value ({value}) at index {where} (shape {_shape(t)}); "
             f"check_finite=True refuses {refused}"
         )
+
+
+def _check_rotary_positions(positions: Any, batch: int, seq_q: int, device: torch.device) -> None:
+    """``positions`` must be an integer tensor [seq_q] or [batch, seq_q] ([1, seq_q]) on ``device``."""
+    if not isinstance(positions, Tensor):
+        raise TypeError(
+            f"positions must be an integer tensor [seq_q] or [batch, seq_q]; got {type(positions).__name__}"
+        )
+    if positions.dtype == torch.bool or positions.is_floating_point() or positions.is_complex():
+        raise TypeError(f"positions must have an integer dtype (int64 or int32); got {positions.dtype}")
+    fits = (positions.dim() == 1 and positions.shape[0] == seq_q) or (
+        positions.dim() == 2 and positions.shape[1] == seq_q and positions.shape[0] in (1, batch)
+    )
+    if not fits:
+        raise ValueError(
+            f"positions must be [seq_q={seq_q}] or [batch={batch}, seq_q={seq_q}] (one per query); got "
+            f"shape {_shape(positions)}"
+        )
+    if positions.device != device:
+        raise ValueError(f"positions is on {positions.device} but the query is on {device}")
+
+
+# One (cos, signed sin) pair per Rotary module: the last positions it was asked for. The blocks of a model
+# share one Rotary and receive the same positions tensor, so the tables are computed once per forward.
+_ROTARY_TABLES: weakref.WeakKeyDictionary[Rotary, tuple[Any, ...]] = weakref.WeakKeyDictionary()
+
+
+def rotary_tables(
+    rotary: Rotary, positions: Tensor, dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """cos and signed sin of ``positions``, shaped to broadcast over heads, for :func:`rotate_fused`.
+
+    Returns (cos, sin_signed), each [batch or 1, 1, seq, rotary_dim] in ``dtype``: ``cos`` is
+    :meth:`Rotary.cos_sin`'s, and ``sin_signed`` its sin with the sign of the 90-degree turn folded in
+    (``-sin`` on each plane's first feature, ``+sin`` on its second), so that
+    ``turn(x) * sin == swap(x) * sin_signed`` with ``swap`` a roll (rotate-half) or a pair flip
+    (interleaved). The last result is remembered per Rotary module (keyed by the positions tensor
+    itself and its version), so layers sharing a Rotary compute it once per forward.
+    """
+    inference = positions.is_inference()  # no version counter: such positions are compared by value
+    key = (None if inference else positions._version, dtype, device, torch.is_inference_mode_enabled())
+    memo = _ROTARY_TABLES.get(rotary)
+    if memo is not None and memo[1:5] == key:
+        same = torch.equal(memo[0], positions) if inference else memo[0] is positions
+        if same:
+            return memo[5], memo[6]
+    cos, sin = rotary.cos_sin(positions, dtype, device)  # (batch or 1, seq, rotary_dim) x 2
+    half = rotary.rotary_dim // 2
+    sign = torch.ones(rotary.rotary_dim, dtype=dtype, device=device)  # (rotary_dim,)
+    if rotary.interleaved:
+        sign[0::2] = -1.0  # planes (2i, 2i + 1): the turn is [-x_b, x_a]
+    else:
+        sign[:half] = -1.0  # planes (i, i + half): the turn is [-x_{i + half}, x_i]
+    cos = cos.unsqueeze(1)  # (batch or 1, 1, seq, rotary_dim)
+    sin = (sin * sign).unsqueeze(1)  # (batch or 1, 1, seq, rotary_dim)
+    _ROTARY_TABLES[rotary] = (positions.clone() if inference else positions, *key, cos, sin)
+    return cos, sin
+
+
+def rotate_fused(x: Tensor, cos: Tensor, sin_signed: Tensor, rotary: Rotary) -> Tensor:
+    """Rotate queries or keys ``x`` [batch, heads, seq, d_head] with :func:`rotary_tables`' cos/sin.
+
+    ``x * cos + turn(x) * sin`` on the first ``rotary_dim`` features, in transformers' order of
+    operations (so float32 results are bitwise those of ``apply_rotary_pos_emb``), the pass-through
+    features copied. Three elementwise ops and a roll; ``x`` may be a strided view (of the fused QKV
+    projection). Returns a fresh [batch, heads, seq, d_head] tensor; differentiable.
+    """
+    rd = rotary.rotary_dim
+    d_head = x.shape[-1]
+    xr = x if rd == d_head else x[..., :rd]  # (batch, heads, seq, rotary_dim)
+    if rotary.interleaved:
+        swapped = xr.unflatten(-1, (rd // 2, 2)).flip(-1).flatten(-2)  # (batch, heads, seq, rotary_dim)
+    else:
+        swapped = xr.roll(rd // 2, dims=-1)  # (batch, heads, seq, rotary_dim): [x_b, x_a] per plane
+    out = xr * cos  # (batch, heads, seq, rotary_dim)
+    out += swapped * sin_signed
+    if rd == d_head:
+        return out
+    return torch.cat((out, x[..., rd:]), dim=-1)  # (batch, heads, seq, d_head)
 
 
 class KVCache:
@@ -195,6 +276,14 @@ class MultiHeadAttention(nn.Module):
         z_h = softmax(q_h k_h^T * scale + mask) v_h          scale = 1 / sqrt(d_head)
         out = concat_h(z_h) W_O + b_O = sum_h z_h W_O[h] + b_O     W_O: [n_heads, d_head, d_model]
 
+    With rotary positions (``rotary``, a :class:`~headspace.positions.Rotary`, RoPE), the query at
+    position ``i`` and the key at position ``j`` are turned before the scores::
+
+        q_h(i) = (x_i W_Q[h] + b_Q[h]) R(i)      k_h(j) = (c_j W_K[g(h)] + b_K[g(h)]) R(j)
+        q_h(i) k_h(j)^T = (x_i W_Q[h] + b_Q[h]) R(i - j) (c_j W_K[g(h)] + b_K[g(h)])^T
+
+    so a score depends on the positions only through ``i - j`` (:meth:`Head.qk` with ``delta``).
+
     with ``x`` the query input, ``c`` the key/value input (``x`` itself for self-attention) and
     ``g(h) = h // (n_heads / n_kv_heads)`` the key/value head serving query head ``h`` (grouped-query
     attention; ``n_kv_heads = n_heads`` is ordinary multi-head attention, ``1`` multi-query).
@@ -205,13 +294,22 @@ class MultiHeadAttention(nn.Module):
 
     Storage is fused for speed: ``qkv_weight`` [(n_heads + 2 n_kv_heads) d_head, d_model] (or separate
     ``q_weight``/``k_weight``/``v_weight`` when kdim or vdim differ from d_model), ``qkv_bias``,
-    ``o_weight`` [d_model, n_heads d_head] and ``o_bias``, in ``nn.Linear``'s [out, in] layout. The
+    ``o_weight`` [d_model, n_heads d_head] and ``o_bias``, in ``nn.Linear``'s [out, in] layout.
+    ``bias`` switches both biases; ``qkv_bias`` / ``out_bias`` (default: ``bias``) switch them apart
+    (Qwen2 has biases on q, k and v but not on the output projection). The
     properties ``W_Q``, ``W_K``, ``W_V``, ``W_O``, ``b_Q``, ``b_K``, ``b_V``, ``b_O`` and ``heads[h]`` are
     zero-copy views of that storage: writing into them (under ``torch.no_grad()``) changes the layer.
 
     Masks: bool masks mean True = may attend; ``key_padding`` is True for real tokens; float masks are
     additive. See :mod:`headspace.masks` for the whole convention. A query with nothing to attend to
     gives zeros with finite gradients.
+
+    Rotary positions (``rotary`` given; self-attention only): q and k are rotated after the projections
+    (and after ``hook_q``/``hook_k``), before the scores; the rotated values pass the hook points
+    ``hook_rot_q`` [batch, seq_q, n_heads, d_head] and ``hook_rot_k`` [batch, seq_k, n_kv_heads, d_head]
+    (which exist only on rotary layers). A KV cache stores rotated keys. ``forward``'s ``positions``
+    (default ``kv_cache.length + arange(seq_q)``) says where each query (and its key) sits. The untraced
+    path rotates q and k together, on the fused projection, in a few elementwise ops.
 
     ``check_finite`` (default False, as checking costs a pass over the inputs): when True, NaN/Inf in
     the inputs (NaN/+inf in a float ``attn_mask``) or the output raise ``ValueError`` naming the tensor
@@ -236,9 +334,26 @@ class MultiHeadAttention(nn.Module):
         check_finite: bool = False,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        qkv_bias: bool | None = None,
+        out_bias: bool | None = None,
+        rotary: Rotary | None = None,
     ) -> None:
         super().__init__()
         d_head, n_kv_heads = resolve_head_dims(d_model, n_heads, d_head, n_kv_heads)
+        for name, flag in (("qkv_bias", qkv_bias), ("out_bias", out_bias)):
+            if flag is not None and not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool or None (= bias); got {type(flag).__name__} {flag!r}")
+        qkv_bias = bool(bias) if qkv_bias is None else qkv_bias
+        out_bias = bool(bias) if out_bias is None else out_bias
+        if rotary is not None:
+            if not isinstance(rotary, Rotary):
+                raise TypeError(
+                    f"rotary must be a headspace.positions.Rotary or None; got {type(rotary).__name__}"
+                )
+            if rotary.d_head != d_head:
+                raise ValueError(
+                    f"rotary was made for d_head={rotary.d_head} but this layer has d_head={d_head}"
+                )
         for name, dim in (("kdim", kdim), ("vdim", vdim)):
             if dim is not None:
                 check_positive_int(name, dim, note=f" (or None for d_model={d_model})")
@@ -268,9 +383,10 @@ class MultiHeadAttention(nn.Module):
             self.q_weight = nn.Parameter(torch.empty(hq, d_model, **f))
             self.k_weight = nn.Parameter(torch.empty(hkv, self.kdim, **f))
             self.v_weight = nn.Parameter(torch.empty(hkv, self.vdim, **f))
-        self.qkv_bias = nn.Parameter(torch.empty(hq + 2 * hkv, **f)) if bias else None
+        self.qkv_bias = nn.Parameter(torch.empty(hq + 2 * hkv, **f)) if qkv_bias else None
         self.o_weight = nn.Parameter(torch.empty(d_model, hq, **f))
-        self.o_bias = nn.Parameter(torch.empty(d_model, **f)) if bias else None
+        self.o_bias = nn.Parameter(torch.empty(d_model, **f)) if out_bias else None
+        self.register_module("rotary", rotary)  # no parameters, no persistent buffers: no state-dict keys
 
         self.hook_q = HookPoint()  # [batch, seq_q, n_heads, d_head]
         self.hook_k = HookPoint()  # [batch, seq_k, n_kv_heads, d_head]
@@ -279,6 +395,9 @@ class MultiHeadAttention(nn.Module):
         self.hook_pattern = HookPoint()  # [batch, n_heads, seq_q, seq_k]
         self.hook_z = HookPoint()  # [batch, seq_q, n_heads, d_head]
         self.hook_result = HookPoint()  # [batch, seq_q, n_heads, d_model]
+        # rotary layers only: a layer without rotation has nothing to show there
+        self.register_module("hook_rot_q", HookPoint() if rotary is not None else None)  # [b, sq, H, dh]
+        self.register_module("hook_rot_k", HookPoint() if rotary is not None else None)  # [b, sk, Hkv, dh]
         self._hook_points = (
             self.hook_q,
             self.hook_k,
@@ -287,7 +406,7 @@ class MultiHeadAttention(nn.Module):
             self.hook_pattern,
             self.hook_z,
             self.hook_result,
-        )
+        ) + (() if rotary is None else (self.hook_rot_q, self.hook_rot_k))
         self.reset_parameters()
 
     # ------------------------------------------------------------------ parameters and views
@@ -394,7 +513,16 @@ class MultiHeadAttention(nn.Module):
             s += f", n_kv_heads={self.n_kv_heads}"
         if not self.fused:
             s += f", kdim={self.kdim}, vdim={self.vdim}"
-        return s + f", bias={self.qkv_bias is not None}, dropout={self.dropout}"
+        qkv_bias, out_bias = self.qkv_bias is not None, self.o_bias is not None
+        if qkv_bias == out_bias:
+            s += f", bias={qkv_bias}"
+        else:
+            s += f", qkv_bias={qkv_bias}, out_bias={out_bias}"
+        s += f", dropout={self.dropout}"
+        rotary = getattr(self, "rotary", None)
+        if rotary is not None:
+            s += f", rotary(rotary_dim={rotary.rotary_dim}, base={rotary.base:g}, {rotary.rope_type})"
+        return s
 
     # ------------------------------------------------------------------ checks
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
@@ -431,12 +559,7 @@ class MultiHeadAttention(nn.Module):
         B, Sq, _ = query.shape
         H, Hkv, dh = self.n_heads, self.n_kv_heads, self.d_head
         if key is None and self.fused:
-            if workspace is None:
-                qkv = F.linear(query, self.qkv_weight, self.qkv_bias)  # (B, Sq, (H + 2 Hkv) dh)
-            else:
-                x2 = query.reshape(B * Sq, query.shape[-1])  # (B Sq, d_model)
-                qkv = workspace.linear("qkv", x2, self.qkv_weight, self.qkv_bias)  # (B Sq, (H + 2 Hkv) dh)
-            qkv = qkv.view(B, Sq, H + 2 * Hkv, dh).transpose(1, 2)  # (B, H + 2 Hkv, Sq, dh)
+            qkv = self._fused_projection(query, workspace)  # (B, H + 2 Hkv, Sq, dh)
             q, k, v = qkv.split([H, Hkv, Hkv], dim=1)  # (B, H, Sq, dh), (B, Hkv, Sq, dh) x 2
             return q, k, v
         key = query if key is None else key
@@ -457,6 +580,17 @@ class MultiHeadAttention(nn.Module):
         v = v.view(B, Sk, Hkv, dh).transpose(1, 2)  # (B, Hkv, Sk, dh)
         return q, k, v
 
+    def _fused_projection(self, query: Tensor, workspace: Workspace | None) -> Tensor:
+        """Self-attention's one QKV GEMM: query [B, Sq, d_model] -> [B, H + 2 Hkv, Sq, dh] (a view)."""
+        B, Sq, _ = query.shape
+        H, Hkv, dh = self.n_heads, self.n_kv_heads, self.d_head
+        if workspace is None:
+            qkv = F.linear(query, self.qkv_weight, self.qkv_bias)  # (B, Sq, (H + 2 Hkv) dh)
+        else:
+            x2 = query.reshape(B * Sq, query.shape[-1])  # (B Sq, d_model)
+            qkv = workspace.linear("qkv", x2, self.qkv_weight, self.qkv_bias)  # (B Sq, (H + 2 Hkv) dh)
+        return qkv.view(B, Sq, H + 2 * Hkv, dh).transpose(1, 2)  # (B, H + 2 Hkv, Sq, dh)
+
     def forward(
         self,
         query: Tensor,
@@ -468,6 +602,7 @@ class MultiHeadAttention(nn.Module):
         is_causal: bool = False,
         need_weights: bool = False,
         kv_cache: KVCache | None = None,
+        positions: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend from ``query`` to ``key``/``value`` (self-attention when both are None).
 
@@ -487,6 +622,10 @@ class MultiHeadAttention(nn.Module):
                 the softmax itself, before dropout: rows sum to 1, rows with nothing to attend to are 0).
             kv_cache: a :class:`KVCache` from :meth:`make_kv_cache`; the new keys and values are appended
                 and the queries attend to every cached position (self-attention only).
+            positions: rotary layers only: int [seq_q] or [batch, seq_q], the position of each query and
+                of its key (None: ``kv_cache.length + arange(seq_q)``, or ``arange(seq_q)`` without a
+                cache). Left-padded rows may count from their first real token; only differences of
+                positions reach the scores.
 
         Returns:
             out [batch, seq_q, d_model], or (out, pattern) with ``need_weights=True``.
@@ -508,6 +647,17 @@ class MultiHeadAttention(nn.Module):
             )
         if kv_cache is not None and not self_attention:
             raise ValueError("kv_cache is for self-attention decoding; pass key=None and value=None with it")
+        rotary = self._modules.get("rotary")  # (a dict lookup: the untraced path stays cheap)
+        if rotary is None and positions is not None:
+            raise ValueError(
+                "positions were given but this layer has no rotary positions (rotary=None); positions are "
+                "used only to rotate queries and keys (learned positions are added to the input instead)"
+            )
+        if rotary is not None and not self_attention:
+            raise ValueError(
+                "this layer has rotary positions, which are defined for self-attention only; pass key=None "
+                "and value=None (or build the layer without rotary for cross-attention)"
+            )
         if self.check_finite:
             _check_finite("query", query)
             if not self_attention:
@@ -548,16 +698,37 @@ class MultiHeadAttention(nn.Module):
         scratch = None
         if not need_weights and self._may_use_thread_workspace(query, self_attention, traced, kv_cache):
             scratch = thread_workspace()  # q, k, v below are views of it, dead before this call returns
-        q, k, v = self.project_qkv(
-            query,
-            None if self_attention else k_in,
-            None if self_attention else v_in,
-            workspace=scratch,
-        )
+        if rotary is not None:
+            if positions is None:
+                start = 0 if kv_cache is None else kv_cache.length
+                positions = torch.arange(start, start + Sq, device=query.device)  # (Sq,)
+            else:
+                _check_rotary_positions(positions, B, Sq, query.device)
+            cos, sin = rotary_tables(rotary, positions, query.dtype, query.device)  # (B|1, 1, Sq, rd) x 2
+        if rotary is not None and not traced:
+            # q and k rotated together: they are neighbouring heads of the fused projection
+            Hkv = self.n_kv_heads
+            qkv = self._fused_projection(query, scratch)  # (B, H + 2 Hkv, Sq, dh)
+            qk = rotate_fused(qkv[:, : H + Hkv], cos, sin, rotary)  # (B, H + Hkv, Sq, dh), fresh
+            q, k = qk.split([H, Hkv], dim=1)  # (B, H, Sq, dh), (B, Hkv, Sq, dh)
+            v = qkv[:, H + Hkv :]  # (B, Hkv, Sq, dh)
+        else:
+            q, k, v = self.project_qkv(
+                query,
+                None if self_attention else k_in,
+                None if self_attention else v_in,
+                workspace=scratch,
+            )
         if traced:
             q = self.hook_q(q.transpose(1, 2)).transpose(1, 2)  # (B, H, Sq, dh)
             k = self.hook_k(k.transpose(1, 2)).transpose(1, 2)  # (B, Hkv, Sk_new, dh)
             v = self.hook_v(v.transpose(1, 2)).transpose(1, 2)  # (B, Hkv, Sk_new, dh)
+            if rotary is not None:
+                q = rotate_fused(q, cos, sin, rotary)  # (B, H, Sq, dh)
+                k = rotate_fused(k, cos, sin, rotary)  # (B, Hkv, Sk_new, dh)
+                if self.hook_rot_q is not None:  # (None if rotary was attached after construction)
+                    q = self.hook_rot_q(q.transpose(1, 2)).transpose(1, 2)  # (B, H, Sq, dh)
+                    k = self.hook_rot_k(k.transpose(1, 2)).transpose(1, 2)  # (B, Hkv, Sk_new, dh)
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)  # (B, Hkv, Sk, dh) x 2
         dropout_p = self.dropout if self.training else 0.0

@@ -1,12 +1,17 @@
 """TransformerBlock: attention + feed-forward + residual connections + LayerNorm (pre- or post-LN).
 
-The block that, stacked, makes BERT (post-LN) and GPT (pre-LN)::
+The block that, stacked, makes BERT (post-LN), GPT (pre-LN) and Llama (pre-RMSNorm, gated MLP, RoPE)::
 
     post-LN (BERT, the original paper):      pre-LN (GPT-2 and most models since):
         h   = LN1(x + Attn(x))                   h   = x + Attn(LN1(x))
         out = LN2(h + MLP(h))                    out = h + MLP(LN2(h))
 
-    MLP(x) = act(x W_in + b_in) W_out + b_out     (W_in: [d_model, d_mlp], W_out: [d_mlp, d_model])
+    plain MLP:  MLP(x) = act(x W_in + b_in) W_out + b_out    (W_in: [d_model, d_mlp], W_out: [d_mlp, d_model])
+    gated MLP:  MLP(x) = (act(x W_gate + b_gate) * (x W_in + b_in)) W_out + b_out
+                (SwiGLU with act = silu: Llama, Mistral, Qwen; GeGLU with gelu: Gemma)
+
+The norms are LayerNorm (``norm_kind="layernorm"``) or :class:`~headspace.norms.RMSNorm`
+(``"rmsnorm"``); the attention may carry rotary positions (:class:`~headspace.positions.Rotary`).
 
 Dropout (``dropout``) is applied to the attention output and to the MLP output before each is added to
 the residual stream (BERT's hidden dropout, GPT-2's resid_pdrop); ``attn_dropout`` drops pattern
@@ -14,6 +19,8 @@ entries inside the attention layer.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -25,22 +32,40 @@ from .functional import sdpa_attention
 from .hooks import HookPoint
 from .kernels.workspace import Workspace
 from .masks import CanonicalMask
+from .norms import RMSNorm
+from .positions import Rotary
 
-#: Activation names accepted by :class:`FeedForward` and the models' configs.
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu")
+#: Activation names accepted by :class:`FeedForward`, :class:`GatedFeedForward` and the models' configs.
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 #: Residual/LayerNorm arrangements accepted by :class:`TransformerBlock`.
 NORMS = ("post", "pre")
+#: Kinds of normalisation layer accepted by :class:`TransformerBlock` (``norm_kind``).
+NORM_KINDS = ("layernorm", "rmsnorm")
+#: Kinds of feed-forward network accepted by :class:`TransformerBlock` (``mlp_kind``).
+MLP_KINDS = ("plain", "gated")
 
 
 def make_activation(act: str) -> nn.Module:
-    """``"gelu"`` (exact, erf: BERT), ``"gelu_tanh"`` (tanh approximation: GPT-2's gelu_new), ``"relu"``."""
+    """``"gelu"`` (exact, erf: BERT), ``"gelu_tanh"`` (tanh approximation: GPT-2's gelu_new), ``"relu"``,
+    ``"silu"`` (x sigmoid(x), a.k.a. swish: Llama's gate)."""
     if act == "gelu":
         return nn.GELU(approximate="none")
     if act == "gelu_tanh":
         return nn.GELU(approximate="tanh")
     if act == "relu":
         return nn.ReLU()
+    if act == "silu":
+        return nn.SiLU()
     raise ValueError(f"act must be one of {list(ACTIVATIONS)}; got {act!r}")
+
+
+def make_norm(kind: str, d_model: int, eps: float) -> nn.Module:
+    """``"layernorm"`` (``nn.LayerNorm``: weight and bias) or ``"rmsnorm"`` (:class:`RMSNorm`: weight)."""
+    if kind == "layernorm":
+        return nn.LayerNorm(d_model, eps=eps)
+    if kind == "rmsnorm":
+        return RMSNorm(d_model, eps=eps)
+    raise ValueError(f"norm_kind must be one of {list(NORM_KINDS)}; got {kind!r}")
 
 
 class FeedForward(nn.Module):
@@ -86,6 +111,60 @@ class FeedForward(nn.Module):
         return f"act={self.act_name!r}"
 
 
+class GatedFeedForward(nn.Module):
+    r"""A gated feed-forward network ``MLP(x) = (act(x W_gate + b_gate) * (x W_in + b_in)) W_out + b_out``.
+
+    SwiGLU with ``act="silu"`` (Llama, Mistral, Qwen: transformers' ``down_proj(act(gate_proj(x)) *
+    up_proj(x))``), GeGLU with ``"gelu"`` / ``"gelu_tanh"`` (Shazeer 2020, "GLU Variants Improve
+    Transformer"). ``fc_gate`` and ``fc_in`` are ``nn.Linear(d_model, d_mlp)`` (``W_gate = fc_gate.weight.T``
+    is Llama's ``gate_proj``, ``W_in = fc_in.weight.T`` its ``up_proj``), ``fc_out`` an
+    ``nn.Linear(d_mlp, d_model)`` (``down_proj``).
+
+    Hook points, all [batch, seq, d_mlp], with TransformerLens's names: ``hook_pre`` (the gate before the
+    activation, ``x W_gate + b_gate``), ``hook_pre_linear`` (``x W_in + b_in``), ``hook_post`` (their
+    gated product, the input of ``W_out``).
+    """
+
+    def __init__(self, d_model: int, d_mlp: int, act: str = "silu", bias: bool = False) -> None:
+        super().__init__()
+        for name, value in (("d_model", d_model), ("d_mlp", d_mlp)):
+            check_positive_int(name, value)
+        self.act_name = act
+        self.act = make_activation(act)
+        self.fc_gate = nn.Linear(d_model, d_mlp, bias=bias)
+        self.fc_in = nn.Linear(d_model, d_mlp, bias=bias)
+        self.fc_out = nn.Linear(d_mlp, d_model, bias=bias)
+        self.hook_pre = HookPoint()  # [batch, seq, d_mlp], the gate before the activation
+        self.hook_pre_linear = HookPoint()  # [batch, seq, d_mlp], the linear (up) branch
+        self.hook_post = HookPoint()  # [batch, seq, d_mlp], act(gate) * linear
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Apply the gated MLP to every position.
+
+        Notation used for tensor shapes:
+            batch, seq, d_model, d_mlp.
+
+        Args:
+            x: [batch, seq, d_model].
+
+        Returns:
+            [batch, seq, d_model].
+        """
+        g = self.fc_gate(x)  # (batch, seq, d_mlp)
+        if self.hook_pre.fns:
+            g = self.hook_pre(g)
+        u = self.fc_in(x)  # (batch, seq, d_mlp)
+        if self.hook_pre_linear.fns:
+            u = self.hook_pre_linear(u)
+        h = self.act(g) * u  # (batch, seq, d_mlp)
+        if self.hook_post.fns:
+            h = self.hook_post(h)
+        return self.fc_out(h)  # (batch, seq, d_model)
+
+    def extra_repr(self) -> str:
+        return f"act={self.act_name!r}, gated"
+
+
 class TransformerBlock(nn.Module):
     r"""One transformer block: multi-head self-attention and a feed-forward network, each wrapped in a
     residual connection and a LayerNorm.
@@ -96,8 +175,15 @@ class TransformerBlock(nn.Module):
         pre:   h = x + drop(Attn(LN1(x)))          out = h + drop(MLP(LN2(h)))
 
     with ``Attn`` a :class:`~headspace.MultiHeadAttention` (``.attn``) and ``MLP`` a :class:`FeedForward`
-    (``.mlp``). Paper symbols (Vaswani et al. 2017, section 3.1): ``LayerNorm(x + Sublayer(x))`` is the
-    post-LN arrangement; ``d_mlp = d_ff``.
+    (``.mlp``; a :class:`GatedFeedForward` with ``mlp_kind="gated"``). Paper symbols (Vaswani et al.
+    2017, section 3.1): ``LayerNorm(x + Sublayer(x))`` is the post-LN arrangement; ``d_mlp = d_ff``.
+
+    Options beyond the classic block (a Llama block is ``norm="pre", norm_kind="rmsnorm",
+    mlp_kind="gated", act="silu", bias=False`` with a ``rotary``): ``norm_kind`` picks LayerNorm or
+    RMSNorm for ``ln1``/``ln2``; ``bias`` switches every bias, ``qkv_bias`` / ``out_bias`` / ``mlp_bias``
+    (default: ``bias``) the q/k/v, attention-output and MLP biases apart; ``rotary`` gives the
+    attention rotary positions (:class:`~headspace.positions.Rotary`; the same object may serve every
+    block of a model).
 
     Hook points, all [batch, seq, d_model]: ``hook_resid_pre`` (the input), ``hook_attn_out`` (the
     attention sublayer's output, after dropout), ``hook_resid_mid`` (``h``), ``hook_mlp_out`` (the MLP
@@ -119,24 +205,47 @@ class TransformerBlock(nn.Module):
         attn_dropout: float = 0.0,
         ln_eps: float = 1e-5,
         bias: bool = True,
+        norm_kind: str = "layernorm",
+        mlp_kind: str = "plain",
+        qkv_bias: bool | None = None,
+        out_bias: bool | None = None,
+        mlp_bias: bool | None = None,
+        rotary: Rotary | None = None,
     ) -> None:
         super().__init__()
         if norm not in NORMS:
             raise ValueError(
                 f"norm must be one of {list(NORMS)} ('post' = BERT, 'pre' = GPT-2); got {norm!r}"
             )
+        if norm_kind not in NORM_KINDS:
+            raise ValueError(f"norm_kind must be one of {list(NORM_KINDS)}; got {norm_kind!r}")
+        if mlp_kind not in MLP_KINDS:
+            raise ValueError(
+                f"mlp_kind must be one of {list(MLP_KINDS)} ('gated' = SwiGLU/GeGLU); got {mlp_kind!r}"
+            )
+        if mlp_bias is not None and not isinstance(mlp_bias, bool):
+            raise TypeError(f"mlp_bias must be a bool or None (= bias); got {type(mlp_bias).__name__}")
         for name, p in (("dropout", dropout), ("attn_dropout", attn_dropout)):
             check_probability(name, p)
         check_positive_float("ln_eps", ln_eps)
         self.d_model = d_model
         self.norm = norm
         self.pre_ln = norm == "pre"
+        self.norm_kind = norm_kind
+        self.mlp_kind = mlp_kind
         self.attn = MultiHeadAttention(
-            d_model, n_heads, d_head=d_head, n_kv_heads=n_kv_heads, bias=bias, dropout=attn_dropout
-        )
-        self.ln1 = nn.LayerNorm(d_model, eps=ln_eps)
-        self.mlp = FeedForward(d_model, d_mlp, act=act, bias=bias)
-        self.ln2 = nn.LayerNorm(d_model, eps=ln_eps)
+            d_model, n_heads, d_head=d_head, n_kv_heads=n_kv_heads, bias=bias, dropout=attn_dropout,
+            qkv_bias=qkv_bias, out_bias=out_bias, rotary=rotary,
+        )  # fmt: skip
+        self.ln1 = make_norm(norm_kind, d_model, ln_eps)
+        mlp_bias = bias if mlp_bias is None else mlp_bias
+        if mlp_kind == "gated":
+            self.mlp: FeedForward | GatedFeedForward = GatedFeedForward(
+                d_model, d_mlp, act=act, bias=mlp_bias
+            )
+        else:
+            self.mlp = FeedForward(d_model, d_mlp, act=act, bias=mlp_bias)
+        self.ln2 = make_norm(norm_kind, d_model, ln_eps)
         self.dropout = nn.Dropout(dropout)
         self.hook_resid_pre = HookPoint()  # [batch, seq, d_model]
         self.hook_attn_out = HookPoint()  # [batch, seq, d_model]
@@ -152,6 +261,7 @@ class TransformerBlock(nn.Module):
         attn_mask: Tensor | None = None,
         is_causal: bool = False,
         kv_cache: KVCache | None = None,
+        positions: Tensor | None = None,
     ) -> Tensor:
         """Run the block on the residual stream ``x``.
 
@@ -165,6 +275,8 @@ class TransformerBlock(nn.Module):
             attn_mask: bool (True = may attend) or float (additive) mask, see :mod:`headspace.masks`.
             is_causal: causal self-attention (aligned bottom-right, as a KV cache needs).
             kv_cache: this block's :class:`~headspace.KVCache` for incremental decoding.
+            positions: rotary attention only: int [seq] or [batch, seq] positions of the new tokens
+                (None: after the cached ones), see :meth:`MultiHeadAttention.forward`.
 
         Returns:
             [batch, seq, d_model].
@@ -172,12 +284,14 @@ class TransformerBlock(nn.Module):
         check_input_tensor("x", x, self.d_model, "d_model", self.ln1.weight)  # before any LayerNorm
         if self.hook_resid_pre.fns:
             x = self.hook_resid_pre(x)
-        kw = {
+        kw: dict[str, Any] = {
             "key_padding": key_padding,
             "attn_mask": attn_mask,
             "is_causal": is_causal,
             "kv_cache": kv_cache,
         }
+        if positions is not None:
+            kw["positions"] = positions
         if self.pre_ln:
             a = self.dropout(self.attn(self.ln1(x), **kw))  # (batch, seq, d_model)
             if self.hook_attn_out.fns:
@@ -205,7 +319,20 @@ class TransformerBlock(nn.Module):
         return out
 
     def extra_repr(self) -> str:
-        return f"norm={self.norm!r}"
+        s = f"norm={self.norm!r}"
+        if self.norm_kind != "layernorm":
+            s += f", norm_kind={self.norm_kind!r}"
+        return s
+
+    @property
+    def infer_supported(self) -> bool:
+        """Whether :meth:`infer` has a fused path for this block (LayerNorm, plain MLP, no rotary)."""
+        return (
+            self.norm_kind == "layernorm"
+            and self.mlp_kind == "plain"
+            and self.attn.rotary is None
+            and self.attn.fused
+        )
 
     def infer(self, x: Tensor, attn_mask: Tensor | None = None, workspace: Workspace | None = None) -> Tensor:
         """Inference-only forward with fewer passes over memory; same result as :meth:`forward`.
@@ -215,7 +342,8 @@ class TransformerBlock(nn.Module):
         ``workspace`` (memory the caller reuses across blocks and batches, instead of fresh memory
         the kernel must fault in page by page), and no hook point fires. ``x`` is never written to
         and the result never lies in ``workspace``. Used by :meth:`headspace.Encoder.infer`; call it
-        only without autograd, in eval mode and with no hook active (the caller checks).
+        only without autograd, in eval mode and with no hook active (the caller checks). Blocks with
+        RMSNorm, a gated MLP or rotary positions (:attr:`infer_supported` False) run :meth:`forward`.
 
         Notation used for tensor shapes:
             batch, seq, d_model, d_mlp, n_heads, n_kv_heads, d_head.
@@ -229,6 +357,8 @@ class TransformerBlock(nn.Module):
             [batch, seq, d_model].
         """
         check_input_tensor("x", x, self.d_model, "d_model", self.ln1.weight)
+        if not self.infer_supported:
+            return self(x, attn_mask=attn_mask)
         B, S, d = x.shape
         a, mlp = self.attn, self.mlp
         H, dh = a.n_heads, a.d_head

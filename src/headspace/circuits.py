@@ -3,6 +3,9 @@
 A head's QK circuit ``W_Q[h] W_K[h]^T`` and OV circuit ``W_V[h] W_O[h]`` are rank-``d_head`` matrices of
 size ``d_model x d_model``; kept as their factors, their norms, SVD and eigenvalues cost
 O(d_model d_head^2) instead of O(d_model^2 d_head).
+
+With rotary positions (RoPE) a head has one QK circuit per query-key offset ``delta``:
+``W_Q R(delta) W_K^T`` (:func:`qk_factors` with ``rotation``; :meth:`headspace.Head.qk` with ``delta``).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import torch
 from torch import Tensor
 
 from .checks import nonfinite_count
+
+__all__ = ["FactoredMatrix", "effective_rank", "qk_factors"]
 
 
 def effective_rank(singular_values: Tensor, kind: str = "entropy") -> Tensor:
@@ -203,3 +208,48 @@ class FactoredMatrix:
     def eigenvalues(self) -> Tensor:
         """Complex eigenvalues [..., r] of a square ``A @ B``, via the small ``B @ A`` (the rest are 0)."""
         return torch.linalg.eigvals(self.BA)  # (..., r)
+
+
+def qk_factors(
+    W_Q: Tensor,
+    W_K: Tensor,
+    *,
+    rotation: Tensor | None = None,
+    b_Q: Tensor | None = None,
+    b_K: Tensor | None = None,
+    augmented: bool = False,
+) -> FactoredMatrix:
+    r"""The QK circuit ``W_Q R W_K^T`` as factors ``A = W_Q R``, ``B = W_K^T`` (``R = I`` without rotation).
+
+    For a query input row ``x`` and a key input row ``c``, ``x @ M @ c^T`` is the head's score before
+    the softmax scale, ``(x W_Q) R (c W_K)^T``, leaving the biases out. With ``augmented=True`` the
+    inputs are taken as ``[x, 1]`` and ``[c, 1]`` and the biases enter as one more row of each factor::
+
+        A = [W_Q; b_Q] R   [..., d_model + 1, d_head]      B = [W_K; b_K]^T   [..., d_head, kdim + 1]
+        [x, 1] A B [c, 1]^T = (x W_Q + b_Q) R (c W_K + b_K)^T                         (exact)
+
+    (a missing bias is a zero row, so the shapes do not depend on the layer having biases).
+
+    Notation used for tensor shapes:
+        ...: batch axes (heads, offsets); d_model, kdim, d_head.
+
+    Args:
+        W_Q: [..., d_model, d_head].
+        W_K: [..., kdim, d_head].
+        rotation: [..., d_head, d_head] (e.g. :meth:`Rotary.rotation` of the offset), or None.
+        b_Q: [..., d_head] or None; used only with ``augmented``.
+        b_K: [..., d_head] or None; used only with ``augmented``.
+        augmented: append the bias rows (see above).
+
+    Returns:
+        A :class:`FactoredMatrix` [..., d_model, kdim] ([..., d_model + 1, kdim + 1] augmented).
+    """
+    if augmented:
+        zq = W_Q.new_zeros(*W_Q.shape[:-2], 1, W_Q.shape[-1])  # (..., 1, d_head)
+        zk = W_K.new_zeros(*W_K.shape[:-2], 1, W_K.shape[-1])  # (..., 1, d_head)
+        rq = zq if b_Q is None else b_Q.unsqueeze(-2).to(W_Q)  # (..., 1, d_head)
+        rk = zk if b_K is None else b_K.unsqueeze(-2).to(W_K)  # (..., 1, d_head)
+        W_Q = torch.cat((W_Q, rq), dim=-2)  # (..., d_model + 1, d_head)
+        W_K = torch.cat((W_K, rk), dim=-2)  # (..., kdim + 1, d_head)
+    A = W_Q if rotation is None else W_Q @ rotation.to(W_Q)  # (..., d_model (+1), d_head)
+    return FactoredMatrix(A, W_K.transpose(-2, -1))  # B: (..., d_head, kdim (+1))

@@ -12,11 +12,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .attention import resolve_head_dims
-from .block import ACTIVATIONS, NORMS
+from .block import ACTIVATIONS, MLP_KINDS, NORM_KINDS, NORMS
 from .checks import check_index, check_positive_int, check_probability, is_int
+from .positions import Rotary
 from .pruning import kept_kv_heads
 
 ARCHS = ("encoder", "decoder")
+#: How a model knows where a token is: a learned table added to the embeddings, rotary positions
+#: (RoPE) in every attention layer, or nothing (causal decoders can do without: "NoPE").
+POSITIONS = ("learned", "rotary", "none")
+
+# the rotary fields and their defaults: any other value asks for positions="rotary"
+_ROPE_DEFAULTS: dict[str, Any] = {
+    "rope_theta": 10000.0,
+    "rotary_fraction": 1.0,
+    "rope_interleaved": False,
+    "rope_scaling": None,
+}
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -33,7 +45,15 @@ class ModelConfig:
 
     Fields left as ``None`` are derived in ``__post_init__`` (their documented default), so a stored
     config always lists concrete values. Invalid values raise ``ValueError`` naming the field.
-    ``to_dict()``/``from_dict()`` round-trip through JSON.
+    ``to_dict()``/``from_dict()`` round-trip through JSON; a dict written before a field existed loads
+    with that field's default, which keeps the old meaning (the fields from ``positions`` on came
+    with Llama-family support: their defaults are GPT-2/BERT's choices).
+
+    Llama-family decoders (Llama, Mistral, Qwen2) are, beside their sizes::
+
+        ModelConfig(arch="decoder", positions="rotary", rope_theta=..., rope_scaling=...,
+                    norm_kind="rmsnorm", mlp_kind="gated", act="silu", bias=False,
+                    qkv_bias=False (Qwen2: True), tie_embeddings=..., ln_eps=rms_norm_eps)
     """
 
     #: "encoder" (BERT family: bidirectional, token-type embeddings) or "decoder" (GPT family: causal).
@@ -52,10 +72,11 @@ class ModelConfig:
     n_kv_heads: int | None = None
     #: Hidden width of the feed-forward network (the paper's d_ff); derived: 4 * d_model.
     d_mlp: int | None = None
-    #: Rows of the learned position table: the longest sequence the model accepts.
+    #: The longest sequence the model accepts (with learned positions: the rows of the position table;
+    #: with rotary positions: the largest position + 1).
     max_seq_len: int = 512
-    #: Feed-forward activation, one of "gelu" (exact), "gelu_tanh", "relu"; derived: encoder "gelu",
-    #: decoder "gelu_tanh" (GPT-2's gelu_new).
+    #: Feed-forward activation, one of "gelu" (exact), "gelu_tanh", "relu", "silu" (the gate of a
+    #: gated MLP: "silu" = SwiGLU); derived: encoder "gelu", decoder "gelu_tanh" (GPT-2's gelu_new).
     act: str | None = None
     #: "post" (LN after each residual add: BERT) or "pre" (LN before each sublayer: GPT-2); derived:
     #: encoder "post", decoder "pre".
@@ -66,9 +87,10 @@ class ModelConfig:
     attn_dropout: float = 0.0
     #: Dropout on the embeddings; derived: dropout.
     emb_dropout: float | None = None
-    #: LayerNorm epsilon (BERT 1e-12, GPT-2 1e-5).
+    #: LayerNorm (or RMSNorm) epsilon (BERT 1e-12, GPT-2 1e-5, Llama's rms_norm_eps 1e-5 or 1e-6).
     ln_eps: float = 1e-5
-    #: Biases in the attention and feed-forward projections.
+    #: Biases in the attention and feed-forward projections (the default of qkv_bias, out_bias and
+    #: mlp_bias, which switch them apart).
     bias: bool = True
     #: Rows of the token-type (segment) embedding; 0 = none; derived: encoder 2, decoder 0.
     type_vocab_size: int | None = None
@@ -94,6 +116,34 @@ class ModelConfig:
     #: [0, n_layers), heads in [0, n_heads), at least one head kept per layer, equal group sizes under
     #: grouped-query attention. JSON keys (strings) are read back as ints.
     pruned_heads: dict[int, list[int]] = field(default_factory=dict)
+    #: Position information, one of "learned" (a table of max_seq_len rows added to the token
+    #: embeddings: BERT, GPT-2), "rotary" (RoPE: queries and keys rotated in every attention layer, no
+    #: table: Llama) or "none" (no position information).
+    positions: str = "learned"
+    #: Rotary only: the RoPE base ("rope_theta"; Llama 2 10000, Llama 3 500000).
+    rope_theta: float = 10000.0
+    #: Rotary only: share of each head's features that rotate, in (0, 1] ("partial_rotary_factor");
+    #: int(d_head * rotary_fraction) must be even. The others pass through unrotated.
+    rotary_fraction: float = 1.0
+    #: Rotary only: pair features (2i, 2i + 1) (GPT-J, Meta's checkpoints) instead of (i, i + rotary_dim/2)
+    #: (Hugging Face's rotate-half, what Llama checkpoints in transformers' layout need).
+    rope_interleaved: bool = False
+    #: Rotary only: None, or transformers' rope_scaling dict: {"rope_type": "linear", "factor": f} or
+    #: {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    #: "original_max_position_embeddings"} (validated by headspace.positions.Rotary).
+    rope_scaling: dict[str, Any] | None = None
+    #: The normalisation layers (blocks, embeddings, final): "layernorm" (weight and bias) or "rmsnorm"
+    #: (weight only, no mean subtraction: Llama).
+    norm_kind: str = "layernorm"
+    #: The feed-forward network: "plain" (act(x W_in) W_out) or "gated" (act(x W_gate) * (x W_in)) W_out,
+    #: SwiGLU with act="silu").
+    mlp_kind: str = "plain"
+    #: Biases on the q, k and v projections; derived: bias (Qwen2: True with bias=False).
+    qkv_bias: bool | None = None
+    #: Bias on the attention output projection (b_O); derived: bias.
+    out_bias: bool | None = None
+    #: Biases in the feed-forward projections; derived: bias.
+    mlp_bias: bool | None = None
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -169,6 +219,77 @@ class ModelConfig:
         self.pruned_heads = _checked_pruned_heads(
             self.pruned_heads, self.n_layers, self.n_heads, self.n_kv_heads
         )
+        self._check_llama_fields()
+
+    def _check_llama_fields(self) -> None:
+        """positions and the rotary fields, norm_kind, mlp_kind and the three bias switches."""
+        if self.positions not in POSITIONS:
+            raise ValueError(
+                f"ModelConfig.positions must be one of {list(POSITIONS)}; got {self.positions!r}"
+            )
+        if self.norm_kind not in NORM_KINDS:
+            raise ValueError(
+                f"ModelConfig.norm_kind must be one of {list(NORM_KINDS)}; got {self.norm_kind!r}"
+            )
+        if self.mlp_kind not in MLP_KINDS:
+            raise ValueError(
+                f"ModelConfig.mlp_kind must be one of {list(MLP_KINDS)} ('gated' = SwiGLU / GeGLU); "
+                f"got {self.mlp_kind!r}"
+            )
+        for name in ("qkv_bias", "out_bias", "mlp_bias"):
+            if getattr(self, name) is None:
+                setattr(self, name, self.bias)
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"ModelConfig.{name} must be a bool (or None for bias); got {getattr(self, name)!r}"
+                )
+        theta = self.rope_theta
+        if (
+            isinstance(theta, bool)
+            or not isinstance(theta, (int, float))
+            or not math.isfinite(theta)
+            or theta <= 0
+        ):
+            raise ValueError(f"ModelConfig.rope_theta must be a finite number > 0; got {theta!r}")
+        frac = self.rotary_fraction
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 1:
+            raise ValueError(f"ModelConfig.rotary_fraction must be a number in (0, 1]; got {frac!r}")
+        if not isinstance(self.rope_interleaved, bool):
+            raise ValueError(f"ModelConfig.rope_interleaved must be a bool; got {self.rope_interleaved!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise ValueError(
+                "ModelConfig.rope_scaling must be None or a dict such as "
+                "{'rope_type': 'linear', 'factor': 2.0}; "
+                f"got {type(self.rope_scaling).__name__}"
+            )
+        if self.positions != "rotary":
+            changed = [k for k, v in _ROPE_DEFAULTS.items() if getattr(self, k) != v]
+            if changed:
+                raise ValueError(
+                    f"ModelConfig: {', '.join(f'{k}={getattr(self, k)!r}' for k in changed)} set but "
+                    f"positions={self.positions!r}; the rotary fields need positions='rotary'"
+                )
+            return
+        try:
+            Rotary(self.d_head, base=float(theta), fraction=float(frac), interleaved=self.rope_interleaved)
+        except ValueError as e:
+            raise ValueError(f"ModelConfig.rotary_fraction: {e}") from None
+        try:
+            self.make_rotary()
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"ModelConfig.rope_scaling: {e}") from None
+
+    def make_rotary(self) -> Rotary | None:
+        """A :class:`~headspace.positions.Rotary` for this config's heads (None unless positions="rotary")."""
+        if self.positions != "rotary":
+            return None
+        return Rotary(
+            self.d_head,
+            base=float(self.rope_theta),
+            fraction=float(self.rotary_fraction),
+            interleaved=self.rope_interleaved,
+            scaling=None if self.rope_scaling is None else dict(self.rope_scaling),
+        )
 
     def kept_heads(self, layer: int) -> list[int]:
         """The original indices of the heads layer ``layer`` keeps (all ``n_heads`` unless pruned)."""
@@ -203,6 +324,10 @@ class ModelConfig:
             f"d_head {self.d_head}, d_mlp {self.d_mlp}, vocab {self.vocab_size}, "
             f"max_seq_len {self.max_seq_len}, "
             f"{self.norm}-LN, {self.act}"
+            + (f", {self.norm_kind}" if self.norm_kind != "layernorm" else "")
+            + (f", {self.mlp_kind} MLP" if self.mlp_kind != "plain" else "")
+            + (f", positions {self.positions}" if self.positions != "learned" else "")
+            + (f" (theta {self.rope_theta:g})" if self.positions == "rotary" else "")
             + (f", {sum(map(len, self.pruned_heads.values()))} heads pruned" if self.pruned_heads else "")
         )
 

@@ -39,6 +39,9 @@ def generate(
     prompt nor by any generated token, with or without the KV cache. Greedy decoding
     (``temperature=0``) of a padded batch equals decoding each prompt alone; sampling draws for the
     whole batch at once, so with a seed it is reproducible but not equal to per-prompt sampling.
+    With rotary positions (Llama-family decoders) the same per-row positions are those the queries
+    and keys are rotated to, and the KV cache holds rotated keys, so each step rotates only the new
+    token's query and key.
 
     Notation used for tensor shapes:
         batch, prompt_len (the longest prompt; shorter ones are left-padded to it),

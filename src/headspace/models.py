@@ -7,6 +7,12 @@ output::
                      out = h_L
     Decoder (GPT-2): e = E_tok[t] + E_pos[p];  h_l = Block_l(h_{l-1}) (pre-LN, causal)
                      logits = LN_f(h_L) E_tok^T
+    Decoder (Llama): e = E_tok[t];  h_l = Block_l(h_{l-1}, positions p) (pre-RMSNorm, RoPE, SwiGLU)
+                     logits = RMSNorm_f(h_L) W_U
+
+With ``config.positions="rotary"`` there is no position table: one :class:`~headspace.positions.Rotary`
+(shared by every block's attention, ``model.rotary``) rotates queries and keys, and ``max_seq_len`` still
+bounds the positions.
 
 Every intermediate has a named hook point (``hook_embed``, ``blocks.3.attn.hook_pattern``,
 ``blocks.0.hook_resid_post`` ...).
@@ -22,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import KVCache
-from .block import TransformerBlock
+from .block import TransformerBlock, make_norm
 from .checks import is_int
 from .config import ModelConfig
 from .generate import generate as generate_tokens
@@ -30,6 +36,7 @@ from .hooks import HookPoint
 from .inputs import check_positions, check_tokens
 from .kernels.workspace import Workspace
 from .masks import check_key_padding
+from .positions import Rotary
 from .pruning import shrink_attention
 
 
@@ -52,11 +59,13 @@ class _Stack(nn.Module):
         c = config
         self.config = c
         self.tok_embed = nn.Embedding(c.vocab_size, c.d_model)
-        self.pos_embed = nn.Embedding(c.max_seq_len, c.d_model)
+        # learned positions only; rotary positions live in the attention layers, "none" has none
+        self.pos_embed = nn.Embedding(c.max_seq_len, c.d_model) if c.positions == "learned" else None
         self.type_embed = nn.Embedding(c.type_vocab_size, c.d_model) if c.type_vocab_size else None
-        self.embed_ln = nn.LayerNorm(c.d_model, eps=c.ln_eps) if c.embed_ln else None
+        self.embed_ln = make_norm(c.norm_kind, c.d_model, c.ln_eps) if c.embed_ln else None
         self.embed_dropout = nn.Dropout(c.emb_dropout)
         self.hook_embed = HookPoint()  # [batch, seq, d_model]: the residual stream entering block 0
+        rotary = c.make_rotary()  # one for every block: cos/sin are computed once per forward
         self.blocks = nn.ModuleList(
             TransformerBlock(
                 c.d_model,
@@ -70,16 +79,23 @@ class _Stack(nn.Module):
                 attn_dropout=c.attn_dropout,
                 ln_eps=c.ln_eps,
                 bias=c.bias,
+                norm_kind=c.norm_kind,
+                mlp_kind=c.mlp_kind,
+                qkv_bias=c.qkv_bias,
+                out_bias=c.out_bias,
+                mlp_bias=c.mlp_bias,
+                rotary=rotary,
             )
             for _ in range(c.n_layers)
         )
-        self.ln_final = nn.LayerNorm(c.d_model, eps=c.ln_eps) if c.final_ln else None
+        self.ln_final = make_norm(c.norm_kind, c.d_model, c.ln_eps) if c.final_ln else None
         self._init_weights()
         for layer in c.pruned_heads:  # built as prune_heads leaves them: (H', ...) fused storage
             shrink_attention(self.blocks[layer].attn, c.kept_heads(layer))
 
     def _init_weights(self) -> None:
-        """Normal(0, init_std) embeddings and feed-forward weights, zero biases, unit LayerNorms.
+        """Normal(0, init_std) embeddings and feed-forward weights, zero biases, unit LayerNorms (RMSNorms
+        start at one by themselves).
 
         Attention layers keep their own initialisation (Xavier-uniform, as torch.nn.MultiheadAttention).
         """
@@ -95,6 +111,11 @@ class _Stack(nn.Module):
                 nn.init.ones_(m.weight)
                 nn.init.zeros_(m.bias)
 
+    @property
+    def rotary(self) -> Rotary | None:
+        """The :class:`~headspace.positions.Rotary` the attention layers share (None without rotary)."""
+        return self.blocks[0].attn.rotary if len(self.blocks) else None
+
     def embed(
         self,
         tokens: Tensor,
@@ -108,13 +129,17 @@ class _Stack(nn.Module):
         Shapes: tokens [batch, seq] -> [batch, seq, d_model]; positions are ``start .. start + seq - 1``
         for every row, or the given per-row ``positions`` int64 [batch, seq] (left-padded batches:
         each row counts from 0 at its first real token). Give ``start`` or ``positions``, not both.
+        Without a learned position table (rotary or no positions) the positions add nothing here.
         """
-        if positions is None:
-            seq = tokens.shape[1]
-            positions = torch.arange(start, start + seq, device=tokens.device)  # (seq,)
-        elif start:
+        if positions is not None and start:
             raise ValueError(f"embed takes start or positions, not both; got start={start} and positions")
-        e = self.tok_embed(tokens) + self.pos_embed(positions)  # (batch, seq, d_model)
+        if self.pos_embed is None:
+            e = self.tok_embed(tokens)  # (batch, seq, d_model)
+        else:
+            if positions is None:
+                seq = tokens.shape[1]
+                positions = torch.arange(start, start + seq, device=tokens.device)  # (seq,)
+            e = self.tok_embed(tokens) + self.pos_embed(positions)  # (batch, seq, d_model)
         if self.type_embed is not None:
             if token_type_ids is None:
                 e = e + self.type_embed.weight[0]  # every token of segment 0
@@ -181,8 +206,11 @@ class Encoder(_Stack):
                 device=self.tok_embed.weight.device,
             )
         x = self.embed(tokens, token_type_ids=token_type_ids)  # (batch, seq, d_model)
+        kw = {}
+        if self.rotary is not None:  # one positions tensor for every block: cos/sin computed once
+            kw["positions"] = torch.arange(tokens.shape[1], device=tokens.device)  # (seq,)
         for block in self.blocks:
-            x = block(x, key_padding=key_padding)  # (batch, seq, d_model)
+            x = block(x, key_padding=key_padding, **kw)  # (batch, seq, d_model)
         if self.ln_final is not None:
             x = self.ln_final(x)
         return x
@@ -202,7 +230,8 @@ class Encoder(_Stack):
         across batches). The returned tensor is always fresh memory, never part of the workspace.
 
         Falls back to :meth:`forward` whenever the fast path could differ from it: with autograd on,
-        in training mode (dropout), while any hook point has a function, or with ``check_finite`` set.
+        in training mode (dropout), while any hook point has a function, or with ``check_finite`` set;
+        and for blocks the fast path does not cover (RMSNorm, gated MLP, rotary positions).
 
         Notation used for tensor shapes:
             batch, seq (<= config.max_seq_len), d_model.
@@ -222,6 +251,7 @@ class Encoder(_Stack):
             or token_type_ids is not None
             or any(m.fns for m in self.modules() if isinstance(m, HookPoint))
             or any(b.attn.check_finite for b in self.blocks)
+            or not all(b.infer_supported for b in self.blocks)
         ):
             return self(tokens, key_padding, token_type_ids)
         check_tokens(tokens, self.config, device=self.tok_embed.weight.device)
@@ -247,9 +277,14 @@ class Decoder(_Stack):
 
     Formula::
 
-        h_0 = Dropout(E_tok[t_i] + E_pos[i])
+        h_0 = Dropout(E_tok[t_i] + E_pos[i])         (E_tok[t_i] alone with rotary positions)
         h_l = Block_l(h_{l-1}, causal)               l = 1 .. n_layers
         logits = LN_f(h_L) W_U                       W_U = E_tok^T when config.tie_embeddings
+
+    Llama-family models (``positions="rotary"``, ``norm_kind="rmsnorm"``, ``mlp_kind="gated"``): no
+    position table; every attention layer rotates its queries and keys to their positions (``i`` for
+    column ``i``, after any cached positions; per-row ``positions`` for left-padded batches), and
+    ``max_seq_len`` bounds the positions. See :func:`headspace.pretrained.load_llama`.
 
     ``generate()`` samples continuations with a KV cache (temperature, top-k, reproducible with a seed);
     prompts of different lengths go in one left-padded batch with their ``key_padding``.
@@ -276,6 +311,9 @@ class Decoder(_Stack):
         if capacity > self.config.max_seq_len:
             raise ValueError(
                 f"capacity={capacity} exceeds the position table (max_seq_len={self.config.max_seq_len})"
+                if self.pos_embed is not None
+                else f"capacity={capacity} exceeds the longest sequence "
+                f"(max_seq_len={self.config.max_seq_len})"
             )
         return [block.attn.make_kv_cache(batch, capacity) for block in self.blocks]
 
@@ -316,12 +354,19 @@ class Decoder(_Stack):
         else:
             check_positions(positions, tokens, self.config)
             x = self.embed(tokens, positions=positions)  # (batch, seq, d_model)
+        kw = {}
+        if self.rotary is not None:
+            # one positions tensor for every block, so the rotation's cos/sin are computed once
+            seq = tokens.shape[1]
+            kw["positions"] = (
+                torch.arange(start, start + seq, device=tokens.device) if positions is None else positions
+            )  # (seq,) or (batch, seq)
         # one new query after the cached positions sees every key: causality is vacuous there, and
         # dropping it lets attention run without building a mask in every layer
         causal = not (kv_caches is not None and tokens.shape[1] == 1)
         for i, block in enumerate(self.blocks):
             cache = None if kv_caches is None else kv_caches[i]
-            x = block(x, key_padding=key_padding, is_causal=causal, kv_cache=cache)  # (batch, seq, d_model)
+            x = block(x, key_padding=key_padding, is_causal=causal, kv_cache=cache, **kw)  # (batch, seq, d)
         if self.ln_final is not None:
             x = self.ln_final(x)
         return x
@@ -347,7 +392,8 @@ class Decoder(_Stack):
             positions: int64 [batch, seq] indices into the position table, per row (None: the column
                 index, after any cached positions). Left-padded batches pass ``cumsum(key_padding) - 1``
                 (clamped at 0) so that each row counts from 0 at its first real token, as
-                :meth:`generate` does.
+                :meth:`generate` does. With rotary positions they are the positions the queries and
+                keys are rotated to (in [0, max_seq_len) all the same).
 
         Returns:
             logits [batch, seq, vocab_size].

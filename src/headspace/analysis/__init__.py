@@ -10,11 +10,14 @@ form; layer ``i`` is the ``i``-th attention layer (``blocks.i.attn``).
 * :func:`qk_circuit`, :func:`ov_circuit`, :func:`circuit_spectra`, :func:`principal_angles`,
   :func:`head_angles`, :func:`subspace_overlaps` (:mod:`.subspaces`): no inputs needed.
 * :func:`head_mixing`, :func:`wo_norms` (:mod:`.mixing`): each head's share of the attention output.
+* :func:`rotary_planes`, :func:`plane_scores` (:mod:`.rotary`): each rotary head's score split by RoPE
+  frequency plane; which heads attend by content (slow planes) and which by position (fast planes).
 """
 
 from .ablation import HeadImportance, head_importance, mean_z
 from .mixing import HeadMixing, head_mixing, shares_from_result, wo_norms
 from .roles import TARGETS, HeadRoles, head_roles, roles_from_patterns
+from .rotary import RotaryPlanes, plane_scores, rotary_planes
 from .subspaces import (
     SUBSPACES,
     CircuitSpectra,
@@ -39,6 +42,7 @@ __all__ = [
     "HeadImportance",
     "HeadMixing",
     "HeadRoles",
+    "RotaryPlanes",
     "SubspaceOverlaps",
     "circuit_spectra",
     "head_angles",
@@ -50,10 +54,12 @@ __all__ = [
     "orthonormal_basis",
     "ov_circuit",
     "overlap_matrix",
+    "plane_scores",
     "principal_angles",
     "qk_circuit",
     "random_overlap",
     "roles_from_patterns",
+    "rotary_planes",
     "shares_from_result",
     "subspace_overlap",
     "subspace_overlaps",

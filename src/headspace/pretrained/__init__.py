@@ -13,10 +13,12 @@ weights stored [in, out]); the rest in each converter.
 
 from .bert import bert_config, bert_state_dict, load_bert
 from .gpt2 import gpt2_config, gpt2_state_dict, load_gpt2
+from .llama import LLAMA_MODEL_TYPES, llama_config, llama_from_tensors, llama_state_dict, load_llama
 from .registry import MINILM_INSTALL, MINILM_PACKAGE, MODELS, load, minilm_path
 from .wrappers import LoadedModel, PretrainedDecoder, PretrainedEncoder, cosine
 
 __all__ = [
+    "LLAMA_MODEL_TYPES",
     "MINILM_INSTALL",
     "MINILM_PACKAGE",
     "MODELS",
@@ -28,8 +30,12 @@ __all__ = [
     "cosine",
     "gpt2_config",
     "gpt2_state_dict",
+    "llama_config",
+    "llama_from_tensors",
+    "llama_state_dict",
     "load",
     "load_bert",
     "load_gpt2",
+    "load_llama",
     "minilm_path",
 ]

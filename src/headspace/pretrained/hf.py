@@ -1,32 +1,117 @@
 """Reading and checking a Hugging Face checkpoint folder, shared by every architecture's converter.
 
-Files are read with ``safetensors`` and ``json`` only (no ``transformers``). The config is checked against
-what headspace can represent, the tensors against what the config implies: missing, unexpected and
-mis-shaped tensors, non-float and NaN/Inf weights are errors that list the names and shapes.
+Files are read with ``safetensors`` and ``json`` only (no ``transformers``). A model folder is untrusted
+input, so everything is checked before anything large is built:
+
+* files: only regular files are read (``os.stat`` + ``S_ISREG`` after resolving symbolic links, so a
+  FIFO cannot hang the reader and a link to ``/dev/zero`` cannot fill memory); JSON files
+  (``config.json``, ``sentence_bert_config.json``) are capped at :data:`MAX_JSON_BYTES`, the
+  ``tokenizer.json`` by :mod:`headspace.tokenization`;
+* config fields: every field a converter reads is checked for type and range (:class:`ConfigFields`),
+  naming the field (``tie_word_embeddings: "false"`` is an error, not a true value);
+* weights: the safetensors header is parsed here (:func:`safetensors_header`: an 8-byte little-endian
+  length, at most :data:`MAX_HEADER_BYTES` and no more than the file holds, then JSON; every tensor's
+  dtype known and its ``data_offsets`` inside the file and matching its shape). The parameter count the
+  config implies is compared with what the header holds (:func:`check_parameter_count`) before the
+  expected tensors are even listed, so a 600-byte config claiming a million layers is refused at once;
+  then names, shapes and dtypes are checked from the header (:func:`check_tensors`, :func:`check_dtypes`),
+  and only then are the needed tensors read, one at a time (``safe_open``), converted to float32 and
+  checked for NaN/Inf (:func:`load_tensors`).
+
+Every error is a ``ValueError`` (``FileNotFoundError`` for a missing file) that names the file and the
+problem; a report of several problems has a summary as its first line and reads well with its lines
+joined by ``"; "`` (as the CLI prints it).
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable, Sequence
+import itertools
+import math
+import os
+import stat
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import load_file
+import torch
+from safetensors import safe_open
 from torch import Tensor, nn
 
-from ..checks import nonfinite_count
+from ..checks import is_int, is_number, nonfinite_count
+from ..fileio import UnsafeFileError, file_kind, parse_json, read_regular_file
 from ..tokenization import TextTokenizer
+
+#: ``config.json`` and other JSON files of a folder larger than this are refused unread.
+MAX_JSON_BYTES = 64 << 20
+#: A safetensors header (its JSON) larger than this is refused unread.
+MAX_HEADER_BYTES = 100 << 20
+#: At most this many names are listed per kind of problem (the count is always given).
+MAX_LISTED = 20
+
+# safetensors dtype -> (bytes per element, torch dtype name, floating point)
+_DTYPES: dict[str, tuple[int, str, bool]] = {
+    "BOOL": (1, "torch.bool", False),
+    "U8": (1, "torch.uint8", False),
+    "I8": (1, "torch.int8", False),
+    "F8_E5M2": (1, "torch.float8_e5m2", True),
+    "F8_E4M3": (1, "torch.float8_e4m3fn", True),
+    "I16": (2, "torch.int16", False),
+    "U16": (2, "torch.uint16", False),
+    "F16": (2, "torch.float16", True),
+    "BF16": (2, "torch.bfloat16", True),
+    "I32": (4, "torch.int32", False),
+    "U32": (4, "torch.uint32", False),
+    "F32": (4, "torch.float32", True),
+    "I64": (8, "torch.int64", False),
+    "U64": (8, "torch.uint64", False),
+    "F64": (8, "torch.float64", True),
+}
+
+
+# ---------------------------------------------------------------------------------------------- files
+def _listing(folder: Path, limit: int = MAX_LISTED) -> list[str]:
+    if not folder.is_dir():
+        return []
+    names = sorted(p.name for p in itertools.islice(folder.iterdir(), 1000))
+    return names[:limit] + ([f"... ({len(names) - limit} more)"] if len(names) > limit else [])
+
+
+def _refuse_non_regular(path: Path, what: str) -> None:
+    """``path`` exists (maybe as a dangling link); it must be a regular file once links are resolved."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        target = os.readlink(path) if os.path.islink(path) else "?"
+        raise ValueError(f"{path} ({what}) is a symbolic link to {target}, which does not exist") from None
+    except OSError as e:
+        raise ValueError(f"{path} ({what}) cannot be examined: {e}") from None
+    if not stat.S_ISREG(st.st_mode):
+        link = f" (a symbolic link to {os.path.realpath(path)})" if os.path.islink(path) else ""
+        raise UnsafeFileError(
+            f"{path} ({what}) is {file_kind(st.st_mode)}{link}, not a regular file; only regular "
+            "files are read"
+        )
 
 
 def require_file(folder: Path, name: str, what: str) -> Path:
+    """``folder / name``, which must exist and be a regular file (links resolved); errors name it."""
     path = folder / name
-    if not path.is_file():
-        present = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+    if not os.path.lexists(path):
         raise FileNotFoundError(
             f"{folder} has no {name} ({what}); a Hugging Face checkpoint folder needs config.json and "
-            f"model.safetensors (tokenizer.json optional). Files present: {present}"
+            f"model.safetensors (tokenizer.json optional). Files present: {_listing(folder)}"
         )
+    _refuse_non_regular(path, what)
+    return path
+
+
+def optional_file(folder: Path, name: str, what: str) -> Path | None:
+    """``folder / name`` when present (then it must be a regular file), else None."""
+    path = folder / name
+    if not os.path.lexists(path):
+        return None
+    _refuse_non_regular(path, what)
     return path
 
 
@@ -39,32 +124,326 @@ def checked_folder(folder: str | Path) -> Path:
     return path
 
 
-def read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path, *, max_bytes: int | None = None) -> dict[str, Any]:
+    """A JSON object from a regular file of at most ``max_bytes`` (None: :data:`MAX_JSON_BYTES`).
+
+    ``ValueError`` naming the file for anything else: not a regular file, too large, not UTF-8 JSON (or
+    nested too deeply), not an object.
+    """
+    max_bytes = MAX_JSON_BYTES if max_bytes is None else max_bytes
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        data = parse_json(read_regular_file(path, max_bytes=max_bytes))
+    except UnsafeFileError as e:
+        raise UnsafeFileError(f"{e} (a JSON file here may hold at most {max_bytes} bytes)") from None
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as e:
         raise ValueError(f"{path} is not readable JSON: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path} must hold a JSON object; got {type(data).__name__}")
     return data
 
 
-def read_tensors(path: Path) -> dict[str, Tensor]:
+# ---------------------------------------------------------------------------------------------- config fields
+_REQUIRED = object()
+
+
+class ConfigFields:
+    """Typed, range-checked reads of a ``config.json`` dict; every error names the file and the field.
+
+    ``ConfigFields(hf).integer("num_hidden_layers")`` returns an int >= 1 or raises ``ValueError``
+    (``config.json: num_hidden_layers must be an int >= 1; got '12' (str)``). A field that is absent
+    takes its default; a field that is required has none (:meth:`require` lists every absent one at once).
+    """
+
+    def __init__(self, hf: Mapping[str, Any], source: str = "config.json") -> None:
+        self.hf = hf
+        self.source = source
+
+    def _fail(self, key: str, want: str, value: Any) -> ValueError:
+        return ValueError(f"{self.source}: {key} must be {want}; got {value!r:.80} ({type(value).__name__})")
+
+    def _get(self, key: str, default: Any) -> Any:
+        if key in self.hf:
+            return self.hf[key]
+        if default is _REQUIRED:
+            raise ValueError(f"{self.source} lacks the field {key!r}")
+        return default
+
+    def require(self, keys: Sequence[str], what: str) -> None:
+        absent = [k for k in keys if k not in self.hf]
+        if absent:
+            raise ValueError(f"{self.source} lacks the {what} fields {absent}")
+
+    def integer(
+        self,
+        key: str,
+        default: Any = _REQUIRED,
+        *,
+        minimum: int = 1,
+        maximum: int | None = None,
+        allow_none: bool = False,
+    ) -> Any:
+        value = self._get(key, default)
+        if value is None and allow_none:
+            return None
+        want = f"an int >= {minimum}" + (f" and <= {maximum}" if maximum is not None else "")
+        if allow_none:
+            want += " (or null)"
+        if not is_int(value) or value < minimum or (maximum is not None and value > maximum):
+            raise self._fail(key, want, value)
+        return value
+
+    def number(
+        self,
+        key: str,
+        default: Any = _REQUIRED,
+        *,
+        low: float,
+        high: float = math.inf,
+        low_open: bool = False,
+        high_open: bool = True,
+    ) -> float:
+        value = self._get(key, default)
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        ok = is_number(value) and math.isfinite(value)
+        ok = (
+            ok
+            and (value > low if low_open else value >= low)
+            and (value < high if high_open else value <= high)
+        )
+        if not ok:
+            raise self._fail(key, f"a finite number in {interval}", value)
+        return float(value)
+
+    def probability(self, key: str, default: Any = _REQUIRED) -> float:
+        """A dropout probability: a number in [0, 1)."""
+        return self.number(key, default, low=0.0, high=1.0)
+
+    def flag(self, key: str, default: Any = _REQUIRED) -> bool:
+        value = self._get(key, default)
+        if not isinstance(value, bool):
+            raise self._fail(key, "true or false (a JSON boolean, not a string or number)", value)
+        return value
+
+    def text(self, key: str, default: Any = _REQUIRED, *, allow_none: bool = False) -> Any:
+        value = self._get(key, default)
+        if value is None and allow_none:
+            return None
+        if not isinstance(value, str):
+            raise self._fail(key, "a string" + (" (or null)" if allow_none else ""), value)
+        return value
+
+
+def config_problems(
+    hf: dict[str, Any], rules: dict[str, Callable[[Any], bool]], defaults: dict[str, Any]
+) -> None:
+    """The fields ``rules`` must accept (absent ones take ``defaults``) -> one ValueError listing the rest.
+
+    A value a rule cannot even test (a list where a name is expected) counts as refused.
+    """
+    bad = []
+    for key, ok in rules.items():
+        value = hf.get(key, defaults.get(key))
+        try:
+            accepted = bool(ok(value))
+        except TypeError:  # e.g. an unhashable list tested for membership
+            accepted = False
+        if not accepted:
+            bad.append(f"{key}={value!r:.80}")
+    if bad:
+        raise ValueError("config.json does not fit headspace: " + ", ".join(bad))
+
+
+# ---------------------------------------------------------------------------------------------- header
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors header: its stored name, dtype code, shape and byte range."""
+
+    name: str
+    dtype: str  # safetensors' code: "F32", "BF16", "I64" ...
+    shape: tuple[int, ...]
+    begin: int  # byte offsets inside the data section (after the header)
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_floating_point(self) -> bool:
+        return _DTYPES[self.dtype][2]
+
+    @property
+    def dtype_name(self) -> str:
+        """The torch dtype's name (``torch.float16``), for messages."""
+        return _DTYPES[self.dtype][1]
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """What a safetensors file holds, from its header alone (:func:`safetensors_header`)."""
+
+    path: Path
+    tensors: dict[str, TensorEntry]
+    metadata: dict[str, Any]
+    file_size: int
+
+    @property
+    def n_values(self) -> int:
+        """Elements in all tensors together (parameters and buffers)."""
+        return sum(e.numel for e in self.tensors.values())
+
+
+def _read_exactly(fd: int, n: int) -> bytes:
+    chunks, left = [], n
+    while left:
+        chunk = os.read(fd, min(left, 1 << 24))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def safetensors_header(path: str | Path) -> SafetensorsHeader:
+    """The checked header of a safetensors file; nothing else of the file is read.
+
+    The file must be a regular file (links resolved). Its first 8 bytes (little-endian) give the header's
+    length, which must be at most :data:`MAX_HEADER_BYTES` and fit in the file; the header is a JSON
+    object ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`` whose every
+    dtype is known, every shape a list of ints >= 0, and every byte range inside the file's data, as long
+    as its shape and dtype need, and apart from the others. ``ValueError`` naming the file otherwise
+    (empty, truncated, random bytes ...).
+    """
+    path = Path(path)
     try:
-        tensors = load_file(str(path))
-    except Exception as e:  # safetensors raises its own error types for bad files
-        raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
-    return {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path} (the weights) does not exist") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeFileError(f"{path} (the weights) is {file_kind(st.st_mode)}, not a regular file")
+    size = st.st_size
+    bad = f"{path} is not a valid safetensors file"
+    if size < 8:
+        raise ValueError(f"{bad}: {size} bytes, too short for the 8-byte header length (empty or truncated)")
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        now = os.fstat(fd)
+        if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            raise UnsafeFileError(f"{path} (the weights) was replaced while being opened")
+        n = int.from_bytes(_read_exactly(fd, 8), "little")
+        if n > MAX_HEADER_BYTES or n > size - 8:
+            raise ValueError(
+                f"{bad}: its first 8 bytes give a header of {n:,} bytes, but the file holds {size - 8:,} "
+                f"bytes after them and a header may hold at most {MAX_HEADER_BYTES:,} (random bytes or "
+                "truncated)"
+            )
+        raw = _read_exactly(fd, n)
+    finally:
+        os.close(fd)
+    if len(raw) != n:
+        raise ValueError(f"{bad}: the file ended inside its {n:,}-byte header (truncated while being read)")
+    try:
+        header = parse_json(raw)
+    except ValueError as e:
+        raise ValueError(f"{bad}: its header is not JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{bad}: its header is a JSON {type(header).__name__}, not an object")
+    data_bytes = size - 8 - n
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{bad}: its __metadata__ is a {type(metadata).__name__}, not an object")
+    entries: dict[str, TensorEntry] = {}
+    for name, info in header.items():
+        where = f"{path}: tensor {name!r} in the safetensors header"
+        if not isinstance(info, dict):
+            raise ValueError(f"{where} is a {type(info).__name__}, not an object")
+        dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in _DTYPES:
+            raise ValueError(f"{where} has dtype {dtype!r:.40}; known dtypes: {sorted(_DTYPES)}")
+        if not isinstance(shape, list) or not all(is_int(d) and d >= 0 for d in shape):
+            raise ValueError(f"{where} has shape {shape!r:.80}; expected a list of ints >= 0")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(is_int(o) for o in offsets)) or not (
+            0 <= offsets[0] <= offsets[1]
+        ):
+            raise ValueError(
+                f"{where} has data_offsets {offsets!r:.80}; expected [begin, end], 0 <= begin <= end"
+            )
+        if offsets[1] > data_bytes:
+            raise ValueError(
+                f"{where} claims bytes [{offsets[0]:,}, {offsets[1]:,}) of the data, but the file holds "
+                f"{data_bytes:,} bytes of data (truncated or forged)"
+            )
+        entry = TensorEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
+        if offsets[1] - offsets[0] != entry.numel * _DTYPES[dtype][0]:
+            raise ValueError(
+                f"{where}: shape {shape} of {dtype} needs {entry.numel * _DTYPES[dtype][0]:,} bytes, but its "
+                f"data_offsets span {offsets[1] - offsets[0]:,}"
+            )
+        entries[name] = entry
+    spans = sorted((e.begin, e.end, e.name) for e in entries.values() if e.end > e.begin)
+    for (_, end_a, a), (begin_b, _, b) in itertools.pairwise(spans):
+        if begin_b < end_a:
+            raise ValueError(f"{bad}: the data of tensors {a!r} and {b!r} overlap")
+    return SafetensorsHeader(path, entries, metadata, size)
+
+
+def _counted(n: int, what: str) -> str:
+    return f"{n:,} {what}{'' if n == 1 else 's'}"
+
+
+def check_parameter_count(
+    implied_values: int,
+    implied_tensors: int,
+    header: SafetensorsHeader,
+    fields: str,
+) -> str | None:
+    """Compare what the config implies with what the file holds, from the header alone.
+
+    Returns None when the file holds at least as many values and tensors as the config implies (extra
+    tensors may be ignorable), else a one-line summary naming both counts and ``fields`` (the config
+    values behind them). When building the list of expected tensors would be out of proportion to the
+    file (more than ``2 * tensors + 64``), raises ``ValueError`` with that summary at once.
+    """
+    held, held_tensors = header.n_values, len(header.tensors)
+    if implied_values <= held and implied_tensors <= held_tensors:
+        return None
+    summary = (
+        f"config.json ({fields}) implies {_counted(implied_values, 'parameter')} in "
+        f"{_counted(implied_tensors, 'tensor')}, but {header.path} holds {_counted(held, 'value')} in "
+        f"{_counted(held_tensors, 'tensor')}: the config does not describe these weights"
+    )
+    if implied_tensors > 2 * held_tensors + 64:
+        raise ValueError(summary)
+    return summary
+
+
+def parameter_count(shapes: Iterable[tuple[int, ...]]) -> int:
+    """Elements in tensors of these shapes (exact Python ints: no overflow)."""
+    return sum(math.prod(s) for s in shapes)
 
 
 # ---------------------------------------------------------------------------------------------- checking
+def _listed(items: Sequence[str], sep: str = ", ") -> str:
+    shown = sep.join(items[:MAX_LISTED])
+    return shown + (f"{sep}... ({len(items) - MAX_LISTED} more)" if len(items) > MAX_LISTED else "")
+
+
 def check_tensors(
-    tensors: dict[str, Tensor],
+    tensors: Mapping[str, Any],
     expected: dict[str, tuple[int, ...]],
     ignorable: Callable[[str], bool],
     source: Path,
+    *,
+    summary: str | None = None,
 ) -> list[str]:
-    """Missing, unexpected and mis-shaped tensors -> one ValueError listing them; returns ignored names."""
+    """Missing, unexpected and mis-shaped tensors -> one ValueError listing them; returns ignored names.
+
+    ``tensors`` maps names to anything with a ``.shape`` (tensors, meta tensors, header entries). The
+    message's first line counts the problems (after ``summary``, when given); each kind follows on a
+    line of its own, at most :data:`MAX_LISTED` names each.
+    """
     missing = [f"{k} {list(s)}" for k, s in expected.items() if k not in tensors]
     ignored = sorted(k for k in tensors if k not in expected and ignorable(k))
     unexpected = sorted(
@@ -73,18 +452,50 @@ def check_tensors(
     mismatched = [
         f"{k}: expected {list(s)}, found {list(tensors[k].shape)}"
         for k, s in expected.items()
-        if k in tensors and tuple(tensors[k].shape) != s
+        if k in tensors and tuple(tensors[k].shape) != tuple(s)
     ]
-    problems = []
+    problems, counts = [], []
     if missing:
-        problems.append(f"missing tensors ({len(missing)}): " + ", ".join(missing))
+        problems.append(f"missing tensors ({len(missing)}): " + _listed(missing))
+        counts.append(f"{len(missing)} missing")
     if unexpected:
-        problems.append(f"unexpected tensors ({len(unexpected)}): " + ", ".join(unexpected))
+        problems.append(f"unexpected tensors ({len(unexpected)}): " + _listed(unexpected))
+        counts.append(f"{len(unexpected)} unexpected")
     if mismatched:
-        problems.append(f"shape mismatches ({len(mismatched)}): " + "; ".join(mismatched))
+        problems.append(f"shape mismatches ({len(mismatched)}): " + _listed(mismatched, "; "))
+        counts.append(f"{len(mismatched)} mis-shaped")
     if problems:
-        raise ValueError(f"{source} does not match its config.json:\n  " + "\n  ".join(problems))
+        n = len(missing) + len(unexpected) + len(mismatched)
+        first = f"{source} does not match its config.json ({', '.join(counts)} tensor{'s' * (n != 1)})"
+        if summary:
+            first = f"{summary}; {first}"
+        raise ValueError(first + "\n  " + "\n  ".join(problems))
+    if summary:  # pragma: no cover - every expected tensor present with its shape means enough values
+        raise ValueError(summary)
     return ignored
+
+
+def _not_float_error(source: Path, not_float: Sequence[str]) -> ValueError:
+    return ValueError(
+        f"{source}: weights must be floating point (float32, float16, bfloat16 or float64); "
+        f"{len(not_float)} weight(s) are not: " + _listed(not_float)
+    )
+
+
+def _nonfinite_error(source: Path, problems: Sequence[str]) -> ValueError:
+    if len(problems) == 1:
+        return ValueError(f"{source}: {problems[0]}")
+    return ValueError(
+        f"{source}: {len(problems)} weights have NaN/Inf values ({', '.join(problems[:3])}"
+        f"{', ...' if len(problems) > 3 else ''})\n  " + "\n  ".join(problems[:MAX_LISTED])
+    )
+
+
+def check_dtypes(entries: Mapping[str, TensorEntry], names: Iterable[str], source: Path) -> None:
+    """The weights ``names`` must be stored as floating point, from the header (ValueError names them)."""
+    not_float = [f"{k} ({entries[k].dtype_name})" for k in names if not entries[k].is_floating_point]
+    if not_float:
+        raise _not_float_error(source, not_float)
 
 
 def check_values(tensors: dict[str, Tensor], names: Sequence[str], source: Path) -> None:
@@ -94,40 +505,66 @@ def check_values(tensors: dict[str, Tensor], names: Sequence[str], source: Path)
     """
     not_float = [f"{k} ({tensors[k].dtype})" for k in names if not tensors[k].is_floating_point()]
     if not_float:
-        raise ValueError(
-            f"{source}: weights must be floating point (float32, float16, bfloat16 or float64); "
-            f"{len(not_float)} weight(s) are not: " + ", ".join(not_float)
-        )
+        raise _not_float_error(source, not_float)
     problems = []
     for k in names:
         bad = nonfinite_count(tensors[k])
         if bad:
             problems.append(f"weight {k!r} has {bad} NaN/Inf values of {tensors[k].numel()}")
-    if len(problems) == 1:
-        raise ValueError(f"{source}: {problems[0]}")
     if problems:
-        raise ValueError(
-            f"{source}: {len(problems)} weights have NaN/Inf values:\n  " + "\n  ".join(problems)
-        )
+        raise _nonfinite_error(source, problems)
 
 
-def strip_prefix(tensors: dict[str, Tensor], prefix: str, marker: str) -> dict[str, Tensor]:
+def load_tensors(
+    header: SafetensorsHeader, entries: Mapping[str, TensorEntry], names: Iterable[str]
+) -> dict[str, Tensor]:
+    """The tensors ``names`` (keys of ``entries``, already checked), read one at a time, as float32.
+
+    Each is read with ``safe_open`` by its stored name, converted to float32 and checked for NaN/Inf; one
+    ``ValueError`` names every weight holding NaN/Inf. Nothing else of the file is read.
+    """
+    names = list(names)
+    out: dict[str, Tensor] = {}
+    problems = []
+    try:
+        with safe_open(str(header.path), framework="pt") as f:
+            for k in names:
+                t = f.get_tensor(entries[k].name)
+                if t.is_floating_point() and t.dtype != torch.float32:
+                    t = t.float()
+                if t.is_floating_point():
+                    bad = nonfinite_count(t)
+                    if bad:
+                        problems.append(f"weight {k!r} has {bad} NaN/Inf values of {t.numel()}")
+                out[k] = t
+    except Exception as e:  # safetensors raises its own error types for files its parser refuses
+        raise ValueError(f"{header.path} is not a readable safetensors file: {e}") from None
+    if problems:
+        raise _nonfinite_error(header.path, problems)
+    return out
+
+
+def read_tensors(path: Path) -> dict[str, Tensor]:
+    """Every tensor of a safetensors file (floating point ones as float32), after checking its header.
+
+    Converters use :func:`safetensors_header` + :func:`check_tensors` + :func:`load_tensors` instead, to
+    check names and shapes before reading anything.
+    """
+    header = safetensors_header(path)
+    entries = header.tensors
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in entries}
+    except Exception as e:  # safetensors raises its own error types for bad files
+        raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
+    return {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
+
+
+def strip_prefix(tensors: dict[str, Any], prefix: str, marker: str) -> dict[str, Any]:
     """Drop ``prefix`` (e.g. 'bert.') when the model's tensors carry it (task-head checkpoints do)."""
     if any(k.startswith(prefix + marker) for k in tensors):
         return {k[len(prefix) :] if k.startswith(prefix) else k: v for k, v in tensors.items()}
     return tensors
-
-
-def config_problems(
-    hf: dict[str, Any], rules: dict[str, Callable[[Any], bool]], defaults: dict[str, Any]
-) -> None:
-    bad = []
-    for key, ok in rules.items():
-        value = hf.get(key, defaults.get(key))
-        if not ok(value):
-            bad.append(f"{key}={value!r}")
-    if bad:
-        raise ValueError("config.json does not fit headspace: " + ", ".join(bad))
 
 
 def load_converted(
@@ -157,6 +594,10 @@ def open_folder(folder: str | Path) -> tuple[Path, dict[str, Any], Path]:
 
 
 def folder_tokenizer(path: Path, pad_id: int | None) -> TextTokenizer | None:
-    """The folder's ``tokenizer.json`` as a :class:`~headspace.tokenization.TextTokenizer`, or None."""
-    file = path / "tokenizer.json"
-    return TextTokenizer(file, pad_id=pad_id) if file.is_file() else None
+    """The folder's ``tokenizer.json`` as a :class:`~headspace.tokenization.TextTokenizer`, or None.
+
+    No ``tokenizer.json`` is fine (None); one that is not a regular file, too large or not a tokenizer
+    is a ``ValueError`` naming it.
+    """
+    file = optional_file(path, "tokenizer.json", "the tokenizer")
+    return None if file is None else TextTokenizer(file, pad_id=pad_id)

