@@ -6,6 +6,10 @@ machine's description. The logic lives in :mod:`headspace.bench` (also behind ``
     python benchmarks/attention.py                       # seed configuration, seq 128 512 1024 2048
     python benchmarks/attention.py --quick               # small sizes, under a minute (attention_quick.json)
     python benchmarks/attention.py --seq 512 1024 --repeats 5 --threads 2
+    python benchmarks/attention.py --save                # publish: benchmarks/results/attention.json
+
+The JSON goes to benchmarks/results/local/ (git-ignored) unless ``--out PATH`` says otherwise; only
+``--save`` replaces the committed benchmarks/results/attention.json (a ``--quick`` run is never published).
 """
 
 from __future__ import annotations
@@ -13,8 +17,19 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 
 from headspace.bench import CASES, MODES, format_table, machine_info, run_attention_benchmark, write_json
+
+RESULTS = Path(__file__).resolve().parent / "results"
+"""The published results (committed); runs without --save write to RESULTS / "local"."""
+
+
+def output_path(out: str | None, save: bool, name: str) -> Path:
+    """``--out`` as given; else ``RESULTS/name`` with ``--save``, ``RESULTS/local/name`` without."""
+    if out is not None:
+        return Path(out)
+    return (RESULTS if save else RESULTS / "local") / name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,12 +49,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--out",
         default=None,
-        help="JSON output path (default: benchmarks/results/attention.json; with --quick "
-        "benchmarks/results/attention_quick.json, so a smoke run never replaces the published results)",
+        help="JSON output path (default: benchmarks/results/local/attention.json, with --quick "
+        "attention_quick.json there)",
     )
+    p.add_argument("--save", action="store_true", help="publish: write benchmarks/results/attention.json")
     a = p.parse_args(argv)
-    if a.out is None:
-        a.out = f"benchmarks/results/attention{'_quick' if a.quick else ''}.json"
+    if a.save and a.out is not None:
+        p.error("--save writes benchmarks/results/attention.json; give either --save or --out")
+    if a.save and a.quick:
+        p.error("--save publishes a full run; a --quick smoke run is never published")
+    out = output_path(a.out, a.save, f"attention{'_quick' if a.quick else ''}.json")
     for name in ("batch", "d_model", "n_heads", "repeats", "threads"):
         value = getattr(a, name)
         if value is not None and value <= 0:
@@ -68,9 +87,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(format_table(rows))
     write_json(
-        rows, a.out, extra={"argv": sys.argv[1:] if argv is None else argv, "wall_s": time.time() - start}
+        rows, out, extra={"argv": sys.argv[1:] if argv is None else argv, "wall_s": time.time() - start}
     )
-    print(f"wrote {a.out}")
+    print(f"wrote {out}")
     return 0
 
 

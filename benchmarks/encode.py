@@ -9,6 +9,10 @@ over that round's headspace) show how far the machine's load moved them.
 
     python benchmarks/encode.py                    # 256 sentences, batch 32, 2 threads, 7 rounds
     python benchmarks/encode.py --rounds 3 --threads 4
+    python benchmarks/encode.py --save             # publish: benchmarks/results/encode.json
+
+The JSON goes to benchmarks/results/local/encode.json (git-ignored) unless ``--out PATH``; only ``--save``
+replaces the committed benchmarks/results/encode.json.
 """
 
 from __future__ import annotations
@@ -37,6 +41,15 @@ WORDS = (
     "small large quick slow bright dark early late new old good bad first last next open close"
 ).split()
 MAX_ABS = 1e-5
+RESULTS = Path(__file__).resolve().parent / "results"
+"""The published results (committed); runs without --save write to RESULTS / "local"."""
+
+
+def output_path(out: str | None, save: bool, name: str) -> Path:
+    """``--out`` as given; else ``RESULTS/name`` with ``--save``, ``RESULTS/local/name`` without."""
+    if out is not None:
+        return Path(out)
+    return (RESULTS if save else RESULTS / "local") / name
 
 
 def make_sentences(n: int, seed: int = 0) -> list[str]:
@@ -81,8 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument("--out", default="benchmarks/results/encode.json")
+    p.add_argument(
+        "--out", default=None, help="JSON output path (default: benchmarks/results/local/encode.json)"
+    )
+    p.add_argument("--save", action="store_true", help="publish: write benchmarks/results/encode.json")
     a = p.parse_args(argv)
+    if a.save and a.out is not None:
+        p.error("--save writes benchmarks/results/encode.json; give either --save or --out")
+    out = output_path(a.out, a.save, "encode.json")
     for name in ("sentences", "batch_size", "threads", "rounds"):
         if getattr(a, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive; got {getattr(a, name)}")
@@ -165,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     load_avg = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     write_json(
-        Path(a.out),
+        out,
         {
             "benchmark": "encode",
             "sentences": a.sentences,
@@ -188,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
             "target_met": speedup >= target,
         },
     )
-    print(f"wrote {a.out}")
+    print(f"wrote {out}")
     return 0
 
 

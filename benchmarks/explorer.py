@@ -1,10 +1,12 @@
 """The explorer page's size and how fast Chromium opens it, for all-MiniLM-L6-v2 on 13, 128 and 512 tokens.
 
-Run: ``python benchmarks/explorer.py [--runs 5] [--chromium /usr/bin/chromium]``. For each length it builds
-the page (Python), writes it, then opens it ``--runs`` times in fresh headless Chromium tabs and reports
-medians of: load (navigation start -> the page drawn and interactive, from the page's own clock), the
-drawing alone, and the time to switch layer and token on the loaded page (responsiveness). Prints a
-table and writes benchmarks/results/explorer.json. Target (issue 7): 512 tokens open in under 2 s.
+Run: ``python benchmarks/explorer.py [--runs 5] [--lengths 13 128 512] [--chromium /usr/bin/chromium]``.
+For each length it builds the page (Python), writes it, then opens it ``--runs`` times in fresh headless
+Chromium tabs and reports medians of: load (navigation start -> the page drawn and interactive, from the
+page's own clock), the drawing alone, and the time to switch layer and token on the loaded page
+(responsiveness). Prints a table and writes benchmarks/results/local/explorer.json (git-ignored) unless
+``--out PATH``; only ``--save`` replaces the committed benchmarks/results/explorer.json. Target (issue 7):
+512 tokens open in under 2 s.
 """
 
 from __future__ import annotations
@@ -32,6 +34,16 @@ TEXT = (
     "small subspace with W_Q, W_K and W_V, scores the pairs, and W_O mixes what the heads found. "
 )
 
+RESULTS = Path(__file__).resolve().parent / "results"
+"""The published results (committed); runs without --save write to RESULTS / "local"."""
+
+
+def output_path(out: str | None, save: bool, name: str) -> Path:
+    """``--out`` as given; else ``RESULTS/name`` with ``--save``, ``RESULTS/local/name`` without."""
+    if out is not None:
+        return Path(out)
+    return (RESULTS if save else RESULTS / "local") / name
+
 
 def token_ids(pre: object, n: int) -> list[int]:
     """Exactly ``n`` token ids ([CLS] ... [SEP]) cut from a long text."""
@@ -39,13 +51,21 @@ def token_ids(pre: object, n: int) -> list[int]:
     return [*ids[: n - 1], ids[-1]]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5, help="page loads per length (median reported)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[13, 128, 512])
     ap.add_argument("--chromium", default=os.environ.get("HEADSPACE_CHROMIUM", "/usr/bin/chromium"))
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "explorer.json"))
-    args = ap.parse_args()
+    ap.add_argument(
+        "--out", default=None, help="JSON output path (default: benchmarks/results/local/explorer.json)"
+    )
+    ap.add_argument("--save", action="store_true", help="publish: write benchmarks/results/explorer.json")
+    args = ap.parse_args(argv)
+    if args.runs <= 0 or any(n < 2 for n in args.lengths):
+        ap.error(f"--runs must be positive and --lengths at least 2 tokens; got {args.runs}, {args.lengths}")
+    if args.save and args.out is not None:
+        ap.error("--save writes benchmarks/results/explorer.json; give either --save or --out")
+    out = output_path(args.out, args.save, "explorer.json")
     from playwright.sync_api import sync_playwright
     from tokenizers import Tokenizer
 
@@ -132,13 +152,13 @@ def main() -> None:
         "wall_ms": "Playwright goto -> body[data-ready] seen, measured in Python",
         "rows": rows,
     }
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     os.replace(tmp, out)
     print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -9,8 +9,9 @@ Variants, timed round-robin in one run (medians over rounds, ratios to ``fresh``
                           for reference: that is the cost of asking for every intermediate.
 
 Usage: python benchmarks/trace_overhead.py [--rounds 30] [--batch 8] [--seq 128] [--d-model 512] [--heads 8]
-       [--threads N]
-Writes benchmarks/results/trace_overhead.json.
+       [--threads N] [--out PATH | --save]
+Writes benchmarks/results/local/trace_overhead.json (git-ignored) unless ``--out PATH``; only ``--save``
+replaces the committed benchmarks/results/trace_overhead.json.
 """
 
 from __future__ import annotations
@@ -31,6 +32,16 @@ from tqdm.auto import tqdm
 
 import headspace as hs
 
+RESULTS = Path(__file__).resolve().parent / "results"
+"""The published results (committed); runs without --save write to RESULTS / "local"."""
+
+
+def output_path(out: str | None, save: bool, name: str) -> Path:
+    """``--out`` as given; else ``RESULTS/name`` with ``--save``, ``RESULTS/local/name`` without."""
+    if out is not None:
+        return Path(out)
+    return (RESULTS if save else RESULTS / "local") / name
+
 
 def timed(run: Callable[[int], object], inner: int) -> float:
     """Seconds per call of ``run(inner)``, which makes ``inner`` calls."""
@@ -47,7 +58,7 @@ def repeat(fn: Callable[[], object]) -> Callable[[int], None]:
     return run
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--inner", type=int, default=5, help="calls per timing")
@@ -56,8 +67,21 @@ def main() -> None:
     ap.add_argument("--d-model", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "trace_overhead.json"))
-    args = ap.parse_args()
+    ap.add_argument(
+        "--out", default=None, help="JSON output path (default: benchmarks/results/local/trace_overhead.json)"
+    )
+    ap.add_argument(
+        "--save", action="store_true", help="publish: write benchmarks/results/trace_overhead.json"
+    )
+    args = ap.parse_args(argv)
+    for name in ("rounds", "inner", "batch", "seq", "d_model", "heads"):
+        if getattr(args, name) <= 0:
+            ap.error(f"--{name.replace('_', '-')} must be positive; got {getattr(args, name)}")
+    if args.rounds < 2:
+        ap.error(f"--rounds must be at least 2 (quartiles need two timings); got {args.rounds}")
+    if args.save and args.out is not None:
+        ap.error("--save writes benchmarks/results/trace_overhead.json; give either --save or --out")
+    out = output_path(args.out, args.save, "trace_overhead.json")
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)
@@ -121,14 +145,14 @@ def main() -> None:
         | {"torch": torch.__version__, "threads": torch.get_num_threads(), "machine": platform.machine()},
         "results": rows,
     }
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=out.parent, suffix=".json")
     with os.fdopen(fd, "w") as f:
         json.dump(result, f, indent=2)
     os.replace(tmp, out)
     print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

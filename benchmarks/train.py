@@ -9,8 +9,11 @@ models are timed back to back in every round, so the ratio is robust to a busy m
     python benchmarks/train.py                    # d_model 128, 4 layers x 4 heads, seq 128, batch 16
     python benchmarks/train.py --quick            # a smoke run, under a minute
     python benchmarks/train.py --device cuda      # on a GPU
+    python benchmarks/train.py --save             # publish: benchmarks/results/train.json
 
-Writes benchmarks/results/train.json (the settings, every round's numbers, the medians, the machine).
+Writes JSON (the settings, every round's numbers, the medians, the machine) to
+benchmarks/results/local/train.json (git-ignored) unless ``--out PATH``; only ``--save`` replaces the
+committed benchmarks/results/train.json.
 The reference model is written here, after nanoGPT (one fused c_attn, scaled_dot_product_attention with
 is_causal, GELU(tanh) MLP, pre-LN, tied embeddings), so that nothing but the model differs.
 """
@@ -33,6 +36,16 @@ from tqdm import tqdm
 
 from headspace.models import Decoder, ModelConfig
 from headspace.train.checkpoint import write_atomic
+
+RESULTS = Path(__file__).resolve().parent / "results"
+"""The published results (committed); runs without --save write to RESULTS / "local"."""
+
+
+def output_path(out: str | None, save: bool, name: str) -> Path:
+    """``--out`` as given; else ``RESULTS/name`` with ``--save``, ``RESULTS/local/name`` without."""
+    if out is not None:
+        return Path(out)
+    return (RESULTS if save else RESULTS / "local") / name
 
 
 # ------------------------------------------------------------------------------------------ the reference
@@ -118,8 +131,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--quick", action="store_true", help="d_model 64, 2 layers, seq 64, 3 rounds")
-    p.add_argument("--out", default="benchmarks/results/train.json")
+    p.add_argument(
+        "--out", default=None, help="JSON output path (default: benchmarks/results/local/train.json)"
+    )
+    p.add_argument("--save", action="store_true", help="publish: write benchmarks/results/train.json")
     a = p.parse_args(argv)
+    if a.save and a.out is not None:
+        p.error("--save writes benchmarks/results/train.json; give either --save or --out")
+    out = output_path(a.out, a.save, "train.json")
     if a.quick:
         a.d_model, a.layers, a.seq, a.rounds = 64, 2, 64, 3
     for name in ("d_model", "layers", "heads", "seq", "batch", "vocab", "steps", "rounds"):
@@ -197,7 +216,6 @@ def main(argv: list[str] | None = None) -> int:
         },
         "finite": all(math.isfinite(x) for v in rounds.values() for x in v),
     }
-    out = Path(a.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(out, json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

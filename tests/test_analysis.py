@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -238,10 +239,11 @@ def test_subspace_overlaps_per_layer_gqa_and_json(tmp_path) -> None:
     torch.testing.assert_close(q.overlap[1], overlap_matrix(model.blocks[1].attn, "q"))
     off = q.overlap[0][~torch.eye(6, dtype=torch.bool)]
     torch.testing.assert_close(q.mean_offdiag[0], off.mean())
-    path = tmp_path / "ov.json"
-    text = k.to_json(path)
+    path = tmp_path / "sub" / "ov.json"
+    written = k.to_json(path)  # with a path: the file is written and its Path returned, not the text
+    assert written == path and isinstance(written, Path)
     data = json.loads(path.read_text())
-    assert data == json.loads(text)
+    assert data == json.loads(k.to_json())
     assert data["kind"] == "subspace_overlaps" and data["which"] == "k"
     assert len(data["overlap"]) == 2 and len(data["overlap"][0]) == 2
     with pytest.raises(ValueError, match=r"which must be one of \('q', 'k', 'v', 'o'\); got 'x'"):

@@ -1,17 +1,36 @@
-"""The encode benchmark script runs end to end on tiny sizes and writes its JSON."""
+"""Every script in benchmarks/ runs end to end on tiny sizes; its JSON says what its printed table says.
+
+Each script writes benchmarks/results/local/NAME.json by default (git-ignored) and replaces the committed
+benchmarks/results/NAME.json only with ``--save``; every test here checks that the committed results
+are left byte for byte as they were. The explorer's run needs Chromium: it skips without one, unless
+``HEADSPACE_REQUIRE_BROWSER=1`` (CI), where a missing browser fails.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
+import os
+import re
+import shutil
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
+from headspace.bench import CASES, MODES
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+COMMITTED = BENCHMARKS / "results"
+SCRIPTS = ("attention", "decode", "encode", "explorer", "trace_overhead", "train")
+ELSEWHERE = {  # scripts whose smoke run lives with their own tests
+    "patching": "needs headspace.load('smollm2'); its smoke run belongs with tests/test_patching.py",
+}
+CHROMIUM = os.environ.get("HEADSPACE_CHROMIUM", "/usr/bin/chromium")
 
 
 def _script(name: str) -> ModuleType:
@@ -22,11 +41,68 @@ def _script(name: str) -> ModuleType:
     return module
 
 
+def _snapshot() -> dict[str, str]:
+    """SHA-256 of every file under benchmarks/results/ except local/ (what a run must never touch)."""
+    return {
+        str(p.relative_to(COMMITTED)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(COMMITTED.rglob("*"))
+        if p.is_file() and "local" not in p.relative_to(COMMITTED).parts
+    }
+
+
+@pytest.fixture(autouse=True)
+def committed_results_untouched() -> Iterator[None]:
+    before = _snapshot()
+    yield
+    assert _snapshot() == before, "a benchmark run changed or added files in benchmarks/results/"
+
+
 @pytest.fixture
-def keep_threads():
+def keep_threads() -> Iterator[None]:
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
+
+
+def _table_rows(text: str) -> list[list[str]]:
+    """The cells of every Markdown table row (``| a | b |``), header and separator rows excluded."""
+    rows: list[list[str]] = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not (line.startswith("|") and line.endswith("|")):
+            continue
+        if set(line) <= set("|-: "):  # the separator: the row before it was the header
+            rows.pop()
+            continue
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    return rows
+
+
+def test_every_script_has_a_smoke_test() -> None:
+    found = {p.stem for p in BENCHMARKS.glob("*.py")}
+    assert found - set(SCRIPTS) - set(ELSEWHERE) == set(), "a new benchmark script needs a smoke test here"
+
+
+def test_the_committed_results_are_there() -> None:
+    for name in SCRIPTS:
+        doc = json.loads((COMMITTED / f"{name}.json").read_text())
+        assert doc["benchmark"] == name
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_script_writes_local_results_by_default_and_publishes_only_with_save(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = _script(name)
+    assert module.RESULTS == COMMITTED  # the published folder is the repository's, wherever one runs from
+    monkeypatch.setattr(module, "RESULTS", tmp_path / "results")
+    assert module.output_path(None, False, f"{name}.json") == tmp_path / "results" / "local" / f"{name}.json"
+    assert module.output_path(None, True, f"{name}.json") == tmp_path / "results" / f"{name}.json"
+    assert module.output_path("x/y.json", False, f"{name}.json") == Path("x/y.json")
+    with pytest.raises(SystemExit) as exc:
+        module.main(["--save", "--out", str(tmp_path / "z.json")])
+    assert exc.value.code == 2  # argparse's error: --save and --out together
+    assert not list(tmp_path.rglob("*.json"))
 
 
 def test_encode_script_compares_three_models_and_reports_each_round(
@@ -49,16 +125,152 @@ def test_encode_script_compares_three_models_and_reports_each_round(
         assert x == pytest.approx(best / times["headspace"][i])
     assert doc["rounds_target_met"] == sum(x >= doc["target"] for x in per_round)
     assert doc["target_met"] == (doc["speedup_vs_faster_reference"] >= doc["target"])
-    assert "target held in" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "target held in" in printed and f"wrote {out}" in printed
+    table = _table_rows(printed)
+    assert table == [
+        [
+            r["model"],
+            f"{r['median_s']:.3f}",
+            f"{r['sentences_per_s']:.1f}",
+            f"{r['headspace_speedup']:.2f}x",
+            f"{r['max_abs_diff']:.1e}",
+        ]
+        for r in doc["rows"]
+    ]
     assert not list(tmp_path.glob("*.tmp*"))
 
 
 def test_attention_quick_run_never_replaces_the_published_results(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep_threads: None
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    keep_threads: None,
 ) -> None:
-    monkeypatch.chdir(tmp_path)  # the default output paths are relative to the working folder
+    module = _script("attention")
+    monkeypatch.setattr(module, "RESULTS", tmp_path / "results")
     argv = ["--quick", "--seq", "8", "--batch", "1", "--d-model", "6", "--n-heads", "2", "--repeats", "1"]
-    assert _script("attention").main([*argv, "--no-memory", "--threads", "1"]) == 0
-    results = tmp_path / "benchmarks" / "results"
-    assert (results / "attention_quick.json").exists()
+    assert module.main([*argv, "--no-memory", "--threads", "1"]) == 0  # no --out: the local default
+    results = tmp_path / "results"
+    doc = json.loads((results / "local" / "attention_quick.json").read_text())
+    assert not (results / "attention.json").exists() and not (results / "attention_quick.json").exists()
+    printed = capsys.readouterr().out
+    # one table per mode, one seq column: "label | ms (x floor)"
+    table = sorted((row[0], row[1].split()[0]) for row in _table_rows(printed) if len(row) == 2)
+    assert table == sorted((r["label"], f"{r['median_ms']:.1f}") for r in doc["rows"])
+    assert len(doc["rows"]) == len(MODES) * len(CASES)  # forward and forward + backward, every case
+    with pytest.raises(SystemExit):
+        module.main([*argv, "--save"])  # a smoke run is never published
     assert not (results / "attention.json").exists()
+
+
+def test_decode_script_tiny_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], keep_threads: None
+) -> None:
+    out = tmp_path / "decode.json"
+    argv = ["--layers", "1", "--heads", "2", "--d-model", "8", "--vocab", "11", "--positions", "4", "9", "6"]
+    argv += ["--repeats", "2", "--full-repeats", "1", "--threads", "1", "--out", str(out)]
+    assert _script("decode").main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["positions"] == [4, 6, 9] and [r["position"] for r in doc["rows"]] == [4, 6, 9]
+    assert doc["config"]["n_layers"] == 1 and doc["config"]["d_model"] == 8
+    assert all(len(r["cached_times_ms"]) == 2 and len(r["full_times_ms"]) == 1 for r in doc["rows"])
+    assert doc["position_1024_over_64"] == pytest.approx(doc["rows"][-1]["vs_position_64"])
+    assert doc["target_met"] == (doc["position_1024_over_64"] <= doc["target"])
+    printed = capsys.readouterr().out
+    assert "cached vs position 4" in printed and "position 9 / position 4 (cached)" in printed
+    assert _table_rows(printed) == [
+        [
+            str(r["position"]),
+            f"{r['cached_ms']:.2f}",
+            f"{r['full_recompute_ms']:.1f}",
+            f"{r['recompute_over_cached']:.1f}x",
+            f"{r['vs_position_64']:.2f}x",
+        ]
+        for r in doc["rows"]
+    ]
+
+
+def test_train_script_tiny_models(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], keep_threads: None
+) -> None:
+    out = tmp_path / "train.json"
+    argv = ["--d-model", "16", "--layers", "1", "--heads", "2", "--seq", "8", "--batch", "2", "--vocab", "11"]
+    argv += ["--steps", "1", "--rounds", "2", "--threads", "1", "--out", str(out)]
+    assert _script("train").main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["d_model"] == 16 and doc["settings"]["rounds"] == 2 and doc["finite"]
+    assert doc["parameters"]["headspace"] == doc["parameters"]["nanogpt_ref"]  # the same model size
+    assert all(len(v) == 2 for v in doc["tokens_per_s_rounds"].values())
+    printed = capsys.readouterr().out
+    rounds = doc["tokens_per_s_rounds"]
+    assert _table_rows(printed) == [
+        [
+            k,
+            f"{doc['parameters'][k]:,}",
+            f"{doc['median_tokens_per_s'][k]:,.0f}",
+            f"{min(rounds[k]):,.0f}",
+            f"{max(rounds[k]):,.0f}",
+        ]
+        for k in ("headspace", "nanogpt_ref")
+    ]
+    assert f"reference: {doc['ratio_headspace_over_reference']:.3f}x" in printed
+
+
+def test_trace_overhead_script_tiny_layer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], keep_threads: None
+) -> None:
+    out = tmp_path / "trace.json"
+    argv = ["--rounds", "3", "--inner", "1", "--batch", "1", "--seq", "4", "--d-model", "8", "--heads", "2"]
+    assert _script("trace_overhead").main([*argv, "--threads", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["variant"] for r in doc["results"]] == ["fresh", "after_trace", "other_layer_traced", "traced"]
+    assert doc["results"][0]["ratio"] == 1.0 and doc["config"]["d_model"] == 8
+    printed = capsys.readouterr().out
+    lines = {line.split()[0]: line.split()[1:] for line in printed.splitlines() if line.strip()}
+    for r in doc["results"]:
+        assert lines[r["variant"]] == [
+            f"{r['median_ms']:.3f}",
+            f"{r['q1_ms']:.3f}",
+            f"{r['q3_ms']:.3f}",
+            f"{r['ratio']:.3f}",
+        ]
+
+
+def _chromium_or_skip() -> None:
+    if Path(CHROMIUM).is_file() and shutil.which(CHROMIUM):
+        return
+    if os.environ.get("HEADSPACE_REQUIRE_BROWSER"):
+        pytest.fail(f"HEADSPACE_REQUIRE_BROWSER is set but there is no Chromium at {CHROMIUM}")
+    pytest.skip(
+        f"no Chromium at {CHROMIUM} (apt-get install chromium); the explorer benchmark opens pages in it"
+    )
+
+
+def test_explorer_script_one_short_page(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], keep_threads: None
+) -> None:
+    _chromium_or_skip()
+    out = tmp_path / "explorer.json"
+    assert (
+        _script("explorer").main(["--runs", "1", "--lengths", "6", "--chromium", CHROMIUM, "--out", str(out)])
+        == 0
+    )
+    doc = json.loads(out.read_text())
+    (row,) = doc["rows"]
+    assert row["tokens"] == 6 and row["precision"] == "float32" and row["runs"] == 1
+    assert row["load_ms_median"] > 0 and row["file_mb"] > 0
+    printed = capsys.readouterr().out
+    (line,) = [line.split() for line in printed.splitlines() if re.match(r"\s*6\s+float32\s", line)]
+    assert line == [
+        "6",
+        "float32",
+        f"{row['file_mb']:.2f}",
+        f"{row['build_s']:.2f}",
+        f"{row['load_ms_median']:.0f}",
+        f"{row['draw_ms_median']:.0f}",
+        f"{row['wall_ms_median']:.0f}",
+        f"{row['switch_layer_ms_median']:.0f}",
+        f"{row['switch_token_ms_median']:.0f}",
+    ]
+    assert not list(tmp_path.glob("*.tmp"))

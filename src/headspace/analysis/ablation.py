@@ -26,7 +26,7 @@ from tqdm.auto import tqdm
 from ..checks import is_int
 from ..interventions import ABLATION_MODES, ablate
 from ..trace import as_module, attention_layers, hooked, trace
-from ._common import Batch, JsonResult, eval_mode, make_batches, pad_heads
+from ._common import Batch, JsonResult, eval_mode, format_number, layer_head_table, make_batches, pad_heads
 
 METRICS = ("auto", "cosine", "loss")
 
@@ -60,6 +60,14 @@ class HeadImportance(JsonResult):
             if not torch.isnan(s)
         ]
         return sorted(items, key=lambda x: -x[2])
+
+    def _html_parts(self) -> list[str]:
+        top = ", ".join(f"L{i}H{h} {format_number(v)}" for i, h, v in self.ranking()[:5])
+        caption = (
+            f"score per head: change of {self.metric} when the head is {self.mode}-ablated "
+            f"(baseline {format_number(self.baseline)}); top: {top}"
+        )
+        return [layer_head_table(self.scores, caption)]
 
 
 def mean_z(

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ..trace import as_module, attention_layers, trace
-from ._common import JsonResult, eval_mode, make_batches, pad_heads
+from ._common import JsonResult, eval_mode, layer_head_table, make_batches, pad_heads
 
 
 @dataclass
@@ -45,6 +45,15 @@ class HeadMixing(JsonResult):
     wo_norm: Tensor
     key_padding: Tensor
     tokens: Tensor | None
+
+    def _html_parts(self) -> list[str]:
+        n_real = int(self.key_padding.sum())
+        return [
+            layer_head_table(
+                self.mean_share, f"mean share of the attention output over {n_real} real tokens"
+            ),
+            layer_head_table(self.wo_norm, "|W_O[h]|_F, the static weight of each head's block"),
+        ]
 
 
 def shares_from_result(result: Tensor) -> tuple[Tensor, Tensor]:

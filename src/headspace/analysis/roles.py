@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..checks import is_number, nonfinite_count
 from ..trace import as_module, attention_layers, trace
-from ._common import JsonResult, eval_mode, make_batches, pad_heads
+from ._common import JsonResult, eval_mode, layer_head_table, make_batches, pad_heads
 
 TARGETS = ("previous", "next", "current", "first", "last")
 """The attention targets measured, in label precedence order (ties go to the earlier one)."""
@@ -64,6 +64,19 @@ class HeadRoles(JsonResult):
     def heads_with(self, label: str) -> list[tuple[int, int]]:
         """The (layer, head) pairs labelled ``label``."""
         return [(i, h) for i, row in enumerate(self.labels) for h, lab in enumerate(row) if lab == label]
+
+    def _html_parts(self) -> list[str]:
+        masses = torch.stack([self.mass(t) for t in TARGETS], dim=-1)  # (n_layers, max_heads, 5)
+        top = torch.nan_to_num(masses, nan=-1.0).amax(dim=-1)  # (n_layers, max_heads)
+        top = torch.where(top < 0, torch.full_like(top, float("nan")), top)  # absent (pruned) heads: NaN
+        caption = (
+            f"label and largest mean mass per head (label 'mixed' below {self.threshold:g}), "
+            f"over {self.n_queries} query tokens"
+        )
+        return [
+            layer_head_table(top, caption, labels=self.labels),
+            layer_head_table(self.entropy, "mean pattern entropy (nats)"),
+        ]
 
 
 def label_heads(masses: Tensor, n_heads: Sequence[int], threshold: float) -> list[list[str]]:

@@ -32,7 +32,7 @@ from ..attention import MultiHeadAttention
 from ..checks import is_int, nonfinite_count
 from ..circuits import FactoredMatrix, effective_rank
 from ..trace import attention_layers
-from ._common import JsonResult, pad_heads
+from ._common import JsonResult, html_table, layer_head_table, pad_heads
 
 SUBSPACES = ("q", "k", "v", "o")
 """Which weight's subspace: ``q`` W_Q[h], ``k`` W_K[g], ``v`` W_V[g] (read), ``o`` W_O[h]^T (written)."""
@@ -249,6 +249,25 @@ class SubspaceOverlaps(JsonResult):
     random_expected: Tensor
     mean_offdiag: Tensor
 
+    def _html_parts(self) -> list[str]:
+        rows = []
+        for i in range(self.overlap.shape[0]):
+            n = int((~torch.isnan(self.rank[i])).sum())  # heads present in this layer (pruning pads with NaN)
+            off = self.overlap[i, :n, :n][~torch.eye(n, dtype=torch.bool)]
+            off = off[~torch.isnan(off)]  # a zero head has no subspace: NaN overlaps
+            mean, base = float(self.mean_offdiag[i]), float(self.random_expected[i])
+            top = float(off.max()) if off.numel() else float("nan")
+            rows.append([n, int(self.dim[i]), mean, top, base, mean / base if base > 0 else float("nan")])
+        weight = {"q": "W_Q", "k": "W_K", "v": "W_V", "o": "W_O^T"}.get(self.which, self.which)
+        table = html_table(
+            rows,
+            caption=f"head x head overlap of the {weight} subspaces per layer, against random subspaces",
+            row_labels=[f"L{i}" for i in range(len(rows))],
+            col_labels=["heads", "dim", "mean overlap", "max overlap", "random", "mean / random"],
+            corner="layer",
+        )
+        return [table]
+
 
 def subspace_overlaps(model: Any, which: str = "q") -> SubspaceOverlaps:
     """Overlap matrices of every attention layer; grouped-query aware (``"k"``/``"v"`` per kv head)."""
@@ -306,6 +325,14 @@ class CircuitSpectra(JsonResult):
     qk_effective_rank: Tensor
     ov_effective_rank: Tensor
     ov_copying: Tensor
+
+    def _html_parts(self) -> list[str]:
+        return [
+            layer_head_table(self.qk_norm, "|W_Q[h] W_K[h]^T|_F, the QK circuit's Frobenius norm"),
+            layer_head_table(
+                self.ov_copying, "OV copying score (1: writes back what it reads; -1: the opposite)"
+            ),
+        ]
 
 
 def circuit_spectra(model: Any) -> CircuitSpectra:
