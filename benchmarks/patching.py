@@ -83,6 +83,18 @@ def transformer_lens_sweep(
     return out
 
 
+def _plain_copy(hf):
+    """transformers' GGUF-loaded model refuses save_pretrained: the same weights in a plain model."""
+    import transformers
+
+    config = hf.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(hf.state_dict())
+    return plain
+
+
 def load_transformer_lens(model_spec: str):
     """A TransformerBridge on the same weights, or None with the reason."""
     try:
@@ -102,7 +114,7 @@ def load_transformer_lens(model_spec: str):
         )
         tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
         folder = Path(tempfile.mkdtemp(prefix="headspace-tl-"))
-        hf.save_pretrained(folder)
+        _plain_copy(hf).save_pretrained(folder)
         tok.save_pretrained(folder)
     try:
         bridge = TransformerBridge.boot_transformers(str(folder), device="cpu", dtype=torch.float32)

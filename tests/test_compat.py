@@ -561,7 +561,7 @@ def bad_cases() -> list[tuple[str, Callable[[nn.Module], object], str, bool]]:
         ("query 4-D", lambda m: m(torch.randn(1, L, N, E), k, k), "query", True),
         ("key 2-D with batched query", lambda m: m(q, torch.randn(S, E), k), "key", True),
         ("query width", lambda m: m(torch.randn(L, N, E + 1), k, k), "query", True),
-        ("batch sizes differ", lambda m: m(q, *[torch.randn(S, N + 1, E)] * 2), "batch", False),
+        ("batch sizes differ", lambda m: m(q, *[torch.randn(S, N + 1, E)] * 2), "batch", True),
         ("key/value lengths differ", lambda m: m(q, k, torch.randn(S + 1, N, E)), "seq_k", True),
         ("int key_padding_mask", kw(key_padding_mask=torch.zeros(N, S, dtype=i64)), "key_padding_mask", True),
         ("int attn_mask", kw(attn_mask=torch.zeros(L, S, dtype=torch.int32)), "attn_mask", True),
@@ -579,15 +579,15 @@ def bad_cases() -> list[tuple[str, Callable[[nn.Module], object], str, bool]]:
         ),
         ("attn_mask 2-D shape", kw(attn_mask=torch.zeros(S, L, dtype=b)), "attn_mask", True),
         ("attn_mask 3-D shape", kw(attn_mask=torch.zeros(N, L, S, dtype=b)), "attn_mask", True),
-        ("attn_mask 4-D", kw(attn_mask=torch.zeros(N, H, L, S, dtype=b)), "attn_mask", False),
+        ("attn_mask 4-D", kw(attn_mask=torch.zeros(N, H, L, S, dtype=b)), "attn_mask", True),
         (
             "unbatched 3-D attn_mask",
             lambda m: m(q[:, 0], k[:, 0], k[:, 0], attn_mask=torch.zeros(N * H, L, S)),
             "attn_mask",
-            False,
+            True,
         ),
         ("float64 attn_mask", kw(attn_mask=torch.zeros(L, S, dtype=f64)), "attn_mask", True),
-        ("float64 query", lambda m: m(q.double(), k, k), "query", False),
+        ("float64 query", lambda m: m(q.double(), k, k), "query", True),
     ]
 
 

@@ -184,6 +184,24 @@ def test_minilm_bad_sentences(minilm: PretrainedEncoder) -> None:
         minilm([None])
 
 
+def test_minilm_unencodable_text_names_the_sentence_and_the_position(minilm: PretrainedEncoder) -> None:
+    """A lone surrogate (what bytes.decode(errors='surrogateescape') leaves) cannot be UTF-8 encoded."""
+    with pytest.raises(ValueError, match=r"sentences\[0\] cannot be encoded as UTF-8: character '\\udcff' "
+                       r"\(U\+DCFF, a lone surrogate\) at position 0 of 1"):  # fmt: skip
+        minilm.encode(["\udcff"])
+    with pytest.raises(ValueError, match=r"sentences\[2\] cannot be encoded .*U\+D800.* at position 3 of 7"):
+        minilm.encode(
+            ["fine", "also fine", "abc\ud800def"]
+        )  # the index is the caller's, whatever the sorting
+    with pytest.raises(ValueError, match=r"sentences\[1\] cannot be encoded .* at position 1 of 2"):
+        minilm.tokenize(["ok", "x\udc80"])
+    with pytest.raises(ValueError, match=r"^sentence cannot be encoded .* at position 2 of 3"):
+        minilm.tokenizer.tokens("ab\udfff")
+    with pytest.raises(ValueError, match=r"^text cannot be encoded as UTF-8"):
+        minilm.tokenizer.plain_ids("\ud83d")  # half of an emoji's surrogate pair
+    assert minilm.encode(["\U0001f642 \x00 \uffff"]).shape == (1, 384)  # valid, if odd, text still works
+
+
 def test_load_unknown_name_lists_the_known_ones() -> None:
     with pytest.raises(ValueError, match=r"unknown model 'gpt-5'; known models: \['minilm'\]"):
         load("gpt-5")

@@ -245,3 +245,37 @@ def test_small_or_non_cpu_requests_are_plain_empty() -> None:
     import headspace.kernels.workspace as workspace_module
 
     assert getattr(workspace_module._local, "recycled", []) == []
+
+
+def test_a_pattern_too_large_to_allocate_names_its_shape_and_size(
+    recycle_all, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mmap behind a recycled pattern fails with ENOMEM: a MemoryError saying what and what to do."""
+    import errno
+    import mmap as mmap_module
+
+    def no_memory(*args, **kwargs):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    class FakeMmap:  # the module attribute the workspace calls, failing as the kernel does
+        mmap = staticmethod(no_memory)
+
+    monkeypatch.setattr(recycle_all, "mmap", FakeMmap)
+    attn = layer()
+    x = torch.randn(B, S, D)
+    with torch.no_grad(), pytest.raises(MemoryError) as info:
+        attn(x, need_weights=True)
+    message = str(info.value)
+    assert isinstance(info.value, recycle_all.PatternMemoryError)
+    assert f"[batch, heads, seq_q, seq_k] = [{B}, {H}, {S}, {S}]" in message
+    gib = B * H * S * S * 4 / (1 << 30)
+    assert f"{gib:.2f} GiB" in message and "torch.float32" in message
+    assert "need_weights=False" in message and "smaller batches" in message
+    assert "Cannot allocate memory" in message
+    with torch.no_grad():
+        out = attn(x)  # the fused path needs no pattern: it still runs
+    assert out.shape == (B, S, D)
+    monkeypatch.setattr(recycle_all, "mmap", mmap_module)
+    with torch.no_grad():
+        _, pattern = attn(x, need_weights=True)  # and the pool is left usable
+    assert pattern.shape == (B, H, S, S)

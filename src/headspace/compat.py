@@ -25,12 +25,43 @@ Where it differs from torch, on purpose:
   value mix, so its output is ``out_proj.bias``; torch returns NaN there. Gradients stay finite;
 * key length 0 (with neither ``add_bias_kv`` nor ``add_zero_attn``) raises ``ValueError``; torch returns
   ``out_proj.bias``;
-* bad inputs raise exceptions that are both the ``ValueError``/``TypeError`` of headspace's contract
-  (naming the argument, what was expected and what came) and the exception class torch raises
-  (``AssertionError`` or ``RuntimeError``), so handlers written for either keep working;
 * the shape and dtype of ``attn_mask`` are checked even when the ``is_causal`` hint makes torch skip it;
 * torch's inference fast path (``torch._native_multi_head_attention``) is not used; the results agree
-  to float32 tolerance.
+  to float32 tolerance;
+* TorchScript is not supported: ``torch.jit.script`` on the drop-in, or on a model holding it, raises
+  :class:`TorchScriptNotSupportedError` (torch has deprecated TorchScript; use ``torch.compile`` or
+  ``torch.export``).
+
+Bad inputs raise exceptions that are both the ``ValueError``/``TypeError`` of headspace's contract
+(naming the argument, what was expected and what came) and the class torch raises for the same input:
+``AssertionError`` exactly where torch asserts (wrong ranks, a mask of 0, 1 or 4 dimensions, an unbatched
+3-D ``attn_mask`` not ``[num_heads, seq_q, seq_k]``, ``key_padding_mask`` shapes, integer masks, nested
+tensors it cannot take ...), ``RuntimeError`` where torch's computation fails (a 2-D/3-D ``attn_mask`` of
+the wrong size, batch sizes that differ, dtypes that differ from the weights'). A non-tensor argument is
+a plain ``TypeError``. The tests compare the classes with torch's case by case.
+
+Inside torch's transformer layers: ``nn.TransformerEncoderLayer``, ``nn.TransformerDecoderLayer`` and
+``nn.TransformerEncoder`` holding the drop-in (by construction or through :func:`swap_into`) work in every
+mode (train/eval, with or without grad, ``batch_first`` either way, masks, key padding, ``is_causal``),
+equal to torch's own layers with the same weights, and headspace's hook points fire. Two things make
+that so:
+
+* torch's encoder layer has a fused inference fast path (``torch._transformer_encoder_layer_fwd``) that
+  would run torch's kernel on these weights and skip the hook points. torch skips it when any module of
+  the layer has forward hooks or pre-hooks (its ``why_not_sparsity_fast_path`` then reads "forward
+  pre-/hooks are attached to the module"), so every drop-in carries one do-nothing forward pre-hook,
+  :func:`keep_off_torch_fast_path`. (:meth:`MultiheadAttention.merge_masks` exists too, as torch's, for
+  code that calls it.)
+* ``nn.TransformerEncoder`` in eval without grad turns a padded batch with ``src_key_padding_mask``
+  into a nested tensor before the first layer. The drop-in takes such nested self-attention input (and
+  only that: ``query is key is value``, no masks, ``batch_first=True``): it pads it again with the
+  matching ``key_padding_mask``, runs, and returns a nested tensor of the input's layout (and, with
+  ``need_weights``, the padded weights, zero at padding, as torch's nested path returns them). Any
+  other nested input is refused by name (``TypeError``, also torch's ``AssertionError``): pass padded
+  tensors and a ``key_padding_mask``.
+
+:func:`swap_into` replaces every ``torch.nn.MultiheadAttention`` of an existing model by the drop-in,
+sharing its parameters.
 
 The per-head views of headspace work here too: ``mha.W_Q`` ``[num_heads, embed_dim, head_dim]``,
 ``mha.heads[3].W_O``, and the hook points (``hook_q`` ... ``hook_result``) fire while traced (``hook_k``,
@@ -55,19 +86,30 @@ try:  # the class torch uses for out_proj (it only changes how quantization trea
 except ImportError:  # pragma: no cover - older/newer torch without it
     _OutProj = nn.Linear  # type: ignore[misc,assignment]
 
-__all__ = ["MultiheadAttention", "MultiheadAttentionInputError", "MultiheadAttentionTypeError"]
+__all__ = [
+    "MultiheadAttention",
+    "MultiheadAttentionInputError",
+    "MultiheadAttentionShapeError",
+    "MultiheadAttentionTypeError",
+    "TorchScriptNotSupportedError",
+    "swap_into",
+]
 
 
 class MultiheadAttentionInputError(ValueError, AssertionError):
-    """A bad input value or shape: a ``ValueError`` that is also the ``AssertionError`` torch raises."""
+    """A bad input value or shape where torch raises ``AssertionError``: a ``ValueError`` and that class."""
 
 
 class MultiheadAttentionTypeError(TypeError, AssertionError):
-    """A bad input type or dtype: a ``TypeError`` that is also the ``AssertionError`` torch raises."""
+    """A bad input type or dtype where torch raises ``AssertionError``: a ``TypeError`` and that class."""
 
 
-class MultiheadAttentionMaskShapeError(ValueError, RuntimeError):
-    """An ``attn_mask`` of the wrong shape: a ``ValueError`` and the ``RuntimeError`` torch raises."""
+class MultiheadAttentionShapeError(ValueError, RuntimeError):
+    """A bad input shape where torch raises ``RuntimeError``: a ``ValueError`` and that class."""
+
+
+class MultiheadAttentionMaskShapeError(MultiheadAttentionShapeError):
+    """An ``attn_mask`` of a wrong shape where torch raises ``RuntimeError`` (a ``ValueError`` too)."""
 
 
 class MultiheadAttentionCausalHintError(ValueError, RuntimeError):
@@ -75,7 +117,12 @@ class MultiheadAttentionCausalHintError(ValueError, RuntimeError):
 
 
 class MultiheadAttentionDtypeError(TypeError, RuntimeError):
-    """A float mask whose dtype is not the query's: a ``TypeError`` and torch's ``RuntimeError``."""
+    """A dtype torch refuses with ``RuntimeError`` (an input or float mask not of the weights' or query's
+    dtype): a ``TypeError`` and that class."""
+
+
+class TorchScriptNotSupportedError(TypeError, RuntimeError):
+    """``torch.jit.script`` on the drop-in (or a model holding it): not supported, use torch.compile."""
 
 
 def _shape(t: Tensor) -> list[int]:
@@ -180,6 +227,9 @@ class MultiheadAttention(MultiHeadAttention):
         self.add_zero_attn = add_zero_attn
         self.batch_first = batch_first
         self._reset_parameters()
+        # torch's TransformerEncoderLayer runs its own fused kernel on our weights (skipping headspace's
+        # hook points) unless a module of the layer has hooks: this do-nothing pre-hook keeps it off
+        self.register_forward_pre_hook(keep_off_torch_fast_path)
 
     # ------------------------------------------------------------------ headspace's names, torch's storage
     # headspace's methods (views W_Q ..., project_qkv, heads) read these names; here they are aliases of
@@ -278,10 +328,15 @@ class MultiheadAttention(MultiHeadAttention):
         key_padding_mask: Tensor | None,
         attn_mask: Tensor | None,
     ) -> bool:
-        """Check ranks, sizes, dtypes and devices in torch's layout; return whether the input is batched."""
+        """Check ranks, sizes, dtypes and devices in torch's layout; return whether the input is batched.
+
+        Each error is the ``ValueError``/``TypeError`` of headspace's contract and, where torch raises
+        ``AssertionError`` or ``RuntimeError`` for the same input, that class too (tests compare case by
+        case); a non-tensor argument is a plain ``TypeError`` (torch: ``TypeError`` or ``AttributeError``).
+        """
         for name, t in (("query", query), ("key", key), ("value", value)):
             if not isinstance(t, Tensor):
-                raise MultiheadAttentionTypeError(f"{name} must be a tensor; got {type(t).__name__}")
+                raise TypeError(f"{name} must be a tensor; got {type(t).__name__}")
         layout = "(batch, seq, embed)" if self.batch_first else "(seq, batch, embed)"
         if query.dim() == 3:
             batched = True
@@ -302,31 +357,63 @@ class MultiheadAttention(MultiHeadAttention):
                 f"query must be 2-D [seq_q, embed_dim] (unbatched) or 3-D {layout} (batched); got a "
                 f"{query.dim()}-D tensor of shape {_shape(query)}"
             )
-        for name, t, dim, dim_name in (
-            ("query", query, self.embed_dim, "embed_dim"),
-            ("key", key, self.kdim, "kdim"),
-            ("value", value, self.vdim, "vdim"),
-        ):
-            if t.shape[-1] != dim:
+        for name, mask in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
+            if mask is not None and not isinstance(mask, Tensor):
+                raise TypeError(f"{name} must be a tensor or None; got {type(mask).__name__}")
+        if key_padding_mask is not None and key_padding_mask.dim() != (2 if batched else 1):
+            want = "2-D [batch, seq_k]" if batched else "1-D [seq_k] (unbatched input)"
+            raise MultiheadAttentionInputError(
+                f"key_padding_mask must be {want} or None; got a {key_padding_mask.dim()}-D tensor of shape "
+                f"{_shape(key_padding_mask)}"
+            )
+        heads = self.num_heads
+        if attn_mask is not None and attn_mask.dim() not in (2, 3):
+            three = "[batch * num_heads, seq_q, seq_k]" if batched else "[num_heads, seq_q, seq_k]"
+            raise MultiheadAttentionInputError(
+                f"attn_mask must be 2-D [seq_q, seq_k] or 3-D {three}; got a {attn_mask.dim()}-D tensor of "
+                f"shape {_shape(attn_mask)} (a [batch, num_heads, seq_q, seq_k] mask: reshape it to "
+                "[batch * num_heads, seq_q, seq_k])"
+            )
+        if attn_mask is not None and not batched and attn_mask.dim() == 3:
+            want3 = (heads, query.shape[0], key.shape[0])
+            if tuple(attn_mask.shape) != want3:
                 raise MultiheadAttentionInputError(
-                    f"{name} must have last dimension {dim_name}={dim}; got shape {_shape(t)}"
+                    f"attn_mask for an unbatched query must be [seq_q, seq_k] = {list(want3[1:])} or "
+                    f"[num_heads, seq_q, seq_k] = {list(want3)}; got {_shape(attn_mask)}"
                 )
+        if query.shape[-1] != self.embed_dim:
+            raise MultiheadAttentionInputError(
+                f"query must have last dimension embed_dim={self.embed_dim}; got shape {_shape(query)}"
+            )
         batch_dim = 0 if (self.batch_first or not batched) else 1
         seq_dim = 1 - batch_dim if batched else 0
-        if batched and not key.shape[batch_dim] == value.shape[batch_dim] == query.shape[batch_dim]:
-            raise MultiheadAttentionInputError(
-                f"query, key and value must have the same batch size (dimension {batch_dim} for {layout}); "
-                f"got query {_shape(query)}, key {_shape(key)}, value {_shape(value)}"
-            )
+        # torch asserts on key against value (their whole shapes with the fused projection, their
+        # sequence and batch sizes with separate ones) and on separate weights' widths; a fused projection
+        # of the wrong width, or a batch other than the query's, fails in its matmul (RuntimeError)
+        same = key.shape == value.shape if self._qkv_same_embed_dim else key.shape[:-1] == value.shape[:-1]
+        for name, t, dim, dim_name in (("key", key, self.kdim, "kdim"), ("value", value, self.vdim, "vdim")):
+            if t.shape[-1] != dim:
+                cls = (
+                    MultiheadAttentionShapeError
+                    if same and self._qkv_same_embed_dim
+                    else MultiheadAttentionInputError
+                )
+                raise cls(f"{name} must have last dimension {dim_name}={dim}; got shape {_shape(t)}")
         if key.shape[seq_dim] != value.shape[seq_dim]:
             raise MultiheadAttentionInputError(
                 f"key and value must have the same length seq_k (dimension {seq_dim}); got key "
                 f"{_shape(key)}, value {_shape(value)}"
             )
+        if batched and not key.shape[batch_dim] == value.shape[batch_dim] == query.shape[batch_dim]:
+            cls = MultiheadAttentionShapeError if same else MultiheadAttentionInputError
+            raise cls(
+                f"query, key and value must have the same batch size (dimension {batch_dim} for {layout}); "
+                f"got query {_shape(query)}, key {_shape(key)}, value {_shape(value)}"
+            )
         w = self.out_proj.weight
         for name, t in (("query", query), ("key", key), ("value", value)):
             if t.dtype != w.dtype:
-                raise MultiheadAttentionTypeError(
+                raise MultiheadAttentionDtypeError(
                     f"{name} has dtype {t.dtype} but the layer's weights are {w.dtype}"
                 )
             if t.device != w.device:
@@ -339,10 +426,6 @@ class MultiheadAttention(MultiHeadAttention):
         for name, mask in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
             if mask is None:
                 continue
-            if not isinstance(mask, Tensor):
-                raise MultiheadAttentionTypeError(
-                    f"{name} must be a tensor or None; got {type(mask).__name__}"
-                )
             if mask.dtype != torch.bool and not mask.is_floating_point():
                 raise MultiheadAttentionTypeError(
                     f"{name} must be a bool tensor (True = not allowed, torch's convention) or a float "
@@ -367,13 +450,13 @@ class MultiheadAttention(MultiHeadAttention):
                     f"got {_shape(key_padding_mask)}"
                 )
         if attn_mask is not None:
-            heads = batch * self.num_heads if batched else self.num_heads
-            ok = tuple(attn_mask.shape) in ((seq_q, seq_k), (heads, seq_q, seq_k))
+            n = batch * heads if batched else heads
+            ok = tuple(attn_mask.shape) in ((seq_q, seq_k), (n, seq_q, seq_k))
             if not ok:
                 three = "[batch * num_heads, seq_q, seq_k]" if batched else "[num_heads, seq_q, seq_k]"
                 raise MultiheadAttentionMaskShapeError(
                     f"attn_mask must have shape [seq_q, seq_k] = {[seq_q, seq_k]} or {three} = "
-                    f"{[heads, seq_q, seq_k]}; got {_shape(attn_mask)}"
+                    f"{[n, seq_q, seq_k]}; got {_shape(attn_mask)}"
                 )
         return batched
 
@@ -467,6 +550,29 @@ class MultiheadAttention(MultiHeadAttention):
             ``S' = S + add_bias_kv + add_zero_attn``; None when ``need_weights=False``. Rows with
             nothing to attend to are zero (torch: NaN).
         """
+        nested = [
+            name
+            for name, t in (
+                ("query", query),
+                ("key", key),
+                ("value", value),
+                ("key_padding_mask", key_padding_mask),
+                ("attn_mask", attn_mask),
+            )
+            if isinstance(t, Tensor) and t.is_nested
+        ]
+        if nested:
+            return self._forward_nested(
+                nested,
+                query,
+                key,
+                value,
+                key_padding_mask,
+                need_weights,
+                attn_mask,
+                average_attn_weights,
+                is_causal,
+            )
         batched = self._check_inputs_torch(query, key, value, key_padding_mask, attn_mask)
         if is_causal and attn_mask is None:
             raise MultiheadAttentionCausalHintError(
@@ -569,6 +675,79 @@ class MultiheadAttention(MultiHeadAttention):
             out = F.linear(z.transpose(1, 2).reshape(B, L, H * dh), self.o_weight, self.o_bias)  # (N, L, E)
         return self._finish(out, weights if need_weights else None, batched, average_attn_weights)
 
+    def _forward_nested(
+        self,
+        nested: list[str],
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None,
+        need_weights: bool,
+        attn_mask: Tensor | None,
+        average_attn_weights: bool,
+        is_causal: bool,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Nested-tensor self-attention, as ``nn.TransformerEncoder`` passes it in eval + no_grad.
+
+        The sequences are padded (``key_padding_mask`` marks the padding), run through :meth:`forward` (so
+        hooks fire, on the padded [batch, seq_max, ...] values) and nested again, in the input's layout.
+        With ``need_weights`` the weights come back padded, as torch returns them: [batch, (heads,)
+        seq_max, seq_max], zero in the rows and columns of padding. Anything else nested is refused by
+        name.
+        """
+        why = ""
+        if not (query.is_nested and key is query and value is query):
+            why = "self-attention only (query is key is value, all one nested tensor)"
+        elif key_padding_mask is not None or attn_mask is not None:
+            why = "no attn_mask or key_padding_mask (a nested tensor carries its lengths)"
+        elif not self.batch_first:
+            why = "batch_first=True"
+        elif query.dim() != 3:
+            why = "3-D nested tensors [batch, (seq), embed]"
+        if why:
+            raise MultiheadAttentionTypeError(
+                f"{nested[0]} is a nested tensor; headspace.compat.MultiheadAttention takes nested tensors "
+                f"only as torch's nn.TransformerEncoder passes them, which needs {why}. Pass padded tensors "
+                "with a key_padding_mask (True = padding) instead (torch.nested.to_padded_tensor(x, 0.0))"
+            )
+        lengths = [t.shape[0] for t in query.unbind()]
+        padded = torch.nested.to_padded_tensor(query, 0.0)  # (N, L_max, E)
+        n, longest = padded.shape[0], padded.shape[1]
+        real = torch.tensor(lengths, device=padded.device)  # (N,)
+        kpm = torch.arange(longest, device=padded.device)[None, :] >= real[:, None]  # (N, L_max), True = pad
+        out, weights = self.forward(
+            padded,
+            padded,
+            padded,
+            key_padding_mask=kpm,
+            need_weights=need_weights,
+            average_attn_weights=average_attn_weights,
+            is_causal=is_causal,
+        )  # (N, L_max, E), (N, [H,] L_max, L_max) or None
+        if weights is not None:  # padded queries' rows are zero, as torch's nested fast path returns them
+            rows_of_padding = kpm[:, :, None] if weights.dim() == 3 else kpm[:, None, :, None]
+            weights = weights.masked_fill(rows_of_padding, 0.0)
+        rows = [out[i, : lengths[i]] for i in range(n)]  # (L_i, E) each
+        return torch.nested.as_nested_tensor(rows, layout=query.layout), weights
+
+    def merge_masks(
+        self, attn_mask: Tensor | None, key_padding_mask: Tensor | None, query: Tensor
+    ) -> tuple[Tensor | None, int | None]:
+        """torch's ``MultiheadAttention.merge_masks`` (the masks of its fused kernels, in its convention).
+
+        torch calls it only on its fast path, which a layer holding this drop-in does not take (see the
+        module docstring); it is here so that code written for torch's module finds it.
+        """
+        return nn.MultiheadAttention.merge_masks(self, attn_mask, key_padding_mask, query)  # type: ignore[arg-type]
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        """``torch.jit.script`` calls this first: the drop-in does not support TorchScript (deprecated)."""
+        raise TorchScriptNotSupportedError(
+            "headspace.compat.MultiheadAttention does not support TorchScript (torch.jit.script), which "
+            "torch has deprecated; compile the model with torch.compile, or export it with torch.export, "
+            "instead (or keep torch.nn.MultiheadAttention in the model you script)"
+        )
+
     def _project(self, q_in: Tensor, k_in: Tensor, v_in: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """headspace's projections, fused where the inputs are the same tensor (as torch does)."""
         if q_in is k_in and k_in is v_in and self.fused:
@@ -594,3 +773,81 @@ class MultiheadAttention(MultiHeadAttention):
             if not batched:
                 weights = weights.squeeze(0)  # (L, S') or (H, L, S')
         return out, weights
+
+
+def keep_off_torch_fast_path(module: nn.Module, args: tuple) -> None:
+    """The drop-in's forward pre-hook; it does nothing.
+
+    torch's ``nn.TransformerEncoderLayer`` skips its fused inference kernel when any of its modules has
+    forward hooks or pre-hooks (``why_not_sparsity_fast_path = "forward pre-/hooks are attached to the
+    module"``), because that kernel would skip them. headspace's hook points are such hooks, so every
+    drop-in carries this one: a layer holding it always calls the drop-in's ``forward``.
+    """
+    return None
+
+
+def _from_torch(old: nn.MultiheadAttention) -> MultiheadAttention:
+    """The drop-in for ``old``, holding ``old``'s own parameters (and ``out_proj`` module), not copies."""
+    ref = old.out_proj.weight
+    new = MultiheadAttention(
+        old.embed_dim,
+        old.num_heads,
+        dropout=old.dropout,
+        bias=old.in_proj_bias is not None,
+        add_bias_kv=old.bias_k is not None,
+        add_zero_attn=old.add_zero_attn,
+        kdim=old.kdim,
+        vdim=old.vdim,
+        batch_first=old.batch_first,
+        device="meta",  # allocates nothing: every parameter is replaced by old's below
+        dtype=ref.dtype,
+    )
+    names = (
+        ["in_proj_weight"] if old._qkv_same_embed_dim else ["q_proj_weight", "k_proj_weight", "v_proj_weight"]
+    )
+    for name in [*names, "in_proj_bias", "bias_k", "bias_v"]:
+        value = getattr(old, name)
+        if value is not None:  # the constructor made the same layout: None stays None
+            setattr(new, name, value)
+    new.out_proj = old.out_proj
+    if list(new.state_dict()) != list(old.state_dict()):  # pragma: no cover - a torch layout we do not know
+        raise RuntimeError(f"internal: swapping changed the parameter names {list(old.state_dict())}")
+    return new.train(old.training)
+
+
+def swap_into(model: nn.Module) -> nn.Module:
+    """Replace every ``torch.nn.MultiheadAttention`` inside ``model`` by the drop-in, in place.
+
+    Each drop-in holds the replaced module's own parameters (the same ``nn.Parameter`` objects and its
+    ``out_proj``), so the weights, their gradients, optimizers built on ``model.parameters()`` and tied
+    weights carry over; the constructor settings (``batch_first``, ``dropout``, ``kdim``/``vdim``,
+    ``add_bias_kv``, ``add_zero_attn``, bias) and the train/eval mode are kept. A module shared at
+    several places stays one shared drop-in. Only modules whose class is exactly
+    ``torch.nn.MultiheadAttention`` are replaced (subclasses may compute something else). Hooks
+    registered on a replaced module do not carry over.
+
+    Returns ``model`` (or, when ``model`` itself is a ``torch.nn.MultiheadAttention``, its drop-in).
+    ``ValueError`` when ``model`` holds neither a ``torch.nn.MultiheadAttention`` nor a drop-in.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module; got {type(model).__name__}")
+    if type(model) is nn.MultiheadAttention:
+        return _from_torch(model)
+    targets = [
+        (n, m) for n, m in model.named_modules(remove_duplicate=False) if type(m) is nn.MultiheadAttention
+    ]
+    if not targets:
+        if any(isinstance(m, MultiheadAttention) for m in model.modules()):
+            return model  # swapped already
+        raise ValueError(
+            f"model ({type(model).__name__}) holds no torch.nn.MultiheadAttention to replace "
+            "(subclasses of it are left alone)"
+        )
+    made: dict[int, MultiheadAttention] = {}
+    for name, old in targets:
+        new = made.get(id(old))
+        if new is None:
+            new = made[id(old)] = _from_torch(old)
+        parent_name, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, attr, new)
+    return model

@@ -4,50 +4,126 @@ A :class:`HookPoint` is an identity sub-module placed at an intermediate value o
 (``hook_q``, ``hook_pattern`` ...). Its full name is its module path (``blocks.2.attn.hook_pattern``).
 Functions added to it see the value and may return a replacement (patching, ablation).
 
-Layers check :attr:`HookPoint.active` and take their fast path while no hook point of theirs has a
-function: an untraced module pays nothing.
+Layers check :attr:`HookPoint.active` (or the truth of :attr:`HookPoint.fns`) and take their fast path
+while no hook point of theirs has a function: an untraced module pays nothing.
+
+Threads: a function is added either for every thread (``add(fn)``, the default, as before) or for the
+calling thread only (``add(fn, this_thread=True)``, what :func:`headspace.trace`,
+:func:`~headspace.trace.hooked` and :func:`headspace.ablate` do). A thread-only function fires only in
+calls made by the thread that added it; in every other thread the hook point looks untouched
+(``active`` is False, ``fns`` holds the all-thread functions only), so their calls of the same module
+behave as untraced and keep the fast path. Work that torch runs in threads of its own
+(``nn.DataParallel`` replicas, autograd's device threads) does not see thread-only functions; add such
+functions with ``this_thread=False``.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
+from typing import Any
 
 from torch import Tensor, nn
 
 HookFn = Callable[[Tensor, "HookPoint"], Tensor | None]
+
+# adding and removing functions is rare; one lock for every hook point keeps the per-thread tuples whole
+# (a lock per module could not be deep-copied or pickled with the model)
+_EDIT_LOCK = threading.Lock()
 
 
 class HookPoint(nn.Module):
     """An identity point that named functions can read or replace.
 
     ``fn(value, hook_point) -> None | Tensor``: return None to leave the value, a tensor to replace it
-    (it must have the same shape).
+    (it must have the same shape). In a call, the functions added for every thread run first (in the
+    order added), then those the calling thread added for itself (see the module docstring).
     """
 
     def __init__(self) -> None:
         super().__init__()
-        self.fns: list[HookFn] = []
+        self._all_threads: list[HookFn] = []
+        # thread id -> the functions that thread added for itself; a thread with none has no entry, so an
+        # empty dict means "nothing thread-only anywhere" and costs one truth test
+        self._by_thread: dict[int, tuple[HookFn, ...]] = {}
         self.name: str = ""
+
+    # ------------------------------------------------------------------ what fires in this thread
+    @property
+    def fns(self) -> list[HookFn]:
+        """The functions that fire in the calling thread: every-thread ones, then this thread's own.
+
+        Without thread-only functions in this thread this is the every-thread list itself (appending to
+        it adds a function for every thread, as before); otherwise a new list.
+        """
+        by_thread = self._by_thread
+        if by_thread:
+            mine = by_thread.get(threading.get_ident())
+            if mine:
+                return [*self._all_threads, *mine]
+        return self._all_threads
+
+    @fns.setter
+    def fns(self, value: list[HookFn]) -> None:
+        self._all_threads = list(value)
 
     @property
     def active(self) -> bool:
-        return bool(self.fns)
+        """Whether a function fires in the calling thread (cheap: one or two truth tests)."""
+        if self._all_threads:
+            return True
+        by_thread = self._by_thread
+        return bool(by_thread) and threading.get_ident() in by_thread
 
-    def add(self, fn: HookFn) -> Callable[[], None]:
-        """Add ``fn``; returns a function that removes it again."""
-        self.fns.append(fn)
+    # ------------------------------------------------------------------ adding and removing
+    def add(self, fn: HookFn, *, this_thread: bool = False) -> Callable[[], None]:
+        """Add ``fn``; returns a function that removes it again (from any thread).
 
-        def remove() -> None:
-            if fn in self.fns:
-                self.fns.remove(fn)
+        Args:
+            fn: ``fn(value, hook_point) -> None | Tensor``.
+            this_thread: False (default): ``fn`` fires in every thread's calls. True: only in calls made
+                by the thread calling ``add`` (other threads see this hook point as inactive).
+        """
+        if not callable(fn):
+            raise TypeError(f"fn must be callable fn(value, hook_point); got {type(fn).__name__} {fn!r}")
+        if not isinstance(this_thread, bool):
+            raise TypeError(f"this_thread must be a bool; got {type(this_thread).__name__} {this_thread!r}")
+        if not this_thread:
+            with _EDIT_LOCK:
+                self._all_threads.append(fn)
 
-        return remove
+            def remove() -> None:
+                with _EDIT_LOCK:
+                    if fn in self._all_threads:
+                        self._all_threads.remove(fn)
+
+            return remove
+
+        ident = threading.get_ident()
+        with _EDIT_LOCK:
+            self._by_thread[ident] = (*self._by_thread.get(ident, ()), fn)
+
+        def remove_own() -> None:
+            with _EDIT_LOCK:
+                own = list(self._by_thread.get(ident, ()))
+                if fn in own:
+                    own.remove(fn)
+                if own:
+                    self._by_thread[ident] = tuple(own)
+                else:
+                    self._by_thread.pop(ident, None)
+
+        return remove_own
 
     def clear(self) -> None:
-        self.fns.clear()
+        """Remove every function: the every-thread ones and those of every thread."""
+        with _EDIT_LOCK:
+            self._all_threads.clear()
+            self._by_thread.clear()
 
+    # ------------------------------------------------------------------ running
     def fire(self, value: Tensor) -> Tensor:
-        """Run every function on ``value`` in order; return the (possibly replaced) value."""
+        """Run the calling thread's functions on ``value`` in order; return the (possibly replaced) value."""
         for fn in list(self.fns):
             out = fn(value, self)
             if out is not None:
@@ -69,7 +145,15 @@ class HookPoint(nn.Module):
         return self.fire(value)
 
     def extra_repr(self) -> str:
-        return f"n_fns={len(self.fns)}"
+        own = sum(len(fns) for fns in list(self._by_thread.values()))
+        return f"n_fns={len(self._all_threads)}" + (f", thread_only={own}" if own else "")
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # hook points pickled before thread-only functions existed kept their list under "fns"
+        if "fns" in state and "_all_threads" not in state:
+            state["_all_threads"] = list(state.pop("fns"))
+        state.setdefault("_by_thread", {})
+        super().__setstate__(state)
 
 
 def name_hook_points(model: nn.Module) -> dict[str, HookPoint]:

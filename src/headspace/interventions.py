@@ -1,6 +1,7 @@
 """Interventions on heads: :func:`ablate` (while a block runs) and :func:`prune_heads` (for good).
 
-* :func:`ablate`: a context manager that zero- or mean-ablates heads through their ``hook_z``.
+* :func:`ablate`: a context manager that zero- or mean-ablates heads through their ``hook_z``, in the
+  calls of the thread that opened it (other threads' calls of the model are not ablated).
 * :func:`prune_heads`: removes heads, shrinking the fused weights (:mod:`headspace.pruning`) and
   recording the original indices in the model's config.
 """
@@ -45,6 +46,7 @@ def ablate(
     heads: Mapping[tuple[int, int], str] | Sequence[tuple[int, int]],
     *,
     means: Mapping[tuple[int, int], Tensor] | None = None,
+    all_threads: bool = False,
 ) -> Iterator[None]:
     """Ablate heads while the block runs: ``with ablate(model, {(0, 3): "zero", (2, 1): "mean"}): model(x)``.
 
@@ -63,7 +65,12 @@ def ablate(
             order (``blocks.i.attn``).
         heads: ``{(layer, head): "zero" | "mean"}``, or a sequence of ``(layer, head)`` (all zeroed).
         means: optional reference means for ``"mean"`` ablation, by ``(layer, head)``.
+        all_threads: False (default): the heads are ablated only in calls made by the thread that
+            opened the ``with`` block; another thread running the same model meanwhile gets the
+            unablated outputs (and its fast path). True: ablated in every thread's calls.
     """
+    if not isinstance(all_threads, bool):
+        raise TypeError(f"all_threads must be a bool; got {type(all_threads).__name__} {all_threads!r}")
     layers = _layers(model)
     if isinstance(heads, Mapping):
         spec = dict(heads)
@@ -121,7 +128,7 @@ def ablate(
     for layer, modes in per_layer.items():
         name = f"{paths[layer]}.hook_z" if paths[layer] else "hook_z"
         hooks[name] = make_fn(layer, modes)
-    with hooked(model, hooks):
+    with hooked(model, hooks, all_threads=all_threads):
         yield
 
 

@@ -26,32 +26,39 @@ import torch
 from tokenizers import Tokenizer
 from torch import Tensor
 
+from .checks import is_int
+
 #: The largest ``tokenizer.json`` read (the biggest public ones hold ~20 MB).
 MAX_TOKENIZER_BYTES = 64 << 20
 
 
-def _is_int(value: Any) -> bool:  # checks.is_int; the foundations import nothing from each other
-    return isinstance(value, int) and not isinstance(value, bool)
+def read_tokenizer_file(path: Path, max_bytes: int | None = None) -> str:
+    """The text of ``path``, a regular UTF-8 file of at most ``max_bytes`` (None: ``MAX_TOKENIZER_BYTES``).
 
-
-def read_tokenizer_file(path: Path, max_bytes: int = MAX_TOKENIZER_BYTES) -> str:
-    """The text of ``path``, which must be a regular UTF-8 file of at most ``max_bytes`` (else ValueError).
+    Anything else is a ``ValueError`` naming the file (``FileNotFoundError`` when it does not exist).
 
     The kind and size are checked with ``os.stat`` (symbolic links followed) before the file is opened,
     so a named pipe cannot block the reader and a device cannot fill memory; at most ``max_bytes + 1``
     bytes are read.
     """
+    max_bytes = MAX_TOKENIZER_BYTES if max_bytes is None else max_bytes
     try:
         st = os.stat(path)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such tokenizer file") from None
     if not stat.S_ISREG(st.st_mode):
-        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "a named pipe" if stat.S_ISFIFO(st.st_mode) else (
-            "a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a plain file"
+        kind = (
+            "a folder"
+            if stat.S_ISDIR(st.st_mode)
+            else "a named pipe"
+            if stat.S_ISFIFO(st.st_mode)
+            else ("a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a plain file")
         )
         raise ValueError(f"{path}: {kind}, not a regular file; a tokenizer.json must be a regular file")
     if st.st_size > max_bytes:
-        raise ValueError(f"{path}: {st.st_size} bytes, more than the {max_bytes} allowed for a tokenizer.json")
+        raise ValueError(
+            f"{path}: {st.st_size} bytes, more than the {max_bytes} allowed for a tokenizer.json"
+        )
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -66,7 +73,9 @@ def read_tokenizer_file(path: Path, max_bytes: int = MAX_TOKENIZER_BYTES) -> str
     finally:
         os.close(fd)
     if total > max_bytes:
-        raise ValueError(f"{path}: grew past the {max_bytes} bytes allowed for a tokenizer.json while being read")
+        raise ValueError(
+            f"{path}: grew past the {max_bytes} bytes allowed for a tokenizer.json while being read"
+        )
     try:
         return b"".join(chunks).decode("utf-8")
     except UnicodeDecodeError as e:
@@ -118,7 +127,7 @@ class TextTokenizer:
     def __init__(self, path: str | Path, *, pad_id: int | None = None) -> None:
         if not isinstance(path, (str, Path)):
             raise TypeError(f"path must be a str or pathlib.Path; got {type(path).__name__}")
-        if pad_id is not None and (not _is_int(pad_id) or pad_id < 0):
+        if pad_id is not None and (not is_int(pad_id) or pad_id < 0):
             raise ValueError(f"pad_id must be None or an int >= 0; got {pad_id!r}")
         self.path = Path(path)
         text = read_tokenizer_file(self.path)
@@ -131,6 +140,28 @@ class TextTokenizer:
         self._tok.no_truncation()
         self._max_length: int | None = None
         self.pad_id = pad_id
+
+    @classmethod
+    def from_tokenizer(
+        cls, tokenizer: Tokenizer, *, pad_id: int | None = None, path: str | Path = "tokenizer.json"
+    ) -> TextTokenizer:
+        """A TextTokenizer from a ``tokenizers.Tokenizer`` in memory (e.g. one built from GGUF metadata).
+
+        The tokenizer is copied (its padding and truncation are switched off on the copy, not on yours);
+        ``path`` only names it in messages and ``repr``.
+        """
+        if not isinstance(tokenizer, Tokenizer):
+            raise TypeError(f"tokenizer must be a tokenizers.Tokenizer; got {type(tokenizer).__name__}")
+        if pad_id is not None and (not is_int(pad_id) or pad_id < 0):
+            raise ValueError(f"pad_id must be None or an int >= 0; got {pad_id!r}")
+        self = cls.__new__(cls)
+        self.path = Path(path)
+        self._tok = Tokenizer.from_str(tokenizer.to_str())
+        self._tok.no_padding()
+        self._tok.no_truncation()
+        self._max_length = None
+        self.pad_id = pad_id
+        return self
 
     @property
     def vocab_size(self) -> int:
@@ -151,22 +182,34 @@ class TextTokenizer:
     def encode_ids(self, sentences: Sequence[str], *, max_length: int | None = None) -> list[list[int]]:
         """Token ids (special tokens included) of each sentence, truncated to ``max_length`` if given."""
         sentences = check_sentences(sentences)
-        if max_length is not None and (not _is_int(max_length) or max_length < 2):
+        if max_length is not None and (not is_int(max_length) or max_length < 2):
             raise ValueError(f"max_length must be None or an int >= 2; got {max_length!r}")
         self._set_truncation(max_length)
-        return [e.ids for e in self._tok.encode_batch(sentences)]
+        try:
+            encodings = self._tok.encode_batch(sentences)
+        except Exception:
+            check_encodable(sentences)  # names the sentence and the character when that is the cause
+            raise
+        return [e.ids for e in encodings]
+
+    def _encode_one(self, text: str, name: str, *, add_special_tokens: bool = True) -> Any:
+        try:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens)
+        except Exception:
+            check_encodable(text, name)
+            raise
 
     def plain_ids(self, text: str) -> list[int]:
         """Token ids of ``text`` alone, without special tokens (e.g. an answer token ``" Paris"``)."""
-        return self._tok.encode(check_sentences(text, "text")[0], add_special_tokens=False).ids
+        return self._encode_one(check_sentences(text, "text")[0], "text", add_special_tokens=False).ids
 
     def plain_tokens(self, text: str) -> list[str]:
         """Token strings of ``text`` alone, without special tokens."""
-        return self._tok.encode(check_sentences(text, "text")[0], add_special_tokens=False).tokens
+        return self._encode_one(check_sentences(text, "text")[0], "text", add_special_tokens=False).tokens
 
     def tokens(self, sentence: str) -> list[str]:
         """The token strings of one sentence (special tokens included)."""
-        return self._tok.encode(check_sentences(sentence, "sentence")[0]).tokens
+        return self._encode_one(check_sentences(sentence, "sentence")[0], "sentence").tokens
 
     def pad(
         self, ids: Sequence[Sequence[int]], *, side: str = "right", fill_id: int | None = None

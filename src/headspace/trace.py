@@ -20,6 +20,11 @@ that may *replace* a value (patching, ablation); the trace records the value aft
 A bare :class:`~headspace.MultiHeadAttention` is a one-layer model: its names are ``hook_pattern`` ...
 and its layer index is 0.
 
+Threads: the functions :func:`trace`, :func:`hooked` (and :func:`headspace.ablate`) add fire only in
+calls made by the thread that opened the block; another thread running the same model meanwhile sees
+it untraced (nothing recorded, nothing replaced, its fast path kept). ``all_threads=True`` adds them
+for every thread instead (as :meth:`HookPoint.add` does by default).
+
 ``headspace.trace`` is the function :func:`trace` (the package exports it under the module's name);
 import the rest with ``from headspace.trace import Trace, hooked, attention_layers``.
 """
@@ -124,12 +129,21 @@ def select_hook_points(model: Any, names: NameFilter = None) -> dict[str, HookPo
 
 
 @contextmanager
-def hooked(model: Any, hooks: Mapping[str, HookFn]) -> Iterator[dict[str, HookPoint]]:
+def hooked(
+    model: Any, hooks: Mapping[str, HookFn], *, all_threads: bool = False
+) -> Iterator[dict[str, HookPoint]]:
     """Add functions to hook points for the duration of the block; they are removed on exit, even on error.
 
     ``hooks`` maps a full name or glob to ``fn(value, hook_point) -> None | Tensor`` (return a tensor of
     the same shape to replace the value). Yields the hook points that got a function, by name.
+
+    The functions fire only in calls made by the thread that entered the block (other threads' calls of
+    the same model behave as unhooked); ``all_threads=True`` makes them fire in every thread.
     """
+    if not isinstance(all_threads, bool):
+        raise TypeError(f"all_threads must be a bool; got {type(all_threads).__name__} {all_threads!r}")
+    if not isinstance(hooks, Mapping):
+        raise TypeError(f"hooks must be a dict {{name or glob: fn}}; got {type(hooks).__name__}")
     removers: list[Callable[[], None]] = []
     touched: dict[str, HookPoint] = {}
     try:
@@ -137,7 +151,7 @@ def hooked(model: Any, hooks: Mapping[str, HookFn]) -> Iterator[dict[str, HookPo
             if not callable(fn):
                 raise TypeError(f"hooks[{pattern!r}] must be callable fn(value, hook_point); got {fn!r}")
             for name, point in select_hook_points(model, pattern).items():
-                removers.append(point.add(fn))
+                removers.append(point.add(fn, this_thread=not all_threads))
                 touched[name] = point
         yield touched
     finally:
@@ -284,6 +298,7 @@ def trace(
     *,
     hooks: Mapping[str, HookFn] | None = None,
     detach: bool = True,
+    all_threads: bool = False,
 ) -> Iterator[Trace]:
     """Record hook point values while the block runs: ``with trace(model) as t: model(x)``.
 
@@ -297,12 +312,17 @@ def trace(
         hooks: extra functions by full name or glob, ``fn(value, hook_point) -> None | Tensor``, that run
             *before* recording and may return a replacement value (patching); they are removed on exit.
         detach: record ``value.detach()`` (default) or the value itself, keeping its autograd graph.
+        all_threads: False (default): record (and run ``hooks``) only in calls made by the thread that
+            opened the ``with`` block; another thread running the same model meanwhile is untraced and
+            keeps the fast path. True: every thread's calls are recorded into this trace.
 
     Yields:
         A :class:`Trace`, filled as the model runs. All functions are removed on exit, even on error.
     """
     if not isinstance(detach, bool):
         raise TypeError(f"detach must be a bool; got {detach!r}")
+    if not isinstance(all_threads, bool):
+        raise TypeError(f"all_threads must be a bool; got {type(all_threads).__name__} {all_threads!r}")
     layers = attention_layers(model)
     t = Trace([p for p, _ in layers], [m for _, m in layers])
     chosen = select_hook_points(model, names)
@@ -314,8 +334,8 @@ def trace(
         return record
 
     recorders = {name: make_recorder(name) for name in chosen}
-    with hooked(model, hooks or {}):
-        removers = [chosen[name].add(fn) for name, fn in recorders.items()]
+    with hooked(model, hooks or {}, all_threads=all_threads):
+        removers = [chosen[name].add(fn, this_thread=not all_threads) for name, fn in recorders.items()]
         try:
             yield t
         finally:

@@ -1,6 +1,7 @@
 """Scratch memory reused across calls: see :mod:`headspace.kernels.workspace` (this path keeps working)."""
 
 from .kernels.workspace import (
+    PatternMemoryError,
     THREAD_SCRATCH_MIN_BYTES,
     Workspace,
     recycled_empty,
@@ -9,6 +10,7 @@ from .kernels.workspace import (
 )
 
 __all__ = [
+    "PatternMemoryError",
     "THREAD_SCRATCH_MIN_BYTES",
     "Workspace",
     "recycled_empty",

@@ -20,11 +20,13 @@ Nothing returned to a caller ever lies in a workspace. Results are a third case,
 :func:`recycled_empty`: the attention pattern (``need_weights=True``) is handed to the caller, and once
 the caller drops every view of it, its memory serves the next pattern of a similar size in that thread
 instead of going back to the OS (after each call at most one idle pattern is kept per thread). At
-seq 2048 (batch 8, 8 heads) that 1 GiB took 0.45 s to fault in on every call.
+seq 2048 (batch 8, 8 heads) that 1 GiB took 0.45 s to fault in on every call. A pattern too large
+for the machine raises :class:`PatternMemoryError` (a ``MemoryError``) that names its shape and size.
 """
 
 from __future__ import annotations
 
+import errno
 import math
 import mmap
 import sys
@@ -69,6 +71,30 @@ class Workspace:
 _local = threading.local()
 
 
+class PatternMemoryError(MemoryError):
+    """The memory of a ``need_weights=True`` attention pattern (or another recycled result) could not be had.
+
+    The message names the shape ``[batch, heads, seq_q, seq_k]``, the size in GiB and what to do instead.
+    """
+
+
+def _too_large(
+    shape: tuple[int, ...], dtype: torch.dtype, n_bytes: int, cause: OSError
+) -> PatternMemoryError:
+    gib = n_bytes / (1 << 30)
+    if len(shape) == 4:
+        b, h, sq, sk = shape
+        dims = f"[batch, heads, seq_q, seq_k] = [{b}, {h}, {sq}, {sk}]"
+        what = f"the attention pattern of need_weights=True, {dims}"
+    else:  # pragma: no cover - every caller today asks for a pattern
+        what = f"a result of shape {list(shape)}"
+    return PatternMemoryError(
+        f"cannot allocate {what} ({dtype}, {gib:.2f} GiB): {cause.strerror or cause}. Pass "
+        "need_weights=False (the fused path never builds the pattern), or run smaller batches or "
+        "shorter sequences (the pattern grows with batch * heads * seq_q * seq_k)"
+    )
+
+
 def thread_workspace() -> Workspace:
     """This thread's workspace (created on first use; other threads never see it)."""
     ws = getattr(_local, "workspace", None)
@@ -109,7 +135,16 @@ def recycled_empty(shape: tuple[int, ...], dtype: torch.dtype, device: torch.dev
             keep.append(chosen)
         # other idle mappings are dropped here: unmapped once nothing refers to them
     if chosen is None:
-        chosen = mmap.mmap(-1, n_bytes)
+        try:
+            chosen = mmap.mmap(-1, n_bytes)
+        except OSError as e:  # ENOMEM (or EINVAL/EOVERFLOW for a size past the address space)
+            if e.errno not in (errno.ENOMEM, errno.EINVAL, errno.EOVERFLOW, errno.EFBIG):
+                raise
+            pool[:] = keep
+            raise _too_large(shape, dtype, n_bytes, e) from None
+        except OverflowError as e:  # a size past what mmap can even express
+            pool[:] = keep
+            raise _too_large(shape, dtype, n_bytes, OSError(errno.EOVERFLOW, str(e))) from None
         keep.append(chosen)
     pool[:] = keep
     return torch.frombuffer(chosen, dtype=dtype, count=numel).view(shape)
