@@ -1,8 +1,8 @@
 """Scratch memory reused across calls: see :mod:`headspace.kernels.workspace` (this path keeps working)."""
 
 from .kernels.workspace import (
-    PatternMemoryError,
     THREAD_SCRATCH_MIN_BYTES,
+    PatternMemoryError,
     Workspace,
     recycled_empty,
     release_thread_workspace,
@@ -10,8 +10,8 @@ from .kernels.workspace import (
 )
 
 __all__ = [
-    "PatternMemoryError",
     "THREAD_SCRATCH_MIN_BYTES",
+    "PatternMemoryError",
     "Workspace",
     "recycled_empty",
     "release_thread_workspace",

