@@ -35,6 +35,8 @@ _NAMES = {
     "load": ".pretrained",
     "load_bert": ".pretrained",
     "load_gpt2": ".pretrained",
+    "load_llama": ".pretrained",
+    "load_gguf": ".pretrained",
 }
 #: submodules that are public names themselves (``headspace.analysis.head_roles`` ...).
 _MODULES = ("analysis", "compat", "layouts", "train")
@@ -62,7 +64,9 @@ __all__ = [
     "layouts",
     "load",
     "load_bert",
+    "load_gguf",
     "load_gpt2",
+    "load_llama",
     "prune_heads",
     "trace",
     "train",
@@ -95,6 +99,6 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
     from .interventions import ablate, prune_heads
     from .masks import CanonicalMask, canonical_mask, causal_mask
     from .models import Decoder, Encoder
-    from .pretrained import load, load_bert, load_gpt2
+    from .pretrained import load, load_bert, load_gguf, load_gpt2, load_llama
     from .trace import Trace, trace
     from .train.checkpoint import CheckpointError

@@ -1,7 +1,8 @@
-"""Pretrained weights on headspace's own code: ``load(name | folder)``, ``load_bert``, ``load_gpt2``.
+"""Pretrained weights on headspace's own code: ``load(name | folder)``, ``load_bert/gpt2/llama/gguf``.
 
 * :mod:`.hf`: reading and checking a Hugging Face folder (shared by every converter);
-* :mod:`.bert`, :mod:`.gpt2`: one converter per architecture (config, expected tensors, state dict);
+* :mod:`.bert`, :mod:`.gpt2`, :mod:`.llama`: one converter per architecture (config, tensors, state dict);
+* :mod:`.gguf_format` reads GGUF files, :mod:`.gguf` puts them on a Decoder (``load_gguf``, smollm2);
 * :mod:`.wrappers`: :class:`LoadedModel` (what a loaded model offers), :class:`PretrainedEncoder`,
   :class:`PretrainedDecoder`;
 * :mod:`.registry`: :func:`load` by name or folder, and where the bundled model lives.
@@ -12,6 +13,8 @@ weights stored [in, out]); the rest in each converter.
 """
 
 from .bert import bert_config, bert_state_dict, load_bert
+from .gguf import load_gguf, load_smollm2
+from .gguf_format import GGUFError, read_gguf, smollm2_gguf_path
 from .gpt2 import gpt2_config, gpt2_state_dict, load_gpt2
 from .llama import LLAMA_MODEL_TYPES, llama_config, llama_from_tensors, llama_state_dict, load_llama
 from .registry import MINILM_INSTALL, MINILM_PACKAGE, MODELS, load, minilm_path
@@ -22,6 +25,7 @@ __all__ = [
     "MINILM_INSTALL",
     "MINILM_PACKAGE",
     "MODELS",
+    "GGUFError",
     "LoadedModel",
     "PretrainedDecoder",
     "PretrainedEncoder",
@@ -35,7 +39,11 @@ __all__ = [
     "llama_state_dict",
     "load",
     "load_bert",
+    "load_gguf",
     "load_gpt2",
     "load_llama",
+    "load_smollm2",
     "minilm_path",
+    "read_gguf",
+    "smollm2_gguf_path",
 ]

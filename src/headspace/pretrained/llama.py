@@ -460,18 +460,7 @@ def _as_text_tokenizer(tokenizer: Any, pad_id: int | None) -> TextTokenizer | No
             f"tokenizer must be a headspace TextTokenizer, a tokenizers.Tokenizer or None; got "
             f"{type(tokenizer).__name__}"
         )
-    make = getattr(TextTokenizer, "from_tokenizer", None)
-    if make is not None:
-        return make(tokenizer, pad_id=pad_id)
-    # TextTokenizer reads a file; until it takes a Tokenizer object, fill in what its __init__ sets
-    text = TextTokenizer.__new__(TextTokenizer)
-    text.path = Path("tokenizer.json")
-    text._tok = Tokenizer.from_str(tokenizer.to_str())  # a copy: padding/truncation switched off below
-    text._tok.no_padding()
-    text._tok.no_truncation()
-    text._max_length = None
-    text.pad_id = pad_id
-    return text
+    return TextTokenizer.from_tokenizer(tokenizer, pad_id=pad_id)
 
 
 def _build(

