@@ -30,3 +30,45 @@ def single_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+# ---------------------------------------------------------------------------------------------- SmolLM2
+# transformers' own GGUF loading of the bundled SmolLM2 is the reference of several test files; it takes
+# tens of seconds, so it is loaded once per session here.
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    from headspace.pretrained.gguf_format import smollm2_gguf_path
+
+    try:
+        return smollm2_gguf_path()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_gguf):
+    transformers = pytest.importorskip("transformers")
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    model = transformers.LlamaForCausalLM.from_pretrained(
+        str(smollm2_gguf.parent),
+        gguf_file=smollm2_gguf.name,
+        dtype=torch.float32,
+        attn_implementation="eager",
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf_tokenizer(smollm2_gguf):
+    transformers = pytest.importorskip("transformers")
+    transformers.utils.logging.set_verbosity_error()
+    return transformers.AutoTokenizer.from_pretrained(str(smollm2_gguf.parent), gguf_file=smollm2_gguf.name)
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_gguf):
+    """headspace.load("smollm2"), once per session."""
+    import headspace
+
+    return headspace.load("smollm2")

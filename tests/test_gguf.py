@@ -92,13 +92,13 @@ def _hf_tokenizer(path: Path) -> Any:
 
 
 @pytest.fixture(scope="session")
-def hf_model(smollm2: Path) -> torch.nn.Module:
-    return _hf_model(smollm2)
+def hf_model(smollm2_hf: torch.nn.Module) -> torch.nn.Module:
+    return smollm2_hf  # conftest.py: loaded once per session
 
 
 @pytest.fixture(scope="session")
-def hf_tokenizer(smollm2: Path) -> Any:
-    return _hf_tokenizer(smollm2)
+def hf_tokenizer(smollm2_hf_tokenizer: Any) -> Any:
+    return smollm2_hf_tokenizer
 
 
 # the tiny model: hidden 256 so every row is a whole number of K-quant blocks (256 values)
