@@ -487,3 +487,23 @@ def test_integer_weights_are_refused_naming_the_keys(to, read, load, dtype: torc
     with pytest.raises(hl.LayoutError, match="weights must be floating point"):
         load(target, sd, prefix="blk.")  # copy_ would cast the integers silently
     assert torch.equal(target.W_Q, before)
+
+
+def test_a_layer_with_qkv_biases_only_round_trips_through_every_layout() -> None:
+    """Qwen2-style layers (biases on q, k, v, none on the output) export with a zero output bias."""
+    from headspace import layouts
+
+    torch.manual_seed(5)
+    attn = MultiHeadAttention(12, 3, qkv_bias=True, out_bias=False)
+    with torch.no_grad():
+        attn.qkv_bias.normal_()
+    x = torch.randn(2, 4, 12)
+    sd = layouts.to_transformer_lens(attn)
+    back = layouts.load_transformer_lens(MultiHeadAttention(12, 3, qkv_bias=True, out_bias=False), sd)
+    torch.testing.assert_close(back(x), attn(x))
+    full = layouts.from_transformer_lens(sd)  # a layer with every bias: the output bias is zero
+    torch.testing.assert_close(full(x), attn(x))
+    with pytest.raises(ValueError, match="no output bias"):
+        sd2 = dict(sd)
+        sd2["b_O"] = torch.ones(12)
+        layouts.load_transformer_lens(MultiHeadAttention(12, 3, qkv_bias=True, out_bias=False), sd2)

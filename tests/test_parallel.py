@@ -221,3 +221,26 @@ def test_shards_reject_indivisible_heads_and_bad_ranks() -> None:
     par = HeadParallelAttention.from_module(MultiHeadAttention(12, 6))
     with pytest.raises(ValueError, match=r"4-D mask must be \[batch, n_heads, seq_q, seq_k\] with n_heads=6"):
         par(torch.randn(1, 2, 12), attn_mask=torch.ones(1, 4, 2, 2, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_rotary_gqa_shards_add_up_with_qkv_bias_only(world: int) -> None:
+    """Qwen2-like: rotary positions, grouped-query heads, biases on q/k/v only; explicit positions."""
+    from headspace.positions import Rotary
+
+    torch.manual_seed(3)
+    attn = MultiHeadAttention(
+        30, 6, d_head=6, n_kv_heads=3, qkv_bias=True, out_bias=False, rotary=Rotary(6, base=500.0)
+    )
+    with torch.no_grad():
+        attn.qkv_bias.normal_()
+    x = torch.randn(2, 5, 30)
+    positions = torch.tensor([[0, 1, 2, 3, 4], [3, 4, 5, 6, 7]])
+    shards = [attention_shard(attn, r, world) for r in range(world)]
+    assert all(s.rotary is attn.rotary and s.o_bias is None for s in shards)
+    out = sum(s(x, is_causal=True, positions=positions) for s in shards)
+    assert_close(out, attn(x, is_causal=True, positions=positions))
+    hp = HeadParallelAttention.from_module(attn)  # a world of one: the whole layer, positions passed on
+    assert_close(hp(x, is_causal=True, positions=positions), attn(x, is_causal=True, positions=positions))
+    back = hp.gather()
+    assert back.rotary is attn.rotary and back.o_bias is None and back.qkv_bias is not None

@@ -274,13 +274,17 @@ def _parts_of(attn: MultiHeadAttention) -> _Parts:
     k = attn.W_K.transpose(1, 2).reshape(Hkv * dh, attn.kdim)  # (Hkv dh, kdim)
     v = attn.W_V.transpose(1, 2).reshape(Hkv * dh, attn.vdim)  # (Hkv dh, vdim)
     o = attn.W_O.permute(2, 0, 1).reshape(d, H * dh)  # (d_model, H dh)
-    if attn.b_Q is None:
-        bq = bk = bv = bo = None
-    else:
+    bq = bk = bv = bo = None
+    if attn.b_Q is not None:
         bq = attn.b_Q.reshape(H * dh)  # (H dh,)
         bk = attn.b_K.reshape(Hkv * dh)  # (Hkv dh,)
         bv = attn.b_V.reshape(Hkv * dh)  # (Hkv dh,)
-        bo = attn.b_O
+    bo = attn.b_O
+    if (bq is None) != (bo is None):  # q/k/v biases without an output bias (Qwen2), or the other way
+        # the layouts hold both or neither: the missing one is zero, which is what the layer computes
+        zeros = q.new_zeros
+        bq, bk, bv = (zeros(H * dh), zeros(Hkv * dh), zeros(Hkv * dh)) if bq is None else (bq, bk, bv)
+        bo = zeros(d) if bo is None else bo
     detached = [None if t is None else t.detach() for t in (q, k, v, o, bq, bk, bv, bo)]
     return _Parts(*detached, H, Hkv, dh)  # type: ignore[arg-type]
 
@@ -322,7 +326,7 @@ def _load_parts(attn: MultiHeadAttention, p: _Parts, layout: str) -> MultiHeadAt
         "d_head": attn.d_head,
         "kdim": attn.kdim,
         "vdim": attn.vdim,
-        "bias": attn.b_Q is not None,
+        "bias": attn.b_Q is not None or attn.b_O is not None,
     }
     got = {
         "d_model": p.d_model,
@@ -347,10 +351,20 @@ def _load_parts(attn: MultiHeadAttention, p: _Parts, layout: str) -> MultiHeadAt
         attn.W_K.copy_(p.k.view(Hkv, dh, attn.kdim).transpose(1, 2))  # (Hkv, kdim, dh)
         attn.W_V.copy_(p.v.view(Hkv, dh, attn.vdim).transpose(1, 2))  # (Hkv, vdim, dh)
         attn.W_O.copy_(p.o.view(d, H, dh).permute(1, 2, 0))  # (H, dh, d_model)
-        if want["bias"]:
+        for name, have, bias in (
+            ("q/k/v", attn.b_Q is not None, p.bq),
+            ("output", attn.b_O is not None, p.bo),
+        ):
+            if want["bias"] and not have and bias is not None and not bool((bias == 0).all()):
+                raise ValueError(
+                    f"the {layout} weights do not fit this layer (it has no {name} bias; the state dict's "
+                    "is not zero)"
+                )
+        if attn.b_Q is not None:
             attn.b_Q.copy_(p.bq.view(H, dh))  # (H, dh)
             attn.b_K.copy_(p.bk.view(Hkv, dh))  # (Hkv, dh)
             attn.b_V.copy_(p.bv.view(Hkv, dh))  # (Hkv, dh)
+        if attn.b_O is not None:
             attn.b_O.copy_(p.bo)
     return attn
 
@@ -657,13 +671,13 @@ def to_transformer_lens(attn: MultiHeadAttention, prefix: str = "") -> dict[str,
         v_name: _fresh(attn.W_V),  # (Hkv, vdim, dh)
         "W_O": _fresh(attn.W_O),  # (H, dh, d_model)
     }
+    z = attn.W_Q.new_zeros  # TransformerLens always stores every bias: a missing one is zero
     if attn.b_Q is not None:
         out.update({"b_Q": _fresh(attn.b_Q), bk_name: _fresh(attn.b_K), bv_name: _fresh(attn.b_V)})
-        out["b_O"] = _fresh(attn.b_O)
     else:
-        z = attn.W_Q.new_zeros
         out.update({"b_Q": z(attn.n_heads, attn.d_head), bk_name: z(attn.n_kv_heads, attn.d_head)})
-        out.update({bv_name: z(attn.n_kv_heads, attn.d_head), "b_O": z(attn.d_model)})
+        out[bv_name] = z(attn.n_kv_heads, attn.d_head)
+    out["b_O"] = z(attn.d_model) if attn.b_O is None else _fresh(attn.b_O)
     return {prefix + k: v for k, v in out.items()}
 
 

@@ -154,6 +154,8 @@ def _attention_record(attn: Any) -> dict[str, Any]:
             "kdim": attn.kdim,
             "vdim": attn.vdim,
             "bias": attn.qkv_bias is not None,
+            "out_bias": attn.o_bias is not None,
+            "rotary": None if attn.rotary is None else repr(attn.rotary),
             "dropout": attn.dropout,
             "scale": attn.scale,
             "dtype": str(w.dtype),
@@ -207,10 +209,12 @@ def attention_shard(attn: MultiHeadAttention, rank: int, world_size: int) -> Mul
         n_kv_heads=attn.n_kv_heads // world_size,
         kdim=attn.kdim,
         vdim=attn.vdim,
-        bias=attn.qkv_bias is not None,
+        qkv_bias=attn.qkv_bias is not None,
+        out_bias=False,  # the caller adds b_O once
         dropout=attn.dropout,
         scale=attn.scale,
         check_finite=attn.check_finite,
+        rotary=attn.rotary,  # rotation acts per head: every shard rotates its own heads alike
         device=w.device,
         dtype=w.dtype,
     )
@@ -224,7 +228,6 @@ def attention_shard(attn: MultiHeadAttention, rank: int, world_size: int) -> Mul
             shard.b_Q.copy_(attn.b_Q[hs])
             shard.b_K.copy_(attn.b_K[ks])
             shard.b_V.copy_(attn.b_V[ks])
-    shard.o_bias = None  # the caller adds b_O once
     for name, p in shard.named_parameters():
         p.requires_grad_(getattr(attn, name).requires_grad)
     shard.train(attn.training)
@@ -319,6 +322,7 @@ class HeadParallelAttention(nn.Module):
         is_causal: bool = False,
         need_weights: bool = False,
         kv_cache: KVCache | None = None,
+        positions: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, Tensor]:
         """Attend with this rank's heads, then sum the ranks' outputs; same arguments as MultiHeadAttention.
 
@@ -335,6 +339,7 @@ class HeadParallelAttention(nn.Module):
             need_weights: also return the whole pattern [batch, n_heads, seq_q, seq_k] (gathered from
                 every rank: one all-gather more).
             kv_cache: a cache from :meth:`make_kv_cache` (this rank's key/value heads).
+            positions: int [seq_q] or [batch, seq_q], for rotary layers (see MultiHeadAttention).
 
         Returns:
             out [batch, seq_q, d_model] (the same on every rank), or (out, pattern).
@@ -363,6 +368,7 @@ class HeadParallelAttention(nn.Module):
             is_causal=is_causal,
             need_weights=need_weights,
             kv_cache=kv_cache,
+            **({} if positions is None else {"positions": positions}),
         )
         partial, pattern = result if need_weights else (result, None)  # (batch, seq_q, d_model)
         out = _SumOverShards.apply(partial, self.group) if distributed else partial  # (batch, seq_q, d_model)
@@ -389,10 +395,12 @@ class HeadParallelAttention(nn.Module):
             n_kv_heads=self.n_kv_heads,
             kdim=self.kdim,
             vdim=self.vdim,
-            bias=loc.qkv_bias is not None,
+            qkv_bias=loc.qkv_bias is not None,
+            out_bias=self.o_bias is not None,
             dropout=loc.dropout,
             scale=loc.scale,
             check_finite=loc.check_finite,
+            rotary=loc.rotary,
             device=loc.o_weight.device,
             dtype=loc.o_weight.dtype,
         )

@@ -1,0 +1,113 @@
+"""Everything else works on Llama-family decoders: trace (rotary hook points by short name), ablate,
+prune_heads (whole key/value groups), head roles, importance, mixing, subspaces at the key/value-head
+level, generation, and the commands (explain, heads, subspaces, patch, attribute) on SmolLM2."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch.testing import assert_close
+
+import headspace as hs
+from headspace import analysis
+
+
+def rotary_decoder() -> hs.Decoder:
+    torch.manual_seed(0)
+    cfg = hs.ModelConfig(
+        arch="decoder", vocab_size=41, d_model=36, n_layers=2, n_heads=6, n_kv_heads=3, d_mlp=20,
+        max_seq_len=32, positions="rotary", norm_kind="rmsnorm", mlp_kind="gated", act="silu",
+        qkv_bias=True, out_bias=False, mlp_bias=False, dropout=0.0, attn_dropout=0.0, emb_dropout=0.0,
+    )  # fmt: skip
+    return hs.Decoder(cfg).eval()
+
+
+def test_trace_reaches_the_rotary_hook_points_by_short_name() -> None:
+    model = rotary_decoder()
+    tokens = torch.randint(0, 41, (2, 7))
+    with hs.trace(model) as t:
+        model(tokens)
+    assert t.act("rot_q", 1).shape == (2, 7, 6, 6) and t.act("rot_k", 1).shape == (2, 7, 3, 6)
+    assert_close(t.head("rot_k", 1, 5), t.act("rot_k", 1)[:, :, 2])  # query head 5 reads kv head 2
+    assert "rot_q" in t.layer(0)
+
+
+def test_pruning_a_whole_key_value_group_equals_ablating_it() -> None:
+    model = rotary_decoder()
+    tokens = torch.randint(0, 41, (2, 7))
+    with hs.ablate(model, {(0, 2): "zero", (0, 3): "zero"}), torch.no_grad():
+        want = model(tokens)
+    hs.prune_heads(model, {0: [2, 3]})  # query heads 2 and 3 are kv head 1's whole group
+    attn = model.blocks[0].attn
+    assert (attn.n_heads, attn.n_kv_heads) == (4, 2)
+    with torch.no_grad():
+        assert_close(model(tokens), want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="unequal numbers of query heads"):
+        hs.prune_heads(model, {1: [0]})  # half a group
+
+
+def test_analyses_run_on_a_rotary_gqa_decoder() -> None:
+    model = rotary_decoder()
+    tokens = torch.randint(0, 41, (2, 7))
+    roles = analysis.head_roles(model, tokens)
+    assert len(roles.labels) == 2 and len(roles.labels[0]) == 6
+    mix = analysis.head_mixing(model, tokens)
+    assert mix.mean_share.shape == (2, 6)
+    imp = analysis.head_importance(model, tokens, metric="loss")
+    assert imp.scores.shape == (2, 6)
+    kv = analysis.subspace_overlaps(model, "k")
+    assert kv.overlap.shape[-1] == 3  # key subspaces per key/value head, not per query head
+    planes = analysis.rotary_planes(model, tokens)
+    assert planes is not None
+
+
+@pytest.fixture(scope="module")
+def runner(smollm2, request):
+    """A click runner whose --model smollm2 reuses the session's loaded SmolLM2."""
+    from headspace.cli import loader
+
+    mp = pytest.MonkeyPatch()
+    real = loader.load_model
+    for name in ("headspace.cli.lesson", "headspace.cli.causal", "headspace.cli.view"):
+        module = importlib.import_module(name)  # (headspace.cli.view is also the name of a command)
+        mp.setattr(module, "load_model", lambda spec: smollm2 if spec == "smollm2" else real(spec))
+    request.addfinalizer(mp.undo)
+    return CliRunner()
+
+
+def _run(runner: CliRunner, args: list[str]):
+    from headspace.cli import cli
+
+    res = runner.invoke(cli, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    return res.output
+
+
+def test_explain_on_smollm2_shows_the_shared_key_value_head(runner) -> None:
+    sentence = "The cat sat on the mat because it was tired"
+    out = json.loads(_run(runner, ["explain", "--model", "smollm2", sentence, "--token", "it", "--json"]))
+    assert out["n_heads"] == 9 and out["n_kv_heads"] == 3
+    text = _run(runner, ["explain", "--model", "smollm2", "--layer", "3", "--head", "4", "--token", "it"])
+    assert "key/value head 1" in text
+
+
+def test_heads_and_subspaces_on_smollm2(runner, tmp_path) -> None:
+    sentences = tmp_path / "s.txt"
+    sentences.write_text("The cat sat on the mat.\nHeads attend to tokens.\n")
+    out = _run(runner, ["heads", "--model", "smollm2", "--sentences", str(sentences), "--no-importance"])
+    assert "29" in out  # the last layer is listed
+    out = _run(runner, ["subspaces", "--model", "smollm2", "--layer", "2"])
+    assert "W_Q subspace overlap" in out
+
+
+def test_patch_and_attribute_commands_on_smollm2(runner, tmp_path) -> None:
+    data = json.loads(_run(runner, ["patch", "--model", "smollm2", "--json", "--out", str(tmp_path)]))
+    assert len(data["head_patch_effect"]) == 30 and len(data["head_patch_effect"][0]) == 9
+    assert data["clean_metric"] > data["corrupt_metric"]
+    assert (tmp_path / "patch_heads.png").stat().st_size > 1000
+    text = _run(runner, ["attribute", "--model", "smollm2", "The capital of France is", "--answer", " Paris"])
+    assert "logit lens" in text and "top 10 heads" in text
