@@ -124,16 +124,23 @@ def _pair(model: Any, clean: Any, corrupt: Any) -> tuple[Prompts, Prompts]:
 
 
 def _metric_fn(
-    model: Any, module: nn.Module, metric: Metric | None, answer: Any, other: Any
+    model: Any, module: nn.Module, metric: Metric | None, answer: Any, other: Any, clean_output: Tensor | None
 ) -> tuple[Metric, str]:
+    """The metric and its name: the caller's, else a decoder's logit(answer) - logit(other), else (an
+    encoder) the cosine of the sentence embedding with the clean one (``clean_output`` [1, d_model])."""
     if metric is not None:
         if not callable(metric):
             raise TypeError(f"metric must be callable(output [runs, ...]) -> [runs]; got {metric!r}")
         return metric, getattr(metric, "__name__", "metric")
     if not is_decoder(module):
-        raise ValueError(
-            "an encoder has no logits: pass metric=..., or leave it to patch()'s embedding metric"
-        )
+        if clean_output is None:
+            raise ValueError("an encoder's default metric needs the clean embedding")
+        target = clean_output.detach()[0]  # (d_model,), L2-normalised
+
+        def cosine_to_clean(emb: Tensor) -> Tensor:  # (runs, d_model) -> (runs,)
+            return emb @ target
+
+        return cosine_to_clean, "cosine to the clean embedding"
     if answer is None:
         raise ValueError("the default metric is logit(answer) - logit(other): pass answer (and other)")
     a = token_id(model, answer, "answer")
@@ -398,15 +405,7 @@ def patch(
     c, k = _pair(model, clean, corrupt)
     with eval_mode(module):
         clean_run = _full_run(module, c.tokens, decoder)
-        if metric is None and not decoder:
-            target = clean_run.output  # (1, d_model)
-
-            def cosine_to_clean(emb: Tensor) -> Tensor:  # (runs, d_model) -> (runs,)
-                return emb @ target[0]
-
-            fn, name = cosine_to_clean, "cosine to the clean embedding"
-        else:
-            fn, name = _metric_fn(model, module, metric, answer, other)
+        fn, name = _metric_fn(model, module, metric, answer, other, clean_run.output)
         clean_metric = float(_checked(fn(clean_run.output), 1, name)[0])
         seq = c.tokens.shape[1]
         p = _first_difference(c.tokens, k.tokens) if decoder else 0
@@ -479,12 +478,12 @@ def patch_activations(
         with hooked(module, hooks):
             module(k.tokens)
         out = _output(module, final["x"], decoder)
-        if metric is None and not decoder:
+        clean_out = None
+        if metric is None and not decoder:  # the embedding metric needs the clean embedding
             with trace(module, names=[f"blocks.{L - 1}.hook_resid_post"]) as tc:
                 module(c.tokens)
-            target = _output(module, tc[f"blocks.{L - 1}.hook_resid_post"], decoder)
-            return float((out @ target[0])[0])
-        fn, name = _metric_fn(model, module, metric, answer, other)
+            clean_out = _output(module, tc[f"blocks.{L - 1}.hook_resid_post"], decoder)
+        fn, name = _metric_fn(model, module, metric, answer, other, clean_out)
         return float(_checked(fn(out), 1, name)[0])
 
 
@@ -521,11 +520,7 @@ def attribution_patching(
     with eval_mode(module):
         with torch.no_grad():
             clean_run = _full_run(module, c.tokens, decoder)
-        if metric is None and not decoder:
-            target = clean_run.output.detach()
-            fn, name = (lambda emb: emb @ target[0]), "cosine to the clean embedding"
-        else:
-            fn, name = _metric_fn(model, module, metric, answer, other)
+        fn, name = _metric_fn(model, module, metric, answer, other, clean_run.output)
         clean_metric = float(_checked(fn(clean_run.output), 1, name)[0])
         acts: dict[int, Tensor] = {}
 
@@ -637,14 +632,7 @@ def path_patch(
     with eval_mode(module):
         clean_run = _full_run(module, c.tokens, decoder)
         corrupt_run = _full_run(module, k.tokens, decoder)
-        fn, name = (
-            _metric_fn(model, module, metric, answer, other)
-            if (metric is not None or decoder)
-            else (None, "")
-        )
-        if fn is None:
-            target = clean_run.output
-            fn, name = (lambda emb: emb @ target[0]), "cosine to the clean embedding"
+        fn, name = _metric_fn(model, module, metric, answer, other, clean_run.output)
         clean_metric = float(_checked(fn(clean_run.output), 1, name)[0])
         corrupt_metric = float(_checked(fn(corrupt_run.output), 1, name)[0])
         send = {}
