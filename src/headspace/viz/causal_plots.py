@@ -5,6 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+import matplotlib
+
+matplotlib.use("Agg")  # headless, before pyplot
+
 import matplotlib.pyplot as plt
 import numpy as np
 from torch import Tensor
