@@ -194,7 +194,7 @@ def test_json_files_are_read_with_a_size_cap(bert: Path, monkeypatch: pytest.Mon
 
 def test_a_tokenizer_json_is_read_with_a_size_cap(bert: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(headspace.tokenization, "MAX_TOKENIZER_BYTES", 100)
-    with pytest.raises(ValueError, match=r"tokenizer.json: \d+ bytes, more than the 100 allowed"):
+    with pytest.raises(ValueError, match=r"tokenizer.json: \d+ bytes, more than the 100 bytes allowed"):
         load_bert(bert)
 
 

@@ -16,8 +16,6 @@ the sentence's index and the character's position.
 
 from __future__ import annotations
 
-import os
-import stat
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +25,7 @@ from tokenizers import Tokenizer
 from torch import Tensor
 
 from .checks import is_int
+from .fileio import UnsafeFileError, read_regular_file
 
 #: The largest ``tokenizer.json`` read (the biggest public ones hold ~20 MB).
 MAX_TOKENIZER_BYTES = 64 << 20
@@ -43,41 +42,15 @@ def read_tokenizer_file(path: Path, max_bytes: int | None = None) -> str:
     """
     max_bytes = MAX_TOKENIZER_BYTES if max_bytes is None else max_bytes
     try:
-        st = os.stat(path)
+        data = read_regular_file(path, max_bytes=max_bytes)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no such tokenizer file") from None
-    if not stat.S_ISREG(st.st_mode):
-        kind = (
-            "a folder"
-            if stat.S_ISDIR(st.st_mode)
-            else "a named pipe"
-            if stat.S_ISFIFO(st.st_mode)
-            else ("a device" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else "not a plain file")
-        )
-        raise ValueError(f"{path}: {kind}, not a regular file; a tokenizer.json must be a regular file")
-    if st.st_size > max_bytes:
+    except UnsafeFileError as e:
         raise ValueError(
-            f"{path}: {st.st_size} bytes, more than the {max_bytes} allowed for a tokenizer.json"
-        )
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+            f"{e}; a tokenizer.json must be a regular file of at most {max_bytes} bytes"
+        ) from None
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{path}: replaced by something that is not a regular file while being opened")
-        chunks, total = [], 0
-        while total <= max_bytes:
-            chunk = os.read(fd, min(1 << 24, max_bytes + 1 - total))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            total += len(chunk)
-    finally:
-        os.close(fd)
-    if total > max_bytes:
-        raise ValueError(
-            f"{path}: grew past the {max_bytes} bytes allowed for a tokenizer.json while being read"
-        )
-    try:
-        return b"".join(chunks).decode("utf-8")
+        return data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not a valid tokenizer.json: not UTF-8 text ({e})") from None
 
