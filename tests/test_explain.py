@@ -185,3 +185,32 @@ def test_the_walk_names_the_kv_head_only_with_grouped_query_attention(gqa: TinyL
     assert "k_j = x_j W_K[1], v_j = x_j W_V[1] for every token j" in out
     assert "6. out = concat W_O   W_O: [30, 30]" in out and "b_O" not in out
     assert occurrence_note(e) == ""  # "it" occurs once
+
+
+def test_the_walk_of_a_rotary_model_holds_the_rotated_q_and_k_its_scores_use() -> None:
+    from headspace.explain import explain as explain_fn
+
+    torch.manual_seed(0)
+    cfg = ModelConfig(
+        arch="decoder", vocab_size=29, d_model=24, n_layers=2, n_heads=6, n_kv_heads=2, d_mlp=16,
+        max_seq_len=16, positions="rotary", norm_kind="rmsnorm", mlp_kind="gated", act="silu",
+    )  # fmt: skip
+    model = Decoder(cfg).eval()
+
+    class Words:  # a model with a tokenizer of one token per word
+        def __init__(self) -> None:
+            self.model, self.config, self.tokenizer = model, cfg, self
+
+        def tokens(self, sentence: str) -> list[str]:
+            return sentence.split()
+
+        def tokenize_padded(self, texts):
+            ids = torch.tensor([[hash(w) % 29 for w in t.split()] for t in texts])
+            return ids, torch.ones_like(ids, dtype=torch.bool)
+
+    e = explain_fn(Words(), "a b c d e f", "d", layer=1, head=4)
+    assert e.rotary_dim == 4 and e.rope_theta == cfg.rope_theta and e.kv_head == 1
+    scores = torch.tensor(e.k_rot) @ torch.tensor(e.q_rot) * e.scale  # (seq,)
+    causal = torch.tensor([s is not None for s in e.scores])
+    torch.testing.assert_close(scores[causal], torch.tensor([s for s in e.scores if s is not None]))
+    assert not torch.allclose(torch.tensor(e.q_rot), torch.tensor(e.q))  # position 3 rotates q

@@ -94,6 +94,9 @@ class Explanation:
         ranking: every (layer, head): the relational heads by decreasing flow, then the positional heads
             by decreasing weight of their top key (:func:`rank_heads`).
         bias: whether the layer has the biases b_Q, b_K, b_V; out_bias: whether it has b_O.
+        q_rot, k_rot: with rotary positions, q and the keys rotated by their positions (``q R(i)``,
+            ``k_j R(j)``); the scores are ``q_rot . k_rot_j / sqrt(d_head)``. rope_theta, rotary_dim:
+            the rotation's base and rotated width (None without rotary positions).
     """
 
     model: str
@@ -126,6 +129,12 @@ class Explanation:
     occurrences: list[int] = field(default_factory=list)
     bias: bool = True
     out_bias: bool = True
+    #: rotary models: q and every k after the rotation by their positions (the scores use these), the
+    #: rotation base and how many of the d_head features rotate; empty / None without rotary positions
+    q_rot: list[float] = field(default_factory=list)
+    k_rot: list[list[float]] = field(default_factory=list)
+    rope_theta: float | None = None
+    rotary_dim: int | None = None
 
     @property
     def token(self) -> str:
@@ -283,13 +292,14 @@ def record(model: nn.Module, run: Callable[[], Any]) -> dict[str, list[Tensor]]:
         attn.register_forward_pre_hook(grab_input(i), with_kwargs=True) for i, attn in enumerate(layers)
     ]
     names = ("q", "k", "v", "scores", "pattern", "z", "result")
+    rotary = [n for n in ("rot_q", "rot_k") if all(getattr(a, "rotary", None) is not None for a in layers)]
     try:
-        with trace(model, [f"hook_{n}" for n in names]) as t:
+        with trace(model, [f"hook_{n}" for n in (*names, *rotary)]) as t:
             run()
     finally:
         for h in handles:
             h.remove()
-    rec = {n: [t.act(n, i) for i in range(len(layers))] for n in names}
+    rec = {n: [t.act(n, i) for i in range(len(layers))] for n in (*names, *rotary)}
     rec["input"] = inputs  # type: ignore[assignment]
     return rec
 
@@ -481,4 +491,18 @@ def explain(
         occurrences=occurrences,
         bias=attn.b_Q is not None,
         out_bias=attn.b_O is not None,
+        **_rotated(rec, attn, layer, index, head, kv_head),
     )
+
+
+def _rotated(rec: dict[str, list[Tensor]], attn: Any, layer: int, index: int, head: int, kv: int) -> dict:
+    """The rotary fields of an :class:`Explanation` (none without rotary positions)."""
+    rotary = getattr(attn, "rotary", None)
+    if rotary is None or "rot_q" not in rec:
+        return {}
+    return {
+        "q_rot": _floats(rec["rot_q"][layer][0, index, head]),
+        "k_rot": [_floats(r) for r in rec["rot_k"][layer][0, :, kv]],
+        "rope_theta": float(rotary.base),
+        "rotary_dim": int(rotary.rotary_dim),
+    }
