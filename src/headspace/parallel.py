@@ -303,6 +303,11 @@ class HeadParallelAttention(nn.Module):
         return cls(attn, group, sync_weights=sync_weights)
 
     @property
+    def rotary(self) -> Any:
+        """The layer's :class:`~headspace.positions.Rotary` (None without rotary positions): the shard's."""
+        return self.local.rotary
+
+    @property
     def o_weight_local(self) -> Tensor:
         """This rank's columns of ``o_weight`` [d_model, n_local_heads d_head]."""
         return self.local.o_weight
