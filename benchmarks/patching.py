@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.rounds < 1 or args.threads < 1:
         p.error("--rounds and --threads must be positive")
+    if args.save and args.out is not None:
+        p.error("--save writes benchmarks/results/patching.json; give either --save or --out")
     torch.set_num_threads(args.threads)
     model = headspace.load(args.model)
     tok = model.tokenizer

@@ -28,7 +28,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 COMMITTED = BENCHMARKS / "results"
 SCRIPTS = ("attention", "decode", "encode", "explorer", "trace_overhead", "train")
 ELSEWHERE = {  # scripts whose smoke run lives with their own tests
-    "patching": "needs headspace.load('smollm2'); its smoke run belongs with tests/test_patching.py",
+    "patching": "needs headspace.load('smollm2'): tests/test_patching.py runs it",
 }
 CHROMIUM = os.environ.get("HEADSPACE_CHROMIUM", "/usr/bin/chromium")
 

@@ -334,3 +334,23 @@ def test_an_answer_of_several_tokens_shows_how_it_tokenizes(tmp_path: Path) -> N
         patching.patch(
             pre, torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.long), answer="Mary"
         )
+
+
+# ---------------------------------------------------------------------------------------------- benchmark
+def test_the_patching_benchmark_runs_and_its_json_matches_its_table(tmp_path: Path, capsys, smollm2) -> None:
+    """benchmarks/patching.py on SmolLM2 (one round, headspace's sweep only): a smoke run."""
+    import importlib.util
+    import json
+
+    script = Path(__file__).parents[1] / "benchmarks" / "patching.py"
+    spec = importlib.util.spec_from_file_location("patching_bench", script)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "patching.json"
+    threads = str(torch.get_num_threads())  # the script sets the thread count: keep this process's
+    assert bench.main(["--rounds", "1", "--no-naive", "--no-tl", "--threads", threads, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    doc = json.loads(out.read_text())
+    (row,) = doc["rows"]
+    assert row["case"] == "headspace" and doc["n_sites"] == 270
+    assert f"| headspace | {row['median_s']:.2f} |" in printed
