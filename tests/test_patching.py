@@ -348,7 +348,8 @@ def test_the_patching_benchmark_runs_and_its_json_matches_its_table(tmp_path: Pa
     spec.loader.exec_module(bench)
     out = tmp_path / "patching.json"
     threads = str(torch.get_num_threads())  # the script sets the thread count: keep this process's
-    assert bench.main(["--rounds", "1", "--no-naive", "--no-tl", "--threads", threads, "--out", str(out)]) == 0
+    args = ["--rounds", "1", "--no-naive", "--no-tl", "--threads", threads, "--out", str(out)]
+    assert bench.main(args) == 0
     printed = capsys.readouterr().out
     doc = json.loads(out.read_text())
     (row,) = doc["rows"]
