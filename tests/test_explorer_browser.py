@@ -10,6 +10,7 @@ are allowed. Playwright never downloads a browser: it launches the system Chromi
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -355,3 +356,74 @@ def test_repr_html_runs_inside_a_notebook_iframe(browser: Any, tmp_path: Path) -
         assert requests == [notebook.as_uri()], requests  # the notebook itself; the iframe fetches nothing
     finally:
         tab.close()
+
+
+def _cell_centre(page: Any, r: int, c: int) -> tuple[float, float]:
+    """Where cell (r, c) of the results heatmap is on screen (the canvas may be drawn scaled)."""
+    info = page.evaluate("window.headspaceExplorer.result()")
+    g = info["grid"]
+    box = page.query_selector("#result-canvas").bounding_box()
+    sx, sy = box["width"] / info["canvas"][0], box["height"] / info["canvas"][1]
+    return box["x"] + (g["ox"] + (c + 0.5) * g["cw"]) * sx, box["y"] + (g["oy"] + (r + 0.5) * g["ch"]) * sy
+
+
+def test_a_saved_patching_result_draws_as_a_heatmap_and_hover_shows_values(
+    browser: Any, tmp_path: Path
+) -> None:
+    """Explorer(..., results=[saved JSON]): the layer x head heatmap and the layer x position one (token
+    labels) draw with a colour legend; hovering a cell shows its value; clicking a head cell moves the
+    pipeline to that layer and head; nothing is requested."""
+    from headspace.analysis import patching
+    from headspace.models import Decoder, ModelConfig
+
+    torch.manual_seed(4)
+    model = Decoder(ModelConfig(
+        arch="decoder", vocab_size=53, d_model=36, n_layers=3, n_heads=6, n_kv_heads=2, d_head=6,
+        positions="rotary", norm_kind="rmsnorm", mlp_kind="gated", act="silu", bias=False,
+    )).eval()  # fmt: skip
+    clean = torch.tensor([[3, 11, 13, 17, 19, 23, 29, 31]])
+    corrupt = clean.clone()
+    corrupt[0, 2] = 37
+    heads = patching.patch(model, clean, corrupt, answer=5, other=7)
+    resid = patching.patch(model, clean, corrupt, answer=5, other=7, site="resid")
+    saved = resid.to_dict()
+    saved["tokens"] = [f"w{i}" for i in range(8)]  # token labels, as a model with a tokenizer saves them
+    (tmp_path / "resid.json").write_text(json.dumps(saved))
+    page = Explorer(model, clean, results=[heads.to_json(tmp_path / "heads.json"), tmp_path / "resid.json"])
+    path = page.save(tmp_path / "results.html")
+    w = Watched(browser, path.as_uri())
+    try:
+        p = w.page
+        assert p.is_visible("#view-results")
+        assert p.query_selector("#result-legend .legend canvas") is not None
+        assert "normalised effect" in p.inner_text("#result-legend")
+        assert p.inner_text(".result-pick[aria-checked='true']") == "patching: heads"
+        info = p.evaluate("window.headspaceExplorer.result()")
+        assert info["rows"] == ["L0", "L1", "L2"] and info["cols"] == [f"H{h}" for h in range(6)]
+        assert info["values"] == heads.effect.tolist()
+        assert info["canvas"][0] > 6 * 40 and info["canvas"][1] > 3 * 16  # drawn, room for the numbers
+        (layer, head), value = heads.top(1)[0]
+        p.mouse.move(*_cell_centre(p, layer, head))
+        tip = p.inner_text("#tip")
+        assert p.is_visible("#tip") and tip.startswith(f"L{layer}, H{head}: ")
+        assert as_float(tip.split(": ")[1]) == pytest.approx(value, abs=5e-5 + 1e-7)
+        assert p.inner_text("#result-top tbody tr:first-child td.tok") == f"L{layer} H{head}"
+        p.mouse.click(*_cell_centre(p, 1, 4))  # follow layer 1, head 4 in the other views
+        snap = w.snapshot()
+        assert (snap["layer"], snap["head"]) == (1, 4)
+        # the layer x position view, with the saved tokens as column labels
+        p.click(".result-pick[data-index='1']")
+        info = p.evaluate("window.headspaceExplorer.result()")
+        assert info["name"] == "patching: resid" and info["cols"] == saved["tokens"]
+        assert info["values"] == resid.effect.tolist()
+        p.mouse.move(*_cell_centre(p, 2, 5))
+        tip = p.inner_text("#tip")
+        assert tip.startswith('L2, position 5 "w5": ')
+        assert as_float(tip.split(": ")[1]) == pytest.approx(float(resid.effect[2, 5]), abs=5e-5 + 1e-7)
+        p.focus(".result-pick[aria-checked='true']")
+        p.keyboard.press("ArrowLeft")  # the selector works from the keyboard too
+        assert p.evaluate("window.headspaceExplorer.result().index") == 0
+        assert w.errors == []
+        assert w.requests == [path.as_uri()]
+    finally:
+        w.page.close()

@@ -188,3 +188,49 @@ def test_format_number_is_short() -> None:
     assert format_number(3) == "3"
     assert format_number(1.5e-7) == "1.5e-7"
     assert re.fullmatch(r"[-0-9.e]+", format_number(-12345.678))
+
+
+def test_factored_matrix_shows_itself_in_a_notebook() -> None:
+    """``FactoredMatrix._repr_html_`` is :func:`headspace.html.factored_html`: a QK circuit, an OV circuit,
+    a batch of rotary circuits (one per offset) all display as small, well-formed, escaped tables."""
+    import headspace.html
+    from headspace.circuits import FactoredMatrix, qk_factors
+    from headspace.positions import Rotary
+
+    attn = MultiHeadAttention(d_model=35, n_heads=7)
+    qk, ov = attn.heads[2].qk(), attn.heads[4].ov()
+    for fm in (qk, ov):
+        text = fm._repr_html_()
+        assert text == headspace.html.factored_html(fm)
+        page = parse(text)
+        assert "script" not in page.tags and "style" not in page.tags
+        s = torch.linalg.svdvals(fm.AB.detach().double())
+        assert format_number(float(s[0])) in page.cells
+    rot = Rotary(6)
+    W_Q, W_K = torch.randn(11, 6), torch.randn(11, 6)
+    deltas = torch.arange(3)
+    circuits = qk_factors(W_Q, W_K, rotation=rot.rotation(deltas))  # [3, 11, 11]: one per offset
+    page = parse(circuits._repr_html_())
+    assert {"[0]", "[1]", "[2]"} <= set(page.headers)
+    assert isinstance(circuits, FactoredMatrix)
+
+
+def test_html_helpers_live_in_the_foundation_module_and_are_re_exported() -> None:
+    """headspace.html is a foundation: the standard library, torch and (at most) headspace.checks."""
+    import ast
+    import inspect
+
+    import headspace.analysis._common as common
+    import headspace.html
+
+    for name in ("format_number", "html_table", "factored_html", "_shade", "MAX_HTML_ROWS", "MAX_HTML_COLS"):
+        assert getattr(common, name) is getattr(headspace.html, name), name
+    tree = ast.parse(inspect.getsource(headspace.html))
+    imported = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            imported |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(("." * node.level) + (node.module or ""))
+    inside = {m for m in imported if m.startswith(".") or m.startswith("headspace")}
+    assert inside <= {".checks", "headspace.checks"}, inside

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .checks import nonfinite_count
+from .html import factored_html
 
 __all__ = ["FactoredMatrix", "effective_rank", "qk_factors"]
 
@@ -101,6 +102,10 @@ class FactoredMatrix:
 
     def __repr__(self) -> str:
         return f"FactoredMatrix(shape={list(self.shape)}, inner_dim={self.inner_dim})"
+
+    def _repr_html_(self) -> str:
+        """In a notebook: the shapes, the rank bound and each matrix's norm and top singular values."""
+        return factored_html(self)
 
     # -- products
     @property

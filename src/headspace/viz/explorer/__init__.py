@@ -9,7 +9,9 @@
 
 The page's views: (1) heads (lines or heatmap of each token's attention), (2) the pipeline of one head
 for one token (q, every k and v, scores, softmax, z, the heads' concatenation, W_O, the output),
-(3) head x head subspace overlaps beside the random baseline, (4) each head's share of the output.
+(3) head x head subspace overlaps beside the random baseline, (4) each head's share of the output,
+(5) with ``results=`` (or ``headspace view --result saved.json``), saved patching and attribution results
+as layer x head (or layer x position) heatmaps (:mod:`.results`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from .data import (
     capture_layers,
 )
 from .page import Explorer, render_page, serve_page, write_page
+from .results import load_results, result_views
 
 __all__ = [
     "FORMAT",
@@ -28,7 +31,9 @@ __all__ = [
     "LayerCapture",
     "build_page_data",
     "capture_layers",
+    "load_results",
     "render_page",
+    "result_views",
     "serve_page",
     "write_page",
 ]

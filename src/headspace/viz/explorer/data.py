@@ -13,7 +13,9 @@ What the page stores, per attention layer (``seq`` = the sentence's tokens)::
     overlap          {"W_Q", "W_K", "W_V", "W_O"} [heads, heads]: mean squared cosine of the principal
                      angles between two heads' subspaces, with the random baseline d_head / d_model
 
-and, for the whole page, ``initial`` {"layer", "head", "token"}: where it opens.
+and, for the whole page, ``initial`` {"layer", "head", "token"}: where it opens, and ``results``: the
+saved patching / attribution results it shows as heatmaps (a list of views, plain JSON numbers; see
+:mod:`headspace.viz.explorer.results`; empty without results).
 
 The page computes the rest in the browser from these: ``scores = q k^T * scale`` (masked),
 ``pattern = softmax(scores)``, ``z = pattern v``, the concatenation of the heads and
@@ -42,7 +44,7 @@ from ...attention import MultiHeadAttention
 from ...trace import attention_layers, trace
 
 #: Format tag written into every page, bumped when the data layout changes.
-FORMAT = "headspace-explorer/1"
+FORMAT = "headspace-explorer/2"
 #: ``precision="auto"`` stores float32 up to this many tokens and float16 above.
 AUTO_FLOAT32_MAX_TOKENS = 128
 PRECISIONS = ("auto", "float32", "float16")
@@ -216,12 +218,14 @@ def build_page_data(
     sentence: str = "",
     precision: str = "auto",
     initial: dict[str, int] | None = None,
+    results: Sequence[dict[str, Any]] = (),
 ) -> dict[str, Any]:
     """The JSON object the page reads (see the module docstring for every field).
 
     ``initial`` ({"layer", "head", "token"}) is the selection the page opens on (default: layer 0,
     head 0, token 1); :class:`~headspace.viz.explorer.Explorer` passes the head and token that
-    ``headspace explain`` walks by default.
+    ``headspace explain`` walks by default. ``results`` are the views of saved results
+    (:func:`headspace.viz.explorer.results.result_views`), drawn in the page's fifth view.
     """
     if not captures:
         raise ValueError("captures is empty: nothing to show")
@@ -275,4 +279,5 @@ def build_page_data(
         "precision": dtype,
         "initial": {key: int(start[key]) for key in ("layer", "head", "token")},
         "layers": layers,
+        "results": list(results),
     }

@@ -25,6 +25,7 @@ from torch import Tensor, nn
 
 from ...fileio import write_atomic
 from .data import LayerCapture, build_page_data, capture_layers
+from .results import check_views_fit, result_views
 
 #: Flags for opening the page in a headless Chromium with no network at all (the browser test and
 #: benchmarks/explorer.py use them): no sandbox (root), no GPU, no background requests of its own.
@@ -107,6 +108,13 @@ class Explorer:
     headspace attention layers and an int64 token tensor [1, seq] (labels via ``labels=``). In Jupyter
     the object shows the page inline (``_repr_html_``: an iframe holding the whole page); ``.html`` is
     the page, ``.save(path)`` writes it, ``.data`` is what it embeds.
+
+    ``results`` adds saved causal results as heatmaps (the page's fifth view): a
+    :class:`~headspace.analysis.patching.PatchResult`, a
+    :class:`~headspace.analysis.attribution.LogitAttribution` or
+    :class:`~headspace.analysis.attribution.LogitLens`, their ``to_dict()``, the path of their
+    ``to_json(path)`` file (or of ``headspace patch/attribute --json`` output), or a list of those. Each
+    must be of a model with the same layers and heads as ``model`` (a ``ValueError`` otherwise).
     """
 
     def __init__(
@@ -118,7 +126,9 @@ class Explorer:
         precision: str = "auto",
         name: str | None = None,
         run: Callable[[], Any] | None = None,
+        results: Any = None,
     ) -> None:
+        views = result_views(results)  # first: a bad result file fails before the forward pass
         is_pretrained = hasattr(model, "model") and hasattr(model, "tokenize")
         module = model.model if is_pretrained else model
         if not isinstance(module, nn.Module):
@@ -179,6 +189,7 @@ class Explorer:
             captures = capture_layers(module, run or default_run)
         finally:
             module.train(was_training)
+        check_views_fit(views, len(captures), max(c.attn.n_heads for c in captures))
         config_name = getattr(getattr(module, "config", None), "name", "")
         self.name = name or config_name or type(module).__name__
         self.data = build_page_data(
@@ -189,6 +200,7 @@ class Explorer:
             sentence=text,
             precision=precision,
             initial=initial_selection(captures, list(labels)),
+            results=views,
         )
         self.captures = captures
         self._html: str | None = None

@@ -5,6 +5,7 @@
 // with the model's own formulas, in float64:
 //   score_j = (q_t . k_j) * scale  (masked keys excluded)   w = softmax(score)   z_h = sum_j w_j v_j
 //   out = sum_h z_h W_O[h] + b_O
+// DATA.results (optional): saved patching / attribution results, drawn as they are (view 5).
 "use strict";
 (function () {
   const DATA = JSON.parse(document.getElementById("explorer-data").textContent);
@@ -262,7 +263,8 @@
   const inRange = (v, n, fallback) => (Number.isInteger(v) && v >= 0 && v < n ? v : fallback);
   const initialLayer = inRange(INITIAL.layer, N_LAYERS, 0);
   const state = { layer: initialLayer, head: inRange(INITIAL.head, DATA.layers[initialLayer].n_heads, 0),
-    token: inRange(INITIAL.token, SEQ, SEQ > 1 ? 1 : 0), shown: null, mode: LONG ? "heatmap" : "lines", matrix: "W_Q" };
+    token: inRange(INITIAL.token, SEQ, SEQ > 1 ? 1 : 0), shown: null, mode: LONG ? "heatmap" : "lines", matrix: "W_Q",
+    result: 0 };
 
   function radioGroup(container, items, selected, onPick, cls) {
     container.replaceChildren();
@@ -631,11 +633,107 @@
     $("wo-norms-legend").replaceChildren(); legend($("wo-norms-legend"), "seq", 0, nm, "||W_O[h]||_F");
   }
 
+  // ------------------------------------------------------------------ view 5: saved results
+  // Each view (headspace/viz/explorer/results.py): rows x cols values (null = no value), a diverging
+  // (centred on 0) or sequential (0..1) scale with its unit, facts, the largest cells, and `link`: what a
+  // click on a cell selects in the other views.
+  const RESULTS = Array.isArray(DATA.results) ? DATA.results : [];
+  const GREY = [225, 225, 228];
+
+  function resultRange(V) {
+    let m = 0, hi = 0;
+    for (const row of V.values) for (const v of row) if (v !== null) { m = Math.max(m, Math.abs(v)); hi = Math.max(hi, v); }
+    return V.scale === "diverging" ? { lo: -m, hi: m, color: (v) => (v === null ? GREY : diverging(v, m)) }
+      : { lo: 0, hi: hi > 0 ? hi : 1, color: (v) => (v === null ? GREY : sequential(v, 0, hi > 0 ? hi : 1)) };
+  }
+
+  // The layer (and head) a cell stands for, or null: {layer, head}, head null for a layer-wide part.
+  function resultTarget(V, r, c) {
+    let t = null;
+    if (V.link === "layer_head") t = { layer: r, head: c < (V.n_heads || 0) ? c : null };
+    else if (V.link === "layer_head_rows") t = { layer: Math.floor(r / V.n_heads), head: r % V.n_heads };
+    else if (V.link === "layer") t = { layer: r, head: null };
+    else if (V.link === "lens") t = r > 0 ? { layer: r - 1, head: null } : null;
+    if (!t || t.layer >= N_LAYERS || (t.head !== null && t.head >= DATA.layers[t.layer].n_heads)) return null;
+    return t;
+  }
+
+  function resultHover(V, r, c) {
+    const v = V.values[r][c];
+    const col = V.col_axis === "position" ? `position ${c} ${JSON.stringify(V.cols[c])}` : V.cols[c];
+    let text = `${V.rows[r]}, ${col}: ${v === null ? "no value" : fmt(v, 4)}`;
+    if (V.notes && V.notes[r] && V.notes[r][c]) text += "\n" + V.notes[r][c];
+    return text;
+  }
+
+  function setResult(i) {
+    state.result = (i + RESULTS.length) % RESULTS.length;
+    for (const b of $("result-select").children) {
+      const on = Number(b.dataset.index) === state.result;
+      b.setAttribute("aria-checked", String(on)); b.tabIndex = on ? 0 : -1;
+    }
+    renderResults();
+  }
+
+  function renderResults() {
+    if (!RESULTS.length) return;
+    const V = RESULTS[state.result];
+    $("result-title").textContent = V.title;
+    const rows = V.rows.length, cols = V.cols.length;
+    const range = resultRange(V);
+    const cw = cols <= 16 ? 46 : Math.max(8, Math.min(32, Math.floor(960 / cols)));
+    const ch = rows <= 64 ? 18 : 12;
+    const longest = (labels) => Math.min(12, Math.max(1, ...labels.map((x) => String(x).length)));
+    const ox = 12 + 7 * longest(V.rows), oy = 10 + 7 * longest(V.cols);
+    const canvas = $("result-canvas");
+    const ctx = paintGrid(canvas, rows, cols, (r, c) => range.color(V.values[r][c]),
+      { cw, ch, ox, oy, rowLabels: V.rows.map(String), colLabels: V.cols.map(String) });
+    if (cw >= 40 && ch >= 16) { // room for the numbers themselves
+      ctx.textAlign = "center"; ctx.font = "10px ui-monospace, monospace";
+      for (let r = 0; r < rows; r++) for (let c = 0; c < cols; c++) {
+        const v = V.values[r][c];
+        if (v === null) continue;
+        ctx.fillStyle = dark(range.color(v)) ? "#fff" : "#1d1d1f";
+        ctx.fillText(fmt(v, 2).replace(/^-(0\.00)$/, "$1"), ox + c * cw + cw / 2, oy + r * ch + ch / 2);
+      }
+    }
+    // the layer (and head) the other views show, outlined
+    if (V.link === "layer_head" && state.layer < rows && state.head < cols) outline(ctx, canvas, state.layer, state.head, 1, 1, "#e8710a");
+    else if (V.link === "layer_head_rows") { const r = state.layer * V.n_heads + state.head; if (r < rows) outline(ctx, canvas, r, 0, 1, cols, "#e8710a"); }
+    else if (V.link === "layer" && state.layer < rows) outline(ctx, canvas, state.layer, 0, 1, cols, "#e8710a");
+    else if (V.link === "lens" && state.layer + 1 < rows) outline(ctx, canvas, state.layer + 1, 0, 1, cols, "#e8710a");
+    canvas._hover = (r, c) => resultHover(V, r, c);
+    $("result-legend").replaceChildren();
+    legend($("result-legend"), V.scale === "diverging" ? "div" : "seq", range.lo, range.hi, V.unit);
+    const grey = document.createElement("span");
+    grey.innerHTML = '<span class="swatch" style="background:rgb(225,225,228)"></span>no value';
+    $("result-legend").append(grey);
+    $("result-hint").textContent = "Hover a cell for its value" +
+      (V.link ? "; click one to follow its layer" + (V.link.startsWith("layer_head") ? " and head" : "") + " in the views below." : ".");
+    const facts = $("result-facts").tBodies[0];
+    facts.replaceChildren();
+    for (const [label, text] of V.facts) {
+      const tr = document.createElement("tr");
+      const th = document.createElement("th"); th.textContent = label;
+      const td = document.createElement("td"); td.textContent = text;
+      tr.append(th, td); facts.append(tr);
+    }
+    const top = $("result-top").tBodies[0];
+    top.replaceChildren();
+    for (const [label, v] of V.top) {
+      const tr = document.createElement("tr");
+      const a = document.createElement("td"); a.className = "tok"; a.textContent = label;
+      const b = document.createElement("td"); b.className = "value"; b.textContent = fmt(v, 4); b.dataset.value = String(v);
+      tr.append(a, b); top.append(tr);
+    }
+  }
+
   function render() {
     renderHeads();
     renderPipeline();
     renderSubspaces();
     renderMixing();
+    renderResults();
   }
 
   // ------------------------------------------------------------------ start
@@ -644,7 +742,8 @@
     $("subtitle").textContent = `${DATA.model ? DATA.model + " — " : ""}${SEQ} tokens, ${N_LAYERS} attention layers` +
       (DATA.sentence ? `: "${DATA.sentence.length > 160 ? DATA.sentence.slice(0, 160) + "…" : DATA.sentence}"` : "");
     $("footer").textContent = `${DATA.format}; ${DATA.precision} values; written by headspace. Scores, softmax, z and out ` +
-      "are computed in this page from the traced q, k, v and the model's W_O, b_O.";
+      "are computed in this page from the traced q, k, v and the model's W_O, b_O." +
+      (RESULTS.length ? ` The ${RESULTS.length} saved result view(s) are drawn as saved.` : "");
     state.shown = new Set([state.head]);
     buildStaticControls();
     buildLayerControls();
@@ -653,6 +752,17 @@
       "out-canvas", "overlap-canvas", "shares-canvas", "wo-norms-canvas"]) {
       const c = $(id);
       hoverable(c, (r, col) => (c._hover ? c._hover(r, col) : ""), id === "heatmap-canvas" || id === "shares-canvas" ? (r) => setToken(r) : null);
+    }
+    if (RESULTS.length) {
+      $("view-results").hidden = false;
+      radioGroup($("result-select"), RESULTS.map((v, i) => ({ label: v.name, title: v.title, data: { result: String(i) } })),
+        state.result, setResult, "result-pick");
+      arrowKeys($("result-select"), () => RESULTS.length, () => state.result, setResult);
+      const rc = $("result-canvas");
+      hoverable(rc, (r, c) => (rc._hover ? rc._hover(r, c) : ""), (r, c) => {
+        const t = resultTarget(RESULTS[state.result], r, c);
+        if (t) window.headspaceExplorer.select(t.head === null ? { layer: t.layer } : { layer: t.layer, head: t.head });
+      });
     }
     $("overlap-canvas").addEventListener("click", (ev) => {
       const cell = cellAt($("overlap-canvas"), ev);
@@ -668,6 +778,14 @@
   window.headspaceExplorer = {
     state,
     select(o) { if (o.layer !== undefined) setLayer(o.layer); if (o.head !== undefined) setHead(o.head); if (o.token !== undefined) setToken(o.token); },
+    // view 5: pick a saved result; what it draws (the numbers as embedded)
+    selectResult(i) { setResult(i); },
+    result() {
+      if (!RESULTS.length) return null;
+      const V = RESULTS[state.result], g = $("result-canvas")._grid;
+      return { index: state.result, name: V.name, rows: V.rows, cols: V.cols, values: V.values, grid: g,
+        canvas: [$("result-canvas").width, $("result-canvas").height] };
+    },
     snapshot() {
       const r = last;
       return { layer: r.layer, head: r.head, token: r.token, top: r.top, topToken: TOKENS[r.top],
