@@ -62,6 +62,23 @@ def test_windows_predict_the_next_token(tmp_path: Path) -> None:
 def test_unknown_characters_are_listed() -> None:
     with pytest.raises(ValueError, match=r"characters the model never saw in training: \['z'\]"):
         encode("abz", "char", "ab")
+    with pytest.raises(ValueError, match=r"never saw in training: \['x', '😀'\]; known characters: ''"):
+        encode("😀x😀", "char", "")
+
+
+def test_encoding_is_the_plain_lookup_of_every_character_and_byte() -> None:
+    """The vectorised encoder against a dict lookup: astral characters, lone surrogates, repeats."""
+    g = torch.Generator().manual_seed(0)
+    alphabet = "ab \n\té€😀\U0010ffff\ud800"
+    text = "".join(alphabet[i] for i in torch.randint(0, len(alphabet), (5000,), generator=g).tolist())
+    vocab = "".join(sorted(set(text)))
+    ids = encode(text, "char", vocab)
+    assert ids.dtype == torch.long and ids.tolist() == [vocab.index(c) for c in text]
+    assert encode("", "char", vocab).tolist() == [] and encode("", "char", vocab).dtype == torch.long
+    assert encode("abca", "char", "abca").tolist() == [3, 1, 2, 3]  # a repeated character: the last id
+    clean = text.replace("\ud800", "")
+    assert encode(clean, "byte", None).tolist() == list(clean.encode("utf-8"))
+    assert decode(encode(clean, "byte", None), "byte", None) == clean
 
 
 @pytest.mark.parametrize(

@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -92,20 +93,35 @@ class TextData:
         return decode(ids, self.level, self.vocab)
 
 
+def _code_points(text: str) -> np.ndarray:
+    """The code points of ``text`` as uint32 [n] (lone surrogates included), without a Python loop."""
+    return np.frombuffer(text.encode("utf-32-le", "surrogatepass"), dtype="<u4")
+
+
 def encode(text: str, level: str, vocab: str | None) -> Tensor:
-    """Token ids of ``text`` at ``level`` with ``vocab`` (char level) -> int64 [n]."""
+    """Token ids of ``text`` at ``level`` with ``vocab`` (char level) -> int64 [n].
+
+    Vectorised (a few milliseconds a megabyte): bytes or code points are looked up as arrays.
+    """
     if level == "byte":
-        return torch.tensor(list(text.encode("utf-8")), dtype=torch.long)
+        raw = text.encode("utf-8")
+        return torch.from_numpy(np.frombuffer(raw, dtype=np.uint8).astype(np.int64))
     if vocab is None:
         raise ValueError("a char-level vocabulary is needed to encode text")
-    index = {c: i for i, c in enumerate(vocab)}
-    unknown = sorted({c for c in text if c not in index})
-    if unknown:
+    points = _code_points(text)  # (n,)
+    known = _code_points(vocab)  # (vocab_size,)
+    order = np.argsort(known, kind="stable")
+    sorted_known = known[order]
+    # the last of equal characters, as a dict built from the vocabulary would map it
+    at = (np.searchsorted(sorted_known, points, side="right") - 1).clip(min=0)  # (n,)
+    found = sorted_known[at] == points if len(known) else np.zeros(len(points), dtype=bool)
+    if not found.all():
+        unknown = sorted({chr(c) for c in np.unique(points[~found]).tolist()})
         raise ValueError(
             f"text has characters the model never saw in training: {unknown[:10]!r}"
             f"{' ...' if len(unknown) > 10 else ''}; known characters: {vocab[:60]!r}"
         )
-    return torch.tensor([index[c] for c in text], dtype=torch.long)
+    return torch.from_numpy(order[at].astype(np.int64))
 
 
 def decode(ids: Tensor | list[int], level: str, vocab: str | None) -> str:

@@ -7,7 +7,8 @@ a linear read-out) described by a :class:`TrainConfig` on a built-in task (:mod:
     RUN_DIR/config.json        the run: {"format", "train": TrainConfig, "model": ModelConfig, "data"}
     RUN_DIR/metrics.jsonl      one JSON object per line: {"kind": "train", "step", "loss", "lr",
                                "grad_norm", "tokens_per_s"} and {"kind": "eval", "step", "loss",
-                               "accuracy", per-head measurements (see :mod:`.metrics`)}
+                               "accuracy", per-head measurements (see :mod:`.metrics`)};
+                               tokens_per_s counts training time only (not evaluations or checkpoints)
     RUN_DIR/checkpoints/       see :mod:`.checkpoint` (every ``save_every`` steps and at the end)
     RUN_DIR/summary.json       synthetic tasks: accuracy and, per relation, the head that serves it
 
@@ -17,6 +18,12 @@ generator seeded by (seed, s) only; the global RNG (dropout) is reseeded at ever
 and never touches the global RNG. A checkpoint stores the optimizer state and the RNG states, so a run
 killed at any step and resumed from its last checkpoint ends with the same weights, bit for bit, as a
 run never interrupted.
+
+Progress (``progress=True``, rank 0, on stderr): status lines from the start (reading and encoding the
+data, building the model, the first evaluation with a bar over its forward passes), then the training
+bar, started once the first step of the process is done so that its rate and ETA leave out that step's
+one-time costs (and evaluations and checkpoints). Evaluations run in chunks (see :mod:`.metrics`), so
+their memory is that of one chunk whatever ``eval_batch`` is.
 
 Data parallel (``torchrun --nproc-per-node W -m headspace train ...``): every rank draws the same
 global batch and trains on rows ``[r B/W, (r+1) B/W)``; DDP averages the gradients, so a step equals the
@@ -29,6 +36,7 @@ import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,6 +49,7 @@ from torch import Tensor, nn
 from ..fileio import UnsafeFileError, parse_json, read_regular_file, write_atomic
 from ..models import Decoder, Encoder, ModelConfig
 from ..process_group import DistInfo, barrier, setup_distributed, teardown
+from ..trace import attention_layers
 from .checkpoint import (
     STATE_FILE,
     STATE_TENSORS_FILE,
@@ -544,6 +553,112 @@ def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), foreach=False)
 
 
+# --------------------------------------------------------------------------------------------- progress
+class _Progress:
+    """What a run is doing, on stderr (rank 0, ``progress=True``): status lines, then the training bar.
+
+    Status lines say what happens before the first step (reading and encoding the data, building the
+    model, the first evaluation, with a bar over its forward passes). The training bar starts after the
+    first step this process runs, which carries one-time costs (allocations, the optimizer's state) and
+    is not timed, so its first rate and ETA are those of ordinary steps; the time of an evaluation or a
+    checkpoint does not count as step time either (the bar's description shows an evaluation's passes).
+    """
+
+    def __init__(self, enabled: bool, desc: str, total: int) -> None:
+        self.enabled, self.desc, self.total = enabled, desc, total
+        self.bar: Any = None
+        self._eval_bar: Any = None
+        self._last_refresh = 0.0
+
+    def say(self, message: str) -> None:
+        if not self.enabled:
+            return
+        if self.bar is not None:
+            self.bar.write(message, file=sys.stderr)
+        else:
+            print(message, file=sys.stderr, flush=True)
+
+    def start_bar(self, initial: int) -> None:
+        """The training bar from step ``initial`` on (timed from now)."""
+        if not self.enabled or self.bar is not None:
+            return
+        from tqdm.auto import tqdm
+
+        self.bar = tqdm(
+            total=self.total,
+            initial=initial,
+            desc=self.desc,
+            unit="step",
+            dynamic_ncols=True,
+            file=sys.stderr,
+        )
+
+    def step(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def postfix(self, **values: str) -> None:
+        if self.bar is not None:
+            self.bar.set_postfix(**values, refresh=False)
+
+    def eval_progress(self, step: int) -> Callable[[int, int], None] | None:
+        """``on_progress`` for :func:`~.metrics.evaluate`: its passes on the bar (or a bar of its own)."""
+        if not self.enabled:
+            return None
+
+        def on_progress(done: int, total: int) -> None:
+            now = time.perf_counter()
+            if self.bar is None:
+                if self._eval_bar is None:
+                    from tqdm.auto import tqdm
+
+                    self._eval_bar = tqdm(
+                        total=total, desc=f"eval step {step}", unit="pass", leave=False, file=sys.stderr
+                    )
+                self._eval_bar.update(done - self._eval_bar.n)
+            elif done == total:
+                self.bar.set_description_str(self.desc, refresh=False)
+            elif now - self._last_refresh >= 0.25:
+                self._last_refresh = now
+                self.bar.set_description_str(f"{self.desc} [eval step {step}: pass {done}/{total}]")
+
+        return on_progress
+
+    def end_eval(self) -> None:
+        if self._eval_bar is not None:
+            self._eval_bar.close()
+            self._eval_bar = None
+
+    def untimed(self, seconds: float) -> None:
+        """Leave ``seconds`` just spent (an evaluation, a checkpoint) out of the bar's step rate.
+
+        The bar's elapsed time still counts them; its rate (and so its ETA) is that of training steps.
+        """
+        if self.bar is not None:
+            self.bar.last_print_t += seconds
+
+    def close(self) -> None:
+        if self._eval_bar is not None:
+            self._eval_bar.close()
+            self._eval_bar = None
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
+def _describe_eval(source: _Source, batch: Batch, model: nn.Module) -> str:
+    rows = batch.tokens.shape[0]
+    what = "windows" if source.text is not None else "sequences"
+    n_heads = sum(m.n_heads for _, m in attention_layers(model))
+    return f"{rows} held-out {what} (loss, attention patterns, {n_heads} head ablations)"
+
+
+def _eval_line(step: int, result: dict[str, Any], seconds: float) -> str:
+    acc = result.get("accuracy")
+    extra = "" if acc is None else f", accuracy {acc:.3f}"
+    return f"step {step}: eval loss {result['loss']:.4f}{extra} ({seconds:.1f} s)"
+
+
 # --------------------------------------------------------------------------------------------- training
 def train(
     config: TrainConfig,
@@ -587,10 +702,21 @@ def _train(
     info: DistInfo,
     on_step: Callable[[int], None] | None,
 ) -> RunResult:
+    assert config.steps is not None and config.eval_every is not None
     device = torch.device(config.device if config.device != "cuda" else f"cuda:{info.local_rank}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but no CUDA device is available; use --device cpu")
+    status = _Progress(progress and info.is_main, f"train {config.task}", config.steps)
+    t0 = time.perf_counter()
+    if config.task == "text":
+        status.say(f"reading and encoding {config.data} ({config.level} level) ...")
     source = _Source(config)
+    if source.text is not None:
+        d = source.text.describe()
+        status.say(
+            f"{d['train_tokens'] + d['val_tokens']:,} {config.level} tokens, vocabulary {d['vocab_size']} "
+            f"({d['train_tokens']:,} train, {d['val_tokens']:,} held out) in {time.perf_counter() - t0:.1f} s"
+        )
     check_model_size(config, source.vocab_size, source.seq_len)  # before anything is allocated
     model_config = model_config_for(config, source.vocab_size, source.seq_len)
     record = run_record(config, model_config, source.describe())
@@ -601,9 +727,17 @@ def _train(
     barrier(info)  # every rank checks the folder before rank 0 writes into it
     local_rows = local_batch_slice(config.batch_size, info)
 
+    status.say("building the model and its optimizer ...")
+    t0 = time.perf_counter()
     torch.manual_seed(config.seed)
     model = build_model(model_config).to(device)
     optimizer = _optimizer(model, config)
+    status.say(
+        f"model: {config.arch}, {config.n_layers} layer(s) x {config.n_heads} head(s), d_model "
+        f"{config.d_model}, seq {source.seq_len}, vocabulary {source.vocab_size}: "
+        f"{sum(p.numel() for p in model.parameters()):,} parameters, on {device} "
+        f"({time.perf_counter() - t0:.1f} s)"
+    )
     start = 0
     metrics_path = out / METRICS_FILE
     metrics_text: str | None = None
@@ -619,6 +753,7 @@ def _train(
         metrics_text = _read_metrics(metrics_path) if info.is_main else None
         restore_training_state(ckpt, model, optimizer)
         start = ckpt.step
+        status.say(f"resuming at step {start} of {config.steps} from {ckpt.folder}")
     elif info.is_main:
         out.mkdir(parents=True, exist_ok=True)
         write_atomic(out / RUN_CONFIG, json.dumps(record, indent=2, sort_keys=True) + "\n")
@@ -630,23 +765,29 @@ def _train(
     eval_batch = source.eval_batch().to(device)
     tokens_per_step = config.batch_size * source.seq_len
 
-    bar = None
-    if progress and info.is_main:
-        from tqdm.auto import tqdm
+    def run_eval(step: int) -> dict[str, Any]:
+        t = time.perf_counter()
+        result = evaluate(model, source.task, eval_batch, on_progress=status.eval_progress(step))
+        status.end_eval()
+        status.say(_eval_line(step, result, time.perf_counter() - t))
+        return {"kind": "eval", "step": step, **result}
 
-        bar = tqdm(
-            total=config.steps, initial=start, desc=f"train {config.task}", unit="step", dynamic_ncols=True
-        )
     log = open(metrics_path, "a", encoding="utf-8") if info.is_main else None
     last_eval: dict[str, Any] = {}
     prev_det = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         if info.is_main and start == 0:  # the heads before any training: random matrices
-            last_eval = {"kind": "eval", "step": 0, **evaluate(model, source.task, eval_batch)}
+            status.say(f"evaluating step 0 on {_describe_eval(source, eval_batch, model)} ...")
+            last_eval = run_eval(0)
             assert log is not None
             log.write(json.dumps(last_eval) + "\n")
             log.flush()
+        if start < config.steps:
+            status.say(
+                f"training steps {start + 1}..{config.steps} on batches of {config.batch_size} x "
+                f"{source.seq_len} tokens; step {start + 1} carries one-time setup and is not timed ..."
+            )
         model.train()
         t_last, tokens_since = time.perf_counter(), 0
         for step in range(start, config.steps):
@@ -681,35 +822,32 @@ def _train(
                            "tokens_per_s": tps}  # fmt: skip
                     log.write(json.dumps(row) + "\n")
                     log.flush()
-                if bar is not None:
-                    bar.set_postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tps:,.0f}", refresh=False)
+                status.postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tps:,.0f}")
+            if status.bar is None:
+                status.start_bar(done)  # after the first step: its one-time costs are not timed
+            else:
+                status.step()
+            paused = time.perf_counter()
             if info.is_main and (done % config.eval_every == 0 or done == config.steps):
-                last_eval = evaluate(model, source.task, eval_batch, heads=True)
-                last_eval = {"kind": "eval", "step": done, **last_eval}
+                last_eval = run_eval(done)
                 assert log is not None
                 log.write(json.dumps(last_eval) + "\n")
                 log.flush()
-                if bar is not None:
-                    acc = last_eval.get("accuracy")
-                    extra = {} if acc is None else {"acc": f"{acc:.3f}"}
-                    bar.set_postfix(
-                        loss=f"{float(loss.detach()):.4f}",
-                        eval=f"{last_eval['loss']:.4f}",
-                        **extra,
-                        refresh=False,
-                    )
+                acc = last_eval.get("accuracy")
+                extra = {} if acc is None else {"acc": f"{acc:.3f}"}
+                status.postfix(loss=f"{float(loss.detach()):.4f}", eval=f"{last_eval['loss']:.4f}", **extra)
             if info.is_main and (
                 (config.save_every and done % config.save_every == 0) or done == config.steps
             ):
                 save_checkpoint(out, done, config=record, model=model, optimizer=optimizer)
-            if bar is not None:
-                bar.update(1)
             if on_step is not None:
                 on_step(done)
+            pause = time.perf_counter() - paused
+            t_last += pause  # tokens_per_s: training time only, without evaluations and checkpoints
+            status.untimed(pause)
     finally:
         torch.use_deterministic_algorithms(prev_det)
-        if bar is not None:
-            bar.close()
+        status.close()
         if log is not None:
             log.close()
     barrier(info)
