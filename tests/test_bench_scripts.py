@@ -29,6 +29,8 @@ COMMITTED = BENCHMARKS / "results"
 SCRIPTS = ("attention", "decode", "encode", "explorer", "trace_overhead", "train")
 ELSEWHERE = {  # scripts whose smoke run lives with their own tests
     "patching": "needs headspace.load('smollm2'): tests/test_patching.py runs it",
+    "long_inputs": "real runs need SmolLM2: tests/test_long_inputs.py runs it tiny (--random)",
+    "compile": "tests/test_compile_models.py runs it tiny (--backend eager)",
 }
 CHROMIUM = os.environ.get("HEADSPACE_CHROMIUM", "/usr/bin/chromium")
 

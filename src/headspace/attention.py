@@ -125,8 +125,12 @@ def rotary_tables(
     (``-sin`` on each plane's first feature, ``+sin`` on its second), so that
     ``turn(x) * sin == swap(x) * sin_signed`` with ``swap`` a roll (rotate-half) or a pair flip
     (interleaved). The last result is remembered per Rotary module (keyed by the positions tensor
-    itself and its version), so layers sharing a Rotary compute it once per forward.
+    itself and its version), so layers sharing a Rotary compute it once per forward. Under
+    ``torch.compile`` nothing is remembered (the memo reads version counters and inference flags, which
+    would break the graph): each layer computes the tables inside the graph.
     """
+    if torch.compiler.is_compiling():
+        return _signed_tables(rotary, positions, dtype, device)
     inference = positions.is_inference()  # no version counter: such positions are compared by value
     key = (None if inference else positions._version, dtype, device, torch.is_inference_mode_enabled())
     memo = _ROTARY_TABLES.get(rotary)
@@ -134,6 +138,15 @@ def rotary_tables(
         same = torch.equal(memo[0], positions) if inference else memo[0] is positions
         if same:
             return memo[5], memo[6]
+    cos, sin = _signed_tables(rotary, positions, dtype, device)
+    _ROTARY_TABLES[rotary] = (positions.clone() if inference else positions, *key, cos, sin)
+    return cos, sin
+
+
+def _signed_tables(
+    rotary: Rotary, positions: Tensor, dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """:func:`rotary_tables` without the memo: (cos, sin_signed), each [batch or 1, 1, seq, rotary_dim]."""
     cos, sin = rotary.cos_sin(positions, dtype, device)  # (batch or 1, seq, rotary_dim) x 2
     half = rotary.rotary_dim // 2
     sign = torch.ones(rotary.rotary_dim, dtype=dtype, device=device)  # (rotary_dim,)
@@ -143,7 +156,6 @@ def rotary_tables(
         sign[:half] = -1.0  # planes (i, i + half): the turn is [-x_{i + half}, x_i]
     cos = cos.unsqueeze(1)  # (batch or 1, 1, seq, rotary_dim)
     sin = (sin * sign).unsqueeze(1)  # (batch or 1, 1, seq, rotary_dim)
-    _ROTARY_TABLES[rotary] = (positions.clone() if inference else positions, *key, cos, sin)
     return cos, sin
 
 

@@ -22,7 +22,22 @@ def _check_integer_matrix(t: Any, name: str, what: str) -> None:
 
 
 def _check_below(t: Tensor, name: str, bound: int, outside: str, noun: str = "") -> None:
-    """Every value of ``t`` in [0, bound); else ``"{name} contains {noun}{value}, outside {outside}"``."""
+    """Every value of ``t`` in [0, bound); else ``"{name} contains {noun}{value}, outside {outside}"``.
+
+    Under ``torch.compile`` (:func:`torch.compiler.is_compiling`) reading the offending value back to
+    Python would break the graph (a data-dependent ``int(tensor)``), so the check stays inside the graph
+    as ``torch._assert_async``: a value outside the range raises ``RuntimeError`` when the compiled code
+    runs, with the message ``"tokens contains an id outside [0, vocab_size=...)"`` (``"positions
+    contains a value outside ..."``) and without the value itself. Shape, dtype and device checks are
+    the same in both modes.
+    """
+    if torch.compiler.is_compiling():
+        inside = ((t >= 0) & (t < bound)).all()  # () bool, True for an empty tensor
+        what = f"an {noun.strip()}" if noun else "a value"
+        torch._assert_async(
+            inside, f"{name} contains {what} outside {outside} (checked in the compiled graph)"
+        )
+        return
     if t.numel():
         lo, hi = int(t.min()), int(t.max())
         if lo < 0 or hi >= bound:

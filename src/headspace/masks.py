@@ -108,6 +108,41 @@ def check_key_padding(key_padding: Tensor, batch: int, seq_k: int, device: torch
         raise ValueError(f"key_padding is on {key_padding.device} but the inputs are on {device}")
 
 
+def _checked_masks(
+    batch: int,
+    n_heads: int,
+    seq_q: int,
+    seq_k: int,
+    key_padding: Tensor | None,
+    attn_mask: Tensor | None,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> tuple[Tensor | None, bool]:
+    """The checks of :func:`canonical_mask`; returns (attn_mask viewed as 4-D or None, is it float)."""
+    if key_padding is not None:
+        check_key_padding(key_padding, batch, seq_k, device)
+    if attn_mask is None:
+        return None, False
+    if not isinstance(attn_mask, Tensor):
+        raise TypeError(f"attn_mask must be a tensor; got {type(attn_mask).__name__}")
+    _check_mask_dtype("attn_mask", attn_mask)
+    if attn_mask.device != device:
+        raise ValueError(f"attn_mask is on {attn_mask.device} but the inputs are on {device}")
+    is_float = attn_mask.is_floating_point()
+    if is_float and attn_mask.dtype != dtype:
+        raise TypeError(
+            f"attn_mask is a float (additive) mask of dtype {attn_mask.dtype}, but the scores are "
+            f"{dtype}; pass attn_mask.to({dtype})"
+        )
+    if is_float and key_padding is not None:
+        raise TypeError(
+            "attn_mask is a float (additive) mask but key_padding is bool: a float mask mixed with a "
+            "bool mask is refused; either pass a bool attn_mask, or fold the padding into the float mask "
+            "(attn_mask.masked_fill(~key_padding[:, None, None, :], float('-inf')))"
+        )
+    return _as_4d(attn_mask, batch, n_heads, seq_q, seq_k), is_float
+
+
 def canonical_mask(
     *,
     batch: int,
@@ -135,29 +170,7 @@ def canonical_mask(
         ValueError: shapes that do not broadcast; masks on another device.
     """
     device = torch.device(device) if device is not None else torch.device("cpu")
-    if key_padding is not None:
-        check_key_padding(key_padding, batch, seq_k, device)
-    mask: Tensor | None = None
-    is_float = False
-    if attn_mask is not None:
-        if not isinstance(attn_mask, Tensor):
-            raise TypeError(f"attn_mask must be a tensor; got {type(attn_mask).__name__}")
-        _check_mask_dtype("attn_mask", attn_mask)
-        if attn_mask.device != device:
-            raise ValueError(f"attn_mask is on {attn_mask.device} but the inputs are on {device}")
-        is_float = attn_mask.is_floating_point()
-        if is_float and attn_mask.dtype != dtype:
-            raise TypeError(
-                f"attn_mask is a float (additive) mask of dtype {attn_mask.dtype}, but the scores are "
-                f"{dtype}; pass attn_mask.to({dtype})"
-            )
-        if is_float and key_padding is not None:
-            raise TypeError(
-                "attn_mask is a float (additive) mask but key_padding is bool: a float mask mixed with a "
-                "bool mask is refused; either pass a bool attn_mask, or fold the padding into the float mask "
-                "(attn_mask.masked_fill(~key_padding[:, None, None, :], float('-inf')))"
-            )
-        mask = _as_4d(attn_mask, batch, n_heads, seq_q, seq_k)
+    mask, is_float = _checked_masks(batch, n_heads, seq_q, seq_k, key_padding, attn_mask, dtype, device)
 
     # The causal kernel path: causality alone, square.
     if is_causal and mask is None and key_padding is None and seq_q == seq_k:
@@ -191,3 +204,90 @@ def canonical_mask(
     if seq_k > 0 and (compiling or bool(dead.any())):
         return CanonicalMask(mask=mask | dead, is_causal=False, dead_rows=dead)
     return CanonicalMask(mask=mask, is_causal=False, dead_rows=None)
+
+
+class RowMasks:
+    """:func:`canonical_mask` for blocks of query rows, without the [seq_q, seq_k] mask.
+
+    Checks the arguments once (exactly as :func:`canonical_mask` does, same errors), then
+    :meth:`rows` builds the canonical mask of some query rows only: the rows ``start .. end - 1`` or any
+    1-D int tensor of query indices. ``RowMasks(**kw).rows(s, e)`` equals ``canonical_mask(**kw)``'s
+    rows ``s:e`` (``mask[..., s:e, :]`` and ``dead_rows[..., s:e, :]``, where they are not broadcast
+    over the rows), with two differences: a causal constraint is always an explicit mask (never the
+    ``is_causal`` kernel flag), and ``dead_rows`` is None when no row of the block is dead. Peak memory
+    is that of one block's mask [batch|1, n_heads|1, rows, seq_k], whatever seq_q.
+
+    Used where attention is computed a block of queries at a time (:mod:`headspace.analysis.chunked`).
+    """
+
+    def __init__(
+        self,
+        *,
+        batch: int,
+        n_heads: int,
+        seq_q: int,
+        seq_k: int,
+        key_padding: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | None = None,
+    ) -> None:
+        device = torch.device(device) if device is not None else torch.device("cpu")
+        self.attn_mask, self.is_float = _checked_masks(
+            batch, n_heads, seq_q, seq_k, key_padding, attn_mask, dtype, device
+        )  # (b|1, h|1, sq|1, sk|1) or None: a view, never expanded
+        self.batch, self.n_heads, self.seq_q, self.seq_k = batch, n_heads, seq_q, seq_k
+        self.key_padding = key_padding
+        self.is_causal = bool(is_causal)
+        self.device = device
+
+    @property
+    def empty(self) -> bool:
+        """True when nothing is masked (every block's mask is None)."""
+        return self.attn_mask is None and self.key_padding is None and not self.is_causal
+
+    def rows(self, start: int | Tensor, end: int | None = None) -> CanonicalMask:
+        """The canonical mask of query rows ``start .. end - 1`` (ints) or of the indices ``start`` (a 1-D
+        int tensor, ``end`` None): mask [batch|1, n_heads|1, rows|1, seq_k], dead_rows [.., rows, 1]."""
+        if isinstance(start, Tensor):
+            index: Tensor | None = start.to(self.device)
+            n = int(index.shape[0])
+        else:
+            if end is None or not 0 <= start <= end <= self.seq_q:
+                raise ValueError(f"rows({start}, {end}): need 0 <= start <= end <= seq_q={self.seq_q}")
+            index, n = None, end - start
+        mask: Tensor | None = None
+        m = self.attn_mask
+        if m is not None:
+            if m.shape[2] == 1:
+                mask = m  # broadcast over the rows
+            elif index is None:
+                mask = m[:, :, start:end]  # (b|1, h|1, rows, sk|1)
+            else:
+                mask = m.index_select(2, index)  # (b|1, h|1, rows, sk|1)
+        if self.key_padding is not None:
+            pad = self.key_padding[:, None, None, :]  # (batch, 1, 1, seq_k)
+            mask = pad if mask is None else mask & pad
+        if self.is_causal:
+            query = torch.arange(start, end, device=self.device) if index is None else index  # (rows,)
+            keys = torch.arange(self.seq_k, device=self.device)  # (seq_k,)
+            offset = self.seq_k - self.seq_q  # bottom-right alignment
+            tri = (keys[None, :] <= query[:, None] + offset)[None, None]  # (1, 1, rows, seq_k)
+            if mask is None:
+                mask = tri
+            elif self.is_float:
+                mask = mask.masked_fill(~tri, float("-inf"))
+            else:
+                mask = mask & tri
+        if mask is None or n == 0:
+            return CanonicalMask(mask=mask, is_causal=False, dead_rows=None)
+        if self.is_float:
+            dead = torch.isneginf(mask).all(dim=-1, keepdim=True)  # (b|1, h|1, rows|1, 1)
+            if bool(dead.any()):
+                return CanonicalMask(mask=mask.masked_fill(dead, 0.0), is_causal=False, dead_rows=dead)
+            return CanonicalMask(mask=mask, is_causal=False, dead_rows=None)
+        dead = ~mask.any(dim=-1, keepdim=True)  # (b|1, h|1, rows|1, 1)
+        if self.seq_k > 0 and bool(dead.any()):
+            return CanonicalMask(mask=mask | dead, is_causal=False, dead_rows=dead)
+        return CanonicalMask(mask=mask, is_causal=False, dead_rows=None)

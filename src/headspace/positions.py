@@ -202,6 +202,8 @@ class Rotary(nn.Module):
         max_seq_len: precompute float32 cos/sin tables for positions ``0 .. max_seq_len - 1``; lookups
             give the same numbers as computing them directly (positions outside the table, or float64
             requests, are computed directly). On an accelerator the range check costs one host sync.
+            Under ``torch.compile`` the tables are not read (the range check would break the graph):
+            cos/sin are computed directly, inside the graph.
         scaling: None, ``{"rope_type": "default"}``, ``{"rope_type": "linear", "factor": f}`` or
             ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
             "original_max_position_embeddings"}`` (transformers' ``rope_scaling``); ``rope_theta`` /
@@ -360,6 +362,7 @@ class Rotary(nn.Module):
         table = self._cos_table
         if (
             table is not None
+            and not torch.compiler.is_compiling()  # the range check below is data-dependent
             and compute_dtype == torch.float32
             and table.device == positions.device
             and positions.numel() > 0

@@ -4,7 +4,10 @@ Every result is a dataclass of plain tensors with documented shapes and a ``to_d
 form; layer ``i`` is the ``i``-th attention layer (``blocks.i.attn``).
 
 * :func:`head_roles` (:mod:`.roles`): mean attention mass on the previous / next / current / first /
-  last token, pattern entropy and a role label per head, over inputs.
+  last token, pattern entropy and a role label per head, over inputs (long inputs chunk by chunk);
+  :func:`induction_scores`: each head's attention to the token after an earlier occurrence.
+* :func:`pattern_rows`, :func:`summaries`, :func:`each_layer_qk` (:mod:`.chunked`): pattern rows and
+  per-query statistics from q and k, a block of queries at a time (no [seq, seq] pattern).
 * :func:`head_importance` (:mod:`.ablation`): change of a metric (sentence-embedding cosine for
   encoders, LM loss for decoders) when each head is ablated.
 * :func:`qk_circuit`, :func:`ov_circuit`, :func:`circuit_spectra`, :func:`principal_angles`,
@@ -15,8 +18,9 @@ form; layer ``i`` is the ``i``-th attention layer (``blocks.i.attn``).
 """
 
 from .ablation import HeadImportance, head_importance, mean_z
+from .chunked import LayerQK, PatternSummary, each_layer_qk, pattern_rows, summaries
 from .mixing import HeadMixing, head_mixing, shares_from_result, wo_norms
-from .roles import TARGETS, HeadRoles, head_roles, roles_from_patterns
+from .roles import TARGETS, HeadRoles, head_roles, induction_scores, repeated_tokens, roles_from_patterns
 from .rotary import RotaryPlanes, plane_scores, rotary_planes
 from .subspaces import (
     SUBSPACES,
@@ -42,26 +46,33 @@ __all__ = [
     "HeadImportance",
     "HeadMixing",
     "HeadRoles",
+    "LayerQK",
+    "PatternSummary",
     "RotaryPlanes",
     "SubspaceOverlaps",
     "circuit_spectra",
+    "each_layer_qk",
     "head_angles",
     "head_importance",
     "head_mixing",
     "head_roles",
     "head_subspaces",
+    "induction_scores",
     "mean_z",
     "orthonormal_basis",
     "ov_circuit",
     "overlap_matrix",
+    "pattern_rows",
     "plane_scores",
     "principal_angles",
     "qk_circuit",
     "random_overlap",
+    "repeated_tokens",
     "roles_from_patterns",
     "rotary_planes",
     "shares_from_result",
     "subspace_overlap",
     "subspace_overlaps",
+    "summaries",
     "wo_norms",
 ]

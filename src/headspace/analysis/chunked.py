@@ -1,0 +1,728 @@
+"""Attention statistics of long inputs in bounded memory: pattern rows and per-query summaries from q and k.
+
+A layer's full pattern is [batch, n_heads, seq, seq]: at 8,192 tokens that is 2.4 GB for SmolLM2's 9
+heads, per layer. Every statistic here is computed a *block of queries* at a time instead: the block's
+scores against all keys (``q_block k^T * scale``, masked), their softmax row by row, the reductions
+wanted (mass on chosen keys, entropy, top key, mass received), and the block is freed. Peak extra
+memory is a few blocks of [batch, n_heads, chunk_size, seq_k] float32, whatever seq_q.
+
+* :func:`pattern_rows`: the pattern rows of chosen queries (explain's row for one token): the
+  layer's ``hook_pattern`` there, in float32.
+* :func:`summaries`: per-query statistics of every query ([batch, n_heads, seq_q] each) and the mass
+  each key receives, as a :class:`PatternSummary` (the explorer's summaries; head roles).
+* :func:`each_layer_qk`: run a model and hand each attention layer's rotated q and k (and the mask
+  it applies) to a function, one layer at a time, without the layers ever materialising a pattern.
+
+Numerics: scores and softmax in float32 whatever the model's dtype (bfloat16 q and k are upcast
+block by block); grouped-query attention (query head ``h`` reads key/value head ``h // group``);
+masks with the layer's exact rules (:class:`headspace.masks.RowMasks`: ``key_padding`` True for real
+tokens, bool True = may attend, float additive, ``is_causal`` aligned bottom-right and combined by AND);
+a query with nothing to attend to (a dead row) has an all-zero row, entropy 0 and top weight 0,
+never NaN. The entropy is ``log Z - sum_j p_j t_j`` with ``t`` the max-shifted scores and ``Z`` their
+exp-sum, which equals ``-sum_j p_j log p_j`` without a logarithm per element. Max-shifted scores are
+floored at -87 before ``exp`` (:data:`_EXP_FLOOR`: below it torch's CPU exp takes a slow path); masked
+keys get exactly 0.
+
+Cost: one block is a [batch, n_kv_heads, group x rows, d_head] x [d_head, width] GEMM and about seven
+passes over [batch, n_heads, rows, width] (mask, max, shift, floor, exp, sum, sum of w t), into two
+buffers reused from block to block; with a causal mask ``width`` stops at the block's last visible
+key (half the work on average) and, causality alone, only the block's diagonal square is masked.
+SmolLM2 at 8,192 tokens: about 1.8 s per layer on one core, against about 2 s for the layer's forward
+(``benchmarks/long_inputs.py``).
+
+Layout of q and k: as the hook points show them, ``q`` [batch, seq_q, n_heads, d_head] and ``k``
+[batch, seq_k, n_kv_heads, d_head], *after* rotation on rotary layers (``hook_rot_q`` / ``hook_rot_k``;
+``hook_q`` / ``hook_k`` otherwise); :class:`LayerQK` holds them so.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..attention import MultiHeadAttention, check_input_tensor, rotary_tables, rotate_fused
+from ..checks import is_int
+from ..masks import CanonicalMask, RowMasks
+from ..trace import attention_layers
+from ._common import JsonResult
+
+BLOCK_BYTES = 32 * 2**20
+"""The automatic ``chunk_size`` keeps one block's scores [batch, n_heads, chunk_size, seq_k] float32 under
+this many bytes (a few such buffers live at once: scores, their exp, one temporary)."""
+
+MIN_CHUNK = 16
+"""The automatic ``chunk_size`` is a multiple of this, and at least this (unless seq_q is smaller)."""
+
+_NEG = torch.finfo(torch.float32).min  # masked scores, before the max is taken
+
+_EXP_FLOOR = -87.0
+"""Max-shifted scores are clamped at this before exp(): torch's vectorised CPU exp falls back to a slow
+path for inputs below about -87.3 (where float32 exp underflows), measured 80x slower per element. A
+key more than 87 nats below its row's best gets weight e^-87 ~ 1.6e-38 instead of its own (below float32
+resolution against the row's 1: the same numbers); masked keys are then set to exactly 0."""
+
+
+def default_chunk_size(batch: int, n_heads: int, seq_q: int, seq_k: int, budget: int = BLOCK_BYTES) -> int:
+    """Queries per block so that a block's scores [batch, n_heads, rows, seq_k] float32 fit ``budget``.
+
+    A multiple of :data:`MIN_CHUNK` (at least :data:`MIN_CHUNK`), at most ``seq_q``. SmolLM2 (9 heads) at
+    8,192 tokens, batch 1: 112 queries per block.
+    """
+    per_row = max(1, batch * n_heads * seq_k * 4)
+    rows = max(MIN_CHUNK, budget // per_row // MIN_CHUNK * MIN_CHUNK)
+    return max(1, min(seq_q, rows))
+
+
+def _check_chunk(chunk_size: Any) -> None:
+    if chunk_size is not None and (not is_int(chunk_size) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be None (automatic) or a positive int; got {chunk_size!r}")
+
+
+def _heads_first(q: Any, k: Any) -> tuple[Tensor, Tensor]:
+    """Check q [batch, seq_q, n_heads, d_head] and k [batch, seq_k, n_kv_heads, d_head]; return views
+    [batch, n_heads, seq_q, d_head] and [batch, n_kv_heads, seq_k, d_head]."""
+    for name, t, heads in (("q", q, "n_heads"), ("k", k, "n_kv_heads")):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a tensor [batch, seq, {heads}, d_head]; got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must be 4-D [batch, seq, {heads}, d_head] (the hook point's layout); got shape "
+                f"{list(t.shape)}"
+            )
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating tensor; got dtype {t.dtype}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(
+            f"q [batch, seq_q, n_heads, d_head] and k [batch, seq_k, n_kv_heads, d_head] must agree on batch "
+            f"and d_head; got q {list(q.shape)} and k {list(k.shape)}"
+        )
+    if k.shape[2] == 0 or q.shape[2] % k.shape[2] != 0:
+        raise ValueError(
+            f"n_kv_heads={k.shape[2]} must divide n_heads={q.shape[2]} (grouped-query attention); got q "
+            f"{list(q.shape)} and k {list(k.shape)}"
+        )
+    if k.shape[1] == 0:
+        raise ValueError(f"key length seq_k must be at least 1; got k of shape {list(k.shape)}")
+    if q.device != k.device:
+        raise ValueError(f"q is on {q.device} but k is on {k.device}")
+    return q.transpose(1, 2), k.transpose(1, 2)  # (B, H, Sq, dh), (B, Hkv, Sk, dh): views
+
+
+def _row_masks(
+    q: Tensor, k: Tensor, key_padding: Tensor | None, attn_mask: Tensor | None, is_causal: bool
+) -> RowMasks:
+    """q [B, H, Sq, dh], k [B, Hkv, Sk, dh]: the masks of blocks of query rows (checked here)."""
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal must be a bool; got {type(is_causal).__name__} {is_causal!r}")
+    return RowMasks(
+        batch=q.shape[0], n_heads=q.shape[1], seq_q=q.shape[2], seq_k=k.shape[2], key_padding=key_padding,
+        attn_mask=attn_mask, is_causal=is_causal, dtype=torch.float32, device=q.device,
+    )  # fmt: skip
+
+
+def _scale(scale: Any, d_head: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(d_head)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
+        raise ValueError(f"scale must be a finite number (or None for 1/sqrt(d_head)); got {scale!r}")
+    return float(scale)
+
+
+@dataclass
+class PatternBlock:
+    """One block of pattern rows, as :func:`iter_pattern_blocks` yields it.
+
+    ``index`` int64 [rows]: the block's query indices. ``weights`` float32 [batch, n_heads, rows, width]:
+    the *unnormalised* softmax ``exp(t)`` of the keys ``0 .. width - 1`` (with a causal mask, ``width``
+    stops at the block's last visible key: every later key has weight 0 in every row of the block);
+    ``norm`` [batch, n_heads, rows] their sum (``inf`` on dead rows, so that ``weights / norm`` is 0
+    there); ``entropy`` [batch, n_heads, rows] in nats (0 on dead rows). Normalising only what is read
+    (a few gathered keys, a max) saves a pass over the block.
+    """
+
+    index: Tensor
+    weights: Tensor
+    norm: Tensor
+    entropy: Tensor
+
+    @property
+    def width(self) -> int:
+        return self.weights.shape[-1]
+
+    def pattern(self) -> Tensor:
+        """The normalised rows [batch, n_heads, rows, width] (fresh memory)."""
+        return self.weights / self.norm.unsqueeze(-1)
+
+    def gather(self, keys: Tensor) -> Tensor:
+        """The mass on ``keys`` int64 [batch|1, rows, n] per row: [batch, n_heads, rows, n].
+
+        A key outside ``0 .. width - 1`` (before the first key, or masked for the whole block) has 0.
+        """
+        B, H, n, K = self.weights.shape
+        valid = (keys >= 0) & (keys < K)  # (B|1, rows, n)
+        idx = keys.clamp(0, K - 1)[:, None].expand(B, H, n, keys.shape[-1])  # (B, H, rows, n)
+        w = self.weights.gather(-1, idx) * valid[:, None].to(self.weights.dtype)  # (B, H, rows, n)
+        return w / self.norm.unsqueeze(-1)
+
+
+def _buffer(store: list[Tensor], i: int, shape: tuple[int, ...], device: torch.device) -> Tensor:
+    """A contiguous float32 tensor of ``shape`` in the reusable flat buffer ``store[i]`` (grown if needed).
+
+    Reusing one buffer per role across blocks matters on the CPU: a fresh multi-MB block is new memory the
+    kernel must fault in page by page (measured: exp() 2.4x slower into fresh memory than into reused).
+    """
+    n = math.prod(shape)
+    if store[i].numel() < n:
+        store[i] = torch.empty(n, dtype=torch.float32, device=device)
+    return store[i][:n].view(shape)
+
+
+def softmax_block(
+    q_rows: Tensor,
+    k_t: Tensor,
+    mask: CanonicalMask,
+    scale: float,
+    *,
+    causal_from: int | None = None,
+    buffers: list[Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """One block's unnormalised softmax, its sums and entropies, float32.
+
+    q_rows [batch, n_heads, rows, d_head] (any float dtype), k_t [batch, n_kv_heads, d_head, width]
+    float32 (k transposed), ``mask`` the block's :class:`~headspace.masks.CanonicalMask` over those
+    ``width`` keys. ``causal_from``: instead of a mask, rows ``i`` of the block see keys
+    ``0 .. causal_from + i`` (a causal block with nothing else masked: only the diagonal square
+    ``[rows, width - causal_from]`` is filled). ``buffers``: two reusable flat float32 buffers (see
+    :func:`_buffer`; None: fresh memory). Returns (weights [batch, n_heads, rows, width], norm [batch,
+    n_heads, rows], entropy [batch, n_heads, rows]) as :class:`PatternBlock` holds them. One
+    [batch, n_heads, rows, width] buffer for the scores and one for the weights; about six passes.
+    """
+    B, H, n, dh = q_rows.shape
+    Hkv, K = k_t.shape[1], k_t.shape[3]
+    g = H // Hkv
+    store = buffers if buffers is not None else [q_rows.new_empty(0, dtype=torch.float32)] * 2
+    qb = (q_rows.to(torch.float32) * scale).reshape(B, Hkv, g * n, dh)  # (B, Hkv, g rows, dh): heads by group
+    t = _buffer(store, 0, (B, Hkv, g * n, K), q_rows.device)
+    torch.matmul(qb, k_t, out=t)
+    t = t.view(B, H, n, K)  # (B, H, rows, K): scaled scores
+    m = mask.mask
+    later: Tensor | None = None  # causal_from: the future keys of the diagonal square
+    blocked: Tensor | None = None  # otherwise: the masked keys, [b|1, h|1, rows, K]
+    if causal_from is not None:
+        c = causal_from
+        rows = torch.arange(n, device=t.device)  # (rows,)
+        later = torch.arange(K - c, device=t.device)[None, :] > rows[:, None]  # (rows, K - c)
+        t[..., c:].masked_fill_(later, _NEG)
+    elif m is not None:
+        if m.dtype == torch.bool:
+            blocked = ~m
+            t.masked_fill_(blocked, _NEG)  # out of the max below
+        else:
+            t.add_(m)
+            blocked = torch.isneginf(m)
+    t.sub_(t.amax(dim=-1, keepdim=True))  # max-shifted; a row's max is finite (dead rows were opened)
+    t.clamp_(min=_EXP_FLOOR)  # exp() of anything lower is 80x slower on the CPU (see _EXP_FLOOR)
+    w = torch.exp(t, out=_buffer(store, 1, (B, H, n, K), t.device))  # (B, H, rows, K)
+    if later is not None:
+        w[..., causal_from:].masked_fill_(later, 0.0)  # masked keys: exactly 0
+    elif blocked is not None:
+        w.masked_fill_(blocked, 0.0)
+    z = w.sum(dim=-1)  # (B, H, rows), >= 1
+    wt = torch.einsum("bhqk,bhqk->bhq", w, t)  # (B, H, rows): sum_j e^{t_j} t_j
+    entropy = z.log() - wt / z  # (B, H, rows)
+    if mask.dead_rows is not None and causal_from is None:
+        dead = mask.dead_rows[..., 0]  # (b|1, h|1, rows)
+        z = z.masked_fill(dead, float("inf"))
+        entropy.masked_fill_(dead, 0.0)
+    return w, z, entropy
+
+
+def iter_pattern_blocks(
+    q: Tensor,
+    k: Tensor,
+    masks: RowMasks,
+    *,
+    scale: float,
+    chunk_size: int | None = None,
+    rows: Tensor | None = None,
+) -> Iterator[PatternBlock]:
+    """Blocks of pattern rows of q [B, H, Sq, dh] against k [B, Hkv, Sk, dh] (heads-first layout).
+
+    Yields a :class:`PatternBlock` for consecutive blocks of ``chunk_size`` queries (None:
+    :func:`default_chunk_size`), over every query or over the query indices ``rows`` (1-D int64).
+    With a causal mask a block is computed against the keys up to its last visible key only (on
+    average half the work), and when causality is the only mask (no padding, seq_q <= seq_k) only the
+    block's diagonal square is masked. The block's buffers are reused by the next block: read (or
+    copy) what you need before asking for it.
+    """
+    B, H, Sq, _ = q.shape
+    Sk = k.shape[2]
+    k_t = k.to(torch.float32).transpose(-2, -1)  # (B, Hkv, dh, Sk): one float32 copy when k is not
+    total = Sq if rows is None else int(rows.shape[0])
+    step = default_chunk_size(B, H, total, Sk) if chunk_size is None else chunk_size
+    offset = Sk - Sq  # bottom-right alignment of causality
+    kp = masks.key_padding
+    causal_only = (
+        masks.is_causal
+        and masks.attn_mask is None
+        and offset >= 0
+        and rows is None
+        and (kp is None or bool(kp.all()))
+    )
+    no_mask = CanonicalMask(mask=None, is_causal=False, dead_rows=None)
+    buffers = [q.new_empty(0, dtype=torch.float32)] * 2
+    for start in range(0, total, step):
+        end = min(total, start + step)
+        causal_from = None
+        if rows is None:
+            index = torch.arange(start, end, device=q.device)  # (rows,)
+            last_query = end - 1
+            mask = no_mask if causal_only else masks.rows(start, end)
+            q_rows = q[:, :, start:end]  # (B, H, rows, dh)
+            if causal_only:
+                causal_from = start + offset
+        else:
+            index = rows[start:end]  # (rows,)
+            last_query = int(index.max())
+            mask = masks.rows(index)
+            q_rows = q.index_select(2, index)  # (B, H, rows, dh)
+        width = Sk
+        if masks.is_causal:  # later keys are masked for every row of the block
+            width = max(1, min(Sk, last_query + 1 + offset))
+        if width < Sk and mask.mask is not None:
+            m = mask.mask
+            mask = CanonicalMask(
+                mask=m if m.shape[-1] == 1 else m[..., :width], is_causal=False, dead_rows=mask.dead_rows
+            )
+        w, z, entropy = softmax_block(
+            q_rows, k_t[..., :width], mask, scale, causal_from=causal_from, buffers=buffers
+        )
+        yield PatternBlock(index, w, z, entropy)
+        del w, z, entropy
+
+
+def _query_index(query_positions: Any, seq_q: int, device: torch.device) -> Tensor:
+    if isinstance(query_positions, bool) or query_positions is None:
+        raise TypeError(
+            f"query_positions must be an int, a list of ints or a 1-D int tensor; got {query_positions!r}"
+        )
+    if is_int(query_positions):
+        query_positions = [query_positions]
+    if isinstance(query_positions, Tensor):
+        if query_positions.dtype in (torch.bool,) or query_positions.is_floating_point():
+            raise TypeError(f"query_positions must be integers; got dtype {query_positions.dtype}")
+        index = query_positions.reshape(-1).to(device=device, dtype=torch.int64)
+    elif isinstance(query_positions, Sequence) and all(is_int(i) for i in query_positions):
+        index = torch.tensor(list(query_positions), dtype=torch.int64, device=device)
+    else:
+        raise TypeError(
+            f"query_positions must be an int, a list of ints or a 1-D int tensor; got {query_positions!r}"
+        )
+    if index.numel() and (int(index.min()) < -seq_q or int(index.max()) >= seq_q):
+        raise ValueError(
+            f"query_positions must be in [-{seq_q}, {seq_q}) (seq_q={seq_q}); got {index.tolist()}"
+        )
+    return index % max(1, seq_q)
+
+
+def pattern_rows(
+    q: Tensor,
+    k: Tensor,
+    query_positions: Any = None,
+    *,
+    key_padding: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """The attention pattern rows of chosen queries, without the full pattern.
+
+    Notation used for tensor shapes:
+        batch, seq_q, seq_k, n_heads, n_kv_heads, d_head; rows: the chosen queries.
+
+    Args:
+        q: [batch, seq_q, n_heads, d_head], rotated on rotary layers (``hook_rot_q``, else ``hook_q``).
+        k: [batch, seq_k, n_kv_heads, d_head] (``hook_rot_k``, else ``hook_k``).
+        query_positions: an int, a list of ints or a 1-D int tensor of query indices (negative counts
+            from the end); None: every query (then the result is the full pattern: mind its size).
+        key_padding, attn_mask, is_causal: the layer's masks, with the layer's rules.
+        scale: the layer's scale (``attn.scale``; None: 1 / sqrt(d_head)).
+        chunk_size: queries per block (None: automatic, :func:`default_chunk_size`).
+
+    Returns:
+        float32 [batch, n_heads, rows, seq_k]: the softmax rows (sum 1; dead rows all 0), equal to the
+        layer's ``hook_pattern`` at those queries.
+    """
+    _check_chunk(chunk_size)
+    q4, k4 = _heads_first(q, k)
+    masks = _row_masks(q4, k4, key_padding, attn_mask, is_causal)
+    s = _scale(scale, q4.shape[-1])
+    index = None if query_positions is None else _query_index(query_positions, q4.shape[2], q4.device)
+    B, H = q4.shape[:2]
+    n = q4.shape[2] if index is None else int(index.shape[0])
+    out = torch.zeros(B, H, n, k4.shape[2], dtype=torch.float32, device=q4.device)
+    done = 0
+    for block in iter_pattern_blocks(q4, k4, masks, scale=s, chunk_size=chunk_size, rows=index):
+        rows = block.index.shape[0]
+        torch.div(block.weights, block.norm.unsqueeze(-1), out=out[:, :, done : done + rows, : block.width])
+        done += rows
+    return out
+
+
+@dataclass
+class PatternSummary(JsonResult):
+    """Per-query statistics of one layer's pattern, computed block by block (:func:`summaries`).
+
+    Every per-query field is float32 [batch, n_heads, seq_q]: the mass each query puts on the key just
+    before it (``previous``), just after it (``next``), on itself (``current``; "itself" is key
+    ``i + seq_k - seq_q``, bottom-right as causality), on the first and the last real key (from
+    ``key_padding``; keys 0 and seq_k - 1 without it); the row's ``entropy`` (nats); its largest weight
+    ``top_weight`` and that key's index ``top_key`` (int64). A key that does not exist (before key 0,
+    after the last) has mass 0. ``received`` [batch, n_heads, seq_k] is the mass each key receives,
+    summed over the counted queries (``query_mask``). ``targets`` [batch, n_heads, seq_q, n_targets]
+    (or None) is the mass on the chosen keys of each query (0 where the index was -1).
+    """
+
+    kind = "pattern_summary"
+
+    previous: Tensor
+    next: Tensor
+    current: Tensor
+    first: Tensor
+    last: Tensor
+    entropy: Tensor
+    top_weight: Tensor
+    top_key: Tensor
+    received: Tensor
+    targets: Tensor | None = None
+
+
+def _first_last(
+    key_padding: Tensor | None, batch: int, seq_k: int, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """(first, last) real key index per row, int64 [batch] (0 and seq_k - 1 without padding; a row with no
+    real key gets first = seq_k - 1 clamped and last = 0)."""
+    if key_padding is None:
+        zeros = torch.zeros(batch, dtype=torch.int64, device=device)
+        return zeros, zeros + (seq_k - 1)
+    pos = torch.arange(seq_k, device=device)  # (Sk,)
+    first = torch.where(key_padding, pos, seq_k).amin(dim=1).clamp(max=seq_k - 1)  # (B,)
+    last = torch.where(key_padding, pos, -1).amax(dim=1).clamp(min=0)  # (B,)
+    return first, last
+
+
+def _position_keys(index: Tensor, first: Tensor, last: Tensor, offset: int) -> Tensor:
+    """The keys of previous, next, current, first, last per query: int64 [B, rows, 5]."""
+    at = index + offset  # (rows,): the query's own key
+    B, n = first.shape[0], index.shape[0]
+    fixed = torch.stack([at - 1, at + 1, at], dim=-1)[None].expand(B, n, 3)  # (B, rows, 3)
+    ends = torch.stack([first, last], dim=-1)[:, None].expand(B, n, 2)  # (B, rows, 2)
+    return torch.cat([fixed, ends], dim=-1)  # (B, rows, 5)
+
+
+def summaries(
+    q: Tensor,
+    k: Tensor,
+    *,
+    key_padding: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    chunk_size: int | None = None,
+    targets: Tensor | None = None,
+    query_mask: Tensor | None = None,
+) -> PatternSummary:
+    """Per-query statistics of a layer's pattern from its q and k, a block of queries at a time.
+
+    Notation used for tensor shapes:
+        batch, seq_q, seq_k, n_heads, n_kv_heads, d_head, n_targets.
+
+    Args:
+        q: [batch, seq_q, n_heads, d_head], rotated on rotary layers (``hook_rot_q``, else ``hook_q``).
+        k: [batch, seq_k, n_kv_heads, d_head] (``hook_rot_k``, else ``hook_k``).
+        key_padding, attn_mask, is_causal: the layer's masks, with the layer's rules.
+        scale: the layer's scale (``attn.scale``; None: 1 / sqrt(d_head)).
+        chunk_size: queries per block (None: automatic, :func:`default_chunk_size`).
+        targets: int [batch or 1, seq_q, n_targets] key indices per query (-1: none), e.g. the token
+            after an earlier occurrence (induction) or a chosen token for every query.
+        query_mask: bool [batch, seq_q], the queries ``received`` sums over (None: ``key_padding``
+            when seq_q == seq_k, else every query).
+
+    Returns:
+        A :class:`PatternSummary`. Peak extra memory: a few [batch, n_heads, chunk_size, seq_k] float32
+        blocks plus the [batch, n_heads, seq_q] results.
+    """
+    _check_chunk(chunk_size)
+    q4, k4 = _heads_first(q, k)
+    masks = _row_masks(q4, k4, key_padding, attn_mask, is_causal)
+    s = _scale(scale, q4.shape[-1])
+    B, H, Sq, _ = q4.shape
+    Sk = k4.shape[2]
+    dev = q4.device
+    if targets is not None:
+        if not isinstance(targets, Tensor) or targets.dim() != 3 or targets.is_floating_point():
+            got = list(targets.shape) if isinstance(targets, Tensor) else type(targets).__name__
+            raise ValueError(f"targets must be an int tensor [batch or 1, seq_q={Sq}, n_targets]; got {got}")
+        if targets.shape[0] not in (1, B) or targets.shape[1] != Sq:
+            raise ValueError(
+                f"targets must be [batch={B} or 1, seq_q={Sq}, n_targets]; got {list(targets.shape)}"
+            )
+        targets = targets.to(device=dev, dtype=torch.int64)
+    if query_mask is None:
+        query_mask = key_padding if (key_padding is not None and Sq == Sk) else None
+    elif (
+        not isinstance(query_mask, Tensor)
+        or query_mask.dtype != torch.bool
+        or tuple(query_mask.shape) != (B, Sq)
+    ):
+        got = list(query_mask.shape) if isinstance(query_mask, Tensor) else type(query_mask).__name__
+        raise ValueError(f"query_mask must be a bool tensor [batch, seq_q] = {[B, Sq]}; got {got}")
+    counted = None if query_mask is None else query_mask.to(device=dev, dtype=torch.float32)  # (B, Sq)
+    first, last = _first_last(key_padding, B, Sk, dev)
+    at_keys = torch.empty(B, H, Sq, 5, dtype=torch.float32, device=dev)
+    entropy = torch.empty(B, H, Sq, dtype=torch.float32, device=dev)
+    top_weight = torch.empty(B, H, Sq, dtype=torch.float32, device=dev)
+    top_key = torch.empty(B, H, Sq, dtype=torch.int64, device=dev)
+    received = torch.zeros(B, H, Sk, dtype=torch.float32, device=dev)
+    chosen = (
+        None if targets is None else torch.empty(B, H, Sq, targets.shape[-1], dtype=torch.float32, device=dev)
+    )
+    for block in iter_pattern_blocks(q4, k4, masks, scale=s, chunk_size=chunk_size):
+        lo, hi = int(block.index[0]), int(block.index[-1]) + 1
+        K = block.width
+        at_keys[:, :, lo:hi] = block.gather(_position_keys(block.index, first, last, Sk - Sq))
+        entropy[:, :, lo:hi] = block.entropy
+        w, j = block.weights.max(dim=-1)  # (B, H, rows) x 2
+        top_weight[:, :, lo:hi] = w / block.norm
+        top_key[:, :, lo:hi] = j
+        inv = block.norm.reciprocal()  # (B, H, rows): 0 on dead rows
+        if counted is not None:
+            inv = inv * counted[:, None, lo:hi]
+        received[..., :K] += torch.einsum("bhqk,bhq->bhk", block.weights, inv)
+        if chosen is not None and targets is not None:
+            chosen[:, :, lo:hi] = block.gather(targets[:, lo:hi])
+    return PatternSummary(
+        previous=at_keys[..., 0], next=at_keys[..., 1], current=at_keys[..., 2], first=at_keys[..., 3],
+        last=at_keys[..., 4], entropy=entropy, top_weight=top_weight, top_key=top_key, received=received,
+        targets=chosen,
+    )  # fmt: skip
+
+
+def role_values(
+    q: Tensor,
+    k: Tensor,
+    *,
+    key_padding: Tensor | None = None,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+    scale: float | None = None,
+    chunk_size: int | None = None,
+) -> Tensor:
+    """What :func:`headspace.analysis.head_roles` needs, and only that: float32 [batch, n_heads, seq, 6].
+
+    The last axis is the mass on the previous, next, current, first and last (real) key, then the
+    entropy, per query (the first five fields of :func:`summaries` and its entropy, stacked; cheaper,
+    as no top key or received mass is computed). q and k as in :func:`summaries`; self-attention
+    (seq_q == seq_k).
+    """
+    _check_chunk(chunk_size)
+    q4, k4 = _heads_first(q, k)
+    masks = _row_masks(q4, k4, key_padding, attn_mask, is_causal)
+    s = _scale(scale, q4.shape[-1])
+    B, H, Sq, _ = q4.shape
+    Sk = k4.shape[2]
+    if Sq != Sk:
+        raise ValueError(
+            f"head roles need self-attention (seq_q == seq_k); got q {list(q.shape)}, k {list(k.shape)}"
+        )
+    first, last = _first_last(key_padding, B, Sk, q4.device)
+    out = torch.empty(B, H, Sq, 6, dtype=torch.float32, device=q4.device)
+    for block in iter_pattern_blocks(q4, k4, masks, scale=s, chunk_size=chunk_size):
+        lo, hi = int(block.index[0]), int(block.index[-1]) + 1
+        out[:, :, lo:hi, :5] = block.gather(_position_keys(block.index, first, last, 0))
+        out[:, :, lo:hi, 5] = block.entropy
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- from a model
+@dataclass
+class LayerQK:
+    """One attention call's rotated q and k and the masks it applies, as :func:`each_layer_qk` hands them.
+
+    ``q`` [batch, seq_q, n_heads, d_head] and ``k`` [batch, seq_k, n_kv_heads, d_head] in the layer's
+    dtype, after rotation on rotary layers (what ``hook_rot_q`` / ``hook_rot_k`` would show; ``hook_q`` /
+    ``hook_k`` otherwise); ``key_padding``, ``attn_mask``, ``is_causal`` as the layer received them;
+    ``scale`` the layer's; ``layer`` its index (:func:`headspace.trace.attention_layers`), ``name`` its
+    module path, ``attn`` the module. Valid during the call of ``fn`` only (then freed).
+    """
+
+    layer: int
+    name: str
+    attn: MultiHeadAttention
+    q: Tensor
+    k: Tensor
+    key_padding: Tensor | None
+    attn_mask: Tensor | None
+    is_causal: bool
+    scale: float
+
+    def _masks(self) -> dict[str, Any]:
+        return {
+            "key_padding": self.key_padding, "attn_mask": self.attn_mask, "is_causal": self.is_causal,
+            "scale": self.scale,
+        }  # fmt: skip
+
+    def pattern_rows(self, query_positions: Any = None, *, chunk_size: int | None = None) -> Tensor:
+        """:func:`pattern_rows` of this layer: float32 [batch, n_heads, rows, seq_k]."""
+        return pattern_rows(self.q, self.k, query_positions, chunk_size=chunk_size, **self._masks())
+
+    def summaries(self, **kwargs: Any) -> PatternSummary:
+        """:func:`summaries` of this layer (``chunk_size``, ``targets``, ``query_mask`` as there)."""
+        return summaries(self.q, self.k, **self._masks(), **kwargs)
+
+    def role_values(self, *, chunk_size: int | None = None) -> Tensor:
+        """:func:`role_values` of this layer: float32 [batch, n_heads, seq, 6]."""
+        return role_values(self.q, self.k, chunk_size=chunk_size, **self._masks())
+
+
+class _Stop(Exception):
+    """Raised by the last wanted layer's hook: nothing after it is needed."""
+
+
+def supports_qk_capture(attn: Any) -> bool:
+    """Whether :func:`each_layer_qk` can recompute this layer's q and k from its input (a
+    :class:`~headspace.MultiHeadAttention` with the stock ``forward``; subclasses with another calling
+    convention, such as the ``torch.nn.MultiheadAttention`` drop-in, are not)."""
+    return isinstance(attn, MultiHeadAttention) and type(attn).forward is MultiHeadAttention.forward
+
+
+def _layer_qk(
+    attn: MultiHeadAttention, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[Tensor, Tensor]:
+    """q [B, H, Sq, dh] and k [B, Hkv, Sk, dh] of one call, as the layer computes them (rotated)."""
+    names = ("query", "key", "value")
+    given = dict(zip(names, args))
+    for n in names:
+        if n in kwargs:
+            given[n] = kwargs[n]
+    query, key, value = given.get("query"), given.get("key"), given.get("value")
+    if kwargs.get("kv_cache") is not None:
+        raise ValueError(
+            "each_layer_qk: attention calls with a kv_cache are not supported (run the full sequence)"
+        )
+    self_attention = key is None and value is None
+    w = attn.o_weight
+    check_input_tensor("query", query, attn.d_model, "d_model", w)
+    if not self_attention:
+        k_in = query if key is None else key
+        check_input_tensor("key", k_in, attn.kdim, "kdim", w)
+        check_input_tensor("value", k_in if value is None else value, attn.vdim, "vdim", w)
+    q, k, _ = attn.project_qkv(query, key, value)  # (B, H, Sq, dh), (B, Hkv, Sk, dh)
+    rotary = attn.rotary
+    if rotary is not None:
+        positions = kwargs.get("positions")
+        if positions is None:
+            positions = torch.arange(query.shape[1], device=query.device)  # (Sq,)
+        cos, sin = rotary_tables(rotary, positions, query.dtype, query.device)  # (B|1, 1, Sq, rd) x 2
+        q = rotate_fused(q, cos, sin, rotary)  # (B, H, Sq, dh)
+        k = rotate_fused(k, cos, sin, rotary)  # (B, Hkv, Sk, dh)
+    return q, k
+
+
+def each_layer_qk(
+    model: Any,
+    run: Callable[[], Any],
+    fn: Callable[[LayerQK], None],
+    *,
+    layers: Sequence[int] | None = None,
+    stop_early: bool = True,
+) -> None:
+    """Call ``run()`` (one forward of ``model``) and ``fn(LayerQK)`` for each attention layer as it runs.
+
+    How q and k are obtained, in bounded memory: a forward *pre-hook* on each chosen attention layer
+    sees the layer's input and keyword arguments (the residual stream after the block's norm, the
+    masks, the rotary positions) and recomputes q and k with the layer's own fused projection
+    (:meth:`~headspace.MultiHeadAttention.project_qkv`) and rotation (the same cos/sin tables and
+    operations as the layer), so they equal what ``hook_rot_q`` / ``hook_rot_k`` would record. No hook
+    *point* gets a function, so every layer keeps its fused fast path (torch's
+    scaled_dot_product_attention, which never builds a pattern), whereas tracing ``hook_q`` would send
+    the layer down the traced path, which computes the full reference pattern. ``fn`` runs inside the
+    hook; q and k are freed when it returns, so at most one layer's q and k (and whatever ``fn`` builds)
+    are alive at a time.
+
+    With ``stop_early`` (default), the forward is cut short once every chosen layer has been handed
+    over (``run`` is interrupted by an exception caught here: the rest of the model, e.g. a 49k-word
+    unembedding, is never computed). Functions added to ``hook_q``/``hook_k``/``hook_rot_*`` that
+    *replace* values are not seen (q and k are recomputed from the layer's input); everything upstream
+    of a layer (ablations, patching of earlier layers) is. Only calls made by this thread are seen.
+
+    Args:
+        model: a module (or pretrained wrapper) holding :class:`~headspace.MultiHeadAttention` layers.
+        run: runs the model once, e.g. ``lambda: model(tokens)``.
+        fn: called with a :class:`LayerQK` per call of a chosen layer, in call order, without autograd.
+        layers: the layer indices to hand over (None: all).
+        stop_early: stop the forward after the last chosen layer's q and k.
+
+    Raises:
+        ValueError: a chosen layer that cannot be handled (a subclass with another ``forward``); a call
+            with a KV cache; a chosen layer that ``run`` never called.
+    """
+    all_layers = attention_layers(model)
+    chosen = list(range(len(all_layers))) if layers is None else [int(i) for i in layers]
+    for i in chosen:
+        if not 0 <= i < len(all_layers):
+            raise ValueError(
+                f"layers: {i} is out of range; this model has {len(all_layers)} attention layers"
+            )
+        name, attn = all_layers[i]
+        if not supports_qk_capture(attn):
+            raise ValueError(
+                f"layer {i} ({name or type(attn).__name__}) is a {type(attn).__name__} with its own forward; "
+                "its q and k cannot be recomputed from its input (use the traced hook_rot_q/hook_rot_k)"
+            )
+    owner = threading.get_ident()
+    pending = set(chosen)
+    seen: set[int] = set()
+
+    def make_hook(i: int, name: str) -> Callable[..., None]:
+        def hook(module: MultiHeadAttention, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            if threading.get_ident() != owner:
+                return
+            with torch.no_grad():
+                q, k = _layer_qk(module, args, kwargs)
+                call = LayerQK(
+                    layer=i, name=name, attn=module, q=q.transpose(1, 2), k=k.transpose(1, 2),
+                    key_padding=kwargs.get("key_padding"), attn_mask=kwargs.get("attn_mask"),
+                    is_causal=bool(kwargs.get("is_causal", False)), scale=module.scale,
+                )  # fmt: skip
+                del q, k
+                fn(call)
+                del call
+            seen.add(i)
+            pending.discard(i)
+            if stop_early and not pending:
+                raise _Stop
+
+        return hook
+
+    handles = [
+        all_layers[i][1].register_forward_pre_hook(make_hook(i, all_layers[i][0]), with_kwargs=True)
+        for i in dict.fromkeys(chosen)
+    ]
+    try:
+        run()
+    except _Stop:
+        pass
+    finally:
+        for h in handles:
+            h.remove()
+    missing = [i for i in chosen if i not in seen]
+    if missing:
+        raise ValueError(f"run() never called the attention layers {missing} of this model")
