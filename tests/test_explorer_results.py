@@ -189,6 +189,36 @@ def tiny_gpt2(folder: Path) -> Path:
     return folder
 
 
+def test_view_command_shows_a_saved_result(gpt2_folder: Path, tmp_path: Path) -> None:
+    """``headspace view --result FILE`` (the page opens on the result's clean prompt)."""
+    folder = gpt2_folder
+    runner = CliRunner()
+    out = runner.invoke(cli, ["patch", "--model", str(folder), "--json", "--site", "resid"])
+    assert out.exit_code == 0, out.output
+    (tmp_path / "resid.json").write_text(out.output)
+    saved = json.loads(out.output)
+    page = tmp_path / "page.html"
+    out = runner.invoke(cli, ["view", "--model", str(folder), "--result", str(tmp_path / "resid.json"),
+                              "-o", str(page)])  # fmt: skip
+    assert out.exit_code == 0, out.output
+    assert "with 1 saved result view(s): patching: resid" in out.output
+    data = page_data(page)
+    (v,) = data["results"]
+    assert v["values"] == saved["resid_patch_effect"] and v["cols"] == saved["tokens"]
+    assert data["sentence"] == "When Mary and John went to the store, John gave a drink to"
+    # a bad file is refused before any model is loaded, in one line, exit code 2
+    (tmp_path / "bad.json").write_text('{"kind": "patching", "site": "nowhere"}')
+    out = runner.invoke(cli, ["view", "--model", "no-such-model", "--result", str(tmp_path / "bad.json"),
+                              "-o", str(page)])  # fmt: skip
+    assert out.exit_code == 2 and "site" in out.output and "nowhere" in out.output
+    assert len(out.output.strip().splitlines()) == 1
+    # a result of another model shape: named, exit code 2
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps({**saved, "resid_patch_effect": saved["resid_patch_effect"][:2]}))
+    out = runner.invoke(cli, ["view", "--model", str(folder), "--result", str(other), "-o", str(page)])
+    assert out.exit_code == 2 and "2 layers" in out.output and "3 layers" in out.output
+
+
 def page_data(path: Path) -> dict[str, Any]:
     text = path.read_text(encoding="utf-8")
     start = text.index('<script type="application/json" id="explorer-data">') + len(

@@ -1,4 +1,10 @@
-"""``headspace view``: write the explorer page for a sentence (and optionally serve it on localhost)."""
+"""``headspace view``: write the explorer page for a sentence (and optionally serve it on localhost).
+
+``--result FILE`` (repeatable) adds saved patching / attribution results to the page as heatmaps: the JSON
+of ``PatchResult.to_json(path)``, ``LogitAttribution.to_json(path)``, ``LogitLens.to_json(path)``, or of
+``headspace patch --json`` / ``headspace attribute --json``. Without SENTENCE the page opens on the
+result's clean prompt.
+"""
 
 from __future__ import annotations
 
@@ -48,14 +54,39 @@ PRECISIONS = ("auto", "float32", "float16")
     show_default=True,
     help="stored numbers: float32 (exact) or float16 (half the size); auto = float32 up to 128 tokens",
 )
+@click.option(
+    "--result",
+    "result_files",
+    multiple=True,
+    metavar="FILE",
+    help="a saved patching or attribution result (to_json(path), or headspace patch/attribute --json) "
+    "to show as a heatmap; repeat for several. Without SENTENCE the page opens on its prompt",
+)
 def view(
-    sentence: str | None, model_name: str, output: str | None, serve: bool, port: int, precision: str
+    sentence: str | None,
+    model_name: str,
+    output: str | None,
+    serve: bool,
+    port: int,
+    precision: str,
+    result_files: tuple[str, ...],
 ) -> None:
     """Write the explorer page for SENTENCE: every head's attention, the q-k-v-softmax-W_O pipeline of
     one head for one token, subspace overlaps and W_O's shares, from the real model. No network."""
     start = time.perf_counter()  # what the user waits for: imports and the model load included
     if output is None and not serve:
         raise UsageError("say where the page goes: -o FILE.html (and/or --serve to open it on localhost)")
+    views: list[Any] = []
+    if result_files:  # read first: a bad file is known before any model is loaded
+        from ..viz.explorer.results import load_results, prompt_of
+
+        for name in result_files:
+            try:
+                views += load_results(name)
+            except (OSError, ValueError) as e:
+                raise UsageError(f"--result: {' '.join(str(e).split())}") from None
+        if sentence is None:
+            sentence = prompt_of(views)
     if sentence is None:
         sentence = DEFAULT_SENTENCE
     if not sentence.strip():
@@ -79,7 +110,7 @@ def view(
             pre = load_model(model_name)
             loaded = time.perf_counter()
             try:
-                page = Explorer(pre, sentence, precision=precision)
+                page = Explorer(pre, sentence, precision=precision, results=views)
             except ValueError as e:
                 raise UsageError(str(e).splitlines()[0]) from None
             if output is not None:
@@ -95,6 +126,9 @@ def view(
                 f"{page.data['precision']}) in {done - start:.1f} s "
                 f"(load {loaded - start:.1f} s, build {done - loaded:.1f} s)"
             )
+            if views:
+                names = ", ".join(v["name"] for v in views)
+                click.echo(f"with {len(views)} saved result view(s): {names}")
             if server is not None:
                 server.set_page(path)
                 host, bound = server.server_address[:2]
