@@ -7,6 +7,7 @@ machine's description. The logic lives in :mod:`headspace.bench` (also behind ``
     python benchmarks/attention.py --quick               # small sizes, under a minute (attention_quick.json)
     python benchmarks/attention.py --seq 512 1024 --repeats 5 --threads 2
     python benchmarks/attention.py --save                # publish: benchmarks/results/attention.json
+    python benchmarks/attention.py --dtype bfloat16      # every case and the floor in bfloat16
 
 The JSON goes to benchmarks/results/local/ (git-ignored) unless ``--out PATH`` says otherwise; only
 ``--save`` replaces the committed benchmarks/results/attention.json (a ``--quick`` run is never published).
@@ -45,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     p.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory subprocesses")
+    p.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="weights, inputs and the GEMM floor's matrices (default float32; JSON name gets _bfloat16)",
+    )
     p.add_argument("--quick", action="store_true", help="seq 128 256, batch 4, 3 repeats: a smoke run")
     p.add_argument(
         "--out",
@@ -58,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--save writes benchmarks/results/attention.json; give either --save or --out")
     if a.save and a.quick:
         p.error("--save publishes a full run; a --quick smoke run is never published")
-    out = output_path(a.out, a.save, f"attention{'_quick' if a.quick else ''}.json")
+    suffix = ("_quick" if a.quick else "") + ("" if a.dtype == "float32" else f"_{a.dtype}")
+    out = output_path(a.out, a.save, f"attention{suffix}.json")
     for name in ("batch", "d_model", "n_heads", "repeats", "threads"):
         value = getattr(a, name)
         if value is not None and value <= 0:
@@ -79,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         repeats=repeats,
         threads=a.threads,
         measure_memory=not a.no_memory,
+        dtype=a.dtype,
     )
     info = machine_info()
     print(

@@ -9,6 +9,20 @@ random weights: latency does not depend on the values) decodes one token at cont
 Each measurement is repeated and the median quoted; before timing, the script checks that both give
 the same logits. Target: the cached step at position 1024 within 1.5x of the one at position 64.
 
+Then SmolLM2-135M-Instruct (``headspace.load("smollm2")``) against transformers' ``LlamaForCausalLM`` on
+the same float32 weights (``from_pretrained(folder, gguf_file=..., dtype=torch.float32)``), side by side:
+
+* load: GGUF file to a ready model, in a fresh interpreter each (seconds; the resident memory the load
+  added, once done and at its peak, over the float32 weights' size);
+* prefill: tokens/s of one forward over a ``--prompt-len`` (512) token prompt into a KV cache;
+* decode: greedy ms/token with the KV cache at batch 1 and 8 (each library's own ``generate``:
+  ``(time(n + 1 tokens) - time(1 token)) / n``, which leaves the prefill out), rounds rotating over
+  the models;
+
+and headspace at each precision (float32, bfloat16, int8): the same prefill and decode figures, and the
+accuracy against float32 over ``--accuracy-tokens`` (2,000) tokens of this repository's README.md and
+docs/*.md: top-1 next-token agreement and the perplexity ratio. ``--no-smollm2`` skips this part.
+
     python benchmarks/decode.py                       # GPT-2 small shape, 2 threads
     python benchmarks/decode.py --small --repeats 5   # a smaller model, for a quick look
     python benchmarks/decode.py --save                # publish: benchmarks/results/decode.json
@@ -21,10 +35,15 @@ smoke test runs a tiny model). The JSON goes to benchmarks/results/local/decode.
 from __future__ import annotations
 
 import argparse
+import json
+import math
 import os
 import statistics
+import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -34,6 +53,7 @@ from headspace.bench import timed
 from headspace.fileio import write_json
 
 POSITIONS = (64, 128, 256, 512, 1024)
+REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 """The published results (committed); runs without --save write to RESULTS / "local"."""
 
@@ -43,6 +63,289 @@ def output_path(out: str | None, save: bool, name: str) -> Path:
     if out is not None:
         return Path(out)
     return (RESULTS if save else RESULTS / "local") / name
+
+
+#: SmolLM2 targets: load seconds, peak load memory / float32 weights, decode speedups over transformers
+#: (batch -> tokens/s ratio), bfloat16 decode time / float32's at batch 1.
+SMOLLM2_TARGETS = {
+    "load_s": 3.0,
+    "load_memory": 1.3,
+    "decode_speedup": {1: 1.3, 8: 1.2},
+    "bf16_over_f32": 0.6,
+}
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def probe_load(which: str, threads: int) -> dict:
+    """In this (fresh) interpreter: load SmolLM2 with ``which`` library; seconds and memory the load added.
+
+    Imports come first, outside the timing; ``peak_extra_mib`` is the resident-set high-water mark
+    (``ru_maxrss``) after the load minus the resident set before it.
+    """
+    import resource
+
+    torch.set_num_threads(threads)
+    import headspace
+    from headspace.pretrained.gguf_format import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+    if which == "transformers":
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+    before = _rss_mib()
+    t0 = time.perf_counter()
+    if which == "headspace":
+        model = headspace.load("smollm2").model
+    else:
+        model = transformers.LlamaForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
+    load_s = time.perf_counter() - t0
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    params = sum(p.numel() for p in model.parameters())
+    return {
+        "load_s": load_s,
+        "peak_extra_mib": peak - before,
+        "rss_extra_mib": _rss_mib() - before,
+        "weights_mib": params * 4 / 2**20,
+        "parameters": params,
+    }
+
+
+def _load_in_subprocess(which: str, threads: int) -> dict:
+    code = f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import decode, json; "
+    code += f"print(json.dumps(decode.probe_load({which!r}, {threads})))"
+    env = dict(os.environ, TQDM_DISABLE="1")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    if proc.returncode != 0:
+        raise RuntimeError(f"loading SmolLM2 with {which} failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def accuracy_text_ids(tokenizer: Any, n_tokens: int) -> list[int]:
+    """The first ``n_tokens`` + 1 token ids of README.md followed by docs/*.md (sorted by name)."""
+    files = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    text = "\n\n".join(f.read_text(encoding="utf-8") for f in files if f.is_file())
+    ids = tokenizer.encode_ids([text])[0]
+    if len(ids) < n_tokens + 1:
+        raise ValueError(
+            f"README.md + docs/*.md hold {len(ids)} tokens; --accuracy-tokens needs {n_tokens} + 1"
+        )
+    return ids[: n_tokens + 1]
+
+
+def next_token_logits(model: Any, ids: list[int], window: int) -> torch.Tensor:
+    """Logits for tokens 1 .. len(ids) - 1 from ids 0 .. len - 2, in windows of ``window`` tokens."""
+    out = []
+    with torch.inference_mode():
+        for start in range(0, len(ids) - 1, window):
+            chunk = torch.tensor([ids[start : min(start + window, len(ids) - 1)]])  # (1, w)
+            out.append(model(chunk)[0].float())  # (w, vocab)
+    return torch.cat(out)  # (n, vocab)
+
+
+def accuracy_vs_float32(logits: torch.Tensor, ref: torch.Tensor, targets: torch.Tensor) -> dict:
+    """Top-1 agreement with the float32 logits ``ref`` and the perplexities of ``targets`` under both."""
+    nll = torch.nn.functional.cross_entropy(logits, targets)
+    nll_ref = torch.nn.functional.cross_entropy(ref, targets)
+    return {
+        "top1_agreement": float((logits.argmax(-1) == ref.argmax(-1)).float().mean()),
+        "perplexity": math.exp(float(nll)),
+        "perplexity_float32": math.exp(float(nll_ref)),
+        "perplexity_ratio": math.exp(float(nll - nll_ref)),
+    }
+
+
+def run_smollm2(a: argparse.Namespace) -> dict:
+    """SmolLM2 against transformers, and headspace at each precision (see the module docstring)."""
+    import transformers
+
+    import headspace
+    from headspace.pretrained.gguf_format import smollm2_gguf_path
+
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    loads = {which: _load_in_subprocess(which, a.threads) for which in ("headspace", "transformers")}
+    path = smollm2_gguf_path()
+    models: dict[str, Any] = {
+        "headspace": headspace.load("smollm2"),
+        "headspace bfloat16": headspace.load("smollm2", precision="bfloat16"),
+        "headspace int8": headspace.load("smollm2", precision="int8"),
+    }
+    hf = transformers.LlamaForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    tok = models["headspace"].tokenizer
+    ids = accuracy_text_ids(tok, max(a.accuracy_tokens, a.prompt_len + 8 * a.decode_prompt))
+    prompt = torch.tensor([ids[: a.prompt_len]])  # (1, prompt_len)
+    decode_prompts = torch.tensor([ids[i * a.decode_prompt : (i + 1) * a.decode_prompt] for i in range(8)])
+
+    def hs_prefill(pre: Any) -> Any:
+        def run() -> None:
+            caches = pre.model.make_kv_caches(1, a.prompt_len + 1)
+            pre.model(prompt, kv_caches=caches)
+
+        return run
+
+    def hf_prefill() -> None:
+        hf(prompt, use_cache=True, past_key_values=transformers.DynamicCache())
+
+    def hs_generate(pre: Any, x: torch.Tensor, n: int) -> torch.Tensor:
+        return pre.model.generate(x, n, temperature=0)
+
+    def hf_generate(x: torch.Tensor, n: int) -> torch.Tensor:
+        return hf.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+
+    names = ["headspace", "transformers", "headspace bfloat16", "headspace int8"]
+    prefill = {n: hf_prefill if n == "transformers" else hs_prefill(models[n]) for n in names}
+    generate = {
+        n: (lambda x, k: hf_generate(x, k))
+        if n == "transformers"
+        else (lambda x, k, m=models[n]: hs_generate(m, x, k))
+        for n in names
+    }
+    with torch.inference_mode():
+        # the same greedy tokens as transformers first (float32), and a warm-up of everything
+        same = {}
+        for batch in (1, 8):
+            x = decode_prompts[:batch]
+            ours, theirs = generate["headspace"](x, 8), generate["transformers"](x, 8)
+            same[batch] = bool(torch.equal(ours, theirs))
+        for n in names:
+            prefill[n]()
+            for batch in (1, 8):
+                generate[n](decode_prompts[:batch], 2)
+        t_prefill: dict[str, list[float]] = {n: [] for n in names}
+        t_decode: dict[tuple[str, int], list[float]] = {(n, b): [] for n in names for b in (1, 8)}
+        for r in tqdm(range(a.smollm2_rounds), desc="SmolLM2 rounds", unit="round"):
+            for n in names[r % len(names) :] + names[: r % len(names)]:
+                t0 = time.perf_counter()
+                prefill[n]()
+                t_prefill[n].append(time.perf_counter() - t0)
+                for batch in (1, 8):
+                    x = decode_prompts[:batch]
+                    t0 = time.perf_counter()
+                    generate[n](x, 1)
+                    t1 = time.perf_counter()
+                    generate[n](x, a.decode_tokens + 1)
+                    t2 = time.perf_counter()
+                    t_decode[(n, batch)].append(((t2 - t1) - (t1 - t0)) / a.decode_tokens)
+        # accuracy of each precision against float32 on the README + docs text
+        acc_ids = ids[: a.accuracy_tokens + 1]
+        targets = torch.tensor(acc_ids[1:])
+        ref = next_token_logits(models["headspace"].model, acc_ids, a.prompt_len)
+        hf_logits = next_token_logits(lambda t: hf(t).logits, acc_ids, a.prompt_len)
+        accuracy = {"headspace": accuracy_vs_float32(ref, ref, targets)}
+        accuracy["transformers"] = accuracy_vs_float32(hf_logits, ref, targets)
+        for n in ("headspace bfloat16", "headspace int8"):
+            accuracy[n] = accuracy_vs_float32(
+                next_token_logits(models[n].model, acc_ids, a.prompt_len), ref, targets
+            )
+    rows = []
+    for n in names:
+        row = {
+            "model": n,
+            "precision": {"headspace bfloat16": "bfloat16", "headspace int8": "int8"}.get(n, "float32"),
+            "prefill_tokens_per_s": a.prompt_len / statistics.median(t_prefill[n]),
+            "prefill_times_s": t_prefill[n],
+            **{f"decode_ms_batch{b}": 1e3 * statistics.median(t_decode[(n, b)]) for b in (1, 8)},
+            **{f"decode_times_ms_batch{b}": [1e3 * t for t in t_decode[(n, b)]] for b in (1, 8)},
+            **accuracy[n],
+        }
+        if n in loads:
+            row.update(loads[n])
+        rows.append(row)
+    by = {r["model"]: r for r in rows}
+    T = SMOLLM2_TARGETS
+    hs_load = loads["headspace"]
+    checks = [
+        {"target": "headspace load s", "value": hs_load["load_s"], "limit": T["load_s"],
+         "met": hs_load["load_s"] <= T["load_s"]},
+        {"target": "headspace resident memory after load / float32 weights",
+         "value": hs_load["rss_extra_mib"] / hs_load["weights_mib"], "limit": T["load_memory"],
+         "met": hs_load["rss_extra_mib"] / hs_load["weights_mib"] <= T["load_memory"]},
+        {"target": "headspace peak memory during load / float32 weights",
+         "value": hs_load["peak_extra_mib"] / hs_load["weights_mib"], "limit": T["load_memory"],
+         "met": hs_load["peak_extra_mib"] / hs_load["weights_mib"] <= T["load_memory"]},
+    ]  # fmt: skip
+    for b, limit in T["decode_speedup"].items():
+        per_round = [x / y for x, y in zip(t_decode[("transformers", b)], t_decode[("headspace", b)])]
+        value = by["transformers"][f"decode_ms_batch{b}"] / by["headspace"][f"decode_ms_batch{b}"]
+        checks.append(
+            {"target": f"decode tokens/s over transformers', batch {b}", "value": value, "limit": limit,
+             "met": value >= limit, "round_min": min(per_round), "round_max": max(per_round),
+             "rounds_met": sum(x >= limit for x in per_round), "rounds": len(per_round)}
+        )  # fmt: skip
+    per_round = [x / y for x, y in zip(t_decode[("headspace bfloat16", 1)], t_decode[("headspace", 1)])]
+    value = by["headspace bfloat16"]["decode_ms_batch1"] / by["headspace"]["decode_ms_batch1"]
+    checks.append(
+        {"target": "bfloat16 decode ms/token / float32's, batch 1", "value": value,
+         "limit": T["bf16_over_f32"], "met": value <= T["bf16_over_f32"], "round_min": min(per_round),
+         "round_max": max(per_round), "rounds_met": sum(x <= T["bf16_over_f32"] for x in per_round),
+         "rounds": len(per_round)}
+    )  # fmt: skip
+    print(
+        f"\nSmolLM2-135M-Instruct (GGUF, float32 weights {hs_load['weights_mib']:.0f} MiB), "
+        f"{a.threads} threads, prefill {a.prompt_len} tokens, decode {a.decode_tokens} greedy tokens after "
+        f"{a.decode_prompt}-token prompts, {a.smollm2_rounds} rounds; greedy tokens equal transformers': "
+        f"batch 1 {same[1]}, batch 8 {same[8]}\n"
+    )
+    print(
+        "| model | load s | MiB after load (x weights) | peak MiB in load (x weights) | prefill tokens/s | "
+        "decode ms/token b1 | decode ms/token b8 |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows[:2]:
+        after, peak = r["rss_extra_mib"] / r["weights_mib"], r["peak_extra_mib"] / r["weights_mib"]
+        print(
+            f"| {r['model']} | {r['load_s']:.2f} | {r['rss_extra_mib']:.0f} ({after:.2f}x) | "
+            f"{r['peak_extra_mib']:.0f} ({peak:.2f}x) | {r['prefill_tokens_per_s']:.0f} | "
+            f"{r['decode_ms_batch1']:.2f} | {r['decode_ms_batch8']:.2f} |"
+        )
+    print(
+        f"\nheadspace at each precision: accuracy against float32 over {a.accuracy_tokens} tokens of "
+        "README.md + docs/*.md\n"
+    )
+    print(
+        "| model | precision | prefill tokens/s | decode ms/token b1 | decode ms/token b8 | "
+        "top-1 agreement | perplexity | perplexity ratio |"
+    )
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(
+            f"| {r['model']} | {r['precision']} | {r['prefill_tokens_per_s']:.0f} | "
+            f"{r['decode_ms_batch1']:.2f} | {r['decode_ms_batch8']:.2f} | {r['top1_agreement']:.4f} | "
+            f"{r['perplexity']:.3f} | "
+            f"{r['perplexity_ratio']:.4f} |"
+        )
+    print()
+    for c in checks:
+        spread = (
+            f"; per round {c['round_min']:.2f}-{c['round_max']:.2f}, "
+            f"held in {c['rounds_met']} of {c['rounds']}"
+            if "rounds" in c
+            else ""
+        )
+        verdict = "met" if c["met"] else "NOT met"
+        print(f"{c['target']}: {c['value']:.2f} (limit {c['limit']}: {verdict}){spread}")
+    return {
+        "model": "SmolLM2-135M-Instruct",
+        "prompt_len": a.prompt_len,
+        "decode_tokens": a.decode_tokens,
+        "decode_prompt": a.decode_prompt,
+        "accuracy_tokens": a.accuracy_tokens,
+        "rounds": a.smollm2_rounds,
+        "same_greedy_tokens": {str(b): v for b, v in same.items()},
+        "rows": rows,
+        "targets": checks,
+        "transformers": transformers.__version__,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,10 +369,20 @@ def main(argv: list[str] | None = None) -> int:
         "--out", default=None, help="JSON output path (default: benchmarks/results/local/decode.json)"
     )
     p.add_argument("--save", action="store_true", help="publish: write benchmarks/results/decode.json")
+    p.add_argument("--no-smollm2", action="store_true", help="only the GPT-2-shaped table")
+    p.add_argument("--smollm2-only", action="store_true", help="only SmolLM2 against transformers")
+    p.add_argument("--prompt-len", type=int, default=512, help="SmolLM2 prefill prompt (tokens)")
+    p.add_argument("--decode-tokens", type=int, default=32, help="SmolLM2 greedy tokens timed per round")
+    p.add_argument("--decode-prompt", type=int, default=32, help="SmolLM2 prompt length before decoding")
+    p.add_argument("--accuracy-tokens", type=int, default=2000, help="README + docs tokens for accuracy")
+    p.add_argument("--smollm2-rounds", type=int, default=5, help="SmolLM2 timing rounds")
     a = p.parse_args(argv)
     if a.save and a.out is not None:
         p.error("--save writes benchmarks/results/decode.json; give either --save or --out")
-    for name in ("threads", "repeats", "full_repeats", "layers", "heads", "d_model", "vocab"):
+    if a.no_smollm2 and a.smollm2_only:
+        p.error("--no-smollm2 and --smollm2-only leave nothing to run; give one")
+    for name in ("threads", "repeats", "full_repeats", "layers", "heads", "d_model", "vocab", "prompt_len",
+                 "decode_tokens", "decode_prompt", "accuracy_tokens", "smollm2_rounds"):  # fmt: skip
         value = getattr(a, name)
         if value is not None and value <= 0:
             p.error(f"--{name.replace('_', '-')} must be positive; got {value}")
@@ -78,6 +391,17 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--positions must be >= 2 (the cache holds position - 1 tokens); got {a.positions}")
     out = output_path(a.out, a.save, "decode.json")
     torch.set_num_threads(a.threads)
+    if a.smollm2_only:
+        doc = {
+            "benchmark": "decode",
+            "threads": a.threads,
+            "torch": torch.__version__,
+            "smollm2": run_smollm2(a),
+        }
+        doc["load_average_1m"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+        write_json(out, doc)
+        print(f"wrote {out}")
+        return 0
     torch.manual_seed(0)
     if a.small:
         shape = {"vocab_size": 8192, "d_model": 384, "n_layers": 6, "n_heads": 6}
@@ -150,9 +474,11 @@ def main(argv: list[str] | None = None) -> int:
         f"\nposition {last} / position {first} (cached): {ratio:.2f}x "
         f"(target <= {target}x: {'met' if ratio <= target else 'NOT met'})"
     )
+    smollm2 = None if a.no_smollm2 else run_smollm2(a)
     write_json(
         out,
         {
+            "smollm2": smollm2,
             "benchmark": "decode",
             "config": config.to_dict(),
             "positions": positions,

@@ -168,3 +168,34 @@ def test_script_writes_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert len(doc["rows"]) == len(bench.CASES) * len(bench.MODES)
     assert "GEMM floor" in capsys.readouterr().out
     assert not list(out.parent.glob("*.tmp*"))  # written atomically, no temp file left
+
+
+@pytest.mark.parametrize("mode", bench.MODES)
+def test_bfloat16_cases_compute_the_same_layer_in_bfloat16(mode: str) -> None:
+    cases = {name: bench.build_case(name, mode=mode, dtype="bfloat16", **SMALL) for name in bench.CASES}
+    ref = cases["headspace"].output()
+    assert ref.dtype == torch.bfloat16
+    f32 = bench.build_case("headspace", mode=mode, **SMALL).output()
+    torch.testing.assert_close(ref.float(), f32, rtol=0.05, atol=0.05)  # bfloat16 rounding of one layer
+    for name, case in cases.items():
+        case.step()
+        out = case.output()
+        assert out.dtype == torch.bfloat16, name
+        if name != "gemm_floor":  # every case the same layer, to bfloat16 rounding
+            torch.testing.assert_close(out.float(), ref.float(), rtol=0.05, atol=0.05)
+
+
+def test_run_records_the_dtype_and_the_table_says_it() -> None:
+    rows = bench.run_attention_benchmark(
+        (8,), batch=1, d_model=8, n_heads=2, repeats=1, measure_memory=False, progress=False,
+        cases=("headspace", "gemm_floor"), dtype=torch.bfloat16,
+    )  # fmt: skip
+    assert {r["dtype"] for r in rows} == {"bfloat16"}
+    assert "n_heads=2, bfloat16, " in bench.format_table(rows)
+    rows = bench.run_attention_benchmark(
+        (8,), batch=1, d_model=8, n_heads=2, repeats=1, measure_memory=False, progress=False,
+        cases=("headspace", "gemm_floor"),
+    )  # fmt: skip
+    assert {r["dtype"] for r in rows} == {"float32"} and "n_heads=2, float32, " in bench.format_table(rows)
+    with pytest.raises(ValueError, match=r"dtype must be one of \['float32', 'bfloat16'\].*got 'float16'"):
+        bench.run_attention_benchmark((8,), dtype="float16", measure_memory=False, progress=False)

@@ -130,7 +130,7 @@ def test_encode_script_compares_three_models_and_reports_each_round(
     printed = capsys.readouterr().out
     assert "target held in" in printed and f"wrote {out}" in printed
     table = _table_rows(printed)
-    assert table == [
+    first = [
         [
             r["model"],
             f"{r['median_s']:.3f}",
@@ -140,6 +140,39 @@ def test_encode_script_compares_three_models_and_reports_each_round(
         ]
         for r in doc["rows"]
     ]
+    assert table[: len(first)] == first
+    # the precisions table: every model at every precision, from the same rounds, said as in the JSON
+    prec = doc["precision_rows"]
+    assert [(r["model"], r["precision"]) for r in prec] == [
+        ("headspace", "float32"),
+        ("sentence-transformers", "float32"),
+        ("ONNX Runtime", "float32"),
+        ("headspace", "bfloat16"),
+        ("sentence-transformers", "bfloat16"),
+        ("headspace", "int8"),
+        ("ONNX Runtime", "int8"),
+    ]
+    assert table[len(first) :] == [
+        [
+            r["model"],
+            r["precision"],
+            f"{r['median_s']:.3f}",
+            f"{r['sentences_per_s']:.1f}",
+            f"{r['speedup_vs_st_float32']:.2f}x",
+            f"{r['min_cosine_to_float32']:.6f}",
+            f"{r['max_abs_diff']:.1e}",
+        ]
+        for r in prec
+    ]
+    assert prec[0]["min_cosine_to_float32"] == pytest.approx(1.0) and prec[2]["max_abs_diff"] <= 1e-5
+    assert all(len(r["times_s"]) == 3 for r in prec)
+    for c in doc["precision_targets"]:
+        assert c["met"] == (c["value"] >= c["limit"]) and f"{c['target']}: {c['value']:.2f}x" in printed
+    assert {c["target"] for c in doc["accuracy_targets"]} >= {
+        "bfloat16: min cosine to float32 >= 0.9999",
+        "int8: min cosine to float32 >= 0.995",
+        "int8: min cosine >= ONNX Runtime int8's",
+    }
     assert not list(tmp_path.glob("*.tmp*"))
 
 
@@ -164,6 +197,10 @@ def test_attention_quick_run_never_replaces_the_published_results(
     with pytest.raises(SystemExit):
         module.main([*argv, "--save"])  # a smoke run is never published
     assert not (results / "attention.json").exists()
+    assert module.main([*argv, "--no-memory", "--threads", "1", "--dtype", "bfloat16"]) == 0
+    doc = json.loads((results / "local" / "attention_quick_bfloat16.json").read_text())
+    assert {r["dtype"] for r in doc["rows"]} == {"bfloat16"} and len(doc["rows"]) == len(MODES) * len(CASES)
+    assert "n_heads=2, bfloat16, 1 threads" in capsys.readouterr().out
 
 
 def test_decode_script_tiny_model(
@@ -171,7 +208,7 @@ def test_decode_script_tiny_model(
 ) -> None:
     out = tmp_path / "decode.json"
     argv = ["--layers", "1", "--heads", "2", "--d-model", "8", "--vocab", "11", "--positions", "4", "9", "6"]
-    argv += ["--repeats", "2", "--full-repeats", "1", "--threads", "1", "--out", str(out)]
+    argv += ["--repeats", "2", "--full-repeats", "1", "--threads", "1", "--out", str(out), "--no-smollm2"]
     assert _script("decode").main(argv) == 0
     doc = json.loads(out.read_text())
     assert doc["positions"] == [4, 6, 9] and [r["position"] for r in doc["rows"]] == [4, 6, 9]
@@ -191,6 +228,58 @@ def test_decode_script_tiny_model(
         ]
         for r in doc["rows"]
     ]
+
+
+def test_decode_script_smollm2_against_transformers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], keep_threads: None, smollm2_gguf
+) -> None:
+    out = tmp_path / "decode.json"
+    argv = ["--smollm2-only", "--prompt-len", "16", "--decode-tokens", "2", "--decode-prompt", "4"]
+    argv += ["--accuracy-tokens", "40", "--smollm2-rounds", "1", "--threads", "1", "--out", str(out)]
+    assert _script("decode").main(argv) == 0
+    doc = json.loads(out.read_text())["smollm2"]
+    rows = doc["rows"]
+    assert [r["model"] for r in rows] == ["headspace", "transformers", "headspace bfloat16", "headspace int8"]
+    assert doc["same_greedy_tokens"] == {"1": True, "8": True}  # the same float32 weights, the same tokens
+    for r in rows[:2]:
+        assert r["load_s"] > 0 and r["weights_mib"] > 500 and r["peak_extra_mib"] > 0
+    assert rows[0]["top1_agreement"] == 1.0 and rows[0]["perplexity_ratio"] == 1.0
+    assert all(0 < r["top1_agreement"] <= 1 and len(r["decode_times_ms_batch8"]) == 1 for r in rows)
+    printed = capsys.readouterr().out
+    table = _table_rows(printed)
+    assert table[:2] == [
+        [
+            r["model"],
+            f"{r['load_s']:.2f}",
+            f"{r['rss_extra_mib']:.0f} ({r['rss_extra_mib'] / r['weights_mib']:.2f}x)",
+            f"{r['peak_extra_mib']:.0f} ({r['peak_extra_mib'] / r['weights_mib']:.2f}x)",
+            f"{r['prefill_tokens_per_s']:.0f}",
+            f"{r['decode_ms_batch1']:.2f}",
+            f"{r['decode_ms_batch8']:.2f}",
+        ]
+        for r in rows[:2]
+    ]
+    assert table[2:] == [
+        [
+            r["model"],
+            r["precision"],
+            f"{r['prefill_tokens_per_s']:.0f}",
+            f"{r['decode_ms_batch1']:.2f}",
+            f"{r['decode_ms_batch8']:.2f}",
+            f"{r['top1_agreement']:.4f}",
+            f"{r['perplexity']:.3f}",
+            f"{r['perplexity_ratio']:.4f}",
+        ]
+        for r in rows
+    ]
+    assert {c["target"] for c in doc["targets"]} == {
+        "headspace load s",
+        "headspace resident memory after load / float32 weights",
+        "headspace peak memory during load / float32 weights",
+        "decode tokens/s over transformers', batch 1",
+        "decode tokens/s over transformers', batch 8",
+        "bfloat16 decode ms/token / float32's, batch 1",
+    }
 
 
 def test_train_script_tiny_models(

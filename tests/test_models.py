@@ -485,3 +485,43 @@ def test_decoder_bad_positions_name_them() -> None:
         model(tokens, positions=positions.float())
     with pytest.raises(ValueError, match=r"positions contains 19, outside the position table"):
         model(tokens, positions=positions + 17)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},  # GPT-2-like: learned positions, LayerNorm, plain MLP
+        {"positions": "rotary", "norm_kind": "rmsnorm", "mlp_kind": "gated", "act": "silu", "bias": False,
+         "n_kv_heads": 1, "d_model": 42},  # Llama-like, multi-query (d_head 6: rotary pairs)
+    ],
+)  # fmt: skip
+def test_cached_decoding_step_equals_the_blocks_forward(kw: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One new token after the cache takes TransformerBlock.decode_step (no per-call checks or mask); it
+    computes what the blocks' forward computes, and any active hook point sends it back to forward."""
+    torch.manual_seed(0)
+    model = Decoder(decoder_config(**kw)).eval()
+    tokens = torch.randint(0, V, (B, 6))
+    fast, slow = model.make_kv_caches(B, 8), model.make_kv_caches(B, 8)
+    with torch.no_grad():
+        model(tokens[:, :5], kv_caches=fast)
+        model(tokens[:, :5], kv_caches=slow)
+        assert model._decode_step_ok() and all(b.decode_supported for b in model.blocks)
+        a = model(tokens[:, 5:], kv_caches=fast)
+        monkeypatch.setattr(model, "_decode_step_ok", lambda: False)
+        b = model(tokens[:, 5:], kv_caches=slow)
+        monkeypatch.undo()
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+        assert fast[0].length == slow[0].length == 6
+        seen = []
+        remove = model.blocks[1].attn.hook_pattern.add(lambda value, hook: seen.append(value.shape))
+        assert not model._decode_step_ok()
+        model(tokens[:, 5:6], kv_caches=model.make_kv_caches(B, 8))  # a one-token step with a hook: traced
+        remove()
+        assert seen == [(B, H, 1, 1)] and model._decode_step_ok()
+        for point in (model.blocks[0].mlp.hook_post, model.blocks[1].hook_resid_mid, model.hook_embed):
+            remove = point.add(lambda value, hook: None)
+            assert not model._decode_step_ok()
+            remove()
+        assert model._decode_step_ok()
+        model.train()
+        assert not model._decode_step_ok()

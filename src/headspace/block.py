@@ -26,10 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import KVCache, MultiHeadAttention, check_input_tensor
+from .attention import KVCache, MultiHeadAttention, check_input_tensor, rotate_fused
 from .checks import check_positive_float, check_positive_int, check_probability
 from .functional import sdpa_attention
 from .hooks import HookPoint
+from .kernels.bf16 import is_bf16
+from .kernels.int8 import is_int8
 from .kernels.workspace import Workspace
 from .masks import CanonicalMask
 from .norms import RMSNorm
@@ -43,6 +45,21 @@ NORMS = ("post", "pre")
 NORM_KINDS = ("layernorm", "rmsnorm")
 #: Kinds of feed-forward network accepted by :class:`TransformerBlock` (``mlp_kind``).
 MLP_KINDS = ("plain", "gated")
+
+
+def _norm(norm: nn.Module, x: Tensor) -> Tensor:
+    """``norm(x)`` without the module call: ``F.rms_norm`` for a float32 RMSNorm of offset 0 (bitwise what
+    :class:`~headspace.norms.RMSNorm` computes, in one op instead of seven), ``F.layer_norm`` for a
+    LayerNorm, the module itself otherwise."""
+    if type(norm) is RMSNorm and norm.offset == 0.0 and x.dtype == torch.float32:
+        return F.rms_norm(x, (norm.d_model,), norm.weight, norm.eps)
+    if type(norm) is nn.LayerNorm:
+        return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
+    return norm(x)
+
+
+#: One query after its cached keys: every key may be attended, no mask (what decode_step passes to SDPA).
+_NO_MASK = CanonicalMask(mask=None, is_causal=False, dead_rows=None)
 
 
 def make_activation(act: str) -> nn.Module:
@@ -334,6 +351,81 @@ class TransformerBlock(nn.Module):
             and self.attn.fused
         )
 
+    @property
+    def decode_supported(self) -> bool:
+        """Whether :meth:`decode_step` may stand in for :meth:`forward` (pre-norm, fused self-attention
+        with :class:`~headspace.MultiHeadAttention`'s own forward, no ``check_finite``)."""
+        a = self.attn
+        return (
+            self.pre_ln
+            and a.fused
+            and type(a).forward is MultiHeadAttention.forward
+            and not a.check_finite
+            and isinstance(self.mlp, (FeedForward, GatedFeedForward))
+        )
+
+    @property
+    def hooks_idle(self) -> bool:
+        """Whether no hook point of this block (its own, its attention's, its MLP's) has a function."""
+        for h in (self.hook_resid_pre, self.hook_attn_out, self.hook_resid_mid, self.hook_mlp_out):
+            if h.active:
+                return False
+        if self.hook_resid_post.active or self.attn.hooks_active:
+            return False
+        return not any(isinstance(m, HookPoint) and m.active for m in self.mlp.children())
+
+    def decode_step(self, x: Tensor, kv_cache: KVCache, cos: Tensor | None, sin: Tensor | None) -> Tensor:
+        """One decoding step of a pre-norm block: :meth:`forward` for one new position after the cache,
+        without the per-call checks and mask building (the caller checked once for every block).
+
+        Same operations in the same order as :meth:`forward` with ``is_causal=False`` (one query after
+        the cached keys sees every key) and no mask, hook or dropout: the fused QKV projection, q and k
+        rotated together (``cos``/``sin`` from :func:`~headspace.attention.rotary_tables` for the new
+        position, None without rotary), the keys and values appended to ``kv_cache``, SDPA, W_O, the
+        MLP. Used by :meth:`headspace.Decoder.hidden_states` when every block supports it
+        (:attr:`decode_supported`), in eval mode, with no active hook point, no ``key_padding`` and no
+        explicit ``positions``.
+
+        Notation used for tensor shapes:
+            batch, d_model, n_heads, n_kv_heads, d_head.
+
+        Args:
+            x: [batch, 1, d_model], the residual stream of the new position.
+            kv_cache: this block's cache (its length the new position's index).
+
+        Returns:
+            [batch, 1, d_model].
+        """
+        a = self.attn
+        B = x.shape[0]
+        H, Hkv, dh = a.n_heads, a.n_kv_heads, a.d_head
+        o_weight = a.o_weight
+        kv_cache.check(B, 1, o_weight.dtype, o_weight.device)
+        qkv = F.linear(_norm(self.ln1, x), a.qkv_weight, a.qkv_bias)  # (B, 1, (H + 2 Hkv) dh)
+        qkv = qkv.view(B, 1, H + 2 * Hkv, dh).transpose(1, 2)  # (B, H + 2 Hkv, 1, dh)
+        if cos is not None:
+            qk = rotate_fused(qkv[:, : H + Hkv], cos, sin, a.rotary)  # (B, H + Hkv, 1, dh), fresh
+            q, k = qk.split([H, Hkv], dim=1)  # (B, H, 1, dh), (B, Hkv, 1, dh)
+        else:
+            q, k = qkv[:, :H], qkv[:, H : H + Hkv]  # (B, H, 1, dh), (B, Hkv, 1, dh)
+        k, v = kv_cache.append(k, qkv[:, H + Hkv :])  # (B, Hkv, Sk, dh) x 2
+        z, _ = sdpa_attention(q, k, v, _NO_MASK, scale=a.scale)  # (B, H, 1, dh)
+        z = z.transpose(1, 2).reshape(B, 1, H * dh)  # (B, 1, H dh): heads concatenated
+        h = x + F.linear(z, o_weight, a.o_bias)  # (B, 1, d_model)
+        m = _norm(self.ln2, h)  # (B, 1, d_model)
+        mlp = self.mlp
+        if isinstance(mlp, GatedFeedForward):
+            g, u = mlp.fc_gate, mlp.fc_in
+            m = mlp.act(F.linear(m, g.weight, g.bias)) * F.linear(m, u.weight, u.bias)  # (B, 1, d_mlp)
+        else:
+            m = mlp.act(F.linear(m, mlp.fc_in.weight, mlp.fc_in.bias))  # (B, 1, d_mlp)
+        return h + F.linear(m, mlp.fc_out.weight, mlp.fc_out.bias)  # (B, 1, d_model)
+
+    @property
+    def reduced_precision(self) -> bool:
+        """Whether any product of this block has int8 or bfloat16 weights (``to_precision(...)``)."""
+        return any(is_int8(p) or is_bf16(p) for p in self.parameters(recurse=True))
+
     def infer(self, x: Tensor, attn_mask: Tensor | None = None, workspace: Workspace | None = None) -> Tensor:
         """Inference-only forward with fewer passes over memory; same result as :meth:`forward`.
 
@@ -366,6 +458,8 @@ class TransformerBlock(nn.Module):
         N = B * S
         x2 = x.reshape(N, d)  # (B S, d_model)
         src = F.layer_norm(x2, (d,), self.ln1.weight, self.ln1.bias, self.ln1.eps) if self.pre_ln else x2
+        if self.reduced_precision:
+            return self._infer_products(x2, src, B, S, attn_mask)
         q, k, v = a.project_qkv(src.view(B, S, d), workspace=ws)  # (B, H, S, dh), (B, Hkv, S, dh) x 2
         mask = CanonicalMask(mask=attn_mask, is_causal=False, dead_rows=None)  # every row has a real key
         z, _ = sdpa_attention(q, k, v, mask, scale=a.scale)  # (B, H, S, dh), stored as (B, S, H, dh)
@@ -387,6 +481,36 @@ class TransformerBlock(nn.Module):
             out = h.addmm_(u, mlp.fc_out.weight.t())  # (B S, d_model): in place on LN1's fresh output
         if mlp.fc_out.bias is not None:
             out += mlp.fc_out.bias
+        if not self.pre_ln:
+            out = F.layer_norm(out, (d,), self.ln2.weight, self.ln2.bias, self.ln2.eps)
+        return out.view(B, S, d)  # (B, S, d_model)
+
+    def _infer_products(self, x2: Tensor, src: Tensor, B: int, S: int, attn_mask: Tensor | None) -> Tensor:
+        """:meth:`infer` for int8 / bfloat16 weights: each product by ``F.linear`` (the int8 kernel for an
+        :class:`~headspace.kernels.int8.Int8Weight`, the packed bfloat16 one for a
+        :class:`~headspace.kernels.bf16.BF16Weight`), the rest as in :meth:`infer`.
+
+        x2 [B S, d_model] the input, src [B S, d_model] the attention's input (x2 or LN1(x2)).
+        """
+        a, mlp = self.attn, self.mlp
+        d, H, dh = self.d_model, a.n_heads, a.d_head
+        N = B * S
+        q, k, v = a.project_qkv(src.view(B, S, d))  # (B, H, S, dh), (B, Hkv, S, dh) x 2: int8 F.linear
+        mask = CanonicalMask(mask=attn_mask, is_causal=False, dead_rows=None)
+        z, _ = sdpa_attention(q, k, v, mask, scale=a.scale)  # (B, H, S, dh)
+        z = z.transpose(1, 2).reshape(N, H * dh)  # (B S, H dh)
+        h = F.linear(z, a.o_weight, a.o_bias)  # (B S, d_model): int8 for an Int8Weight
+        h += x2  # x + z W_O^T + b_O
+        if not self.pre_ln:
+            h = F.layer_norm(h, (d,), self.ln1.weight, self.ln1.bias, self.ln1.eps)
+        src = F.layer_norm(h, (d,), self.ln2.weight, self.ln2.bias, self.ln2.eps) if self.pre_ln else h
+        u = F.linear(src, mlp.fc_in.weight, mlp.fc_in.bias)  # (B S, d_mlp)
+        if mlp.act_name == "relu":
+            u.relu_()
+        else:
+            torch.ops.aten.gelu_(u, approximate="tanh" if mlp.act_name == "gelu_tanh" else "none")
+        out = F.linear(u, mlp.fc_out.weight, mlp.fc_out.bias)  # (B S, d_model)
+        out += h
         if not self.pre_ln:
             out = F.layer_norm(out, (d,), self.ln2.weight, self.ln2.bias, self.ln2.eps)
         return out.view(B, S, d)  # (B, S, d_model)

@@ -27,13 +27,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import KVCache
+from .attention import KVCache, rotary_tables
 from .block import TransformerBlock, make_norm
 from .checks import is_int
 from .config import ModelConfig
 from .generate import generate as generate_tokens
 from .hooks import HookPoint
 from .inputs import check_positions, check_tokens
+from .kernels.bf16 import BF16Weight, is_bf16, round_to_bf16
+from .kernels.int8 import Int8Weight, is_int8
 from .kernels.workspace import Workspace
 from .masks import check_key_padding
 from .positions import Rotary
@@ -48,7 +50,55 @@ def _check_config(config: Any, arch: str, cls_name: str) -> ModelConfig:
     return config
 
 
-__all__ = ["Decoder", "Encoder", "ModelConfig"]
+__all__ = ["PRECISIONS", "Decoder", "Encoder", "ModelConfig", "check_precision"]
+
+#: The precisions a model runs at (:meth:`Encoder.to_precision`, ``headspace.load(..., precision=)``):
+#: ``"float32"`` (the default, exact), ``"bfloat16"`` (weights in bfloat16, products in bfloat16 with
+#: float32 accumulation) and ``"int8"`` (weights int8 per output channel, the products' inputs quantised
+#: dynamically per token); at both reduced precisions everything between the products is float32.
+PRECISIONS = ("float32", "bfloat16", "int8")
+
+
+def check_precision(precision: Any) -> str:
+    """``precision`` if it names one of :data:`PRECISIONS`, else an error listing them."""
+    if not isinstance(precision, str):
+        raise TypeError(
+            f"precision must be one of {list(PRECISIONS)}; got {type(precision).__name__} {precision!r}"
+        )
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {list(PRECISIONS)}; got {precision!r}")
+    return precision
+
+
+def _quantize_parameter(module: nn.Module, name: str) -> None:
+    """Replace the float weight ``module.<name>`` by its :class:`~headspace.kernels.int8.Int8Weight`."""
+    w = getattr(module, name)
+    if w is None or is_int8(w):
+        return
+    setattr(module, name, nn.Parameter(Int8Weight.from_float(w), requires_grad=False))
+
+
+def _bf16_parameter(module: nn.Module, name: str) -> None:
+    """Replace the float weight ``module.<name>`` by its :class:`~headspace.kernels.bf16.BF16Weight`."""
+    w = getattr(module, name)
+    if w is None or is_bf16(w):
+        return
+    setattr(module, name, nn.Parameter(BF16Weight.from_float(w), requires_grad=False))
+
+
+def _product_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
+    """(module, parameter name) of every weight that enters a product ``F.linear``: q/k/v, W_O, the MLP's
+    and, in a decoder, the unembedding (the token embedding itself when tied)."""
+    found: list[tuple[nn.Module, str]] = []
+    for block in model.blocks:
+        attn = block.attn
+        for name in ("qkv_weight",) if attn.fused else ("q_weight", "k_weight", "v_weight"):
+            found.append((attn, name))
+        found.append((attn, "o_weight"))
+        found.extend((lin, "weight") for lin in block.mlp.modules() if isinstance(lin, nn.Linear))
+    if isinstance(model, Decoder):
+        found.append((model.tok_embed, "weight") if model.lm_head is None else (model.lm_head, "weight"))
+    return found
 
 
 class _Stack(nn.Module):
@@ -115,6 +165,63 @@ class _Stack(nn.Module):
     def rotary(self) -> Rotary | None:
         """The :class:`~headspace.positions.Rotary` the attention layers share (None without rotary)."""
         return self.blocks[0].attn.rotary if len(self.blocks) else None
+
+    @property
+    def precision(self) -> str:
+        """``"float32"``, ``"bfloat16"`` or ``"int8"`` (:data:`PRECISIONS`), read from the weights.
+
+        A model cast by hand to another dtype (``model.half()``) reads as that dtype's name.
+        """
+        if len(self.blocks) and is_int8(self.blocks[0].attn.o_weight):
+            return "int8"
+        if len(self.blocks) and is_bf16(self.blocks[0].attn.o_weight):
+            return "bfloat16"
+        dtype = self.tok_embed.weight.dtype
+        return {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(
+            dtype, str(dtype).removeprefix("torch.")
+        )
+
+    def to_precision(self, precision: str) -> _Stack:
+        """Convert this float32 model, in place, to ``precision`` (one of :data:`PRECISIONS`); returns it.
+
+        * ``"bfloat16"``: every weight rounded to bfloat16; the weights of the products (q/k/v, W_O, the
+          MLP, a decoder's unembedding) become :class:`~headspace.kernels.bf16.BF16Weight`: their
+          products run in bfloat16 (inputs rounded, float32 accumulation, the result rounded) on a
+          packed copy kept beside the float32 values; everything between the products (norms,
+          attention, softmax, the residual stream) is float32, as under ``torch.autocast``.
+        * ``"int8"``: the weights of every product (q/k/v, W_O, the MLP, a decoder's unembedding) become
+          :class:`~headspace.kernels.int8.Int8Weight`: int8 per output channel, read as their float32
+          dequantised values by everything but the product itself, whose input is quantised per call;
+          activations, norms, attention and the pattern stay float32. The token embedding of a decoder
+          with tied embeddings is the unembedding too, so it is quantised (its rows dequantised).
+
+        At both reduced precisions the weights read as float32 tensors holding the values the model
+        computes with, and activations, hook points, attention patterns and logits are float32: traces
+        and every analysis work unchanged and report float32 numbers. Converting to the current
+        precision does nothing; converting a reduced-precision model again is refused (load it again in
+        float32 instead). Inference only: the converted weights do not train (gradients, where asked
+        for, flow through float32 products of the rounded weights).
+        """
+        precision = check_precision(precision)
+        current = self.precision
+        if precision == current:
+            return self
+        if current != "float32":
+            raise ValueError(
+                f"this model is already {current}; convert from float32 (load it again with "
+                f"precision={precision!r})"
+            )
+        if precision == "bfloat16":
+            with torch.no_grad():
+                for p in self.parameters():
+                    if p.is_floating_point():
+                        p.copy_(round_to_bf16(p))  # every weight a bfloat16 number (norms, biases too)
+            for module, name in _product_weights(self):
+                _bf16_parameter(module, name)
+            return self
+        for module, name in _product_weights(self):
+            _quantize_parameter(module, name)
+        return self
 
     def embed(
         self,
@@ -361,12 +468,44 @@ class Decoder(_Stack):
             kw["positions"] = (
                 torch.arange(start, start + seq, device=tokens.device) if positions is None else positions
             )  # (seq,) or (batch, seq)
+        if (
+            kv_caches is not None
+            and tokens.shape[1] == 1
+            and key_padding is None
+            and positions is None
+            and self._decode_step_ok()
+        ):
+            return self._decode_step(x, kv_caches, start)
         # one new query after the cached positions sees every key: causality is vacuous there, and
         # dropping it lets attention run without building a mask in every layer
         causal = not (kv_caches is not None and tokens.shape[1] == 1)
         for i, block in enumerate(self.blocks):
             cache = None if kv_caches is None else kv_caches[i]
             x = block(x, key_padding=key_padding, is_causal=causal, kv_cache=cache, **kw)  # (batch, seq, d)
+        if self.ln_final is not None:
+            x = self.ln_final(x)
+        return x
+
+    def _decode_step_ok(self) -> bool:
+        """Whether one cached decoding step may take :meth:`TransformerBlock.decode_step` in every block:
+        eval mode, every block a :class:`~headspace.block.TransformerBlock` that supports it, and no hook
+        point of the model with a function (checked on every call: hooks come and go)."""
+        if self.training or self.hook_embed.active:
+            return False
+        for b in self.blocks:
+            if type(b) is not TransformerBlock or not b.decode_supported or not b.hooks_idle:
+                return False
+        return True
+
+    def _decode_step(self, x: Tensor, kv_caches: list[KVCache], start: int) -> Tensor:
+        """The blocks and LN_f for one new position ``start`` (x [batch, 1, d_model], embedded)."""
+        cos = sin = None
+        rotary = self.rotary
+        if rotary is not None:
+            positions = torch.arange(start, start + 1, device=x.device)  # (1,)
+            cos, sin = rotary_tables(rotary, positions, x.dtype, x.device)  # (1, 1, 1, rotary_dim) x 2
+        for block, cache in zip(self.blocks, kv_caches):
+            x = block.decode_step(x, cache, cos, sin)  # (batch, 1, d_model)
         if self.ln_final is not None:
             x = self.ln_final(x)
         return x
@@ -396,12 +535,14 @@ class Decoder(_Stack):
                 keys are rotated to (in [0, max_seq_len) all the same).
 
         Returns:
-            logits [batch, seq, vocab_size].
+            logits [batch, seq, vocab_size], float32 at every precision of :meth:`to_precision`.
         """
         h = self.hidden_states(tokens, key_padding, kv_caches, positions=positions)  # (batch, seq, d_model)
         if self.lm_head is None:
-            return F.linear(h, self.tok_embed.weight)  # (batch, seq, vocab_size)
-        return self.lm_head(h)  # (batch, seq, vocab_size)
+            logits = F.linear(h, self.tok_embed.weight)  # (batch, seq, vocab_size)
+        else:
+            logits = self.lm_head(h)  # (batch, seq, vocab_size)
+        return logits if logits.dtype == torch.float32 else logits.float()  # float32 at every precision
 
     def generate(
         self,

@@ -1,6 +1,7 @@
 """The attention benchmark: headspace against torch MHA, nanoGPT-style, textbook and the GEMM floor.
 
-Every case computes the same self-attention (no mask, no dropout, float32) of one layer with
+Every case computes the same self-attention (no mask, no dropout, float32 unless ``dtype`` says
+``"bfloat16"``: then weights, input, gradients and the floor's matrices are all bfloat16) of one layer with
 ``d_model`` and ``n_heads`` on an input [batch, seq, d_model], in two modes:
 
 * ``forward``: eval mode under ``torch.no_grad()``;
@@ -88,6 +89,17 @@ CASES: tuple[str, ...] = (
     "gemm_floor",
 )
 MODES: tuple[str, ...] = ("forward", "backward")
+#: The dtypes the benchmark runs in (``dtype=``): every case's weights, input and the floor's matrices.
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _dtype_name(dtype: str | torch.dtype) -> str:
+    """``"float32"`` / ``"bfloat16"`` from a name or a torch.dtype; anything else is refused, listing them."""
+    for name, value in DTYPES.items():
+        if dtype == name or dtype is value:
+            return name
+    raise ValueError(f"dtype must be one of {list(DTYPES)} (or the torch dtypes); got {dtype!r}")
+
 
 LABELS: dict[str, str] = {
     "headspace": "headspace (fast path)",
@@ -102,7 +114,7 @@ LABELS: dict[str, str] = {
 
 #: One-line definition of the floor, written into the JSON (the module docstring has the full list).
 GEMM_FLOOR = (
-    "plain torch.matmul(out=...) on preallocated float32 tensors; forward: X@W_qkv [BS,D]x[D,3D], "
+    "plain torch.matmul(out=...) on preallocated tensors of the run's dtype; forward: X@W_qkv [BS,D]x[D,3D], "
     "Q@K^T [BH,S,dh]x[BH,dh,S], P@V [BH,S,S]x[BH,S,dh], Z@W_O [BS,D]x[D,D]; forward+backward adds "
     "dY@W_O^T, Z^T@dY, dZ@V^T, P^T@dZ, dS@K, dS^T@Q, dQKV@W_qkv^T, X^T@dQKV; no softmax, bias, mask, "
     "copy or allocation"
@@ -212,13 +224,16 @@ class Case:
     module: nn.Module | None = None
 
 
-def _gemm_floor(batch: int, seq: int, d_model: int, n_heads: int, mode: str, gen: torch.Generator) -> Case:
+def _gemm_floor(
+    batch: int, seq: int, d_model: int, n_heads: int, mode: str, gen: torch.Generator,
+    dtype: torch.dtype = torch.float32,
+) -> Case:  # fmt: skip
     """The bare matmuls of the layer on preallocated tensors (the definition is in the module docstring)."""
     B, S, D, H = batch, seq, d_model, n_heads
     dh = D // H
 
     def r(*shape: int) -> Tensor:
-        return torch.randn(*shape, generator=gen) * 0.1
+        return (torch.randn(*shape, generator=gen) * 0.1).to(dtype)
 
     x, w_qkv, w_o = r(B * S, D), r(D, 3 * D), r(D, D)
     q, kt, v = r(B * H, S, dh), r(B * H, dh, S), r(B * H, S, dh)
@@ -258,16 +273,18 @@ def _gemm_floor(batch: int, seq: int, d_model: int, n_heads: int, mode: str, gen
 
 
 def build_case(
-    name: str, *, seq: int, batch: int, d_model: int, n_heads: int, mode: str, seed: int = 0
-) -> Case:
-    """Build one case with its own input (the same values for every case of one seed)."""
+    name: str, *, seq: int, batch: int, d_model: int, n_heads: int, mode: str, seed: int = 0,
+    dtype: str | torch.dtype = "float32",
+) -> Case:  # fmt: skip
+    """Build one case with its own input (the same values for every case of one seed), in ``dtype``."""
+    dt = DTYPES[_dtype_name(dtype)]
     if name not in CASES:
         raise ValueError(f"unknown benchmark case {name!r}; known cases: {list(CASES)}")
     if mode not in MODES:
         raise ValueError(f"mode must be one of {list(MODES)}; got {mode!r}")
     gen = torch.Generator().manual_seed(seed)
     if name == "gemm_floor":
-        return _gemm_floor(batch, seq, d_model, n_heads, mode, gen)
+        return _gemm_floor(batch, seq, d_model, n_heads, mode, gen, dt)
     torch.manual_seed(seed)
     layer = MultiHeadAttention(d_model, n_heads)
     if name == "headspace_idle_hooks":
@@ -283,8 +300,11 @@ def build_case(
         model = TextbookAttention(d_model, n_heads)
     if model is not layer:
         copy_weights(layer, model)
-    x = torch.randn(batch, seq, d_model, generator=gen)
-    grad_y = torch.randn(batch, seq, d_model, generator=gen)
+    if dt != torch.float32:
+        layer.to(dt)
+        model.to(dt)
+    x = torch.randn(batch, seq, d_model, generator=gen).to(dt)
+    grad_y = torch.randn(batch, seq, d_model, generator=gen).to(dt)
     backward = mode == "backward"
     model.train(backward)
     params = list(model.parameters())
@@ -329,7 +349,9 @@ def build_case(
 # ---------------------------------------------------------------------------------------------------
 # Measurement
 # ---------------------------------------------------------------------------------------------------
-def _memory_probe(cases: Sequence[str], seq: int, batch: int, d_model: int, n_heads: int, mode: str) -> dict:
+def _memory_probe(
+    cases: Sequence[str], seq: int, batch: int, d_model: int, n_heads: int, mode: str, dtype: str = "float32"
+) -> dict:
     """In a fresh interpreter: peak extra MiB of each case of one (seq, mode)."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     args = {
@@ -340,6 +362,7 @@ def _memory_probe(cases: Sequence[str], seq: int, batch: int, d_model: int, n_he
         "n_heads": n_heads,
         "mode": mode,
         "threads": torch.get_num_threads(),
+        "dtype": dtype,
     }
     code = "import sys; from headspace.bench.attention import _memory_probe_main as m; m(sys.argv[1])"
     proc = subprocess.run(
@@ -357,8 +380,9 @@ def _memory_probe_main(arg: str) -> None:
     out = {}
     for name in a["cases"]:
         case = build_case(
-            name, seq=a["seq"], batch=a["batch"], d_model=a["d_model"], n_heads=a["n_heads"], mode=a["mode"]
-        )
+            name, seq=a["seq"], batch=a["batch"], d_model=a["d_model"], n_heads=a["n_heads"], mode=a["mode"],
+            dtype=a.get("dtype", "float32"),
+        )  # fmt: skip
         case.step()  # warm-up: one-time allocations (thread pools, library scratch) are not the case's
         # but headspace's per-thread workspace grows with the input, like an activation: the measured
         # step allocates it again, so the memory it keeps between calls is counted as the step's
@@ -386,6 +410,7 @@ def run_attention_benchmark(
     threads: int | None = None,
     measure_memory: bool = True,
     progress: bool = True,
+    dtype: str | torch.dtype = "float32",
 ) -> list[dict]:
     """Time (and measure the peak extra memory of) every case at every seq and mode.
 
@@ -399,13 +424,17 @@ def run_attention_benchmark(
         threads: ``torch.set_num_threads`` for the run (None keeps torch's setting); recorded per row.
         measure_memory: measure peak extra memory in a subprocess per (seq, mode).
         progress: show a tqdm progress bar.
+        dtype: ``"float32"`` (default) or ``"bfloat16"`` (or the torch dtypes): every case and the floor
+            in that dtype; recorded per row as ``dtype``.
 
     Returns:
         One dict per (seq, mode, case): ``case``, ``label``, ``seq``, ``mode``, ``batch``, ``d_model``,
-        ``n_heads``, ``threads``, ``repeats``, ``median_ms``, ``times_ms``, ``peak_extra_mib`` (or None)
+        ``n_heads``, ``dtype``, ``threads``, ``repeats``, ``median_ms``, ``times_ms``, ``peak_extra_mib``
+        (or None)
         and ``vs_floor`` (median over the GEMM floor's median, when the floor was run).
     """
     seqs, modes, cases = [int(s) for s in seqs], list(modes), list(cases)
+    dtype_name = _dtype_name(dtype)
     for name, values, known in (("modes", modes, MODES), ("cases", cases, CASES)):
         bad = [v for v in values if v not in known]
         if bad or not values:
@@ -436,12 +465,13 @@ def run_attention_benchmark(
     for seq, mode in groups:
         bar.set_postfix_str(f"seq={seq} {mode}")
         memory = (
-            _memory_probe(cases, seq, batch, d_model, n_heads, mode)
+            _memory_probe(cases, seq, batch, d_model, n_heads, mode, dtype_name)
             if measure_memory
             else dict.fromkeys(cases)
         )
         built = [
-            build_case(c, seq=seq, batch=batch, d_model=d_model, n_heads=n_heads, mode=mode) for c in cases
+            build_case(c, seq=seq, batch=batch, d_model=d_model, n_heads=n_heads, mode=mode, dtype=dtype_name)
+            for c in cases
         ]
         t0 = time.perf_counter()
         for case in built:
@@ -467,6 +497,7 @@ def run_attention_benchmark(
                     "batch": batch,
                     "d_model": d_model,
                     "n_heads": n_heads,
+                    "dtype": dtype_name,
                     "threads": n_threads,
                     "repeats": n,
                     "median_ms": med,
@@ -587,7 +618,8 @@ def format_table(rows: Sequence[dict], *, targets: bool = True) -> str:
         title = "forward (eval, no_grad)" if mode == "forward" else "forward + backward"
         lines.append(
             f"{title}: batch={first['batch']}, d_model={first['d_model']}, n_heads={first['n_heads']}, "
-            f"float32, {first['threads']} threads; median ms (x GEMM floor) / peak extra MiB"
+            f"{first.get('dtype', 'float32')}, {first['threads']} threads; "
+            "median ms (x GEMM floor) / peak extra MiB"
         )
         lines.append("")
         lines.append("| case | " + " | ".join(f"seq {s}" for s in seqs) + " |")

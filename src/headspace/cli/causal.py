@@ -14,8 +14,8 @@ from typing import Any
 import click
 
 from ..errors import UsageError
-from .loader import load_model
-from .options import json_option, out_option
+from .loader import at_precision, load_model
+from .options import json_option, out_option, precision_option
 from .output import check_writable_folder, clean, json_out
 
 #: The indirect-object prompt pair of the README's worked example.
@@ -64,11 +64,12 @@ def _site_name(axes: tuple[str, ...], index: tuple[int, ...], tokens: list[str] 
 )
 @click.option("--top", type=click.IntRange(1, None), default=10, show_default=True, help="Sites to list.")
 @decoder_model_option
+@precision_option
 @out_option
 @json_option
 def patch_cmd(
     clean_text: str, corrupt_text: str, answer: str, other: str, site: str, top: int, model_spec: str,
-    out_dir: Path | None, as_json: bool,
+    model_precision: str, out_dir: Path | None, as_json: bool,
 ) -> None:  # fmt: skip
     """Activation patching: put each site's clean activation into the corrupt run, read logit(answer) -
     logit(other); 1 = the clean answer restored, 0 = no effect."""
@@ -76,7 +77,7 @@ def patch_cmd(
         check_writable_folder(out_dir)
     from ..analysis.patching import EFFECT_KEYS, patch
 
-    model = load_model(model_spec)
+    model = at_precision(load_model(model_spec), model_precision)
     r = _run(patch, model, clean_text, corrupt_text, site=site, answer=answer, other=other)
     pictures = []
     if out_dir is not None:
@@ -120,11 +121,12 @@ def patch_cmd(
 @click.option("--other", default=None, help="A competing token: attribute the logit difference.")
 @click.option("--top", type=click.IntRange(1, None), default=10, show_default=True, help="Parts to list.")
 @decoder_model_option
+@precision_option
 @out_option
 @json_option
 def attribute_cmd(
-    prompt: str, answer: str, other: str | None, top: int, model_spec: str, out_dir: Path | None,
-    as_json: bool,
+    prompt: str, answer: str, other: str | None, top: int, model_spec: str, model_precision: str,
+    out_dir: Path | None, as_json: bool,
 ) -> None:  # fmt: skip
     """The logit lens of PROMPT and the heads and MLPs that write --answer directly (direct logit
     attribution: the parts add up to the model's logit)."""
@@ -132,7 +134,7 @@ def attribute_cmd(
         check_writable_folder(out_dir)
     from ..analysis.attribution import direct_logit_attribution, logit_lens
 
-    model = load_model(model_spec)
+    model = at_precision(load_model(model_spec), model_precision)
     dla = _run(direct_logit_attribution, model, prompt, answer, other)
     lens = _run(logit_lens, model, prompt, answer, top=5)
     heads = dla.top_heads(top)

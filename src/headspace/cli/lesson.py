@@ -13,8 +13,8 @@ import click
 
 from ..defaults import DEFAULT_SENTENCE, DEFAULT_TOKEN
 from ..errors import UsageError
-from .loader import load_model
-from .options import json_option, model_option, out_option, positive_int
+from .loader import at_precision, load_model
+from .options import json_option, model_option, out_option, positive_int, precision_option
 from .output import check_writable_folder, clean, json_out
 from .render import console, explain_pictures, pattern_grid, render_explanation
 
@@ -56,6 +56,7 @@ def _check_range(name: str, value: int | None, n: int) -> None:
     help="How many ranked heads to show per group (relational, positional); at least 1.",
 )
 @model_option
+@precision_option
 @out_option
 @json_option
 def explain_cmd(
@@ -66,13 +67,14 @@ def explain_cmd(
     occurrence: int | None,
     top_heads: int,
     model_spec: str,
+    model_precision: str,
     out_dir: Path | None,
     as_json: bool,
 ) -> None:
     """Walk one token through one head: x -> q, k, v -> scores -> softmax -> z -> concat -> W_O -> out."""
     if out_dir is not None:
         check_writable_folder(out_dir)
-    pretrained = load_model(model_spec)
+    pretrained = at_precision(load_model(model_spec), model_precision)
     cfg = pretrained.model.config
     _check_range("layer", layer, cfg.n_layers)
     _check_range("head", head, cfg.n_heads)
@@ -140,6 +142,7 @@ def _read_sentences(path: Path) -> list[str]:
 )
 @click.option("--no-importance", is_flag=True, help="Skip the ablation importance (one forward per head).")
 @model_option
+@precision_option
 @out_option
 @json_option
 def heads_cmd(
@@ -149,6 +152,7 @@ def heads_cmd(
     mode: str,
     no_importance: bool,
     model_spec: str,
+    model_precision: str,
     out_dir: Path | None,
     as_json: bool,
 ) -> None:
@@ -160,7 +164,7 @@ def heads_cmd(
     sentences = (
         _read_sentences(sentences_file) if sentences_file is not None else [sentence or DEFAULT_SENTENCE]
     )
-    pretrained = load_model(model_spec)
+    pretrained = at_precision(load_model(model_spec), model_precision)
     from ..analysis import head_importance, head_roles, wo_norms
 
     kw = {} if threshold is None else {"threshold": threshold}
@@ -242,15 +246,16 @@ def heads_cmd(
     help="Which subspaces: the column spaces of W_Q, W_K, W_V or W_O^T.",
 )
 @model_option
+@precision_option
 @out_option
 @json_option
 def subspaces_cmd(
-    layer: int | None, which: str, model_spec: str, out_dir: Path | None, as_json: bool
+    layer: int | None, which: str, model_spec: str, model_precision: str, out_dir: Path | None, as_json: bool
 ) -> None:
     """Head x head subspace overlap per layer beside the random baseline, and the QK/OV spectra."""
     if out_dir is not None:
         check_writable_folder(out_dir)
-    pretrained = load_model(model_spec)
+    pretrained = at_precision(load_model(model_spec), model_precision)
     _check_range("layer", layer, pretrained.model.config.n_layers)
     from ..analysis import circuit_spectra, subspace_overlaps
     from ..viz import plots

@@ -2,7 +2,8 @@
 
 Every command that runs a model calls :func:`load_model`; it is :func:`headspace.pretrained.load` with
 its errors turned into one :class:`~headspace.errors.UsageError` line (exit code 2) that says what was
-wrong and what is valid.
+wrong and what is valid. ``--precision`` (``--model-precision``) is applied by :func:`at_precision` on
+the loaded model (float32 loads as it always did).
 """
 
 from __future__ import annotations
@@ -25,4 +26,14 @@ def load_model(spec: str) -> Any:
     try:
         return pretrained.load(spec)
     except (ImportError, OSError, ValueError, TypeError, KeyError) as e:
+        raise UsageError(one_line(e)) from None
+
+
+def at_precision(pretrained: Any, precision: str) -> Any:
+    """The loaded model converted in place to ``precision`` (float32: as loaded), or one line."""
+    if precision == "float32":
+        return pretrained
+    try:
+        return pretrained.to_precision(precision)
+    except (ValueError, TypeError) as e:
         raise UsageError(one_line(e)) from None

@@ -1,4 +1,4 @@
-"""Options every model command shares (``--model``, ``--json``, ``--out``) and value checks.
+"""Options every model command shares (``--model``, ``--precision``, ``--json``, ``--out``) and value checks.
 
 The checks are click callbacks that raise :class:`~headspace.errors.UsageError`: one line on stderr,
 exit code 2, naming the option, what came and what is valid.
@@ -52,4 +52,45 @@ out_option = click.option(
     type=click.Path(file_okay=False, path_type=Path),
     default=None,
     help="Folder for PNG pictures (created if needed).",
+)
+
+
+#: The model precisions (:data:`headspace.models.PRECISIONS`, kept here so --help needs no torch).
+MODEL_PRECISIONS = ("float32", "bfloat16", "int8")
+
+
+def precision_value(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
+    """A callback: a model precision must be one of :data:`MODEL_PRECISIONS` (one line, exit 2)."""
+    if value is not None and value not in MODEL_PRECISIONS:
+        valid = ", ".join(MODEL_PRECISIONS)
+        name = "--precision" if "--precision" in (getattr(param, "opts", None) or []) else _option_name(param)
+        raise UsageError(f"{name} must be one of {valid}; got {value!r}")
+    return value
+
+
+_PRECISION_HELP = (
+    "The model's precision: float32 (exact), bfloat16, or int8 (int8 weights, activations quantised "
+    "per token); patterns and reported numbers stay float32."
+)
+
+#: ``--precision`` / ``--model-precision`` on every command that runs a model (``view`` takes only
+#: ``--model-precision``: its ``--precision`` is the page's stored numbers).
+precision_option = click.option(
+    "--precision",
+    "--model-precision",
+    "model_precision",
+    default="float32",
+    show_default=True,
+    callback=precision_value,
+    metavar="[" + "|".join(MODEL_PRECISIONS) + "]",
+    help=_PRECISION_HELP,
+)
+model_precision_option = click.option(
+    "--model-precision",
+    "model_precision",
+    default="float32",
+    show_default=True,
+    callback=precision_value,
+    metavar="[" + "|".join(MODEL_PRECISIONS) + "]",
+    help=_PRECISION_HELP,
 )

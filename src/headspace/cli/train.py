@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from ..errors import UsageError
-from .options import seed_value
+from .options import precision_option, seed_value
 from .output import check_writable_folder
 
 
@@ -132,8 +132,15 @@ def plot_run_command(run_dir: str, out: str | None) -> None:
 @click.option("--temperature", type=float, default=0.8, show_default=True)
 @click.option("--top-k", type=int, default=None)
 @click.option("--seed", type=int, default=0, show_default=True, callback=seed_value, help="0..2**63-1.")
+@precision_option
 def generate_command(
-    run_dir: str, prompt: str, max_new_tokens: int, temperature: float, top_k: int | None, seed: int
+    run_dir: str,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int | None,
+    seed: int,
+    model_precision: str,
 ) -> None:
     """Continue --prompt with the language model trained in RUN_DIR (KV-cached decoding)."""
     from ..train.checkpoint import CheckpointError
@@ -142,8 +149,16 @@ def generate_command(
     if not Path(run_dir).is_dir():
         raise UsageError(f"RUN_DIR {run_dir} is not a folder")
     try:
+        # generate_text takes precision= once train/loop.py has it (see the precision issue's note)
+        kw = {} if model_precision == "float32" else {"precision": model_precision}
         text = generate_text(
-            run_dir, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed
+            run_dir,
+            prompt,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed,
+            **kw,
         )
     except (ValueError, TypeError, CheckpointError, KeyError) as e:
         raise _fail(e) from None

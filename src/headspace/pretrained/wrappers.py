@@ -50,6 +50,16 @@ class _Loaded:
         """The model's :class:`~headspace.ModelConfig` (always ``self.model.config``: pruning updates it)."""
         return self.model.config
 
+    @property
+    def precision(self) -> str:
+        """The model's precision: ``"float32"``, ``"bfloat16"`` or ``"int8"`` (see :meth:`to_precision`)."""
+        return self.model.precision
+
+    def to_precision(self, precision: str) -> Any:
+        """Convert the model in place to ``precision`` (:meth:`headspace.Encoder.to_precision`); -> self."""
+        self.model.to_precision(precision)
+        return self
+
     def _need_tokenizer(self) -> TextTokenizer:
         if self.tokenizer is None:
             raise ValueError(
@@ -128,6 +138,7 @@ class PretrainedEncoder(_Loaded):
 
         Padded positions hold states too (as in BERT); use the ``key_padding`` of :meth:`tokenize` to drop
         them. Sequences longer than the position table are refused with an error naming both lengths.
+        The states are float32 at every precision (a bfloat16 model's are cast).
         """
         if isinstance(sentences_or_tokens, Tensor):
             tokens = sentences_or_tokens
@@ -135,7 +146,8 @@ class PretrainedEncoder(_Loaded):
             if key_padding is not None:
                 raise ValueError("key_padding is computed from the sentences; pass it only with token ids")
             tokens, key_padding = self.tokenize(sentences_or_tokens)
-        return self.model(tokens, key_padding, token_type_ids)
+        states = self.model(tokens, key_padding, token_type_ids)  # (batch, seq, d_model)
+        return states if states.dtype == torch.float32 else states.float()
 
     @torch.no_grad()
     def encode(
@@ -153,7 +165,8 @@ class PretrainedEncoder(_Loaded):
         batches of ``batch_size``, and the result comes back in the input order. A single string is a
         list of one sentence. Runs under ``torch.no_grad()`` (not inference mode), so the embeddings
         can feed a model that is trained afterwards (a probe, say). ``progress``: a tqdm bar (rate,
-        ETA); None shows it when there are more than 8 batches.
+        ETA); None shows it when there are more than 8 batches. The embeddings are float32 at every
+        precision: a reduced-precision model's token states are pooled in float32.
         """
         sentences = check_sentences(sentences)
         if not is_int(batch_size) or batch_size < 1:
@@ -171,7 +184,7 @@ class PretrainedEncoder(_Loaded):
             rows = order[start : start + batch_size]
             tokens, key_padding = self.tokenizer.pad([ids[i] for i in rows])  # (b, seq) x 2
             states = self.model.infer(tokens, key_padding, workspace=workspace)  # (b, seq, d_model)
-            out[rows] = self.pool(states, key_padding, normalize=normalize)
+            out[rows] = self.pool(states.float(), key_padding, normalize=normalize)  # pooled in float32
         return out
 
     @staticmethod
