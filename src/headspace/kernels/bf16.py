@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .carrier import ReducedWeight
+
 __all__ = ["BF16Weight", "bf16_linear", "is_bf16", "round_to_bf16"]
 
 
@@ -41,7 +43,7 @@ def round_to_bf16(t: Tensor) -> Tensor:
     return t.detach().to(torch.bfloat16).to(torch.float32)
 
 
-class BF16Weight(Tensor):
+class BF16Weight(ReducedWeight):
     """A weight [out, in] held in bfloat16: float32 values (exactly bfloat16 numbers) and the packed copy.
 
     Attributes:
@@ -56,12 +58,7 @@ class BF16Weight(Tensor):
 
     @staticmethod
     def __new__(cls, values: Tensor, packed: Tensor) -> BF16Weight:
-        t = Tensor._make_subclass(cls, values, False)
-        t.packed = packed
-        return t
-
-    def __init__(self, values: Tensor, packed: Tensor) -> None:  # everything is set in __new__
-        super().__init__()
+        return cls.carrying(values, packed=packed)
 
     @classmethod
     def from_float(cls, weight: Tensor) -> BF16Weight:
@@ -79,33 +76,20 @@ class BF16Weight(Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         return f"BF16Weight(shape={list(self.shape)}, bfloat16, read as float32)"
 
-    def __deepcopy__(self, memo: dict) -> BF16Weight:
-        with torch._C.DisableTorchFunctionSubclass():
-            values = Tensor.clone(self)
-        t = BF16Weight.from_float(values)
-        if getattr(self, "_is_param", False):
-            t._is_param = True  # a Parameter stays a Parameter (copy.deepcopy of a module)
-        memo[id(self)] = t
-        return t
+    def _deepcopied(self, values: Tensor) -> BF16Weight:
+        return BF16Weight.from_float(values)  # packed afresh
 
-    def __reduce_ex__(self, protocol: int) -> Any:
-        with torch._C.DisableTorchFunctionSubclass():
-            values = Tensor.clone(self)
+    def _pickled(self, values: Tensor) -> tuple[Any, tuple[Any, ...]]:
         return (BF16Weight.from_float, (values,))
 
-    @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func is F.linear and len(args) >= 2 and type(args[1]) is cls:
-            x, bias = args[0], args[2] if len(args) > 2 else kwargs.get("bias")
-            if _bf16_applies(x, args[1], bias):
-                return bf16_linear(x, args[1], bias)
-        if func is Tensor.detach and type(args[0]) is cls:  # nn.Parameter(...) detaches: keep the type
-            w = args[0]
-            with torch._C.DisableTorchFunctionSubclass():
-                return BF16Weight(Tensor.detach(w), w.packed)
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+    def _detached(self, values: Tensor) -> BF16Weight:
+        return BF16Weight(values, self.packed)
+
+    def _applies(self, x: Any, bias: Any) -> bool:
+        return _bf16_applies(x, self, bias)
+
+    def _linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        return bf16_linear(x, self, bias)
 
 
 def _bf16_applies(x: Any, w: BF16Weight, bias: Any) -> bool:

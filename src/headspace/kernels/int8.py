@@ -39,8 +39,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from .carrier import Carrier, ReducedWeight
 
 __all__ = [
     "Int8Weight",
@@ -94,7 +95,7 @@ def quantize_activation(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return shifted.to(torch.uint8), scale, zero
 
 
-class Int8Weight(Tensor):
+class Int8Weight(ReducedWeight):
     """A weight held in int8: the float32 tensor of its dequantised values, plus the int8 data.
 
     Attributes:
@@ -113,12 +114,7 @@ class Int8Weight(Tensor):
 
     @staticmethod
     def __new__(cls, values: Tensor, q: Tensor, scale: Tensor) -> Int8Weight:
-        t = Tensor._make_subclass(cls, values, False)
-        t.q, t.scale, t._packed, t._zero_term = q, scale, None, None
-        return t
-
-    def __init__(self, values: Tensor, q: Tensor, scale: Tensor) -> None:  # everything is set in __new__
-        super().__init__()
+        return cls.carrying(values, q=q, scale=scale, _packed=None, _zero_term=None)
 
     @classmethod
     def from_float(cls, weight: Tensor) -> Int8Weight:
@@ -141,59 +137,39 @@ class Int8Weight(Tensor):
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         return f"Int8Weight(shape={list(self.shape)}, int8 per output channel, read as float32)"
 
-    def __deepcopy__(self, memo: dict) -> Int8Weight:
-        with torch._C.DisableTorchFunctionSubclass():
-            values = Tensor.clone(self)
-        t = Int8Weight(values, self.q.clone(), self.scale.clone())
-        if getattr(self, "_is_param", False):
-            t._is_param = True  # a Parameter stays a Parameter (copy.deepcopy of a module)
-        memo[id(self)] = t
+    def _deepcopied(self, values: Tensor) -> Int8Weight:
+        return Int8Weight(values, self.q.clone(), self.scale.clone())
+
+    def _pickled(self, values: Tensor) -> tuple[Any, tuple[Any, ...]]:
+        return (Int8Weight, (values, self.q, self.scale))
+
+    def _detached(self, values: Tensor) -> Int8Weight:
+        t = Int8Weight(values, self.q, self.scale)
+        t._packed, t._zero_term = self._packed, self._zero_term
         return t
 
-    def __reduce_ex__(self, protocol: int) -> Any:
-        with torch._C.DisableTorchFunctionSubclass():
-            values = Tensor.clone(self)
-        return (Int8Weight, (values, self.q, self.scale))
+    def _applies(self, x: Any, bias: Any) -> bool:
+        return not isinstance(x, Int8Weight) and _int8_applies(x, self, bias)
+
+    def _linear(self, x: Tensor, bias: Tensor | None) -> Tensor:
+        return int8_linear(x, self, bias)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if (
-            func is F.linear
-            and len(args) >= 2
-            and type(args[1]) is cls
-            and not isinstance(args[0], Int8Weight)
-        ):
-            x, bias = args[0], args[2] if len(args) > 2 else kwargs.get("bias")
-            if _int8_applies(x, args[1], bias):
-                return int8_linear(x, args[1], bias)
-        if func is Tensor.detach and type(args[0]) is cls:  # nn.Parameter(...) detaches: keep the type
-            w = args[0]
-            with torch._C.DisableTorchFunctionSubclass():
-                values = Tensor.detach(w)
-            t = Int8Weight(values, w.q, w.scale)
-            t._packed, t._zero_term = w._packed, w._zero_term
-            return t
         if func is Tensor.t and type(args[0]) is cls:  # the transposed weight of addmm / mm (workspaces)
             with torch._C.DisableTorchFunctionSubclass():
                 return _Int8WeightT(Tensor.t(args[0]), args[0])
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        return super().__torch_function__(func, types, args, kwargs)
 
 
-class _Int8WeightT(Tensor):
+class _Int8WeightT(Carrier):
     """``Int8Weight.t()``: the float32 transpose, whose ``mm`` / ``addmm`` (``out=`` included) run int8."""
 
     source: Int8Weight
 
     @staticmethod
     def __new__(cls, values: Tensor, source: Int8Weight) -> _Int8WeightT:
-        t = Tensor._make_subclass(cls, values, False)
-        t.source = source
-        return t
-
-    def __init__(self, values: Tensor, source: Int8Weight) -> None:
-        super().__init__()
+        return cls.carrying(values, source=source)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
