@@ -73,24 +73,21 @@ _PRECISION_HELP = (
     "per token); patterns and reported numbers stay float32."
 )
 
+
+def _precision_option(*flags: str) -> Any:
+    """A click option choosing the model's precision, spelled ``flags``, into ``model_precision``."""
+    return click.option(
+        *flags,
+        "model_precision",
+        default="float32",
+        show_default=True,
+        callback=precision_value,
+        metavar="[" + "|".join(MODEL_PRECISIONS) + "]",
+        help=_PRECISION_HELP,
+    )
+
+
 #: ``--precision`` / ``--model-precision`` on every command that runs a model (``view`` takes only
 #: ``--model-precision``: its ``--precision`` is the page's stored numbers).
-precision_option = click.option(
-    "--precision",
-    "--model-precision",
-    "model_precision",
-    default="float32",
-    show_default=True,
-    callback=precision_value,
-    metavar="[" + "|".join(MODEL_PRECISIONS) + "]",
-    help=_PRECISION_HELP,
-)
-model_precision_option = click.option(
-    "--model-precision",
-    "model_precision",
-    default="float32",
-    show_default=True,
-    callback=precision_value,
-    metavar="[" + "|".join(MODEL_PRECISIONS) + "]",
-    help=_PRECISION_HELP,
-)
+precision_option = _precision_option("--precision", "--model-precision")
+model_precision_option = _precision_option("--model-precision")
