@@ -129,6 +129,17 @@ def _shape(t: Tensor) -> list[int]:
     return list(t.shape)
 
 
+def _alias(torch_name: str, headspace_name: str) -> property:
+    """A property that reads and writes torch's parameter ``torch_name`` under headspace's ``headspace_name``.
+
+    See :meth:`MultiheadAttention._get_alias` / :meth:`MultiheadAttention._set_alias`.
+    """
+    return property(
+        lambda self: self._get_alias(torch_name, headspace_name),
+        lambda self, v: self._set_alias(torch_name, headspace_name, v),
+    )
+
+
 class MultiheadAttention(MultiHeadAttention):
     r"""``torch.nn.MultiheadAttention`` with headspace inside.
 
@@ -256,34 +267,13 @@ class MultiheadAttention(MultiHeadAttention):
             return self.__dict__["_modules"].get("out_proj"), torch_name.split(".", 1)[1]
         return self, torch_name
 
-    qkv_weight = property(  # type: ignore[assignment]
-        lambda self: self._get_alias("in_proj_weight", "qkv_weight"),
-        lambda self, v: self._set_alias("in_proj_weight", "qkv_weight", v),
-    )
-    q_weight = property(  # type: ignore[assignment]
-        lambda self: self._get_alias("q_proj_weight", "q_weight"),
-        lambda self, v: self._set_alias("q_proj_weight", "q_weight", v),
-    )
-    k_weight = property(  # type: ignore[assignment]
-        lambda self: self._get_alias("k_proj_weight", "k_weight"),
-        lambda self, v: self._set_alias("k_proj_weight", "k_weight", v),
-    )
-    v_weight = property(  # type: ignore[assignment]
-        lambda self: self._get_alias("v_proj_weight", "v_weight"),
-        lambda self, v: self._set_alias("v_proj_weight", "v_weight", v),
-    )
-    qkv_bias = property(  # type: ignore[assignment]
-        lambda self: self._get_alias("in_proj_bias", "qkv_bias"),
-        lambda self, v: self._set_alias("in_proj_bias", "qkv_bias", v),
-    )
-    o_weight = property(  # type: ignore[assignment]
-        lambda self: self._get_alias("out_proj.weight", "o_weight"),
-        lambda self, v: self._set_alias("out_proj.weight", "o_weight", v),
-    )
-    o_bias = property(  # type: ignore[assignment]
-        lambda self: self._get_alias("out_proj.bias", "o_bias"),
-        lambda self, v: self._set_alias("out_proj.bias", "o_bias", v),
-    )
+    qkv_weight = _alias("in_proj_weight", "qkv_weight")  # type: ignore[assignment]
+    q_weight = _alias("q_proj_weight", "q_weight")  # type: ignore[assignment]
+    k_weight = _alias("k_proj_weight", "k_weight")  # type: ignore[assignment]
+    v_weight = _alias("v_proj_weight", "v_weight")  # type: ignore[assignment]
+    qkv_bias = _alias("in_proj_bias", "qkv_bias")  # type: ignore[assignment]
+    o_weight = _alias("out_proj.weight", "o_weight")  # type: ignore[assignment]
+    o_bias = _alias("out_proj.bias", "o_bias")  # type: ignore[assignment]
 
     def _reset_parameters(self) -> None:
         """torch's initialisation, step by step: xavier-uniform in-projection, zero biases, xavier-normal
