@@ -454,6 +454,12 @@ class MultiHeadAttention(nn.Module):
         start = {"q": 0, "k": hq, "v": hq + hkv}[which]
         return self.qkv_bias[start : start + (hq if which == "q" else hkv)]
 
+    def _bias_heads(self, which: str) -> Tensor | None:
+        """The bias of one projection ('q', 'k' or 'v') per head, a view, or None without bias."""
+        b = self._bias_rows(which)
+        heads = self.n_heads if which == "q" else self.n_kv_heads
+        return None if b is None else b.view(heads, self.d_head)  # (n_heads | n_kv_heads, d_head)
+
     @property
     def W_Q(self) -> Tensor:
         """[n_heads, d_model, d_head] view: ``q_h = x @ W_Q[h]``."""
@@ -477,20 +483,17 @@ class MultiHeadAttention(nn.Module):
     @property
     def b_Q(self) -> Tensor | None:
         """[n_heads, d_head] view, or None without bias."""
-        b = self._bias_rows("q")
-        return None if b is None else b.view(self.n_heads, self.d_head)
+        return self._bias_heads("q")
 
     @property
     def b_K(self) -> Tensor | None:
         """[n_kv_heads, d_head] view, or None without bias."""
-        b = self._bias_rows("k")
-        return None if b is None else b.view(self.n_kv_heads, self.d_head)
+        return self._bias_heads("k")
 
     @property
     def b_V(self) -> Tensor | None:
         """[n_kv_heads, d_head] view, or None without bias."""
-        b = self._bias_rows("v")
-        return None if b is None else b.view(self.n_kv_heads, self.d_head)
+        return self._bias_heads("v")
 
     @property
     def b_O(self) -> Tensor | None:

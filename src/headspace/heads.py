@@ -21,6 +21,20 @@ if TYPE_CHECKING:
     from .positions import Rotary
 
 
+def _head_view(name: str, row: str) -> property:
+    """A :class:`Head` property: its row of the layer's per-head tensor ``attn.<name>`` (a view).
+
+    ``row`` is ``"index"`` for the query-side tensors (``W_Q``, ``W_O``, ``b_Q``) and ``"kv_index"`` for
+    the key/value ones (``W_K``, ``W_V``, ``b_K``, ``b_V``); None where the layer has none (no bias).
+    """
+
+    def view(self: Head) -> Tensor | None:
+        t = getattr(self.attn, name)
+        return None if t is None else t[getattr(self, row)]
+
+    return property(view, doc=f"This head's row of the layer's ``{name}`` (a view).")
+
+
 class Head:
     """One head of a :class:`~headspace.MultiHeadAttention`; every tensor is a view of the layer's storage.
 
@@ -67,36 +81,13 @@ class Head:
         """The layer's rotary positions (:class:`~headspace.positions.Rotary`), or None."""
         return getattr(self.attn, "rotary", None)
 
-    @property
-    def W_Q(self) -> Tensor:
-        return self.attn.W_Q[self.index]
-
-    @property
-    def W_K(self) -> Tensor:
-        return self.attn.W_K[self.kv_index]
-
-    @property
-    def W_V(self) -> Tensor:
-        return self.attn.W_V[self.kv_index]
-
-    @property
-    def W_O(self) -> Tensor:
-        return self.attn.W_O[self.index]
-
-    @property
-    def b_Q(self) -> Tensor | None:
-        b = self.attn.b_Q
-        return None if b is None else b[self.index]
-
-    @property
-    def b_K(self) -> Tensor | None:
-        b = self.attn.b_K
-        return None if b is None else b[self.kv_index]
-
-    @property
-    def b_V(self) -> Tensor | None:
-        b = self.attn.b_V
-        return None if b is None else b[self.kv_index]
+    W_Q = _head_view("W_Q", "index")
+    W_K = _head_view("W_K", "kv_index")
+    W_V = _head_view("W_V", "kv_index")
+    W_O = _head_view("W_O", "index")
+    b_Q = _head_view("b_Q", "index")
+    b_K = _head_view("b_K", "kv_index")
+    b_V = _head_view("b_V", "kv_index")
 
     def qk(self, delta: int | Tensor | None = None, *, augmented: bool = False) -> FactoredMatrix:
         """The QK circuit as factors (``.AB`` is the dense product): ``W_Q W_K^T`` [d_model, kdim].
