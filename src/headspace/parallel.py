@@ -187,6 +187,44 @@ def _head_range(n: int, rank: int, world: int) -> slice:
     return slice(rank * per_rank, (rank + 1) * per_rank)
 
 
+def _attention_like(
+    attn: MultiHeadAttention, n_heads: int, n_kv_heads: int, *, out_bias: bool
+) -> MultiHeadAttention:
+    """A new MultiHeadAttention with ``n_heads`` / ``n_kv_heads`` heads and otherwise ``attn``'s settings.
+
+    The same d_model, d_head, kdim, vdim, q/k/v bias, dropout, scale, finiteness checks, rotary positions
+    (rotation acts per head: a shard rotates its own heads as the whole layer does), device and dtype;
+    an output bias if ``out_bias``. Its weights are freshly initialised.
+    """
+    w = attn.o_weight
+    return MultiHeadAttention(
+        attn.d_model,
+        n_heads,
+        d_head=attn.d_head,
+        n_kv_heads=n_kv_heads,
+        kdim=attn.kdim,
+        vdim=attn.vdim,
+        qkv_bias=attn.qkv_bias is not None,
+        out_bias=out_bias,
+        dropout=attn.dropout,
+        scale=attn.scale,
+        check_finite=attn.check_finite,
+        rotary=attn.rotary,
+        device=w.device,
+        dtype=w.dtype,
+    )
+
+
+def _replicated_bias(bias: Tensor | None) -> nn.Parameter | None:
+    """A copy of the layer's output ``bias`` as a new Parameter with its ``requires_grad`` (None stays None).
+
+    Every rank holds it whole and adds it once, after the all-reduce.
+    """
+    if bias is None:
+        return None
+    return nn.Parameter(bias.detach().clone(), requires_grad=bias.requires_grad)
+
+
 def attention_shard(attn: MultiHeadAttention, rank: int, world_size: int) -> MultiHeadAttention:
     """Rank ``rank``'s shard of ``attn`` out of ``world_size``: a MultiHeadAttention, no communication.
 
@@ -201,23 +239,8 @@ def attention_shard(attn: MultiHeadAttention, rank: int, world_size: int) -> Mul
     _check_divisible("n_kv_heads", attn.n_kv_heads, world_size)
     hs = _head_range(attn.n_heads, rank, world_size)
     ks = _head_range(attn.n_kv_heads, rank, world_size)
-    w = attn.o_weight
-    shard = MultiHeadAttention(
-        attn.d_model,
-        attn.n_heads // world_size,
-        d_head=attn.d_head,
-        n_kv_heads=attn.n_kv_heads // world_size,
-        kdim=attn.kdim,
-        vdim=attn.vdim,
-        qkv_bias=attn.qkv_bias is not None,
-        out_bias=False,  # the caller adds b_O once
-        dropout=attn.dropout,
-        scale=attn.scale,
-        check_finite=attn.check_finite,
-        rotary=attn.rotary,  # rotation acts per head: every shard rotates its own heads alike
-        device=w.device,
-        dtype=w.dtype,
-    )
+    # no output bias: the caller adds b_O once
+    shard = _attention_like(attn, attn.n_heads // world_size, attn.n_kv_heads // world_size, out_bias=False)
     with torch.no_grad():
         # per-head views of both layers: W_Q [heads, d_model, d_head], W_O [heads, d_head, d_model] ...
         shard.W_Q.copy_(attn.W_Q[hs])
@@ -282,9 +305,7 @@ class HeadParallelAttention(nn.Module):
         self.head_slice = slice(rank * self.n_local_heads, (rank + 1) * self.n_local_heads)
         self.kv_head_slice = slice(rank * self.n_local_kv_heads, (rank + 1) * self.n_local_kv_heads)
         self.local = attention_shard(attn, rank, world)  # no output bias: b_O is added after the reduce
-        self.o_bias = None if attn.o_bias is None else nn.Parameter(attn.o_bias.detach().clone())
-        if self.o_bias is not None:
-            self.o_bias.requires_grad_(attn.o_bias.requires_grad)
+        self.o_bias = _replicated_bias(attn.o_bias)
         self.train(attn.training)
 
     @classmethod
@@ -393,22 +414,7 @@ class HeadParallelAttention(nn.Module):
         (changing it does not change the shards) and is in this module's train/eval mode.
         """
         loc = self.local
-        full = MultiHeadAttention(
-            self.d_model,
-            self.n_heads,
-            d_head=self.d_head,
-            n_kv_heads=self.n_kv_heads,
-            kdim=self.kdim,
-            vdim=self.vdim,
-            qkv_bias=loc.qkv_bias is not None,
-            out_bias=self.o_bias is not None,
-            dropout=loc.dropout,
-            scale=loc.scale,
-            check_finite=loc.check_finite,
-            rotary=loc.rotary,
-            device=loc.o_weight.device,
-            dtype=loc.o_weight.dtype,
-        )
+        full = _attention_like(loc, self.n_heads, self.n_kv_heads, out_bias=self.o_bias is not None)
         full.W_Q.copy_(_gather_cat(loc.W_Q, 0, self.group))  # (n_heads, d_model, d_head)
         full.W_K.copy_(_gather_cat(loc.W_K, 0, self.group))  # (n_kv_heads, kdim, d_head)
         full.W_V.copy_(_gather_cat(loc.W_V, 0, self.group))  # (n_kv_heads, vdim, d_head)
@@ -534,9 +540,7 @@ class HeadParallelFeedForward(nn.Module):
         self.unit_slice = _head_range(d_mlp, rank, world)
         # fc_out of the shard has no bias: b_out is added after the reduce
         self.local = feed_forward_shard(ff, rank, world)
-        self.out_bias = None if fc_out.bias is None else nn.Parameter(fc_out.bias.detach().clone())
-        if self.out_bias is not None:
-            self.out_bias.requires_grad_(fc_out.bias.requires_grad)
+        self.out_bias = _replicated_bias(fc_out.bias)
         self.train(ff.training)
 
     @classmethod
