@@ -187,6 +187,10 @@ def _head_range(n: int, rank: int, world: int) -> slice:
     return slice(rank * per_rank, (rank + 1) * per_rank)
 
 
+#: The constructor arguments a shard or a gathered layer takes over unchanged, read off the layer by name.
+_KEPT_SETTINGS = ("d_head", "kdim", "vdim", "dropout", "scale", "check_finite", "rotary")
+
+
 def _attention_like(
     attn: MultiHeadAttention, n_heads: int, n_kv_heads: int, *, out_bias: bool
 ) -> MultiHeadAttention:
@@ -197,21 +201,16 @@ def _attention_like(
     an output bias if ``out_bias``. Its weights are freshly initialised.
     """
     w = attn.o_weight
+    kept = {name: getattr(attn, name) for name in _KEPT_SETTINGS}
     return MultiHeadAttention(
         attn.d_model,
         n_heads,
-        d_head=attn.d_head,
         n_kv_heads=n_kv_heads,
-        kdim=attn.kdim,
-        vdim=attn.vdim,
         qkv_bias=attn.qkv_bias is not None,
         out_bias=out_bias,
-        dropout=attn.dropout,
-        scale=attn.scale,
-        check_finite=attn.check_finite,
-        rotary=attn.rotary,
         device=w.device,
         dtype=w.dtype,
+        **kept,
     )
 
 
