@@ -50,7 +50,7 @@ from ..attention import MultiHeadAttention, check_input_tensor, rotary_tables, r
 from ..checks import is_int
 from ..masks import CanonicalMask, RowMasks
 from ..trace import attention_layers
-from ._common import JsonResult
+from .targets import TargetMasses
 
 BLOCK_BYTES = 32 * 2**20
 """The automatic ``chunk_size`` keeps one block's scores [batch, n_heads, chunk_size, seq_k] float32 under
@@ -377,7 +377,7 @@ def pattern_rows(
 
 
 @dataclass
-class PatternSummary(JsonResult):
+class PatternSummary(TargetMasses):
     """Per-query statistics of one layer's pattern, computed block by block (:func:`summaries`).
 
     Every per-query field is float32 [batch, n_heads, seq_q]: the mass each query puts on the key just
@@ -392,12 +392,6 @@ class PatternSummary(JsonResult):
 
     kind = "pattern_summary"
 
-    previous: Tensor
-    next: Tensor
-    current: Tensor
-    first: Tensor
-    last: Tensor
-    entropy: Tensor
     top_weight: Tensor
     top_key: Tensor
     received: Tensor

@@ -40,8 +40,9 @@ from torch import Tensor
 
 from ..checks import is_int, is_number, nonfinite_count
 from ..trace import as_module, attention_layers, hooked
-from ._common import Batch, JsonResult, eval_mode, layer_head_table, make_batches, pad_heads
+from ._common import Batch, eval_mode, layer_head_table, make_batches, pad_heads
 from .chunked import default_chunk_size, each_layer_qk, supports_qk_capture
+from .targets import TargetMasses
 
 TARGETS = ("previous", "next", "current", "first", "last")
 """The attention targets measured, in label precedence order (ties go to the earlier one)."""
@@ -64,7 +65,7 @@ DEFAULT_INDUCTION_BATCH = 4
 
 
 @dataclass
-class HeadRoles(JsonResult):
+class HeadRoles(TargetMasses):
     """Per-head attention statistics and role labels.
 
     Every tensor is [n_layers, n_heads] (NaN where a pruned layer has fewer heads): the mean attention
@@ -77,12 +78,6 @@ class HeadRoles(JsonResult):
 
     kind = "head_roles"
 
-    previous: Tensor
-    next: Tensor
-    current: Tensor
-    first: Tensor
-    last: Tensor
-    entropy: Tensor
     labels: list[list[str]]
     threshold: float
     n_queries: int
