@@ -38,6 +38,7 @@ see :func:`batch_generator`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -105,7 +106,28 @@ def _check_int(name: str, value: object, low: int, high: int | None = None) -> i
     return value
 
 
-class RelationsTask:
+class _Task:
+    """What the built-in tasks share: a name, relations, options, and :meth:`describe` from them."""
+
+    name: ClassVar[str]
+    relations: ClassVar[tuple[str, ...]]
+    #: The constructor's options, in the order :meth:`describe` lists them.
+    options: ClassVar[tuple[str, ...]]
+    vocab_size: int
+    seq_len: int
+
+    def describe(self) -> dict:
+        """The task as a JSON-able dict: name, options, vocab_size, seq_len and relations."""
+        return {
+            "name": self.name,
+            **{option: getattr(self, option) for option in self.options},
+            "vocab_size": self.vocab_size,
+            "seq_len": self.seq_len,
+            "relations": list(self.relations),
+        }
+
+
+class RelationsTask(_Task):
     """Answers that need two relations at once, each part needing exactly one (see the module docstring).
 
     Token ids: ``item(t, v) = t * n_values + v`` for the ``n_types * n_values`` items, then the answers
@@ -115,6 +137,7 @@ class RelationsTask:
 
     name = "relations"
     relations = ("previous_token", "matching_type")
+    options = ("n_types", "n_values", "n_stream")
 
     def __init__(self, n_types: int = 8, n_values: int = 8, n_stream: int = 16) -> None:
         self.n_types = _check_int("n_types", n_types, 2, 64)
@@ -123,17 +146,6 @@ class RelationsTask:
         self.answer_base = n_types * n_values
         self.vocab_size = self.answer_base + n_values * n_values
         self.seq_len = n_types + n_stream
-
-    def describe(self) -> dict:
-        return {
-            "name": self.name,
-            "n_types": self.n_types,
-            "n_values": self.n_values,
-            "n_stream": self.n_stream,
-            "vocab_size": self.vocab_size,
-            "seq_len": self.seq_len,
-            "relations": list(self.relations),
-        }
 
     def sample(self, generator: torch.Generator, batch_size: int) -> Batch:
         """Draw ``batch_size`` sequences; see :class:`Batch` for the fields."""
@@ -182,7 +194,7 @@ class RelationsTask:
         raise ValueError(f"token must be in [0, {self.vocab_size}); got {token}")
 
 
-class ReverseTask:
+class ReverseTask(_Task):
     """``x_1 .. x_n SEP x_n .. x_1``, trained as next-token prediction on the reversed half.
 
     Token ids ``[0, n_symbols)`` are symbols, ``n_symbols`` is SEP. The output at position ``n + i``
@@ -191,6 +203,7 @@ class ReverseTask:
 
     name = "reverse"
     relations = ("mirror",)
+    options = ("n_symbols", "length")
 
     def __init__(self, n_symbols: int = 16, length: int = 8) -> None:
         self.n_symbols = _check_int("n_symbols", n_symbols, 2, 4096)
@@ -198,16 +211,6 @@ class ReverseTask:
         self.sep_id = n_symbols
         self.vocab_size = n_symbols + 1
         self.seq_len = 2 * length + 1
-
-    def describe(self) -> dict:
-        return {
-            "name": self.name,
-            "n_symbols": self.n_symbols,
-            "length": self.length,
-            "vocab_size": self.vocab_size,
-            "seq_len": self.seq_len,
-            "relations": list(self.relations),
-        }
 
     def sample(self, generator: torch.Generator, batch_size: int) -> Batch:
         _check_int("batch_size", batch_size, 1)
