@@ -168,6 +168,10 @@ class _Metric:
 
     def __init__(self, model: Any, module: nn.Module, batches: Sequence[Batch]) -> None:
         self.model, self.module, self.batches = model, module, batches
+        self._setup()
+
+    def _setup(self) -> None:
+        """What a metric prepares (or checks) once, before any ablation; nothing by default."""
 
     def stats(self, batch_index: int, out: Tensor, R: int) -> tuple[Tensor, Tensor]:
         raise NotImplementedError
@@ -187,9 +191,8 @@ class _Cosine(_Metric):
 
     name = "cosine"
 
-    def __init__(self, model: Any, module: nn.Module, batches: Sequence[Batch]) -> None:
-        super().__init__(model, module, batches)
-        self.reference = [self.embed(b.run(module), b.real) for b in batches]  # [(b, d_model)]
+    def _setup(self) -> None:
+        self.reference = [self.embed(b.run(self.module), b.real) for b in self.batches]  # [(b, d_model)]
 
     def embed(self, states: Tensor, real: Tensor) -> Tensor:
         """Sentence embeddings [b, d]: the wrapper's pool() (as its encode()), else the masked mean."""
@@ -219,9 +222,8 @@ class _Loss(_Metric):
 
     name = "loss"
 
-    def __init__(self, model: Any, module: nn.Module, batches: Sequence[Batch]) -> None:
-        super().__init__(model, module, batches)
-        for batch in batches:
+    def _setup(self) -> None:
+        for batch in self.batches:
             if batch.tokens is None:
                 raise TypeError("metric='loss' needs token ids [batch, seq]; got activations")
 
