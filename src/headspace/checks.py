@@ -65,6 +65,21 @@ def check_positive_float(name: str, value: Any) -> float:
     return float(value)
 
 
+def shape_or_type(value: Any) -> list[int] | str:
+    """What came, as an error message says it: a tensor's shape (a list), anything else its type's name."""
+    return list(value.shape) if isinstance(value, Tensor) else type(value).__name__
+
+
+def check_tensor_dims(value: Any, dims: int, what: str) -> Tensor:
+    """``value`` must be a tensor with ``dims`` dimensions: ``"{what}; got {shape or type}"`` otherwise.
+
+    ``what`` names the argument and its layout, e.g. ``"A must be a matrix [d, p]"``.
+    """
+    if not isinstance(value, Tensor) or value.dim() != dims:
+        raise ValueError(f"{what}; got {shape_or_type(value)}")
+    return value
+
+
 def nonfinite_count(t: Tensor) -> int:
     """How many NaN/Inf values ``t`` holds (0 when all are finite; one pass, the count only on failure)."""
     finite = torch.isfinite(t)

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ..checks import check_tensor_dims
 from ..trace import as_module, attention_layers, trace
 from ._common import JsonResult, eval_mode, layer_head_table, make_batches, pad_heads
 
@@ -58,9 +59,7 @@ class HeadMixing(JsonResult):
 
 def shares_from_result(result: Tensor) -> tuple[Tensor, Tensor]:
     """(share, projection), each [batch, seq, n_heads], from hook_result [batch, seq, n_heads, d_model]."""
-    if not isinstance(result, Tensor) or result.dim() != 4:
-        got = list(result.shape) if isinstance(result, Tensor) else type(result).__name__
-        raise ValueError(f"result must be hook_result [batch, seq, n_heads, d_model]; got {got}")
+    check_tensor_dims(result, 4, "result must be hook_result [batch, seq, n_heads, d_model]")
     r = result.detach().to(torch.float64)
     norms = r.norm(dim=-1)  # (batch, seq, n_heads)
     total = norms.sum(-1, keepdim=True)  # (batch, seq, 1)

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..checks import is_int, is_number, nonfinite_count
+from ..checks import check_tensor_dims, is_int, is_number, nonfinite_count
 from ..trace import as_module, attention_layers, hooked
 from ._common import Batch, eval_mode, layer_head_table, make_batches, pad_heads
 from .chunked import default_chunk_size, each_layer_qk, supports_qk_capture
@@ -270,9 +270,7 @@ def roles_from_patterns(
     if not patterns:
         raise ValueError("patterns must hold one [batch, n_heads, seq, seq] tensor per layer; got none")
     for i, p in enumerate(patterns):
-        if not isinstance(p, Tensor) or p.dim() != 4:
-            got = list(p.shape) if isinstance(p, Tensor) else type(p).__name__
-            raise ValueError(f"patterns[{i}] must be [batch, n_heads, seq, seq]; got {got}")
+        check_tensor_dims(p, 4, f"patterns[{i}] must be [batch, n_heads, seq, seq]")
         if p.shape[2] != p.shape[3]:
             raise ValueError(
                 f"head roles need self-attention patterns (seq_q == seq_k); patterns[{i}] (layer {i}) has "

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from ..attention import MultiHeadAttention
-from ..checks import is_int, nonfinite_count
+from ..checks import check_tensor_dims, is_int, nonfinite_count
 from ..circuits import FactoredMatrix, effective_rank
 from ..trace import attention_layers
 from ._common import JsonResult, html_table, layer_head_table, pad_heads
@@ -127,9 +127,7 @@ def orthonormal_basis(A: Tensor, rtol: float | None = None) -> tuple[Tensor, Ten
 
 def _check_pair(A: Tensor, B: Tensor) -> None:
     for name, t in (("A", A), ("B", B)):
-        if not isinstance(t, Tensor) or t.dim() != 2:
-            got = list(t.shape) if isinstance(t, Tensor) else type(t).__name__
-            raise ValueError(f"{name} must be a matrix [d, p] whose columns span a subspace; got {got}")
+        check_tensor_dims(t, 2, f"{name} must be a matrix [d, p] whose columns span a subspace")
     if A.shape[0] != B.shape[0]:
         raise ValueError(
             f"A and B must live in the same space (same number of rows); "
