@@ -91,7 +91,8 @@ def test_explain_on_smollm2_shows_the_shared_key_value_head(runner) -> None:
     sentence = "The cat sat on the mat because it was tired"
     out = json.loads(_run(runner, ["explain", "--model", "smollm2", sentence, "--token", "it", "--json"]))
     assert out["n_heads"] == 9 and out["n_kv_heads"] == 3
-    text = _run(runner, ["explain", "--model", "smollm2", "--layer", "3", "--head", "4", "--token", "it"])
+    args = ["explain", "--model", "smollm2", sentence, "--layer", "3", "--head", "4", "--token", "it"]
+    text = _run(runner, args)
     assert "key/value head 1" in text
 
 
@@ -111,3 +112,37 @@ def test_patch_and_attribute_commands_on_smollm2(runner, tmp_path) -> None:
     assert (tmp_path / "patch_heads.png").stat().st_size > 1000
     text = _run(runner, ["attribute", "--model", "smollm2", "The capital of France is", "--answer", " Paris"])
     assert "logit lens" in text and "top 10 heads" in text
+
+
+def test_explain_on_smollm2_by_default_walks_the_rotation_on_a_repeated_phrase(runner) -> None:
+    from headspace.defaults import DECODER_SENTENCE
+
+    out = json.loads(_run(runner, ["explain", "--model", "smollm2", "--json"]))
+    assert out["sentence"] == DECODER_SENTENCE
+    assert out["token_index"] == len(out["tokens"]) - 1 and out["occurrence"] == 2  # the second "cat"
+    # the copying heads look at "sat", the word after the first "The cat" (and the model's next token)
+    assert out["top"][0]["token"].strip("Ġ ") == "sat"
+    q, q_rot = out["q"], out["q_rot"]
+    assert len(q_rot) == out["d_head"] == 64 and out["rope_theta"] == 100000.0 and out["rotary_dim"] == 64
+    assert abs(sum(v * v for v in q) - sum(v * v for v in q_rot)) < 1e-3 * sum(v * v for v in q)
+    text = _run(runner, ["explain", "--model", "smollm2"])
+    assert "2b. rotary positions (RoPE, base 100000)" in text and "q_rot = q R(15)" in text
+    assert "scores q_rot.k_rot_j / sqrt(64)" in text and "shared by query heads" in text
+    # a sentence of one's own: a decoder follows its last token
+    mine = json.loads(_run(runner, ["explain", "--model", "smollm2", "One two three four", "--json"]))
+    assert mine["token_index"] == len(mine["tokens"]) - 1
+
+
+def test_subspaces_on_smollm2_shows_the_rotary_planes(runner) -> None:
+    from headspace.analysis.rotary import LABELS
+
+    data = json.loads(_run(runner, ["subspaces", "--model", "smollm2", "--layer", "4", "--json"]))
+    planes = data["rotary_planes"]
+    assert planes["split_tokens"] > 50 and [r["layer"] for r in planes["layers"]] == [4]
+    row = planes["layers"][0]
+    assert len(row["wavelengths"]) == 32 and len(row["share"]) == 9 and len(row["share"][0]) == 32
+    for h in range(9):  # each head's shares of |score| add up to 1, slow + fast too
+        assert abs(sum(row["share"][h]) + row["passthrough"][h] - 1) < 1e-9
+        assert abs(row["slow"][h] + row["fast"][h] - 1) < 1e-9 and row["labels"][h] in LABELS
+    text = _run(runner, ["subspaces", "--model", "smollm2", "--layer", "4"])
+    assert "rotary planes" in text and "most positional head" in text

@@ -8,10 +8,19 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import click
 
-from ..defaults import DEFAULT_SENTENCE, DEFAULT_TOKEN
+from ..defaults import (
+    DECODER_OCCURRENCE,
+    DECODER_PARAGRAPH,
+    DECODER_SENTENCE,
+    DECODER_TOKEN,
+    DEFAULT_SENTENCE,
+    DEFAULT_TOKEN,
+    is_decoder,
+)
 from ..errors import UsageError
 from .loader import at_precision, load_model
 from .options import json_option, model_option, out_option, positive_int, precision_option
@@ -28,12 +37,15 @@ def _check_range(name: str, value: int | None, n: int) -> None:
 
 
 @click.command("explain")
-@click.argument("sentence", required=False, default=DEFAULT_SENTENCE)
+@click.argument("sentence", required=False, default=None)
 @click.option(
     "--token",
-    default=DEFAULT_TOKEN,
-    show_default=True,
-    help="The token to follow (a token of the sentence, or its index).",
+    default=None,
+    help=(
+        "The token to follow (a token of the sentence, or its index). Default: an encoder follows "
+        f"'{DEFAULT_TOKEN}'; a decoder its last token (without SENTENCE: the second '{DECODER_TOKEN}' of "
+        f"'{DECODER_SENTENCE}')."
+    ),
 )
 @click.option("--layer", type=int, default=None, help="Layer to explain (default: the best-ranked head's).")
 @click.option(
@@ -60,8 +72,8 @@ def _check_range(name: str, value: int | None, n: int) -> None:
 @out_option
 @json_option
 def explain_cmd(
-    sentence: str,
-    token: str,
+    sentence: str | None,
+    token: str | None,
     layer: int | None,
     head: int | None,
     occurrence: int | None,
@@ -71,7 +83,10 @@ def explain_cmd(
     out_dir: Path | None,
     as_json: bool,
 ) -> None:
-    """Walk one token through one head: x -> q, k, v -> scores -> softmax -> z -> concat -> W_O -> out."""
+    """Walk one token through one head: x -> q, k, v -> scores -> softmax -> z -> concat -> W_O -> out.
+
+    Without SENTENCE an encoder reads the coreference sentence (and follows "it"), a decoder a repeated
+    phrase (and follows its last token, where the copying heads look back)."""
     if out_dir is not None:
         check_writable_folder(out_dir)
     pretrained = at_precision(load_model(model_spec), model_precision)
@@ -80,8 +95,15 @@ def explain_cmd(
     _check_range("head", head, cfg.n_heads)
     from ..explain import explain, find_token, token_strings
 
+    decoder = is_decoder(pretrained)
+    if sentence is None:
+        sentence = DECODER_SENTENCE if decoder else DEFAULT_SENTENCE
+        if decoder and token is None and occurrence is None:
+            token, occurrence = DECODER_TOKEN, DECODER_OCCURRENCE
     try:
         tokens = token_strings(pretrained, sentence)
+        if token is None:  # an encoder follows "it"; a decoder its last token, which sees the whole text
+            token = str(len(tokens) - 1) if decoder else DEFAULT_TOKEN
         tok: str | int = int(token) if token.isdigit() and token not in tokens else token
         if occurrence is not None and not isinstance(tok, str):
             raise ValueError(f"--occurrence needs --token as text; --token {token} is already one position")
@@ -262,10 +284,25 @@ def subspaces_cmd(
 
     ov = subspace_overlaps(pretrained, which)
     spectra = circuit_spectra(pretrained)
+    planes = None
+    if getattr(pretrained.model, "rotary", None) is not None:  # RoPE: scores by frequency plane, on text
+        from ..analysis import rotary_planes
+
+        planes = rotary_planes(pretrained, [DECODER_PARAGRAPH])
     layers = range(ov.overlap.shape[0]) if layer is None else [layer]
     pictures = []
     if out_dir is not None:
         for i in layers:
+            if planes is not None:
+                pictures.append(
+                    plots.plot_rotary_planes(
+                        planes.share[i],
+                        planes.wavelengths[i],
+                        out_dir / f"subspaces_L{i}_rotary.png",
+                        split=planes.split,
+                        title=f"layer {i}: each head's |score| by rotary plane",
+                    )
+                )
             pictures.append(
                 plots.plot_overlap(
                     ov.overlap[i],
@@ -303,6 +340,8 @@ def subspaces_cmd(
                     "ov_effective_rank": spectra.ov_effective_rank[i].tolist(),
                 }
             )
+        if planes is not None:
+            data["rotary_planes"] = _rotary_json(planes, layers)
         data["pictures"] = [str(p) for p in pictures]
         json_out(clean(data))
         return
@@ -337,8 +376,62 @@ def subspaces_cmd(
             f"{float(spectra.ov_effective_rank[i].nanmean()):.1f}",
         )
     c.print(t)
+    if planes is not None:
+        c.print(_rotary_table(planes, layers, model_spec))
     for p in pictures:
         click.echo(f"wrote {p}")
+
+
+def _rotary_json(planes: Any, layers: Any) -> dict[str, Any]:
+    """The ``rotary_planes`` field of ``subspaces --json``: per layer and head, the shares by plane."""
+    return {
+        "text": DECODER_PARAGRAPH,
+        "split_tokens": planes.split,
+        "threshold": planes.threshold,
+        "n_pairs": planes.n_pairs,
+        "layers": [
+            {
+                "layer": i,
+                "wavelengths": planes.wavelengths[i].tolist(),
+                "share": planes.share[i].tolist(),
+                "passthrough": planes.passthrough[i].tolist(),
+                "slow": planes.slow[i].tolist(),
+                "fast": planes.fast[i].tolist(),
+                "labels": planes.labels[i],
+            }
+            for i in layers
+        ],
+    }
+
+
+def _rotary_table(planes: Any, layers: Any, model_spec: str) -> Any:
+    """Per layer: each head's fast-plane share (position) with its label, and the head leaning most on
+    position."""
+    from rich.table import Table
+
+    t = Table(
+        title=f"{model_spec}: rotary planes, each head's share of |score| on the fast planes (wavelength <= "
+        f"{planes.split:g} tokens, the text's length: position) against the slow ones (content); "
+        f"c = content, p = position, m = mixed (threshold {planes.threshold:g})"
+    )
+    for col in ("layer", "fast share per head (label)", "most positional head", "its top fast plane"):
+        t.add_column(col, justify="right" if col == "layer" else "left")
+    for i in layers:
+        fast = planes.fast[i]
+        labels = planes.labels[i]
+        cells = [f"H{h} {v:.2f}{labels[h][0]}" for h, v in enumerate(fast.tolist()) if math.isfinite(v)]
+        h = int(fast.nan_to_num(-1).argmax())
+        waves = planes.wavelengths[i]  # (n_planes,)
+        fast_share = planes.share[i, h].nan_to_num(-1).masked_fill(waves > planes.split, -1)  # (n_planes,)
+        top = int(fast_share.argmax())
+        top_cell = (
+            f"plane {top}: {float(planes.share[i, h, top]):.2f} of |score|, "
+            f"{float(waves[top]):.3g} tokens per turn"
+            if float(fast_share[top]) >= 0
+            else "no fast plane"
+        )
+        t.add_row(str(i), " ".join(cells), f"H{h} ({float(fast[h]):.2f})", top_cell)
+    return t
 
 
 COMMANDS = (explain_cmd, heads_cmd, subspaces_cmd)

@@ -68,6 +68,25 @@ def kv_note(e: Explanation) -> str:
     return f" (key/value head {e.kv_head}, shared by query heads {heads})"
 
 
+def rotation_lines(e: Explanation) -> list[str]:
+    """Step 2b of the walk for rotary positions (RoPE): q and every k turned by their positions.
+
+    Each pair of features (a plane) turns by the angle position x inv_freq[plane]; the score of query i
+    on key j then depends on the positions only through the offset i - j. Lengths do not change.
+    """
+    dh, i = e.d_head, e.token_index
+    rd = e.rotary_dim if e.rotary_dim is not None else dh
+    part = f"all {dh} features" if rd >= dh else f"the first {rd} of {dh} features (the rest pass through)"
+    theta = f"{e.rope_theta:g}" if e.rope_theta is not None else "?"
+    return [
+        f"2b. rotary positions (RoPE, base {theta}): q and every k_j turn, {rd // 2} planes of 2 features, "
+        f"{part}; plane p by the angle position x {theta}^(-2p/{rd}) (before any rope scaling)",
+        f"    q_rot = q R({i})   [{dh}]   |q_rot| = {_norm(e.q_rot):.3f} (= |q|)  {_vec(e.q_rot)}",
+        f"    k_rot_j = k_j R(j): cached this way, so the score q_rot.k_rot_j depends on {i} - j only "
+        f"(key/value head {e.kv_head})",
+    ]
+
+
 def render_explanation(e: Explanation, *, top_heads: int = 5) -> None:
     """Print the pipeline of an :class:`Explanation` in order, with real shapes and values."""
     from rich.panel import Panel
@@ -116,8 +135,15 @@ def render_explanation(e: Explanation, *, top_heads: int = 5) -> None:
         f"   k_j = x_j W_K[{g}]{b_k}, v_j = x_j W_V[{g}]{b_v} for every token j "
         f"-> k, v [{len(e.tokens)}, {dh}]"
     )
-    t = Table(title=f"3. scores q.k_j / sqrt({dh}) and the softmax over the {len(e.tokens)} tokens")
-    for col in ("j", "token", "|k_j|", "score", "softmax", ""):
+    rotated = bool(e.q_rot)
+    if rotated:
+        for line in rotation_lines(e):
+            c.print(line)
+    q_name, k_name = ("q_rot", "k_rot_j") if rotated else ("q", "k_j")
+    t = Table(
+        title=f"3. scores {q_name}.{k_name} / sqrt({dh}) and the softmax over the {len(e.tokens)} tokens"
+    )
+    for col in ("j", "token", f"|{k_name}|", "score", "softmax", ""):
         t.add_column(col, justify="left" if col in ("token", "") else "right")
     for j, token in enumerate(e.tokens):
         s = e.scores[j]
@@ -126,7 +152,7 @@ def render_explanation(e: Explanation, *, top_heads: int = 5) -> None:
         t.add_row(
             str(j),
             token + (" <- query" if j == e.token_index else ""),
-            f"{_norm(e.k[j]):.2f}",
+            f"{_norm(e.k_rot[j] if rotated else e.k[j]):.2f}",
             "masked" if s is None else f"{s:+.3f}",
             f"{p:.4f}",
             _bar(p),

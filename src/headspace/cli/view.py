@@ -20,7 +20,7 @@ from typing import Any
 
 import click
 
-from ..defaults import DEFAULT_SENTENCE
+from ..defaults import default_sentence
 from ..errors import UsageError
 from .loader import at_precision, load_model
 from .options import model_precision_option
@@ -90,9 +90,7 @@ def view(
                 raise UsageError(f"--result: {' '.join(str(e).split())}") from None
         if sentence is None:
             sentence = prompt_of(views)
-    if sentence is None:
-        sentence = DEFAULT_SENTENCE
-    if not sentence.strip():
+    if sentence is not None and not sentence.strip():
         raise UsageError("SENTENCE is empty; give at least one word (or leave it out for the default)")
     if output is not None:
         folder = Path(output).parent
@@ -111,6 +109,8 @@ def view(
     with _sigterm_exits():
         try:
             pre = at_precision(load_model(model_name), model_precision)
+            if sentence is None:  # the lesson's sentence: an encoder's or a decoder's
+                sentence = default_sentence(pre)
             loaded = time.perf_counter()
             try:
                 page = Explorer(pre, sentence, precision=precision, results=views)

@@ -264,3 +264,39 @@ def plot_circuit_spectra(
         handles, names, loc="upper center", ncol=2, fontsize=9, frameon=False, bbox_to_anchor=(0.5, 0.96)
     )
     return _save(fig, path)
+
+
+def plot_rotary_planes(
+    share: ArrayLike,
+    wavelengths: ArrayLike,
+    path: str | Path,
+    *,
+    split: float | None = None,
+    title: str = "",
+) -> Path:
+    """Heads x rotary planes heatmap: each head's share of |score| on each RoPE plane.
+
+    ``share`` [n_heads, n_planes] (a row sums to 1 minus the pass-through share; NaN rows, pruned heads,
+    stay blank), ``wavelengths`` [n_planes] in tokens per turn (the x axis, fast planes on the left).
+    ``split``: the wavelength between position (fast) and content (slow) planes, drawn as a line.
+    """
+    m, wl = _np(share), _np(wavelengths)
+    n_heads, n_planes = m.shape
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.22 * n_planes + 2.5), max(3.0, 0.38 * n_heads + 1.5)))
+    im = ax.imshow(m, cmap="viridis", vmin=0.0, aspect="auto")
+    step = max(1, n_planes // 16)
+    ticks = list(range(0, n_planes, step))
+    ax.set_xticks(ticks)
+    ax.set_xticklabels([f"{wl[i]:.3g}" for i in ticks], fontsize=7, rotation=90)
+    ax.set_yticks(range(n_heads))
+    ax.set_yticklabels([f"H{h}" for h in range(n_heads)], fontsize=7)
+    ax.set_xlabel("rotary plane, by its wavelength (tokens per turn; fast = position, slow = content)")
+    ax.set_ylabel("query head")
+    if split is not None:
+        faster = int(np.sum(wl <= split))  # planes are ordered fast to slow
+        if 0 < faster < n_planes:
+            ax.axvline(faster - 0.5, color="white", lw=1.5, ls="--")
+            ax.text(faster - 0.4, -0.7, f" split {split:g} tokens", fontsize=7, va="bottom")
+    fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="share of the head's |score|")
+    ax.set_title(title or "score share by rotary plane")
+    return _save(fig, path)
