@@ -4,8 +4,9 @@ Encoders (BERT, MiniLM) read the classic coreference example: which heads send "
 
 Decoders (GPT-2, SmolLM2) see only the past, and what their heads do best is copy it forward: in
 :data:`DECODER_SENTENCE` the second "cat" repeats "The cat" of the first clause, and SmolLM2's strongest
-heads there look at "sat", the word that followed "cat" before, which is the model's next token
-(measured: layer 24 head 4 puts 0.39 of its weight on the first "sat"; induction, Olsson et al. 2022).
+heads there look at "sat", the word that followed "The cat" and "The dog" before, which is the model's
+next token (measured: layer 23 head 0 puts 0.43 of its weight on a "sat", layer 24 head 4 0.34 and 0.27 on
+the two; greedy decoding continues with " sat"; induction-style copying, Olsson et al. 2022).
 """
 
 from __future__ import annotations
