@@ -29,6 +29,7 @@ from .causal_inputs import (
     frozen_norm,
     gather_last,
     is_decoder,
+    last_resid,
     prompts_of,
     stack_of,
     token_id,
@@ -99,18 +100,14 @@ def direct_logit_attribution(model: Any, prompts: Any, answer: Any, other: Any =
     a = token_id(model, answer, "answer")
     b = None if other is None else token_id(model, other, "other")
     n_layers = len(module.blocks)
+    last = last_resid(module)
     with eval_mode(module), torch.no_grad():
-        names = [
-            "hook_embed",
-            "blocks.*.attn.hook_result",
-            "blocks.*.hook_mlp_out",
-            f"blocks.{n_layers - 1}.hook_resid_post",
-        ]
+        names = ["hook_embed", "blocks.*.attn.hook_result", "blocks.*.hook_mlp_out", last]
         with trace(module, names=names) as t:
             logits = module(p.tokens, p.key_padding)  # (P, seq, vocab)
     W_U = module.W_U  # (d_model, vocab)
     u = W_U[:, a] if b is None else W_U[:, a] - W_U[:, b]  # (d_model,)
-    x_final = gather_last(t[f"blocks.{n_layers - 1}.hook_resid_post"], p.last)  # (P, d_model)
+    x_final = gather_last(t[last], p.last)  # (P, d_model)
     scale, beta = frozen_norm(module.ln_final, x_final)  # (P, d_model) x 2
     norm = module.ln_final
 

@@ -48,6 +48,12 @@ def stack_of(model: Any, what: str) -> nn.Module:
     return module
 
 
+def last_resid(module: nn.Module) -> str:
+    """The hook point of the last block's output, ``blocks.{n_layers - 1}.hook_resid_post`` (the final
+    norm's input, from which the output is read)."""
+    return f"blocks.{len(module.blocks) - 1}.hook_resid_post"
+
+
 def prompts_of(model: Any, prompts: Any, what: str = "prompts") -> Prompts:
     """Tokenize ``prompts`` (a str, a list of str, or int64 ids [batch, seq]) for ``model``."""
     module = stack_of(model, what)

@@ -42,7 +42,7 @@ from torch import Tensor, nn
 from ..attention import KVCache
 from ..trace import hooked, trace
 from ._common import JsonResult, eval_mode
-from .causal_inputs import Prompts, is_decoder, prompts_of, stack_of, token_id, token_str
+from .causal_inputs import Prompts, is_decoder, last_resid, prompts_of, stack_of, token_id, token_str
 
 #: site -> the axes of its effect tensor
 SITES: dict[str, tuple[str, ...]] = {
@@ -193,15 +193,11 @@ class _Run:
 
 def _full_run(module: nn.Module, tokens: Tensor, decoder: bool) -> _Run:
     L = len(module.blocks)
-    names = [
-        "blocks.*.hook_resid_pre",
-        "blocks.*.attn.hook_z",
-        "blocks.*.hook_mlp_out",
-        f"blocks.{L - 1}.hook_resid_post",
-    ]
+    last = last_resid(module)
+    names = ["blocks.*.hook_resid_pre", "blocks.*.attn.hook_z", "blocks.*.hook_mlp_out", last]
     with trace(module, names=names) as t:
         module(tokens)
-    final = t[f"blocks.{L - 1}.hook_resid_post"]  # (1, seq, d_model)
+    final = t[last]  # (1, seq, d_model)
     return _Run(
         resid_pre=[t[f"blocks.{i}.hook_resid_pre"] for i in range(L)],
         z=[t[f"blocks.{i}.attn.hook_z"] for i in range(L)],
@@ -344,7 +340,8 @@ def _corrupt_stream(
 ) -> tuple[list[Tensor], list, Tensor]:
     """(the corrupt stream entering each block at positions p.., the prefix K/V, the corrupt output)."""
     L = len(module.blocks)
-    names = ["blocks.*.hook_resid_pre", f"blocks.{L - 1}.hook_resid_post"]
+    last = last_resid(module)
+    names = ["blocks.*.hook_resid_pre", last]
     if decoder and p:
         caches = module.make_kv_caches(1, tokens.shape[1])
         module(tokens[:, :p], None, caches)  # the prefix, the same in every run
@@ -356,7 +353,7 @@ def _corrupt_stream(
         with trace(module, names=names) as t:
             module(tokens)
     resid = [t[f"blocks.{i}.hook_resid_pre"] for i in range(L)]  # (1, seq - p, d_model) each
-    return resid, prefix, _output(module, t[f"blocks.{L - 1}.hook_resid_post"], decoder)
+    return resid, prefix, _output(module, t[last], decoder)
 
 
 def _first_difference(a: Tensor, b: Tensor) -> int:
@@ -467,22 +464,22 @@ def patch_activations(
     decoder = is_decoder(module)
     c, k = _pair(model, clean, corrupt)
     patterns = [names] if isinstance(names, str) else list(names)
-    L = len(module.blocks)
+    last = last_resid(module)
     with eval_mode(module):
         with trace(module, names=patterns) as t:
             module(c.tokens)
         stored = dict(t)
         final: dict[str, Tensor] = {}
         hooks: dict[str, Callable] = {name: (lambda v, pt, name=name: stored[name]) for name in stored}
-        hooks[f"blocks.{L - 1}.hook_resid_post"] = lambda v, pt: final.__setitem__("x", v)
+        hooks[last] = lambda v, pt: final.__setitem__("x", v)
         with hooked(module, hooks):
             module(k.tokens)
         out = _output(module, final["x"], decoder)
         clean_out = None
         if metric is None and not decoder:  # the embedding metric needs the clean embedding
-            with trace(module, names=[f"blocks.{L - 1}.hook_resid_post"]) as tc:
+            with trace(module, names=[last]) as tc:
                 module(c.tokens)
-            clean_out = _output(module, tc[f"blocks.{L - 1}.hook_resid_post"], decoder)
+            clean_out = _output(module, tc[last], decoder)
         fn, name = _metric_fn(model, module, metric, answer, other, clean_out)
         return float(_checked(fn(out), 1, name)[0])
 
@@ -535,7 +532,7 @@ def attribution_patching(
         hooks: dict[str, Callable] = {"hook_embed": lambda v, pt: v.detach().requires_grad_(True)}
         hooks.update({f"blocks.{i}.{hook}": keep(i) for i in range(L)})
         final: dict[str, Tensor] = {}
-        hooks[f"blocks.{L - 1}.hook_resid_post"] = lambda v, pt: final.__setitem__("x", v)
+        hooks[last_resid(module)] = lambda v, pt: final.__setitem__("x", v)
         with torch.enable_grad(), hooked(module, hooks):
             module(k.tokens)
             out = _output(module, final["x"], decoder)
@@ -674,7 +671,7 @@ def path_patch(
 
         final: dict[str, Tensor] = {}
         hooks = {f"blocks.{layer}.attn.{point}": replace(layer) for layer in by_layer}
-        hooks[f"blocks.{L - 1}.hook_resid_post"] = lambda v, pt: final.__setitem__("x", v)
+        hooks[last_resid(module)] = lambda v, pt: final.__setitem__("x", v)
         with hooked(module, hooks):
             module(k.tokens)
         patched = float(_checked(fn(_output(module, final["x"], decoder)), 1, name)[0])
