@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from headspace import load
+from headspace.bench import machine_info
 from headspace.fileio import write_json
 from headspace.pretrained import minilm_path
 
@@ -405,6 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         out,
         {
             "benchmark": "encode",
+            "machine": machine_info(),
             "sentences": a.sentences,
             "short_sentences": len(short),
             "long_sentences": len(long),
