@@ -12,24 +12,46 @@ from ..config import ModelConfig
 from ..models import Encoder, check_precision
 from .hf import (
     ConfigFields,
-    check_dtypes,
-    check_parameter_count,
-    check_tensors,
-    config_problems,
+    config_fields,
+    config_sizes,
+    embedding_shapes,
+    fitting_headspace,
     folder_tokenizer,
+    layered_count,
+    linear_shapes,
     load_converted,
-    load_tensors,
-    open_folder,
+    norm_shapes,
+    open_checkpoint,
     optional_file,
-    parameter_count,
+    read_checked,
     read_json,
-    safetensors_header,
-    strip_prefix,
+    refuse_unsupported,
+    renamed,
 )
 from .wrappers import PretrainedEncoder
 
 _BERT_ACT = {"gelu": "gelu", "relu": "relu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh"}
 _BERT_FIELDS = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"]
+#: A block's tensors but attention: headspace's name (under ``blocks.{i}.``) -> BERT's (under
+#: ``encoder.layer.{i}.``).
+_BERT_LAYER_NAMES = {
+    "ln1.weight": "attention.output.LayerNorm.weight",
+    "ln1.bias": "attention.output.LayerNorm.bias",
+    "mlp.fc_in.weight": "intermediate.dense.weight",
+    "mlp.fc_in.bias": "intermediate.dense.bias",
+    "mlp.fc_out.weight": "output.dense.weight",
+    "mlp.fc_out.bias": "output.dense.bias",
+    "ln2.weight": "output.LayerNorm.weight",
+    "ln2.bias": "output.LayerNorm.bias",
+}
+#: The config.json fields behind the parameter count (for its message): key -> ModelConfig attribute.
+_BERT_COUNTED = {
+    "num_hidden_layers": "n_layers",
+    "hidden_size": "d_model",
+    "intermediate_size": "d_mlp",
+    "vocab_size": "vocab_size",
+    "max_position_embeddings": "max_seq_len",
+}
 
 
 def bert_config(hf: dict[str, Any], name: str = "") -> ModelConfig:
@@ -39,44 +61,26 @@ def bert_config(hf: dict[str, Any], name: str = "") -> ModelConfig:
     where an int or a boolean belongs is refused, never converted); then what headspace cannot represent
     is refused in one message listing the fields.
     """
-    if not isinstance(hf, dict):
-        raise TypeError(f"hf must be the config.json dict; got {type(hf).__name__}")
-    f = ConfigFields(hf)
-    f.text("model_type", None, allow_none=True)
+    f = config_fields(hf)
     f.text("hidden_act", "gelu")
     f.text("position_embedding_type", None, allow_none=True)
     f.flag("is_decoder", False)
-    f.flag("add_cross_attention", False)
-    config_problems(
-        hf,
+    refuse_unsupported(
+        f,
+        "bert",
         {
-            "model_type": lambda v: v in (None, "bert"),
             "hidden_act": lambda v: v in _BERT_ACT,
             "position_embedding_type": lambda v: v in (None, "absolute"),
             "is_decoder": lambda v: not v,
-            "add_cross_attention": lambda v: not v,
         },
         {"hidden_act": "gelu"},
     )
     f.require(_BERT_FIELDS, "BERT")
-    vocab_size = f.integer("vocab_size")
-    d_model = f.integer("hidden_size")
-    n_heads = f.integer("num_attention_heads")
-    if d_model % n_heads:
-        raise ValueError(
-            f"config.json: hidden_size={d_model} must be divisible by num_attention_heads={n_heads} "
-            f"(head size {d_model / n_heads:g})"
-        )
-    pad_token_id = f.integer("pad_token_id", 0, minimum=0, allow_none=True)
-    if pad_token_id is not None and pad_token_id >= vocab_size:
-        raise ValueError(f"config.json: pad_token_id must be < vocab_size={vocab_size}; got {pad_token_id}")
-    try:
+    sizes = config_sizes(f, "hidden_size", "num_attention_heads", pad_default=0)
+    with fitting_headspace():
         return ModelConfig(
             arch="encoder",
-            vocab_size=vocab_size,
-            d_model=d_model,
             n_layers=f.integer("num_hidden_layers"),
-            n_heads=n_heads,
             d_mlp=f.integer("intermediate_size"),
             max_seq_len=f.integer("max_position_embeddings", 512),
             act=_BERT_ACT[hf.get("hidden_act", "gelu")],
@@ -85,26 +89,19 @@ def bert_config(hf: dict[str, Any], name: str = "") -> ModelConfig:
             attn_dropout=f.probability("attention_probs_dropout_prob", 0.1),
             ln_eps=f.number("layer_norm_eps", 1e-12, low=0.0, low_open=True),
             type_vocab_size=f.integer("type_vocab_size", 2, minimum=0),
-            pad_token_id=pad_token_id,
             embed_ln=True,
             final_ln=False,
             init_std=f.number("initializer_range", 0.02, low=0.0, low_open=True),
             name=name,
+            **sizes,
         )
-    except ValueError as e:
-        raise ValueError(f"config.json does not fit headspace: {e}") from None
 
 
 def _bert_base(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    d = c.d_model
-    exp: dict[str, tuple[int, ...]] = {
-        "embeddings.word_embeddings.weight": (c.vocab_size, d),
-        "embeddings.position_embeddings.weight": (c.max_seq_len, d),
-        "embeddings.LayerNorm.weight": (d,),
-        "embeddings.LayerNorm.bias": (d,),
-    }
+    exp = embedding_shapes(c, "embeddings.word_embeddings.weight", "embeddings.position_embeddings.weight")
+    exp.update(norm_shapes("embeddings.LayerNorm", c.d_model))
     if c.type_vocab_size:
-        exp["embeddings.token_type_embeddings.weight"] = (c.type_vocab_size, d)
+        exp["embeddings.token_type_embeddings.weight"] = (c.type_vocab_size, c.d_model)
     return exp
 
 
@@ -113,22 +110,12 @@ def _bert_layer(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     p = f"encoder.layer.{i}."
     exp: dict[str, tuple[int, ...]] = {}
     for proj in ("query", "key", "value"):
-        exp[f"{p}attention.self.{proj}.weight"] = (hq, d)
-        exp[f"{p}attention.self.{proj}.bias"] = (hq,)
-    exp.update(
-        {
-            f"{p}attention.output.dense.weight": (d, hq),
-            f"{p}attention.output.dense.bias": (d,),
-            f"{p}attention.output.LayerNorm.weight": (d,),
-            f"{p}attention.output.LayerNorm.bias": (d,),
-            f"{p}intermediate.dense.weight": (dm, d),
-            f"{p}intermediate.dense.bias": (dm,),
-            f"{p}output.dense.weight": (d, dm),
-            f"{p}output.dense.bias": (d,),
-            f"{p}output.LayerNorm.weight": (d,),
-            f"{p}output.LayerNorm.bias": (d,),
-        }
-    )
+        exp.update(linear_shapes(f"{p}attention.self.{proj}", hq, d))
+    exp.update(linear_shapes(f"{p}attention.output.dense", d, hq))
+    exp.update(norm_shapes(f"{p}attention.output.LayerNorm", d))
+    exp.update(linear_shapes(f"{p}intermediate.dense", dm, d))
+    exp.update(linear_shapes(f"{p}output.dense", d, dm))
+    exp.update(norm_shapes(f"{p}output.LayerNorm", d))
     return exp
 
 
@@ -141,9 +128,7 @@ def _bert_expected(c: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 def bert_parameter_count(c: ModelConfig) -> tuple[int, int]:
     """(parameters, tensors) a BERT checkpoint of config ``c`` holds at least (no pooler), by arithmetic."""
-    base, layer = _bert_base(c), _bert_layer(c, 0)
-    n_params = parameter_count(base.values()) + c.n_layers * parameter_count(layer.values())
-    return n_params, len(base) + c.n_layers * len(layer)
+    return layered_count(_bert_base(c), _bert_layer(c, 0), c.n_layers)
 
 
 def bert_state_dict(t: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
@@ -160,15 +145,7 @@ def bert_state_dict(t: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
     if c.type_vocab_size:
         sd["type_embed.weight"] = t["embeddings.token_type_embeddings.weight"]
     for i in range(c.n_layers):
-        p, b = f"encoder.layer.{i}.", f"blocks.{i}."
-        sd[b + "ln1.weight"] = t[f"{p}attention.output.LayerNorm.weight"]
-        sd[b + "ln1.bias"] = t[f"{p}attention.output.LayerNorm.bias"]
-        sd[b + "mlp.fc_in.weight"] = t[f"{p}intermediate.dense.weight"]
-        sd[b + "mlp.fc_in.bias"] = t[f"{p}intermediate.dense.bias"]
-        sd[b + "mlp.fc_out.weight"] = t[f"{p}output.dense.weight"]
-        sd[b + "mlp.fc_out.bias"] = t[f"{p}output.dense.bias"]
-        sd[b + "ln2.weight"] = t[f"{p}output.LayerNorm.weight"]
-        sd[b + "ln2.bias"] = t[f"{p}output.LayerNorm.bias"]
+        sd.update(renamed(t, _BERT_LAYER_NAMES, f"blocks.{i}.", f"encoder.layer.{i}."))
     return sd
 
 
@@ -205,25 +182,15 @@ def load_bert(
         TypeError: ``max_length`` is not an int (or None).
     """
     check_precision(precision)
-    path, hf, weights = open_folder(folder)
-    config = bert_config(hf, name=name or path.name)
-    header = safetensors_header(weights)
-    entries = strip_prefix(header.tensors, "bert.", "embeddings.")
-    implied, implied_tensors = bert_parameter_count(config)
-    fields = (
-        f"num_hidden_layers={config.n_layers}, hidden_size={config.d_model}, "
-        f"intermediate_size={config.d_mlp}, vocab_size={config.vocab_size}, "
-        f"max_position_embeddings={config.max_seq_len}"
+    ckpt = open_checkpoint(
+        folder, name, bert_config, "bert.", "embeddings.", bert_parameter_count, _BERT_COUNTED
     )
-    summary = check_parameter_count(implied, implied_tensors, header, fields)
+    config = ckpt.config
     expected = _bert_expected(config)
-    has_pooler = "pooler.dense.weight" in entries
+    has_pooler = "pooler.dense.weight" in ckpt.entries
     if has_pooler:
-        expected["pooler.dense.weight"] = (config.d_model, config.d_model)
-        expected["pooler.dense.bias"] = (config.d_model,)
-    ignored = check_tensors(entries, expected, _bert_ignorable, weights, summary=summary)
-    check_dtypes(entries, expected, weights)
-    tensors = load_tensors(header, entries, expected)
+        expected.update(linear_shapes("pooler.dense", config.d_model, config.d_model))
+    tensors, ignored = read_checked(ckpt, expected, _bert_ignorable)
     model = Encoder(config)
     load_converted(
         model, bert_state_dict(tensors, config), tensors, layouts.load_hf_bert, "encoder.layer.{}.attention."
@@ -234,8 +201,8 @@ def load_bert(
         pooler.load_state_dict(
             {"weight": tensors["pooler.dense.weight"], "bias": tensors["pooler.dense.bias"]}
         )
-    tokenizer = folder_tokenizer(path, config.pad_token_id or 0)
-    st_config = optional_file(path, "sentence_bert_config.json", "sentence-transformers' settings")
+    tokenizer = folder_tokenizer(ckpt.path, config.pad_token_id or 0)
+    st_config = optional_file(ckpt.path, "sentence_bert_config.json", "sentence-transformers' settings")
     if max_length is None and st_config is not None:
         max_length = ConfigFields(read_json(st_config), str(st_config)).integer(
             "max_seq_length", None, allow_none=True

@@ -12,18 +12,19 @@ from .. import layouts
 from ..config import ModelConfig
 from ..models import Decoder, check_precision
 from .hf import (
-    ConfigFields,
-    check_dtypes,
-    check_parameter_count,
-    check_tensors,
-    config_problems,
+    config_fields,
+    config_sizes,
+    conv1d_shapes,
+    embedding_shapes,
+    fitting_headspace,
     folder_tokenizer,
+    layered_count,
     load_converted,
-    load_tensors,
-    open_folder,
-    parameter_count,
-    safetensors_header,
-    strip_prefix,
+    norm_shapes,
+    open_checkpoint,
+    read_checked,
+    refuse_unsupported,
+    renamed,
 )
 from .wrappers import PretrainedDecoder
 
@@ -37,44 +38,27 @@ def gpt2_config(hf: dict[str, Any], name: str = "") -> ModelConfig:
     where an int or a boolean belongs is refused, never converted, so ``tie_word_embeddings: "false"``
     is an error); then what headspace cannot represent is refused in one message listing the fields.
     """
-    if not isinstance(hf, dict):
-        raise TypeError(f"hf must be the config.json dict; got {type(hf).__name__}")
-    f = ConfigFields(hf)
-    f.text("model_type", None, allow_none=True)
+    f = config_fields(hf)
     f.text("activation_function", "gelu_new")
     f.flag("scale_attn_weights", True)
     f.flag("scale_attn_by_inverse_layer_idx", False)
-    f.flag("add_cross_attention", False)
-    config_problems(
-        hf,
+    refuse_unsupported(
+        f,
+        "gpt2",
         {
-            "model_type": lambda v: v in (None, "gpt2"),
             "activation_function": lambda v: v in _GPT2_ACT,
             "scale_attn_weights": lambda v: v is True,
             "scale_attn_by_inverse_layer_idx": lambda v: not v,
-            "add_cross_attention": lambda v: not v,
         },
         {"activation_function": "gelu_new", "scale_attn_weights": True},
     )
     f.require(["vocab_size", "n_embd", "n_layer", "n_head"], "GPT-2")
-    vocab_size = f.integer("vocab_size")
-    d = f.integer("n_embd")
-    n_heads = f.integer("n_head")
-    if d % n_heads:
-        raise ValueError(
-            f"config.json: n_embd={d} must be divisible by n_head={n_heads} (head size {d / n_heads:g})"
-        )
-    pad_token_id = f.integer("pad_token_id", None, minimum=0, allow_none=True)
-    if pad_token_id is not None and pad_token_id >= vocab_size:
-        raise ValueError(f"config.json: pad_token_id must be < vocab_size={vocab_size}; got {pad_token_id}")
-    try:
+    sizes = config_sizes(f, "n_embd", "n_head", pad_default=None)
+    with fitting_headspace():
         return ModelConfig(
             arch="decoder",
-            vocab_size=vocab_size,
-            d_model=d,
             n_layers=f.integer("n_layer"),
-            n_heads=n_heads,
-            d_mlp=f.integer("n_inner", None, allow_none=True) or 4 * d,
+            d_mlp=f.integer("n_inner", None, allow_none=True) or 4 * sizes["d_model"],
             max_seq_len=f.integer("n_positions", 1024),
             act=_GPT2_ACT[hf.get("activation_function", "gelu_new")],
             norm="pre",
@@ -84,45 +68,31 @@ def gpt2_config(hf: dict[str, Any], name: str = "") -> ModelConfig:
             ln_eps=f.number("layer_norm_epsilon", 1e-5, low=0.0, low_open=True),
             type_vocab_size=0,
             tie_embeddings=f.flag("tie_word_embeddings", True),
-            pad_token_id=pad_token_id,
             embed_ln=False,
             final_ln=True,
             init_std=f.number("initializer_range", 0.02, low=0.0, low_open=True),
             name=name,
+            **sizes,
         )
-    except ValueError as e:
-        raise ValueError(f"config.json does not fit headspace: {e}") from None
 
 
 def _gpt2_layer(c: ModelConfig, i: int) -> dict[str, tuple[int, ...]]:
     d, dm, hq = c.d_model, c.d_mlp, c.n_heads * c.d_head
     p = f"h.{i}."
     return {
-        f"{p}ln_1.weight": (d,),
-        f"{p}ln_1.bias": (d,),
-        f"{p}attn.c_attn.weight": (d, 3 * hq),
-        f"{p}attn.c_attn.bias": (3 * hq,),
-        f"{p}attn.c_proj.weight": (hq, d),
-        f"{p}attn.c_proj.bias": (d,),
-        f"{p}ln_2.weight": (d,),
-        f"{p}ln_2.bias": (d,),
-        f"{p}mlp.c_fc.weight": (d, dm),
-        f"{p}mlp.c_fc.bias": (dm,),
-        f"{p}mlp.c_proj.weight": (dm, d),
-        f"{p}mlp.c_proj.bias": (d,),
+        **norm_shapes(f"{p}ln_1", d),
+        **conv1d_shapes(f"{p}attn.c_attn", d, 3 * hq),
+        **conv1d_shapes(f"{p}attn.c_proj", hq, d),
+        **norm_shapes(f"{p}ln_2", d),
+        **conv1d_shapes(f"{p}mlp.c_fc", d, dm),
+        **conv1d_shapes(f"{p}mlp.c_proj", dm, d),
     }
 
 
 def _gpt2_base(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    d = c.d_model
-    exp: dict[str, tuple[int, ...]] = {
-        "wte.weight": (c.vocab_size, d),
-        "wpe.weight": (c.max_seq_len, d),
-        "ln_f.weight": (d,),
-        "ln_f.bias": (d,),
-    }
+    exp = {**embedding_shapes(c, "wte.weight", "wpe.weight"), **norm_shapes("ln_f", c.d_model)}
     if not c.tie_embeddings:
-        exp["lm_head.weight"] = (c.vocab_size, d)
+        exp["lm_head.weight"] = (c.vocab_size, c.d_model)
     return exp
 
 
@@ -141,9 +111,20 @@ def gpt2_parameter_count(c: ModelConfig) -> tuple[int, int]:
 
     An untied checkpoint's ``lm_head.weight`` is counted; a tied one's copy of the embedding is not needed.
     """
-    base, layer = _gpt2_base(c), _gpt2_layer(c, 0)
-    n_params = parameter_count(base.values()) + c.n_layers * parameter_count(layer.values())
-    return n_params, len(base) + c.n_layers * len(layer)
+    return layered_count(_gpt2_base(c), _gpt2_layer(c, 0), c.n_layers)
+
+
+#: A block's tensors but attention: headspace's name (under ``blocks.{i}.``) -> GPT-2's (under ``h.{i}.``).
+_GPT2_LAYER_NAMES = {
+    "ln1.weight": "ln_1.weight",
+    "ln1.bias": "ln_1.bias",
+    "ln2.weight": "ln_2.weight",
+    "ln2.bias": "ln_2.bias",
+    "mlp.fc_in.weight": "mlp.c_fc.weight",
+    "mlp.fc_in.bias": "mlp.c_fc.bias",
+    "mlp.fc_out.weight": "mlp.c_proj.weight",
+    "mlp.fc_out.bias": "mlp.c_proj.bias",
+}
 
 
 def gpt2_state_dict(t: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
@@ -153,15 +134,10 @@ def gpt2_state_dict(t: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
     """
     sd = {"tok_embed.weight": t["wte.weight"], "pos_embed.weight": t["wpe.weight"]}
     for i in range(c.n_layers):
-        p, b = f"h.{i}.", f"blocks.{i}."
-        sd[b + "ln1.weight"] = t[f"{p}ln_1.weight"]
-        sd[b + "ln1.bias"] = t[f"{p}ln_1.bias"]
-        sd[b + "ln2.weight"] = t[f"{p}ln_2.weight"]
-        sd[b + "ln2.bias"] = t[f"{p}ln_2.bias"]
-        sd[b + "mlp.fc_in.weight"] = t[f"{p}mlp.c_fc.weight"].T  # (d_mlp, d)
-        sd[b + "mlp.fc_in.bias"] = t[f"{p}mlp.c_fc.bias"]
-        sd[b + "mlp.fc_out.weight"] = t[f"{p}mlp.c_proj.weight"].T  # (d, d_mlp)
-        sd[b + "mlp.fc_out.bias"] = t[f"{p}mlp.c_proj.bias"]
+        b = f"blocks.{i}."
+        sd.update(renamed(t, _GPT2_LAYER_NAMES, b, f"h.{i}."))
+        for conv1d in ("mlp.fc_in.weight", "mlp.fc_out.weight"):
+            sd[b + conv1d] = sd[b + conv1d].T  # Conv1D [in, out] -> [out, in]
     sd["ln_final.weight"] = t["ln_f.weight"]
     sd["ln_final.bias"] = t["ln_f.bias"]
     if not c.tie_embeddings:
@@ -173,6 +149,17 @@ def _gpt2_ignorable(name: str) -> bool:
     # the causal-mask buffers older GPT-2 checkpoints store beside the weights
     parts = name.split(".")
     return len(parts) == 4 and parts[0] == "h" and parts[2] == "attn" and parts[3] in ("bias", "masked_bias")
+
+
+#: The config.json fields behind the parameter count (for its message): key -> ModelConfig attribute.
+_GPT2_COUNTED = {
+    "n_layer": "n_layers",
+    "n_embd": "d_model",
+    "n_inner": "d_mlp",
+    "vocab_size": "vocab_size",
+    "n_positions": "max_seq_len",
+    "tie_word_embeddings": "tie_embeddings",
+}
 
 
 def load_gpt2(folder: str | Path, *, name: str = "", precision: str = "float32") -> PretrainedDecoder:
@@ -199,32 +186,25 @@ def load_gpt2(folder: str | Path, *, name: str = "", precision: str = "float32")
     (:meth:`headspace.Decoder.to_precision`).
     """
     check_precision(precision)
-    path, hf, weights = open_folder(folder)
-    config = gpt2_config(hf, name=name or path.name)
-    header = safetensors_header(weights)
-    entries = strip_prefix(header.tensors, "transformer.", "wte.")
-    implied, implied_tensors = gpt2_parameter_count(config)
-    fields = (
-        f"n_layer={config.n_layers}, n_embd={config.d_model}, n_inner={config.d_mlp}, "
-        f"vocab_size={config.vocab_size}, n_positions={config.max_seq_len}, "
-        f"tie_word_embeddings={str(config.tie_embeddings).lower()}"
+    ckpt = open_checkpoint(
+        folder, name, gpt2_config, "transformer.", "wte.", gpt2_parameter_count, _GPT2_COUNTED
     )
-    summary = check_parameter_count(implied, implied_tensors, header, fields)
+    config = ckpt.config
     expected = _gpt2_expected(config)
     # an untied checkpoint needs its head; a tied one may store it, as a copy of wte checked below
-    if not config.tie_embeddings or "lm_head.weight" in entries:
+    if not config.tie_embeddings or "lm_head.weight" in ckpt.entries:
         expected["lm_head.weight"] = (config.vocab_size, config.d_model)
-    ignored = check_tensors(entries, expected, _gpt2_ignorable, weights, summary=summary)
-    check_dtypes(entries, expected, weights)
-    tensors = load_tensors(header, entries, expected)  # NaN/Inf first: a NaN head is not "different"
+    tensors, ignored = read_checked(
+        ckpt, expected, _gpt2_ignorable
+    )  # NaN/Inf first: a NaN head is not "different"
     if config.tie_embeddings and "lm_head.weight" in tensors:
         if not torch.equal(tensors["lm_head.weight"], tensors["wte.weight"]):
             raise ValueError(
-                f"{weights}: config.json says tie_word_embeddings=true but lm_head.weight differs from "
+                f"{ckpt.weights}: config.json says tie_word_embeddings=true but lm_head.weight differs from "
                 "wte.weight"
             )
         del tensors["lm_head.weight"]
     model = Decoder(config)
     load_converted(model, gpt2_state_dict(tensors, config), tensors, layouts.load_gpt2, "h.{}.attn.")
-    tokenizer = folder_tokenizer(path, config.pad_token_id)
+    tokenizer = folder_tokenizer(ckpt.path, config.pad_token_id)
     return PretrainedDecoder(model, tokenizer, ignored=ignored).to_precision(precision)

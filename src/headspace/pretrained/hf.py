@@ -26,10 +26,12 @@ joined by ``"; "`` (as the CLI prints it).
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import os
 import stat
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +41,7 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from ..checks import is_int, is_number, nonfinite_count
+from ..config import ModelConfig
 from ..fileio import UnsafeFileError, file_kind, parse_json, read_regular_file
 from ..tokenization import TextTokenizer
 
@@ -236,7 +239,7 @@ class ConfigFields:
 
 
 def config_problems(
-    hf: dict[str, Any], rules: dict[str, Callable[[Any], bool]], defaults: dict[str, Any]
+    hf: Mapping[str, Any], rules: dict[str, Callable[[Any], bool]], defaults: dict[str, Any]
 ) -> None:
     """The fields ``rules`` must accept (absent ones take ``defaults``) -> one ValueError listing the rest.
 
@@ -253,6 +256,61 @@ def config_problems(
             bad.append(f"{key}={value!r:.80}")
     if bad:
         raise ValueError("config.json does not fit headspace: " + ", ".join(bad))
+
+
+def config_fields(hf: Any) -> ConfigFields:
+    """:class:`ConfigFields` over ``hf``, the ``config.json`` dict (TypeError otherwise), ``model_type`` read.
+
+    The first read of every converter: ``model_type`` must be a string or null (whether it is the
+    architecture's is up to :func:`refuse_unsupported`, after the architecture's own reads).
+    """
+    if not isinstance(hf, dict):
+        raise TypeError(f"hf must be the config.json dict; got {type(hf).__name__}")
+    f = ConfigFields(hf)
+    f.text("model_type", None, allow_none=True)
+    return f
+
+
+def refuse_unsupported(
+    f: ConfigFields, model_type: str, rules: dict[str, Callable[[Any], bool]], defaults: dict[str, Any]
+) -> None:
+    """:func:`config_problems` for one architecture: its ``model_type``, its ``rules``, no cross-attention.
+
+    ``model_type`` may also be absent; ``add_cross_attention`` is first read as a boolean. The refused
+    fields are listed in that order (``model_type``, the ``rules``, ``add_cross_attention``).
+    """
+    f.flag("add_cross_attention", False)
+    every = {"model_type": lambda v: v in (None, model_type), **rules, "add_cross_attention": lambda v: not v}
+    config_problems(f.hf, every, defaults)
+
+
+def config_sizes(f: ConfigFields, width: str, heads: str, pad_default: int | None) -> dict[str, Any]:
+    """The sizes every converter reads, checked: :class:`~headspace.ModelConfig` keyword arguments.
+
+    ``vocab_size``; ``d_model`` from the field ``width`` and ``n_heads`` from ``heads``, which must divide
+    it; ``pad_token_id`` (default ``pad_default``; null allowed), which must be below ``vocab_size``.
+    """
+    vocab_size = f.integer("vocab_size")
+    d_model, n_heads = f.integer(width), f.integer(heads)
+    if d_model % n_heads:
+        raise ValueError(
+            f"{f.source}: {width}={d_model} must be divisible by {heads}={n_heads} "
+            f"(head size {d_model / n_heads:g})"
+        )
+    pad_token_id = f.integer("pad_token_id", pad_default, minimum=0, allow_none=True)
+    if pad_token_id is not None and pad_token_id >= vocab_size:
+        raise ValueError(f"{f.source}: pad_token_id must be < vocab_size={vocab_size}; got {pad_token_id}")
+    return {"vocab_size": vocab_size, "d_model": d_model, "n_heads": n_heads, "pad_token_id": pad_token_id}
+
+
+@contextmanager
+def fitting_headspace(source: str = "config.json") -> Iterator[None]:
+    """A ``ValueError`` inside (a field read, :class:`~headspace.ModelConfig`'s own checks) becomes
+    ``"{source} does not fit headspace: ..."``."""
+    try:
+        yield
+    except ValueError as e:
+        raise ValueError(f"{source} does not fit headspace: {e}") from None
 
 
 # ---------------------------------------------------------------------------------------------- header
@@ -422,6 +480,44 @@ def check_parameter_count(
 def parameter_count(shapes: Iterable[tuple[int, ...]]) -> int:
     """Elements in tensors of these shapes (exact Python ints: no overflow)."""
     return sum(math.prod(s) for s in shapes)
+
+
+def layered_count(
+    base: Mapping[str, tuple[int, ...]], layer: Mapping[str, tuple[int, ...]], n_layers: int
+) -> tuple[int, int]:
+    """(parameters, tensors) of the tensors ``base`` plus ``n_layers`` layers of the tensors ``layer``.
+
+    By arithmetic from one layer's shapes: a config claiming a million layers is counted without listing
+    them.
+    """
+    n_params = parameter_count(base.values()) + n_layers * parameter_count(layer.values())
+    return n_params, len(base) + n_layers * len(layer)
+
+
+def config_values(config: ModelConfig, fields: Mapping[str, str]) -> str:
+    """``"key=value, ..."`` for each ``config.json`` key of ``fields`` and the ModelConfig attribute it
+    became (values as JSON writes them: ``tie_word_embeddings=true``), for messages."""
+    return ", ".join(f"{key}={json.dumps(getattr(config, attr))}" for key, attr in fields.items())
+
+
+def linear_shapes(name: str, n_out: int, n_in: int) -> dict[str, tuple[int, ...]]:
+    """The tensors of one ``nn.Linear`` layout: ``{name}.weight`` [n_out, n_in], ``{name}.bias`` [n_out]."""
+    return {f"{name}.weight": (n_out, n_in), f"{name}.bias": (n_out,)}
+
+
+def conv1d_shapes(name: str, n_in: int, n_out: int) -> dict[str, tuple[int, ...]]:
+    """GPT-2's ``Conv1D`` layout, the transpose of a linear one: weight [n_in, n_out], bias [n_out]."""
+    return {f"{name}.weight": (n_in, n_out), f"{name}.bias": (n_out,)}
+
+
+def norm_shapes(name: str, d: int) -> dict[str, tuple[int, ...]]:
+    """A LayerNorm's tensors: ``{name}.weight`` and ``{name}.bias``, [d] each."""
+    return {f"{name}.weight": (d,), f"{name}.bias": (d,)}
+
+
+def embedding_shapes(c: ModelConfig, tokens: str, positions: str) -> dict[str, tuple[int, ...]]:
+    """The token table [vocab_size, d_model] and the learned position table [max_seq_len, d_model]."""
+    return {tokens: (c.vocab_size, c.d_model), positions: (c.max_seq_len, c.d_model)}
 
 
 # ---------------------------------------------------------------------------------------------- checking
@@ -601,3 +697,61 @@ def folder_tokenizer(path: Path, pad_id: int | None) -> TextTokenizer | None:
     """
     file = optional_file(path, "tokenizer.json", "the tokenizer")
     return None if file is None else TextTokenizer(file, pad_id=pad_id)
+
+
+def renamed(t: Mapping[str, Tensor], names: Mapping[str, str], ours: str, theirs: str) -> dict[str, Tensor]:
+    """``{ours + a: t[theirs + b]}`` for each ``a: b`` of ``names`` (headspace's name: the checkpoint's)."""
+    return {ours + a: t[theirs + b] for a, b in names.items()}
+
+
+@dataclass(frozen=True)
+class OpenedCheckpoint:
+    """A checkpoint folder whose config and safetensors header passed every check that reads no tensor.
+
+    ``entries``: the header's tensors under the converter's names (a task model's prefix dropped);
+    ``summary``: :func:`check_parameter_count`'s, for :func:`read_checked`.
+    """
+
+    path: Path
+    config: ModelConfig
+    weights: Path
+    header: SafetensorsHeader
+    entries: dict[str, TensorEntry]
+    summary: str | None
+
+
+def open_checkpoint(
+    folder: str | Path,
+    name: str,
+    read_config: Callable[..., ModelConfig],
+    prefix: str,
+    marker: str,
+    count: Callable[[ModelConfig], tuple[int, int]],
+    fields: Mapping[str, str],
+) -> OpenedCheckpoint:
+    """Open ``folder`` (:func:`open_folder`), read its config and header, compare the parameter counts.
+
+    ``read_config(hf, name=...)`` makes the :class:`~headspace.ModelConfig` (named ``name`` or the
+    folder's name); ``prefix`` is dropped from the tensor names when ``prefix + marker`` names one
+    (:func:`strip_prefix`); ``count(config)`` gives the (parameters, tensors) the config implies, and the
+    message names the config values behind them: the ``config.json`` keys of ``fields`` with the
+    ModelConfig attributes they became (:func:`config_values`, :func:`check_parameter_count`).
+    """
+    path, hf, weights = open_folder(folder)
+    config = read_config(hf, name=name or path.name)
+    header = safetensors_header(weights)
+    entries = strip_prefix(header.tensors, prefix, marker)
+    implied, implied_tensors = count(config)
+    summary = check_parameter_count(implied, implied_tensors, header, config_values(config, fields))
+    return OpenedCheckpoint(path, config, weights, header, entries, summary)
+
+
+def read_checked(
+    opened: OpenedCheckpoint, expected: dict[str, tuple[int, ...]], ignorable: Callable[[str], bool]
+) -> tuple[dict[str, Tensor], list[str]]:
+    """(the ``expected`` tensors as float32, the ignored names): names, shapes and dtypes are checked
+    from the header first (:func:`check_tensors`, :func:`check_dtypes`), then :func:`load_tensors`
+    reads them (NaN/Inf refused)."""
+    ignored = check_tensors(opened.entries, expected, ignorable, opened.weights, summary=opened.summary)
+    check_dtypes(opened.entries, expected, opened.weights)
+    return load_tensors(opened.header, opened.entries, expected), ignored
