@@ -15,7 +15,7 @@ import click
 
 from ..errors import UsageError
 from .loader import at_precision, load_model
-from .options import json_option, out_option, precision_option
+from .options import choice_option, json_option, out_option, precision_option
 from .output import check_writable_folder, clean, json_out
 
 #: The indirect-object prompt pair of the README's worked example.
@@ -55,11 +55,10 @@ def _site_name(axes: tuple[str, ...], index: tuple[int, ...], tokens: list[str] 
 )
 @click.option("--answer", default=" Mary", show_default=True, help="The clean answer (one token).")
 @click.option("--other", default=" John", show_default=True, help="The competing answer (one token).")
-@click.option(
+@choice_option(
     "--site",
-    type=click.Choice(["heads", "heads_pos", "resid", "mlp"]),
+    choices=["heads", "heads_pos", "resid", "mlp"],
     default="heads",
-    show_default=True,
     help="What to patch: each head's z, per position, the residual stream per position, each MLP.",
 )
 @click.option("--top", type=click.IntRange(1, None), default=10, show_default=True, help="Sites to list.")

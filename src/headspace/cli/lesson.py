@@ -23,7 +23,7 @@ from ..defaults import (
 )
 from ..errors import UsageError
 from .loader import at_precision, load_model
-from .options import json_option, model_option, out_option, positive_int, precision_option
+from .options import choice_option, json_option, model_option, out_option, positive_int, precision_option
 from .output import check_writable_folder, clean, json_out
 from .render import console, explain_pictures, pattern_grid, render_explanation
 
@@ -155,13 +155,7 @@ def _read_sentences(path: Path) -> list[str]:
 @click.option(
     "--threshold", type=float, default=None, help="Role-label threshold (default: the analysis default)."
 )
-@click.option(
-    "--mode",
-    type=click.Choice(["zero", "mean"]),
-    default="zero",
-    show_default=True,
-    help="Ablation for importance.",
-)
+@choice_option("--mode", choices=["zero", "mean"], default="zero", help="Ablation for importance.")
 @click.option("--no-importance", is_flag=True, help="Skip the ablation importance (one forward per head).")
 @model_option
 @precision_option
@@ -260,11 +254,10 @@ def heads_cmd(
 
 @click.command("subspaces")
 @click.option("--layer", type=int, default=None, help="One layer (default: all).")
-@click.option(
+@choice_option(
     "--which",
-    type=click.Choice(["q", "k", "v", "o"]),
+    choices=["q", "k", "v", "o"],
     default="q",
-    show_default=True,
     help="Which subspaces: the column spaces of W_Q, W_K, W_V or W_O^T.",
 )
 @model_option

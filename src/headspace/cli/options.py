@@ -6,6 +6,7 @@ exit code 2, naming the option, what came and what is valid.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -91,3 +92,17 @@ def _precision_option(*flags: str) -> Any:
 #: ``--model-precision``: its ``--precision`` is the page's stored numbers).
 precision_option = _precision_option("--precision", "--model-precision")
 model_precision_option = _precision_option("--model-precision")
+
+
+def choice_option(
+    *param_decls: str, choices: Sequence[str], default: str | None, help: str | None = None
+) -> Callable[[Any], Any]:
+    """``--name`` taking one of ``choices`` (click lists them in --help and refuses the rest), its default
+    shown."""
+    return click.option(
+        *param_decls,
+        type=click.Choice(list(choices)),
+        default=default,
+        show_default=default is not None,
+        help=help,
+    )

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from ..errors import UsageError
-from .options import precision_option, seed_value
+from .options import choice_option, precision_option, seed_value
 from .output import check_writable_folder
 
 
@@ -20,9 +20,9 @@ def _fail(e: Exception) -> UsageError:
 
 
 @click.command("train")
-@click.option(
+@choice_option(
     "--task",
-    type=click.Choice(["relations", "reverse", "text"]),
+    choices=["relations", "reverse", "text"],
     default=None,
     help="Built-in synthetic task (default relations; 'text' with --data).",
 )
@@ -32,8 +32,8 @@ def _fail(e: Exception) -> UsageError:
     default=None,
     help="UTF-8 text file: train a character- or byte-level language model on it.",
 )
-@click.option("--level", type=click.Choice(["char", "byte"]), default="char", show_default=True)
-@click.option("--arch", type=click.Choice(["decoder", "encoder"]), default="decoder", show_default=True)
+@choice_option("--level", choices=["char", "byte"], default="char")
+@choice_option("--arch", choices=["decoder", "encoder"], default="decoder")
 @click.option("--layers", "n_layers", type=int, default=None, help="Transformer blocks (task default).")
 @click.option("--heads", "n_heads", type=int, default=None, help="Heads per layer (relations: 2).")
 @click.option("--d-model", type=int, default=None, help="Residual width (relations: 64).")
@@ -57,7 +57,7 @@ def _fail(e: Exception) -> UsageError:
     "--save-every", type=int, default=0, show_default=True, help="Checkpoint every N steps (0: at the end)."
 )
 @click.option("--seed", type=int, default=0, show_default=True, callback=seed_value, help="0..2**63-1.")
-@click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
+@choice_option("--device", choices=["cpu", "cuda"], default="cpu")
 @click.option("--out", "out", type=click.Path(file_okay=False), required=True, help="Run folder.")
 @click.option("--resume", is_flag=True, help="Continue the run in --out from its latest checkpoint.")
 @click.option("--no-progress", is_flag=True, help="No progress bar.")

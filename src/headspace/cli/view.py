@@ -23,7 +23,7 @@ import click
 from ..defaults import default_sentence
 from ..errors import UsageError
 from .loader import at_precision, load_model
-from .options import model_precision_option
+from .options import choice_option, model_precision_option
 from .output import check_writable_folder
 
 #: --precision choices (:data:`headspace.viz.explorer.data.PRECISIONS`, kept here so --help needs no torch).
@@ -48,11 +48,10 @@ PRECISIONS = ("auto", "float32", "float16")
 )
 @click.option("--serve", is_flag=True, help="serve the page on http://127.0.0.1:PORT until Ctrl-C")
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
-@click.option(
+@choice_option(
     "--precision",
-    type=click.Choice(PRECISIONS),
+    choices=PRECISIONS,
     default="auto",
-    show_default=True,
     help="stored numbers: float32 (exact) or float16 (half the size); auto = float32 up to 128 tokens",
 )
 @model_precision_option
