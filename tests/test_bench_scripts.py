@@ -26,7 +26,7 @@ from headspace.bench import CASES, MODES
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 COMMITTED = BENCHMARKS / "results"
-SCRIPTS = ("attention", "decode", "encode", "explorer", "trace_overhead", "train")
+SCRIPTS = ("attention", "decode", "encode", "explorer", "int8_kernels", "trace_overhead", "train")
 ELSEWHERE = {  # scripts whose smoke run lives with their own tests
     "patching": "needs headspace.load('smollm2'): tests/test_patching.py runs it",
     "long_inputs": "real runs need SmolLM2: tests/test_long_inputs.py runs it tiny (--random)",
@@ -326,6 +326,77 @@ def test_trace_overhead_script_tiny_layer(
             f"{r['q3_ms']:.3f}",
             f"{r['ratio']:.3f}",
         ]
+
+
+@pytest.mark.parametrize("torchao", ["as installed", "hidden"])
+def test_int8_kernels_script_tiny_shapes(
+    torchao: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    keep_threads: None,
+) -> None:
+    if torchao == "hidden":  # `import torchao` (and every submodule, if already imported) raises ImportError
+        for name in [m for m in sys.modules if m == "torchao" or m.startswith("torchao.")] + ["torchao"]:
+            monkeypatch.setitem(sys.modules, name, None)
+
+        def no_int_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("self.size(0) needs to be greater than 16")  # CUDA's limit, as if it applied
+
+        monkeypatch.setattr(torch, "_int_mm", no_int_mm)
+        have_torchao = False
+    else:
+        have_torchao = importlib.util.find_spec("torchao") is not None
+    out = tmp_path / "int8.json"
+    argv = ["--quick", "--rounds", "2", "--block-ms", "0.5", "--threads", "1", "--out", str(out)]
+    assert _script("int8_kernels").main(argv) == 0
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert doc["benchmark"] == "int8_kernels" and doc["quick"] and doc["rounds"] == 2
+    candidates = ["float32", "headspace int8", "torchao int8 dynamic", "torch._int_mm"]
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    assert [r["candidate"] for r in rows] == candidates * len(shapes)
+    status = {c: {r["status"] for r in rows if r["candidate"] == c} for c in candidates}
+    assert status["float32"] == status["headspace int8"] == {"ok"}
+    assert status["torchao int8 dynamic"] == ({"ok"} if have_torchao else {"not installed"})
+    if torchao == "hidden":
+        (said,) = status["torch._int_mm"]
+        assert said.startswith("cannot run: RuntimeError: self.size(0) needs to be greater than 16")
+    else:
+        assert status["torch._int_mm"] == {"ok"}
+    for r in rows:
+        if r["status"] == "ok":
+            assert len(r["times_ms"]) == 2 and r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+            assert r["max_rel_error"] < (1e-5 if r["candidate"] == "float32" else 0.1)
+    printed = capsys.readouterr().out
+    assert _table_rows(printed) == [
+        [r["shape"], r["candidate"], "-", "-", "-", "-", r["status"]]
+        if r["status"] != "ok"
+        else [
+            r["shape"],
+            r["candidate"],
+            f"{r['median_ms']:.3f}",
+            f"{r['min_ms']:.3f}",
+            f"{r['max_ms']:.3f}",
+            f"{r['speed_vs_float32']:.2f}x",
+            f"{r['max_rel_error']:.1e}",
+        ]
+        for r in rows
+    ]
+    groups = list(dict.fromkeys(r["group"] for r in rows))
+    assert len(doc["conclusions"]) == len(groups) == 3
+    for group, line in zip(groups, doc["conclusions"]):
+        assert line in printed and line.startswith(f"{group}: fastest: ")
+        mine = [r for r in rows if r["group"] == group]
+        for shape in dict.fromkeys(r["shape"] for r in mine):
+            ok = [r for r in mine if r["shape"] == shape and r["status"] == "ok"]
+            floor = ok[0]["median_ms"]  # float32's
+            assert all(r["speed_vs_float32"] == pytest.approx(floor / r["median_ms"]) for r in ok)
+            fastest = min(ok, key=lambda r: r["median_ms"])["candidate"]
+            assert f"{fastest} on " in line  # the conclusion names each shape's fastest, from the medians
+        if not have_torchao:
+            assert "torchao int8 dynamic not installed" in line
+    assert f"wrote {out}" in printed and not list(tmp_path.glob("*.tmp*"))
 
 
 def _chromium_or_skip() -> None:

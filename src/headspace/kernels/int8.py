@@ -20,11 +20,15 @@ float64 and is what the tests hold the kernel to.
 int8 inference uses; VNNI on CPUs that have it) with the weight scales fused into its output; the
 per-token scale, the zero-point term and the bias (one rank-2 update) are two passes over the output.
 One scale per token rather than one per call: on all-MiniLM-L6-v2, one per call gave a minimum cosine of
-0.986 to float32 over 64 sentences, one per token 0.998 (symmetric per token: 0.995). Measured against
-the alternatives on this project's machine (``docs/benchmarks.md``, "Reduced precision"): torchao's
-``Int8DynamicActivationInt8WeightConfig`` ran below float32's speed on the CPU, and ``torch._int_mm``
-with the quantisation and dequantisation as torch ops spent more time in those passes than in the
-product.
+0.986 to float32 over 64 sentences, one per token 0.998 (symmetric per token: 0.995). Against the
+alternatives, ``benchmarks/int8_kernels.py`` (results/int8_kernels.json; 1 thread, a shared 2-core
+machine, ms per call against float32 ``F.linear``): on MiniLM's encoder shapes (x [4096, 384]) this
+kernel ran 1.40-2.39x float32, ``torch._int_mm`` with symmetric per-token quantisation written as torch
+ops 1.25-1.81x (level with this one on [384 -> 384] only) and torchao's
+``Int8DynamicActivationInt8WeightConfig`` 0.54-1.22x. On SmolLM2's decoding shapes (1 or 8 tokens) the
+``torch._int_mm`` version was the fastest on 7 of 8 (1.6-8.4x float32, against 0.51-12.9x here): this
+kernel pays ~0.1 ms a call whatever the size (a [1, 576] x [576 -> 960] call: 0.108 ms, ``_int_mm``'s
+0.034 ms, float32's 0.055 ms) and wins only the unembedding at 8 tokens; torchao ran 0.10-0.47x there.
 
 :class:`Int8Weight` is how a model holds such a weight: a float32 tensor whose values are the dequantised
 weight ``W_q * s_w`` (what the int8 layer multiplies by, so every per-head view, circuit and analysis reads
