@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from headspace import Decoder, Encoder, ModelConfig
+from headspace import Decoder, Encoder, KVCache, ModelConfig
 from headspace.block import Workspace
 from headspace.hooks import name_hook_points
 
@@ -525,3 +525,53 @@ def test_cached_decoding_step_equals_the_blocks_forward(kw: dict, monkeypatch: p
         assert model._decode_step_ok()
         model.train()
         assert not model._decode_step_ok()
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {},  # GPT-2-like: learned positions, LayerNorm, biases, plain gelu_tanh MLP
+        {"positions": "rotary", "norm_kind": "rmsnorm", "mlp_kind": "gated", "act": "silu", "bias": False,
+         "n_heads": 6, "n_kv_heads": 2, "d_model": 36},  # Llama-like, grouped-query (d_head 6)
+        {"positions": "rotary", "norm_kind": "rmsnorm", "mlp_kind": "gated", "act": "gelu", "bias": True,
+         "n_heads": 6, "n_kv_heads": 3, "d_model": 36},  # Qwen-like biases, GeGLU
+    ],
+)  # fmt: skip
+@pytest.mark.parametrize("grad", [False, True])
+def test_cached_decoding_steps_are_bit_for_bit_the_blocks_forward(kw: dict, grad: bool) -> None:
+    """Several cached one-token steps on the decoding fast path give exactly (torch.equal) the logits of
+    the blocks' forward on the same caches; with autograd on, the gradients too (the cache keeps the
+    tracked pieces)."""
+    torch.manual_seed(1)
+    model = Decoder(decoder_config(**kw)).eval()
+    tokens = torch.randint(0, V, (B, 9))
+    logits, grads = [], []
+    for fast in (True, False):
+        caches = model.make_kv_caches(B, 9)
+        with torch.set_grad_enabled(grad):
+            model.zero_grad()
+            model(tokens[:, :5], kv_caches=caches)
+            if not fast:
+                model._decode_step_ok = lambda: False  # type: ignore[method-assign]
+            steps = [model(tokens[:, i : i + 1], kv_caches=caches) for i in range(5, 9)]
+            if not fast:
+                del model._decode_step_ok
+            logits.append(torch.cat(steps, dim=1))
+            if grad:
+                logits[-1].square().sum().backward()
+                grads.append([p.grad.clone() for p in model.parameters()])
+        assert caches[0].length == 9
+    assert torch.equal(logits[0], logits[1])
+    if grad:
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_kv_cache_append_one_is_append_of_one_position() -> None:
+    torch.manual_seed(0)
+    a, b = KVCache(2, 3, 4, 5), KVCache(2, 3, 4, 5)
+    for _ in range(4):
+        k, v = torch.randn(2, 3, 4), torch.randn(2, 3, 4)
+        got = a.append_one(k, v)
+        want = b.append(k.unsqueeze(2), v.unsqueeze(2))
+        assert all(torch.equal(x, y) for x, y in zip(got, want)) and a.length == b.length
+    assert torch.equal(a.k, b.k) and torch.equal(a.v, b.v)

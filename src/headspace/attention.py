@@ -276,6 +276,20 @@ class KVCache:
             return k_all, v_all
         return self.k[:, :, :end], self.v[:, :, :end]
 
+    def append_one(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`append` of one position, ``k`` and ``v`` [batch, n_kv_heads, d_head], for a caller that
+        ran :meth:`check` for one new position (a decoding step); returns what :meth:`append` returns.
+
+        Without gradients to track, two copies into the buffers and two views of them.
+        """
+        if self._k_parts or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)):
+            return self.append(k.unsqueeze(2), v.unsqueeze(2))
+        start = self.length
+        self.k.select(2, start).copy_(k)
+        self.v.select(2, start).copy_(v)
+        self.length = end = start + 1
+        return self.k.narrow(2, 0, end), self.v.narrow(2, 0, end)
+
 
 class MultiHeadAttention(nn.Module):
     r"""Multi-head attention with every head's projections in plain sight.

@@ -45,6 +45,8 @@ NORMS = ("post", "pre")
 NORM_KINDS = ("layernorm", "rmsnorm")
 #: Kinds of feed-forward network accepted by :class:`TransformerBlock` (``mlp_kind``).
 MLP_KINDS = ("plain", "gated")
+#: The hook points of :class:`TransformerBlock` itself, in the order they fire.
+_BLOCK_HOOKS = ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post")
 
 
 def _norm(norm: nn.Module, x: Tensor) -> Tensor:
@@ -58,8 +60,25 @@ def _norm(norm: nn.Module, x: Tensor) -> Tensor:
     return norm(x)
 
 
-#: One query after its cached keys: every key may be attended, no mask (what decode_step passes to SDPA).
-_NO_MASK = CanonicalMask(mask=None, is_causal=False, dead_rows=None)
+def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.linear`` of the rows ``x`` [n, in]: ``x @ weight.T`` by ``torch.mm`` (the product ``F.linear``
+    runs, without its dispatch layers) for a plain float weight and no bias; ``F.linear`` itself
+    otherwise (biases, and the int8 / bfloat16 weights whose ``F.linear`` runs their own kernels)."""
+    if bias is None and type(weight) in (nn.Parameter, Tensor):
+        return torch.mm(x, weight.t())
+    return F.linear(x, weight, bias)
+
+
+def _activate_(act: nn.Module, x: Tensor) -> Tensor:
+    """``act(x)``, in place on ``x`` (a fresh tensor) for torch's SiLU, ReLU and GELU modules."""
+    kind = type(act)
+    if kind is nn.SiLU:
+        return F.silu(x, inplace=True)
+    if kind is nn.ReLU:
+        return x.relu_()
+    if kind is nn.GELU:
+        return torch.ops.aten.gelu_(x, approximate=act.approximate)
+    return act(x)
 
 
 def make_activation(act: str) -> nn.Module:
@@ -367,12 +386,13 @@ class TransformerBlock(nn.Module):
     @property
     def hooks_idle(self) -> bool:
         """Whether no hook point of this block (its own, its attention's, its MLP's) has a function."""
-        for h in (self.hook_resid_pre, self.hook_attn_out, self.hook_resid_mid, self.hook_mlp_out):
-            if h.active:
+        modules = self._modules  # direct lookups: checked in every block at every decoding step
+        for name in _BLOCK_HOOKS:
+            if modules[name].active:  # type: ignore[union-attr]
                 return False
-        if self.hook_resid_post.active or self.attn.hooks_active:
+        if self.attn.hooks_active:
             return False
-        return not any(isinstance(m, HookPoint) and m.active for m in self.mlp.children())
+        return not any(isinstance(m, HookPoint) and m.active for m in self.mlp._modules.values())
 
     def decode_step(self, x: Tensor, kv_cache: KVCache, cos: Tensor | None, sin: Tensor | None) -> Tensor:
         """One decoding step of a pre-norm block: :meth:`forward` for one new position after the cache,
@@ -392,34 +412,50 @@ class TransformerBlock(nn.Module):
         Args:
             x: [batch, 1, d_model], the residual stream of the new position.
             kv_cache: this block's cache (its length the new position's index).
+            cos, sin: [1, 1, 1, rotary_dim] each (None without rotary).
 
         Returns:
             [batch, 1, d_model].
         """
+        B = x.shape[0]
+        o_weight = self.attn.o_weight
+        kv_cache.check(B, 1, o_weight.dtype, o_weight.device)
+        if cos is not None and sin is not None:
+            cos, sin = cos.squeeze(2), sin.squeeze(2)  # (1, 1, rotary_dim): over (batch, heads, d_head)
+        return self.decode_rows(x.reshape(B, self.d_model), kv_cache, cos, sin).view(B, 1, self.d_model)
+
+    def decode_rows(self, x: Tensor, kv_cache: KVCache, cos: Tensor | None, sin: Tensor | None) -> Tensor:
+        """:meth:`decode_step` on the rows ``x`` [batch, d_model] (returns [batch, d_model]), for a caller
+        that ran ``kv_cache.check(batch, 1, ...)``; ``cos``/``sin`` [1, 1, rotary_dim] (None without
+        rotary). What :meth:`headspace.Decoder.hidden_states` runs in every block of a decoding step.
+
+        Each product is one ``F.linear`` on 2-D rows (no reshapes around it), q and k are rotated as
+        [batch, heads, d_head] rows of the fused projection, the cache takes the new key and value by
+        :meth:`~headspace.KVCache.append_one`, and the activation and the gate's product run in place on
+        the fresh gate output: the same values, bit for bit, as :meth:`forward`.
+        """
         a = self.attn
         B = x.shape[0]
         H, Hkv, dh = a.n_heads, a.n_kv_heads, a.d_head
-        o_weight = a.o_weight
-        kv_cache.check(B, 1, o_weight.dtype, o_weight.device)
-        qkv = F.linear(_norm(self.ln1, x), a.qkv_weight, a.qkv_bias)  # (B, 1, (H + 2 Hkv) dh)
-        qkv = qkv.view(B, 1, H + 2 * Hkv, dh).transpose(1, 2)  # (B, H + 2 Hkv, 1, dh)
-        if cos is not None:
-            qk = rotate_fused(qkv[:, : H + Hkv], cos, sin, a.rotary)  # (B, H + Hkv, 1, dh), fresh
-            q, k = qk.split([H, Hkv], dim=1)  # (B, H, 1, dh), (B, Hkv, 1, dh)
+        qkv = _linear(_norm(self.ln1, x), a.qkv_weight, a.qkv_bias).view(B, H + 2 * Hkv, dh)
+        if cos is not None and sin is not None:
+            qk = rotate_fused(qkv[:, : H + Hkv], cos, sin, a.rotary)  # (B, H + Hkv, dh), fresh
         else:
-            q, k = qkv[:, :H], qkv[:, H : H + Hkv]  # (B, H, 1, dh), (B, Hkv, 1, dh)
-        k, v = kv_cache.append(k, qkv[:, H + Hkv :])  # (B, Hkv, Sk, dh) x 2
-        z, _ = sdpa_attention(q, k, v, _NO_MASK, scale=a.scale)  # (B, H, 1, dh)
-        z = z.transpose(1, 2).reshape(B, 1, H * dh)  # (B, 1, H dh): heads concatenated
-        h = x + F.linear(z, o_weight, a.o_bias)  # (B, 1, d_model)
-        m = _norm(self.ln2, h)  # (B, 1, d_model)
+            qk = qkv[:, : H + Hkv]  # (B, H + Hkv, dh)
+        k, v = kv_cache.append_one(qk[:, H:], qkv[:, H + Hkv :])  # (B, Hkv, Sk, dh) x 2
+        # one query after its cached keys: every key may be attended, no mask
+        z = F.scaled_dot_product_attention(
+            qk[:, :H].unsqueeze(2), k, v, scale=a.scale, enable_gqa=Hkv != H
+        )  # (B, H, 1, dh), stored as (B, 1, H, dh)
+        h = x + _linear(z.reshape(B, H * dh), a.o_weight, a.o_bias)  # (B, d_model): heads concatenated
+        m = _norm(self.ln2, h)  # (B, d_model)
         mlp = self.mlp
         if isinstance(mlp, GatedFeedForward):
-            g, u = mlp.fc_gate, mlp.fc_in
-            m = mlp.act(F.linear(m, g.weight, g.bias)) * F.linear(m, u.weight, u.bias)  # (B, 1, d_mlp)
+            g = _linear(m, mlp.fc_gate.weight, mlp.fc_gate.bias)  # (B, d_mlp), fresh
+            m = _activate_(mlp.act, g).mul_(_linear(m, mlp.fc_in.weight, mlp.fc_in.bias))  # act(gate) * up
         else:
-            m = mlp.act(F.linear(m, mlp.fc_in.weight, mlp.fc_in.bias))  # (B, 1, d_mlp)
-        return h + F.linear(m, mlp.fc_out.weight, mlp.fc_out.bias)  # (B, 1, d_model)
+            m = _activate_(mlp.act, _linear(m, mlp.fc_in.weight, mlp.fc_in.bias))  # (B, d_mlp)
+        return h + _linear(m, mlp.fc_out.weight, mlp.fc_out.bias)  # (B, d_model)
 
     @property
     def reduced_precision(self) -> bool:

@@ -153,7 +153,8 @@ def _sample(
 ) -> Tensor:
     """One token id per row of ``logits`` [batch, vocab_size] -> [batch]."""
     if temperature == 0:
-        return logits.argmax(dim=-1)
+        # the first largest logit, as argmax picks it (ties and NaN alike), by the faster max kernel
+        return logits.max(dim=-1).indices
     logits = logits.float() / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (batch, 1)

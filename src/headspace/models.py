@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import KVCache, rotary_tables
-from .block import TransformerBlock, make_norm
+from .block import TransformerBlock, _norm, make_norm
 from .checks import is_int
 from .config import ModelConfig
 from .generate import generate as generate_tokens
@@ -461,13 +461,6 @@ class Decoder(_Stack):
         else:
             check_positions(positions, tokens, self.config)
             x = self.embed(tokens, positions=positions)  # (batch, seq, d_model)
-        kw = {}
-        if self.rotary is not None:
-            # one positions tensor for every block, so the rotation's cos/sin are computed once
-            seq = tokens.shape[1]
-            kw["positions"] = (
-                torch.arange(start, start + seq, device=tokens.device) if positions is None else positions
-            )  # (seq,) or (batch, seq)
         if (
             kv_caches is not None
             and tokens.shape[1] == 1
@@ -476,6 +469,13 @@ class Decoder(_Stack):
             and self._decode_step_ok()
         ):
             return self._decode_step(x, kv_caches, start)
+        kw = {}
+        if self.rotary is not None:
+            # one positions tensor for every block, so the rotation's cos/sin are computed once
+            seq = tokens.shape[1]
+            kw["positions"] = (
+                torch.arange(start, start + seq, device=tokens.device) if positions is None else positions
+            )  # (seq,) or (batch, seq)
         # one new query after the cached positions sees every key: causality is vacuous there, and
         # dropping it lets attention run without building a mask in every layer
         causal = not (kv_caches is not None and tokens.shape[1] == 1)
@@ -498,17 +498,23 @@ class Decoder(_Stack):
         return True
 
     def _decode_step(self, x: Tensor, kv_caches: list[KVCache], start: int) -> Tensor:
-        """The blocks and LN_f for one new position ``start`` (x [batch, 1, d_model], embedded)."""
+        """The blocks and LN_f for one new position ``start`` (x [batch, 1, d_model], embedded): each
+        block's :meth:`~headspace.block.TransformerBlock.decode_rows` on the [batch, d_model] rows."""
+        batch, _, d_model = x.shape
         cos = sin = None
         rotary = self.rotary
         if rotary is not None:
             positions = torch.arange(start, start + 1, device=x.device)  # (1,)
             cos, sin = rotary_tables(rotary, positions, x.dtype, x.device)  # (1, 1, 1, rotary_dim) x 2
+            cos, sin = cos.squeeze(2), sin.squeeze(2)  # (1, 1, rotary_dim): over (batch, heads, d_head)
+        x = x.reshape(batch, d_model)  # (batch, d_model)
         for block, cache in zip(self.blocks, kv_caches):
-            x = block.decode_step(x, cache, cos, sin)  # (batch, 1, d_model)
+            w = block.attn.o_weight
+            cache.check(batch, 1, w.dtype, w.device)
+            x = block.decode_rows(x, cache, cos, sin)  # (batch, d_model)
         if self.ln_final is not None:
-            x = self.ln_final(x)
-        return x
+            x = _norm(self.ln_final, x)
+        return x.view(batch, 1, d_model)
 
     def forward(
         self,
