@@ -104,24 +104,34 @@ def make_norm(kind: str, d_model: int, eps: float) -> nn.Module:
     raise ValueError(f"norm_kind must be one of {list(NORM_KINDS)}; got {kind!r}")
 
 
-class FeedForward(nn.Module):
-    r"""The position-wise feed-forward network ``MLP(x) = act(x W_in + b_in) W_out + b_out``.
+def _fire(hook: HookPoint, value: Tensor) -> Tensor:
+    """``hook(value)`` while the hook point has a function, ``value`` itself (no module call) otherwise."""
+    return hook(value) if hook.fns else value
 
-    ``fc_in`` is an ``nn.Linear(d_model, d_mlp)`` (so ``W_in = fc_in.weight.T``), ``fc_out`` an
-    ``nn.Linear(d_mlp, d_model)``. Paper symbols (Vaswani et al. 2017, eq. 2): ``W_in = W_1``,
-    ``W_out = W_2``, ``d_mlp = d_ff``; the paper's act is ReLU.
-    """
 
-    def __init__(self, d_model: int, d_mlp: int, act: str = "gelu", bias: bool = True) -> None:
+class _FeedForwardLayers(nn.Module):
+    """What :class:`FeedForward` and :class:`GatedFeedForward` share: the checks, the activation, the
+    linears and hook points (registered in one order: ``fc_gate`` first and ``hook_pre_linear`` between
+    ``hook_pre`` and ``hook_post`` when gated), and ``forward`` around each one's hidden units."""
+
+    def __init__(self, d_model: int, d_mlp: int, act: str, bias: bool, *, gated: bool) -> None:
         super().__init__()
         for name, value in (("d_model", d_model), ("d_mlp", d_mlp)):
             check_positive_int(name, value)
         self.act_name = act
         self.act = make_activation(act)
+        if gated:
+            self.fc_gate = nn.Linear(d_model, d_mlp, bias=bias)
         self.fc_in = nn.Linear(d_model, d_mlp, bias=bias)
         self.fc_out = nn.Linear(d_mlp, d_model, bias=bias)
-        self.hook_pre = HookPoint()  # [batch, seq, d_mlp], before the activation
-        self.hook_post = HookPoint()  # [batch, seq, d_mlp], after the activation
+        self.hook_pre = HookPoint()  # [batch, seq, d_mlp], before the activation (the gate's, if gated)
+        if gated:
+            self.hook_pre_linear = HookPoint()  # [batch, seq, d_mlp], the linear (up) branch
+        self.hook_post = HookPoint()  # [batch, seq, d_mlp], the input of W_out
+
+    def _hidden(self, x: Tensor) -> Tensor:
+        """[batch, seq, d_model] -> the hidden units [batch, seq, d_mlp] before ``hook_post``."""
+        raise NotImplementedError
 
     def forward(self, x: Tensor) -> Tensor:
         """Apply the MLP to every position.
@@ -135,19 +145,30 @@ class FeedForward(nn.Module):
         Returns:
             [batch, seq, d_model].
         """
-        h = self.fc_in(x)  # (batch, seq, d_mlp)
-        if self.hook_pre.fns:
-            h = self.hook_pre(h)
-        h = self.act(h)  # (batch, seq, d_mlp)
-        if self.hook_post.fns:
-            h = self.hook_post(h)
-        return self.fc_out(h)  # (batch, seq, d_model)
+        return self.fc_out(_fire(self.hook_post, self._hidden(x)))  # (batch, seq, d_model)
+
+
+class FeedForward(_FeedForwardLayers):
+    r"""The position-wise feed-forward network ``MLP(x) = act(x W_in + b_in) W_out + b_out``.
+
+    ``fc_in`` is an ``nn.Linear(d_model, d_mlp)`` (so ``W_in = fc_in.weight.T``), ``fc_out`` an
+    ``nn.Linear(d_mlp, d_model)``. Paper symbols (Vaswani et al. 2017, eq. 2): ``W_in = W_1``,
+    ``W_out = W_2``, ``d_mlp = d_ff``; the paper's act is ReLU.
+
+    Hook points, both [batch, seq, d_mlp]: ``hook_pre`` (before the activation), ``hook_post`` (after it).
+    """
+
+    def __init__(self, d_model: int, d_mlp: int, act: str = "gelu", bias: bool = True) -> None:
+        super().__init__(d_model, d_mlp, act, bias, gated=False)
+
+    def _hidden(self, x: Tensor) -> Tensor:
+        return self.act(_fire(self.hook_pre, self.fc_in(x)))  # (batch, seq, d_mlp)
 
     def extra_repr(self) -> str:
         return f"act={self.act_name!r}"
 
 
-class GatedFeedForward(nn.Module):
+class GatedFeedForward(_FeedForwardLayers):
     r"""A gated feed-forward network ``MLP(x) = (act(x W_gate + b_gate) * (x W_in + b_in)) W_out + b_out``.
 
     SwiGLU with ``act="silu"`` (Llama, Mistral, Qwen: transformers' ``down_proj(act(gate_proj(x)) *
@@ -161,41 +182,16 @@ class GatedFeedForward(nn.Module):
     gated product, the input of ``W_out``).
     """
 
+    fc_gate: nn.Linear
+    hook_pre_linear: HookPoint
+
     def __init__(self, d_model: int, d_mlp: int, act: str = "silu", bias: bool = False) -> None:
-        super().__init__()
-        for name, value in (("d_model", d_model), ("d_mlp", d_mlp)):
-            check_positive_int(name, value)
-        self.act_name = act
-        self.act = make_activation(act)
-        self.fc_gate = nn.Linear(d_model, d_mlp, bias=bias)
-        self.fc_in = nn.Linear(d_model, d_mlp, bias=bias)
-        self.fc_out = nn.Linear(d_mlp, d_model, bias=bias)
-        self.hook_pre = HookPoint()  # [batch, seq, d_mlp], the gate before the activation
-        self.hook_pre_linear = HookPoint()  # [batch, seq, d_mlp], the linear (up) branch
-        self.hook_post = HookPoint()  # [batch, seq, d_mlp], act(gate) * linear
+        super().__init__(d_model, d_mlp, act, bias, gated=True)
 
-    def forward(self, x: Tensor) -> Tensor:
-        """Apply the gated MLP to every position.
-
-        Notation used for tensor shapes:
-            batch, seq, d_model, d_mlp.
-
-        Args:
-            x: [batch, seq, d_model].
-
-        Returns:
-            [batch, seq, d_model].
-        """
-        g = self.fc_gate(x)  # (batch, seq, d_mlp)
-        if self.hook_pre.fns:
-            g = self.hook_pre(g)
-        u = self.fc_in(x)  # (batch, seq, d_mlp)
-        if self.hook_pre_linear.fns:
-            u = self.hook_pre_linear(u)
-        h = self.act(g) * u  # (batch, seq, d_mlp)
-        if self.hook_post.fns:
-            h = self.hook_post(h)
-        return self.fc_out(h)  # (batch, seq, d_model)
+    def _hidden(self, x: Tensor) -> Tensor:
+        g = _fire(self.hook_pre, self.fc_gate(x))  # (batch, seq, d_mlp)
+        u = _fire(self.hook_pre_linear, self.fc_in(x))  # (batch, seq, d_mlp)
+        return self.act(g) * u  # (batch, seq, d_mlp)
 
     def extra_repr(self) -> str:
         return f"act={self.act_name!r}, gated"

@@ -550,23 +550,6 @@ class Decoder(_Stack):
             logits = self.lm_head(h)  # (batch, seq, vocab_size)
         return logits if logits.dtype == torch.float32 else logits.float()  # float32 at every precision
 
-    def generate(
-        self,
-        tokens: Tensor,
-        max_new_tokens: int,
-        *,
-        key_padding: Tensor | None = None,
-        temperature: float = 1.0,
-        top_k: int | None = None,
-        seed: int | None = None,
-        use_cache: bool = True,
-    ) -> Tensor:
-        """Sample ``max_new_tokens`` continuation tokens after each (left-padded) prompt.
-
-        See :func:`headspace.generate.generate` for the arguments and the rules: tokens [batch,
-        prompt_len] -> [batch, prompt_len + max_new_tokens]; greedy with ``temperature=0``.
-        """
-        return generate_tokens(
-            self, tokens, max_new_tokens, key_padding=key_padding, temperature=temperature,
-            top_k=top_k, seed=seed, use_cache=use_cache,
-        )  # fmt: skip
+    #: :func:`headspace.generate.generate` as a method: ``model.generate(tokens, max_new_tokens, ...)``
+    #: samples continuations after each (left-padded) prompt; greedy with ``temperature=0``.
+    generate = generate_tokens
