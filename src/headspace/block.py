@@ -373,8 +373,9 @@ class TransformerBlock(nn.Module):
         a = self.attn
         return (
             self.pre_ln
-            and a.fused
+            and isinstance(a, MultiHeadAttention)  # not a head-parallel shard, which has no fused weight
             and type(a).forward is MultiHeadAttention.forward
+            and a.fused
             and not a.check_finite
             and isinstance(self.mlp, (FeedForward, GatedFeedForward))
         )
