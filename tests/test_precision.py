@@ -13,6 +13,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from click.testing import CliRunner
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import headspace
@@ -20,6 +22,7 @@ from headspace import Decoder, Encoder, ModelConfig, trace
 from headspace.cli import cli
 from headspace.cli import lesson as cli_lesson
 from headspace.cli.options import MODEL_PRECISIONS
+from headspace.kernels import int8 as int8_kernels
 from headspace.kernels.bf16 import BF16Weight, bf16_linear, round_to_bf16
 from headspace.kernels.int8 import (
     Int8Weight,
@@ -199,6 +202,99 @@ def test_int8_linear_equals_the_hand_written_dequantised_reference(shape, bias) 
     torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
     assert torch.equal(y, F.linear(x, weight, b))  # F.linear with an Int8Weight is the kernel
     assert torch.equal(y[..., 3], torch.zeros_like(y[..., 3]) + (0 if b is None else b[3]))
+
+
+def _skewed_rows(rows: int, n_in: int, seed: int) -> torch.Tensor:
+    """Rows of different ranges and offsets, one all zeros, one all positive, off rounding boundaries."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, n_in, generator=g) * torch.rand(rows, 1, generator=g) * 4 - 0.3
+    if rows >= 3:
+        x[1] = 0.0
+        x[2] = x[2].abs() + 0.5
+    return _no_ties(x)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_int8_few_rows_quantisation_is_quantize_activation_bit_for_bit(rows) -> None:
+    x = _skewed_rows(rows, 97, seed=rows)
+    xq, s, z = quantize_activation(x)
+    paths = [int8_kernels._quantize_few] + ([int8_kernels._quantize_row] if rows == 1 else [])
+    for quantize in paths:
+        shifted, s2, z2 = quantize(x)  # x_q - 128 as int8, for torch._int_mm
+        assert shifted.dtype == torch.int8
+        assert torch.equal(shifted.to(torch.int16) + 128, xq.to(torch.int16)), quantize.__name__
+        assert torch.equal(torch.tensor(s2, dtype=torch.float32).reshape(-1), s)
+        assert torch.equal(torch.tensor(z2, dtype=torch.float32).reshape(-1), z)
+
+
+def test_int8_few_rows_path_is_chosen_as_documented() -> None:
+    few = int8_kernels._few_rows
+    assert few(1, 960, 576) and few(8, 960, 576) and few(8, 576, 1536)  # SmolLM2's decoding layers
+    assert few(1, 49152, 576) and not few(8, 49152, 576)  # the unembedding: one row only
+    assert not few(2, 2304, 768) and not few(4096, 384, 384)  # a larger weight; an encoder's rows
+    assert not few(1, 5, 1)  # torch._int_mm gets one input feature wrong
+    x, w = torch.randn(1, 1), torch.randn(5, 1)
+    weight = Int8Weight.from_float(w)
+    ref = int8_linear_reference(x, weight.q, weight.scale)
+    torch.testing.assert_close(int8_linear(x, weight).double(), ref, rtol=1e-5, atol=1e-5)
+    for rows in (1, 3):  # a NaN or an infinity in a row: the oneDNN path's result, as before
+        x, weight = torch.randn(rows, 8), Int8Weight.from_float(torch.randn(5, 8))
+        x[0, 2] = float("nan") if rows == 1 else float("inf")
+        assert few(rows, 5, 8)
+        y = int8_linear(x, weight)
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(int8_kernels, "_few_rows", lambda *a: False)
+            torch.testing.assert_close(y, int8_linear(x, weight), equal_nan=True)
+
+
+def _check_few_rows(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None, monkeypatch) -> None:
+    """The few-row path equals the float64 reference as the oneDNN path does, and oneDNN's result to
+    float32 rounding of the epilogue."""
+    weight = Int8Weight.from_float(w)
+    n_out, n_in = w.shape
+    assert int8_kernels._few_rows(x.reshape(-1, n_in).shape[0], n_out, n_in)
+    y = int8_linear(x, weight, b)
+    ref = int8_linear_reference(x, weight.q, weight.scale, b)
+    assert y.dtype == torch.float32 and y.shape == (*x.shape[:-1], n_out)
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    assert torch.equal(y, F.linear(x, weight, b))
+    with monkeypatch.context() as m:
+        m.setattr(int8_kernels, "_few_rows", lambda *a: False)
+        y_onednn = int8_linear(x, weight, b)
+    # the same int32 sums; the epilogues round apart (measured <= 5.5e-7 of the largest output over 400
+    # random shapes of 1-16 rows)
+    assert float((y - y_onednn).abs().max()) <= 1e-6 * float(y_onednn.abs().max())
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("bias", [True, False])
+def test_int8_few_rows_on_int_mm_equal_the_reference_and_onednn(rows, bias, monkeypatch) -> None:
+    torch.manual_seed(rows)
+    n_out, n_in = 40, 97
+    w = torch.randn(n_out, n_in)
+    w[5] = 0.0  # an all-zero weight row
+    b = torch.randn(n_out) if bias else None
+    _check_few_rows(_skewed_rows(rows, n_in, seed=rows), w, b, monkeypatch)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lead=st.sampled_from([(1,), (2,), (3,), (8,), (1, 1), (2, 4), (16,)]),
+    n_in=st.integers(2, 300),  # one input feature runs on oneDNN (see _few_rows)
+    n_out=st.integers(1, 200),
+    bias=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_int8_few_rows_any_shape(lead, n_in, n_out, bias, seed) -> None:
+    rows = 1
+    for d in lead:
+        rows *= d
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n_out, n_in, generator=g)
+    b = torch.randn(n_out, generator=g) if bias else None
+    x = _skewed_rows(rows, n_in, seed).reshape(*lead, n_in)
+    with pytest.MonkeyPatch.context() as m:
+        _check_few_rows(x, w, b, m)
 
 
 def test_int8_activation_quantisation_per_token() -> None:

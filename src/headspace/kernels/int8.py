@@ -16,19 +16,43 @@ row of the input, ``o`` an output feature, ``i`` an input feature)::
 would wrap); the cost is one level in 256. :func:`int8_linear_reference` writes the same maths out in
 float64 and is what the tests hold the kernel to.
 
-``A`` comes from oneDNN's u8 x s8 kernel (``torch.ops.onednn.qlinear_pointwise``, the op torch's own x86
-int8 inference uses; VNNI on CPUs that have it) with the weight scales fused into its output; the
-per-token scale, the zero-point term and the bias (one rank-2 update) are two passes over the output.
+Two kernels compute it, with the same int32 sums:
+
+* many rows (an encoder's or a prefill's): ``A`` comes from oneDNN's u8 x s8 kernel
+  (``torch.ops.onednn.qlinear_pointwise``, the op torch's own x86 int8 inference uses; VNNI on CPUs that
+  have it) with the weight scales fused into its output; the per-token scale, the zero-point term and
+  the bias (one rank-2 update) are two passes over the output. oneDNN costs ~50 us a call whatever the
+  size, so
+* few rows (decoding) run on ``torch._int_mm`` (s8 x s8 -> s32) instead, which the asymmetric scheme
+  maps onto exactly: ``sum_i (x_q - z_t) W_q[o, i] = sum_i (x_q - 128) W_q[o, i] + (128 - z_t) C[o]``,
+  ``x_q - 128`` an int8 (the top bit of the uint8 flipped) and ``W_q^T`` a view of ``W_q`` (no copy; a
+  contiguous transpose ran 2-3x slower on one row), the correction an int32 rank-1 update, then
+  ``y = s_t s_w[o] (that) + b[o]`` in one float32 pass. The input's scalars (``lo``, ``hi``, ``s_t``,
+  ``z_t``) are the same float32 operations done in numpy / Python (five torch ops against seventeen for
+  the tensor version), so ``x_q`` is bit for bit the many-row path's; the two paths' outputs differ only
+  by float32 rounding of the epilogue (measured <= 1.8e-6 of a call's largest output on SmolLM2's
+  activations). When (``_few_rows``, measured on 1 thread): one row through a weight of up to 2**25
+  elements, or several through one of up to 1.4M elements (~1.4 MB of int8, past which the
+  several-row ``_int_mm`` lost to oneDNN from 2 rows on) while rows x elements <= 2**24. So SmolLM2's
+  decoding layers take it at batch 1 and 8, its [576 -> 49152] unembedding at batch 1 only (at 8 rows
+  oneDNN ran 1.9 ms against ``_int_mm``'s 2.8-3.8). On oneDNN whatever the rows: one input feature
+  (torch 2.13's ``_int_mm`` gets ``k = 1`` wrong) and an input holding a NaN or an infinity.
+
 One scale per token rather than one per call: on all-MiniLM-L6-v2, one per call gave a minimum cosine of
 0.986 to float32 over 64 sentences, one per token 0.998 (symmetric per token: 0.995). Against the
-alternatives, ``benchmarks/int8_kernels.py`` (results/int8_kernels.json; 1 thread, a shared 2-core
-machine, ms per call against float32 ``F.linear``): on MiniLM's encoder shapes (x [4096, 384]) this
-kernel ran 1.40-2.39x float32, ``torch._int_mm`` with symmetric per-token quantisation written as torch
-ops 1.25-1.81x (level with this one on [384 -> 384] only) and torchao's
-``Int8DynamicActivationInt8WeightConfig`` 0.54-1.22x. On SmolLM2's decoding shapes (1 or 8 tokens) the
-``torch._int_mm`` version was the fastest on 7 of 8 (1.6-8.4x float32, against 0.51-12.9x here): this
-kernel pays ~0.1 ms a call whatever the size (a [1, 576] x [576 -> 960] call: 0.108 ms, ``_int_mm``'s
-0.034 ms, float32's 0.055 ms) and wins only the unembedding at 8 tokens; torchao ran 0.10-0.47x there.
+alternatives, ``benchmarks/int8_kernels.py`` (1 thread, a shared 2-core machine, ms per call against
+float32 ``F.linear``): on MiniLM's encoder shapes (x [4096, 384], never the few-row path) this kernel
+ran 1.39-2.34x float32, ``torch._int_mm`` with symmetric per-token quantisation written as torch ops
+0.83-1.95x and torchao's ``Int8DynamicActivationInt8WeightConfig`` 0.45-1.25x. On SmolLM2's decoding
+shapes, before the few-row path this kernel paid ~0.1 ms a call whatever the size (0.092-0.103 ms at
+one row on the three layer shapes, float32 0.052-0.113; 0.118-0.137 at eight); with it 0.042-0.046 ms
+at one row and 0.078-0.108 at eight (1.2-2.6x and 1.6-2.9x float32; the benchmark's symmetric
+``_int_mm`` version, a simpler quantisation, 0.032-0.036 and 0.053-0.079), the unembedding 1.24 ms at
+one row (was 1.51; float32 4.9) and 1.87 at eight (oneDNN, 7.6x float32); torchao 0.09-0.48x there.
+SmolLM2-135M int8 greedy decoding (``benchmarks/decode.py --smollm2-only``, 2 threads, one run each on a
+quiet spell): 33.6 -> 21.4 ms/token at batch 1 (float32 29.7), 41.4 -> 37.3 at batch 8; top-1 agreement
+with float32 over 200 tokens 0.865 -> 0.860, perplexity ratio 1.0661 -> 1.0659 (a change of float32
+rounding anywhere moves this model's int8 logits as much: 1e-7 of noise on each layer's output did).
 
 :class:`Int8Weight` is how a model holds such a weight: a float32 tensor whose values are the dequantised
 weight ``W_q * s_w`` (what the int8 layer multiplies by, so every per-head view, circuit and analysis reads
@@ -40,8 +64,10 @@ weight changes those float32 values, not the int8 ones: edit in float32, then co
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -115,10 +141,11 @@ class Int8Weight(ReducedWeight):
     scale: Tensor
     _packed: Tensor | None
     _zero_term: Tensor | None
+    _col_sums: Tensor | None
 
     @staticmethod
     def __new__(cls, values: Tensor, q: Tensor, scale: Tensor) -> Int8Weight:
-        return cls.carrying(values, q=q, scale=scale, _packed=None, _zero_term=None)
+        return cls.carrying(values, q=q, scale=scale, _packed=None, _zero_term=None, _col_sums=None)
 
     @classmethod
     def from_float(cls, weight: Tensor) -> Int8Weight:
@@ -138,6 +165,12 @@ class Int8Weight(ReducedWeight):
             self._zero_term = self.scale * self.q.sum(dim=1, dtype=torch.int64).float()
         return self._zero_term
 
+    def col_sums(self) -> Tensor:
+        """``C[o] = sum_i W_q[o, i]`` [out], int32 (exact: ``|C| <= 127 in``; made once)."""
+        if self._col_sums is None:
+            self._col_sums = self.q.sum(dim=1, dtype=torch.int32)
+        return self._col_sums
+
     def __repr__(self, *, tensor_contents: Any = None) -> str:
         return f"Int8Weight(shape={list(self.shape)}, int8 per output channel, read as float32)"
 
@@ -149,7 +182,7 @@ class Int8Weight(ReducedWeight):
 
     def _detached(self, values: Tensor) -> Int8Weight:
         t = Int8Weight(values, self.q, self.scale)
-        t._packed, t._zero_term = self._packed, self._zero_term
+        t._packed, t._zero_term, t._col_sums = self._packed, self._zero_term, self._col_sums
         return t
 
     def _applies(self, x: Any, bias: Any) -> bool:
@@ -228,6 +261,10 @@ def int8_linear(x: Tensor, weight: Int8Weight, bias: Tensor | None = None) -> Te
         x2 = x.reshape(-1, n_in)  # (tokens, in)
         if x2.shape[0] == 0:
             return x2.new_zeros(*lead, n_out)
+        if _few_rows(x2.shape[0], n_out, n_in):
+            y = _int_mm_linear(x2, weight, bias)
+            if y is not None:
+                return y.view(*lead, n_out)
         xq, s_t, z_t = quantize_activation(x2)  # (tokens, in) uint8, (tokens,) x 2
         a = torch.ops.onednn.qlinear_pointwise(
             xq,
@@ -253,6 +290,103 @@ def int8_linear(x: Tensor, weight: Int8Weight, bias: Tensor | None = None) -> Te
             v = torch.stack((-weight.zero_term(), bias.detach().float()))  # (2, out)
             y.addmm_(u, v)
     return y.view(*lead, n_out)
+
+
+#: When :func:`int8_linear` runs ``torch._int_mm`` rather than oneDNN (measured, 1 thread; the module
+#: docstring has the figures): one row through a weight of up to this many elements (beyond, both are
+#: memory-bound and ran level) ...
+ONE_ROW_WEIGHT = 1 << 25
+#: ... or several rows through a weight of up to this many elements (~1.4 MB of int8: past it the
+#: several-row ``_int_mm`` lost to oneDNN from 2 rows on) ...
+SMALL_WEIGHT = 1_400_000
+#: ... while rows x weight elements stay within this (beyond, oneDNN's fixed cost is paid back).
+FEW_ROWS_WORK = 1 << 24
+
+
+def _few_rows(tokens: int, n_out: int, n_in: int) -> bool:
+    """Whether ``tokens`` rows through an [n_out, n_in] weight run on ``torch._int_mm``."""
+    size = n_out * n_in
+    if n_in == 1:  # torch 2.13's CPU _int_mm reads W_q^T [1, out] (strides 1, 1) wrongly: wrong sums
+        return False
+    if tokens == 1:
+        return size <= ONE_ROW_WEIGHT
+    return size <= SMALL_WEIGHT and tokens * size <= FEW_ROWS_WORK
+
+
+_F32 = np.float32
+#: ``torch._int_mm``, bound once (benchmarks/int8_kernels.py's smoke test breaks ``torch._int_mm`` to stand
+#: for a failing candidate; this kernel is not that candidate)
+_int_mm = torch._int_mm
+
+
+def _quantize_few(x: Tensor) -> tuple[Tensor, np.ndarray, np.ndarray] | None:
+    """:func:`quantize_activation` for few rows, shifted for ``torch._int_mm``: (x_q - 128 as int8, s_t, z_t).
+
+    The same numbers bit for bit: the per-token scalars are the same float32 operations, done in numpy
+    (on a handful of values a numpy op costs a fraction of a torch op); s_t and z_t come back as float32
+    numpy arrays [tokens]. Five torch ops against quantize_activation's seventeen. None where a row holds
+    a NaN or an infinity (the caller takes the oneDNN path, as before).
+    """
+    # amin and amax apart: 3x faster than aminmax(dim=1) on [8, 576] (measured; aminmax of a whole row
+    # is the fastest for one, see _quantize_row)
+    lo = np.minimum(x.amin(dim=1).numpy(), _F32(0.0))  # (tokens,)
+    hi = np.maximum(x.amax(dim=1).numpy(), _F32(0.0))
+    if not (np.isfinite(lo).all() and np.isfinite(hi).all()):
+        return None
+    scale = (hi - lo) / _F32(ACTIVATION_STEPS)
+    scale[~(scale > 0)] = _F32(1.0)
+    zero = np.rint(-lo / scale)  # round half to even, as torch.round
+    inv = (_F32(1.0) / scale)[:, None]  # (tokens, 1)
+    shifted = torch.mul(x, torch.from_numpy(inv)).add_(torch.from_numpy((zero + _F32(0.5))[:, None]))
+    # uint8 x_q, then x_q - 128 as int8: flipping the top bit of a uint8 v gives v - 128 read as int8
+    return shifted.to(torch.uint8).bitwise_xor_(128).view(torch.int8), scale, zero
+
+
+def _quantize_row(x: Tensor) -> tuple[Tensor, float, int] | None:
+    """:func:`_quantize_few` for one row [1, in], its scalars as Python numbers: (x_q - 128, s_t, z_t).
+
+    Python floats carry the float32 operations exactly: each operand is a float32 value, the float64
+    result of ``+ - * /`` rounded once to float32 is float32's own result.
+    """
+    lo_t, hi_t = torch.aminmax(x)
+    lo, hi = min(_F32(lo_t.item()), _F32(0.0)), max(_F32(hi_t.item()), _F32(0.0))
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return None
+    scale = (hi - lo) / _F32(ACTIVATION_STEPS)
+    if not scale > 0:
+        scale = _F32(1.0)
+    zero = round(float(-lo / scale))  # round half to even, as torch.round
+    inv = float(_F32(1.0) / scale)
+    shifted = torch.mul(x, inv).add_(zero + 0.5)  # float32 operations: the scalars are float32 values
+    return shifted.to(torch.uint8).bitwise_xor_(128).view(torch.int8), float(scale), zero
+
+
+def _int_mm_linear(x: Tensor, weight: Int8Weight, bias: Tensor | None) -> Tensor | None:
+    """:func:`int8_linear` on ``torch._int_mm`` for few rows ``x`` [tokens, in]: the same maths.
+
+    ``sum_i (x_q - z_t) W_q = sum_i (x_q - 128) W_q + (128 - z_t) C[o]``, all in int32 (exact), then
+    ``y = s_t s_w[o] (that) + b[o]`` in one float32 pass. None for an input that is not finite.
+    """
+    if x.shape[0] == 1:
+        row = _quantize_row(x)
+        if row is None:
+            return None
+        xs, s_t, z_t = row  # (1, in) int8, two numbers
+        acc = _int_mm(xs, weight.q.t())  # (1, out) int32: sum_i (x_q - 128) W_q
+        acc.add_(weight.col_sums(), alpha=128 - z_t)  # sum_i (x_q - z_t) W_q
+        if bias is None:
+            return torch.mul(acc, weight.scale).mul_(s_t)
+        return torch.addcmul(bias.detach().float(), acc, weight.scale, value=s_t)
+    few = _quantize_few(x)
+    if few is None:
+        return None
+    xs, scale, zero = few  # (tokens, in) int8, (tokens,) x 2
+    acc = _int_mm(xs, weight.q.t())  # (tokens, out) int32: sum_i (x_q - 128) W_q
+    acc.addr_(torch.from_numpy((128 - zero).astype(np.int32)), weight.col_sums())  # sum_i (x_q - z_t) W_q
+    s_ts_w = torch.mul(torch.from_numpy(scale[:, None]), weight.scale)  # (tokens, out)
+    if bias is None:
+        return torch.mul(acc, s_ts_w)
+    return torch.addcmul(bias.detach().float(), acc, s_ts_w)
 
 
 _ZEROS: dict[int, Tensor] = {}
