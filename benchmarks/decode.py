@@ -49,7 +49,7 @@ import torch
 from tqdm import tqdm
 
 from headspace import Decoder, ModelConfig
-from headspace.bench import timed
+from headspace.bench import machine_info, timed
 from headspace.fileio import write_json
 
 POSITIONS = (64, 128, 256, 512, 1024)
@@ -80,14 +80,22 @@ def _rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def _status_mib(field: str) -> float:
+    """A ``/proc/self/status`` field (``VmRSS``, ``VmHWM``) in MiB."""
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) / 1024
+
+
 def probe_load(which: str, threads: int) -> dict:
     """In this (fresh) interpreter: load SmolLM2 with ``which`` library; seconds and memory the load added.
 
     Imports come first, outside the timing; ``peak_extra_mib`` is the resident-set high-water mark
-    (``ru_maxrss``) after the load minus the resident set before it.
+    (``VmHWM``, reset to the resident set just before the load) minus the resident set before it. Not
+    ``ru_maxrss``: a process started by fork + exec reports in it at least its parent's resident set at
+    the fork, so a probe started from a large parent (this script after its GPT-2 table, a test session)
+    read 913 MiB where the load itself peaks at ~620.
     """
-    import resource
-
     torch.set_num_threads(threads)
     import headspace
     from headspace.pretrained.gguf_format import smollm2_gguf_path
@@ -98,6 +106,8 @@ def probe_load(which: str, threads: int) -> dict:
 
         transformers.utils.logging.set_verbosity_error()
         transformers.utils.logging.disable_progress_bar()
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # VmHWM := VmRSS
     before = _rss_mib()
     t0 = time.perf_counter()
     if which == "headspace":
@@ -107,7 +117,7 @@ def probe_load(which: str, threads: int) -> dict:
             str(path.parent), gguf_file=path.name, dtype=torch.float32
         ).eval()
     load_s = time.perf_counter() - t0
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+    peak = _status_mib("VmHWM")
     params = sum(p.numel() for p in model.parameters())
     return {
         "load_s": load_s,
@@ -160,6 +170,26 @@ def accuracy_vs_float32(logits: torch.Tensor, ref: torch.Tensor, targets: torch.
         "perplexity_float32": math.exp(float(nll_ref)),
         "perplexity_ratio": math.exp(float(nll - nll_ref)),
     }
+
+
+def products_floor(pre: Any, batch: int) -> Any:
+    """A call that runs only the products of one decoding step: every weight that enters an ``F.linear``
+    (q/k/v fused, W_O, the MLP's, the unembedding) times ``batch`` preallocated rows, as ``torch.mm``; no
+    attention, norm, rotation, cache or sampling. The time no float32 implementation can beat."""
+    m = pre.model
+    weights = []
+    for b in m.blocks:
+        weights += [b.attn.qkv_weight, b.attn.o_weight]
+        weights += [lin.weight for lin in b.mlp.modules() if isinstance(lin, torch.nn.Linear)]
+    weights.append(m.tok_embed.weight if m.lm_head is None else m.lm_head.weight)
+    rows = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights}  # (batch, in) per input width
+
+    def run() -> None:
+        for w in weights:
+            torch.mm(rows[w.shape[1]], w.t())  # (batch, out)
+
+    run.n_products = len(weights)  # type: ignore[attr-defined]
+    return run
 
 
 def run_smollm2(a: argparse.Namespace) -> dict:
@@ -221,6 +251,8 @@ def run_smollm2(a: argparse.Namespace) -> dict:
             prefill[n]()
             for batch in (1, 8):
                 generate[n](decode_prompts[:batch], 2)
+        floors = {b: products_floor(models["headspace"], b) for b in (1, 8)}
+        t_floor: dict[int, list[float]] = {1: [], 8: []}
         t_prefill: dict[str, list[float]] = {n: [] for n in names}
         t_decode: dict[tuple[str, int], list[float]] = {(n, b): [] for n in names for b in (1, 8)}
         for r in tqdm(range(a.smollm2_rounds), desc="SmolLM2 rounds", unit="round"):
@@ -236,6 +268,10 @@ def run_smollm2(a: argparse.Namespace) -> dict:
                     generate[n](x, a.decode_tokens + 1)
                     t2 = time.perf_counter()
                     t_decode[(n, batch)].append(((t2 - t1) - (t1 - t0)) / a.decode_tokens)
+            for batch in (1, 8):
+                t0 = time.perf_counter()
+                floors[batch]()
+                t_floor[batch].append(time.perf_counter() - t0)
         # accuracy of each precision against float32 on the README + docs text
         acc_ids = ids[: a.accuracy_tokens + 1]
         targets = torch.tensor(acc_ids[1:])
@@ -324,6 +360,20 @@ def run_smollm2(a: argparse.Namespace) -> dict:
             f"{r['perplexity']:.3f} | "
             f"{r['perplexity_ratio']:.4f} |"
         )
+    floor_ms = {b: 1e3 * statistics.median(t_floor[b]) for b in (1, 8)}
+    over = {
+        (n, b): by[n][f"decode_ms_batch{b}"] / floor_ms[b]
+        for n in ("headspace", "transformers")
+        for b in (1, 8)
+    }
+    print(
+        f"\nthe products alone ({floors[1].n_products} float32 matrix products per token, nothing else): "
+        + "; ".join(
+            f"batch {b} {floor_ms[b]:.2f} ms, headspace {over[('headspace', b)]:.2f}x that, "
+            f"transformers {over[('transformers', b)]:.2f}x"
+            for b in (1, 8)
+        )
+    )
     print()
     for c in checks:
         spread = (
@@ -342,6 +392,8 @@ def run_smollm2(a: argparse.Namespace) -> dict:
         "accuracy_tokens": a.accuracy_tokens,
         "rounds": a.smollm2_rounds,
         "same_greedy_tokens": {str(b): v for b, v in same.items()},
+        "products_floor_ms": {str(b): v for b, v in floor_ms.items()},
+        "products_floor_times_ms": {str(b): [1e3 * t for t in t_floor[b]] for b in (1, 8)},
         "rows": rows,
         "targets": checks,
         "transformers": transformers.__version__,
@@ -394,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.smollm2_only:
         doc = {
             "benchmark": "decode",
+            "machine": machine_info(),
             "threads": a.threads,
             "torch": torch.__version__,
             "smollm2": run_smollm2(a),
@@ -480,6 +533,7 @@ def main(argv: list[str] | None = None) -> int:
         {
             "smollm2": smollm2,
             "benchmark": "decode",
+            "machine": machine_info(),
             "config": config.to_dict(),
             "positions": positions,
             "threads": a.threads,

@@ -241,11 +241,16 @@ def test_decode_script_smollm2_against_transformers(
     rows = doc["rows"]
     assert [r["model"] for r in rows] == ["headspace", "transformers", "headspace bfloat16", "headspace int8"]
     assert doc["same_greedy_tokens"] == {"1": True, "8": True}  # the same float32 weights, the same tokens
+    floor = doc["products_floor_ms"]
+    assert set(floor) == {"1", "8"} and all(v > 0 for v in floor.values())
+    assert all(len(doc["products_floor_times_ms"][b]) == 1 for b in ("1", "8"))
     for r in rows[:2]:
         assert r["load_s"] > 0 and r["weights_mib"] > 500 and r["peak_extra_mib"] > 0
     assert rows[0]["top1_agreement"] == 1.0 and rows[0]["perplexity_ratio"] == 1.0
     assert all(0 < r["top1_agreement"] <= 1 and len(r["decode_times_ms_batch8"]) == 1 for r in rows)
     printed = capsys.readouterr().out
+    products = "the products alone (151 float32 matrix products per token, nothing else)"
+    assert f"{products}: batch 1 {floor['1']:.2f} ms" in printed
     table = _table_rows(printed)
     assert table[:2] == [
         [

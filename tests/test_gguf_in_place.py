@@ -181,22 +181,24 @@ def test_empty_llama_checks_shapes_before_allocating() -> None:
 
 
 _PROBE = """
-import json, resource, sys, torch
+import json, sys, torch
 torch.set_num_threads(2)
 import headspace
 from headspace.pretrained.gguf import load_gguf
-def rss():
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * 4096 / 2**20
-before = rss()
+def status(field):
+    with open("/proc/self/status") as f:
+        return int(next(l for l in f if l.startswith(field + ":")).split()[1]) / 1024
+with open("/proc/self/clear_refs", "w") as f:
+    f.write("5")  # VmHWM := VmRSS (ru_maxrss would count the parent's resident set at the fork)
+before = status("VmRSS")
 model = load_gguf(sys.argv[1]).model
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+peak = status("VmHWM")
 weights = sum(p.numel() for p in model.parameters()) * 4 / 2**20
-print(json.dumps({"peak": peak - before, "after": rss() - before, "weights": weights}))
+print(json.dumps({"peak": peak - before, "after": status("VmRSS") - before, "weights": weights}))
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc and ru_maxrss in KiB")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status and clear_refs")
 def test_smollm2_load_peak_memory_stays_near_its_weights() -> None:
     try:
         path = smollm2_gguf_path()
