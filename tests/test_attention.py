@@ -482,7 +482,10 @@ def test_paths_agree_on_random_shapes_and_masks(
     g_slow = torch.autograd.grad((slow * weight).sum(), leaves)
     for a, b in zip(g_fast, g_slow):
         assert torch.isfinite(a).all() and torch.isfinite(b).all()
-        assert_close(a, b)
+        # two float32 sums of the same terms in different orders: their difference scales with the
+        # gradient's size (a weight gradient sums batch x seq terms; seen 1.3e-5 apart at |g| ~ 0.3)
+        scale = max(1.0, float(b.abs().max())) if b.numel() else 1.0
+        assert_close(a, b, rtol=1e-5, atol=2e-5 * scale)
 
 
 # --- long sequences (the explicit kernel's per-head band blocks)
