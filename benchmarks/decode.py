@@ -49,7 +49,7 @@ import torch
 from tqdm import tqdm
 
 from headspace import Decoder, ModelConfig
-from headspace.bench import machine_info, timed
+from headspace.bench import machine_info, read_status_kib, timed
 from headspace.fileio import write_json
 
 POSITIONS = (64, 128, 256, 512, 1024)
@@ -78,13 +78,6 @@ SMOLLM2_TARGETS = {
 def _rss_mib() -> float:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def _status_mib(field: str) -> float:
-    """A ``/proc/self/status`` field (``VmRSS``, ``VmHWM``) in MiB."""
-    with open("/proc/self/status") as f:
-        line = next(line for line in f if line.startswith(field + ":"))
-    return int(line.split()[1]) / 1024
 
 
 def probe_load(which: str, threads: int) -> dict:
@@ -117,7 +110,7 @@ def probe_load(which: str, threads: int) -> dict:
             str(path.parent), gguf_file=path.name, dtype=torch.float32
         ).eval()
     load_s = time.perf_counter() - t0
-    peak = _status_mib("VmHWM")
+    peak = (read_status_kib("VmHWM") or 0) / 1024
     params = sum(p.numel() for p in model.parameters())
     return {
         "load_s": load_s,

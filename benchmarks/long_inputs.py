@@ -53,17 +53,6 @@ def output_path(out: str | None, save: bool, name: str) -> Path:
     return (RESULTS if save else RESULTS / "local") / name
 
 
-def _status_kib(field: str) -> int | None:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
 def _reset_peak() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -110,6 +99,7 @@ def measure(model: Any, mode: str, seq: int) -> dict[str, Any]:
     """One measurement in this process: wall time, peak RSS during the call, and the roles (head_roles)."""
     from headspace import analysis
     from headspace.analysis.chunked import default_chunk_size
+    from headspace.bench import read_status_kib
 
     vocab = model.config.vocab_size
     tokens = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(seq))
@@ -130,11 +120,11 @@ def measure(model: Any, mode: str, seq: int) -> dict[str, Any]:
 
     gc.collect()
     have_peak = _reset_peak()
-    base = _status_kib("VmRSS")
+    base = read_status_kib("VmRSS")
     t0 = time.perf_counter()
     result = step()
     out["time_s"] = time.perf_counter() - t0
-    peak = _status_kib("VmHWM") if have_peak else None
+    peak = read_status_kib("VmHWM") if have_peak else None
     if base is not None and peak is not None:
         out["base_rss_mib"] = base / 1024
         out["peak_rss_mib"] = peak / 1024

@@ -23,7 +23,15 @@ from .attention import (
     run_attention_benchmark,
     write_json,
 )
-from .measure import machine_info, measure_peak_extra_mib, round_robin, rss_counter_slack_mib, spread, timed
+from .measure import (
+    machine_info,
+    measure_peak_extra_mib,
+    read_status_kib,
+    round_robin,
+    rss_counter_slack_mib,
+    spread,
+    timed,
+)
 
 __all__ = [
     "CASES",
@@ -42,6 +50,7 @@ __all__ = [
     "format_table",
     "machine_info",
     "measure_peak_extra_mib",
+    "read_status_kib",
     "round_robin",
     "rss_counter_slack_mib",
     "run_attention_benchmark",

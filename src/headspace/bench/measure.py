@@ -69,7 +69,8 @@ def machine_info() -> dict:
     return info
 
 
-def _read_status_kib(field: str) -> int | None:
+def read_status_kib(field: str) -> int | None:
+    """A field of ``/proc/self/status`` in KiB (``VmRSS``, ``VmHWM``); None without /proc or the field."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -109,9 +110,9 @@ def measure_peak_extra_mib(step: Callable[[], None]) -> float | None:
             f.write("5")  # reset VmHWM to the current resident set
     except OSError:
         return None
-    base = _read_status_kib("VmRSS")
+    base = read_status_kib("VmRSS")
     step()
-    peak = _read_status_kib("VmHWM")
+    peak = read_status_kib("VmHWM")
     if base is None or peak is None:
         return None
     return max(0, peak - base) / 1024
