@@ -19,6 +19,11 @@ the same float32 weights (``from_pretrained(folder, gguf_file=..., dtype=torch.f
   ``(time(n + 1 tokens) - time(1 token)) / n``, which leaves the prefill out), rounds rotating over
   the models;
 
+At batch 8 headspace's generate packs the float32 weights for MKL's GEMM once per call (its default
+there, ``prepack=None``; see headspace.kernels.prepack): the row "headspace prepack=False" decodes without,
+and the script prints the packing's seconds and memory. The products alone (``torch.mm`` on the
+weights as stored, nothing else) are timed for reference,
+
 and headspace at each precision (float32, bfloat16, int8): the same prefill and decode figures, and the
 accuracy against float32 over ``--accuracy-tokens`` (2,000) tokens of this repository's README.md and
 docs/*.md: top-1 next-token agreement and the perplexity ratio. ``--no-smollm2`` skips this part.
@@ -53,6 +58,8 @@ from headspace.bench import machine_info, read_status_kib, timed
 from headspace.fileio import write_json
 
 POSITIONS = (64, 128, 256, 512, 1024)
+UNPACKED = "headspace prepack=False"
+"""The row of headspace's float32 model decoding without weights packed for MKL's GEMM."""
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 """The published results (committed); runs without --save write to RESULTS / "local"."""
@@ -165,16 +172,33 @@ def accuracy_vs_float32(logits: torch.Tensor, ref: torch.Tensor, targets: torch.
     }
 
 
+def prepack_cost(model: Any, batch: int) -> dict:
+    """Seconds to pack ``model``'s weights for MKL's GEMM at ``batch`` rows (what generate does once per
+    call at batch >= 2), and the resident MiB the packed copy adds while it is held."""
+    import gc
+
+    from headspace.decoding import DecodePlan
+
+    gc.collect()
+    before = _rss_mib()
+    t0 = time.perf_counter()
+    plan = DecodePlan(model, pack_rows=batch)
+    seconds = time.perf_counter() - t0
+    extra = _rss_mib() - before
+    del plan
+    gc.collect()
+    return {"batch": batch, "pack_s": seconds, "extra_mib": extra}
+
+
 def products_floor(pre: Any, batch: int) -> Any:
     """A call that runs only the products of one decoding step: every weight that enters an ``F.linear``
     (q/k/v fused, W_O, the MLP's, the unembedding) times ``batch`` preallocated rows, as ``torch.mm``; no
-    attention, norm, rotation, cache or sampling. The time no float32 implementation can beat."""
-    m = pre.model
-    weights = []
-    for b in m.blocks:
-        weights += [b.attn.qkv_weight, b.attn.o_weight]
-        weights += [lin.weight for lin in b.mlp.modules() if isinstance(lin, torch.nn.Linear)]
-    weights.append(m.tok_embed.weight if m.lm_head is None else m.lm_head.weight)
+    attention, norm, rotation, cache or sampling. The time no float32 decoder that multiplies by the
+    weights as they are stored can beat (at batch >= 2 MKL repacks each weight inside ``torch.mm``;
+    weights packed beforehand, as headspace's generate does there, go below it)."""
+    from headspace.decoding import product_weights
+
+    weights = product_weights(pre.model)
     rows = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights}  # (batch, in) per input width
 
     def run() -> None:
@@ -219,18 +243,21 @@ def run_smollm2(a: argparse.Namespace) -> dict:
     def hf_prefill() -> None:
         hf(prompt, use_cache=True, past_key_values=transformers.DynamicCache())
 
-    def hs_generate(pre: Any, x: torch.Tensor, n: int) -> torch.Tensor:
-        return pre.model.generate(x, n, temperature=0)
+    def hs_generate(pre: Any, x: torch.Tensor, n: int, prepack: bool | None = None) -> torch.Tensor:
+        return pre.model.generate(x, n, temperature=0, prepack=prepack)
 
     def hf_generate(x: torch.Tensor, n: int) -> torch.Tensor:
         return hf.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
 
-    names = ["headspace", "transformers", "headspace bfloat16", "headspace int8"]
+    # "headspace" packs its weights for MKL's GEMM at batch 8 (generate's default, prepack=None);
+    # UNPACKED is the same model without (prepack=False)
+    models[UNPACKED] = models["headspace"]
+    names = ["headspace", "transformers", "headspace bfloat16", "headspace int8", UNPACKED]
     prefill = {n: hf_prefill if n == "transformers" else hs_prefill(models[n]) for n in names}
     generate = {
         n: (lambda x, k: hf_generate(x, k))
         if n == "transformers"
-        else (lambda x, k, m=models[n]: hs_generate(m, x, k))
+        else (lambda x, k, m=models[n], pp=(False if n == UNPACKED else None): hs_generate(m, x, k, pp))
         for n in names
     }
     with torch.inference_mode():
@@ -276,6 +303,8 @@ def run_smollm2(a: argparse.Namespace) -> dict:
             accuracy[n] = accuracy_vs_float32(
                 next_token_logits(models[n].model, acc_ids, a.prompt_len), ref, targets
             )
+        accuracy[UNPACKED] = accuracy["headspace"]  # the same forward: packing is a decoding-step matter
+        pack = prepack_cost(models["headspace"].model, 8)
     rows = []
     for n in names:
         row = {
@@ -367,6 +396,11 @@ def run_smollm2(a: argparse.Namespace) -> dict:
             for b in (1, 8)
         )
     )
+    print(
+        f"packing the weights for MKL's GEMM at batch 8 (generate's default there): {pack['pack_s']:.2f} s "
+        f"once per generate call, {pack['extra_mib']:.0f} MiB more while it runs "
+        f"({pack['extra_mib'] / hs_load['weights_mib']:.2f}x the float32 weights)"
+    )
     print()
     for c in checks:
         spread = (
@@ -385,6 +419,7 @@ def run_smollm2(a: argparse.Namespace) -> dict:
         "accuracy_tokens": a.accuracy_tokens,
         "rounds": a.smollm2_rounds,
         "same_greedy_tokens": {str(b): v for b, v in same.items()},
+        "prepack_batch8": pack,
         "products_floor_ms": {str(b): v for b, v in floor_ms.items()},
         "products_floor_times_ms": {str(b): [1e3 * t for t in t_floor[b]] for b in (1, 8)},
         "rows": rows,

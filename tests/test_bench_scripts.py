@@ -239,7 +239,10 @@ def test_decode_script_smollm2_against_transformers(
     assert _script("decode").main(argv) == 0
     doc = json.loads(out.read_text())["smollm2"]
     rows = doc["rows"]
-    assert [r["model"] for r in rows] == ["headspace", "transformers", "headspace bfloat16", "headspace int8"]
+    names = ["headspace", "transformers", "headspace bfloat16", "headspace int8", "headspace prepack=False"]
+    assert [r["model"] for r in rows] == names
+    pack = doc["prepack_batch8"]
+    assert pack["batch"] == 8 and pack["pack_s"] > 0 and pack["extra_mib"] > 0
     assert doc["same_greedy_tokens"] == {"1": True, "8": True}  # the same float32 weights, the same tokens
     floor = doc["products_floor_ms"]
     assert set(floor) == {"1", "8"} and all(v > 0 for v in floor.values())
@@ -251,6 +254,7 @@ def test_decode_script_smollm2_against_transformers(
     printed = capsys.readouterr().out
     products = "the products alone (151 float32 matrix products per token, nothing else)"
     assert f"{products}: batch 1 {floor['1']:.2f} ms" in printed
+    assert f"at batch 8 (generate's default there): {pack['pack_s']:.2f} s once per generate call" in printed
     table = _table_rows(printed)
     assert table[:2] == [
         [

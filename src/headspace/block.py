@@ -20,7 +20,8 @@ entries inside the attention layer.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +33,7 @@ from .functional import sdpa_attention
 from .hooks import HookPoint
 from .kernels.bf16 import is_bf16
 from .kernels.int8 import is_int8
+from .kernels.prepack import packable, packed_linear_fn
 from .kernels.workspace import Workspace
 from .masks import CanonicalMask
 from .norms import RMSNorm
@@ -49,36 +51,103 @@ MLP_KINDS = ("plain", "gated")
 _BLOCK_HOOKS = ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post")
 
 
-def _norm(norm: nn.Module, x: Tensor) -> Tensor:
-    """``norm(x)`` without the module call: ``F.rms_norm`` for a float32 RMSNorm of offset 0 (bitwise what
-    :class:`~headspace.norms.RMSNorm` computes, in one op instead of seven), ``F.layer_norm`` for a
-    LayerNorm, the module itself otherwise."""
-    if type(norm) is RMSNorm and norm.offset == 0.0 and x.dtype == torch.float32:
-        return F.rms_norm(x, (norm.d_model,), norm.weight, norm.eps)
+def norm_fn(norm: nn.Module) -> Callable[[Tensor], Tensor]:
+    """``norm`` as a callable of the rows, resolved once: ``F.rms_norm`` for an RMSNorm of offset 0 on
+    float32 rows (bitwise what :class:`~headspace.norms.RMSNorm` computes, in one op instead of seven),
+    ``F.layer_norm`` for a LayerNorm, the module itself otherwise."""
+    if type(norm) is RMSNorm and norm.offset == 0.0:
+        shape, weight, eps = (norm.d_model,), norm.weight, norm.eps
+
+        def rms(x: Tensor) -> Tensor:
+            return F.rms_norm(x, shape, weight, eps) if x.dtype == torch.float32 else norm(x)
+
+        return rms
     if type(norm) is nn.LayerNorm:
-        return F.layer_norm(x, norm.normalized_shape, norm.weight, norm.bias, norm.eps)
-    return norm(x)
+        shape, weight, bias, eps = norm.normalized_shape, norm.weight, norm.bias, norm.eps
+        return lambda x: F.layer_norm(x, shape, weight, bias, eps)
+    return norm
 
 
-def _linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """``F.linear`` of the rows ``x`` [n, in]: ``x @ weight.T`` by ``torch.mm`` (the product ``F.linear``
-    runs, without its dispatch layers) for a plain float weight and no bias; ``F.linear`` itself
-    otherwise (biases, and the int8 / bfloat16 weights whose ``F.linear`` runs their own kernels)."""
+def linear_fn(
+    weight: Tensor, bias: Tensor | None, pack_rows: int | None = None
+) -> Callable[[Tensor], Tensor]:
+    """``F.linear(x, weight, bias)`` of the rows ``x`` [n, in] as a callable, resolved once: ``torch.mm``
+    on a transposed view of a plain float weight without bias (the product ``F.linear`` runs, without
+    its dispatch layers), ``F.linear`` itself otherwise (biases, and the int8 / bfloat16 weights whose
+    ``F.linear`` runs their own kernels). With ``pack_rows``, a plain float32 weight is packed once for
+    MKL's GEMM at that many rows (:func:`headspace.kernels.prepack.packed_linear_fn`: a copy)."""
+    if pack_rows is not None and packable(weight):
+        return packed_linear_fn(weight, bias, pack_rows)
     if bias is None and type(weight) in (nn.Parameter, Tensor):
-        return torch.mm(x, weight.t())
-    return F.linear(x, weight, bias)
+        weight_t = weight.t()  # (in, out): a view, so in-place edits of the weight show
+        return lambda x: torch.mm(x, weight_t)
+    return lambda x: F.linear(x, weight, bias)
 
 
-def _activate_(act: nn.Module, x: Tensor) -> Tensor:
-    """``act(x)``, in place on ``x`` (a fresh tensor) for torch's SiLU, ReLU and GELU modules."""
+def activation_fn_(act: nn.Module) -> Callable[[Tensor], Tensor]:
+    """``act`` as a callable, resolved once: in place on its (fresh) input for torch's SiLU, ReLU and
+    GELU modules, the module itself otherwise."""
     kind = type(act)
     if kind is nn.SiLU:
-        return F.silu(x, inplace=True)
+        return lambda x: F.silu(x, inplace=True)
     if kind is nn.ReLU:
-        return x.relu_()
+        return torch.relu_
     if kind is nn.GELU:
-        return torch.ops.aten.gelu_(x, approximate=act.approximate)
-    return act(x)
+        approximate = act.approximate  # type: ignore[attr-defined]
+        return lambda x: torch.ops.aten.gelu_(x, approximate=approximate)
+    return act
+
+
+class DecodingLayer(NamedTuple):
+    """One pre-norm block's decoding step, flattened (:meth:`TransformerBlock.decoding_layer`): each
+    product a callable of the rows, the norms and the in-place activation resolved, the head counts
+    as numbers. ``gate`` is None for a plain MLP."""
+
+    norm1: Callable[[Tensor], Tensor]
+    qkv: Callable[[Tensor], Tensor]
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    scale: float
+    rotary: Rotary | None
+    o: Callable[[Tensor], Tensor]
+    norm2: Callable[[Tensor], Tensor]
+    gate: Callable[[Tensor], Tensor] | None
+    act_: Callable[[Tensor], Tensor]
+    fc_in: Callable[[Tensor], Tensor]
+    fc_out: Callable[[Tensor], Tensor]
+
+
+def decode_layer_rows(
+    layer: DecodingLayer, x: Tensor, kv_cache: KVCache, cos: Tensor | None, sin: Tensor | None
+) -> Tensor:
+    """One block's decoding step on the rows ``x`` [batch, d_model] -> [batch, d_model], for a caller
+    that ran ``kv_cache.check(batch, 1, ...)``; ``cos``/``sin`` [1, 1, rotary_dim] (None without rotary).
+
+    :meth:`TransformerBlock.forward` for one new position after the cache, bit for bit: each product
+    one 2-D call (no reshapes around it), q and k rotated as [batch, heads, d_head] rows of the fused
+    projection, the new key and value appended by :meth:`~headspace.KVCache.append_one`, the
+    activation and the gate's product in place on the fresh gate output.
+    """
+    B = x.shape[0]
+    H, Hkv, dh = layer.n_heads, layer.n_kv_heads, layer.d_head
+    qkv = layer.qkv(layer.norm1(x)).view(B, H + 2 * Hkv, dh)  # (B, H + 2 Hkv, dh)
+    if cos is not None and sin is not None and layer.rotary is not None:
+        qk = rotate_fused(qkv[:, : H + Hkv], cos, sin, layer.rotary)  # (B, H + Hkv, dh), fresh
+    else:
+        qk = qkv[:, : H + Hkv]  # (B, H + Hkv, dh)
+    k, v = kv_cache.append_one(qk[:, H:], qkv[:, H + Hkv :])  # (B, Hkv, Sk, dh) x 2
+    # one query after its cached keys: every key may be attended, no mask
+    z = F.scaled_dot_product_attention(
+        qk[:, :H].unsqueeze(2), k, v, scale=layer.scale, enable_gqa=Hkv != H
+    )  # (B, H, 1, dh), stored as (B, 1, H, dh)
+    h = x + layer.o(z.reshape(B, H * dh))  # (B, d_model): heads concatenated
+    m = layer.norm2(h)  # (B, d_model)
+    if layer.gate is not None:
+        m = layer.act_(layer.gate(m)).mul_(layer.fc_in(m))  # (B, d_mlp): act(gate) * up
+    else:
+        m = layer.act_(layer.fc_in(m))  # (B, d_mlp)
+    return h + layer.fc_out(m)  # (B, d_model)
 
 
 def make_activation(act: str) -> nn.Module:
@@ -424,35 +493,37 @@ class TransformerBlock(nn.Module):
     def decode_rows(self, x: Tensor, kv_cache: KVCache, cos: Tensor | None, sin: Tensor | None) -> Tensor:
         """:meth:`decode_step` on the rows ``x`` [batch, d_model] (returns [batch, d_model]), for a caller
         that ran ``kv_cache.check(batch, 1, ...)``; ``cos``/``sin`` [1, 1, rotary_dim] (None without
-        rotary). What :meth:`headspace.Decoder.hidden_states` runs in every block of a decoding step.
+        rotary): :func:`decode_layer_rows` of :meth:`decoding_layer`."""
+        return decode_layer_rows(self.decoding_layer(), x, kv_cache, cos, sin)
 
-        Each product is one ``F.linear`` on 2-D rows (no reshapes around it), q and k are rotated as
-        [batch, heads, d_head] rows of the fused projection, the cache takes the new key and value by
-        :meth:`~headspace.KVCache.append_one`, and the activation and the gate's product run in place on
-        the fresh gate output: the same values, bit for bit, as :meth:`forward`.
+    def decoding_layer(self, pack_rows: int | None = None) -> DecodingLayer:
+        """This block's decoding step flattened: its weights, biases, norms and activation resolved once
+        into plain callables and numbers (:class:`DecodingLayer`), for :func:`decode_layer_rows`.
+
+        What :class:`headspace.decoding.DecodePlan` builds once per :meth:`headspace.Decoder.generate`
+        call, so that no decoding step looks anything up through ``nn.Module`` attributes. The callables
+        hold the block's parameters themselves (and transposed views of them): edits of their values
+        show, replaced parameters do not (build it again). Only for a block with :attr:`decode_supported`.
+        With ``pack_rows``, the float32 products run on copies of the weights packed for MKL's GEMM at
+        that many rows (:mod:`headspace.kernels.prepack`): edits made after the packing do not show.
         """
-        a = self.attn
-        B = x.shape[0]
-        H, Hkv, dh = a.n_heads, a.n_kv_heads, a.d_head
-        qkv = _linear(_norm(self.ln1, x), a.qkv_weight, a.qkv_bias).view(B, H + 2 * Hkv, dh)
-        if cos is not None and sin is not None:
-            qk = rotate_fused(qkv[:, : H + Hkv], cos, sin, a.rotary)  # (B, H + Hkv, dh), fresh
-        else:
-            qk = qkv[:, : H + Hkv]  # (B, H + Hkv, dh)
-        k, v = kv_cache.append_one(qk[:, H:], qkv[:, H + Hkv :])  # (B, Hkv, Sk, dh) x 2
-        # one query after its cached keys: every key may be attended, no mask
-        z = F.scaled_dot_product_attention(
-            qk[:, :H].unsqueeze(2), k, v, scale=a.scale, enable_gqa=Hkv != H
-        )  # (B, H, 1, dh), stored as (B, 1, H, dh)
-        h = x + _linear(z.reshape(B, H * dh), a.o_weight, a.o_bias)  # (B, d_model): heads concatenated
-        m = _norm(self.ln2, h)  # (B, d_model)
-        mlp = self.mlp
-        if isinstance(mlp, GatedFeedForward):
-            g = _linear(m, mlp.fc_gate.weight, mlp.fc_gate.bias)  # (B, d_mlp), fresh
-            m = _activate_(mlp.act, g).mul_(_linear(m, mlp.fc_in.weight, mlp.fc_in.bias))  # act(gate) * up
-        else:
-            m = _activate_(mlp.act, _linear(m, mlp.fc_in.weight, mlp.fc_in.bias))  # (B, d_mlp)
-        return h + _linear(m, mlp.fc_out.weight, mlp.fc_out.bias)  # (B, d_model)
+        a, mlp = self.attn, self.mlp
+        gated = isinstance(mlp, GatedFeedForward)
+        return DecodingLayer(
+            norm1=norm_fn(self.ln1),
+            qkv=linear_fn(a.qkv_weight, a.qkv_bias, pack_rows),
+            n_heads=a.n_heads,
+            n_kv_heads=a.n_kv_heads,
+            d_head=a.d_head,
+            scale=a.scale,
+            rotary=a.rotary,
+            o=linear_fn(a.o_weight, a.o_bias, pack_rows),
+            norm2=norm_fn(self.ln2),
+            gate=linear_fn(mlp.fc_gate.weight, mlp.fc_gate.bias, pack_rows) if gated else None,
+            act_=activation_fn_(mlp.act),
+            fc_in=linear_fn(mlp.fc_in.weight, mlp.fc_in.bias, pack_rows),
+            fc_out=linear_fn(mlp.fc_out.weight, mlp.fc_out.bias, pack_rows),
+        )
 
     @property
     def reduced_precision(self) -> bool:

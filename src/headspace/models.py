@@ -27,10 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import KVCache, rotary_tables
-from .block import TransformerBlock, _norm, make_norm
+from .attention import KVCache
+from .block import TransformerBlock, make_norm
 from .checks import is_int
 from .config import ModelConfig
+from .decoding import DecodePlan
 from .generate import generate as generate_tokens
 from .hooks import HookPoint
 from .inputs import check_positions, check_tokens
@@ -498,23 +499,24 @@ class Decoder(_Stack):
         return True
 
     def _decode_step(self, x: Tensor, kv_caches: list[KVCache], start: int) -> Tensor:
-        """The blocks and LN_f for one new position ``start`` (x [batch, 1, d_model], embedded): each
-        block's :meth:`~headspace.block.TransformerBlock.decode_rows` on the [batch, d_model] rows."""
+        """The blocks and LN_f for one new position ``start`` (x [batch, 1, d_model], embedded), by a
+        :class:`~headspace.decoding.DecodePlan` built for this call (the caller checked the hooks)."""
         batch, _, d_model = x.shape
-        cos = sin = None
-        rotary = self.rotary
-        if rotary is not None:
-            positions = torch.arange(start, start + 1, device=x.device)  # (1,)
-            cos, sin = rotary_tables(rotary, positions, x.dtype, x.device)  # (1, 1, 1, rotary_dim) x 2
-            cos, sin = cos.squeeze(2), sin.squeeze(2)  # (1, 1, rotary_dim): over (batch, heads, d_head)
-        x = x.reshape(batch, d_model)  # (batch, d_model)
         for block, cache in zip(self.blocks, kv_caches):
             w = block.attn.o_weight
             cache.check(batch, 1, w.dtype, w.device)
-            x = block.decode_rows(x, cache, cos, sin)  # (batch, d_model)
-        if self.ln_final is not None:
-            x = _norm(self.ln_final, x)
-        return x.view(batch, 1, d_model)
+        plan = DecodePlan(self, watch_hooks=False)
+        return plan.rows(x.reshape(batch, d_model), kv_caches, start).view(batch, 1, d_model)
+
+    def decode_plan(self, pack_rows: int | None = None) -> DecodePlan | None:
+        """A :class:`~headspace.decoding.DecodePlan` of this model's cached decoding step, or None where
+        one-token steps must take :meth:`forward`'s general path (training mode, a block without
+        :attr:`~headspace.block.TransformerBlock.decode_supported`, or an active hook point).
+        :meth:`generate` builds one per call; ``plan.logits(tokens, caches)`` is then
+        ``forward(tokens, kv_caches=caches)[:, -1]``, bit for bit, while ``plan.idle()``; with
+        ``pack_rows`` (a batch size) the float32 products run on weights packed for MKL's GEMM
+        (:mod:`headspace.kernels.prepack`: a second copy of them, equal to float32 rounding)."""
+        return DecodePlan(self, pack_rows=pack_rows) if self._decode_step_ok() else None
 
     def forward(
         self,

@@ -1,0 +1,161 @@
+"""DecodePlan (headspace.decoding): the cached decoding step flattened once per generate call, and the
+weights prepacked for MKL's GEMM (headspace.kernels.prepack)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from headspace import Decoder, ModelConfig
+from headspace import decoding as decoding_mod
+from headspace.decoding import DecodePlan, choose_pack_rows, product_weights
+from headspace.kernels import prepack
+
+B, H, DH, V, L = 3, 7, 5, 13, 2  # batch, n_heads, d_head, vocab, layers: distinct primes
+MKL = prepack.prepack_available()
+
+CONFIGS = [
+    {},  # GPT-2-like: learned positions, LayerNorm, biases, plain gelu_tanh MLP
+    {"positions": "rotary", "norm_kind": "rmsnorm", "mlp_kind": "gated", "act": "silu", "bias": False,
+     "n_heads": 6, "n_kv_heads": 2, "d_model": 36},  # Llama-like, grouped-query (d_head 6)
+    {"positions": "rotary", "norm_kind": "rmsnorm", "mlp_kind": "gated", "act": "gelu", "bias": True,
+     "n_heads": 6, "n_kv_heads": 3, "d_model": 36, "tie_embeddings": False},  # Qwen-like biases, GeGLU
+]  # fmt: skip
+
+
+def decoder(**kw) -> Decoder:
+    args = {"vocab_size": V, "d_model": H * DH, "n_layers": L, "n_heads": H, "d_mlp": 11, "max_seq_len": 19}
+    return Decoder(ModelConfig(arch="decoder", **{**args, **kw})).eval()
+
+
+@pytest.mark.parametrize("kw", CONFIGS)
+@torch.no_grad()
+def test_plan_logits_are_bit_for_bit_forwards_cached_step(kw: dict) -> None:
+    torch.manual_seed(0)
+    model = decoder(**kw)
+    tokens = torch.randint(0, V, (B, 9))
+    ours, ref = model.make_kv_caches(B, 9), model.make_kv_caches(B, 9)
+    model(tokens[:, :5], kv_caches=ours)
+    model(tokens[:, :5], kv_caches=ref)
+    plan = model.decode_plan()
+    assert plan is not None and plan.idle() and plan.pack_rows is None
+    for i in range(5, 9):
+        a = plan.logits(tokens[:, i : i + 1], ours)  # (B, V)
+        model._decode_step_ok = lambda: False  # type: ignore[method-assign]  # forward's general path
+        b = model(tokens[:, i : i + 1], kv_caches=ref)[:, -1]
+        del model._decode_step_ok
+        assert a.shape == (B, V) and torch.equal(a, b)
+        assert torch.equal(ours[1].k[:, :, : i + 1], ref[1].k[:, :, : i + 1])
+    assert ours[0].length == ref[0].length == 9
+
+
+@pytest.mark.parametrize("kw", CONFIGS)
+def test_generate_with_the_plan_equals_generate_without(kw: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(1)
+    model = decoder(**kw)
+    prompt = torch.randint(0, V, (B, 4))
+    fast = model.generate(prompt, 8, temperature=0)
+    sampled = model.generate(prompt, 8, seed=3)
+    monkeypatch.setattr(Decoder, "decode_plan", lambda self, pack_rows=None: None)
+    assert torch.equal(fast, model.generate(prompt, 8, temperature=0))
+    assert torch.equal(sampled, model.generate(prompt, 8, seed=3))
+
+
+def test_a_plan_steps_aside_for_hooks_and_training() -> None:
+    """A hook point gaining a function, anywhere a step passes, or train mode: ``idle()`` is False and
+    generate runs that step through forward, which fires the hook."""
+    model = decoder(**CONFIGS[1])
+    plan = model.decode_plan()
+    assert plan is not None and plan.idle()
+    points = [model.hook_embed, model.blocks[1].hook_resid_mid, model.blocks[0].attn.hook_rot_k]
+    points.append(model.blocks[1].mlp.hook_post)
+    for point in points:
+        remove = point.add(lambda value, hook: None)
+        assert not plan.idle() and model.decode_plan() is None
+        remove()
+        assert plan.idle()
+    model.train()
+    assert not plan.idle() and model.decode_plan() is None
+
+
+def test_a_hook_added_during_generation_fires_on_the_next_steps() -> None:
+    torch.manual_seed(2)
+    model = decoder(**CONFIGS[1])
+    seen: list[tuple[int, ...]] = []
+    added: list = []
+
+    def add_later(value: torch.Tensor, hook) -> None:  # fires in the prompt's forward, then stays off
+        if not added:
+            added.append(model.blocks[0].attn.hook_pattern.add(lambda v, h: seen.append(tuple(v.shape))))
+
+    remove = model.blocks[1].hook_resid_pre.add(add_later)
+    model.generate(torch.randint(0, V, (1, 4)), 4, temperature=0)
+    remove()
+    added[0]()
+    # the prompt (added during its block 1, after block 0 fired) then three one-token steps
+    assert seen == [(1, 6, 1, 5), (1, 6, 1, 6), (1, 6, 1, 7)]
+
+
+def test_choose_pack_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = decoder(**CONFIGS[1])
+    assert choose_pack_rows(model, 8, False) is None
+    assert choose_pack_rows(model, 1, None) is None  # one row: MKL's matrix-vector kernel, no packing
+    assert choose_pack_rows(model, 8, None) is None  # a tiny model: below MIN_PACK_BYTES
+    monkeypatch.setattr(prepack, "MIN_PACK_BYTES", 0)
+    monkeypatch.setattr(prepack, "prepack_available", lambda: True)
+    monkeypatch.setattr(decoding_mod, "prepack_available", lambda: True)
+    monkeypatch.setattr(prepack, "available_memory_bytes", lambda: 10**12)
+    assert choose_pack_rows(model, 8, None) == 8
+    nbytes = sum(w.numel() * 4 for w in product_weights(model))
+    monkeypatch.setattr(prepack, "available_memory_bytes", lambda: 2 * nbytes - 1)  # the copy must fit twice
+    assert choose_pack_rows(model, 8, None) is None
+    monkeypatch.setattr(prepack, "available_memory_bytes", lambda: None)  # unknown: do not pack
+    assert choose_pack_rows(model, 8, None) is None
+    assert choose_pack_rows(model, 8, True) == 8
+    with pytest.raises(TypeError, match="prepack must be None"):
+        choose_pack_rows(model, 8, "yes")  # type: ignore[arg-type]
+    monkeypatch.setattr(decoding_mod, "prepack_available", lambda: False)
+    with pytest.raises(ValueError, match="prepack=True needs torch's MKL packed linear"):
+        model.generate(torch.zeros(2, 3, dtype=torch.long), 2, prepack=True)
+
+
+def test_product_weights_are_every_product_of_a_step() -> None:
+    model = decoder(**CONFIGS[2])
+    weights = product_weights(model)
+    assert len(weights) == L * 5 + 1  # qkv, W_O, gate, in, out per block; the untied unembedding
+    assert weights[-1] is model.lm_head.weight and weights[0] is model.blocks[0].attn.qkv_weight
+
+
+@pytest.mark.skipif(not MKL, reason="this torch has no MKL packed linear (torch.ops.mkl._mkl_linear)")
+@pytest.mark.parametrize("rows", [2, 3, 8])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_equals_f_linear_to_rounding(rows: int, bias: bool) -> None:
+    torch.manual_seed(rows)
+    w, b = torch.randn(37, 23), (torch.randn(37) if bias else None)
+    f = prepack.packed_linear_fn(w, b, rows)
+    for n in (rows, 1, rows + 1):  # other row counts fall back inside the op
+        x = torch.randn(n, 23)
+        torch.testing.assert_close(f(x), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not MKL, reason="this torch has no MKL packed linear (torch.ops.mkl._mkl_linear)")
+@pytest.mark.parametrize("kw", CONFIGS)
+@torch.no_grad()
+def test_prepacked_steps_equal_forward_to_rounding(kw: dict) -> None:
+    torch.manual_seed(4)
+    model = decoder(**kw)
+    tokens = torch.randint(0, V, (B, 9))
+    ours, ref = model.make_kv_caches(B, 9), model.make_kv_caches(B, 9)
+    model(tokens[:, :5], kv_caches=ours)
+    model(tokens[:, :5], kv_caches=ref)
+    plan = model.decode_plan(pack_rows=B)
+    assert isinstance(plan, DecodePlan) and plan.pack_rows == B
+    for i in range(5, 9):
+        a = plan.logits(tokens[:, i : i + 1], ours)
+        torch.testing.assert_close(a, model(tokens[:, i : i + 1], kv_caches=ref)[:, -1], rtol=1e-5, atol=1e-5)
+    prompt = torch.randint(0, V, (B, 4))
+    assert torch.equal(
+        model.generate(prompt, 8, temperature=0, prepack=True),
+        model.generate(prompt, 8, temperature=0, prepack=False),
+    )
