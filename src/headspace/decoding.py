@@ -119,6 +119,9 @@ def choose_pack_rows(model: Decoder, batch: int, prepack: bool | None) -> int | 
     memory); True packs (a ValueError where this torch has no MKL packed linear); False never packs.
     """
     if prepack is None:
+        # no plan without every block's decoding step (e.g. head-parallel layers): nothing to pack for
+        if batch < 2 or not all(getattr(b, "decode_supported", False) for b in model.blocks):
+            return None
         return batch if should_prepack(product_weights(model), batch) else None
     if not isinstance(prepack, bool):
         raise TypeError(
