@@ -61,9 +61,35 @@ def test_run_rows_table_and_targets() -> None:
         assert r["vs_floor"] == pytest.approx(r["median_ms"] / floor["median_ms"])
         assert r["peak_extra_mib"] is None and r["threads"] == torch.get_num_threads()
     table = bench.format_table(rows)
-    for label in bench.LABELS.values():
-        assert table.count(f"| {label} |") == len(bench.MODES)
+    for case, label in bench.LABELS.items():
+        # a row per mode, and one in the output-accuracy table for every case with a layer
+        assert table.count(f"| {label} |") == len(bench.MODES) + (case != "gemm_floor")
     assert "seq 8" in table and "seq 16" in table and "forward + backward" in table
+    assert "output accuracy (float32): max abs error against the same layer in float64" in table
+    for r in rows:
+        if r["case"] == "gemm_floor":
+            assert r["max_abs_error"] is None and r["max_rel_error"] is None
+        else:  # float32 arithmetic against float64 on the same numbers
+            assert 0 < r["max_abs_error"] < 1e-5 and 0 < r["max_rel_error"] < 1e-5
+
+
+def test_accuracy_is_against_float64_on_the_rounded_weights_and_input() -> None:
+    sizes = {"seq": 11, "batch": 2, "d_model": 12, "n_heads": 3}
+    ref = bench.float64_reference(**sizes, dtype="bfloat16")
+    assert ref.dtype == torch.float64 and ref.shape == (2, 11, 12)
+    case = bench.build_case("headspace", mode="forward", **sizes, dtype="bfloat16")
+    layer = case.module.double()  # the case's own bfloat16 weights and input, in float64
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 11, 12, generator=gen).to(torch.bfloat16).double()
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), ref, rtol=0, atol=1e-12)
+    rows = bench.run_attention_benchmark(
+        (11,), batch=2, d_model=12, n_heads=3, repeats=1, measure_memory=False, progress=False,
+        cases=("headspace", "gemm_floor"), modes=("forward",), dtype="bfloat16",
+    )  # fmt: skip
+    err = rows[0]["max_abs_error"]
+    assert 1e-4 < err < 0.1  # bfloat16 arithmetic: ~3 significant digits
+    assert rows[0]["max_rel_error"] == pytest.approx(err / float(ref.abs().max()))
 
 
 def _row(case: str, seq: int, mode: str, ms: float, mib: float | None = None) -> dict:

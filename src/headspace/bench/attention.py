@@ -69,6 +69,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -398,6 +399,32 @@ def _auto_repeats(round_s: float, target_s: float = 25.0) -> int:
     return max(3, min(15, int(target_s / max(round_s, 1e-9))))
 
 
+def float64_reference(*, seq: int, batch: int, d_model: int, n_heads: int, seed: int = 0,
+                      dtype: str | torch.dtype = "float32") -> Tensor:  # fmt: skip
+    """The layer output of :func:`build_case`'s weights and input (rounded to ``dtype``, as every case
+    sees them) computed in float64: what each case's output is compared with (``max_abs_error``)."""
+    dt = DTYPES[_dtype_name(dtype)]
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    layer = MultiHeadAttention(d_model, n_heads).to(dt).double().eval()
+    x = torch.randn(batch, seq, d_model, generator=gen).to(dt).double()
+    with torch.no_grad():
+        return layer(x)
+
+
+def _output_errors(built: Sequence[Case], **sizes: Any) -> dict[str, tuple[float, float]]:
+    """Per case with a layer: (max |out - float64 reference|, that over max |reference|)."""
+    ref = float64_reference(**sizes)
+    scale = float(ref.abs().max())
+    errors = {}
+    for case in built:
+        if case.module is None:
+            continue
+        err = float((case.output().double() - ref).abs().max())
+        errors[case.name] = (err, err / scale)
+    return errors
+
+
 def run_attention_benchmark(
     seqs: Iterable[int] = (128, 512, 1024, 2048),
     *,
@@ -431,7 +458,8 @@ def run_attention_benchmark(
         One dict per (seq, mode, case): ``case``, ``label``, ``seq``, ``mode``, ``batch``, ``d_model``,
         ``n_heads``, ``dtype``, ``threads``, ``repeats``, ``median_ms``, ``times_ms``, ``peak_extra_mib``
         (or None)
-        and ``vs_floor`` (median over the GEMM floor's median, when the floor was run).
+        , ``vs_floor`` (median over the GEMM floor's median, when the floor was run), and the output's
+        ``max_abs_error`` / ``max_rel_error`` against :func:`float64_reference` (None for the floor).
     """
     seqs, modes, cases = [int(s) for s in seqs], list(modes), list(cases)
     dtype_name = _dtype_name(dtype)
@@ -483,6 +511,9 @@ def run_attention_benchmark(
                 t = time.perf_counter()
                 case.step()
                 times[case.name].append((time.perf_counter() - t) * 1e3)
+        errors = _output_errors(
+            built, seq=seq, batch=batch, d_model=d_model, n_heads=n_heads, dtype=dtype_name
+        )
         del built
         gc.collect()
         floor = statistics.median(times["gemm_floor"]) if "gemm_floor" in times else None
@@ -504,6 +535,8 @@ def run_attention_benchmark(
                     "times_ms": times[name],
                     "peak_extra_mib": memory.get(name),
                     "vs_floor": None if floor is None else med / floor,
+                    "max_abs_error": errors.get(name, (None, None))[0],
+                    "max_rel_error": errors.get(name, (None, None))[1],
                 }
             )
         bar.update(1)
@@ -607,7 +640,8 @@ def check_targets(rows: Sequence[dict]) -> list[dict]:
 
 
 def format_table(rows: Sequence[dict], *, targets: bool = True) -> str:
-    """A plain-text (Markdown) table per mode: median ms, x GEMM floor and peak extra MiB per seq."""
+    """A plain-text (Markdown) table per mode: median ms, x GEMM floor and peak extra MiB per seq; then
+    each layer's output accuracy against float64 (rows of the first mode that has it)."""
     if not rows:
         return "(no benchmark rows)"
     lines: list[str] = []
@@ -637,6 +671,24 @@ def format_table(rows: Sequence[dict], *, targets: bool = True) -> str:
                 if r["peak_extra_mib"] is not None:
                     cell += f" / {r['peak_extra_mib']:.0f}"
                 cells.append(cell)
+            lines.append(f"| {LABELS[case]} | " + " | ".join(cells) + " |")
+        lines.append("")
+    accurate = [c for c in CASES if any(r["case"] == c and r.get("max_abs_error") is not None for r in rows)]
+    if accurate:
+        mode = next(r["mode"] for r in rows if r.get("max_abs_error") is not None)
+        lines.append(
+            f"output accuracy ({first.get('dtype', 'float32')}): max abs error against the same layer in "
+            "float64 on the same weights and input (relative to max |output|)"
+        )
+        lines.append("")
+        lines.append("| case | " + " | ".join(f"seq {s}" for s in seqs) + " |")
+        lines.append("|---|" + "---:|" * len(seqs))
+        for case in accurate:
+            cells = []
+            for s in seqs:
+                r = by.get((case, s, mode))
+                ok = r is not None and r.get("max_abs_error") is not None
+                cells.append(f"{r['max_abs_error']:.1e} ({r['max_rel_error']:.1e})" if ok else "")
             lines.append(f"| {LABELS[case]} | " + " | ".join(cells) + " |")
         lines.append("")
     if targets:
