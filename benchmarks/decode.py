@@ -22,7 +22,8 @@ the same float32 weights (``from_pretrained(folder, gguf_file=..., dtype=torch.f
 At batch 8 headspace's generate packs the float32 weights for MKL's GEMM once per call (its default
 there, ``prepack=None``; see headspace.kernels.prepack): the row "headspace prepack=False" decodes without,
 and the script prints the packing's seconds and memory. The products alone (``torch.mm`` on the
-weights as stored, nothing else) are timed for reference,
+weights as stored, nothing else) are timed for reference, and the row "headspace compile=True" decodes
+with the step compiled by inductor (``generate(compile=True)``; the compile time is printed),
 
 and headspace at each precision (float32, bfloat16, int8): the same prefill and decode figures, and the
 accuracy against float32 over ``--accuracy-tokens`` (2,000) tokens of this repository's README.md and
@@ -60,6 +61,8 @@ from headspace.fileio import write_json
 POSITIONS = (64, 128, 256, 512, 1024)
 UNPACKED = "headspace prepack=False"
 """The row of headspace's float32 model decoding without weights packed for MKL's GEMM."""
+COMPILED = "headspace compile=True"
+"""The row of headspace's float32 model decoding with the compiled step (no packing)."""
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 """The published results (committed); runs without --save write to RESULTS / "local"."""
@@ -243,21 +246,24 @@ def run_smollm2(a: argparse.Namespace) -> dict:
     def hf_prefill() -> None:
         hf(prompt, use_cache=True, past_key_values=transformers.DynamicCache())
 
-    def hs_generate(pre: Any, x: torch.Tensor, n: int, prepack: bool | None = None) -> torch.Tensor:
-        return pre.model.generate(x, n, temperature=0, prepack=prepack)
+    def hs_generate(pre: Any, x: torch.Tensor, n: int, **kw: Any) -> torch.Tensor:
+        return pre.model.generate(x, n, temperature=0, **kw)
 
     def hf_generate(x: torch.Tensor, n: int) -> torch.Tensor:
         return hf.generate(x, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
 
     # "headspace" packs its weights for MKL's GEMM at batch 8 (generate's default, prepack=None);
     # UNPACKED is the same model without (prepack=False)
-    models[UNPACKED] = models["headspace"]
+    # and COMPILED runs generate(compile=True): the decoding step compiled by inductor
+    models[UNPACKED] = models[COMPILED] = models["headspace"]
     names = ["headspace", "transformers", "headspace bfloat16", "headspace int8", UNPACKED]
+    names += [] if a.no_compile else [COMPILED]
+    options = {n: {} for n in names} | {UNPACKED: {"prepack": False}, COMPILED: {"compile": True}}
     prefill = {n: hf_prefill if n == "transformers" else hs_prefill(models[n]) for n in names}
     generate = {
         n: (lambda x, k: hf_generate(x, k))
         if n == "transformers"
-        else (lambda x, k, m=models[n], pp=(False if n == UNPACKED else None): hs_generate(m, x, k, pp))
+        else (lambda x, k, m=models[n], kw=options[n]: hs_generate(m, x, k, **kw))
         for n in names
     }
     with torch.inference_mode():
@@ -267,10 +273,14 @@ def run_smollm2(a: argparse.Namespace) -> dict:
             x = decode_prompts[:batch]
             ours, theirs = generate["headspace"](x, 8), generate["transformers"](x, 8)
             same[batch] = bool(torch.equal(ours, theirs))
+        compile_s = {}
         for n in names:
             prefill[n]()
             for batch in (1, 8):
+                t0 = time.perf_counter()
                 generate[n](decode_prompts[:batch], 2)
+                if n == COMPILED:  # the first compiled call at each batch size compiles
+                    compile_s[str(batch)] = time.perf_counter() - t0
         floors = {b: products_floor(models["headspace"], b) for b in (1, 8)}
         t_floor: dict[int, list[float]] = {1: [], 8: []}
         t_prefill: dict[str, list[float]] = {n: [] for n in names}
@@ -303,7 +313,8 @@ def run_smollm2(a: argparse.Namespace) -> dict:
             accuracy[n] = accuracy_vs_float32(
                 next_token_logits(models[n].model, acc_ids, a.prompt_len), ref, targets
             )
-        accuracy[UNPACKED] = accuracy["headspace"]  # the same forward: packing is a decoding-step matter
+        # the same forward: packing and compiling are decoding-step matters
+        accuracy[UNPACKED] = accuracy[COMPILED] = accuracy["headspace"]
         pack = prepack_cost(models["headspace"].model, 8)
     rows = []
     for n in names:
@@ -332,14 +343,16 @@ def run_smollm2(a: argparse.Namespace) -> dict:
          "value": hs_load["peak_extra_mib"] / hs_load["weights_mib"], "limit": T["load_memory"],
          "met": hs_load["peak_extra_mib"] / hs_load["weights_mib"] <= T["load_memory"]},
     ]  # fmt: skip
-    for b, limit in T["decode_speedup"].items():
-        per_round = [x / y for x, y in zip(t_decode[("transformers", b)], t_decode[("headspace", b)])]
-        value = by["transformers"][f"decode_ms_batch{b}"] / by["headspace"][f"decode_ms_batch{b}"]
-        checks.append(
-            {"target": f"decode tokens/s over transformers', batch {b}", "value": value, "limit": limit,
-             "met": value >= limit, "round_min": min(per_round), "round_max": max(per_round),
-             "rounds_met": sum(x >= limit for x in per_round), "rounds": len(per_round)}
-        )  # fmt: skip
+    for n, what in (("headspace", ""), (COMPILED, ", compile=True"))[: 1 if a.no_compile else 2]:
+        for b, limit in T["decode_speedup"].items():
+            per_round = [x / y for x, y in zip(t_decode[("transformers", b)], t_decode[(n, b)])]
+            value = by["transformers"][f"decode_ms_batch{b}"] / by[n][f"decode_ms_batch{b}"]
+            checks.append(
+                {"target": f"decode tokens/s over transformers', batch {b}{what}", "value": value,
+                 "limit": limit, "met": value >= limit, "round_min": min(per_round),
+                 "round_max": max(per_round), "rounds_met": sum(x >= limit for x in per_round),
+                 "rounds": len(per_round)}
+            )  # fmt: skip
     per_round = [x / y for x, y in zip(t_decode[("headspace bfloat16", 1)], t_decode[("headspace", 1)])]
     value = by["headspace bfloat16"]["decode_ms_batch1"] / by["headspace"]["decode_ms_batch1"]
     checks.append(
@@ -401,6 +414,11 @@ def run_smollm2(a: argparse.Namespace) -> dict:
         f"once per generate call, {pack['extra_mib']:.0f} MiB more while it runs "
         f"({pack['extra_mib'] / hs_load['weights_mib']:.2f}x the float32 weights)"
     )
+    if compile_s:
+        print(
+            "compiling the decoding step (generate(compile=True), its first call at each batch size): "
+            + ", ".join(f"batch {b} {v:.1f} s" for b, v in compile_s.items())
+        )
     print()
     for c in checks:
         spread = (
@@ -420,6 +438,7 @@ def run_smollm2(a: argparse.Namespace) -> dict:
         "rounds": a.smollm2_rounds,
         "same_greedy_tokens": {str(b): v for b, v in same.items()},
         "prepack_batch8": pack,
+        "compile_s": compile_s,
         "products_floor_ms": {str(b): v for b, v in floor_ms.items()},
         "products_floor_times_ms": {str(b): [1e3 * t for t in t_floor[b]] for b in (1, 8)},
         "rows": rows,
@@ -451,6 +470,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save", action="store_true", help="publish: write benchmarks/results/decode.json")
     p.add_argument("--no-smollm2", action="store_true", help="only the GPT-2-shaped table")
     p.add_argument("--smollm2-only", action="store_true", help="only SmolLM2 against transformers")
+    p.add_argument(
+        "--no-compile", action="store_true", help="skip the generate(compile=True) row (inductor, ~2 min)"
+    )
     p.add_argument("--prompt-len", type=int, default=512, help="SmolLM2 prefill prompt (tokens)")
     p.add_argument("--decode-tokens", type=int, default=32, help="SmolLM2 greedy tokens timed per round")
     p.add_argument("--decode-prompt", type=int, default=32, help="SmolLM2 prompt length before decoding")

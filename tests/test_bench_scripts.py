@@ -234,7 +234,16 @@ def test_decode_script_smollm2_against_transformers(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], keep_threads: None, smollm2_gguf
 ) -> None:
     out = tmp_path / "decode.json"
-    argv = ["--smollm2-only", "--prompt-len", "16", "--decode-tokens", "2", "--decode-prompt", "4"]
+    argv = [
+        "--smollm2-only",
+        "--no-compile",
+        "--prompt-len",
+        "16",
+        "--decode-tokens",
+        "2",
+        "--decode-prompt",
+        "4",
+    ]
     argv += ["--accuracy-tokens", "40", "--smollm2-rounds", "1", "--threads", "1", "--out", str(out)]
     assert _script("decode").main(argv) == 0
     doc = json.loads(out.read_text())["smollm2"]
@@ -255,6 +264,11 @@ def test_decode_script_smollm2_against_transformers(
     products = "the products alone (151 float32 matrix products per token, nothing else)"
     assert f"{products}: batch 1 {floor['1']:.2f} ms" in printed
     assert f"at batch 8 (generate's default there): {pack['pack_s']:.2f} s once per generate call" in printed
+    assert doc["compile_s"] == {}  # --no-compile: no inductor build in the test suite
+    targets = [t["target"] for t in doc["targets"]]
+    assert "decode tokens/s over transformers', batch 1" in targets and not any(
+        "compile" in t for t in targets
+    )
     table = _table_rows(printed)
     assert table[:2] == [
         [

@@ -3,13 +3,21 @@ weights prepacked for MKL's GEMM (headspace.kernels.prepack)."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
 
 from headspace import Decoder, ModelConfig
 from headspace import decoding as decoding_mod
-from headspace.decoding import DecodePlan, choose_pack_rows, product_weights
+from headspace.decoding import (
+    CompiledDecodeStep,
+    DecodePlan,
+    choose_pack_rows,
+    compiled_step,
+    product_weights,
+)
 from headspace.kernels import prepack
 
 B, H, DH, V, L = 3, 7, 5, 13, 2  # batch, n_heads, d_head, vocab, layers: distinct primes
@@ -159,3 +167,44 @@ def test_prepacked_steps_equal_forward_to_rounding(kw: dict) -> None:
         model.generate(prompt, 8, temperature=0, prepack=True),
         model.generate(prompt, 8, temperature=0, prepack=False),
     )
+
+
+COMPILER = shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+
+
+@pytest.mark.skipif(COMPILER is None, reason="inductor needs a C++ compiler (none on PATH)")
+@torch.no_grad()
+def test_compiled_step_equals_the_eager_step_and_is_kept() -> None:
+    """generate(compile=True): the step compiled by inductor gives the eager step's logits to float32
+    rounding (on a GQA rotary model), is kept across calls, and is rebuilt when a parameter is
+    replaced; hooks send steps back to forward as with the eager plan."""
+    torch.manual_seed(5)
+    model = decoder(**CONFIGS[1])
+    prompt = torch.randint(0, V, (B, 4))
+    ref = model.generate(prompt, 8, temperature=0)
+    assert torch.equal(model.generate(prompt, 8, temperature=0, compile=True), ref)
+    step = compiled_step(model, None)
+    assert isinstance(step, CompiledDecodeStep) and compiled_step(model, None) is step  # kept
+    ours, theirs = model.make_kv_caches(B, 9), model.make_kv_caches(B, 9)
+    tokens = torch.randint(0, V, (B, 9))
+    model(tokens[:, :5], kv_caches=ours)
+    model(tokens[:, :5], kv_caches=theirs)
+    plan = model.decode_plan()
+    for i in range(5, 9):
+        a = step.logits(tokens[:, i : i + 1], ours)
+        torch.testing.assert_close(a, plan.logits(tokens[:, i : i + 1], theirs), rtol=1e-5, atol=1e-5)
+        assert ours[0].length == theirs[0].length == i + 1
+    torch.testing.assert_close(ours[1].v, theirs[1].v, rtol=0, atol=1e-6)
+    model.blocks[0].ln1.weight = torch.nn.Parameter(model.blocks[0].ln1.weight * 2)  # replaced
+    again = compiled_step(model, None)
+    assert again is not step and again is not None
+    seen = []
+    remove = model.blocks[1].attn.hook_pattern.add(lambda value, hook: seen.append(value.shape))
+    assert compiled_step(model, None) is None  # an active hook: forward's general path
+    model.generate(prompt, 3, temperature=0, compile=True)
+    remove()
+    assert len(seen) == 3  # the prompt and two one-token steps, all traced
+    with pytest.raises(ValueError, match="prepack=True and compile=True do not combine"):
+        model.generate(prompt, 2, compile=True, prepack=True)
+    with pytest.raises(TypeError, match="compile must be a bool"):
+        model.generate(prompt, 2, compile="yes")  # type: ignore[arg-type]

@@ -108,6 +108,7 @@ class DecodingLayer(NamedTuple):
     n_heads: int
     n_kv_heads: int
     d_head: int
+    gqa: bool
     scale: float
     rotary: Rotary | None
     o: Callable[[Tensor], Tensor]
@@ -119,7 +120,12 @@ class DecodingLayer(NamedTuple):
 
 
 def decode_layer_rows(
-    layer: DecodingLayer, x: Tensor, kv_cache: KVCache, cos: Tensor | None, sin: Tensor | None
+    layer: DecodingLayer,
+    x: Tensor,
+    kv_cache: KVCache | None,
+    cos: Tensor | None,
+    sin: Tensor | None,
+    static: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
     """One block's decoding step on the rows ``x`` [batch, d_model] -> [batch, d_model], for a caller
     that ran ``kv_cache.check(batch, 1, ...)``; ``cos``/``sin`` [1, 1, rotary_dim] (None without rotary).
@@ -128,6 +134,12 @@ def decode_layer_rows(
     one 2-D call (no reshapes around it), q and k rotated as [batch, heads, d_head] rows of the fused
     projection, the new key and value appended by :meth:`~headspace.KVCache.append_one`, the
     activation and the gate's product in place on the fresh gate output.
+
+    ``static`` = (k, v, position, keep) is the shape-stable form a compiled step traces (``kv_cache``
+    None): the whole cache buffers k, v [batch, n_kv_heads, capacity, d_head], the new key and value
+    written at ``position`` (int64 [1]) by ``index_copy_``, and attention over every slot with the
+    boolean mask ``keep`` [1, 1, 1, capacity] (True up to ``position``): the same numbers to float32
+    rounding, with no shape that changes from step to step.
     """
     B = x.shape[0]
     H, Hkv, dh = layer.n_heads, layer.n_kv_heads, layer.d_head
@@ -136,10 +148,17 @@ def decode_layer_rows(
         qk = rotate_fused(qkv[:, : H + Hkv], cos, sin, layer.rotary)  # (B, H + Hkv, dh), fresh
     else:
         qk = qkv[:, : H + Hkv]  # (B, H + Hkv, dh)
-    k, v = kv_cache.append_one(qk[:, H:], qkv[:, H + Hkv :])  # (B, Hkv, Sk, dh) x 2
-    # one query after its cached keys: every key may be attended, no mask
+    keep = None
+    if static is None:
+        assert kv_cache is not None
+        k, v = kv_cache.append_one(qk[:, H:], qkv[:, H + Hkv :])  # (B, Hkv, Sk, dh) x 2
+    else:
+        k, v, position, keep = static  # (B, Hkv, capacity, dh) x 2, (1,), (1, 1, 1, capacity)
+        k.index_copy_(2, position, qk[:, H:].unsqueeze(2))  # the new key at its slot
+        v.index_copy_(2, position, qkv[:, H + Hkv :].unsqueeze(2))
+    # one query after its cached keys: every key may be attended (no mask, or the filled slots)
     z = F.scaled_dot_product_attention(
-        qk[:, :H].unsqueeze(2), k, v, scale=layer.scale, enable_gqa=Hkv != H
+        qk[:, :H].unsqueeze(2), k, v, attn_mask=keep, scale=layer.scale, enable_gqa=layer.gqa
     )  # (B, H, 1, dh), stored as (B, 1, H, dh)
     h = x + layer.o(z.reshape(B, H * dh))  # (B, d_model): heads concatenated
     m = layer.norm2(h)  # (B, d_model)
@@ -515,6 +534,7 @@ class TransformerBlock(nn.Module):
             n_heads=a.n_heads,
             n_kv_heads=a.n_kv_heads,
             d_head=a.d_head,
+            gqa=a.n_kv_heads != a.n_heads,
             scale=a.scale,
             rotary=a.rotary,
             o=linear_fn(a.o_weight, a.o_bias, pack_rows),

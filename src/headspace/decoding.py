@@ -18,9 +18,11 @@ their values show, parameters replaced since (``to_precision``, pruning, assignm
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import weakref
+from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import KVCache, rotary_tables
@@ -42,7 +44,7 @@ class DecodePlan:
     """
 
     def __init__(self, model: Decoder, *, watch_hooks: bool = True, pack_rows: int | None = None) -> None:
-        self.model = model
+        self._model = weakref.ref(model)  # a plan kept for compiled steps must not keep its model alive
         #: the batch the products' weights were packed for (:mod:`headspace.kernels.prepack`), or None
         self.pack_rows = pack_rows
         self.layers: list[DecodingLayer] = [b.decoding_layer(pack_rows) for b in model.blocks]
@@ -50,6 +52,13 @@ class DecodePlan:
         self.ln_final = None if model.ln_final is None else norm_fn(model.ln_final)
         head, bias = _unembedding(model)
         self.unembed = linear_fn(head, bias, pack_rows)
+        # the token and position tables, for the compiled step (which must not reach the model)
+        plain = model.type_embed is None and model.embed_ln is None
+        self._tables = (
+            (model.tok_embed.weight, None if model.pos_embed is None else model.pos_embed.weight)
+            if plain
+            else None
+        )
         # every hook point a decoding step passes (the model's, each block's, its attention's and MLP's)
         self.hook_points: tuple[HookPoint, ...] = ()
         if watch_hooks:
@@ -60,6 +69,14 @@ class DecodePlan:
                 points += list(b.attn._hook_points)
                 points += [m for m in b.mlp._modules.values() if isinstance(m, HookPoint)]
             self.hook_points = tuple(points)
+
+    @property
+    def model(self) -> Decoder:
+        """The Decoder this plan was built from."""
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the Decoder this DecodePlan was built from no longer exists")
+        return model
 
     def idle(self) -> bool:
         """Whether no hook point the step passes has a function in the calling thread (one truth test
@@ -91,6 +108,85 @@ class DecodePlan:
         h = self.rows(x.view(x.shape[0], x.shape[2]), kv_caches, start)  # (batch, d_model)
         logits = self.unembed(h)  # (batch, vocab_size)
         return logits if logits.dtype == torch.float32 else logits.float()
+
+    def static_logits(self, tokens: Tensor, position: Tensor, ks: list[Tensor], vs: list[Tensor]) -> Tensor:
+        """:meth:`logits` in the shape-stable form :class:`CompiledDecodeStep` compiles: the new tokens
+        [batch, 1] at ``position`` (int64 [1]), written into the whole cache buffers ``ks``/``vs`` (each
+        [batch, n_kv_heads, capacity, d_head]) and attended over them with a mask of the filled slots
+        (see :func:`~headspace.block.decode_layer_rows`); the caller advances the caches' lengths."""
+        batch = tokens.shape[0]
+        if self._tables is None:
+            x = self.model.embed(tokens, positions=position.expand(batch, 1))  # (batch, 1, d_model)
+        else:
+            tok, pos = self._tables  # what Decoder.embed adds up for such a model (dropout is off)
+            x = F.embedding(tokens, tok)  # (batch, 1, d_model)
+            if pos is not None:
+                x = x + F.embedding(position, pos)  # (1, d_model) over the batch
+        x = x.view(batch, x.shape[2])  # (batch, d_model)
+        cos = sin = None
+        if self.rotary is not None:
+            cos, sin = rotary_tables(self.rotary, position, x.dtype, x.device)  # (1, 1, 1, rotary_dim) x 2
+            cos, sin = cos.squeeze(2), sin.squeeze(2)  # (1, 1, rotary_dim)
+        capacity = ks[0].shape[2]
+        keep = (torch.arange(capacity, device=x.device) <= position).view(1, 1, 1, capacity)
+        for layer, k, v in zip(self.layers, ks, vs):
+            x = decode_layer_rows(layer, x, None, cos, sin, (k, v, position, keep))  # (batch, d_model)
+        h = x if self.ln_final is None else self.ln_final(x)
+        logits = self.unembed(h)  # (batch, vocab_size)
+        return logits if logits.dtype == torch.float32 else logits.float()
+
+
+class CompiledDecodeStep:
+    """A :class:`DecodePlan`'s step compiled by ``torch.compile(fullgraph=True)`` (inductor): the norms,
+    rotation, cache writes, softmax and activations of all blocks become a few fused C++ kernels between
+    the products, and a step is one call instead of ~1,000 Python-level ops.
+
+    What ``generate(..., compile=True)`` runs. The first call compiles (about a minute for SmolLM2, on 2
+    cores); a second batch size or cache capacity compiles once more, for any size (dynamic shapes).
+    :meth:`headspace.Decoder.compiled_decode_step` keeps one per model and builds it again when a
+    parameter was replaced. Logits agree with :meth:`DecodePlan.logits` to float32 rounding.
+    """
+
+    def __init__(self, plan: DecodePlan) -> None:
+        self.plan = plan
+        self._step = torch.compile(plan.static_logits, fullgraph=True)
+
+    def idle(self) -> bool:
+        """:meth:`DecodePlan.idle` of its plan: no hook point active, eval mode."""
+        return self.plan.idle()
+
+    def logits(self, tokens: Tensor, kv_caches: list[KVCache]) -> Tensor:
+        """:meth:`DecodePlan.logits` compiled: the new tokens [batch, 1] -> logits [batch, vocab_size]."""
+        start = kv_caches[0].length
+        position = torch.full((1,), start, dtype=torch.long, device=tokens.device)  # (1,)
+        logits = self._step(tokens, position, [c.k for c in kv_caches], [c.v for c in kv_caches])
+        for cache in kv_caches:
+            cache.length = start + 1
+        return logits
+
+
+#: one compiled step per Decoder (weakly: it dies with its model), with the parameters it was built on
+_COMPILED: weakref.WeakKeyDictionary[Decoder, tuple[tuple[Any, ...], CompiledDecodeStep]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def compiled_step(model: Decoder, pack_rows: int | None) -> CompiledDecodeStep | None:
+    """``model``'s :class:`CompiledDecodeStep` (None where one-token steps take ``forward``'s general
+    path): the one kept from an earlier call while the model's parameters are the same tensors and the
+    packing is the same, else a new one."""
+    if not model._decode_step_ok():  # training, a block without the step, or an active hook point
+        return None
+    key = (pack_rows, *(id(p) for p in model.parameters()))
+    kept = _COMPILED.get(model)
+    if kept is not None and kept[0] == key:
+        return kept[1]
+    plan = model.decode_plan(pack_rows)
+    if plan is None:
+        return None
+    step = CompiledDecodeStep(plan)
+    _COMPILED[model] = (key, step)
+    return step
 
 
 def _unembedding(model: Decoder) -> tuple[Tensor, Tensor | None]:
