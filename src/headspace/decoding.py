@@ -141,8 +141,9 @@ class CompiledDecodeStep:
     rotation, cache writes, softmax and activations of all blocks become a few fused C++ kernels between
     the products, and a step is one call instead of ~1,000 Python-level ops.
 
-    What ``generate(..., compile=True)`` runs. The first call compiles (about a minute for SmolLM2, on 2
-    cores); a second batch size or cache capacity compiles once more, for any size (dynamic shapes).
+    What ``generate(..., compile=True)`` runs. The first call compiles (20-60 s for SmolLM2 on 2 cores);
+    the batch and the cache capacity are symbolic (dynamic shapes), so other lengths reuse it, and only
+    a first one-row batch (which torch specialises) and a first wider one compile apart.
     :meth:`headspace.Decoder.compiled_decode_step` keeps one per model and builds it again when a
     parameter was replaced. Logits agree with :meth:`DecodePlan.logits` to float32 rounding.
     """
@@ -159,7 +160,14 @@ class CompiledDecodeStep:
         """:meth:`DecodePlan.logits` compiled: the new tokens [batch, 1] -> logits [batch, vocab_size]."""
         start = kv_caches[0].length
         position = torch.full((1,), start, dtype=torch.long, device=tokens.device)  # (1,)
-        logits = self._step(tokens, position, [c.k for c in kv_caches], [c.v for c in kv_caches])
+        ks, vs = [c.k for c in kv_caches], [c.v for c in kv_caches]
+        for buf in (*ks, *vs, tokens):
+            # batch and capacity symbolic from the first compile (a one-row batch stays its own graph),
+            # so that another length of generation does not compile again
+            torch._dynamo.maybe_mark_dynamic(buf, 0)
+            if buf.dim() == 4:
+                torch._dynamo.maybe_mark_dynamic(buf, 2)
+        logits = self._step(tokens, position, ks, vs)
         for cache in kv_caches:
             cache.length = start + 1
         return logits
