@@ -190,9 +190,14 @@ def test_attention_quick_run_never_replaces_the_published_results(
     doc = json.loads((results / "local" / "attention_quick.json").read_text())
     assert not (results / "attention.json").exists() and not (results / "attention_quick.json").exists()
     printed = capsys.readouterr().out
+    timing, accuracy = printed.split("output accuracy (float32)")
     # one table per mode, one seq column: "label | ms (x floor)"
-    table = sorted((row[0], row[1].split()[0]) for row in _table_rows(printed) if len(row) == 2)
+    table = sorted((row[0], row[1].split()[0]) for row in _table_rows(timing) if len(row) == 2)
     assert table == sorted((r["label"], f"{r['median_ms']:.1f}") for r in doc["rows"])
+    # then each layer's output error against float64: "label | abs (relative)", from the first mode
+    errors = [row for row in _table_rows(accuracy) if len(row) == 2]
+    first = [r for r in doc["rows"] if r["mode"] == "forward" and r["case"] != "gemm_floor"]
+    assert errors == [[r["label"], f"{r['max_abs_error']:.1e} ({r['max_rel_error']:.1e})"] for r in first]
     assert len(doc["rows"]) == len(MODES) * len(CASES)  # forward and forward + backward, every case
     with pytest.raises(SystemExit):
         module.main([*argv, "--save"])  # a smoke run is never published
