@@ -37,15 +37,22 @@ def decoder(**kw) -> Decoder:
     return Decoder(ModelConfig(arch="decoder", **{**args, **kw})).eval()
 
 
+def primed(model: Decoder, seed: int) -> tuple[torch.Tensor, list, list]:
+    """Tokens [B, 9] and two KV caches, each holding the model's first 5 positions of them."""
+    torch.manual_seed(seed)
+    tokens = torch.randint(0, V, (B, 9))
+    ours, ref = model.make_kv_caches(B, 9), model.make_kv_caches(B, 9)
+    model(tokens[:, :5], kv_caches=ours)
+    model(tokens[:, :5], kv_caches=ref)
+    return tokens, ours, ref
+
+
 @pytest.mark.parametrize("kw", CONFIGS)
 @torch.no_grad()
 def test_plan_logits_are_bit_for_bit_forwards_cached_step(kw: dict) -> None:
     torch.manual_seed(0)
     model = decoder(**kw)
-    tokens = torch.randint(0, V, (B, 9))
-    ours, ref = model.make_kv_caches(B, 9), model.make_kv_caches(B, 9)
-    model(tokens[:, :5], kv_caches=ours)
-    model(tokens[:, :5], kv_caches=ref)
+    tokens, ours, ref = primed(model, 0)
     plan = model.decode_plan()
     assert plan is not None and plan.idle() and plan.pack_rows is None
     for i in range(5, 9):
@@ -153,10 +160,7 @@ def test_packed_linear_equals_f_linear_to_rounding(rows: int, bias: bool) -> Non
 def test_prepacked_steps_equal_forward_to_rounding(kw: dict) -> None:
     torch.manual_seed(4)
     model = decoder(**kw)
-    tokens = torch.randint(0, V, (B, 9))
-    ours, ref = model.make_kv_caches(B, 9), model.make_kv_caches(B, 9)
-    model(tokens[:, :5], kv_caches=ours)
-    model(tokens[:, :5], kv_caches=ref)
+    tokens, ours, ref = primed(model, 4)
     plan = model.decode_plan(pack_rows=B)
     assert isinstance(plan, DecodePlan) and plan.pack_rows == B
     for i in range(5, 9):
@@ -185,10 +189,7 @@ def test_compiled_step_equals_the_eager_step_and_is_kept() -> None:
     assert torch.equal(model.generate(prompt, 8, temperature=0, compile=True), ref)
     step = compiled_step(model, None)
     assert isinstance(step, CompiledDecodeStep) and compiled_step(model, None) is step  # kept
-    ours, theirs = model.make_kv_caches(B, 9), model.make_kv_caches(B, 9)
-    tokens = torch.randint(0, V, (B, 9))
-    model(tokens[:, :5], kv_caches=ours)
-    model(tokens[:, :5], kv_caches=theirs)
+    tokens, ours, theirs = primed(model, 6)
     plan = model.decode_plan()
     for i in range(5, 9):
         a = step.logits(tokens[:, i : i + 1], ours)
