@@ -72,10 +72,11 @@ def generate(
             memory; True always (ValueError without MKL); False never.
         compile: run the cached steps compiled (:class:`headspace.decoding.CompiledDecodeStep`,
             ``torch.compile(fullgraph=True)``, inductor: needs a C++ compiler). The first call for a
-            model compiles (about a minute for SmolLM2) and later calls reuse it; SmolLM2 at batch 1
-            then decodes ~1.1x faster. Logits agree with the eager step's to float32 rounding. It
-            does not pack weights (``prepack=True`` with it is refused), so at batch >= 2 the eager
-            packed step is the faster one.
+            model compiles (up to a minute for SmolLM2) and later calls reuse it. On SmolLM2 at batch
+            1 it took 0.92x-1.03x the eager step's time on a 2-core CPU (benchmarks/decode.py): no
+            reliable win there, hence opt-in. Logits agree with the eager step's to float32 rounding.
+            It does not pack weights (``prepack=True`` with it is refused), so at batch >= 2 the
+            eager packed step is the faster one.
 
     Returns:
         [batch, prompt_len + new]: the prompts (padding included, as given) followed by the sampled
@@ -108,12 +109,14 @@ def generate(
         longest = int(key_padding.sum(dim=1).max())
         if bool(key_padding.all()):
             key_padding = None  # nothing padded: the unmasked path, as without key_padding
-    if compile and prepack:
-        raise ValueError(
-            "prepack=True and compile=True do not combine (inductor cannot lower MKL's packed linear); "
-            "pick one: compile=True suits batch 1, prepack batches of 2 and more"
-        )
-    pack_rows = None if compile else choose_pack_rows(self, batch, prepack)  # checks prepack
+    pack_rows = choose_pack_rows(self, batch, prepack)  # checks prepack
+    if compile:
+        if prepack:
+            raise ValueError(
+                "prepack=True and compile=True do not combine (inductor cannot lower MKL's packed "
+                "linear); pick one: compile=True for batch 1, prepack for batches of 2 and more"
+            )
+        pack_rows = None
     total = prompt_len + max_new_tokens  # columns of the result, padding included
     if longest + max_new_tokens > self.config.max_seq_len:
         what = (
