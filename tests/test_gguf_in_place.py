@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from headspace.pretrained.gguf import load_gguf
-from headspace.pretrained.gguf_format import GGUFError, _parse_header, read_gguf, smollm2_gguf_path
+from headspace.pretrained.gguf_format import GGUFError, _parse_header, read_gguf
 from headspace.pretrained.llama import _all_finite_floats, empty_llama, llama_from_tensors
 from test_gguf import write_tiny_llama
 
@@ -199,11 +199,8 @@ print(json.dumps({"peak": peak - before, "after": status("VmRSS") - before, "wei
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/status and clear_refs")
-def test_smollm2_load_peak_memory_stays_near_its_weights() -> None:
-    try:
-        path = smollm2_gguf_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+def test_smollm2_load_peak_memory_stays_near_its_weights(smollm2_gguf: Path) -> None:
+    path = smollm2_gguf
     proc = subprocess.run(
         [sys.executable, "-c", _PROBE, str(path)], capture_output=True, text=True, check=True, timeout=300
     )
