@@ -75,6 +75,12 @@ def test_generate_with_the_plan_equals_generate_without(kw: dict, monkeypatch: p
     monkeypatch.setattr(Decoder, "decode_plan", lambda self, pack_rows=None: None)
     assert torch.equal(fast, model.generate(prompt, 8, temperature=0))
     assert torch.equal(sampled, model.generate(prompt, 8, seed=3))
+    # the steps ran in inference mode, the result is an ordinary tensor: it trains (an inference
+    # tensor could not be saved for the embedding's backward)
+    assert not fast.is_inference() and not sampled.is_inference()
+    model.train()
+    model(fast).logsumexp(-1).sum().backward()
+    assert model.tok_embed.weight.grad is not None
 
 
 def test_a_plan_steps_aside_for_hooks_and_training() -> None:
@@ -97,19 +103,22 @@ def test_a_plan_steps_aside_for_hooks_and_training() -> None:
 def test_a_hook_added_during_generation_fires_on_the_next_steps() -> None:
     torch.manual_seed(2)
     model = decoder(**CONFIGS[1])
-    seen: list[tuple[int, ...]] = []
+    seen: list[tuple[int | bool, ...]] = []
     added: list = []
 
     def add_later(value: torch.Tensor, hook) -> None:  # fires in the prompt's forward, then stays off
         if not added:
-            added.append(model.blocks[0].attn.hook_pattern.add(lambda v, h: seen.append(tuple(v.shape))))
+            added.append(
+                model.blocks[0].attn.hook_pattern.add(lambda v, h: seen.append((*v.shape, v.is_inference())))
+            )
 
     remove = model.blocks[1].hook_resid_pre.add(add_later)
     model.generate(torch.randint(0, V, (1, 4)), 4, temperature=0)
     remove()
     added[0]()
-    # the prompt (added during its block 1, after block 0 fired) then three one-token steps
-    assert seen == [(1, 6, 1, 5), (1, 6, 1, 6), (1, 6, 1, 7)]
+    # the prompt (added during its block 1, after block 0 fired) then three one-token steps, which
+    # forward runs with ordinary tensors (not the plan's inference mode): a hook may keep them
+    assert seen == [(1, 6, 1, 5, False), (1, 6, 1, 6, False), (1, 6, 1, 7, False)]
 
 
 def test_choose_pack_rows(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -196,6 +205,13 @@ def test_compiled_step_equals_the_eager_step_and_is_kept() -> None:
         torch.testing.assert_close(a, plan.logits(tokens[:, i : i + 1], theirs), rtol=1e-5, atol=1e-5)
         assert ours[0].length == theirs[0].length == i + 1
     torch.testing.assert_close(ours[1].v, theirs[1].v, rtol=0, atol=1e-6)
+    # steps after the first of a signature skip dynamo's guards: one-row and wider batches and
+    # other lengths, in any order, still take their own graph
+    assert len(step.warmed) == 2  # batch 3 in generate's inference mode, then in no_grad here
+    for rows, new in ((1, 6), (B, 5), (1, 8), (B, 8)):
+        x = prompt[:rows]
+        assert torch.equal(model.generate(x, new, temperature=0, compile=True), ref[:rows, : 4 + new])
+    assert {(sig[0], sig[1]) for sig in step.warmed} >= {(True, 10), (False, 9), (True, 12), (False, 12)}
     model.blocks[0].ln1.weight = torch.nn.Parameter(model.blocks[0].ln1.weight * 2)  # replaced
     again = compiled_step(model, None)
     assert again is not step and again is not None
