@@ -26,7 +26,9 @@ from headspace.bench import CASES, MODES
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 COMMITTED = BENCHMARKS / "results"
-SCRIPTS = ("attention", "decode", "encode", "explorer", "int8_kernels", "trace_overhead", "train")
+SCRIPTS = (
+    "attention", "attention_parts", "decode", "encode", "explorer", "int8_kernels", "trace_overhead", "train"
+)  # fmt: skip
 ELSEWHERE = {  # scripts whose smoke run lives with their own tests
     "patching": "needs headspace.load('smollm2'): tests/test_patching.py runs it",
     "long_inputs": "real runs need SmolLM2: tests/test_long_inputs.py runs it tiny (--random)",
@@ -464,3 +466,37 @@ def test_explorer_script_one_short_page(
         f"{row['switch_token_ms_median']:.0f}",
     ]
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_attention_parts_script_quick(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], keep_threads: None
+) -> None:
+    out = tmp_path / "parts.json"
+    assert (
+        _script("attention_parts").main(["--quick", "--rounds", "2", "--threads", "1", "--out", str(out)])
+        == 0
+    )
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "attention_parts" and doc["quick"] and doc["rounds"] == 2
+    results = doc["results"]
+    assert [(r["seq"], r["mode"]) for r in results] == [
+        (32, "forward"),
+        (32, "backward"),
+        (64, "forward"),
+        (64, "backward"),
+    ]
+    cases = ["layer", "sdpa", "sdpa math", "attention GEMMs", "projection GEMMs", "GEMM floor"]
+    for r in results:
+        assert list(r["ms"]) == cases
+        ms = {c: r["ms"][c]["median"] for c in cases}
+        assert all(r["ms"][c]["min"] <= ms[c] <= r["ms"][c]["max"] for c in cases)
+        assert r["sdpa_over_attention_gemms"] == pytest.approx(ms["sdpa"] / ms["attention GEMMs"])
+        assert r["rest_over_projection_gemms"] == pytest.approx(
+            (ms["layer"] - ms["sdpa"]) / ms["projection GEMMs"]
+        )
+        assert r["layer_over_floor"] == pytest.approx(ms["layer"] / ms["GEMM floor"])
+    rows = _table_rows(capsys.readouterr().out)
+    assert [(int(row[0]), row[1]) for row in rows] == [(r["seq"], r["mode"]) for r in results]
+    for row, r in zip(rows, results):
+        assert row[2].startswith(f"{r['ms']['layer']['median']:.2f} (")
+        assert row[-1].startswith(f"{r['layer_over_floor']:.2f}x (")
