@@ -11,11 +11,14 @@ import torch.nn.functional as F
 
 from headspace import Decoder, ModelConfig
 from headspace import decoding as decoding_mod
+from headspace.attention import KVCache
 from headspace.decoding import (
     CompiledDecodeStep,
     DecodePlan,
+    _stacked_views,
     choose_pack_rows,
     compiled_step,
+    generation_caches,
     product_weights,
 )
 from headspace.kernels import prepack
@@ -37,22 +40,26 @@ def decoder(**kw) -> Decoder:
     return Decoder(ModelConfig(arch="decoder", **{**args, **kw})).eval()
 
 
-def primed(model: Decoder, seed: int) -> tuple[torch.Tensor, list, list]:
-    """Tokens [B, 9] and two KV caches, each holding the model's first 5 positions of them."""
+def primed(model: Decoder, seed: int, stacked: bool = False) -> tuple[torch.Tensor, list, list]:
+    """Tokens [B, 9] and two KV caches, each holding the model's first 5 positions of them (ours stacked
+    in two buffers, as generate makes them, with ``stacked``)."""
     torch.manual_seed(seed)
     tokens = torch.randint(0, V, (B, 9))
-    ours, ref = model.make_kv_caches(B, 9), model.make_kv_caches(B, 9)
+    ours = generation_caches(model, B, 9) if stacked else model.make_kv_caches(B, 9)
+    ref = model.make_kv_caches(B, 9)
     model(tokens[:, :5], kv_caches=ours)
     model(tokens[:, :5], kv_caches=ref)
     return tokens, ours, ref
 
 
+@pytest.mark.parametrize("stacked", [False, True])
 @pytest.mark.parametrize("kw", CONFIGS)
 @torch.no_grad()
-def test_plan_logits_are_bit_for_bit_forwards_cached_step(kw: dict) -> None:
+def test_plan_logits_are_bit_for_bit_forwards_cached_step(kw: dict, stacked: bool) -> None:
     torch.manual_seed(0)
     model = decoder(**kw)
-    tokens, ours, ref = primed(model, 0)
+    tokens, ours, ref = primed(model, 0, stacked)
+    assert (ours[0].stack is not None) == stacked
     plan = model.decode_plan()
     assert plan is not None and plan.idle() and plan.pack_rows is None
     for i in range(5, 9):
@@ -225,3 +232,54 @@ def test_compiled_step_equals_the_eager_step_and_is_kept() -> None:
         model.generate(prompt, 2, compile=True, prepack=True)
     with pytest.raises(TypeError, match="compile must be a bool"):
         model.generate(prompt, 2, compile="yes")  # type: ignore[arg-type]
+
+
+def test_stacked_caches_are_caches_of_their_own() -> None:
+    """KVCache.stacked: layer i's cache is slice i of two buffers and appends, checks and overflows as a
+    cache of its own; a step takes every layer's views at once only for the whole stack, in order, at
+    one length, without autograd history."""
+    torch.manual_seed(3)
+    caches = KVCache.stacked(L + 1, B, 2, DH, 7)
+    alone = [KVCache(B, 2, DH, 7) for _ in range(L + 1)]
+    k_all, v_all, _ = caches[0].stack
+    assert k_all.shape == (L + 1, B, 2, 7, DH) and [c.stack[2] for c in caches] == list(range(L + 1))
+    for step in range(3):
+        for i, (c, a) in enumerate(zip(caches, alone)):
+            k, v = torch.randn(B, 2, 1, DH), torch.randn(B, 2, 1, DH)
+            got = c.append_one(k, v) if step else c.append(k, v)
+            want = a.append(k, v)
+            assert all(torch.equal(x, y) for x, y in zip(got, want))
+            assert torch.equal(k_all[i], a.k) and c.k.data_ptr() == k_all[i].data_ptr()
+            assert torch.equal(v_all[i], a.v) and c.v.data_ptr() == v_all[i].data_ptr()
+    with pytest.raises(ValueError, match="overflow"):
+        caches[1].append(torch.randn(B, 2, 5, DH), torch.randn(B, 2, 5, DH))
+    with pytest.raises(ValueError, match="batch"):
+        caches[1].check(B + 1, 1, torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="n must be a positive"):
+        KVCache.stacked(0, B, 2, DH, 7)
+    assert _stacked_views(caches, 3) is None  # gradients recorded: each cache appends on its own
+    with torch.no_grad():
+        views = _stacked_views(caches, 3)
+        assert views is not None and [len(t) for t in views] == [L + 1] * 4
+        assert views[0][1].shape == (B, 2, 1, DH) and views[2][1].shape == (B, 2, 4, DH)
+        assert torch.equal(views[2][1], caches[1].k[:, :, :4])
+        assert _stacked_views(caches[::-1], 3) is None  # out of order
+        assert _stacked_views(caches[:-1], 3) is None  # not the whole stack
+        assert _stacked_views(caches, 2) is None  # another length
+        assert _stacked_views(alone, 3) is None  # not stacked
+
+
+def test_generate_decodes_into_stacked_caches_when_the_blocks_agree(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = decoder(**CONFIGS[1])
+    caches = generation_caches(model, 2, 11)
+    assert len(caches) == L and all(c.stack is not None and c.capacity == 11 for c in caches)
+    made: list = []
+    real = generation_caches
+    monkeypatch.setattr("headspace.generate.generation_caches", lambda *a: made.append(real(*a)) or made[-1])
+    prompt = torch.randint(0, V, (2, 4))
+    fast = model.generate(prompt, 6, temperature=0)
+    assert made and made[0][0].stack is not None
+    monkeypatch.setattr(  # each block's own cache: the same tokens
+        "headspace.generate.generation_caches", lambda m, b, c: [x.attn.make_kv_cache(b, c) for x in m.blocks]
+    )
+    assert torch.equal(model.generate(prompt, 6, temperature=0), fast)

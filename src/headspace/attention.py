@@ -217,6 +217,35 @@ class KVCache:
         # pieces with autograd history, kept only while decoding with gradients (see the class docstring)
         self._k_parts: list[Tensor] = []
         self._v_parts: list[Tensor] = []
+        #: (k_all, v_all, index) where this cache is slice ``index`` of :meth:`stacked` buffers, else None
+        self.stack: tuple[Tensor, Tensor, int] | None = None
+
+    @classmethod
+    def stacked(
+        cls,
+        n: int,
+        batch: int,
+        n_kv_heads: int,
+        d_head: int,
+        capacity: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> list[KVCache]:
+        """``n`` caches (one per layer) whose ``k`` / ``v`` are the slices ``k_all[i]`` / ``v_all[i]`` of two
+        [n, batch, n_kv_heads, capacity, d_head] buffers: each behaves as a cache of its own, and a decoding
+        step may take every layer's view of the filled positions in one call
+        (:class:`headspace.decoding.DecodePlan`)."""
+        check_positive_int("KVCache.stacked n", n)
+        first = cls(batch, n_kv_heads, d_head, capacity, dtype=dtype, device=device)  # checks the sizes
+        k_all = torch.zeros((n, *first.k.shape), dtype=dtype, device=device)
+        v_all = torch.zeros_like(k_all)
+        caches = []
+        for i in range(n):
+            cache = first if i == 0 else cls(1, 1, 1, 1, dtype=dtype, device=device)  # buffers replaced:
+            cache.k, cache.v, cache.stack = k_all[i], v_all[i], (k_all, v_all, i)  # (batch, n_kv, cap, dh)
+            caches.append(cache)
+        return caches
 
     @property
     def capacity(self) -> int:
@@ -277,16 +306,22 @@ class KVCache:
         return self.k[:, :, :end], self.v[:, :, :end]
 
     def append_one(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """:meth:`append` of one position, ``k`` and ``v`` [batch, n_kv_heads, d_head], for a caller that
-        ran :meth:`check` for one new position (a decoding step); returns what :meth:`append` returns.
+        """:meth:`append` of one position, ``k`` and ``v`` [batch, n_kv_heads, d_head] (or [batch,
+        n_kv_heads, 1, d_head]), for a caller that ran :meth:`check` for one new position (a decoding
+        step); returns what :meth:`append` returns.
 
         Without gradients to track, two copies into the buffers and two views of them.
         """
+        one = k.dim() == 4  # the position axis kept
         if self._k_parts or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)):
-            return self.append(k.unsqueeze(2), v.unsqueeze(2))
+            return self.append(k if one else k.unsqueeze(2), v if one else v.unsqueeze(2))
         start = self.length
-        self.k.select(2, start).copy_(k)
-        self.v.select(2, start).copy_(v)
+        if one:
+            self.k.narrow(2, start, 1).copy_(k)
+            self.v.narrow(2, start, 1).copy_(v)
+        else:
+            self.k.select(2, start).copy_(k)
+            self.v.select(2, start).copy_(v)
         self.length = end = start + 1
         return self.k.narrow(2, 0, end), self.v.narrow(2, 0, end)
 

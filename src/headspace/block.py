@@ -122,7 +122,7 @@ class DecodingLayer(NamedTuple):
 def decode_layer_rows(
     layer: DecodingLayer,
     x: Tensor,
-    kv_cache: KVCache | None,
+    kv_cache: KVCache | tuple[Tensor, Tensor, Tensor, Tensor] | None,
     cos: Tensor | None,
     sin: Tensor | None,
     static: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
@@ -131,9 +131,13 @@ def decode_layer_rows(
     that ran ``kv_cache.check(batch, 1, ...)``; ``cos``/``sin`` [1, 1, rotary_dim] (None without rotary).
 
     :meth:`TransformerBlock.forward` for one new position after the cache, bit for bit: each product
-    one 2-D call (no reshapes around it), q and k rotated as [batch, heads, d_head] rows of the fused
+    one 2-D call (no reshapes around it), q and k rotated as [batch, heads, 1, d_head] rows of the fused
     projection, the new key and value appended by :meth:`~headspace.KVCache.append_one`, the
     activation and the gate's product in place on the fresh gate output.
+
+    ``kv_cache`` may instead be the views (k_slot, v_slot, keys, values) a caller took of
+    :meth:`~headspace.KVCache.stacked` buffers: the new position's slots [batch, n_kv_heads, 1, d_head]
+    and the filled positions [batch, n_kv_heads, length + 1, d_head]; the caller advances the length.
 
     ``static`` = (k, v, position, keep) is the shape-stable form a compiled step traces (``kv_cache``
     None): the whole cache buffers k, v [batch, n_kv_heads, capacity, d_head], the new key and value
@@ -143,22 +147,26 @@ def decode_layer_rows(
     """
     B = x.shape[0]
     H, Hkv, dh = layer.n_heads, layer.n_kv_heads, layer.d_head
-    qkv = layer.qkv(layer.norm1(x)).view(B, H + 2 * Hkv, dh)  # (B, H + 2 Hkv, dh)
+    qkv = layer.qkv(layer.norm1(x)).view(B, H + 2 * Hkv, 1, dh)  # (B, H + 2 Hkv, 1, dh)
+    qk, v_new = qkv.split_with_sizes([H + Hkv, Hkv], 1)  # (B, H + Hkv, 1, dh), (B, Hkv, 1, dh)
     if cos is not None and sin is not None and layer.rotary is not None:
-        qk = rotate_fused(qkv[:, : H + Hkv], cos, sin, layer.rotary)  # (B, H + Hkv, dh), fresh
-    else:
-        qk = qkv[:, : H + Hkv]  # (B, H + Hkv, dh)
+        qk = rotate_fused(qk, cos, sin, layer.rotary)  # (B, H + Hkv, 1, dh), fresh
+    q, k_new = qk.split_with_sizes([H, Hkv], 1)  # (B, H, 1, dh), (B, Hkv, 1, dh)
     keep = None
-    if static is None:
-        assert kv_cache is not None
-        k, v = kv_cache.append_one(qk[:, H:], qkv[:, H + Hkv :])  # (B, Hkv, Sk, dh) x 2
-    else:
+    if static is not None:
         k, v, position, keep = static  # (B, Hkv, capacity, dh) x 2, (1,), (1, 1, 1, capacity)
-        k.index_copy_(2, position, qk[:, H:].unsqueeze(2))  # the new key at its slot
-        v.index_copy_(2, position, qkv[:, H + Hkv :].unsqueeze(2))
+        k.index_copy_(2, position, k_new)  # the new key at its slot
+        v.index_copy_(2, position, v_new)
+    elif isinstance(kv_cache, tuple):
+        k_slot, v_slot, k, v = kv_cache  # (B, Hkv, 1, dh) x 2, (B, Hkv, Sk, dh) x 2
+        k_slot.copy_(k_new)
+        v_slot.copy_(v_new)
+    else:
+        assert kv_cache is not None
+        k, v = kv_cache.append_one(k_new, v_new)  # (B, Hkv, Sk, dh) x 2
     # one query after its cached keys: every key may be attended (no mask, or the filled slots)
     z = F.scaled_dot_product_attention(
-        qk[:, :H].unsqueeze(2), k, v, attn_mask=keep, scale=layer.scale, enable_gqa=layer.gqa
+        q, k, v, attn_mask=keep, scale=layer.scale, enable_gqa=layer.gqa
     )  # (B, H, 1, dh), stored as (B, 1, H, dh)
     h = x + layer.o(z.reshape(B, H * dh))  # (B, d_model): heads concatenated
     m = layer.norm2(h)  # (B, d_model)

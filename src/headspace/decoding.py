@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import KVCache, rotary_tables
+from .attention import KVCache, MultiHeadAttention, rotary_tables
 from .block import _BLOCK_HOOKS, DecodingLayer, decode_layer_rows, linear_fn, norm_fn
 from .hooks import HookPoint
 from .kernels.prepack import prepack_available, should_prepack
@@ -96,8 +96,16 @@ class DecodePlan:
             positions = torch.arange(start, start + 1, device=x.device)  # (1,)
             cos, sin = rotary_tables(self.rotary, positions, x.dtype, x.device)  # (1, 1, 1, rotary_dim) x 2
             cos, sin = cos.squeeze(2), sin.squeeze(2)  # (1, 1, rotary_dim): over (batch, heads, d_head)
-        for layer, cache in zip(self.layers, kv_caches):
-            x = decode_layer_rows(layer, x, cache, cos, sin)  # (batch, d_model)
+        views = _stacked_views(kv_caches, start)
+        if views is None:
+            for layer, cache in zip(self.layers, kv_caches):
+                x = decode_layer_rows(layer, x, cache, cos, sin)  # (batch, d_model)
+        else:
+            # every layer's slot and filled positions, taken in four calls (not four per layer)
+            for layer, *kv in zip(self.layers, *views):
+                x = decode_layer_rows(layer, x, tuple(kv), cos, sin)  # type: ignore[arg-type]
+            for cache in kv_caches:
+                cache.length = start + 1
         return x if self.ln_final is None else self.ln_final(x)
 
     def logits(self, tokens: Tensor, kv_caches: list[KVCache]) -> Tensor:
@@ -227,6 +235,49 @@ def compiled_step(model: Decoder, pack_rows: int | None) -> CompiledDecodeStep |
     step = CompiledDecodeStep(plan)
     _COMPILED[model] = (key, step)
     return step
+
+
+def _stacked_views(kv_caches: list[KVCache], start: int) -> tuple[tuple[Tensor, ...], ...] | None:
+    """For caches that are, in order, every slice of one :meth:`~headspace.KVCache.stacked` pair of
+    buffers, with no autograd history to keep: per layer the new position ``start``'s slots [batch,
+    n_kv_heads, 1, d_head] and the filled positions [batch, n_kv_heads, start + 1, d_head] of k and v
+    (four tuples of views, one per layer each). None otherwise: each cache appends on its own."""
+    stack = kv_caches[0].stack
+    if stack is None or torch.is_grad_enabled():
+        return None
+    k_all, v_all, _ = stack
+    if len(kv_caches) != k_all.shape[0]:
+        return None
+    for i, cache in enumerate(kv_caches):
+        s = cache.stack
+        if s is None or s[0] is not k_all or s[2] != i or cache._k_parts or cache.length != start:
+            return None
+    return (
+        k_all.narrow(3, start, 1).unbind(0),  # (batch, n_kv_heads, 1, d_head) per layer
+        v_all.narrow(3, start, 1).unbind(0),
+        k_all.narrow(3, 0, start + 1).unbind(0),  # (batch, n_kv_heads, start + 1, d_head) per layer
+        v_all.narrow(3, 0, start + 1).unbind(0),
+    )
+
+
+def generation_caches(model: Decoder, batch: int, capacity: int) -> list[KVCache]:
+    """The KV caches :meth:`headspace.Decoder.generate` decodes into: one per block, stacked in two
+    buffers (:meth:`~headspace.KVCache.stacked`) where every block's attention has the same key/value
+    heads, d_head, dtype and device, else each block's own :meth:`make_kv_cache`."""
+    kinds: set[tuple[Any, ...] | None] = set()
+    for b in model.blocks:
+        a = b.attn
+        if (
+            not isinstance(a, MultiHeadAttention)
+            or type(a).make_kv_cache is not MultiHeadAttention.make_kv_cache
+        ):
+            kinds.add(None)  # another kind of cache: each block makes its own
+            break
+        kinds.add((a.n_kv_heads, a.d_head, a.o_weight.dtype, a.o_weight.device))
+    if len(kinds) != 1 or None in kinds:
+        return [b.attn.make_kv_cache(batch, capacity) for b in model.blocks]
+    ((n_kv_heads, d_head, dtype, device),) = kinds  # type: ignore[misc]
+    return KVCache.stacked(len(model.blocks), batch, n_kv_heads, d_head, capacity, dtype=dtype, device=device)
 
 
 def _unembedding(model: Decoder) -> tuple[Tensor, Tensor | None]:

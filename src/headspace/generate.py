@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from .decoding import choose_pack_rows, compiled_step
+from .decoding import choose_pack_rows, compiled_step, generation_caches
 from .inputs import check_left_padding, check_tokens
 
 if TYPE_CHECKING:
@@ -150,7 +150,7 @@ def generate(
         out = torch.empty(batch, total, dtype=torch.long, device=tokens.device)  # (batch, total)
         out[:, :prompt_len] = tokens
         # one slot per column, padding included (may exceed max_seq_len; positions never do)
-        caches = [b.attn.make_kv_cache(batch, total) for b in self.blocks] if use_cache else None
+        caches = generation_caches(self, batch, total) if use_cache else None
         logits = self(
             tokens.long(), cols(real, 0, prompt_len), caches, positions=cols(positions, 0, prompt_len)
         )[:, -1]  # (batch, vocab_size)
