@@ -212,6 +212,26 @@ def products_floor(pre: Any, batch: int) -> Any:
     return run
 
 
+def products_floor_bf16(pre: Any, batch: int) -> Any:
+    """:func:`products_floor` for a ``precision="bfloat16"`` model: every product weight's packed bfloat16
+    copy (:class:`headspace.kernels.bf16.BF16Weight`) times ``batch`` preallocated bfloat16 rows, by the
+    oneDNN call its products run (``torch.ops.mkldnn._linear_pointwise``), nothing else: the fastest a
+    bfloat16 decoder can multiply by its weights on this CPU."""
+    from headspace.decoding import product_weights
+
+    weights = [w.packed for w in product_weights(pre.model)]
+    widths = [w.shape[1] for w in product_weights(pre.model)]
+    rows = {n: torch.randn(batch, n).to(torch.bfloat16) for n in set(widths)}  # (batch, in) per width
+    linear = torch.ops.mkldnn._linear_pointwise
+
+    def run() -> None:
+        for w, n in zip(weights, widths):
+            linear(rows[n], w, None, "none", [], "")  # (batch, out) bfloat16
+
+    run.n_products = len(weights)  # type: ignore[attr-defined]
+    return run
+
+
 def run_smollm2(a: argparse.Namespace) -> dict:
     """SmolLM2 against transformers, and headspace at each precision (see the module docstring)."""
     import transformers
@@ -282,7 +302,11 @@ def run_smollm2(a: argparse.Namespace) -> dict:
                 if n == COMPILED:  # the first compiled call at each batch size compiles
                     compile_s[str(batch)] = time.perf_counter() - t0
         floors = {b: products_floor(models["headspace"], b) for b in (1, 8)}
+        floors_bf16 = {b: products_floor_bf16(models["headspace bfloat16"], b) for b in (1, 8)}
+        for b in (1, 8):
+            floors_bf16[b]()  # warm-up
         t_floor: dict[int, list[float]] = {1: [], 8: []}
+        t_floor_bf16: dict[int, list[float]] = {1: [], 8: []}
         t_prefill: dict[str, list[float]] = {n: [] for n in names}
         t_decode: dict[tuple[str, int], list[float]] = {(n, b): [] for n in names for b in (1, 8)}
         for r in tqdm(range(a.smollm2_rounds), desc="SmolLM2 rounds", unit="round"):
@@ -302,6 +326,9 @@ def run_smollm2(a: argparse.Namespace) -> dict:
                 t0 = time.perf_counter()
                 floors[batch]()
                 t_floor[batch].append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                floors_bf16[batch]()
+                t_floor_bf16[batch].append(time.perf_counter() - t0)
         # accuracy of each precision against float32 on the README + docs text
         acc_ids = ids[: a.accuracy_tokens + 1]
         targets = torch.tensor(acc_ids[1:])
@@ -409,6 +436,16 @@ def run_smollm2(a: argparse.Namespace) -> dict:
             for b in (1, 8)
         )
     )
+    floor_bf16_ms = {b: 1e3 * statistics.median(t_floor_bf16[b]) for b in (1, 8)}
+    print(
+        f"the bfloat16 products alone ({floors_bf16[1].n_products} one-row oneDNN products on the packed "
+        "bfloat16 weights, nothing else): "
+        + "; ".join(
+            f"batch {b} {floor_bf16_ms[b]:.2f} ms, "
+            f"{floor_bf16_ms[b] / floor_ms[b]:.2f}x the float32 products'"
+            for b in (1, 8)
+        )
+    )
     print(
         f"packing the weights for MKL's GEMM at batch 8 (generate's default there): {pack['pack_s']:.2f} s "
         f"once per generate call, {pack['extra_mib']:.0f} MiB more while it runs "
@@ -441,6 +478,8 @@ def run_smollm2(a: argparse.Namespace) -> dict:
         "compile_s": compile_s,
         "products_floor_ms": {str(b): v for b, v in floor_ms.items()},
         "products_floor_times_ms": {str(b): [1e3 * t for t in t_floor[b]] for b in (1, 8)},
+        "products_floor_bf16_ms": {str(b): v for b, v in floor_bf16_ms.items()},
+        "products_floor_bf16_times_ms": {str(b): [1e3 * t for t in t_floor_bf16[b]] for b in (1, 8)},
         "rows": rows,
         "targets": checks,
         "transformers": transformers.__version__,

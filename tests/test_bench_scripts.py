@@ -263,6 +263,9 @@ def test_decode_script_smollm2_against_transformers(
     floor = doc["products_floor_ms"]
     assert set(floor) == {"1", "8"} and all(v > 0 for v in floor.values())
     assert all(len(doc["products_floor_times_ms"][b]) == 1 for b in ("1", "8"))
+    floor_bf16 = doc["products_floor_bf16_ms"]
+    assert set(floor_bf16) == {"1", "8"} and all(v > 0 for v in floor_bf16.values())
+    assert all(len(doc["products_floor_bf16_times_ms"][b]) == 1 for b in ("1", "8"))
     for r in rows[:2]:
         assert r["load_s"] > 0 and r["weights_mib"] > 500 and r["peak_extra_mib"] > 0
     assert rows[0]["top1_agreement"] == 1.0 and rows[0]["perplexity_ratio"] == 1.0
@@ -270,6 +273,8 @@ def test_decode_script_smollm2_against_transformers(
     printed = capsys.readouterr().out
     products = "the products alone (151 float32 matrix products per token, nothing else)"
     assert f"{products}: batch 1 {floor['1']:.2f} ms" in printed
+    ratio = floor_bf16["1"] / floor["1"]
+    assert f"weights, nothing else): batch 1 {floor_bf16['1']:.2f} ms, {ratio:.2f}x the float32" in printed
     assert f"at batch 8 (generate's default there): {pack['pack_s']:.2f} s once per generate call" in printed
     assert doc["compile_s"] == {}  # --no-compile: no inductor build in the test suite
     targets = [t["target"] for t in doc["targets"]]
