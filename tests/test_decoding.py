@@ -4,6 +4,7 @@ weights prepacked for MKL's GEMM (headspace.kernels.prepack)."""
 from __future__ import annotations
 
 import shutil
+import threading
 
 import pytest
 import torch
@@ -103,6 +104,15 @@ def test_a_plan_steps_aside_for_hooks_and_training() -> None:
         assert not plan.idle() and model.decode_plan() is None
         remove()
         assert plan.idle()
+    # a function for the calling thread only: this thread's steps step aside, another thread's do not
+    remove = model.blocks[1].attn.hook_z.add(lambda value, hook: None, this_thread=True)
+    seen: list[bool] = []
+    other = threading.Thread(target=lambda: seen.append(plan.idle()))
+    other.start()
+    other.join()
+    assert not plan.idle() and seen == [True]
+    remove()
+    assert plan.idle()
     model.train()
     assert not plan.idle() and model.decode_plan() is None
 

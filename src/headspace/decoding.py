@@ -18,6 +18,7 @@ their values show, parameters replaced since (``to_precision``, pruning, assignm
 
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -32,6 +33,10 @@ from .kernels.prepack import prepack_available, should_prepack
 
 if TYPE_CHECKING:
     from .models import Decoder
+
+
+_EVERY_THREAD = operator.attrgetter("_all_threads")  # a hook point's functions for every thread
+_SOME_THREAD = operator.attrgetter("_by_thread")  # thread id -> that thread's own functions
 
 
 class DecodePlan:
@@ -79,13 +84,19 @@ class DecodePlan:
         return model
 
     def idle(self) -> bool:
-        """Whether no hook point the step passes has a function in the calling thread (one truth test
-        each), and the model is still in eval mode: the plan may run this step."""
+        """Whether no hook point the step passes has a function in the calling thread, and the model is
+        still in eval mode: the plan may run this step.
+
+        What :attr:`HookPoint.active` says of each point, read in C (``map`` over attribute getters: ~35
+        us for SmolLM2's 511 points against ~135 us for a Python loop over ``active``); only where some
+        point holds thread-only functions does each point's ``active`` decide for the calling thread."""
         if self.model.training:
             return False
-        for point in self.hook_points:
-            if point.active:
-                return False
+        points = self.hook_points
+        if any(map(_EVERY_THREAD, points)):
+            return False
+        if any(map(_SOME_THREAD, points)):
+            return not any(point.active for point in points)
         return True
 
     def rows(self, x: Tensor, kv_caches: list[KVCache], start: int) -> Tensor:
