@@ -23,7 +23,10 @@ At batch 8 headspace's generate packs the float32 weights for MKL's GEMM once pe
 there, ``prepack=None``; see headspace.kernels.prepack): the row "headspace prepack=False" decodes without,
 and the script prints the packing's seconds and memory. The products alone (``torch.mm`` on the
 weights as stored, nothing else) are timed for reference, and the row "headspace compile=True" decodes
-with the step compiled by inductor (``generate(compile=True)``; the compile time is printed),
+with the step compiled by inductor (``generate(compile=True)``; the compile time is printed). At
+batch 1 (and wherever the weights are not packed) "headspace" runs the native step
+(headspace.kernels.native: every block in one C++ call, built before timing; the compile time is
+printed), and the row "headspace native=False" the same step in Python,
 
 and headspace at each precision (float32, bfloat16, int8): the same prefill and decode figures, and the
 accuracy against float32 over ``--accuracy-tokens`` (2,000) tokens of this repository's README.md and
@@ -62,6 +65,8 @@ POSITIONS = (64, 128, 256, 512, 1024)
 UNPACKED = "headspace prepack=False"
 """The row of headspace's float32 model decoding without weights packed for MKL's GEMM."""
 COMPILED = "headspace compile=True"
+PYTHON_STEP = "headspace native=False"
+"""The row of headspace's float32 model decoding with the Python step (no native step)."""
 """The row of headspace's float32 model decoding with the compiled step (no packing)."""
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -232,6 +237,26 @@ def products_floor_bf16(pre: Any, batch: int) -> Any:
     return run
 
 
+def native_build() -> dict:
+    """Build (or find) the native decoding step for the timed rows, and time one compile of it from
+    nothing (into a temporary folder): its status, compiler and seconds."""
+    import tempfile
+
+    from headspace.kernels import native
+
+    t0 = time.perf_counter()
+    native.build()
+    build_s = time.perf_counter() - t0
+    cxx = native.compiler()
+    compile_s = None
+    if cxx is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            t0 = time.perf_counter()
+            failed = native._compile(Path(tmp) / "probe.so", cxx)
+            compile_s = None if failed else time.perf_counter() - t0
+    return {"status": native.status(), "compiler": cxx, "build_s": build_s, "compile_s": compile_s}
+
+
 def run_smollm2(a: argparse.Namespace) -> dict:
     """SmolLM2 against transformers, and headspace at each precision (see the module docstring)."""
     import transformers
@@ -274,11 +299,17 @@ def run_smollm2(a: argparse.Namespace) -> dict:
 
     # "headspace" packs its weights for MKL's GEMM at batch 8 (generate's default, prepack=None);
     # UNPACKED is the same model without (prepack=False)
-    # and COMPILED runs generate(compile=True): the decoding step compiled by inductor
-    models[UNPACKED] = models[COMPILED] = models["headspace"]
-    names = ["headspace", "transformers", "headspace bfloat16", "headspace int8", UNPACKED]
+    # and COMPILED runs generate(compile=True): the decoding step compiled by inductor; "headspace"
+    # runs the native step where it has one (built here first), PYTHON_STEP the Python step
+    native_info = native_build()
+    models[UNPACKED] = models[COMPILED] = models[PYTHON_STEP] = models["headspace"]
+    names = ["headspace", "transformers", "headspace bfloat16", "headspace int8", UNPACKED, PYTHON_STEP]
     names += [] if a.no_compile else [COMPILED]
-    options = {n: {} for n in names} | {UNPACKED: {"prepack": False}, COMPILED: {"compile": True}}
+    options = {n: {} for n in names} | {
+        UNPACKED: {"prepack": False},
+        COMPILED: {"compile": True},
+        PYTHON_STEP: {"native": False},
+    }
     prefill = {n: hf_prefill if n == "transformers" else hs_prefill(models[n]) for n in names}
     generate = {
         n: (lambda x, k: hf_generate(x, k))
@@ -341,7 +372,7 @@ def run_smollm2(a: argparse.Namespace) -> dict:
                 next_token_logits(models[n].model, acc_ids, a.prompt_len), ref, targets
             )
         # the same forward: packing and compiling are decoding-step matters
-        accuracy[UNPACKED] = accuracy[COMPILED] = accuracy["headspace"]
+        accuracy[UNPACKED] = accuracy[COMPILED] = accuracy[PYTHON_STEP] = accuracy["headspace"]
         pack = prepack_cost(models["headspace"].model, 8)
     rows = []
     for n in names:
@@ -451,6 +482,13 @@ def run_smollm2(a: argparse.Namespace) -> dict:
         f"once per generate call, {pack['extra_mib']:.0f} MiB more while it runs "
         f"({pack['extra_mib'] / hs_load['weights_mib']:.2f}x the float32 weights)"
     )
+    compiled_in = native_info["compile_s"]
+    print(
+        f"the native decoding step (headspace.kernels.native): {native_info['status']}; compiling it "
+        + ("failed" if compiled_in is None else f"takes {compiled_in:.1f} s")
+        + f" ({native_info['compiler']}, once per machine; this run found it in "
+        f"{native_info['build_s']:.2f} s)"
+    )
     if compile_s:
         print(
             "compiling the decoding step (generate(compile=True), its first call at each batch size): "
@@ -476,6 +514,7 @@ def run_smollm2(a: argparse.Namespace) -> dict:
         "same_greedy_tokens": {str(b): v for b, v in same.items()},
         "prepack_batch8": pack,
         "compile_s": compile_s,
+        "native": native_info,
         "products_floor_ms": {str(b): v for b, v in floor_ms.items()},
         "products_floor_times_ms": {str(b): [1e3 * t for t in t_floor[b]] for b in (1, 8)},
         "products_floor_bf16_ms": {str(b): v for b, v in floor_bf16_ms.items()},

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
 import random
+import tempfile
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import torch
+
+# The native decoding step (headspace.kernels.native) is built into a cache folder: a fresh one for each
+# test session, so that the suite compiles it as a new machine would and writes nothing under $HOME.
+os.environ.setdefault("HEADSPACE_CACHE", tempfile.mkdtemp(prefix="headspace-test-cache-"))
 
 
 @pytest.fixture(autouse=True)

@@ -84,6 +84,38 @@ def linear_fn(
     return lambda x: F.linear(x, weight, bias)
 
 
+#: the native step's codes for the activations it runs in place (see kernels/decode_rows.cpp)
+_NATIVE_ACTS = {(nn.SiLU, None): 0, (nn.ReLU, None): 1, (nn.GELU, "none"): 2, (nn.GELU, "tanh"): 3}
+
+
+def native_norm(norm: nn.Module | None) -> tuple[int, Tensor | None, Tensor | None, float] | None:
+    """``norm`` as the native step runs it (kind, weight, bias, eps): an RMSNorm of offset 0 (kind 0,
+    ``F.rms_norm``) or a LayerNorm over one dim (kind 1, ``F.layer_norm``) with float32 parameters, the
+    forms :func:`norm_fn` runs on float32 rows; None otherwise (kind -1: no norm)."""
+    if norm is None:
+        return -1, None, None, 0.0
+    if type(norm) is RMSNorm and norm.offset == 0.0 and norm.weight.dtype == torch.float32:
+        return 0, norm.weight, None, float(norm.eps)
+    if type(norm) is nn.LayerNorm and len(norm.normalized_shape) == 1:
+        w, b = norm.weight, norm.bias
+        if all(t is None or t.dtype == torch.float32 for t in (w, b)):
+            return 1, w, b, float(norm.eps)
+    return None
+
+
+def native_linear(weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None] | None:
+    """A product as the native step runs it: a plain float32 weight without bias transposed ([in,
+    out], ``mm``, as :func:`linear_fn`), with a float32 bias as it is ([out, in], ``linear``); None for
+    int8 / bfloat16 weights and other dtypes."""
+    if type(weight) not in (nn.Parameter, Tensor) or weight.dtype != torch.float32 or weight.dim() != 2:
+        return None
+    if bias is None:
+        return weight.t(), None
+    if type(bias) not in (nn.Parameter, Tensor) or bias.dtype != torch.float32:
+        return None
+    return weight, bias
+
+
 def activation_fn_(act: nn.Module) -> Callable[[Tensor], Tensor]:
     """``act`` as a callable, resolved once: in place on its (fresh) input for torch's SiLU, ReLU and
     GELU modules, the module itself otherwise."""
@@ -117,6 +149,9 @@ class DecodingLayer(NamedTuple):
     act_: Callable[[Tensor], Tensor]
     fc_in: Callable[[Tensor], Tensor]
     fc_out: Callable[[Tensor], Tensor]
+    #: the same step as :func:`headspace.kernels.native.decode_rows` takes it (its tensors, ints and
+    #: floats, :func:`native_parts`), or None where some part has no native form
+    native: tuple[list[Tensor | None], list[int], list[float]] | None = None
 
 
 def decode_layer_rows(
@@ -551,7 +586,37 @@ class TransformerBlock(nn.Module):
             act_=activation_fn_(mlp.act),
             fc_in=linear_fn(mlp.fc_in.weight, mlp.fc_in.bias, pack_rows),
             fc_out=linear_fn(mlp.fc_out.weight, mlp.fc_out.bias, pack_rows),
+            native=None if pack_rows is not None else self.native_parts(),
         )
+
+    def native_parts(self) -> tuple[list[Tensor | None], list[int], list[float]] | None:
+        """This block's decoding step as :func:`headspace.kernels.native.decode_rows` takes it: 14
+        tensors (None where absent), 8 ints and 3 floats in the order ``kernels/decode_rows.cpp``
+        lists; None where a part has no native form (:func:`native_norm`, :func:`native_linear`, an
+        activation other than torch's SiLU, ReLU and GELU). Views of the parameters: in-place edits of
+        their values show, replaced parameters do not."""
+        a, mlp = self.attn, self.mlp
+        gated = isinstance(mlp, GatedFeedForward)
+        n1, n2 = native_norm(self.ln1), native_norm(self.ln2)
+        act = mlp.act
+        code = _NATIVE_ACTS.get((type(act), getattr(act, "approximate", None)))
+        gate = native_linear(mlp.fc_gate.weight, mlp.fc_gate.bias) if gated else (None, None)
+        products = [
+            native_linear(a.qkv_weight, a.qkv_bias),
+            native_linear(a.o_weight, a.o_bias),
+            gate,
+            native_linear(mlp.fc_in.weight, mlp.fc_in.bias),
+            native_linear(mlp.fc_out.weight, mlp.fc_out.bias),
+        ]
+        if n1 is None or n2 is None or n1[0] != n2[0] or n1[0] < 0 or code is None or None in products:
+            return None
+        (qkv, qkv_b), (o, o_b), (g, g_b), (w_in, in_b), (w_out, out_b) = products  # type: ignore[misc]
+        rotary = a.rotary
+        rot_kind = 0 if rotary is None else 2 if rotary.interleaved else 1
+        rot_dim = 0 if rotary is None else rotary.rotary_dim
+        params = [n1[1], n1[2], qkv, qkv_b, o, o_b, n2[1], n2[2], g, g_b, w_in, in_b, w_out, out_b]
+        ints = [n1[0], a.n_heads, a.n_kv_heads, a.d_head, rot_kind, rot_dim, int(gated), code]
+        return params, ints, [n1[3], n2[3], float(a.scale)]
 
     @property
     def reduced_precision(self) -> bool:

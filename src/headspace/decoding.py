@@ -27,8 +27,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import KVCache, MultiHeadAttention, rotary_tables
-from .block import _BLOCK_HOOKS, DecodingLayer, decode_layer_rows, linear_fn, norm_fn
+from .block import _BLOCK_HOOKS, DecodingLayer, decode_layer_rows, linear_fn, native_norm, norm_fn
 from .hooks import HookPoint
+from .kernels import native
 from .kernels.prepack import prepack_available, should_prepack
 
 if TYPE_CHECKING:
@@ -55,6 +56,23 @@ class DecodePlan:
         self.layers: list[DecodingLayer] = [b.decoding_layer(pack_rows) for b in model.blocks]
         self.rotary = model.rotary
         self.ln_final = None if model.ln_final is None else norm_fn(model.ln_final)
+        #: whether :meth:`rows` may run the native step (:mod:`headspace.kernels.native`) once it is
+        #: loaded; :meth:`headspace.Decoder.generate` sets it from its ``native`` argument
+        self.use_native = True
+        #: every block and the final norm as the native step takes them, or None where some part has
+        #: no native form (packed, int8 or bfloat16 weights, another norm or activation)
+        self.native: tuple[list[Tensor | None], list[int], list[float]] | None = None
+        final = native_norm(model.ln_final)
+        if final is not None and all(layer.native is not None for layer in self.layers):
+            params: list[Tensor | None] = []
+            ints: list[int] = []
+            floats: list[float] = []
+            for layer in self.layers:
+                p, i, f = layer.native  # type: ignore[misc]
+                params += p
+                ints += i
+                floats += f
+            self.native = ([*params, final[1], final[2]], [*ints, final[0]], [*floats, final[3]])
         head, bias = _unembedding(model)
         self.unembed = linear_fn(head, bias, pack_rows)
         # the token and position tables, for the compiled step (which must not reach the model)
@@ -107,6 +125,15 @@ class DecodePlan:
             positions = torch.arange(start, start + 1, device=x.device)  # (1,)
             cos, sin = rotary_tables(self.rotary, positions, x.dtype, x.device)  # (1, 1, 1, rotary_dim) x 2
             cos, sin = cos.squeeze(2), sin.squeeze(2)  # (1, 1, rotary_dim): over (batch, heads, d_head)
+        if self.native is not None and self.use_native and x.dtype == torch.float32 and x.is_cpu:
+            stack = _stack_of(kv_caches, start)
+            if stack is not None and native.ready():
+                params, ints, floats = self.native
+                # every block and LN_f in one C++ call: the same ops as below, bit for bit
+                h = native.decode_rows(x, params, ints, floats, *stack, start, cos, sin)  # (batch, d_model)
+                for cache in kv_caches:
+                    cache.length = start + 1
+                return h
         views = _stacked_views(kv_caches, start)
         if views is None:
             for layer, cache in zip(self.layers, kv_caches):
@@ -248,21 +275,32 @@ def compiled_step(model: Decoder, pack_rows: int | None) -> CompiledDecodeStep |
     return step
 
 
-def _stacked_views(kv_caches: list[KVCache], start: int) -> tuple[tuple[Tensor, ...], ...] | None:
-    """For caches that are, in order, every slice of one :meth:`~headspace.KVCache.stacked` pair of
-    buffers, with no autograd history to keep: per layer the new position ``start``'s slots [batch,
-    n_kv_heads, 1, d_head] and the filled positions [batch, n_kv_heads, start + 1, d_head] of k and v
-    (four tuples of views, one per layer each). None otherwise: each cache appends on its own."""
+def _stack_of(kv_caches: list[KVCache], start: int) -> tuple[Tensor, Tensor] | None:
+    """The two [layers, batch, n_kv_heads, capacity, d_head] buffers of caches that are, in order,
+    every slice of one :meth:`~headspace.KVCache.stacked` pair, each holding ``start`` positions, with
+    no autograd history to keep; None otherwise (each cache appends on its own)."""
     stack = kv_caches[0].stack
     if stack is None or torch.is_grad_enabled():
         return None
     k_all, v_all, _ = stack
-    if len(kv_caches) != k_all.shape[0]:
+    if len(kv_caches) != k_all.shape[0] or start >= k_all.shape[3]:
         return None
     for i, cache in enumerate(kv_caches):
         s = cache.stack
         if s is None or s[0] is not k_all or s[2] != i or cache._k_parts or cache.length != start:
             return None
+    return k_all, v_all
+
+
+def _stacked_views(kv_caches: list[KVCache], start: int) -> tuple[tuple[Tensor, ...], ...] | None:
+    """For caches that are, in order, every slice of one :meth:`~headspace.KVCache.stacked` pair
+    (:func:`_stack_of`): per layer the new position ``start``'s slots [batch, n_kv_heads, 1, d_head]
+    and the filled positions [batch, n_kv_heads, start + 1, d_head] of k and v (four tuples of views,
+    one per layer each). None otherwise: each cache appends on its own."""
+    stack = _stack_of(kv_caches, start)
+    if stack is None:
+        return None
+    k_all, v_all = stack
     return (
         k_all.narrow(3, start, 1).unbind(0),  # (batch, n_kv_heads, 1, d_head) per layer
         v_all.narrow(3, start, 1).unbind(0),

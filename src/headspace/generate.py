@@ -14,6 +14,7 @@ from torch import Tensor
 
 from .decoding import choose_pack_rows, compiled_step, generation_caches
 from .inputs import check_left_padding, check_tokens
+from .kernels import native as native_step
 
 if TYPE_CHECKING:
     from .models import Decoder
@@ -32,6 +33,7 @@ def generate(
     use_cache: bool = True,
     prepack: bool | None = None,
     compile: bool = False,
+    native: bool | None = None,
 ) -> Tensor:
     """Sample ``max_new_tokens`` continuation tokens after each prompt.
 
@@ -77,6 +79,15 @@ def generate(
             reliable win there, hence opt-in. Logits agree with the eager step's to float32 rounding.
             It does not pack weights (``prepack=True`` with it is refused), so at batch >= 2 the
             eager packed step is the faster one.
+        native: run the cached steps' blocks in one C++ call each (:mod:`headspace.kernels.native`):
+            the same operations as the Python step, so the same logits bit for bit, without its ~25
+            Python-level calls per block (SmolLM2 at batch 1: ~2 ms of a ~26 ms token). For float32
+            products that are not packed (RMSNorm or LayerNorm, torch's SiLU, ReLU or GELU). None
+            (default) uses it once built: the first call starts compiling it in the background
+            (~10 s with the system's C++ compiler, once per machine: the library is cached) and
+            decodes in Python meanwhile; without a compiler it stays Python (one warning). True builds
+            it first and waits (RuntimeError where it cannot be built; it does not pack weights, so
+            ``prepack=True`` or ``compile=True`` with it is refused); False never uses it.
 
     Returns:
         [batch, prompt_len + new]: the prompts (padding included, as given) followed by the sampled
@@ -99,6 +110,15 @@ def generate(
         raise TypeError(f"seed must be None or an int; got {seed!r}")
     if not isinstance(compile, bool):
         raise TypeError(f"compile must be a bool; got {type(compile).__name__} {compile!r}")
+    if native is not None and not isinstance(native, bool):
+        raise TypeError(
+            f"native must be None (once built), True or False; got {type(native).__name__} {native!r}"
+        )
+    if native and (compile or prepack):
+        raise ValueError(
+            f"native=True and {'compile' if compile else 'prepack'}=True do not combine (the native step "
+            "runs the eager step's unpacked float32 products); pick one"
+        )
     check_tokens(tokens, self.config, check_length=key_padding is None, device=self.tok_embed.weight.device)
     batch, prompt_len = tokens.shape
     if prompt_len == 0:
@@ -117,6 +137,12 @@ def generate(
                 "linear); pick one: compile=True for batch 1, prepack for batches of 2 and more"
             )
         pack_rows = None
+    if native:
+        pack_rows = None  # the native step multiplies by the weights as stored
+        if not native_step.build():
+            raise RuntimeError(
+                f"native=True: headspace's native decoding step is unavailable ({native_step.status()})"
+            )
     total = prompt_len + max_new_tokens  # columns of the result, padding included
     if longest + max_new_tokens > self.config.max_seq_len:
         what = (
@@ -165,6 +191,10 @@ def generate(
             if not planned:
                 plan = compiled_step(self, pack_rows) if compile else self.decode_plan(pack_rows)
                 planned = True
+                if not compile and plan is not None:
+                    plan.use_native = native is not False  # type: ignore[union-attr]
+                    if native is None and plan.native is not None:  # type: ignore[union-attr]
+                        native_step.start_build()  # in the background; steps run in Python until built
             if plan is not None and plan.idle():
                 # forward(out[:, pos : pos + 1], kv_caches=caches)[:, -1] (caches made above): bit for
                 # bit, or to float32 rounding with packed weights. Inference mode: no hook runs here

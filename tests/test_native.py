@@ -1,0 +1,222 @@
+"""The native decoding step (headspace.kernels.native): every block of a cached step in one C++ call,
+bit for bit the Python step (headspace.block.decode_layer_rows), built once, and a Python fallback
+wherever it cannot be built or has no form for the model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from headspace import Decoder, ModelConfig
+from headspace.decoding import generation_caches
+from headspace.kernels import native, prepack
+from headspace.norms import RMSNorm
+
+B, H, DH, V, L = 3, 7, 5, 13, 2  # batch, n_heads, d_head, vocab, layers: distinct primes
+
+needs_compiler = pytest.mark.skipif(
+    native.compiler() is None or sys.platform == "win32", reason="the native step needs a C++ compiler"
+)
+
+CONFIGS = [
+    {},  # GPT-2-like: learned positions, LayerNorm, biases everywhere, plain gelu_tanh MLP
+    {"positions": "rotary", "norm_kind": "rmsnorm", "mlp_kind": "gated", "act": "silu", "bias": False,
+     "n_heads": 6, "n_kv_heads": 2, "d_model": 36},  # Llama-like, grouped-query (d_head 6)
+    {"positions": "rotary", "norm_kind": "rmsnorm", "mlp_kind": "gated", "act": "gelu", "bias": False,
+     "qkv_bias": True, "n_heads": 6, "n_kv_heads": 3, "d_model": 36, "tie_embeddings": False},  # Qwen2-like
+    {"positions": "rotary", "rope_interleaved": True, "rotary_fraction": 0.25, "norm_kind": "layernorm",
+     "act": "relu", "n_heads": 2, "n_kv_heads": 1, "d_model": 52},  # interleaved, 6 of d_head 26
+]  # fmt: skip
+
+
+def decoder(**kw) -> Decoder:
+    args = {"vocab_size": V, "d_model": H * DH, "n_layers": L, "n_heads": H, "d_mlp": 11, "max_seq_len": 23}
+    return Decoder(ModelConfig(arch="decoder", **{**args, **kw})).eval()
+
+
+@pytest.fixture(scope="module")
+def built() -> None:
+    if not native.build():
+        pytest.fail(f"the native step did not build: {native.status()}")
+
+
+@needs_compiler
+@pytest.mark.parametrize("kw", CONFIGS)
+@torch.no_grad()
+def test_native_steps_are_bit_for_bit_the_python_steps(kw: dict, built: None) -> None:
+    torch.manual_seed(0)
+    model = decoder(**kw)
+    for p in model.parameters():  # no zero biases or unit norms: every parameter must enter
+        p.add_(0.1 * torch.randn_like(p))
+    plan = model.decode_plan()
+    assert plan is not None and plan.native is not None
+    tokens = torch.randint(0, V, (B, 11))
+    ours, ref = generation_caches(model, B, 11), generation_caches(model, B, 11)
+    model(tokens[:, :4], kv_caches=ours)
+    model(tokens[:, :4], kv_caches=ref)
+    for i in range(4, 11):
+        plan.use_native = True
+        a = plan.logits(tokens[:, i : i + 1], ours)  # (B, V)
+        plan.use_native = False
+        b = plan.logits(tokens[:, i : i + 1], ref)
+        assert a.shape == (B, V) and torch.equal(a, b)
+        assert ours[0].length == ref[0].length == i + 1
+    for c, r in zip(ours, ref):  # the new keys (rotated) and values written where the Python step writes
+        assert torch.equal(c.k, r.k) and torch.equal(c.v, r.v)
+
+
+@needs_compiler
+@pytest.mark.parametrize("kw", CONFIGS[:2])
+def test_generate_native_equals_generate_python(kw: dict, built: None) -> None:
+    torch.manual_seed(1)
+    model = decoder(**kw)
+    prompt = torch.randint(0, V, (B, 4))
+    for temperature in (0, 0.8):
+        a = model.generate(prompt, 9, temperature=temperature, seed=3, native=True)
+        b = model.generate(prompt, 9, temperature=temperature, seed=3, native=False)
+        c = model.generate(prompt, 9, temperature=temperature, seed=3, use_cache=False)
+        assert torch.equal(a, b) and torch.equal(a, c)
+    one = model.generate(prompt[:1], 9, temperature=0, native=True)
+    assert torch.equal(one, model.generate(prompt[:1], 9, temperature=0, native=False))
+
+
+@needs_compiler
+@torch.no_grad()
+def test_the_native_step_sees_in_place_edits_and_steps_aside_for_hooks(built: None) -> None:
+    torch.manual_seed(2)
+    model = decoder(**CONFIGS[1])
+    prompt = torch.randint(0, V, (1, 4))
+    before = model.generate(prompt, 6, temperature=0, native=True)
+    model.blocks[1].attn.qkv_weight.mul_(-3.0)  # in place: the plan's views show it
+    model.blocks[0].mlp.fc_out.weight.mul_(2.0)
+    after = model.generate(prompt, 6, temperature=0, native=True)
+    assert torch.equal(after, model.generate(prompt, 6, temperature=0, native=False))
+    assert torch.equal(after, model.generate(prompt, 6, temperature=0, use_cache=False))
+    assert not torch.equal(before, after)
+    seen: list[int] = []
+    remove = model.blocks[1].attn.hook_rot_k.add(lambda t, hook: seen.append(t.shape[1]))
+    model.generate(prompt, 3, temperature=0, native=True)  # a hook sends every step to forward
+    remove()
+    assert seen == [4, 1, 1]
+
+
+def test_models_without_a_native_form_decode_in_python() -> None:
+    torch.manual_seed(3)
+    gemma_like = decoder(**CONFIGS[1])
+    for b in gemma_like.blocks:  # (1 + weight) norms: not the F.rms_norm form
+        b.ln1 = RMSNorm(36, offset=1.0)
+    plan = gemma_like.decode_plan()
+    assert plan is not None and plan.native is None and plan.layers[0].native is None
+    prompt = torch.randint(0, V, (B, 4))
+    assert torch.equal(
+        gemma_like.generate(prompt, 5, temperature=0),
+        gemma_like.generate(prompt, 5, temperature=0, use_cache=False),
+    )
+    for precision in ("bfloat16", "int8"):
+        low = decoder(**CONFIGS[1]).to_precision(precision)
+        plan = low.decode_plan()
+        assert plan is not None and plan.native is None
+    if prepack.prepack_available():
+        packed = decoder(**CONFIGS[1]).decode_plan(pack_rows=3)
+        assert packed is not None and packed.native is None  # packed products: MKL's packed GEMM
+
+
+def test_generate_checks_native() -> None:
+    model = decoder()
+    prompt = torch.randint(0, V, (1, 3))
+    with pytest.raises(TypeError, match="native must be None"):
+        model.generate(prompt, 2, native="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="native=True and compile=True"):
+        model.generate(prompt, 2, native=True, compile=True)
+    with pytest.raises(ValueError, match="native=True and prepack=True"):
+        model.generate(prompt, 2, native=True, prepack=True)
+
+
+@pytest.fixture
+def fresh_state(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """The module as in a new process (nothing loaded or built), with its cache in ``tmp_path``."""
+    monkeypatch.setattr(native, "_op", None)
+    monkeypatch.setattr(native, "_state", {"status": "not built", "thread": None, "warned": False})
+    monkeypatch.setenv("HEADSPACE_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def test_a_failed_build_warns_once_and_decoding_stays_python(
+    fresh_state: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("CXX", "false")  # a "compiler" that fails
+    model = decoder(**CONFIGS[1])
+    prompt = torch.randint(0, V, (1, 3))
+    with pytest.raises(RuntimeError, match="native=True: headspace's native decoding step is unavailable"):
+        model.generate(prompt, 4, native=True)
+    assert native.status().startswith("failed: ") and "exited with" in native.status()
+    assert not any(fresh_state.rglob("*.so"))  # nothing half-written left behind
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        a = model.generate(prompt, 4, temperature=0)
+        b = model.generate(prompt, 4, temperature=0)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "native decoding step is unavailable" in messages[0]
+    assert torch.equal(a, b) and torch.equal(a, model.generate(prompt, 4, temperature=0, use_cache=False))
+
+
+def test_no_compiler_and_off_are_said(fresh_state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HEADSPACE_NATIVE", "0")
+    assert native.status() == "off" and not native.build()
+    monkeypatch.delenv("HEADSPACE_NATIVE")
+    monkeypatch.setenv("CXX", "")
+    monkeypatch.setenv("PATH", str(fresh_state))  # no c++, g++ or clang++ on it
+    assert not native.build()
+    assert native.status() == "failed: no C++ compiler found (set CXX, or install g++ or clang++)"
+
+
+@needs_compiler
+def test_a_build_is_kept_and_loaded_by_later_processes(fresh_state: Path) -> None:
+    native.start_build()
+    assert native.status() == "building"  # in the background: the caller goes on
+    thread = native._state["thread"]
+    assert isinstance(thread, threading.Thread) and thread.name == "headspace-native-build"
+    assert native.build() and native.status() == "loaded"
+    (lib,) = fresh_state.rglob("*.so")
+    assert lib == native.library_path() and not list(fresh_state.rglob("*.tmp*"))
+    code = (
+        "from headspace.kernels import native; native.start_build(); s = native.status(); "
+        "print(s, native.ready(), native.status())"
+    )
+    env = {**os.environ, "HEADSPACE_CACHE": str(fresh_state)}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["built", "True", "loaded"]  # found, not compiled again
+
+
+@needs_compiler
+def test_the_op_names_what_it_expected(built: None) -> None:
+    x = torch.zeros(2, 6)
+    k = torch.zeros(1, 2, 1, 4, 3)
+    with pytest.raises(RuntimeError, match="1 layers need 16 params, 9 ints and 4 floats; got 0, 0 and 0"):
+        native.decode_rows(x, [], [], [], k, k.clone(), 0, None, None)
+    with pytest.raises(RuntimeError, match="must be \\[batch, d_model\\]"):
+        native.decode_rows(x[0], [], [], [], k, k.clone(), 0, None, None)
+    params = [None] * 16
+    with pytest.raises(RuntimeError, match="position 4 outside the caches' capacity 4"):
+        native.decode_rows(x, params, [0] * 9, [0.0] * 4, k, k.clone(), 4, None, None)
+
+
+@needs_compiler
+def test_smollm2_native_generation_equals_python(smollm2_gguf: Path, built: None) -> None:
+    import headspace
+
+    model = headspace.load("smollm2").model
+    plan = model.decode_plan()
+    assert plan is not None and plan.native is not None
+    prompt = torch.tensor([[504, 3249, 282, 253, 23576, 30, 216, 1071]])  # any ids
+    a = model.generate(prompt, 12, temperature=0, native=True)
+    b = model.generate(prompt, 12, temperature=0, native=False)
+    assert torch.equal(a, b)
