@@ -220,3 +220,15 @@ def test_smollm2_native_generation_equals_python(smollm2_gguf: Path, built: None
     a = model.generate(prompt, 12, temperature=0, native=True)
     b = model.generate(prompt, 12, temperature=0, native=False)
     assert torch.equal(a, b)
+    with torch.inference_mode():  # every step's logits and cache rows, bit for bit, at batch 1 and 2
+        for rows in (a[:, 8:], torch.cat((a[:, 8:], a[:, 8:].flip(1)), 0)):
+            batch = rows.shape[0]
+            ours, ref = generation_caches(model, batch, 20), generation_caches(model, batch, 20)
+            model(prompt.expand(batch, 8), kv_caches=ours)
+            model(prompt.expand(batch, 8), kv_caches=ref)
+            for i in range(rows.shape[1]):
+                plan.use_native = True
+                x = plan.logits(rows[:, i : i + 1], ours)
+                plan.use_native = False
+                assert torch.equal(x, plan.logits(rows[:, i : i + 1], ref))
+            assert all(torch.equal(c.k, r.k) and torch.equal(c.v, r.v) for c, r in zip(ours, ref))

@@ -1,10 +1,12 @@
 // headspace::decode_rows: every block of a Decoder's cached decoding step on the new position's rows,
 // in one call (built and loaded by headspace/kernels/native.py; see its docstring).
 //
-// The same ATen operations, in the same order and on the same views, as the Python step
-// (headspace.block.decode_layer_rows for each block, then the final norm), so its results are bit for
-// bit the Python step's: what it saves is the ~25 Python-level calls per block (1.5-2.5 us each on a
-// 2-core CPU), not arithmetic. Shapes: x [batch, d_model]; the stacked caches k_all, v_all
+// The same arithmetic as the Python step (headspace.block.decode_layer_rows for each block, then the
+// final norm), rounding for rounding, so its results are bit for bit the Python step's: the products,
+// attention, the norms' sums and the activation are the same ATen calls; the elementwise steps around
+// them (the norms' scaling, the rotation and cache writes, the residual adds, the gate's product) are
+// float32 loops making the same single roundings. What it saves is the ~25 Python-level calls per block
+// (1.5-2.5 us each on a 2-core CPU) and ~15 ATen dispatches, not arithmetic. Shapes: x [batch, d_model]; the stacked caches k_all, v_all
 // [layers, batch, n_kv_heads, capacity, d_head]; cos, sin [1, 1, rotary_dim].
 //
 // Per block, LAYER_PARAMS tensors (None where absent) and LAYER_INTS ints, LAYER_FLOATS floats:
@@ -21,6 +23,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <optional>
 
 namespace {
@@ -32,12 +35,41 @@ constexpr int64_t LAYER_PARAMS = 14;
 constexpr int64_t LAYER_INTS = 8;
 constexpr int64_t LAYER_FLOATS = 3;
 
+// The elementwise steps are plain float32 loops: each output element is the same one or two IEEE
+// roundings ATen's kernels make (a multiply, then an add: no fused multiply-add, -ffp-contract=off),
+// so they are bit for bit ATen's; the reductions (the norms' sums, the products, attention) stay ATen.
+
+// F.rms_norm of float32 rows [B, d], as torch's CPU composite computes it: x * rsqrt(sum(x * x) / d +
+// eps) * w, each step one rounding; the sum of squares is ATen's (its summation order). F.layer_norm
 Tensor norm(const Tensor& x, int64_t kind, const OptTensor& w, const OptTensor& b, double eps) {
-  const int64_t d = x.size(1);
-  if (kind == 0) {
-    return at::rms_norm(x, {d}, w, eps);
+  const int64_t B = x.size(0), d = x.size(1);
+  if (kind != 0) {
+    return at::layer_norm(x, {d}, w, b, eps);
   }
-  return at::layer_norm(x, {d}, w, b, eps);
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat, "decode_rows: rows must be contiguous float32");
+  Tensor sq = at::empty_like(x);  // (B, d): x^2 (pow(x, 2) is x * x)
+  const float* px = x.const_data_ptr<float>();
+  float* ps = sq.mutable_data_ptr<float>();
+  for (int64_t i = 0; i < B * d; ++i) {
+    ps[i] = px[i] * px[i];
+  }
+  Tensor sums = sq.sum({-1}, true);  // (B, 1)
+  const float* pr = sums.const_data_ptr<float>();
+  Tensor out = at::empty_like(x);
+  float* po = out.mutable_data_ptr<float>();
+  TORCH_CHECK(!w.has_value() || (w->is_contiguous() && w->numel() == d && w->scalar_type() == at::kFloat),
+              "decode_rows: an RMSNorm weight must be a contiguous float32 [", d, "]");
+  const float* pw = w.has_value() ? w->const_data_ptr<float>() : nullptr;
+  const float fd = static_cast<float>(d), feps = static_cast<float>(eps);
+  for (int64_t r = 0; r < B; ++r) {
+    const float mean = pr[r] / fd;  // mean: sum, then div_ by d
+    const float scale = 1.0f / std::sqrt(mean + feps);  // add_(eps), rsqrt
+    for (int64_t i = 0; i < d; ++i) {
+      const float y = px[r * d + i] * scale;  // x.mul(rsqrt)
+      po[r * d + i] = pw != nullptr ? y * pw[i] : y;  // .mul(weight)
+    }
+  }
+  return out;
 }
 
 Tensor linear(const Tensor& x, const OptTensor& w, const OptTensor& b) {
@@ -47,18 +79,81 @@ Tensor linear(const Tensor& x, const OptTensor& w, const OptTensor& b) {
   return at::mm(x, *w);
 }
 
-// headspace.attention.rotate_fused: x * cos + turn(x) * sin on the first rotary_dim features
-Tensor rotate(const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t kind, int64_t rd) {
-  const int64_t dh = x.size(-1);
-  Tensor xr = rd == dh ? x : x.slice(-1, 0, rd);
-  Tensor swapped = kind == 2 ? xr.unflatten(-1, {rd / 2, 2}).flip({-1}).flatten(-2)
-                             : xr.roll({rd / 2}, {-1});
-  Tensor out = xr * cos;
-  out += swapped * sin;
-  if (rd == dh) {
-    return out;
+// One new position's fused projection qkv [B, H + 2 Hkv, 1, dh] (a contiguous [B, (H + 2 Hkv) dh]):
+// the queries rotated into a fresh [B, H, 1, dh] (returned), the keys rotated into the cache slots
+// k_slot and the values copied into v_slot (each [B, Hkv, 1, dh] views). Rotation as
+// headspace.attention.rotate_fused: out = x * cos + swap(x) * sin on the first rd features (swap: a
+// roll by rd / 2 for rotate-half, kind 1; a flip within pairs, kind 2), the rest passed through.
+Tensor rotate_into(const Tensor& qkv, const Tensor& k_slot, const Tensor& v_slot, const OptTensor& cos,
+                   const OptTensor& sin, int64_t kind, int64_t rd, int64_t H, int64_t Hkv, int64_t dh) {
+  const int64_t B = qkv.size(0), heads = H + 2 * Hkv;
+  Tensor q = at::empty({B, H, 1, dh}, qkv.options());
+  const float* src = qkv.const_data_ptr<float>();
+  float* pq = q.mutable_data_ptr<float>();
+  float* pk = k_slot.mutable_data_ptr<float>();
+  float* pv = v_slot.mutable_data_ptr<float>();
+  const int64_t ks0 = k_slot.stride(0), ks1 = k_slot.stride(1), vs0 = v_slot.stride(0), vs1 = v_slot.stride(1);
+  TORCH_CHECK(k_slot.stride(3) == 1 && v_slot.stride(3) == 1, "decode_rows: cache rows must be contiguous");
+  const bool rotate = kind != 0 && cos.has_value() && sin.has_value();
+  Tensor c, s;
+  const float *pc = nullptr, *pn = nullptr;
+  if (rotate) {
+    c = cos->contiguous();
+    s = sin->contiguous();
+    TORCH_CHECK(c.numel() == rd && s.numel() == rd, "decode_rows: cos and sin must hold ", rd, " features; got ",
+                c.numel(), " and ", s.numel());
+    pc = c.const_data_ptr<float>();
+    pn = s.const_data_ptr<float>();
   }
-  return at::cat({out, x.slice(-1, rd)}, -1);
+  const int64_t half = rd / 2;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* x = src + (b * heads + h) * dh;
+      float* out = h < H ? pq + (b * H + h) * dh
+                 : h < H + Hkv ? pk + b * ks0 + (h - H) * ks1
+                               : pv + b * vs0 + (h - H - Hkv) * vs1;
+      if (!rotate || h >= H + Hkv) {
+        for (int64_t i = 0; i < dh; ++i) {
+          out[i] = x[i];
+        }
+        continue;
+      }
+      for (int64_t i = 0; i < rd; ++i) {
+        const int64_t j = kind == 2 ? (i ^ 1) : (i < half ? i + half : i - half);
+        const float a = x[i] * pc[i];
+        const float t = x[j] * pn[i];
+        out[i] = a + t;
+      }
+      for (int64_t i = rd; i < dh; ++i) {
+        out[i] = x[i];
+      }
+    }
+  }
+  return q;
+}
+
+// a + b of two contiguous float32 [B, d] (into a fresh tensor), and a *= b in place
+Tensor add_rows(const Tensor& a, const Tensor& b) {
+  TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && a.sizes() == b.sizes(), "decode_rows: add of ",
+              a.sizes(), " and ", b.sizes());
+  Tensor out = at::empty_like(a);
+  const float *pa = a.const_data_ptr<float>(), *pb = b.const_data_ptr<float>();
+  float* po = out.mutable_data_ptr<float>();
+  for (int64_t i = 0, n = a.numel(); i < n; ++i) {
+    po[i] = pa[i] + pb[i];
+  }
+  return out;
+}
+
+Tensor& mul_rows_(Tensor& a, const Tensor& b) {
+  TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && a.sizes() == b.sizes(), "decode_rows: mul of ",
+              a.sizes(), " and ", b.sizes());
+  float* pa = a.mutable_data_ptr<float>();
+  const float* pb = b.const_data_ptr<float>();
+  for (int64_t i = 0, n = a.numel(); i < n; ++i) {
+    pa[i] = pa[i] * pb[i];
+  }
+  return a;
 }
 
 Tensor activate_(Tensor& x, int64_t act) {
@@ -99,6 +194,9 @@ Tensor decode_rows(
               " outside the caches' capacity ", k_all.size(3));
   const int64_t B = x.size(0);
   TORCH_CHECK(k_all.size(1) == B, "decode_rows: caches of batch ", k_all.size(1), " for ", B, " rows");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && k_all.scalar_type() == at::kFloat,
+              "decode_rows: float32 rows and caches only; got ", x.scalar_type(), " and ", k_all.scalar_type());
+  x = x.contiguous();
   for (int64_t l = 0; l < L; ++l) {
     auto p = [&](int64_t i) -> OptTensor { return params.get(l * LAYER_PARAMS + i); };
     const int64_t* c = ints.data() + l * LAYER_INTS;
@@ -107,29 +205,26 @@ Tensor decode_rows(
     TORCH_CHECK(k_all.size(2) == Hkv && k_all.size(4) == dh, "decode_rows: layer ", l, " has ", Hkv,
                 " key/value heads of ", dh, " features; the caches hold ", k_all.size(2), " of ",
                 k_all.size(4));
-    Tensor qkv = linear(norm(x, c[0], p(0), p(1), f[0]), p(2), p(3)).view({B, H + 2 * Hkv, 1, dh});
-    auto parts = qkv.split_with_sizes({H + Hkv, Hkv}, 1);  // (B, H + Hkv, 1, dh), (B, Hkv, 1, dh)
-    Tensor qk = parts[0];
-    if (cos.has_value() && sin.has_value() && c[4] != 0) {
-      qk = rotate(qk, *cos, *sin, c[4], c[5]);
-    }
-    auto q_k = qk.split_with_sizes({H, Hkv}, 1);  // (B, H, 1, dh), (B, Hkv, 1, dh)
+    Tensor qkv = linear(norm(x, c[0], p(0), p(1), f[0]), p(2), p(3));  // (B, (H + 2 Hkv) dh)
+    TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) == (H + 2 * Hkv) * dh, "decode_rows: layer ", l,
+                "'s qkv product gave ", qkv.sizes());
     Tensor k_layer = k_all.select(0, l), v_layer = v_all.select(0, l);  // (B, Hkv, capacity, dh)
-    k_layer.narrow(2, start, 1).copy_(q_k[1]);
-    v_layer.narrow(2, start, 1).copy_(parts[1]);
-    Tensor z = at::scaled_dot_product_attention(q_k[0], k_layer.narrow(2, 0, start + 1),
+    Tensor q = rotate_into(qkv, k_layer.narrow(2, start, 1), v_layer.narrow(2, start, 1), cos, sin, c[4],
+                           c[5], H, Hkv, dh);  // (B, H, 1, dh)
+    Tensor z = at::scaled_dot_product_attention(q, k_layer.narrow(2, 0, start + 1),
                                                 v_layer.narrow(2, 0, start + 1), std::nullopt, 0.0,
                                                 false, f[2], H != Hkv);  // (B, H, 1, dh)
-    Tensor h = x + linear(z.reshape({B, H * dh}), p(4), p(5));  // (B, d_model)
+    Tensor h = add_rows(x, linear(z.reshape({B, H * dh}), p(4), p(5)));  // (B, d_model)
     Tensor m = norm(h, c[0], p(6), p(7), f[1]);
     if (c[6] != 0) {
       Tensor g = linear(m, p(8), p(9));
-      m = activate_(g, c[7]).mul_(linear(m, p(10), p(11)));  // act(gate) * up
+      activate_(g, c[7]);
+      m = mul_rows_(g, linear(m, p(10), p(11)));  // act(gate) * up
     } else {
       Tensor u = linear(m, p(10), p(11));
       m = activate_(u, c[7]);
     }
-    x = h + linear(m, p(12), p(13));  // (B, d_model)
+    x = add_rows(h, linear(m, p(12), p(13)));  // (B, d_model)
   }
   const int64_t final_kind = ints[L * LAYER_INTS];
   if (final_kind < 0) {

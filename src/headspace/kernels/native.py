@@ -4,8 +4,9 @@ A decoding step of SmolLM2 on one row is 151 matrix products (~21 ms on this pro
 ~25 small operations per block between them: norms, the rotation, the cache writes, attention, the
 activation, the residual adds. The Python step (:func:`headspace.block.decode_layer_rows`) pays
 1.5-2.5 us of interpreter and argument parsing for each, ~2 ms a token. ``decode_rows.cpp`` (beside
-this file) runs the same ATen operations in the same order on the same views from C++, so its logits
-are the Python step's bit for bit (tested), in one call per token.
+this file) makes the same roundings in one call per token: the products, attention, the norms' sums
+and the activation are the same ATen calls, and the elementwise steps around them float32 loops
+(compiled without fused multiply-adds), so its logits are the Python step's bit for bit (tested).
 
 It is compiled on first use by the system's C++ compiler (``$CXX``, else ``c++``, ``g++`` or
 ``clang++``) against the installed torch's headers (~10 s), into a cache folder
@@ -87,7 +88,8 @@ def _command(cxx: str, out: Path) -> list[str]:
     lib = _torch_lib()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [
-        cxx, "-O2", "-std=c++20", "-shared", "-fPIC", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        cxx, "-O2", "-std=c++20", "-ffp-contract=off", "-shared", "-fPIC", "-w",
+        f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-I{p}" for p in include_paths()), str(SOURCE), "-o", str(out),
         f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}",
     ]  # fmt: skip
@@ -114,11 +116,13 @@ def _compile(path: Path, cxx: str) -> str | None:
             os.unlink(tmp)
 
 
-def _build_into_state(path: Path, cxx: str) -> None:
+def _build_into(state: dict[str, object], path: Path, cxx: str) -> None:
+    """Compile (in the background thread), then say how it went in ``state`` (the dict the thread was
+    started for, so that a state replaced meanwhile is left alone)."""
     reason = _compile(path, cxx)
     with _lock:
-        _state["status"] = "built" if reason is None else "failed"
-        _state["reason"] = reason
+        state["status"] = "built" if reason is None else "failed"
+        state["reason"] = reason
 
 
 def status() -> str:
@@ -156,7 +160,7 @@ def start_build() -> None:
             return
         _state["status"] = "building"
         thread = threading.Thread(
-            target=_build_into_state, args=(path, cxx), name="headspace-native-build", daemon=True
+            target=_build_into, args=(_state, path, cxx), name="headspace-native-build", daemon=True
         )
         _state["thread"] = thread
     thread.start()
