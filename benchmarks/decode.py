@@ -401,7 +401,9 @@ def run_smollm2(a: argparse.Namespace) -> dict:
          "value": hs_load["peak_extra_mib"] / hs_load["weights_mib"], "limit": T["load_memory"],
          "met": hs_load["peak_extra_mib"] / hs_load["weights_mib"] <= T["load_memory"]},
     ]  # fmt: skip
-    for n, what in (("headspace", ""), (COMPILED, ", compile=True"))[: 1 if a.no_compile else 2]:
+    steps = [("headspace", ""), (PYTHON_STEP, ", native=False")]
+    steps += [] if a.no_compile else [(COMPILED, ", compile=True")]
+    for n, what in steps:
         for b, limit in T["decode_speedup"].items():
             per_round = [x / y for x, y in zip(t_decode[("transformers", b)], t_decode[(n, b)])]
             value = by["transformers"][f"decode_ms_batch{b}"] / by[n][f"decode_ms_batch{b}"]

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from headspace.bench import CASES, MODES
+from headspace.kernels import native
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 COMMITTED = BENCHMARKS / "results"
@@ -256,7 +257,11 @@ def test_decode_script_smollm2_against_transformers(
     doc = json.loads(out.read_text())["smollm2"]
     rows = doc["rows"]
     names = ["headspace", "transformers", "headspace bfloat16", "headspace int8", "headspace prepack=False"]
-    assert [r["model"] for r in rows] == names
+    assert [r["model"] for r in rows] == [*names, "headspace native=False"]
+    info = doc["native"]
+    assert info["status"] == native.status() and info["compiler"] == native.compiler()
+    if info["compiler"] is not None:  # built before the timed rounds, and one compile from nothing timed
+        assert info["status"] == "loaded" and info["compile_s"] > 0 and info["build_s"] >= 0
     pack = doc["prepack_batch8"]
     assert pack["batch"] == 8 and pack["pack_s"] > 0 and pack["extra_mib"] > 0
     assert doc["same_greedy_tokens"] == {"1": True, "8": True}  # the same float32 weights, the same tokens
@@ -278,6 +283,9 @@ def test_decode_script_smollm2_against_transformers(
     assert f"at batch 8 (generate's default there): {pack['pack_s']:.2f} s once per generate call" in printed
     assert doc["compile_s"] == {}  # --no-compile: no inductor build in the test suite
     targets = [t["target"] for t in doc["targets"]]
+    assert "decode tokens/s over transformers', batch 1, native=False" in targets
+    if info["compile_s"] is not None:
+        assert "the native decoding step (headspace.kernels.native): loaded; compiling it takes " in printed
     assert "decode tokens/s over transformers', batch 1" in targets and not any(
         "compile" in t for t in targets
     )
@@ -313,6 +321,8 @@ def test_decode_script_smollm2_against_transformers(
         "headspace peak memory during load / float32 weights",
         "decode tokens/s over transformers', batch 1",
         "decode tokens/s over transformers', batch 8",
+        "decode tokens/s over transformers', batch 1, native=False",
+        "decode tokens/s over transformers', batch 8, native=False",
         "bfloat16 decode ms/token / float32's, batch 1",
     }
 

@@ -197,6 +197,22 @@ def test_a_build_is_kept_and_loaded_by_later_processes(fresh_state: Path) -> Non
 
 
 @needs_compiler
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="file ownership and modes are POSIX")
+def test_a_library_others_could_have_written_is_not_loaded(fresh_state: Path) -> None:
+    assert native.build()  # compiled into fresh_state
+    path = native.library_path()
+    monkey_state = {"status": "not built", "thread": None, "warned": False}
+    native._state, native._op = monkey_state, None  # as a new process (restored by fresh_state)
+    path.chmod(0o666)  # anyone could have replaced it
+    native.start_build()
+    assert not native.ready(warn=False)
+    assert native.status() == (
+        f"failed: {path} belongs to another user or is writable by others, so {path.name} was not loaded "
+        "(remove it, or point HEADSPACE_CACHE at a folder of your own)"
+    )
+
+
+@needs_compiler
 def test_the_op_names_what_it_expected(built: None) -> None:
     x = torch.zeros(2, 6)
     k = torch.zeros(1, 2, 1, 4, 3)

@@ -125,6 +125,21 @@ def _build_into(state: dict[str, object], path: Path, cxx: str) -> None:
         state["reason"] = reason
 
 
+def _untrusted(path: Path) -> str | None:
+    """Why a library found in the cache may not be loaded (it, or its folder, belongs to another user
+    or is writable by others: code someone else could have put there), or None."""
+    if not hasattr(os, "getuid"):
+        return None
+    for p in (path, path.parent):
+        st = p.stat()
+        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+            return (
+                f"{p} belongs to another user or is writable by others, so {path.name} was not loaded "
+                "(remove it, or point HEADSPACE_CACHE at a folder of your own)"
+            )
+    return None
+
+
 def status() -> str:
     """``"loaded"``, ``"building"``, ``"built"`` (compiled, loaded at the next :func:`ready`),
     ``"failed: <why>"``, ``"off"`` (``HEADSPACE_NATIVE=0``) or ``"not built"``."""
@@ -156,7 +171,8 @@ def start_build() -> None:
         path = library_path(cxx)
         _state["path"] = path
         if path.is_file():
-            _state["status"] = "built"
+            doubt = _untrusted(path)
+            _state["status"], _state["reason"] = ("built", None) if doubt is None else ("failed", doubt)
             return
         _state["status"] = "building"
         thread = threading.Thread(
