@@ -28,7 +28,8 @@ from headspace.kernels import native
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 COMMITTED = BENCHMARKS / "results"
 SCRIPTS = (
-    "attention", "attention_parts", "decode", "encode", "explorer", "int8_kernels", "trace_overhead", "train"
+    "attention", "attention_parts", "decode", "decode_step", "encode", "explorer", "int8_kernels",
+    "trace_overhead", "train",
 )  # fmt: skip
 ELSEWHERE = {  # scripts whose smoke run lives with their own tests
     "patching": "needs headspace.load('smollm2'): tests/test_patching.py runs it",
@@ -481,6 +482,35 @@ def test_explorer_script_one_short_page(
         f"{row['switch_token_ms_median']:.0f}",
     ]
     assert not list(tmp_path.glob("*.tmp"))
+
+
+@pytest.mark.skipif(native.compiler() is None, reason="the native step needs a C++ compiler")
+def test_decode_step_script_random(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], keep_threads: None
+) -> None:
+    out = tmp_path / "step.json"
+    argv = ["--random", "--layers", "2", "--prompt-len", "5", "--steps", "3", "--rounds", "2"]
+    argv += ["--threads", "1"]
+    assert _script("decode_step").main([*argv, "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "decode_step" and doc["rounds"] == 2 and doc["native"]["status"] == "loaded"
+    rows = doc["rows"]
+    assert [r["step"] for r in rows] == ["native", "python"]
+    for r in rows:
+        times = doc["times_s"][r["step"]]
+        assert len(times["step"]) == len(times["products"]) == r["n_steps"] == 6  # 2 rounds x 3 steps
+        over = sorted(1e3 * (s - p) for s, p in zip(times["step"], times["products"]))
+        assert r["over_products_ms"] == pytest.approx((over[2] + over[3]) / 2)
+        assert r["over_products_q1_ms"] <= r["over_products_ms"] <= r["over_products_q3_ms"]
+        steps, prods = sorted(times["step"]), sorted(times["products"])
+        assert r["step_ms"] == pytest.approx(1e3 * (steps[2] + steps[3]) / 2)
+        assert r["products_ms"] == pytest.approx(1e3 * (prods[2] + prods[3]) / 2)
+        assert r["step_over_products"] == pytest.approx(r["step_ms"] / r["products_ms"])
+    printed = capsys.readouterr().out
+    table = _table_rows(printed)
+    assert [row[0] for row in table] == ["native", "python"]
+    assert table[0][1] == f"{rows[0]['step_ms']:.2f}"
+    assert table[1][3].startswith(f"{rows[1]['over_products_ms']:.2f} (")
 
 
 def test_attention_parts_script_quick(

@@ -75,8 +75,8 @@ def generate(
         compile: run the cached steps compiled (:class:`headspace.decoding.CompiledDecodeStep`,
             ``torch.compile(fullgraph=True)``, inductor: needs a C++ compiler). The first call for a
             model compiles (up to a minute for SmolLM2) and later calls reuse it. On SmolLM2 at batch
-            1 it took 0.89x-1.03x the eager step's time on a 2-core CPU (benchmarks/decode.py): no
-            reliable win there, hence opt-in. Logits agree with the eager step's to float32 rounding.
+            1 it took 0.89x-1.03x the Python step's time on a 2-core CPU (benchmarks/decode.py), and
+            more than the native step's (25.6 against 23.1 ms): hence opt-in. Logits agree with the eager step's to float32 rounding.
             It does not pack weights (``prepack=True`` with it is refused), so at batch >= 2 the
             eager packed step is the faster one.
         native: run the cached steps' blocks in one C++ call each (:mod:`headspace.kernels.native`):
