@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from headspace import Decoder, ModelConfig
 from headspace.decoding import generation_caches
@@ -70,6 +72,56 @@ def test_native_steps_are_bit_for_bit_the_python_steps(kw: dict, built: None) ->
         assert ours[0].length == ref[0].length == i + 1
     for c, r in zip(ours, ref):  # the new keys (rotated) and values written where the Python step writes
         assert torch.equal(c.k, r.k) and torch.equal(c.v, r.v)
+
+
+@st.composite
+def configs(draw: st.DrawFn) -> dict:
+    """A decoder the native step covers: any head grouping, d_head, rotary pairing and fraction, norm,
+    MLP, activation and bias switches."""
+    n_kv = draw(st.sampled_from([1, 2, 3]))
+    n_heads = n_kv * draw(st.sampled_from([1, 2, 3]))
+    d_head = draw(st.sampled_from([2, 4, 6, 10, 14]))
+    kw: dict = {
+        "n_heads": n_heads, "n_kv_heads": n_kv, "d_model": n_heads * d_head,
+        "n_layers": draw(st.integers(1, 3)), "d_mlp": draw(st.sampled_from([5, 7, 13])),
+        "norm_kind": draw(st.sampled_from(["rmsnorm", "layernorm"])),
+        "mlp_kind": draw(st.sampled_from(["plain", "gated"])),
+        "act": draw(st.sampled_from(["silu", "relu", "gelu", "gelu_tanh"])),
+        "bias": draw(st.booleans()),
+    }  # fmt: skip
+    if draw(st.booleans()):
+        kw["qkv_bias"] = draw(st.booleans())
+    positions = draw(st.sampled_from(["rotary", "learned", "none"]))
+    kw["positions"] = positions
+    if positions == "rotary":
+        fractions = [f for f in (1.0, 0.5) if int(d_head * f) % 2 == 0 and int(d_head * f) >= 2]
+        kw["rotary_fraction"] = draw(st.sampled_from(fractions))
+        kw["rope_interleaved"] = draw(st.booleans())
+    return kw
+
+
+@needs_compiler
+@settings(max_examples=25, deadline=None)
+@given(kw=configs(), batch=st.integers(1, 3), seed=st.integers(0, 2**16))
+@torch.no_grad()
+def test_native_steps_equal_python_steps_on_any_covered_decoder(kw: dict, batch: int, seed: int) -> None:
+    assert native.build()
+    torch.manual_seed(seed)
+    model = decoder(**kw)
+    for p in model.parameters():
+        p.add_(0.3 * torch.randn_like(p))
+    plan = model.decode_plan()
+    assert plan is not None and plan.native is not None
+    tokens = torch.randint(0, V, (batch, 9))
+    ours, ref = generation_caches(model, batch, 9), generation_caches(model, batch, 9)
+    model(tokens[:, :3], kv_caches=ours)
+    model(tokens[:, :3], kv_caches=ref)
+    for i in range(3, 9):
+        plan.use_native = True
+        a = plan.logits(tokens[:, i : i + 1], ours)
+        plan.use_native = False
+        assert torch.equal(a, plan.logits(tokens[:, i : i + 1], ref)), kw
+    assert all(torch.equal(c.k, r.k) and torch.equal(c.v, r.v) for c, r in zip(ours, ref))
 
 
 @needs_compiler
