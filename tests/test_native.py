@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from headspace import Decoder, ModelConfig
-from headspace.decoding import generation_caches
+from headspace.decoding import DecodePlan, generation_caches
 from headspace.kernels import native, prepack
 from headspace.norms import RMSNorm
 
@@ -43,6 +43,24 @@ def decoder(**kw) -> Decoder:
     return Decoder(ModelConfig(arch="decoder", **{**args, **kw})).eval()
 
 
+def assert_native_equals_python(model: Decoder, plan: DecodePlan, tokens: torch.Tensor, primed: int) -> None:
+    """After ``tokens[:, :primed]``, each later token's step logits with ``plan`` native and in Python,
+    on caches of their own, are equal bit for bit, and so are the caches' contents."""
+    batch, n = tokens.shape
+    ours, ref = generation_caches(model, batch, n), generation_caches(model, batch, n)
+    model(tokens[:, :primed], kv_caches=ours)
+    model(tokens[:, :primed], kv_caches=ref)
+    for i in range(primed, n):
+        plan.use_native = True
+        a = plan.logits(tokens[:, i : i + 1], ours)  # (batch, V)
+        plan.use_native = False
+        b = plan.logits(tokens[:, i : i + 1], ref)
+        assert a.shape == b.shape and torch.equal(a, b)
+        assert ours[0].length == ref[0].length == i + 1
+    for c, r in zip(ours, ref):  # the new keys (rotated) and values written where the Python step writes
+        assert torch.equal(c.k, r.k) and torch.equal(c.v, r.v)
+
+
 @pytest.fixture(scope="module")
 def built() -> None:
     if not native.build():
@@ -59,19 +77,7 @@ def test_native_steps_are_bit_for_bit_the_python_steps(kw: dict, built: None) ->
         p.add_(0.1 * torch.randn_like(p))
     plan = model.decode_plan()
     assert plan is not None and plan.native is not None
-    tokens = torch.randint(0, V, (B, 11))
-    ours, ref = generation_caches(model, B, 11), generation_caches(model, B, 11)
-    model(tokens[:, :4], kv_caches=ours)
-    model(tokens[:, :4], kv_caches=ref)
-    for i in range(4, 11):
-        plan.use_native = True
-        a = plan.logits(tokens[:, i : i + 1], ours)  # (B, V)
-        plan.use_native = False
-        b = plan.logits(tokens[:, i : i + 1], ref)
-        assert a.shape == (B, V) and torch.equal(a, b)
-        assert ours[0].length == ref[0].length == i + 1
-    for c, r in zip(ours, ref):  # the new keys (rotated) and values written where the Python step writes
-        assert torch.equal(c.k, r.k) and torch.equal(c.v, r.v)
+    assert_native_equals_python(model, plan, torch.randint(0, V, (B, 11)), 4)
 
 
 @st.composite
@@ -112,16 +118,7 @@ def test_native_steps_equal_python_steps_on_any_covered_decoder(kw: dict, batch:
         p.add_(0.3 * torch.randn_like(p))
     plan = model.decode_plan()
     assert plan is not None and plan.native is not None
-    tokens = torch.randint(0, V, (batch, 9))
-    ours, ref = generation_caches(model, batch, 9), generation_caches(model, batch, 9)
-    model(tokens[:, :3], kv_caches=ours)
-    model(tokens[:, :3], kv_caches=ref)
-    for i in range(3, 9):
-        plan.use_native = True
-        a = plan.logits(tokens[:, i : i + 1], ours)
-        plan.use_native = False
-        assert torch.equal(a, plan.logits(tokens[:, i : i + 1], ref)), kw
-    assert all(torch.equal(c.k, r.k) and torch.equal(c.v, r.v) for c, r in zip(ours, ref))
+    assert_native_equals_python(model, plan, torch.randint(0, V, (batch, 9)), 3)
 
 
 @needs_compiler
@@ -137,6 +134,35 @@ def test_generate_native_equals_generate_python(kw: dict, built: None) -> None:
         assert torch.equal(a, b) and torch.equal(a, c)
     one = model.generate(prompt[:1], 9, temperature=0, native=True)
     assert torch.equal(one, model.generate(prompt[:1], 9, temperature=0, native=False))
+
+
+@needs_compiler
+@pytest.mark.skipif(not prepack.prepack_available(), reason="MKL's packed linear (x86 builds with MKL)")
+@pytest.mark.parametrize("kw", CONFIGS)
+@torch.no_grad()
+def test_native_steps_on_packed_weights_are_bit_for_bit_the_python_steps(
+    kw: dict, built: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    torch.manual_seed(4)
+    model = decoder(**kw)
+    for p in model.parameters():
+        p.add_(0.1 * torch.randn_like(p))
+    calls: list[tuple[int, ...]] = []
+    pack = prepack.pack_weight
+    monkeypatch.setattr(
+        "headspace.block.pack_weight", lambda w, rows: calls.append(tuple(w.shape)) or pack(w, rows)
+    )
+    plan = model.decode_plan(pack_rows=B)
+    assert plan is not None and plan.native is not None and plan.native[1][8] == B  # packed for B rows
+    n_products = 5 if hasattr(model.blocks[0].mlp, "fc_gate") else 4
+    assert len(calls) == L * n_products  # one packed copy per weight, shared by both steps
+    tokens = torch.randint(0, V, (B, 9))
+    assert_native_equals_python(model, plan, tokens, 4)
+    prompt = tokens[:, :4]
+    assert torch.equal(
+        model.generate(prompt, 5, temperature=0, prepack=True, native=True),
+        model.generate(prompt, 5, temperature=0, prepack=True, native=False),
+    )
 
 
 @needs_compiler
@@ -175,9 +201,6 @@ def test_models_without_a_native_form_decode_in_python() -> None:
         low = decoder(**CONFIGS[1]).to_precision(precision)
         plan = low.decode_plan()
         assert plan is not None and plan.native is None
-    if prepack.prepack_available():
-        packed = decoder(**CONFIGS[1]).decode_plan(pack_rows=3)
-        assert packed is not None and packed.native is None  # packed products: MKL's packed GEMM
 
 
 def test_generate_checks_native() -> None:
@@ -187,8 +210,6 @@ def test_generate_checks_native() -> None:
         model.generate(prompt, 2, native="yes")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="native=True and compile=True"):
         model.generate(prompt, 2, native=True, compile=True)
-    with pytest.raises(ValueError, match="native=True and prepack=True"):
-        model.generate(prompt, 2, native=True, prepack=True)
 
 
 @pytest.fixture
@@ -268,13 +289,13 @@ def test_a_library_others_could_have_written_is_not_loaded(fresh_state: Path) ->
 def test_the_op_names_what_it_expected(built: None) -> None:
     x = torch.zeros(2, 6)
     k = torch.zeros(1, 2, 1, 4, 3)
-    with pytest.raises(RuntimeError, match="1 layers need 16 params, 9 ints and 4 floats; got 0, 0 and 0"):
+    with pytest.raises(RuntimeError, match="1 layers need 21 params, 10 ints and 4 floats; got 0, 0 and 0"):
         native.decode_rows(x, [], [], [], k, k.clone(), 0, None, None)
     with pytest.raises(RuntimeError, match="must be \\[batch, d_model\\]"):
         native.decode_rows(x[0], [], [], [], k, k.clone(), 0, None, None)
-    params = [None] * 16
+    params = [None] * 21
     with pytest.raises(RuntimeError, match="position 4 outside the caches' capacity 4"):
-        native.decode_rows(x, params, [0] * 9, [0.0] * 4, k, k.clone(), 4, None, None)
+        native.decode_rows(x, params, [0] * 10, [0.0] * 4, k, k.clone(), 4, None, None)
 
 
 @needs_compiler
@@ -289,14 +310,5 @@ def test_smollm2_native_generation_equals_python(smollm2_gguf: Path, built: None
     b = model.generate(prompt, 12, temperature=0, native=False)
     assert torch.equal(a, b)
     with torch.inference_mode():  # every step's logits and cache rows, bit for bit, at batch 1 and 2
-        for rows in (a[:, 8:], torch.cat((a[:, 8:], a[:, 8:].flip(1)), 0)):
-            batch = rows.shape[0]
-            ours, ref = generation_caches(model, batch, 20), generation_caches(model, batch, 20)
-            model(prompt.expand(batch, 8), kv_caches=ours)
-            model(prompt.expand(batch, 8), kv_caches=ref)
-            for i in range(rows.shape[1]):
-                plan.use_native = True
-                x = plan.logits(rows[:, i : i + 1], ours)
-                plan.use_native = False
-                assert torch.equal(x, plan.logits(rows[:, i : i + 1], ref))
-            assert all(torch.equal(c.k, r.k) and torch.equal(c.v, r.v) for c, r in zip(ours, ref))
+        assert_native_equals_python(model, plan, a, 8)
+        assert_native_equals_python(model, plan, torch.cat((a, a[:, [*range(8), *range(19, 7, -1)]])), 8)

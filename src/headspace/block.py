@@ -33,7 +33,7 @@ from .functional import sdpa_attention
 from .hooks import HookPoint
 from .kernels.bf16 import is_bf16
 from .kernels.int8 import is_int8
-from .kernels.prepack import packable, packed_linear_fn
+from .kernels.prepack import pack_weight, packable, packed_linear_fn
 from .kernels.workspace import Workspace
 from .masks import CanonicalMask
 from .norms import RMSNorm
@@ -103,17 +103,21 @@ def native_norm(norm: nn.Module | None) -> tuple[int, Tensor | None, Tensor | No
     return None
 
 
-def native_linear(weight: Tensor, bias: Tensor | None) -> tuple[Tensor, Tensor | None] | None:
-    """A product as the native step runs it: a plain float32 weight without bias transposed ([in,
-    out], ``mm``, as :func:`linear_fn`), with a float32 bias as it is ([out, in], ``linear``); None for
-    int8 / bfloat16 weights and other dtypes."""
+def native_linear(
+    weight: Tensor, bias: Tensor | None, packed: Tensor | None = None
+) -> tuple[Tensor, Tensor | None, Tensor | None] | None:
+    """A product as the native step runs it, (weight, bias, packed): a plain float32 weight without
+    bias transposed ([in, out], ``mm``, as :func:`linear_fn`), with a float32 bias as it is ([out, in],
+    ``linear``); with a ``packed`` copy for MKL's GEMM the weight as it is, for ``mkl::_mkl_linear``
+    (:func:`headspace.kernels.prepack.packed_linear_fn`). None for int8 / bfloat16 weights and other
+    dtypes."""
     if type(weight) not in (nn.Parameter, Tensor) or weight.dtype != torch.float32 or weight.dim() != 2:
         return None
-    if bias is None:
-        return weight.t(), None
-    if type(bias) not in (nn.Parameter, Tensor) or bias.dtype != torch.float32:
+    if bias is not None and (type(bias) not in (nn.Parameter, Tensor) or bias.dtype != torch.float32):
         return None
-    return weight, bias
+    if packed is not None:
+        return weight, bias, packed
+    return (weight.t(), None, None) if bias is None else (weight, bias, None)
 
 
 def activation_fn_(act: nn.Module) -> Callable[[Tensor], Tensor]:
@@ -570,52 +574,80 @@ class TransformerBlock(nn.Module):
         that many rows (:mod:`headspace.kernels.prepack`): edits made after the packing do not show.
         """
         a, mlp = self.attn, self.mlp
-        gated = isinstance(mlp, GatedFeedForward)
+        weights = self._products()
+        packed: dict[str, Tensor | None] = {
+            k: None if pack_rows is None or not packable(w) else pack_weight(w, pack_rows)
+            for k, (w, _) in weights.items()
+        }  # one packed copy per weight, shared by the Python and the native step
+
+        def product(k: str) -> Callable[[Tensor], Tensor]:
+            (w, b), p = weights[k], packed[k]
+            return linear_fn(w, b) if p is None else packed_linear_fn(w, b, pack_rows, p)  # type: ignore[arg-type]
+
         return DecodingLayer(
             norm1=norm_fn(self.ln1),
-            qkv=linear_fn(a.qkv_weight, a.qkv_bias, pack_rows),
+            qkv=product("qkv"),
             n_heads=a.n_heads,
             n_kv_heads=a.n_kv_heads,
             d_head=a.d_head,
             gqa=a.n_kv_heads != a.n_heads,
             scale=a.scale,
             rotary=a.rotary,
-            o=linear_fn(a.o_weight, a.o_bias, pack_rows),
+            o=product("o"),
             norm2=norm_fn(self.ln2),
-            gate=linear_fn(mlp.fc_gate.weight, mlp.fc_gate.bias, pack_rows) if gated else None,
+            gate=product("gate") if "gate" in weights else None,
             act_=activation_fn_(mlp.act),
-            fc_in=linear_fn(mlp.fc_in.weight, mlp.fc_in.bias, pack_rows),
-            fc_out=linear_fn(mlp.fc_out.weight, mlp.fc_out.bias, pack_rows),
-            native=None if pack_rows is not None else self.native_parts(),
+            fc_in=product("in"),
+            fc_out=product("out"),
+            native=self.native_parts(pack_rows, packed),
         )
 
-    def native_parts(self) -> tuple[list[Tensor | None], list[int], list[float]] | None:
-        """This block's decoding step as :func:`headspace.kernels.native.decode_rows` takes it: 14
-        tensors (None where absent), 8 ints and 3 floats in the order ``kernels/decode_rows.cpp``
-        lists; None where a part has no native form (:func:`native_norm`, :func:`native_linear`, an
-        activation other than torch's SiLU, ReLU and GELU). Views of the parameters: in-place edits of
-        their values show, replaced parameters do not."""
+    def _products(self) -> dict[str, tuple[Tensor, Tensor | None]]:
+        """The (weight, bias) of each product of a step: qkv, o, gate (gated MLPs only), in, out."""
         a, mlp = self.attn, self.mlp
-        gated = isinstance(mlp, GatedFeedForward)
+        out: dict[str, tuple[Tensor, Tensor | None]] = {"qkv": (a.qkv_weight, a.qkv_bias)}
+        out["o"] = (a.o_weight, a.o_bias)
+        if isinstance(mlp, GatedFeedForward):
+            out["gate"] = (mlp.fc_gate.weight, mlp.fc_gate.bias)
+        out["in"] = (mlp.fc_in.weight, mlp.fc_in.bias)
+        out["out"] = (mlp.fc_out.weight, mlp.fc_out.bias)
+        return out
+
+    def native_parts(
+        self, pack_rows: int | None = None, packed: dict[str, Tensor | None] | None = None
+    ) -> tuple[list[Tensor | None], list[int], list[float]] | None:
+        """This block's decoding step as :func:`headspace.kernels.native.decode_rows` takes it: 19
+        tensors (None where absent), 9 ints and 3 floats in the order ``kernels/decode_rows.cpp``
+        lists; None where a part has no native form (:func:`native_norm`, :func:`native_linear`, an
+        activation other than torch's SiLU, ReLU and GELU). ``packed`` holds each product's copy
+        packed for MKL's GEMM at ``pack_rows`` rows (None: not packed). Views of the parameters:
+        in-place edits of their values show (in the unpacked products), replaced parameters do not."""
+        a, mlp = self.attn, self.mlp
+        weights = self._products()
+        packed = packed or {}
+        gated = "gate" in weights
         n1, n2 = native_norm(self.ln1), native_norm(self.ln2)
         act = mlp.act
         code = _NATIVE_ACTS.get((type(act), getattr(act, "approximate", None)))
-        gate = native_linear(mlp.fc_gate.weight, mlp.fc_gate.bias) if gated else (None, None)
-        products = [
-            native_linear(a.qkv_weight, a.qkv_bias),
-            native_linear(a.o_weight, a.o_bias),
-            gate,
-            native_linear(mlp.fc_in.weight, mlp.fc_in.bias),
-            native_linear(mlp.fc_out.weight, mlp.fc_out.bias),
-        ]
-        if n1 is None or n2 is None or n1[0] != n2[0] or n1[0] < 0 or code is None or None in products:
+        keys = ("qkv", "o", "gate", "in", "out")
+        products = {k: native_linear(*weights[k], packed.get(k)) for k in keys if k in weights}
+        if n1 is None or n2 is None or n1[0] != n2[0] or n1[0] < 0 or code is None:
             return None
-        (qkv, qkv_b), (o, o_b), (g, g_b), (w_in, in_b), (w_out, out_b) = products  # type: ignore[misc]
+        if None in products.values():
+            return None
+        parts = [products.get(k, (None, None, None)) for k in keys]
+        if any(p[2] is not None for p in parts) and any(
+            p[2] is None for k, p in zip(keys, parts) if k in products
+        ):
+            return None  # packed and unpacked products in one block: not a form the step takes
         rotary = a.rotary
         rot_kind = 0 if rotary is None else 2 if rotary.interleaved else 1
         rot_dim = 0 if rotary is None else rotary.rotary_dim
-        params = [n1[1], n1[2], qkv, qkv_b, o, o_b, n2[1], n2[2], g, g_b, w_in, in_b, w_out, out_b]
-        ints = [n1[0], a.n_heads, a.n_kv_heads, a.d_head, rot_kind, rot_dim, int(gated), code]
+        params = [n1[1], n1[2]]
+        params += [*parts[0][:2], *parts[1][:2], n2[1], n2[2], *parts[2][:2], *parts[3][:2], *parts[4][:2]]
+        params += [p[2] for p in parts]  # the packed copies (None: not packed)
+        rows = pack_rows if parts[0][2] is not None else 0
+        ints = [n1[0], a.n_heads, a.n_kv_heads, a.d_head, rot_kind, rot_dim, int(gated), code, rows or 0]
         return params, ints, [n1[3], n2[3], float(a.scale)]
 
     @property

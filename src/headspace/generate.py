@@ -76,18 +76,19 @@ def generate(
             ``torch.compile(fullgraph=True)``, inductor: needs a C++ compiler). The first call for a
             model compiles (up to a minute for SmolLM2) and later calls reuse it. On SmolLM2 at batch
             1 it took 0.89x-1.03x the Python step's time on a 2-core CPU (benchmarks/decode.py), and
-            more than the native step's (25.6 against 23.1 ms): hence opt-in. Logits agree with the eager step's to float32 rounding.
+            more than the native step's (25.6 against 23.1 ms): hence opt-in. Logits agree with the
+            eager step's to float32 rounding.
             It does not pack weights (``prepack=True`` with it is refused), so at batch >= 2 the
             eager packed step is the faster one.
         native: run the cached steps' blocks in one C++ call each (:mod:`headspace.kernels.native`):
-            the same operations as the Python step, so the same logits bit for bit, without its ~25
-            Python-level calls per block (SmolLM2 at batch 1: ~2 ms of a ~26 ms token). For float32
-            products that are not packed (RMSNorm or LayerNorm, torch's SiLU, ReLU or GELU). None
+            the same arithmetic as the Python step, so the same logits bit for bit, without its ~25
+            Python-level calls per block (SmolLM2 at batch 1: ~3 ms of a ~26 ms token). For float32
+            products, packed or not (RMSNorm or LayerNorm, torch's SiLU, ReLU or GELU). None
             (default) uses it once built: the first call starts compiling it in the background
             (~10 s with the system's C++ compiler, once per machine: the library is cached) and
             decodes in Python meanwhile; without a compiler it stays Python (one warning). True builds
-            it first and waits (RuntimeError where it cannot be built; it does not pack weights, so
-            ``prepack=True`` or ``compile=True`` with it is refused); False never uses it.
+            it first and waits (RuntimeError where it cannot be built; ``compile=True`` with it is
+            refused); False never uses it.
 
     Returns:
         [batch, prompt_len + new]: the prompts (padding included, as given) followed by the sampled
@@ -114,10 +115,10 @@ def generate(
         raise TypeError(
             f"native must be None (once built), True or False; got {type(native).__name__} {native!r}"
         )
-    if native and (compile or prepack):
+    if native and compile:
         raise ValueError(
-            f"native=True and {'compile' if compile else 'prepack'}=True do not combine (the native step "
-            "runs the eager step's unpacked float32 products); pick one"
+            "native=True and compile=True do not combine (two ways of running the step without Python "
+            "between its operations); pick one"
         )
     check_tokens(tokens, self.config, check_length=key_padding is None, device=self.tok_embed.weight.device)
     batch, prompt_len = tokens.shape
@@ -138,7 +139,6 @@ def generate(
             )
         pack_rows = None
     if native:
-        pack_rows = None  # the native step multiplies by the weights as stored
         if not native_step.build():
             raise RuntimeError(
                 f"native=True: headspace's native decoding step is unavailable ({native_step.status()})"

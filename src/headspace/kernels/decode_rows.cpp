@@ -11,16 +11,19 @@
 //
 // Per block, LAYER_PARAMS tensors (None where absent) and LAYER_INTS ints, LAYER_FLOATS floats:
 //   params: norm1 weight, norm1 bias, qkv, qkv bias, o, o bias, norm2 weight, norm2 bias,
-//           gate, gate bias, in, in bias, out, out bias
+//           gate, gate bias, in, in bias, out, out bias, then the packed copies of qkv, o, gate, in, out
 //           (a product without bias holds its weight transposed, [in, out], and runs mm(x, w); with a
-//           bias it holds the weight [out, in] and runs linear(x, w, b), as headspace.block.linear_fn)
+//           bias it holds the weight [out, in] and runs linear(x, w, b), as headspace.block.linear_fn;
+//           with a packed copy it holds the weight [out, in] and runs mkl::_mkl_linear(x, packed, w, b,
+//           rows), as headspace.kernels.prepack.packed_linear_fn)
 //   ints:   norm kind (0 RMSNorm, 1 LayerNorm), n_heads, n_kv_heads, d_head,
 //           rotary kind (0 none, 1 rotate-half, 2 interleaved), rotary_dim, gated (0/1),
-//           activation (0 silu, 1 relu, 2 gelu, 3 gelu tanh)
+//           activation (0 silu, 1 relu, 2 gelu, 3 gelu tanh), the rows the weights are packed for (0: not)
 //   floats: norm1 eps, norm2 eps, scale
 // then the final norm: 2 params (weight, bias), 1 int (kind, -1 for none), 1 float (eps).
 
 #include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <cmath>
@@ -31,8 +34,8 @@ namespace {
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
-constexpr int64_t LAYER_PARAMS = 14;
-constexpr int64_t LAYER_INTS = 8;
+constexpr int64_t LAYER_PARAMS = 19;
+constexpr int64_t LAYER_INTS = 9;
 constexpr int64_t LAYER_FLOATS = 3;
 
 // The elementwise steps are plain float32 loops: each output element is the same one or two IEEE
@@ -72,7 +75,14 @@ Tensor norm(const Tensor& x, int64_t kind, const OptTensor& w, const OptTensor& 
   return out;
 }
 
-Tensor linear(const Tensor& x, const OptTensor& w, const OptTensor& b) {
+Tensor linear(const Tensor& x, const OptTensor& w, const OptTensor& b, const OptTensor& packed, int64_t rows) {
+  if (packed.has_value()) {
+    static auto mkl_linear =
+        c10::Dispatcher::singleton()
+            .findSchemaOrThrow("mkl::_mkl_linear", "")
+            .typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&, int64_t)>();
+    return mkl_linear.call(x, *packed, *w, b, rows);
+  }
   if (b.has_value()) {
     return at::linear(x, *w, b);
   }
@@ -205,7 +215,8 @@ Tensor decode_rows(
     TORCH_CHECK(k_all.size(2) == Hkv && k_all.size(4) == dh, "decode_rows: layer ", l, " has ", Hkv,
                 " key/value heads of ", dh, " features; the caches hold ", k_all.size(2), " of ",
                 k_all.size(4));
-    Tensor qkv = linear(norm(x, c[0], p(0), p(1), f[0]), p(2), p(3));  // (B, (H + 2 Hkv) dh)
+    const int64_t rows = c[8];
+    Tensor qkv = linear(norm(x, c[0], p(0), p(1), f[0]), p(2), p(3), p(14), rows);  // (B, (H + 2 Hkv) dh)
     TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) == (H + 2 * Hkv) * dh, "decode_rows: layer ", l,
                 "'s qkv product gave ", qkv.sizes());
     Tensor k_layer = k_all.select(0, l), v_layer = v_all.select(0, l);  // (B, Hkv, capacity, dh)
@@ -214,17 +225,17 @@ Tensor decode_rows(
     Tensor z = at::scaled_dot_product_attention(q, k_layer.narrow(2, 0, start + 1),
                                                 v_layer.narrow(2, 0, start + 1), std::nullopt, 0.0,
                                                 false, f[2], H != Hkv);  // (B, H, 1, dh)
-    Tensor h = add_rows(x, linear(z.reshape({B, H * dh}), p(4), p(5)));  // (B, d_model)
+    Tensor h = add_rows(x, linear(z.reshape({B, H * dh}), p(4), p(5), p(15), rows));  // (B, d_model)
     Tensor m = norm(h, c[0], p(6), p(7), f[1]);
     if (c[6] != 0) {
-      Tensor g = linear(m, p(8), p(9));
+      Tensor g = linear(m, p(8), p(9), p(16), rows);
       activate_(g, c[7]);
-      m = mul_rows_(g, linear(m, p(10), p(11)));  // act(gate) * up
+      m = mul_rows_(g, linear(m, p(10), p(11), p(17), rows));  // act(gate) * up
     } else {
-      Tensor u = linear(m, p(10), p(11));
+      Tensor u = linear(m, p(10), p(11), p(17), rows);
       m = activate_(u, c[7]);
     }
-    x = add_rows(h, linear(m, p(12), p(13)));  // (B, d_model)
+    x = add_rows(h, linear(m, p(12), p(13), p(18), rows));  // (B, d_model)
   }
   const int64_t final_kind = ints[L * LAYER_INTS];
   if (final_kind < 0) {

@@ -71,9 +71,18 @@ def should_prepack(weights: Iterable[Tensor], rows: int) -> bool:
     return free is not None and 2 * nbytes <= free
 
 
-def packed_linear_fn(weight: Tensor, bias: Tensor | None, rows: int) -> Callable[[Tensor], Tensor]:
+def pack_weight(weight: Tensor, rows: int) -> Tensor:
+    """``weight`` [out, in] packed for MKL's GEMM at ``rows`` rows: MKL's opaque layout, a copy."""
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
+
+
+def packed_linear_fn(
+    weight: Tensor, bias: Tensor | None, rows: int, packed: Tensor | None = None
+) -> Callable[[Tensor], Tensor]:
     """``F.linear(x, weight, bias)`` of ``rows`` rows as a callable, with ``weight`` packed once for
-    MKL's GEMM at ``rows`` rows (other row counts fall back to the plain product inside the op)."""
-    packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)  # MKL's layout, a copy
+    MKL's GEMM at ``rows`` rows (other row counts fall back to the plain product inside the op); a
+    ``packed`` copy made already (:func:`pack_weight`) is used instead of a new one."""
+    if packed is None:
+        packed = pack_weight(weight, rows)
     linear = torch.ops.mkl._mkl_linear
     return lambda x: linear(x, packed, weight, bias, rows)
