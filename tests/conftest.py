@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import random
+import shutil
 import tempfile
 from collections.abc import Iterator
 
@@ -13,7 +15,9 @@ import torch
 
 # The native decoding step (headspace.kernels.native) is built into a cache folder: a fresh one for each
 # test session, so that the suite compiles it as a new machine would and writes nothing under $HOME.
-os.environ.setdefault("HEADSPACE_CACHE", tempfile.mkdtemp(prefix="headspace-test-cache-"))
+if "HEADSPACE_CACHE" not in os.environ:
+    os.environ["HEADSPACE_CACHE"] = tempfile.mkdtemp(prefix="headspace-test-cache-")
+    atexit.register(shutil.rmtree, os.environ["HEADSPACE_CACHE"], ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
