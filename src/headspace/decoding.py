@@ -7,7 +7,9 @@ counts) and the checks that decide whether the fast step may run at all. A plan 
 each block's :class:`~headspace.block.DecodingLayer` (callables and numbers), the norm after the last
 block, the unembedding and the model's hook points, gathered when it is built. A step then runs the
 same operations in the same order as :meth:`headspace.Decoder.forward` on one new token with the KV
-caches, so its logits are bit for bit those of ``forward`` (tested).
+caches, so its logits are bit for bit those of ``forward`` (tested). On the stacked caches ``generate``
+makes, and once :mod:`headspace.kernels.native` is built, the blocks run in one C++ call making the
+same roundings (the native step, bit for bit the same; :attr:`DecodePlan.use_native` switches it).
 
 :meth:`headspace.Decoder.generate` builds one plan per call, after the prompt, and asks
 :meth:`DecodePlan.idle` before each step: a hook point that has gained a function (from another thread)
