@@ -166,6 +166,33 @@ def test_native_steps_on_packed_weights_are_bit_for_bit_the_python_steps(
 
 
 @needs_compiler
+@pytest.mark.parametrize("f32_faster", [False, True])
+@pytest.mark.parametrize("kw", CONFIGS[:3])
+@torch.no_grad()
+def test_native_steps_on_bfloat16_weights_are_bit_for_bit_the_python_steps(
+    kw: dict, f32_faster: bool, built: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # both steps decide alike where many-row products run as float32 GEMMs (kernels.bf16.MANY_ROWS)
+    monkeypatch.setattr("headspace.kernels.bf16.float32_arithmetic_is_faster", lambda: f32_faster)
+    monkeypatch.setattr("headspace.block.float32_arithmetic_is_faster", lambda: f32_faster)
+    torch.manual_seed(5)
+    model = decoder(**kw)
+    for p in model.parameters():
+        p.add_(0.1 * torch.randn_like(p))
+    model.to_precision("bfloat16")
+    plan = model.decode_plan()
+    assert plan is not None and plan.native is not None
+    assert plan.native[1][9] == 2 and plan.native[1][10] == int(f32_faster)  # bfloat16 products
+    for batch in (1, 3, 130):  # 130 rows: past MANY_ROWS (128), the float32-arithmetic branch
+        assert_native_equals_python(model, plan, torch.randint(0, V, (batch, 7)), 4)
+    prompt = torch.randint(0, V, (2, 4))
+    assert torch.equal(
+        model.generate(prompt, 5, temperature=0, native=True),
+        model.generate(prompt, 5, temperature=0, native=False),
+    )
+
+
+@needs_compiler
 @torch.no_grad()
 def test_the_native_step_sees_in_place_edits_and_steps_aside_for_hooks(built: None) -> None:
     torch.manual_seed(2)
@@ -197,10 +224,8 @@ def test_models_without_a_native_form_decode_in_python() -> None:
         gemma_like.generate(prompt, 5, temperature=0),
         gemma_like.generate(prompt, 5, temperature=0, use_cache=False),
     )
-    for precision in ("bfloat16", "int8"):
-        low = decoder(**CONFIGS[1]).to_precision(precision)
-        plan = low.decode_plan()
-        assert plan is not None and plan.native is None
+    plan = decoder(**CONFIGS[1]).to_precision("int8").decode_plan()
+    assert plan is not None and plan.native is None
 
 
 def test_generate_checks_native() -> None:
@@ -289,13 +314,13 @@ def test_a_library_others_could_have_written_is_not_loaded(fresh_state: Path) ->
 def test_the_op_names_what_it_expected(built: None) -> None:
     x = torch.zeros(2, 6)
     k = torch.zeros(1, 2, 1, 4, 3)
-    with pytest.raises(RuntimeError, match="1 layers need 21 params, 10 ints and 4 floats; got 0, 0 and 0"):
+    with pytest.raises(RuntimeError, match="1 layers need 21 params, 12 ints and 4 floats; got 0, 0 and 0"):
         native.decode_rows(x, [], [], [], k, k.clone(), 0, None, None)
     with pytest.raises(RuntimeError, match="must be \\[batch, d_model\\]"):
         native.decode_rows(x[0], [], [], [], k, k.clone(), 0, None, None)
     params = [None] * 21
     with pytest.raises(RuntimeError, match="position 4 outside the caches' capacity 4"):
-        native.decode_rows(x, params, [0] * 10, [0.0] * 4, k, k.clone(), 4, None, None)
+        native.decode_rows(x, params, [0] * 12, [0.0] * 4, k, k.clone(), 4, None, None)
 
 
 @needs_compiler

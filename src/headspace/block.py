@@ -31,7 +31,7 @@ from .attention import KVCache, MultiHeadAttention, check_input_tensor, rotate_f
 from .checks import check_positive_float, check_positive_int, check_probability
 from .functional import sdpa_attention
 from .hooks import HookPoint
-from .kernels.bf16 import is_bf16
+from .kernels.bf16 import BF16Weight, float32_arithmetic_is_faster, is_bf16
 from .kernels.int8 import is_int8
 from .kernels.prepack import pack_weight, packable, packed_linear_fn
 from .kernels.workspace import Workspace
@@ -105,19 +105,24 @@ def native_norm(norm: nn.Module | None) -> tuple[int, Tensor | None, Tensor | No
 
 def native_linear(
     weight: Tensor, bias: Tensor | None, packed: Tensor | None = None
-) -> tuple[Tensor, Tensor | None, Tensor | None] | None:
-    """A product as the native step runs it, (weight, bias, packed): a plain float32 weight without
-    bias transposed ([in, out], ``mm``, as :func:`linear_fn`), with a float32 bias as it is ([out, in],
-    ``linear``); with a ``packed`` copy for MKL's GEMM the weight as it is, for ``mkl::_mkl_linear``
-    (:func:`headspace.kernels.prepack.packed_linear_fn`). None for int8 / bfloat16 weights and other
-    dtypes."""
-    if type(weight) not in (nn.Parameter, Tensor) or weight.dtype != torch.float32 or weight.dim() != 2:
-        return None
+) -> tuple[Tensor, Tensor | None, Tensor | None, int] | None:
+    """A product as the native step runs it, (weight, bias, packed copy, kind), as :func:`linear_fn`
+    runs it: a plain float32 weight without bias transposed ([in, out], ``mm``; kind 0), with a float32
+    bias as it is ([out, in], ``linear``; kind 0); with a ``packed`` copy for MKL's GEMM the weight as it
+    is (``mkl::_mkl_linear``, :func:`headspace.kernels.prepack.packed_linear_fn`; kind 1); a
+    :class:`~headspace.kernels.bf16.BF16Weight` as its float32 values and oneDNN's packed copy
+    (:func:`headspace.kernels.bf16.bf16_linear`; kind 2). None for int8 weights and other dtypes."""
     if bias is not None and (type(bias) not in (nn.Parameter, Tensor) or bias.dtype != torch.float32):
         return None
+    if type(weight) is BF16Weight and weight.dim() == 2:
+        with torch._C.DisableTorchFunctionSubclass():
+            values = Tensor.as_subclass(weight, Tensor)  # the float32 values, as a plain tensor
+        return values, bias, weight.packed, 2
+    if type(weight) not in (nn.Parameter, Tensor) or weight.dtype != torch.float32 or weight.dim() != 2:
+        return None
     if packed is not None:
-        return weight, bias, packed
-    return (weight.t(), None, None) if bias is None else (weight, bias, None)
+        return weight, bias, packed, 1
+    return (weight.t(), None, None, 0) if bias is None else (weight, bias, None, 0)
 
 
 def activation_fn_(act: nn.Module) -> Callable[[Tensor], Tensor]:
@@ -617,7 +622,7 @@ class TransformerBlock(nn.Module):
         self, pack_rows: int | None = None, packed: dict[str, Tensor | None] | None = None
     ) -> tuple[list[Tensor | None], list[int], list[float]] | None:
         """This block's decoding step as :func:`headspace.kernels.native.decode_rows` takes it: 19
-        tensors (None where absent), 9 ints and 3 floats in the order ``kernels/decode_rows.cpp``
+        tensors (None where absent), 11 ints and 3 floats in the order ``kernels/decode_rows.cpp``
         lists; None where a part has no native form (:func:`native_norm`, :func:`native_linear`, an
         activation other than torch's SiLU, ReLU and GELU). ``packed`` holds each product's copy
         packed for MKL's GEMM at ``pack_rows`` rows (None: not packed). Views of the parameters:
@@ -635,19 +640,20 @@ class TransformerBlock(nn.Module):
             return None
         if None in products.values():
             return None
-        parts = [products.get(k, (None, None, None)) for k in keys]
-        if any(p[2] is not None for p in parts) and any(
-            p[2] is None for k, p in zip(keys, parts) if k in products
-        ):
-            return None  # packed and unpacked products in one block: not a form the step takes
+        kinds = {p[3] for p in products.values()}  # type: ignore[index]
+        if len(kinds) != 1:
+            return None  # products of several kinds in one block: not a form the step takes
+        parts = [products.get(k, (None, None, None, 0)) for k in keys]
         rotary = a.rotary
         rot_kind = 0 if rotary is None else 2 if rotary.interleaved else 1
         rot_dim = 0 if rotary is None else rotary.rotary_dim
         params = [n1[1], n1[2]]
         params += [*parts[0][:2], *parts[1][:2], n2[1], n2[2], *parts[2][:2], *parts[3][:2], *parts[4][:2]]
         params += [p[2] for p in parts]  # the packed copies (None: not packed)
-        rows = pack_rows if parts[0][2] is not None else 0
-        ints = [n1[0], a.n_heads, a.n_kv_heads, a.d_head, rot_kind, rot_dim, int(gated), code, rows or 0]
+        (kind,) = kinds
+        rows = (pack_rows or 0) if kind == 1 else 0
+        ints = [n1[0], a.n_heads, a.n_kv_heads, a.d_head, rot_kind, rot_dim, int(gated), code, rows, kind]
+        ints.append(int(kind == 2 and float32_arithmetic_is_faster()))
         return params, ints, [n1[3], n2[3], float(a.scale)]
 
     @property

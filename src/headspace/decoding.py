@@ -62,7 +62,7 @@ class DecodePlan:
         #: loaded; :meth:`headspace.Decoder.generate` sets it from its ``native`` argument
         self.use_native = True
         #: every block and the final norm as the native step takes them, or None where some part has
-        #: no native form (int8 or bfloat16 weights, another norm or activation)
+        #: no native form (int8 weights, another norm or activation)
         self.native: tuple[list[Tensor | None], list[int], list[float]] | None = None
         final = native_norm(model.ln_final)
         if final is not None and all(layer.native is not None for layer in self.layers):

@@ -15,10 +15,13 @@
 //           (a product without bias holds its weight transposed, [in, out], and runs mm(x, w); with a
 //           bias it holds the weight [out, in] and runs linear(x, w, b), as headspace.block.linear_fn;
 //           with a packed copy it holds the weight [out, in] and runs mkl::_mkl_linear(x, packed, w, b,
-//           rows), as headspace.kernels.prepack.packed_linear_fn)
+//           rows), as headspace.kernels.prepack.packed_linear_fn, or for bfloat16 weights (their
+//           float32 values [out, in] and oneDNN's packed bfloat16 copy) headspace.kernels.bf16.bf16_linear)
 //   ints:   norm kind (0 RMSNorm, 1 LayerNorm), n_heads, n_kv_heads, d_head,
 //           rotary kind (0 none, 1 rotate-half, 2 interleaved), rotary_dim, gated (0/1),
-//           activation (0 silu, 1 relu, 2 gelu, 3 gelu tanh), the rows the weights are packed for (0: not)
+//           activation (0 silu, 1 relu, 2 gelu, 3 gelu tanh), the rows the weights are packed for (0: not),
+//           the products' kind (0 float32, 1 float32 packed for MKL, 2 bfloat16), and for bfloat16
+//           whether many-row products run as float32 GEMMs (kernels.bf16.float32_arithmetic_is_faster)
 //   floats: norm1 eps, norm2 eps, scale
 // then the final norm: 2 params (weight, bias), 1 int (kind, -1 for none), 1 float (eps).
 
@@ -35,7 +38,8 @@ using at::Tensor;
 using OptTensor = std::optional<Tensor>;
 
 constexpr int64_t LAYER_PARAMS = 19;
-constexpr int64_t LAYER_INTS = 9;
+constexpr int64_t LAYER_INTS = 11;
+constexpr int64_t BF16_MANY_ROWS = 128;  // headspace.kernels.bf16.MANY_ROWS
 constexpr int64_t LAYER_FLOATS = 3;
 
 // The elementwise steps are plain float32 loops: each output element is the same one or two IEEE
@@ -75,7 +79,34 @@ Tensor norm(const Tensor& x, int64_t kind, const OptTensor& w, const OptTensor& 
   return out;
 }
 
-Tensor linear(const Tensor& x, const OptTensor& w, const OptTensor& b, const OptTensor& packed, int64_t rows) {
+// headspace.kernels.bf16.bf16_linear: the rows rounded to bfloat16, oneDNN's product on the packed
+// copy (float32 sums), the result back in float32; from BF16_MANY_ROWS rows, where float32 arithmetic is
+// the faster, the same products as a float32 GEMM on the rounded values
+Tensor bf16_linear(const Tensor& x, const Tensor& values, const OptTensor& b, const Tensor& packed,
+                   bool f32_faster) {
+  if (f32_faster && x.numel() >= BF16_MANY_ROWS * x.size(-1)) {
+    Tensor xr = x.to(at::kBFloat16).to(at::kFloat);
+    OptTensor br = b.has_value() ? OptTensor(b->to(at::kBFloat16).to(at::kFloat)) : std::nullopt;
+    return at::linear(xr, values, br).to(at::kBFloat16).to(at::kFloat);
+  }
+  static auto pointwise =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
+          .typed<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&, c10::string_view,
+                        c10::List<std::optional<c10::Scalar>>, std::optional<c10::string_view>)>();
+  Tensor xb = x.to(at::kBFloat16).contiguous();
+  OptTensor bb = b.has_value() ? OptTensor(b->to(at::kBFloat16)) : std::nullopt;
+  Tensor y = pointwise.call(xb, packed, bb, "none", c10::List<std::optional<c10::Scalar>>(), "");
+  return y.to(at::kFloat);
+}
+
+// one product of the rows: kind 0 plain (mm or linear), 1 MKL's packed GEMM, 2 bfloat16 (f32_faster: see
+// bf16_linear)
+Tensor linear(const Tensor& x, const OptTensor& w, const OptTensor& b, const OptTensor& packed, int64_t rows,
+              int64_t kind = 0, bool f32_faster = false) {
+  if (kind == 2) {
+    return bf16_linear(x, *w, b, *packed, f32_faster);
+  }
   if (packed.has_value()) {
     static auto mkl_linear =
         c10::Dispatcher::singleton()
@@ -215,8 +246,9 @@ Tensor decode_rows(
     TORCH_CHECK(k_all.size(2) == Hkv && k_all.size(4) == dh, "decode_rows: layer ", l, " has ", Hkv,
                 " key/value heads of ", dh, " features; the caches hold ", k_all.size(2), " of ",
                 k_all.size(4));
-    const int64_t rows = c[8];
-    Tensor qkv = linear(norm(x, c[0], p(0), p(1), f[0]), p(2), p(3), p(14), rows);  // (B, (H + 2 Hkv) dh)
+    const int64_t rows = c[8], kind = c[9];
+    const bool f32_faster = c[10] != 0;
+    Tensor qkv = linear(norm(x, c[0], p(0), p(1), f[0]), p(2), p(3), p(14), rows, kind, f32_faster);  // (B, (H + 2 Hkv) dh)
     TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) == (H + 2 * Hkv) * dh, "decode_rows: layer ", l,
                 "'s qkv product gave ", qkv.sizes());
     Tensor k_layer = k_all.select(0, l), v_layer = v_all.select(0, l);  // (B, Hkv, capacity, dh)
@@ -225,17 +257,17 @@ Tensor decode_rows(
     Tensor z = at::scaled_dot_product_attention(q, k_layer.narrow(2, 0, start + 1),
                                                 v_layer.narrow(2, 0, start + 1), std::nullopt, 0.0,
                                                 false, f[2], H != Hkv);  // (B, H, 1, dh)
-    Tensor h = add_rows(x, linear(z.reshape({B, H * dh}), p(4), p(5), p(15), rows));  // (B, d_model)
+    Tensor h = add_rows(x, linear(z.reshape({B, H * dh}), p(4), p(5), p(15), rows, kind, f32_faster));  // (B, d_model)
     Tensor m = norm(h, c[0], p(6), p(7), f[1]);
     if (c[6] != 0) {
-      Tensor g = linear(m, p(8), p(9), p(16), rows);
+      Tensor g = linear(m, p(8), p(9), p(16), rows, kind, f32_faster);
       activate_(g, c[7]);
-      m = mul_rows_(g, linear(m, p(10), p(11), p(17), rows));  // act(gate) * up
+      m = mul_rows_(g, linear(m, p(10), p(11), p(17), rows, kind, f32_faster));  // act(gate) * up
     } else {
-      Tensor u = linear(m, p(10), p(11), p(17), rows);
+      Tensor u = linear(m, p(10), p(11), p(17), rows, kind, f32_faster);
       m = activate_(u, c[7]);
     }
-    x = add_rows(h, linear(m, p(12), p(13), p(18), rows));  // (B, d_model)
+    x = add_rows(h, linear(m, p(12), p(13), p(18), rows, kind, f32_faster));  // (B, d_model)
   }
   const int64_t final_kind = ints[L * LAYER_INTS];
   if (final_kind < 0) {

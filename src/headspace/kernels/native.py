@@ -36,7 +36,7 @@ from torch import Tensor
 
 SOURCE = Path(__file__).with_name("decode_rows.cpp")
 """The C++ source of ``torch.ops.headspace.decode_rows``."""
-LAYER_PARAMS, LAYER_INTS, LAYER_FLOATS = 19, 9, 3
+LAYER_PARAMS, LAYER_INTS, LAYER_FLOATS = 19, 11, 3
 """What each block passes to the op (see the source's header): tensors, ints and floats."""
 BUILD_TIMEOUT_S = 600
 
