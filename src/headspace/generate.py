@@ -83,7 +83,8 @@ def generate(
         native: run the cached steps' blocks in one C++ call each (:mod:`headspace.kernels.native`):
             the same arithmetic as the Python step, so the same logits bit for bit, without its ~25
             Python-level calls per block (SmolLM2 at batch 1: ~3 ms of a ~26 ms token). For float32
-            products, packed or not (RMSNorm or LayerNorm, torch's SiLU, ReLU or GELU). None
+            products, packed or not, and bfloat16 ones (RMSNorm or LayerNorm, torch's SiLU, ReLU or
+            GELU; int8 weights take the Python step). None
             (default) uses it once built: the first call starts compiling it in the background
             (~10 s with the system's C++ compiler, once per machine: the library is cached) and
             decodes in Python meanwhile; without a compiler it stays Python (one warning). True builds
