@@ -127,16 +127,16 @@ class DecodePlan:
             positions = torch.arange(start, start + 1, device=x.device)  # (1,)
             cos, sin = rotary_tables(self.rotary, positions, x.dtype, x.device)  # (1, 1, 1, rotary_dim) x 2
             cos, sin = cos.squeeze(2), sin.squeeze(2)  # (1, 1, rotary_dim): over (batch, heads, d_head)
-        if self.native is not None and self.use_native and x.dtype == torch.float32 and x.is_cpu:
-            stack = _stack_of(kv_caches, start)
-            if stack is not None and native.ready():
-                params, ints, floats = self.native
-                # every block and LN_f in one C++ call: the same ops as below, bit for bit
-                h = native.decode_rows(x, params, ints, floats, *stack, start, cos, sin)  # (batch, d_model)
-                for cache in kv_caches:
-                    cache.length = start + 1
-                return h
-        views = _stacked_views(kv_caches, start)
+        stack = _stack_of(kv_caches, start)
+        native_ok = self.native is not None and self.use_native and x.dtype == torch.float32 and x.is_cpu
+        if stack is not None and native_ok and native.ready():
+            params, ints, floats = self.native  # type: ignore[misc]
+            # every block and LN_f in one C++ call: the same roundings as below, bit for bit
+            h = native.decode_rows(x, params, ints, floats, *stack, start, cos, sin)  # (batch, d_model)
+            for cache in kv_caches:
+                cache.length = start + 1
+            return h
+        views = None if stack is None else _views_of(*stack, start)  # _stack_of checked once
         if views is None:
             for layer, cache in zip(self.layers, kv_caches):
                 x = decode_layer_rows(layer, x, cache, cos, sin)  # (batch, d_model)
@@ -296,13 +296,15 @@ def _stack_of(kv_caches: list[KVCache], start: int) -> tuple[Tensor, Tensor] | N
 
 def _stacked_views(kv_caches: list[KVCache], start: int) -> tuple[tuple[Tensor, ...], ...] | None:
     """For caches that are, in order, every slice of one :meth:`~headspace.KVCache.stacked` pair
-    (:func:`_stack_of`): per layer the new position ``start``'s slots [batch, n_kv_heads, 1, d_head]
-    and the filled positions [batch, n_kv_heads, start + 1, d_head] of k and v (four tuples of views,
-    one per layer each). None otherwise: each cache appends on its own."""
+    (:func:`_stack_of`): :func:`_views_of` their buffers. None otherwise: each cache appends on its own."""
     stack = _stack_of(kv_caches, start)
-    if stack is None:
-        return None
-    k_all, v_all = stack
+    return None if stack is None else _views_of(*stack, start)
+
+
+def _views_of(k_all: Tensor, v_all: Tensor, start: int) -> tuple[tuple[Tensor, ...], ...]:
+    """Per layer of the stacked buffers [layers, batch, n_kv_heads, capacity, d_head]: the new position
+    ``start``'s slots [batch, n_kv_heads, 1, d_head] and the filled positions [batch, n_kv_heads, start +
+    1, d_head] of k and v (four tuples of views, one per layer each)."""
     return (
         k_all.narrow(3, start, 1).unbind(0),  # (batch, n_kv_heads, 1, d_head) per layer
         v_all.narrow(3, start, 1).unbind(0),
