@@ -293,3 +293,26 @@ def test_generate_decodes_into_stacked_caches_when_the_blocks_agree(monkeypatch:
         "headspace.generate.generation_caches", lambda m, b, c: [x.attn.make_kv_cache(b, c) for x in m.blocks]
     )
     assert torch.equal(model.generate(prompt, 6, temperature=0), fast)
+
+
+def test_stacked_layers_start_on_64_byte_boundaries_as_caches_of_their_own() -> None:
+    """MKL's products inside attention may sum in another order at another alignment (seen on AMD
+    CPUs): every layer's slice of the stacked buffers is aligned as a buffer of its own is."""
+    caches = KVCache.stacked(3, 2, 3, 5, 7)  # 2 x 3 x 7 x 5 floats a layer: 840 bytes, not a multiple of 64
+    k_all, v_all, _ = caches[0].stack  # type: ignore[misc]
+    assert k_all.shape == (3, 2, 3, 7, 5)
+    for i, cache in enumerate(caches):
+        assert cache.k.is_contiguous() and cache.k.data_ptr() % 64 == 0 and cache.v.data_ptr() % 64 == 0
+        assert cache.k.data_ptr() == k_all[i].data_ptr()
+    assert not k_all.any() and not v_all.any()
+
+
+def test_a_forced_prepack_fallback_turns_the_automatic_choice_off() -> None:
+    from headspace.kernels import cpu
+
+    weights = [torch.empty(3000, 3000)]  # 36 MB of float32: past MIN_PACK_BYTES
+    if not prepack.should_prepack(weights, 8):
+        pytest.skip("no MKL packed linear, or too little memory, here: the choice is off already")
+    with cpu.force_fallback("prepack"):
+        assert not prepack.should_prepack(weights, 8)
+    assert prepack.should_prepack(weights, 8)

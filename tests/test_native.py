@@ -4,6 +4,7 @@ wherever it cannot be built or has no form for the model."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -166,30 +167,38 @@ def test_native_steps_on_packed_weights_are_bit_for_bit_the_python_steps(
 
 
 @needs_compiler
-@pytest.mark.parametrize("f32_faster", [False, True])
+@pytest.mark.parametrize("mode", ["onednn", "float32 from many rows", "fallback"])
 @pytest.mark.parametrize("kw", CONFIGS[:3])
 @torch.no_grad()
 def test_native_steps_on_bfloat16_weights_are_bit_for_bit_the_python_steps(
-    kw: dict, f32_faster: bool, built: None, monkeypatch: pytest.MonkeyPatch
+    kw: dict, mode: str, built: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # both steps decide alike where many-row products run as float32 GEMMs (kernels.bf16.MANY_ROWS)
-    monkeypatch.setattr("headspace.kernels.bf16.float32_arithmetic_is_faster", lambda: f32_faster)
-    monkeypatch.setattr("headspace.block.float32_arithmetic_is_faster", lambda: f32_faster)
-    torch.manual_seed(5)
-    model = decoder(**kw)
-    for p in model.parameters():
-        p.add_(0.1 * torch.randn_like(p))
-    model.to_precision("bfloat16")
-    plan = model.decode_plan()
-    assert plan is not None and plan.native is not None
-    assert plan.native[1][9] == 2 and plan.native[1][10] == int(f32_faster)  # bfloat16 products
-    for batch in (1, 3, 130):  # 130 rows: past MANY_ROWS (128), the float32-arithmetic branch
-        assert_native_equals_python(model, plan, torch.randint(0, V, (batch, 7)), 4)
-    prompt = torch.randint(0, V, (2, 4))
-    assert torch.equal(
-        model.generate(prompt, 5, temperature=0, native=True),
-        model.generate(prompt, 5, temperature=0, native=False),
-    )
+    """Both steps decide alike which products run as float32 GEMMs on the rounded values: none
+    (oneDNN), those of MANY_ROWS rows or more, or all of them (oneDNN without bfloat16, forced here)."""
+    from headspace.kernels import bf16, cpu
+
+    if mode != "fallback" and not cpu.use_onednn_bf16():
+        pytest.skip("oneDNN has no bfloat16 kernel on this CPU (or it is forced off): only the fallback runs")
+    monkeypatch.setattr(cpu, "bf16_many_rows_in_float32", lambda: mode == "float32 from many rows")
+    forced = cpu.force_fallback("bf16") if mode == "fallback" else contextlib.nullcontext()
+    with forced:
+        torch.manual_seed(5)
+        model = decoder(**kw)
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+        model.to_precision("bfloat16")
+        assert (model.blocks[0].attn.qkv_weight.packed is None) == (mode == "fallback")
+        plan = model.decode_plan()
+        assert plan is not None and plan.native is not None
+        rows = {"onednn": -1, "float32 from many rows": bf16.MANY_ROWS, "fallback": 0}[mode]
+        assert plan.native[1][9] == 2 and plan.native[1][10] == rows  # bfloat16 products
+        for batch in (1, 3, 130):  # 130 rows: past MANY_ROWS (128), the float32-arithmetic branch
+            assert_native_equals_python(model, plan, torch.randint(0, V, (batch, 7)), 4)
+        prompt = torch.randint(0, V, (2, 4))
+        assert torch.equal(
+            model.generate(prompt, 5, temperature=0, native=True),
+            model.generate(prompt, 5, temperature=0, native=False),
+        )
 
 
 @needs_compiler
@@ -337,3 +346,21 @@ def test_smollm2_native_generation_equals_python(smollm2_gguf: Path, built: None
     with torch.inference_mode():  # every step's logits and cache rows, bit for bit, at batch 1 and 2
         assert_native_equals_python(model, plan, a, 8)
         assert_native_equals_python(model, plan, torch.cat((a, a[:, [*range(8), *range(19, 7, -1)]])), 8)
+
+
+@needs_compiler
+@torch.no_grad()
+def test_a_forced_native_fallback_decodes_in_python(built: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    from headspace.kernels import cpu
+
+    torch.manual_seed(0)
+    model = decoder(**CONFIGS[1])
+    prompt = torch.randint(0, V, (2, 4))
+    want = model.generate(prompt, 5, temperature=0, native=True)
+    calls: list[int] = []
+    real = native.decode_rows
+    monkeypatch.setattr(native, "decode_rows", lambda *a: calls.append(1) or real(*a))
+    with cpu.force_fallback("native"):
+        assert torch.equal(model.generate(prompt, 5, temperature=0), want)
+    assert calls == []  # the Python step ran every token
+    assert torch.equal(model.generate(prompt, 5, temperature=0), want) and calls  # and the native one

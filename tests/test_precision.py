@@ -5,6 +5,7 @@ No timing here: the speed of each precision is benchmarks/encode.py's and benchm
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import re
@@ -22,6 +23,7 @@ from headspace import Decoder, Encoder, ModelConfig, trace
 from headspace.cli import cli
 from headspace.cli import lesson as cli_lesson
 from headspace.cli.options import MODEL_PRECISIONS
+from headspace.kernels import cpu
 from headspace.kernels import int8 as int8_kernels
 from headspace.kernels.bf16 import BF16Weight, bf16_linear, round_to_bf16
 from headspace.kernels.int8 import (
@@ -137,7 +139,11 @@ def test_load_gives_the_documented_dtypes(minilm, minilm_at) -> None:
                     )
                     torch.testing.assert_close(w.detach(), dequantize_weight(w.q, w.scale), rtol=0, atol=0)
                 else:
-                    assert type(w) is BF16Weight and w.packed.dtype == torch.bfloat16
+                    assert type(w) is BF16Weight
+                    if cpu.use_onednn_bf16():  # oneDNN's packed copy, where it runs bfloat16 products
+                        assert w.packed is not None and w.packed.dtype == torch.bfloat16
+                    else:
+                        assert w.packed is None
                     assert torch.equal(w.detach(), round_to_bf16(w.detach()))  # bfloat16 numbers
         others = [p for n, p in pre.model.named_parameters() if "embed" in n or "ln" in n]
         assert others and all(p.dtype == torch.float32 for p in others)
@@ -442,18 +448,113 @@ def test_encoder_from_config_converts(minilm) -> None:
         assert m(tokens, pad).dtype == torch.float32
 
 
-@pytest.mark.parametrize("float32_faster", [True, False])
-def test_bf16_linear_on_many_rows_is_the_same_arithmetic(float32_faster, monkeypatch) -> None:
+@pytest.mark.parametrize("mode", ["float32 from many rows", "onednn", "fallback"])
+def test_bf16_linear_on_many_rows_is_the_same_arithmetic(mode, monkeypatch) -> None:
     """Many rows may run as a float32 GEMM on the bfloat16-rounded values (CPUs whose bfloat16 dot
-    products are slower than float32 FMAs): the same products, float32 sums in another order."""
+    products are slower than float32 FMAs, and every row count where oneDNN has no bfloat16 kernel):
+    the same products, float32 sums in another order."""
     import headspace.kernels.bf16 as bf16
 
-    monkeypatch.setattr(bf16, "float32_arithmetic_is_faster", lambda: float32_faster)
+    if mode != "fallback" and not cpu.use_onednn_bf16():
+        pytest.skip("oneDNN has no bfloat16 kernel on this CPU (or it is forced off): only the fallback runs")
+    monkeypatch.setattr(cpu, "bf16_many_rows_in_float32", lambda: mode == "float32 from many rows")
     torch.manual_seed(0)
     w, b = torch.randn(9, 64), round_to_bf16(torch.randn(9))
-    x = torch.randn(3, bf16.MANY_ROWS, 64)
-    y = bf16_linear(x, BF16Weight.from_float(w), b)
-    ref = F.linear(x.bfloat16(), w.bfloat16(), b.bfloat16()).float()
-    assert y.dtype == torch.float32 and torch.equal(y, round_to_bf16(y))  # bfloat16 results
-    # the sums' order may move a result by one bfloat16 step (2**-8 relative): measured <= 1 step
-    torch.testing.assert_close(y, ref, rtol=2**-7, atol=1e-6)
+    weight = BF16Weight.from_float(w)
+    expected = {"float32 from many rows": bf16.MANY_ROWS, "onednn": -1, "fallback": 0}[mode]
+    with cpu.force_fallback("bf16") if mode == "fallback" else contextlib.nullcontext():
+        assert bf16.float32_rows(weight) == expected
+        for lead in [(3, bf16.MANY_ROWS), (1,), (5,)]:
+            x = torch.randn(*lead, 64)
+            y = bf16_linear(x, weight, b)
+            ref = F.linear(x.bfloat16(), w.bfloat16(), b.bfloat16()).float()
+            assert y.dtype == torch.float32 and torch.equal(y, round_to_bf16(y))  # bfloat16 results
+            # the sums' order may move a result by one bfloat16 step (2**-8 relative): measured <= 1 step
+            torch.testing.assert_close(y, ref, rtol=2**-7, atol=1e-6)
+            exact = F.linear(x.bfloat16().double(), w.bfloat16().double(), b.double())  # float64 sums
+            assert float((y.double() - exact).abs().max()) <= 2**-7 * float(exact.abs().max())
+
+
+def test_bf16_weights_converted_under_the_fallback_hold_no_packed_copy_and_run_it() -> None:
+    torch.manual_seed(0)
+    w = torch.randn(7, 32)
+    with cpu.force_fallback("bf16"):
+        weight = BF16Weight.from_float(w)
+        assert weight.packed is None
+    x = torch.randn(2, 32)
+    # no packed copy: the float32 GEMM on the rounded values, whatever the CPU and outside the block
+    ref = F.linear(x.bfloat16().float(), w.bfloat16().float()).bfloat16().float()
+    assert torch.equal(bf16_linear(x, weight), ref)
+
+
+def test_int8_is_right_on_every_branch_at_many_rows() -> None:
+    """The many-row int8 product on the branch this CPU takes, and with the fallback forced (what a CPU
+    without VNNI takes): within 1e-3 of the largest output of int8_linear_reference (a rounding-boundary
+    input may move one activation by a level: measured <= 6.8e-4 of it)."""
+    torch.manual_seed(0)
+    w = Int8Weight.from_float(torch.randn(1536, 576) * 0.05)
+    for forced in (False, True):
+        with cpu.force_fallback("int8") if forced else contextlib.nullcontext():
+            for rows in (1, 3, 8, 64, 512):
+                x = torch.randn(rows, 576) * 3
+                y = int8_linear(x, w)
+                ref = int8_linear_reference(x, w.q, w.scale)
+                assert float((y.double() - ref).abs().max()) <= 1e-3 * float(ref.abs().max()), (forced, rows)
+
+
+def test_int8_fallback_is_the_same_maths_as_the_int32_kernels() -> None:
+    """Where the int8 kernels are exact here, the float32 fallback agrees with them to float32 rounding."""
+    if cpu.use_onednn_int8() == (False, False):
+        pytest.skip("no exact int8 kernel on this CPU (or forced off): nothing to compare the fallback to")
+    torch.manual_seed(1)
+    w, b = Int8Weight.from_float(torch.randn(97, 61)), torch.randn(97)
+    for rows in (1, 5, 300):
+        x = torch.randn(rows, 61)
+        fast = int8_linear(x, w, b)
+        with cpu.force_fallback("int8"):
+            slow = int8_linear(x, w, b)
+        torch.testing.assert_close(slow, fast, rtol=1e-5, atol=1e-5)
+
+
+def test_the_int8_probe_finds_a_saturating_kernel(monkeypatch) -> None:
+    """int8_products_exact says False for a kernel that sums pairs in saturating int16 (stood in for by
+    a wrapper that clamps as vpmaddubsw does), and True for the kernels of this CPU where they are exact."""
+    real = torch._int_mm
+
+    def saturating(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        # oneDNN's s8 x s8 without VNNI: the source shifted to u8 (+128), u8 x s8 pairs summed in
+        # saturating int16 (vpmaddubsw), then the shift taken off again (128 sum_k b[k, n])
+        u = a.long() + 128  # (m, k)
+        pairs = (u.unflatten(1, (-1, 2))[..., None] * b.long().unflatten(0, (-1, 2))[None]).sum(2)
+        acc = pairs.clamp(-32768, 32767).sum(1)  # (m, n): pairs saturated to int16, then summed
+        return (acc - 128 * b.long().sum(0)).int()
+
+    cpu.int8_products_exact.cache_clear()
+    try:
+        monkeypatch.setattr(torch, "_int_mm", saturating)
+        assert cpu.int8_products_exact()[1] is False
+        monkeypatch.setattr(torch, "_int_mm", real)
+        cpu.int8_products_exact.cache_clear()
+        a = torch.randint(-128, 128, (5, 64), dtype=torch.int8)
+        b = torch.randint(-127, 128, (64, 3), dtype=torch.int8)
+        exact = bool(torch.equal(real(a, b).long(), a.long() @ b.long()))
+        assert not exact or cpu.int8_products_exact()[1] is True
+    finally:
+        cpu.int8_products_exact.cache_clear()
+
+
+def test_forcing_fallbacks_is_checked(monkeypatch) -> None:
+    with pytest.raises(ValueError, match="bf16, int8, prepack, native"):
+        with cpu.force_fallback("bf17"):
+            pass
+    monkeypatch.setenv(cpu.ENV, "int8, prepack")
+    assert cpu.forced("int8") and cpu.forced("prepack") and not cpu.forced("bf16")
+    monkeypatch.setenv(cpu.ENV, "all")
+    assert all(cpu.forced(n) for n in cpu.FALLBACKS)
+    monkeypatch.setenv(cpu.ENV, "int9")
+    with pytest.raises(ValueError, match=r"HEADSPACE_FORCE_FALLBACK .*got 'int9'"):
+        cpu.forced("int8")
+    monkeypatch.delenv(cpu.ENV)
+    report = cpu.report()
+    assert report["aten_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert report["onednn_bf16"] == torch.ops.mkldnn._is_mkldnn_bf16_supported()

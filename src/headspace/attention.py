@@ -181,6 +181,22 @@ def rotate_fused(x: Tensor, cos: Tensor, sin_signed: Tensor, rotary: Rotary) -> 
     return torch.cat((out, x[..., rd:]), dim=-1)  # (batch, heads, seq, d_head)
 
 
+#: Byte alignment of every layer's slice of :meth:`KVCache.stacked` buffers (torch's CPU allocator's).
+_ALIGN_BYTES = 64
+
+
+def _aligned_layers(
+    n: int, shape: torch.Size, dtype: torch.dtype, device: torch.device | str | None
+) -> Tensor:
+    """Zeros [n, *shape], each ``[i]`` contiguous and starting on an :data:`_ALIGN_BYTES` boundary."""
+    per = math.prod(shape)  # elements of one layer
+    step = max(1, _ALIGN_BYTES // torch.empty((), dtype=dtype).element_size())
+    stride = -(-per // step) * step  # one layer's elements, padded to the alignment
+    flat = torch.zeros(n * stride, dtype=dtype, device=device)
+    inner = torch.empty(shape, device="meta").stride()  # a contiguous layer's strides
+    return flat.as_strided((n, *shape), (stride, *inner))  # (n, batch, n_kv_heads, capacity, d_head)
+
+
 class KVCache:
     """A preallocated key/value cache for incremental decoding.
 
@@ -235,11 +251,18 @@ class KVCache:
         """``n`` caches (one per layer) whose ``k`` / ``v`` are the slices ``k_all[i]`` / ``v_all[i]`` of two
         [n, batch, n_kv_heads, capacity, d_head] buffers: each behaves as a cache of its own, and a decoding
         step may take every layer's view of the filled positions in one call
-        (:class:`headspace.decoding.DecodePlan`)."""
+        (:class:`headspace.decoding.DecodePlan`).
+
+        Each layer's slice starts on a 64-byte boundary, as a cache of its own does (the allocator's
+        alignment): MKL's products (inside attention too) may sum in another order at another alignment
+        (seen on AMD CPUs), so a slice at an odd offset would break the bit-for-bit equality with
+        per-layer caches."""
         check_positive_int("KVCache.stacked n", n)
         first = cls(batch, n_kv_heads, d_head, capacity, dtype=dtype, device=device)  # checks the sizes
-        k_all = torch.zeros((n, *first.k.shape), dtype=dtype, device=device)
-        v_all = torch.zeros_like(k_all)
+        k_all, v_all = (
+            _aligned_layers(n, first.k.shape, dtype, device),
+            _aligned_layers(n, first.k.shape, dtype, device),
+        )
         caches = []
         for i in range(n):
             cache = first if i == 0 else cls(1, 1, 1, 1, dtype=dtype, device=device)  # buffers replaced:

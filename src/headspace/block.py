@@ -31,7 +31,7 @@ from .attention import KVCache, MultiHeadAttention, check_input_tensor, rotate_f
 from .checks import check_positive_float, check_positive_int, check_probability
 from .functional import sdpa_attention
 from .hooks import HookPoint
-from .kernels.bf16 import BF16Weight, float32_arithmetic_is_faster, is_bf16
+from .kernels.bf16 import BF16Weight, float32_rows, is_bf16
 from .kernels.int8 import is_int8
 from .kernels.prepack import pack_weight, packable, packed_linear_fn
 from .kernels.workspace import Workspace
@@ -653,7 +653,8 @@ class TransformerBlock(nn.Module):
         (kind,) = kinds
         rows = (pack_rows or 0) if kind == 1 else 0
         ints = [n1[0], a.n_heads, a.n_kv_heads, a.d_head, rot_kind, rot_dim, int(gated), code, rows, kind]
-        ints.append(int(kind == 2 and float32_arithmetic_is_faster()))
+        qkv_weight = weights["qkv"][0]
+        ints.append(float32_rows(qkv_weight) if kind == 2 and type(qkv_weight) is BF16Weight else -1)
         return params, ints, [n1[3], n2[3], float(a.scale)]
 
     @property

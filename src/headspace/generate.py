@@ -15,6 +15,7 @@ from torch import Tensor
 from .decoding import choose_pack_rows, compiled_step, generation_caches
 from .inputs import check_left_padding, check_tokens
 from .kernels import native as native_step
+from .kernels.cpu import forced
 
 if TYPE_CHECKING:
     from .models import Decoder
@@ -193,8 +194,10 @@ def generate(
                 plan = compiled_step(self, pack_rows) if compile else self.decode_plan(pack_rows)
                 planned = True
                 if not compile and plan is not None:
-                    plan.use_native = native is not False  # type: ignore[union-attr]
-                    if native is None and plan.native is not None:  # type: ignore[union-attr]
+                    # None: the native step once built, unless its fallback is forced (kernels.cpu)
+                    use_native = native is True or (native is None and not forced("native"))
+                    plan.use_native = use_native  # type: ignore[union-attr]
+                    if use_native and native is None and plan.native is not None:  # type: ignore[union-attr]
                         native_step.start_build()  # in the background; steps run in Python until built
             if plan is not None and plan.idle():
                 # forward(out[:, pos : pos + 1], kv_caches=caches)[:, -1] (caches made above): bit for

@@ -21,7 +21,8 @@
 //           rotary kind (0 none, 1 rotate-half, 2 interleaved), rotary_dim, gated (0/1),
 //           activation (0 silu, 1 relu, 2 gelu, 3 gelu tanh), the rows the weights are packed for (0: not),
 //           the products' kind (0 float32, 1 float32 packed for MKL, 2 bfloat16), and for bfloat16
-//           whether many-row products run as float32 GEMMs (kernels.bf16.float32_arithmetic_is_faster)
+//           from how many rows products run as float32 GEMMs on the rounded values (0: all, -1: none;
+//           headspace.kernels.bf16.float32_rows; a bfloat16 weight without packed copy has 0)
 //   floats: norm1 eps, norm2 eps, scale
 // then the final norm: 2 params (weight, bias), 1 int (kind, -1 for none), 1 float (eps).
 
@@ -39,7 +40,6 @@ using OptTensor = std::optional<Tensor>;
 
 constexpr int64_t LAYER_PARAMS = 19;
 constexpr int64_t LAYER_INTS = 11;
-constexpr int64_t BF16_MANY_ROWS = 128;  // headspace.kernels.bf16.MANY_ROWS
 constexpr int64_t LAYER_FLOATS = 3;
 
 // The elementwise steps are plain float32 loops: each output element is the same one or two IEEE
@@ -80,11 +80,11 @@ Tensor norm(const Tensor& x, int64_t kind, const OptTensor& w, const OptTensor& 
 }
 
 // headspace.kernels.bf16.bf16_linear: the rows rounded to bfloat16, oneDNN's product on the packed
-// copy (float32 sums), the result back in float32; from BF16_MANY_ROWS rows, where float32 arithmetic is
-// the faster, the same products as a float32 GEMM on the rounded values
-Tensor bf16_linear(const Tensor& x, const Tensor& values, const OptTensor& b, const Tensor& packed,
-                   bool f32_faster) {
-  if (f32_faster && x.numel() >= BF16_MANY_ROWS * x.size(-1)) {
+// copy (float32 sums), the result back in float32; from f32_rows rows (0: always, -1: never) the same
+// products as a float32 GEMM on the rounded values
+Tensor bf16_linear(const Tensor& x, const Tensor& values, const OptTensor& b, const OptTensor& packed,
+                   int64_t f32_rows) {
+  if (f32_rows >= 0 && x.numel() >= f32_rows * x.size(-1)) {
     Tensor xr = x.to(at::kBFloat16).to(at::kFloat);
     OptTensor br = b.has_value() ? OptTensor(b->to(at::kBFloat16).to(at::kFloat)) : std::nullopt;
     return at::linear(xr, values, br).to(at::kBFloat16).to(at::kFloat);
@@ -94,18 +94,19 @@ Tensor bf16_linear(const Tensor& x, const Tensor& values, const OptTensor& b, co
           .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
           .typed<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&, c10::string_view,
                         c10::List<std::optional<c10::Scalar>>, std::optional<c10::string_view>)>();
+  TORCH_CHECK(packed.has_value(), "decode_rows: a bfloat16 product without its packed copy must run in float32");
   Tensor xb = x.to(at::kBFloat16).contiguous();
   OptTensor bb = b.has_value() ? OptTensor(b->to(at::kBFloat16)) : std::nullopt;
-  Tensor y = pointwise.call(xb, packed, bb, "none", c10::List<std::optional<c10::Scalar>>(), "");
+  Tensor y = pointwise.call(xb, *packed, bb, "none", c10::List<std::optional<c10::Scalar>>(), "");
   return y.to(at::kFloat);
 }
 
-// one product of the rows: kind 0 plain (mm or linear), 1 MKL's packed GEMM, 2 bfloat16 (f32_faster: see
+// one product of the rows: kind 0 plain (mm or linear), 1 MKL's packed GEMM, 2 bfloat16 (f32_rows: see
 // bf16_linear)
 Tensor linear(const Tensor& x, const OptTensor& w, const OptTensor& b, const OptTensor& packed, int64_t rows,
-              int64_t kind = 0, bool f32_faster = false) {
+              int64_t kind = 0, int64_t f32_rows = -1) {
   if (kind == 2) {
-    return bf16_linear(x, *w, b, *packed, f32_faster);
+    return bf16_linear(x, *w, b, packed, f32_rows);
   }
   if (packed.has_value()) {
     static auto mkl_linear =
@@ -121,21 +122,26 @@ Tensor linear(const Tensor& x, const OptTensor& w, const OptTensor& b, const Opt
 }
 
 // One new position's fused projection qkv [B, H + 2 Hkv, 1, dh] (a contiguous [B, (H + 2 Hkv) dh]):
-// the queries rotated into a fresh [B, H, 1, dh] (returned), the keys rotated into the cache slots
+// the queries (returned, [B, H, 1, dh]: rotated, the first H heads of a fresh [B, H + Hkv, 1, dh], as
+// the Python step's; unrotated, a view of qkv), the keys rotated into the cache slots
 // k_slot and the values copied into v_slot (each [B, Hkv, 1, dh] views). Rotation as
 // headspace.attention.rotate_fused: out = x * cos + swap(x) * sin on the first rd features (swap: a
 // roll by rd / 2 for rotate-half, kind 1; a flip within pairs, kind 2), the rest passed through.
 Tensor rotate_into(const Tensor& qkv, const Tensor& k_slot, const Tensor& v_slot, const OptTensor& cos,
                    const OptTensor& sin, int64_t kind, int64_t rd, int64_t H, int64_t Hkv, int64_t dh) {
   const int64_t B = qkv.size(0), heads = H + 2 * Hkv;
-  Tensor q = at::empty({B, H, 1, dh}, qkv.options());
+  const bool rotate = kind != 0 && cos.has_value() && sin.has_value();
+  // q laid out as the Python step's: a view of the rotated [B, H + Hkv, 1, dh] (or, unrotated, of qkv
+  // itself), so that attention's own products see the same strides and alignment (they may sum in
+  // another order otherwise)
+  const int64_t qheads = rotate ? H + Hkv : heads;
+  Tensor qbuf = rotate ? at::empty({B, H + Hkv, 1, dh}, qkv.options()) : qkv.view({B, heads, 1, dh});
   const float* src = qkv.const_data_ptr<float>();
-  float* pq = q.mutable_data_ptr<float>();
+  float* pq = rotate ? qbuf.mutable_data_ptr<float>() : nullptr;
   float* pk = k_slot.mutable_data_ptr<float>();
   float* pv = v_slot.mutable_data_ptr<float>();
   const int64_t ks0 = k_slot.stride(0), ks1 = k_slot.stride(1), vs0 = v_slot.stride(0), vs1 = v_slot.stride(1);
   TORCH_CHECK(k_slot.stride(3) == 1 && v_slot.stride(3) == 1, "decode_rows: cache rows must be contiguous");
-  const bool rotate = kind != 0 && cos.has_value() && sin.has_value();
   Tensor c, s;
   const float *pc = nullptr, *pn = nullptr;
   if (rotate) {
@@ -150,7 +156,10 @@ Tensor rotate_into(const Tensor& qkv, const Tensor& k_slot, const Tensor& v_slot
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t h = 0; h < heads; ++h) {
       const float* x = src + (b * heads + h) * dh;
-      float* out = h < H ? pq + (b * H + h) * dh
+      if (!rotate && h < H) {
+        continue;  // the queries stay in qkv
+      }
+      float* out = h < H ? pq + (b * qheads + h) * dh
                  : h < H + Hkv ? pk + b * ks0 + (h - H) * ks1
                                : pv + b * vs0 + (h - H - Hkv) * vs1;
       if (!rotate || h >= H + Hkv) {
@@ -170,7 +179,7 @@ Tensor rotate_into(const Tensor& qkv, const Tensor& k_slot, const Tensor& v_slot
       }
     }
   }
-  return q;
+  return qbuf.narrow(1, 0, H);  // (B, H, 1, dh)
 }
 
 // a + b of two contiguous float32 [B, d] (into a fresh tensor), and a *= b in place
@@ -247,8 +256,8 @@ Tensor decode_rows(
                 " key/value heads of ", dh, " features; the caches hold ", k_all.size(2), " of ",
                 k_all.size(4));
     const int64_t rows = c[8], kind = c[9];
-    const bool f32_faster = c[10] != 0;
-    Tensor qkv = linear(norm(x, c[0], p(0), p(1), f[0]), p(2), p(3), p(14), rows, kind, f32_faster);  // (B, (H + 2 Hkv) dh)
+    const int64_t f32_rows = c[10];
+    Tensor qkv = linear(norm(x, c[0], p(0), p(1), f[0]), p(2), p(3), p(14), rows, kind, f32_rows);  // (B, (H + 2 Hkv) dh)
     TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) == (H + 2 * Hkv) * dh, "decode_rows: layer ", l,
                 "'s qkv product gave ", qkv.sizes());
     Tensor k_layer = k_all.select(0, l), v_layer = v_all.select(0, l);  // (B, Hkv, capacity, dh)
@@ -257,17 +266,17 @@ Tensor decode_rows(
     Tensor z = at::scaled_dot_product_attention(q, k_layer.narrow(2, 0, start + 1),
                                                 v_layer.narrow(2, 0, start + 1), std::nullopt, 0.0,
                                                 false, f[2], H != Hkv);  // (B, H, 1, dh)
-    Tensor h = add_rows(x, linear(z.reshape({B, H * dh}), p(4), p(5), p(15), rows, kind, f32_faster));  // (B, d_model)
+    Tensor h = add_rows(x, linear(z.reshape({B, H * dh}), p(4), p(5), p(15), rows, kind, f32_rows));  // (B, d_model)
     Tensor m = norm(h, c[0], p(6), p(7), f[1]);
     if (c[6] != 0) {
-      Tensor g = linear(m, p(8), p(9), p(16), rows, kind, f32_faster);
+      Tensor g = linear(m, p(8), p(9), p(16), rows, kind, f32_rows);
       activate_(g, c[7]);
-      m = mul_rows_(g, linear(m, p(10), p(11), p(17), rows, kind, f32_faster));  // act(gate) * up
+      m = mul_rows_(g, linear(m, p(10), p(11), p(17), rows, kind, f32_rows));  // act(gate) * up
     } else {
-      Tensor u = linear(m, p(10), p(11), p(17), rows, kind, f32_faster);
+      Tensor u = linear(m, p(10), p(11), p(17), rows, kind, f32_rows);
       m = activate_(u, c[7]);
     }
-    x = add_rows(h, linear(m, p(12), p(13), p(18), rows, kind, f32_faster));  // (B, d_model)
+    x = add_rows(h, linear(m, p(12), p(13), p(18), rows, kind, f32_rows));  // (B, d_model)
   }
   const int64_t final_kind = ints[L * LAYER_INTS];
   if (final_kind < 0) {

@@ -38,6 +38,15 @@ Two kernels compute it, with the same int32 sums:
   oneDNN ran 1.9 ms against ``_int_mm``'s 2.8-3.8). On oneDNN whatever the rows: one input feature
   (torch 2.13's ``_int_mm`` gets ``k = 1`` wrong) and an input holding a NaN or an infinity.
 
+Both kernels need int8 products that sum in int32. oneDNN's u8 x s8 kernel on a CPU without VNNI (or
+under ``ONEDNN_MAX_CPU_ISA=AVX2``) sums neighbouring pairs in saturating int16 and is silently wrong
+(off by 2.8 on outputs of ~17, measured), and there ``torch._int_mm`` is no better.
+:func:`headspace.kernels.cpu.int8_products_exact` asks each kernel on a worst case; where one is not
+exact (or the fallback is forced), the same quantised activations run as a float32 GEMM by the
+dequantised weight (:func:`_float32_linear`): the same maths, float32 sums, float32 GEMM speed.
+Reduced-range activations (7 bits, as PyTorch's x86 quantisation does) would keep int8 speed but change
+the numbers, by a level in 128.
+
 One scale per token rather than one per call: on all-MiniLM-L6-v2, one per call gave a minimum cosine of
 0.986 to float32 over 64 sentences, one per token 0.998 (symmetric per token: 0.995). Against the
 alternatives, ``benchmarks/int8_kernels.py`` (1 thread, a shared 2-core machine, ms per call against
@@ -71,6 +80,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from . import cpu
 from .carrier import Carrier, ReducedWeight
 
 __all__ = [
@@ -261,11 +271,14 @@ def int8_linear(x: Tensor, weight: Int8Weight, bias: Tensor | None = None) -> Te
         x2 = x.reshape(-1, n_in)  # (tokens, in)
         if x2.shape[0] == 0:
             return x2.new_zeros(*lead, n_out)
-        if _few_rows(x2.shape[0], n_out, n_in):
+        onednn, int_mm = cpu.use_onednn_int8()  # each exact on this CPU (and not forced off)
+        if int_mm and _few_rows(x2.shape[0], n_out, n_in):
             y = _int_mm_linear(x2, weight, bias)
             if y is not None:
                 return y.view(*lead, n_out)
         xq, s_t, z_t = quantize_activation(x2)  # (tokens, in) uint8, (tokens,) x 2
+        if not onednn:
+            return _float32_linear(xq, s_t, z_t, weight, bias).view(*lead, n_out)
         a = torch.ops.onednn.qlinear_pointwise(
             xq,
             1.0,
@@ -387,6 +400,21 @@ def _int_mm_linear(x: Tensor, weight: Int8Weight, bias: Tensor | None) -> Tensor
     if bias is None:
         return torch.mul(acc, s_ts_w)
     return torch.addcmul(bias.detach().float(), acc, s_ts_w)
+
+
+def _float32_linear(xq: Tensor, s_t: Tensor, z_t: Tensor, weight: Int8Weight, bias: Tensor | None) -> Tensor:
+    """The int8 product's maths as a float32 GEMM, for CPUs whose int8 kernels are not exact:
+    ``y = s_t ((x_q - z_t) (W_q s_w)^T) + b`` on the same quantised activations ``xq`` [tokens, in].
+
+    ``x_q - z_t`` is a small whole number, exact in float32, and ``W_q s_w`` is the weight's float32
+    value, so this is :func:`int8_linear_reference`'s maths with float32 sums: it agrees with the int32
+    kernels to float32 rounding (tested), at float32 GEMM speed.
+    """
+    xd = xq.to(torch.float32).sub_(z_t[:, None])  # (tokens, in): x_q - z_t, whole numbers
+    with torch._C.DisableTorchFunctionSubclass():
+        values = Tensor.as_subclass(weight, Tensor)  # (out, in): W_q s_w, a plain float32 tensor
+        y = torch.mm(xd, values.t()).mul_(s_t[:, None])  # (tokens, out)
+    return y if bias is None else y.add_(bias.detach().float())
 
 
 _ZEROS: dict[int, Tensor] = {}

@@ -22,6 +22,8 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import Tensor, nn
 
+from . import cpu
+
 #: Pack only when the weights to pack hold at least this many bytes: below it the weights stay in the
 #: CPU's caches and the per-call repack costs next to nothing (and tiny models keep bit-for-bit steps).
 MIN_PACK_BYTES = 32 * 2**20
@@ -61,8 +63,9 @@ def available_memory_bytes() -> int | None:
 
 def should_prepack(weights: Iterable[Tensor], rows: int) -> bool:
     """The automatic choice: pack for ``rows`` >= 2 when MKL's packed linear exists, the packable
-    weights hold at least :data:`MIN_PACK_BYTES`, and their copy fits in half the memory available."""
-    if rows < 2 or not prepack_available():
+    weights hold at least :data:`MIN_PACK_BYTES`, and their copy fits in half the memory available;
+    never with the ``prepack`` fallback forced (:mod:`headspace.kernels.cpu`)."""
+    if rows < 2 or not prepack_available() or cpu.forced("prepack"):
         return False
     nbytes = sum(w.numel() * w.element_size() for w in weights if packable(w))
     if nbytes < MIN_PACK_BYTES:
