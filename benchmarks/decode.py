@@ -22,8 +22,7 @@ the same float32 weights (``from_pretrained(folder, gguf_file=..., dtype=torch.f
 At batch 8 headspace's generate packs the float32 weights for MKL's GEMM once per call (its default
 there, ``prepack=None``; see headspace.kernels.prepack): the row "headspace prepack=False" decodes without,
 and the script prints the packing's seconds and memory. The products alone (``torch.mm`` on the
-weights as stored, nothing else) are timed for reference, and the row "headspace compile=True" decodes
-with the step compiled by inductor (``generate(compile=True)``; the compile time is printed). At
+weights as stored, nothing else) are timed for reference. At
 batch 1 (and wherever the weights are not packed) "headspace" runs the native step
 (headspace.kernels.native: every block in one C++ call, built before timing; the compile time is
 printed), and the row "headspace native=False" the same step in Python,
@@ -64,10 +63,8 @@ from headspace.fileio import write_json
 POSITIONS = (64, 128, 256, 512, 1024)
 UNPACKED = "headspace prepack=False"
 """The row of headspace's float32 model decoding without weights packed for MKL's GEMM."""
-COMPILED = "headspace compile=True"
 PYTHON_STEP = "headspace native=False"
 """The row of headspace's float32 model decoding with the Python step (no native step)."""
-"""The row of headspace's float32 model decoding with the compiled step (no packing)."""
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 """The published results (committed); runs without --save write to RESULTS / "local"."""
@@ -299,15 +296,12 @@ def run_smollm2(a: argparse.Namespace) -> dict:
 
     # "headspace" packs its weights for MKL's GEMM at batch 8 (generate's default, prepack=None);
     # UNPACKED is the same model without (prepack=False)
-    # and COMPILED runs generate(compile=True): the decoding step compiled by inductor; "headspace"
-    # runs the native step where it has one (built here first), PYTHON_STEP the Python step
+    # "headspace" runs the native step where it has one (built here first), PYTHON_STEP the Python step
     native_info = native_build()
-    models[UNPACKED] = models[COMPILED] = models[PYTHON_STEP] = models["headspace"]
+    models[UNPACKED] = models[PYTHON_STEP] = models["headspace"]
     names = ["headspace", "transformers", "headspace bfloat16", "headspace int8", UNPACKED, PYTHON_STEP]
-    names += [] if a.no_compile else [COMPILED]
     options = {n: {} for n in names} | {
         UNPACKED: {"prepack": False},
-        COMPILED: {"compile": True},
         PYTHON_STEP: {"native": False},
     }
     prefill = {n: hf_prefill if n == "transformers" else hs_prefill(models[n]) for n in names}
@@ -324,14 +318,10 @@ def run_smollm2(a: argparse.Namespace) -> dict:
             x = decode_prompts[:batch]
             ours, theirs = generate["headspace"](x, 8), generate["transformers"](x, 8)
             same[batch] = bool(torch.equal(ours, theirs))
-        compile_s = {}
         for n in names:
             prefill[n]()
             for batch in (1, 8):
-                t0 = time.perf_counter()
                 generate[n](decode_prompts[:batch], 2)
-                if n == COMPILED:  # the first compiled call at each batch size compiles
-                    compile_s[str(batch)] = time.perf_counter() - t0
         floors = {b: products_floor(models["headspace"], b) for b in (1, 8)}
         floors_bf16 = {b: products_floor_bf16(models["headspace bfloat16"], b) for b in (1, 8)}
         for b in (1, 8):
@@ -372,7 +362,7 @@ def run_smollm2(a: argparse.Namespace) -> dict:
                 next_token_logits(models[n].model, acc_ids, a.prompt_len), ref, targets
             )
         # the same forward: packing and compiling are decoding-step matters
-        accuracy[UNPACKED] = accuracy[COMPILED] = accuracy[PYTHON_STEP] = accuracy["headspace"]
+        accuracy[UNPACKED] = accuracy[PYTHON_STEP] = accuracy["headspace"]
         pack = prepack_cost(models["headspace"].model, 8)
     rows = []
     for n in names:
@@ -402,7 +392,6 @@ def run_smollm2(a: argparse.Namespace) -> dict:
          "met": hs_load["peak_extra_mib"] / hs_load["weights_mib"] <= T["load_memory"]},
     ]  # fmt: skip
     steps = [("headspace", ""), (PYTHON_STEP, ", native=False")]
-    steps += [] if a.no_compile else [(COMPILED, ", compile=True")]
     for n, what in steps:
         for b, limit in T["decode_speedup"].items():
             per_round = [x / y for x, y in zip(t_decode[("transformers", b)], t_decode[(n, b)])]
@@ -491,11 +480,6 @@ def run_smollm2(a: argparse.Namespace) -> dict:
         + f" ({native_info['compiler']}, once per machine; this run found it in "
         f"{native_info['build_s']:.2f} s)"
     )
-    if compile_s:
-        print(
-            "compiling the decoding step (generate(compile=True), its first call at each batch size): "
-            + ", ".join(f"batch {b} {v:.1f} s" for b, v in compile_s.items())
-        )
     print()
     for c in checks:
         spread = (
@@ -515,7 +499,6 @@ def run_smollm2(a: argparse.Namespace) -> dict:
         "rounds": a.smollm2_rounds,
         "same_greedy_tokens": {str(b): v for b, v in same.items()},
         "prepack_batch8": pack,
-        "compile_s": compile_s,
         "native": native_info,
         "products_floor_ms": {str(b): v for b, v in floor_ms.items()},
         "products_floor_times_ms": {str(b): [1e3 * t for t in t_floor[b]] for b in (1, 8)},
@@ -550,9 +533,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--save", action="store_true", help="publish: write benchmarks/results/decode.json")
     p.add_argument("--no-smollm2", action="store_true", help="only the GPT-2-shaped table")
     p.add_argument("--smollm2-only", action="store_true", help="only SmolLM2 against transformers")
-    p.add_argument(
-        "--no-compile", action="store_true", help="skip the generate(compile=True) row (inductor, ~2 min)"
-    )
     p.add_argument("--prompt-len", type=int, default=512, help="SmolLM2 prefill prompt (tokens)")
     p.add_argument("--decode-tokens", type=int, default=32, help="SmolLM2 greedy tokens timed per round")
     p.add_argument("--decode-prompt", type=int, default=32, help="SmolLM2 prompt length before decoding")

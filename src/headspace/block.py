@@ -166,10 +166,9 @@ class DecodingLayer(NamedTuple):
 def decode_layer_rows(
     layer: DecodingLayer,
     x: Tensor,
-    kv_cache: KVCache | tuple[Tensor, Tensor, Tensor, Tensor] | None,
+    kv_cache: KVCache | tuple[Tensor, Tensor, Tensor, Tensor],
     cos: Tensor | None,
     sin: Tensor | None,
-    static: tuple[Tensor, Tensor, Tensor, Tensor] | None = None,
 ) -> Tensor:
     """One block's decoding step on the rows ``x`` [batch, d_model] -> [batch, d_model], for a caller
     that ran ``kv_cache.check(batch, 1, ...)``; ``cos``/``sin`` [1, 1, rotary_dim] (None without rotary).
@@ -182,12 +181,6 @@ def decode_layer_rows(
     ``kv_cache`` may instead be the views (k_slot, v_slot, keys, values) a caller took of
     :meth:`~headspace.KVCache.stacked` buffers: the new position's slots [batch, n_kv_heads, 1, d_head]
     and the filled positions [batch, n_kv_heads, length + 1, d_head]; the caller advances the length.
-
-    ``static`` = (k, v, position, keep) is the shape-stable form a compiled step traces (``kv_cache``
-    None): the whole cache buffers k, v [batch, n_kv_heads, capacity, d_head], the new key and value
-    written at ``position`` (int64 [1]) by ``index_copy_``, and attention over every slot with the
-    boolean mask ``keep`` [1, 1, 1, capacity] (True up to ``position``): the same numbers to float32
-    rounding, with no shape that changes from step to step.
     """
     B = x.shape[0]
     H, Hkv, dh = layer.n_heads, layer.n_kv_heads, layer.d_head
@@ -196,12 +189,7 @@ def decode_layer_rows(
     if cos is not None and sin is not None and layer.rotary is not None:
         qk = rotate_fused(qk, cos, sin, layer.rotary)  # (B, H + Hkv, 1, dh), fresh
     q, k_new = qk.split_with_sizes([H, Hkv], 1)  # (B, H, 1, dh), (B, Hkv, 1, dh)
-    keep = None
-    if static is not None:
-        k, v, position, keep = static  # (B, Hkv, capacity, dh) x 2, (1,), (1, 1, 1, capacity)
-        k.index_copy_(2, position, k_new)  # the new key at its slot
-        v.index_copy_(2, position, v_new)
-    elif isinstance(kv_cache, tuple):
+    if isinstance(kv_cache, tuple):
         k_slot, v_slot, k, v = kv_cache  # (B, Hkv, 1, dh) x 2, (B, Hkv, Sk, dh) x 2
         k_slot.copy_(k_new)
         v_slot.copy_(v_new)
@@ -210,7 +198,7 @@ def decode_layer_rows(
         k, v = kv_cache.append_one(k_new, v_new)  # (B, Hkv, Sk, dh) x 2
     # one query after its cached keys: every key may be attended (no mask, or the filled slots)
     z = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=keep, scale=layer.scale, enable_gqa=layer.gqa
+        q, k, v, scale=layer.scale, enable_gqa=layer.gqa
     )  # (B, H, 1, dh), stored as (B, 1, H, dh)
     h = x + layer.o(z.reshape(B, H * dh))  # (B, d_model): heads concatenated
     m = layer.norm2(h)  # (B, d_model)

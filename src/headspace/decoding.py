@@ -25,7 +25,6 @@ import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .attention import KVCache, MultiHeadAttention, rotary_tables
@@ -52,7 +51,7 @@ class DecodePlan:
     """
 
     def __init__(self, model: Decoder, *, watch_hooks: bool = True, pack_rows: int | None = None) -> None:
-        self._model = weakref.ref(model)  # a plan kept for compiled steps must not keep its model alive
+        self._model = weakref.ref(model)  # a plan must not keep its model alive
         #: the batch the products' weights were packed for (:mod:`headspace.kernels.prepack`), or None
         self.pack_rows = pack_rows
         self.layers: list[DecodingLayer] = [b.decoding_layer(pack_rows) for b in model.blocks]
@@ -77,13 +76,6 @@ class DecodePlan:
             self.native = ([*params, final[1], final[2]], [*ints, final[0]], [*floats, final[3]])
         head, bias = _unembedding(model)
         self.unembed = linear_fn(head, bias, pack_rows)
-        # the token and position tables, for the compiled step (which must not reach the model)
-        plain = model.type_embed is None and model.embed_ln is None
-        self._tables = (
-            (model.tok_embed.weight, None if model.pos_embed is None else model.pos_embed.weight)
-            if plain
-            else None
-        )
         # every hook point a decoding step passes (the model's, each block's, its attention's and MLP's)
         self.hook_points: tuple[HookPoint, ...] = ()
         if watch_hooks:
@@ -156,125 +148,6 @@ class DecodePlan:
         h = self.rows(x.view(x.shape[0], x.shape[2]), kv_caches, start)  # (batch, d_model)
         logits = self.unembed(h)  # (batch, vocab_size)
         return logits if logits.dtype == torch.float32 else logits.float()
-
-    def static_logits(self, tokens: Tensor, position: Tensor, ks: list[Tensor], vs: list[Tensor]) -> Tensor:
-        """:meth:`logits` in the shape-stable form :class:`CompiledDecodeStep` compiles: the new tokens
-        [batch, 1] at ``position`` (int64 [1]), written into the whole cache buffers ``ks``/``vs`` (each
-        [batch, n_kv_heads, capacity, d_head]) and attended over them with a mask of the filled slots
-        (see :func:`~headspace.block.decode_layer_rows`); the caller advances the caches' lengths."""
-        batch = tokens.shape[0]
-        if self._tables is None:
-            x = self.model.embed(tokens, positions=position.expand(batch, 1))  # (batch, 1, d_model)
-        else:
-            tok, pos = self._tables  # what Decoder.embed adds up for such a model (dropout is off)
-            x = F.embedding(tokens, tok)  # (batch, 1, d_model)
-            if pos is not None:
-                x = x + F.embedding(position, pos)  # (1, d_model) over the batch
-        x = x.view(batch, x.shape[2])  # (batch, d_model)
-        cos = sin = None
-        if self.rotary is not None:
-            cos, sin = rotary_tables(self.rotary, position, x.dtype, x.device)  # (1, 1, 1, rotary_dim) x 2
-            cos, sin = cos.squeeze(2), sin.squeeze(2)  # (1, 1, rotary_dim)
-        capacity = ks[0].shape[2]
-        keep = (torch.arange(capacity, device=x.device) <= position).view(1, 1, 1, capacity)
-        for layer, k, v in zip(self.layers, ks, vs):
-            x = decode_layer_rows(layer, x, None, cos, sin, (k, v, position, keep))  # (batch, d_model)
-        h = x if self.ln_final is None else self.ln_final(x)
-        logits = self.unembed(h)  # (batch, vocab_size)
-        return logits if logits.dtype == torch.float32 else logits.float()
-
-
-class CompiledDecodeStep:
-    """A :class:`DecodePlan`'s step compiled by ``torch.compile(fullgraph=True)`` (inductor): the norms,
-    rotation, cache writes, softmax and activations of all blocks become a few fused C++ kernels between
-    the products, and a step is one call instead of ~1,000 Python-level ops.
-
-    What ``generate(..., compile=True)`` runs. The first call compiles (20-60 s for SmolLM2 on 2 cores);
-    the batch and the cache capacity are symbolic (dynamic shapes), so other lengths reuse it, and only
-    a first one-row batch (which torch specialises) and a first wider one compile apart.
-    :meth:`headspace.Decoder.compiled_decode_step` keeps one per model and builds it again when a
-    parameter was replaced. Logits agree with :meth:`DecodePlan.logits` to float32 rounding.
-    """
-
-    def __init__(self, plan: DecodePlan) -> None:
-        self.plan = plan
-        self._step = torch.compile(plan.static_logits, fullgraph=True)
-        #: the call signatures (:meth:`signature`) that have run once with dynamo's guards checked
-        self.warmed: set[tuple[Any, ...]] = set()
-
-    def idle(self) -> bool:
-        """:meth:`DecodePlan.idle` of its plan: no hook point active, eval mode."""
-        return self.plan.idle()
-
-    @staticmethod
-    def signature(tokens: Tensor, kv_caches: list[KVCache]) -> tuple[Any, ...]:
-        """What may select another compiled graph, or call for one: a one-row batch or a wider one,
-        the cache capacity and dtype, the tokens' dtype and device, grad and inference mode."""
-        k = kv_caches[0].k
-        return (
-            tokens.shape[0] == 1,
-            k.shape[2],
-            k.stride(),
-            k.dtype,
-            tokens.dtype,
-            tokens.device,
-            torch.is_grad_enabled(),
-            torch.is_inference_mode_enabled(),
-        )
-
-    def logits(self, tokens: Tensor, kv_caches: list[KVCache]) -> Tensor:
-        """:meth:`DecodePlan.logits` compiled: the new tokens [batch, 1] -> logits [batch, vocab_size].
-
-        The first call of each :meth:`signature` runs dynamo's guards (compiling where they fail);
-        later ones skip them (``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``): SmolLM2's
-        step has ~4,000 guards, ~0.8 ms of a ~24 ms token. Skipping is safe here because nothing else
-        a guard checks changes between calls of one signature: the plan, its weights (a replaced
-        parameter gives a new step, :func:`compiled_step`), contiguous tokens, caches of one layout.
-        """
-        start = kv_caches[0].length
-        tokens = tokens.contiguous()  # (batch, 1): generate passes a column of its output
-        position = torch.full((1,), start, dtype=torch.long, device=tokens.device)  # (1,)
-        ks, vs = [c.k for c in kv_caches], [c.v for c in kv_caches]
-        for buf in (*ks, *vs, tokens):
-            # batch and capacity symbolic from the first compile (a one-row batch stays its own graph),
-            # so that another length of generation does not compile again
-            torch._dynamo.maybe_mark_dynamic(buf, 0)
-            if buf.dim() == 4:
-                torch._dynamo.maybe_mark_dynamic(buf, 2)
-        signature = self.signature(tokens, kv_caches)
-        if signature in self.warmed:
-            with torch.compiler.set_stance(skip_guard_eval_unsafe=True):
-                logits = self._step(tokens, position, ks, vs)
-        else:
-            logits = self._step(tokens, position, ks, vs)
-            self.warmed.add(signature)
-        for cache in kv_caches:
-            cache.length = start + 1
-        return logits
-
-
-#: one compiled step per Decoder (weakly: it dies with its model), with the parameters it was built on
-_COMPILED: weakref.WeakKeyDictionary[Decoder, tuple[tuple[Any, ...], CompiledDecodeStep]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def compiled_step(model: Decoder, pack_rows: int | None) -> CompiledDecodeStep | None:
-    """``model``'s :class:`CompiledDecodeStep` (None where one-token steps take ``forward``'s general
-    path): the one kept from an earlier call while the model's parameters are the same tensors and the
-    packing is the same, else a new one."""
-    if not model._decode_step_ok():  # training, a block without the step, or an active hook point
-        return None
-    key = (pack_rows, *(id(p) for p in model.parameters()))
-    kept = _COMPILED.get(model)
-    if kept is not None and kept[0] == key:
-        return kept[1]
-    plan = model.decode_plan(pack_rows)
-    if plan is None:
-        return None
-    step = CompiledDecodeStep(plan)
-    _COMPILED[model] = (key, step)
-    return step
 
 
 def _stack_of(kv_caches: list[KVCache], start: int) -> tuple[Tensor, Tensor] | None:

@@ -7,12 +7,13 @@ public methods (``forward`` with ``kv_caches`` and ``positions``, ``blocks``, ``
 from __future__ import annotations
 
 import math
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from .decoding import choose_pack_rows, compiled_step, generation_caches
+from .decoding import choose_pack_rows, generation_caches
 from .inputs import check_left_padding, check_tokens
 from .kernels import native as native_step
 from .kernels.cpu import forced
@@ -73,14 +74,9 @@ def generate(
             ``forward``'s to float32 rounding rather than bit for bit. None (default) packs at batch
             >= 2 for at least 32 MiB of float32 weights whose copy fits in half the available
             memory; True always (ValueError without MKL); False never.
-        compile: run the cached steps compiled (:class:`headspace.decoding.CompiledDecodeStep`,
-            ``torch.compile(fullgraph=True)``, inductor: needs a C++ compiler). The first call for a
-            model compiles (up to a minute for SmolLM2) and later calls reuse it. On SmolLM2 at batch
-            1 it took 0.89x-1.03x the Python step's time on a 2-core CPU (benchmarks/decode.py), and
-            more than the native step's (25.6 against 23.1 ms): hence opt-in. Logits agree with the
-            eager step's to float32 rounding.
-            It does not pack weights (``prepack=True`` with it is refused), so at batch >= 2 the
-            eager packed step is the faster one.
+        compile: accepted for code written for earlier versions, and ignored with a FutureWarning:
+            the inductor-compiled step it ran was slower than the native step
+            (``docs/benchmarks.md``) and was removed.
         native: run the cached steps' blocks in one C++ call each (:mod:`headspace.kernels.native`):
             the same arithmetic as the Python step, so the same logits bit for bit, without its ~25
             Python-level calls per block (SmolLM2 at batch 1: ~3 ms of a ~26 ms token). For float32
@@ -89,8 +85,7 @@ def generate(
             (default) uses it once built: the first call starts compiling it in the background
             (~10 s with the system's C++ compiler, once per machine: the library is cached) and
             decodes in Python meanwhile; without a compiler it stays Python (one warning). True builds
-            it first and waits (RuntimeError where it cannot be built; ``compile=True`` with it is
-            refused); False never uses it.
+            it first and waits (RuntimeError where it cannot be built); False never uses it.
 
     Returns:
         [batch, prompt_len + new]: the prompts (padding included, as given) followed by the sampled
@@ -117,10 +112,12 @@ def generate(
         raise TypeError(
             f"native must be None (once built), True or False; got {type(native).__name__} {native!r}"
         )
-    if native and compile:
-        raise ValueError(
-            "native=True and compile=True do not combine (two ways of running the step without Python "
-            "between its operations); pick one"
+    if compile:
+        warnings.warn(
+            "generate(compile=True) is ignored: the compiled decoding step was removed (the native "
+            "step is faster); decoding runs the default step",
+            FutureWarning,
+            stacklevel=2,
         )
     check_tokens(tokens, self.config, check_length=key_padding is None, device=self.tok_embed.weight.device)
     batch, prompt_len = tokens.shape
@@ -133,13 +130,6 @@ def generate(
         if bool(key_padding.all()):
             key_padding = None  # nothing padded: the unmasked path, as without key_padding
     pack_rows = choose_pack_rows(self, batch, prepack)  # checks prepack
-    if compile:
-        if prepack:
-            raise ValueError(
-                "prepack=True and compile=True do not combine (inductor cannot lower MKL's packed "
-                "linear); pick one: compile=True for batch 1, prepack for batches of 2 and more"
-            )
-        pack_rows = None
     if native:
         if not native_step.build():
             raise RuntimeError(
@@ -191,9 +181,9 @@ def generate(
             if pos + 1 == total:
                 break
             if not planned:
-                plan = compiled_step(self, pack_rows) if compile else self.decode_plan(pack_rows)
+                plan = self.decode_plan(pack_rows)
                 planned = True
-                if not compile and plan is not None:
+                if plan is not None:
                     # None: the native step once built, unless its fallback is forced (kernels.cpu)
                     use_native = native is True or (native is None and not forced("native"))
                     plan.use_native = use_native  # type: ignore[union-attr]
