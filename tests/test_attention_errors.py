@@ -1,4 +1,4 @@
-"""The bad-input contract of MultiHeadAttention (DESIGN.md, items 1-9 and 11).
+"""The bad-input contract of MultiHeadAttention (docs/design.md, the bad-input contract, items 1-9 and 11).
 
 Every error is checked for its type and for its message: it must name the argument, say what was
 expected and show what came. Device mismatches use the ``meta`` device, so they run on a CPU-only box.

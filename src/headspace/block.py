@@ -496,7 +496,7 @@ class TransformerBlock(nn.Module):
 
     @property
     def decode_supported(self) -> bool:
-        """Whether :meth:`decode_step` may stand in for :meth:`forward` (pre-norm, fused self-attention
+        """Whether :func:`decode_layer_rows` may stand in for :meth:`forward` (pre-norm, fused self-attention
         with :class:`~headspace.MultiHeadAttention`'s own forward, no ``check_finite``)."""
         a = self.attn
         return (
@@ -518,42 +518,6 @@ class TransformerBlock(nn.Module):
         if self.attn.hooks_active:
             return False
         return not any(isinstance(m, HookPoint) and m.active for m in self.mlp._modules.values())
-
-    def decode_step(self, x: Tensor, kv_cache: KVCache, cos: Tensor | None, sin: Tensor | None) -> Tensor:
-        """One decoding step of a pre-norm block: :meth:`forward` for one new position after the cache,
-        without the per-call checks and mask building (the caller checked once for every block).
-
-        Same operations in the same order as :meth:`forward` with ``is_causal=False`` (one query after
-        the cached keys sees every key) and no mask, hook or dropout: the fused QKV projection, q and k
-        rotated together (``cos``/``sin`` from :func:`~headspace.attention.rotary_tables` for the new
-        position, None without rotary), the keys and values appended to ``kv_cache``, SDPA, W_O, the
-        MLP. Used by :meth:`headspace.Decoder.hidden_states` when every block supports it
-        (:attr:`decode_supported`), in eval mode, with no active hook point, no ``key_padding`` and no
-        explicit ``positions``.
-
-        Notation used for tensor shapes:
-            batch, d_model, n_heads, n_kv_heads, d_head.
-
-        Args:
-            x: [batch, 1, d_model], the residual stream of the new position.
-            kv_cache: this block's cache (its length the new position's index).
-            cos, sin: [1, 1, 1, rotary_dim] each (None without rotary).
-
-        Returns:
-            [batch, 1, d_model].
-        """
-        B = x.shape[0]
-        o_weight = self.attn.o_weight
-        kv_cache.check(B, 1, o_weight.dtype, o_weight.device)
-        if cos is not None and sin is not None:
-            cos, sin = cos.squeeze(2), sin.squeeze(2)  # (1, 1, rotary_dim): over (batch, heads, d_head)
-        return self.decode_rows(x.reshape(B, self.d_model), kv_cache, cos, sin).view(B, 1, self.d_model)
-
-    def decode_rows(self, x: Tensor, kv_cache: KVCache, cos: Tensor | None, sin: Tensor | None) -> Tensor:
-        """:meth:`decode_step` on the rows ``x`` [batch, d_model] (returns [batch, d_model]), for a caller
-        that ran ``kv_cache.check(batch, 1, ...)``; ``cos``/``sin`` [1, 1, rotary_dim] (None without
-        rotary): :func:`decode_layer_rows` of :meth:`decoding_layer`."""
-        return decode_layer_rows(self.decoding_layer(), x, kv_cache, cos, sin)
 
     def decoding_layer(self, pack_rows: int | None = None) -> DecodingLayer:
         """This block's decoding step flattened: its weights, biases, norms and activation resolved once

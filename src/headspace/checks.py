@@ -1,4 +1,4 @@
-"""Small checks shared by every module that refuses bad values (see DESIGN.md, the bad-input contract).
+"""Small checks shared by every module that refuses bad values (docs/design.md, the bad-input contract).
 
 Each ``check_*`` raises ``ValueError`` whose message names the argument, what was expected and what came;
 ``bool`` is never accepted as a number (``True`` is an ``int`` in Python, never a meaningful size).
@@ -27,13 +27,6 @@ def check_positive_int(name: str, value: Any, *, note: str = "") -> int:
     """``value`` must be an int > 0: ``"{name} must be a positive int{note}; got {value!r}"``."""
     if not is_int(value) or value <= 0:
         raise ValueError(f"{name} must be a positive int{note}; got {value!r}")
-    return value
-
-
-def check_int_at_least(name: str, value: Any, low: int, *, note: str = "") -> int:
-    """``value`` must be an int >= ``low``: ``"{name} must be an int >= {low}{note}; got {value!r}"``."""
-    if not is_int(value) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}{note}; got {value!r}")
     return value
 
 

@@ -327,11 +327,6 @@ class HeadParallelAttention(nn.Module):
         """The layer's :class:`~headspace.positions.Rotary` (None without rotary positions): the shard's."""
         return self.local.rotary
 
-    @property
-    def o_weight_local(self) -> Tensor:
-        """This rank's columns of ``o_weight`` [d_model, n_local_heads d_head]."""
-        return self.local.o_weight
-
     def make_kv_cache(self, batch: int, capacity: int) -> KVCache:
         """A KV cache for this rank's key/value heads (self-attention decoding)."""
         return self.local.make_kv_cache(batch, capacity)

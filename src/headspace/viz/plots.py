@@ -199,27 +199,6 @@ def plot_overlap(
     return _save(fig, path)
 
 
-def plot_spectra(
-    spectra: Sequence[ArrayLike], path: str | Path, *, title: str = "", labels: Sequence[str] | None = None
-) -> Path:
-    """Singular values of several circuits (one line each, log scale)."""
-    fig, ax = plt.subplots(figsize=(6.5, 4))
-    for i, s in enumerate(spectra):
-        v = _np(s)
-        ax.semilogy(
-            range(1, len(v) + 1),
-            np.clip(v, 1e-12, None),
-            lw=1,
-            label=labels[i] if labels is not None else None,
-        )
-    ax.set_xlabel("singular value index")
-    ax.set_ylabel("singular value")
-    ax.set_title(title or "circuit spectra")
-    if labels is not None and len(labels) <= 16:
-        ax.legend(fontsize=6, ncol=2)
-    return _save(fig, path)
-
-
 def plot_circuit_spectra(
     qk: Sequence[ArrayLike] | ArrayLike,
     ov: Sequence[ArrayLike] | ArrayLike,
