@@ -26,7 +26,13 @@ Candidates, timed in rounds that alternate between them (``headspace.bench.round
   int8 weights, written as torch ops: quantise, ``torch._int_mm`` (int32 sums), dequantise
   (``acc * s_t * s_w + b``). torch documents shape limits for it (more than 16 rows, sizes multiples of
   8): those are CUDA's; the CPU kernel takes any shape. A candidate whose call raises on a shape is
-  reported ``cannot run: <the error>`` there, and the rest of the table still runs.
+  reported ``cannot run: <the error>`` there, and the rest of the table still runs;
+* ``headspace int8 fallback``: ``int8_linear`` with its fallback forced (``headspace.kernels.cpu``): what
+  a CPU whose int8 kernels do not sum exactly runs (no VNNI): the same quantised activations as a float32
+  GEMM by the dequantised weight.
+
+The CPU and the branch each precision takes here (``headspace.kernels.cpu.report()``) are printed and
+saved with the table.
 
 Each timing is a block of calls (as many as fill ~``--block-ms``, counted once per candidate and shape)
 divided by its length; per candidate and shape the table gives the median and the min / max over
@@ -64,12 +70,13 @@ from tqdm import tqdm
 
 from headspace.bench import machine_info, round_robin, spread
 from headspace.fileio import write_json
+from headspace.kernels.cpu import force_fallback, report
 from headspace.kernels.int8 import Int8Weight, int8_linear, quantize_weight
 
 RESULTS = Path(__file__).resolve().parent / "results"
 """The published results (committed); runs without --save write to RESULTS / "local"."""
 
-CANDIDATES = ("float32", "headspace int8", "torchao int8 dynamic", "torch._int_mm")
+CANDIDATES = ("float32", "headspace int8", "headspace int8 fallback", "torchao int8 dynamic", "torch._int_mm")
 NOT_INSTALLED = "not installed"
 
 # (group, tokens, [(in, out), ...], bias, hidden-input kind)
@@ -136,6 +143,12 @@ def _int_mm_linear(w: Tensor, b: Tensor | None) -> Callable[[Tensor], Tensor]:
     return linear
 
 
+def _forced_fallback(x: Tensor, w: Int8Weight, b: Tensor | None) -> Tensor:
+    """headspace's int8 product as a CPU whose int8 kernels are not exact runs it (kernels/cpu.py)."""
+    with force_fallback("int8"):
+        return int8_linear(x, w, b)
+
+
 def _block(fn: Callable[[Tensor], Tensor], x: Tensor, block_s: float) -> tuple[Callable[[], None], int]:
     """A callable running ``fn(x)`` n times, n chosen so that one block takes about ``block_s``."""
     fn(x)  # warm-up: packing, first-call allocations
@@ -171,6 +184,7 @@ def _shape_rows(
     fns: dict[str, Callable[[Tensor], Tensor] | str] = {
         "float32": lambda x: F.linear(x, w, b),
         "headspace int8": lambda x: int8_linear(x, wi, b),
+        "headspace int8 fallback": lambda x: _forced_fallback(x, wi, b),
     }
     ao = _torchao_linear(w, b)
     fns["torchao int8 dynamic"] = NOT_INSTALLED if ao is None else ao
@@ -287,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         for i, (grp, tokens, n_in, n_out, bias, kind) in enumerate(tqdm(jobs, desc="shapes", unit="shape")):
             rows.extend(_shape_rows(grp, tokens, n_in, n_out, bias, kind, a, seed=i))
 
+    print(f"\nthis CPU (headspace.kernels.cpu.report()): {report()}")
     print(f"\nint8 linear kernels vs float32 F.linear, {a.threads} thread(s), {a.rounds} rounds alternating; "
           "ms per call (median, min, max); error: max |y - ref| / max |ref|, ref in float64\n")  # fmt: skip
     print("| shape | candidate | median ms | min ms | max ms | vs float32 | max rel error |")
@@ -304,6 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": a.rounds,
         "block_ms": a.block_ms,
         "quick": a.quick,
+        "cpu": report(),
         "candidates": list(CANDIDATES),
         "rows": rows,
         "conclusions": conclusions,

@@ -397,11 +397,18 @@ def test_int8_kernels_script_tiny_shapes(
     doc = json.loads(out.read_text())
     rows = doc["rows"]
     assert doc["benchmark"] == "int8_kernels" and doc["quick"] and doc["rounds"] == 2
-    candidates = ["float32", "headspace int8", "torchao int8 dynamic", "torch._int_mm"]
+    candidates = [
+        "float32",
+        "headspace int8",
+        "headspace int8 fallback",
+        "torchao int8 dynamic",
+        "torch._int_mm",
+    ]
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     assert [r["candidate"] for r in rows] == candidates * len(shapes)
     status = {c: {r["status"] for r in rows if r["candidate"] == c} for c in candidates}
-    assert status["float32"] == status["headspace int8"] == {"ok"}
+    assert status["float32"] == status["headspace int8"] == status["headspace int8 fallback"] == {"ok"}
+    assert doc["cpu"]["aten_capability"] == torch.backends.cpu.get_cpu_capability()
     assert status["torchao int8 dynamic"] == ({"ok"} if have_torchao else {"not installed"})
     if torchao == "hidden":
         (said,) = status["torch._int_mm"]
