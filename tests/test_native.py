@@ -582,3 +582,43 @@ def test_a_background_build_says_so_once_and_is_stopped_at_exit(tmp_path: Path) 
         "headspace: stopped the native decoding step's unfinished build at exit",
     ]
     assert not list((tmp_path / "cache").rglob("*.tmp*"))
+
+
+def test_cli_native_build_and_status(fresh_state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from headspace.cli import cli
+
+    monkeypatch.setenv("CXX", "false")  # fails
+    lib = native.library_path()
+    res = CliRunner().invoke(cli, ["native", "status"])
+    assert res.exit_code == 0 and res.stdout.splitlines() == ["not built", str(lib)]
+    res = CliRunner().invoke(cli, ["native", "build"])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.splitlines()[-1] == (
+        "error: the native decoding step is not loaded: expected loaded, got failed: "
+        f"{native.compiler()} exited with 1: (no output)"
+    )
+    monkeypatch.setattr(native, "_state", {"status": "not built", "thread": None, "warned": False})
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    lib.write_text("x")  # as if built
+    lib.chmod(0o644)
+    res = CliRunner().invoke(cli, ["native", "status"])
+    assert res.exit_code == 0 and res.stdout.splitlines() == ["built", str(lib)]
+
+
+@needs_compiler
+def test_cli_native_build_loads(
+    fresh_state: Path, built_library: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from click.testing import CliRunner
+
+    from headspace.cli import cli
+
+    monkeypatch.setenv("CXX", fake_compiler(fresh_state, f'cp "{built_library}" "$out"'))
+    res = CliRunner().invoke(cli, ["native", "build"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.splitlines() == ["loaded", str(native.library_path())]
+    assert res.stderr.startswith("building the native decoding step into ")
+    res = CliRunner().invoke(cli, ["native", "build"])  # a second time: nothing to build
+    assert res.exit_code == 0 and res.stderr == "" and res.stdout.splitlines()[0] == "loaded"
