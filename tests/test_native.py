@@ -400,7 +400,12 @@ def python(code: str, cache: Path, **env: str) -> subprocess.Popen[str]:
         **env,
     }
     return subprocess.Popen(
-        [sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,  # closed by communicate()
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
     )
 
 
@@ -478,17 +483,18 @@ def test_a_script_that_exits_leaves_no_compiler_and_no_temporary_file(tmp_path: 
 @pytest.mark.parametrize("how", ["exit", "kill -9"])
 def test_a_build_stopped_while_writing_its_output_leaves_nothing(tmp_path: Path, how: str) -> None:
     # the "compiler" writes its output, then waits in a process of its own (as a linker or cc1plus would)
-    cxx = fake_compiler(tmp_path, 'echo half > "$out"\nsleep 120 &\nwait')
+    started = tmp_path / "started"
+    cxx = fake_compiler(tmp_path, f'echo half > "$out"\nsleep 120 &\ntouch "{started}"\nwait')
     cache = tmp_path / "cache"
     code = (
-        "import sys, time\nfrom headspace.kernels import native\nnative.start_build()\n"
-        "while not list(native.cache_dir().rglob('*.tmp.so')):\n    time.sleep(0.05)\n"
-        "print('writing', flush=True)\n" + ("time.sleep(600)\n" if how == "kill -9" else "")
+        "import sys, time\nfrom pathlib import Path\nfrom headspace.kernels import native\n"
+        f"native.start_build()\nwhile not Path({str(started)!r}).exists():\n    time.sleep(0.05)\n"
+        "print('writing', flush=True)\nsys.stdin.readline()\n"  # exits once told to (or is killed)
     )
     proc = python(code, cache, CXX=cxx)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
-    wait_until(lambda: any(c.startswith("sleep") for c in build_processes(cache)), 10)
     assert len(list(cache.rglob("*.tmp.so"))) == 1
+    assert any(c.startswith("sleep") for c in build_processes(cache))
     if how == "kill -9":
         proc.kill()  # no atexit: the builder sees the parent's end of its pipe close
     proc.communicate(timeout=60)
