@@ -9,7 +9,9 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -362,3 +364,292 @@ def test_a_forced_native_fallback_decodes_in_python(built: None, monkeypatch: py
         assert torch.equal(model.generate(prompt, 5, temperature=0), want)
     assert calls == []  # the Python step ran every token
     assert torch.equal(model.generate(prompt, 5, temperature=0), want) and calls  # and the native one
+
+
+# ------------------------------------------------------------------------ building: lock, exit, ownership
+posix_only = pytest.mark.skipif(
+    sys.platform == "win32" or not hasattr(os, "getuid"),
+    reason="the build's lock and process groups are POSIX",
+)
+has_proc = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="finds processes through /proc")
+
+
+def fake_compiler(folder: Path, body: str) -> str:
+    """An executable standing for the C++ compiler: ``$out`` is the file after ``-o``; ``body`` runs."""
+    script = folder / "fake-cxx"
+    script.write_text(
+        '#!/bin/sh\nout=""; prev=""\nfor a in "$@"; do [ "$prev" = "-o" ] && out="$a"; prev="$a"; done\n'
+        + body
+        + "\n"
+    )
+    script.chmod(0o755)
+    return str(script)
+
+
+def build_processes(cache: Path) -> list[str]:
+    """The command lines of running processes a build into ``cache`` started (or is): the builder, the
+    compiler and every process under it (they carry native._native_build's marker in their environment
+    or name the cache on their command line)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile, or not ours
+            continue
+        marked = any(e.startswith(b"HEADSPACE_NATIVE_BUILD=" + str(cache).encode()) for e in environ)
+        ours = str(cache).encode() in cmdline and (
+            b"_native_build.py" in cmdline or str(native.SOURCE).encode() in cmdline
+        )
+        if marked or ours:
+            found.append(cmdline.decode(errors="replace"))
+    return found
+
+
+def wait_until(what: Callable[[], bool], timeout_s: float = 60.0) -> None:
+    """Poll ``what`` until it holds; fail past ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not what():
+        assert time.monotonic() < deadline, f"timed out waiting for {what.__doc__ or what}"
+        time.sleep(0.05)
+
+
+def python(code: str, cache: Path, **env: str) -> subprocess.Popen[str]:
+    env = {
+        **os.environ,
+        "HEADSPACE_CACHE": str(cache),
+        # this checkout's headspace in the child too
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, (str(Path(native.__file__).parents[2]), os.environ.get("PYTHONPATH")))
+        ),
+        **env,
+    }
+    return subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdin=subprocess.PIPE,  # closed by communicate()
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+
+
+@pytest.fixture(scope="module")
+def built_library(built: None) -> Path:
+    """The session's build (in its cache, before any test's fresh_state moves it): what fake compilers
+    "produce"."""
+    return native.library_path()
+
+
+@needs_compiler
+@posix_only
+@has_proc
+def test_two_processes_building_at_once_compile_once(tmp_path: Path, built_library: Path) -> None:
+    real = built_library  # what the one compile "produces"
+    count, release = tmp_path / "compiles", tmp_path / "release"
+    cxx = fake_compiler(
+        tmp_path,
+        f'echo compile >> "{count}"\n'
+        f'i=0; while [ ! -e "{release}" ] && [ $i -lt 600 ]; do sleep 0.1; i=$((i+1)); done\n'
+        f'cp "{real}" "$out"',
+    )
+    cache = tmp_path / "cache"
+    code = (
+        "from headspace.kernels import native; native.build(); "
+        "print(native.status(), native._state.get('outcome'))"
+    )
+    first = python(code, cache, CXX=cxx)
+    wait_until(lambda: count.is_file())  # the first build compiles, holding the lock
+    second = python(code, cache, CXX=cxx)
+    wait_until(lambda: sum("_native_build.py" in c for c in build_processes(cache)) == 2)  # both builders
+    time.sleep(0.5)  # the second's builder tries the lock a few times meanwhile
+    release.touch()
+    outs = [p.communicate(timeout=120) for p in (first, second)]
+    assert [p.returncode for p in (first, second)] == [0, 0], outs
+    assert [o.split() for o, _ in outs] == [["loaded", "compiled"], ["loaded", "found"]]
+    assert count.read_text().splitlines() == ["compile"]  # exactly one compile
+    assert not list(cache.rglob("*.tmp*"))
+
+
+@needs_compiler
+@posix_only
+@has_proc
+def test_a_script_that_exits_leaves_no_compiler_and_no_temporary_file(tmp_path: Path) -> None:
+    code = (
+        "import os, time\nfrom pathlib import Path\nfrom headspace.kernels import native\n"
+        "native.start_build()\n"
+        "def compiling():\n"
+        "    for pid in filter(str.isdigit, os.listdir('/proc')):\n"
+        "        try:\n"
+        "            mark = b'HEADSPACE_NATIVE_BUILD=' + str(native.cache_dir()).encode()\n"
+        "            if mark in Path(f'/proc/{pid}/environ').read_bytes() \\\n"
+        "                    and b'cc1' in Path(f'/proc/{pid}/cmdline').read_bytes():\n"
+        "                return True\n"
+        "        except OSError:\n"
+        "            pass\n"
+        "    return False\n"
+        "deadline = time.monotonic() + 60\n"
+        "while not compiling() and time.monotonic() < deadline:\n"
+        "    time.sleep(0.05)\n"
+        "print(native.status(), compiling())\n"
+    )  # exits while the compiler (its cc1plus) runs
+    done = python(code, tmp_path)
+    out, err = done.communicate(timeout=120)
+    assert done.returncode == 0, err
+    assert out.split() == ["building", "True"]
+    assert err.count("headspace: building the native decoding step in the background") == 1
+    assert err.count("headspace: stopped the native decoding step's unfinished build at exit") == 1
+    assert build_processes(tmp_path) == []  # gone by the time the script has exited
+    assert not list(tmp_path.rglob("*.tmp*")) and not list(tmp_path.rglob("*.so"))
+
+
+@posix_only
+@has_proc
+@pytest.mark.parametrize("how", ["exit", "kill -9"])
+def test_a_build_stopped_while_writing_its_output_leaves_nothing(tmp_path: Path, how: str) -> None:
+    # the "compiler" writes its output, then waits in a process of its own (as a linker or cc1plus would)
+    started = tmp_path / "started"
+    cxx = fake_compiler(tmp_path, f'echo half > "$out"\nsleep 120 &\ntouch "{started}"\nwait')
+    cache = tmp_path / "cache"
+    code = (
+        "import sys, time\nfrom pathlib import Path\nfrom headspace.kernels import native\n"
+        f"native.start_build()\nwhile not Path({str(started)!r}).exists():\n    time.sleep(0.05)\n"
+        "print('writing', flush=True)\nsys.stdin.readline()\n"  # exits once told to (or is killed)
+    )
+    proc = python(code, cache, CXX=cxx)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "writing"
+    assert len(list(cache.rglob("*.tmp.so"))) == 1
+    assert any(c.startswith("sleep") for c in build_processes(cache))
+    if how == "kill -9":
+        proc.kill()  # no atexit: the builder sees the parent's end of its pipe close
+    proc.communicate(timeout=60)
+
+    def cleaned() -> bool:
+        """the builder, the fake compiler and its sleep gone, and the temporary file"""
+        return not build_processes(cache) and not list(cache.rglob("*.tmp*"))
+
+    wait_until(cleaned, 10)
+    assert not list(cache.rglob("*.so"))
+
+
+def test_stale_temporary_files_are_removed_by_the_next_build(fresh_state: Path) -> None:
+    cxx = fake_compiler(fresh_state, 'echo built > "$out"')
+    lib = native.library_path(cxx)
+    lib.parent.mkdir(parents=True)
+    ours = lib.parent / f"{lib.stem}.99999.tmp.so"  # a killed builder's, of this very library
+    old, young = (lib.parent / f"headspace_decode_rows_{n * 20}.x.tmp.so" for n in "01")  # other versions'
+    for f in (ours, old, young):
+        f.write_text("half")
+    os.utime(old, (1, 1))  # older than any build's time limit
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("CXX", cxx)
+        native.build()  # (the text "built" is no library: loaded only where this process has the op)
+    assert lib.read_text() == "built\n"
+    assert sorted(p.name for p in lib.parent.glob("*.tmp.so")) == [young.name]
+
+
+@posix_only
+@pytest.mark.parametrize("where", ["the cache root", "native/"])
+def test_no_build_into_a_folder_others_could_write(
+    fresh_state: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    count = fresh_state / "compiles"
+    cxx = fake_compiler(fresh_state, f'echo compile >> "{count}"\necho x > "$out"')
+    monkeypatch.setenv("CXX", cxx)
+    root = fresh_state / "cache"
+    monkeypatch.setenv("HEADSPACE_CACHE", str(root))
+    folder = root if where == "the cache root" else root / "native"
+    folder.mkdir(parents=True)
+    folder.chmod(0o777)  # anyone could put a library there, or replace one being built
+    assert not native.build()
+    assert native.status() == (
+        f"failed: {folder} belongs to another user or is writable by others, so the native step is not "
+        "built into it (make it yours and not writable by others, or point HEADSPACE_CACHE at a folder "
+        "of your own)"
+    )
+    assert not count.exists() and not list(root.rglob("*.so"))  # nothing compiled
+
+
+@posix_only
+@pytest.mark.parametrize("where", ["the cache root", "native/"])
+def test_a_library_in_a_folder_others_could_write_is_not_loaded(
+    fresh_state: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    root = fresh_state / "cache"
+    folder = root if where == "the cache root" else root / "native"
+    # built as the folder turns writable by others (the check is the loader's, not only the builder's)
+    cxx = fake_compiler(fresh_state, f'echo x > "$out"\nchmod 777 "{folder}"')
+    monkeypatch.setenv("CXX", cxx)
+    monkeypatch.setenv("HEADSPACE_CACHE", str(root))
+    assert not native.build()
+    lib = native.library_path()
+    assert lib.is_file()  # built, not loaded
+    assert native.status() == (
+        f"failed: {folder} belongs to another user or is writable by others, so {lib.name} was not loaded "
+        "(make it yours and not writable by others, or point HEADSPACE_CACHE at a folder of your own)"
+    )
+    monkeypatch.setattr(native, "_state", {"status": "not built", "thread": None, "warned": False})
+    native.start_build()  # found by a later process: refused too
+    assert not native.ready(warn=False) and native.status().startswith(f"failed: {folder} belongs to")
+
+
+@posix_only
+def test_a_background_build_says_so_once_and_is_stopped_at_exit(tmp_path: Path) -> None:
+    cxx = fake_compiler(tmp_path, "sleep 120")
+    code = (
+        "import torch\nfrom headspace import Decoder, ModelConfig\n"
+        "m = Decoder(ModelConfig(arch='decoder', vocab_size=13, d_model=12, n_layers=1, n_heads=2, d_mlp=8,"
+        " max_seq_len=16, positions='rotary', norm_kind='rmsnorm', mlp_kind='gated', act='silu'))\n"
+        "for _ in range(2):\n    m.generate(torch.tensor([[1, 2]]), 3, temperature=0)\n"
+        "from headspace.kernels import native\nprint(native.status())\n"
+    )
+    proc = python(code, tmp_path / "cache", CXX=cxx)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    assert out.strip() == "building"  # two calls decoded in Python meanwhile
+    lines = err.strip().splitlines()
+    assert [line.split(" (")[0] for line in lines] == [
+        f"headspace: building the native decoding step in the background into {tmp_path / 'cache'}",
+        "headspace: stopped the native decoding step's unfinished build at exit",
+    ]
+    assert not list((tmp_path / "cache").rglob("*.tmp*"))
+
+
+def test_cli_native_build_and_status(fresh_state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from click.testing import CliRunner
+
+    from headspace.cli import cli
+
+    monkeypatch.setenv("CXX", "false")  # fails
+    lib = native.library_path()
+    res = CliRunner().invoke(cli, ["native", "status"])
+    assert res.exit_code == 0 and res.stdout.splitlines() == ["not built", str(lib)]
+    res = CliRunner().invoke(cli, ["native", "build"])
+    assert res.exit_code == 2 and res.stdout == ""
+    assert res.stderr.splitlines()[-1] == (
+        "error: the native decoding step is not loaded: expected loaded, got failed: "
+        f"{native.compiler()} exited with 1: (no output)"
+    )
+    monkeypatch.setattr(native, "_state", {"status": "not built", "thread": None, "warned": False})
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    lib.write_text("x")  # as if built
+    lib.chmod(0o644)
+    res = CliRunner().invoke(cli, ["native", "status"])
+    assert res.exit_code == 0 and res.stdout.splitlines() == ["built", str(lib)]
+
+
+@needs_compiler
+def test_cli_native_build_loads(
+    fresh_state: Path, built_library: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from click.testing import CliRunner
+
+    from headspace.cli import cli
+
+    monkeypatch.setenv("CXX", fake_compiler(fresh_state, f'cp "{built_library}" "$out"'))
+    res = CliRunner().invoke(cli, ["native", "build"])
+    assert res.exit_code == 0, res.output
+    assert res.stdout.splitlines() == ["loaded", str(native.library_path())]
+    assert res.stderr.startswith("building the native decoding step into ")
+    res = CliRunner().invoke(cli, ["native", "build"])  # a second time: nothing to build
+    assert res.exit_code == 0 and res.stderr == "" and res.stdout.splitlines()[0] == "loaded"

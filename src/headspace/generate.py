@@ -84,7 +84,8 @@ def generate(
             GELU; int8 weights take the Python step). None
             (default) uses it once built: the first call starts compiling it in the background
             (~10 s with the system's C++ compiler, once per machine: the library is cached) and
-            decodes in Python meanwhile; without a compiler it stays Python (one warning). True builds
+            decodes in Python meanwhile (a build unfinished at exit is stopped; ``headspace native
+            build`` builds it up front); without a compiler it stays Python (one warning). True builds
             it first and waits (RuntimeError where it cannot be built); False never uses it.
 
     Returns:

@@ -488,9 +488,10 @@ class Decoder(_Stack):
         return x
 
     def _decode_step_ok(self) -> bool:
-        """Whether one cached decoding step may take the flattened step (:func:`~headspace.block.decode_layer_rows`) in every block:
-        eval mode, every block a :class:`~headspace.block.TransformerBlock` that supports it, and no hook
-        point of the model with a function (checked on every call: hooks come and go)."""
+        """Whether one cached decoding step may take the flattened step
+        (:func:`~headspace.block.decode_layer_rows`) in every block: eval mode, every block a
+        :class:`~headspace.block.TransformerBlock` that supports it, and no hook point of the model with
+        a function (checked on every call: hooks come and go)."""
         if self.training or self.hook_embed.active:
             return False
         for b in self.blocks:

@@ -3,7 +3,8 @@
 * :mod:`.lesson`: ``explain``, ``heads``, ``subspaces`` (the lesson on real weights);
 * :mod:`.view`: ``view`` (the explorer page); :mod:`.train`: ``train``, ``plot-run``, ``generate``;
 * :mod:`.causal`: ``patch``, ``attribute`` (which heads cause the answer);
-* :mod:`.bench`: ``bench``; :mod:`.demo`: no command at all.
+* :mod:`.bench`: ``bench``; :mod:`.native`: ``native build``, ``native status``;
+* :mod:`.demo`: no command at all.
 
 Every command loads models through :func:`.loader.load_model` and reports user errors as one line on
 stderr with exit code 2 (:class:`~headspace.errors.UsageError`), never a traceback. Nothing here imports
@@ -21,6 +22,7 @@ from ..errors import UsageError
 from .bench import bench_cmd
 from .causal import COMMANDS as CAUSAL_COMMANDS
 from .lesson import COMMANDS as LESSON_COMMANDS
+from .native import COMMANDS as NATIVE_COMMANDS
 from .train import COMMANDS as TRAIN_COMMANDS
 from .view import view
 
@@ -65,7 +67,7 @@ def cli(ctx: click.Context) -> None:
         demo()
 
 
-for _command in (*LESSON_COMMANDS, *CAUSAL_COMMANDS, bench_cmd, view, *TRAIN_COMMANDS):
+for _command in (*LESSON_COMMANDS, *CAUSAL_COMMANDS, bench_cmd, view, *TRAIN_COMMANDS, *NATIVE_COMMANDS):
     cli.add_command(_command)
 
 

@@ -6,29 +6,52 @@ activation, the residual adds. The Python step (:func:`headspace.block.decode_la
 1.5-2.5 us of interpreter and argument parsing for each, ~2 ms a token. ``decode_rows.cpp`` (beside
 this file) makes the same roundings in one call per token: the products, attention, the norms' sums
 and the activation are the same ATen calls, and the elementwise steps around them float32 loops
-(compiled without fused multiply-adds), so its logits are the Python step's bit for bit (tested).
+(compiled with ``-O2 -ffp-contract=off``: no fused multiply-adds), so its logits are the Python
+step's bit for bit (tested).
 
-It is compiled on first use by the system's C++ compiler (``$CXX``, else ``c++``, ``g++`` or
-``clang++``) against the installed torch's headers (~10 s), into a cache folder
-(``$HEADSPACE_CACHE``, else ``$XDG_CACHE_HOME/headspace``, else ``~/.cache/headspace``) under a name
-hashed from the source, torch's version and the compiler, written atomically; later processes only
-load it. :func:`start_build` compiles in a background thread, so that the first
-:meth:`headspace.Decoder.generate` does not wait (its steps run in Python until the library is
-loaded); :func:`build` waits. Without a compiler, or where the build fails, decoding stays the Python
-step (one warning says why). ``HEADSPACE_NATIVE=0`` turns it off.
+How it is built:
+
+* By the system's C++ compiler (``$CXX``, else ``c++``, ``g++`` or ``clang++``) against the installed
+  torch's headers, into a cache folder (``$HEADSPACE_CACHE``, else ``$XDG_CACHE_HOME/headspace``, else
+  ``~/.cache/headspace``), at ``native/`` under a name hashed from the source, torch's version and the
+  compiler; later processes only load it. ``headspace native build`` (or :func:`build`) builds and
+  waits; the first :meth:`headspace.Decoder.generate` that could use it starts the build in the
+  background (:func:`start_build`, one line on stderr says so) and decodes in Python until it is done.
+* In a child process (``_native_build.py``) that holds an exclusive ``flock`` on the library's
+  ``.lock`` file: a second process building at once waits for it, then finds the library built (a
+  background build meanwhile decodes in Python). The kernel drops the lock when its holder dies.
+* The compiler does not outlive the process that started the build: at exit (``atexit``), or when the
+  process dies any other way (the child watches a pipe only the parent holds open), the child kills
+  the compiler's whole process group and removes the temporary output; the library appears only by
+  an atomic rename of a finished one. A build stopped so is started again the next time.
+* A library is loaded, and built, only where it and every folder from the cache root down to it
+  belong to the current user and are not writable by group or others (:func:`status` names the path
+  otherwise): code another user could have put there is never run.
+
+Without a compiler, or where the build fails, decoding stays the Python step (one warning says why).
+``HEADSPACE_NATIVE=0`` turns it off.
+
+Why not ``torch.utils.cpp_extension.load(..., is_python_module=False)`` (measured): it is not faster
+(the compile is the time: 13.5-15.7 s against 12.5-14.2 s for the one command here, 3 runs each, 2-core
+CPU), it needs ``ninja``, and its lock (``FileBaton``) is a file created with ``O_EXCL`` and removed
+by its holder: a build killed (by the kill at exit above, a Ctrl-C, the OOM killer) leaves it, and
+every later load waits on it forever (seen: a load after a ``kill -9`` mid-build hung, while the
+killed load's cc1plus ran on). Its hashed folder, the lock and the background build are kept here.
 """
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import shutil
+import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import warnings
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -36,13 +59,41 @@ from torch import Tensor
 
 SOURCE = Path(__file__).with_name("decode_rows.cpp")
 """The C++ source of ``torch.ops.headspace.decode_rows``."""
+BUILDER = Path(__file__).with_name("_native_build.py")
+"""The script the build runs in (a child process; see its docstring)."""
 LAYER_PARAMS, LAYER_INTS, LAYER_FLOATS = 19, 11, 3
 """What each block passes to the op (see the source's header): tensors, ints and floats."""
 BUILD_TIMEOUT_S = 600
+"""A build (waiting for another's lock included) is stopped past this."""
+STOP_WAIT_S = 10
+"""At exit, how long the builder is given to stop the compiler and clean up before it is killed."""
 
 _lock = threading.Lock()
 _state: dict[str, object] = {"status": "not built", "thread": None, "warned": False}
 _op = None  # torch.ops.headspace.decode_rows once loaded
+
+
+@dataclass
+class _Build:
+    """A builder child process this process started."""
+
+    proc: subprocess.Popen[str]
+    library: Path
+    watch: int | None  # the pipe's write end: open while this process lives; closed, the build stops
+    background: bool
+    thread: threading.Thread | None = None
+    _closing: threading.Lock = field(default_factory=threading.Lock)
+
+    def let_go(self) -> None:
+        """Close the pipe's write end (once): the builder, if still running, stops."""
+        with self._closing:
+            if self.watch is not None:
+                os.close(self.watch)
+                self.watch = None
+
+
+_builds: list[_Build] = []  # every build started here: stopped at exit where still running
+_announced = False
 
 
 def enabled() -> bool:
@@ -82,7 +133,7 @@ def library_path(cxx: str | None = None) -> Path:
     return cache_dir() / "native" / f"headspace_decode_rows_{key.hexdigest()[:20]}.so"
 
 
-def _command(cxx: str, out: Path) -> list[str]:
+def _command(cxx: str, out: Path | str) -> list[str]:
     from torch.utils.cpp_extension import include_paths
 
     lib = _torch_lib()
@@ -95,49 +146,146 @@ def _command(cxx: str, out: Path) -> list[str]:
     ]  # fmt: skip
 
 
-def _compile(path: Path, cxx: str) -> str | None:
-    """Compile the source into ``path`` (atomically: a temporary file renamed); the reason on failure."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=path.stem + ".", suffix=".tmp.so", dir=path.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run(
-            _command(cxx, Path(tmp)), capture_output=True, text=True, timeout=BUILD_TIMEOUT_S
-        )
-        if done.returncode != 0:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-3:]
-            return f"{cxx} exited with {done.returncode}: " + " / ".join(tail)
-        os.replace(tmp, path)
-        return None
-    except (OSError, subprocess.SubprocessError) as e:
-        return f"{cxx} could not run: {e}"
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+def _folders(path: Path, root: Path) -> list[Path]:
+    """The folders from ``root`` down to ``path``'s folder (``path``'s folder alone where ``root`` is
+    not above it)."""
+    chain = [path.parent]
+    while chain[-1] != root and chain[-1].parent != chain[-1] and root in chain[-1].parents:
+        chain.append(chain[-1].parent)
+    return chain[::-1]
 
 
-def _build_into(state: dict[str, object], path: Path, cxx: str) -> None:
-    """Compile (in the background thread), then say how it went in ``state`` (the dict the thread was
-    started for, so that a state replaced meanwhile is left alone)."""
-    reason = _compile(path, cxx)
-    with _lock:
-        state["status"] = "built" if reason is None else "failed"
-        state["reason"] = reason
+def _doubt(p: Path) -> bool:
+    """Whether ``p`` belongs to another user or is writable by group or others."""
+    st = p.stat()
+    return st.st_uid != os.getuid() or bool(st.st_mode & 0o022)
 
 
-def _untrusted(path: Path) -> str | None:
-    """Why a library found in the cache may not be loaded (it, or its folder, belongs to another user
-    or is writable by others: code someone else could have put there), or None."""
+def _untrusted(path: Path, root: Path | None = None) -> str | None:
+    """Why a library may not be loaded (it, or a folder from the cache root ``root`` down to it,
+    belongs to another user or is writable by others: code someone else could have put there), or
+    None."""
     if not hasattr(os, "getuid"):
         return None
-    for p in (path, path.parent):
-        st = p.stat()
-        if st.st_uid != os.getuid() or st.st_mode & 0o022:
+    for folder in _folders(path, cache_dir() if root is None else root):
+        if _doubt(folder):
             return (
-                f"{p} belongs to another user or is writable by others, so {path.name} was not loaded "
-                "(remove it, or point HEADSPACE_CACHE at a folder of your own)"
+                f"{folder} belongs to another user or is writable by others, so {path.name} was not "
+                "loaded (make it yours and not writable by others, or point HEADSPACE_CACHE at a folder "
+                "of your own)"
+            )
+    if _doubt(path):
+        return (
+            f"{path} belongs to another user or is writable by others, so {path.name} was not loaded "
+            "(remove it, or point HEADSPACE_CACHE at a folder of your own)"
+        )
+    return None
+
+
+def _prepare(path: Path) -> str | None:
+    """Make the folders from the cache root down to ``path``'s (new ones: the user's alone); why the
+    library may not be built there, or None."""
+    root = cache_dir()
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+        for folder in _folders(path, root):
+            if not folder.is_dir():
+                os.mkdir(folder, 0o700)
+    except OSError as e:
+        return f"could not make the folder {path.parent}: {e}"
+    if not hasattr(os, "getuid"):
+        return None
+    for folder in _folders(path, root):
+        if _doubt(folder):
+            return (
+                f"{folder} belongs to another user or is writable by others, so the native step is not "
+                "built into it (make it yours and not writable by others, or point HEADSPACE_CACHE at a "
+                "folder of your own)"
             )
     return None
+
+
+def _spawn(path: Path, cxx: str, background: bool) -> _Build:
+    """Start the builder child (in a session of its own; it stops when this process goes)."""
+    read, write = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-I", str(BUILDER), "--watch", str(read), "--timeout", str(BUILD_TIMEOUT_S),
+             str(path), "--", *_command(cxx, "@OUT@")],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            pass_fds=(read,), start_new_session=True,
+        )  # fmt: skip
+    except BaseException:
+        os.close(write)
+        raise
+    finally:
+        os.close(read)
+    build = _Build(proc, path, write, background)
+    if not _builds:
+        atexit.register(_stop_builds)
+    _builds.append(build)
+    return build
+
+
+def _wait_for(state: dict[str, object], build: _Build) -> None:
+    """Wait for the builder (in the background thread), then say how it went in ``state`` (the dict
+    the thread was started for, so that a state replaced meanwhile is left alone)."""
+    out, err = build.proc.communicate()
+    build.let_go()
+    rc = build.proc.returncode
+    if rc == 0:
+        reason = None
+    elif rc == 1 and err.strip():
+        reason = err.strip().splitlines()[-1]
+    elif rc == 3:
+        reason = "the build was stopped unfinished (this process let go of it)"
+    else:
+        reason = f"the build process ended with {rc} (expected 0, or 1 and why)"
+    with _lock:
+        state["status"] = "built" if reason is None else "failed"
+        state["reason"], state["outcome"] = reason, out.strip()
+
+
+def _stop_builds() -> None:
+    """At exit: stop every build still running (its compiler killed, no temporary file left)."""
+    stopped = False
+    for build in _builds:
+        if build.proc.poll() is not None:
+            continue
+        stopped |= build.background
+        build.let_go()  # the builder kills the compiler's group, removes its temporary file and exits
+        if build.thread is not None:
+            build.thread.join(STOP_WAIT_S)
+        try:
+            build.proc.wait(STOP_WAIT_S if build.thread is None else 0.1)
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(build.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            for tmp in build.library.parent.glob(f"{build.library.stem}.{build.proc.pid}.tmp.so"):
+                tmp.unlink(missing_ok=True)
+    if stopped:
+        print(
+            "headspace: stopped the native decoding step's unfinished build at exit (nothing left "
+            "behind); `headspace native build` builds it once for all",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _forget_builds() -> None:
+    """In a forked child: drop the parent's ends of the builders' pipes (a build stops when the parent
+    goes, not when the last fork does)."""
+    for build in _builds:
+        if build.watch is not None:
+            os.close(build.watch)
+            build.watch = None
+    _builds.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_builds)
 
 
 def status() -> str:
@@ -153,38 +301,65 @@ def status() -> str:
 
 
 def start_build() -> None:
-    """Load the library when it is built already, else start compiling it in a background thread
-    (once per process; nothing where it is off, loaded, building or failed)."""
+    """Find the library when it is built already, else start building it in a child process, waited
+    for by a background thread (once per process; nothing where it is off, loaded, building or
+    failed). A build it starts says so in one line on stderr (once per process) and is stopped when
+    the process exits unfinished."""
+    global _announced
+    if _start(background=True) and not _announced:
+        _announced = True
+        print(
+            f"headspace: building the native decoding step in the background into {cache_dir()} "
+            "(a C++ compile, once per machine; `headspace native build` does it up front); decoding "
+            "runs in Python meanwhile",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _start(background: bool) -> bool:
+    """:func:`start_build`'s work; whether it started a build."""
     if _op is not None or not enabled():
-        return
+        return False
     with _lock:
         if _state["status"] != "not built":
-            return
+            return False
         if sys.platform == "win32":
             _state["status"], _state["reason"] = "failed", "the native step is built on Linux and macOS only"
-            return
+            return False
         cxx = compiler()
         if cxx is None:
             _state["status"] = "failed"
             _state["reason"] = "no C++ compiler found (set CXX, or install g++ or clang++)"
-            return
+            return False
         path = library_path(cxx)
         _state["path"] = path
-        if path.is_file():
+        doubt = _prepare(path)
+        if doubt is None and path.is_file():
             doubt = _untrusted(path)
             _state["status"], _state["reason"] = ("built", None) if doubt is None else ("failed", doubt)
-            return
+            return False
+        if doubt is not None:
+            _state["status"], _state["reason"] = "failed", doubt
+            return False
+        try:
+            build = _spawn(path, cxx, background)
+        except OSError as e:
+            _state["status"], _state["reason"] = "failed", f"the build process could not start: {e}"
+            return False
         _state["status"] = "building"
         thread = threading.Thread(
-            target=_build_into, args=(_state, path, cxx), name="headspace-native-build", daemon=True
+            target=_wait_for, args=(_state, build), name="headspace-native-build", daemon=True
         )
-        _state["thread"] = thread
+        _state["thread"] = build.thread = thread
     thread.start()
+    return True
 
 
 def ready(*, warn: bool = True) -> bool:
-    """Whether the op is loaded; loads a finished build (in the calling thread). Cheap once loaded.
-    Where the build failed, the first call with ``warn`` warns once why (a RuntimeWarning)."""
+    """Whether the op is loaded; loads a finished build (in the calling thread) once it, and every
+    folder from the cache root down to it, passes the ownership check. Cheap once loaded. Where the
+    build failed, the first call with ``warn`` warns once why (a RuntimeWarning)."""
     global _op
     if _op is not None:
         return True
@@ -203,7 +378,14 @@ def ready(*, warn: bool = True) -> bool:
                     stacklevel=3,
                 )
             return False
-        path = _state["path"]
+        path = Path(str(_state["path"]))
+        try:
+            doubt = _untrusted(path)  # found or just built: checked where it is loaded
+        except OSError as e:
+            doubt = f"{path} could not be checked: {e}"
+        if doubt is not None:
+            _state["status"], _state["reason"] = "failed", doubt
+            return False
         try:
             # a namespace registers once per process (a second TORCH_LIBRARY aborts it): load a build
             # only where no library of this process registered the op already
@@ -227,9 +409,9 @@ def _registered() -> bool:
 
 
 def build() -> bool:
-    """Build (or load) the library now and wait for it; whether it is loaded (:func:`status` says why
-    not)."""
-    start_build()
+    """Build (or load) the library now and wait for it (for another process's build of it too);
+    whether it is loaded (:func:`status` says why not)."""
+    _start(background=False)
     thread = _state.get("thread")
     if isinstance(thread, threading.Thread):
         thread.join()
