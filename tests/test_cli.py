@@ -381,3 +381,56 @@ def test_spectra_picture_tells_qk_from_ov_for_every_head(runner, minilm, monkeyp
         assert panel["lines"] == ["QK = W_Q W_K^T", "OV = W_V W_O"]
     assert legend == ["QK = W_Q W_K^T", "OV = W_V W_O"]
     assert "singular value index" in xlabel and "singular value" in ylabel
+
+
+def test_registered_shapes_are_the_models_own(minilm, smollm2):
+    """registry.SHAPES lets the CLI check --layer/--head before loading: it must be the loaded shapes."""
+    from headspace.pretrained.registry import MODELS, SHAPES, registered_shape
+
+    assert set(SHAPES) == set(MODELS)
+    for name, model in (("minilm", minilm), ("smollm2", smollm2)):
+        cfg = model.model.config
+        assert SHAPES[name] == (cfg.n_layers, cfg.n_heads), name
+        assert registered_shape(name.upper()) == SHAPES[name]
+    assert registered_shape("./minilm") is None and registered_shape("/some/folder") is None
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (
+            ["explain", "--model", "smollm2", "--layer", "99"],
+            "layer 99 is out of range: valid layers are 0..29",
+        ),
+        (["explain", "--model", "smollm2", "--head", "9"], "head 9 is out of range: valid heads are 0..8"),
+        (["explain", "--layer", "6"], "layer 6 is out of range: valid layers are 0..5"),
+        (
+            ["subspaces", "--model", "smollm2", "--layer", "30"],
+            "layer 30 is out of range: valid layers are 0..29",
+        ),
+    ],
+)
+def test_layer_and_head_are_checked_before_a_registered_model_loads(monkeypatch, args, needle):
+    def no_load(spec):
+        raise AssertionError(f"{spec} was loaded before --layer/--head were checked")
+
+    monkeypatch.setattr(cli_lesson, "load_model", no_load)
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 2, res.output
+    assert res.output.strip() == f"error: {needle}"
+
+
+@pytest.mark.parametrize(
+    ("given", "meant"), [("smolm2", "smollm2"), ("SmolLM", "smollm2"), ("minlm", "minilm")]
+)
+def test_a_misspelled_model_name_suggests_the_registered_one(given, meant):
+    res = CliRunner().invoke(cli, ["explain", "--model", given])
+    assert res.exit_code == 2, res.output
+    line = res.output.strip()
+    assert line.startswith(f"error: unknown model {given!r} (did you mean {meant!r}?); known models:")
+    assert len(line.splitlines()) == 1
+    with pytest.raises(ValueError, match=rf"did you mean {meant!r}\?"):
+        headspace.load(given)
+    with pytest.raises(ValueError) as info:
+        headspace.load("nosuchmodel")
+    assert "did you mean" not in str(info.value)

@@ -36,6 +36,19 @@ def _check_range(name: str, value: int | None, n: int) -> None:
         raise UsageError(f"{name} {value} is out of range: valid {name}s are 0..{n - 1}")
 
 
+def _check_before_loading(model_spec: str, layer: int | None, head: int | None = None) -> None:
+    """--layer / --head against a registered model's known shape, before the model loads (a folder's
+    shape is known only from its config: it is checked after loading)."""
+    if layer is None and head is None:
+        return
+    from ..pretrained.registry import registered_shape
+
+    shape = registered_shape(model_spec)
+    if shape is not None:
+        _check_range("layer", layer, shape[0])
+        _check_range("head", head, shape[1])
+
+
 @click.command("explain")
 @click.argument("sentence", required=False, default=None)
 @click.option(
@@ -89,6 +102,7 @@ def explain_cmd(
     phrase (and follows its last token, where the copying heads look back)."""
     if out_dir is not None:
         check_writable_folder(out_dir)
+    _check_before_loading(model_spec, layer, head)
     pretrained = at_precision(load_model(model_spec), model_precision)
     cfg = pretrained.model.config
     _check_range("layer", layer, cfg.n_layers)
@@ -270,6 +284,7 @@ def subspaces_cmd(
     """Head x head subspace overlap per layer beside the random baseline, and the QK/OV spectra."""
     if out_dir is not None:
         check_writable_folder(out_dir)
+    _check_before_loading(model_spec, layer)
     pretrained = at_precision(load_model(model_spec), model_precision)
     _check_range("layer", layer, pretrained.model.config.n_layers)
     from ..analysis import circuit_spectra, subspace_overlaps

@@ -7,6 +7,7 @@ importing it. ``load(folder)`` reads ``config.json``'s ``model_type`` and picks 
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
@@ -62,6 +63,31 @@ MODELS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] = {
 }
 
 
+#: The shape (n_layers, n_heads) of each model in :data:`MODELS`, known without loading it, so that a
+#: command can refuse ``--layer 99`` at once (tests check it against the loaded models).
+SHAPES: dict[str, tuple[int, int]] = {
+    "minilm": (6, 12),  # all-MiniLM-L6-v2
+    "smollm2": (30, 9),  # SmolLM2-135M-Instruct (3 key/value heads)
+}
+
+
+def registered_shape(name: str | Path) -> tuple[int, int] | None:
+    """(n_layers, n_heads) of the registered model ``name`` (as :func:`load` reads it), else None.
+
+    None for a folder or anything else :func:`load` would not take as a name: its shape is known only
+    once its config is read.
+    """
+    if not isinstance(name, str) or _looks_like_path(name):
+        return None
+    return SHAPES.get(name.strip().lower())
+
+
+def did_you_mean(name: str) -> str:
+    """``" (did you mean 'smollm2'?)"`` when ``name`` is close to a registered name, else ``""``."""
+    close = difflib.get_close_matches(name.strip().lower(), list(MODELS), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def load(name: str | Path, *, precision: str = "float32") -> PretrainedEncoder | PretrainedDecoder:
     """A pretrained model by name (``"minilm"``) or from a local folder (its ``config.json`` decides).
 
@@ -88,7 +114,8 @@ def load(name: str | Path, *, precision: str = "float32") -> PretrainedEncoder |
     key = name.strip().lower()
     if key not in MODELS:
         raise ValueError(
-            f"unknown model {name!r}; known models: {sorted(MODELS)}, or a folder holding a checkpoint "
+            f"unknown model {name!r}{did_you_mean(name)}; known models: {sorted(MODELS)}, or a folder "
+            "holding a checkpoint "
             f"(config.json + model.safetensors; model types {sorted(FOLDER_LOADERS)}): "
             f"no folder {name!r} exists"
         )
