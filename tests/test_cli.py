@@ -434,3 +434,42 @@ def test_a_misspelled_model_name_suggests_the_registered_one(given, meant):
     with pytest.raises(ValueError) as info:
         headspace.load("nosuchmodel")
     assert "did you mean" not in str(info.value)
+
+
+def test_every_model_option_says_what_load_accepts():
+    """One help string for every command's --model: the registered names, every folder model type load()
+    reads, and GGUF files (heads --help used to offer 'minilm or a folder (BERT, GPT-2)' only)."""
+    from headspace.cli.options import MODEL_HELP
+    from headspace.pretrained.registry import FOLDER_LOADERS, MODELS
+
+    shown = {"bert": "BERT", "gpt2": "GPT-2", "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+    assert set(FOLDER_LOADERS) <= set(shown), "a new folder model type: name it in MODEL_HELP"
+    for kind in FOLDER_LOADERS:
+        assert shown[kind] in MODEL_HELP, kind
+    for name in MODELS:
+        assert f"'{name}'" in MODEL_HELP, name
+    assert ".gguf file" in MODEL_HELP
+    with_model = {}
+    for name, command in cli.commands.items():
+        for param in command.params:
+            if "--model" in getattr(param, "opts", []):
+                with_model[name] = param.help
+    assert {"explain", "heads", "subspaces", "view", "patch", "attribute"} <= set(with_model)
+    for name, text in with_model.items():
+        assert text.startswith(MODEL_HELP), name
+    assert "decoder" in with_model["patch"].removeprefix(MODEL_HELP)
+    res = CliRunner().invoke(cli, ["heads", "--help"])
+    assert res.exit_code == 0 and "Qwen2" in res.output and "smollm2" in res.output
+
+
+def test_load_reads_a_gguf_file_and_refuses_other_files(tmp_path, monkeypatch):
+    from headspace.pretrained import registry
+
+    calls = []
+    monkeypatch.setattr(registry, "load_gguf", lambda path, precision: calls.append((path, precision)) or "m")
+    (tmp_path / "tiny.GGUF").write_bytes(b"GGUF")
+    assert headspace.load(tmp_path / "tiny.GGUF", precision="bfloat16") == "m"
+    assert calls == [(tmp_path / "tiny.GGUF", "bfloat16")]
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"is a file, not a model folder: .*a \.gguf file"):
+        headspace.load(str(tmp_path / "notes.txt"))

@@ -15,20 +15,12 @@ import click
 
 from ..errors import UsageError
 from .loader import at_precision, load_model
-from .options import choice_option, json_option, out_option, precision_option
+from .options import choice_option, decoder_model_option, json_option, out_option, precision_option
 from .output import check_writable_folder, clean, json_out
 
 #: The indirect-object prompt pair of the README's worked example.
 DEFAULT_CLEAN = "When Mary and John went to the store, John gave a drink to"
 DEFAULT_CORRUPT = "When Mary and John went to the store, Mary gave a drink to"
-
-decoder_model_option = click.option(
-    "--model",
-    "model_spec",
-    default="smollm2",
-    show_default=True,
-    help="A decoder: 'smollm2' (bundled SmolLM2-135M-Instruct) or a folder with a GPT-2/Llama checkpoint.",
-)
 
 
 def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:

@@ -37,12 +37,32 @@ def seed_value(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
     return value
 
 
-model_option = click.option(
-    "--model",
-    "model_spec",
-    default="minilm",
-    show_default=True,
-    help="'minilm' (bundled all-MiniLM-L6-v2) or a folder with a Hugging Face checkpoint (BERT, GPT-2).",
+#: The help of every command's ``--model``: what :func:`headspace.pretrained.load` accepts (kept here, not
+#: read from the registry, so that --help needs no torch; a test checks it names every folder model type).
+MODEL_HELP = (
+    "'minilm' (all-MiniLM-L6-v2, an encoder), 'smollm2' (SmolLM2-135M-Instruct, a decoder), a folder "
+    "holding a Hugging Face checkpoint (config.json + model.safetensors: BERT, GPT-2, Llama, Mistral or "
+    "Qwen2), or a .gguf file (Llama family)."
+)
+
+
+def model_choice_option(default: str, *, dest: str = "model_spec", needs: str = "") -> Callable[[Any], Any]:
+    """``--model NAME | FOLDER | FILE.gguf`` into ``dest``, with :data:`MODEL_HELP` (and what the command
+    ``needs``, e.g. a decoder)."""
+    return click.option(
+        "--model",
+        dest,
+        default=default,
+        show_default=True,
+        metavar="MODEL",
+        help=MODEL_HELP + (f" {needs}" if needs else ""),
+    )
+
+
+model_option = model_choice_option("minilm")
+#: ``--model`` of the commands that read logits (patch, attribute, generate): default smollm2.
+decoder_model_option = model_choice_option(
+    "smollm2", needs="This command needs a decoder (smollm2, GPT-2, Llama, Mistral, Qwen2)."
 )
 json_option = click.option(
     "--json", "as_json", is_flag=True, help="Print the numbers as JSON instead of tables."

