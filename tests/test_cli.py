@@ -13,6 +13,7 @@ import torch
 from click.testing import CliRunner
 
 import headspace
+from headspace.cli import causal as cli_causal
 from headspace.cli import cli
 from headspace.cli import lesson as cli_lesson
 from headspace.cli import loader as cli_loader
@@ -473,3 +474,34 @@ def test_load_reads_a_gguf_file_and_refuses_other_files(tmp_path, monkeypatch):
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(ValueError, match=r"is a file, not a model folder: .*a \.gguf file"):
         headspace.load(str(tmp_path / "notes.txt"))
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (
+            ["patch", "--answer", " Mary", "--other", " Mary"],
+            "--answer and --other are the same token (' Mary'): logit(answer) - logit(other) is then 0",
+        ),
+        (
+            ["patch", "--clean", "When Mary left", "--corrupt", "When Mary left"],
+            "--clean and --corrupt are the same prompt ('When Mary left'): patching one into the other "
+            "changes nothing",
+        ),
+        (
+            ["attribute", "The capital of France is", "--answer", " Paris", "--other", " Paris"],
+            "--answer and --other are the same token (' Paris')",
+        ),
+    ],
+)
+def test_patch_and_attribute_refuse_pairs_that_measure_nothing(monkeypatch, args, needle):
+    """Before: every effect +0.000 and exit 0. Refused before the model loads."""
+
+    def no_load(spec):
+        raise AssertionError("the model was loaded before the pair was checked")
+
+    monkeypatch.setattr(cli_causal, "load_model", no_load)
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 2, res.output
+    line = res.output.strip()
+    assert line.startswith(f"error: {needle}") and len(line.splitlines()) == 1

@@ -111,6 +111,16 @@ def token_id(model: Any, answer: Any, what: str = "answer") -> int:
     return ids[0]
 
 
+def check_distinct_answers(model: Any, answer: int, other: int | None) -> None:
+    """``answer`` and ``other`` (token ids) must differ: logit(answer) - logit(other) would be 0 always."""
+    if other is not None and answer == other:
+        raise ValueError(
+            f"answer and other are the same token ({token_str(model, answer)!r}, id {answer}): the metric "
+            "logit(answer) - logit(other) is then 0 in every run; give two different tokens (e.g. answer "
+            "' Mary', other ' John'), or no other for logit(answer) alone"
+        )
+
+
 def token_str(model: Any, token: int) -> str:
     tokenizer = getattr(model, "tokenizer", None)
     return str(token) if tokenizer is None else tokenizer.decode([token], skip_special_tokens=False)

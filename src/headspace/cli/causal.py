@@ -30,6 +30,22 @@ def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise UsageError(" ".join(str(e).split())) from None
 
 
+def _check_distinct(clean_text: str | None, corrupt_text: str | None, answer: str, other: str | None) -> None:
+    """Refuse, before the model loads, a prompt pair or an answer pair that would measure nothing (the
+    analysis refuses the same after tokenization too, e.g. two spellings of one token)."""
+    if clean_text is not None and clean_text == corrupt_text:
+        raise UsageError(
+            f"--clean and --corrupt are the same prompt ({clean_text!r}): patching one into the other "
+            "changes nothing and every effect would be 0; give a corrupt prompt that differs (e.g. one name "
+            "swapped)"
+        )
+    if other is not None and answer == other:
+        raise UsageError(
+            f"--answer and --other are the same token ({answer!r}): logit(answer) - logit(other) is then 0 "
+            "in every run; give two different tokens (e.g. --answer ' Mary' --other ' John')"
+        )
+
+
 def _site_name(axes: tuple[str, ...], index: tuple[int, ...], tokens: list[str] | None) -> str:
     parts = []
     for axis, i in zip(axes, index):
@@ -64,6 +80,7 @@ def patch_cmd(
 ) -> None:  # fmt: skip
     """Activation patching: put each site's clean activation into the corrupt run, read logit(answer) -
     logit(other); 1 = the clean answer restored, 0 = no effect."""
+    _check_distinct(clean_text, corrupt_text, answer, other)
     if out_dir is not None:
         check_writable_folder(out_dir)
     from ..analysis.patching import EFFECT_KEYS, patch
@@ -121,6 +138,7 @@ def attribute_cmd(
 ) -> None:  # fmt: skip
     """The logit lens of PROMPT and the heads and MLPs that write --answer directly (direct logit
     attribution: the parts add up to the model's logit)."""
+    _check_distinct(None, None, answer, other)
     if out_dir is not None:
         check_writable_folder(out_dir)
     from ..analysis.attribution import direct_logit_attribution, logit_lens
