@@ -363,6 +363,32 @@ def test_an_answer_of_several_tokens_shows_how_it_tokenizes(tmp_path: Path) -> N
         )
 
 
+def test_an_empty_prompt_is_named_in_plain_words(tmp_path: Path) -> None:
+    """Which prompt is empty, and the rule (was: "every one of the clean needs at least one token")."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "Mary": 1, "John": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    from headspace.pretrained import PretrainedDecoder
+    from headspace.tokenization import TextTokenizer
+
+    pre = PretrainedDecoder(decoder(), TextTokenizer(tmp_path / "tokenizer.json", pad_id=0))
+    with pytest.raises(ValueError) as info:
+        patching.patch(pre, "", "Mary", answer="Mary", other="John")
+    assert str(info.value) == (
+        "clean prompt is empty ('' tokenizes to no token): every prompt needs at least one token"
+    )
+    with pytest.raises(ValueError, match=r"^corrupt prompt is empty \('  ' tokenizes to no token\)"):
+        patching.patch(pre, "Mary", "  ", answer="Mary", other="John")
+    with pytest.raises(
+        ValueError, match=r"^prompt 2 of 3 is empty \('' tokenizes to no token\): every prompt"
+    ):
+        attribution.direct_logit_attribution(pre, ["Mary John", "", "John"], "Mary")
+    with pytest.raises(ValueError, match=r"^prompt is empty \(it holds no token id\): every prompt needs"):
+        attribution.logit_lens(decoder(), torch.zeros(1, 0, dtype=torch.long))
+
+
 # ---------------------------------------------------------------------------------------------- benchmark
 def test_the_patching_benchmark_runs_and_its_json_matches_its_table(tmp_path: Path, capsys, smollm2) -> None:
     """benchmarks/patching.py on SmolLM2 (one round, headspace's sweep only): a smoke run."""
