@@ -250,6 +250,10 @@ def test_subspaces_json_matches_analysis(runner, minilm, tmp_path):
         ),
         (["heads", "--out", "/proc/x"], "--out /proc/x: cannot write in the folder '/proc'"),
         (["subspaces", "--out", "/dev/null/x"], "--out /dev/null/x: cannot write in the folder '/dev/null'"),
+        (["explain", ""], "SENTENCE is empty (''); give at least one word (or leave it out for the default"),
+        (["explain", " \t"], "SENTENCE is empty (' \\t'); give at least one word"),
+        (["heads", ""], "SENTENCE is empty (''); give at least one word"),
+        (["explain", "--token", ""], "--token is empty (''); give a token of the sentence or its index"),
     ],
     ids=lambda v: " ".join(v).encode("ascii", "backslashreplace").decode() if isinstance(v, list) else "",
 )

@@ -36,6 +36,15 @@ def _check_range(name: str, value: int | None, n: int) -> None:
         raise UsageError(f"{name} {value} is out of range: valid {name}s are 0..{n - 1}")
 
 
+def _check_sentence(sentence: str | None) -> None:
+    """A SENTENCE given must hold a word (an empty one was read as a sentence without the token)."""
+    if sentence is not None and not sentence.strip():
+        raise UsageError(
+            f"SENTENCE is empty ({sentence!r}); give at least one word (or leave it out for the default "
+            "sentence)"
+        )
+
+
 def _check_before_loading(model_spec: str, layer: int | None, head: int | None = None) -> None:
     """--layer / --head against a registered model's known shape, before the model loads (a folder's
     shape is known only from its config: it is checked after loading)."""
@@ -100,6 +109,9 @@ def explain_cmd(
 
     Without SENTENCE an encoder reads the coreference sentence (and follows "it"), a decoder a repeated
     phrase (and follows its last token, where the copying heads look back)."""
+    _check_sentence(sentence)
+    if token is not None and not token.strip():
+        raise UsageError(f"--token is empty ({token!r}); give a token of the sentence or its index")
     if out_dir is not None:
         check_writable_folder(out_dir)
     _check_before_loading(model_spec, layer, head)
@@ -189,6 +201,7 @@ def heads_cmd(
     """The layer x head table: role, entropy, importance and W_O weight of every head."""
     if sentence is not None and sentences_file is not None:
         raise UsageError("give either SENTENCE or --sentences FILE, not both")
+    _check_sentence(sentence)
     if out_dir is not None:
         check_writable_folder(out_dir)
     sentences = (
