@@ -146,3 +146,56 @@ def test_subspaces_on_smollm2_shows_the_rotary_planes(runner) -> None:
         assert abs(row["slow"][h] + row["fast"][h] - 1) < 1e-9 and row["labels"][h] in LABELS
     text = _run(runner, ["subspaces", "--model", "smollm2", "--layer", "4"])
     assert "rotary planes" in text and "most positional head" in text
+
+
+def test_smollm2_tokens_are_printed_readably_everywhere(runner, smollm2, tmp_path, monkeypatch) -> None:
+    """Byte-level BPE's "Ġcat" prints as "␣cat" in explain, its pictures, heads' pattern grid, attribute,
+    patch and the explorer's labels; --json keeps the API's strings."""
+    from headspace.viz import plots
+    from headspace.viz.explorer import Explorer
+
+    labels: dict[str, list[str]] = {}
+
+    def keep(name):
+        def fake(*args, **kwargs):
+            labels[name] = list(kwargs.get("row_labels") or args[1])
+            return tmp_path / f"{name}.png"
+
+        return fake
+
+    for name in ("plot_pattern", "plot_attention_row", "plot_vectors", "plot_pattern_grid"):
+        monkeypatch.setattr(plots, name, keep(name))
+    sentence = "The cat sat on the mat.\nThe cat"
+    text = _run(runner, ["explain", "--model", "smollm2", sentence, "--out", str(tmp_path), "--top", "2"])
+    assert "Ġ" not in text and "Ċ" not in text
+    assert "tokens: The ␣cat ␣sat ␣on ␣the ␣mat . ↵ The ␣cat" in text
+    assert "for token 9 '␣cat'" in text
+    for name in ("plot_pattern", "plot_attention_row", "plot_vectors"):
+        assert labels[name] == ["The", "␣cat", "␣sat", "␣on", "␣the", "␣mat", ".", "↵", "The", "␣cat"], name
+    data = json.loads(_run(runner, ["explain", "--model", "smollm2", sentence, "--json"]))
+    assert data["tokens"][1] == "Ġcat" and data["tokens"][7] == "Ċ"  # the tokenizer's own pieces
+    _run(runner, ["heads", "--model", "smollm2", "A cat sat.", "--no-importance", "--out", str(tmp_path)])
+    assert labels["plot_pattern_grid"] == ["A", "␣cat", "␣sat", "."]
+    text = _run(runner, ["attribute", "--model", "smollm2", "The capital of France is", "--answer", " Paris",
+                         "--other", " London", "--top", "2"])  # fmt: skip
+    assert "logit('␣Paris') - logit('␣London')" in text and "' Paris'" not in text and "Ġ" not in text
+    assert "top: '␣" in text
+    clean, corrupt = "When Mary and John went, John gave it to", "When Mary and John went, Mary gave it to"
+    args = [
+        "patch",
+        "--model",
+        "smollm2",
+        "--clean",
+        clean,
+        "--corrupt",
+        corrupt,
+        "--site",
+        "resid",
+        "--top",
+        "3",
+    ]
+    text = _run(runner, args)
+    assert "metric logit('␣Mary') - logit('␣John'):" in text and "Ġ" not in text
+    assert "pos 6 '␣John'" in text  # the position where the prompts differ
+    page = Explorer(smollm2, "The cat sat")
+    assert page.data["tokens"] == ["The", "␣cat", "␣sat"]

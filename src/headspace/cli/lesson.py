@@ -23,9 +23,24 @@ from ..defaults import (
 )
 from ..errors import UsageError
 from .loader import at_precision, load_model
-from .options import choice_option, json_option, model_option, out_option, positive_int, precision_option
+from .options import (
+    TOKENS_HELP,
+    choice_option,
+    json_option,
+    model_option,
+    out_option,
+    positive_int,
+    precision_option,
+)
 from .output import check_writable_folder, clean, json_out
-from .render import console, explain_pictures, pattern_grid, render_explanation
+from .render import (
+    console,
+    explain_pictures,
+    pattern_grid,
+    piece_display,
+    readable_explanation,
+    render_explanation,
+)
 
 #: The largest --sentences file read (bytes): far more text than a head table needs.
 MAX_SENTENCES_BYTES = 16 * 1024 * 1024
@@ -58,7 +73,7 @@ def _check_before_loading(model_spec: str, layer: int | None, head: int | None =
         _check_range("head", head, shape[1])
 
 
-@click.command("explain")
+@click.command("explain", epilog=TOKENS_HELP)
 @click.argument("sentence", required=False, default=None)
 @click.option(
     "--token",
@@ -140,13 +155,14 @@ def explain_cmd(
     except ValueError as err:
         message = str(err)
         raise UsageError("--" + message if message.startswith("occurrence ") else message) from None
-    pictures = explain_pictures(e, pretrained, out_dir) if out_dir is not None else []
+    shown = readable_explanation(e, piece_display(pretrained))  # "Ġcat" -> "␣cat"; the JSON keeps "Ġcat"
+    pictures = explain_pictures(shown, pretrained, out_dir) if out_dir is not None else []
     if as_json:
         d = e.to_dict(top=top_heads)
         d["pictures"] = [str(p) for p in pictures]
         json_out(clean(d))
         return
-    render_explanation(e, top_heads=top_heads)
+    render_explanation(shown, top_heads=top_heads)
     for p in pictures:
         click.echo(f"wrote {p}")
 
@@ -169,7 +185,7 @@ def _read_sentences(path: Path) -> list[str]:
     return sentences
 
 
-@click.command("heads")
+@click.command("heads", epilog=TOKENS_HELP)
 @click.argument("sentence", required=False, default=None)
 @click.option(
     "--sentences",

@@ -64,6 +64,14 @@ model_option = model_choice_option("minilm")
 decoder_model_option = model_choice_option(
     "smollm2", needs="This command needs a decoder (smollm2, GPT-2, Llama, Mistral, Qwen2)."
 )
+#: The --help epilog of the commands that print tokens: how :func:`headspace.tokenization.readable_token`
+#: shows them (kept here so that --help needs no torch; a test holds the two together).
+TOKENS_HELP = (
+    "Tokens are printed as their text, a space shown as ␣ (byte-level BPE's Ġ, SentencePiece's ▁), a "
+    "newline as ↵, a tab as ⇥, other invisible characters and the bytes of an incomplete character as "
+    "escapes (\\xa0, \\xc3); --json gives the strings the Python API gives."
+)
+
 json_option = click.option(
     "--json", "as_json", is_flag=True, help="Print the numbers as JSON instead of tables."
 )
