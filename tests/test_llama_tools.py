@@ -199,3 +199,26 @@ def test_smollm2_tokens_are_printed_readably_everywhere(runner, smollm2, tmp_pat
     assert "pos 6 '␣John'" in text  # the position where the prompts differ
     page = Explorer(smollm2, "The cat sat")
     assert page.data["tokens"] == ["The", "␣cat", "␣sat"]
+
+
+def test_attribute_ranks_count_from_one(runner, smollm2, tmp_path) -> None:
+    """The answer's rank in attribute's table and --json is 1 for the top token (LogitLens counts from 0);
+    the explorer reads the command's file to the same page as the LogitLens object's."""
+    from headspace.analysis.attribution import logit_lens
+    from headspace.viz.explorer import load_results, result_views
+
+    prompt = "The capital of France is"
+    lens = logit_lens(smollm2, prompt, " Paris")
+    data = json.loads(
+        _run(runner, ["attribute", "--model", "smollm2", prompt, "--answer", " Paris", "--json"])
+    )
+    ranks = [row["answer_rank"] for row in data["logit_lens"]]
+    assert ranks == [int(r) + 1 for r in lens.answer_rank[0]]
+    assert ranks[-1] == 1  # SmolLM2's own prediction is " Paris"
+    text = _run(runner, ["attribute", "--model", "smollm2", prompt, "--answer", " Paris", "--top", "1"])
+    last = [line for line in text.splitlines() if line.strip().startswith("layer 29")]
+    assert last and "answer rank      1  " in last[0]
+    (tmp_path / "attribute.json").write_text(json.dumps(data))
+    _, from_cli = load_results(tmp_path / "attribute.json")
+    (from_api,) = result_views(lens)
+    assert from_cli["notes"] == from_api["notes"]

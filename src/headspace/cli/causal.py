@@ -162,7 +162,9 @@ def attribute_cmd(
     out_dir: Path | None, as_json: bool,
 ) -> None:  # fmt: skip
     """The logit lens of PROMPT and the heads and MLPs that write --answer directly (direct logit
-    attribution: the parts add up to the model's logit)."""
+    attribution: the parts add up to the model's logit).
+
+    The answer's rank counts from 1 (1 = the top token), in the table and in --json's answer_rank."""
     _check_distinct(None, None, answer, other)
     if out_dir is not None:
         check_writable_folder(out_dir)
@@ -209,7 +211,7 @@ def attribute_cmd(
     for i, toks in enumerate(lens.top_tokens[0]):
         label = "embed" if i == 0 else f"layer {i - 1}"
         shown = ", ".join(f"{_shown(t)} {float(p):.2f}" for t, p in zip(toks[:3], lens.top_probs[0, i, :3]))
-        rank, prob = int(lens.answer_rank[0, i]), float(lens.answer_prob[0, i])
+        rank, prob = int(lens.answer_rank[0, i]) + 1, float(lens.answer_prob[0, i])  # 1 = the top token
         click.echo(f"  {label:<9} answer rank {rank:>6}  p={prob:.3f}  top: {shown}")
     click.echo(f"top {len(heads)} heads by direct attribution:")
     for layer, head, value in heads:
@@ -229,7 +231,7 @@ def _lens_row(lens: Any, i: int) -> dict[str, Any]:
         "layer": i,
         "top_tokens": lens.top_tokens[0][i],
         "top_probs": lens.top_probs[0, i].tolist(),
-        "answer_rank": int(lens.answer_rank[0, i]),
+        "answer_rank": int(lens.answer_rank[0, i]) + 1,  # from 1 (LogitLens.answer_rank counts from 0)
         "answer_prob": float(lens.answer_prob[0, i]),
     }
 
