@@ -222,3 +222,22 @@ def test_attribute_ranks_count_from_one(runner, smollm2, tmp_path) -> None:
     _, from_cli = load_results(tmp_path / "attribute.json")
     (from_api,) = result_views(lens)
     assert from_cli["notes"] == from_api["notes"]
+
+
+def test_heads_on_smollm2_shows_each_heads_induction_score(runner, smollm2) -> None:
+    """A decoder's heads table has the induction score (JSON roles.induction, null before), the score of
+    analysis.induction_scores; heads reaching the threshold are labelled induction."""
+    data = json.loads(_run(runner, ["heads", "--model", "smollm2", "--no-importance", "--json"]))
+    roles = data["roles"]
+    expected = analysis.induction_scores(smollm2)
+    assert (
+        roles["induction"] is not None and len(roles["induction"]) == 30 and len(roles["induction"][0]) == 9
+    )
+    assert_close(torch.tensor(roles["induction"]), expected)
+    strong = [(i, h) for i in range(30) for h in range(9) if float(expected[i, h]) >= roles["threshold"]]
+    assert strong and all(roles["labels"][i][h] == "induction" for i, h in strong)
+    text = _run(runner, ["heads", "--model", "smollm2", "--no-importance"])
+    header = next(line for line in text.splitlines() if "entropy" in line)
+    assert "induction" in header and "|W_O[h]|" in header
+    minilm = json.loads(_run(runner, ["heads", "--no-importance", "--json"]))
+    assert minilm["roles"]["induction"] is None  # an encoder: no induction score

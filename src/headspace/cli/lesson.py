@@ -214,7 +214,9 @@ def heads_cmd(
     out_dir: Path | None,
     as_json: bool,
 ) -> None:
-    """The layer x head table: role, entropy, importance and W_O weight of every head."""
+    """The layer x head table: role, entropy, importance and W_O weight of every head (a decoder's also
+    with its induction score: its attention, on a repeated random sequence, to the token after the current
+    token's first occurrence; heads scoring at least the threshold are labelled induction)."""
     if sentence is not None and sentences_file is not None:
         raise UsageError("give either SENTENCE or --sentences FILE, not both")
     _check_sentence(sentence)
@@ -226,9 +228,11 @@ def heads_cmd(
     pretrained = at_precision(load_model(model_spec), model_precision)
     from ..analysis import head_importance, head_roles, wo_norms
 
-    kw = {} if threshold is None else {"threshold": threshold}
+    kw: dict[str, Any] = {} if threshold is None else {"threshold": threshold}
+    # a decoder's heads also get the induction score (repeated random tokens: where copying heads look)
+    induction = is_decoder(pretrained)
     try:
-        roles = head_roles(pretrained, sentences, **kw)
+        roles = head_roles(pretrained, sentences, induction=induction, **kw)
         importance = (
             None if no_importance else head_importance(pretrained, sentences, mode=mode, progress=not as_json)
         )
@@ -257,19 +261,9 @@ def heads_cmd(
     t = Table(
         title=f"{model_spec}: every head over {len(sentences)} sentence(s) (role threshold {roles.threshold})"
     )
-    for col in (
-        "layer",
-        "head",
-        "role",
-        "prev",
-        "self",
-        "next",
-        "first",
-        "last",
-        "entropy",
-        "importance",
-        "|W_O[h]|",
-    ):
+    columns = ["layer", "head", "role", "prev", "self", "next", "first", "last", "entropy"]
+    columns += ["induction"] if roles.induction is not None else []
+    for col in (*columns, "importance", "|W_O\\[h]|"):  # escaped: rich read "[h]" as markup and hid it
         t.add_column(col, justify="left" if col == "role" else "right")
     n_layers, max_heads = norms.shape
     for layer in range(n_layers):
@@ -286,6 +280,7 @@ def heads_cmd(
                     for k in ("previous", "current", "next", "first", "last")
                 ),
                 f"{float(roles.entropy[layer, h]):.2f}",
+                *([] if roles.induction is None else [f"{float(roles.induction[layer, h]):.2f}"]),
                 imp,
                 f"{float(norms[layer, h]):.2f}",
                 end_section=h == max_heads - 1,
