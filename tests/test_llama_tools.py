@@ -72,7 +72,7 @@ def runner(smollm2, request):
 
     mp = pytest.MonkeyPatch()
     real = loader.load_model
-    for name in ("headspace.cli.lesson", "headspace.cli.causal", "headspace.cli.view"):
+    for name in ("headspace.cli.lesson", "headspace.cli.causal", "headspace.cli.view", "headspace.cli.train"):
         module = importlib.import_module(name)  # (headspace.cli.view is also the name of a command)
         mp.setattr(module, "load_model", lambda spec: smollm2 if spec == "smollm2" else real(spec))
     request.addfinalizer(mp.undo)
@@ -241,3 +241,27 @@ def test_heads_on_smollm2_shows_each_heads_induction_score(runner, smollm2) -> N
     assert "induction" in header and "|W_O[h]|" in header
     minilm = json.loads(_run(runner, ["heads", "--no-importance", "--json"]))
     assert minilm["roles"]["induction"] is None  # an encoder: no induction score
+
+
+def test_generate_continues_a_prompt_with_a_pretrained_decoder(runner, smollm2, monkeypatch) -> None:
+    """generate --model smollm2 "PROMPT" (the run-folder form is tests/test_train_cli.py's)."""
+    from headspace.cli import cli
+
+    monkeypatch.setenv("HEADSPACE_NATIVE", "0")  # no background build of the native step for 4 tokens
+    prompt = "The capital of France is"
+    out = _run(runner, ["generate", "--model", "smollm2", prompt, "--tokens", "4", "--temperature", "0"])
+    assert out == smollm2.generate(prompt, 4, temperature=0) + "\n"
+    assert out.startswith(prompt + " Paris")
+    same = _run(
+        runner, ["generate", "--model", "smollm2", "--prompt", prompt, "--tokens", "4", "--temperature", "0"]
+    )
+    assert same == out
+    for args, needle in [
+        (["generate", "--model", "smollm2", "a", "--prompt", "b"], "give the prompt once"),
+        (["generate", "--model", "smollm2"], "give the text to continue"),
+        (["generate", "--model", "smollm2", " "], "the prompt is empty"),
+        (["generate"], "give a training run folder"),
+    ]:
+        res = runner.invoke(cli, args)
+        assert res.exit_code == 2, res.output
+        assert needle in res.output and len(res.output.strip().splitlines()) == 1

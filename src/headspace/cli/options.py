@@ -46,14 +46,16 @@ MODEL_HELP = (
 )
 
 
-def model_choice_option(default: str, *, dest: str = "model_spec", needs: str = "") -> Callable[[Any], Any]:
+def model_choice_option(
+    default: str | None, *, dest: str = "model_spec", needs: str = ""
+) -> Callable[[Any], Any]:
     """``--model NAME | FOLDER | FILE.gguf`` into ``dest``, with :data:`MODEL_HELP` (and what the command
-    ``needs``, e.g. a decoder)."""
+    ``needs``, e.g. a decoder); ``default`` None: no default (the command reads something else then)."""
     return click.option(
         "--model",
         dest,
         default=default,
-        show_default=True,
+        show_default=default is not None,
         metavar="MODEL",
         help=MODEL_HELP + (f" {needs}" if needs else ""),
     )
