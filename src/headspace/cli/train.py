@@ -86,8 +86,8 @@ def train_command(
         result = train(config, out, resume=resume, progress=not no_progress)
     except (ValueError, TypeError, CheckpointError) as e:
         raise _fail(e) from None
-    if result.summary is not None:
-        s = result.summary
+    s = result.summary
+    if s is not None and "relations" in s:
         click.echo(f"accuracy {s['accuracy']:.4f}  ({s['n_layers']} layer(s) x {s['n_heads']} head(s))")
         for name, r in s["relations"].items():
             click.echo(
@@ -95,9 +95,10 @@ def train_command(
                 f"attention_mass {r['attention_mass']:.3f}  "
                 f"ablation_drop {r['ablation_drop']:.3f}  other_drop {r['other_drop']:.3f}"
             )
-        click.echo(f"summary: {Path(out) / 'summary.json'}")
     elif result.final_eval:
         click.echo(f"eval loss {result.final_eval['loss']:.4f}; run folder: {out}")
+    if s is not None:
+        click.echo(f"summary: {Path(out) / 'summary.json'}")
 
 
 @click.command("plot-run")
