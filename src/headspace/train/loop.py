@@ -558,7 +558,9 @@ def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
 
 # --------------------------------------------------------------------------------------------- progress
 class _Progress:
-    """What a run is doing, on stderr (rank 0, ``progress=True``): status lines, then the training bar.
+    """What a run is doing, on stderr (rank 0, ``progress=True``): status lines, then the training bar
+    (:func:`headspace.progress.progress_bar`: redrawn in a terminal or a notebook, a plain line every few
+    seconds with steps, rate and ETA where stderr is a log file or a pipe).
 
     Status lines say what happens before the first step (reading and encoding the data, building the
     model, the first evaluation, with a bar over its forward passes). The training bar starts after the
@@ -585,9 +587,9 @@ class _Progress:
         """The training bar from step ``initial`` on (timed from now)."""
         if not self.enabled or self.bar is not None:
             return
-        from tqdm.auto import tqdm
+        from ..progress import progress_bar
 
-        self.bar = tqdm(
+        self.bar = progress_bar(
             total=self.total,
             initial=initial,
             desc=self.desc,
@@ -613,9 +615,9 @@ class _Progress:
             now = time.perf_counter()
             if self.bar is None:
                 if self._eval_bar is None:
-                    from tqdm.auto import tqdm
+                    from ..progress import progress_bar
 
-                    self._eval_bar = tqdm(
+                    self._eval_bar = progress_bar(
                         total=total, desc=f"eval step {step}", unit="pass", leave=False, file=sys.stderr
                     )
                 self._eval_bar.update(done - self._eval_bar.n)
@@ -637,7 +639,11 @@ class _Progress:
 
         The bar's elapsed time still counts them; its rate (and so its ETA) is that of training steps.
         """
-        if self.bar is not None:
+        from ..progress import PlainProgress
+
+        if isinstance(self.bar, PlainProgress):
+            self.bar.exclude(seconds)
+        elif self.bar is not None:
             self.bar.last_print_t += seconds
 
     def close(self) -> None:
