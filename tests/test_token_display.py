@@ -83,3 +83,10 @@ def test_sentencepiece_and_wordpiece_pieces(tmp_path: Path) -> None:
     wp.save(str(tmp_path / "wp.json"))
     bert = TextTokenizer(tmp_path / "wp.json")
     assert [bert.readable(p) for p in bert.tokens("playing")] == ["play", "##ing"]  # BERT's pieces stay
+
+
+def test_a_token_as_printed_can_be_given_back_to_explain() -> None:
+    """explain prints SmolLM2's "Ġcat" as "␣cat"; --token ␣cat (copied from the output) finds it."""
+    from headspace.explain import find_token
+
+    assert find_token(["The", "Ġcat", "Ġsat"], "␣cat") == 1 == find_token(["The", "Ġcat"], "cat")
