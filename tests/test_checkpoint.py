@@ -191,11 +191,11 @@ def _edit_tensors(folder: Path, edit: Callable[[dict], None]) -> None:
     "name, damage, words",
     [
         ("model.safetensors", lambda b: b"", "empty file (0 bytes)"),
-        ("model.safetensors", lambda b: b[: len(b) // 2], "truncated"),
-        ("state.safetensors", lambda b: b[:-10], "truncated"),
+        ("model.safetensors", lambda b: b[: len(b) // 2], "does not match its seal"),
+        ("state.safetensors", lambda b: b[:-10], "does not match its seal"),
         ("model.safetensors", lambda b: os.urandom(len(b)), "corrupted: its SHA-256 does not match"),
-        ("state.json", lambda b: b[: len(b) // 3], "truncated"),
-        ("state.json", lambda b: b + b" ", "has extra bytes"),
+        ("state.json", lambda b: b[: len(b) // 3], "does not match its seal"),
+        ("state.json", lambda b: b + b" ", "does not match its seal"),
         ("config.json", lambda b: b.replace(b"0.01", b"0.02"), "corrupted: its SHA-256 does not match"),
         ("manifest.json", lambda b: b[: len(b) // 2], "not valid JSON, truncated or corrupted"),
         ("manifest.json", lambda b: os.urandom(200), "not valid JSON"),
@@ -339,7 +339,8 @@ def test_config_that_is_not_json_is_refused_naming_the_field(
             b'"step": 7',
             "corrupted: its SHA-256 does not match the one recorded in manifest.json",
         ),
-        (b'"step": 2', b'"step": 25', "has extra bytes"),
+        (b'"step": 2', b'"step": 25', "does not match its seal"),
+        (b'"step": 2', b'"step":2', "does not match its seal"),  # shorter, but edited: not "truncated"
     ],
 )
 def test_an_edited_state_json_is_caught_by_the_manifest(

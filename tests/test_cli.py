@@ -13,6 +13,7 @@ import torch
 from click.testing import CliRunner
 
 import headspace
+from headspace.cli import causal as cli_causal
 from headspace.cli import cli
 from headspace.cli import lesson as cli_lesson
 from headspace.cli import loader as cli_loader
@@ -249,6 +250,10 @@ def test_subspaces_json_matches_analysis(runner, minilm, tmp_path):
         ),
         (["heads", "--out", "/proc/x"], "--out /proc/x: cannot write in the folder '/proc'"),
         (["subspaces", "--out", "/dev/null/x"], "--out /dev/null/x: cannot write in the folder '/dev/null'"),
+        (["explain", ""], "SENTENCE is empty (''); give at least one word (or leave it out for the default"),
+        (["explain", " \t"], "SENTENCE is empty (' \\t'); give at least one word"),
+        (["heads", ""], "SENTENCE is empty (''); give at least one word"),
+        (["explain", "--token", ""], "--token is empty (''); give a token of the sentence or its index"),
     ],
     ids=lambda v: " ".join(v).encode("ascii", "backslashreplace").decode() if isinstance(v, list) else "",
 )
@@ -381,3 +386,126 @@ def test_spectra_picture_tells_qk_from_ov_for_every_head(runner, minilm, monkeyp
         assert panel["lines"] == ["QK = W_Q W_K^T", "OV = W_V W_O"]
     assert legend == ["QK = W_Q W_K^T", "OV = W_V W_O"]
     assert "singular value index" in xlabel and "singular value" in ylabel
+
+
+def test_registered_shapes_are_the_models_own(minilm, smollm2):
+    """registry.SHAPES lets the CLI check --layer/--head before loading: it must be the loaded shapes."""
+    from headspace.pretrained.registry import MODELS, SHAPES, registered_shape
+
+    assert set(SHAPES) == set(MODELS)
+    for name, model in (("minilm", minilm), ("smollm2", smollm2)):
+        cfg = model.model.config
+        assert SHAPES[name] == (cfg.n_layers, cfg.n_heads), name
+        assert registered_shape(name.upper()) == SHAPES[name]
+    assert registered_shape("./minilm") is None and registered_shape("/some/folder") is None
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (
+            ["explain", "--model", "smollm2", "--layer", "99"],
+            "layer 99 is out of range: valid layers are 0..29",
+        ),
+        (["explain", "--model", "smollm2", "--head", "9"], "head 9 is out of range: valid heads are 0..8"),
+        (["explain", "--layer", "6"], "layer 6 is out of range: valid layers are 0..5"),
+        (
+            ["subspaces", "--model", "smollm2", "--layer", "30"],
+            "layer 30 is out of range: valid layers are 0..29",
+        ),
+    ],
+)
+def test_layer_and_head_are_checked_before_a_registered_model_loads(monkeypatch, args, needle):
+    def no_load(spec):
+        raise AssertionError(f"{spec} was loaded before --layer/--head were checked")
+
+    monkeypatch.setattr(cli_lesson, "load_model", no_load)
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 2, res.output
+    assert res.output.strip() == f"error: {needle}"
+
+
+@pytest.mark.parametrize(
+    ("given", "meant"), [("smolm2", "smollm2"), ("SmolLM", "smollm2"), ("minlm", "minilm")]
+)
+def test_a_misspelled_model_name_suggests_the_registered_one(given, meant):
+    res = CliRunner().invoke(cli, ["explain", "--model", given])
+    assert res.exit_code == 2, res.output
+    line = res.output.strip()
+    assert line.startswith(f"error: unknown model {given!r} (did you mean {meant!r}?); known models:")
+    assert len(line.splitlines()) == 1
+    with pytest.raises(ValueError, match=rf"did you mean {meant!r}\?"):
+        headspace.load(given)
+    with pytest.raises(ValueError) as info:
+        headspace.load("nosuchmodel")
+    assert "did you mean" not in str(info.value)
+
+
+def test_every_model_option_says_what_load_accepts():
+    """One help string for every command's --model: the registered names, every folder model type load()
+    reads, and GGUF files (heads --help used to offer 'minilm or a folder (BERT, GPT-2)' only)."""
+    from headspace.cli.options import MODEL_HELP
+    from headspace.pretrained.registry import FOLDER_LOADERS, MODELS
+
+    shown = {"bert": "BERT", "gpt2": "GPT-2", "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+    assert set(FOLDER_LOADERS) <= set(shown), "a new folder model type: name it in MODEL_HELP"
+    for kind in FOLDER_LOADERS:
+        assert shown[kind] in MODEL_HELP, kind
+    for name in MODELS:
+        assert f"'{name}'" in MODEL_HELP, name
+    assert ".gguf file" in MODEL_HELP
+    with_model = {}
+    for name, command in cli.commands.items():
+        for param in command.params:
+            if "--model" in getattr(param, "opts", []):
+                with_model[name] = param.help
+    assert {"explain", "heads", "subspaces", "view", "patch", "attribute"} <= set(with_model)
+    for name, text in with_model.items():
+        assert text.startswith(MODEL_HELP), name
+    assert "decoder" in with_model["patch"].removeprefix(MODEL_HELP)
+    res = CliRunner().invoke(cli, ["heads", "--help"])
+    assert res.exit_code == 0 and "Qwen2" in res.output and "smollm2" in res.output
+
+
+def test_load_reads_a_gguf_file_and_refuses_other_files(tmp_path, monkeypatch):
+    from headspace.pretrained import registry
+
+    calls = []
+    monkeypatch.setattr(registry, "load_gguf", lambda path, precision: calls.append((path, precision)) or "m")
+    (tmp_path / "tiny.GGUF").write_bytes(b"GGUF")
+    assert headspace.load(tmp_path / "tiny.GGUF", precision="bfloat16") == "m"
+    assert calls == [(tmp_path / "tiny.GGUF", "bfloat16")]
+    (tmp_path / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"is a file, not a model folder: .*a \.gguf file"):
+        headspace.load(str(tmp_path / "notes.txt"))
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (
+            ["patch", "--answer", " Mary", "--other", " Mary"],
+            "--answer and --other are the same token (' Mary'): logit(answer) - logit(other) is then 0",
+        ),
+        (
+            ["patch", "--clean", "When Mary left", "--corrupt", "When Mary left"],
+            "--clean and --corrupt are the same prompt ('When Mary left'): patching one into the other "
+            "changes nothing",
+        ),
+        (
+            ["attribute", "The capital of France is", "--answer", " Paris", "--other", " Paris"],
+            "--answer and --other are the same token (' Paris')",
+        ),
+    ],
+)
+def test_patch_and_attribute_refuse_pairs_that_measure_nothing(monkeypatch, args, needle):
+    """Before: every effect +0.000 and exit 0. Refused before the model loads."""
+
+    def no_load(spec):
+        raise AssertionError("the model was loaded before the pair was checked")
+
+    monkeypatch.setattr(cli_causal, "load_model", no_load)
+    res = CliRunner().invoke(cli, args)
+    assert res.exit_code == 2, res.output
+    line = res.output.strip()
+    assert line.startswith(f"error: {needle}") and len(line.splitlines()) == 1

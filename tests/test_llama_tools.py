@@ -72,7 +72,7 @@ def runner(smollm2, request):
 
     mp = pytest.MonkeyPatch()
     real = loader.load_model
-    for name in ("headspace.cli.lesson", "headspace.cli.causal", "headspace.cli.view"):
+    for name in ("headspace.cli.lesson", "headspace.cli.causal", "headspace.cli.view", "headspace.cli.train"):
         module = importlib.import_module(name)  # (headspace.cli.view is also the name of a command)
         mp.setattr(module, "load_model", lambda spec: smollm2 if spec == "smollm2" else real(spec))
     request.addfinalizer(mp.undo)
@@ -146,3 +146,122 @@ def test_subspaces_on_smollm2_shows_the_rotary_planes(runner) -> None:
         assert abs(row["slow"][h] + row["fast"][h] - 1) < 1e-9 and row["labels"][h] in LABELS
     text = _run(runner, ["subspaces", "--model", "smollm2", "--layer", "4"])
     assert "rotary planes" in text and "most positional head" in text
+
+
+def test_smollm2_tokens_are_printed_readably_everywhere(runner, smollm2, tmp_path, monkeypatch) -> None:
+    """Byte-level BPE's "Ġcat" prints as "␣cat" in explain, its pictures, heads' pattern grid, attribute,
+    patch and the explorer's labels; --json keeps the API's strings."""
+    from headspace.viz import plots
+    from headspace.viz.explorer import Explorer
+
+    labels: dict[str, list[str]] = {}
+
+    def keep(name):
+        def fake(*args, **kwargs):
+            labels[name] = list(kwargs.get("row_labels") or args[1])
+            return tmp_path / f"{name}.png"
+
+        return fake
+
+    for name in ("plot_pattern", "plot_attention_row", "plot_vectors", "plot_pattern_grid"):
+        monkeypatch.setattr(plots, name, keep(name))
+    sentence = "The cat sat on the mat.\nThe cat"
+    text = _run(runner, ["explain", "--model", "smollm2", sentence, "--out", str(tmp_path), "--top", "2"])
+    assert "Ġ" not in text and "Ċ" not in text
+    assert "tokens: The ␣cat ␣sat ␣on ␣the ␣mat . ↵ The ␣cat" in text
+    assert "for token 9 '␣cat'" in text
+    for name in ("plot_pattern", "plot_attention_row", "plot_vectors"):
+        assert labels[name] == ["The", "␣cat", "␣sat", "␣on", "␣the", "␣mat", ".", "↵", "The", "␣cat"], name
+    data = json.loads(_run(runner, ["explain", "--model", "smollm2", sentence, "--json"]))
+    assert data["tokens"][1] == "Ġcat" and data["tokens"][7] == "Ċ"  # the tokenizer's own pieces
+    _run(runner, ["heads", "--model", "smollm2", "A cat sat.", "--no-importance", "--out", str(tmp_path)])
+    assert labels["plot_pattern_grid"] == ["A", "␣cat", "␣sat", "."]
+    text = _run(runner, ["attribute", "--model", "smollm2", "The capital of France is", "--answer", " Paris",
+                         "--other", " London", "--top", "2"])  # fmt: skip
+    assert "logit('␣Paris') - logit('␣London')" in text and "' Paris'" not in text and "Ġ" not in text
+    assert "top: '␣" in text
+    clean, corrupt = "When Mary and John went, John gave it to", "When Mary and John went, Mary gave it to"
+    args = [
+        "patch",
+        "--model",
+        "smollm2",
+        "--clean",
+        clean,
+        "--corrupt",
+        corrupt,
+        "--site",
+        "resid",
+        "--top",
+        "3",
+    ]
+    text = _run(runner, args)
+    assert "metric logit('␣Mary') - logit('␣John'):" in text and "Ġ" not in text
+    assert "pos 6 '␣John'" in text  # the position where the prompts differ
+    page = Explorer(smollm2, "The cat sat")
+    assert page.data["tokens"] == ["The", "␣cat", "␣sat"]
+
+
+def test_attribute_ranks_count_from_one(runner, smollm2, tmp_path) -> None:
+    """The answer's rank in attribute's table and --json is 1 for the top token (LogitLens counts from 0);
+    the explorer reads the command's file to the same page as the LogitLens object's."""
+    from headspace.analysis.attribution import logit_lens
+    from headspace.viz.explorer import load_results, result_views
+
+    prompt = "The capital of France is"
+    lens = logit_lens(smollm2, prompt, " Paris")
+    data = json.loads(
+        _run(runner, ["attribute", "--model", "smollm2", prompt, "--answer", " Paris", "--json"])
+    )
+    ranks = [row["answer_rank"] for row in data["logit_lens"]]
+    assert ranks == [int(r) + 1 for r in lens.answer_rank[0]]
+    assert ranks[-1] == 1  # SmolLM2's own prediction is " Paris"
+    text = _run(runner, ["attribute", "--model", "smollm2", prompt, "--answer", " Paris", "--top", "1"])
+    last = [line for line in text.splitlines() if line.strip().startswith("layer 29")]
+    assert last and "answer rank      1  " in last[0]
+    (tmp_path / "attribute.json").write_text(json.dumps(data))
+    _, from_cli = load_results(tmp_path / "attribute.json")
+    (from_api,) = result_views(lens)
+    assert from_cli["notes"] == from_api["notes"]
+
+
+def test_heads_on_smollm2_shows_each_heads_induction_score(runner, smollm2) -> None:
+    """A decoder's heads table has the induction score (JSON roles.induction, null before), the score of
+    analysis.induction_scores; heads reaching the threshold are labelled induction."""
+    data = json.loads(_run(runner, ["heads", "--model", "smollm2", "--no-importance", "--json"]))
+    roles = data["roles"]
+    expected = analysis.induction_scores(smollm2)
+    assert (
+        roles["induction"] is not None and len(roles["induction"]) == 30 and len(roles["induction"][0]) == 9
+    )
+    assert_close(torch.tensor(roles["induction"]), expected)
+    strong = [(i, h) for i in range(30) for h in range(9) if float(expected[i, h]) >= roles["threshold"]]
+    assert strong and all(roles["labels"][i][h] == "induction" for i, h in strong)
+    text = _run(runner, ["heads", "--model", "smollm2", "--no-importance"])
+    header = next(line for line in text.splitlines() if "entropy" in line)
+    assert "induction" in header and "|W_O[h]|" in header
+    minilm = json.loads(_run(runner, ["heads", "--no-importance", "--json"]))
+    assert minilm["roles"]["induction"] is None  # an encoder: no induction score
+
+
+def test_generate_continues_a_prompt_with_a_pretrained_decoder(runner, smollm2, monkeypatch) -> None:
+    """generate --model smollm2 "PROMPT" (the run-folder form is tests/test_train_cli.py's)."""
+    from headspace.cli import cli
+
+    monkeypatch.setenv("HEADSPACE_NATIVE", "0")  # no background build of the native step for 4 tokens
+    prompt = "The capital of France is"
+    out = _run(runner, ["generate", "--model", "smollm2", prompt, "--tokens", "4", "--temperature", "0"])
+    assert out == smollm2.generate(prompt, 4, temperature=0) + "\n"
+    assert out.startswith(prompt + " Paris")
+    same = _run(
+        runner, ["generate", "--model", "smollm2", "--prompt", prompt, "--tokens", "4", "--temperature", "0"]
+    )
+    assert same == out
+    for args, needle in [
+        (["generate", "--model", "smollm2", "a", "--prompt", "b"], "give the prompt once"),
+        (["generate", "--model", "smollm2"], "give the text to continue"),
+        (["generate", "--model", "smollm2", " "], "the prompt is empty"),
+        (["generate"], "give a training run folder"),
+    ]:
+        res = runner.invoke(cli, args)
+        assert res.exit_code == 2, res.output
+        assert needle in res.output and len(res.output.strip().splitlines()) == 1

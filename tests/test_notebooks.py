@@ -66,4 +66,7 @@ def test_notebook_runs_offline_without_errors(
         print(f"\n{path.name}: {took:.1f} s")
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [o for o in outputs if o.get("output_type") == "error"]
+    # tqdm.auto without ipywidgets printed "TqdmWarning: IProgress not found" in every notebook
+    warned = [o for o in outputs if "IProgress" in str(o.get("text", "")) + str(o.get("data", ""))]
+    assert not warned, warned[0]
     assert not (EXAMPLES / "runs").exists(), "a notebook wrote into examples/; it must use its working folder"

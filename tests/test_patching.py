@@ -1,9 +1,9 @@
 """Causal analysis: direct logit attribution, the logit lens, activation / attribution / path patching.
 
-Identities (parts add up to the logit; patching everything restores the clean run; patching a prompt
-into itself changes nothing), the batched sweep against one forward per site, and references no one
-here wrote: transformers' GPT-2 with a forward pre-hook on each layer's output projection ``c_proj``
-(its input is the concatenation of the heads' z).
+Identities (parts add up to the logit; patching everything restores the clean run; positions before
+the first difference have no effect), pairs that measure nothing refused, the batched sweep against one
+forward per site, and references no one here wrote: transformers' GPT-2 with a forward pre-hook on each
+layer's output projection ``c_proj`` (its input is the concatenation of the heads' z).
 """
 
 from __future__ import annotations
@@ -190,13 +190,40 @@ def test_patching_every_head_everywhere_reproduces_the_clean_metric() -> None:
     assert value == pytest.approx(metric_of(model, clean), abs=1e-5)
 
 
-def test_patching_a_prompt_into_itself_changes_nothing() -> None:
+def test_patching_a_prompt_into_itself_is_refused() -> None:
+    """Patching a prompt into itself changes nothing (every effect +0.000): refused, naming the arguments,
+    by every function that takes clean and corrupt, rather than reported as a result."""
     model = decoder()
     clean, _ = pair()
+    same = r"clean and corrupt are the same prompt: the same 9 tokens, so patching one into the other changes"
     for site in patching.SITES:
-        r = patching.patch(model, clean, clean, site=site, answer=3, other=5)
-        assert torch.all(r.effect == 0)
-        assert torch.all(r.patched_metric == r.clean_metric) and r.clean_metric == r.corrupt_metric
+        with pytest.raises(ValueError, match=same):
+            patching.patch(model, clean, clean.clone(), site=site, answer=3, other=5)
+        with pytest.raises(ValueError, match=same):
+            patching.attribution_patching(model, clean, clean, site=site, answer=3, other=5)
+    with pytest.raises(ValueError, match=same):
+        patching.patch_activations(model, clean, clean, "blocks.*.attn.hook_z", answer=3, other=5)
+    with pytest.raises(ValueError, match=same):
+        patching.path_patch(model, clean, clean, [(0, 1)], [(2, 0)], answer=3, other=5)
+
+
+def test_an_answer_equal_to_the_other_token_is_refused() -> None:
+    """logit(answer) - logit(other) with answer == other is 0 in every run: refused, naming both."""
+    model = decoder()
+    clean, corrupt = pair()
+    same = r"answer and other are the same token \('3', id 3\): the metric logit\(answer\) - logit\(other\)"
+    with pytest.raises(ValueError, match=same):
+        patching.patch(model, clean, corrupt, answer=3, other=3)
+    with pytest.raises(ValueError, match=same):
+        patching.attribution_patching(model, clean, corrupt, answer=3, other=3)
+    with pytest.raises(ValueError, match=same):
+        patching.patch_activations(model, clean, corrupt, "blocks.0.hook_resid_pre", answer=3, other=3)
+    with pytest.raises(ValueError, match=same):
+        patching.path_patch(model, clean, corrupt, [(0, 1)], [(2, 0)], answer=3, other=3)
+    with pytest.raises(ValueError, match=same):
+        attribution.direct_logit_attribution(model, clean, 3, 3)
+    # a metric of one's own is the caller's business; answer alone is fine
+    assert patching.patch(model, clean, corrupt, answer=3).metric_name == "logit('3')"
 
 
 def test_head_patching_equals_transformers_with_a_pre_hook_on_c_proj(tmp_path: Path) -> None:
@@ -334,6 +361,32 @@ def test_an_answer_of_several_tokens_shows_how_it_tokenizes(tmp_path: Path) -> N
         patching.patch(
             pre, torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.long), answer="Mary"
         )
+
+
+def test_an_empty_prompt_is_named_in_plain_words(tmp_path: Path) -> None:
+    """Which prompt is empty, and the rule (was: "every one of the clean needs at least one token")."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({"[UNK]": 0, "Mary": 1, "John": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    from headspace.pretrained import PretrainedDecoder
+    from headspace.tokenization import TextTokenizer
+
+    pre = PretrainedDecoder(decoder(), TextTokenizer(tmp_path / "tokenizer.json", pad_id=0))
+    with pytest.raises(ValueError) as info:
+        patching.patch(pre, "", "Mary", answer="Mary", other="John")
+    assert str(info.value) == (
+        "clean prompt is empty ('' tokenizes to no token): every prompt needs at least one token"
+    )
+    with pytest.raises(ValueError, match=r"^corrupt prompt is empty \('  ' tokenizes to no token\)"):
+        patching.patch(pre, "Mary", "  ", answer="Mary", other="John")
+    with pytest.raises(
+        ValueError, match=r"^prompt 2 of 3 is empty \('' tokenizes to no token\): every prompt"
+    ):
+        attribution.direct_logit_attribution(pre, ["Mary John", "", "John"], "Mary")
+    with pytest.raises(ValueError, match=r"^prompt is empty \(it holds no token id\): every prompt needs"):
+        attribution.logit_lens(decoder(), torch.zeros(1, 0, dtype=torch.long))
 
 
 # ---------------------------------------------------------------------------------------------- benchmark

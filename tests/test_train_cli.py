@@ -52,7 +52,25 @@ def test_text_run_logs_eval_and_per_head_metrics(text_run: Path) -> None:
         assert len(evals[-1][key]) == 1 and len(evals[-1][key][0]) == 2, key
     record = json.loads((text_run / "config.json").read_text())
     assert record["data"]["vocab"] == "".join(sorted(set(TEXT)))
-    assert not (text_run / "summary.json").exists()  # no ground truth for text
+
+
+def test_text_run_writes_the_summary_its_help_promises(text_run: Path) -> None:
+    """train --help promises summary.json; a text run wrote none (no accuracy to report). It holds the
+    final held-out loss, the last training loss, the steps and the time."""
+    import math
+
+    assert "summary.json" in _invoke("train", "--help").output
+    s = json.loads((text_run / "summary.json").read_text())
+    rows = [json.loads(line) for line in (text_run / "metrics.jsonl").read_text().splitlines()]
+    last_eval = next(r for r in reversed(rows) if r["kind"] == "eval")
+    last_train = next(r for r in reversed(rows) if r["kind"] == "train")
+    assert s["task"] == "text" and s["steps"] == 12 == s["steps_this_process"] and s["level"] == "char"
+    assert (s["n_layers"], s["n_heads"], s["d_model"], s["seq_len"]) == (1, 2, 16, 16)
+    assert s["loss"] == last_eval["loss"] and s["train_loss"] == last_train["loss"]
+    assert s["bits_per_token"] == pytest.approx(s["loss"] / math.log(2))
+    assert s["perplexity"] == pytest.approx(math.exp(s["loss"]))
+    assert s["parameters"] > 0 and 0 < s["train_seconds"] <= s["seconds"] and s["tokens_per_s"] > 0
+    assert not list(text_run.glob("*.tmp")) and not list(text_run.glob(".*tmp*"))  # written atomically
 
 
 def test_generate_continues_the_prompt_with_known_characters(text_run: Path) -> None:

@@ -400,6 +400,41 @@ def test_tie_word_embeddings_false_as_a_boolean_still_works(gpt2: Path) -> None:
     assert load_gpt2(gpt2).model.lm_head is not None
 
 
+@pytest.mark.parametrize(
+    "arch, changes",
+    [
+        ("bert", {"num_hidden_layers": "2"}),  # a field of the wrong type
+        ("bert", {"hidden_act": "swiglu"}),  # a value headspace cannot represent
+        ("bert", {"max_position_embeddings": 10**9}),  # refused by ModelConfig itself
+        ("gpt2", {"n_head": "7"}),
+        ("gpt2", {"activation_function": "swiglu"}),
+        ("gpt2", {"vocab_size": None}),
+        ("llama", {"hidden_act": "swiglu"}),
+        ("llama", {"vocab_size": 0}),
+    ],
+)
+def test_config_errors_name_the_config_file_with_its_folder(
+    bert: Path, gpt2: Path, tmp_path: Path, arch: str, changes: dict
+) -> None:
+    """A message about config.json begins with the file's path, so a user with several model folders
+    knows which one is meant (not a bare "config.json: ...")."""
+    if arch == "llama":
+        folder = tmp_path / "llama"
+        folder.mkdir()
+        config = {"model_type": "llama", "vocab_size": 97, "hidden_size": 32, "num_hidden_layers": 2,
+                  "num_attention_heads": 4, "intermediate_size": 40}  # fmt: skip
+        (folder / "config.json").write_text(json.dumps(config))
+        (folder / "model.safetensors").write_bytes(b"")  # never read: the config is refused first
+    else:
+        folder = {"bert": bert, "gpt2": gpt2}[arch]
+    edit_config(folder, **changes)
+    with pytest.raises(ValueError) as info:
+        headspace.load(folder)
+    message = str(info.value)
+    assert message.startswith(str(folder / "config.json")), message
+    assert not message.startswith("config.json")
+
+
 def test_sentence_bert_config_max_seq_length_is_checked_naming_the_file(bert: Path) -> None:
     (bert / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": "256"}))
     with pytest.raises(ValueError, match=r"sentence_bert_config.json: max_seq_length must be an int >= 1"):

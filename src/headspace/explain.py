@@ -227,9 +227,9 @@ def special_positions(pretrained: Any, tokens: Sequence[str]) -> set[int]:
 
 
 def _word(t: str) -> str:
-    # BERT word pieces as they are; GPT-2 marks a leading space with "Ġ", SentencePiece with "▁" (strip
-    # the mark before lower-casing: "Ġ".lower() is "ġ")
-    return t[1:] if t[:1] in ("Ġ", "▁") and len(t) > 1 else t
+    # BERT word pieces as they are; GPT-2 marks a leading space with "Ġ", SentencePiece with "▁", the
+    # command line prints it "␣" (strip the mark before lower-casing: "Ġ".lower() is "ġ")
+    return t[1:] if t[:1] in ("Ġ", "▁", "␣") and len(t) > 1 else t
 
 
 def _matches(t: str, want: str) -> bool:

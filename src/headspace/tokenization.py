@@ -16,6 +16,10 @@ the sentence's index and the character's position.
 
 from __future__ import annotations
 
+import functools
+import json
+import re
+import unicodedata
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,6 +33,60 @@ from .fileio import UnsafeFileError, read_regular_file
 
 #: The largest ``tokenizer.json`` read (the biggest public ones hold ~20 MB).
 MAX_TOKENIZER_BYTES = 64 << 20
+
+#: How whitespace inside a token is shown wherever tokens are printed (the command line, its pictures,
+#: the explorer's labels): :func:`readable_token`.
+WHITESPACE_MARKS = {" ": "\u2423", "\n": "\u21b5", "\t": "\u21e5"}  # ␣ ↵ ⇥
+
+
+def readable_token(text: str) -> str:
+    """A token's text as headspace prints it: each space as ``␣``, newline as ``↵``, tab as ``⇥``, any
+    other control or invisible character as a Python escape (``\\r``, ``\\xa0``); the rest as it is.
+
+    ``text`` is what the token stands for (``" cat"``, :meth:`TextTokenizer.token_text` of a piece such
+    as ``"Ġcat"``), so ``readable_token(" cat") == "␣cat"``: a leading space is visible, and the same
+    token prints the same whatever the tokenizer's own marker.
+    """
+    out = []
+    for ch in text:
+        mark = WHITESPACE_MARKS.get(ch)
+        if mark is not None:
+            out.append(mark)
+        elif unicodedata.category(ch) in ("Cc", "Cf", "Zs", "Zl", "Zp"):
+            out.append(ch.encode("unicode_escape").decode("ascii"))
+        else:
+            out.append(ch)
+    return "".join(out)
+
+
+@functools.cache
+def _byte_of_char() -> dict[str, int]:
+    """Byte-level BPE's alphabet (GPT-2's ``bytes_to_unicode``), inverted: the character -> its byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1)]
+    printable += range(ord("\xae"), ord("\xff") + 1)
+    chars, n = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + n)] = b
+            n += 1
+    return chars
+
+
+_BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+
+def _types(node: Any) -> set[str]:
+    """Every ``"type"`` in a tokenizer.json component (a Sequence's parts included)."""
+    if isinstance(node, dict):
+        found = {node["type"]} if isinstance(node.get("type"), str) else set()
+        for value in node.values():
+            found |= _types(value)
+        return found
+    if isinstance(node, list):
+        return set().union(*(_types(v) for v in node)) if node else set()
+    return set()
 
 
 def read_tokenizer_file(path: Path, max_bytes: int | None = None) -> str:
@@ -135,6 +193,35 @@ class TextTokenizer:
         self._max_length = None
         self.pad_id = pad_id
         return self
+
+    @functools.cached_property
+    def _piece_kind(self) -> tuple[bool, frozenset[str]]:
+        """(byte-level BPE, the added tokens' strings), read once from the tokenizer's own description."""
+        spec = json.loads(self._tok.to_str())
+        parts = _types(spec.get("pre_tokenizer")) | _types(spec.get("decoder"))
+        added = frozenset(t.content for t in self._tok.get_added_tokens_decoder().values())
+        return "ByteLevel" in parts, added
+
+    def token_text(self, piece: str) -> str:
+        """The text a token piece stands for: byte-level BPE's ``"Ġcat"`` -> ``" cat"`` (bytes of an
+        incomplete character as ``\\xNN``), SentencePiece's ``"▁cat"`` -> ``" cat"`` and ``"<0x0A>"`` ->
+        ``"\\n"``; special tokens and WordPiece pieces (``"##ing"``) as they are."""
+        byte_level, added = self._piece_kind
+        if piece in added:
+            return piece
+        if byte_level:
+            table = _byte_of_char()
+            if all(ch in table for ch in piece):
+                return bytes(table[ch] for ch in piece).decode("utf-8", errors="backslashreplace")
+            return piece
+        fallback = _BYTE_FALLBACK.match(piece)
+        if fallback:
+            return bytes([int(fallback.group(1), 16)]).decode("utf-8", errors="backslashreplace")
+        return piece.replace("\u2581", " ")
+
+    def readable(self, piece: str) -> str:
+        """A token piece as headspace prints it: :func:`readable_token` of :meth:`token_text`."""
+        return readable_token(self.token_text(piece))
 
     @property
     def vocab_size(self) -> int:

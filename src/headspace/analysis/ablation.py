@@ -8,8 +8,8 @@ For each (layer, head) the model is run with that head ablated (:func:`headspace
 * ``"loss"`` (decoders): mean next-token cross-entropy over real tokens; score ``loss' - loss``.
 * a callable ``metric(model) -> float``: score ``metric under ablation - metric``.
 
-Larger scores mean a more important head for the built-in metrics. Loops over many heads show a tqdm
-progress bar (rate and ETA).
+Larger scores mean a more important head for the built-in metrics. Loops over many heads show a
+progress bar (rate and ETA; :func:`headspace.progress.progress_bar`: plain lines in a log).
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from tqdm.auto import tqdm
 
 from ..checks import is_int
 from ..interventions import ABLATION_MODES, ablate
+from ..progress import progress_bar
 from ..trace import as_module, attention_layers, hooked, trace
 from ._common import Batch, JsonResult, eval_mode, format_number, layer_head_table, make_batches, pad_heads
 
@@ -313,7 +313,9 @@ def head_importance(
         if callable(metric):
             name = getattr(metric, "__name__", type(metric).__name__)
             baseline = float(metric(model))
-            bar = tqdm(todo, desc=f"ablating heads ({name}, {mode})", unit="head", disable=not progress)
+            bar = progress_bar(
+                todo, desc=f"ablating heads ({name}, {mode})", unit="head", disable=not progress
+            )
             for layer, head in bar:
                 with ablate(model, {(layer, head): mode}, means=means):
                     value = float(metric(model))
@@ -327,7 +329,7 @@ def head_importance(
             for layer, head in todo:
                 by_layer.setdefault(layer, []).append(head)
             paths = [p for p, _ in layers]
-            bar = tqdm(
+            bar = progress_bar(
                 total=len(todo), desc=f"ablating heads ({name}, {mode})", unit="head", disable=not progress
             )
             for layer, layer_heads in by_layer.items():

@@ -26,6 +26,7 @@ from ..trace import trace
 from ._common import JsonResult, eval_mode
 from .causal_inputs import (
     centered,
+    check_distinct_answers,
     frozen_norm,
     gather_last,
     is_decoder,
@@ -99,6 +100,7 @@ def direct_logit_attribution(model: Any, prompts: Any, answer: Any, other: Any =
     p = prompts_of(model, prompts)
     a = token_id(model, answer, "answer")
     b = None if other is None else token_id(model, other, "other")
+    check_distinct_answers(model, a, b)
     n_layers = len(module.blocks)
     last = last_resid(module)
     with eval_mode(module), torch.no_grad():

@@ -82,10 +82,19 @@ def prompts_of(model: Any, prompts: Any, what: str = "prompts") -> Prompts:
         tokens, key_padding = tokenize(list(prompts))  # (batch, seq) x 2, right-padded
         tokens, key_padding = tokens.to(device), key_padding.to(device)
         texts = list(prompts)
-    if tokens.shape[1] == 0 or not bool(key_padding.any(dim=1).all()):
-        raise ValueError(f"every one of the {what} needs at least one token")
+    empty = [0] if tokens.shape[1] == 0 else (~key_padding.any(dim=1)).nonzero()[:, 0].tolist()
+    if empty:
+        raise ValueError(_empty_message(what, empty[0], tokens.shape[0], texts))
     last = key_padding.long().sum(dim=1) - 1  # (batch,): right padding, so the last real index
     return Prompts(tokens, key_padding, last, texts)
+
+
+def _empty_message(what: str, row: int, n: int, texts: list[str] | None) -> str:
+    """``"clean prompt is empty ('' tokenizes to no token): ..."``, ``"prompt 2 of 3 is empty ..."``."""
+    label = "prompt" if what == "prompts" else f"{what} prompt"
+    which = label if n == 1 else f"{label} {row + 1} of {n}"
+    why = "it holds no token id" if texts is None else f"{texts[row]!r} tokenizes to no token"
+    return f"{which} is empty ({why}): every prompt needs at least one token"
 
 
 def token_id(model: Any, answer: Any, what: str = "answer") -> int:
@@ -109,6 +118,16 @@ def token_id(model: Any, answer: Any, what: str = "answer") -> int:
             "Choose a single-token answer (a leading space often matters: ' Paris' vs 'Paris')"
         )
     return ids[0]
+
+
+def check_distinct_answers(model: Any, answer: int, other: int | None) -> None:
+    """``answer`` and ``other`` (token ids) must differ: logit(answer) - logit(other) would be 0 always."""
+    if other is not None and answer == other:
+        raise ValueError(
+            f"answer and other are the same token ({token_str(model, answer)!r}, id {answer}): the metric "
+            "logit(answer) - logit(other) is then 0 in every run; give two different tokens (e.g. answer "
+            "' Mary', other ' John'), or no other for logit(answer) alone"
+        )
 
 
 def token_str(model: Any, token: int) -> str:

@@ -42,7 +42,16 @@ from torch import Tensor, nn
 from ..attention import KVCache
 from ..trace import hooked, trace
 from ._common import JsonResult, eval_mode
-from .causal_inputs import Prompts, is_decoder, last_resid, prompts_of, stack_of, token_id, token_str
+from .causal_inputs import (
+    Prompts,
+    check_distinct_answers,
+    is_decoder,
+    last_resid,
+    prompts_of,
+    stack_of,
+    token_id,
+    token_str,
+)
 
 #: site -> the axes of its effect tensor
 SITES: dict[str, tuple[str, ...]] = {
@@ -120,6 +129,13 @@ def _pair(model: Any, clean: Any, corrupt: Any) -> tuple[Prompts, Prompts]:
             f"position); clean has {lc} tokens and corrupt {lk}{show}. Use same-length prompts, e.g. swap "
             "one name for another name of one token"
         )
+    if torch.equal(c.tokens, k.tokens):
+        texts = f" ({c.texts[0]!r} and {k.texts[0]!r})" if c.texts and k.texts else ""
+        raise ValueError(
+            f"clean and corrupt are the same prompt{texts}: the same {lc} tokens, so patching one into the "
+            "other changes nothing and every effect would be 0; give a corrupt prompt that differs from the "
+            "clean one (e.g. one name swapped for another)"
+        )
     return c, k
 
 
@@ -145,6 +161,7 @@ def _metric_fn(
         raise ValueError("the default metric is logit(answer) - logit(other): pass answer (and other)")
     a = token_id(model, answer, "answer")
     b = None if other is None else token_id(model, other, "other")
+    check_distinct_answers(model, a, b)
     name = f"logit({token_str(model, a)!r})" + ("" if b is None else f" - logit({token_str(model, b)!r})")
 
     def logit_difference(logits: Tensor) -> Tensor:  # (runs, vocab) -> (runs,)
@@ -384,12 +401,14 @@ def patch(
 
     Args:
         model: a loaded model (``headspace.load(...)``) or a bare Decoder/Encoder with token ids.
-        clean, corrupt: one prompt each (text or int64 ids [1, seq]) of the same number of tokens.
+        clean, corrupt: one prompt each (text or int64 ids [1, seq]) of the same number of tokens, not
+            the same tokens (patching a prompt into itself changes nothing: refused, ``ValueError``).
         metric: ``fn(output) -> [runs]`` on the output of a batch of runs: a decoder's logits at the last
             position [runs, vocab], an encoder's sentence embeddings [runs, d_model]. Default: decoders
             ``logit(answer) - logit(other)``; encoders the cosine of the embedding with the clean one.
         site: "heads", "heads_pos", "resid" or "mlp".
-        answer, other: the answer token (and the other token) of the default decoder metric.
+        answer, other: the answer token (and the other token) of the default decoder metric; two
+            different tokens (``answer == other`` makes the metric 0 in every run: ``ValueError``).
         max_runs: how many patched runs go through the stack in one batch at most.
 
     Returns:
@@ -409,19 +428,16 @@ def patch(
         n_heads = [b.attn.n_heads for b in module.blocks]
         sites, where = _sites(site, len(module.blocks), n_heads, seq, p)
         shape = _effect_shape(site, n_heads, seq, len(module.blocks))
-        if p == seq:  # the same prompt: every patch is a no-op
-            corrupt_metric = clean_metric
-            patched = torch.full(shape, clean_metric)
-        else:
-            resid, prefix, corrupt_out = _corrupt_stream(module, k.tokens, p, decoder)
-            corrupt_metric = float(_checked(fn(corrupt_out), 1, name)[0])
-            patched = torch.full(shape, corrupt_metric)
-            for start in range(0, len(sites), max_runs):
-                chunk = sites[start : start + max_runs]
-                out = _sweep(module, site, chunk, clean_run, resid, prefix, p, decoder)
-                values = _checked(fn(out), len(chunk), name)
-                for idx, v in zip(where[start : start + max_runs], values.tolist()):
-                    patched[idx] = v
+        # p < seq: _pair refused identical prompts
+        resid, prefix, corrupt_out = _corrupt_stream(module, k.tokens, p, decoder)
+        corrupt_metric = float(_checked(fn(corrupt_out), 1, name)[0])
+        patched = torch.full(shape, corrupt_metric)
+        for start in range(0, len(sites), max_runs):
+            chunk = sites[start : start + max_runs]
+            out = _sweep(module, site, chunk, clean_run, resid, prefix, p, decoder)
+            values = _checked(fn(out), len(chunk), name)
+            for idx, v in zip(where[start : start + max_runs], values.tolist()):
+                patched[idx] = v
     return PatchResult(
         site=site, axes=SITES[site], effect=_normalise(patched, clean_metric, corrupt_metric),
         patched_metric=patched, clean_metric=clean_metric, corrupt_metric=corrupt_metric,

@@ -485,10 +485,10 @@ def run_attention_benchmark(
         torch.set_num_threads(threads)
     n_threads = torch.get_num_threads()
 
-    from tqdm.auto import tqdm
+    from ..progress import progress_bar
 
     groups = [(s, m) for s in seqs for m in modes]
-    bar = tqdm(total=len(groups), desc="attention benchmark", unit="group", disable=not progress)
+    bar = progress_bar(total=len(groups), desc="attention benchmark", unit="group", disable=not progress)
     rows: list[dict] = []
     for seq, mode in groups:
         bar.set_postfix_str(f"seq={seq} {mode}")

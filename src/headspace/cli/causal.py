@@ -15,20 +15,19 @@ import click
 
 from ..errors import UsageError
 from .loader import at_precision, load_model
-from .options import choice_option, json_option, out_option, precision_option
+from .options import (
+    TOKENS_HELP,
+    choice_option,
+    decoder_model_option,
+    json_option,
+    out_option,
+    precision_option,
+)
 from .output import check_writable_folder, clean, json_out
 
 #: The indirect-object prompt pair of the README's worked example.
 DEFAULT_CLEAN = "When Mary and John went to the store, John gave a drink to"
 DEFAULT_CORRUPT = "When Mary and John went to the store, Mary gave a drink to"
-
-decoder_model_option = click.option(
-    "--model",
-    "model_spec",
-    default="smollm2",
-    show_default=True,
-    help="A decoder: 'smollm2' (bundled SmolLM2-135M-Instruct) or a folder with a GPT-2/Llama checkpoint.",
-)
 
 
 def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -38,17 +37,50 @@ def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise UsageError(" ".join(str(e).split())) from None
 
 
+def _check_distinct(clean_text: str | None, corrupt_text: str | None, answer: str, other: str | None) -> None:
+    """Refuse, before the model loads, a prompt pair or an answer pair that would measure nothing (the
+    analysis refuses the same after tokenization too, e.g. two spellings of one token)."""
+    if clean_text is not None and clean_text == corrupt_text:
+        raise UsageError(
+            f"--clean and --corrupt are the same prompt ({clean_text!r}): patching one into the other "
+            "changes nothing and every effect would be 0; give a corrupt prompt that differs (e.g. one name "
+            "swapped)"
+        )
+    if other is not None and answer == other:
+        raise UsageError(
+            f"--answer and --other are the same token ({answer!r}): logit(answer) - logit(other) is then 0 "
+            "in every run; give two different tokens (e.g. --answer ' Mary' --other ' John')"
+        )
+
+
+def _shown(text: str | None) -> str:
+    """A token's text in quotes as the command line prints tokens (a space as ␣: options.TOKENS_HELP)."""
+    from ..tokenization import readable_token
+
+    return "none" if text is None else f"'{readable_token(text)}'"
+
+
 def _site_name(axes: tuple[str, ...], index: tuple[int, ...], tokens: list[str] | None) -> str:
     parts = []
     for axis, i in zip(axes, index):
         if axis == "position" and tokens is not None:
-            parts.append(f"pos {i} {tokens[i]!r}")
+            parts.append(f"pos {i} {_shown(tokens[i])}")
         else:
             parts.append(f"{axis} {i}")
     return ", ".join(parts)
 
 
-@click.command("patch")
+def _metric_shown(model: Any, name: str, answer: str, other: str) -> str:
+    """The metric's name with its tokens as the command line prints them (``logit('␣Mary') - ...``)."""
+    from ..analysis.causal_inputs import is_decoder, stack_of, token_id, token_str
+
+    if not is_decoder(stack_of(model, "patch")):  # an encoder's metric names no token
+        return name
+    a, b = (token_str(model, token_id(model, t)) for t in (answer, other))
+    return f"logit({_shown(a)}) - logit({_shown(b)})"
+
+
+@click.command("patch", epilog=TOKENS_HELP)
 @click.option("--clean", "clean_text", default=DEFAULT_CLEAN, show_default=True, help="The clean prompt.")
 @click.option(
     "--corrupt", "corrupt_text", default=DEFAULT_CORRUPT, show_default=True, help="The corrupt one."
@@ -72,6 +104,7 @@ def patch_cmd(
 ) -> None:  # fmt: skip
     """Activation patching: put each site's clean activation into the corrupt run, read logit(answer) -
     logit(other); 1 = the clean answer restored, 0 = no effect."""
+    _check_distinct(clean_text, corrupt_text, answer, other)
     if out_dir is not None:
         check_writable_folder(out_dir)
     from ..analysis.patching import EFFECT_KEYS, patch
@@ -106,7 +139,8 @@ def patch_cmd(
         json_out(clean(data))
         return
     click.echo(f"clean:   {clean_text!r}\ncorrupt: {corrupt_text!r}")
-    click.echo(f"metric {r.metric_name}: clean {r.clean_metric:+.3f}, corrupt {r.corrupt_metric:+.3f}")
+    metric = _metric_shown(model, r.metric_name, answer, other)
+    click.echo(f"metric {metric}: clean {r.clean_metric:+.3f}, corrupt {r.corrupt_metric:+.3f}")
     click.echo(f"top {len(ranked)} sites by |effect| (1 = clean restored, 0 = no effect):")
     for idx, value in ranked:
         click.echo(f"  {_site_name(r.axes, idx, r.tokens):<34} {value:+.3f}")
@@ -114,7 +148,7 @@ def patch_cmd(
         click.echo(f"wrote {p}")
 
 
-@click.command("attribute")
+@click.command("attribute", epilog=TOKENS_HELP)
 @click.argument("prompt", required=False, default="The capital of France is")
 @click.option("--answer", default=" Paris", show_default=True, help="The answer token.")
 @click.option("--other", default=None, help="A competing token: attribute the logit difference.")
@@ -128,7 +162,10 @@ def attribute_cmd(
     out_dir: Path | None, as_json: bool,
 ) -> None:  # fmt: skip
     """The logit lens of PROMPT and the heads and MLPs that write --answer directly (direct logit
-    attribution: the parts add up to the model's logit)."""
+    attribution: the parts add up to the model's logit).
+
+    The answer's rank counts from 1 (1 = the top token), in the table and in --json's answer_rank."""
+    _check_distinct(None, None, answer, other)
     if out_dir is not None:
         check_writable_folder(out_dir)
     from ..analysis.attribution import direct_logit_attribution, logit_lens
@@ -164,15 +201,17 @@ def attribute_cmd(
         }
         json_out(clean(data))
         return
-    what = f"logit({dla.answer_token!r})" + ("" if other is None else f" - logit({dla.other_token!r})")
+    what = f"logit({_shown(dla.answer_token)})" + (
+        "" if other is None else f" - logit({_shown(dla.other_token)})"
+    )
     click.echo(
         f"prompt: {prompt!r}   {what} = {float(dla.logit):+.3f} (parts add up to {float(dla.total):+.3f})"
     )
     click.echo("logit lens (the stream after each layer read through the final norm and W_U):")
     for i, toks in enumerate(lens.top_tokens[0]):
         label = "embed" if i == 0 else f"layer {i - 1}"
-        shown = ", ".join(f"{t!r} {float(p):.2f}" for t, p in zip(toks[:3], lens.top_probs[0, i, :3]))
-        rank, prob = int(lens.answer_rank[0, i]), float(lens.answer_prob[0, i])
+        shown = ", ".join(f"{_shown(t)} {float(p):.2f}" for t, p in zip(toks[:3], lens.top_probs[0, i, :3]))
+        rank, prob = int(lens.answer_rank[0, i]) + 1, float(lens.answer_prob[0, i])  # 1 = the top token
         click.echo(f"  {label:<9} answer rank {rank:>6}  p={prob:.3f}  top: {shown}")
     click.echo(f"top {len(heads)} heads by direct attribution:")
     for layer, head, value in heads:
@@ -192,7 +231,7 @@ def _lens_row(lens: Any, i: int) -> dict[str, Any]:
         "layer": i,
         "top_tokens": lens.top_tokens[0][i],
         "top_probs": lens.top_probs[0, i].tolist(),
-        "answer_rank": int(lens.answer_rank[0, i]),
+        "answer_rank": int(lens.answer_rank[0, i]) + 1,  # from 1 (LogitLens.answer_rank counts from 0)
         "answer_prob": float(lens.answer_prob[0, i]),
     }
 

@@ -23,9 +23,24 @@ from ..defaults import (
 )
 from ..errors import UsageError
 from .loader import at_precision, load_model
-from .options import choice_option, json_option, model_option, out_option, positive_int, precision_option
+from .options import (
+    TOKENS_HELP,
+    choice_option,
+    json_option,
+    model_option,
+    out_option,
+    positive_int,
+    precision_option,
+)
 from .output import check_writable_folder, clean, json_out
-from .render import console, explain_pictures, pattern_grid, render_explanation
+from .render import (
+    console,
+    explain_pictures,
+    pattern_grid,
+    piece_display,
+    readable_explanation,
+    render_explanation,
+)
 
 #: The largest --sentences file read (bytes): far more text than a head table needs.
 MAX_SENTENCES_BYTES = 16 * 1024 * 1024
@@ -36,7 +51,29 @@ def _check_range(name: str, value: int | None, n: int) -> None:
         raise UsageError(f"{name} {value} is out of range: valid {name}s are 0..{n - 1}")
 
 
-@click.command("explain")
+def _check_sentence(sentence: str | None) -> None:
+    """A SENTENCE given must hold a word (an empty one was read as a sentence without the token)."""
+    if sentence is not None and not sentence.strip():
+        raise UsageError(
+            f"SENTENCE is empty ({sentence!r}); give at least one word (or leave it out for the default "
+            "sentence)"
+        )
+
+
+def _check_before_loading(model_spec: str, layer: int | None, head: int | None = None) -> None:
+    """--layer / --head against a registered model's known shape, before the model loads (a folder's
+    shape is known only from its config: it is checked after loading)."""
+    if layer is None and head is None:
+        return
+    from ..pretrained.registry import registered_shape
+
+    shape = registered_shape(model_spec)
+    if shape is not None:
+        _check_range("layer", layer, shape[0])
+        _check_range("head", head, shape[1])
+
+
+@click.command("explain", epilog=TOKENS_HELP)
 @click.argument("sentence", required=False, default=None)
 @click.option(
     "--token",
@@ -87,8 +124,12 @@ def explain_cmd(
 
     Without SENTENCE an encoder reads the coreference sentence (and follows "it"), a decoder a repeated
     phrase (and follows its last token, where the copying heads look back)."""
+    _check_sentence(sentence)
+    if token is not None and not token.strip():
+        raise UsageError(f"--token is empty ({token!r}); give a token of the sentence or its index")
     if out_dir is not None:
         check_writable_folder(out_dir)
+    _check_before_loading(model_spec, layer, head)
     pretrained = at_precision(load_model(model_spec), model_precision)
     cfg = pretrained.model.config
     _check_range("layer", layer, cfg.n_layers)
@@ -114,13 +155,14 @@ def explain_cmd(
     except ValueError as err:
         message = str(err)
         raise UsageError("--" + message if message.startswith("occurrence ") else message) from None
-    pictures = explain_pictures(e, pretrained, out_dir) if out_dir is not None else []
+    shown = readable_explanation(e, piece_display(pretrained))  # "Ġcat" -> "␣cat"; the JSON keeps "Ġcat"
+    pictures = explain_pictures(shown, pretrained, out_dir) if out_dir is not None else []
     if as_json:
         d = e.to_dict(top=top_heads)
         d["pictures"] = [str(p) for p in pictures]
         json_out(clean(d))
         return
-    render_explanation(e, top_heads=top_heads)
+    render_explanation(shown, top_heads=top_heads)
     for p in pictures:
         click.echo(f"wrote {p}")
 
@@ -143,7 +185,7 @@ def _read_sentences(path: Path) -> list[str]:
     return sentences
 
 
-@click.command("heads")
+@click.command("heads", epilog=TOKENS_HELP)
 @click.argument("sentence", required=False, default=None)
 @click.option(
     "--sentences",
@@ -172,9 +214,12 @@ def heads_cmd(
     out_dir: Path | None,
     as_json: bool,
 ) -> None:
-    """The layer x head table: role, entropy, importance and W_O weight of every head."""
+    """The layer x head table: role, entropy, importance and W_O weight of every head (a decoder's also
+    with its induction score: its attention, on a repeated random sequence, to the token after the current
+    token's first occurrence; heads scoring at least the threshold are labelled induction)."""
     if sentence is not None and sentences_file is not None:
         raise UsageError("give either SENTENCE or --sentences FILE, not both")
+    _check_sentence(sentence)
     if out_dir is not None:
         check_writable_folder(out_dir)
     sentences = (
@@ -183,9 +228,11 @@ def heads_cmd(
     pretrained = at_precision(load_model(model_spec), model_precision)
     from ..analysis import head_importance, head_roles, wo_norms
 
-    kw = {} if threshold is None else {"threshold": threshold}
+    kw: dict[str, Any] = {} if threshold is None else {"threshold": threshold}
+    # a decoder's heads also get the induction score (repeated random tokens: where copying heads look)
+    induction = is_decoder(pretrained)
     try:
-        roles = head_roles(pretrained, sentences, **kw)
+        roles = head_roles(pretrained, sentences, induction=induction, **kw)
         importance = (
             None if no_importance else head_importance(pretrained, sentences, mode=mode, progress=not as_json)
         )
@@ -214,19 +261,9 @@ def heads_cmd(
     t = Table(
         title=f"{model_spec}: every head over {len(sentences)} sentence(s) (role threshold {roles.threshold})"
     )
-    for col in (
-        "layer",
-        "head",
-        "role",
-        "prev",
-        "self",
-        "next",
-        "first",
-        "last",
-        "entropy",
-        "importance",
-        "|W_O[h]|",
-    ):
+    columns = ["layer", "head", "role", "prev", "self", "next", "first", "last", "entropy"]
+    columns += ["induction"] if roles.induction is not None else []
+    for col in (*columns, "importance", "|W_O\\[h]|"):  # escaped: rich read "[h]" as markup and hid it
         t.add_column(col, justify="left" if col == "role" else "right")
     n_layers, max_heads = norms.shape
     for layer in range(n_layers):
@@ -243,6 +280,7 @@ def heads_cmd(
                     for k in ("previous", "current", "next", "first", "last")
                 ),
                 f"{float(roles.entropy[layer, h]):.2f}",
+                *([] if roles.induction is None else [f"{float(roles.induction[layer, h]):.2f}"]),
                 imp,
                 f"{float(norms[layer, h]):.2f}",
                 end_section=h == max_heads - 1,
@@ -270,6 +308,7 @@ def subspaces_cmd(
     """Head x head subspace overlap per layer beside the random baseline, and the QK/OV spectra."""
     if out_dir is not None:
         check_writable_folder(out_dir)
+    _check_before_loading(model_spec, layer)
     pretrained = at_precision(load_model(model_spec), model_precision)
     _check_range("layer", layer, pretrained.model.config.n_layers)
     from ..analysis import circuit_spectra, subspace_overlaps

@@ -20,7 +20,7 @@ def one_line(e: BaseException) -> str:
 
 
 def load_model(spec: str) -> Any:
-    """``minilm`` (the bundled all-MiniLM-L6-v2) or a folder holding a Hugging Face checkpoint."""
+    """A registered model (``minilm``, ``smollm2``), a Hugging Face checkpoint folder or a ``.gguf`` file."""
     from .. import pretrained
 
     try:

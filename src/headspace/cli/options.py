@@ -37,13 +37,43 @@ def seed_value(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
     return value
 
 
-model_option = click.option(
-    "--model",
-    "model_spec",
-    default="minilm",
-    show_default=True,
-    help="'minilm' (bundled all-MiniLM-L6-v2) or a folder with a Hugging Face checkpoint (BERT, GPT-2).",
+#: The help of every command's ``--model``: what :func:`headspace.pretrained.load` accepts (kept here, not
+#: read from the registry, so that --help needs no torch; a test checks it names every folder model type).
+MODEL_HELP = (
+    "'minilm' (all-MiniLM-L6-v2, an encoder), 'smollm2' (SmolLM2-135M-Instruct, a decoder), a folder "
+    "holding a Hugging Face checkpoint (config.json + model.safetensors: BERT, GPT-2, Llama, Mistral or "
+    "Qwen2), or a .gguf file (Llama family)."
 )
+
+
+def model_choice_option(
+    default: str | None, *, dest: str = "model_spec", needs: str = ""
+) -> Callable[[Any], Any]:
+    """``--model NAME | FOLDER | FILE.gguf`` into ``dest``, with :data:`MODEL_HELP` (and what the command
+    ``needs``, e.g. a decoder); ``default`` None: no default (the command reads something else then)."""
+    return click.option(
+        "--model",
+        dest,
+        default=default,
+        show_default=default is not None,
+        metavar="MODEL",
+        help=MODEL_HELP + (f" {needs}" if needs else ""),
+    )
+
+
+model_option = model_choice_option("minilm")
+#: ``--model`` of the commands that read logits (patch, attribute, generate): default smollm2.
+decoder_model_option = model_choice_option(
+    "smollm2", needs="This command needs a decoder (smollm2, GPT-2, Llama, Mistral, Qwen2)."
+)
+#: The --help epilog of the commands that print tokens: how :func:`headspace.tokenization.readable_token`
+#: shows them (kept here so that --help needs no torch; a test holds the two together).
+TOKENS_HELP = (
+    "Tokens are printed as their text, a space shown as ␣ (byte-level BPE's Ġ, SentencePiece's ▁), a "
+    "newline as ↵, a tab as ⇥, other invisible characters and the bytes of an incomplete character as "
+    "escapes (\\xa0, \\xc3); --json gives the strings the Python API gives."
+)
+
 json_option = click.option(
     "--json", "as_json", is_flag=True, help="Print the numbers as JSON instead of tables."
 )

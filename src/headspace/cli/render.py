@@ -2,13 +2,35 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from ..explain import Explanation
+
+
+def piece_display(pretrained: Any) -> Callable[[str], str]:
+    """How this model's token pieces are printed: its tokenizer's ``readable`` (``"Ġcat"`` -> ``"␣cat"``,
+    :data:`.options.TOKENS_HELP`), or :func:`~headspace.tokenization.readable_token`."""
+    from ..tokenization import readable_token
+
+    return getattr(getattr(pretrained, "tokenizer", None), "readable", readable_token)
+
+
+def readable_explanation(e: Explanation, show: Callable[[str], str]) -> Explanation:
+    """A copy of ``e`` whose token strings are ``show(token)``, for the terminal and the pictures (the JSON
+    keeps the tokenizer's own pieces, as the Python API gives them)."""
+
+    def attended(items: Sequence[Any]) -> list[Any]:
+        return [dataclasses.replace(a, token=show(a.token)) for a in items]
+
+    ranking = [
+        dataclasses.replace(f, focus_token=show(f.focus_token), top=attended(f.top)) for f in e.ranking
+    ]
+    return dataclasses.replace(e, tokens=[show(t) for t in e.tokens], top=attended(e.top), ranking=ranking)
 
 
 def console():
@@ -247,9 +269,10 @@ def pattern_grid(pretrained: Any, sentence: str, out: Path) -> Path:
             model(ids) if pad is None else model(ids, pad)
 
     patterns = [p[0] for p in record(model, run)["pattern"]]  # each (n_heads, seq, seq)
+    show = piece_display(pretrained)
     return plots.plot_pattern_grid(
         patterns,
-        token_strings(pretrained, sentence),
+        [show(t) for t in token_strings(pretrained, sentence)],
         out / "heads_patterns.png",
         title=f"every head's pattern: {sentence[:60]}",
     )

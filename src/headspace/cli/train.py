@@ -11,7 +11,8 @@ from pathlib import Path
 import click
 
 from ..errors import UsageError
-from .options import choice_option, precision_option, seed_value
+from .loader import at_precision, load_model
+from .options import choice_option, model_choice_option, precision_option, seed_value
 from .output import check_writable_folder
 
 
@@ -85,8 +86,8 @@ def train_command(
         result = train(config, out, resume=resume, progress=not no_progress)
     except (ValueError, TypeError, CheckpointError) as e:
         raise _fail(e) from None
-    if result.summary is not None:
-        s = result.summary
+    s = result.summary
+    if s is not None and "relations" in s:
         click.echo(f"accuracy {s['accuracy']:.4f}  ({s['n_layers']} layer(s) x {s['n_heads']} head(s))")
         for name, r in s["relations"].items():
             click.echo(
@@ -94,9 +95,10 @@ def train_command(
                 f"attention_mass {r['attention_mass']:.3f}  "
                 f"ablation_drop {r['ablation_drop']:.3f}  other_drop {r['other_drop']:.3f}"
             )
-        click.echo(f"summary: {Path(out) / 'summary.json'}")
     elif result.final_eval:
         click.echo(f"eval loss {result.final_eval['loss']:.4f}; run folder: {out}")
+    if s is not None:
+        click.echo(f"summary: {Path(out) / 'summary.json'}")
 
 
 @click.command("plot-run")
@@ -126,23 +128,45 @@ def plot_run_command(run_dir: str, out: str | None) -> None:
 
 
 @click.command("generate")
-@click.argument("run_dir", type=click.Path(file_okay=False))
-@click.option("--prompt", required=True, help="Text to continue.")
+@click.argument("target", metavar="[RUN_DIR | PROMPT]", required=False, default=None)
+@click.option("--prompt", default=None, help="Text to continue (with --model it may be the argument).")
 @click.option("--tokens", "max_new_tokens", type=int, default=200, show_default=True)
 @click.option("--temperature", type=float, default=0.8, show_default=True)
 @click.option("--top-k", type=int, default=None)
 @click.option("--seed", type=int, default=0, show_default=True, callback=seed_value, help="0..2**63-1.")
+@model_choice_option(
+    None, needs="It needs a decoder. Without --model, the argument is a training run folder (RUN_DIR)."
+)
 @precision_option
 def generate_command(
-    run_dir: str,
-    prompt: str,
+    target: str | None,
+    prompt: str | None,
     max_new_tokens: int,
     temperature: float,
     top_k: int | None,
     seed: int,
+    model_spec: str | None,
     model_precision: str,
 ) -> None:
-    """Continue --prompt with the language model trained in RUN_DIR (KV-cached decoding)."""
+    """Continue a prompt with a language model (KV-cached decoding): the one trained in RUN_DIR
+    (generate RUN_DIR --prompt TEXT) or a pretrained decoder (generate --model smollm2 "TEXT")."""
+    if model_spec is not None:
+        if target is not None and prompt is not None:
+            raise UsageError("with --model, give the prompt once: as the argument or as --prompt, not both")
+        text = target if prompt is None else prompt
+        if text is None:
+            raise UsageError('give the text to continue: headspace generate --model MODEL "PROMPT"')
+        click.echo(_generate_pretrained(model_spec, model_precision, text, max_new_tokens, temperature,
+                                        top_k, seed))  # fmt: skip
+        return
+    if target is None:
+        raise UsageError(
+            "give a training run folder (headspace generate RUN_DIR --prompt TEXT) or a model "
+            '(headspace generate --model smollm2 "TEXT")'
+        )
+    if prompt is None:
+        raise UsageError(f"give the text to continue with --prompt (RUN_DIR {target}), or use --model")
+    run_dir = target
     from ..train.checkpoint import CheckpointError
     from ..train.loop import generate_text
 
@@ -163,6 +187,27 @@ def generate_command(
     except (ValueError, TypeError, CheckpointError, KeyError) as e:
         raise _fail(e) from None
     click.echo(text)
+
+
+def _generate_pretrained(
+    model_spec: str, precision: str, prompt: str, max_new_tokens: int, temperature: float,
+    top_k: int | None, seed: int,
+) -> str:  # fmt: skip
+    """The prompt and its continuation by the pretrained decoder ``model_spec``, or one line."""
+    from ..defaults import is_decoder
+
+    if not prompt.strip():
+        raise UsageError(f"the prompt is empty ({prompt!r}); give at least one word to continue")
+    model = at_precision(load_model(model_spec), precision)
+    if not is_decoder(model):
+        raise UsageError(
+            f"--model {model_spec} is an encoder: generate needs a decoder (smollm2, or a GPT-2, Llama, "
+            "Mistral or Qwen2 folder, or a .gguf file)"
+        )
+    try:
+        return model.generate(prompt, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
+    except (ValueError, TypeError) as e:
+        raise _fail(e) from None
 
 
 COMMANDS = (train_command, plot_run_command, generate_command)

@@ -23,22 +23,16 @@ import click
 from ..defaults import default_sentence
 from ..errors import UsageError
 from .loader import at_precision, load_model
-from .options import choice_option, model_precision_option
+from .options import TOKENS_HELP, choice_option, model_choice_option, model_precision_option
 from .output import check_writable_folder
 
 #: --precision choices (:data:`headspace.viz.explorer.data.PRECISIONS`, kept here so --help needs no torch).
 PRECISIONS = ("auto", "float32", "float16")
 
 
-@click.command("view")
+@click.command("view", epilog=TOKENS_HELP)
 @click.argument("sentence", required=False)
-@click.option(
-    "--model",
-    "model_name",
-    default="minilm",
-    show_default=True,
-    help="'minilm' (bundled all-MiniLM-L6-v2) or a folder with a Hugging Face checkpoint",
-)
+@model_choice_option("minilm", dest="model_name")
 @click.option(
     "-o",
     "--output",

@@ -54,14 +54,15 @@ _BERT_COUNTED = {
 }
 
 
-def bert_config(hf: dict[str, Any], name: str = "") -> ModelConfig:
+def bert_config(hf: dict[str, Any], name: str = "", *, source: str = "config.json") -> ModelConfig:
     """A headspace :class:`ModelConfig` from a Hugging Face BERT ``config.json`` dict.
 
     Every field read is checked for type and range first (``ValueError`` naming the field: a string
     where an int or a boolean belongs is refused, never converted); then what headspace cannot represent
-    is refused in one message listing the fields.
+    is refused in one message listing the fields. Every message begins with ``source``: the loaders pass
+    the file's full path, so that it names the folder.
     """
-    f = config_fields(hf)
+    f = config_fields(hf, source)
     f.text("hidden_act", "gelu")
     f.text("position_embedding_type", None, allow_none=True)
     f.flag("is_decoder", False)
@@ -77,7 +78,7 @@ def bert_config(hf: dict[str, Any], name: str = "") -> ModelConfig:
     )
     f.require(_BERT_FIELDS, "BERT")
     sizes = config_sizes(f, "hidden_size", "num_attention_heads", pad_default=0)
-    with fitting_headspace():
+    with fitting_headspace(source):
         return ModelConfig(
             arch="encoder",
             n_layers=f.integer("num_hidden_layers"),

@@ -31,14 +31,16 @@ from .wrappers import PretrainedDecoder
 _GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 
 
-def gpt2_config(hf: dict[str, Any], name: str = "") -> ModelConfig:
+def gpt2_config(hf: dict[str, Any], name: str = "", *, source: str = "config.json") -> ModelConfig:
     """A headspace :class:`ModelConfig` from a Hugging Face GPT-2 ``config.json`` dict.
 
     Every field read is checked for type and range first (``ValueError`` naming the field: a string
     where an int or a boolean belongs is refused, never converted, so ``tie_word_embeddings: "false"``
     is an error); then what headspace cannot represent is refused in one message listing the fields.
+    Every message begins with ``source``: the loaders pass the file's full path, so that it names the
+    folder.
     """
-    f = config_fields(hf)
+    f = config_fields(hf, source)
     f.text("activation_function", "gelu_new")
     f.flag("scale_attn_weights", True)
     f.flag("scale_attn_by_inverse_layer_idx", False)
@@ -54,7 +56,7 @@ def gpt2_config(hf: dict[str, Any], name: str = "") -> ModelConfig:
     )
     f.require(["vocab_size", "n_embd", "n_layer", "n_head"], "GPT-2")
     sizes = config_sizes(f, "n_embd", "n_head", pad_default=None)
-    with fitting_headspace():
+    with fitting_headspace(source):
         return ModelConfig(
             arch="decoder",
             n_layers=f.integer("n_layer"),

@@ -239,11 +239,15 @@ class ConfigFields:
 
 
 def config_problems(
-    hf: Mapping[str, Any], rules: dict[str, Callable[[Any], bool]], defaults: dict[str, Any]
+    hf: Mapping[str, Any],
+    rules: dict[str, Callable[[Any], bool]],
+    defaults: dict[str, Any],
+    source: str = "config.json",
 ) -> None:
     """The fields ``rules`` must accept (absent ones take ``defaults``) -> one ValueError listing the rest.
 
-    A value a rule cannot even test (a list where a name is expected) counts as refused.
+    A value a rule cannot even test (a list where a name is expected) counts as refused. The message
+    begins with ``source`` (the file's path, when known).
     """
     bad = []
     for key, ok in rules.items():
@@ -255,18 +259,19 @@ def config_problems(
         if not accepted:
             bad.append(f"{key}={value!r:.80}")
     if bad:
-        raise ValueError("config.json does not fit headspace: " + ", ".join(bad))
+        raise ValueError(f"{source} does not fit headspace: " + ", ".join(bad))
 
 
-def config_fields(hf: Any) -> ConfigFields:
+def config_fields(hf: Any, source: str = "config.json") -> ConfigFields:
     """:class:`ConfigFields` over ``hf``, the ``config.json`` dict (TypeError otherwise), ``model_type`` read.
 
     The first read of every converter: ``model_type`` must be a string or null (whether it is the
-    architecture's is up to :func:`refuse_unsupported`, after the architecture's own reads).
+    architecture's is up to :func:`refuse_unsupported`, after the architecture's own reads). ``source``
+    begins every message (a loader passes the file's full path, so the message names the folder).
     """
     if not isinstance(hf, dict):
         raise TypeError(f"hf must be the config.json dict; got {type(hf).__name__}")
-    f = ConfigFields(hf)
+    f = ConfigFields(hf, source)
     f.text("model_type", None, allow_none=True)
     return f
 
@@ -281,7 +286,7 @@ def refuse_unsupported(
     """
     f.flag("add_cross_attention", False)
     every = {"model_type": lambda v: v in (None, model_type), **rules, "add_cross_attention": lambda v: not v}
-    config_problems(f.hf, every, defaults)
+    config_problems(f.hf, every, defaults, f.source)
 
 
 def config_sizes(f: ConfigFields, width: str, heads: str, pad_default: int | None) -> dict[str, Any]:
@@ -456,19 +461,21 @@ def check_parameter_count(
     implied_tensors: int,
     header: SafetensorsHeader,
     fields: str,
+    config_source: str = "config.json",
 ) -> str | None:
     """Compare what the config implies with what the file holds, from the header alone.
 
     Returns None when the file holds at least as many values and tensors as the config implies (extra
-    tensors may be ignorable), else a one-line summary naming both counts and ``fields`` (the config
-    values behind them). When building the list of expected tensors would be out of proportion to the
-    file (more than ``2 * tensors + 64``), raises ``ValueError`` with that summary at once.
+    tensors may be ignorable), else a one-line summary naming both counts, the config (``config_source``:
+    its path, when it is a file) and ``fields`` (the config values behind them). When building the list of
+    expected tensors would be out of proportion to the file (more than ``2 * tensors + 64``), raises
+    ``ValueError`` with that summary at once.
     """
     held, held_tensors = header.n_values, len(header.tensors)
     if implied_values <= held and implied_tensors <= held_tensors:
         return None
     summary = (
-        f"config.json ({fields}) implies {_counted(implied_values, 'parameter')} in "
+        f"{config_source} ({fields}) implies {_counted(implied_values, 'parameter')} in "
         f"{_counted(implied_tensors, 'tensor')}, but {header.path} holds {_counted(held, 'value')} in "
         f"{_counted(held_tensors, 'tensor')}: the config does not describe these weights"
     )
@@ -715,18 +722,21 @@ def open_checkpoint(
 ) -> OpenedCheckpoint:
     """Open ``folder`` (:func:`open_folder`), read its config and header, compare the parameter counts.
 
-    ``read_config(hf, name=...)`` makes the :class:`~headspace.ModelConfig` (named ``name`` or the
-    folder's name); ``prefix`` is dropped from the tensor names when ``prefix + marker`` names one
-    (:func:`strip_prefix`); ``count(config)`` gives the (parameters, tensors) the config implies, and the
-    message names the config values behind them: the ``config.json`` keys of ``fields`` with the
-    ModelConfig attributes they became (:func:`config_values`, :func:`check_parameter_count`).
+    ``read_config(hf, name=..., source=...)`` makes the :class:`~headspace.ModelConfig` (named ``name`` or
+    the folder's name; its messages begin with ``source``, the config file's path); ``prefix`` is dropped
+    from the tensor names when ``prefix + marker`` names one (:func:`strip_prefix`); ``count(config)``
+    gives the (parameters, tensors) the config implies, and the message names the config values behind
+    them: the ``config.json`` keys of ``fields`` with the ModelConfig attributes they became
+    (:func:`config_values`, :func:`check_parameter_count`).
     """
     path, hf, weights = open_folder(folder)
-    config = read_config(hf, name=name or path.name)
+    config = read_config(hf, name=name or path.name, source=str(path / "config.json"))
     header = safetensors_header(weights)
     entries = strip_prefix(header.tensors, prefix, marker)
     implied, implied_tensors = count(config)
-    summary = check_parameter_count(implied, implied_tensors, header, config_values(config, fields))
+    summary = check_parameter_count(
+        implied, implied_tensors, header, config_values(config, fields), str(path / "config.json")
+    )
     return OpenedCheckpoint(path, config, weights, header, entries, summary)
 
 

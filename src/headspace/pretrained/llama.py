@@ -755,11 +755,12 @@ def load_llama(
     path = checked_folder(folder)
     hf = read_json(require_file(path, "config.json", "the model configuration"))
     files, weight_map = _weight_files(path)
-    config = llama_config(hf, name=name or path.name, max_seq_len=max_seq_len)
+    config_file = str(path / "config.json")
+    config = llama_config(hf, name=name or path.name, max_seq_len=max_seq_len, source=config_file)
     config.extra["source"] = str(path)
     header, per_file = _headers(files, weight_map, path / _INDEX)
     source = header.path
-    summary = check_parameter_count(*llama_parameter_count(config), header, _fields(config))
+    summary = check_parameter_count(*llama_parameter_count(config), header, _fields(config), config_file)
     entries = header.tensors
     prefix = _prefix(entries)
     expected = llama_expected(config, prefix)

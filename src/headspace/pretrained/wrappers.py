@@ -164,9 +164,10 @@ class PretrainedEncoder(_Loaded):
         :attr:`max_length` tokens ([CLS] and [SEP] included), sentences are sorted by length and run in
         batches of ``batch_size``, and the result comes back in the input order. A single string is a
         list of one sentence. Runs under ``torch.no_grad()`` (not inference mode), so the embeddings
-        can feed a model that is trained afterwards (a probe, say). ``progress``: a tqdm bar (rate,
-        ETA); None shows it when there are more than 8 batches. The embeddings are float32 at every
-        precision: a reduced-precision model's token states are pooled in float32.
+        can feed a model that is trained afterwards (a probe, say). ``progress``: a progress bar (rate,
+        ETA; :func:`headspace.progress.progress_bar`); None shows it when there are more than 8
+        batches. The embeddings are float32 at every precision: a reduced-precision model's token
+        states are pooled in float32.
         """
         sentences = check_sentences(sentences)
         if not is_int(batch_size) or batch_size < 1:
@@ -176,9 +177,9 @@ class PretrainedEncoder(_Loaded):
         out = torch.empty(len(ids), self.config.d_model)  # (n, d_model)
         starts = range(0, len(order), batch_size)
         if progress or (progress is None and len(starts) > 8):
-            from tqdm.auto import tqdm
+            from ..progress import progress_bar
 
-            starts = tqdm(starts, desc="encode", unit="batch")
+            starts = progress_bar(starts, desc="encode", unit="batch")
         workspace = Workspace()  # one scratch memory for every batch (the first, longest, sizes it)
         for start in starts:
             rows = order[start : start + batch_size]

@@ -600,8 +600,12 @@ def _read_sealed(path: Path, record: Mapping[str, Any]) -> bytes:
     if st.st_size == 0:
         raise CheckpointError(f"{path}: empty file (0 bytes); {MANIFEST_FILE} records {want}")
     if st.st_size != want:
-        what = "truncated" if st.st_size < want else "has extra bytes"
-        raise CheckpointError(f"{path}: {what}: {st.st_size} bytes, {MANIFEST_FILE} records {want}")
+        # a size alone does not tell a cut file from an edited one (a shorter step number in state.json)
+        what = "shorter" if st.st_size < want else "longer"
+        raise CheckpointError(
+            f"{path}: does not match its seal: {st.st_size} bytes, {MANIFEST_FILE} records {want} ({what} "
+            "than when it was saved: edited, truncated or damaged since)"
+        )
     data = _read_file(path, want)
     if len(data) != want:
         raise CheckpointError(

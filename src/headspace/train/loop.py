@@ -10,7 +10,9 @@ a linear read-out) described by a :class:`TrainConfig` on a built-in task (:mod:
                                "accuracy", per-head measurements (see :mod:`.metrics`)};
                                tokens_per_s counts training time only (not evaluations or checkpoints)
     RUN_DIR/checkpoints/       see :mod:`.checkpoint` (every ``save_every`` steps and at the end)
-    RUN_DIR/summary.json       synthetic tasks: accuracy and, per relation, the head that serves it
+    RUN_DIR/summary.json       synthetic tasks: accuracy and, per relation, the head that serves it;
+                               text: the held-out loss (and bits per token, perplexity), the last
+                               training loss, steps, parameters and this process's time and tokens/s
 
 Determinism: the weights are initialised from ``seed``; the batch of step ``s`` is drawn from a
 generator seeded by (seed, s) only; the global RNG (dropout) is reseeded at every step from
@@ -381,7 +383,8 @@ class _Source:
 # --------------------------------------------------------------------------------------------- run folder
 @dataclass
 class RunResult:
-    """What :func:`train` returns: the run folder, the final step, the last evaluation and the summary."""
+    """What :func:`train` returns: the run folder, the final step, the last evaluation and the summary
+    (what ``summary.json`` holds; None on ranks other than 0, which write nothing)."""
 
     run_dir: Path
     step: int
@@ -555,7 +558,9 @@ def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
 
 # --------------------------------------------------------------------------------------------- progress
 class _Progress:
-    """What a run is doing, on stderr (rank 0, ``progress=True``): status lines, then the training bar.
+    """What a run is doing, on stderr (rank 0, ``progress=True``): status lines, then the training bar
+    (:func:`headspace.progress.progress_bar`: redrawn in a terminal or a notebook, a plain line every few
+    seconds with steps, rate and ETA where stderr is a log file or a pipe).
 
     Status lines say what happens before the first step (reading and encoding the data, building the
     model, the first evaluation, with a bar over its forward passes). The training bar starts after the
@@ -582,9 +587,9 @@ class _Progress:
         """The training bar from step ``initial`` on (timed from now)."""
         if not self.enabled or self.bar is not None:
             return
-        from tqdm.auto import tqdm
+        from ..progress import progress_bar
 
-        self.bar = tqdm(
+        self.bar = progress_bar(
             total=self.total,
             initial=initial,
             desc=self.desc,
@@ -610,9 +615,9 @@ class _Progress:
             now = time.perf_counter()
             if self.bar is None:
                 if self._eval_bar is None:
-                    from tqdm.auto import tqdm
+                    from ..progress import progress_bar
 
-                    self._eval_bar = tqdm(
+                    self._eval_bar = progress_bar(
                         total=total, desc=f"eval step {step}", unit="pass", leave=False, file=sys.stderr
                     )
                 self._eval_bar.update(done - self._eval_bar.n)
@@ -634,7 +639,11 @@ class _Progress:
 
         The bar's elapsed time still counts them; its rate (and so its ETA) is that of training steps.
         """
-        if self.bar is not None:
+        from ..progress import PlainProgress
+
+        if isinstance(self.bar, PlainProgress):
+            self.bar.exclude(seconds)
+        elif self.bar is not None:
             self.bar.last_print_t += seconds
 
     def close(self) -> None:
@@ -707,7 +716,7 @@ def _train(
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but no CUDA device is available; use --device cpu")
     status = _Progress(progress and info.is_main, f"train {config.task}", config.steps)
-    t0 = time.perf_counter()
+    t0 = t_run = time.perf_counter()
     if config.task == "text":
         status.say(f"reading and encoding {config.data} ({config.level} level) ...")
     source = _Source(config)
@@ -790,6 +799,7 @@ def _train(
             )
         model.train()
         t_last, tokens_since = time.perf_counter(), 0
+        trained_seconds, last_loss = 0.0, None  # training time only (no evaluations, no checkpoints)
         for step in range(start, config.steps):
             lr = learning_rate(config, step)
             for group in optimizer.param_groups:
@@ -816,7 +826,8 @@ def _train(
                 mean_loss = average_across_ranks(loss.detach(), info)
                 now = time.perf_counter()
                 tps = tokens_since / max(now - t_last, 1e-9)
-                t_last, tokens_since = now, 0
+                trained_seconds += now - t_last
+                t_last, tokens_since, last_loss = now, 0, mean_loss
                 if log is not None:
                     row = {"kind": "train", "step": done, "loss": mean_loss, "lr": lr, "grad_norm": grad_norm,
                            "tokens_per_s": tps}  # fmt: skip
@@ -867,8 +878,45 @@ def _train(
                 "loss": last_eval["loss"],
                 "relations": relation_summary(source.task, last_eval),
             }
-            write_atomic(out / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+        else:
+            summary = _text_summary(config, source, model, last_eval, last_loss, start, trained_seconds,
+                                    time.perf_counter() - t_run)  # fmt: skip
+        write_atomic(out / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
     return RunResult(out, config.steps, model, last_eval, summary)
+
+
+def _text_summary(
+    config: TrainConfig, source: _Source, model: nn.Module, last_eval: dict[str, Any],
+    train_loss: float | None, start: int, trained_seconds: float, seconds: float,
+) -> dict[str, Any]:  # fmt: skip
+    """summary.json of a text run: the held-out loss at the end (nats per token; also in bits and as a
+    perplexity), the last logged training loss, and this process's steps, time and tokens/s (a resumed
+    run counts the steps it ran itself)."""
+    loss = float(last_eval["loss"])
+    finite = math.isfinite(loss)
+    steps_run = config.steps - start
+    tokens = steps_run * config.batch_size * source.seq_len
+    return {
+        "task": config.task,
+        "data": config.data,
+        "level": config.level,
+        "arch": config.arch,
+        "n_layers": config.n_layers,
+        "n_heads": config.n_heads,
+        "d_model": config.d_model,
+        "seq_len": source.seq_len,
+        "vocab_size": source.vocab_size,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "steps": config.steps,
+        "loss": loss,
+        "bits_per_token": loss / math.log(2) if finite else None,
+        "perplexity": math.exp(loss) if finite and loss < 700 else None,
+        "train_loss": train_loss,
+        "steps_this_process": steps_run,
+        "train_seconds": trained_seconds,
+        "tokens_per_s": tokens / trained_seconds if trained_seconds > 0 else None,
+        "seconds": seconds,
+    }
 
 
 # --------------------------------------------------------------------------------------------- loading a run

@@ -92,12 +92,15 @@ def initial_selection(captures: Sequence[LayerCapture], labels: Sequence[str]) -
 
 
 def _token_labels(pretrained: Any, sentence: str, ids: Sequence[int]) -> list[str]:
-    """The token strings of ``sentence`` from the tokenizer (ids as text when it cannot say)."""
+    """The token strings of ``sentence`` from the tokenizer, readable as the command line prints them
+    (``"Ġcat"`` -> ``"␣cat"``: :func:`headspace.tokenization.readable_token`); ids as text when it cannot
+    say."""
     tok = getattr(pretrained, "tokenizer", None)
     labels = tok.tokens(sentence) if hasattr(tok, "tokens") else None
     if labels is None or len(labels) != len(ids):
         return [str(i) for i in ids]
-    return [str(t) for t in labels]
+    show = getattr(tok, "readable", str)
+    return [show(str(t)) for t in labels]
 
 
 class Explorer:

@@ -291,13 +291,19 @@ def _dla_views(d: dict[str, Any]) -> list[dict[str, Any]]:
             {
                 "answer_token": d.get("answer"),
                 "answer_prob": [[row.get("answer_prob") for row in d["logit_lens"]]],
-                "answer_rank": [[row.get("answer_rank") for row in d["logit_lens"]]],
+                # the command counts ranks from 1, LogitLens (and the page) from 0
+                "answer_rank": [[_from_one(row.get("answer_rank")) for row in d["logit_lens"]]],
                 "top_probs": [[row.get("top_probs") for row in d["logit_lens"]]],
                 "top_tokens": [[row.get("top_tokens") for row in d["logit_lens"]]],
                 "prompt": prompt,
             }
         )
     return views
+
+
+def _from_one(rank: Any) -> Any:
+    """A rank of ``headspace attribute --json`` (1 = the top token) in LogitLens's count (0 = the top)."""
+    return rank - 1 if isinstance(rank, int) and not isinstance(rank, bool) else rank
 
 
 def _lens_view(d: dict[str, Any]) -> list[dict[str, Any]]:
