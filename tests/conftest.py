@@ -44,12 +44,13 @@ _COMPILER_TEMPORARY = re.compile(r"cc[A-Za-z0-9]{6}\.[a-z]+")
 
 def _kept_until_exit(entry: Path) -> bool:
     """What may stay in SESSION_TMP until its removal at exit: this session's caches (the native step's
-    build cache, above; torch.compile's inductor cache) and the temporaries of a compiler still at work
+    build cache, above; torch.compile's inductor cache), the temporaries of a compiler still at work
     (the native step's background build outlives a short-lived process that started it: a rank, a
-    notebook kernel)."""
+    notebook kernel) and hidden files, which tempfile never names and which tools outside the project
+    have been seen to write into $TMPDIR (a ``.ses``)."""
     return (
         str(entry) == os.environ["HEADSPACE_CACHE"]
-        or entry.name.startswith("torchinductor_")
+        or entry.name.startswith(("torchinductor_", "."))
         or _COMPILER_TEMPORARY.fullmatch(entry.name) is not None
     )
 
