@@ -73,8 +73,9 @@ def main(argv: list[str] | None = None) -> int:
     pre = headspace.load("minilm")
     vocab = Tokenizer.from_file(str(pre.tokenizer.path))
     rows = []
-    folder = Path(tempfile.mkdtemp(prefix="explorer-bench-"))
-    with sync_playwright() as p:
+    # the pages (up to ~5 MB each) live only while they are measured
+    with tempfile.TemporaryDirectory(prefix="explorer-bench-") as tmp, sync_playwright() as p:
+        folder = Path(tmp)
         browser = p.chromium.launch(executable_path=args.chromium, headless=True, args=LAUNCH_ARGS)
         version = browser.version
         bar = tqdm(total=len(args.lengths) * args.runs, desc="page loads", unit="load")

@@ -105,6 +105,9 @@ def load_transformer_lens(model_spec: str):
 
     from headspace.pretrained.gguf_format import smollm2_gguf_path
 
+    # the plain copy of SmolLM2 that TransformerBridge boots from, removed once it has (on Linux the
+    # loaded weights may still map its files: that keeps working; elsewhere a failed removal is ignored)
+    copy = None
     if model_spec != "smollm2":
         folder = Path(model_spec)
     else:
@@ -113,7 +116,8 @@ def load_transformer_lens(model_spec: str):
             str(path.parent), gguf_file=path.name, dtype=torch.float32
         )
         tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        folder = Path(tempfile.mkdtemp(prefix="headspace-tl-"))
+        copy = tempfile.TemporaryDirectory(prefix="headspace-tl-", ignore_cleanup_errors=True)
+        folder = Path(copy.name)
         _plain_copy(hf).save_pretrained(folder)
         tok.save_pretrained(folder)
     try:
@@ -121,6 +125,9 @@ def load_transformer_lens(model_spec: str):
         bridge.enable_compatibility_mode()
     except Exception as e:
         return None, f"TransformerBridge could not boot {folder} offline ({type(e).__name__}: {e})"
+    finally:
+        if copy is not None:
+            copy.cleanup()
     return bridge, ""
 
 

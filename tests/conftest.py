@@ -1,23 +1,95 @@
-"""Shared fixtures: every test starts from the same random state, so a failure reproduces."""
+"""Shared fixtures: every test starts from the same random state, so a failure reproduces; the session
+leaves nothing behind, in the temporary folder or in the repository."""
 
 from __future__ import annotations
 
 import atexit
 import os
 import random
+import re
 import shutil
+import subprocess
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+
+# ------------------------------------------------------------------------------------ nothing left behind
+# Every temporary file of the session, this process's and its children's (torchrun's agent and ranks,
+# notebook kernels, compilers), goes into one fresh folder: TMPDIR (TEMP, TMP) points there before any
+# test asks for a temporary file, and the folder is removed at exit. Other sessions on the same machine
+# have folders of their own, so what is left in it at the end was left by this session's tests. pytest's
+# own tmp_path folders stay where pytest keeps them (its usual retention of the last three sessions).
+os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
+SESSION_TMP = Path(tempfile.mkdtemp(prefix="headspace-tests-"))
+for _name in ("TMPDIR", "TEMP", "TMP"):
+    os.environ[_name] = str(SESSION_TMP)
+tempfile.tempdir = str(SESSION_TMP)
+atexit.register(shutil.rmtree, SESSION_TMP, ignore_errors=True)
+REPO = Path(__file__).resolve().parent.parent
 
 # The native decoding step (headspace.kernels.native) is built into a cache folder: a fresh one for each
 # test session, so that the suite compiles it as a new machine would and writes nothing under $HOME.
 if "HEADSPACE_CACHE" not in os.environ:
     os.environ["HEADSPACE_CACHE"] = tempfile.mkdtemp(prefix="headspace-test-cache-")
     atexit.register(shutil.rmtree, os.environ["HEADSPACE_CACHE"], ignore_errors=True)
+
+
+#: a C/C++ compiler's temporary file (gcc's ccXXXXXX.s ...): one still running when the session ends
+_COMPILER_TEMPORARY = re.compile(r"cc[A-Za-z0-9]{6}\.[a-z]+")
+
+
+def _kept_until_exit(entry: Path) -> bool:
+    """What may stay in SESSION_TMP until its removal at exit: this session's caches (the native step's
+    build cache, above; torch.compile's inductor cache), the temporaries of a compiler still at work
+    (the native step's background build outlives a short-lived process that started it: a rank, a
+    notebook kernel) and hidden files, which tempfile never names and which tools outside the project
+    have been seen to write into $TMPDIR (a ``.ses``)."""
+    return (
+        str(entry) == os.environ["HEADSPACE_CACHE"]
+        or entry.name.startswith(("torchinductor_", "."))
+        or _COMPILER_TEMPORARY.fullmatch(entry.name) is not None
+    )
+
+
+def _untracked_files() -> set[str] | None:
+    """The repository's untracked, not ignored files (``git status``); None outside a git checkout."""
+    try:
+        done = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=all", "-z"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if done.returncode != 0:
+        return None
+    return {entry[3:] for entry in done.stdout.split("\0") if entry.startswith("?? ")}
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _leaves_nothing_behind() -> Iterator[None]:
+    """At the end of the session: an error naming whatever the tests left in the session's temporary
+    folder or as new untracked files in the repository (fix the source: a test or script that writes into
+    the current folder, or creates a temporary folder and does not remove it)."""
+    untracked = _untracked_files()
+    yield
+    problems = []
+    left = sorted(p.name for p in SESSION_TMP.iterdir() if not _kept_until_exit(p))
+    if left:
+        problems.append(f"left in the temporary folder ({SESSION_TMP}): {', '.join(left)}")
+    if untracked is not None:
+        new = sorted((_untracked_files() or set()) - untracked)
+        if new:
+            problems.append(f"new untracked files in the repository ({REPO}): {', '.join(new)}")
+    if problems:
+        pytest.fail("the test session left files behind:\n" + "\n".join(problems), pytrace=False)
 
 
 @pytest.fixture(autouse=True)

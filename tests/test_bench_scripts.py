@@ -111,6 +111,7 @@ def test_every_script_writes_local_results_by_default_and_publishes_only_with_sa
     assert not list(tmp_path.rglob("*.json"))
 
 
+@pytest.mark.kernels
 def test_encode_script_compares_three_models_and_reports_each_round(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], keep_threads: None
 ) -> None:

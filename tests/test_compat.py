@@ -301,6 +301,129 @@ def test_is_causal_needs_attn_mask_like_torch() -> None:
     assert isinstance(err.value, RuntimeError)
 
 
+def test_is_causal_hint_leaves_the_replaced_mask_unchecked_like_torch() -> None:
+    """Where the hint replaces attn_mask (no key padding, no weights asked for), torch checks neither its
+    size nor its float dtype: a [2, 2] mask for a length-1 query, a float64 mask for float32 inputs, a
+    [N * H, 2, 2] mask run, as the causal mask, in both. Asking for the weights uses the mask, and then
+    both refuse it."""
+    ref, ours = make_pair()
+    random_params(ref, ours)
+    q1 = torch.randn(1, N, E, generator=torch.Generator().manual_seed(5)).requires_grad_()  # (L=1, N, E)
+    qk = torch.randn(1, N, E), torch.randn(S, N, E)
+    wrong = {
+        "[2, 2] bool": torch.ones(2, 2, dtype=torch.bool).triu(1),
+        "[2, 2] float": causal_float(2, 2),
+        "[1, 1] float64": torch.zeros(1, 1, dtype=torch.float64),
+        "[N H, 2, 2] bool": torch.zeros(N * H, 2, 2, dtype=torch.bool),
+    }
+    for name, mask in wrong.items():
+        compare(ref, ours, (q1, q1, q1), f"self {name}", attn_mask=mask, is_causal=True, need_weights=False)
+        compare(ref, ours, (*qk, qk[1]), f"cross {name}", attn_mask=mask, is_causal=True, need_weights=False)
+        with pytest.raises(RuntimeError):
+            ref(q1, q1, q1, attn_mask=mask, is_causal=True, need_weights=True)
+        with pytest.raises((ValueError, TypeError), match="attn_mask") as err:
+            ours(q1, q1, q1, attn_mask=mask, is_causal=True, need_weights=True)
+        assert isinstance(err.value, RuntimeError)
+    # the rank and the kind of mask are still checked, by both
+    for bad in (torch.zeros(2, dtype=torch.bool), torch.zeros(2, 2, dtype=torch.int64)):
+        with pytest.raises(AssertionError):
+            ref(q1, q1, q1, attn_mask=bad, is_causal=True, need_weights=False)
+        with pytest.raises((ValueError, TypeError), match="attn_mask") as err2:
+            ours(q1, q1, q1, attn_mask=bad, is_causal=True, need_weights=False)
+        assert isinstance(err2.value, AssertionError)
+
+
+def test_is_causal_hint_on_torchs_inference_fast_path_uses_the_mask_like_torch() -> None:
+    """eval + no_grad + batch_first self-attention with a bool mask: torch's fast path ignores is_causal,
+    uses attn_mask as given and checks its size. So does the drop-in (which never runs that path)."""
+    ref, ours = make_pair(batch_first=True)
+    random_params(ref, ours)
+    ref.eval(), ours.eval()
+    x = torch.randn(N, L, E)
+    not_causal = bool_blocked(L, L, g=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        a = ref(x, x, x, attn_mask=not_causal, is_causal=True, need_weights=False)[0]
+        b = ours(x, x, x, attn_mask=not_causal, is_causal=True, need_weights=False)[0]
+        as_given = ours(x, x, x, attn_mask=not_causal, need_weights=False)[0]
+        with pytest.raises(RuntimeError):
+            ref(x, x, x, attn_mask=torch.zeros(2, 2, dtype=torch.bool), is_causal=True, need_weights=False)
+        with pytest.raises(ValueError, match="attn_mask") as err:
+            ours(x, x, x, attn_mask=torch.zeros(2, 2, dtype=torch.bool), is_causal=True, need_weights=False)
+    torch.testing.assert_close(b, a)
+    torch.testing.assert_close(b, as_given)
+    assert isinstance(err.value, RuntimeError)
+    # and with grad (torch's general path) the hint replaces the same mask: the two paths really differ
+    c = ours(x, x, x, attn_mask=not_causal, is_causal=True, need_weights=False)[0]
+    torch.testing.assert_close(c, ref(x, x, x, attn_mask=not_causal, is_causal=True, need_weights=False)[0])
+    assert not torch.allclose(c, b)
+
+
+# ---------------------------------------------------------------------------------------------- dtypes
+def cast_inputs(qkv: tuple[Tensor, Tensor, Tensor], dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+    """The inputs in ``dtype`` as fresh leaves, keeping their identity structure (q is k ...)."""
+    memo: dict[int, Tensor] = {}
+    for x in qkv:
+        memo.setdefault(id(x), x.detach().to(dtype).requires_grad_())
+    return memo[id(qkv[0])], memo[id(qkv[1])], memo[id(qkv[2])]
+
+
+@pytest.mark.parametrize(
+    "weights, bias",
+    [(torch.float64, torch.float16), (torch.float32, torch.float16), (torch.float16, torch.float32)],
+)
+@pytest.mark.parametrize("kind", ["self", "shared_kv", "cross"])
+def test_in_proj_bias_of_another_dtype_is_added_as_torch_adds_it(
+    weights: torch.dtype, bias: torch.dtype, kind: str
+) -> None:
+    """A half in_proj_bias on float64 weights (or float32 on half ones): torch's batch_first path adds it
+    to the projection in the weights' dtype (F.linear on a transposed input: matmul, then add_). The
+    drop-in gives the same outputs, weights and gradients (half weights: outputs and weights), with the
+    separate kdim/vdim projections too."""
+    for ctor in (dict(), dict(kdim=KDIM, vdim=VDIM)):
+        if ctor and kind != "cross":
+            continue
+        ref, ours = make_pair(batch_first=True, **ctor)
+        random_params(ref, ours)
+        for m in (ref, ours):
+            m.to(weights)
+            m.in_proj_bias = nn.Parameter(m.in_proj_bias.detach().to(bias))
+        assert ours.in_proj_bias.dtype == bias and ours.out_proj.weight.dtype == weights
+        qkv = cast_inputs(make_inputs(kind, True, True, ours.kdim, ours.vdim), weights)
+        for mode in WEIGHT_MODES:
+            if weights != torch.float16:
+                compare(ref, ours, qkv, f"{kind} {ctor} {mode}", **mode)
+                continue
+            # half weights: the attention kernels round differently, a few half ulps apart (a missing
+            # or misplaced bias would be off by its own size, ~0.2); forward only
+            with torch.no_grad():
+                a, b = ref(*qkv, **mode), ours(*qkv, **mode)
+            torch.testing.assert_close(b[0], a[0], atol=4e-3, rtol=1e-2)
+            torch.testing.assert_close(b[1], a[1], atol=4e-3, rtol=1e-2)
+        out = ours(*qkv)[0]
+        assert out.dtype == weights
+
+
+def test_in_proj_bias_of_another_dtype_runs_where_torch_s_addmm_refuses_it() -> None:
+    """A contiguous (seq, batch, embed) input sends torch's F.linear to addmm, which refuses the mixed
+    dtypes; the same values laid out non-contiguously take torch's matmul-then-add path and run. The
+    drop-in gives that answer whatever the layout."""
+    ref, ours = make_pair(batch_first=False)
+    random_params(ref, ours)
+    for m in (ref, ours):
+        m.double()
+        m.in_proj_bias = nn.Parameter(m.in_proj_bias.detach().half())
+    x = torch.randn(L, N, E, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        ref(x, x, x)
+    x_strided = x.transpose(0, 1).contiguous().transpose(0, 1)  # (L, N, E), the same values
+    assert not x_strided.is_contiguous()
+    want, want_w = ref(x_strided, x_strided, x_strided)
+    for inp in (x, x_strided):
+        out, w = ours(inp, inp, inp)
+        torch.testing.assert_close(out, want)
+        torch.testing.assert_close(w, want_w)
+
+
 # ---------------------------------------------------------------------------------------------- dead rows
 @pytest.mark.parametrize("mask_dtype", ["bool", "float"])
 def test_fully_masked_rows_give_zero_not_nan(mask_dtype: str) -> None:

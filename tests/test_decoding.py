@@ -21,6 +21,8 @@ from headspace.decoding import (
 )
 from headspace.kernels import prepack
 
+pytestmark = pytest.mark.kernels
+
 B, H, DH, V, L = 3, 7, 5, 13, 2  # batch, n_heads, d_head, vocab, layers: distinct primes
 MKL = prepack.prepack_available()
 

@@ -24,6 +24,8 @@ from headspace.decoding import DecodePlan, generation_caches
 from headspace.kernels import native, prepack
 from headspace.norms import RMSNorm
 
+pytestmark = pytest.mark.kernels
+
 B, H, DH, V, L = 3, 7, 5, 13, 2  # batch, n_heads, d_head, vocab, layers: distinct primes
 
 needs_compiler = pytest.mark.skipif(

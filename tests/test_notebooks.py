@@ -52,6 +52,7 @@ def test_notebook_runs_offline_without_errors(
     for name, value in OFFLINE.items():
         monkeypatch.setenv(name, value)  # the kernel inherits this process's environment
     nb = nbformat.read(path, as_version=4)
+    examples_before = sorted(p.name for p in EXAMPLES.iterdir())
     client = nbclient.NotebookClient(
         nb,
         timeout=CELL_TIMEOUT_S,
@@ -70,3 +71,7 @@ def test_notebook_runs_offline_without_errors(
     warned = [o for o in outputs if "IProgress" in str(o.get("text", "")) + str(o.get("data", ""))]
     assert not warned, warned[0]
     assert not (EXAMPLES / "runs").exists(), "a notebook wrote into examples/; it must use its working folder"
+    # nor anything else (02 writes runs/, 04 patch_heads.png: into the kernel's working folder, tmp_path)
+    assert sorted(p.name for p in EXAMPLES.iterdir()) == examples_before, "a notebook wrote into examples/"
+    assert (tmp_path / "runs").is_dir() == (path.stem == "02_heads_specialise")
+    assert (tmp_path / "patch_heads.png").is_file() == (path.stem == "04_which_heads_cause_the_answer")

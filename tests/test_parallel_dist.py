@@ -424,19 +424,21 @@ def _train_config_worker(rank: int, world: int) -> None:
     from headspace.train.loop import TrainConfig, train
 
     info = DistInfo(rank, world, rank, "gloo")
-    out = tempfile.mkdtemp(prefix=f"headspace-rank{rank}-")
-    config = TrainConfig(task="relations", n_layers=1, n_heads=2, d_model=16, batch_size=8, steps=2,
-                         lr=1e-3 if rank == 0 else 2e-3)  # fmt: skip
-    _raises_on_every_rank(
-        ValueError,
-        lambda: train(config, out, progress=False, _info=info),
-        "differs across the 2 ranks",
-        "lr (rank 0=0.001, rank 1=0.002)",
-    )
-    config = TrainConfig(task="relations", n_layers=1, n_heads=2, d_model=16, batch_size=7, steps=2)
-    _raises_on_every_rank(
-        ValueError, lambda: train(config, out, progress=False, _info=info), "global_batch=7 is not divisible"
-    )
+    with tempfile.TemporaryDirectory(prefix=f"headspace-rank{rank}-") as out:
+        config = TrainConfig(task="relations", n_layers=1, n_heads=2, d_model=16, batch_size=8, steps=2,
+                             lr=1e-3 if rank == 0 else 2e-3)  # fmt: skip
+        _raises_on_every_rank(
+            ValueError,
+            lambda: train(config, out, progress=False, _info=info),
+            "differs across the 2 ranks",
+            "lr (rank 0=0.001, rank 1=0.002)",
+        )
+        config = TrainConfig(task="relations", n_layers=1, n_heads=2, d_model=16, batch_size=7, steps=2)
+        _raises_on_every_rank(
+            ValueError,
+            lambda: train(config, out, progress=False, _info=info),
+            "global_batch=7 is not divisible",
+        )
 
 
 def test_training_refuses_configs_that_differ_across_ranks(two_rank_results: list) -> None:

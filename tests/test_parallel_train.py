@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -57,15 +58,18 @@ def torchrun_train(*args: str) -> subprocess.CompletedProcess[str]:
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--nnodes", "1",
         "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "headspace", "train", *args,
     ]  # fmt: skip
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)  # fmt: skip
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)  # the agent and both workers
-        proc.communicate()
-        pytest.fail(f"torchrun did not finish within {TIMEOUT_S} s: {' '.join(cmd)}")
+    # torchrun's agent keeps its log folder (tempfile.mkdtemp(prefix="torchelastic_")) after the job: the
+    # job's temporary files go to a folder of this launch's own, removed when it ends
+    with tempfile.TemporaryDirectory(prefix="headspace-torchrun-") as tmp:
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo", "TMPDIR": tmp}
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                start_new_session=True)  # fmt: skip
+        try:
+            out, err = proc.communicate(timeout=TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the agent and both workers
+            proc.communicate()
+            pytest.fail(f"torchrun did not finish within {TIMEOUT_S} s: {' '.join(cmd)}")
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 

@@ -36,7 +36,7 @@ from headspace.kernels.int8 import (
 )
 from headspace.models import PRECISIONS, check_precision
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.usefixtures("single_thread"), pytest.mark.kernels]
 
 #: Sentences of every kind the encoder meets: short, long, punctuation, numbers, other scripts.
 SENTENCES = [

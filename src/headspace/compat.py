@@ -14,8 +14,16 @@ under torch's names (so ``load_state_dict`` works both ways), and speaks torch's
   ``average_attn_weights=False``; in training they are the weights after dropout, as in torch;
 * ``is_causal`` is a *hint* that ``attn_mask`` is the causal mask and needs ``attn_mask``. As in torch,
   when neither ``key_padding_mask`` nor ``need_weights`` asks for the explicit mask, the hint replaces
-  ``attn_mask`` by the causal mask aligned top-left (query ``i`` sees keys ``j <= i``); otherwise
-  ``attn_mask`` is used as given. A wrong hint therefore gives the same (wrong) answer as torch;
+  ``attn_mask`` by the causal mask aligned top-left (query ``i`` sees keys ``j <= i``), and then, as
+  torch, only the rank of ``attn_mask`` and its kind (bool or float) are checked, not its size or float
+  dtype; otherwise ``attn_mask`` is used as given. Where torch's own module would take its inference fast
+  path (eval, no grad, ``batch_first`` self-attention, bool masks, ...), which ignores ``is_causal``, the
+  mask is used as given there too. A wrong hint therefore gives the same (wrong) answer as torch;
+* an ``in_proj_bias`` of another dtype than the weights (a half bias on float64 weights) is added to the
+  projections as torch's ``batch_first`` path adds it: in the promoted dtype, rounded to the weights'.
+  torch itself runs that case only where its input reaches ``F.linear`` non-contiguous (``batch_first``
+  input, which it transposes); a contiguous one goes to ``addmm``, which raises. The drop-in runs either
+  way;
 * ``add_bias_kv`` appends ``bias_k``/``bias_v`` as one extra key/value position, ``add_zero_attn`` appends
   a zero key/value position after it; masks get an "allowed" column for each.
 
@@ -25,7 +33,6 @@ Where it differs from torch, on purpose:
   value mix, so its output is ``out_proj.bias``; torch returns NaN there. Gradients stay finite;
 * key length 0 (with neither ``add_bias_kv`` nor ``add_zero_attn``) raises ``ValueError``; torch returns
   ``out_proj.bias``;
-* the shape and dtype of ``attn_mask`` are checked even when the ``is_causal`` hint makes torch skip it;
 * torch's inference fast path (``torch._native_multi_head_attention``) is not used; the results agree
   to float32 tolerance;
 * TorchScript is not supported: ``torch.jit.script`` on the drop-in, or on a model holding it, raises
@@ -317,12 +324,18 @@ class MultiheadAttention(MultiHeadAttention):
         value: Tensor,
         key_padding_mask: Tensor | None,
         attn_mask: Tensor | None,
+        causal_hint: bool = False,
     ) -> bool:
         """Check ranks, sizes, dtypes and devices in torch's layout; return whether the input is batched.
 
         Each error is the ``ValueError``/``TypeError`` of headspace's contract and, where torch raises
         ``AssertionError`` or ``RuntimeError`` for the same input, that class too (tests compare case by
         case); a non-tensor argument is a plain ``TypeError`` (torch: ``TypeError`` or ``AttributeError``).
+
+        ``causal_hint``: the ``is_causal`` hint replaces ``attn_mask`` by the causal mask (no
+        ``key_padding_mask``, no weights asked for). torch then checks only its rank, its unbatched 3-D
+        shape and that it is bool or float; its size, float dtype and device go unchecked (it is never
+        used), so here too.
         """
         for name, t in (("query", query), ("key", key), ("value", value)):
             if not isinstance(t, Tensor):
@@ -422,6 +435,8 @@ class MultiheadAttention(MultiHeadAttention):
                     f"tensor (additive); got dtype {mask.dtype}. Integer masks are refused: their polarity "
                     f"cannot be guessed (use {name}.bool() if 1 means 'masked')"
                 )
+            if name == "attn_mask" and causal_hint:
+                continue  # replaced by the causal mask, unused: torch checks no more of it
             if mask.is_floating_point() and mask.dtype != query.dtype:
                 raise MultiheadAttentionDtypeError(
                     f"{name} is a float (additive) mask of dtype {mask.dtype} but query is {query.dtype}; "
@@ -439,7 +454,7 @@ class MultiheadAttention(MultiHeadAttention):
                     f"key_padding_mask must have shape {expected} = {list(want)}; "
                     f"got {_shape(key_padding_mask)}"
                 )
-        if attn_mask is not None:
+        if attn_mask is not None and not causal_hint:
             n = batch * heads if batched else heads
             ok = tuple(attn_mask.shape) in ((seq_q, seq_k), (n, seq_q, seq_k))
             if not ok:
@@ -449,6 +464,37 @@ class MultiheadAttention(MultiHeadAttention):
                     f"{[n, seq_q, seq_k]}; got {_shape(attn_mask)}"
                 )
         return batched
+
+    def _torch_takes_fast_path(
+        self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None
+    ) -> bool:
+        """Whether ``torch.nn.MultiheadAttention.forward`` would run ``torch._native_multi_head_attention``
+        on these inputs (no ``key_padding_mask``), the conditions of its forward in order.
+
+        That path ignores ``is_causal`` and uses ``attn_mask`` (and checks its size); the drop-in never
+        runs it, but follows the hint as torch does on either path. (torch also leaves the fast path
+        while make_fx traces; that case is not mirrored.)
+        """
+        b, w = self.in_proj_bias, self.in_proj_weight
+        if attn_mask is not None and attn_mask.is_floating_point():
+            return False
+        if not torch.backends.mha.get_fastpath_enabled() or query.dim() != 3:
+            return False
+        if not (query is key and key is value) or query.is_nested:
+            return False
+        if b is None or w is None or query.dtype != b.dtype or query.dtype != w.dtype:
+            return False  # (without in_proj_bias torch falls through to its general path)
+        if self.training or self.num_heads % 2 or not self.batch_first:
+            return False
+        if self.bias_k is not None or self.bias_v is not None or self.add_zero_attn:
+            return False
+        if torch.is_autocast_enabled():
+            return False
+        tensors = (query, w, b, self.out_proj.weight, self.out_proj.bias)
+        devices = ("cpu", "cuda", torch._C._get_privateuse1_backend_name())
+        if any(t is not None and t.device.type not in devices for t in tensors):
+            return False
+        return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors))
 
     # ------------------------------------------------------------------ masks
     def _combined_mask(
@@ -563,7 +609,15 @@ class MultiheadAttention(MultiHeadAttention):
                 average_attn_weights,
                 is_causal,
             )
-        batched = self._check_inputs_torch(query, key, value, key_padding_mask, attn_mask)
+        # The causal hint: torch drops attn_mask and asks SDPA for its (top-left) causal mask, except on
+        # its inference fast path, which ignores is_causal and uses attn_mask as given.
+        causal_hint = (
+            is_causal
+            and key_padding_mask is None
+            and not need_weights
+            and not self._torch_takes_fast_path(query, key, value, attn_mask)
+        )
+        batched = self._check_inputs_torch(query, key, value, key_padding_mask, attn_mask, causal_hint)
         if is_causal and attn_mask is None:
             raise MultiheadAttentionCausalHintError(
                 "is_causal=True is a hint that attn_mask is the causal mask, so attn_mask is needed with it "
@@ -609,8 +663,6 @@ class MultiheadAttention(MultiHeadAttention):
                 "add_bias_kv nor add_zero_attn adds a position)"
             )
 
-        # The causal hint: torch drops attn_mask and asks SDPA for its (top-left) causal mask.
-        causal_hint = is_causal and kpm is None and not need_weights
         causal_square = False
         if causal_hint:
             if L == S_total:
@@ -740,9 +792,36 @@ class MultiheadAttention(MultiHeadAttention):
 
     def _project(self, q_in: Tensor, k_in: Tensor, v_in: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """headspace's projections, fused where the inputs are the same tensor (as torch does)."""
+        b = self.in_proj_bias
+        w = self.in_proj_weight if self.fused else self.q_proj_weight
+        if b is not None and b.dtype != w.dtype:
+            return self._project_other_bias_dtype(q_in, k_in, v_in, b)
         if q_in is k_in and k_in is v_in and self.fused:
             return self.project_qkv(q_in)
         return self.project_qkv(q_in, k_in, v_in)
+
+    def _project_other_bias_dtype(
+        self, q_in: Tensor, k_in: Tensor, v_in: Tensor, bias: Tensor
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The projections with an ``in_proj_bias`` of another dtype than the weights, added as torch adds it.
+
+        torch's ``F.linear`` on a non-contiguous 3-D input (``batch_first=True`` input, which torch
+        transposes) is ``matmul`` then ``out.add_(bias)``: the sum in the promoted dtype, rounded to the
+        weights' dtype. (On a contiguous input its fused ``addmm`` raises instead; the drop-in runs either
+        way.) q [N, H, L, dh]; k, v [N, H, S, dh].
+        """
+        E, H, dh = self.embed_dim, self.num_heads, self.head_dim
+        if self.fused:
+            w_q, w_k, w_v = self.in_proj_weight.split([E, E, E])  # [E, E] each
+        else:
+            w_q, w_k, w_v = self.q_proj_weight, self.k_proj_weight, self.v_proj_weight
+        b_q, b_k, b_v = bias.split([E, E, E])  # [E] each
+        out = []
+        for x, w, b in ((q_in, w_q, b_q), (k_in, w_k, b_k), (v_in, w_v, b_v)):
+            y = F.linear(x, w)  # (N, L|S, E), the weights' dtype
+            y = (y + b).to(y.dtype)  # torch's y.add_(b)
+            out.append(y.view(*x.shape[:2], H, dh).transpose(1, 2))  # (N, H, L|S, dh)
+        return out[0], out[1], out[2]
 
     def _finish(
         self, out: Tensor, weights: Tensor | None, batched: bool, average_attn_weights: bool
