@@ -100,6 +100,13 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture
+def automatic_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """For tests of the automatic choices themselves (native step, prepack): no fallback forced by the
+    environment (CI's emulated pass sets HEADSPACE_FORCE_FALLBACK=all for every other test)."""
+    monkeypatch.delenv("HEADSPACE_FORCE_FALLBACK", raising=False)
+
+
 @pytest.fixture(scope="module")
 def single_thread() -> Iterator[None]:
     """Run a module's tests on one intra-op thread, then restore the previous count.

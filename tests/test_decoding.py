@@ -137,6 +137,7 @@ def test_a_hook_added_during_generation_fires_on_the_next_steps() -> None:
     assert seen == [(1, 6, 1, 5, False), (1, 6, 1, 6, False), (1, 6, 1, 7, False)]
 
 
+@pytest.mark.usefixtures("automatic_choices")
 def test_choose_pack_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     model = decoder(**CONFIGS[1])
     assert choose_pack_rows(model, 8, False) is None

@@ -257,6 +257,7 @@ def fresh_state(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
     return tmp_path
 
 
+@pytest.mark.usefixtures("automatic_choices")
 def test_a_failed_build_warns_once_and_decoding_stays_python(
     fresh_state: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -350,6 +351,7 @@ def test_smollm2_native_generation_equals_python(smollm2_gguf: Path, built: None
         assert_native_equals_python(model, plan, torch.cat((a, a[:, [*range(8), *range(19, 7, -1)]])), 8)
 
 
+@pytest.mark.usefixtures("automatic_choices")
 @needs_compiler
 @torch.no_grad()
 def test_a_forced_native_fallback_decodes_in_python(built: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -595,6 +597,7 @@ def test_a_library_in_a_folder_others_could_write_is_not_loaded(
     assert not native.ready(warn=False) and native.status().startswith(f"failed: {folder} belongs to")
 
 
+@pytest.mark.usefixtures("automatic_choices")
 @posix_only
 def test_a_background_build_says_so_once_and_is_stopped_at_exit(tmp_path: Path) -> None:
     cxx = fake_compiler(tmp_path, "sleep 120")
