@@ -416,10 +416,16 @@ def test_int8_kernels_script_tiny_shapes(
         assert said.startswith("cannot run: RuntimeError: self.size(0) needs to be greater than 16")
     else:
         assert status["torch._int_mm"] == {"ok"}
+    from headspace.kernels import cpu
+
+    # a plain torch._int_mm saturates where it is not exact (no VNNI: kernels.cpu); headspace's own rows
+    # take the fallback there and stay right
+    int_mm_exact = cpu.int8_products_exact()[1]
     for r in rows:
         if r["status"] == "ok":
             assert len(r["times_ms"]) == 2 and r["min_ms"] <= r["median_ms"] <= r["max_ms"]
-            assert r["max_rel_error"] < (1e-5 if r["candidate"] == "float32" else 0.1)
+            if r["candidate"] != "torch._int_mm" or int_mm_exact:
+                assert r["max_rel_error"] < (1e-5 if r["candidate"] == "float32" else 0.1)
     printed = capsys.readouterr().out
     assert _table_rows(printed) == [
         [r["shape"], r["candidate"], "-", "-", "-", "-", r["status"]]
