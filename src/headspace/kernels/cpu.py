@@ -45,6 +45,7 @@ __all__ = [
     "force_fallback",
     "forced",
     "int8_products_exact",
+    "mkl_packed_linear_available",
     "onednn_bf16_supported",
     "report",
     "use_onednn_bf16",
@@ -176,6 +177,17 @@ def use_onednn_int8() -> tuple[bool, bool]:
     return int8_products_exact()
 
 
+# ------------------------------------------------------------------------------------------ prepack
+def mkl_packed_linear_available() -> bool:
+    """Whether this torch has MKL's packed linear (``torch.ops.mkl._mkl_linear``: x86 builds with MKL)."""
+    if not torch.backends.mkl.is_available():
+        return False
+    try:
+        return bool(torch.ops.mkl._mkl_reorder_linear_weight) and bool(torch.ops.mkl._mkl_linear)
+    except (AttributeError, RuntimeError):
+        return False
+
+
 # ------------------------------------------------------------------------------------------- report
 def report() -> dict[str, object]:
     """torch's view of this CPU and the branch each fast path takes now: for benchmarks' tables."""
@@ -183,8 +195,6 @@ def report() -> dict[str, object]:
     with contextlib.suppress(AttributeError, RuntimeError):
         caps = dict(torch.cpu.get_capabilities())
     onednn_i8, int_mm = use_onednn_int8()
-    from .prepack import prepack_available
-
     bf16 = "onednn" if use_onednn_bf16() else "float32 gemm on bfloat16 values"
     if use_onednn_bf16() and bf16_many_rows_in_float32():
         bf16 = "onednn (float32 gemm from 128 rows)"
@@ -206,5 +216,5 @@ def report() -> dict[str, object]:
         else "onednn"
         if onednn_i8
         else "float32 gemm of the quantised activations",
-        "prepack": prepack_available() and not forced("prepack"),
+        "prepack": mkl_packed_linear_available() and not forced("prepack"),
     }

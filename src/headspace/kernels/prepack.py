@@ -30,13 +30,9 @@ MIN_PACK_BYTES = 32 * 2**20
 
 
 def prepack_available() -> bool:
-    """Whether this torch has MKL's packed linear (x86 builds with MKL)."""
-    if not torch.backends.mkl.is_available():
-        return False
-    try:
-        return bool(torch.ops.mkl._mkl_reorder_linear_weight) and bool(torch.ops.mkl._mkl_linear)
-    except (AttributeError, RuntimeError):
-        return False
+    """Whether this torch has MKL's packed linear (x86 builds with MKL;
+    :func:`headspace.kernels.cpu.mkl_packed_linear_available`)."""
+    return cpu.mkl_packed_linear_available()
 
 
 def packable(weight: Tensor) -> bool:
