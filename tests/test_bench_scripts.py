@@ -15,6 +15,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
@@ -29,7 +30,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 COMMITTED = BENCHMARKS / "results"
 SCRIPTS = (
     "attention", "attention_parts", "decode", "decode_step", "encode", "explorer", "int8_kernels",
-    "trace_overhead", "train",
+    "precision_cpus", "trace_overhead", "train",
 )  # fmt: skip
 ELSEWHERE = {  # scripts whose smoke run lives with their own tests
     "patching": "needs headspace.load('smollm2'): tests/test_patching.py runs it",
@@ -325,6 +326,107 @@ def test_decode_script_smollm2_against_transformers(
         "decode tokens/s over transformers', batch 8, native=False",
         "bfloat16 decode ms/token / float32's, batch 1",
     }
+
+
+def test_precision_cpus_script_native_and_avx2_emulated(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], smollm2_gguf: Path
+) -> None:
+    module = _script("precision_cpus")
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(temp))  # the children's folders: none may be left
+    out = tmp_path / "precision_cpus.json"
+    argv = ["--quick", "--settings", "native,AVX2 emulated", "--sentences", "4", "--tokens", "16"]
+    argv += ["--rounds", "1", "--decode-tokens", "1", "--threads", "1", "--out", str(out)]
+    assert module.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "precision_cpus" and doc["quick"] and doc["threads"] == 1
+    assert (doc["sentences"], doc["tokens"], doc["rounds"], doc["decode_tokens"]) == (4, 16, 1, 1)
+    assert [c["setting"] for c in doc["settings"]] == ["native", "AVX2 emulated"]
+    native_child, avx2_child = doc["settings"]
+    native_report, avx2_report = native_child["report"], avx2_child["report"]
+    assert native_report["env"] == {} and native_report["forced_fallbacks"] == []
+    # the emulated CPU is what the child saw: torch read the variables at its start
+    assert avx2_report["env"] == module.AVX2 and avx2_report["forced_fallbacks"] == []
+    assert avx2_report["aten_capability"] == "AVX2" and avx2_report["onednn_bf16"] is False
+    assert avx2_report["bf16_product"] == "float32 gemm on bfloat16 values"
+    # oneDNN capped at AVX2 sums int8 pairs in saturating int16: both int8 kernels fail the probe there
+    assert (
+        avx2_report["int8_product"]
+        == avx2_report["int8_few_rows"]
+        == ("float32 gemm of the quantised activations")
+    )
+    for c in doc["settings"]:
+        assert c["threads"] == 1 and [e["rows"] for e in c["int8_check"]] == [1, 8, 64, 512]
+        for e in c["int8_check"]:  # the int32 sums exact; apart only by quantisation on a boundary
+            assert e["max_rel_error_same_quantisation"] <= 1e-5 and 0 <= e["max_rel_error"] <= 1e-3
+            assert e["levels_apart"] > 0 or e["max_rel_error"] <= 1e-5
+        for prec in ("float32", "bfloat16", "int8"):
+            mini, smol = c["minilm"][prec], c["smollm2"][prec]
+            assert len(mini["times_s"]) == len(smol["decode_times_ms"]) == 1 and mini["median_s"] > 0
+            assert 0.99 < mini["min_cosine"] <= 1 + 1e-6 and 0 < smol["top1_agreement"] <= 1
+        assert c["minilm"]["float32"]["max_abs_diff"] == 0 and c["smollm2"]["float32"]["top1_agreement"] == 1
+    vs = native_child["float32_vs_reference"]  # the reference against itself
+    assert vs["minilm_max_abs_diff"] == 0 and vs["smollm2_top1_agreement"] == 1
+    assert vs["smollm2_perplexity_ratio"] == 1
+    vs = avx2_child["float32_vs_reference"]  # float32 moves by rounding only
+    assert vs["reference"] == "native" and vs["minilm_min_cosine"] > 0.9999
+    assert 0 <= vs["minilm_max_abs_diff"] < 1e-4
+    assert vs["smollm2_perplexity_ratio"] == pytest.approx(
+        avx2_child["smollm2"]["float32"]["perplexity"] / native_child["smollm2"]["float32"]["perplexity"]
+    )
+    rows = doc["rows"]
+    assert [(r["setting"], r["precision"]) for r in rows] == [
+        (s, p) for s in ("native", "AVX2 emulated") for p in ("float32", "bfloat16", "int8")
+    ]
+    assert rows[4]["branch"] == "float32 gemm on bfloat16 values"
+    assert rows[4]["minilm_min_cosine"] == avx2_child["minilm"]["bfloat16"]["min_cosine"]
+    assert rows[3]["minilm_max_abs_diff"] == avx2_child["float32_vs_reference"]["minilm_max_abs_diff"]
+    printed = capsys.readouterr().out
+    assert "[1/2] native (no variables): running ..." in printed
+    assert "[2/2] AVX2 emulated: done in " in printed
+    table = _table_rows(printed)
+    assert table[: len(rows)] == [
+        [
+            r["setting"],
+            r["precision"],
+            r["branch"],
+            f"{r['minilm_min_cosine']:.6f}",
+            f"{r['minilm_max_abs_diff']:.1e}",
+            f"{r['minilm_s']:.3f}",
+            f"{r['smollm2_top1_agreement']:.4f}",
+            f"{r['smollm2_perplexity_ratio']:.4f}",
+            f"{r['smollm2_ms_per_token']:.2f}",
+        ]
+        for r in rows
+    ]
+    assert table[len(rows) :] == [
+        [c["setting"], c["report"]["aten_capability"], str(c["report"]["onednn_bf16"]), "-"]
+        + [
+            f"{e['max_rel_error']:.1e} ({e['max_rel_error_same_quantisation']:.0e}; "
+            f"{e['levels_apart']} apart)"
+            for e in c["int8_check"]
+        ]
+        for c in doc["settings"]
+    ]
+    assert len(doc["targets"]) == 8
+    for t in doc["targets"]:
+        error = t["target"].startswith("int8: F.linear within")  # an error at most the limit, else a cosine
+        met = t["value"] <= t["limit"] if error else t["value"] >= t["limit"]
+        assert t["met"] == met
+        assert f"{t['setting']}: {t['target']}: {t['value']:.6g} ({'met' if met else 'NOT met'})" in printed
+    assert doc["all_targets_met"] == all(t["met"] for t in doc["targets"])
+    assert f"wrote {out}" in printed and list(temp.iterdir()) == []
+
+
+def test_precision_cpus_settings_are_named_by_key_or_name() -> None:
+    parse = _script("precision_cpus").parse_settings
+    names = [name for _, name, _ in parse("native, fallbacks forced,avx2,AVX2 emulated,native")]
+    assert names == ["native, fallbacks forced", "AVX2 emulated", "native"]
+    names = [name for _, name, _ in parse("generic,native-fallbacks")]
+    assert names == ["generic ATen", "native, fallbacks forced"]
+    with pytest.raises(ValueError, match="unknown setting 'sse2'"):
+        parse("native,sse2")
 
 
 def test_train_script_tiny_models(
