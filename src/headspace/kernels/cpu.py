@@ -1,23 +1,17 @@
 """What this CPU's kernels can do, asked of torch and of the kernels themselves, and the fallbacks.
 
-Every fast path of :mod:`headspace.kernels` is chosen here, never from ``/proc/cpuinfo`` strings:
+Every fast path of :mod:`headspace.kernels` is chosen here, never from ``/proc/cpuinfo`` strings. Each
+name below is a fast path, when it runs, and its fallback (the same maths):
 
-=========== ========================================= ================================================
-fast path   taken when                                fallback (the same maths)
-=========== ========================================= ================================================
-``bf16``    oneDNN's packed bfloat16 product exists   float32 GEMM on the bfloat16-rounded values,
-            (``torch.ops.mkldnn._is_mkldnn_bf16_       the result rounded to bfloat16
-            supported()``, which also honours
-            ``ONEDNN_MAX_CPU_ISA``)
-``int8``    oneDNN's u8 x s8 product and              float32 GEMM of the same quantised activations
-            ``torch._int_mm`` sum exactly in int32     by the dequantised weight
-            (:func:`int8_products_exact`: checked on
-            a worst case; CPUs without VNNI sum pairs
-            in saturating int16)
-``prepack`` MKL's packed GEMM exists                  the plain product
-            (``torch.backends.mkl.is_available()``)
-``native``  the C++ decoding step is built            the Python step (the same logits, bit for bit)
-=========== ========================================= ================================================
+* ``bf16``: oneDNN's packed bfloat16 product, where ``torch.ops.mkldnn._is_mkldnn_bf16_supported()``
+  (which honours ``ONEDNN_MAX_CPU_ISA`` too); else a float32 GEMM on the bfloat16-rounded values, the
+  result rounded to bfloat16.
+* ``int8``: oneDNN's u8 x s8 product and ``torch._int_mm``, each where it sums a worst case exactly in
+  int32 (:func:`int8_products_exact`; CPUs without VNNI sum pairs in saturating int16); else a float32
+  GEMM of the same quantised activations by the dequantised weight.
+* ``prepack``: MKL's packed GEMM where torch has it (:func:`mkl_packed_linear_available`); else the
+  plain product.
+* ``native``: the C++ decoding step once built; else the Python step (the same logits, bit for bit).
 
 Forcing a fallback, so that a CPU that has every fast path can test the others: the environment variable
 ``HEADSPACE_FORCE_FALLBACK`` (a comma-separated list of the names above, or ``all``), read at every
