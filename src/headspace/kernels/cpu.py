@@ -73,11 +73,22 @@ def _parse(raw: str) -> frozenset[str]:
     return frozenset(names)
 
 
+_NAMES = frozenset(FALLBACKS)
+_environ_get = os.environ.get
+
+
 def forced(name: str) -> bool:
-    """Whether the fallback of fast path ``name`` is forced (:data:`ENV` or :func:`force_fallback`)."""
-    if name not in FALLBACKS:
+    """Whether the fallback of fast path ``name`` is forced (:data:`ENV` or :func:`force_fallback`).
+
+    Read at every decision (it runs beside every reduced-precision product): one environment lookup,
+    the parse cached per value of the variable."""
+    if name not in _NAMES:
         raise ValueError(f"name must be one of {', '.join(FALLBACKS)}; got {name!r}")
-    return name in _from_env() or name in getattr(_local, "forced", frozenset())
+    raw = _environ_get(ENV)
+    if raw and name in _parse(raw):
+        return True
+    local = getattr(_local, "forced", None)
+    return local is not None and name in local
 
 
 @contextlib.contextmanager
