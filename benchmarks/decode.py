@@ -182,12 +182,12 @@ def prepack_cost(model: Any, batch: int) -> dict:
     call at batch >= 2), and the resident MiB the packed copy adds while it is held."""
     import gc
 
-    from headspace.decoding import DecodePlan
+    from headspace.decode import describe
 
     gc.collect()
     before = _rss_mib()
     t0 = time.perf_counter()
-    plan = DecodePlan(model, pack_rows=batch)
+    plan = describe(model, pack_rows=batch)
     seconds = time.perf_counter() - t0
     extra = _rss_mib() - before
     del plan
@@ -201,7 +201,7 @@ def products_floor(pre: Any, batch: int) -> Any:
     attention, norm, rotation, cache or sampling. The time no float32 decoder that multiplies by the
     weights as they are stored can beat (at batch >= 2 MKL repacks each weight inside ``torch.mm``;
     weights packed beforehand, as headspace's generate does there, go below it)."""
-    from headspace.decoding import product_weights
+    from headspace.decode import product_weights
 
     weights = product_weights(pre.model)
     rows = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights}  # (batch, in) per input width
@@ -219,7 +219,7 @@ def products_floor_bf16(pre: Any, batch: int) -> Any:
     copy (:class:`headspace.kernels.bf16.BF16Weight`) times ``batch`` preallocated bfloat16 rows, by the
     oneDNN call its products run (``torch.ops.mkldnn._linear_pointwise``), nothing else: the fastest a
     bfloat16 decoder can multiply by its weights on this CPU."""
-    from headspace.decoding import product_weights
+    from headspace.decode import product_weights
 
     weights = [w.packed for w in product_weights(pre.model)]
     widths = [w.shape[1] for w in product_weights(pre.model)]

@@ -2,13 +2,13 @@
 
 A cached decoding step at batch 1 is its matrix products (every weight times one row) plus everything
 between them. ``benchmarks/decode.py`` times whole ``generate`` calls; this script isolates the step:
-each timed step (``DecodePlan.logits`` on one new token, the KV caches stacked as ``generate`` makes
+each timed step (``Stepper.logits`` on one new token, the KV caches stacked as ``generate`` makes
 them) is followed at once by the step's products alone (``torch.mm`` of a preallocated row by the same
 weights), and the difference of the two is the step's cost over its products, paired so that the
 host's slow and fast moments cancel. Two steps take turns round by round:
 
 * ``native``: every block in one C++ call (:mod:`headspace.kernels.native`, built first);
-* ``python``: the same step run from Python (:func:`headspace.block.decode_layer_rows` per block).
+* ``python``: the same step run from Python (:func:`headspace.decode.python.layer_rows` per block).
 
 Both give the same logits bit for bit (checked before timing). The table gives medians with the
 quartiles of the per-step differences.
@@ -32,7 +32,8 @@ from tqdm import tqdm
 
 from headspace import Decoder, ModelConfig
 from headspace.bench import machine_info
-from headspace.decoding import generation_caches, product_weights
+from headspace.decode import Stepper, describe, generation_caches, product_weights
+from headspace.decode.native import native_form
 from headspace.fileio import write_json
 from headspace.kernels import native
 
@@ -64,8 +65,9 @@ def quartiles(values: list[float]) -> tuple[float, float]:
 
 def measure(model: Decoder, prompt: torch.Tensor, steps: int, rounds: int) -> dict[str, Any]:
     """Per-step (step, products) seconds of each step kind, ``rounds`` rotating rounds of ``steps``."""
-    plan = model.decode_plan()
-    assert plan is not None and plan.native is not None, "the model must have a native step"
+    step = describe(model)
+    assert step is not None and native_form(step) is not None, "the model must have a native step"
+    steppers = {kind: Stepper(step, kind) for kind in STEPS}
     weights = product_weights(model)
     rows = {w.shape[1]: torch.randn(1, w.shape[1]) for w in weights}  # (1, in) per input width
 
@@ -81,14 +83,14 @@ def measure(model: Decoder, prompt: torch.Tensor, steps: int, rounds: int) -> di
     # the same logits from both, bit for bit, before anything is timed
     (ca, tok), (cb, _) = primed(), primed()
     for _ in range(3):
-        plan.use_native = True
-        a = plan.logits(tok, ca)
-        plan.use_native = False
-        assert torch.equal(a, plan.logits(tok, cb)), "the native step must equal the Python step"
+        a = steppers["native"].logits(tok, ca)
+        assert torch.equal(a, steppers["python"].logits(tok, cb)), (
+            "the native step must equal the Python step"
+        )
     times: dict[str, dict[str, list[float]]] = {k: {"step": [], "products": []} for k in STEPS}
     for r in tqdm(range(rounds), desc="rounds", unit="round"):
         for kind in STEPS[r % 2 :] + STEPS[: r % 2]:
-            plan.use_native = kind == "native"
+            plan = steppers[kind]
             caches, tok = primed()
             for _ in range(steps):
                 t0 = time.perf_counter()
@@ -98,7 +100,6 @@ def measure(model: Decoder, prompt: torch.Tensor, steps: int, rounds: int) -> di
                 t2 = time.perf_counter()
                 times[kind]["step"].append(t1 - t0)
                 times[kind]["products"].append(t2 - t1)
-    plan.use_native = True
     return {"times": times, "n_products": len(weights)}
 
 

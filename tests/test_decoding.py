@@ -1,5 +1,6 @@
-"""DecodePlan (headspace.decoding): the cached decoding step flattened once per generate call, and the
-weights prepacked for MKL's GEMM (headspace.kernels.prepack)."""
+"""headspace.decode: the cached decoding step described once (describe), run by a backend (Stepper),
+the KV caches it writes, generate around it, and the weights prepacked for MKL's GEMM
+(headspace.kernels.prepack)."""
 
 from __future__ import annotations
 
@@ -9,16 +10,19 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import headspace.decode.loop as decoding_mod
 from headspace import Decoder, ModelConfig
-from headspace import decoding as decoding_mod
-from headspace.attention import KVCache
-from headspace.decoding import (
-    DecodePlan,
-    _stacked_views,
+from headspace.decode import (
+    KVCache,
+    Stepper,
+    backend_names,
     choose_pack_rows,
+    describe,
     generation_caches,
     product_weights,
+    register_backend,
 )
+from headspace.decode.python import cache_views
 from headspace.kernels import prepack
 
 pytestmark = pytest.mark.kernels
@@ -61,13 +65,12 @@ def test_plan_logits_are_bit_for_bit_forwards_cached_step(kw: dict, stacked: boo
     tokens, ours, ref = primed(model, 0, stacked)
     assert (ours[0].stack is not None) == stacked
     plan = model.decode_plan()
-    assert plan is not None and plan.idle() and plan.pack_rows is None
+    assert plan is not None and plan.idle() and plan.step.pack_rows is None
+    plan.backend = "python"
     for i in range(5, 9):
         a = plan.logits(tokens[:, i : i + 1], ours)  # (B, V)
-        model._decode_step_ok = lambda: False  # type: ignore[method-assign]  # forward's general path
-        b = model(tokens[:, i : i + 1], kv_caches=ref)[:, -1]
-        del model._decode_step_ok
-        assert a.shape == (B, V) and torch.equal(a, b)
+        b = model(tokens[:, i : i + 1], kv_caches=ref)[:, -1]  # forward: the blocks themselves
+        assert a.shape == (B, V) and torch.equal(a, b) and plan.backend_used == "python"
         assert torch.equal(ours[1].k[:, :, : i + 1], ref[1].k[:, :, : i + 1])
     assert ours[0].length == ref[0].length == 9
 
@@ -79,7 +82,7 @@ def test_generate_with_the_plan_equals_generate_without(kw: dict, monkeypatch: p
     prompt = torch.randint(0, V, (B, 4))
     fast = model.generate(prompt, 8, temperature=0)
     sampled = model.generate(prompt, 8, seed=3)
-    monkeypatch.setattr(Decoder, "decode_plan", lambda self, pack_rows=None: None)
+    monkeypatch.setattr(decoding_mod, "describe", lambda model, pack_rows=None: None)  # forward only
     assert torch.equal(fast, model.generate(prompt, 8, temperature=0))
     assert torch.equal(sampled, model.generate(prompt, 8, seed=3))
     # the steps ran in inference mode, the result is an ordinary tensor: it trains (an inference
@@ -188,7 +191,8 @@ def test_prepacked_steps_equal_forward_to_rounding(kw: dict) -> None:
     model = decoder(**kw)
     tokens, ours, ref = primed(model, 4)
     plan = model.decode_plan(pack_rows=B)
-    assert isinstance(plan, DecodePlan) and plan.pack_rows == B
+    assert isinstance(plan, Stepper) and plan.step.pack_rows == B
+    assert {layer.qkv.kind for layer in plan.step.layers} == {"packed"}
     for i in range(5, 9):
         a = plan.logits(tokens[:, i : i + 1], ours)
         torch.testing.assert_close(a, model(tokens[:, i : i + 1], kv_caches=ref)[:, -1], rtol=1e-5, atol=1e-5)
@@ -236,16 +240,14 @@ def test_stacked_caches_are_caches_of_their_own() -> None:
         caches[1].check(B + 1, 1, torch.float32, torch.device("cpu"))
     with pytest.raises(ValueError, match="n must be a positive"):
         KVCache.stacked(0, B, 2, DH, 7)
-    assert _stacked_views(caches, 3) is None  # gradients recorded: each cache appends on its own
     with torch.no_grad():
-        views = _stacked_views(caches, 3)
-        assert views is not None and [len(t) for t in views] == [L + 1] * 4
-        assert views[0][1].shape == (B, 2, 1, DH) and views[2][1].shape == (B, 2, 4, DH)
-        assert torch.equal(views[2][1], caches[1].k[:, :, :4])
-        assert _stacked_views(caches[::-1], 3) is None  # out of order
-        assert _stacked_views(caches[:-1], 3) is None  # not the whole stack
-        assert _stacked_views(caches, 2) is None  # another length
-        assert _stacked_views(alone, 3) is None  # not stacked
+        for some in (caches, caches[::-1], caches[:-1], alone):  # the stack in order, or not
+            views = cache_views(some, 3)
+            assert len(views) == len(some)
+            for (k_slot, v_slot, k, v), c in zip(views, some):
+                assert k_slot.shape == (B, 2, 1, DH) and k.shape == (B, 2, 4, DH)
+                assert k_slot.data_ptr() == c.k[:, :, 3:].data_ptr() and k.data_ptr() == c.k.data_ptr()
+                assert v_slot.data_ptr() == c.v[:, :, 3:].data_ptr() and torch.equal(v, c.v[:, :, :4])
 
 
 def test_generate_decodes_into_stacked_caches_when_the_blocks_agree(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -254,12 +256,15 @@ def test_generate_decodes_into_stacked_caches_when_the_blocks_agree(monkeypatch:
     assert len(caches) == L and all(c.stack is not None and c.capacity == 11 for c in caches)
     made: list = []
     real = generation_caches
-    monkeypatch.setattr("headspace.generate.generation_caches", lambda *a: made.append(real(*a)) or made[-1])
+    monkeypatch.setattr(
+        "headspace.decode.loop.generation_caches", lambda *a: made.append(real(*a)) or made[-1]
+    )
     prompt = torch.randint(0, V, (2, 4))
     fast = model.generate(prompt, 6, temperature=0)
     assert made and made[0][0].stack is not None
     monkeypatch.setattr(  # each block's own cache: the same tokens
-        "headspace.generate.generation_caches", lambda m, b, c: [x.attn.make_kv_cache(b, c) for x in m.blocks]
+        "headspace.decode.loop.generation_caches",
+        lambda m, b, c: [x.attn.make_kv_cache(b, c) for x in m.blocks],
     )
     assert torch.equal(model.generate(prompt, 6, temperature=0), fast)
 
@@ -285,3 +290,61 @@ def test_a_forced_prepack_fallback_turns_the_automatic_choice_off() -> None:
     with cpu.force_fallback("prepack"):
         assert not prepack.should_prepack(weights, 8)
     assert prepack.should_prepack(weights, 8)
+
+
+def test_the_backend_registry_has_one_signature(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Backends are registered by name, ``prepare(step) -> run | None``; generate(backend=...) runs the
+    one named, and refuses unknown names and contradictions by name."""
+    import headspace.decode.backends as backends_mod
+    from headspace.decode import python
+
+    assert backend_names()[:2] == ("python", "native")
+    calls: list[int] = []
+
+    def counting(step):  # a backend of a user's: the Python step, counted
+        run = python.prepare(step)
+        return lambda x, caches, start, cos, sin: calls.append(start) or run(x, caches, start, cos, sin)
+
+    monkeypatch.setitem(backends_mod._BACKENDS, "counting", counting)
+    assert "counting" in backend_names()
+    torch.manual_seed(6)
+    model = decoder(**CONFIGS[1])
+    prompt = torch.randint(0, V, (B, 4))
+    ref = model.generate(prompt, 6, temperature=0, backend="python")
+    assert torch.equal(model.generate(prompt, 6, temperature=0, backend="counting"), ref)
+    assert calls == [4, 5, 6, 7, 8]  # every step after the prompt's (the last token needs no step)
+    with pytest.raises(ValueError, match=r"backend must be one of \['python', 'native', 'counting'\]"):
+        model.generate(prompt, 2, backend="fast")
+    with pytest.raises(ValueError, match="backend='python' contradicts native=True"):
+        model.generate(prompt, 2, backend="python", native=True)
+    with pytest.raises(TypeError, match="a backend's name must be a non-empty str"):
+        register_backend("", counting)
+
+
+def test_describe_names_every_part_and_refuses_blocks_without_a_step() -> None:
+    """The step's description is the model's parameters themselves, each a named field; a post-norm
+    block has no cached step (forward decodes)."""
+    from headspace.decode import named_fields
+
+    model = decoder(**CONFIGS[2])
+    step = describe(model)
+    assert step is not None and len(step.layers) == L
+    layer = step.layers[1]
+    assert layer.qkv.weight is model.blocks[1].attn.qkv_weight and layer.qkv.kind == "float32"
+    assert layer.norm1.kind == "rmsnorm" and layer.activation == "gelu" and layer.gate is not None
+    tensors, ints, floats, texts = named_fields(layer)  # type: ignore[misc]
+    assert tensors["qkv.bias"] is model.blocks[1].attn.qkv_bias and tensors["fc_out.weight"] is not None
+    assert ints["n_heads"] == 6 and ints["n_kv_heads"] == 3 and ints["rotary.dim"] == 6
+    assert floats["scale"] == pytest.approx(6**-0.5) and texts["rotary.kind"] == "half"
+    assert "gate.packed" not in tensors  # None values are left out
+    int8 = decoder(**CONFIGS[1]).to_precision("int8")
+    int8_step = describe(int8)
+    assert int8_step is not None and int8_step.layers[0].qkv.kind == "other"
+    assert named_fields(int8_step.layers[0]) is None  # no native form: the Python step runs it
+    post = Decoder(ModelConfig(arch="decoder", vocab_size=V, d_model=H * DH, n_layers=L, n_heads=H, d_mlp=11,
+                               max_seq_len=19, norm="post")).eval()  # fmt: skip
+    assert describe(post) is None and post.decode_plan() is None
+    prompt = torch.randint(0, V, (B, 4))
+    assert torch.equal(
+        post.generate(prompt, 3, temperature=0), post.generate(prompt, 3, temperature=0, use_cache=False)
+    )

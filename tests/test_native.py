@@ -20,7 +20,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from headspace import Decoder, ModelConfig
-from headspace.decoding import DecodePlan, generation_caches
+from headspace.decode import DecodeStep, Stepper, describe, generation_caches, named_fields
+from headspace.decode.native import native_form
 from headspace.kernels import native, prepack
 from headspace.norms import RMSNorm
 
@@ -48,18 +49,25 @@ def decoder(**kw) -> Decoder:
     return Decoder(ModelConfig(arch="decoder", **{**args, **kw})).eval()
 
 
-def assert_native_equals_python(model: Decoder, plan: DecodePlan, tokens: torch.Tensor, primed: int) -> None:
-    """After ``tokens[:, :primed]``, each later token's step logits with ``plan`` native and in Python,
-    on caches of their own, are equal bit for bit, and so are the caches' contents."""
+def native_step(model: Decoder, pack_rows: int | None = None) -> DecodeStep:
+    """The model's described step, which must have a native form."""
+    step = describe(model, pack_rows)
+    assert step is not None and native_form(step) is not None
+    return step
+
+
+def assert_native_equals_python(model: Decoder, step: DecodeStep, tokens: torch.Tensor, primed: int) -> None:
+    """After ``tokens[:, :primed]``, each later token's step logits on the native and the Python
+    backend, on caches of their own, are equal bit for bit, and so are the caches' contents."""
     batch, n = tokens.shape
     ours, ref = generation_caches(model, batch, n), generation_caches(model, batch, n)
     model(tokens[:, :primed], kv_caches=ours)
     model(tokens[:, :primed], kv_caches=ref)
+    fast, slow = Stepper(step, "native"), Stepper(step, "python")
     for i in range(primed, n):
-        plan.use_native = True
-        a = plan.logits(tokens[:, i : i + 1], ours)  # (batch, V)
-        plan.use_native = False
-        b = plan.logits(tokens[:, i : i + 1], ref)
+        a = fast.logits(tokens[:, i : i + 1], ours)  # (batch, V)
+        b = slow.logits(tokens[:, i : i + 1], ref)
+        assert fast.backend_used == "native" and slow.backend_used == "python"
         assert a.shape == b.shape and torch.equal(a, b)
         assert ours[0].length == ref[0].length == i + 1
     for c, r in zip(ours, ref):  # the new keys (rotated) and values written where the Python step writes
@@ -80,9 +88,7 @@ def test_native_steps_are_bit_for_bit_the_python_steps(kw: dict, built: None) ->
     model = decoder(**kw)
     for p in model.parameters():  # no zero biases or unit norms: every parameter must enter
         p.add_(0.1 * torch.randn_like(p))
-    plan = model.decode_plan()
-    assert plan is not None and plan.native is not None
-    assert_native_equals_python(model, plan, torch.randint(0, V, (B, 11)), 4)
+    assert_native_equals_python(model, native_step(model), torch.randint(0, V, (B, 11)), 4)
 
 
 @st.composite
@@ -121,9 +127,7 @@ def test_native_steps_equal_python_steps_on_any_covered_decoder(kw: dict, batch:
     model = decoder(**kw)
     for p in model.parameters():
         p.add_(0.3 * torch.randn_like(p))
-    plan = model.decode_plan()
-    assert plan is not None and plan.native is not None
-    assert_native_equals_python(model, plan, torch.randint(0, V, (batch, 9)), 3)
+    assert_native_equals_python(model, native_step(model), torch.randint(0, V, (batch, 9)), 3)
 
 
 @needs_compiler
@@ -155,14 +159,14 @@ def test_native_steps_on_packed_weights_are_bit_for_bit_the_python_steps(
     calls: list[tuple[int, ...]] = []
     pack = prepack.pack_weight
     monkeypatch.setattr(
-        "headspace.block.pack_weight", lambda w, rows: calls.append(tuple(w.shape)) or pack(w, rows)
+        "headspace.decode.step.pack_weight", lambda w, rows: calls.append(tuple(w.shape)) or pack(w, rows)
     )
-    plan = model.decode_plan(pack_rows=B)
-    assert plan is not None and plan.native is not None and plan.native[1][8] == B  # packed for B rows
+    step = native_step(model, pack_rows=B)
+    assert {(layer.o.kind, layer.o.rows) for layer in step.layers} == {("packed", B)}  # packed for B rows
     n_products = 5 if hasattr(model.blocks[0].mlp, "fc_gate") else 4
-    assert len(calls) == L * n_products  # one packed copy per weight, shared by both steps
+    assert len(calls) == L * n_products + 1  # one packed copy per weight (and the unembedding), shared
     tokens = torch.randint(0, V, (B, 9))
-    assert_native_equals_python(model, plan, tokens, 4)
+    assert_native_equals_python(model, step, tokens, 4)
     prompt = tokens[:, :4]
     assert torch.equal(
         model.generate(prompt, 5, temperature=0, prepack=True, native=True),
@@ -192,12 +196,11 @@ def test_native_steps_on_bfloat16_weights_are_bit_for_bit_the_python_steps(
             p.add_(0.1 * torch.randn_like(p))
         model.to_precision("bfloat16")
         assert (model.blocks[0].attn.qkv_weight.packed is None) == (mode == "fallback")
-        plan = model.decode_plan()
-        assert plan is not None and plan.native is not None
+        step = native_step(model)
         rows = {"onednn": -1, "float32 from many rows": bf16.MANY_ROWS, "fallback": 0}[mode]
-        assert plan.native[1][9] == 2 and plan.native[1][10] == rows  # bfloat16 products
+        assert {(layer.qkv.kind, layer.qkv.float32_rows) for layer in step.layers} == {("bfloat16", rows)}
         for batch in (1, 3, 130):  # 130 rows: past MANY_ROWS (128), the float32-arithmetic branch
-            assert_native_equals_python(model, plan, torch.randint(0, V, (batch, 7)), 4)
+            assert_native_equals_python(model, step, torch.randint(0, V, (batch, 7)), 4)
         prompt = torch.randint(0, V, (2, 4))
         assert torch.equal(
             model.generate(prompt, 5, temperature=0, native=True),
@@ -230,15 +233,15 @@ def test_models_without_a_native_form_decode_in_python() -> None:
     gemma_like = decoder(**CONFIGS[1])
     for b in gemma_like.blocks:  # (1 + weight) norms: not the F.rms_norm form
         b.ln1 = RMSNorm(36, offset=1.0)
-    plan = gemma_like.decode_plan()
-    assert plan is not None and plan.native is None and plan.layers[0].native is None
+    step = describe(gemma_like)
+    assert step is not None and native_form(step) is None and named_fields(step.layers[0]) is None
     prompt = torch.randint(0, V, (B, 4))
     assert torch.equal(
         gemma_like.generate(prompt, 5, temperature=0),
         gemma_like.generate(prompt, 5, temperature=0, use_cache=False),
     )
-    plan = decoder(**CONFIGS[1]).to_precision("int8").decode_plan()
-    assert plan is not None and plan.native is None
+    step = describe(decoder(**CONFIGS[1]).to_precision("int8"))
+    assert step is not None and native_form(step) is None
 
 
 def test_generate_checks_native() -> None:
@@ -323,16 +326,34 @@ def test_a_library_others_could_have_written_is_not_loaded(fresh_state: Path) ->
 
 
 @needs_compiler
-def test_the_op_names_what_it_expected(built: None) -> None:
-    x = torch.zeros(2, 6)
-    k = torch.zeros(1, 2, 1, 4, 3)
-    with pytest.raises(RuntimeError, match="1 layers need 21 params, 12 ints and 4 floats; got 0, 0 and 0"):
-        native.decode_rows(x, [], [], [], k, k.clone(), 0, None, None)
-    with pytest.raises(RuntimeError, match="must be \\[batch, d_model\\]"):
-        native.decode_rows(x[0], [], [], [], k, k.clone(), 0, None, None)
-    params = [None] * 21
-    with pytest.raises(RuntimeError, match="position 4 outside the caches' capacity 4"):
-        native.decode_rows(x, params, [0] * 12, [0.0] * 4, k, k.clone(), 4, None, None)
+def test_the_native_step_reads_its_description_by_name(built: None) -> None:
+    """The C++ step takes each layer's fields by name: one it needs and does not find, one it does not
+    know, a bad kind, and run's caches and rows are each refused naming what was expected."""
+    torch.manual_seed(7)
+    model = decoder(**CONFIGS[1])
+    step = native_step(model)
+    tensors, ints, floats, texts = named_fields(step.layers[0])  # type: ignore[misc]
+    obj = native.new_step()
+    with pytest.raises(RuntimeError, match=r"layer 0 needs the tensor qkv\.weight"):
+        obj.add_layer({k: v for k, v in tensors.items() if k != "qkv.weight"}, ints, floats, texts)
+    with pytest.raises(RuntimeError, match=r"layer 0 has a field it does not know: qkv\.colour"):
+        obj.add_layer(tensors, ints, floats, {**texts, "qkv.colour": "blue"})
+    with pytest.raises(RuntimeError, match=r"activation must be silu, relu, gelu or gelu_tanh; got swish"):
+        obj.add_layer(tensors, ints, floats, {**texts, "activation": "swish"})
+    with pytest.raises(RuntimeError, match="needs the int n_heads"):
+        obj.add_layer(tensors, {k: v for k, v in ints.items() if k != "n_heads"}, floats, texts)
+    assert obj.n_layers() == 0  # nothing half-added
+    obj.add_layer(tensors, ints, floats, texts)
+    x = torch.zeros(2, 36)
+    k = torch.zeros(2, 2, 4, 6)
+    with pytest.raises(RuntimeError, match="1 layers need 1 key and value caches; got 0 and 0"):
+        obj.run(x, [], [], 0, None, None)
+    with pytest.raises(RuntimeError, match=r"x must be \[batch, d_model\]"):
+        obj.run(x[0], [k], [k.clone()], 0, None, None)
+    with pytest.raises(RuntimeError, match="position 4 outside layer 0's cache capacity 4"):
+        obj.run(x, [k], [k.clone()], 4, None, None)
+    with pytest.raises(RuntimeError, match=r"caches must be float32 \[batch=2, n_kv_heads=2"):
+        obj.run(x, [k[:, :1]], [k[:, :1].clone()], 0, None, None)
 
 
 @needs_compiler
@@ -340,15 +361,14 @@ def test_smollm2_native_generation_equals_python(smollm2_gguf: Path, built: None
     import headspace
 
     model = headspace.load("smollm2").model
-    plan = model.decode_plan()
-    assert plan is not None and plan.native is not None
+    step = native_step(model)
     prompt = torch.tensor([[504, 3249, 282, 253, 23576, 30, 216, 1071]])  # any ids
     a = model.generate(prompt, 12, temperature=0, native=True)
     b = model.generate(prompt, 12, temperature=0, native=False)
     assert torch.equal(a, b)
     with torch.inference_mode():  # every step's logits and cache rows, bit for bit, at batch 1 and 2
-        assert_native_equals_python(model, plan, a, 8)
-        assert_native_equals_python(model, plan, torch.cat((a, a[:, [*range(8), *range(19, 7, -1)]])), 8)
+        assert_native_equals_python(model, step, a, 8)
+        assert_native_equals_python(model, step, torch.cat((a, a[:, [*range(8), *range(19, 7, -1)]])), 8)
 
 
 @pytest.mark.usefixtures("automatic_choices")
@@ -362,8 +382,10 @@ def test_a_forced_native_fallback_decodes_in_python(built: None, monkeypatch: py
     prompt = torch.randint(0, V, (2, 4))
     want = model.generate(prompt, 5, temperature=0, native=True)
     calls: list[int] = []
-    real = native.decode_rows
-    monkeypatch.setattr(native, "decode_rows", lambda *a: calls.append(1) or real(*a))
+    import headspace.decode.backends as backends_mod
+
+    real = backends_mod._BACKENDS["native"]
+    monkeypatch.setitem(backends_mod._BACKENDS, "native", lambda step: calls.append(1) or real(step))
     with cpu.force_fallback("native"):
         assert torch.equal(model.generate(prompt, 5, temperature=0), want)
     assert calls == []  # the Python step ran every token

@@ -25,7 +25,7 @@ _NAMES = {
     "Head": ".heads",
     "HeadList": ".heads",
     "HookPoint": ".hooks",
-    "KVCache": ".attention",
+    "KVCache": ".decode",
     "MultiHeadAttention": ".attention",
     "Trace": ".trace",
     "trace": ".trace",
@@ -90,10 +90,11 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
     from . import analysis, compat, layouts, train
-    from .attention import KVCache, MultiHeadAttention
+    from .attention import MultiHeadAttention
     from .block import TransformerBlock
     from .circuits import FactoredMatrix
     from .config import ModelConfig
+    from .decode import KVCache
     from .heads import Head, HeadList
     from .hooks import HookPoint
     from .interventions import ablate, prune_heads

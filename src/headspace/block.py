@@ -20,20 +20,19 @@ entries inside the attention layer.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import KVCache, MultiHeadAttention, check_input_tensor, rotate_fused
+from .attention import MultiHeadAttention, check_input_tensor
 from .checks import check_positive_float, check_positive_int, check_probability
+from .decode.kv_cache import KVCache
 from .functional import sdpa_attention
 from .hooks import HookPoint
-from .kernels.bf16 import BF16Weight, float32_rows, is_bf16
+from .kernels.bf16 import is_bf16
 from .kernels.int8 import is_int8
-from .kernels.prepack import pack_weight, packable, packed_linear_fn
 from .kernels.workspace import Workspace
 from .masks import CanonicalMask
 from .norms import RMSNorm
@@ -47,166 +46,6 @@ NORMS = ("post", "pre")
 NORM_KINDS = ("layernorm", "rmsnorm")
 #: Kinds of feed-forward network accepted by :class:`TransformerBlock` (``mlp_kind``).
 MLP_KINDS = ("plain", "gated")
-#: The hook points of :class:`TransformerBlock` itself, in the order they fire.
-_BLOCK_HOOKS = ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post")
-
-
-def norm_fn(norm: nn.Module) -> Callable[[Tensor], Tensor]:
-    """``norm`` as a callable of the rows, resolved once: ``F.rms_norm`` for an RMSNorm of offset 0 on
-    float32 rows (bitwise what :class:`~headspace.norms.RMSNorm` computes, in one op instead of seven),
-    ``F.layer_norm`` for a LayerNorm, the module itself otherwise."""
-    if type(norm) is RMSNorm and norm.offset == 0.0:
-        shape, weight, eps = (norm.d_model,), norm.weight, norm.eps
-
-        def rms(x: Tensor) -> Tensor:
-            return F.rms_norm(x, shape, weight, eps) if x.dtype == torch.float32 else norm(x)
-
-        return rms
-    if type(norm) is nn.LayerNorm:
-        shape, weight, bias, eps = norm.normalized_shape, norm.weight, norm.bias, norm.eps
-        return lambda x: F.layer_norm(x, shape, weight, bias, eps)
-    return norm
-
-
-def linear_fn(
-    weight: Tensor, bias: Tensor | None, pack_rows: int | None = None
-) -> Callable[[Tensor], Tensor]:
-    """``F.linear(x, weight, bias)`` of the rows ``x`` [n, in] as a callable, resolved once: ``torch.mm``
-    on a transposed view of a plain float weight without bias (the product ``F.linear`` runs, without
-    its dispatch layers), ``F.linear`` itself otherwise (biases, and the int8 / bfloat16 weights whose
-    ``F.linear`` runs their own kernels). With ``pack_rows``, a plain float32 weight is packed once for
-    MKL's GEMM at that many rows (:func:`headspace.kernels.prepack.packed_linear_fn`: a copy)."""
-    if pack_rows is not None and packable(weight):
-        return packed_linear_fn(weight, bias, pack_rows)
-    if bias is None and type(weight) in (nn.Parameter, Tensor):
-        weight_t = weight.t()  # (in, out): a view, so in-place edits of the weight show
-        return lambda x: torch.mm(x, weight_t)
-    return lambda x: F.linear(x, weight, bias)
-
-
-#: the native step's codes for the activations it runs in place (see kernels/decode_rows.cpp)
-_NATIVE_ACTS = {(nn.SiLU, None): 0, (nn.ReLU, None): 1, (nn.GELU, "none"): 2, (nn.GELU, "tanh"): 3}
-
-
-def native_norm(norm: nn.Module | None) -> tuple[int, Tensor | None, Tensor | None, float] | None:
-    """``norm`` as the native step runs it (kind, weight, bias, eps): an RMSNorm of offset 0 (kind 0,
-    ``F.rms_norm``) or a LayerNorm over one dim (kind 1, ``F.layer_norm``) with float32 parameters, the
-    forms :func:`norm_fn` runs on float32 rows; None otherwise (kind -1: no norm)."""
-    if norm is None:
-        return -1, None, None, 0.0
-    if type(norm) is RMSNorm and norm.offset == 0.0 and norm.weight.dtype == torch.float32:
-        return 0, norm.weight, None, float(norm.eps)
-    if type(norm) is nn.LayerNorm and len(norm.normalized_shape) == 1:
-        w, b = norm.weight, norm.bias
-        if all(t is None or t.dtype == torch.float32 for t in (w, b)):
-            return 1, w, b, float(norm.eps)
-    return None
-
-
-def native_linear(
-    weight: Tensor, bias: Tensor | None, packed: Tensor | None = None
-) -> tuple[Tensor, Tensor | None, Tensor | None, int] | None:
-    """A product as the native step runs it, (weight, bias, packed copy, kind), as :func:`linear_fn`
-    runs it: a plain float32 weight without bias transposed ([in, out], ``mm``; kind 0), with a float32
-    bias as it is ([out, in], ``linear``; kind 0); with a ``packed`` copy for MKL's GEMM the weight as it
-    is (``mkl::_mkl_linear``, :func:`headspace.kernels.prepack.packed_linear_fn`; kind 1); a
-    :class:`~headspace.kernels.bf16.BF16Weight` as its float32 values and oneDNN's packed copy
-    (:func:`headspace.kernels.bf16.bf16_linear`; kind 2). None for int8 weights and other dtypes."""
-    if bias is not None and (type(bias) not in (nn.Parameter, Tensor) or bias.dtype != torch.float32):
-        return None
-    if type(weight) is BF16Weight and weight.dim() == 2:
-        with torch._C.DisableTorchFunctionSubclass():
-            values = Tensor.as_subclass(weight, Tensor)  # the float32 values, as a plain tensor
-        return values, bias, weight.packed, 2
-    if type(weight) not in (nn.Parameter, Tensor) or weight.dtype != torch.float32 or weight.dim() != 2:
-        return None
-    if packed is not None:
-        return weight, bias, packed, 1
-    return (weight.t(), None, None, 0) if bias is None else (weight, bias, None, 0)
-
-
-def activation_fn_(act: nn.Module) -> Callable[[Tensor], Tensor]:
-    """``act`` as a callable, resolved once: in place on its (fresh) input for torch's SiLU, ReLU and
-    GELU modules, the module itself otherwise."""
-    kind = type(act)
-    if kind is nn.SiLU:
-        return lambda x: F.silu(x, inplace=True)
-    if kind is nn.ReLU:
-        return torch.relu_
-    if kind is nn.GELU:
-        approximate = act.approximate  # type: ignore[attr-defined]
-        return lambda x: torch.ops.aten.gelu_(x, approximate=approximate)
-    return act
-
-
-class DecodingLayer(NamedTuple):
-    """One pre-norm block's decoding step, flattened (:meth:`TransformerBlock.decoding_layer`): each
-    product a callable of the rows, the norms and the in-place activation resolved, the head counts
-    as numbers. ``gate`` is None for a plain MLP."""
-
-    norm1: Callable[[Tensor], Tensor]
-    qkv: Callable[[Tensor], Tensor]
-    n_heads: int
-    n_kv_heads: int
-    d_head: int
-    gqa: bool
-    scale: float
-    rotary: Rotary | None
-    o: Callable[[Tensor], Tensor]
-    norm2: Callable[[Tensor], Tensor]
-    gate: Callable[[Tensor], Tensor] | None
-    act_: Callable[[Tensor], Tensor]
-    fc_in: Callable[[Tensor], Tensor]
-    fc_out: Callable[[Tensor], Tensor]
-    #: the same step as :func:`headspace.kernels.native.decode_rows` takes it (its tensors, ints and
-    #: floats, :func:`native_parts`), or None where some part has no native form
-    native: tuple[list[Tensor | None], list[int], list[float]] | None = None
-
-
-def decode_layer_rows(
-    layer: DecodingLayer,
-    x: Tensor,
-    kv_cache: KVCache | tuple[Tensor, Tensor, Tensor, Tensor],
-    cos: Tensor | None,
-    sin: Tensor | None,
-) -> Tensor:
-    """One block's decoding step on the rows ``x`` [batch, d_model] -> [batch, d_model], for a caller
-    that ran ``kv_cache.check(batch, 1, ...)``; ``cos``/``sin`` [1, 1, rotary_dim] (None without rotary).
-
-    :meth:`TransformerBlock.forward` for one new position after the cache, bit for bit: each product
-    one 2-D call (no reshapes around it), q and k rotated as [batch, heads, 1, d_head] rows of the fused
-    projection, the new key and value appended by :meth:`~headspace.KVCache.append_one`, the
-    activation and the gate's product in place on the fresh gate output.
-
-    ``kv_cache`` may instead be the views (k_slot, v_slot, keys, values) a caller took of
-    :meth:`~headspace.KVCache.stacked` buffers: the new position's slots [batch, n_kv_heads, 1, d_head]
-    and the filled positions [batch, n_kv_heads, length + 1, d_head]; the caller advances the length.
-    """
-    B = x.shape[0]
-    H, Hkv, dh = layer.n_heads, layer.n_kv_heads, layer.d_head
-    qkv = layer.qkv(layer.norm1(x)).view(B, H + 2 * Hkv, 1, dh)  # (B, H + 2 Hkv, 1, dh)
-    qk, v_new = qkv.split_with_sizes([H + Hkv, Hkv], 1)  # (B, H + Hkv, 1, dh), (B, Hkv, 1, dh)
-    if cos is not None and sin is not None and layer.rotary is not None:
-        qk = rotate_fused(qk, cos, sin, layer.rotary)  # (B, H + Hkv, 1, dh), fresh
-    q, k_new = qk.split_with_sizes([H, Hkv], 1)  # (B, H, 1, dh), (B, Hkv, 1, dh)
-    if isinstance(kv_cache, tuple):
-        k_slot, v_slot, k, v = kv_cache  # (B, Hkv, 1, dh) x 2, (B, Hkv, Sk, dh) x 2
-        k_slot.copy_(k_new)
-        v_slot.copy_(v_new)
-    else:
-        assert kv_cache is not None
-        k, v = kv_cache.append_one(k_new, v_new)  # (B, Hkv, Sk, dh) x 2
-    # one query after its cached keys: every key may be attended (no mask, or the filled slots)
-    z = F.scaled_dot_product_attention(
-        q, k, v, scale=layer.scale, enable_gqa=layer.gqa
-    )  # (B, H, 1, dh), stored as (B, 1, H, dh)
-    h = x + layer.o(z.reshape(B, H * dh))  # (B, d_model): heads concatenated
-    m = layer.norm2(h)  # (B, d_model)
-    if layer.gate is not None:
-        m = layer.act_(layer.gate(m)).mul_(layer.fc_in(m))  # (B, d_mlp): act(gate) * up
-    else:
-        m = layer.act_(layer.fc_in(m))  # (B, d_mlp)
-    return h + layer.fc_out(m)  # (B, d_model)
 
 
 def make_activation(act: str) -> nn.Module:
@@ -496,8 +335,9 @@ class TransformerBlock(nn.Module):
 
     @property
     def decode_supported(self) -> bool:
-        """Whether :func:`decode_layer_rows` may stand in for :meth:`forward` (pre-norm, fused self-attention
-        with :class:`~headspace.MultiHeadAttention`'s own forward, no ``check_finite``)."""
+        """Whether the decoding step (:mod:`headspace.decode`) may stand in for :meth:`forward` on one new
+        position (pre-norm, fused self-attention with :class:`~headspace.MultiHeadAttention`'s own
+        forward, no ``check_finite``, this module's MLPs)."""
         a = self.attn
         return (
             self.pre_ln
@@ -507,107 +347,6 @@ class TransformerBlock(nn.Module):
             and not a.check_finite
             and isinstance(self.mlp, (FeedForward, GatedFeedForward))
         )
-
-    @property
-    def hooks_idle(self) -> bool:
-        """Whether no hook point of this block (its own, its attention's, its MLP's) has a function."""
-        modules = self._modules  # direct lookups: checked in every block at every decoding step
-        for name in _BLOCK_HOOKS:
-            if modules[name].active:  # type: ignore[union-attr]
-                return False
-        if self.attn.hooks_active:
-            return False
-        return not any(isinstance(m, HookPoint) and m.active for m in self.mlp._modules.values())
-
-    def decoding_layer(self, pack_rows: int | None = None) -> DecodingLayer:
-        """This block's decoding step flattened: its weights, biases, norms and activation resolved once
-        into plain callables and numbers (:class:`DecodingLayer`), for :func:`decode_layer_rows`.
-
-        What :class:`headspace.decoding.DecodePlan` builds once per :meth:`headspace.Decoder.generate`
-        call, so that no decoding step looks anything up through ``nn.Module`` attributes. The callables
-        hold the block's parameters themselves (and transposed views of them): edits of their values
-        show, replaced parameters do not (build it again). Only for a block with :attr:`decode_supported`.
-        With ``pack_rows``, the float32 products run on copies of the weights packed for MKL's GEMM at
-        that many rows (:mod:`headspace.kernels.prepack`): edits made after the packing do not show.
-        """
-        a, mlp = self.attn, self.mlp
-        weights = self._products()
-        packed: dict[str, Tensor | None] = {
-            k: None if pack_rows is None or not packable(w) else pack_weight(w, pack_rows)
-            for k, (w, _) in weights.items()
-        }  # one packed copy per weight, shared by the Python and the native step
-
-        def product(k: str) -> Callable[[Tensor], Tensor]:
-            (w, b), p = weights[k], packed[k]
-            return linear_fn(w, b) if p is None else packed_linear_fn(w, b, pack_rows, p)  # type: ignore[arg-type]
-
-        return DecodingLayer(
-            norm1=norm_fn(self.ln1),
-            qkv=product("qkv"),
-            n_heads=a.n_heads,
-            n_kv_heads=a.n_kv_heads,
-            d_head=a.d_head,
-            gqa=a.n_kv_heads != a.n_heads,
-            scale=a.scale,
-            rotary=a.rotary,
-            o=product("o"),
-            norm2=norm_fn(self.ln2),
-            gate=product("gate") if "gate" in weights else None,
-            act_=activation_fn_(mlp.act),
-            fc_in=product("in"),
-            fc_out=product("out"),
-            native=self.native_parts(pack_rows, packed),
-        )
-
-    def _products(self) -> dict[str, tuple[Tensor, Tensor | None]]:
-        """The (weight, bias) of each product of a step: qkv, o, gate (gated MLPs only), in, out."""
-        a, mlp = self.attn, self.mlp
-        out: dict[str, tuple[Tensor, Tensor | None]] = {"qkv": (a.qkv_weight, a.qkv_bias)}
-        out["o"] = (a.o_weight, a.o_bias)
-        if isinstance(mlp, GatedFeedForward):
-            out["gate"] = (mlp.fc_gate.weight, mlp.fc_gate.bias)
-        out["in"] = (mlp.fc_in.weight, mlp.fc_in.bias)
-        out["out"] = (mlp.fc_out.weight, mlp.fc_out.bias)
-        return out
-
-    def native_parts(
-        self, pack_rows: int | None = None, packed: dict[str, Tensor | None] | None = None
-    ) -> tuple[list[Tensor | None], list[int], list[float]] | None:
-        """This block's decoding step as :func:`headspace.kernels.native.decode_rows` takes it: 19
-        tensors (None where absent), 11 ints and 3 floats in the order ``kernels/decode_rows.cpp``
-        lists; None where a part has no native form (:func:`native_norm`, :func:`native_linear`, an
-        activation other than torch's SiLU, ReLU and GELU). ``packed`` holds each product's copy
-        packed for MKL's GEMM at ``pack_rows`` rows (None: not packed). Views of the parameters:
-        in-place edits of their values show (in the unpacked products), replaced parameters do not."""
-        a, mlp = self.attn, self.mlp
-        weights = self._products()
-        packed = packed or {}
-        gated = "gate" in weights
-        n1, n2 = native_norm(self.ln1), native_norm(self.ln2)
-        act = mlp.act
-        code = _NATIVE_ACTS.get((type(act), getattr(act, "approximate", None)))
-        keys = ("qkv", "o", "gate", "in", "out")
-        products = {k: native_linear(*weights[k], packed.get(k)) for k in keys if k in weights}
-        if n1 is None or n2 is None or n1[0] != n2[0] or n1[0] < 0 or code is None:
-            return None
-        if None in products.values():
-            return None
-        kinds = {p[3] for p in products.values()}  # type: ignore[index]
-        if len(kinds) != 1:
-            return None  # products of several kinds in one block: not a form the step takes
-        parts = [products.get(k, (None, None, None, 0)) for k in keys]
-        rotary = a.rotary
-        rot_kind = 0 if rotary is None else 2 if rotary.interleaved else 1
-        rot_dim = 0 if rotary is None else rotary.rotary_dim
-        params = [n1[1], n1[2]]
-        params += [*parts[0][:2], *parts[1][:2], n2[1], n2[2], *parts[2][:2], *parts[3][:2], *parts[4][:2]]
-        params += [p[2] for p in parts]  # the packed copies (None: not packed)
-        (kind,) = kinds
-        rows = (pack_rows or 0) if kind == 1 else 0
-        ints = [n1[0], a.n_heads, a.n_kv_heads, a.d_head, rot_kind, rot_dim, int(gated), code, rows, kind]
-        qkv_weight = weights["qkv"][0]
-        ints.append(float32_rows(qkv_weight) if kind == 2 and type(qkv_weight) is BF16Weight else -1)
-        return params, ints, [n1[3], n2[3], float(a.scale)]
 
     @property
     def reduced_precision(self) -> bool:

@@ -19,8 +19,9 @@ functions with ``this_thread=False``.
 
 from __future__ import annotations
 
+import operator
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from torch import Tensor, nn
@@ -164,3 +165,20 @@ def name_hook_points(model: nn.Module) -> dict[str, HookPoint]:
             module.name = name
             points[name] = module
     return points
+
+
+# read in C by map(): a point's every-thread functions, and its thread id -> thread-only functions
+_EVERY_THREAD = operator.attrgetter("_all_threads")
+_SOME_THREAD = operator.attrgetter("_by_thread")
+
+
+def all_idle(points: Sequence[HookPoint]) -> bool:
+    """Whether no point of ``points`` has a function in the calling thread: what :attr:`HookPoint.active`
+    says of each, read in C (``map`` over attribute getters: a few tens of microseconds for SmolLM2's
+    511 points, against ~135 for a Python loop over ``active``); only where some point holds
+    thread-only functions does each point's ``active`` decide for the calling thread."""
+    if any(map(_EVERY_THREAD, points)):
+        return False
+    if any(map(_SOME_THREAD, points)):
+        return not any(point.active for point in points)
+    return True

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
-from .config import ModelConfig
 from .masks import check_key_padding
+
+
+class ModelConfig(Protocol):
+    """What the checks read of a model's configuration (:class:`headspace.ModelConfig` has both)."""
+
+    vocab_size: int
+    max_seq_len: int
 
 
 def _check_integer_matrix(t: Any, name: str, what: str) -> None:

@@ -27,12 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .attention import KVCache
 from .block import TransformerBlock, make_norm
 from .checks import is_int
 from .config import ModelConfig
-from .decoding import DecodePlan
-from .generate import generate as generate_tokens
+from .decode import KVCache, Stepper, describe
+from .decode import generate as generate_tokens
 from .hooks import HookPoint
 from .inputs import check_positions, check_tokens
 from .kernels.bf16 import BF16Weight, is_bf16, round_to_bf16
@@ -462,14 +461,6 @@ class Decoder(_Stack):
         else:
             check_positions(positions, tokens, self.config)
             x = self.embed(tokens, positions=positions)  # (batch, seq, d_model)
-        if (
-            kv_caches is not None
-            and tokens.shape[1] == 1
-            and key_padding is None
-            and positions is None
-            and self._decode_step_ok()
-        ):
-            return self._decode_step(x, kv_caches, start)
         kw = {}
         if self.rotary is not None:
             # one positions tensor for every block, so the rotation's cos/sin are computed once
@@ -487,37 +478,18 @@ class Decoder(_Stack):
             x = self.ln_final(x)
         return x
 
-    def _decode_step_ok(self) -> bool:
-        """Whether one cached decoding step may take the flattened step
-        (:func:`~headspace.block.decode_layer_rows`) in every block: eval mode, every block a
-        :class:`~headspace.block.TransformerBlock` that supports it, and no hook point of the model with
-        a function (checked on every call: hooks come and go)."""
-        if self.training or self.hook_embed.active:
-            return False
-        for b in self.blocks:
-            if type(b) is not TransformerBlock or not b.decode_supported or not b.hooks_idle:
-                return False
-        return True
-
-    def _decode_step(self, x: Tensor, kv_caches: list[KVCache], start: int) -> Tensor:
-        """The blocks and LN_f for one new position ``start`` (x [batch, 1, d_model], embedded), by a
-        :class:`~headspace.decoding.DecodePlan` built for this call (the caller checked the hooks)."""
-        batch, _, d_model = x.shape
-        for block, cache in zip(self.blocks, kv_caches):
-            w = block.attn.o_weight
-            cache.check(batch, 1, w.dtype, w.device)
-        plan = DecodePlan(self, watch_hooks=False)
-        return plan.rows(x.reshape(batch, d_model), kv_caches, start).view(batch, 1, d_model)
-
-    def decode_plan(self, pack_rows: int | None = None) -> DecodePlan | None:
-        """A :class:`~headspace.decoding.DecodePlan` of this model's cached decoding step, or None where
-        one-token steps must take :meth:`forward`'s general path (training mode, a block without
+    def decode_plan(self, pack_rows: int | None = None) -> Stepper | None:
+        """This model's cached decoding step (:func:`headspace.decode.describe`) ready to run
+        (:class:`headspace.decode.Stepper`), or None where one-token steps must take :meth:`forward`
+        (training mode, a block without
         :attr:`~headspace.block.TransformerBlock.decode_supported`, or an active hook point).
-        :meth:`generate` builds one per call; ``plan.logits(tokens, caches)`` is then
-        ``forward(tokens, kv_caches=caches)[:, -1]``, bit for bit, while ``plan.idle()``; with
-        ``pack_rows`` (a batch size) the float32 products run on weights packed for MKL's GEMM
-        (:mod:`headspace.kernels.prepack`: a second copy of them, equal to float32 rounding)."""
-        return DecodePlan(self, pack_rows=pack_rows) if self._decode_step_ok() else None
+        ``plan.logits(tokens, caches)`` is ``forward(tokens, kv_caches=caches)[:, -1]``, bit for bit,
+        while ``plan.idle()``; with ``pack_rows`` (a batch size) the float32 products run on weights
+        packed for MKL's GEMM (a second copy of them, equal to float32 rounding)."""
+        step = describe(self, pack_rows)
+        if step is None or not step.idle():
+            return None
+        return Stepper(step)
 
     def forward(
         self,
@@ -553,6 +525,9 @@ class Decoder(_Stack):
             logits = self.lm_head(h)  # (batch, seq, vocab_size)
         return logits if logits.dtype == torch.float32 else logits.float()  # float32 at every precision
 
-    #: :func:`headspace.generate.generate` as a method: ``model.generate(tokens, max_new_tokens, ...)``
-    #: samples continuations after each (left-padded) prompt; greedy with ``temperature=0``.
-    generate = generate_tokens
+    def generate(self, tokens: Tensor, max_new_tokens: int, **options: Any) -> Tensor:
+        """Sample ``max_new_tokens`` continuation tokens after each (left-padded) prompt:
+        :func:`headspace.decode.generate` on this model (its options: ``key_padding``, ``temperature``
+        (0: greedy), ``top_k``, ``seed``, ``use_cache``, ``prepack``, ``backend``, ``native``; see
+        ``docs/decoding.md``). Returns [batch, prompt_len + max_new_tokens]."""
+        return generate_tokens(self, tokens, max_new_tokens, **options)

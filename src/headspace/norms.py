@@ -23,6 +23,7 @@ import math
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 
@@ -67,13 +68,28 @@ class RMSNorm(nn.Module):
             raise TypeError(f"x must be a tensor [..., d_model={self.d_model}]; got {type(x).__name__}")
         if x.dim() == 0 or x.shape[-1] != self.d_model:
             raise ValueError(f"x's last dim must be d_model={self.d_model}; got shape {list(x.shape)}")
-        input_dtype = x.dtype
-        hidden = x.to(torch.float32)  # [..., d_model]
-        variance = hidden.pow(2).mean(-1, keepdim=True)  # [..., 1]
-        hidden = hidden * torch.rsqrt(variance + self.eps)  # [..., d_model]
-        if self.offset == 0.0:
-            return self.weight * hidden.to(input_dtype)
-        return (hidden * (self.offset + self.weight.float())).to(input_dtype)
+        return rms_norm(x, self.weight, self.eps, self.offset)
 
     def extra_repr(self) -> str:
         return f"{self.d_model}, eps={self.eps}, offset={self.offset}"
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tensor:
+    """``x / sqrt(mean(x^2) + eps) * (offset + weight)`` over the last dim of ``x`` [..., d_model]: the
+    one RMSNorm of headspace (:class:`RMSNorm` and the decoding steps call it; the native step makes
+    the same roundings in C++).
+
+    On float32 ``x`` and ``weight`` with offset 0 it is ``F.rms_norm`` (torch's composite: the same
+    roundings as the steps below, in one call); otherwise transformers' order of operations: the
+    normalisation in float32, then ``weight * hidden`` in ``x``'s dtype (offset 0) or ``hidden * (offset
+    + weight)`` cast back (Gemma's ``1 + weight``). No checks: :class:`RMSNorm` makes them.
+    """
+    if offset == 0.0 and x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    input_dtype = x.dtype
+    hidden = x.to(torch.float32)  # [..., d_model]
+    variance = hidden.pow(2).mean(-1, keepdim=True)  # [..., 1]
+    hidden = hidden * torch.rsqrt(variance + eps)  # [..., d_model]
+    if offset == 0.0:
+        return weight * hidden.to(input_dtype)
+    return (hidden * (offset + weight.float())).to(input_dtype)

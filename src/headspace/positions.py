@@ -62,6 +62,7 @@ Notation used for tensor shapes:
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -374,15 +375,6 @@ class Rotary(nn.Module):
 
     # -------------------------------------------------------------------------------------------- rotating
 
-    def _turn(self, x_rot: Tensor) -> Tensor:
-        """Each plane's [x_a, x_b] -> [-x_b, x_a] (the 90-degree turn that the sin term multiplies)."""
-        if self.interleaved:
-            pairs = x_rot.unflatten(-1, (self.rotary_dim // 2, 2))  # [..., rotary_dim] -> [..., n_planes, 2]
-            turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1)  # [..., n_planes, 2]
-            return turned.flatten(-2)  # [..., n_planes, 2] -> [..., rotary_dim]
-        half = self.rotary_dim // 2
-        return torch.cat((-x_rot[..., half:], x_rot[..., :half]), dim=-1)  # [..., rotary_dim]
-
     def rotate(self, x: Tensor, positions: Tensor) -> Tensor:
         """Rotate queries or keys to their positions; out of place, same shape and dtype as ``x``.
 
@@ -416,14 +408,8 @@ class Rotary(nn.Module):
                 f"positions must be {expected} to match x [batch={batch}, n_heads, seq={seq}, d_head]; "
                 f"got {list(positions.shape)}"
             )
-        cos, sin = self.cos_sin(positions, x.dtype, x.device)  # each [batch or 1, seq, rotary_dim]
-        cos = cos.unsqueeze(1)  # [batch, seq, rotary_dim] -> [batch, 1, seq, rotary_dim]
-        sin = sin.unsqueeze(1)  # [batch, seq, rotary_dim] -> [batch, 1, seq, rotary_dim]
-        if self.rotary_dim == d_head:
-            return x * cos + self._turn(x) * sin
-        x_rot = x[..., : self.rotary_dim]  # [batch, n_heads, seq, rotary_dim]
-        rotated = x_rot * cos + self._turn(x_rot) * sin  # [batch, n_heads, seq, rotary_dim]
-        return torch.cat((rotated, x[..., self.rotary_dim :]), dim=-1)  # [batch, n_heads, seq, d_head]
+        cos, sin = _signed_tables(self, positions, x.dtype, x.device)  # each [batch or 1, 1, seq, rotary_dim]
+        return rotate_fused(x, cos, sin, self)  # [batch, n_heads, seq, d_head]
 
     def rotation(
         self,
@@ -475,3 +461,74 @@ class Rotary(nn.Module):
         matrix[..., a, b] = sin
         matrix[..., b, a] = -sin
         return matrix.to(dtype)
+
+
+# One (cos, signed sin) pair per Rotary module: the last positions it was asked for. The blocks of a model
+# share one Rotary and receive the same positions tensor, so the tables are computed once per forward.
+_ROTARY_TABLES: weakref.WeakKeyDictionary[Rotary, tuple[Any, ...]] = weakref.WeakKeyDictionary()
+
+
+def rotary_tables(
+    rotary: Rotary, positions: Tensor, dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """cos and signed sin of ``positions``, shaped to broadcast over heads, for :func:`rotate_fused`.
+
+    Returns (cos, sin_signed), each [batch or 1, 1, seq, rotary_dim] in ``dtype``: ``cos`` is
+    :meth:`Rotary.cos_sin`'s, and ``sin_signed`` its sin with the sign of the 90-degree turn folded in
+    (``-sin`` on each plane's first feature, ``+sin`` on its second), so that
+    ``turn(x) * sin == swap(x) * sin_signed`` with ``swap`` a roll (rotate-half) or a pair flip
+    (interleaved). The last result is remembered per Rotary module (keyed by the positions tensor
+    itself and its version), so layers sharing a Rotary compute it once per forward. Under
+    ``torch.compile`` nothing is remembered (the memo reads version counters and inference flags, which
+    would break the graph): each layer computes the tables inside the graph.
+    """
+    if torch.compiler.is_compiling():
+        return _signed_tables(rotary, positions, dtype, device)
+    inference = positions.is_inference()  # no version counter: such positions are compared by value
+    key = (None if inference else positions._version, dtype, device, torch.is_inference_mode_enabled())
+    memo = _ROTARY_TABLES.get(rotary)
+    if memo is not None and memo[1:5] == key:
+        same = torch.equal(memo[0], positions) if inference else memo[0] is positions
+        if same:
+            return memo[5], memo[6]
+    cos, sin = _signed_tables(rotary, positions, dtype, device)
+    _ROTARY_TABLES[rotary] = (positions.clone() if inference else positions, *key, cos, sin)
+    return cos, sin
+
+
+def _signed_tables(
+    rotary: Rotary, positions: Tensor, dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """:func:`rotary_tables` without the memo: (cos, sin_signed), each [batch or 1, 1, seq, rotary_dim]."""
+    cos, sin = rotary.cos_sin(positions, dtype, device)  # (batch or 1, seq, rotary_dim) x 2
+    half = rotary.rotary_dim // 2
+    sign = torch.ones(rotary.rotary_dim, dtype=dtype, device=device)  # (rotary_dim,)
+    if rotary.interleaved:
+        sign[0::2] = -1.0  # planes (2i, 2i + 1): the turn is [-x_b, x_a]
+    else:
+        sign[:half] = -1.0  # planes (i, i + half): the turn is [-x_{i + half}, x_i]
+    cos = cos.unsqueeze(1)  # (batch or 1, 1, seq, rotary_dim)
+    sin = (sin * sign).unsqueeze(1)  # (batch or 1, 1, seq, rotary_dim)
+    return cos, sin
+
+
+def rotate_fused(x: Tensor, cos: Tensor, sin_signed: Tensor, rotary: Rotary) -> Tensor:
+    """Rotate queries or keys ``x`` [batch, heads, seq, d_head] with :func:`rotary_tables`' cos/sin.
+
+    ``x * cos + turn(x) * sin`` on the first ``rotary_dim`` features, in transformers' order of
+    operations (so float32 results are bitwise those of ``apply_rotary_pos_emb``), the pass-through
+    features copied. Three elementwise ops and a roll; ``x`` may be a strided view (of the fused QKV
+    projection). Returns a fresh [batch, heads, seq, d_head] tensor; differentiable.
+    """
+    rd = rotary.rotary_dim
+    d_head = x.shape[-1]
+    xr = x if rd == d_head else x[..., :rd]  # (batch, heads, seq, rotary_dim)
+    if rotary.interleaved:
+        swapped = xr.unflatten(-1, (rd // 2, 2)).flip(-1).flatten(-2)  # (batch, heads, seq, rotary_dim)
+    else:
+        swapped = xr.roll(rd // 2, dims=-1)  # (batch, heads, seq, rotary_dim): [x_b, x_a] per plane
+    out = xr * cos  # (batch, heads, seq, rotary_dim)
+    out += swapped * sin_signed
+    if rd == d_head:
+        return out
+    return torch.cat((out, x[..., rd:]), dim=-1)  # (batch, heads, seq, d_head)

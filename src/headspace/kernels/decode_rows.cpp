@@ -1,46 +1,35 @@
-// headspace::decode_rows: every block of a Decoder's cached decoding step on the new position's rows,
-// in one call (built and loaded by headspace/kernels/native.py; see its docstring).
+// headspace.DecodeStep: every block of a Decoder's cached decoding step on the new position's rows, in
+// one call (built and loaded by headspace/kernels/native.py; fed by headspace/decode/native.py).
 //
-// The same arithmetic as the Python step (headspace.block.decode_layer_rows for each block, then the
+// The same arithmetic as the Python step (headspace.decode.python.layer_rows for each block, then the
 // final norm), rounding for rounding, so its results are bit for bit the Python step's: the products,
 // attention, the norms' sums and the activation are the same ATen calls; the elementwise steps around
 // them (the norms' scaling, the rotation and cache writes, the residual adds, the gate's product) are
-// float32 loops making the same single roundings. What it saves is the ~25 Python-level calls per block
-// (1.5-2.5 us each on a 2-core CPU) and ~15 ATen dispatches, not arithmetic. Shapes: x [batch, d_model]; the stacked caches k_all, v_all
-// [layers, batch, n_kv_heads, capacity, d_head]; cos, sin [1, 1, rotary_dim].
+// float32 loops making the same single roundings. What it saves is the Python-level calls per block
+// and a dozen ATen dispatches, not arithmetic.
 //
-// Per block, LAYER_PARAMS tensors (None where absent) and LAYER_INTS ints, LAYER_FLOATS floats:
-//   params: norm1 weight, norm1 bias, qkv, qkv bias, o, o bias, norm2 weight, norm2 bias,
-//           gate, gate bias, in, in bias, out, out bias, then the packed copies of qkv, o, gate, in, out
-//           (a product without bias holds its weight transposed, [in, out], and runs mm(x, w); with a
-//           bias it holds the weight [out, in] and runs linear(x, w, b), as headspace.block.linear_fn;
-//           with a packed copy it holds the weight [out, in] and runs mkl::_mkl_linear(x, packed, w, b,
-//           rows), as headspace.kernels.prepack.packed_linear_fn, or for bfloat16 weights (their
-//           float32 values [out, in] and oneDNN's packed bfloat16 copy) headspace.kernels.bf16.bf16_linear)
-//   ints:   norm kind (0 RMSNorm, 1 LayerNorm), n_heads, n_kv_heads, d_head,
-//           rotary kind (0 none, 1 rotate-half, 2 interleaved), rotary_dim, gated (0/1),
-//           activation (0 silu, 1 relu, 2 gelu, 3 gelu tanh), the rows the weights are packed for (0: not),
-//           the products' kind (0 float32, 1 float32 packed for MKL, 2 bfloat16), and for bfloat16
-//           from how many rows products run as float32 GEMMs on the rounded values (0: all, -1: none;
-//           headspace.kernels.bf16.float32_rows; a bfloat16 weight without packed copy has 0)
-//   floats: norm1 eps, norm2 eps, scale
-// then the final norm: 2 params (weight, bias), 1 int (kind, -1 for none), 1 float (eps).
+// The step is described once, by name: add_layer takes one block's headspace.decode.step.LayerStep as
+// four dicts keyed by its dotted field names (headspace.decode.step.named_fields: "norm1.weight",
+// "qkv.kind", "n_heads", "rotary.dim", ...), and set_final_norm the final Norm's; a name it does not
+// know, or one it needs and does not find, is an error naming it. run(x, ks, vs, start, cos, sin)
+// then takes the rows x [batch, d_model], each layer's cache ks[l], vs[l] [batch, n_kv_heads, capacity,
+// d_head] (the new keys and values are written at position start), and cos, sin [1, 1, rotary_dim].
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <optional>
+#include <set>
+#include <string>
+#include <vector>
 
 namespace {
 
 using at::Tensor;
 using OptTensor = std::optional<Tensor>;
-
-constexpr int64_t LAYER_PARAMS = 19;
-constexpr int64_t LAYER_INTS = 11;
-constexpr int64_t LAYER_FLOATS = 3;
 
 // The elementwise steps are plain float32 loops: each output element is the same one or two IEEE
 // roundings ATen's kernels make (a multiply, then an add: no fused multiply-add, -ffp-contract=off),
@@ -53,7 +42,7 @@ Tensor norm(const Tensor& x, int64_t kind, const OptTensor& w, const OptTensor& 
   if (kind != 0) {
     return at::layer_norm(x, {d}, w, b, eps);
   }
-  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat, "decode_rows: rows must be contiguous float32");
+  TORCH_CHECK(x.is_contiguous() && x.scalar_type() == at::kFloat, "DecodeStep: rows must be contiguous float32");
   Tensor sq = at::empty_like(x);  // (B, d): x^2 (pow(x, 2) is x * x)
   const float* px = x.const_data_ptr<float>();
   float* ps = sq.mutable_data_ptr<float>();
@@ -65,7 +54,7 @@ Tensor norm(const Tensor& x, int64_t kind, const OptTensor& w, const OptTensor& 
   Tensor out = at::empty_like(x);
   float* po = out.mutable_data_ptr<float>();
   TORCH_CHECK(!w.has_value() || (w->is_contiguous() && w->numel() == d && w->scalar_type() == at::kFloat),
-              "decode_rows: an RMSNorm weight must be a contiguous float32 [", d, "]");
+              "DecodeStep: an RMSNorm weight must be a contiguous float32 [", d, "]");
   const float* pw = w.has_value() ? w->const_data_ptr<float>() : nullptr;
   const float fd = static_cast<float>(d), feps = static_cast<float>(eps);
   for (int64_t r = 0; r < B; ++r) {
@@ -94,7 +83,7 @@ Tensor bf16_linear(const Tensor& x, const Tensor& values, const OptTensor& b, co
           .findSchemaOrThrow("mkldnn::_linear_pointwise", "")
           .typed<Tensor(const Tensor&, const Tensor&, const std::optional<Tensor>&, c10::string_view,
                         c10::List<std::optional<c10::Scalar>>, std::optional<c10::string_view>)>();
-  TORCH_CHECK(packed.has_value(), "decode_rows: a bfloat16 product without its packed copy must run in float32");
+  TORCH_CHECK(packed.has_value(), "DecodeStep: a bfloat16 product without its packed copy must run in float32");
   Tensor xb = x.to(at::kBFloat16).contiguous();
   OptTensor bb = b.has_value() ? OptTensor(b->to(at::kBFloat16)) : std::nullopt;
   Tensor y = pointwise.call(xb, *packed, bb, "none", c10::List<std::optional<c10::Scalar>>(), "");
@@ -141,13 +130,13 @@ Tensor rotate_into(const Tensor& qkv, const Tensor& k_slot, const Tensor& v_slot
   float* pk = k_slot.mutable_data_ptr<float>();
   float* pv = v_slot.mutable_data_ptr<float>();
   const int64_t ks0 = k_slot.stride(0), ks1 = k_slot.stride(1), vs0 = v_slot.stride(0), vs1 = v_slot.stride(1);
-  TORCH_CHECK(k_slot.stride(3) == 1 && v_slot.stride(3) == 1, "decode_rows: cache rows must be contiguous");
+  TORCH_CHECK(k_slot.stride(3) == 1 && v_slot.stride(3) == 1, "DecodeStep: cache rows must be contiguous");
   Tensor c, s;
   const float *pc = nullptr, *pn = nullptr;
   if (rotate) {
     c = cos->contiguous();
     s = sin->contiguous();
-    TORCH_CHECK(c.numel() == rd && s.numel() == rd, "decode_rows: cos and sin must hold ", rd, " features; got ",
+    TORCH_CHECK(c.numel() == rd && s.numel() == rd, "DecodeStep: cos and sin must hold ", rd, " features; got ",
                 c.numel(), " and ", s.numel());
     pc = c.const_data_ptr<float>();
     pn = s.const_data_ptr<float>();
@@ -184,7 +173,7 @@ Tensor rotate_into(const Tensor& qkv, const Tensor& k_slot, const Tensor& v_slot
 
 // a + b of two contiguous float32 [B, d] (into a fresh tensor), and a *= b in place
 Tensor add_rows(const Tensor& a, const Tensor& b) {
-  TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && a.sizes() == b.sizes(), "decode_rows: add of ",
+  TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && a.sizes() == b.sizes(), "DecodeStep: add of ",
               a.sizes(), " and ", b.sizes());
   Tensor out = at::empty_like(a);
   const float *pa = a.const_data_ptr<float>(), *pb = b.const_data_ptr<float>();
@@ -196,7 +185,7 @@ Tensor add_rows(const Tensor& a, const Tensor& b) {
 }
 
 Tensor& mul_rows_(Tensor& a, const Tensor& b) {
-  TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && a.sizes() == b.sizes(), "decode_rows: mul of ",
+  TORCH_CHECK(a.is_contiguous() && b.is_contiguous() && a.sizes() == b.sizes(), "DecodeStep: mul of ",
               a.sizes(), " and ", b.sizes());
   float* pa = a.mutable_data_ptr<float>();
   const float* pb = b.const_data_ptr<float>();
@@ -219,81 +208,216 @@ Tensor activate_(Tensor& x, int64_t act) {
   }
 }
 
-Tensor decode_rows(
-    Tensor x,
-    const c10::List<OptTensor>& params,
-    c10::IntArrayRef ints,
-    c10::ArrayRef<double> floats,
-    const Tensor& k_all,
-    const Tensor& v_all,
-    int64_t start,
-    const OptTensor& cos,
-    const OptTensor& sin) {
-  const int64_t L = k_all.size(0);
-  TORCH_CHECK(x.dim() == 2, "decode_rows: x must be [batch, d_model]; got ", x.sizes());
-  TORCH_CHECK(k_all.dim() == 5 && v_all.sizes() == k_all.sizes(),
-              "decode_rows: k_all and v_all must be [layers, batch, n_kv_heads, capacity, d_head]; got ",
-              k_all.sizes(), " and ", v_all.sizes());
-  TORCH_CHECK(static_cast<int64_t>(params.size()) == L * LAYER_PARAMS + 2 &&
-                  static_cast<int64_t>(ints.size()) == L * LAYER_INTS + 1 &&
-                  static_cast<int64_t>(floats.size()) == L * LAYER_FLOATS + 1,
-              "decode_rows: ", L, " layers need ", L * LAYER_PARAMS + 2, " params, ", L * LAYER_INTS + 1,
-              " ints and ", L * LAYER_FLOATS + 1, " floats; got ", params.size(), ", ", ints.size(),
-              " and ", floats.size());
-  TORCH_CHECK(start >= 0 && start < k_all.size(3), "decode_rows: position ", start,
-              " outside the caches' capacity ", k_all.size(3));
-  const int64_t B = x.size(0);
-  TORCH_CHECK(k_all.size(1) == B, "decode_rows: caches of batch ", k_all.size(1), " for ", B, " rows");
-  TORCH_CHECK(x.scalar_type() == at::kFloat && k_all.scalar_type() == at::kFloat,
-              "decode_rows: float32 rows and caches only; got ", x.scalar_type(), " and ", k_all.scalar_type());
-  x = x.contiguous();
-  for (int64_t l = 0; l < L; ++l) {
-    auto p = [&](int64_t i) -> OptTensor { return params.get(l * LAYER_PARAMS + i); };
-    const int64_t* c = ints.data() + l * LAYER_INTS;
-    const double* f = floats.data() + l * LAYER_FLOATS;
-    const int64_t H = c[1], Hkv = c[2], dh = c[3];
-    TORCH_CHECK(k_all.size(2) == Hkv && k_all.size(4) == dh, "decode_rows: layer ", l, " has ", Hkv,
-                " key/value heads of ", dh, " features; the caches hold ", k_all.size(2), " of ",
-                k_all.size(4));
-    const int64_t rows = c[8], kind = c[9];
-    const int64_t f32_rows = c[10];
-    Tensor qkv = linear(norm(x, c[0], p(0), p(1), f[0]), p(2), p(3), p(14), rows, kind, f32_rows);  // (B, (H + 2 Hkv) dh)
-    TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) == (H + 2 * Hkv) * dh, "decode_rows: layer ", l,
-                "'s qkv product gave ", qkv.sizes());
-    Tensor k_layer = k_all.select(0, l), v_layer = v_all.select(0, l);  // (B, Hkv, capacity, dh)
-    Tensor q = rotate_into(qkv, k_layer.narrow(2, start, 1), v_layer.narrow(2, start, 1), cos, sin, c[4],
-                           c[5], H, Hkv, dh);  // (B, H, 1, dh)
-    Tensor z = at::scaled_dot_product_attention(q, k_layer.narrow(2, 0, start + 1),
-                                                v_layer.narrow(2, 0, start + 1), std::nullopt, 0.0,
-                                                false, f[2], H != Hkv);  // (B, H, 1, dh)
-    Tensor h = add_rows(x, linear(z.reshape({B, H * dh}), p(4), p(5), p(15), rows, kind, f32_rows));  // (B, d_model)
-    Tensor m = norm(h, c[0], p(6), p(7), f[1]);
-    if (c[6] != 0) {
-      Tensor g = linear(m, p(8), p(9), p(16), rows, kind, f32_rows);
-      activate_(g, c[7]);
-      m = mul_rows_(g, linear(m, p(10), p(11), p(17), rows, kind, f32_rows));  // act(gate) * up
-    } else {
-      Tensor u = linear(m, p(10), p(11), p(17), rows, kind, f32_rows);
-      m = activate_(u, c[7]);
-    }
-    x = add_rows(h, linear(m, p(12), p(13), p(18), rows, kind, f32_rows));  // (B, d_model)
+
+// One description's four dicts, read by name: each read marks the name used; finish() refuses a name
+// nothing read (a field this step does not know).
+struct Fields {
+  c10::Dict<std::string, Tensor> tensors;
+  c10::Dict<std::string, int64_t> ints;
+  c10::Dict<std::string, double> floats;
+  c10::Dict<std::string, std::string> texts;
+  std::string where;
+  std::set<std::string> used;
+
+  bool has(const std::string& k) const {
+    return tensors.contains(k) || ints.contains(k) || floats.contains(k) || texts.contains(k);
   }
-  const int64_t final_kind = ints[L * LAYER_INTS];
-  if (final_kind < 0) {
-    return x;
+  OptTensor tensor(const std::string& k) {
+    used.insert(k);
+    return tensors.contains(k) ? OptTensor(tensors.at(k)) : std::nullopt;
   }
-  return norm(x, final_kind, params.get(L * LAYER_PARAMS), params.get(L * LAYER_PARAMS + 1),
-              floats[L * LAYER_FLOATS]);
+  Tensor needed_tensor(const std::string& k) {
+    OptTensor t = tensor(k);
+    TORCH_CHECK(t.has_value(), "DecodeStep: ", where, " needs the tensor ", k);
+    return *t;
+  }
+  int64_t integer(const std::string& k) {
+    used.insert(k);
+    TORCH_CHECK(ints.contains(k), "DecodeStep: ", where, " needs the int ", k);
+    return ints.at(k);
+  }
+  double real(const std::string& k) {
+    used.insert(k);
+    TORCH_CHECK(floats.contains(k), "DecodeStep: ", where, " needs the float ", k);
+    return floats.at(k);
+  }
+  std::string text(const std::string& k) {
+    used.insert(k);
+    TORCH_CHECK(texts.contains(k), "DecodeStep: ", where, " needs the string ", k);
+    return texts.at(k);
+  }
+  void finish() const {
+    auto check = [&](const std::string& k) {
+      TORCH_CHECK(used.count(k) != 0, "DecodeStep: ", where, " has a field it does not know: ", k);
+    };
+    for (const auto& e : tensors) check(e.key());
+    for (const auto& e : ints) check(e.key());
+    for (const auto& e : floats) check(e.key());
+    for (const auto& e : texts) check(e.key());
+  }
+};
+
+// a product as linear() runs it: kind 0 float32 (w transposed [in, out] for mm where there is no bias, as
+// it is [out, in] for linear with one), 1 MKL-packed, 2 bfloat16
+struct Product {
+  int64_t kind = 0;
+  OptTensor w, b, packed;
+  int64_t rows = 0, f32_rows = -1;
+
+  Tensor operator()(const Tensor& x) const { return linear(x, w, b, packed, rows, kind, f32_rows); }
+};
+
+Product read_product(Fields& f, const std::string& name) {
+  Product p;
+  const std::string kind = f.text(name + ".kind");
+  Tensor w = f.needed_tensor(name + ".weight");
+  p.b = f.tensor(name + ".bias");
+  p.packed = f.tensor(name + ".packed");
+  p.rows = f.integer(name + ".rows");
+  p.f32_rows = f.integer(name + ".float32_rows");
+  if (kind == "float32") {
+    p.kind = 0;
+    p.packed = std::nullopt;
+    p.w = p.b.has_value() ? w : w.t();  // mm(x, w^T) without bias, as torch.mm on the transposed view
+  } else if (kind == "packed") {
+    TORCH_CHECK(p.packed.has_value(), "DecodeStep: ", f.where, "'s ", name, " is packed without its packed copy");
+    p.kind = 1;
+    p.w = w;
+  } else if (kind == "bfloat16") {
+    p.kind = 2;
+    p.w = w;
+  } else {
+    TORCH_CHECK(false, "DecodeStep: ", f.where, "'s ", name, ".kind must be float32, packed or bfloat16; got ", kind);
+  }
+  return p;
 }
+
+struct Norm {
+  int64_t kind = -1;  // 0 RMSNorm, 1 LayerNorm, -1 none
+  OptTensor w, b;
+  double eps = 0.0;
+
+  Tensor operator()(const Tensor& x) const { return kind < 0 ? x : norm(x, kind, w, b, eps); }
+};
+
+Norm read_norm(Fields& f, const std::string& prefix) {
+  Norm n;
+  const std::string kind = f.text(prefix + "kind");
+  TORCH_CHECK(kind == "rmsnorm" || kind == "layernorm", "DecodeStep: ", f.where, "'s ", prefix,
+              "kind must be rmsnorm or layernorm; got ", kind);
+  n.kind = kind == "rmsnorm" ? 0 : 1;
+  n.w = f.tensor(prefix + "weight");
+  n.b = f.tensor(prefix + "bias");
+  n.eps = f.real(prefix + "eps");
+  return n;
+}
+
+struct Layer {
+  Norm norm1, norm2;
+  Product qkv, o, gate, fc_in, fc_out;
+  bool gated = false;
+  int64_t H = 0, Hkv = 0, dh = 0, rot_kind = 0, rot_dim = 0, act = 0;
+  double scale = 1.0;
+};
+
+int64_t activation_code(const std::string& name, const std::string& where) {
+  if (name == "silu") return 0;
+  if (name == "relu") return 1;
+  if (name == "gelu") return 2;
+  TORCH_CHECK(name == "gelu_tanh", "DecodeStep: ", where, "'s activation must be silu, relu, gelu or gelu_tanh; got ", name);
+  return 3;
+}
+
+struct DecodeStep : torch::CustomClassHolder {
+  std::vector<Layer> layers;
+  Norm final_norm;
+
+  void add_layer(c10::Dict<std::string, Tensor> tensors, c10::Dict<std::string, int64_t> ints,
+                 c10::Dict<std::string, double> floats, c10::Dict<std::string, std::string> texts) {
+    Fields f{tensors, ints, floats, texts, "layer " + std::to_string(layers.size()), {}};
+    Layer l;
+    l.norm1 = read_norm(f, "norm1.");
+    l.norm2 = read_norm(f, "norm2.");
+    l.qkv = read_product(f, "qkv");
+    l.o = read_product(f, "o");
+    l.gated = f.has("gate.kind");
+    if (l.gated) {
+      l.gate = read_product(f, "gate");
+    }
+    l.fc_in = read_product(f, "fc_in");
+    l.fc_out = read_product(f, "fc_out");
+    l.H = f.integer("n_heads");
+    l.Hkv = f.integer("n_kv_heads");
+    l.dh = f.integer("d_head");
+    l.scale = f.real("scale");
+    if (f.has("rotary.kind")) {
+      const std::string kind = f.text("rotary.kind");
+      TORCH_CHECK(kind == "half" || kind == "interleaved", "DecodeStep: ", f.where,
+                  "'s rotary.kind must be half or interleaved; got ", kind);
+      l.rot_kind = kind == "half" ? 1 : 2;
+      l.rot_dim = f.integer("rotary.dim");
+    }
+    l.act = activation_code(f.text("activation"), f.where);
+    f.finish();
+    layers.push_back(std::move(l));
+  }
+
+  void set_final_norm(c10::Dict<std::string, Tensor> tensors, c10::Dict<std::string, int64_t> ints,
+                      c10::Dict<std::string, double> floats, c10::Dict<std::string, std::string> texts) {
+    Fields f{tensors, ints, floats, texts, "the final norm", {}};
+    final_norm = read_norm(f, "");
+    f.finish();
+  }
+
+  int64_t n_layers() const { return static_cast<int64_t>(layers.size()); }
+
+  Tensor run(Tensor x, c10::List<Tensor> ks, c10::List<Tensor> vs, int64_t start, OptTensor cos, OptTensor sin) {
+    const int64_t L = n_layers();
+    TORCH_CHECK(x.dim() == 2, "DecodeStep.run: x must be [batch, d_model]; got ", x.sizes());
+    TORCH_CHECK(static_cast<int64_t>(ks.size()) == L && static_cast<int64_t>(vs.size()) == L, "DecodeStep.run: ",
+                L, " layers need ", L, " key and value caches; got ", ks.size(), " and ", vs.size());
+    const int64_t B = x.size(0);
+    TORCH_CHECK(x.scalar_type() == at::kFloat, "DecodeStep.run: float32 rows only; got ", x.scalar_type());
+    x = x.contiguous();
+    for (int64_t i = 0; i < L; ++i) {
+      const Layer& l = layers[i];
+      Tensor k_layer = ks.get(i), v_layer = vs.get(i);  // (B, Hkv, capacity, dh)
+      TORCH_CHECK(k_layer.dim() == 4 && v_layer.sizes() == k_layer.sizes() && k_layer.size(0) == B &&
+                      k_layer.size(1) == l.Hkv && k_layer.size(3) == l.dh && k_layer.scalar_type() == at::kFloat,
+                  "DecodeStep.run: layer ", i, "'s caches must be float32 [batch=", B, ", n_kv_heads=", l.Hkv,
+                  ", capacity, d_head=", l.dh, "]; got ", k_layer.sizes(), " and ", v_layer.sizes());
+      TORCH_CHECK(start >= 0 && start < k_layer.size(2), "DecodeStep.run: position ", start,
+                  " outside layer ", i, "'s cache capacity ", k_layer.size(2));
+      Tensor qkv = l.qkv(l.norm1(x));  // (B, (H + 2 Hkv) dh)
+      TORCH_CHECK(qkv.is_contiguous() && qkv.size(1) == (l.H + 2 * l.Hkv) * l.dh, "DecodeStep.run: layer ", i,
+                  "'s qkv product gave ", qkv.sizes());
+      Tensor q = rotate_into(qkv, k_layer.narrow(2, start, 1), v_layer.narrow(2, start, 1), cos, sin, l.rot_kind,
+                             l.rot_dim, l.H, l.Hkv, l.dh);  // (B, H, 1, dh)
+      Tensor z = at::scaled_dot_product_attention(q, k_layer.narrow(2, 0, start + 1), v_layer.narrow(2, 0, start + 1),
+                                                  std::nullopt, 0.0, false, l.scale, l.H != l.Hkv);  // (B, H, 1, dh)
+      Tensor h = add_rows(x, l.o(z.reshape({B, l.H * l.dh})));  // (B, d_model)
+      Tensor m = l.norm2(h);
+      if (l.gated) {
+        Tensor g = l.gate(m);
+        activate_(g, l.act);
+        m = mul_rows_(g, l.fc_in(m));  // act(gate) * up
+      } else {
+        Tensor u = l.fc_in(m);
+        m = activate_(u, l.act);
+      }
+      x = add_rows(h, l.fc_out(m));  // (B, d_model)
+    }
+    return final_norm(x);
+  }
+};
 
 }  // namespace
 
 TORCH_LIBRARY(headspace, m) {
-  m.def(
-      "decode_rows(Tensor x, Tensor?[] params, int[] ints, float[] floats, Tensor(a!) k_all, "
-      "Tensor(b!) v_all, int start, Tensor? cos, Tensor? sin) -> Tensor");
-}
-
-TORCH_LIBRARY_IMPL(headspace, CompositeExplicitAutograd, m) {
-  m.impl("decode_rows", &decode_rows);
+  m.class_<DecodeStep>("DecodeStep")
+      .def(torch::init<>())
+      .def("add_layer", &DecodeStep::add_layer)
+      .def("set_final_norm", &DecodeStep::set_final_norm)
+      .def("n_layers", &DecodeStep::n_layers)
+      .def("run", &DecodeStep::run);
 }

@@ -1,13 +1,11 @@
-"""The native decoding step: every block of a cached decoding step in one C++ call, bit for bit.
+"""The native decoding step's library: built, cached, checked and loaded here; fed by
+:mod:`headspace.decode.native` (every block of a cached decoding step in one C++ call, bit for bit).
 
-A decoding step of SmolLM2 on one row is 151 matrix products (~21 ms on this project's 2-core CPU) and
-~25 small operations per block between them: norms, the rotation, the cache writes, attention, the
-activation, the residual adds. The Python step (:func:`headspace.block.decode_layer_rows`) pays
-1.5-2.5 us of interpreter and argument parsing for each, ~2 ms a token. ``decode_rows.cpp`` (beside
-this file) makes the same roundings in one call per token: the products, attention, the norms' sums
-and the activation are the same ATen calls, and the elementwise steps around them float32 loops
-(compiled with ``-O2 -ffp-contract=off``: no fused multiply-adds), so its logits are the Python
-step's bit for bit (tested).
+``decode_rows.cpp`` (beside this file) registers ``torch.classes.headspace.DecodeStep``: a step's
+blocks described by name (:mod:`headspace.decode.step`), run in one call per token with the Python
+step's roundings: the products, attention, the norms' sums and the activation are the same ATen calls,
+and the elementwise steps around them float32 loops (compiled with ``-O2 -ffp-contract=off``: no fused
+multiply-adds), so its logits are the Python step's bit for bit (tested).
 
 How it is built:
 
@@ -31,12 +29,11 @@ How it is built:
 Without a compiler, or where the build fails, decoding stays the Python step (one warning says why).
 ``HEADSPACE_NATIVE=0`` turns it off.
 
-Why not ``torch.utils.cpp_extension.load(..., is_python_module=False)`` (measured): it is not faster
-(the compile is the time: 13.5-15.7 s against 12.5-14.2 s for the one command here, 3 runs each, 2-core
-CPU), it needs ``ninja``, and its lock (``FileBaton``) is a file created with ``O_EXCL`` and removed
-by its holder: a build killed (by the kill at exit above, a Ctrl-C, the OOM killer) leaves it, and
-every later load waits on it forever (seen: a load after a ``kill -9`` mid-build hung, while the
-killed load's cc1plus ran on). Its hashed folder, the lock and the background build are kept here.
+Why not ``torch.utils.cpp_extension.load(..., is_python_module=False)``: it is not faster (the compile
+is the time; ``docs/benchmarks.md``), it needs ``ninja``, and its lock (``FileBaton``) is a file created
+with ``O_EXCL`` and removed by its holder: a build killed (by the kill at exit above, a Ctrl-C, the OOM
+killer) leaves it, and every later load waits on it forever. Its hashed folder, the lock and the
+background build are kept here.
 """
 
 from __future__ import annotations
@@ -50,19 +47,15 @@ import subprocess
 import sys
 import threading
 import warnings
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from torch import Tensor
 
 SOURCE = Path(__file__).with_name("decode_rows.cpp")
-"""The C++ source of ``torch.ops.headspace.decode_rows``."""
+"""The C++ source of ``torch.classes.headspace.DecodeStep``."""
 BUILDER = Path(__file__).with_name("_native_build.py")
 """The script the build runs in (a child process; see its docstring)."""
-LAYER_PARAMS, LAYER_INTS, LAYER_FLOATS = 19, 11, 3
-"""What each block passes to the op (see the source's header): tensors, ints and floats."""
 BUILD_TIMEOUT_S = 600
 """A build (waiting for another's lock included) is stopped past this."""
 STOP_WAIT_S = 10
@@ -70,7 +63,7 @@ STOP_WAIT_S = 10
 
 _lock = threading.Lock()
 _state: dict[str, object] = {"status": "not built", "thread": None, "warned": False}
-_op = None  # torch.ops.headspace.decode_rows once loaded
+_op = None  # the class torch.classes.headspace.DecodeStep once loaded
 
 
 @dataclass
@@ -391,7 +384,7 @@ def ready(*, warn: bool = True) -> bool:
             # only where no library of this process registered the op already
             if not _registered():
                 torch.ops.load_library(str(path))
-            _op = torch.ops.headspace.decode_rows
+            _op = torch.classes.headspace.DecodeStep
         except (OSError, RuntimeError, AttributeError) as e:
             _state["status"], _state["reason"] = "failed", f"{path} could not be loaded: {e}"
             return False
@@ -399,13 +392,12 @@ def ready(*, warn: bool = True) -> bool:
 
 
 def _registered() -> bool:
-    """Whether ``headspace::decode_rows`` is registered in this process already."""
+    """Whether the class ``headspace.DecodeStep`` is registered in this process already."""
     try:
-        return torch._C._dispatch_has_kernel_for_dispatch_key(
-            "headspace::decode_rows", "CompositeExplicitAutograd"
-        )
-    except RuntimeError:  # "operator headspace::decode_rows does not exist"
+        torch._C._get_custom_class_python_wrapper("headspace", "DecodeStep")
+    except RuntimeError:  # "Class headspace.DecodeStep not registered!"
         return False
+    return True
 
 
 def build() -> bool:
@@ -418,19 +410,8 @@ def build() -> bool:
     return ready(warn=False)
 
 
-def decode_rows(
-    x: Tensor,
-    params: Sequence[Tensor | None],
-    ints: Sequence[int],
-    floats: Sequence[float],
-    k_all: Tensor,
-    v_all: Tensor,
-    start: int,
-    cos: Tensor | None,
-    sin: Tensor | None,
-) -> Tensor:
-    """Every block and the final norm on the new position ``start``'s rows ``x`` [batch, d_model] ->
-    [batch, d_model]: the new keys and values written into the stacked caches ``k_all``/``v_all``
-    [layers, batch, n_kv_heads, capacity, d_head] at ``start``. Call only after :func:`ready`."""
+def new_step() -> torch.ScriptObject:
+    """An empty ``torch.classes.headspace.DecodeStep`` (``add_layer``, ``set_final_norm``, ``run``; see
+    the source's header and :mod:`headspace.decode.native`). Call only after :func:`ready`."""
     assert _op is not None, "call headspace.kernels.native.ready() first"
-    return _op(x, params, ints, floats, k_all, v_all, start, cos, sin)
+    return _op()

@@ -1,0 +1,262 @@
+"""generate: sampling continuation tokens from a decoder, a short loop over a chosen decoding step.
+
+The prompt runs through the model's ``forward`` into KV caches (:func:`generation_caches`), then each
+new token through a :class:`~headspace.decode.backends.Stepper` of the model's
+:class:`~headspace.decode.step.DecodeStep`, or through ``forward`` where there is none (a block without
+the step, a left-padded batch, ``use_cache=False``) or while a hook point has a function (``forward``
+fires it). Every argument is described in ``docs/decoding.md``.
+
+Left-padded prompts: each row's positions count from 0 at its first real token (``cumsum(key_padding)
+- 1``, as transformers derives ``position_ids`` from the attention mask) and its padded keys are never
+attended, so greedy decoding of a padded batch equals decoding each prompt alone.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..inputs import check_left_padding, check_tokens
+from ..kernels import native as library
+from ..kernels.cpu import forced
+from ..kernels.prepack import prepack_available, should_prepack
+from .backends import Stepper, get_backend
+from .kv_cache import KVCache
+from .step import DecoderModel, describe, product_weights
+
+
+@torch.no_grad()
+def generate(
+    model: DecoderModel,
+    tokens: Tensor,
+    max_new_tokens: int,
+    *,
+    key_padding: Tensor | None = None,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    seed: int | None = None,
+    use_cache: bool = True,
+    prepack: bool | None = None,
+    compile: bool = False,
+    native: bool | None = None,
+    backend: str | None = None,
+) -> Tensor:
+    """Sample ``max_new_tokens`` tokens after each prompt of ``tokens`` int64 [batch, prompt_len]
+    (left-padded, real tokens marked by ``key_padding`` bool [batch, prompt_len]); returns [batch,
+    prompt_len + max_new_tokens]: the prompts as given, then the new tokens. ``temperature`` 0 is greedy;
+    ``top_k`` and ``seed`` (a private generator) shape sampling. ``backend`` ``"python"`` or ``"native"``
+    (None: native once built; ``native`` True/False says the same); ``prepack`` packs float32 weights
+    for MKL at batch >= 2 (None: where it pays). The model is in eval mode for the call."""
+    backend = _check_options(max_new_tokens, temperature, top_k, seed, compile, native, backend)
+    prompt = _Prompt.of(model, tokens, key_padding, max_new_tokens)
+    pack_rows = choose_pack_rows(model, prompt.batch, prepack)
+    if max_new_tokens == 0:
+        return tokens.clone()
+    generator = None if seed is None else torch.Generator(device=tokens.device).manual_seed(seed)
+    was_training = model.training
+    model.eval()
+    try:
+        out = torch.empty(
+            prompt.batch, prompt.total, dtype=torch.long, device=tokens.device
+        )  # (batch, total)
+        out[:, : prompt.length] = tokens
+        caches = generation_caches(model, prompt.batch, prompt.total) if use_cache else None
+        real, positions = prompt.cols(0, prompt.length)
+        logits = model(tokens.long(), real, caches, positions=positions)[:, -1]  # (batch, vocab_size)
+        step = None
+        if caches is not None and prompt.real is None:
+            step = _stepper(model, pack_rows, backend)
+        for pos in range(prompt.length, prompt.total):
+            out[:, pos] = sample(logits, temperature, top_k, generator)
+            if pos + 1 < prompt.total:
+                logits = _next_logits(model, out, pos, caches, prompt, step)  # (batch, vocab_size)
+    finally:
+        model.train(was_training)
+    return out
+
+
+def _check_options(
+    max_new_tokens: object,
+    temperature: object,
+    top_k: object,
+    seed: object,
+    compile: object,
+    native: object,
+    backend: object,
+) -> str | None:
+    """Refuse bad arguments with a one-line error; the backend chosen by name (None: automatic)."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0; got {max_new_tokens!r}")
+    number = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+    if not number or not math.isfinite(temperature) or temperature < 0:  # type: ignore[arg-type,operator]
+        raise ValueError(f"temperature must be a float >= 0, finite (0 = greedy); got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1):
+        raise ValueError(f"top_k must be None or an int >= 1; got {top_k!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise TypeError(f"seed must be None or an int; got {seed!r}")
+    if not isinstance(compile, bool):
+        raise TypeError(f"compile must be a bool; got {type(compile).__name__} {compile!r}")
+    if native is not None and not isinstance(native, bool):
+        raise TypeError(
+            f"native must be None (once built), True or False; got {type(native).__name__} {native!r}"
+        )
+    if backend is not None:
+        get_backend(backend)  # type: ignore[arg-type]  # names the registered ones
+        if native is not None and (backend == "native") != native:
+            raise ValueError(f"backend={backend!r} contradicts native={native!r}; give one of them")
+    if compile:
+        warnings.warn(
+            "generate(compile=True) is ignored: the compiled decoding step was removed (the native "
+            "step is faster); decoding runs the default step",
+            FutureWarning,
+            stacklevel=3,
+        )
+    if backend is None and native is not None:
+        backend = "native" if native else "python"
+    if backend == "native" and not library.build():
+        raise RuntimeError(
+            f"native=True: headspace's native decoding step is unavailable ({library.status()})"
+        )
+    return backend  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    """The checked prompts: ``length`` columns (padding included), ``total`` with the new tokens, and for
+    a left-padded batch ``real`` bool [batch, total] and per-row ``positions`` int64 [batch, total]."""
+
+    batch: int
+    length: int
+    total: int
+    real: Tensor | None
+    positions: Tensor | None
+
+    @classmethod
+    def of(cls, model: DecoderModel, tokens: Tensor, key_padding: Tensor | None, new: int) -> _Prompt:
+        config = model.config  # type: ignore[attr-defined]
+        check_tokens(tokens, config, check_length=key_padding is None, device=model.tok_embed.weight.device)
+        batch, length = tokens.shape
+        if length == 0:
+            raise ValueError("tokens must hold a prompt of at least 1 token; got prompt_len=0")
+        longest = length
+        if key_padding is not None:
+            check_left_padding(key_padding, tokens)
+            longest = int(key_padding.sum(dim=1).max())
+            if bool(key_padding.all()):
+                key_padding = None  # nothing padded: the unmasked path, as without key_padding
+        if longest + new > config.max_seq_len:
+            what = (
+                f"prompt_len {length}" if longest == length else f"the longest prompt's {longest} real tokens"
+            )
+            raise ValueError(
+                f"{what} + max_new_tokens {new} = {longest + new} exceeds the position table "
+                f"(max_seq_len={config.max_seq_len}); refused, not truncated"
+            )
+        real = positions = None
+        if key_padding is not None:
+            real = torch.ones(batch, length + new, dtype=torch.bool, device=tokens.device)  # (batch, total)
+            real[:, :length] = key_padding
+            # each row counts from 0 at its first real token; padding (never attended) takes position 0
+            positions = (real.cumsum(dim=1) - 1).clamp(min=0)  # (batch, total)
+        return cls(batch, length, length + new, real, positions)
+
+    def cols(self, lo: int, hi: int) -> tuple[Tensor | None, Tensor | None]:
+        """``real`` and ``positions`` of columns lo..hi-1 (None without padding)."""
+        if self.real is None or self.positions is None:
+            return None, None
+        return self.real[:, :hi], self.positions[:, lo:hi]  # (batch, hi), (batch, hi - lo)
+
+
+def _stepper(model: DecoderModel, pack_rows: int | None, backend: str | None) -> Stepper | None:
+    """The call's step (None: the model has none), on ``backend`` (None: native once built, unless its
+    fallback is forced: :mod:`headspace.kernels.cpu`); starts the native build in the background."""
+    step = describe(model, pack_rows)
+    if step is None:
+        return None
+    if backend is None and forced("native"):
+        backend = "python"
+    if backend is None:
+        library.start_build()  # in the background; steps run in Python until it is loaded
+    return Stepper(step, backend)
+
+
+def _next_logits(
+    model: DecoderModel,
+    out: Tensor,
+    pos: int,
+    caches: list[KVCache] | None,
+    prompt: _Prompt,
+    step: Stepper | None,
+) -> Tensor:
+    """The logits [batch, vocab_size] after ``out[:, pos]``: by the step while it is idle, else by
+    ``forward`` (with the caches, or on the whole sequence without them)."""
+    if step is not None and caches is not None and step.idle():
+        # inference mode: no hook runs here to see its tensors, and each op dispatches faster
+        with torch.inference_mode():
+            return step.logits(out[:, pos : pos + 1], caches)  # (batch, vocab_size)
+    if caches is not None:
+        real, positions = prompt.cols(pos, pos + 1)  # key_padding covers every cached position + the new
+        return model(out[:, pos : pos + 1], real, caches, positions=positions)[:, -1]
+    real, positions = prompt.cols(0, pos + 1)
+    return model(out[:, : pos + 1], real, positions=positions)[:, -1]
+
+
+def generation_caches(model: DecoderModel, batch: int, capacity: int) -> list[KVCache]:
+    """The KV caches generate decodes into: one per block, stacked in two buffers
+    (:meth:`~headspace.decode.kv_cache.KVCache.stacked`) where every block's attention makes plain
+    KVCaches of the same key/value heads, d_head, dtype and device, else each block's own
+    ``attn.make_kv_cache(batch, capacity)``. ``capacity`` may exceed ``max_seq_len`` (left padding takes
+    slots, not positions)."""
+    caches = [b.attn.make_kv_cache(batch, 1) for b in model.blocks]
+    kinds = {(type(c), c.k.shape[1], c.k.shape[3], c.k.dtype, c.k.device) for c in caches}
+    if len(kinds) != 1 or type(caches[0]) is not KVCache:
+        return [b.attn.make_kv_cache(batch, capacity) for b in model.blocks]
+    first = caches[0].k
+    return KVCache.stacked(
+        len(caches), batch, first.shape[1], first.shape[3], capacity, dtype=first.dtype, device=first.device
+    )
+
+
+def choose_pack_rows(model: DecoderModel, batch: int, prepack: bool | None) -> int | None:
+    """The rows to pack the weights for (None: no packing). ``prepack`` None chooses
+    (:func:`~headspace.kernels.prepack.should_prepack`: batch >= 2, MKL's packed linear present, at
+    least 32 MiB of float32 weights, their copy within half the available memory); True packs (a
+    ValueError where this torch has no MKL packed linear); False never packs."""
+    if prepack is None:
+        # no step without every block's decoding step (e.g. head-parallel layers): nothing to pack for
+        if batch < 2 or not all(getattr(b, "decode_supported", False) for b in model.blocks):
+            return None
+        return batch if should_prepack(product_weights(model), batch) else None
+    if not isinstance(prepack, bool):
+        raise TypeError(
+            f"prepack must be None (choose), True or False; got {type(prepack).__name__} {prepack!r}"
+        )
+    if not prepack:
+        return None
+    if not prepack_available():
+        mkl = torch.backends.mkl.is_available()
+        raise ValueError(
+            "prepack=True needs torch's MKL packed linear (torch.ops.mkl._mkl_linear, x86 builds with "
+            f"MKL); this torch has none (torch.backends.mkl.is_available()={mkl})"
+        )
+    return batch
+
+
+def sample(
+    logits: Tensor, temperature: float, top_k: int | None, generator: torch.Generator | None
+) -> Tensor:
+    """One token id per row of ``logits`` [batch, vocab_size] -> [batch]: the first largest for
+    ``temperature`` 0 (as argmax picks it, ties and NaN alike), else a draw from softmax(logits /
+    temperature) over the ``top_k`` most likely (None: all)."""
+    if temperature == 0:
+        return logits.max(dim=-1).indices
+    logits = logits.float() / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]  # (batch, 1)
+        logits = logits.masked_fill(logits < kth, -math.inf)
+    probs = torch.softmax(logits, dim=-1)  # (batch, vocab_size)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (batch,)

@@ -1,0 +1,266 @@
+"""The decoding step, described once: what one new token computes in every block of a Decoder, by name.
+
+:func:`describe` is the one function that reads a model's internals for decoding. It returns a frozen
+:class:`DecodeStep`: per block a :class:`LayerStep` (its norms, products, head counts, rotation and
+activation, each a named field), then the final norm, the unembedding, the embedding and every hook
+point a step passes. The backends (:mod:`headspace.decode.backends`: ``"python"`` and ``"native"``)
+run a step from this description alone; the native one hands it to C++ field by field, by name
+(:func:`named_fields`).
+
+Per block, for the new position's rows x [batch, d_model] (pre-norm blocks only)::
+
+    qkv = norm1(x) W_QKV (+ b)      -> q [batch, n_heads, 1, d_head], k, v [batch, n_kv_heads, 1, d_head]
+    q, k = rotate(q, k)                   (rotary positions: to the new position)
+    z = softmax(q K^T * scale) V          (K, V: the cached keys and values, the new ones appended)
+    h = x + z W_O (+ b)
+    out = h + act(norm2(h) W_gate) * (norm2(h) W_in) W_out     (plain MLP: act(norm2(h) W_in) W_out)
+
+A description holds the parameters themselves (and views of them): in-place edits of their values
+show in later steps, parameters replaced since (``to_precision``, pruning, assignment) do not, and
+weights packed for MKL's GEMM (``pack_rows``) are copies made when it was built.
+
+Notation used for tensor shapes:
+    batch, d_model, vocab_size, n_heads, n_kv_heads, d_head.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from ..hooks import HookPoint, all_idle
+from ..kernels.bf16 import BF16Weight, float32_rows
+from ..kernels.prepack import pack_weight, packable
+from ..norms import RMSNorm
+from ..positions import Rotary
+
+#: the activations a step runs in place by name (torch's modules); any other is ``"module"``
+ACTIVATIONS = {(nn.SiLU, None): "silu", (nn.ReLU, None): "relu", (nn.GELU, "none"): "gelu"}
+ACTIVATIONS[(nn.GELU, "tanh")] = "gelu_tanh"
+
+
+class DecoderModel(Protocol):
+    """What :func:`describe` and :func:`~headspace.decode.generate` read of a decoder (a
+    :class:`headspace.Decoder`): its blocks, final norm, embedding and unembedding."""
+
+    blocks: nn.ModuleList
+    ln_final: nn.Module | None
+    lm_head: nn.Linear | None
+    tok_embed: nn.Embedding
+    rotary: Rotary | None
+    training: bool
+
+    def embed(self, tokens: Tensor, start: int = 0) -> Tensor: ...
+    def modules(self) -> Any: ...
+    def __call__(self, *args: Any, **kwargs: Any) -> Tensor: ...
+
+
+@dataclass(frozen=True)
+class Norm:
+    """A norm of the rows: ``"rmsnorm"`` (:func:`headspace.norms.rms_norm`, offset 0), ``"layernorm"``
+    (``F.layer_norm`` over d_model) or ``"module"`` (any other: ``module`` itself, no native form)."""
+
+    kind: str
+    weight: Tensor | None = None
+    bias: Tensor | None = None
+    eps: float = 0.0
+    module: nn.Module | None = None
+
+
+@dataclass(frozen=True)
+class Product:
+    """One product ``x W^T + b`` of the rows x [n, in] -> [n, out].
+
+    ``kind``: ``"float32"`` (``weight`` a plain float32 [out, in]), ``"packed"`` (the same with MKL's
+    ``packed`` copy for ``rows`` rows), ``"bfloat16"`` (``weight`` the float32 values of a
+    :class:`~headspace.kernels.bf16.BF16Weight`, ``packed`` oneDNN's copy or None, from
+    ``float32_rows`` rows a float32 GEMM on the rounded values: 0 always, -1 never) or ``"other"``
+    (int8 and any other carrier: ``F.linear`` of ``carrier``, no native form).
+    """
+
+    kind: str
+    weight: Tensor
+    bias: Tensor | None = None
+    packed: Tensor | None = None
+    rows: int = 0
+    float32_rows: int = -1
+    carrier: Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LayerStep:
+    """One pre-norm block's step (see the module docstring for the formula)."""
+
+    norm1: Norm
+    qkv: Product
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    scale: float
+    rotary: Rotary | None
+    o: Product
+    norm2: Norm
+    activation: str
+    gate: Product | None
+    fc_in: Product
+    fc_out: Product
+    act_module: nn.Module | None = None
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """A Decoder's cached one-token step (:func:`describe`): ``layers`` then ``final_norm`` on the
+    rows, ``unembed`` to logits; ``embed(tokens, start)`` the model's embedding; ``hook_points`` every
+    hook point a step passes (the step runs only while they are idle, :meth:`idle`); ``pack_rows`` the
+    batch the products were packed for (None: not packed)."""
+
+    layers: tuple[LayerStep, ...]
+    final_norm: Norm | None
+    unembed: Product
+    embed: Callable[..., Tensor]
+    rotary: Rotary | None
+    hook_points: tuple[HookPoint, ...]
+    pack_rows: int | None
+    model: weakref.ref[Any] = dataclasses.field(repr=False, compare=False)
+
+    def idle(self) -> bool:
+        """Whether the step may run now: the model exists and is in eval mode, and no hook point the
+        step passes has a function in the calling thread (:func:`headspace.hooks.all_idle`)."""
+        model = self.model()
+        return model is not None and not model.training and all_idle(self.hook_points)
+
+
+def norm_of(norm: nn.Module | None) -> Norm | None:
+    """``norm`` described: an RMSNorm of offset 0 or a LayerNorm over one dim by name, anything else as
+    ``"module"``; None for no norm."""
+    if norm is None:
+        return None
+    if type(norm) is RMSNorm and norm.offset == 0.0:
+        return Norm("rmsnorm", norm.weight, None, norm.eps)
+    if type(norm) is nn.LayerNorm and len(norm.normalized_shape) == 1 and norm.weight is not None:
+        return Norm("layernorm", norm.weight, norm.bias, norm.eps)
+    return Norm("module", module=norm)
+
+
+def product_of(weight: Tensor, bias: Tensor | None, pack_rows: int | None = None) -> Product:
+    """The product by ``weight`` [out, in] and ``bias`` described; with ``pack_rows``, a plain float32
+    weight is packed for MKL's GEMM at that many rows (:func:`headspace.kernels.prepack.pack_weight`:
+    a copy)."""
+    plain_bias = bias is None or (type(bias) in (nn.Parameter, Tensor) and bias.dtype == torch.float32)
+    if type(weight) is BF16Weight and weight.dim() == 2 and plain_bias:
+        with torch._C.DisableTorchFunctionSubclass():
+            values = Tensor.as_subclass(weight, Tensor)  # the float32 values, as a plain tensor
+        return Product("bfloat16", values, bias, weight.packed, 0, float32_rows(weight), weight)
+    if not packable(weight) or not plain_bias:
+        return Product("other", weight, bias, carrier=weight)
+    if pack_rows is not None:
+        return Product("packed", weight, bias, pack_weight(weight, pack_rows), pack_rows)
+    return Product("float32", weight, bias)
+
+
+def describe(model: DecoderModel, pack_rows: int | None = None) -> DecodeStep | None:
+    """``model``'s cached decoding step described (:class:`DecodeStep`), or None where some block has no
+    such step (:attr:`~headspace.block.TransformerBlock.decode_supported` False: post-norm, a
+    head-parallel shard, ``check_finite``, another attention or MLP), which then decodes by
+    ``forward``."""
+    layers = []
+    for block in model.blocks:
+        if not getattr(block, "decode_supported", False):
+            return None
+        layers.append(_layer_of(block, pack_rows))
+    if model.lm_head is None:
+        unembed = product_of(model.tok_embed.weight, None, pack_rows)
+    else:
+        unembed = product_of(model.lm_head.weight, model.lm_head.bias, pack_rows)
+    points = tuple(m for m in model.modules() if isinstance(m, HookPoint))
+    return DecodeStep(
+        layers=tuple(layers),
+        final_norm=norm_of(model.ln_final),
+        unembed=unembed,
+        embed=model.embed,
+        rotary=model.rotary,
+        hook_points=points,
+        pack_rows=pack_rows,
+        model=weakref.ref(model),  # a step must not keep its model alive
+    )
+
+
+def _layer_of(block: Any, pack_rows: int | None) -> LayerStep:
+    """One block (a :class:`~headspace.block.TransformerBlock` with ``decode_supported``) described."""
+    a, mlp = block.attn, block.mlp
+    act = mlp.act
+    activation = ACTIVATIONS.get((type(act), getattr(act, "approximate", None)), "module")
+    gate = getattr(mlp, "fc_gate", None)
+    norm1, norm2 = norm_of(block.ln1), norm_of(block.ln2)
+    assert norm1 is not None and norm2 is not None
+    return LayerStep(
+        norm1=norm1,
+        qkv=product_of(a.qkv_weight, a.qkv_bias, pack_rows),
+        n_heads=a.n_heads,
+        n_kv_heads=a.n_kv_heads,
+        d_head=a.d_head,
+        scale=float(a.scale),
+        rotary=a.rotary,
+        o=product_of(a.o_weight, a.o_bias, pack_rows),
+        norm2=norm2,
+        activation=activation,
+        gate=None if gate is None else product_of(gate.weight, gate.bias, pack_rows),
+        fc_in=product_of(mlp.fc_in.weight, mlp.fc_in.bias, pack_rows),
+        fc_out=product_of(mlp.fc_out.weight, mlp.fc_out.bias, pack_rows),
+        act_module=act if activation == "module" else None,
+    )
+
+
+def product_weights(model: DecoderModel) -> list[Tensor]:
+    """Every weight a decoding step multiplies by, in order: per block the fused QKV, W_O and the
+    MLP's (gate, in, out), then the unembedding."""
+    weights: list[Tensor] = []
+    for b in model.blocks:
+        weights += [b.attn.qkv_weight, b.attn.o_weight]
+        weights += [lin.weight for lin in b.mlp.modules() if isinstance(lin, nn.Linear)]
+    weights.append(model.tok_embed.weight if model.lm_head is None else model.lm_head.weight)
+    return weights
+
+
+NamedFields = tuple[dict[str, Tensor], dict[str, int], dict[str, float], dict[str, str]]
+
+
+def named_fields(part: Any, prefix: str = "") -> NamedFields | None:
+    """A description (a :class:`LayerStep`, :class:`Norm` or :class:`Product`) as four dicts keyed by
+    dotted field names (``"qkv.weight"``, ``"norm1.eps"``, ``"rotary.dim"``, ...): its tensors, ints,
+    floats and strings, None values left out. None where a part has no native form (a ``"module"``
+    norm or activation, an ``"other"`` product). What the native step reads, by these names."""
+    out: NamedFields = ({}, {}, {}, {})
+    for f in dataclasses.fields(part):
+        value = getattr(part, f.name)
+        name = prefix + f.name
+        if value is None or f.name in ("module", "carrier", "act_module"):
+            continue
+        if isinstance(value, str) and value in ("module", "other"):
+            return None  # run by Python only
+        if isinstance(value, Rotary):
+            out[3][name + ".kind"] = "interleaved" if value.interleaved else "half"
+            out[1][name + ".dim"] = value.rotary_dim
+        elif dataclasses.is_dataclass(value):
+            inner = named_fields(value, name + ".")
+            if inner is None:
+                return None
+            for mine, theirs in zip(out, inner):
+                mine.update(theirs)  # type: ignore[attr-defined]
+        elif isinstance(value, Tensor):
+            out[0][name] = value
+        elif isinstance(value, bool) or isinstance(value, int):
+            out[1][name] = int(value)
+        elif isinstance(value, float):
+            out[2][name] = value
+        elif isinstance(value, str):
+            out[3][name] = value
+        else:
+            raise TypeError(f"named_fields: {name} is a {type(value).__name__}, which has no native form")
+    return out
