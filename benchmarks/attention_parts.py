@@ -44,7 +44,7 @@ from tqdm import tqdm
 from headspace import MultiHeadAttention
 from headspace.bench import machine_info
 from headspace.bench.measure import round_robin
-from headspace.fileio import write_json
+from headspace.core.fileio import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CASES = ("layer", "sdpa", "sdpa math", "attention GEMMs", "projection GEMMs", "GEMM floor")

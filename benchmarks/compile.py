@@ -42,7 +42,7 @@ import torch
 
 import headspace as hs
 from headspace.bench import machine_info, round_robin
-from headspace.fileio import write_json
+from headspace.core.fileio import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 """The published results (committed); runs without --save write to RESULTS / "local"."""

@@ -58,7 +58,7 @@ from tqdm import tqdm
 
 from headspace import Decoder, ModelConfig
 from headspace.bench import machine_info, read_status_kib, timed
-from headspace.fileio import write_json
+from headspace.core.fileio import write_json
 
 POSITIONS = (64, 128, 256, 512, 1024)
 UNPACKED = "headspace prepack=False"

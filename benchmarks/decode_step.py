@@ -32,9 +32,9 @@ from tqdm import tqdm
 
 from headspace import Decoder, ModelConfig
 from headspace.bench import machine_info
+from headspace.core.fileio import write_json
 from headspace.decode import Stepper, describe, generation_caches, product_weights
 from headspace.decode.native import native_form
-from headspace.fileio import write_json
 from headspace.kernels import native
 
 RESULTS = Path(__file__).resolve().parent / "results"

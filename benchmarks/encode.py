@@ -43,7 +43,7 @@ from tqdm import tqdm
 
 from headspace import load
 from headspace.bench import machine_info
-from headspace.fileio import write_json
+from headspace.core.fileio import write_json
 from headspace.pretrained import minilm_path
 
 WORDS = (

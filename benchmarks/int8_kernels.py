@@ -69,7 +69,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from headspace.bench import machine_info, round_robin, spread
-from headspace.fileio import write_json
+from headspace.core.fileio import write_json
 from headspace.kernels.cpu import force_fallback, report
 from headspace.kernels.int8 import Int8Weight, int8_linear, quantize_weight
 

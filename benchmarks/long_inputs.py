@@ -215,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     from headspace.bench import machine_info
-    from headspace.fileio import write_json
+    from headspace.core.fileio import write_json
 
     out = output_path(a.out, a.save, "long_inputs.json")
     model = build_model(a) if a.in_process else None

@@ -30,9 +30,9 @@ import torch
 
 import headspace
 from headspace.analysis.patching import patch
+from headspace.analysis.trace import hooked, trace
 from headspace.bench import machine_info
-from headspace.fileio import write_json
-from headspace.trace import hooked, trace
+from headspace.core.fileio import write_json
 
 CLEAN = "When Mary and John went to the store, John gave a drink to"
 CORRUPT = "When Mary and John went to the store, Mary gave a drink to"

@@ -72,7 +72,7 @@ import torch.nn.functional as F
 
 import headspace
 from headspace.bench import machine_info
-from headspace.fileio import write_json
+from headspace.core.fileio import write_json
 
 BENCHMARKS = Path(__file__).resolve().parent
 RESULTS = BENCHMARKS / "results"

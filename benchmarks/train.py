@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from headspace.models import Decoder, ModelConfig
+from headspace.model.models import Decoder, ModelConfig
 from headspace.train.checkpoint import write_atomic
 
 RESULTS = Path(__file__).resolve().parent / "results"

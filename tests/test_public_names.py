@@ -59,7 +59,7 @@ def test_unknown_attribute_is_an_attribute_error() -> None:
 
 
 def test_trace_is_callable_after_its_module_is_imported() -> None:
-    import headspace.trace  # binds headspace.trace to the submodule
+    import headspace.analysis.trace  # binds headspace.trace to the submodule
 
     layer = headspace.MultiHeadAttention(6, 2)
     import torch
@@ -74,6 +74,54 @@ def test_import_and_help_do_not_import_torch() -> None:
         "import sys, headspace\n"
         "from headspace.cli import cli\n"
         "assert 'torch' not in sys.modules, sorted(m for m in sys.modules if m.startswith('torch'))[:5]\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+@pytest.mark.parametrize("old", sorted(headspace._MOVED))
+def test_every_moved_module_keeps_its_old_import_path(old: str) -> None:
+    """#26 moved the flat modules into packages: ``headspace.<old>`` is the module at its new home itself
+    (one object, so a monkeypatch of either is seen by both), importable and as an attribute."""
+    new = importlib.import_module(f"headspace.{headspace._MOVED[old]}")
+    assert importlib.import_module(f"headspace.{old}") is new
+    assert getattr(headspace, old) is new
+    assert new.__spec__.name == new.__name__ == f"headspace.{headspace._MOVED[old]}"  # its own spec kept
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "headspace.attention.MultiHeadAttention",
+        "headspace.attention.KVCache",
+        "headspace.attention.rotate_fused",
+        "headspace.decoding.DecodePlan",
+        "headspace.decoding.generation_caches",
+        "headspace.generate.generate",
+        "headspace.workspace.Workspace",
+        "headspace.masks.canonical_mask",
+        "headspace.block.TransformerBlock",
+        "headspace.models.Decoder",
+        "headspace.trace.Trace",
+        "headspace.explain.explain",
+        "headspace.tokenization.readable_token",
+        "headspace.fileio.write_json",
+        "headspace.compat.MultiheadAttention",
+    ],
+)
+def test_names_at_their_old_paths(path: str) -> None:
+    assert _resolve(path) is not None
+
+
+def test_old_module_paths_in_a_fresh_process() -> None:
+    code = (
+        "from headspace.masks import canonical_mask\n"
+        "from headspace.block import TransformerBlock\n"
+        "import headspace.trace, headspace.positions as p, headspace.nn.positions as q\n"
+        "assert callable(headspace.trace) and p is q\n"
+        "from headspace.generate import generate\n"
+        "from headspace.decoding import DecodePlan\n"
         "print('ok')\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)

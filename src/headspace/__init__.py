@@ -8,30 +8,33 @@ it always did.
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import importlib.machinery
+import sys
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
 #: public name -> the module that defines it (relative to this package).
 _NAMES = {
-    "CanonicalMask": ".masks",
-    "canonical_mask": ".masks",
-    "causal_mask": ".masks",
+    "CanonicalMask": ".nn.masks",
+    "canonical_mask": ".nn.masks",
+    "causal_mask": ".nn.masks",
     "CheckpointError": ".train.checkpoint",
-    "Decoder": ".models",
-    "Encoder": ".models",
-    "ModelConfig": ".config",
-    "FactoredMatrix": ".circuits",
-    "Head": ".heads",
-    "HeadList": ".heads",
-    "HookPoint": ".hooks",
+    "Decoder": ".model.models",
+    "Encoder": ".model.models",
+    "ModelConfig": ".model.config",
+    "FactoredMatrix": ".attention.circuits",
+    "Head": ".attention.heads",
+    "HeadList": ".attention.heads",
+    "HookPoint": ".nn.hooks",
     "KVCache": ".decode",
-    "MultiHeadAttention": ".attention",
-    "Trace": ".trace",
-    "trace": ".trace",
-    "TransformerBlock": ".block",
-    "ablate": ".interventions",
-    "prune_heads": ".interventions",
+    "MultiHeadAttention": ".attention.layer",
+    "Trace": ".analysis.trace",
+    "trace": ".analysis.trace",
+    "TransformerBlock": ".model.block",
+    "ablate": ".analysis.interventions",
+    "prune_heads": ".analysis.interventions",
     "load": ".pretrained",
     "load_bert": ".pretrained",
     "load_gpt2": ".pretrained",
@@ -39,7 +42,7 @@ _NAMES = {
     "load_gguf": ".pretrained",
 }
 #: submodules that are public names themselves (``headspace.analysis.head_roles`` ...).
-_MODULES = ("analysis", "compat", "layouts", "train")
+_MODULES = ("analysis", "train")
 
 __all__ = [
     "CanonicalMask",
@@ -73,11 +76,56 @@ __all__ = [
 ]
 
 
+#: the modules that moved into packages (#26): old name -> new home. ``import headspace.masks`` (and
+#: ``from headspace.masks import X``) keeps working: the finder below hands out the new module itself,
+#: so the two names are one module object (a monkeypatch of either is seen by both).
+_MOVED = {
+    "checks": "core.checks", "errors": "core.errors", "defaults": "core.defaults", "fileio": "core.fileio",
+    "html": "core.html", "progress": "core.progress", "process_group": "core.process_group",
+    "masks": "nn.masks", "positions": "nn.positions", "norms": "nn.norms", "hooks": "nn.hooks",
+    "inputs": "nn.inputs",
+    "functional": "attention.functional", "heads": "attention.heads", "circuits": "attention.circuits",
+    "pruning": "attention.pruning", "compat": "attention.compat",
+    "block": "model.block", "config": "model.config", "layouts": "model.layouts", "models": "model.models",
+    "parallel": "model.parallel",
+    "trace": "analysis.trace", "interventions": "analysis.interventions", "explain": "analysis.explain",
+    "tokenization": "pretrained.tokenization",
+    "decoding": "decode.plan", "generate": "decode.loop", "workspace": "kernels.workspace",
+}  # fmt: skip
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Finds ``headspace.<old name>`` for every module that moved: the module at its new home."""
+
+    def find_spec(
+        self, fullname: str, path: Any = None, target: Any = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        head, _, tail = fullname.partition(".")
+        if head != __name__ or tail not in _MOVED:
+            return None
+        return importlib.machinery.ModuleSpec(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> Any:
+        module = importlib.import_module(f"{__name__}.{_MOVED[spec.name.partition('.')[2]]}")
+        spec.loader_state = module.__spec__  # the import system sets the old name's spec on it next
+        return module
+
+    def exec_module(self, module: Any) -> None:
+        """Nothing runs (the module ran at its new home); its own spec is put back."""
+        module.__spec__ = module.__spec__.loader_state
+
+
+if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
+    sys.meta_path.append(_MovedModules())
+
+
 def __getattr__(name: str) -> Any:
     if name in _NAMES:
         value = getattr(importlib.import_module(_NAMES[name], __name__), name)
     elif name in _MODULES:
         value = importlib.import_module(f".{name}", __name__)
+    elif name in _MOVED:
+        value = importlib.import_module(f"{__name__}.{name}")  # through the finder below
     else:
         raise AttributeError(f"module 'headspace' has no attribute {name!r}")
     globals()[name] = value  # later lookups skip __getattr__ (and `trace` stays the function)
@@ -89,17 +137,19 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
-    from . import analysis, compat, layouts, train
-    from .attention import MultiHeadAttention
-    from .block import TransformerBlock
-    from .circuits import FactoredMatrix
-    from .config import ModelConfig
+    from . import analysis, train
+    from .analysis.interventions import ablate, prune_heads
+    from .analysis.trace import Trace, trace
+    from .attention import compat
+    from .attention.circuits import FactoredMatrix
+    from .attention.heads import Head, HeadList
+    from .attention.layer import MultiHeadAttention
     from .decode import KVCache
-    from .heads import Head, HeadList
-    from .hooks import HookPoint
-    from .interventions import ablate, prune_heads
-    from .masks import CanonicalMask, canonical_mask, causal_mask
-    from .models import Decoder, Encoder
+    from .model import layouts
+    from .model.block import TransformerBlock
+    from .model.config import ModelConfig
+    from .model.models import Decoder, Encoder
+    from .nn.hooks import HookPoint
+    from .nn.masks import CanonicalMask, canonical_mask, causal_mask
     from .pretrained import load, load_bert, load_gguf, load_gpt2, load_llama
-    from .trace import Trace, trace
     from .train.checkpoint import CheckpointError

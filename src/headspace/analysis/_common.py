@@ -22,9 +22,9 @@ from typing import Any, ClassVar, overload
 import torch
 from torch import Tensor, nn
 
-from ..checks import is_int
-from ..fileio import write_atomic
-from ..html import MAX_HTML_COLS, MAX_HTML_ROWS, _shade, factored_html, format_number, html_table
+from ..core.checks import is_int
+from ..core.fileio import write_atomic
+from ..core.html import MAX_HTML_COLS, MAX_HTML_ROWS, _shade, factored_html, format_number, html_table
 
 __all__ = [  # the HTML helpers are headspace.html's, re-exported for the results and the tests
     "MAX_HTML_COLS",

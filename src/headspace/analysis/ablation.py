@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..checks import is_int
-from ..interventions import ABLATION_MODES, ablate
-from ..progress import progress_bar
-from ..trace import as_module, attention_layers, hooked, trace
+from ..core.checks import is_int
+from ..core.progress import progress_bar
 from ._common import Batch, JsonResult, eval_mode, format_number, layer_head_table, make_batches, pad_heads
+from .interventions import ABLATION_MODES, ablate
+from .trace import as_module, attention_layers, hooked, trace
 
 METRICS = ("auto", "cosine", "loss")
 

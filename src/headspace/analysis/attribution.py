@@ -22,7 +22,6 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..trace import trace
 from ._common import JsonResult, eval_mode
 from .causal_inputs import (
     centered,
@@ -36,6 +35,7 @@ from .causal_inputs import (
     token_id,
     token_str,
 )
+from .trace import trace
 
 
 def _decoder(model: Any, what: str) -> Any:

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..checks import is_int
-from ..trace import as_module
+from ..core.checks import is_int
+from .trace import as_module
 
 
 @dataclass

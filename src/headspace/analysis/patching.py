@@ -39,8 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention import KVCache
-from ..trace import hooked, trace
+from ..attention.layer import KVCache
 from ._common import JsonResult, eval_mode
 from .causal_inputs import (
     Prompts,
@@ -52,6 +51,7 @@ from .causal_inputs import (
     token_id,
     token_str,
 )
+from .trace import hooked, trace
 
 #: site -> the axes of its effect tensor
 SITES: dict[str, tuple[str, ...]] = {

@@ -75,7 +75,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention import MultiHeadAttention
+from ..attention.layer import MultiHeadAttention
 from ..kernels.workspace import release_thread_workspace
 from .measure import machine_info, measure_peak_extra_mib
 
@@ -485,7 +485,7 @@ def run_attention_benchmark(
         torch.set_num_threads(threads)
     n_threads = torch.get_num_threads()
 
-    from ..progress import progress_bar
+    from ..core.progress import progress_bar
 
     groups = [(s, m) for s in seqs for m in modes]
     bar = progress_bar(total=len(groups), desc="attention benchmark", unit="group", disable=not progress)

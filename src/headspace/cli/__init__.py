@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import click
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 from .bench import bench_cmd
 from .causal import COMMANDS as CAUSAL_COMMANDS
 from .lesson import COMMANDS as LESSON_COMMANDS

@@ -6,7 +6,7 @@ from typing import Any
 
 import click
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 from .options import json_option
 from .output import clean, json_out
 

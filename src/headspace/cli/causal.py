@@ -13,7 +13,7 @@ from typing import Any
 
 import click
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 from .loader import at_precision, load_model
 from .options import (
     TOKENS_HELP,
@@ -55,7 +55,7 @@ def _check_distinct(clean_text: str | None, corrupt_text: str | None, answer: st
 
 def _shown(text: str | None) -> str:
     """A token's text in quotes as the command line prints tokens (a space as ␣: options.TOKENS_HELP)."""
-    from ..tokenization import readable_token
+    from ..pretrained.tokenization import readable_token
 
     return "none" if text is None else f"'{readable_token(text)}'"
 

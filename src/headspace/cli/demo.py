@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 
 SENTENCES = (
     "A man is playing a guitar.",

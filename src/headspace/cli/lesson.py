@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from ..defaults import (
+from ..core.defaults import (
     DECODER_OCCURRENCE,
     DECODER_PARAGRAPH,
     DECODER_SENTENCE,
@@ -21,7 +21,7 @@ from ..defaults import (
     DEFAULT_TOKEN,
     is_decoder,
 )
-from ..errors import UsageError
+from ..core.errors import UsageError
 from .loader import at_precision, load_model
 from .options import (
     TOKENS_HELP,
@@ -134,7 +134,7 @@ def explain_cmd(
     cfg = pretrained.model.config
     _check_range("layer", layer, cfg.n_layers)
     _check_range("head", head, cfg.n_heads)
-    from ..explain import explain, find_token, token_strings
+    from ..analysis.explain import explain, find_token, token_strings
 
     decoder = is_decoder(pretrained)
     if sentence is None:
@@ -169,7 +169,7 @@ def explain_cmd(
 
 def _read_sentences(path: Path) -> list[str]:
     """The non-empty lines of a UTF-8 file: a regular file of at most :data:`MAX_SENTENCES_BYTES`."""
-    from ..fileio import UnsafeFileError, read_regular_file
+    from ..core.fileio import UnsafeFileError, read_regular_file
 
     limit = f"only regular files of at most {MAX_SENTENCES_BYTES // (1024 * 1024)} MB are read"
     try:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 
 
 def one_line(e: BaseException) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 
 
 @click.group("native")

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 
 #: The seeds ``torch.manual_seed`` takes: a non-negative 64-bit signed integer.
 MAX_SEED = 2**63 - 1

@@ -16,7 +16,7 @@ from typing import Any
 
 import click
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 
 
 def json_out(data: Any) -> None:

@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..explain import Explanation
+    from ..analysis.explain import Explanation
 
 
 def piece_display(pretrained: Any) -> Callable[[str], str]:
     """How this model's token pieces are printed: its tokenizer's ``readable`` (``"Ġcat"`` -> ``"␣cat"``,
     :data:`.options.TOKENS_HELP`), or :func:`~headspace.tokenization.readable_token`."""
-    from ..tokenization import readable_token
+    from ..pretrained.tokenization import readable_token
 
     return getattr(getattr(pretrained, "tokenizer", None), "readable", readable_token)
 
@@ -212,7 +212,7 @@ def explain_pictures(e: Explanation, pretrained: Any, out: Path) -> list[Path]:
     """PNG pictures of an explanation: the head's pattern, the token's row, q/k/v/z cells, W_O shares."""
     import torch
 
-    from ..explain import record, tokenize_one
+    from ..analysis.explain import record, tokenize_one
     from ..viz import plots
 
     ids, pad = tokenize_one(pretrained, e.sentence)
@@ -258,7 +258,7 @@ def explain_pictures(e: Explanation, pretrained: Any, out: Path) -> list[Path]:
 def pattern_grid(pretrained: Any, sentence: str, out: Path) -> Path:
     import torch
 
-    from ..explain import record, token_strings, tokenize_one
+    from ..analysis.explain import record, token_strings, tokenize_one
     from ..viz import plots
 
     ids, pad = tokenize_one(pretrained, sentence)

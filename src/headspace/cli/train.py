@@ -10,7 +10,7 @@ from pathlib import Path
 
 import click
 
-from ..errors import UsageError
+from ..core.errors import UsageError
 from .loader import at_precision, load_model
 from .options import choice_option, model_choice_option, precision_option, seed_value
 from .output import check_writable_folder
@@ -194,7 +194,7 @@ def _generate_pretrained(
     top_k: int | None, seed: int,
 ) -> str:  # fmt: skip
     """The prompt and its continuation by the pretrained decoder ``model_spec``, or one line."""
-    from ..defaults import is_decoder
+    from ..core.defaults import is_decoder
 
     if not prompt.strip():
         raise UsageError(f"the prompt is empty ({prompt!r}); give at least one word to continue")

@@ -20,8 +20,8 @@ from typing import Any
 
 import click
 
-from ..defaults import default_sentence
-from ..errors import UsageError
+from ..core.defaults import default_sentence
+from ..core.errors import UsageError
 from .loader import at_precision, load_model
 from .options import TOKENS_HELP, choice_option, model_choice_option, model_precision_option
 from .output import check_writable_folder

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import native as library
-from ..positions import rotary_tables
+from ..nn.positions import rotary_tables
 from . import native, python
 from .kv_cache import KVCache
 from .python import linear_fn

@@ -12,7 +12,7 @@ import math
 import torch
 from torch import Tensor
 
-from ..checks import check_positive_int
+from ..core.checks import check_positive_int
 
 
 def _shape(t: Tensor) -> list[int]:

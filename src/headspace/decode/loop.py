@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..inputs import check_left_padding, check_tokens
 from ..kernels import native as library
 from ..kernels.cpu import forced
 from ..kernels.prepack import prepack_available, should_prepack
+from ..nn.inputs import check_left_padding, check_tokens
 from .backends import Stepper, get_backend
 from .kv_cache import KVCache
 from .step import DecoderModel, describe, product_weights

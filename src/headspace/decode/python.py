@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels.prepack import packed_linear_fn
-from ..norms import rms_norm
-from ..positions import Rotary, rotate_fused
+from ..nn.norms import rms_norm
+from ..nn.positions import Rotary, rotate_fused
 from .kv_cache import KVCache
 from .step import DecodeStep, LayerStep, Norm, Product
 

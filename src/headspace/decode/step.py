@@ -34,11 +34,11 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from ..hooks import HookPoint, all_idle
 from ..kernels.bf16 import BF16Weight, float32_rows
 from ..kernels.prepack import pack_weight, packable
-from ..norms import RMSNorm
-from ..positions import Rotary
+from ..nn.hooks import HookPoint, all_idle
+from ..nn.norms import RMSNorm
+from ..nn.positions import Rotary
 
 #: the activations a step runs in place by name (torch's modules); any other is ``"module"``
 ACTIVATIONS = {(nn.SiLU, None): "silu", (nn.ReLU, None): "relu", (nn.GELU, "none"): "gelu"}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..masks import CanonicalMask, causal_mask
+from ..nn.masks import CanonicalMask, causal_mask
 from .workspace import recycled_empty
 
 # ---------------------------------------------------------------------------------------------------

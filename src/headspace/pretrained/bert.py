@@ -7,9 +7,9 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from .. import layouts
-from ..config import ModelConfig
-from ..models import Encoder, check_precision
+from ..model import layouts
+from ..model.config import ModelConfig
+from ..model.models import Encoder, check_precision
 from .hf import (
     ConfigFields,
     config_fields,

@@ -29,7 +29,7 @@ from typing import Any
 
 from torch import Tensor
 
-from ..models import check_precision
+from ..model.models import check_precision
 from .gguf_format import read_gguf, smollm2_gguf_path
 from .llama import EmptyLlama, empty_llama
 from .wrappers import PretrainedDecoder

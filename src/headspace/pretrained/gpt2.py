@@ -8,9 +8,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .. import layouts
-from ..config import ModelConfig
-from ..models import Decoder, check_precision
+from ..model import layouts
+from ..model.config import ModelConfig
+from ..model.models import Decoder, check_precision
 from .hf import (
     config_fields,
     config_sizes,

@@ -40,10 +40,10 @@ import torch
 from safetensors import safe_open
 from torch import Tensor, nn
 
-from ..checks import is_int, is_number, nonfinite_count
-from ..config import ModelConfig
-from ..fileio import UnsafeFileError, file_kind, parse_json, read_regular_file
-from ..tokenization import TextTokenizer
+from ..core.checks import is_int, is_number, nonfinite_count
+from ..core.fileio import UnsafeFileError, file_kind, parse_json, read_regular_file
+from ..model.config import ModelConfig
+from .tokenization import TextTokenizer
 
 #: ``config.json`` and other JSON files of a folder larger than this are refused unread.
 MAX_JSON_BYTES = 64 << 20

@@ -46,9 +46,8 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from ..config import ModelConfig
-from ..models import Decoder, check_precision
-from ..tokenization import TextTokenizer
+from ..model.config import ModelConfig
+from ..model.models import Decoder, check_precision
 from .hf import (
     ConfigFields,
     SafetensorsHeader,
@@ -65,6 +64,7 @@ from .hf import (
     require_file,
     safetensors_header,
 )
+from .tokenization import TextTokenizer
 from .wrappers import PretrainedDecoder
 
 __all__ = [

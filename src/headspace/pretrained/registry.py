@@ -12,7 +12,7 @@ import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 
-from ..models import check_precision
+from ..model.models import check_precision
 from .bert import load_bert
 from .gguf import load_gguf, load_smollm2
 from .gpt2 import load_gpt2

@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..checks import is_int
-from ..config import ModelConfig
+from ..core.checks import is_int
 from ..kernels.workspace import Workspace
-from ..models import Decoder, Encoder
-from ..tokenization import TextTokenizer, check_sentences
+from ..model.config import ModelConfig
+from ..model.models import Decoder, Encoder
+from .tokenization import TextTokenizer, check_sentences
 
 
 @runtime_checkable
@@ -177,7 +177,7 @@ class PretrainedEncoder(_Loaded):
         out = torch.empty(len(ids), self.config.d_model)  # (n, d_model)
         starts = range(0, len(order), batch_size)
         if progress or (progress is None and len(starts) > 8):
-            from ..progress import progress_bar
+            from ..core.progress import progress_bar
 
             starts = progress_bar(starts, desc="encode", unit="batch")
         workspace = Workspace()  # one scratch memory for every batch (the first, longest, sizes it)

@@ -60,8 +60,8 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor, nn
 
-from ..checks import nonfinite_count
-from ..fileio import (
+from ..core.checks import nonfinite_count
+from ..core.fileio import (
     UnsafeFileError,
     file_kind,
     fsync_dir,

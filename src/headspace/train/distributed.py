@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..checks import is_int
-from ..process_group import DistInfo, all_gather_bytes, compare_configs, device_of
+from ..core.checks import is_int
+from ..core.process_group import DistInfo, all_gather_bytes, compare_configs, device_of
 
 __all__ = ["average_across_ranks", "check_same_config", "local_batch_slice", "wrap_model"]
 

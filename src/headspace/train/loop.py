@@ -48,10 +48,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..fileio import UnsafeFileError, parse_json, read_regular_file, write_atomic
-from ..models import Decoder, Encoder, ModelConfig
-from ..process_group import DistInfo, barrier, setup_distributed, teardown
-from ..trace import attention_layers
+from ..analysis.trace import attention_layers
+from ..core.fileio import UnsafeFileError, parse_json, read_regular_file, write_atomic
+from ..core.process_group import DistInfo, barrier, setup_distributed, teardown
+from ..model.models import Decoder, Encoder, ModelConfig
 from .checkpoint import (
     STATE_FILE,
     STATE_TENSORS_FILE,
@@ -587,7 +587,7 @@ class _Progress:
         """The training bar from step ``initial`` on (timed from now)."""
         if not self.enabled or self.bar is not None:
             return
-        from ..progress import progress_bar
+        from ..core.progress import progress_bar
 
         self.bar = progress_bar(
             total=self.total,
@@ -615,7 +615,7 @@ class _Progress:
             now = time.perf_counter()
             if self.bar is None:
                 if self._eval_bar is None:
-                    from ..progress import progress_bar
+                    from ..core.progress import progress_bar
 
                     self._eval_bar = progress_bar(
                         total=total, desc=f"eval step {step}", unit="pass", leave=False, file=sys.stderr
@@ -639,7 +639,7 @@ class _Progress:
 
         The bar's elapsed time still counts them; its rate (and so its ETA) is that of training steps.
         """
-        from ..progress import PlainProgress
+        from ..core.progress import PlainProgress
 
         if isinstance(self.bar, PlainProgress):
             self.bar.exclude(seconds)

@@ -37,8 +37,8 @@ from torch import Tensor, nn
 
 from ..analysis import wo_norms
 from ..analysis.roles import DEFAULT_THRESHOLD, RoleAccumulator
-from ..checks import is_int, nonfinite_count
-from ..trace import attention_layers
+from ..analysis.trace import attention_layers
+from ..core.checks import is_int, nonfinite_count
 from .tasks import IGNORE, Batch
 
 #: The most tokens (rows x seq) one evaluation chunk runs through the model.

@@ -44,7 +44,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from ..checks import is_int
+from ..core.checks import is_int
 
 IGNORE = -100  # target value meaning "no target at this position" (cross_entropy's ignore_index)
 

@@ -40,8 +40,8 @@ import torch
 from torch import Tensor, nn
 
 from ...analysis import overlap_matrix, random_overlap, shares_from_result
-from ...attention import MultiHeadAttention
-from ...trace import attention_layers, trace
+from ...analysis.trace import attention_layers, trace
+from ...attention.layer import MultiHeadAttention
 
 #: Format tag written into every page, bumped when the data layout changes.
 FORMAT = "headspace-explorer/2"

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...fileio import write_atomic
+from ...core.fileio import write_atomic
 from .data import LayerCapture, build_page_data, capture_layers
 from .results import check_views_fit, result_views
 
@@ -82,7 +82,7 @@ def initial_selection(captures: Sequence[LayerCapture], labels: Sequence[str]) -
     """Where the page opens: the token ``headspace explain`` follows by default ("it" if the input has it,
     else its first non-special token) and the head it walks for that token (:func:`headspace.explain.
     rank_heads`: the best relational head)."""
-    from ...explain import default_index, rank_heads, special_positions, value_norms
+    from ...analysis.explain import default_index, rank_heads, special_positions, value_norms
 
     index = default_index(labels)
     norms = [value_norms(c.v, c.attn.W_O) for c in captures]  # (H, S) each

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from ...analysis.patching import EFFECT_KEYS, SITES
-from ...fileio import UnsafeFileError, parse_json, read_regular_file
+from ...core.fileio import UnsafeFileError, parse_json, read_regular_file
 
 #: The largest result file read (a heads_pos sweep of a 30-layer model on 512 tokens is ~3 MB of JSON).
 MAX_RESULT_BYTES = 64 * 1024 * 1024

@@ -1,0 +1,172 @@
+"""Pure attention maths: one function per backend, one signature.
+
+Every backend is a pure function::
+
+    backend(q, k, v, mask, *, scale, dropout_p) -> (out, pattern | None)
+
+Notation used for tensor shapes:
+    batch: batch size; n_heads: query heads; n_kv_heads: key/value heads (divides n_heads);
+    seq_q / seq_k: query / key length; d_head: per-head width.
+
+    q:        [batch, n_heads, seq_q, d_head]
+    k, v:     [batch, n_kv_heads, seq_k, d_head]
+    mask:     a :class:`~headspace.masks.CanonicalMask`
+    out:      [batch, n_heads, seq_q, d_head]
+    pattern:  [batch, n_heads, seq_q, seq_k] (rows sum to 1; dead rows are all 0)
+
+Query head ``h`` reads key/value head ``h // (n_heads // n_kv_heads)`` (grouped-query attention).
+
+Backends:
+    ``"sdpa"``     torch's fused ``scaled_dot_product_attention``; returns no pattern.
+    ``"explicit"``  scores and softmax written out by a blocked kernel; returns the pattern.
+    ``"reference"`` the same maths in plain autograd ops; the reference the others are tested against.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..kernels.blocked import blocked_attention
+from ..nn.masks import CanonicalMask, causal_mask
+
+AttentionBackend = Callable[..., tuple[Tensor, Tensor | None]]
+
+
+def repeat_kv(x: Tensor, n_heads: int) -> Tensor:
+    """[batch, n_kv_heads, seq, d_head] -> [batch, n_heads, seq, d_head] (each kv head serves a group)."""
+    n_kv_heads = x.shape[1]
+    if n_kv_heads == n_heads:
+        return x
+    return x.repeat_interleave(n_heads // n_kv_heads, dim=1)  # (batch, n_heads, seq, d_head)
+
+
+def attention_scores(q: Tensor, k: Tensor, mask: CanonicalMask, *, scale: float) -> Tensor:
+    """Scaled, masked scores ``q k^T * scale`` with ``-inf`` where a key may not be attended.
+
+    Shapes: q [batch, n_heads, seq_q, d_head], k [batch, n_kv_heads, seq_k, d_head]
+    -> [batch, n_heads, seq_q, seq_k].
+    """
+    k = repeat_kv(k, q.shape[1])  # (batch, n_heads, seq_k, d_head)
+    scores = torch.matmul(q * scale, k.transpose(-2, -1))  # (batch, n_heads, seq_q, seq_k)
+    m = mask.mask
+    if mask.is_causal:
+        m = causal_mask(q.shape[-2], k.shape[-2], q.device)  # (seq_q, seq_k)
+    if m is None:
+        return scores
+    if m.dtype == torch.bool:
+        return scores.masked_fill(~m, float("-inf"))
+    return scores + m
+
+
+def attention_pattern(scores: Tensor, mask: CanonicalMask) -> Tensor:
+    """Softmax over keys, with dead rows (nothing to attend to) set to exactly zero.
+
+    Shapes: scores [batch, n_heads, seq_q, seq_k] -> pattern of the same shape.
+    """
+    pattern = torch.softmax(scores, dim=-1)  # (batch, n_heads, seq_q, seq_k)
+    if mask.dead_rows is not None:
+        pattern = pattern.masked_fill(mask.dead_rows, 0.0)
+    return pattern
+
+
+def reference_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: CanonicalMask, *, scale: float, dropout_p: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """Reference backend: scores, softmax and the weighted sum written out with plain autograd ops.
+
+    The slowest and simplest backend, differentiable to any order; every other backend is tested
+    against it. Returns (out, pattern).
+    """
+    out, pattern, _ = reference_parts(q, k, v, mask, scale=scale, dropout_p=dropout_p)
+    return out, pattern
+
+
+def reference_parts(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: CanonicalMask,
+    *,
+    scale: float,
+    dropout_p: float = 0.0,
+    on_scores: Callable[[Tensor], Tensor] | None = None,
+    on_pattern: Callable[[Tensor], Tensor] | None = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The reference maths with its intermediates: returns (out, pattern, weights after dropout).
+
+    ``on_scores`` / ``on_pattern`` see the scores and the pattern and return them, possibly replaced:
+    the traced path of every attention layer passes its hook points here, so a traced layer computes
+    exactly the reference backend's maths.
+    """
+    scores = attention_scores(q, k, mask, scale=scale)  # (batch, n_heads, seq_q, seq_k)
+    if on_scores is not None:
+        scores = on_scores(scores)
+    pattern = attention_pattern(scores, mask)  # (batch, n_heads, seq_q, seq_k)
+    if on_pattern is not None:
+        pattern = on_pattern(pattern)
+    weights = F.dropout(pattern, p=dropout_p) if dropout_p > 0.0 else pattern
+    out = torch.matmul(weights, repeat_kv(v, q.shape[1]))  # (batch, n_heads, seq_q, d_head)
+    return out, pattern, weights
+
+
+def explicit_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: CanonicalMask, *, scale: float, dropout_p: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """Explicit backend: the pattern is materialised and returned. Returns (out, pattern).
+
+    Same maths as :func:`reference_attention`, computed by a blocked kernel that writes the pattern
+    once in place, reads q, k and v where they lie (views of the fused projection, no copies), and
+    whose backward needs only one block-sized buffer (:mod:`headspace.kernels.blocked`).
+    Differentiable to any order: ``backward(create_graph=True)`` computes the gradients with plain
+    autograd ops on the saved pattern instead of the in-place kernel. The reference path is used
+    instead with dropout, a float mask that requires grad, or empty inputs.
+    """
+    m = mask.mask
+    if (
+        dropout_p > 0.0
+        or (m is not None and m.requires_grad)
+        or q.numel() == 0
+        or k.numel() == 0
+        or q.shape[1] % k.shape[1] != 0
+    ):
+        return reference_attention(q, k, v, mask, scale=scale, dropout_p=dropout_p)
+    return blocked_attention(q, k, v, mask, scale)
+
+
+def sdpa_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: CanonicalMask, *, scale: float, dropout_p: float = 0.0
+) -> tuple[Tensor, None]:
+    """Fused backend: torch's ``scaled_dot_product_attention``. Returns (out, None)."""
+    n_heads, n_kv_heads = q.shape[1], k.shape[1]
+    out = F.scaled_dot_product_attention(
+        q,
+        k,
+        v,
+        attn_mask=mask.mask,
+        dropout_p=dropout_p,
+        is_causal=mask.is_causal,
+        scale=scale,
+        enable_gqa=n_kv_heads != n_heads,
+    )  # (batch, n_heads, seq_q, d_head)
+    if mask.dead_rows is not None:
+        out = out.masked_fill(mask.dead_rows, 0.0)
+    return out, None
+
+
+BACKENDS: dict[str, AttentionBackend] = {
+    "sdpa": sdpa_attention,
+    "explicit": explicit_attention,
+    "reference": reference_attention,
+}
+
+
+def get_backend(name: str) -> AttentionBackend:
+    """Look up a backend by name; the error lists the known ones."""
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown attention backend {name!r}; known backends: {sorted(BACKENDS)}") from None

@@ -1,0 +1,168 @@
+"""Per-head views of an attention layer: :class:`Head` and :class:`HeadList`.
+
+Every tensor a :class:`Head` gives is a view of the layer's fused storage (writing through it changes the
+layer). Its circuits (``qk()``, ``ov()``) are :class:`~headspace.circuits.FactoredMatrix` products.
+Ablation and pruning live in :mod:`headspace.interventions`.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from .circuits import FactoredMatrix, effective_rank, qk_factors
+
+if TYPE_CHECKING:
+    from ..nn.positions import Rotary
+    from .layer import MultiHeadAttention
+
+
+def _head_view(name: str, row: str) -> property:
+    """A :class:`Head` property: its row of the layer's per-head tensor ``attn.<name>`` (a view).
+
+    ``row`` is ``"index"`` for the query-side tensors (``W_Q``, ``W_O``, ``b_Q``) and ``"kv_index"`` for
+    the key/value ones (``W_K``, ``W_V``, ``b_K``, ``b_V``); None where the layer has none (no bias).
+    """
+
+    def view(self: Head) -> Tensor | None:
+        t = getattr(self.attn, name)
+        return None if t is None else t[getattr(self, row)]
+
+    return property(view, doc=f"This head's row of the layer's ``{name}`` (a view).")
+
+
+class Head:
+    """One head of a :class:`~headspace.MultiHeadAttention`; every tensor is a view of the layer's storage.
+
+    Shapes: ``W_Q`` [d_model, d_head], ``W_K`` [kdim, d_head], ``W_V`` [vdim, d_head],
+    ``W_O`` [d_head, d_model], ``b_Q``/``b_K``/``b_V`` [d_head] (None without bias). With grouped-query
+    attention, ``W_K``/``W_V`` are those of the key/value head this head reads (``kv_index``), shared
+    with the other heads of its group (``kv_group``): the same storage, not a copy, so writing through
+    one head's ``W_K`` changes every head of the group. ``b_O`` belongs to the whole layer, not to a head.
+    With rotary positions, ``qk(delta)`` is the QK circuit for a query-key offset.
+    """
+
+    def __init__(self, attn: MultiHeadAttention, index: int) -> None:
+        n = attn.n_heads
+        if isinstance(index, bool) or not hasattr(index, "__index__"):
+            raise TypeError(
+                f"head index must be an int in [0, {n}) for a layer with n_heads={n}; got "
+                f"{type(index).__name__} {index!r}"
+                + (" (for several heads use list(attn.heads)[a:b])" if isinstance(index, slice) else "")
+            )
+        index = operator.index(index)
+        if not -n <= index < n:
+            raise IndexError(f"head index must be in [0, {n}) for a layer with n_heads={n}; got {index!r}")
+        self.attn = attn
+        self.index = index % n
+
+    @property
+    def kv_index(self) -> int:
+        """The key/value head this query head reads."""
+        return self.index // self.attn.group_size
+
+    @property
+    def kv_group(self) -> list[int]:
+        """The query heads (this one included) that read this head's key/value head ``kv_index``."""
+        g = self.attn.group_size
+        return list(range(self.kv_index * g, (self.kv_index + 1) * g))
+
+    @property
+    def shares_kv_with(self) -> list[int]:
+        """The other query heads reading the same key/value head (empty without grouped-query attention)."""
+        return [h for h in self.kv_group if h != self.index]
+
+    @property
+    def rotary(self) -> Rotary | None:
+        """The layer's rotary positions (:class:`~headspace.positions.Rotary`), or None."""
+        return getattr(self.attn, "rotary", None)
+
+    W_Q = _head_view("W_Q", "index")
+    W_K = _head_view("W_K", "kv_index")
+    W_V = _head_view("W_V", "kv_index")
+    W_O = _head_view("W_O", "index")
+    b_Q = _head_view("b_Q", "index")
+    b_K = _head_view("b_K", "kv_index")
+    b_V = _head_view("b_V", "kv_index")
+
+    def qk(self, delta: int | Tensor | None = None, *, augmented: bool = False) -> FactoredMatrix:
+        """The QK circuit as factors (``.AB`` is the dense product): ``W_Q W_K^T`` [d_model, kdim].
+
+        The (unscaled, bias-free) score of query input ``x_i`` on key input ``c_j`` is
+        ``x_i W_Q W_K^T c_j^T``; the layer multiplies it by ``scale``.
+
+        With rotary positions the score of the query at position ``i`` on the key at position
+        ``j = i - delta`` is ``x_i W_Q R(delta) W_K^T x_j^T`` (``R`` = :meth:`Rotary.rotation`): ``qk(delta)``
+        gives ``A = W_Q R(delta)``, ``B = W_K^T``. ``delta`` may be an int or an integer tensor of offsets
+        (then the circuit has those as batch axes: [*delta.shape, d_model, kdim]). ``qk()`` (no delta) is
+        ``W_Q W_K^T``, which for a rotary head is the circuit at ``delta = 0`` (a token on itself).
+        Without rotary positions the circuit does not depend on the offset: any ``delta`` gives ``qk()``.
+
+        ``augmented=True`` makes the identity exact with the q/k biases: the inputs are ``[x, 1]`` and
+        the circuit is [d_model + 1, kdim + 1] (see :func:`headspace.circuits.qk_factors`)::
+
+            [x_i, 1] @ head.qk(i - j, augmented=True).AB @ [x_j, 1]^T == hook_scores[b, h, i, j] / scale
+        """
+        rotation = None
+        rotary = self.rotary
+        if delta is not None:
+            ok = isinstance(delta, int) and not isinstance(delta, bool)
+            ok = ok or (
+                isinstance(delta, Tensor)
+                and not (delta.dtype == torch.bool or delta.is_floating_point() or delta.is_complex())
+            )
+            if not ok:
+                got = (
+                    f"dtype {delta.dtype}"
+                    if isinstance(delta, Tensor)
+                    else f"{type(delta).__name__} {delta!r}"
+                )
+                raise TypeError(
+                    f"delta must be None, an int or an integer tensor (query position minus key position); "
+                    f"got {got}"
+                )
+            if rotary is not None:
+                W = self.W_Q
+                rotation = rotary.rotation(delta, dtype=W.dtype, device=W.device)  # ([*delta], dh, dh)
+        return qk_factors(
+            self.W_Q, self.W_K, rotation=rotation, b_Q=self.b_Q, b_K=self.b_K, augmented=augmented
+        )
+
+    def ov(self) -> FactoredMatrix:
+        """The OV circuit ``W_V W_O`` [vdim, d_model] as factors.
+
+        What attending to a token writes to the output: ``c_j W_V W_O`` (times the attention weight).
+        """
+        return FactoredMatrix(self.W_V, self.W_O)
+
+    def __repr__(self) -> str:
+        a = self.attn
+        dims = f"d_model={a.d_model}, d_head={a.d_head}, kv_head={self.kv_index}"
+        if a.group_size > 1:
+            dims += f" shared with heads {self.shares_kv_with}"
+        if self.rotary is not None:
+            dims += f", rotary_dim={self.rotary.rotary_dim}"
+        return f"Head({self.index} of {a.n_heads}, {dims})"
+
+
+class HeadList:
+    """Sequence of :class:`Head` views of a layer: ``attn.heads[3]``, ``len(attn.heads)``, iteration."""
+
+    def __init__(self, attn: MultiHeadAttention) -> None:
+        self.attn = attn
+
+    def __len__(self) -> int:
+        return self.attn.n_heads
+
+    def __getitem__(self, index: int) -> Head:
+        return Head(self.attn, index)
+
+    def __iter__(self) -> Iterator[Head]:
+        return (Head(self.attn, i) for i in range(self.attn.n_heads))
+
+
+__all__ = ["FactoredMatrix", "Head", "HeadList", "effective_rank", "qk_factors"]

@@ -1,0 +1,654 @@
+"""MultiHeadAttention: the four projections, per-head views and forward (its KV cache is
+:class:`headspace.decode.kv_cache.KVCache`; the rotation is :func:`headspace.positions.rotate_fused`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..core.checks import check_positive_int, is_number
+from ..decode.kv_cache import KVCache
+from ..kernels.workspace import THREAD_SCRATCH_MIN_BYTES, Workspace, thread_workspace
+from ..nn.hooks import HookPoint
+from ..nn.masks import CanonicalMask, canonical_mask
+from ..nn.positions import Rotary, rotary_tables, rotate_fused
+from .functional import get_backend, reference_parts
+from .heads import Head, HeadList
+
+
+def _shape(t: Tensor) -> list[int]:
+    return list(t.shape)
+
+
+def resolve_head_dims(
+    d_model: int, n_heads: int, d_head: int | None, n_kv_heads: int | None
+) -> tuple[int, int]:
+    """Validate and complete (d_head, n_kv_heads); errors name the numbers that do not fit."""
+    for name, value in (("d_model", d_model), ("n_heads", n_heads)):
+        check_positive_int(name, value)
+    if d_head is None:
+        if d_model % n_heads != 0:
+            raise ValueError(
+                f"d_model={d_model} is not divisible by n_heads={n_heads}; pass d_head explicitly "
+                f"(e.g. d_head={max(1, d_model // n_heads)}) or choose n_heads among the divisors of d_model"
+            )
+        d_head = d_model // n_heads
+    else:
+        check_positive_int("d_head", d_head)
+    if n_kv_heads is None:
+        n_kv_heads = n_heads
+    else:
+        check_positive_int("n_kv_heads", n_kv_heads)
+    if n_heads % n_kv_heads != 0:
+        raise ValueError(
+            f"n_heads={n_heads} is not divisible by n_kv_heads={n_kv_heads}; each key/value head serves a "
+            f"group of query heads, so n_kv_heads must divide n_heads"
+        )
+    return d_head, n_kv_heads
+
+
+def check_input_tensor(name: str, t: Any, dim: int, dim_name: str, weight: Tensor) -> None:
+    """``t`` must be a 3-D tensor [batch, seq, ``dim_name``=``dim``] of ``weight``'s dtype and device.
+
+    The one check behind every sublayer's input (the attention's query, key and value, a block's
+    residual stream): errors name ``name``, the expected shape, dtype or device, and what came.
+    """
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a tensor [batch, seq, {dim_name}]; got {type(t).__name__}")
+    if t.dim() != 3:
+        hint = " (for one unbatched sequence use .unsqueeze(0))" if t.dim() == 2 else ""
+        raise ValueError(
+            f"{name} must be 3-D [batch, seq, {dim_name}={dim}]; got a {t.dim()}-D tensor of shape "
+            f"{_shape(t)}{hint}"
+        )
+    if t.shape[-1] != dim:
+        raise ValueError(f"{name} must have last dimension {dim_name}={dim}; got shape {_shape(t)}")
+    if t.dtype != weight.dtype:
+        raise TypeError(f"{name} has dtype {t.dtype} but the layer's weights are {weight.dtype}")
+    if t.device != weight.device:
+        raise ValueError(f"{name} is on {t.device} but the layer's weights are on {weight.device}")
+
+
+def _check_finite(name: str, t: Tensor, *, allow_neg_inf: bool = False) -> None:
+    """Raise ``ValueError`` naming ``name``, the first bad index and its value if ``t`` has NaN/Inf.
+
+    ``allow_neg_inf``: -inf is legal (an additive mask's "blocked").
+    """
+    bad = ~torch.isfinite(t)
+    if allow_neg_inf:
+        bad &= ~torch.isneginf(t)
+    if bool(bad.any()):
+        where = tuple(int(i) for i in bad.nonzero()[0])
+        value = t[where].item()
+        refused = "NaN/+Inf (-inf blocks)" if allow_neg_inf else "NaN/Inf"
+        raise ValueError(
+            f"{name} has a non-finite value ({value}) at index {where} (shape {_shape(t)}); "
+            f"check_finite=True refuses {refused}"
+        )
+
+
+def _check_rotary_positions(positions: Any, batch: int, seq_q: int, device: torch.device) -> None:
+    """``positions`` must be an integer tensor [seq_q] or [batch, seq_q] ([1, seq_q]) on ``device``."""
+    if not isinstance(positions, Tensor):
+        raise TypeError(
+            f"positions must be an integer tensor [seq_q] or [batch, seq_q]; got {type(positions).__name__}"
+        )
+    if positions.dtype == torch.bool or positions.is_floating_point() or positions.is_complex():
+        raise TypeError(f"positions must have an integer dtype (int64 or int32); got {positions.dtype}")
+    fits = (positions.dim() == 1 and positions.shape[0] == seq_q) or (
+        positions.dim() == 2 and positions.shape[1] == seq_q and positions.shape[0] in (1, batch)
+    )
+    if not fits:
+        raise ValueError(
+            f"positions must be [seq_q={seq_q}] or [batch={batch}, seq_q={seq_q}] (one per query); got "
+            f"shape {_shape(positions)}"
+        )
+    if positions.device != device:
+        raise ValueError(f"positions is on {positions.device} but the query is on {device}")
+
+
+class MultiHeadAttention(nn.Module):
+    r"""Multi-head attention with every head's projections in plain sight.
+
+    For each head ``h`` (right-multiplication convention, as in the textbook and TransformerLens)::
+
+        q_h = x W_Q[h] + b_Q[h]            W_Q: [n_heads, d_model, d_head]
+        k_h = c W_K[g(h)] + b_K[g(h)]      W_K: [n_kv_heads, kdim, d_head]
+        v_h = c W_V[g(h)] + b_V[g(h)]      W_V: [n_kv_heads, vdim, d_head]
+        z_h = softmax(q_h k_h^T * scale + mask) v_h          scale = 1 / sqrt(d_head)
+        out = concat_h(z_h) W_O + b_O = sum_h z_h W_O[h] + b_O     W_O: [n_heads, d_head, d_model]
+
+    With rotary positions (``rotary``, a :class:`~headspace.positions.Rotary`, RoPE), the query at
+    position ``i`` and the key at position ``j`` are turned before the scores::
+
+        q_h(i) = (x_i W_Q[h] + b_Q[h]) R(i)      k_h(j) = (c_j W_K[g(h)] + b_K[g(h)]) R(j)
+        q_h(i) k_h(j)^T = (x_i W_Q[h] + b_Q[h]) R(i - j) (c_j W_K[g(h)] + b_K[g(h)])^T
+
+    so a score depends on the positions only through ``i - j`` (:meth:`Head.qk` with ``delta``).
+
+    with ``x`` the query input, ``c`` the key/value input (``x`` itself for self-attention) and
+    ``g(h) = h // (n_heads / n_kv_heads)`` the key/value head serving query head ``h`` (grouped-query
+    attention; ``n_kv_heads = n_heads`` is ordinary multi-head attention, ``1`` multi-query).
+
+    Paper symbols (Vaswani et al. 2017): ``W_Q[h] = W_i^Q``, ``W_K[h] = W_i^K``, ``W_V[h] = W_i^V``,
+    ``W_O = W^O`` split into per-head row blocks ``W_O[h]``. Defaults give the paper's d_model=512,
+    8 heads, d_head=64.
+
+    Storage is fused for speed: ``qkv_weight`` [(n_heads + 2 n_kv_heads) d_head, d_model] (or separate
+    ``q_weight``/``k_weight``/``v_weight`` when kdim or vdim differ from d_model), ``qkv_bias``,
+    ``o_weight`` [d_model, n_heads d_head] and ``o_bias``, in ``nn.Linear``'s [out, in] layout.
+    ``bias`` switches both biases; ``qkv_bias`` / ``out_bias`` (default: ``bias``) switch them apart
+    (Qwen2 has biases on q, k and v but not on the output projection). The
+    properties ``W_Q``, ``W_K``, ``W_V``, ``W_O``, ``b_Q``, ``b_K``, ``b_V``, ``b_O`` and ``heads[h]`` are
+    zero-copy views of that storage: writing into them (under ``torch.no_grad()``) changes the layer.
+
+    Masks: bool masks mean True = may attend; ``key_padding`` is True for real tokens; float masks are
+    additive. See :mod:`headspace.masks` for the whole convention. A query with nothing to attend to
+    gives zeros with finite gradients.
+
+    Rotary positions (``rotary`` given; self-attention only): q and k are rotated after the projections
+    (and after ``hook_q``/``hook_k``), before the scores; the rotated values pass the hook points
+    ``hook_rot_q`` [batch, seq_q, n_heads, d_head] and ``hook_rot_k`` [batch, seq_k, n_kv_heads, d_head]
+    (which exist only on rotary layers). A KV cache stores rotated keys. ``forward``'s ``positions``
+    (default ``kv_cache.length + arange(seq_q)``) says where each query (and its key) sits. The untraced
+    path rotates q and k together, on the fused projection, in a few elementwise ops.
+
+    ``check_finite`` (default False, as checking costs a pass over the inputs): when True, NaN/Inf in
+    the inputs (NaN/+inf in a float ``attn_mask``) or the output raise ``ValueError`` naming the tensor
+    and the first bad index. With the default, NaN/Inf propagate like in any torch layer.
+    """
+
+    #: :func:`headspace.prune_heads` may remove heads of this layer (subclasses with a fixed layout say no).
+    prunable: bool = True
+
+    def __init__(
+        self,
+        d_model: int = 512,
+        n_heads: int = 8,
+        d_head: int | None = None,
+        n_kv_heads: int | None = None,
+        kdim: int | None = None,
+        vdim: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        *,
+        scale: float | None = None,
+        check_finite: bool = False,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        qkv_bias: bool | None = None,
+        out_bias: bool | None = None,
+        rotary: Rotary | None = None,
+    ) -> None:
+        super().__init__()
+        d_head, n_kv_heads = resolve_head_dims(d_model, n_heads, d_head, n_kv_heads)
+        for name, flag in (("qkv_bias", qkv_bias), ("out_bias", out_bias)):
+            if flag is not None and not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool or None (= bias); got {type(flag).__name__} {flag!r}")
+        qkv_bias = bool(bias) if qkv_bias is None else qkv_bias
+        out_bias = bool(bias) if out_bias is None else out_bias
+        if rotary is not None:
+            if not isinstance(rotary, Rotary):
+                raise TypeError(
+                    f"rotary must be a headspace.positions.Rotary or None; got {type(rotary).__name__}"
+                )
+            if rotary.d_head != d_head:
+                raise ValueError(
+                    f"rotary was made for d_head={rotary.d_head} but this layer has d_head={d_head}"
+                )
+        for name, dim in (("kdim", kdim), ("vdim", vdim)):
+            if dim is not None:
+                check_positive_int(name, dim, note=f" (or None for d_model={d_model})")
+        if not is_number(dropout):
+            raise TypeError(f"dropout must be a float in [0, 1); got {type(dropout).__name__} {dropout!r}")
+        if not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1); got {dropout}")
+        if scale is not None and (not is_number(scale) or not math.isfinite(scale)):
+            raise ValueError(f"scale must be a finite float (or None for 1/sqrt(d_head)); got {scale!r}")
+        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            raise TypeError(f"dtype must be a floating-point torch.dtype (or None); got {dtype!r}")
+        self.d_model = d_model
+        self.n_heads = n_heads
+        self.d_head = d_head
+        self.n_kv_heads = n_kv_heads
+        self.kdim = d_model if kdim is None else kdim
+        self.vdim = d_model if vdim is None else vdim
+        self.dropout = dropout
+        self.scale = 1.0 / math.sqrt(d_head) if scale is None else float(scale)
+        self.check_finite = check_finite
+        self.fused = self.kdim == d_model and self.vdim == d_model
+        f = {"device": device, "dtype": dtype}
+        hq, hkv = n_heads * d_head, n_kv_heads * d_head
+        if self.fused:
+            self.qkv_weight = nn.Parameter(torch.empty(hq + 2 * hkv, d_model, **f))
+        else:
+            self.q_weight = nn.Parameter(torch.empty(hq, d_model, **f))
+            self.k_weight = nn.Parameter(torch.empty(hkv, self.kdim, **f))
+            self.v_weight = nn.Parameter(torch.empty(hkv, self.vdim, **f))
+        self.qkv_bias = nn.Parameter(torch.empty(hq + 2 * hkv, **f)) if qkv_bias else None
+        self.o_weight = nn.Parameter(torch.empty(d_model, hq, **f))
+        self.o_bias = nn.Parameter(torch.empty(d_model, **f)) if out_bias else None
+        self.register_module("rotary", rotary)  # no parameters, no persistent buffers: no state-dict keys
+
+        self.hook_q = HookPoint()  # [batch, seq_q, n_heads, d_head]
+        self.hook_k = HookPoint()  # [batch, seq_k, n_kv_heads, d_head]
+        self.hook_v = HookPoint()  # [batch, seq_k, n_kv_heads, d_head]
+        self.hook_scores = HookPoint()  # [batch, n_heads, seq_q, seq_k]
+        self.hook_pattern = HookPoint()  # [batch, n_heads, seq_q, seq_k]
+        self.hook_z = HookPoint()  # [batch, seq_q, n_heads, d_head]
+        self.hook_result = HookPoint()  # [batch, seq_q, n_heads, d_model]
+        # rotary layers only: a layer without rotation has nothing to show there
+        self.register_module("hook_rot_q", HookPoint() if rotary is not None else None)  # [b, sq, H, dh]
+        self.register_module("hook_rot_k", HookPoint() if rotary is not None else None)  # [b, sk, Hkv, dh]
+        self._hook_points = (
+            self.hook_q,
+            self.hook_k,
+            self.hook_v,
+            self.hook_scores,
+            self.hook_pattern,
+            self.hook_z,
+            self.hook_result,
+        ) + (() if rotary is None else (self.hook_rot_q, self.hook_rot_k))
+        self.reset_parameters()
+
+    # ------------------------------------------------------------------ parameters and views
+    def reset_parameters(self) -> None:
+        """Xavier-uniform projections and zero biases (as torch.nn.MultiheadAttention)."""
+        hq, hkv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
+        with torch.no_grad():
+            if self.fused:
+                # each of W_Q, W_K, W_V initialised as its own [out, in] matrix
+                for rows in (slice(0, hq), slice(hq, hq + hkv), slice(hq + hkv, hq + 2 * hkv)):
+                    nn.init.xavier_uniform_(self.qkv_weight[rows])
+            else:
+                for w in (self.q_weight, self.k_weight, self.v_weight):
+                    nn.init.xavier_uniform_(w)
+            nn.init.xavier_uniform_(self.o_weight)
+            if self.qkv_bias is not None:
+                self.qkv_bias.zero_()
+            if self.o_bias is not None:
+                self.o_bias.zero_()
+
+    def _rows(self, which: str) -> Tensor:
+        """The [out, in] weight rows of one projection ('q', 'k' or 'v'), a view of the storage."""
+        hq, hkv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
+        if not self.fused:
+            return {"q": self.q_weight, "k": self.k_weight, "v": self.v_weight}[which]
+        start = {"q": 0, "k": hq, "v": hq + hkv}[which]
+        return self.qkv_weight[start : start + (hq if which == "q" else hkv)]
+
+    def _bias_rows(self, which: str) -> Tensor | None:
+        if self.qkv_bias is None:
+            return None
+        hq, hkv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
+        start = {"q": 0, "k": hq, "v": hq + hkv}[which]
+        return self.qkv_bias[start : start + (hq if which == "q" else hkv)]
+
+    def _bias_heads(self, which: str) -> Tensor | None:
+        """The bias of one projection ('q', 'k' or 'v') per head, a view, or None without bias."""
+        b = self._bias_rows(which)
+        heads = self.n_heads if which == "q" else self.n_kv_heads
+        return None if b is None else b.view(heads, self.d_head)  # (n_heads | n_kv_heads, d_head)
+
+    @property
+    def W_Q(self) -> Tensor:
+        """[n_heads, d_model, d_head] view: ``q_h = x @ W_Q[h]``."""
+        return self._rows("q").view(self.n_heads, self.d_head, self.d_model).transpose(1, 2)
+
+    @property
+    def W_K(self) -> Tensor:
+        """[n_kv_heads, kdim, d_head] view: ``k_g = c @ W_K[g]``."""
+        return self._rows("k").view(self.n_kv_heads, self.d_head, self.kdim).transpose(1, 2)
+
+    @property
+    def W_V(self) -> Tensor:
+        """[n_kv_heads, vdim, d_head] view: ``v_g = c @ W_V[g]``."""
+        return self._rows("v").view(self.n_kv_heads, self.d_head, self.vdim).transpose(1, 2)
+
+    @property
+    def W_O(self) -> Tensor:
+        """[n_heads, d_head, d_model] view: ``out = sum_h z_h @ W_O[h] + b_O``."""
+        return self.o_weight.view(self.d_model, self.n_heads, self.d_head).permute(1, 2, 0)
+
+    @property
+    def b_Q(self) -> Tensor | None:
+        """[n_heads, d_head] view, or None without bias."""
+        return self._bias_heads("q")
+
+    @property
+    def b_K(self) -> Tensor | None:
+        """[n_kv_heads, d_head] view, or None without bias."""
+        return self._bias_heads("k")
+
+    @property
+    def b_V(self) -> Tensor | None:
+        """[n_kv_heads, d_head] view, or None without bias."""
+        return self._bias_heads("v")
+
+    @property
+    def b_O(self) -> Tensor | None:
+        """[d_model] (shared by all heads), or None without bias."""
+        return self.o_bias
+
+    @property
+    def group_size(self) -> int:
+        """Query heads per key/value head."""
+        return self.n_heads // self.n_kv_heads
+
+    @property
+    def heads(self) -> HeadList:
+        """``attn.heads[h]``: one head's W_Q, W_K, W_V, W_O and biases (views)."""
+        return HeadList(self)
+
+    def head(self, index: int) -> Head:
+        return self.heads[index]
+
+    @property
+    def hooks_active(self) -> bool:
+        return any(h.fns for h in self._hook_points)
+
+    def make_kv_cache(self, batch: int, capacity: int) -> KVCache:
+        """A cache for incremental self-attention decoding, in this layer's dtype and device."""
+        w = self.o_weight
+        return KVCache(batch, self.n_kv_heads, self.d_head, capacity, dtype=w.dtype, device=w.device)
+
+    def extra_repr(self) -> str:
+        s = f"d_model={self.d_model}, n_heads={self.n_heads}, d_head={self.d_head}"
+        if self.n_kv_heads != self.n_heads:
+            s += f", n_kv_heads={self.n_kv_heads}"
+        if not self.fused:
+            s += f", kdim={self.kdim}, vdim={self.vdim}"
+        qkv_bias, out_bias = self.qkv_bias is not None, self.o_bias is not None
+        if qkv_bias == out_bias:
+            s += f", bias={qkv_bias}"
+        else:
+            s += f", qkv_bias={qkv_bias}, out_bias={out_bias}"
+        s += f", dropout={self.dropout}"
+        rotary = getattr(self, "rotary", None)
+        if rotary is not None:
+            s += f", rotary(rotary_dim={rotary.rotary_dim}, base={rotary.base:g}, {rotary.rope_type})"
+        return s
+
+    # ------------------------------------------------------------------ checks
+    def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
+        w = self.o_weight
+        check_input_tensor("query", query, self.d_model, "d_model", w)
+        check_input_tensor("key", key, self.kdim, "kdim", w)
+        check_input_tensor("value", value, self.vdim, "vdim", w)
+        if key.shape[0] != query.shape[0] or value.shape[0] != query.shape[0]:
+            raise ValueError(
+                f"query, key and value must have the same batch size; got query {_shape(query)}, key "
+                f"{_shape(key)}, value {_shape(value)}"
+            )
+        if key.shape[1] != value.shape[1]:
+            raise ValueError(
+                f"key and value must have the same length seq_k; got key {_shape(key)}, value {_shape(value)}"
+            )
+
+    # ------------------------------------------------------------------ forward
+    def project_qkv(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        workspace: Workspace | None = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The per-head projections.
+
+        ``workspace``: self-attention only: write the fused projection into its ``"qkv"`` matrix
+        instead of fresh memory; q, k, v are then views of the workspace, valid until its next use.
+
+        Returns q [batch, n_heads, seq_q, d_head] and k, v [batch, n_kv_heads, seq_k, d_head].
+        """
+        B, Sq, _ = query.shape
+        H, Hkv, dh = self.n_heads, self.n_kv_heads, self.d_head
+        if key is None and self.fused:
+            qkv = self._fused_projection(query, workspace)  # (B, H + 2 Hkv, Sq, dh)
+            q, k, v = qkv.split([H, Hkv, Hkv], dim=1)  # (B, H, Sq, dh), (B, Hkv, Sq, dh) x 2
+            return q, k, v
+        key = query if key is None else key
+        value = key if value is None else value
+        q = F.linear(query, self._rows("q"), self._bias_rows("q"))  # (B, Sq, H dh)
+        q = q.view(B, Sq, H, dh).transpose(1, 2)  # (B, H, Sq, dh)
+        Sk = key.shape[1]
+        if self.fused and key is value:
+            hq = H * dh
+            b = None if self.qkv_bias is None else self.qkv_bias[hq:]
+            kv = F.linear(key, self.qkv_weight[hq:], b)  # (B, Sk, 2 Hkv dh)
+            kv = kv.view(B, Sk, 2 * Hkv, dh).transpose(1, 2)  # (B, 2 Hkv, Sk, dh)
+            k, v = kv.split([Hkv, Hkv], dim=1)  # (B, Hkv, Sk, dh) x 2
+            return q, k, v
+        k = F.linear(key, self._rows("k"), self._bias_rows("k"))  # (B, Sk, Hkv dh)
+        k = k.view(B, Sk, Hkv, dh).transpose(1, 2)  # (B, Hkv, Sk, dh)
+        v = F.linear(value, self._rows("v"), self._bias_rows("v"))  # (B, Sk, Hkv dh)
+        v = v.view(B, Sk, Hkv, dh).transpose(1, 2)  # (B, Hkv, Sk, dh)
+        return q, k, v
+
+    def _fused_projection(self, query: Tensor, workspace: Workspace | None) -> Tensor:
+        """Self-attention's one QKV GEMM: query [B, Sq, d_model] -> [B, H + 2 Hkv, Sq, dh] (a view)."""
+        B, Sq, _ = query.shape
+        H, Hkv, dh = self.n_heads, self.n_kv_heads, self.d_head
+        if workspace is None:
+            qkv = F.linear(query, self.qkv_weight, self.qkv_bias)  # (B, Sq, (H + 2 Hkv) dh)
+        else:
+            x2 = query.reshape(B * Sq, query.shape[-1])  # (B Sq, d_model)
+            qkv = workspace.linear("qkv", x2, self.qkv_weight, self.qkv_bias)  # (B Sq, (H + 2 Hkv) dh)
+        return qkv.view(B, Sq, H + 2 * Hkv, dh).transpose(1, 2)  # (B, H + 2 Hkv, Sq, dh)
+
+    def forward(
+        self,
+        query: Tensor,
+        key: Tensor | None = None,
+        value: Tensor | None = None,
+        *,
+        key_padding: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = False,
+        need_weights: bool = False,
+        kv_cache: KVCache | None = None,
+        positions: Tensor | None = None,
+    ) -> Tensor | tuple[Tensor, Tensor]:
+        """Attend from ``query`` to ``key``/``value`` (self-attention when both are None).
+
+        Notation used for tensor shapes:
+            batch, seq_q, seq_k, d_model, kdim, vdim, n_heads, n_kv_heads, d_head.
+
+        Args:
+            query: [batch, seq_q, d_model].
+            key: [batch, seq_k, kdim] or None (self-attention).
+            value: [batch, seq_k, vdim] or None (= key).
+            key_padding: bool [batch, seq_k], True for real tokens (with a KV cache, seq_k counts every
+                cached position).
+            attn_mask: bool (True = may attend) or float (additive) [seq_q, seq_k], [batch, seq_q, seq_k]
+                or [batch, n_heads, seq_q, seq_k].
+            is_causal: combine (AND) a causal mask aligned bottom-right with any other mask.
+            need_weights: also return the per-head pattern [batch, n_heads, seq_q, seq_k] (never averaged;
+                the softmax itself, before dropout: rows sum to 1, rows with nothing to attend to are 0).
+            kv_cache: a :class:`KVCache` from :meth:`make_kv_cache`; the new keys and values are appended
+                and the queries attend to every cached position (self-attention only).
+            positions: rotary layers only: int [seq_q] or [batch, seq_q], the position of each query and
+                of its key (None: ``kv_cache.length + arange(seq_q)``, or ``arange(seq_q)`` without a
+                cache). Left-padded rows may count from their first real token; only differences of
+                positions reach the scores.
+
+        Returns:
+            out [batch, seq_q, d_model], or (out, pattern) with ``need_weights=True``.
+        """
+        self_attention = key is None and value is None
+        if key is None and value is not None:
+            raise ValueError("value was given without key; pass key too (value defaults to key)")
+        if self_attention and not self.fused:
+            raise ValueError(
+                f"self-attention needs kdim == vdim == d_model; this layer has d_model={self.d_model}, "
+                f"kdim={self.kdim}, vdim={self.vdim}: pass key and value"
+            )
+        k_in = query if key is None else key
+        v_in = k_in if value is None else value
+        self._check_inputs(query, k_in, v_in)
+        if kv_cache is not None and not isinstance(kv_cache, KVCache):
+            raise TypeError(
+                f"kv_cache must be a KVCache (from make_kv_cache) or None; got {type(kv_cache).__name__}"
+            )
+        if kv_cache is not None and not self_attention:
+            raise ValueError("kv_cache is for self-attention decoding; pass key=None and value=None with it")
+        rotary = self._modules.get("rotary")  # (a dict lookup: the untraced path stays cheap)
+        if rotary is None and positions is not None:
+            raise ValueError(
+                "positions were given but this layer has no rotary positions (rotary=None); positions are "
+                "used only to rotate queries and keys (learned positions are added to the input instead)"
+            )
+        if rotary is not None and not self_attention:
+            raise ValueError(
+                "this layer has rotary positions, which are defined for self-attention only; pass key=None "
+                "and value=None (or build the layer without rotary for cross-attention)"
+            )
+        if self.check_finite:
+            _check_finite("query", query)
+            if not self_attention:
+                _check_finite("key", k_in)
+                if v_in is not k_in:
+                    _check_finite("value", v_in)
+            if isinstance(attn_mask, Tensor) and attn_mask.is_floating_point():
+                _check_finite("attn_mask", attn_mask, allow_neg_inf=True)
+
+        B, Sq, _ = query.shape
+        H, dh = self.n_heads, self.d_head
+        if not self_attention and k_in.shape[1] == 0:
+            # (self-attention on an empty sequence is the seq_q == 0 case below: an empty output)
+            raise ValueError(f"key length seq_k must be at least 1; got key of shape {_shape(k_in)}")
+        seq_k = k_in.shape[1] + (kv_cache.length if kv_cache is not None else 0)
+        if kv_cache is not None:
+            # checked before anything is appended, so a refused call leaves the cache as it was
+            kv_cache.check(B, Sq, self.o_weight.dtype, self.o_weight.device)
+        mask = canonical_mask(
+            batch=B,
+            n_heads=H,
+            seq_q=Sq,
+            seq_k=seq_k,
+            key_padding=key_padding,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            dtype=query.dtype,
+            device=query.device,
+        )
+        if B == 0 or Sq == 0:
+            z = query.new_zeros(B, Sq, H * dh)  # (B, Sq, H dh)
+            out = F.linear(z, self.o_weight, self.o_bias)  # (B, Sq, d_model)
+            if need_weights:
+                return out, query.new_zeros(B, H, Sq, seq_k)
+            return out
+
+        traced = self.hooks_active
+        scratch = None
+        if not need_weights and self._may_use_thread_workspace(query, self_attention, traced, kv_cache):
+            scratch = thread_workspace()  # q, k, v below are views of it, dead before this call returns
+        if rotary is not None:
+            if positions is None:
+                start = 0 if kv_cache is None else kv_cache.length
+                positions = torch.arange(start, start + Sq, device=query.device)  # (Sq,)
+            else:
+                _check_rotary_positions(positions, B, Sq, query.device)
+            cos, sin = rotary_tables(rotary, positions, query.dtype, query.device)  # (B|1, 1, Sq, rd) x 2
+        if rotary is not None and not traced:
+            # q and k rotated together: they are neighbouring heads of the fused projection
+            Hkv = self.n_kv_heads
+            qkv = self._fused_projection(query, scratch)  # (B, H + 2 Hkv, Sq, dh)
+            qk = rotate_fused(qkv[:, : H + Hkv], cos, sin, rotary)  # (B, H + Hkv, Sq, dh), fresh
+            q, k = qk.split([H, Hkv], dim=1)  # (B, H, Sq, dh), (B, Hkv, Sq, dh)
+            v = qkv[:, H + Hkv :]  # (B, Hkv, Sq, dh)
+        else:
+            q, k, v = self.project_qkv(
+                query,
+                None if self_attention else k_in,
+                None if self_attention else v_in,
+                workspace=scratch,
+            )
+        if traced:
+            q = self.hook_q(q.transpose(1, 2)).transpose(1, 2)  # (B, H, Sq, dh)
+            k = self.hook_k(k.transpose(1, 2)).transpose(1, 2)  # (B, Hkv, Sk_new, dh)
+            v = self.hook_v(v.transpose(1, 2)).transpose(1, 2)  # (B, Hkv, Sk_new, dh)
+            if rotary is not None:
+                q = rotate_fused(q, cos, sin, rotary)  # (B, H, Sq, dh)
+                k = rotate_fused(k, cos, sin, rotary)  # (B, Hkv, Sk_new, dh)
+                if self.hook_rot_q is not None:  # (None if rotary was attached after construction)
+                    q = self.hook_rot_q(q.transpose(1, 2)).transpose(1, 2)  # (B, H, Sq, dh)
+                    k = self.hook_rot_k(k.transpose(1, 2)).transpose(1, 2)  # (B, Hkv, Sk_new, dh)
+        if kv_cache is not None:
+            k, v = kv_cache.append(k, v)  # (B, Hkv, Sk, dh) x 2
+        dropout_p = self.dropout if self.training else 0.0
+
+        if traced:
+            z, pattern, _ = self.traced_attention(q, k, v, mask, dropout_p)  # (B, Sq, H, dh)
+            out = self.output_from_heads(z)  # (B, Sq, d_model)
+        else:
+            backend = get_backend("explicit" if need_weights else "sdpa")
+            z, pattern = backend(q, k, v, mask, scale=self.scale, dropout_p=dropout_p)  # (B, H, Sq, dh)
+            # (bench helper) drop our references to the fused projection before W_O allocates the
+            # output: without grad this frees [B, S, 3 d_model] early and lowers the peak memory.
+            del q, k, v
+            z = z.transpose(1, 2).reshape(B, Sq, H * dh)  # (B, Sq, H dh): heads concatenated
+            out = F.linear(z, self.o_weight, self.o_bias)  # (B, Sq, d_model)
+        if self.check_finite:
+            _check_finite("attention output (inputs were finite: check the weights)", out)
+        if need_weights:
+            return out, pattern
+        return out
+
+    def _may_use_thread_workspace(
+        self, query: Tensor, self_attention: bool, traced: bool, kv_cache: KVCache | None
+    ) -> bool:
+        """Whether the fused QKV projection may go to the thread's workspace (see :mod:`headspace.workspace`).
+
+        Only when nothing can keep a reference to it past this call: self-attention on the CPU, no
+        autograd graph (it would save the projection for backward), no hook (a hook may keep q, k or
+        v), no KV cache (it may keep the new keys and values); and only when large enough to gain.
+        The caller also leaves it out with ``need_weights=True``: there the projection is freed before
+        the output GEMM, which keeps that path's peak memory below torch MHA's (kept in the workspace,
+        it measured 16 KiB above torch's at seq 1024, batch 8, d_model 512).
+        """
+        if not (self_attention and self.fused) or traced or kv_cache is not None:
+            return False
+        if query.device.type != "cpu":
+            return False
+        if torch.is_grad_enabled() and (
+            query.requires_grad
+            or self.qkv_weight.requires_grad
+            or (self.qkv_bias is not None and self.qkv_bias.requires_grad)
+        ):
+            return False
+        n_out = self.qkv_weight.shape[0]
+        return query.numel() // query.shape[-1] * n_out * query.element_size() >= THREAD_SCRATCH_MIN_BYTES
+
+    def traced_attention(
+        self, q: Tensor, k: Tensor, v: Tensor, mask: CanonicalMask, dropout_p: float
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The traced path: the reference backend with ``hook_scores``, ``hook_pattern`` and ``hook_z`` fired.
+
+        Used while any hook point of the layer is active (here and in :mod:`headspace.compat`).
+        q [B, H, Sq, dh], k, v [B, Hkv, Sk, dh] (after ``hook_q``/``hook_k``/``hook_v``) ->
+        (z [B, Sq, H, dh] after ``hook_z``, pattern [B, H, Sq, Sk], weights after dropout).
+        """
+        z, pattern, weights = reference_parts(
+            q, k, v, mask, scale=self.scale, dropout_p=dropout_p,
+            on_scores=self.hook_scores, on_pattern=self.hook_pattern,
+        )  # fmt: skip
+        z = self.hook_z(z.transpose(1, 2))  # (B, Sq, H, dh)
+        return z, pattern, weights
+
+    def output_from_heads(self, z: Tensor) -> Tensor:
+        """``out = sum_h z_h W_O[h] + b_O`` from z [B, Sq, H, dh], firing ``hook_result`` while it is active.
+
+        ``hook_result`` sees each head's part ``z_h W_O[h]`` [B, Sq, H, d_model]; without it the heads are
+        concatenated and multiplied by ``W_O`` in one GEMM. Returns [B, Sq, d_model].
+        """
+        B, Sq, H, dh = z.shape
+        if not self.hook_result.active:
+            return F.linear(z.reshape(B, Sq, H * dh), self.o_weight, self.o_bias)  # (B, Sq, d_model)
+        result = self.hook_result(torch.einsum("bshd,hdm->bshm", z, self.W_O))  # (B, Sq, H, d_model)
+        out = result.sum(dim=2)  # (B, Sq, d_model)
+        return out if self.o_bias is None else out + self.o_bias

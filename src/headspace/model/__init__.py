@@ -1,0 +1,12 @@
+"""The models around the attention layer: blocks, configurations, weight layouts, Encoder and Decoder.
+
+The map:
+
+* :mod:`~headspace.model.block`: :class:`TransformerBlock` (attention + MLP + residuals + norms);
+* :mod:`~headspace.model.config`: :class:`ModelConfig`, every architecture's numbers in one place;
+* :mod:`~headspace.model.models`: :class:`Encoder` (BERT family) and :class:`Decoder` (GPT, Llama);
+* :mod:`~headspace.model.layouts`: converting weights to and from torch's and transformers' layouts;
+* :mod:`~headspace.model.parallel`: head-parallel attention layers over torch.distributed.
+
+Old paths (``headspace.block``, ``headspace.models``, ...) keep working.
+"""

@@ -1,0 +1,443 @@
+"""TransformerBlock: attention + feed-forward + residual connections + LayerNorm (pre- or post-LN).
+
+The block that, stacked, makes BERT (post-LN), GPT (pre-LN) and Llama (pre-RMSNorm, gated MLP, RoPE)::
+
+    post-LN (BERT, the original paper):      pre-LN (GPT-2 and most models since):
+        h   = LN1(x + Attn(x))                   h   = x + Attn(LN1(x))
+        out = LN2(h + MLP(h))                    out = h + MLP(LN2(h))
+
+    plain MLP:  MLP(x) = act(x W_in + b_in) W_out + b_out    (W_in: [d_model, d_mlp], W_out: [d_mlp, d_model])
+    gated MLP:  MLP(x) = (act(x W_gate + b_gate) * (x W_in + b_in)) W_out + b_out
+                (SwiGLU with act = silu: Llama, Mistral, Qwen; GeGLU with gelu: Gemma)
+
+The norms are LayerNorm (``norm_kind="layernorm"``) or :class:`~headspace.norms.RMSNorm`
+(``"rmsnorm"``); the attention may carry rotary positions (:class:`~headspace.positions.Rotary`).
+
+Dropout (``dropout``) is applied to the attention output and to the MLP output before each is added to
+the residual stream (BERT's hidden dropout, GPT-2's resid_pdrop); ``attn_dropout`` drops pattern
+entries inside the attention layer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..attention.functional import sdpa_attention
+from ..attention.layer import MultiHeadAttention, check_input_tensor
+from ..core.checks import check_positive_float, check_positive_int, check_probability
+from ..decode.kv_cache import KVCache
+from ..kernels.bf16 import is_bf16
+from ..kernels.int8 import is_int8
+from ..kernels.workspace import Workspace
+from ..nn.hooks import HookPoint
+from ..nn.masks import CanonicalMask
+from ..nn.norms import RMSNorm
+from ..nn.positions import Rotary
+
+#: Activation names accepted by :class:`FeedForward`, :class:`GatedFeedForward` and the models' configs.
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
+#: Residual/LayerNorm arrangements accepted by :class:`TransformerBlock`.
+NORMS = ("post", "pre")
+#: Kinds of normalisation layer accepted by :class:`TransformerBlock` (``norm_kind``).
+NORM_KINDS = ("layernorm", "rmsnorm")
+#: Kinds of feed-forward network accepted by :class:`TransformerBlock` (``mlp_kind``).
+MLP_KINDS = ("plain", "gated")
+
+
+def make_activation(act: str) -> nn.Module:
+    """``"gelu"`` (exact, erf: BERT), ``"gelu_tanh"`` (tanh approximation: GPT-2's gelu_new), ``"relu"``,
+    ``"silu"`` (x sigmoid(x), a.k.a. swish: Llama's gate)."""
+    if act == "gelu":
+        return nn.GELU(approximate="none")
+    if act == "gelu_tanh":
+        return nn.GELU(approximate="tanh")
+    if act == "relu":
+        return nn.ReLU()
+    if act == "silu":
+        return nn.SiLU()
+    raise ValueError(f"act must be one of {list(ACTIVATIONS)}; got {act!r}")
+
+
+def make_norm(kind: str, d_model: int, eps: float) -> nn.Module:
+    """``"layernorm"`` (``nn.LayerNorm``: weight and bias) or ``"rmsnorm"`` (:class:`RMSNorm`: weight)."""
+    if kind == "layernorm":
+        return nn.LayerNorm(d_model, eps=eps)
+    if kind == "rmsnorm":
+        return RMSNorm(d_model, eps=eps)
+    raise ValueError(f"norm_kind must be one of {list(NORM_KINDS)}; got {kind!r}")
+
+
+def _fire(hook: HookPoint, value: Tensor) -> Tensor:
+    """``hook(value)`` while the hook point has a function, ``value`` itself (no module call) otherwise."""
+    return hook(value) if hook.fns else value
+
+
+class _FeedForwardLayers(nn.Module):
+    """What :class:`FeedForward` and :class:`GatedFeedForward` share: the checks, the activation, the
+    linears and hook points (registered in one order: ``fc_gate`` first and ``hook_pre_linear`` between
+    ``hook_pre`` and ``hook_post`` when gated), and ``forward`` around each one's hidden units."""
+
+    def __init__(self, d_model: int, d_mlp: int, act: str, bias: bool, *, gated: bool) -> None:
+        super().__init__()
+        for name, value in (("d_model", d_model), ("d_mlp", d_mlp)):
+            check_positive_int(name, value)
+        self.act_name = act
+        self.act = make_activation(act)
+        if gated:
+            self.fc_gate = nn.Linear(d_model, d_mlp, bias=bias)
+        self.fc_in = nn.Linear(d_model, d_mlp, bias=bias)
+        self.fc_out = nn.Linear(d_mlp, d_model, bias=bias)
+        self.hook_pre = HookPoint()  # [batch, seq, d_mlp], before the activation (the gate's, if gated)
+        if gated:
+            self.hook_pre_linear = HookPoint()  # [batch, seq, d_mlp], the linear (up) branch
+        self.hook_post = HookPoint()  # [batch, seq, d_mlp], the input of W_out
+
+    def _hidden(self, x: Tensor) -> Tensor:
+        """[batch, seq, d_model] -> the hidden units [batch, seq, d_mlp] before ``hook_post``."""
+        raise NotImplementedError
+
+    def forward(self, x: Tensor) -> Tensor:
+        """Apply the MLP to every position.
+
+        Notation used for tensor shapes:
+            batch, seq, d_model, d_mlp.
+
+        Args:
+            x: [batch, seq, d_model].
+
+        Returns:
+            [batch, seq, d_model].
+        """
+        return self.fc_out(_fire(self.hook_post, self._hidden(x)))  # (batch, seq, d_model)
+
+
+class FeedForward(_FeedForwardLayers):
+    r"""The position-wise feed-forward network ``MLP(x) = act(x W_in + b_in) W_out + b_out``.
+
+    ``fc_in`` is an ``nn.Linear(d_model, d_mlp)`` (so ``W_in = fc_in.weight.T``), ``fc_out`` an
+    ``nn.Linear(d_mlp, d_model)``. Paper symbols (Vaswani et al. 2017, eq. 2): ``W_in = W_1``,
+    ``W_out = W_2``, ``d_mlp = d_ff``; the paper's act is ReLU.
+
+    Hook points, both [batch, seq, d_mlp]: ``hook_pre`` (before the activation), ``hook_post`` (after it).
+    """
+
+    def __init__(self, d_model: int, d_mlp: int, act: str = "gelu", bias: bool = True) -> None:
+        super().__init__(d_model, d_mlp, act, bias, gated=False)
+
+    def _hidden(self, x: Tensor) -> Tensor:
+        return self.act(_fire(self.hook_pre, self.fc_in(x)))  # (batch, seq, d_mlp)
+
+    def extra_repr(self) -> str:
+        return f"act={self.act_name!r}"
+
+
+class GatedFeedForward(_FeedForwardLayers):
+    r"""A gated feed-forward network ``MLP(x) = (act(x W_gate + b_gate) * (x W_in + b_in)) W_out + b_out``.
+
+    SwiGLU with ``act="silu"`` (Llama, Mistral, Qwen: transformers' ``down_proj(act(gate_proj(x)) *
+    up_proj(x))``), GeGLU with ``"gelu"`` / ``"gelu_tanh"`` (Shazeer 2020, "GLU Variants Improve
+    Transformer"). ``fc_gate`` and ``fc_in`` are ``nn.Linear(d_model, d_mlp)`` (``W_gate = fc_gate.weight.T``
+    is Llama's ``gate_proj``, ``W_in = fc_in.weight.T`` its ``up_proj``), ``fc_out`` an
+    ``nn.Linear(d_mlp, d_model)`` (``down_proj``).
+
+    Hook points, all [batch, seq, d_mlp], with TransformerLens's names: ``hook_pre`` (the gate before the
+    activation, ``x W_gate + b_gate``), ``hook_pre_linear`` (``x W_in + b_in``), ``hook_post`` (their
+    gated product, the input of ``W_out``).
+    """
+
+    fc_gate: nn.Linear
+    hook_pre_linear: HookPoint
+
+    def __init__(self, d_model: int, d_mlp: int, act: str = "silu", bias: bool = False) -> None:
+        super().__init__(d_model, d_mlp, act, bias, gated=True)
+
+    def _hidden(self, x: Tensor) -> Tensor:
+        g = _fire(self.hook_pre, self.fc_gate(x))  # (batch, seq, d_mlp)
+        u = _fire(self.hook_pre_linear, self.fc_in(x))  # (batch, seq, d_mlp)
+        return self.act(g) * u  # (batch, seq, d_mlp)
+
+    def extra_repr(self) -> str:
+        return f"act={self.act_name!r}, gated"
+
+
+class TransformerBlock(nn.Module):
+    r"""One transformer block: multi-head self-attention and a feed-forward network, each wrapped in a
+    residual connection and a LayerNorm.
+
+    Formula (``norm="post"``, BERT and the original paper; ``norm="pre"``, GPT-2)::
+
+        post:  h = LN1(x + drop(Attn(x)))          out = LN2(h + drop(MLP(h)))
+        pre:   h = x + drop(Attn(LN1(x)))          out = h + drop(MLP(LN2(h)))
+
+    with ``Attn`` a :class:`~headspace.MultiHeadAttention` (``.attn``) and ``MLP`` a :class:`FeedForward`
+    (``.mlp``; a :class:`GatedFeedForward` with ``mlp_kind="gated"``). Paper symbols (Vaswani et al.
+    2017, section 3.1): ``LayerNorm(x + Sublayer(x))`` is the post-LN arrangement; ``d_mlp = d_ff``.
+
+    Options beyond the classic block (a Llama block is ``norm="pre", norm_kind="rmsnorm",
+    mlp_kind="gated", act="silu", bias=False`` with a ``rotary``): ``norm_kind`` picks LayerNorm or
+    RMSNorm for ``ln1``/``ln2``; ``bias`` switches every bias, ``qkv_bias`` / ``out_bias`` / ``mlp_bias``
+    (default: ``bias``) the q/k/v, attention-output and MLP biases apart; ``rotary`` gives the
+    attention rotary positions (:class:`~headspace.positions.Rotary`; the same object may serve every
+    block of a model).
+
+    Hook points, all [batch, seq, d_model]: ``hook_resid_pre`` (the input), ``hook_attn_out`` (the
+    attention sublayer's output, after dropout), ``hook_resid_mid`` (``h``), ``hook_mlp_out`` (the MLP
+    sublayer's output, after dropout), ``hook_resid_post`` (the output). They cost nothing while no
+    function is added to them.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_mlp: int,
+        *,
+        d_head: int | None = None,
+        n_kv_heads: int | None = None,
+        act: str = "gelu",
+        norm: str = "post",
+        dropout: float = 0.0,
+        attn_dropout: float = 0.0,
+        ln_eps: float = 1e-5,
+        bias: bool = True,
+        norm_kind: str = "layernorm",
+        mlp_kind: str = "plain",
+        qkv_bias: bool | None = None,
+        out_bias: bool | None = None,
+        mlp_bias: bool | None = None,
+        rotary: Rotary | None = None,
+    ) -> None:
+        super().__init__()
+        if norm not in NORMS:
+            raise ValueError(
+                f"norm must be one of {list(NORMS)} ('post' = BERT, 'pre' = GPT-2); got {norm!r}"
+            )
+        if norm_kind not in NORM_KINDS:
+            raise ValueError(f"norm_kind must be one of {list(NORM_KINDS)}; got {norm_kind!r}")
+        if mlp_kind not in MLP_KINDS:
+            raise ValueError(
+                f"mlp_kind must be one of {list(MLP_KINDS)} ('gated' = SwiGLU/GeGLU); got {mlp_kind!r}"
+            )
+        if mlp_bias is not None and not isinstance(mlp_bias, bool):
+            raise TypeError(f"mlp_bias must be a bool or None (= bias); got {type(mlp_bias).__name__}")
+        for name, p in (("dropout", dropout), ("attn_dropout", attn_dropout)):
+            check_probability(name, p)
+        check_positive_float("ln_eps", ln_eps)
+        self.d_model = d_model
+        self.norm = norm
+        self.pre_ln = norm == "pre"
+        self.norm_kind = norm_kind
+        self.mlp_kind = mlp_kind
+        self.attn = MultiHeadAttention(
+            d_model, n_heads, d_head=d_head, n_kv_heads=n_kv_heads, bias=bias, dropout=attn_dropout,
+            qkv_bias=qkv_bias, out_bias=out_bias, rotary=rotary,
+        )  # fmt: skip
+        self.ln1 = make_norm(norm_kind, d_model, ln_eps)
+        mlp_bias = bias if mlp_bias is None else mlp_bias
+        if mlp_kind == "gated":
+            self.mlp: FeedForward | GatedFeedForward = GatedFeedForward(
+                d_model, d_mlp, act=act, bias=mlp_bias
+            )
+        else:
+            self.mlp = FeedForward(d_model, d_mlp, act=act, bias=mlp_bias)
+        self.ln2 = make_norm(norm_kind, d_model, ln_eps)
+        self.dropout = nn.Dropout(dropout)
+        self.hook_resid_pre = HookPoint()  # [batch, seq, d_model]
+        self.hook_attn_out = HookPoint()  # [batch, seq, d_model]
+        self.hook_resid_mid = HookPoint()  # [batch, seq, d_model]
+        self.hook_mlp_out = HookPoint()  # [batch, seq, d_model]
+        self.hook_resid_post = HookPoint()  # [batch, seq, d_model]
+
+    def forward(
+        self,
+        x: Tensor,
+        *,
+        key_padding: Tensor | None = None,
+        attn_mask: Tensor | None = None,
+        is_causal: bool = False,
+        kv_cache: KVCache | None = None,
+        positions: Tensor | None = None,
+    ) -> Tensor:
+        """Run the block on the residual stream ``x``.
+
+        Notation used for tensor shapes:
+            batch, seq (the new positions), seq_k (= seq, plus the cached positions with a KV cache),
+            d_model.
+
+        Args:
+            x: [batch, seq, d_model].
+            key_padding: bool [batch, seq_k], True for real tokens.
+            attn_mask: bool (True = may attend) or float (additive) mask, see :mod:`headspace.masks`.
+            is_causal: causal self-attention (aligned bottom-right, as a KV cache needs).
+            kv_cache: this block's :class:`~headspace.KVCache` for incremental decoding.
+            positions: rotary attention only: int [seq] or [batch, seq] positions of the new tokens
+                (None: after the cached ones), see :meth:`MultiHeadAttention.forward`.
+
+        Returns:
+            [batch, seq, d_model].
+        """
+        check_input_tensor("x", x, self.d_model, "d_model", self.ln1.weight)  # before any LayerNorm
+        if self.hook_resid_pre.fns:
+            x = self.hook_resid_pre(x)
+        kw: dict[str, Any] = {
+            "key_padding": key_padding,
+            "attn_mask": attn_mask,
+            "is_causal": is_causal,
+            "kv_cache": kv_cache,
+        }
+        if positions is not None:
+            kw["positions"] = positions
+        if self.pre_ln:
+            a = self.dropout(self.attn(self.ln1(x), **kw))  # (batch, seq, d_model)
+            if self.hook_attn_out.fns:
+                a = self.hook_attn_out(a)
+            h = x + a  # (batch, seq, d_model)
+            if self.hook_resid_mid.fns:
+                h = self.hook_resid_mid(h)
+            m = self.dropout(self.mlp(self.ln2(h)))  # (batch, seq, d_model)
+            if self.hook_mlp_out.fns:
+                m = self.hook_mlp_out(m)
+            out = h + m
+        else:
+            a = self.dropout(self.attn(x, **kw))  # (batch, seq, d_model)
+            if self.hook_attn_out.fns:
+                a = self.hook_attn_out(a)
+            h = self.ln1(x + a)  # (batch, seq, d_model)
+            if self.hook_resid_mid.fns:
+                h = self.hook_resid_mid(h)
+            m = self.dropout(self.mlp(h))  # (batch, seq, d_model)
+            if self.hook_mlp_out.fns:
+                m = self.hook_mlp_out(m)
+            out = self.ln2(h + m)
+        if self.hook_resid_post.fns:
+            out = self.hook_resid_post(out)
+        return out
+
+    def extra_repr(self) -> str:
+        s = f"norm={self.norm!r}"
+        if self.norm_kind != "layernorm":
+            s += f", norm_kind={self.norm_kind!r}"
+        return s
+
+    @property
+    def infer_supported(self) -> bool:
+        """Whether :meth:`infer` has a fused path for this block (LayerNorm, plain MLP, no rotary)."""
+        return (
+            self.norm_kind == "layernorm"
+            and self.mlp_kind == "plain"
+            and self.attn.rotary is None
+            and self.attn.fused
+        )
+
+    @property
+    def decode_supported(self) -> bool:
+        """Whether the decoding step (:mod:`headspace.decode`) may stand in for :meth:`forward` on one new
+        position (pre-norm, fused self-attention with :class:`~headspace.MultiHeadAttention`'s own
+        forward, no ``check_finite``, this module's MLPs)."""
+        a = self.attn
+        return (
+            self.pre_ln
+            and isinstance(a, MultiHeadAttention)  # not a head-parallel shard, which has no fused weight
+            and type(a).forward is MultiHeadAttention.forward
+            and a.fused
+            and not a.check_finite
+            and isinstance(self.mlp, (FeedForward, GatedFeedForward))
+        )
+
+    @property
+    def reduced_precision(self) -> bool:
+        """Whether any product of this block has int8 or bfloat16 weights (``to_precision(...)``)."""
+        return any(is_int8(p) or is_bf16(p) for p in self.parameters(recurse=True))
+
+    def infer(self, x: Tensor, attn_mask: Tensor | None = None, workspace: Workspace | None = None) -> Tensor:
+        """Inference-only forward with fewer passes over memory; same result as :meth:`forward`.
+
+        The residual add is fused into the output GEMMs (``x + z W_O^T`` and ``h + a W_out^T`` by
+        ``addmm``), the activation runs in place, the QKV, residual and MLP matrices are written into
+        ``workspace`` (memory the caller reuses across blocks and batches, instead of fresh memory
+        the kernel must fault in page by page), and no hook point fires. ``x`` is never written to
+        and the result never lies in ``workspace``. Used by :meth:`headspace.Encoder.infer`; call it
+        only without autograd, in eval mode and with no hook active (the caller checks). Blocks with
+        RMSNorm, a gated MLP or rotary positions (:attr:`infer_supported` False) run :meth:`forward`.
+
+        Notation used for tensor shapes:
+            batch, seq, d_model, d_mlp, n_heads, n_kv_heads, d_head.
+
+        Args:
+            x: [batch, seq, d_model].
+            attn_mask: None or bool [batch, 1, 1, seq] (True = real key), as sdpa takes it.
+            workspace: scratch memory to reuse (None: a fresh one for this call).
+
+        Returns:
+            [batch, seq, d_model].
+        """
+        check_input_tensor("x", x, self.d_model, "d_model", self.ln1.weight)
+        if not self.infer_supported:
+            return self(x, attn_mask=attn_mask)
+        B, S, d = x.shape
+        a, mlp = self.attn, self.mlp
+        H, dh = a.n_heads, a.d_head
+        ws = Workspace() if workspace is None else workspace
+        N = B * S
+        x2 = x.reshape(N, d)  # (B S, d_model)
+        src = F.layer_norm(x2, (d,), self.ln1.weight, self.ln1.bias, self.ln1.eps) if self.pre_ln else x2
+        if self.reduced_precision:
+            return self._infer_products(x2, src, B, S, attn_mask)
+        q, k, v = a.project_qkv(src.view(B, S, d), workspace=ws)  # (B, H, S, dh), (B, Hkv, S, dh) x 2
+        mask = CanonicalMask(mask=attn_mask, is_causal=False, dead_rows=None)  # every row has a real key
+        z, _ = sdpa_attention(q, k, v, mask, scale=a.scale)  # (B, H, S, dh), stored as (B, S, H, dh)
+        z = z.transpose(1, 2).reshape(N, H * dh)  # (B S, H dh): heads concatenated (a view)
+        h = torch.addmm(x2, z, a.o_weight.t(), out=ws.matrix("h", N, d, x))  # (B S, d_model): x + z W_O^T
+        if a.o_bias is not None:
+            h += a.o_bias
+        if not self.pre_ln:
+            h = F.layer_norm(h, (d,), self.ln1.weight, self.ln1.bias, self.ln1.eps)  # fresh, not ws
+        src = F.layer_norm(h, (d,), self.ln2.weight, self.ln2.bias, self.ln2.eps) if self.pre_ln else h
+        u = ws.linear("mlp", src, mlp.fc_in.weight, mlp.fc_in.bias)  # (B S, d_mlp)
+        if mlp.act_name == "relu":
+            u.relu_()
+        else:
+            torch.ops.aten.gelu_(u, approximate="tanh" if mlp.act_name == "gelu_tanh" else "none")
+        if self.pre_ln:
+            out = torch.addmm(h, u, mlp.fc_out.weight.t())  # (B S, d_model): h + act(u) W_out^T, fresh
+        else:
+            out = h.addmm_(u, mlp.fc_out.weight.t())  # (B S, d_model): in place on LN1's fresh output
+        if mlp.fc_out.bias is not None:
+            out += mlp.fc_out.bias
+        if not self.pre_ln:
+            out = F.layer_norm(out, (d,), self.ln2.weight, self.ln2.bias, self.ln2.eps)
+        return out.view(B, S, d)  # (B, S, d_model)
+
+    def _infer_products(self, x2: Tensor, src: Tensor, B: int, S: int, attn_mask: Tensor | None) -> Tensor:
+        """:meth:`infer` for int8 / bfloat16 weights: each product by ``F.linear`` (the int8 kernel for an
+        :class:`~headspace.kernels.int8.Int8Weight`, the packed bfloat16 one for a
+        :class:`~headspace.kernels.bf16.BF16Weight`), the rest as in :meth:`infer`.
+
+        x2 [B S, d_model] the input, src [B S, d_model] the attention's input (x2 or LN1(x2)).
+        """
+        a, mlp = self.attn, self.mlp
+        d, H, dh = self.d_model, a.n_heads, a.d_head
+        N = B * S
+        q, k, v = a.project_qkv(src.view(B, S, d))  # (B, H, S, dh), (B, Hkv, S, dh) x 2: int8 F.linear
+        mask = CanonicalMask(mask=attn_mask, is_causal=False, dead_rows=None)
+        z, _ = sdpa_attention(q, k, v, mask, scale=a.scale)  # (B, H, S, dh)
+        z = z.transpose(1, 2).reshape(N, H * dh)  # (B S, H dh)
+        h = F.linear(z, a.o_weight, a.o_bias)  # (B S, d_model): int8 for an Int8Weight
+        h += x2  # x + z W_O^T + b_O
+        if not self.pre_ln:
+            h = F.layer_norm(h, (d,), self.ln1.weight, self.ln1.bias, self.ln1.eps)
+        src = F.layer_norm(h, (d,), self.ln2.weight, self.ln2.bias, self.ln2.eps) if self.pre_ln else h
+        u = F.linear(src, mlp.fc_in.weight, mlp.fc_in.bias)  # (B S, d_mlp)
+        if mlp.act_name == "relu":
+            u.relu_()
+        else:
+            torch.ops.aten.gelu_(u, approximate="tanh" if mlp.act_name == "gelu_tanh" else "none")
+        out = F.linear(u, mlp.fc_out.weight, mlp.fc_out.bias)  # (B S, d_model)
+        out += h
+        if not self.pre_ln:
+            out = F.layer_norm(out, (d,), self.ln2.weight, self.ln2.bias, self.ln2.eps)
+        return out.view(B, S, d)  # (B, S, d_model)

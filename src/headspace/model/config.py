@@ -1,0 +1,366 @@
+"""ModelConfig: everything that fixes the shape and behaviour of an Encoder or Decoder.
+
+Validated on construction (errors name the field), derived fields filled in, JSON round-trip through
+``to_dict()`` / ``from_dict()``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..attention.layer import resolve_head_dims
+from ..attention.pruning import kept_kv_heads
+from ..core.checks import check_index, check_positive_int, check_probability, is_int
+from ..nn.positions import Rotary
+from .block import ACTIVATIONS, MLP_KINDS, NORM_KINDS, NORMS
+
+ARCHS = ("encoder", "decoder")
+#: How a model knows where a token is: a learned table added to the embeddings, rotary positions
+#: (RoPE) in every attention layer, or nothing (causal decoders can do without: "NoPE").
+POSITIONS = ("learned", "rotary", "none")
+
+# the rotary fields and their defaults: any other value asks for positions="rotary"
+_ROPE_DEFAULTS: dict[str, Any] = {
+    "rope_theta": 10000.0,
+    "rotary_fraction": 1.0,
+    "rope_interleaved": False,
+    "rope_scaling": None,
+}
+
+
+def _positive_int(name: str, value: Any) -> None:
+    check_positive_int(f"ModelConfig.{name}", value)
+
+
+def _probability(name: str, value: Any) -> None:
+    check_probability(f"ModelConfig.{name}", value)
+
+
+@dataclass
+class ModelConfig:
+    """Everything that fixes the shape and behaviour of an :class:`Encoder` or :class:`Decoder`.
+
+    Fields left as ``None`` are derived in ``__post_init__`` (their documented default), so a stored
+    config always lists concrete values. Invalid values raise ``ValueError`` naming the field.
+    ``to_dict()``/``from_dict()`` round-trip through JSON; a dict written before a field existed loads
+    with that field's default, which keeps the old meaning (the fields from ``positions`` on came
+    with Llama-family support: their defaults are GPT-2/BERT's choices).
+
+    Llama-family decoders (Llama, Mistral, Qwen2) are, beside their sizes::
+
+        ModelConfig(arch="decoder", positions="rotary", rope_theta=..., rope_scaling=...,
+                    norm_kind="rmsnorm", mlp_kind="gated", act="silu", bias=False,
+                    qkv_bias=False (Qwen2: True), tie_embeddings=..., ln_eps=rms_norm_eps)
+    """
+
+    #: "encoder" (BERT family: bidirectional, token-type embeddings) or "decoder" (GPT family: causal).
+    arch: str = "encoder"
+    #: Number of token ids (rows of the token embedding, columns of the logits).
+    vocab_size: int = 30522
+    #: Width of the residual stream.
+    d_model: int = 512
+    #: Number of transformer blocks.
+    n_layers: int = 6
+    #: Query heads per attention layer.
+    n_heads: int = 8
+    #: Width of one head; derived: d_model // n_heads (d_model must then be divisible by n_heads).
+    d_head: int | None = None
+    #: Key/value heads (grouped-query attention; must divide n_heads); derived: n_heads.
+    n_kv_heads: int | None = None
+    #: Hidden width of the feed-forward network (the paper's d_ff); derived: 4 * d_model.
+    d_mlp: int | None = None
+    #: The longest sequence the model accepts (with learned positions: the rows of the position table;
+    #: with rotary positions: the largest position + 1).
+    max_seq_len: int = 512
+    #: Feed-forward activation, one of "gelu" (exact), "gelu_tanh", "relu", "silu" (the gate of a
+    #: gated MLP: "silu" = SwiGLU); derived: encoder "gelu", decoder "gelu_tanh" (GPT-2's gelu_new).
+    act: str | None = None
+    #: "post" (LN after each residual add: BERT) or "pre" (LN before each sublayer: GPT-2); derived:
+    #: encoder "post", decoder "pre".
+    norm: str | None = None
+    #: Dropout on each sublayer's output before the residual add, in [0, 1).
+    dropout: float = 0.0
+    #: Dropout on the attention pattern, in [0, 1).
+    attn_dropout: float = 0.0
+    #: Dropout on the embeddings; derived: dropout.
+    emb_dropout: float | None = None
+    #: LayerNorm (or RMSNorm) epsilon (BERT 1e-12, GPT-2 1e-5, Llama's rms_norm_eps 1e-5 or 1e-6).
+    ln_eps: float = 1e-5
+    #: Biases in the attention and feed-forward projections (the default of qkv_bias, out_bias and
+    #: mlp_bias, which switch them apart).
+    bias: bool = True
+    #: Rows of the token-type (segment) embedding; 0 = none; derived: encoder 2, decoder 0.
+    type_vocab_size: int | None = None
+    #: Decoder: the output projection is the token embedding transposed; derived: decoder True,
+    #: encoder False (an encoder has no output projection).
+    tie_embeddings: bool | None = None
+    #: Id of the padding token (None = no padding token); must be < vocab_size.
+    pad_token_id: int | None = None
+    #: LayerNorm on the embeddings (BERT); derived: norm == "post".
+    embed_ln: bool | None = None
+    #: LayerNorm after the last block (GPT-2's ln_f); derived: norm == "pre".
+    final_ln: bool | None = None
+    #: Standard deviation of the normal initialisation of embeddings and feed-forward weights.
+    init_std: float = 0.02
+    #: A free-form name shown in summaries (e.g. "all-MiniLM-L6-v2").
+    name: str = ""
+    #: Free-form extra information (e.g. where the weights came from); must be JSON-serialisable.
+    extra: dict[str, Any] = field(default_factory=dict)
+    #: Heads removed for good, ``{layer: [original head indices]}`` (empty: none): the model is built
+    #: with those heads' rows of W_Q (and of W_K/W_V for a key/value group that loses all its query
+    #: heads) and columns of W_O left out, as :func:`headspace.prune_heads` leaves them, so a pruned
+    #: model's config rebuilds it and its saved weights load back. Sorted and checked here: layers in
+    #: [0, n_layers), heads in [0, n_heads), at least one head kept per layer, equal group sizes under
+    #: grouped-query attention. JSON keys (strings) are read back as ints.
+    pruned_heads: dict[int, list[int]] = field(default_factory=dict)
+    #: Position information, one of "learned" (a table of max_seq_len rows added to the token
+    #: embeddings: BERT, GPT-2), "rotary" (RoPE: queries and keys rotated in every attention layer, no
+    #: table: Llama) or "none" (no position information).
+    positions: str = "learned"
+    #: Rotary only: the RoPE base ("rope_theta"; Llama 2 10000, Llama 3 500000).
+    rope_theta: float = 10000.0
+    #: Rotary only: share of each head's features that rotate, in (0, 1] ("partial_rotary_factor");
+    #: int(d_head * rotary_fraction) must be even. The others pass through unrotated.
+    rotary_fraction: float = 1.0
+    #: Rotary only: pair features (2i, 2i + 1) (GPT-J, Meta's checkpoints) instead of (i, i + rotary_dim/2)
+    #: (Hugging Face's rotate-half, what Llama checkpoints in transformers' layout need).
+    rope_interleaved: bool = False
+    #: Rotary only: None, or transformers' rope_scaling dict: {"rope_type": "linear", "factor": f} or
+    #: {"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
+    #: "original_max_position_embeddings"} (validated by headspace.positions.Rotary).
+    rope_scaling: dict[str, Any] | None = None
+    #: The normalisation layers (blocks, embeddings, final): "layernorm" (weight and bias) or "rmsnorm"
+    #: (weight only, no mean subtraction: Llama).
+    norm_kind: str = "layernorm"
+    #: The feed-forward network: "plain" (act(x W_in) W_out) or "gated" (act(x W_gate) * (x W_in)) W_out,
+    #: SwiGLU with act="silu").
+    mlp_kind: str = "plain"
+    #: Biases on the q, k and v projections; derived: bias (Qwen2: True with bias=False).
+    qkv_bias: bool | None = None
+    #: Bias on the attention output projection (b_O); derived: bias.
+    out_bias: bool | None = None
+    #: Biases in the feed-forward projections; derived: bias.
+    mlp_bias: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"ModelConfig.arch must be one of {list(ARCHS)}; got {self.arch!r}")
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "max_seq_len"):
+            _positive_int(name, getattr(self, name))
+        try:
+            self.d_head, self.n_kv_heads = resolve_head_dims(
+                self.d_model, self.n_heads, self.d_head, self.n_kv_heads
+            )
+        except ValueError as e:
+            raise ValueError(f"ModelConfig: {e}") from None
+        encoder = self.arch == "encoder"
+        if self.d_mlp is None:
+            self.d_mlp = 4 * self.d_model
+        _positive_int("d_mlp", self.d_mlp)
+        if self.act is None:
+            self.act = "gelu" if encoder else "gelu_tanh"
+        if self.act not in ACTIVATIONS:
+            raise ValueError(f"ModelConfig.act must be one of {list(ACTIVATIONS)}; got {self.act!r}")
+        if self.norm is None:
+            self.norm = "post" if encoder else "pre"
+        if self.norm not in NORMS:
+            raise ValueError(f"ModelConfig.norm must be one of {list(NORMS)}; got {self.norm!r}")
+        if self.emb_dropout is None:
+            self.emb_dropout = self.dropout
+        for name in ("dropout", "attn_dropout", "emb_dropout"):
+            _probability(name, getattr(self, name))
+        if (
+            isinstance(self.ln_eps, bool)
+            or not isinstance(self.ln_eps, (int, float))
+            or not math.isfinite(self.ln_eps)
+            or not self.ln_eps > 0
+        ):
+            raise ValueError(f"ModelConfig.ln_eps must be a finite positive float; got {self.ln_eps!r}")
+        if self.type_vocab_size is None:
+            self.type_vocab_size = 2 if encoder else 0
+        if (
+            not isinstance(self.type_vocab_size, int)
+            or isinstance(self.type_vocab_size, bool)
+            or self.type_vocab_size < 0
+        ):
+            raise ValueError(f"ModelConfig.type_vocab_size must be an int >= 0; got {self.type_vocab_size!r}")
+        if self.tie_embeddings is None:
+            self.tie_embeddings = not encoder
+        if self.embed_ln is None:
+            self.embed_ln = self.norm == "post"
+        if self.final_ln is None:
+            self.final_ln = self.norm == "pre"
+        for name in ("bias", "tie_embeddings", "embed_ln", "final_ln"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ModelConfig.{name} must be a bool; got {getattr(self, name)!r}")
+        if self.pad_token_id is not None and (
+            not isinstance(self.pad_token_id, int)
+            or isinstance(self.pad_token_id, bool)
+            or not 0 <= self.pad_token_id < self.vocab_size
+        ):
+            raise ValueError(
+                f"ModelConfig.pad_token_id must be None or an int in [0, vocab_size={self.vocab_size}); "
+                f"got {self.pad_token_id!r}"
+            )
+        if (
+            isinstance(self.init_std, bool)
+            or not isinstance(self.init_std, (int, float))
+            or not math.isfinite(self.init_std)
+            or self.init_std <= 0
+        ):
+            raise ValueError(f"ModelConfig.init_std must be a finite positive float; got {self.init_std!r}")
+        if not isinstance(self.name, str):
+            raise ValueError(f"ModelConfig.name must be a str; got {self.name!r}")
+        if not isinstance(self.extra, dict):
+            raise ValueError(f"ModelConfig.extra must be a dict; got {type(self.extra).__name__}")
+        self.pruned_heads = _checked_pruned_heads(
+            self.pruned_heads, self.n_layers, self.n_heads, self.n_kv_heads
+        )
+        self._check_llama_fields()
+
+    def _check_llama_fields(self) -> None:
+        """positions and the rotary fields, norm_kind, mlp_kind and the three bias switches."""
+        if self.positions not in POSITIONS:
+            raise ValueError(
+                f"ModelConfig.positions must be one of {list(POSITIONS)}; got {self.positions!r}"
+            )
+        if self.norm_kind not in NORM_KINDS:
+            raise ValueError(
+                f"ModelConfig.norm_kind must be one of {list(NORM_KINDS)}; got {self.norm_kind!r}"
+            )
+        if self.mlp_kind not in MLP_KINDS:
+            raise ValueError(
+                f"ModelConfig.mlp_kind must be one of {list(MLP_KINDS)} ('gated' = SwiGLU / GeGLU); "
+                f"got {self.mlp_kind!r}"
+            )
+        for name in ("qkv_bias", "out_bias", "mlp_bias"):
+            if getattr(self, name) is None:
+                setattr(self, name, self.bias)
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(
+                    f"ModelConfig.{name} must be a bool (or None for bias); got {getattr(self, name)!r}"
+                )
+        theta = self.rope_theta
+        if (
+            isinstance(theta, bool)
+            or not isinstance(theta, (int, float))
+            or not math.isfinite(theta)
+            or theta <= 0
+        ):
+            raise ValueError(f"ModelConfig.rope_theta must be a finite number > 0; got {theta!r}")
+        frac = self.rotary_fraction
+        if isinstance(frac, bool) or not isinstance(frac, (int, float)) or not 0 < frac <= 1:
+            raise ValueError(f"ModelConfig.rotary_fraction must be a number in (0, 1]; got {frac!r}")
+        if not isinstance(self.rope_interleaved, bool):
+            raise ValueError(f"ModelConfig.rope_interleaved must be a bool; got {self.rope_interleaved!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, dict):
+            raise ValueError(
+                "ModelConfig.rope_scaling must be None or a dict such as "
+                "{'rope_type': 'linear', 'factor': 2.0}; "
+                f"got {type(self.rope_scaling).__name__}"
+            )
+        if self.positions != "rotary":
+            changed = [k for k, v in _ROPE_DEFAULTS.items() if getattr(self, k) != v]
+            if changed:
+                raise ValueError(
+                    f"ModelConfig: {', '.join(f'{k}={getattr(self, k)!r}' for k in changed)} set but "
+                    f"positions={self.positions!r}; the rotary fields need positions='rotary'"
+                )
+            return
+        try:
+            Rotary(self.d_head, base=float(theta), fraction=float(frac), interleaved=self.rope_interleaved)
+        except ValueError as e:
+            raise ValueError(f"ModelConfig.rotary_fraction: {e}") from None
+        try:
+            self.make_rotary()
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"ModelConfig.rope_scaling: {e}") from None
+
+    def make_rotary(self) -> Rotary | None:
+        """A :class:`~headspace.positions.Rotary` for this config's heads (None unless positions="rotary")."""
+        if self.positions != "rotary":
+            return None
+        return Rotary(
+            self.d_head,
+            base=float(self.rope_theta),
+            fraction=float(self.rotary_fraction),
+            interleaved=self.rope_interleaved,
+            scaling=None if self.rope_scaling is None else dict(self.rope_scaling),
+        )
+
+    def kept_heads(self, layer: int) -> list[int]:
+        """The original indices of the heads layer ``layer`` keeps (all ``n_heads`` unless pruned)."""
+        check_index("layer", layer, self.n_layers, of="n_layers")
+        pruned = set(self.pruned_heads.get(layer, ()))
+        return [h for h in range(self.n_heads) if h not in pruned]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field, derived ones included, as JSON values (``pruned_heads`` keys as strings)."""
+        d = dataclasses.asdict(self)
+        d["pruned_heads"] = {str(layer): heads for layer, heads in self.pruned_heads.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        """Build a config from :meth:`to_dict` output; unknown keys are an error that lists them."""
+        if not isinstance(data, dict):
+            raise TypeError(f"ModelConfig.from_dict expects a dict; got {type(data).__name__}")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(
+                f"ModelConfig.from_dict: unknown fields {unknown}; known fields: {sorted(known)}"
+            )
+        return cls(**data)
+
+    def summary(self) -> str:
+        """One line: architecture and sizes."""
+        name = f"{self.name}: " if self.name else ""
+        return (
+            f"{name}{self.arch}, {self.n_layers} layers x {self.n_heads} heads, d_model {self.d_model}, "
+            f"d_head {self.d_head}, d_mlp {self.d_mlp}, vocab {self.vocab_size}, "
+            f"max_seq_len {self.max_seq_len}, "
+            f"{self.norm}-LN, {self.act}"
+            + (f", {self.norm_kind}" if self.norm_kind != "layernorm" else "")
+            + (f", {self.mlp_kind} MLP" if self.mlp_kind != "plain" else "")
+            + (f", positions {self.positions}" if self.positions != "learned" else "")
+            + (f" (theta {self.rope_theta:g})" if self.positions == "rotary" else "")
+            + (f", {sum(map(len, self.pruned_heads.values()))} heads pruned" if self.pruned_heads else "")
+        )
+
+
+def _checked_pruned_heads(value: Any, n_layers: int, n_heads: int, n_kv_heads: int) -> dict[int, list[int]]:
+    """``ModelConfig.pruned_heads`` normalised to ``{layer: sorted heads}`` (int keys, no empty lists)."""
+    what = "ModelConfig.pruned_heads must be a dict {layer: [head, ...]}"
+    if not isinstance(value, dict):
+        raise ValueError(f"{what}; got {type(value).__name__}")
+    out: dict[int, list[int]] = {}
+    for key, heads in value.items():
+        layer = int(key) if isinstance(key, str) and key.isdigit() else key
+        if not is_int(layer) or not 0 <= layer < n_layers:
+            raise ValueError(f"{what} with layers in [0, n_layers={n_layers}); got layer {key!r}")
+        if layer in out:
+            raise ValueError(f"{what}; layer {layer} is given twice ({key!r})")
+        if isinstance(heads, (str, bytes, dict)) or not hasattr(heads, "__iter__"):
+            raise ValueError(f"{what}; got {heads!r} for layer {layer}")
+        heads = list(heads)
+        for h in heads:
+            if not is_int(h) or not 0 <= h < n_heads:
+                raise ValueError(f"{what} with heads in [0, n_heads={n_heads}); got {h!r} for layer {layer}")
+        heads = sorted(set(heads))
+        if len(heads) == n_heads:
+            raise ValueError(
+                f"ModelConfig.pruned_heads[{layer}] prunes all {n_heads} heads; a layer needs at least one"
+            )
+        kept_kv_heads(
+            n_heads,
+            n_kv_heads,
+            [h for h in range(n_heads) if h not in heads],
+            f"ModelConfig.pruned_heads[{layer}]",
+        )
+        if heads:
+            out[layer] = heads
+    return dict(sorted(out.items()))
