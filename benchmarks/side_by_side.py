@@ -1,0 +1,152 @@
+"""Is this checkout slower than another? SmolLM2 decoding at batch 1 and 8 and MiniLM encoding, side by side.
+
+Each round runs one child process per source tree (this checkout's ``src`` and ``--before``'s, in
+alternating order), and each child times, on the same prompt and sentences:
+
+* ``decode b1`` / ``decode b8``: ms per token of SmolLM2 greedy ``generate`` at batch 1 and 8 (after a
+  warm-up call; the default step: the native one where it is built, which the script builds first);
+* ``encode``: seconds for MiniLM to encode 256 sentences (``PretrainedEncoder.encode``).
+
+It prints each figure's median and spread per tree and the ratio of the medians (this / before), and
+writes JSON. A ratio near 1 within the spread means "no slower"; the ratios to transformers are then
+the ones ``benchmarks/decode.py`` and ``benchmarks/encode.py`` publish for either tree.
+
+    git worktree add /tmp/before <commit>
+    python benchmarks/side_by_side.py --before /tmp/before        # 5 rounds
+    python benchmarks/side_by_side.py --before /tmp/before --save # benchmarks/results/side_by_side.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+FIGURES = ("decode b1 ms/token", "decode b8 ms/token", "encode 256 s")
+
+CHILD = r"""
+import json, statistics, sys, time
+import torch
+import headspace
+from headspace.kernels import native
+torch.set_num_threads(int(sys.argv[1]))
+tokens, steps = int(sys.argv[2]), int(sys.argv[3])
+native.build()
+text = open(sys.argv[4], encoding="utf-8").read()
+m = headspace.load("smollm2")
+prompt = m.tokenize(text[:20000])[:, :tokens]  # (1, tokens): the README's opening
+out = {}
+for batch in (1, 8):
+    p = prompt.repeat(batch, 1)
+    m.model.generate(p, 4, temperature=0)  # warm-up (and the native build's load)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        m.model.generate(p, steps, temperature=0)
+        times.append((time.perf_counter() - t0) / steps * 1e3)
+    out[f"decode b{batch} ms/token"] = statistics.median(times)
+enc = headspace.load("minilm")
+sentences = [line for line in text.splitlines() if line.strip()][:256]
+sentences = (sentences * (256 // max(1, len(sentences)) + 1))[:256]
+enc.encode(sentences[:16])
+times = []
+for _ in range(3):
+    t0 = time.perf_counter()
+    enc.encode(sentences)
+    times.append(time.perf_counter() - t0)
+out["encode 256 s"] = statistics.median(times)
+out["native"] = native.status()
+print(json.dumps(out))
+"""
+
+
+def positive(value: str) -> int:
+    n = int(value)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int; got {value}")
+    return n
+
+
+def run_child(src: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One child process on the tree whose package lies in ``src``: its figures."""
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            str(args.threads),
+            str(args.tokens),
+            str(args.steps),
+            str(ROOT / "README.md"),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"the child on {src} failed:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--before", required=True, type=Path, help="the other checkout (its src/ is used)")
+    p.add_argument("--rounds", type=positive, default=5)
+    p.add_argument("--threads", type=positive, default=2)
+    p.add_argument("--tokens", type=positive, default=32, help="prompt tokens")
+    p.add_argument("--steps", type=positive, default=24, help="tokens generated per timed call")
+    p.add_argument("--save", action="store_true", help="write benchmarks/results/side_by_side.json")
+    a = p.parse_args()
+    trees = {"this": ROOT / "src", "before": a.before.resolve() / "src"}
+    for src in trees.values():
+        if not (src / "headspace" / "__init__.py").is_file():
+            raise SystemExit(f"--before must be a headspace checkout: no {src / 'headspace' / '__init__.py'}")
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
+    for r in range(a.rounds):
+        order = list(trees) if r % 2 == 0 else list(trees)[::-1]
+        for name in order:
+            runs[name].append(run_child(trees[name], a))
+        print(f"round {r + 1}/{a.rounds} done", file=sys.stderr, flush=True)
+    rows = []
+    for fig in FIGURES:
+        row: dict[str, Any] = {"figure": fig}
+        for name in trees:
+            values = [run[fig] for run in runs[name]]
+            row[name] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+        row["ratio"] = row["this"]["median"] / row["before"]["median"]
+        rows.append(row)
+    print(f"\n{a.rounds} rounds, {a.threads} threads, alternating order; medians (min-max)\n")
+    print("| figure | this checkout | before | this / before |")
+    print("|---|---:|---:|---:|")
+    for row in rows:
+        cells = [f"{row[n]['median']:.2f} ({row[n]['min']:.2f}-{row[n]['max']:.2f})" for n in trees]
+        print(f"| {row['figure']} | {cells[0]} | {cells[1]} | {row['ratio']:.3f} |")
+    native = {name: runs[name][-1]["native"] for name in trees}
+    print(f"\nnative step: {native}")
+    out = RESULTS / ("side_by_side.json" if a.save else "local/side_by_side.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    from headspace.bench import machine_info
+
+    payload = {
+        "benchmark": "side_by_side",
+        "machine": machine_info(),
+        "args": vars(a) | {"before": str(a.before)},
+    }
+    payload |= {"rows": rows, "runs": runs, "native": native}
+    from headspace.core.fileio import write_json
+
+    write_json(out, payload)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
