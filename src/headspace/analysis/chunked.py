@@ -27,8 +27,8 @@ Cost: one block is a [batch, n_kv_heads, group x rows, d_head] x [d_head, width]
 passes over [batch, n_heads, rows, width] (mask, max, shift, floor, exp, sum, sum of w t), into two
 buffers reused from block to block; with a causal mask ``width`` stops at the block's last visible
 key (half the work on average) and, causality alone, only the block's diagonal square is masked.
-SmolLM2 at 8,192 tokens: about 1.8 s per layer on one core, against about 2 s for the layer's forward
-(``benchmarks/long_inputs.py``).
+How that compares with a plain forward on long inputs is measured by ``benchmarks/long_inputs.py``
+(docs/benchmarks.md, "Long inputs").
 
 Layout of q and k: as the hook points show them, ``q`` [batch, seq_q, n_heads, d_head] and ``k``
 [batch, seq_k, n_kv_heads, d_head], *after* rotation on rotary layers (``hook_rot_q`` / ``hook_rot_k``;
@@ -63,9 +63,10 @@ _NEG = torch.finfo(torch.float32).min  # masked scores, before the max is taken
 
 _EXP_FLOOR = -87.0
 """Max-shifted scores are clamped at this before exp(): torch's vectorised CPU exp falls back to a slow
-path for inputs below about -87.3 (where float32 exp underflows), measured 80x slower per element. A
-key more than 87 nats below its row's best gets weight e^-87 ~ 1.6e-38 instead of its own (below float32
-resolution against the row's 1: the same numbers); masked keys are then set to exactly 0."""
+path for inputs below about -87.3 (where float32 exp underflows), many times slower per element (see
+docs/benchmarks.md, "Figures formerly in docstrings"). A key more than 87 nats below its row's best gets
+weight e^-87 ~ 1.6e-38 instead of its own (below float32 resolution against the row's 1: the same
+numbers); masked keys are then set to exactly 0."""
 
 
 def default_chunk_size(batch: int, n_heads: int, seq_q: int, seq_k: int, budget: int = BLOCK_BYTES) -> int:
@@ -175,7 +176,8 @@ def _buffer(store: list[Tensor], i: int, shape: tuple[int, ...], device: torch.d
     """A contiguous float32 tensor of ``shape`` in the reusable flat buffer ``store[i]`` (grown if needed).
 
     Reusing one buffer per role across blocks matters on the CPU: a fresh multi-MB block is new memory the
-    kernel must fault in page by page (measured: exp() 2.4x slower into fresh memory than into reused).
+    kernel must fault in page by page, which slows the ops that write into it (see docs/benchmarks.md,
+    "Figures formerly in docstrings").
     """
     n = math.prod(shape)
     if store[i].numel() < n:
@@ -227,7 +229,7 @@ def softmax_block(
             t.add_(m)
             blocked = torch.isneginf(m)
     t.sub_(t.amax(dim=-1, keepdim=True))  # max-shifted; a row's max is finite (dead rows were opened)
-    t.clamp_(min=_EXP_FLOOR)  # exp() of anything lower is 80x slower on the CPU (see _EXP_FLOOR)
+    t.clamp_(min=_EXP_FLOOR)  # exp() of anything lower takes torch's slow CPU path (see _EXP_FLOOR)
     w = torch.exp(t, out=_buffer(store, 1, (B, H, n, K), t.device))  # (B, H, rows, K)
     if later is not None:
         w[..., causal_from:].masked_fill_(later, 0.0)  # masked keys: exactly 0

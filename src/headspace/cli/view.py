@@ -16,7 +16,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -25,6 +25,9 @@ from ..core.errors import UsageError
 from .loader import at_precision, load_model
 from .options import TOKENS_HELP, choice_option, model_choice_option, model_precision_option
 from .output import check_writable_folder
+
+if TYPE_CHECKING:  # the page module imports torch; --help must not
+    from ..viz.explorer.page import Explorer, PageServer
 
 #: --precision choices (:data:`headspace.viz.explorer.data.PRECISIONS`, kept here so --help needs no torch).
 PRECISIONS = ("auto", "float32", "float16")
@@ -72,32 +75,9 @@ def view(
     start = time.perf_counter()  # what the user waits for: imports and the model load included
     if output is None and not serve:
         raise UsageError("say where the page goes: -o FILE.html (and/or --serve to open it on localhost)")
-    views: list[Any] = []
-    if result_files:  # read first: a bad file is known before any model is loaded
-        from ..viz.explorer.results import load_results, prompt_of
-
-        for name in result_files:
-            try:
-                views += load_results(name)
-            except (OSError, ValueError) as e:
-                raise UsageError(f"--result: {' '.join(str(e).split())}") from None
-        if sentence is None:
-            sentence = prompt_of(views)
-    if sentence is not None and not sentence.strip():
-        raise UsageError("SENTENCE is empty; give at least one word (or leave it out for the default)")
-    if output is not None:
-        folder = Path(output).parent
-        if not folder.is_dir():
-            raise UsageError(f"-o {output!r}: the folder {str(folder)!r} does not exist")
-        check_writable_folder(folder, "-o", output)
-    from ..viz.explorer.page import Explorer, page_server
-
-    server = None
-    if serve:  # bind first: a port in use is known before the model is loaded and the page built
-        try:
-            server = page_server(port=port)
-        except OSError as e:
-            raise UsageError(f"--port {port}: cannot listen on 127.0.0.1:{port} ({e.strerror})") from None
+    views, sentence = _read_results(result_files, sentence)  # a bad file is known before any model load
+    _check_sentence_and_output(sentence, output)
+    server = _bind(port) if serve else None  # a port in use is known before the model is loaded
     temp: Path | None = None
     with _sigterm_exits():
         try:
@@ -105,40 +85,106 @@ def view(
             if sentence is None:  # the lesson's sentence: an encoder's or a decoder's
                 sentence = default_sentence(pre)
             loaded = time.perf_counter()
-            try:
-                page = Explorer(pre, sentence, precision=precision, results=views)
-            except ValueError as e:
-                raise UsageError(str(e).splitlines()[0]) from None
-            if output is not None:
-                path = page.save(output)
-            else:
-                temp = Path(tempfile.mkdtemp(prefix="headspace-view-"))
-                path = page.save(temp / "explorer.html")
-            done = time.perf_counter()
-            n_tokens = len(page.data["tokens"])
-            size_mb = path.stat().st_size / 1e6
-            click.echo(
-                f"wrote {path} ({size_mb:.1f} MB, {n_tokens} tokens, {len(page.data['layers'])} layers, "
-                f"{page.data['precision']}) in {done - start:.1f} s "
-                f"(load {loaded - start:.1f} s, build {done - loaded:.1f} s)"
-            )
-            if views:
-                names = ", ".join(v["name"] for v in views)
-                click.echo(f"with {len(views)} saved result view(s): {names}")
+            page = _build_page(pre, sentence, precision, views)
+            path, temp = _save_page(page, output)
+            _report(page, path, views, start, loaded, time.perf_counter())
             if server is not None:
-                server.set_page(path)
-                host, bound = server.server_address[:2]
-                note = "" if temp is None else "; the page is removed when the server stops"
-                click.echo(f"serving on http://{host}:{bound}/ (Ctrl-C to stop{note})")
-                try:
-                    server.serve_forever()
-                except KeyboardInterrupt:
-                    pass
+                _serve(server, path, removed_after=temp is not None)
         finally:
             if server is not None:
                 server.server_close()
             if temp is not None:
                 shutil.rmtree(temp, ignore_errors=True)
+
+
+def _read_results(result_files: tuple[str, ...], sentence: str | None) -> tuple[list[Any], str | None]:
+    """The heatmap views of every ``--result`` file, in order, and the sentence the page opens on: the
+    given one, else (with results) the results' clean prompt. A file that cannot be read or parsed is a
+    :class:`UsageError` naming ``--result`` and the file's problem on one line."""
+    if not result_files:
+        return [], sentence
+    from ..viz.explorer.results import load_results, prompt_of
+
+    views: list[Any] = []
+    for name in result_files:
+        try:
+            views += load_results(name)
+        except (OSError, ValueError) as e:
+            raise UsageError(f"--result: {' '.join(str(e).split())}") from None
+    return views, prompt_of(views) if sentence is None else sentence
+
+
+def _check_sentence_and_output(sentence: str | None, output: str | None) -> None:
+    """Refuse an all-blank SENTENCE, and an ``-o`` whose folder is missing or not writable."""
+    if sentence is not None and not sentence.strip():
+        raise UsageError("SENTENCE is empty; give at least one word (or leave it out for the default)")
+    if output is not None:
+        folder = Path(output).parent
+        if not folder.is_dir():
+            raise UsageError(f"-o {output!r}: the folder {str(folder)!r} does not exist")
+        check_writable_folder(folder, "-o", output)
+
+
+def _bind(port: int) -> PageServer:
+    """The page server bound to 127.0.0.1:``port`` (0: any free port), not yet serving; a port that
+    cannot be listened on is a :class:`UsageError` naming it and the OS's reason."""
+    from ..viz.explorer.page import page_server
+
+    try:
+        return page_server(port=port)
+    except OSError as e:
+        raise UsageError(f"--port {port}: cannot listen on 127.0.0.1:{port} ({e.strerror})") from None
+
+
+def _build_page(pre: Any, sentence: str, precision: str, views: list[Any]) -> Explorer:
+    """The :class:`~headspace.viz.explorer.page.Explorer` of ``sentence`` on the loaded model ``pre``;
+    a sentence or precision it refuses is a :class:`UsageError` with the first line of its message."""
+    from ..viz.explorer.page import Explorer
+
+    try:
+        return Explorer(pre, sentence, precision=precision, results=views)
+    except ValueError as e:
+        raise UsageError(str(e).splitlines()[0]) from None
+
+
+def _save_page(page: Explorer, output: str | None) -> tuple[Path, Path | None]:
+    """Save ``page`` to ``output``, or (None: only served) into a fresh temporary folder; returns
+    (the page's path, that folder or None). The folder is removed again if the save fails."""
+    if output is not None:
+        return page.save(output), None
+    temp = Path(tempfile.mkdtemp(prefix="headspace-view-"))
+    try:
+        return page.save(temp / "explorer.html"), temp
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+
+
+def _report(page: Explorer, path: Path, views: list[Any], start: float, loaded: float, done: float) -> None:
+    """Echo what was written: the path, its size, tokens, layers and stored precision, the wall time
+    from ``start`` split at ``loaded`` into model load and page build, and the saved result views."""
+    size_mb = path.stat().st_size / 1e6
+    click.echo(
+        f"wrote {path} ({size_mb:.1f} MB, {len(page.data['tokens'])} tokens, {len(page.data['layers'])} "
+        f"layers, {page.data['precision']}) in {done - start:.1f} s "
+        f"(load {loaded - start:.1f} s, build {done - loaded:.1f} s)"
+    )
+    if views:
+        names = ", ".join(v["name"] for v in views)
+        click.echo(f"with {len(views)} saved result view(s): {names}")
+
+
+def _serve(server: PageServer, path: Path, removed_after: bool) -> None:
+    """Serve ``path`` on the bound ``server`` until Ctrl-C (which ends it quietly); the caller closes
+    the server. ``removed_after`` says, in the banner, that the page goes when the server stops."""
+    server.set_page(path)
+    host, bound = server.server_address[:2]
+    note = "; the page is removed when the server stops" if removed_after else ""
+    click.echo(f"serving on http://{host}:{bound}/ (Ctrl-C to stop{note})")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
 
 
 @contextmanager

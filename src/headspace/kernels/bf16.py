@@ -12,11 +12,11 @@ every analysis see float32 tensors, and the weights read as float32 tensors hold
 The product runs on oneDNN with the weight packed once (``torch.ops.mkldnn._reorder_linear_weight``, the
 call torch's own CPU inference compiler makes, and ``torch.ops.mkldnn._linear_pointwise``): handed a
 plain bfloat16 weight, oneDNN re-lays it out in its blocked format on every call, which at a decoding
-step (one row per sequence) reads and writes the whole weight again, so that a bfloat16 step measured no
-faster than a float32 one (53 against 51 ms per SmolLM2 token, one thread). Packed, a one-row product
-takes half the float32 time (59 against 122 us for [1, 576] x [576, 1536]; 2.3 against 4.2 ms for
-SmolLM2's [576 -> 49152] unembedding), bitwise equal to ``F.linear`` on the plain bfloat16 weight; on
-many rows (a prefill, an encoder batch) packed and plain take the same time.
+step (one row per sequence) reads and writes the whole weight again and costs the bfloat16 step its
+advantage over float32. Packed, a one-row product reads half float32's bytes, and its result is bitwise
+equal to ``F.linear`` on the plain bfloat16 weight; on many rows (a prefill, an encoder batch) packing
+makes no difference. The figures behind this choice are in docs/benchmarks.md ("Figures formerly in
+docstrings").
 
 :class:`BF16Weight` is how a model holds such a weight: a float32 tensor of the bfloat16-rounded values
 (views, per-head matrices and analyses read it as any float32 tensor) that also keeps the packed
@@ -26,9 +26,9 @@ holds its weights in float32 plus a bfloat16 copy (1.5 times float32's bytes).
 On a CPU where oneDNN has no bfloat16 kernel (``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` False:
 no AVX512-BW/VL/DQ and no AVX-NE-CONVERT, or ``ONEDNN_MAX_CPU_ISA`` below them), or with the fallback
 forced (:mod:`headspace.kernels.cpu`), the same arithmetic runs as a float32 GEMM on the rounded values
-(torch's own bfloat16 matmul measured 5x slower than float32 there): the products are exact in float32
-either way, so the two differ only in the order of the float32 sums, by at most one bfloat16 step of a
-result (tested). No packed copy is made then.
+(torch's own bfloat16 matmul is much slower than float32 there; see docs/benchmarks.md): the products
+are exact in float32 either way, so the two differ only in the order of the float32 sums, by at most one
+bfloat16 step of a result (tested). No packed copy is made then.
 """
 
 from __future__ import annotations

@@ -27,10 +27,10 @@ from .workspace import recycled_empty
 # allocates anything of size seq_q x seq_k. Grouped-query attention needs no repeat_kv copies: the
 # G query heads of one key/value head are laid out as G * seq_q rows of one matrix.
 #
-# Blocks are large on purpose. Small cache-sized blocks bought little (measured: the kernel already
-# runs at the sum of its GEMMs and softmax) and cost much on a busy machine, where every parallel
-# region of a 2-thread GEMM may wait for a descheduled thread (a 512 x 64 x 2048 GEMM measured 10x
-# slower with 2 threads than with 1 on a shared 2-core box): a few large GEMMs, not many small ones.
+# Blocks are large on purpose. Small cache-sized blocks bought little (the kernel already runs at the
+# sum of its GEMMs and softmax) and cost much on a busy machine, where every parallel region of a
+# multi-threaded GEMM may wait for a descheduled thread: a few large GEMMs, not many small ones (the
+# figures: docs/benchmarks.md, "Figures formerly in docstrings").
 # ---------------------------------------------------------------------------------------------------
 
 #: Forward block size in bytes of the pattern (the forward needs no buffer of its own).
@@ -135,7 +135,7 @@ def _blocked_forward(
     group = H // Hkv
     pattern = recycled_empty((B, H, Sq, Sk), q.dtype, q.device)  # reused once the caller drops it
     # Contiguous on purpose: torch.bmm(out=) into a strided (heads-last) block takes a slow
-    # non-BLAS path with more than one thread (about 15x slower, measured).
+    # non-BLAS path with more than one thread (docs/benchmarks.md, "Figures formerly in docstrings").
     out = q.new_empty(B, H, Sq, q.shape[-1])  # (B, H, Sq, dh)
     blocked, additive, dead = _mask_parts(mask, (B, H, Sq, Sk), q.device)
     for blk in _blocks(B, H, Hkv, Sq, Sk, q.element_size(), FORWARD_BLOCK_BYTES):
@@ -219,7 +219,7 @@ class _BlockedExplicitAttention(torch.autograd.Function):
         ctx.scale = scale
         # An output that no loss reaches gets None, not a materialised zero tensor: the pattern is
         # usually only looked at, and a zero [B, H, Sq, Sk] gradient would cost a fresh allocation
-        # and two passes over it (measured: a third of the backward at seq 2048).
+        # and two passes over it.
         ctx.set_materialize_grads(False)
         return out, pattern
 

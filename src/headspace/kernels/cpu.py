@@ -128,10 +128,11 @@ def bf16_many_rows_in_float32() -> bool:
     """Whether many-row bfloat16 products (compute-bound) run faster as float32 GEMMs on the rounded
     values than on oneDNN's bfloat16 kernel, from ``torch.cpu.get_capabilities()``.
 
-    True on Intel CPUs with AVX512-BF16 but no AMX (``vdpbf16ps`` at half the rate of float32 FMAs
-    there: oneDNN's bfloat16 GEMM measured 0.6x float32's speed); False with AMX, and on AMD CPUs
-    (Zen 4 measured the bfloat16 GEMM 2.6x faster than float32's). Where oneDNN has no bfloat16
-    kernel at all every row count runs in float32 (:func:`use_onednn_bf16`).
+    True on Intel CPUs with AVX512-BF16 but no AMX (``vdpbf16ps`` runs at half the rate of float32
+    FMAs there, so oneDNN's bfloat16 GEMM is slower than float32's); False with AMX, and on AMD CPUs
+    (Zen 4's bfloat16 GEMM is faster than its float32 one). The measurements behind this rule are in
+    docs/benchmarks.md ("Figures formerly in docstrings"). Where oneDNN has no bfloat16 kernel at all
+    every row count runs in float32 (:func:`use_onednn_bf16`).
     """
     try:
         caps = torch.cpu.get_capabilities()

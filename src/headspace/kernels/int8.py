@@ -21,22 +21,23 @@ Two kernels compute it, with the same int32 sums:
 * many rows (an encoder's or a prefill's): ``A`` comes from oneDNN's u8 x s8 kernel
   (``torch.ops.onednn.qlinear_pointwise``, the op torch's own x86 int8 inference uses; VNNI on CPUs that
   have it) with the weight scales fused into its output; the per-token scale, the zero-point term and
-  the bias (one rank-2 update) are two passes over the output. oneDNN costs ~50 us a call whatever the
-  size, so
+  the bias (one rank-2 update) are two passes over the output. A oneDNN call has a fixed cost whatever
+  its size (docs/benchmarks.md, "Why this int8 kernel"), so
 * few rows (decoding) run on ``torch._int_mm`` (s8 x s8 -> s32) instead, which the asymmetric scheme
   maps onto exactly: ``sum_i (x_q - z_t) W_q[o, i] = sum_i (x_q - 128) W_q[o, i] + (128 - z_t) C[o]``,
   ``x_q - 128`` an int8 (the top bit of the uint8 flipped) and ``W_q^T`` a view of ``W_q`` (no copy; a
-  contiguous transpose ran 2-3x slower on one row), the correction an int32 rank-1 update, then
+  contiguous transpose is slower on one row), the correction an int32 rank-1 update, then
   ``y = s_t s_w[o] (that) + b[o]`` in one float32 pass. The input's scalars (``lo``, ``hi``, ``s_t``,
   ``z_t``) are the same float32 operations done in numpy / Python (five torch ops against seventeen for
   the tensor version), so ``x_q`` is bit for bit the many-row path's; the two paths' outputs differ only
   by float32 rounding of the epilogue (measured <= 1.8e-6 of a call's largest output on SmolLM2's
-  activations). When (``_few_rows``, measured on 1 thread): one row through a weight of up to 2**25
-  elements, or several through one of up to 1.4M elements (~1.4 MB of int8, past which the
-  several-row ``_int_mm`` lost to oneDNN from 2 rows on) while rows x elements <= 2**24. So SmolLM2's
-  decoding layers take it at batch 1 and 8, its [576 -> 49152] unembedding at batch 1 only (at 8 rows
-  oneDNN ran 1.9 ms against ``_int_mm``'s 2.8-3.8). On oneDNN whatever the rows: one input feature
-  (torch 2.13's ``_int_mm`` gets ``k = 1`` wrong) and an input holding a NaN or an infinity.
+  activations). When (``_few_rows``; the thresholds sit where one kernel overtook the other on 1 thread,
+  docs/benchmarks.md): one row through a weight of up to 2**25 elements, or several through one of up
+  to 1.4M elements (~1.4 MB of int8, past which the several-row ``_int_mm`` loses to oneDNN from 2 rows
+  on) while rows x elements <= 2**24. So SmolLM2's decoding layers take it at batch 1 and 8, its
+  [576 -> 49152] unembedding at batch 1 only (at 8 rows oneDNN is the faster there). On oneDNN whatever
+  the rows: one input feature (torch 2.13's ``_int_mm`` gets ``k = 1`` wrong) and an input holding a NaN
+  or an infinity.
 
 Both kernels need int8 products that sum in int32. oneDNN's u8 x s8 kernel on a CPU without VNNI (or
 under ``ONEDNN_MAX_CPU_ISA=AVX2``) sums neighbouring pairs in saturating int16 and is silently wrong
@@ -48,20 +49,13 @@ Reduced-range activations (7 bits, as PyTorch's x86 quantisation does) would kee
 the numbers, by a level in 128.
 
 One scale per token rather than one per call: on all-MiniLM-L6-v2, one per call gave a minimum cosine of
-0.986 to float32 over 64 sentences, one per token 0.998 (symmetric per token: 0.995). Against the
-alternatives, ``benchmarks/int8_kernels.py`` (1 thread, a shared 2-core machine, ms per call against
-float32 ``F.linear``): on MiniLM's encoder shapes (x [4096, 384], never the few-row path) this kernel
-ran 1.39-2.34x float32, ``torch._int_mm`` with symmetric per-token quantisation written as torch ops
-0.83-1.95x and torchao's ``Int8DynamicActivationInt8WeightConfig`` 0.45-1.25x. On SmolLM2's decoding
-shapes, before the few-row path this kernel paid ~0.1 ms a call whatever the size (0.092-0.103 ms at
-one row on the three layer shapes, float32 0.052-0.113; 0.118-0.137 at eight); with it 0.042-0.046 ms
-at one row and 0.078-0.108 at eight (1.2-2.6x and 1.6-2.9x float32; the benchmark's symmetric
-``_int_mm`` version, a simpler quantisation, 0.032-0.036 and 0.053-0.079), the unembedding 1.24 ms at
-one row (was 1.51; float32 4.9) and 1.87 at eight (oneDNN, 7.6x float32); torchao 0.09-0.48x there.
-SmolLM2-135M int8 greedy decoding (``benchmarks/decode.py --smollm2-only``, 2 threads, one run each on a
-quiet spell): 33.6 -> 21.4 ms/token at batch 1 (float32 29.7), 41.4 -> 37.3 at batch 8; top-1 agreement
-with float32 over 200 tokens 0.865 -> 0.860, perplexity ratio 1.0661 -> 1.0659 (a change of float32
-rounding anywhere moves this model's int8 logits as much: 1e-7 of noise on each layer's output did).
+0.986 to float32 over 64 sentences, one per token 0.998 (symmetric per token: 0.995). How this kernel
+compares with the alternatives (``torch._int_mm`` with symmetric per-token quantisation written as torch
+ops, torchao's ``Int8DynamicActivationInt8WeightConfig``, float32 ``F.linear``) per call
+(``benchmarks/int8_kernels.py``) and per SmolLM2 token (``benchmarks/decode.py``) is in
+docs/benchmarks.md ("Why this int8 kernel", "Figures formerly in docstrings"). The few-row path changes
+int8 outputs only by the float32 rounding of the epilogue, which moves SmolLM2's int8 greedy decoding no
+more than a change of float32 rounding anywhere else does.
 
 :class:`Int8Weight` is how a model holds such a weight: a float32 tensor whose values are the dequantised
 weight ``W_q * s_w`` (what the int8 layer multiplies by, so every per-head view, circuit and analysis reads
@@ -124,7 +118,7 @@ def quantize_activation(x: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     Returns x_q uint8 [tokens, in], s_t float32 [tokens] and z_t float32 [tokens] (whole numbers in
     [0, 254]); the formula is in the module docstring. A row of zeros gets ``s_t = 1``.
     """
-    # amax and amin apart: 7-14x faster than aminmax(dim=1) on [4096, 384..1536] (measured)
+    # amax and amin apart: faster than aminmax(dim=1) on many rows (docs/benchmarks.md)
     lo, hi = x.amin(dim=1).clamp_(max=0.0), x.amax(dim=1).clamp_(min=0.0)  # (tokens,) x 2
     scale = (hi - lo) / ACTIVATION_STEPS  # (tokens,)
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
@@ -305,8 +299,8 @@ def int8_linear(x: Tensor, weight: Int8Weight, bias: Tensor | None = None) -> Te
     return y.view(*lead, n_out)
 
 
-#: When :func:`int8_linear` runs ``torch._int_mm`` rather than oneDNN (measured, 1 thread; the module
-#: docstring has the figures): one row through a weight of up to this many elements (beyond, both are
+#: When :func:`int8_linear` runs ``torch._int_mm`` rather than oneDNN (chosen on 1 thread; the figures
+#: are in docs/benchmarks.md): one row through a weight of up to this many elements (beyond, both are
 #: memory-bound and ran level) ...
 ONE_ROW_WEIGHT = 1 << 25
 #: ... or several rows through a weight of up to this many elements (~1.4 MB of int8: past it the
@@ -340,8 +334,8 @@ def _quantize_few(x: Tensor) -> tuple[Tensor, np.ndarray, np.ndarray] | None:
     numpy arrays [tokens]. Five torch ops against quantize_activation's seventeen. None where a row holds
     a NaN or an infinity (the caller takes the oneDNN path, as before).
     """
-    # amin and amax apart: 3x faster than aminmax(dim=1) on [8, 576] (measured; aminmax of a whole row
-    # is the fastest for one, see _quantize_row)
+    # amin and amax apart: faster than aminmax(dim=1) on a few rows (docs/benchmarks.md; aminmax of a
+    # whole row is the fastest for one, see _quantize_row)
     lo = np.minimum(x.amin(dim=1).numpy(), _F32(0.0))  # (tokens,)
     hi = np.maximum(x.amax(dim=1).numpy(), _F32(0.0))
     if not (np.isfinite(lo).all() and np.isfinite(hi).all()):

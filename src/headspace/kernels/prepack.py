@@ -3,10 +3,10 @@
 A decoding step multiplies a few rows (the batch) by every weight matrix. For one row MKL runs a
 matrix-vector kernel that streams the weight once, at the memory bandwidth. For 2 rows and more it
 runs its GEMM, which first packs the weight into its blocked layout on every call: the weight is read,
-written and read again. SmolLM2's 151 products on 8 rows take 48-50 ms a token that way on this
-project's 2-core CPU, and 33-39 ms with each weight packed once beforehand
+written and read again. Packing each weight once beforehand
 (``torch.ops.mkl._mkl_reorder_linear_weight``, the packing torch's inductor uses for float32 linears
-on CPU). The packed copy is a second copy of the weight (MKL's opaque layout, not a view), so
+on CPU) saves that work on every step of a batched decode (docs/benchmarks.md, "Decode"). The packed
+copy is a second copy of the weight (MKL's opaque layout, not a view), so
 :class:`headspace.decoding.DecodePlan` packs only for the duration of one
 :meth:`headspace.Decoder.generate` call, and only where :func:`should_prepack` says it pays and fits.
 

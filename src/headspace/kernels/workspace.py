@@ -3,9 +3,8 @@
 Why: a large fresh allocation comes from the operating system untouched, and the first write to each
 of its 4 KiB pages faults. glibc maps every block of 32 MiB or more afresh and unmaps it on free (its
 adaptive mmap threshold stops there), so an inference loop whose intermediates pass that size pays the
-faults on every call: measured on a 2-core EPYC guest, a seq-1024 attention forward (batch 8, d_model
-512) spent 11% of its time faulting in the fused [batch * seq, 3 * d_model] QKV projection. Memory that
-is reused is faulted in once.
+faults on every call, a noticeable share of an attention forward's time at long sequences (the figure:
+docs/benchmarks.md, "Figures formerly in docstrings"). Memory that is reused is faulted in once.
 
 Two owners:
 
@@ -19,8 +18,8 @@ Two owners:
 Nothing returned to a caller ever lies in a workspace. Results are a third case,
 :func:`recycled_empty`: the attention pattern (``need_weights=True``) is handed to the caller, and once
 the caller drops every view of it, its memory serves the next pattern of a similar size in that thread
-instead of going back to the OS (after each call at most one idle pattern is kept per thread). At
-seq 2048 (batch 8, 8 heads) that 1 GiB took 0.45 s to fault in on every call. A pattern too large
+instead of going back to the OS (after each call at most one idle pattern is kept per thread), so a
+large pattern is not faulted in afresh on every call. A pattern too large
 for the machine raises :class:`PatternMemoryError` (a ``MemoryError``) that names its shape and size.
 """
 

@@ -12,12 +12,11 @@ not needed).
 Memory: :func:`load_gguf` checks the header, configuration and tokenizer, then makes the Decoder with
 empty parameters (:func:`.llama.empty_llama`) and has the reader dequantise each tensor straight into
 its parameter (q, k and v into their rows of the fused ``qkv_weight``), through at most a 32 MiB scratch
-buffer; the NaN/Inf check then sums each parameter in place. Measured on SmolLM2 (513 MiB of float32
-weights) by ``probe_load`` in ``benchmarks/decode.py``, medians of fresh interpreters: peak resident
-memory during the load 620 MiB over the resident set before it (1.21x the weights; 780 MiB, 1.52x,
-when the tensors were read into a dict and then converted), 548 MiB (1.07x) after it, and about 0.55x
-that path's time (5.4 s against 9.8 s side by side on a busy machine, load average 4-5; the dict path
-took 2.1 s when it was quiet).
+buffer; the NaN/Inf check then sums each parameter in place. No second full copy of the weights is
+ever held, so the peak resident memory of a load stays near the weights' own size, well below reading
+the tensors into a dict and then converting them, and the load takes less time than that path.
+``probe_load`` in ``benchmarks/decode.py`` measures both (docs/benchmarks.md, "Decode" and "Figures
+formerly in docstrings").
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ def _return_freed_memory() -> None:
     """Hand the heap memory the load freed (dequantisation buffers, q/k/v before fusing) back to the OS.
 
     glibc keeps freed blocks below its mmap threshold in the process; ``malloc_trim(0)`` returns them
-    (measured on SmolLM2: resident memory after the load 579 -> 549 MiB over 513 MiB of weights, a few ms).
+    (docs/benchmarks.md, "Figures formerly in docstrings", has what it gave SmolLM2).
     Elsewhere (another libc, another OS) it does nothing.
     """
     if not sys.platform.startswith("linux"):

@@ -26,7 +26,8 @@ tensor data of every tensor must lie inside the file without overlapping another
 must be sane and must fit the file, and every tensor must have exactly the shape the configuration
 implies. Any problem raises `GGUFError` (a `ValueError`) whose message names the file and the problem.
 The header is parsed by this module rather than by `gguf.GGUFReader`, which memory-maps the file and
-takes about 2 s to index a 49k-token vocabulary; reading it here takes about 0.1 s.
+indexes every field, slow on a large vocabulary; this module reads only what it needs (the figures:
+docs/benchmarks.md, "Figures formerly in docstrings").
 """
 
 from __future__ import annotations
@@ -845,7 +846,8 @@ def _read_into(f: BinaryIO, offset: int, out: np.ndarray, name: str, path: Path)
 
 # Tensors of one type are dequantised together, up to this many values (32 MiB of float32) at a time:
 # a few large torch ops instead of ~10 per tensor. On a busy machine every multi-threaded torch op can
-# wait a scheduler slice for its second thread, which made a per-tensor loop take 10 s instead of 0.5 s.
+# wait a scheduler slice for its second thread, which made a per-tensor loop many times slower
+# (docs/benchmarks.md, "Figures formerly in docstrings").
 # A group is dequantised into one scratch buffer and copied out by numpy (single-threaded, no torch op);
 # a tensor larger than this is dequantised alone, straight into its own storage.
 _CHUNK_VALUES = 1 << 23

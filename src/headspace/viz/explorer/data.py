@@ -190,8 +190,8 @@ def unpack(a: dict[str, Any]) -> np.ndarray:
 def _one_thread() -> Iterator[None]:
     """Run tiny batched LAPACK calls (SVD/QR of [heads, d_model, d_head]) on one intra-op thread.
 
-    They gain nothing from threads, and on a busy machine the thread hand-off made the overlaps of
-    MiniLM take 25 s instead of 1 s. The previous thread count is restored.
+    They gain nothing from threads, and on a busy machine the thread hand-off made them many times
+    slower (docs/benchmarks.md, "Figures formerly in docstrings"). The previous thread count is restored.
     """
     before = torch.get_num_threads()
     torch.set_num_threads(1)
