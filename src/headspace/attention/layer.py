@@ -609,7 +609,7 @@ class MultiHeadAttention(nn.Module):
         v), no KV cache (it may keep the new keys and values); and only when large enough to gain.
         The caller also leaves it out with ``need_weights=True``: there the projection is freed before
         the output GEMM, which keeps that path's peak memory below torch MHA's (kept in the workspace,
-        it measured 16 KiB above torch's at seq 1024, batch 8, d_model 512).
+        it would rise above it: docs/benchmarks.md).
         """
         if not (self_attention and self.fused) or traced or kv_cache is not None:
             return False

@@ -365,8 +365,7 @@ def ready(*, warn: bool = True) -> bool:
                 _state["warned"] = True
                 warnings.warn(
                     f"headspace's native decoding step is unavailable ({_state.get('reason')}); "
-                    "decoding runs the Python step, which gives the same logits, ~2 ms a token slower "
-                    "on SmolLM2",
+                    "decoding runs the Python step, which gives the same logits, a little slower",
                     RuntimeWarning,
                     stacklevel=3,
                 )

@@ -7,7 +7,7 @@ written and read again. Packing each weight once beforehand
 (``torch.ops.mkl._mkl_reorder_linear_weight``, the packing torch's inductor uses for float32 linears
 on CPU) saves that work on every step of a batched decode (docs/benchmarks.md, "Decode"). The packed
 copy is a second copy of the weight (MKL's opaque layout, not a view), so
-:class:`headspace.decoding.DecodePlan` packs only for the duration of one
+:func:`headspace.decode.describe` packs only for the duration of one
 :meth:`headspace.Decoder.generate` call, and only where :func:`should_prepack` says it pays and fits.
 
 The products agree with ``torch.mm`` to float32 rounding (the packed kernel may sum in another order:
