@@ -5,7 +5,8 @@ alternating order), and each child times, on the same prompt and sentences:
 
 * ``decode b1`` / ``decode b8``: ms per token of SmolLM2 greedy ``generate`` at batch 1 and 8 (after a
   warm-up call; the default step: the native one where it is built, which the script builds first);
-* ``encode``: seconds for MiniLM to encode 256 sentences (``PretrainedEncoder.encode``).
+* ``encode``: seconds for MiniLM to encode ``--sentences`` (256) lines of the README
+  (``PretrainedEncoder.encode``).
 
 It prints each figure's median and spread per tree and the ratio of the medians (this / before), and
 writes JSON. A ratio near 1 within the spread means "no slower"; the ratios to transformers are then
@@ -27,9 +28,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
+from headspace.bench import machine_info
+from headspace.core.fileio import write_json
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-FIGURES = ("decode b1 ms/token", "decode b8 ms/token", "encode 256 s")
+FIGURES = ("decode b1 ms/token", "decode b8 ms/token", "encode s")
 
 CHILD = r"""
 import json, statistics, sys, time
@@ -53,15 +59,16 @@ for batch in (1, 8):
         times.append((time.perf_counter() - t0) / steps * 1e3)
     out[f"decode b{batch} ms/token"] = statistics.median(times)
 enc = headspace.load("minilm")
-sentences = [line for line in text.splitlines() if line.strip()][:256]
-sentences = (sentences * (256 // max(1, len(sentences)) + 1))[:256]
+n = int(sys.argv[5])
+sentences = [line for line in text.splitlines() if line.strip()][:n]
+sentences = (sentences * (n // max(1, len(sentences)) + 1))[:n]
 enc.encode(sentences[:16])
 times = []
 for _ in range(3):
     t0 = time.perf_counter()
     enc.encode(sentences)
     times.append(time.perf_counter() - t0)
-out["encode 256 s"] = statistics.median(times)
+out["encode s"] = statistics.median(times)
 out["native"] = native.status()
 print(json.dumps(out))
 """
@@ -86,6 +93,7 @@ def run_child(src: Path, args: argparse.Namespace) -> dict[str, Any]:
             str(args.tokens),
             str(args.steps),
             str(ROOT / "README.md"),
+            str(args.sentences),
         ],
         capture_output=True,
         text=True,
@@ -97,33 +105,47 @@ def run_child(src: Path, args: argparse.Namespace) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def main() -> None:
+def output_path(out: str | None, save: bool, name: str) -> Path:
+    """``--out`` as given; else ``RESULTS/name`` with ``--save``, ``RESULTS/local/name`` without."""
+    if out is not None:
+        return Path(out)
+    return (RESULTS if save else RESULTS / "local") / name
+
+
+def summarise(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per figure, each tree's median, min and max over the rounds, and the ratio of the medians."""
+    rows = []
+    for fig in FIGURES:
+        row: dict[str, Any] = {"figure": fig}
+        for name, values in ((n, [run[fig] for run in r]) for n, r in runs.items()):
+            row[name] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
+        row["ratio"] = row["this"]["median"] / row["before"]["median"]
+        rows.append(row)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--before", required=True, type=Path, help="the other checkout (its src/ is used)")
     p.add_argument("--rounds", type=positive, default=5)
     p.add_argument("--threads", type=positive, default=2)
     p.add_argument("--tokens", type=positive, default=32, help="prompt tokens")
     p.add_argument("--steps", type=positive, default=24, help="tokens generated per timed call")
-    p.add_argument("--save", action="store_true", help="write benchmarks/results/side_by_side.json")
-    a = p.parse_args()
+    p.add_argument("--sentences", type=positive, default=256, help="sentences MiniLM encodes per timed call")
+    p.add_argument(
+        "--out", default=None, help="JSON path (default: benchmarks/results/local/side_by_side.json)"
+    )
+    p.add_argument("--save", action="store_true", help="publish: write benchmarks/results/side_by_side.json")
+    a = p.parse_args(argv)
     trees = {"this": ROOT / "src", "before": a.before.resolve() / "src"}
     for src in trees.values():
         if not (src / "headspace" / "__init__.py").is_file():
             raise SystemExit(f"--before must be a headspace checkout: no {src / 'headspace' / '__init__.py'}")
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in trees}
-    for r in range(a.rounds):
-        order = list(trees) if r % 2 == 0 else list(trees)[::-1]
-        for name in order:
+    for r in tqdm(range(a.rounds), desc="rounds", unit="round"):
+        for name in list(trees) if r % 2 == 0 else list(trees)[::-1]:
             runs[name].append(run_child(trees[name], a))
-        print(f"round {r + 1}/{a.rounds} done", file=sys.stderr, flush=True)
-    rows = []
-    for fig in FIGURES:
-        row: dict[str, Any] = {"figure": fig}
-        for name in trees:
-            values = [run[fig] for run in runs[name]]
-            row[name] = {"median": statistics.median(values), "min": min(values), "max": max(values)}
-        row["ratio"] = row["this"]["median"] / row["before"]["median"]
-        rows.append(row)
+    rows = summarise(runs)
     print(f"\n{a.rounds} rounds, {a.threads} threads, alternating order; medians (min-max)\n")
     print("| figure | this checkout | before | this / before |")
     print("|---|---:|---:|---:|")
@@ -132,21 +154,17 @@ def main() -> None:
         print(f"| {row['figure']} | {cells[0]} | {cells[1]} | {row['ratio']:.3f} |")
     native = {name: runs[name][-1]["native"] for name in trees}
     print(f"\nnative step: {native}")
-    out = RESULTS / ("side_by_side.json" if a.save else "local/side_by_side.json")
+    out = output_path(a.out, a.save, "side_by_side.json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    from headspace.bench import machine_info
-
     payload = {
         "benchmark": "side_by_side",
         "machine": machine_info(),
-        "args": vars(a) | {"before": str(a.before)},
+        "args": {**vars(a), "before": str(a.before)},
     }
-    payload |= {"rows": rows, "runs": runs, "native": native}
-    from headspace.core.fileio import write_json
-
-    write_json(out, payload)
+    write_json(out, {**payload, "rows": rows, "runs": runs, "native": native})
     print(f"wrote {out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

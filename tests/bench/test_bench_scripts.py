@@ -30,7 +30,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 COMMITTED = BENCHMARKS / "results"
 SCRIPTS = (
     "attention", "attention_parts", "decode", "decode_step", "encode", "explorer", "int8_kernels",
-    "precision_cpus", "trace_overhead", "train",
+    "precision_cpus", "side_by_side", "trace_overhead", "train",
 )  # fmt: skip
 ELSEWHERE = {  # scripts whose smoke run lives with their own tests
     "patching": "needs headspace.load('smollm2'): tests/analysis/test_patching.py runs it",
@@ -659,3 +659,23 @@ def test_attention_parts_script_quick(
     for row, r in zip(rows, results):
         assert row[2].startswith(f"{r['ms']['layer']['median']:.2f} (")
         assert row[-1].startswith(f"{r['layer_over_floor']:.2f}x (")
+
+
+@pytest.mark.skipif(
+    native.compiler() is None, reason="the default step is the native one: it needs a C++ compiler"
+)
+def test_side_by_side_script_against_this_checkout(
+    smollm2_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One round of each tree (here: this checkout twice), tiny: every figure in both, a ratio each."""
+    out = tmp_path / "side.json"
+    argv = ["--before", str(BENCHMARKS.parent), "--rounds", "1", "--tokens", "4", "--steps", "2"]
+    assert _script("side_by_side").main([*argv, "--sentences", "4", "--threads", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "side_by_side" and set(doc["runs"]) == {"this", "before"}
+    assert [r["figure"] for r in doc["rows"]] == ["decode b1 ms/token", "decode b8 ms/token", "encode s"]
+    for row in doc["rows"]:
+        assert row["ratio"] == pytest.approx(row["this"]["median"] / row["before"]["median"])
+        assert 0 < row["before"]["min"] <= row["before"]["median"] <= row["before"]["max"]
+    assert doc["native"] == {"this": "loaded", "before": "loaded"}
+    assert "| decode b8 ms/token |" in capsys.readouterr().out
