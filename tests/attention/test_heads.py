@@ -381,3 +381,37 @@ def test_pruning_cross_attention_layer() -> None:
     prune_heads(attn, {0: [2]})
     assert attn.k_weight.shape == (30, 11) and attn.v_weight.shape == (30, 13)
     torch.testing.assert_close(attn(x, c, v), want)
+
+
+def test_head_views_need_only_the_headed_layer_protocol() -> None:
+    """heads.py knows the layer only as HeadedLayer: the layer satisfies it, and any object that does
+    gets the same views and circuits (so heads imports nothing from the layer, not even for types)."""
+    import ast
+    import inspect
+
+    import headspace.heads as heads_module
+    from headspace.heads import Head, HeadedLayer
+
+    tree = ast.parse(inspect.getsource(heads_module))
+    imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not imported & {"layer", "compat", "headspace.attention.layer", "headspace.attention"}, imported
+
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(d_model=3 * 5, n_heads=3, qkv_bias=True)
+    assert isinstance(attn, HeadedLayer)
+
+    class Plain:
+        """Hand-made per-head tensors, no MultiHeadAttention: W_Q [H, d_model, dh] etc."""
+
+        n_heads, d_model, d_head, group_size = 3, 15, 5, 1
+        W_Q, W_K, W_V, W_O = attn.W_Q.clone(), attn.W_K.clone(), attn.W_V.clone(), attn.W_O.clone()
+        b_Q, b_K, b_V = attn.b_Q.clone(), attn.b_K.clone(), attn.b_V.clone()
+
+    plain = Plain()
+    assert isinstance(plain, HeadedLayer)
+    for h in range(3):
+        ours, theirs = attn.heads[h], Head(plain, h)
+        torch.testing.assert_close(theirs.qk(augmented=True).AB, ours.qk(augmented=True).AB, rtol=0, atol=0)
+        torch.testing.assert_close(theirs.ov().AB, ours.ov().AB, rtol=0, atol=0)
+        expected = attn.W_Q[h] @ attn.W_K[h].T  # (d_model, d_model), by hand
+        torch.testing.assert_close(theirs.qk().AB, expected)

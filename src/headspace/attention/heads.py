@@ -3,13 +3,17 @@
 Every tensor a :class:`Head` gives is a view of the layer's fused storage (writing through it changes the
 layer). Its circuits (``qk()``, ``ov()``) are :class:`~headspace.circuits.FactoredMatrix` products.
 Ablation and pruning live in :mod:`headspace.interventions`.
+
+The dependency runs one way: :mod:`headspace.attention.layer` imports these views; this module knows the layer
+only as :class:`HeadedLayer`, the handful of attributes a view reads (a structural protocol that
+:class:`~headspace.MultiHeadAttention` satisfies), so it imports nothing from the layer, not even for types.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
@@ -18,7 +22,46 @@ from .circuits import FactoredMatrix, effective_rank, qk_factors
 
 if TYPE_CHECKING:
     from ..nn.positions import Rotary
-    from .layer import MultiHeadAttention
+
+
+@runtime_checkable
+class HeadedLayer(Protocol):
+    """What a :class:`Head` reads from its layer; :class:`~headspace.MultiHeadAttention` is one.
+
+    Per-head tensors are views of the layer's fused storage: ``W_Q`` [n_heads, d_model, d_head],
+    ``W_K`` [n_kv_heads, kdim, d_head], ``W_V`` [n_kv_heads, vdim, d_head], ``W_O`` [n_heads, d_head,
+    d_model], ``b_Q`` [n_heads, d_head] and ``b_K``/``b_V`` [n_kv_heads, d_head] (None without bias).
+    ``group_size`` = n_heads // n_kv_heads. A layer with rotary positions also has ``rotary``
+    (read with ``getattr``, so a layer without it need not declare it).
+    """
+
+    n_heads: int
+    d_model: int
+    d_head: int
+
+    @property
+    def group_size(self) -> int: ...
+
+    @property
+    def W_Q(self) -> Tensor: ...
+
+    @property
+    def W_K(self) -> Tensor: ...
+
+    @property
+    def W_V(self) -> Tensor: ...
+
+    @property
+    def W_O(self) -> Tensor: ...
+
+    @property
+    def b_Q(self) -> Tensor | None: ...
+
+    @property
+    def b_K(self) -> Tensor | None: ...
+
+    @property
+    def b_V(self) -> Tensor | None: ...
 
 
 def _head_view(name: str, row: str) -> property:
@@ -46,7 +89,7 @@ class Head:
     With rotary positions, ``qk(delta)`` is the QK circuit for a query-key offset.
     """
 
-    def __init__(self, attn: MultiHeadAttention, index: int) -> None:
+    def __init__(self, attn: HeadedLayer, index: int) -> None:
         n = attn.n_heads
         if isinstance(index, bool) or not hasattr(index, "__index__"):
             raise TypeError(
@@ -152,7 +195,7 @@ class Head:
 class HeadList:
     """Sequence of :class:`Head` views of a layer: ``attn.heads[3]``, ``len(attn.heads)``, iteration."""
 
-    def __init__(self, attn: MultiHeadAttention) -> None:
+    def __init__(self, attn: HeadedLayer) -> None:
         self.attn = attn
 
     def __len__(self) -> int:
@@ -165,4 +208,4 @@ class HeadList:
         return (Head(self.attn, i) for i in range(self.attn.n_heads))
 
 
-__all__ = ["FactoredMatrix", "Head", "HeadList", "effective_rank", "qk_factors"]
+__all__ = ["FactoredMatrix", "Head", "HeadList", "HeadedLayer", "effective_rank", "qk_factors"]
