@@ -337,6 +337,27 @@ class MultiheadAttention(MultiHeadAttention):
         shape and that it is bool or float; its size, float dtype and device go unchecked (it is never
         used), so here too.
         """
+        batched = self._check_ranks_torch(query, key, value, key_padding_mask, attn_mask)
+        self._check_sizes_torch(query, key, value, batched)
+        self._check_masks_torch(query, key, key_padding_mask, attn_mask, batched, causal_hint)
+        return batched
+
+    def _batch_seq_dims(self, batched: bool) -> tuple[int, int]:
+        """The batch and sequence dimensions of query/key/value in this layer's layout (batch 0 unbatched)."""
+        batch_dim = 0 if (self.batch_first or not batched) else 1
+        seq_dim = 1 - batch_dim if batched else 0
+        return batch_dim, seq_dim
+
+    def _check_ranks_torch(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+    ) -> bool:
+        """First checks: every argument is a tensor of an allowed rank (and an unbatched 3-D ``attn_mask``
+        has its one possible shape); returns whether the input is batched (3-D query)."""
         for name, t in (("query", query), ("key", key), ("value", value)):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name} must be a tensor; got {type(t).__name__}")
@@ -384,12 +405,17 @@ class MultiheadAttention(MultiHeadAttention):
                     f"attn_mask for an unbatched query must be [seq_q, seq_k] = {list(want3[1:])} or "
                     f"[num_heads, seq_q, seq_k] = {list(want3)}; got {_shape(attn_mask)}"
                 )
+        return batched
+
+    def _check_sizes_torch(self, query: Tensor, key: Tensor, value: Tensor, batched: bool) -> None:
+        """Second checks: embedding widths, key/value lengths, batch sizes, then dtypes and devices
+        against the layer's weights."""
         if query.shape[-1] != self.embed_dim:
             raise MultiheadAttentionInputError(
                 f"query must have last dimension embed_dim={self.embed_dim}; got shape {_shape(query)}"
             )
-        batch_dim = 0 if (self.batch_first or not batched) else 1
-        seq_dim = 1 - batch_dim if batched else 0
+        batch_dim, seq_dim = self._batch_seq_dims(batched)
+        layout = "(batch, seq, embed)" if self.batch_first else "(seq, batch, embed)"
         # torch asserts on key against value (their whole shapes with the fused projection, their
         # sequence and batch sizes with separate ones) and on separate weights' widths; a fused projection
         # of the wrong width, or a batch other than the query's, fails in its matmul (RuntimeError)
@@ -424,6 +450,18 @@ class MultiheadAttention(MultiHeadAttention):
                     f"{name} is on {t.device} but the layer's weights are on {w.device}"
                 )
 
+    def _check_masks_torch(
+        self,
+        query: Tensor,
+        key: Tensor,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
+        batched: bool,
+        causal_hint: bool,
+    ) -> None:
+        """Last checks: each mask's dtype (bool or float like the query) and device, then its shape; under
+        ``causal_hint`` only ``attn_mask``'s dtype class (bool or float) is checked."""
+        batch_dim, seq_dim = self._batch_seq_dims(batched)
         batch = query.shape[batch_dim] if batched else 1
         seq_q, seq_k = query.shape[seq_dim], key.shape[seq_dim]
         for name, mask in (("key_padding_mask", key_padding_mask), ("attn_mask", attn_mask)):
@@ -455,7 +493,7 @@ class MultiheadAttention(MultiHeadAttention):
                     f"got {_shape(key_padding_mask)}"
                 )
         if attn_mask is not None and not causal_hint:
-            n = batch * heads if batched else heads
+            n = batch * self.num_heads if batched else self.num_heads
             ok = tuple(attn_mask.shape) in ((seq_q, seq_k), (n, seq_q, seq_k))
             if not ok:
                 three = "[batch * num_heads, seq_q, seq_k]" if batched else "[num_heads, seq_q, seq_k]"
@@ -463,7 +501,6 @@ class MultiheadAttention(MultiHeadAttention):
                     f"attn_mask must have shape [seq_q, seq_k] = {[seq_q, seq_k]} or {three} = "
                     f"{[n, seq_q, seq_k]}; got {_shape(attn_mask)}"
                 )
-        return batched
 
     def _torch_takes_fast_path(
         self, query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None
@@ -609,8 +646,59 @@ class MultiheadAttention(MultiHeadAttention):
                 average_attn_weights,
                 is_causal,
             )
-        # The causal hint: torch drops attn_mask and asks SDPA for its (top-left) causal mask, except on
-        # its inference fast path, which ignores is_causal and uses attn_mask as given.
+        batched, causal_hint = self._check_call(
+            query, key, value, key_padding_mask, need_weights, attn_mask, is_causal
+        )
+        q_in, k_in, v_in, kpm = self._to_batch_first(query, key, value, key_padding_mask, batched)
+        if self.check_finite:
+            for name, t in (("query", query), ("key", key), ("value", value)):
+                _check_finite(name, t)
+
+        B, L, _ = q_in.shape
+        S = k_in.shape[1]
+        H, dh = self.num_heads, self.head_dim
+        extra = int(self.bias_k is not None) + int(self.add_zero_attn)
+        S_total = S + extra
+        if S_total == 0:
+            raise ValueError(
+                f"key length seq_k must be at least 1; got key of shape {_shape(key)} (and neither "
+                "add_bias_kv nor add_zero_attn adds a position)"
+            )
+        causal_square = False
+        if causal_hint:
+            if L == S_total:
+                mask4, causal_square = None, True
+            else:
+                mask4 = torch.ones(L, S_total, dtype=torch.bool, device=query.device).tril()  # (L, S')
+        else:
+            mask4 = self._combined_mask(kpm, attn_mask, B, L, S, extra)  # (N|1, H|1, L, S') or None
+
+        if B == 0 or L == 0:
+            z = q_in.new_zeros(B, L, H * dh)  # (N, L, H dh)
+            weights: Tensor | None = q_in.new_zeros(B, H, L, S_total) if need_weights else None
+            return self._finish(
+                F.linear(z, self.o_weight, self.o_bias), weights, batched, average_attn_weights
+            )
+        q, k, v = self._project_with_extras(q_in, k_in, v_in)  # (N, H, L, dh), (N, H, S', dh) x 2
+        out, weights = self._attend(q, k, v, mask4, causal_square, need_weights)  # (N, L, E), weights
+        return self._finish(out, weights if need_weights else None, batched, average_attn_weights)
+
+    def _check_call(
+        self,
+        query: Tensor,
+        key: Tensor,
+        value: Tensor,
+        key_padding_mask: Tensor | None,
+        need_weights: bool,
+        attn_mask: Tensor | None,
+        is_causal: bool,
+    ) -> tuple[bool, bool]:
+        """Check a (non-nested) call as torch does; return (batched, whether the causal hint applies).
+
+        The causal hint: torch drops ``attn_mask`` and asks SDPA for its (top-left) causal mask, except on
+        its inference fast path, which ignores ``is_causal`` and uses ``attn_mask`` as given. Masks of
+        different dtypes are accepted with torch's deprecation warning.
+        """
         causal_hint = (
             is_causal
             and key_padding_mask is None
@@ -633,10 +721,17 @@ class MultiheadAttention(MultiHeadAttention):
             warnings.warn(
                 "Support for mismatched key_padding_mask and attn_mask is deprecated. Use same type for both "
                 "instead.",
-                stacklevel=2,
+                stacklevel=3,
             )
+        return batched, causal_hint
 
-        # to headspace's batch-first layout, keeping `query is key is value` (the fused projections)
+    def _to_batch_first(
+        self, query: Tensor, key: Tensor, value: Tensor, key_padding_mask: Tensor | None, batched: bool
+    ) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """query/key/value in headspace's batch-first layout ((N, L, E), (N, S, kdim), (N, S, vdim)) and
+        the padding mask as (N, S); unbatched inputs get a batch of 1. ``query is key is value`` stays
+        true of the results (so the fused projection applies)."""
+
         def to_bf(t: Tensor) -> Tensor:
             if not batched:
                 return t.unsqueeze(0)  # (L, E) -> (1, L, E)
@@ -648,37 +743,12 @@ class MultiheadAttention(MultiHeadAttention):
         q_in = to_bf(query)  # (N, L, E)
         k_in = q_in if key is query else to_bf(key)  # (N, S, kdim)
         v_in = k_in if value is key else to_bf(value)  # (N, S, vdim)
-        if self.check_finite:
-            for name, t in (("query", query), ("key", key), ("value", value)):
-                _check_finite(name, t)
+        return q_in, k_in, v_in, kpm
 
-        B, L, _ = q_in.shape
-        S = k_in.shape[1]
-        H, dh = self.num_heads, self.head_dim
-        extra = int(self.bias_k is not None) + int(self.add_zero_attn)
-        S_total = S + extra
-        if S_total == 0:
-            raise ValueError(
-                f"key length seq_k must be at least 1; got key of shape {_shape(key)} (and neither "
-                "add_bias_kv nor add_zero_attn adds a position)"
-            )
-
-        causal_square = False
-        if causal_hint:
-            if L == S_total:
-                mask4, causal_square = None, True
-            else:
-                mask4 = torch.ones(L, S_total, dtype=torch.bool, device=query.device).tril()  # (L, S')
-        else:
-            mask4 = self._combined_mask(kpm, attn_mask, B, L, S, extra)  # (N|1, H|1, L, S') or None
-
-        if B == 0 or L == 0:
-            z = q_in.new_zeros(B, L, H * dh)  # (N, L, H dh)
-            weights: Tensor | None = q_in.new_zeros(B, H, L, S_total) if need_weights else None
-            return self._finish(
-                F.linear(z, self.o_weight, self.o_bias), weights, batched, average_attn_weights
-            )
-
+    def _project_with_extras(self, q_in: Tensor, k_in: Tensor, v_in: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Per-head q (N, H, L, dh) and k, v (N, H, S', dh): the projections, then ``bias_k``/``bias_v``
+        appended as one more key position (``add_bias_kv``) and a zero key/value (``add_zero_attn``)."""
+        B, H, dh = q_in.shape[0], self.num_heads, self.head_dim
         q, k, v = self._project(q_in, k_in, v_in)  # (N, H, L, dh), (N, H, S, dh) x 2
         if self.bias_k is not None and self.bias_v is not None:
             bk = self.bias_k.view(1, H, 1, dh).expand(B, H, 1, dh)  # (N, H, 1, dh)
@@ -688,7 +758,18 @@ class MultiheadAttention(MultiHeadAttention):
         if self.add_zero_attn:
             k = torch.cat([k, k.new_zeros(B, H, 1, dh)], dim=2)  # (N, H, S', dh)
             v = torch.cat([v, v.new_zeros(B, H, 1, dh)], dim=2)  # (N, H, S', dh)
+        return q, k, v
 
+    def _attend(
+        self, q: Tensor, k: Tensor, v: Tensor, mask4: Tensor | None, causal_square: bool, need_weights: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """Attention of per-head q (N, H, L, dh) on k, v (N, H, S', dh) and the output projection.
+
+        Returns the output (N, L, E) and the per-head weights (N, H, L, S'), after dropout as in torch,
+        or None where the backend computes none. With hooks set, runs through the hook points
+        (``hook_q``, ``hook_pattern`` ...) like :class:`~headspace.MultiHeadAttention`.
+        """
+        B, H, L, dh = q.shape
         traced = self.hooks_active
         if traced:
             q = self.hook_q(q.transpose(1, 2)).transpose(1, 2)  # (N, H, L, dh)
@@ -698,7 +779,7 @@ class MultiheadAttention(MultiHeadAttention):
             batch=B,
             n_heads=H,
             seq_q=L,
-            seq_k=S_total,
+            seq_k=k.shape[2],
             attn_mask=mask4,
             is_causal=causal_square,
             dtype=q.dtype,
@@ -707,15 +788,14 @@ class MultiheadAttention(MultiHeadAttention):
         dropout_p = self.dropout if self.training else 0.0
         if traced:
             z, _, weights = self.traced_attention(q, k, v, mask, dropout_p)  # (N, L, H, dh), (N, H, L, S')
-            out = self.output_from_heads(z)  # (N, L, E)
+            return self.output_from_heads(z), weights  # (N, L, E)
+        if need_weights and dropout_p > 0.0:  # torch returns the weights after dropout
+            z, _, weights = reference_parts(q, k, v, mask, scale=self.scale, dropout_p=dropout_p)
         else:
-            if need_weights and dropout_p > 0.0:  # torch returns the weights after dropout
-                z, _, weights = reference_parts(q, k, v, mask, scale=self.scale, dropout_p=dropout_p)
-            else:
-                backend = get_backend("explicit" if need_weights else "sdpa")
-                z, weights = backend(q, k, v, mask, scale=self.scale, dropout_p=dropout_p)  # (N, H, L, dh)
-            out = F.linear(z.transpose(1, 2).reshape(B, L, H * dh), self.o_weight, self.o_bias)  # (N, L, E)
-        return self._finish(out, weights if need_weights else None, batched, average_attn_weights)
+            backend = get_backend("explicit" if need_weights else "sdpa")
+            z, weights = backend(q, k, v, mask, scale=self.scale, dropout_p=dropout_p)  # (N, H, L, dh)
+        out = F.linear(z.transpose(1, 2).reshape(B, L, H * dh), self.o_weight, self.o_bias)  # (N, L, E)
+        return out, weights
 
     def _forward_nested(
         self,

@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from torch import Tensor, nn
@@ -711,12 +711,46 @@ def _train(
     info: DistInfo,
     on_step: Callable[[int], None] | None,
 ) -> RunResult:
+    """The run behind :func:`train` on this rank, in its four stages.
+
+    Read the data and check the run folder (:func:`_read_run`), build the model and its optimizer
+    (:func:`_build`), start the folder or restore its checkpoint (:func:`_open_run`), run the steps
+    (:func:`_run_steps`); rank 0 then writes ``summary.json`` (:func:`_summary`).
+    """
     assert config.steps is not None and config.eval_every is not None
     device = torch.device(config.device if config.device != "cuda" else f"cuda:{info.local_rank}")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but no CUDA device is available; use --device cpu")
     status = _Progress(progress and info.is_main, f"train {config.task}", config.steps)
-    t0 = t_run = time.perf_counter()
+    t_run = time.perf_counter()
+    source, model_config, record = _read_run(config, out, resume, info, status)
+    model, optimizer = _build(config, model_config, source, device, status)
+    start = _open_run(config, out, resume, info, status, record, model, optimizer)
+    wrapped = wrap_model(model, info)
+    eval_batch = source.eval_batch().to(device)
+    steps = _Steps(config, out, info, status, source, record, model, optimizer, wrapped, eval_batch, device)
+    last_eval, last_loss, trained_seconds = _run_steps(steps, start, on_step)
+    barrier(info)
+
+    summary = None
+    if info.is_main:
+        if not last_eval:  # resumed at the last step: evaluate once more for the summary
+            last_eval = {"kind": "eval", "step": config.steps, **evaluate(model, source.task, eval_batch)}
+        summary = _summary(config, source, model, last_eval, last_loss, start, trained_seconds,
+                           time.perf_counter() - t_run)  # fmt: skip
+        write_atomic(out / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
+    return RunResult(out, config.steps, model, last_eval, summary)
+
+
+def _read_run(
+    config: TrainConfig, out: Path, resume: bool, info: DistInfo, status: _Progress
+) -> tuple[_Source, ModelConfig, dict[str, Any]]:
+    """Read and encode the data, check the model's size and the run folder (every rank, before any write).
+
+    Returns the data source, the model's configuration and the run record (``run_config.json``'s
+    content). On resume, rank 0 also removes the temporaries a save killed mid-way left behind.
+    """
+    t0 = time.perf_counter()
     if config.task == "text":
         status.say(f"reading and encoding {config.data} ({config.level} level) ...")
     source = _Source(config)
@@ -734,8 +768,13 @@ def _train(
     if resume and info.is_main:
         remove_stale_temporaries(out)  # what a save killed mid-way left behind
     barrier(info)  # every rank checks the folder before rank 0 writes into it
-    local_rows = local_batch_slice(config.batch_size, info)
+    return source, model_config, record
 
+
+def _build(
+    config: TrainConfig, model_config: ModelConfig, source: _Source, device: torch.device, status: _Progress
+) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model (initialized from ``config.seed``) on ``device``, and its optimizer."""
     status.say("building the model and its optimizer ...")
     t0 = time.perf_counter()
     torch.manual_seed(config.seed)
@@ -747,6 +786,24 @@ def _train(
         f"{sum(p.numel() for p in model.parameters()):,} parameters, on {device} "
         f"({time.perf_counter() - t0:.1f} s)"
     )
+    return model, optimizer
+
+
+def _open_run(
+    config: TrainConfig,
+    out: Path,
+    resume: bool,
+    info: DistInfo,
+    status: _Progress,
+    record: dict[str, Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+) -> int:
+    """Start the run folder, or restore model and optimizer from its latest checkpoint; the first step.
+
+    A resume reads and checks everything before the folder changes, then trims ``metrics.jsonl`` to the
+    checkpoint's step and rewrites ``run_config.json`` (the resumable fields may differ).
+    """
     start = 0
     metrics_path = out / METRICS_FILE
     metrics_text: str | None = None
@@ -770,56 +827,101 @@ def _train(
     if info.is_main and resume:
         _trim_metrics(metrics_path, metrics_text, start)
         write_atomic(out / RUN_CONFIG, json.dumps(record, indent=2, sort_keys=True) + "\n")
-    wrapped = wrap_model(model, info)
-    eval_batch = source.eval_batch().to(device)
-    tokens_per_step = config.batch_size * source.seq_len
+    return start
 
-    def run_eval(step: int) -> dict[str, Any]:
+
+@dataclass
+class _Steps:
+    """What the training steps of one run share: the run, the model and its optimizer, the held-out batch."""
+
+    config: TrainConfig
+    out: Path
+    info: DistInfo
+    status: _Progress
+    source: _Source
+    record: dict[str, Any]
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    wrapped: nn.Module
+    eval_batch: Batch
+    device: torch.device
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """The ``eval`` row of ``metrics.jsonl`` at ``step`` (loss, accuracy, patterns, ablations)."""
         t = time.perf_counter()
-        result = evaluate(model, source.task, eval_batch, on_progress=status.eval_progress(step))
-        status.end_eval()
-        status.say(_eval_line(step, result, time.perf_counter() - t))
+        result = evaluate(
+            self.model, self.source.task, self.eval_batch, on_progress=self.status.eval_progress(step)
+        )
+        self.status.end_eval()
+        self.status.say(_eval_line(step, result, time.perf_counter() - t))
         return {"kind": "eval", "step": step, **result}
 
-    log = open(metrics_path, "a", encoding="utf-8") if info.is_main else None
+    def optimizer_step(self, step: int, lr: float, rows: slice) -> tuple[Tensor, float]:
+        """One optimizer step on this rank's ``rows`` of batch ``step`` at learning rate ``lr``.
+
+        Dropout masks are a function of (seed, step, rank), so ranks differ and a resume replays them.
+        Returns the loss (a 0-d tensor, this rank's) and the gradients' total 2-norm, measured before
+        clipping to ``grad_clip`` (when it is > 0).
+        """
+        config = self.config
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        batch = self.source.train_batch(step).rows(rows.start, rows.stop).to(self.device)
+        torch.manual_seed(step_seed(config.seed, step, DROPOUT_STREAM + self.info.rank))
+        logits = self.wrapped(batch.tokens)  # (local_batch, seq, vocab)
+        loss = task_loss(logits, batch.targets)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        params = self.model.parameters()
+        if config.grad_clip > 0:
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, config.grad_clip))
+        else:
+            grad_norm = float(
+                torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None]))
+            )
+        self.optimizer.step()
+        return loss, grad_norm
+
+
+def _write_row(log: IO[str] | None, row: dict[str, Any]) -> None:
+    """One JSON line of ``metrics.jsonl``, flushed (nothing on ranks without the file)."""
+    if log is not None:
+        log.write(json.dumps(row) + "\n")
+        log.flush()
+
+
+def _run_steps(
+    steps: _Steps, start: int, on_step: Callable[[int], None] | None
+) -> tuple[dict[str, Any], float | None, float]:
+    """Steps ``start + 1 .. config.steps``, with rank 0 logging, evaluating and saving on schedule.
+
+    Evaluates step 0 first on a fresh run. Returns the last evaluation row (``{}`` when none ran), the
+    last logged mean training loss (None when none was logged) and the seconds spent in training steps
+    (evaluations and checkpoints left out, as in ``tokens_per_s``).
+    """
+    config, info, status, source = steps.config, steps.info, steps.status, steps.source
+    local_rows = local_batch_slice(config.batch_size, info)
+    tokens_per_step = config.batch_size * source.seq_len
+    log = open(steps.out / METRICS_FILE, "a", encoding="utf-8") if info.is_main else None
     last_eval: dict[str, Any] = {}
     prev_det = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         if info.is_main and start == 0:  # the heads before any training: random matrices
-            status.say(f"evaluating step 0 on {_describe_eval(source, eval_batch, model)} ...")
-            last_eval = run_eval(0)
-            assert log is not None
-            log.write(json.dumps(last_eval) + "\n")
-            log.flush()
+            status.say(f"evaluating step 0 on {_describe_eval(source, steps.eval_batch, steps.model)} ...")
+            last_eval = steps.evaluate(0)
+            _write_row(log, last_eval)
         if start < config.steps:
             status.say(
                 f"training steps {start + 1}..{config.steps} on batches of {config.batch_size} x "
                 f"{source.seq_len} tokens; step {start + 1} carries one-time setup and is not timed ..."
             )
-        model.train()
+        steps.model.train()
         t_last, tokens_since = time.perf_counter(), 0
         trained_seconds, last_loss = 0.0, None  # training time only (no evaluations, no checkpoints)
         for step in range(start, config.steps):
             lr = learning_rate(config, step)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            batch = source.train_batch(step).rows(local_rows.start, local_rows.stop).to(device)
-            # dropout masks: a function of (seed, step, rank), so ranks differ and a resume replays them
-            torch.manual_seed(step_seed(config.seed, step, DROPOUT_STREAM + info.rank))
-            logits = wrapped(batch.tokens)  # (local_batch, seq, vocab)
-            loss = task_loss(logits, batch.targets)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if config.grad_clip > 0:
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip))
-            else:
-                grad_norm = float(
-                    torch.linalg.vector_norm(
-                        torch.stack([p.grad.norm() for p in model.parameters() if p.grad is not None])
-                    )
-                )
-            optimizer.step()
+            loss, grad_norm = steps.optimizer_step(step, lr, local_rows)
             done = step + 1
             tokens_since += tokens_per_step
             if done % config.log_every == 0 or done == config.steps:
@@ -828,11 +930,8 @@ def _train(
                 tps = tokens_since / max(now - t_last, 1e-9)
                 trained_seconds += now - t_last
                 t_last, tokens_since, last_loss = now, 0, mean_loss
-                if log is not None:
-                    row = {"kind": "train", "step": done, "loss": mean_loss, "lr": lr, "grad_norm": grad_norm,
-                           "tokens_per_s": tps}  # fmt: skip
-                    log.write(json.dumps(row) + "\n")
-                    log.flush()
+                _write_row(log, {"kind": "train", "step": done, "loss": mean_loss, "lr": lr,
+                                 "grad_norm": grad_norm, "tokens_per_s": tps})  # fmt: skip
                 status.postfix(loss=f"{mean_loss:.4f}", tok_s=f"{tps:,.0f}")
             if status.bar is None:
                 status.start_bar(done)  # after the first step: its one-time costs are not timed
@@ -840,17 +939,17 @@ def _train(
                 status.step()
             paused = time.perf_counter()
             if info.is_main and (done % config.eval_every == 0 or done == config.steps):
-                last_eval = run_eval(done)
-                assert log is not None
-                log.write(json.dumps(last_eval) + "\n")
-                log.flush()
+                last_eval = steps.evaluate(done)
+                _write_row(log, last_eval)
                 acc = last_eval.get("accuracy")
                 extra = {} if acc is None else {"acc": f"{acc:.3f}"}
                 status.postfix(loss=f"{float(loss.detach()):.4f}", eval=f"{last_eval['loss']:.4f}", **extra)
             if info.is_main and (
                 (config.save_every and done % config.save_every == 0) or done == config.steps
             ):
-                save_checkpoint(out, done, config=record, model=model, optimizer=optimizer)
+                save_checkpoint(
+                    steps.out, done, config=steps.record, model=steps.model, optimizer=steps.optimizer
+                )
             if on_step is not None:
                 on_step(done)
             pause = time.perf_counter() - paused
@@ -861,28 +960,27 @@ def _train(
         status.close()
         if log is not None:
             log.close()
-    barrier(info)
+    return last_eval, last_loss, trained_seconds
 
-    summary = None
-    if info.is_main:
-        if not last_eval:  # resumed at the last step: evaluate once more for the summary
-            last_eval = {"kind": "eval", "step": config.steps, **evaluate(model, source.task, eval_batch)}
-        if source.task is not None:
-            summary = {
-                "task": config.task,
-                "n_layers": config.n_layers,
-                "n_heads": config.n_heads,
-                "d_model": config.d_model,
-                "steps": config.steps,
-                "accuracy": last_eval["accuracy"],
-                "loss": last_eval["loss"],
-                "relations": relation_summary(source.task, last_eval),
-            }
-        else:
-            summary = _text_summary(config, source, model, last_eval, last_loss, start, trained_seconds,
-                                    time.perf_counter() - t_run)  # fmt: skip
-        write_atomic(out / SUMMARY_FILE, json.dumps(summary, indent=2) + "\n")
-    return RunResult(out, config.steps, model, last_eval, summary)
+
+def _summary(
+    config: TrainConfig, source: _Source, model: nn.Module, last_eval: dict[str, Any],
+    train_loss: float | None, start: int, trained_seconds: float, seconds: float,
+) -> dict[str, Any]:  # fmt: skip
+    """summary.json: for a task, its accuracy, loss and per-relation results at the last evaluation; for
+    a text run, :func:`_text_summary`."""
+    if source.task is None:
+        return _text_summary(config, source, model, last_eval, train_loss, start, trained_seconds, seconds)
+    return {
+        "task": config.task,
+        "n_layers": config.n_layers,
+        "n_heads": config.n_heads,
+        "d_model": config.d_model,
+        "steps": config.steps,
+        "accuracy": last_eval["accuracy"],
+        "loss": last_eval["loss"],
+        "relations": relation_summary(source.task, last_eval),
+    }
 
 
 def _text_summary(
