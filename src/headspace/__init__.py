@@ -91,6 +91,7 @@ _MOVED = {
     "trace": "analysis.trace", "interventions": "analysis.interventions", "explain": "analysis.explain",
     "tokenization": "pretrained.tokenization",
     "decoding": "decode.plan", "generate": "decode.loop", "workspace": "kernels.workspace",
+    "train.plots": "viz.training",
 }  # fmt: skip
 
 

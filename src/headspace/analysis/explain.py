@@ -416,32 +416,13 @@ def explain(
     model = pretrained.model
     config = model.config
     n_layers = config.n_layers
-    if layer is not None and not 0 <= layer < n_layers:
-        raise ValueError(f"layer {layer} is out of range: this model has layers 0..{n_layers - 1}")
-    # per layer, not config.n_heads: a layer has fewer heads after headspace.prune_heads
-    n_heads = (
-        _attention_layers(model)[layer].n_heads
-        if layer is not None
-        else max(a.n_heads for a in _attention_layers(model))
-    )
-    if head is not None and not 0 <= head < n_heads:
-        where = f"layer {layer} has" if layer is not None else "this model has"
-        raise ValueError(f"head {head} is out of range: {where} heads 0..{n_heads - 1}")
+    _check_head_choice(model, layer, head)
     tokens = token_strings(pretrained, sentence)
     index = find_token(tokens, token, occurrence)
     occurrences = token_occurrences(tokens, tokens[index])
     if index not in occurrences:  # a token the text match does not give back (a bare "Ġ")
         occurrences = [index]
-    ids, key_padding = tokenize_one(pretrained, sentence)
-
-    def run() -> None:
-        with torch.inference_mode():
-            if key_padding is None:
-                model(ids)
-            else:
-                model(ids, key_padding)
-
-    rec = record(model, run)
+    rec = _record_sentence(pretrained, sentence)
     layers = _attention_layers(model)
     norms = [value_norms(rec["v"][i][0], a.W_O) for i, a in enumerate(layers)]
     ranking = rank_heads(rec["pattern"], tokens, index, special_positions(pretrained, tokens), norms=norms)
@@ -493,6 +474,40 @@ def explain(
         out_bias=attn.b_O is not None,
         **_rotated(rec, attn, layer, index, head, kv_head),
     )
+
+
+def _check_head_choice(model: Any, layer: int | None, head: int | None) -> None:
+    """``ValueError`` unless ``layer`` (when given) is one of the model's layers and ``head`` (when
+    given) one of that layer's heads, or of the widest layer's without ``layer`` (a layer has fewer
+    heads after :func:`headspace.prune_heads`)."""
+    n_layers = model.config.n_layers
+    if layer is not None and not 0 <= layer < n_layers:
+        raise ValueError(f"layer {layer} is out of range: this model has layers 0..{n_layers - 1}")
+    # per layer, not config.n_heads: a layer has fewer heads after headspace.prune_heads
+    n_heads = (
+        _attention_layers(model)[layer].n_heads
+        if layer is not None
+        else max(a.n_heads for a in _attention_layers(model))
+    )
+    if head is not None and not 0 <= head < n_heads:
+        where = f"layer {layer} has" if layer is not None else "this model has"
+        raise ValueError(f"head {head} is out of range: {where} heads 0..{n_heads - 1}")
+
+
+def _record_sentence(pretrained: Any, sentence: str) -> dict[str, list[Tensor]]:
+    """Every layer's hook values (``input``, ``q``, ``k``, ``v``, ``scores``, ``pattern``, ``z``,
+    ``result`` ...; see :func:`record`) for one forward pass of ``sentence`` (batch 1, inference mode)."""
+    model = pretrained.model
+    ids, key_padding = tokenize_one(pretrained, sentence)
+
+    def run() -> None:
+        with torch.inference_mode():
+            if key_padding is None:
+                model(ids)
+            else:
+                model(ids, key_padding)
+
+    return record(model, run)
 
 
 def _rotated(rec: dict[str, list[Tensor]], attn: Any, layer: int, index: int, head: int, kv: int) -> dict:

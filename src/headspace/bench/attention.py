@@ -463,6 +463,67 @@ def run_attention_benchmark(
     """
     seqs, modes, cases = [int(s) for s in seqs], list(modes), list(cases)
     dtype_name = _dtype_name(dtype)
+    _check_benchmark_args(seqs, modes, cases, batch, d_model, n_heads, repeats)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    n_threads = torch.get_num_threads()
+
+    from ..core.progress import progress_bar
+
+    groups = [(s, m) for s in seqs for m in modes]
+    bar = progress_bar(total=len(groups), desc="attention benchmark", unit="group", disable=not progress)
+    rows: list[dict] = []
+    sizes = {"batch": batch, "d_model": d_model, "n_heads": n_heads}
+    for seq, mode in groups:
+        bar.set_postfix_str(f"seq={seq} {mode}")
+        memory = (
+            _memory_probe(cases, seq, batch, d_model, n_heads, mode, dtype_name)
+            if measure_memory
+            else dict.fromkeys(cases)
+        )
+        built = [build_case(c, seq=seq, mode=mode, dtype=dtype_name, **sizes) for c in cases]
+        n, times = _time_round_robin(built, repeats)
+        errors = _output_errors(built, seq=seq, dtype=dtype_name, **sizes)
+        del built
+        gc.collect()
+        floor = statistics.median(times["gemm_floor"]) if "gemm_floor" in times else None
+        for name in cases:
+            med = statistics.median(times[name])
+            rows.append(
+                {
+                    "case": name,
+                    "label": LABELS[name],
+                    "seq": seq,
+                    "mode": mode,
+                    **sizes,
+                    "dtype": dtype_name,
+                    "threads": n_threads,
+                    "repeats": n,
+                    "median_ms": med,
+                    "times_ms": times[name],
+                    "peak_extra_mib": memory.get(name),
+                    "vs_floor": None if floor is None else med / floor,
+                    "max_abs_error": errors.get(name, (None, None))[0],
+                    "max_rel_error": errors.get(name, (None, None))[1],
+                }
+            )
+        bar.update(1)
+    bar.close()
+    return rows
+
+
+def _check_benchmark_args(
+    seqs: list[int],
+    modes: list[str],
+    cases: list[str],
+    batch: int,
+    d_model: int,
+    n_heads: int,
+    repeats: int | None,
+) -> None:
+    """``ValueError`` naming the argument unless modes and cases are non-empty subsets of :data:`MODES`
+    and :data:`CASES`, the sizes and seqs positive ints (at least one seq), ``n_heads`` divides
+    ``d_model`` and ``repeats`` is None or a positive int."""
     for name, values, known in (("modes", modes, MODES), ("cases", cases, CASES)):
         bad = [v for v in values if v not in known]
         if bad or not values:
@@ -481,67 +542,23 @@ def run_attention_benchmark(
         raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}")
     if repeats is not None and (not isinstance(repeats, int) or repeats < 1):
         raise ValueError(f"repeats must be a positive int or None; got {repeats!r}")
-    if threads is not None:
-        torch.set_num_threads(threads)
-    n_threads = torch.get_num_threads()
 
-    from ..core.progress import progress_bar
 
-    groups = [(s, m) for s in seqs for m in modes]
-    bar = progress_bar(total=len(groups), desc="attention benchmark", unit="group", disable=not progress)
-    rows: list[dict] = []
-    for seq, mode in groups:
-        bar.set_postfix_str(f"seq={seq} {mode}")
-        memory = (
-            _memory_probe(cases, seq, batch, d_model, n_heads, mode, dtype_name)
-            if measure_memory
-            else dict.fromkeys(cases)
-        )
-        built = [
-            build_case(c, seq=seq, batch=batch, d_model=d_model, n_heads=n_heads, mode=mode, dtype=dtype_name)
-            for c in cases
-        ]
-        t0 = time.perf_counter()
-        for case in built:
-            case.step()  # warm-up
-        n = repeats if repeats is not None else _auto_repeats(time.perf_counter() - t0)
-        times: dict[str, list[float]] = {c.name: [] for c in built}
-        for _ in range(n):
-            for case in built:  # round-robin: load changes touch every case alike
-                t = time.perf_counter()
-                case.step()
-                times[case.name].append((time.perf_counter() - t) * 1e3)
-        errors = _output_errors(
-            built, seq=seq, batch=batch, d_model=d_model, n_heads=n_heads, dtype=dtype_name
-        )
-        del built
-        gc.collect()
-        floor = statistics.median(times["gemm_floor"]) if "gemm_floor" in times else None
-        for name in cases:
-            med = statistics.median(times[name])
-            rows.append(
-                {
-                    "case": name,
-                    "label": LABELS[name],
-                    "seq": seq,
-                    "mode": mode,
-                    "batch": batch,
-                    "d_model": d_model,
-                    "n_heads": n_heads,
-                    "dtype": dtype_name,
-                    "threads": n_threads,
-                    "repeats": n,
-                    "median_ms": med,
-                    "times_ms": times[name],
-                    "peak_extra_mib": memory.get(name),
-                    "vs_floor": None if floor is None else med / floor,
-                    "max_abs_error": errors.get(name, (None, None))[0],
-                    "max_rel_error": errors.get(name, (None, None))[1],
-                }
-            )
-        bar.update(1)
-    bar.close()
-    return rows
+def _time_round_robin(built: list[Case], repeats: int | None) -> tuple[int, dict[str, list[float]]]:
+    """One warm-up step of every case, then ``repeats`` rounds (None: picked by the warm-up's time, see
+    :func:`_auto_repeats`), each timing one step of every case in turn, so that a change of load touches
+    every case alike. Returns the rounds and each case's step times in ms, in round order."""
+    t0 = time.perf_counter()
+    for case in built:
+        case.step()  # warm-up
+    n = repeats if repeats is not None else _auto_repeats(time.perf_counter() - t0)
+    times: dict[str, list[float]] = {c.name: [] for c in built}
+    for _ in range(n):
+        for case in built:  # round-robin: load changes touch every case alike
+            t = time.perf_counter()
+            case.step()
+            times[case.name].append((time.perf_counter() - t) * 1e3)
+    return n, times
 
 
 # ---------------------------------------------------------------------------------------------------

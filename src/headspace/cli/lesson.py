@@ -7,8 +7,9 @@ Each prints a rich terminal layout (tables, aligned numbers), writes PNG picture
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -41,6 +42,11 @@ from .render import (
     readable_explanation,
     render_explanation,
 )
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from ..analysis import CircuitSpectra, RotaryPlanes, SubspaceOverlaps
 
 #: The largest --sentences file read (bytes): far more text than a head table needs.
 MAX_SENTENCES_BYTES = 16 * 1024 * 1024
@@ -312,7 +318,6 @@ def subspaces_cmd(
     pretrained = at_precision(load_model(model_spec), model_precision)
     _check_range("layer", layer, pretrained.model.config.n_layers)
     from ..analysis import circuit_spectra, subspace_overlaps
-    from ..viz import plots
 
     ov = subspace_overlaps(pretrained, which)
     spectra = circuit_spectra(pretrained)
@@ -322,64 +327,105 @@ def subspaces_cmd(
 
         planes = rotary_planes(pretrained, [DECODER_PARAGRAPH])
     layers = range(ov.overlap.shape[0]) if layer is None else [layer]
-    pictures = []
-    if out_dir is not None:
-        for i in layers:
-            if planes is not None:
-                pictures.append(
-                    plots.plot_rotary_planes(
-                        planes.share[i],
-                        planes.wavelengths[i],
-                        out_dir / f"subspaces_L{i}_rotary.png",
-                        split=planes.split,
-                        title=f"layer {i}: each head's |score| by rotary plane",
-                    )
-                )
-            pictures.append(
-                plots.plot_overlap(
-                    ov.overlap[i],
-                    out_dir / f"subspaces_L{i}_{which}.png",
-                    baseline=float(ov.random_expected[i]),
-                    title=f"layer {i}: overlap of the heads' W_{which.upper()} subspaces",
-                    label="mean cos^2 of principal angles",
-                )
-            )
-            qk_rank, ov_rank = spectra.qk_effective_rank[i], spectra.ov_effective_rank[i]
-            pictures.append(
-                plots.plot_circuit_spectra(
-                    spectra.qk_singular_values[i],
-                    spectra.ov_singular_values[i],
-                    out_dir / f"subspaces_L{i}_spectra.png",
-                    title=f"layer {i}: singular values of each head's QK and OV circuits",
-                    head_labels=[
-                        f"H{h}  eff. rank QK {float(a):.1f}, OV {float(b):.1f}"
-                        for h, (a, b) in enumerate(zip(qk_rank, ov_rank))
-                    ],
-                )
-            )
+    pictures = [] if out_dir is None else _subspace_pictures(out_dir, layers, which, ov, spectra, planes)
     if as_json:
-        data = {"model": model_spec, "which": which, "layers": []}
-        for i in layers:
-            data["layers"].append(
-                {
-                    "layer": i,
-                    "overlap": ov.overlap[i].tolist(),
-                    "random_expected": float(ov.random_expected[i]),
-                    "mean_offdiag": float(ov.mean_offdiag[i]),
-                    "qk_singular_values": spectra.qk_singular_values[i].tolist(),
-                    "ov_singular_values": spectra.ov_singular_values[i].tolist(),
-                    "qk_effective_rank": spectra.qk_effective_rank[i].tolist(),
-                    "ov_effective_rank": spectra.ov_effective_rank[i].tolist(),
-                }
-            )
-        if planes is not None:
-            data["rotary_planes"] = _rotary_json(planes, layers)
+        data = _subspaces_json(model_spec, layers, which, ov, spectra, planes)
         data["pictures"] = [str(p) for p in pictures]
         json_out(clean(data))
         return
+    c = console()
+    c.print(_subspaces_table(model_spec, layers, which, ov, spectra))
+    if planes is not None:
+        c.print(_rotary_table(planes, layers, model_spec))
+    for p in pictures:
+        click.echo(f"wrote {p}")
+
+
+def _subspace_pictures(
+    out_dir: Path,
+    layers: Sequence[int],
+    which: str,
+    ov: SubspaceOverlaps,
+    spectra: CircuitSpectra,
+    planes: RotaryPlanes | None,
+) -> list[Path]:
+    """``subspaces --out``: per layer, its rotary planes (RoPE models), the overlap matrix and the QK/OV
+    spectra as PNGs in ``out_dir``; returns their paths in that order."""
+    from ..viz import plots
+
+    pictures = []
+    for i in layers:
+        if planes is not None:
+            pictures.append(
+                plots.plot_rotary_planes(
+                    planes.share[i],
+                    planes.wavelengths[i],
+                    out_dir / f"subspaces_L{i}_rotary.png",
+                    split=planes.split,
+                    title=f"layer {i}: each head's |score| by rotary plane",
+                )
+            )
+        pictures.append(
+            plots.plot_overlap(
+                ov.overlap[i],
+                out_dir / f"subspaces_L{i}_{which}.png",
+                baseline=float(ov.random_expected[i]),
+                title=f"layer {i}: overlap of the heads' W_{which.upper()} subspaces",
+                label="mean cos^2 of principal angles",
+            )
+        )
+        qk_rank, ov_rank = spectra.qk_effective_rank[i], spectra.ov_effective_rank[i]
+        pictures.append(
+            plots.plot_circuit_spectra(
+                spectra.qk_singular_values[i],
+                spectra.ov_singular_values[i],
+                out_dir / f"subspaces_L{i}_spectra.png",
+                title=f"layer {i}: singular values of each head's QK and OV circuits",
+                head_labels=[
+                    f"H{h}  eff. rank QK {float(a):.1f}, OV {float(b):.1f}"
+                    for h, (a, b) in enumerate(zip(qk_rank, ov_rank))
+                ],
+            )
+        )
+    return pictures
+
+
+def _subspaces_json(
+    model_spec: str,
+    layers: Sequence[int],
+    which: str,
+    ov: SubspaceOverlaps,
+    spectra: CircuitSpectra,
+    planes: RotaryPlanes | None,
+) -> dict[str, Any]:
+    """``subspaces --json`` (before ``pictures``): per layer the overlap matrix, its random baseline and
+    off-diagonal mean, the QK/OV singular values and effective ranks; ``rotary_planes`` for RoPE models."""
+    data: dict[str, Any] = {"model": model_spec, "which": which, "layers": []}
+    for i in layers:
+        data["layers"].append(
+            {
+                "layer": i,
+                "overlap": ov.overlap[i].tolist(),
+                "random_expected": float(ov.random_expected[i]),
+                "mean_offdiag": float(ov.mean_offdiag[i]),
+                "qk_singular_values": spectra.qk_singular_values[i].tolist(),
+                "ov_singular_values": spectra.ov_singular_values[i].tolist(),
+                "qk_effective_rank": spectra.qk_effective_rank[i].tolist(),
+                "ov_effective_rank": spectra.ov_effective_rank[i].tolist(),
+            }
+        )
+    if planes is not None:
+        data["rotary_planes"] = _rotary_json(planes, layers)
+    return data
+
+
+def _subspaces_table(
+    model_spec: str, layers: Sequence[int], which: str, ov: SubspaceOverlaps, spectra: CircuitSpectra
+) -> Table:
+    """The ``subspaces`` table: per layer the mean overlap of distinct heads, the random baseline, the
+    most overlapping pair of heads, and the mean QK/OV effective ranks."""
     from rich.table import Table
 
-    c = console()
     t = Table(
         title=f"{model_spec}: W_{which.upper()} subspace overlap between heads "
         "(1 = same subspace, 0 = orthogonal)"
@@ -394,7 +440,7 @@ def subspaces_cmd(
     ):
         t.add_column(col, justify="right")
     for i in layers:
-        m = ov.overlap[i].clone()
+        m = ov.overlap[i].clone()  # (n_heads, n_heads)
         n = m.shape[0]
         m.fill_diagonal_(float("nan"))
         flat = int(m.nan_to_num(-1).argmax())
@@ -407,11 +453,7 @@ def subspaces_cmd(
             f"{float(spectra.qk_effective_rank[i].nanmean()):.1f}",
             f"{float(spectra.ov_effective_rank[i].nanmean()):.1f}",
         )
-    c.print(t)
-    if planes is not None:
-        c.print(_rotary_table(planes, layers, model_spec))
-    for p in pictures:
-        click.echo(f"wrote {p}")
+    return t
 
 
 def _rotary_json(planes: Any, layers: Any) -> dict[str, Any]:

@@ -112,7 +112,7 @@ def train_command(
 )
 def plot_run_command(run_dir: str, out: str | None) -> None:
     """Draw the loss curves and per-head metrics over training of RUN_DIR (PNG)."""
-    from ..train.plots import plot_run
+    from ..viz.training import plot_run
 
     if not Path(run_dir).is_dir():
         raise UsageError(f"RUN_DIR {run_dir} is not a folder")

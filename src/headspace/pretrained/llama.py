@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -250,52 +250,13 @@ def llama_config(
     if not isinstance(hf, Mapping):
         raise TypeError(f"hf must be a dict (config.json); got {type(hf).__name__}")
     f = ConfigFields(hf, source)
-    kind = f.text("model_type", None, allow_none=True)
-    if kind not in LLAMA_MODEL_TYPES:
-        raise ValueError(
-            f"{source}: model_type={kind!r} is not supported here; supported: {list(LLAMA_MODEL_TYPES)}"
-        )
-    if hf.get("quantization_config") is not None:
-        raise ValueError(
-            f"{source} has a quantization_config: quantized checkpoints (GPTQ, AWQ, bitsandbytes ...) are "
-            "not supported; use the full-precision weights (float32, float16 or bfloat16)"
-        )
-    act = f.text("hidden_act", "silu")
-    if act not in _HIDDEN_ACT:
-        raise ValueError(f"{source}: hidden_act={act!r} is not supported; supported: {sorted(_HIDDEN_ACT)}")
-    f.require(["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"],
-              "Llama-family")  # fmt: skip
-    vocab = f.integer("vocab_size")
-    d_model = f.integer("hidden_size")
-    n_layers = f.integer("num_hidden_layers")
-    n_heads = f.integer("num_attention_heads")
-    d_mlp = f.integer("intermediate_size")
-    n_kv = f.integer("num_key_value_heads", None, allow_none=True) or n_heads
-    d_head = f.integer("head_dim", None, allow_none=True)
-    if d_head is None:
-        if d_model % n_heads:
-            raise ValueError(
-                f"{source}: hidden_size={d_model} is not divisible by num_attention_heads={n_heads} and "
-                "there is no head_dim"
-            )
-        d_head = d_model // n_heads
-    if n_heads % n_kv:
-        raise ValueError(
-            f"{source}: num_attention_heads={n_heads} is not divisible by num_key_value_heads={n_kv}"
-        )
-    context = f.integer("max_position_embeddings", _DEFAULT_CONTEXT[kind])
-    if max_seq_len is not None:
-        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be None or a positive int; got {max_seq_len!r}")
-        if max_seq_len > context:
-            raise ValueError(
-                f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings={context}"
-            )
-        context = max_seq_len
+    kind, act = _llama_kind(hf, f, source)
+    sizes = _llama_sizes(f, source)
+    context = _llama_context(f, kind, max_seq_len)
     types = hf.get("layer_types")
     if types is not None and (not isinstance(types, list) or any(t not in _LAYER_TYPES for t in types)):
         raise ValueError(f"{source}: layer_types must list {list(_LAYER_TYPES)}; got {types!r:.120}")
-    problem = _sliding_window_problem(f, kind, n_layers, context)
+    problem = _sliding_window_problem(f, kind, sizes.n_layers, context)
     if problem:
         raise ValueError(f"{source}: {problem}")
     theta, scaling = _rope(hf, f)
@@ -307,8 +268,8 @@ def llama_config(
     pad = f.integer("pad_token_id", None, minimum=-(2**31), allow_none=True)
     if pad is not None and pad < 0:
         pad = None  # old Llama configs write -1 for "no padding token"
-    if pad is not None and pad >= vocab:
-        raise ValueError(f"{source}: pad_token_id must be < vocab_size={vocab}; got {pad}")
+    if pad is not None and pad >= sizes.vocab:
+        raise ValueError(f"{source}: pad_token_id must be < vocab_size={sizes.vocab}; got {pad}")
     init = hf.get("initializer_range")
     init_std = 0.02 if init is None else f.number("initializer_range", low=0.0, low_open=True)
     extra: dict[str, Any] = {"model_type": kind}
@@ -318,13 +279,13 @@ def llama_config(
     try:
         return ModelConfig(
             arch="decoder",
-            vocab_size=vocab,
-            d_model=d_model,
-            n_layers=n_layers,
-            n_heads=n_heads,
-            d_head=d_head,
-            n_kv_heads=n_kv,
-            d_mlp=d_mlp,
+            vocab_size=sizes.vocab,
+            d_model=sizes.d_model,
+            n_layers=sizes.n_layers,
+            n_heads=sizes.n_heads,
+            d_head=sizes.d_head,
+            n_kv_heads=sizes.n_kv,
+            d_mlp=sizes.d_mlp,
             max_seq_len=context,
             act=_HIDDEN_ACT[act],
             norm="pre",
@@ -352,6 +313,78 @@ def llama_config(
         )
     except ValueError as e:
         raise ValueError(f"{source} does not fit headspace: {e}") from None
+
+
+def _llama_kind(hf: Mapping[str, Any], f: ConfigFields, source: str) -> tuple[str, str]:
+    """``(model_type, hidden_act)`` of a supported, unquantized Llama-family config, else ``ValueError``."""
+    kind = f.text("model_type", None, allow_none=True)
+    if kind not in LLAMA_MODEL_TYPES:
+        raise ValueError(
+            f"{source}: model_type={kind!r} is not supported here; supported: {list(LLAMA_MODEL_TYPES)}"
+        )
+    if hf.get("quantization_config") is not None:
+        raise ValueError(
+            f"{source} has a quantization_config: quantized checkpoints (GPTQ, AWQ, bitsandbytes ...) are "
+            "not supported; use the full-precision weights (float32, float16 or bfloat16)"
+        )
+    act = f.text("hidden_act", "silu")
+    if act not in _HIDDEN_ACT:
+        raise ValueError(f"{source}: hidden_act={act!r} is not supported; supported: {sorted(_HIDDEN_ACT)}")
+    return kind, act
+
+
+class _LlamaSizes(NamedTuple):
+    """The sizes a Llama-family config gives (``n_kv`` defaults to ``n_heads``, ``d_head`` to
+    ``d_model // n_heads``)."""
+
+    vocab: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    d_mlp: int
+    n_kv: int
+    d_head: int
+
+
+def _llama_sizes(f: ConfigFields, source: str) -> _LlamaSizes:
+    """The model's sizes, required and checked: heads divide ``hidden_size`` (without an explicit
+    ``head_dim``) and key/value heads divide the query heads, else ``ValueError`` naming the fields."""
+    f.require(["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"],
+              "Llama-family")  # fmt: skip
+    vocab = f.integer("vocab_size")
+    d_model = f.integer("hidden_size")
+    n_layers = f.integer("num_hidden_layers")
+    n_heads = f.integer("num_attention_heads")
+    d_mlp = f.integer("intermediate_size")
+    n_kv = f.integer("num_key_value_heads", None, allow_none=True) or n_heads
+    d_head = f.integer("head_dim", None, allow_none=True)
+    if d_head is None:
+        if d_model % n_heads:
+            raise ValueError(
+                f"{source}: hidden_size={d_model} is not divisible by num_attention_heads={n_heads} and "
+                "there is no head_dim"
+            )
+        d_head = d_model // n_heads
+    if n_heads % n_kv:
+        raise ValueError(
+            f"{source}: num_attention_heads={n_heads} is not divisible by num_key_value_heads={n_kv}"
+        )
+    return _LlamaSizes(vocab, d_model, n_layers, n_heads, d_mlp, n_kv, d_head)
+
+
+def _llama_context(f: ConfigFields, kind: str, max_seq_len: int | None) -> int:
+    """The longest sequence: ``max_seq_len`` when given (a positive int, at most the model's
+    ``max_position_embeddings``), else ``max_position_embeddings`` (or the family's default)."""
+    context = f.integer("max_position_embeddings", _DEFAULT_CONTEXT[kind])
+    if max_seq_len is not None:
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
+            raise ValueError(f"max_seq_len must be None or a positive int; got {max_seq_len!r}")
+        if max_seq_len > context:
+            raise ValueError(
+                f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings={context}"
+            )
+        context = max_seq_len
+    return context
 
 
 def llama_parameter_count(c: ModelConfig) -> tuple[int, int]:
