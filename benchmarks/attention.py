@@ -21,16 +21,10 @@ import time
 from pathlib import Path
 
 from headspace.bench import CASES, MODES, format_table, machine_info, run_attention_benchmark, write_json
+from headspace.bench.scripts import add_output_options, check_output_options, check_positive, output_path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 """The published results (committed); runs without --save write to RESULTS / "local"."""
-
-
-def output_path(out: str | None, save: bool, name: str) -> Path:
-    """``--out`` as given; else ``RESULTS/name`` with ``--save``, ``RESULTS/local/name`` without."""
-    if out is not None:
-        return Path(out)
-    return (RESULTS if save else RESULTS / "local") / name
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,24 +47,12 @@ def main(argv: list[str] | None = None) -> int:
         help="weights, inputs and the GEMM floor's matrices (default float32; JSON name gets _bfloat16)",
     )
     p.add_argument("--quick", action="store_true", help="seq 128 256, batch 4, 3 repeats: a smoke run")
-    p.add_argument(
-        "--out",
-        default=None,
-        help="JSON output path (default: benchmarks/results/local/attention.json, with --quick "
-        "attention_quick.json there)",
-    )
-    p.add_argument("--save", action="store_true", help="publish: write benchmarks/results/attention.json")
+    add_output_options(p, "attention.json", note=", with --quick attention_quick.json there")
     a = p.parse_args(argv)
-    if a.save and a.out is not None:
-        p.error("--save writes benchmarks/results/attention.json; give either --save or --out")
-    if a.save and a.quick:
-        p.error("--save publishes a full run; a --quick smoke run is never published")
+    check_output_options(p, a, "attention.json", smoke="quick")
     suffix = ("_quick" if a.quick else "") + ("" if a.dtype == "float32" else f"_{a.dtype}")
-    out = output_path(a.out, a.save, f"attention{suffix}.json")
-    for name in ("batch", "d_model", "n_heads", "repeats", "threads"):
-        value = getattr(a, name)
-        if value is not None and value <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive; got {value}")
+    out = output_path(a.out, a.save, f"attention{suffix}.json", RESULTS)
+    check_positive(p, a, ("batch", "d_model", "n_heads", "repeats", "threads"))
     seqs = a.seq or ([128, 256] if a.quick else [128, 512, 1024, 2048])
     if any(s <= 0 for s in seqs):
         p.error(f"--seq values must be positive; got {seqs}")

@@ -44,18 +44,12 @@ from tqdm import tqdm
 from headspace import MultiHeadAttention
 from headspace.bench import machine_info
 from headspace.bench.measure import round_robin
+from headspace.bench.scripts import add_output_options, check_output_options, check_positive, output_path
 from headspace.core.fileio import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 CASES = ("layer", "sdpa", "sdpa math", "attention GEMMs", "projection GEMMs", "GEMM floor")
 MODES = ("forward", "backward")
-
-
-def output_path(out: str | None, save: bool, name: str) -> Path:
-    """``--out`` as given; else ``RESULTS/name`` with ``--save``, ``RESULTS/local/name`` without."""
-    if out is not None:
-        return Path(out)
-    return (RESULTS if save else RESULTS / "local") / name
 
 
 def build(
@@ -197,18 +191,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--quick", action="store_true", help="seq 32 64, batch 2, d_model 64, 3 rounds: a smoke run"
     )
-    p.add_argument(
-        "--out", default=None, help="JSON path (default: benchmarks/results/local/attention_parts.json)"
-    )
-    p.add_argument(
-        "--save", action="store_true", help="publish: write benchmarks/results/attention_parts.json"
-    )
+    add_output_options(p, "attention_parts.json")
     a = p.parse_args(argv)
-    if a.save and (a.out is not None or a.quick):
-        p.error("--save publishes a full run to benchmarks/results/; give it without --out and --quick")
-    for name in ("batch", "d_model", "n_heads", "rounds", "threads"):
-        if getattr(a, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive; got {getattr(a, name)}")
+    check_output_options(p, a, "attention_parts.json", smoke="quick")
+    check_positive(p, a, ("batch", "d_model", "n_heads", "rounds", "threads"))
     if a.quick:
         a.seq, a.batch, a.d_model, a.n_heads, a.rounds = a.seq or [32, 64], 2, 64, 4, min(a.rounds, 3)
     seqs = a.seq or [512, 1024]
@@ -218,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             f"got {seqs}, {a.d_model}, {a.n_heads}"
         )
     suffix = "_quick" if a.quick else ("" if a.dtype == "float32" else f"_{a.dtype}")
-    out = output_path(a.out, a.save, f"attention_parts{suffix}.json")
+    out = output_path(a.out, a.save, f"attention_parts{suffix}.json", RESULTS)
     torch.set_num_threads(a.threads)
     dtype = getattr(torch, a.dtype)
     results = []

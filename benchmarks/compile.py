@@ -42,17 +42,11 @@ import torch
 
 import headspace as hs
 from headspace.bench import machine_info, round_robin
+from headspace.bench.scripts import add_output_options, check_output_options, check_positive, output_path
 from headspace.core.fileio import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 """The published results (committed); runs without --save write to RESULTS / "local"."""
-
-
-def output_path(out: str | None, save: bool, name: str) -> Path:
-    """``--out`` as given; else ``RESULTS/name`` with ``--save``, ``RESULTS/local/name`` without."""
-    if out is not None:
-        return Path(out)
-    return (RESULTS if save else RESULTS / "local") / name
 
 
 def _encoder(a: argparse.Namespace) -> hs.Encoder:
@@ -181,15 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--heads", type=int, default=None)
     p.add_argument("--d-model", type=int, default=None)
     p.add_argument("--vocab", type=int, default=None)
-    p.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/local/compile.json)")
-    p.add_argument("--save", action="store_true", help="publish: write benchmarks/results/compile.json")
+    add_output_options(p, "compile.json")
     a = p.parse_args(argv)
-    if a.save and a.out is not None:
-        p.error("--save writes benchmarks/results/compile.json; give either --save or --out")
-    for name in ("threads", "rounds", "batch", "seq", "context"):
-        if getattr(a, name) < 1:
-            p.error(f"--{name} must be positive")
-    out_path = output_path(a.out, a.save, "compile.json")
+    check_output_options(p, a, "compile.json")
+    check_positive(p, a, ("threads", "rounds", "batch", "seq", "context"))
+    out_path = output_path(a.out, a.save, "compile.json", RESULTS)
     torch.set_num_threads(a.threads)
     torch.manual_seed(0)
     compile_s: dict[str, float] = {}

@@ -58,6 +58,7 @@ from tqdm import tqdm
 
 from headspace import Decoder, ModelConfig
 from headspace.bench import machine_info, read_status_kib, timed
+from headspace.bench.scripts import add_output_options, check_output_options, check_positive, output_path
 from headspace.core.fileio import write_json
 
 POSITIONS = (64, 128, 256, 512, 1024)
@@ -68,13 +69,6 @@ PYTHON_STEP = "headspace native=False"
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).resolve().parent / "results"
 """The published results (committed); runs without --save write to RESULTS / "local"."""
-
-
-def output_path(out: str | None, save: bool, name: str) -> Path:
-    """``--out`` as given; else ``RESULTS/name`` with ``--save``, ``RESULTS/local/name`` without."""
-    if out is not None:
-        return Path(out)
-    return (RESULTS if save else RESULTS / "local") / name
 
 
 #: SmolLM2 targets: load seconds, peak load memory / float32 weights, decode speedups over transformers
@@ -528,10 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         default=list(POSITIONS),
         help="context lengths (default: 64 .. 1024)",
     )
-    p.add_argument(
-        "--out", default=None, help="JSON output path (default: benchmarks/results/local/decode.json)"
-    )
-    p.add_argument("--save", action="store_true", help="publish: write benchmarks/results/decode.json")
+    add_output_options(p, "decode.json")
     p.add_argument("--no-smollm2", action="store_true", help="only the GPT-2-shaped table")
     p.add_argument("--smollm2-only", action="store_true", help="only SmolLM2 against transformers")
     p.add_argument("--prompt-len", type=int, default=512, help="SmolLM2 prefill prompt (tokens)")
@@ -540,19 +531,31 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--accuracy-tokens", type=int, default=2000, help="README + docs tokens for accuracy")
     p.add_argument("--smollm2-rounds", type=int, default=5, help="SmolLM2 timing rounds")
     a = p.parse_args(argv)
-    if a.save and a.out is not None:
-        p.error("--save writes benchmarks/results/decode.json; give either --save or --out")
+    check_output_options(p, a, "decode.json")
     if a.no_smollm2 and a.smollm2_only:
         p.error("--no-smollm2 and --smollm2-only leave nothing to run; give one")
-    for name in ("threads", "repeats", "full_repeats", "layers", "heads", "d_model", "vocab", "prompt_len",
-                 "decode_tokens", "decode_prompt", "accuracy_tokens", "smollm2_rounds"):  # fmt: skip
-        value = getattr(a, name)
-        if value is not None and value <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive; got {value}")
+    check_positive(
+        p,
+        a,
+        (
+            "threads",
+            "repeats",
+            "full_repeats",
+            "layers",
+            "heads",
+            "d_model",
+            "vocab",
+            "prompt_len",
+            "decode_tokens",
+            "decode_prompt",
+            "accuracy_tokens",
+            "smollm2_rounds",
+        ),
+    )
     positions = sorted(set(a.positions))
     if positions[0] < 2:
         p.error(f"--positions must be >= 2 (the cache holds position - 1 tokens); got {a.positions}")
-    out = output_path(a.out, a.save, "decode.json")
+    out = output_path(a.out, a.save, "decode.json", RESULTS)
     torch.set_num_threads(a.threads)
     if a.smollm2_only:
         doc = {

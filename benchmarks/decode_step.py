@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from headspace import Decoder, ModelConfig
 from headspace.bench import machine_info
+from headspace.bench.scripts import add_output_options, check_output_options, check_positive, output_path
 from headspace.core.fileio import write_json
 from headspace.decode import Stepper, describe, generation_caches, product_weights
 from headspace.decode.native import native_form
@@ -39,13 +40,6 @@ from headspace.kernels import native
 
 RESULTS = Path(__file__).resolve().parent / "results"
 STEPS = ("native", "python")
-
-
-def output_path(out: str | None, save: bool, name: str) -> Path:
-    """``--out`` as given; else ``RESULTS/name`` with ``--save``, ``RESULTS/local/name`` without."""
-    if out is not None:
-        return Path(out)
-    return (RESULTS if save else RESULTS / "local") / name
 
 
 def random_decoder(layers: int) -> Decoder:
@@ -132,17 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=40, help="timed steps per round and kind")
     p.add_argument("--rounds", type=int, default=6, help="rounds; the two kinds take turns in each")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads")
-    p.add_argument(
-        "--out", default=None, help="JSON path (default: benchmarks/results/local/decode_step.json)"
-    )
-    p.add_argument("--save", action="store_true", help="publish: write benchmarks/results/decode_step.json")
+    add_output_options(p, "decode_step.json")
     a = p.parse_args(argv)
-    if a.save and (a.out is not None or a.random):
-        p.error("--save publishes a SmolLM2 run to benchmarks/results/; give it without --out and --random")
-    for name in ("layers", "prompt_len", "steps", "rounds", "threads"):
-        if getattr(a, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive; got {getattr(a, name)}")
-    out = output_path(a.out, a.save, "decode_step.json")
+    check_output_options(p, a, "decode_step.json", smoke="random")
+    check_positive(p, a, ("layers", "prompt_len", "steps", "rounds", "threads"))
+    out = output_path(a.out, a.save, "decode_step.json", RESULTS)
     torch.set_num_threads(a.threads)
     if not native.build():
         print(f"the native step is unavailable: {native.status()}", file=sys.stderr)

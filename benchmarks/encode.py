@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 from headspace import load
 from headspace.bench import machine_info
+from headspace.bench.scripts import add_output_options, check_output_options, check_positive, output_path
 from headspace.core.fileio import write_json
 from headspace.pretrained import minilm_path
 
@@ -55,13 +56,6 @@ WORDS = (
 MAX_ABS = 1e-5
 RESULTS = Path(__file__).resolve().parent / "results"
 """The published results (committed); runs without --save write to RESULTS / "local"."""
-
-
-def output_path(out: str | None, save: bool, name: str) -> Path:
-    """``--out`` as given; else ``RESULTS/name`` with ``--save``, ``RESULTS/local/name`` without."""
-    if out is not None:
-        return Path(out)
-    return (RESULTS if save else RESULTS / "local") / name
 
 
 def make_sentences(n: int, seed: int = 0) -> list[str]:
@@ -77,27 +71,47 @@ def make_sentences(n: int, seed: int = 0) -> list[str]:
     return out
 
 
+def _pooled_embeddings(
+    tokenizer: Any,
+    sentences: list[str],
+    batch_size: int,
+    max_length: int,
+    return_tensors: str,
+    states_of: Callable[[Any], torch.Tensor],
+) -> torch.Tensor:
+    """sentence-transformers' recipe around any BertModel: sort by length, pad, mean-pool, normalise.
+
+    ``states_of(enc)`` is the last hidden state (b, seq, d_model) of one tokenizer batch ``enc``
+    (``return_tensors`` "pt" or "np"). Returns (n, d_model), row ``i`` the embedding of ``sentences[i]``.
+    """
+    order = sorted(range(len(sentences)), key=lambda i: -len(sentences[i]))
+    out = None
+    for start in range(0, len(order), batch_size):
+        rows = order[start : start + batch_size]
+        enc = tokenizer(
+            [sentences[i] for i in rows],
+            padding=True,
+            truncation=True,
+            max_length=max_length,
+            return_tensors=return_tensors,
+        )
+        states = states_of(enc)  # (b, seq, d_model)
+        mask = torch.as_tensor(enc["attention_mask"]).unsqueeze(-1).float()  # (b, seq, 1)
+        mean = (states * mask).sum(1) / mask.sum(1).clamp(min=1e-9)  # (b, d_model)
+        if out is None:
+            out = torch.empty(len(sentences), mean.shape[1])  # (n, d_model)
+        out[rows] = F.normalize(mean, dim=1)
+    return out
+
+
 def embed_transformers(
     tokenizer, bert, sentences: list[str], batch_size: int, max_length: int
 ) -> torch.Tensor:
     """sentence-transformers' recipe written out on BertModel: sort by length, pad, mean-pool, normalise."""
-    order = sorted(range(len(sentences)), key=lambda i: -len(sentences[i]))
-    out = torch.empty(len(sentences), bert.config.hidden_size)  # (n, d_model)
     with torch.inference_mode():
-        for start in range(0, len(order), batch_size):
-            rows = order[start : start + batch_size]
-            enc = tokenizer(
-                [sentences[i] for i in rows],
-                padding=True,
-                truncation=True,
-                max_length=max_length,
-                return_tensors="pt",
-            )
-            states = bert(**enc).last_hidden_state  # (b, seq, d_model)
-            mask = enc["attention_mask"].unsqueeze(-1).float()  # (b, seq, 1)
-            mean = (states * mask).sum(1) / mask.sum(1).clamp(min=1e-9)  # (b, d_model)
-            out[rows] = F.normalize(mean, dim=1)
-    return out
+        return _pooled_embeddings(
+            tokenizer, sentences, batch_size, max_length, "pt", lambda enc: bert(**enc).last_hidden_state
+        )
 
 
 class _BertStates(torch.nn.Module):
@@ -149,27 +163,12 @@ def onnx_sessions(folder: str, tokenizer: Any, threads: int, workdir: str) -> tu
 
 def embed_onnx(tokenizer, session, sentences: list[str], batch_size: int, max_length: int) -> torch.Tensor:
     """:func:`embed_transformers`' recipe on an ONNX Runtime session of BertModel."""
-    order = sorted(range(len(sentences)), key=lambda i: -len(sentences[i]))
-    out = None
-    for start in range(0, len(order), batch_size):
-        rows = order[start : start + batch_size]
-        enc = tokenizer(
-            [sentences[i] for i in rows],
-            padding=True,
-            truncation=True,
-            max_length=max_length,
-            return_tensors="np",
-        )
-        states = session.run(None, {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]})[
-            0
-        ]
-        states = torch.from_numpy(states)  # (b, seq, d_model)
-        mask = torch.from_numpy(enc["attention_mask"]).unsqueeze(-1).float()  # (b, seq, 1)
-        mean = (states * mask).sum(1) / mask.sum(1).clamp(min=1e-9)  # (b, d_model)
-        if out is None:
-            out = torch.empty(len(sentences), mean.shape[1])  # (n, d_model)
-        out[rows] = F.normalize(mean, dim=1)
-    return out
+
+    def states_of(enc: Any) -> torch.Tensor:
+        feeds = {"input_ids": enc["input_ids"], "attention_mask": enc["attention_mask"]}
+        return torch.from_numpy(session.run(None, feeds)[0])  # (b, seq, d_model)
+
+    return _pooled_embeddings(tokenizer, sentences, batch_size, max_length, "np", states_of)
 
 
 #: The precisions table: (row name, model, precision) in the order printed.
@@ -208,18 +207,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=7)
-    p.add_argument(
-        "--out", default=None, help="JSON output path (default: benchmarks/results/local/encode.json)"
-    )
-    p.add_argument("--save", action="store_true", help="publish: write benchmarks/results/encode.json")
+    add_output_options(p, "encode.json")
     p.add_argument("--no-onnx", action="store_true", help="leave ONNX Runtime out of the precisions table")
     a = p.parse_args(argv)
-    if a.save and a.out is not None:
-        p.error("--save writes benchmarks/results/encode.json; give either --save or --out")
-    out = output_path(a.out, a.save, "encode.json")
-    for name in ("sentences", "batch_size", "threads", "rounds"):
-        if getattr(a, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive; got {getattr(a, name)}")
+    check_output_options(p, a, "encode.json")
+    out = output_path(a.out, a.save, "encode.json", RESULTS)
+    check_positive(p, a, ("sentences", "batch_size", "threads", "rounds"))
     torch.set_num_threads(a.threads)
 
     import sentence_transformers

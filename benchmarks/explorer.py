@@ -24,6 +24,7 @@ import torch
 from tqdm import tqdm
 
 import headspace
+from headspace.bench.scripts import add_output_options, check_output_options, output_path
 from headspace.viz.explorer import Explorer
 from headspace.viz.explorer.page import HEADLESS_CHROMIUM_ARGS
 
@@ -38,13 +39,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 """The published results (committed); runs without --save write to RESULTS / "local"."""
 
 
-def output_path(out: str | None, save: bool, name: str) -> Path:
-    """``--out`` as given; else ``RESULTS/name`` with ``--save``, ``RESULTS/local/name`` without."""
-    if out is not None:
-        return Path(out)
-    return (RESULTS if save else RESULTS / "local") / name
-
-
 def token_ids(pre: object, n: int) -> list[int]:
     """Exactly ``n`` token ids ([CLS] ... [SEP]) cut from a long text."""
     ids = pre.tokenizer.encode_ids([TEXT * (1 + n // 20)])[0]
@@ -56,16 +50,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=5, help="page loads per length (median reported)")
     ap.add_argument("--lengths", type=int, nargs="+", default=[13, 128, 512])
     ap.add_argument("--chromium", default=os.environ.get("HEADSPACE_CHROMIUM", "/usr/bin/chromium"))
-    ap.add_argument(
-        "--out", default=None, help="JSON output path (default: benchmarks/results/local/explorer.json)"
-    )
-    ap.add_argument("--save", action="store_true", help="publish: write benchmarks/results/explorer.json")
+    add_output_options(ap, "explorer.json")
     args = ap.parse_args(argv)
     if args.runs <= 0 or any(n < 2 for n in args.lengths):
         ap.error(f"--runs must be positive and --lengths at least 2 tokens; got {args.runs}, {args.lengths}")
-    if args.save and args.out is not None:
-        ap.error("--save writes benchmarks/results/explorer.json; give either --save or --out")
-    out = output_path(args.out, args.save, "explorer.json")
+    check_output_options(ap, args, "explorer.json")
+    out = output_path(args.out, args.save, "explorer.json", RESULTS)
     from playwright.sync_api import sync_playwright
     from tokenizers import Tokenizer
 

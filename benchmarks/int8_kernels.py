@@ -69,6 +69,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from headspace.bench import machine_info, round_robin, spread
+from headspace.bench.scripts import add_output_options, check_output_options, output_path
 from headspace.core.fileio import write_json
 from headspace.kernels.cpu import force_fallback, report
 from headspace.kernels.int8 import Int8Weight, int8_linear, quantize_weight
@@ -90,13 +91,6 @@ QUICK_GROUPS: tuple[tuple[str, int, tuple[tuple[int, int], ...], bool, str], ...
     ("SmolLM2 decode, batch 1 (quick)", 1, ((24, 40), (64, 24)), False, "swiglu"),
     ("SmolLM2 decode, batch 8 (quick)", 8, ((24, 40),), False, "swiglu"),
 )
-
-
-def output_path(out: str | None, save: bool, name: str) -> Path:
-    """``--out`` as given; else ``RESULTS/name`` with ``--save``, ``RESULTS/local/name`` without."""
-    if out is not None:
-        return Path(out)
-    return (RESULTS if save else RESULTS / "local") / name
 
 
 def shape_label(tokens: int, n_in: int, n_out: int) -> str:
@@ -274,20 +268,14 @@ def main(argv: list[str] | None = None) -> int:
         "--block-ms", type=float, default=None, help="ms per timing block (default 40; 2 with --quick)"
     )
     p.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run (never published)")
-    p.add_argument(
-        "--out", default=None, help="JSON path (default: benchmarks/results/local/int8_kernels.json)"
-    )
-    p.add_argument("--save", action="store_true", help="publish: write benchmarks/results/int8_kernels.json")
+    add_output_options(p, "int8_kernels.json")
     a = p.parse_args(argv)
-    if a.save and a.out is not None:
-        p.error("--save writes benchmarks/results/int8_kernels.json; give either --save or --out")
-    if a.save and a.quick:
-        p.error("a --quick run is never published; drop --save")
+    check_output_options(p, a, "int8_kernels.json", smoke="quick")
     a.rounds = a.rounds if a.rounds is not None else (3 if a.quick else 9)
     a.block_ms = a.block_ms if a.block_ms is not None else (2.0 if a.quick else 40.0)
     if a.threads < 1 or a.rounds < 1 or a.block_ms <= 0:
         p.error("--threads, --rounds and --block-ms must be positive")
-    out_path = output_path(a.out, a.save, "int8_kernels.json")
+    out_path = output_path(a.out, a.save, "int8_kernels.json", RESULTS)
     torch.set_num_threads(a.threads)
     groups = QUICK_GROUPS if a.quick else GROUPS
 

@@ -46,13 +46,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 FIELDS = ("previous", "next", "current", "first", "last", "entropy")
 
 
-def output_path(out: str | None, save: bool, name: str) -> Path:
-    """``--out`` as given; else ``RESULTS/name`` with ``--save``, ``RESULTS/local/name`` without."""
-    if out is not None:
-        return Path(out)
-    return (RESULTS if save else RESULTS / "local") / name
-
-
 def _reset_peak() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -184,6 +177,8 @@ def _fmt(m: dict[str, Any] | None, key: str, spec: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from headspace.bench.scripts import add_output_options, check_output_options, output_path
+
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seqs", type=int, nargs="+", default=list(SEQS), help="lengths (default 1024 4096 8192)")
     p.add_argument("--threads", type=int, default=1)
@@ -198,15 +193,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--in-process", action="store_true", help="measure in this process (quick; peaks share it)"
     )
-    p.add_argument(
-        "--out", default=None, help="JSON path (default: benchmarks/results/local/long_inputs.json)"
-    )
-    p.add_argument("--save", action="store_true", help="publish: write benchmarks/results/long_inputs.json")
+    add_output_options(p, "long_inputs.json")
     p.add_argument("--child", choices=MODES, help=argparse.SUPPRESS)
     p.add_argument("--child-seq", type=int, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
-    if a.save and a.out is not None:
-        p.error("--save writes benchmarks/results/long_inputs.json; give either --save or --out")
+    check_output_options(p, a, "long_inputs.json")
     if min(a.seqs) < 2 or a.threads < 1:
         p.error("--seqs must be >= 2 and --threads >= 1")
     torch.set_num_threads(a.threads)
@@ -217,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     from headspace.bench import machine_info
     from headspace.core.fileio import write_json
 
-    out = output_path(a.out, a.save, "long_inputs.json")
+    out = output_path(a.out, a.save, "long_inputs.json", RESULTS)
     model = build_model(a) if a.in_process else None
     probe = model if model is not None else build_model(a)
     config = probe.config

@@ -32,6 +32,7 @@ import headspace
 from headspace.analysis.patching import patch
 from headspace.analysis.trace import hooked, trace
 from headspace.bench import machine_info
+from headspace.bench.scripts import add_output_options, check_output_options, output_path
 from headspace.core.fileio import write_json
 
 CLEAN = "When Mary and John went to the store, John gave a drink to"
@@ -142,13 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--corrupt", default=CORRUPT)
     p.add_argument("--answer", default=" Mary")
     p.add_argument("--other", default=" John")
-    p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/local/patching.json)")
-    p.add_argument("--save", action="store_true", help="publish: write benchmarks/results/patching.json")
+    add_output_options(p, "patching.json")
     args = p.parse_args(argv)
     if args.rounds < 1 or args.threads < 1:
         p.error("--rounds and --threads must be positive")
-    if args.save and args.out is not None:
-        p.error("--save writes benchmarks/results/patching.json; give either --save or --out")
+    check_output_options(p, args, "patching.json")
     torch.set_num_threads(args.threads)
     model = headspace.load(args.model)
     tok = model.tokenizer
@@ -198,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"({name} skipped: {why})")
     hs_median = statistics.median(times["headspace"])
     print(f"\nTarget headspace <= 3 s: {'met' if hs_median <= 3.0 else 'NOT met'} ({hs_median:.2f} s)")
-    out = Path(args.out) if args.out else (RESULTS if args.save else RESULTS / "local") / "patching.json"
+    out = output_path(args.out, args.save, "patching.json", RESULTS)
     write_json(out, {"rows": rows, "skipped": skipped, "times": times, "machine": machine_info(),
                      "settings": vars(args), "n_sites": n_sites})  # fmt: skip
     print(f"wrote {out}")

@@ -72,6 +72,7 @@ import torch.nn.functional as F
 
 import headspace
 from headspace.bench import machine_info
+from headspace.bench.scripts import add_output_options, check_output_options, check_positive, output_path
 from headspace.core.fileio import write_json
 
 BENCHMARKS = Path(__file__).resolve().parent
@@ -100,13 +101,6 @@ INT8_MAX_REL = 1e-3
 INT8_SAME_MAX_REL = 1e-5
 QUICK = {"sentences": 32, "tokens": 200, "rounds": 1, "decode_tokens": 4}
 FULL = {"sentences": 256, "tokens": 1000, "rounds": 3, "decode_tokens": 32}
-
-
-def output_path(out: str | None, save: bool, name: str) -> Path:
-    """``--out`` as given; else ``RESULTS/name`` with ``--save``, ``RESULTS/local/name`` without."""
-    if out is not None:
-        return Path(out)
-    return (RESULTS if save else RESULTS / "local") / name
 
 
 def parse_settings(text: str) -> list[tuple[str, str, dict[str, str]]]:
@@ -315,31 +309,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-tokens", type=int, default=None, help="greedy tokens timed (32; --quick 4)")
     p.add_argument("--batch-size", type=int, default=32, help="MiniLM batch size")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument(
-        "--out", default=None, help="JSON output path (default: benchmarks/results/local/precision_cpus.json)"
-    )
-    p.add_argument(
-        "--save", action="store_true", help="publish: write benchmarks/results/precision_cpus.json"
-    )
+    add_output_options(p, "precision_cpus.json")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)  # internal: a child's temp folder
     a = p.parse_args(argv)
-    if a.save and a.out is not None:
-        p.error("--save writes benchmarks/results/precision_cpus.json; give either --save or --out")
-    if a.save and a.quick:
-        p.error("--quick runs are not published; drop --save or --quick")
+    check_output_options(p, a, "precision_cpus.json", smoke="quick")
     for name, value in (QUICK if a.quick else FULL).items():
         if getattr(a, name) is None:
             setattr(a, name, value)
-    for name in ("sentences", "tokens", "rounds", "decode_tokens", "batch_size", "threads"):
-        if getattr(a, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive; got {getattr(a, name)}")
+    check_positive(p, a, ("sentences", "tokens", "rounds", "decode_tokens", "batch_size", "threads"))
     if a.child is not None:
         return run_child(a)
     try:
         settings = parse_settings(a.settings)
     except ValueError as e:
         p.error(str(e))
-    out = output_path(a.out, a.save, "precision_cpus.json")
+    out = output_path(a.out, a.save, "precision_cpus.json", RESULTS)
 
     children: list[dict[str, Any]] = []
     ref_emb = ref_argmax = None

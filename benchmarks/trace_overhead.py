@@ -31,16 +31,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 import headspace as hs
+from headspace.bench.scripts import add_output_options, check_output_options, check_positive, output_path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 """The published results (committed); runs without --save write to RESULTS / "local"."""
-
-
-def output_path(out: str | None, save: bool, name: str) -> Path:
-    """``--out`` as given; else ``RESULTS/name`` with ``--save``, ``RESULTS/local/name`` without."""
-    if out is not None:
-        return Path(out)
-    return (RESULTS if save else RESULTS / "local") / name
 
 
 def timed(run: Callable[[int], object], inner: int) -> float:
@@ -67,21 +61,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--d-model", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument(
-        "--out", default=None, help="JSON output path (default: benchmarks/results/local/trace_overhead.json)"
-    )
-    ap.add_argument(
-        "--save", action="store_true", help="publish: write benchmarks/results/trace_overhead.json"
-    )
+    add_output_options(ap, "trace_overhead.json")
     args = ap.parse_args(argv)
-    for name in ("rounds", "inner", "batch", "seq", "d_model", "heads"):
-        if getattr(args, name) <= 0:
-            ap.error(f"--{name.replace('_', '-')} must be positive; got {getattr(args, name)}")
+    check_positive(ap, args, ("rounds", "inner", "batch", "seq", "d_model", "heads"))
     if args.rounds < 2:
         ap.error(f"--rounds must be at least 2 (quartiles need two timings); got {args.rounds}")
-    if args.save and args.out is not None:
-        ap.error("--save writes benchmarks/results/trace_overhead.json; give either --save or --out")
-    out = output_path(args.out, args.save, "trace_overhead.json")
+    check_output_options(ap, args, "trace_overhead.json")
+    out = output_path(args.out, args.save, "trace_overhead.json", RESULTS)
 
     if args.threads > 0:
         torch.set_num_threads(args.threads)

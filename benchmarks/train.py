@@ -34,18 +34,12 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from headspace.bench.scripts import add_output_options, check_output_options, check_positive, output_path
 from headspace.model.models import Decoder, ModelConfig
 from headspace.train.checkpoint import write_atomic
 
 RESULTS = Path(__file__).resolve().parent / "results"
 """The published results (committed); runs without --save write to RESULTS / "local"."""
-
-
-def output_path(out: str | None, save: bool, name: str) -> Path:
-    """``--out`` as given; else ``RESULTS/name`` with ``--save``, ``RESULTS/local/name`` without."""
-    if out is not None:
-        return Path(out)
-    return (RESULTS if save else RESULTS / "local") / name
 
 
 # ------------------------------------------------------------------------------------------ the reference
@@ -131,19 +125,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--quick", action="store_true", help="d_model 64, 2 layers, seq 64, 3 rounds")
-    p.add_argument(
-        "--out", default=None, help="JSON output path (default: benchmarks/results/local/train.json)"
-    )
-    p.add_argument("--save", action="store_true", help="publish: write benchmarks/results/train.json")
+    add_output_options(p, "train.json")
     a = p.parse_args(argv)
-    if a.save and a.out is not None:
-        p.error("--save writes benchmarks/results/train.json; give either --save or --out")
-    out = output_path(a.out, a.save, "train.json")
+    check_output_options(p, a, "train.json")
+    out = output_path(a.out, a.save, "train.json", RESULTS)
     if a.quick:
         a.d_model, a.layers, a.seq, a.rounds = 64, 2, 64, 3
-    for name in ("d_model", "layers", "heads", "seq", "batch", "vocab", "steps", "rounds"):
-        if getattr(a, name) <= 0:
-            p.error(f"--{name.replace('_', '-')} must be positive; got {getattr(a, name)}")
+    check_positive(p, a, ("d_model", "layers", "heads", "seq", "batch", "vocab", "steps", "rounds"))
     if a.d_model % a.heads:
         p.error(f"--d-model {a.d_model} must be divisible by --heads {a.heads}")
     if a.device == "cuda" and not torch.cuda.is_available():

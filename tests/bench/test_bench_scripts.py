@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from headspace.bench import CASES, MODES
+from headspace.bench.scripts import output_path
 from headspace.kernels import native
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -102,10 +103,12 @@ def test_every_script_writes_local_results_by_default_and_publishes_only_with_sa
 ) -> None:
     module = _script(name)
     assert module.RESULTS == COMMITTED  # the published folder is the repository's, wherever one runs from
-    monkeypatch.setattr(module, "RESULTS", tmp_path / "results")
-    assert module.output_path(None, False, f"{name}.json") == tmp_path / "results" / "local" / f"{name}.json"
-    assert module.output_path(None, True, f"{name}.json") == tmp_path / "results" / f"{name}.json"
-    assert module.output_path("x/y.json", False, f"{name}.json") == Path("x/y.json")
+    assert module.output_path is output_path  # the shared helper, not a copy of it
+    results = tmp_path / "results"
+    assert output_path(None, False, f"{name}.json", results) == results / "local" / f"{name}.json"
+    assert output_path(None, True, f"{name}.json", results) == results / f"{name}.json"
+    assert output_path("x/y.json", False, f"{name}.json", results) == Path("x/y.json")
+    monkeypatch.setattr(module, "RESULTS", results)
     with pytest.raises(SystemExit) as exc:
         module.main(["--save", "--out", str(tmp_path / "z.json")])
     assert exc.value.code == 2  # argparse's error: --save and --out together

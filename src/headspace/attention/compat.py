@@ -147,6 +147,10 @@ def _alias(torch_name: str, headspace_name: str) -> property:
     )
 
 
+#: The tensor arguments of :meth:`MultiheadAttention.forward`, in order (named when nested).
+_TENSOR_ARGS = ("query", "key", "value", "key_padding_mask", "attn_mask")
+
+
 class MultiheadAttention(MultiHeadAttention):
     r"""``torch.nn.MultiheadAttention`` with headspace inside.
 
@@ -337,27 +341,7 @@ class MultiheadAttention(MultiHeadAttention):
         shape and that it is bool or float; its size, float dtype and device go unchecked (it is never
         used), so here too.
         """
-        batched = self._check_ranks_torch(query, key, value, key_padding_mask, attn_mask)
-        self._check_sizes_torch(query, key, value, batched)
-        self._check_masks_torch(query, key, key_padding_mask, attn_mask, batched, causal_hint)
-        return batched
-
-    def _batch_seq_dims(self, batched: bool) -> tuple[int, int]:
-        """The batch and sequence dimensions of query/key/value in this layer's layout (batch 0 unbatched)."""
-        batch_dim = 0 if (self.batch_first or not batched) else 1
-        seq_dim = 1 - batch_dim if batched else 0
-        return batch_dim, seq_dim
-
-    def _check_ranks_torch(
-        self,
-        query: Tensor,
-        key: Tensor,
-        value: Tensor,
-        key_padding_mask: Tensor | None,
-        attn_mask: Tensor | None,
-    ) -> bool:
-        """First checks: every argument is a tensor of an allowed rank (and an unbatched 3-D ``attn_mask``
-        has its one possible shape); returns whether the input is batched (3-D query)."""
+        # first: every argument a tensor of an allowed rank (an unbatched 3-D attn_mask of its one shape)
         for name, t in (("query", query), ("key", key), ("value", value)):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name} must be a tensor; got {type(t).__name__}")
@@ -405,7 +389,15 @@ class MultiheadAttention(MultiHeadAttention):
                     f"attn_mask for an unbatched query must be [seq_q, seq_k] = {list(want3[1:])} or "
                     f"[num_heads, seq_q, seq_k] = {list(want3)}; got {_shape(attn_mask)}"
                 )
+        self._check_sizes_torch(query, key, value, batched)
+        self._check_masks_torch(query, key, key_padding_mask, attn_mask, batched, causal_hint)
         return batched
+
+    def _batch_seq_dims(self, batched: bool) -> tuple[int, int]:
+        """The batch and sequence dimensions of query/key/value in this layer's layout (batch 0 unbatched)."""
+        batch_dim = 0 if (self.batch_first or not batched) else 1
+        seq_dim = 1 - batch_dim if batched else 0
+        return batch_dim, seq_dim
 
     def _check_sizes_torch(self, query: Tensor, key: Tensor, value: Tensor, batched: bool) -> None:
         """Second checks: embedding widths, key/value lengths, batch sizes, then dtypes and devices
@@ -623,17 +615,8 @@ class MultiheadAttention(MultiHeadAttention):
             ``S' = S + add_bias_kv + add_zero_attn``; None when ``need_weights=False``. Rows with
             nothing to attend to are zero (torch: NaN).
         """
-        nested = [
-            name
-            for name, t in (
-                ("query", query),
-                ("key", key),
-                ("value", value),
-                ("key_padding_mask", key_padding_mask),
-                ("attn_mask", attn_mask),
-            )
-            if isinstance(t, Tensor) and t.is_nested
-        ]
+        tensors = (query, key, value, key_padding_mask, attn_mask)
+        nested = [name for name, t in zip(_TENSOR_ARGS, tensors) if isinstance(t, Tensor) and t.is_nested]
         if nested:
             return self._forward_nested(
                 nested,
@@ -647,7 +630,13 @@ class MultiheadAttention(MultiHeadAttention):
                 is_causal,
             )
         batched, causal_hint = self._check_call(
-            query, key, value, key_padding_mask, need_weights, attn_mask, is_causal
+            query,
+            key,
+            value,
+            need_weights=need_weights,
+            is_causal=is_causal,
+            key_padding_mask=key_padding_mask,
+            attn_mask=attn_mask,
         )
         q_in, k_in, v_in, kpm = self._to_batch_first(query, key, value, key_padding_mask, batched)
         if self.check_finite:
@@ -688,10 +677,11 @@ class MultiheadAttention(MultiHeadAttention):
         query: Tensor,
         key: Tensor,
         value: Tensor,
-        key_padding_mask: Tensor | None,
+        *,
         need_weights: bool,
-        attn_mask: Tensor | None,
         is_causal: bool,
+        key_padding_mask: Tensor | None,
+        attn_mask: Tensor | None,
     ) -> tuple[bool, bool]:
         """Check a (non-nested) call as torch does; return (batched, whether the causal hint applies).
 

@@ -1,5 +1,7 @@
-"""Benchmarks' machinery: :mod:`.measure` (timing and memory on a shared machine) and :mod:`.attention`
-(the attention benchmark behind ``benchmarks/attention.py`` and ``headspace bench``).
+"""Benchmarks' machinery: :mod:`.measure` (timing and memory on a shared machine), :mod:`.attention`
+(the attention benchmark behind ``benchmarks/attention.py`` and ``headspace bench``) and :mod:`.scripts`
+(where every ``benchmarks/*.py`` script writes its JSON: ``--out``, ``--save``). The scripts under
+``benchmarks/`` import their shared helpers from here; this package is the one home of the measuring code.
 
 ``headspace.bench.run_attention_benchmark``, ``format_table``, ``check_targets``, ``write_json`` and the
 rest keep working from here.

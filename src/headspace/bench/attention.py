@@ -77,7 +77,7 @@ from torch import Tensor, nn
 
 from ..attention.layer import MultiHeadAttention
 from ..kernels.workspace import release_thread_workspace
-from .measure import machine_info, measure_peak_extra_mib
+from .measure import machine_info, measure_peak_extra_mib, round_robin
 
 CASES: tuple[str, ...] = (
     "headspace",
@@ -546,19 +546,14 @@ def _check_benchmark_args(
 
 def _time_round_robin(built: list[Case], repeats: int | None) -> tuple[int, dict[str, list[float]]]:
     """One warm-up step of every case, then ``repeats`` rounds (None: picked by the warm-up's time, see
-    :func:`_auto_repeats`), each timing one step of every case in turn, so that a change of load touches
-    every case alike. Returns the rounds and each case's step times in ms, in round order."""
+    :func:`_auto_repeats`) of :func:`~.measure.round_robin`, so that a change of load touches every case
+    alike. Returns the rounds and each case's step times in ms, in round order."""
     t0 = time.perf_counter()
     for case in built:
         case.step()  # warm-up
     n = repeats if repeats is not None else _auto_repeats(time.perf_counter() - t0)
-    times: dict[str, list[float]] = {c.name: [] for c in built}
-    for _ in range(n):
-        for case in built:  # round-robin: load changes touch every case alike
-            t = time.perf_counter()
-            case.step()
-            times[case.name].append((time.perf_counter() - t) * 1e3)
-    return n, times
+    seconds = round_robin({c.name: c.step for c in built}, n)
+    return n, {name: [t * 1e3 for t in ts] for name, ts in seconds.items()}
 
 
 # ---------------------------------------------------------------------------------------------------
