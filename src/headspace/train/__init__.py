@@ -5,7 +5,8 @@
     result.summary["relations"]      # per relation: the head that serves it, its attention and ablation
 
 See :mod:`.loop` (the run folder), :mod:`.tasks` (the ``relations`` task), :mod:`.checkpoint` (the
-checkpoint format) and :mod:`.metrics` (per-head measurements).
+checkpoint format) and :mod:`.metrics` (per-head measurements). The pictures of a run (``plot-run``) are
+in :mod:`headspace.viz.training` (``headspace.train.plots`` is that module, kept as an old path).
 """
 
 from .checkpoint import Checkpoint, CheckpointError, load_checkpoint, save_checkpoint
