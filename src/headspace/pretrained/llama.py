@@ -251,12 +251,12 @@ def llama_config(
         raise TypeError(f"hf must be a dict (config.json); got {type(hf).__name__}")
     f = ConfigFields(hf, source)
     kind, act = _llama_kind(hf, f, source)
-    sizes = _llama_sizes(f, source)
+    vocab, d_model, n_layers, n_heads, d_mlp, n_kv, d_head = _llama_sizes(f, source)
     context = _llama_context(f, kind, max_seq_len)
     types = hf.get("layer_types")
     if types is not None and (not isinstance(types, list) or any(t not in _LAYER_TYPES for t in types)):
         raise ValueError(f"{source}: layer_types must list {list(_LAYER_TYPES)}; got {types!r:.120}")
-    problem = _sliding_window_problem(f, kind, sizes.n_layers, context)
+    problem = _sliding_window_problem(f, kind, n_layers, context)
     if problem:
         raise ValueError(f"{source}: {problem}")
     theta, scaling = _rope(hf, f)
@@ -268,8 +268,8 @@ def llama_config(
     pad = f.integer("pad_token_id", None, minimum=-(2**31), allow_none=True)
     if pad is not None and pad < 0:
         pad = None  # old Llama configs write -1 for "no padding token"
-    if pad is not None and pad >= sizes.vocab:
-        raise ValueError(f"{source}: pad_token_id must be < vocab_size={sizes.vocab}; got {pad}")
+    if pad is not None and pad >= vocab:
+        raise ValueError(f"{source}: pad_token_id must be < vocab_size={vocab}; got {pad}")
     init = hf.get("initializer_range")
     init_std = 0.02 if init is None else f.number("initializer_range", low=0.0, low_open=True)
     extra: dict[str, Any] = {"model_type": kind}
@@ -279,13 +279,13 @@ def llama_config(
     try:
         return ModelConfig(
             arch="decoder",
-            vocab_size=sizes.vocab,
-            d_model=sizes.d_model,
-            n_layers=sizes.n_layers,
-            n_heads=sizes.n_heads,
-            d_head=sizes.d_head,
-            n_kv_heads=sizes.n_kv,
-            d_mlp=sizes.d_mlp,
+            vocab_size=vocab,
+            d_model=d_model,
+            n_layers=n_layers,
+            n_heads=n_heads,
+            d_head=d_head,
+            n_kv_heads=n_kv,
+            d_mlp=d_mlp,
             max_seq_len=context,
             act=_HIDDEN_ACT[act],
             norm="pre",
