@@ -31,6 +31,7 @@ from typing import Any
 from tqdm import tqdm
 
 from headspace.bench import machine_info
+from headspace.bench.scripts import add_output_options, check_output_options, output_path
 from headspace.core.fileio import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -105,13 +106,6 @@ def run_child(src: Path, args: argparse.Namespace) -> dict[str, Any]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def output_path(out: str | None, save: bool, name: str) -> Path:
-    """``--out`` as given; else ``RESULTS/name`` with ``--save``, ``RESULTS/local/name`` without."""
-    if out is not None:
-        return Path(out)
-    return (RESULTS if save else RESULTS / "local") / name
-
-
 def summarise(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     """Per figure, each tree's median, min and max over the rounds, and the ratio of the medians."""
     rows = []
@@ -132,11 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=positive, default=32, help="prompt tokens")
     p.add_argument("--steps", type=positive, default=24, help="tokens generated per timed call")
     p.add_argument("--sentences", type=positive, default=256, help="sentences MiniLM encodes per timed call")
-    p.add_argument(
-        "--out", default=None, help="JSON path (default: benchmarks/results/local/side_by_side.json)"
-    )
-    p.add_argument("--save", action="store_true", help="publish: write benchmarks/results/side_by_side.json")
+    add_output_options(p, "side_by_side.json")
     a = p.parse_args(argv)
+    check_output_options(p, a, "side_by_side.json")
     trees = {"this": ROOT / "src", "before": a.before.resolve() / "src"}
     for src in trees.values():
         if not (src / "headspace" / "__init__.py").is_file():
@@ -154,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {row['figure']} | {cells[0]} | {cells[1]} | {row['ratio']:.3f} |")
     native = {name: runs[name][-1]["native"] for name in trees}
     print(f"\nnative step: {native}")
-    out = output_path(a.out, a.save, "side_by_side.json")
+    out = output_path(a.out, a.save, "side_by_side.json", RESULTS)
     out.parent.mkdir(parents=True, exist_ok=True)
     payload = {
         "benchmark": "side_by_side",
