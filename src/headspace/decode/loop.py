@@ -26,6 +26,7 @@ from ..kernels.prepack import prepack_available, should_prepack
 from ..nn.inputs import check_left_padding, check_tokens
 from .backends import Stepper, get_backend
 from .kv_cache import KVCache
+from .native import native_form
 from .step import DecoderModel, describe, product_weights
 
 
@@ -179,7 +180,7 @@ def _stepper(model: DecoderModel, pack_rows: int | None, backend: str | None) ->
         return None
     if backend is None and forced("native"):
         backend = "python"
-    if backend is None:
+    if backend is None and native_form(step) is not None:
         library.start_build()  # in the background; steps run in Python until it is loaded
     return Stepper(step, backend)
 
