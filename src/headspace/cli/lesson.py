@@ -262,10 +262,18 @@ def heads_cmd(
             )
         )
         return
+    console().print(_heads_table(model_spec, len(sentences), roles, importance, norms))
+    for p in pictures:
+        click.echo(f"wrote {p}")
+
+
+def _heads_table(model_spec: str, n_sentences: int, roles: Any, importance: Any, norms: Any) -> Any:
+    """The rich table of ``headspace heads``: a row per head (layers apart), its role, attention masses,
+    entropy, induction score (decoders), importance (None: skipped) and ``|W_O[h]|``."""
     from rich.table import Table
 
     t = Table(
-        title=f"{model_spec}: every head over {len(sentences)} sentence(s) (role threshold {roles.threshold})"
+        title=f"{model_spec}: every head over {n_sentences} sentence(s) (role threshold {roles.threshold})"
     )
     columns = ["layer", "head", "role", "prev", "self", "next", "first", "last", "entropy"]
     columns += ["induction"] if roles.induction is not None else []
@@ -291,9 +299,7 @@ def heads_cmd(
                 f"{float(norms[layer, h]):.2f}",
                 end_section=h == max_heads - 1,
             )
-    console().print(t)
-    for p in pictures:
-        click.echo(f"wrote {p}")
+    return t
 
 
 @click.command("subspaces")
