@@ -184,7 +184,14 @@ def _one_token_names(model: Any, names: Sequence[str]) -> list[str]:
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is None:
         raise TypeError("ioi_task needs a loaded model with a tokenizer (headspace.load('smollm2'))")
-    return [n for n in names if len(tokenizer.plain_ids(" " + n)) == 1]
+    kept = []
+    for n in names:
+        ids = tokenizer.plain_ids(" " + n)
+        if (
+            len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=False) == " " + n
+        ):  # not an unknown token
+            kept.append(n)
+    return kept
 
 
 def ioi_task(model: Any, n_pairs: int = 256, *, seed: int = 0) -> Task:
