@@ -488,3 +488,21 @@ def test_why_and_circuit_commands(tmp_path: Path) -> None:
         cli, ["circuit", "--model", str(folder), "--task", str(tmp_path / "none.jsonl"), "--out", str(out)]
     )
     assert res.exit_code == 2 and "must be a regular file" in res.output
+
+
+def test_benchmark_script_runs_tiny(tmp_path: Path) -> None:
+    """benchmarks/circuits.py end to end on a tiny GPT-2 folder; its JSON holds what its table prints."""
+    import importlib.util
+
+    folder = tiny_gpt2(tmp_path / "gpt2")
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "circuits.py"
+    spec = importlib.util.spec_from_file_location("bench_circuits_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "circuits.json"
+    argv = ["--model", str(folder), "--pairs", "3", "--steps", "2", "--sample", "1", "--threads", "1"]
+    assert script.main([*argv, "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [r["case"] for r in data["rows"]] == ["eap", "eap-ig (2 steps)", "faithfulness curve (11 points)"]
+    assert all(r["headspace_s"] > 0 and r["hook_loop_s"] > 0 for r in data["rows"])
+    assert data["curve"]["faithfulness"][0] == 0.0 and data["curve"]["faithfulness"][-1] == 1.0
