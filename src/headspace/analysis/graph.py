@@ -182,16 +182,9 @@ class _Patch:
 
 
 def run_graph(
-    module: nn.Module,
-    graph: Graph,
-    x: Tensor,
-    last: Tensor,
-    *,
-    corrupt: Tensor | None = None,
-    missing: Tensor | None = None,
-    keep_acts: bool = False,
-    keep_inputs: bool = False,
-) -> GraphRun:
+    module: nn.Module, graph: Graph, x: Tensor, last: Tensor, *, corrupt: Tensor | None = None,
+    missing: Tensor | None = None, keep_acts: bool = False, keep_inputs: bool = False,
+) -> GraphRun:  # fmt: skip
     """Run the decoder through its graph from the embeddings ``x`` [B, S, d_model] (``module.embed``).
 
     Args:

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from ..errors import UsageError
+from .causal import _run
 from .loader import at_precision, load_model
 from .options import (
     TOKENS_HELP,
@@ -26,14 +26,8 @@ from .options import (
 )
 from .output import check_writable_folder, clean, json_out
 
+OUT_HELP = "Folder for circuit.json, curve.json, faithfulness.png and circuit.png."
 DEFAULT_WHY = "When Mary and John went to the store, John gave a drink to"
-
-
-def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    try:
-        return fn(*args, **kwargs)
-    except (ValueError, TypeError) as e:
-        raise UsageError(" ".join(str(e).split())) from None
 
 
 def describe(component: str, token: str, roles: dict[str, str] | None = None) -> str:
@@ -167,11 +161,12 @@ def _task(model: Any, spec: str, pairs: int) -> Any:
 @click.option(
     "--batch-size", type=click.IntRange(1, None), default=32, show_default=True, help="Pairs a pass."
 )
-@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True,
-              help="Folder for circuit.json, curve.json, faithfulness.png and circuit.png.")  # fmt: skip
+@json_option
 @decoder_model_option
 @precision_option
-@json_option
+@click.option(
+    "--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True, help=OUT_HELP
+)
 def circuit_cmd(
     task_spec: str, edges: int, method: str, steps: int, pairs: int, batch_size: int, out_dir: Path,
     model_spec: str, model_precision: str, as_json: bool,

@@ -76,14 +76,9 @@ def _node_xy(name: str, n_heads: int, n_layers: int) -> tuple[float, float]:
 
 
 def plot_circuit(
-    circuit: Any,
-    n_layers: int,
-    n_heads: int,
-    path: str | Path,
-    *,
-    n_kv_heads: int | None = None,
-    title: str = "",
-) -> Path:
+    circuit: Any, n_layers: int, n_heads: int, path: str | Path, *,
+    n_kv_heads: int | None = None, title: str = "",
+) -> Path:  # fmt: skip
     """A :class:`~headspace.analysis.circuits.Circuit` as a picture: nodes ``L.H`` by layer (bottom to top),
     edges from sender to receiver with width by ``|score|``, colour and style by the receiver's input
     (q blue solid, k green dashed, v red dotted, MLP grey, logits black). A key/value receiver under
