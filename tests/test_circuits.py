@@ -484,6 +484,12 @@ def test_why_and_circuit_commands(tmp_path: Path) -> None:
 
     (view,) = load_results(out / "circuit.json")
     assert view["kind"] == "circuit_summary" and len(view["values"]) == 2 and len(view["values"][0]) == 4
+    from headspace.viz.explorer import Explorer
+
+    page = Explorer(hs.load(str(folder)), summary["prompt"], results=[out / "circuit.json"]).save(
+        tmp_path / "p.html"
+    )
+    assert "circuit_summary" in page.read_text()  # the page carries the circuit's view
     res = runner.invoke(
         cli, ["circuit", "--model", str(folder), "--task", str(tmp_path / "none.jsonl"), "--out", str(out)]
     )
