@@ -324,6 +324,7 @@ def test_faithfulness_is_one_and_zero_exactly_at_the_ends_and_the_curve_areas() 
 def test_find_circuit_takes_the_top_edges_by_magnitude() -> None:
     model = make_model("gpt2")
     scores = C.edge_scores(model, random_task(), "eap")
+    assert all(p.requires_grad for p in model.parameters())  # edge_scores put the flags back
     c = C.find_circuit(scores, edges=7)
     assert c.n_edges == 7 and len(c.listed) == 7
     kept = scores.scores[c.edges].abs()

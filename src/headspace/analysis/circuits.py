@@ -31,7 +31,8 @@ areas as MIB (Mueller et al. 2025) defines them, by the trapezoid rule over the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,12 +178,26 @@ def _device(module: Any) -> torch.device:
 
 
 # ---------------------------------------------------------------------------------------- edge scores
+@contextmanager
+def _no_parameter_grads(module: Any) -> Iterator[None]:
+    """Parameters out of autograd for the block (only the receivers' inputs need gradients: a backward
+    that also had to keep what the weight gradients need costs about 2.5x); the flags are restored after."""
+    flags = [(p, p.requires_grad) for p in module.parameters()]
+    try:
+        for p, _ in flags:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
 def _receiver_grads(module: Any, graph: Graph, x: Tensor, part: Task, weight: float) -> Tensor:
     """dM/dx_v for every receiver at embeddings ``x`` [B, S, d] -> [n_receivers, B, S, d] (M: the weighted
     sum of the pairs' metrics)."""
     x = x.detach().requires_grad_(True)  # so that every receiver's input is in the autograd graph
     grads: list[Tensor] = []
-    with torch.enable_grad():
+    with torch.enable_grad(), _no_parameter_grads(module):
         run = run_graph(module, graph, x, part.last.to(x.device), keep_inputs=True)
         metric = _metric(run.logits, part).sum() * weight
         got = torch.autograd.grad(metric, run.inputs, allow_unused=True)
