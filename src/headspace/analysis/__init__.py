@@ -15,10 +15,16 @@ form; layer ``i`` is the ``i``-th attention layer (``blocks.i.attn``).
 * :func:`head_mixing`, :func:`wo_norms` (:mod:`.mixing`): each head's share of the attention output.
 * :func:`rotary_planes`, :func:`plane_scores` (:mod:`.rotary`): each rotary head's score split by RoPE
   frequency plane; which heads attend by content (slow planes) and which by position (fast planes).
+* :func:`score_decomposition`, :func:`composition_scores` (:mod:`.decomposition`): one head's score split
+  exactly over (query-side part) x (key-side part); Q/K/V composition of every head pair.
+* :mod:`.circuits` (``edge_scores``, ``find_circuit``, ``faithfulness``, ``faithfulness_curve``) over the
+  head/MLP graph of :mod:`.graph`, on tasks of :mod:`.tasks` (``ioi_task``, ``load_task``).
 """
 
+from . import circuits
 from .ablation import HeadImportance, head_importance, mean_z
 from .chunked import LayerQK, PatternSummary, each_layer_qk, pattern_rows, summaries
+from .decomposition import CompositionScores, ScoreDecomposition, composition_scores, score_decomposition
 from .mixing import HeadMixing, head_mixing, shares_from_result, wo_norms
 from .roles import TARGETS, HeadRoles, head_roles, induction_scores, repeated_tokens, roles_from_patterns
 from .rotary import RotaryPlanes, plane_scores, rotary_planes
@@ -43,14 +49,18 @@ __all__ = [
     "SUBSPACES",
     "TARGETS",
     "CircuitSpectra",
+    "CompositionScores",
     "HeadImportance",
     "HeadMixing",
     "HeadRoles",
     "LayerQK",
     "PatternSummary",
     "RotaryPlanes",
+    "ScoreDecomposition",
     "SubspaceOverlaps",
     "circuit_spectra",
+    "circuits",
+    "composition_scores",
     "each_layer_qk",
     "head_angles",
     "head_importance",
@@ -70,6 +80,7 @@ __all__ = [
     "repeated_tokens",
     "roles_from_patterns",
     "rotary_planes",
+    "score_decomposition",
     "shares_from_result",
     "subspace_overlap",
     "subspace_overlaps",

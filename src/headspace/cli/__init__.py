@@ -3,6 +3,7 @@
 * :mod:`.lesson`: ``explain``, ``heads``, ``subspaces`` (the lesson on real weights);
 * :mod:`.view`: ``view`` (the explorer page); :mod:`.train`: ``train``, ``plot-run``, ``generate``;
 * :mod:`.causal`: ``patch``, ``attribute`` (which heads cause the answer);
+* :mod:`.circuits`: ``why`` (why a head attends), ``circuit`` (which heads work together);
 * :mod:`.bench`: ``bench``; :mod:`.native`: ``native build``, ``native status``;
 * :mod:`.demo`: no command at all.
 
@@ -21,6 +22,7 @@ import click
 from ..core.errors import UsageError
 from .bench import bench_cmd
 from .causal import COMMANDS as CAUSAL_COMMANDS
+from .circuits import COMMANDS as CIRCUIT_COMMANDS
 from .lesson import COMMANDS as LESSON_COMMANDS
 from .native import COMMANDS as NATIVE_COMMANDS
 from .train import COMMANDS as TRAIN_COMMANDS
@@ -67,7 +69,16 @@ def cli(ctx: click.Context) -> None:
         demo()
 
 
-for _command in (*LESSON_COMMANDS, *CAUSAL_COMMANDS, bench_cmd, view, *TRAIN_COMMANDS, *NATIVE_COMMANDS):
+_ALL = (
+    *LESSON_COMMANDS,
+    *CAUSAL_COMMANDS,
+    *CIRCUIT_COMMANDS,
+    bench_cmd,
+    view,
+    *TRAIN_COMMANDS,
+    *NATIVE_COMMANDS,
+)
+for _command in _ALL:
     cli.add_command(_command)
 
 

@@ -42,6 +42,7 @@ from typing import Any
 
 from ...analysis.patching import EFFECT_KEYS, SITES
 from ...core.fileio import UnsafeFileError, parse_json, read_regular_file
+from .circuit_view import circuit_views
 
 #: The largest result file read (a heads_pos sweep of a 30-layer model on 512 tokens is ~3 MB of JSON).
 MAX_RESULT_BYTES = 64 * 1024 * 1024
@@ -369,9 +370,11 @@ def views_of(d: Any) -> list[dict[str, Any]]:
             return [ResultView(v) for v in _dla_views(d)]
         if kind == "logit_lens":
             return [ResultView(v) for v in _lens_view(d)]
+        if kind == "circuit_summary":
+            return [ResultView(v) for v in circuit_views(d, _array, _scalar, _text, _Bad)]
     except KeyError as e:
         raise _Bad(f"a {kind or 'result'} needs the field {e.args[0]!r}") from None
-    known = "'patching', 'direct_logit_attribution', 'logit_lens'"
+    known = "'patching', 'direct_logit_attribution', 'logit_lens', 'circuit_summary'"
     raise _Bad(
         f"unknown result kind {kind!r:.60}: the explorer shows {known} (PatchResult, LogitAttribution, "
         "LogitLens: their to_json(), or headspace patch/attribute --json)"

@@ -1,0 +1,398 @@
+"""Circuits of heads and MLPs: edge scores (EAP, EAP-IG), the top edges, and their faithfulness.
+
+(Not :mod:`headspace.circuits`, the QK/OV :class:`~headspace.circuits.FactoredMatrix` module.)
+
+The graph is :mod:`.graph`'s: senders ``embed``, every head, every MLP; receivers every head's query,
+key and value inputs (a key/value receiver is the shared key/value head under GQA), every MLP's input
+and the logits. A task (:mod:`.tasks`) is clean/corrupt prompt pairs with an answer and another token;
+the metric ``M`` is ``logit(answer) - logit(other)`` at the last position, averaged over pairs.
+
+**EAP** (edge attribution patching; Syed et al. 2023): the score of edge ``u -> v`` is the first-order
+change of ``M`` when the edge carries the corrupt activation::
+
+    score(u -> v) = sum over pairs, positions of (a_u(corrupt) - a_u(clean)) . dM/dx_v (clean)
+
+from one clean forward, one corrupt forward and one backward (``x_v``: receiver ``v``'s own input).
+**EAP-IG** (Hanna et al. 2024) replaces the clean gradient by its mean over ``steps`` points on the line
+between the corrupt and the clean embeddings, ``x_0 = e_corrupt + (k / steps) (e_clean - e_corrupt)``,
+``k = 1 .. steps`` (so ``steps=1`` is EAP).
+
+**Faithfulness** of a circuit ``C`` (a set of edges) is measured by running it (:func:`.graph.run_graph`):
+every edge outside ``C`` carries its corrupt activation, all pairs batched, and::
+
+    f(C) = (M(C) - M(empty)) / (M(full) - M(empty))
+
+with ``M(full)`` (every edge in: the clean model) and ``M(empty)`` (every edge corrupt: the corrupt model)
+computed by the same run, so ``f(full) == 1`` and ``f(empty) == 0`` exactly. :func:`faithfulness_curve`
+measures ``f`` at circuit sizes given as fractions of the edges (MIB's 0.1% .. 100% by default) and its
+areas as MIB (Mueller et al. 2025) defines them, by the trapezoid rule over the fraction of edges:
+``CPR = integral of f`` (higher is better) and ``CMD = integral of |1 - f|`` (lower is better).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..core.checks import is_int
+from ..core.progress import progress_bar
+from ._common import JsonResult, eval_mode
+from .causal_inputs import stack_of
+from .graph import Graph, graph_of, run_graph
+from .tasks import Task, ioi_task
+
+__all__ = [
+    "MIB_FRACTIONS",
+    "Circuit",
+    "EdgeScores",
+    "Faithfulness",
+    "FaithfulnessCurve",
+    "edge_scores",
+    "faithfulness",
+    "faithfulness_curve",
+    "find_circuit",
+]
+
+#: MIB's circuit sizes, as fractions of the edges.
+MIB_FRACTIONS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+METHODS = ("eap", "eap-ig")
+
+
+@dataclass
+class EdgeScores(JsonResult):
+    """Every edge's score: ``scores`` [n_senders, n_receivers] (0 where no edge, see ``valid``), the
+    node names, the method and steps, and the metric on the clean and corrupt prompts (model forward)."""
+
+    kind = "edge_scores"
+
+    scores: Tensor
+    valid: Tensor
+    senders: list[str]
+    receivers: list[str]
+    kinds: list[str]
+    method: str
+    steps: int
+    n_pairs: int
+    clean_metric: float
+    corrupt_metric: float
+
+    def top(self, n: int = 10) -> list[tuple[str, str, float]]:
+        """The ``n`` edges of largest ``|score|``: ``[(sender, receiver, score), ...]``."""
+        flat = torch.where(self.valid, self.scores.abs(), -1.0).flatten()
+        R = self.scores.shape[1]
+        return [
+            (self.senders[i // R], self.receivers[i % R], float(self.scores.flatten()[i]))
+            for i in flat.argsort(descending=True)[:n].tolist()
+        ]
+
+
+@dataclass
+class Circuit(JsonResult):
+    """A set of edges: ``edges`` bool [n_senders, n_receivers], and the list ``[(sender, receiver, score)]``
+    in order of ``|score|``."""
+
+    kind = "circuit"
+
+    edges: Tensor
+    senders: list[str]
+    receivers: list[str]
+    kinds: list[str]
+    listed: list[tuple[str, str, float]]
+
+    @property
+    def n_edges(self) -> int:
+        return int(self.edges.sum())
+
+    def heads(self) -> list[str]:
+        """The heads with an edge in the circuit (as sender or receiver), ``"L{l}H{h}"``, in graph order."""
+        names = {s for s, _, _ in self.listed if s.startswith("L")}
+        names |= {r.split(".")[0] for _, r, _ in self.listed if r.startswith("L") and "KV" not in r}
+        return sorted(names, key=lambda n: tuple(int(x) for x in n[1:].split("H")))
+
+
+@dataclass
+class Faithfulness(JsonResult):
+    """``faithfulness = (metric - corrupt_metric) / (clean_metric - corrupt_metric)``, the metrics from the
+    graph run: with the circuit, with every edge (``clean_metric``) and with none (``corrupt_metric``)."""
+
+    kind = "faithfulness"
+
+    faithfulness: float
+    metric: float
+    clean_metric: float
+    corrupt_metric: float
+    n_edges: int
+
+
+@dataclass
+class FaithfulnessCurve(JsonResult):
+    """``faithfulness[i]`` of the top ``n_edges[i]`` edges (``fractions[i]`` of all ``total_edges``);
+    ``cpr`` and ``cmd`` MIB's areas over the fraction of edges (see the module docstring)."""
+
+    kind = "faithfulness_curve"
+
+    fractions: list[float]
+    n_edges: list[int]
+    faithfulness: list[float]
+    metrics: list[float]
+    clean_metric: float
+    corrupt_metric: float
+    total_edges: int
+    cpr: float
+    cmd: float
+    method: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+# -------------------------------------------------------------------------------------------- helpers
+def task_of(model: Any, task: Any) -> Task:
+    """``task`` as a :class:`Task`: a Task, or ``"ioi"`` (the built-in task, 256 pairs)."""
+    if isinstance(task, Task):
+        if len(task) == 0:
+            raise ValueError("task is empty: give at least one clean/corrupt pair")
+        return task
+    if task == "ioi":
+        return ioi_task(model)
+    raise TypeError(f"task must be a headspace.analysis.tasks.Task or 'ioi'; got {task!r:.60}")
+
+
+def _chunks(task: Task, batch_size: int) -> list[Task]:
+    if not is_int(batch_size) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
+    return [task.subset(slice(s, s + batch_size)) for s in range(0, len(task), batch_size)]
+
+
+def _metric(logits: Tensor, task: Task) -> Tensor:
+    """Per pair ``logit(answer) - logit(other)`` [n] from last-position logits [n, vocab]."""
+    rows = torch.arange(logits.shape[0], device=logits.device)
+    return logits[rows, task.answer.to(logits.device)] - logits[rows, task.other.to(logits.device)]
+
+
+def _device(module: Any) -> torch.device:
+    return next(module.parameters()).device
+
+
+# ---------------------------------------------------------------------------------------- edge scores
+@contextmanager
+def _no_parameter_grads(module: Any) -> Iterator[None]:
+    """Parameters out of autograd for the block (only the receivers' inputs need gradients: a backward
+    that also had to keep what the weight gradients need costs about 2.5x); the flags are restored after."""
+    flags = [(p, p.requires_grad) for p in module.parameters()]
+    try:
+        for p, _ in flags:
+            p.requires_grad_(False)
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+def _receiver_grads(module: Any, graph: Graph, x: Tensor, part: Task, weight: float) -> Tensor:
+    """dM/dx_v for every receiver at embeddings ``x`` [B, S, d] -> [n_receivers, B, S, d] (M: the weighted
+    sum of the pairs' metrics)."""
+    x = x.detach().requires_grad_(True)  # so that every receiver's input is in the autograd graph
+    grads: list[Tensor] = []
+    with torch.enable_grad(), _no_parameter_grads(module):
+        run = run_graph(module, graph, x, part.last.to(x.device), keep_inputs=True)
+        metric = _metric(run.logits, part).sum() * weight
+        got = torch.autograd.grad(metric, run.inputs, allow_unused=True)
+    for t, g in zip(run.inputs, got):
+        grads.append(torch.zeros_like(t) if g is None else g)
+    return torch.cat(grads, 0)  # (n_receivers, B, S, d)
+
+
+def _accumulate(scores: Tensor, graph: Graph, delta: Tensor, grads: Tensor) -> None:
+    """scores[u, v] += sum over (b, s, d) of delta[u] grads[v], only over existing edges' blocks."""
+    U, R = delta.shape[0], grads.shape[0]
+    D = delta.reshape(U, -1)  # (n_senders, B S d)
+    G = grads.reshape(R, -1)  # (n_receivers, B S d)
+    per = graph.per_layer
+    for lay in range(graph.n_layers):
+        n = graph.attn_senders(lay)
+        cols = slice(lay * per, lay * per + per - 1)
+        scores[:n, cols] += (D[:n] @ G[cols].T).to(scores.dtype)
+        scores[: n + graph.n_heads, lay * per + per - 1] += (
+            D[: n + graph.n_heads] @ G[lay * per + per - 1]
+        ).to(scores.dtype)
+    scores[:, -1] += (D @ G[-1]).to(scores.dtype)
+
+
+def edge_scores(
+    model: Any, task: Any, method: str = "eap", steps: int = 5, *, batch_size: int = 32
+) -> EdgeScores:
+    """Every edge's EAP or EAP-IG score on ``task`` (see the module docstring).
+
+    Args:
+        model: a loaded pre-norm decoder (``headspace.load("smollm2")``) or a :class:`~headspace.Decoder`.
+        task: a :class:`~headspace.analysis.tasks.Task` or ``"ioi"``.
+        method: ``"eap"`` or ``"eap-ig"``; steps: EAP-IG's points on the path (ignored by EAP).
+        batch_size: pairs per forward pass.
+
+    Returns:
+        :class:`EdgeScores`; ``scores`` [n_senders, n_receivers], the metric being the mean over pairs.
+    """
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {list(METHODS)}; got {method!r}")
+    if not is_int(steps) or steps < 1:
+        raise ValueError(f"steps must be a positive int; got {steps!r}")
+    module = stack_of(model, "edge_scores")
+    graph = graph_of(module)
+    task = task_of(model, task)
+    dev = _device(module)
+    scores = torch.zeros(len(graph.senders), len(graph.receivers), dtype=torch.float64)
+    n_steps = 1 if method == "eap" else steps
+    clean_m = corrupt_m = 0.0
+    with eval_mode(module):
+        parts = _chunks(task, batch_size)
+        for part in progress_bar(parts, desc=f"{method} edge scores", total=len(parts)):
+            last = part.last.to(dev)
+            e_clean, e_corrupt = module.embed(part.clean.to(dev)), module.embed(part.corrupt.to(dev))
+            clean = run_graph(module, graph, e_clean, last, keep_acts=True)
+            corrupt = run_graph(module, graph, e_corrupt, last, keep_acts=True)
+            clean_m += float(_metric(clean.logits, part).sum()) / len(task)
+            corrupt_m += float(_metric(corrupt.logits, part).sum()) / len(task)
+            delta = corrupt.acts - clean.acts  # (n_senders, B, S, d)
+            del clean, corrupt
+            for k in range(1, n_steps + 1):
+                x = e_corrupt + (k / n_steps) * (e_clean - e_corrupt)  # (B, S, d)
+                grads = _receiver_grads(module, graph, x, part, 1.0 / (len(task) * n_steps))
+                _accumulate(scores, graph, delta, grads)
+                del grads
+    return EdgeScores(
+        scores=torch.where(graph.valid, scores, 0.0), valid=graph.valid, senders=graph.senders,
+        receivers=graph.receivers, kinds=graph.kinds, method=method, steps=n_steps, n_pairs=len(task),
+        clean_metric=clean_m, corrupt_metric=corrupt_m,
+    )  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------- circuits
+def find_circuit(scores: EdgeScores, edges: int | None = None, *, threshold: float | None = None) -> Circuit:
+    """The circuit of the top ``edges`` edges by ``|score|``, or of every edge with ``|score| >= threshold``.
+
+    Give exactly one of ``edges`` (a positive int, at most the number of edges) and ``threshold``.
+    """
+    if not isinstance(scores, EdgeScores):
+        raise TypeError(f"scores must be EdgeScores (from edge_scores); got {type(scores).__name__}")
+    if (edges is None) == (threshold is None):
+        raise ValueError(
+            f"give exactly one of edges= and threshold=; got edges={edges!r}, threshold={threshold!r}"
+        )
+    n_valid = int(scores.valid.sum())
+    mag = torch.where(scores.valid, scores.scores.abs(), -1.0)  # (S, R); -1 marks no edge
+    if edges is not None:
+        if not is_int(edges) or not 1 <= edges <= n_valid:
+            raise ValueError(f"edges must be an int in [1, {n_valid}] (the graph's edges); got {edges!r}")
+        order = mag.flatten().argsort(descending=True)[:edges]
+        mask = torch.zeros(mag.numel(), dtype=torch.bool)
+        mask[order] = True
+        mask = mask.view_as(mag)
+    else:
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not threshold >= 0:
+            raise ValueError(f"threshold must be a number >= 0 (an |edge score|); got {threshold!r}")
+        mask = scores.valid & (mag >= threshold)
+    R = mag.shape[1]
+    idx = [i for i in mag.flatten().argsort(descending=True).tolist() if mask.flatten()[i]]
+    listed = [
+        (scores.senders[i // R], scores.receivers[i % R], float(scores.scores.flatten()[i])) for i in idx
+    ]
+    return Circuit(
+        edges=mask, senders=scores.senders, receivers=scores.receivers, kinds=scores.kinds, listed=listed
+    )
+
+
+def _circuit_metrics(
+    module: Any, graph: Graph, task: Task, masks: Sequence[Tensor], batch_size: int
+) -> list[float]:
+    """Mean metric over pairs of the graph run with each edge mask (True = in the circuit), batched."""
+    dev = _device(module)
+    totals = [0.0] * len(masks)
+    with eval_mode(module):
+        parts = _chunks(task, batch_size)
+        for part in progress_bar(parts, desc="circuit runs", total=len(parts)):
+            last = part.last.to(dev)
+            corrupt = run_graph(module, graph, module.embed(part.corrupt.to(dev)), last, keep_acts=True).acts
+            e_clean = module.embed(part.clean.to(dev))
+            for i, mask in enumerate(masks):
+                missing = (graph.valid & ~mask).to(dev)
+                run = run_graph(module, graph, e_clean, last, corrupt=corrupt, missing=missing)
+                totals[i] += float(_metric(run.logits, part).sum()) / len(task)
+    return totals
+
+
+def _mask_of(circuit: Any, graph: Graph) -> Tensor:
+    if isinstance(circuit, Circuit):
+        mask = circuit.edges
+    elif isinstance(circuit, Tensor) and circuit.dtype == torch.bool:
+        mask = circuit
+    else:
+        raise TypeError(
+            f"circuit must be a Circuit (from find_circuit) or a bool edge mask; got {type(circuit).__name__}"
+        )
+    if tuple(mask.shape) != tuple(graph.valid.shape):
+        raise ValueError(
+            f"circuit's edge mask must be [n_senders, n_receivers] = {list(graph.valid.shape)}; "
+            f"got {list(mask.shape)}"
+        )
+    return mask.cpu() & graph.valid
+
+
+def faithfulness(model: Any, task: Any, circuit: Any, *, batch_size: int = 32) -> Faithfulness:
+    """The faithfulness of ``circuit`` on ``task`` by running it (see the module docstring)."""
+    module = stack_of(model, "faithfulness")
+    graph = graph_of(module)
+    task = task_of(model, task)
+    mask = _mask_of(circuit, graph)
+    full, empty = graph.valid, torch.zeros_like(graph.valid)
+    m, clean_m, corrupt_m = _circuit_metrics(module, graph, task, [mask, full, empty], batch_size)
+    return Faithfulness(_normalised(m, clean_m, corrupt_m), m, clean_m, corrupt_m, int(mask.sum()))
+
+
+def _normalised(m: float, clean_m: float, corrupt_m: float) -> float:
+    if clean_m == corrupt_m:
+        raise ValueError(
+            f"the metric is the same on the clean and corrupt prompts ({clean_m:.6g}): faithfulness is "
+            "undefined; "
+            "choose a corrupt prompt that changes the answer"
+        )
+    return (m - corrupt_m) / (clean_m - corrupt_m)
+
+
+def _trapezoid(x: Sequence[float], y: Sequence[float]) -> float:
+    return float(sum((x[i + 1] - x[i]) * (y[i + 1] + y[i]) / 2 for i in range(len(x) - 1)))
+
+
+def faithfulness_curve(
+    model: Any,
+    task: Any,
+    scores: EdgeScores,
+    fractions: Sequence[float] = MIB_FRACTIONS,
+    *,
+    batch_size: int = 32,
+) -> FaithfulnessCurve:
+    """Faithfulness of the top-k circuits, ``k = max(1, round(fraction * n_edges))``, and MIB's CPR / CMD.
+
+    The areas are trapezoids over the fractions (sorted; 0 and 1 must be among them or are added: the
+    empty circuit has f = 0, the full one f = 1, exactly).
+    """
+    module = stack_of(model, "faithfulness_curve")
+    graph = graph_of(module)
+    task = task_of(model, task)
+    fr = sorted({float(f) for f in fractions} | {0.0, 1.0})
+    if any(not 0.0 <= f <= 1.0 for f in fr):
+        raise ValueError(f"fractions must lie in [0, 1]; got {list(fractions)}")
+    total = graph.n_edges
+    counts = [0 if f == 0 else max(1, round(f * total)) for f in fr]
+    masks = [torch.zeros_like(graph.valid) if k == 0 else find_circuit(scores, edges=k).edges for k in counts]
+    metrics = _circuit_metrics(module, graph, task, masks, batch_size)
+    clean_m, corrupt_m = metrics[-1], metrics[0]  # k = total and k = 0
+    f = [_normalised(m, clean_m, corrupt_m) for m in metrics]
+    return FaithfulnessCurve(
+        fractions=fr, n_edges=counts, faithfulness=f, metrics=metrics, clean_metric=clean_m,
+        corrupt_metric=corrupt_m, total_edges=total, cpr=_trapezoid(fr, f),
+        cmd=_trapezoid(fr, [abs(1 - v) for v in f]), method=scores.method,
+    )  # fmt: skip
