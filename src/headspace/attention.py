@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .checks import check_positive_int, is_number
-from .functional import get_backend, reference_parts
+from .functional import DeferredAttention, DeferredResult, get_backend, reference_parts, reference_rows
 from .heads import Head, HeadList
 from .hooks import HookPoint
 from .kernels.workspace import THREAD_SCRATCH_MIN_BYTES, Workspace, thread_workspace
@@ -821,7 +821,7 @@ class MultiHeadAttention(nn.Module):
         dropout_p = self.dropout if self.training else 0.0
 
         if traced:
-            z, pattern, _ = self.traced_attention(q, k, v, mask, dropout_p)  # (B, Sq, H, dh)
+            z, pattern, _ = self.traced_attention(q, k, v, mask, dropout_p, need_pattern=need_weights)
             out = self.output_from_heads(z)  # (B, Sq, d_model)
         else:
             backend = get_backend("explicit" if need_weights else "sdpa")
@@ -863,20 +863,38 @@ class MultiHeadAttention(nn.Module):
         return query.numel() // query.shape[-1] * n_out * query.element_size() >= THREAD_SCRATCH_MIN_BYTES
 
     def traced_attention(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: CanonicalMask, dropout_p: float
-    ) -> tuple[Tensor, Tensor, Tensor]:
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: CanonicalMask,
+        dropout_p: float,
+        *,
+        need_pattern: bool = True,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """The traced path: the reference backend with ``hook_scores``, ``hook_pattern`` and ``hook_z`` fired.
 
         Used while any hook point of the layer is active (here and in :mod:`headspace.compat`).
         q [B, H, Sq, dh], k, v [B, Hkv, Sk, dh] (after ``hook_q``/``hook_k``/``hook_v``) ->
         (z [B, Sq, H, dh] after ``hook_z``, pattern [B, H, Sq, Sk], weights after dropout).
+
+        ``need_pattern=False`` lets the layer skip the pattern when nothing can replace it (every function
+        on ``hook_scores`` and ``hook_pattern`` only records, :attr:`HookPoint.defers`): the recorders get
+        a :class:`~headspace.functional.DeferredAttention` of q and k, z is
+        :func:`~headspace.functional.reference_rows` (the same values, a block of queries at a time), and
+        pattern and weights are None.
         """
-        z, pattern, weights = reference_parts(
-            q, k, v, mask, scale=self.scale, dropout_p=dropout_p,
-            on_scores=self.hook_scores, on_pattern=self.hook_pattern,
-        )  # fmt: skip
-        z = self.hook_z(z.transpose(1, 2))  # (B, Sq, H, dh)
-        return z, pattern, weights
+        if need_pattern or not (self.hook_scores.defers and self.hook_pattern.defers):
+            z, pattern, weights = reference_parts(
+                q, k, v, mask, scale=self.scale, dropout_p=dropout_p,
+                on_scores=self.hook_scores, on_pattern=self.hook_pattern,
+            )  # fmt: skip
+            return self.hook_z(z.transpose(1, 2)), pattern, weights  # (B, Sq, H, dh), ...
+        for point, which in ((self.hook_scores, "scores"), (self.hook_pattern, "pattern")):
+            if point.active:
+                point.fire_deferred(DeferredAttention(q.detach(), k.detach(), mask, self.scale, which))
+        z = reference_rows(q, k, v, mask, scale=self.scale, dropout_p=dropout_p)  # (B, H, Sq, dh)
+        return self.hook_z(z.transpose(1, 2)), None, None  # (B, Sq, H, dh)
 
     def output_from_heads(self, z: Tensor) -> Tensor:
         """``out = sum_h z_h W_O[h] + b_O`` from z [B, Sq, H, dh], firing ``hook_result`` while it is active.
@@ -887,6 +905,10 @@ class MultiHeadAttention(nn.Module):
         B, Sq, H, dh = z.shape
         if not self.hook_result.active:
             return F.linear(z.reshape(B, Sq, H * dh), self.o_weight, self.o_bias)  # (B, Sq, d_model)
-        result = self.hook_result(torch.einsum("bshd,hdm->bshm", z, self.W_O))  # (B, Sq, H, d_model)
+        result = torch.einsum("bshd,hdm->bshm", z, self.W_O)  # (B, Sq, H, d_model)
+        if self.hook_result.defers:  # only recorders: they keep z and W_O, not the [.., H, d_model] result
+            self.hook_result.fire_deferred(DeferredResult(z.detach(), self.W_O.detach().clone()))
+        else:
+            result = self.hook_result(result)  # (B, Sq, H, d_model)
         out = result.sum(dim=2)  # (B, Sq, d_model)
         return out if self.o_bias is None else out + self.o_bias
