@@ -327,7 +327,7 @@ def head_importance(
                 total=len(todo), desc=f"ablating heads ({name}, {mode})", unit="head", disable=not progress
             )
             run = _from_layers if _engine_applies(module, batches) else _replicated
-            values = run(module, layers, m, batches, todo, mode, means, max_rows, bar)
+            values = run(_Ablations(module, layers, m, batches, todo, mode, means, max_rows), bar)
             bar.close()
             for (layer, head), value in zip(todo, values):
                 ablated[layer][head] = value
@@ -369,18 +369,25 @@ def _layer_means(means: dict[tuple[int, int], Tensor] | None, layer: int, n_head
     return torch.stack([means[(layer, h)] for h in range(n_heads)])  # (n_heads, d_head)
 
 
-def _replicated(
-    module: nn.Module,
-    layers: Sequence[Any],
-    m: _Metric,
-    batches: Sequence[Batch],
-    todo: Sequence[tuple[int, int]],
-    mode: str,
-    means: dict[tuple[int, int], Tensor] | None,
-    max_rows: int,
-    bar: Any,
-) -> list[float]:
+@dataclass
+class _Ablations:
+    """What the built-in metrics' sweep over heads needs (the arguments of :func:`head_importance`)."""
+
+    module: nn.Module
+    layers: Sequence[Any]
+    metric: _Metric
+    batches: Sequence[Batch]
+    todo: Sequence[tuple[int, int]]
+    mode: str
+    means: dict[tuple[int, int], Tensor] | None
+    max_rows: int
+
+
+def _replicated(a: _Ablations, bar: Any) -> list[float]:
     """The metric with each head of ``todo`` ablated: whole-module runs, a batch copy per head of a layer."""
+    module, layers, m, batches = a.module, a.layers, a.metric, a.batches
+    todo, mode, means = a.todo, a.mode, a.means
+    max_rows = a.max_rows
     by_layer: dict[int, list[int]] = {}
     for layer, head in todo:
         by_layer.setdefault(layer, []).append(head)
@@ -437,19 +444,11 @@ def _finish(module: nn.Module, x: Tensor) -> Tensor:
 OUTPUT_CHUNK_BYTES = 128 << 20
 
 
-def _from_layers(
-    module: nn.Module,
-    layers: Sequence[Any],
-    m: _Metric,
-    batches: Sequence[Batch],
-    todo: Sequence[tuple[int, int]],
-    mode: str,
-    means: dict[tuple[int, int], Tensor] | None,
-    max_rows: int,
-    bar: Any,
-) -> list[float]:
+def _from_layers(a: _Ablations, bar: Any) -> list[float]:
     """The metric with each head of ``todo`` ablated, through the batched engine (see
     :func:`head_importance`): per batch, groups of heads of at most ``max_rows`` rows."""
+    module, layers, m, batches = a.module, a.layers, a.metric, a.batches
+    todo, mode, means = a.todo, a.mode, a.means
     from .patching import run_from_layers
 
     order = sorted(range(len(todo)), key=lambda i: todo[i][0])  # by layer: the order runs join in
@@ -459,7 +458,7 @@ def _from_layers(
         b, seq = batch.tokens.shape
         with trace(module, "blocks.*.hook_resid_pre") as t:
             batch.run(module)
-        per = max(1, max_rows // b)
+        per = max(1, a.max_rows // b)
         for g0 in range(0, len(order), per):
             group = order[g0 : g0 + per]
             heads_at: dict[int, list[int]] = {}
