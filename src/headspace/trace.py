@@ -17,6 +17,9 @@ collects only some (exact names or ``fnmatch`` globs such as ``"*.hook_pattern"`
 attention layers owning a collected hook point leave their fused fast path. ``hooks=`` adds functions
 that may *replace* a value (patching, ablation); the trace records the value after replacement.
 
+Memory: ``hook_scores``/``hook_pattern`` are kept as the layer's q and k and ``hook_result`` as z and a
+copy of W_O, and computed again (bit for bit) when read; see :class:`Trace`.
+
 A bare :class:`~headspace.MultiHeadAttention` is a one-layer model: its names are ``hook_pattern`` ...
 and its layer index is 0.
 
