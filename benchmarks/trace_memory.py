@@ -13,8 +13,11 @@ trace itself holds (:meth:`headspace.trace.Trace.stored_bytes`). Cases:
 * ``patterns``     ``trace(model, "*.hook_pattern")``, then every layer's pattern read once;
 * ``transformer_lens``  ``run_with_cache`` of TransformerLens's HookedTransformer, only if installed.
 
-Usage: python benchmarks/trace_memory.py [--tokens 1024 8192] [--threads 2] [--out PATH]
-Prints a table; writes benchmarks/results/trace_memory.json (or ``--out``).
+``--random``: a tiny random SmolLM2-shaped model instead of SmolLM2 (the smoke test's run).
+
+Usage: python benchmarks/trace_memory.py [--tokens 1024 8192] [--threads 2] [--random] [--out PATH | --save]
+Prints a table; writes benchmarks/results/local/trace_memory.json (git-ignored) unless ``--out PATH``;
+only ``--save`` replaces the committed benchmarks/results/trace_memory.json.
 """
 
 from __future__ import annotations
@@ -30,7 +33,29 @@ import time
 from pathlib import Path
 
 RESULTS = Path(__file__).resolve().parent / "results"
+"""The published results (committed); runs without --save write to RESULTS / "local"."""
 GB = 1e9
+
+
+def output_path(out: str | None, save: bool, name: str) -> Path:
+    """``--out`` as given; else ``RESULTS/name`` with ``--save``, ``RESULTS/local/name`` without."""
+    if out is not None:
+        return Path(out)
+    return (RESULTS if save else RESULTS / "local") / name
+
+
+def load_model(random: bool):  # -> (model, vocab_size)
+    """SmolLM2's Decoder, or a tiny random one of its shape family (rotary, grouped-query, RMSNorm)."""
+    import headspace as hs
+
+    if not random:
+        pretrained = hs.load("smollm2")
+        return pretrained.model.eval(), pretrained.config.vocab_size
+    cfg = hs.ModelConfig(
+        arch="decoder", vocab_size=101, d_model=48, n_layers=2, n_heads=6, n_kv_heads=2, d_mlp=64,
+        max_seq_len=256, positions="rotary", norm_kind="rmsnorm", mlp_kind="gated", act="silu", bias=False,
+    )  # fmt: skip
+    return hs.Decoder(cfg).eval(), cfg.vocab_size
 
 
 def _status_kb(field: str) -> int:
@@ -41,18 +66,16 @@ def _status_kb(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
-def run_case(case: str, tokens: int, threads: int) -> dict:
+def run_case(case: str, tokens: int, threads: int, random: bool = False) -> dict:
     """One case in this process: {case, tokens, peak_over_model_gb, stored_gb, seconds}."""
     import torch
 
     import headspace as hs
 
     torch.set_num_threads(threads)
-    pretrained = hs.load("smollm2")
-    model = pretrained.model.eval()
-    ids = torch.randint(
-        0, pretrained.config.vocab_size, (1, tokens), generator=torch.Generator().manual_seed(0)
-    )
+    model, vocab = load_model(random)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (1, tokens), generator=gen)  # (1, tokens)
     if case == "transformer_lens":
         from transformer_lens import HookedTransformer
 
@@ -89,16 +112,25 @@ def run_case(case: str, tokens: int, threads: int) -> dict:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, nargs="+", default=[1024, 8192])
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=str(RESULTS / "trace_memory.json"))
+    ap.add_argument("--random", action="store_true", help="a tiny random model instead of SmolLM2")
+    ap.add_argument(
+        "--out", default=None, help="JSON path (default: benchmarks/results/local/trace_memory.json)"
+    )
+    ap.add_argument("--save", action="store_true", help="publish: write benchmarks/results/trace_memory.json")
     ap.add_argument("--case", help=argparse.SUPPRESS)  # the subprocess of one case
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if args.save and args.out is not None:
+        ap.error("--save publishes to benchmarks/results/; it cannot go with --out")
+    if any(n <= 0 for n in args.tokens):
+        ap.error(f"--tokens must be positive; got {args.tokens}")
     if args.case is not None:
-        print(json.dumps(run_case(args.case, args.tokens[0], args.threads)))
-        return
+        print(json.dumps(run_case(args.case, args.tokens[0], args.threads, args.random)))
+        return 0
+    out = output_path(args.out, args.save, "trace_memory.json")
     cases = []
     for n in args.tokens:
         names = ["forward", "trace_all", "patterns"] + (["stored_all"] if n <= 1024 else [])
@@ -108,6 +140,7 @@ def main() -> None:
     rows = []
     for name, n in cases:
         cmd = [sys.executable, __file__, "--case", name, "--tokens", str(n), "--threads", str(args.threads)]
+        cmd += ["--random"] if args.random else []
         done = subprocess.run(cmd, capture_output=True, text=True, check=False)
         if done.returncode != 0:
             print(f"{name} at {n} tokens failed:\n{done.stderr[-2000:]}", file=sys.stderr)
@@ -127,16 +160,17 @@ def main() -> None:
 
     doc = {
         "benchmark": "trace_memory",
-        "model": "smollm2",
+        "model": "random" if args.random else "smollm2",
         "threads": args.threads,
         "cpu": platform.processor() or platform.machine(),
         "date": time.strftime("%Y-%m-%d"),
         "transformer_lens_installed": importlib.util.find_spec("transformer_lens") is not None,
         "rows": rows,
     }
-    write_json(args.out, doc)
-    print(f"wrote {os.path.relpath(args.out)}")
+    write_json(out, doc)
+    print(f"wrote {os.path.relpath(out)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
