@@ -31,7 +31,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 COMMITTED = BENCHMARKS / "results"
 SCRIPTS = (
     "attention", "attention_parts", "decode", "decode_step", "encode", "explorer", "int8_kernels",
-    "precision_cpus", "side_by_side", "trace_overhead", "train",
+    "precision_cpus", "side_by_side", "trace_overhead", "train", "trace_memory", "heads",
 )  # fmt: skip
 ELSEWHERE = {  # scripts whose smoke run lives with their own tests
     "patching": "needs headspace.load('smollm2'): tests/analysis/test_patching.py runs it",
@@ -477,6 +477,34 @@ def test_trace_overhead_script_tiny_layer(
             f"{r['q3_ms']:.3f}",
             f"{r['ratio']:.3f}",
         ]
+
+
+def test_trace_memory_script_random_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "trace_memory.json"
+    argv = ["--random", "--tokens", "96", "--threads", "1", "--out", str(out)]
+    assert _script("trace_memory").main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "trace_memory" and doc["model"] == "random"
+    rows = {r["case"]: r for r in doc["rows"]}
+    assert {"forward", "trace_all", "patterns", "stored_all"} <= set(rows)
+    assert rows["forward"]["stored_gb"] == 0.0
+    assert rows["stored_all"]["stored_gb"] >= rows["trace_all"]["stored_gb"] >= rows["patterns"]["stored_gb"]
+    printed = capsys.readouterr().out
+    for r in doc["rows"]:
+        assert f"{r['peak_over_model_gb']:.2f}" in printed and r["case"] in printed
+
+
+def test_heads_script_random_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], keep_threads: None
+) -> None:
+    out = tmp_path / "heads.json"
+    assert _script("heads").main(["--random", "--threads", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert [r["case"] for r in doc["rows"]] == ["engine", "whole_model"]  # no command with --random
+    assert doc["max_score_difference"] < 1e-5
+    printed = capsys.readouterr().out
+    for r in doc["rows"]:
+        assert f"{r['case']:>12} {r['wall_s']:>8.2f} {r['cpu_s']:>8.2f}" in printed
 
 
 @pytest.mark.parametrize("torchao", ["as installed", "hidden"])

@@ -217,6 +217,21 @@ class _Cosine(_Metric):
         return baseline - value
 
 
+def next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Cross-entropy ``logsumexp(logits) - logits[target]`` per position, float64 [rows, seq].
+
+    logits float [rows, seq, vocab], targets int64 [rows, seq]. The max and the exponentials are taken in
+    the logits' dtype and summed in float64 (``log`` of that sum in float64): within a few float32
+    rounding steps of ``F.cross_entropy(logits.double(), ...)`` (tested), without a float64 copy of the
+    logits.
+    """
+    top = logits.amax(dim=-1, keepdim=True)  # (rows, seq, 1)
+    total = torch.exp(logits - top).sum(dim=-1, dtype=torch.float64)  # (rows, seq)
+    lse = top[..., 0].to(torch.float64) + torch.log(total)  # (rows, seq)
+    picked = logits.gather(-1, targets[..., None])[..., 0].to(torch.float64)  # (rows, seq)
+    return lse - picked
+
+
 class _Loss(_Metric):
     """Mean next-token cross-entropy over pairs of real tokens; score loss' - loss."""
 
@@ -231,8 +246,7 @@ class _Loss(_Metric):
         batch = self.batches[batch_index]
         tokens, real = _replicate(batch.tokens, R), _replicate(batch.real, R)  # (R b, seq) x 2
         pair = (real[:, :-1] & real[:, 1:]).to(torch.float64)  # (R b, seq - 1): context end and target real
-        logits = out[:, :-1].transpose(1, 2).to(torch.float64)  # (R b, vocab, seq - 1)
-        ce = F.cross_entropy(logits, tokens[:, 1:], reduction="none")  # (R b, seq - 1)
+        ce = next_token_loss(out[:, :-1], tokens[:, 1:])  # (R b, seq - 1)
         b = batch.tokens.shape[0]
         return (ce * pair).view(R, b, -1).sum(dim=(1, 2)), pair.view(R, b, -1).sum(dim=(1, 2))
 
@@ -272,18 +286,63 @@ def head_importance(
         key_padding: bool [batch, seq], True for real tokens, with a single tensor input.
         heads: the (layer, head) pairs to evaluate (default: all); ``[layer, head]`` lists are accepted.
         batch_size: sentences per forward pass of the inputs.
-        max_rows: the built-in metrics ablate several heads of a layer in one forward pass, each in its
-            own copy of the batch (copy ``r`` has head ``r`` ablated), up to ``max_rows`` rows per pass.
-        progress: show a tqdm bar over the heads.
+        max_rows: the built-in metrics run many ablations in one pass, each in its own copy of the batch,
+            up to ``max_rows`` rows per pass.
+        progress: show a progress bar over the heads.
 
-    The built-in metrics give exactly what one :func:`headspace.ablate` run per head gives (a test holds
-    this). The model runs in eval mode without autograd; its mode is restored. Deterministic for a
-    deterministic model: two calls give identical results.
+    The built-in metrics on an Encoder or Decoder use the batched engine
+    (:func:`headspace.analysis.patching.run_from_layers`): the ablation of a head of layer ``l`` leaves
+    the blocks below ``l`` unchanged, so its copy of the batch starts at block ``l`` from the unablated
+    stream, and the copies of every layer travel up the stack together. Other modules run one copy per
+    head of a layer through the whole module. Either way the numbers are what one
+    :func:`headspace.ablate` run per head gives, to float32 rounding (a test holds this). The model runs
+    in eval mode without autograd; its mode is restored. Deterministic for a deterministic model.
     """
     module = as_module(model)
     layers = attention_layers(model)
+    metric = _checked_importance_args(module, layers, metric, mode, max_rows)
+    all_heads = [(i, h) for i, (_, attn) in enumerate(layers) for h in range(attn.n_heads)]
+    todo = all_heads if heads is None else _check_heads(heads, all_heads, layers)
+    if inputs is None and (not callable(metric) or mode == "mean"):
+        raise ValueError("inputs are needed for the built-in metrics and for mode='mean'; got None")
+    batches = make_batches(model, inputs, key_padding, batch_size) if inputs is not None else []
+    means = mean_z(model, inputs, key_padding=key_padding, batch_size=batch_size) if mode == "mean" else None
+    ablated = [torch.full((attn.n_heads,), float("nan"), dtype=torch.float64) for _, attn in layers]
+    scores = [torch.full((attn.n_heads,), float("nan"), dtype=torch.float64) for _, attn in layers]
+    with eval_mode(module):
+        if callable(metric):
+            name = getattr(metric, "__name__", type(metric).__name__)
+            baseline = float(metric(model))
+            desc = f"ablating heads ({name}, {mode})"
+            bar = progress_bar(todo, desc=desc, unit="head", disable=not progress)
+            for layer, head in bar:
+                with ablate(model, {(layer, head): mode}, means=means):
+                    value = float(metric(model))
+                ablated[layer][head] = value
+                scores[layer][head] = value - baseline
+        else:
+            m: _Metric = (_Loss if metric == "loss" else _Cosine)(model, module, batches)
+            name, baseline = m.name, m.baseline()
+            bar = progress_bar(
+                total=len(todo), desc=f"ablating heads ({name}, {mode})", unit="head", disable=not progress
+            )
+            run = _from_layers if _engine_applies(module, batches) else _replicated
+            values = run(_Ablations(module, layers, m, batches, todo, mode, means, max_rows), bar)
+            bar.close()
+            for (layer, head), value in zip(todo, values):
+                ablated[layer][head] = value
+                scores[layer][head] = m.score(value, baseline)
+    return HeadImportance(
+        scores=pad_heads(scores), ablated=pad_heads(ablated), baseline=float(baseline), metric=name, mode=mode
+    )
+
+
+def _checked_importance_args(
+    module: nn.Module, layers: Sequence[Any], metric: Any, mode: Any, max_rows: Any
+) -> str | Callable[[Any], float]:
+    """:func:`head_importance`'s checks; returns the metric with ``"auto"`` resolved."""
     if not layers:
-        raise ValueError(f"model has no MultiHeadAttention layer; got {type(model).__name__}")
+        raise ValueError(f"model has no MultiHeadAttention layer; got {type(module).__name__}")
     if mode not in ABLATION_MODES:
         raise ValueError(f"mode must be one of {ABLATION_MODES}; got {mode!r}")
     if not callable(metric) and metric not in METRICS:
@@ -300,71 +359,170 @@ def head_importance(
             f"vocab_size]); got model {_model_kind(module)}, whose output is not next-token logits. For "
             "this model use metric='cosine' (or 'auto'), or a callable metric(model) -> float"
         )
-    all_heads = [(i, h) for i, (_, attn) in enumerate(layers) for h in range(attn.n_heads)]
-    todo = all_heads if heads is None else _check_heads(heads, all_heads, layers)
-    if inputs is None and (not callable(metric) or mode == "mean"):
-        raise ValueError("inputs are needed for the built-in metrics and for mode='mean'; got None")
-    batches = make_batches(model, inputs, key_padding, batch_size) if inputs is not None else []
-    means = mean_z(model, inputs, key_padding=key_padding, batch_size=batch_size) if mode == "mean" else None
+    return metric
 
-    ablated = [torch.full((attn.n_heads,), float("nan"), dtype=torch.float64) for _, attn in layers]
-    scores = [torch.full((attn.n_heads,), float("nan"), dtype=torch.float64) for _, attn in layers]
-    with eval_mode(module):
-        if callable(metric):
-            name = getattr(metric, "__name__", type(metric).__name__)
-            baseline = float(metric(model))
-            bar = progress_bar(
-                todo, desc=f"ablating heads ({name}, {mode})", unit="head", disable=not progress
-            )
-            for layer, head in bar:
-                with ablate(model, {(layer, head): mode}, means=means):
-                    value = float(metric(model))
-                ablated[layer][head] = value
-                scores[layer][head] = value - baseline
-        else:
-            m: _Metric = (_Loss if metric == "loss" else _Cosine)(model, module, batches)
-            name = m.name
-            baseline = m.baseline()
-            by_layer: dict[int, list[int]] = {}
-            for layer, head in todo:
-                by_layer.setdefault(layer, []).append(head)
-            paths = [p for p, _ in layers]
-            bar = progress_bar(
-                total=len(todo), desc=f"ablating heads ({name}, {mode})", unit="head", disable=not progress
-            )
-            for layer, layer_heads in by_layer.items():
-                n_heads = layers[layer][1].n_heads
-                layer_means = None
-                if means is not None:
-                    layer_means = torch.stack(
-                        [means[(layer, h)] for h in range(n_heads)]
-                    )  # (n_heads, d_head)
-                total = torch.zeros(len(layer_heads), dtype=torch.float64)
-                count = torch.zeros(len(layer_heads), dtype=torch.float64)
-                hook_name = f"{paths[layer]}.hook_z" if paths[layer] else "hook_z"
-                for bi, batch in enumerate(batches):
-                    b = batch.args[0].shape[0]
-                    chunk = max(1, max_rows // b)
-                    for start in range(0, len(layer_heads), chunk):
-                        part = layer_heads[start : start + chunk]
-                        R = len(part)
-                        rep = Batch(
-                            tuple(_replicate(a, R) for a in batch.args),
-                            None if batch.key_padding is None else _replicate(batch.key_padding, R),
-                            None if batch.tokens is None else _replicate(batch.tokens, R),
-                        )
-                        with hooked(model, {hook_name: _replica_hook(part, mode, layer_means, b)}):
-                            out = rep.run(module)  # (R b, ...)
-                        t, c = m.stats(bi, out, R)  # (R,) x 2
-                        total[start : start + R] += t
-                        count[start : start + R] += c
-                        if bi == len(batches) - 1:
-                            bar.update(R)
-                values = m.value(total, count)  # (len(layer_heads),)
-                for j, h in enumerate(layer_heads):
-                    ablated[layer][h] = values[j]
-                    scores[layer][h] = m.score(values[j], baseline)
-            bar.close()
-    return HeadImportance(
-        scores=pad_heads(scores), ablated=pad_heads(ablated), baseline=float(baseline), metric=name, mode=mode
+
+def _layer_means(means: dict[tuple[int, int], Tensor] | None, layer: int, n_heads: int) -> Tensor | None:
+    """The mean z of every head of ``layer`` [n_heads, d_head], or None (zero ablation)."""
+    if means is None:
+        return None
+    return torch.stack([means[(layer, h)] for h in range(n_heads)])  # (n_heads, d_head)
+
+
+@dataclass
+class _Ablations:
+    """What the built-in metrics' sweep over heads needs (the arguments of :func:`head_importance`)."""
+
+    module: nn.Module
+    layers: Sequence[Any]
+    metric: _Metric
+    batches: Sequence[Batch]
+    todo: Sequence[tuple[int, int]]
+    mode: str
+    means: dict[tuple[int, int], Tensor] | None
+    max_rows: int
+
+
+def _replicated(a: _Ablations, bar: Any) -> list[float]:
+    """The metric with each head of ``todo`` ablated: whole-module runs, a batch copy per head of a layer."""
+    module, layers, m, batches = a.module, a.layers, a.metric, a.batches
+    todo, mode, means = a.todo, a.mode, a.means
+    max_rows = a.max_rows
+    by_layer: dict[int, list[int]] = {}
+    for layer, head in todo:
+        by_layer.setdefault(layer, []).append(head)
+    found: dict[tuple[int, int], float] = {}
+    for layer, layer_heads in by_layer.items():
+        path = layers[layer][0]
+        layer_means = _layer_means(means, layer, layers[layer][1].n_heads)
+        total = torch.zeros(len(layer_heads), dtype=torch.float64)
+        count = torch.zeros(len(layer_heads), dtype=torch.float64)
+        hook_name = f"{path}.hook_z" if path else "hook_z"
+        for bi, batch in enumerate(batches):
+            b = batch.args[0].shape[0]
+            chunk = max(1, max_rows // b)
+            for start in range(0, len(layer_heads), chunk):
+                part = layer_heads[start : start + chunk]
+                R = len(part)
+                rep = Batch(
+                    tuple(_replicate(a, R) for a in batch.args),
+                    None if batch.key_padding is None else _replicate(batch.key_padding, R),
+                    None if batch.tokens is None else _replicate(batch.tokens, R),
+                )
+                with hooked(module, {hook_name: _replica_hook(part, mode, layer_means, b)}):
+                    out = rep.run(module)  # (R b, ...)
+                t, c = m.stats(bi, out, R)  # (R,) x 2
+                total[start : start + R] += t
+                count[start : start + R] += c
+                if bi == len(batches) - 1:
+                    bar.update(R)
+        for h, value in zip(layer_heads, m.value(total, count).tolist()):
+            found[(layer, h)] = value
+    return [found[pair] for pair in todo]
+
+
+def _engine_applies(module: nn.Module, batches: Sequence[Batch]) -> bool:
+    """Whether the batched engine can run: an Encoder or Decoder fed token ids alone."""
+    from ..model.models import Decoder, Encoder
+
+    return isinstance(module, (Encoder, Decoder)) and all(
+        b.tokens is not None and len(b.args) == 1 for b in batches
     )
+
+
+def _finish(module: nn.Module, x: Tensor) -> Tensor:
+    """What the Encoder's or Decoder's forward does after its last block: LN_f, and a decoder's logits."""
+    if module.ln_final is not None:
+        x = module.ln_final(x)  # (runs, seq, d_model)
+    if not _is_decoder(module):
+        return x
+    logits = F.linear(x, module.tok_embed.weight) if module.lm_head is None else module.lm_head(x)
+    return logits if logits.dtype == torch.float32 else logits.float()  # (runs, seq, vocab_size)
+
+
+#: The engine turns the final stream into the metric's output this many bytes (float64) at a time.
+OUTPUT_CHUNK_BYTES = 128 << 20
+
+
+def _from_layers(a: _Ablations, bar: Any) -> list[float]:
+    """The metric with each head of ``todo`` ablated, through the batched engine (see
+    :func:`head_importance`): per batch, groups of heads of at most ``max_rows`` rows."""
+    module, layers, m, batches = a.module, a.layers, a.metric, a.batches
+    todo, mode, means = a.todo, a.mode, a.means
+    from .patching import run_from_layers
+
+    order = sorted(range(len(todo)), key=lambda i: todo[i][0])  # by layer: the order runs join in
+    total = torch.zeros(len(todo), dtype=torch.float64)
+    count = torch.zeros(len(todo), dtype=torch.float64)
+    for bi, batch in enumerate(batches):
+        b, seq = batch.tokens.shape
+        with trace(module, "blocks.*.hook_resid_pre") as t:
+            batch.run(module)
+        per = max(1, a.max_rows // b)
+        for g0 in range(0, len(order), per):
+            group = order[g0 : g0 + per]
+            heads_at: dict[int, list[int]] = {}
+            for i in group:
+                heads_at.setdefault(todo[i][0], []).append(todo[i][1])
+            joins = {l: _replicate(t[f"blocks.{l}.hook_resid_pre"], len(hs)) for l, hs in heads_at.items()}
+            hooks, block_kwargs = _engine_calls(module, layers, batch, heads_at, mode, means)
+            x = run_from_layers(module, joins, hooks, block_kwargs)  # (len(group) b, seq, d_model)
+            vocab = getattr(module.config, "vocab_size", 1) if _is_decoder(module) else x.shape[-1]
+            step = max(1, OUTPUT_CHUNK_BYTES // max(1, b * seq * vocab * 8))
+            for c0 in range(0, len(group), step):
+                part = group[c0 : c0 + step]
+                out = _finish(module, x[c0 * b : (c0 + len(part)) * b])  # (len(part) b, seq, ...)
+                st, sc = m.stats(bi, out, len(part))  # (len(part),) x 2
+                total[part] += st
+                count[part] += sc
+            if bi == len(batches) - 1:
+                bar.update(len(group))
+    return m.value(total, count).tolist()
+
+
+def _engine_calls(
+    module: nn.Module,
+    layers: Sequence[Any],
+    batch: Batch,
+    heads_at: dict[int, list[int]],
+    mode: str,
+    means: dict[tuple[int, int], Tensor] | None,
+) -> tuple[Callable, Callable]:
+    """``hooks`` and ``block_kwargs`` of :func:`~headspace.analysis.patching.run_from_layers` for one
+    batch whose copies ablate ``heads_at[l]`` (copy ``r`` of layer ``l``: head ``heads_at[l][r]``).
+
+    The block calls are those of ``Encoder.forward`` / ``Decoder.forward`` (padding, causality and
+    rotary positions as there), with the padding replicated over the copies.
+    """
+    b, seq = batch.tokens.shape
+    rotary = getattr(module, "rotary", None)
+    decoder = _is_decoder(module)
+
+    def hooks(layer: int, first: int, n: int) -> dict[str, Callable]:
+        lm = _layer_means(means, layer, layers[layer][1].n_heads)
+        return {"attn.hook_z": _rows_hook(heads_at[layer], mode, lm, b, first)}
+
+    def block_kwargs(layer: int, runs: int) -> dict[str, Any]:
+        kw: dict[str, Any] = {}
+        if batch.key_padding is not None:
+            kw["key_padding"] = _replicate(batch.key_padding, runs // b)  # (runs, seq)
+        if decoder:
+            kw["is_causal"] = True
+        if rotary is not None:
+            kw["positions"] = torch.arange(seq, device=batch.tokens.device)  # (seq,)
+        return kw
+
+    return hooks, block_kwargs
+
+
+def _rows_hook(heads: Sequence[int], mode: str, means: Tensor | None, b: int, first: int) -> Callable:
+    """A ``hook_z`` function ablating head ``heads[r]`` in rows ``first + r b .. first + (r + 1) b``."""
+
+    def fn(z: Tensor, point: Any) -> Tensor:  # z: (runs, seq, n_heads, d_head)
+        z = z.clone()
+        zr = z[first : first + len(heads) * b].view(len(heads), b, *z.shape[1:])  # (R, b, seq, H, dh)
+        for r, h in enumerate(heads):
+            zr[r, :, :, h] = 0.0 if mode == "zero" else means[h].to(z)
+        return z
+
+    return fn

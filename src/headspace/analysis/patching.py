@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention.layer import KVCache
+from ..attention.layer.layer import KVCache
 from ._common import JsonResult, eval_mode
 from .causal_inputs import (
     Prompts,
@@ -278,37 +278,69 @@ def _sweep(
     by_layer: dict[int, list[int]] = {}
     for i, s in enumerate(sites):
         by_layer.setdefault(s.layer, []).append(i)
-    x: Tensor | None = None
-    order: list[int] = []  # site index of each row of x
-    for layer, block in enumerate(module.blocks):
-        new = by_layer.get(layer, [])
-        if new:
-            fresh = corrupt_resid[layer].expand(len(new), -1, -1)  # (n_new, seq - p, d_model)
-            x = fresh.clone() if x is None else torch.cat([x, fresh], dim=0)
-            first_new = len(order)
-            order.extend(new)
-        if x is None:
-            continue
-        hooks = _patch_hooks(site, [sites[i] for i in new], first_new if new else 0, clean, layer, p)
+    joins = {layer: corrupt_resid[layer].expand(len(new), -1, -1) for layer, new in by_layer.items()}
+    order = [i for layer in sorted(by_layer) for i in by_layer[layer]]  # site index of each run
+
+    def hooks(layer: int, first_new: int, n_new: int) -> dict[str, Callable]:
+        new = [sites[i] for i in by_layer.get(layer, [])]
+        return _patch_hooks(site, new, first_new, clean, layer, p)
+
+    def block_kwargs(layer: int, runs: int) -> dict[str, Any]:
         kwargs: dict[str, Any] = {}
         if decoder:
             kwargs["is_causal"] = True
             if p:
                 k, v = prefix[layer]
-                cache = KVCache(x.shape[0], k.shape[1], k.shape[3], seq, dtype=k.dtype, device=k.device)
+                cache = KVCache(runs, k.shape[1], k.shape[3], seq, dtype=k.dtype, device=k.device)
                 cache.k[:, :, :p] = k
                 cache.v[:, :, :p] = v
                 cache.length = p
                 kwargs["kv_cache"] = cache
             if rotary is not None:
                 kwargs["positions"] = positions
-        with hooked(module, {f"blocks.{layer}.{name}": fn for name, fn in hooks.items()}):
-            x = block(x, **kwargs)  # (runs, seq - p, d_model)
-    assert x is not None and len(order) == len(sites)
+        return kwargs
+
+    x = run_from_layers(module, joins, hooks, block_kwargs)
+    assert len(order) == len(sites)
     out = _output(module, x, decoder)  # (runs, ...)
     result = torch.empty_like(out)
     result[torch.tensor(order, device=out.device)] = out
     return result
+
+
+def run_from_layers(
+    module: nn.Module,
+    joins: dict[int, Tensor],
+    hooks: Callable[[int, int, int], dict[str, Callable]],
+    block_kwargs: Callable[[int, int], dict[str, Any]],
+) -> Tensor:
+    """The batched engine: runs that start at different blocks travel up the stack together.
+
+    ``joins[l]`` [n_l, seq, d_model] is the residual stream entering block ``l`` of the ``n_l`` runs that
+    start there (a run that changes only block ``l`` or above equals the unchanged run below ``l``, so
+    the blocks below are not run for it). At block ``l`` those runs join the batch as its last rows,
+    block ``l`` runs with ``hooks(l, first_new_row, n_l)`` (names relative to ``blocks.l``, e.g.
+    ``"attn.hook_z"``) added for the duration of the call, with ``block(x, **block_kwargs(l, runs))``.
+
+    Returns the stream leaving the last block [sum_l n_l, seq, d_model], rows in order of joining
+    (layer by layer; within a layer as in ``joins[l]``).
+    """
+    x: Tensor | None = None
+    for layer, block in enumerate(module.blocks):
+        first_new, fresh = (0 if x is None else x.shape[0]), joins.get(layer)
+        if fresh is not None:
+            x = fresh.clone() if x is None else torch.cat([x, fresh], dim=0)  # (runs, seq, d_model)
+        if x is None:
+            continue
+        n_new = 0 if fresh is None else fresh.shape[0]
+        fns = hooks(layer, first_new, n_new) if n_new else {}
+        with hooked(module, {f"blocks.{layer}.{name}": fn for name, fn in fns.items()}):
+            x = block(x, **block_kwargs(layer, x.shape[0]))  # (runs, seq, d_model)
+    if x is None:
+        raise ValueError(
+            f"joins must name at least one block of the {len(module.blocks)}; got {sorted(joins)}"
+        )
+    return x
 
 
 def _patch_hooks(

@@ -17,6 +17,9 @@ collects only some (exact names or ``fnmatch`` globs such as ``"*.hook_pattern"`
 attention layers owning a collected hook point leave their fused fast path. ``hooks=`` adds functions
 that may *replace* a value (patching, ablation); the trace records the value after replacement.
 
+Memory: ``hook_scores``/``hook_pattern`` are kept as the layer's q and k and ``hook_result`` as z and a
+copy of W_O, and computed again (bit for bit) when read; see :class:`Trace`.
+
 A bare :class:`~headspace.MultiHeadAttention` is a one-layer model: its names are ``hook_pattern`` ...
 and its layer index is 0.
 
@@ -42,9 +45,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..attention.layer import MultiHeadAttention
+from ..attention.layer.layer import MultiHeadAttention
 from ..core.checks import is_int
-from ..nn.hooks import HookFn, HookPoint, name_hook_points
+from ..nn.hooks import Deferred, HookFn, HookPoint, name_hook_points
 
 ATTN_HOOKS = ("q", "k", "v", "scores", "pattern", "z", "result")
 """Short names of the hook points of an attention layer (full name: ``<attn path>.hook_<short>``)."""
@@ -179,10 +182,19 @@ class Trace(Mapping[str, Tensor]):
 
     A value recorded by several forward passes inside the same ``trace`` holds the *last* one;
     ``t.calls[name]`` counts the passes.
+
+    Memory: what can be recomputed exactly is not stored. ``hook_scores`` and ``hook_pattern`` are kept
+    as the layer's q and k (rotated on rotary layers) and ``hook_result`` as z and a copy of W_O
+    (:class:`~headspace.functional.DeferredAttention`, :class:`~headspace.functional.DeferredResult`);
+    each access computes the value again with the layer's own ops, bit for bit what the layer computed
+    (``t.pattern(3, 5)`` computes head 5 only). The most recent value is kept until the next access of
+    another. With ``detach=False``, or when a function that may replace them runs on those hook points,
+    they are stored as computed.
     """
 
     def __init__(self, layer_paths: Sequence[str], layers: Sequence[MultiHeadAttention]) -> None:
-        self._values: dict[str, Tensor] = {}
+        self._values: dict[str, Tensor | Deferred] = {}
+        self._last: tuple[str, int | None, Tensor] | None = None  # the latest computed deferred value
         self.calls: dict[str, int] = {}
         self.layer_paths: list[str] = list(layer_paths)
         self._layers = list(layers)
@@ -196,7 +208,7 @@ class Trace(Mapping[str, Tensor]):
                 return self.head(*key)
             raise KeyError(f"Trace keys are a full name, (name, layer) or (name, layer, head); got {key!r}")
         try:
-            return self._values[key]
+            return self._value(key)
         except KeyError:
             close = difflib.get_close_matches(str(key), list(self._values), n=3, cutoff=0.5)
             raise KeyError(
@@ -213,9 +225,40 @@ class Trace(Mapping[str, Tensor]):
     def __repr__(self) -> str:
         return f"Trace({len(self)} values, {self.n_layers} attention layers)"
 
-    def _record(self, name: str, value: Tensor) -> None:
+    def _record(self, name: str, value: Tensor | Deferred) -> None:
         self._values[name] = value
         self.calls[name] = self.calls.get(name, 0) + 1
+        if self._last is not None and self._last[0] == name:
+            self._last = None
+
+    def _value(self, name: str, head: int | None = None) -> Tensor:
+        """The value of ``name`` (``head``: that head only, head axis kept), computed if it was deferred.
+
+        Raises KeyError when ``name`` was not recorded.
+        """
+        value = self._values[name]
+        if isinstance(value, Tensor):
+            return value
+        last = self._last
+        if last is not None and last[0] == name and last[1] == head:
+            return last[2]
+        out = value.materialize(head)
+        self._last = (name, head, out)
+        return out
+
+    def is_deferred(self, name: str) -> bool:
+        """Whether ``name`` is kept as the inputs it is recomputed from (see the class docstring)."""
+        return not isinstance(self._values[name], Tensor)
+
+    def stored_bytes(self) -> int:
+        """Bytes of the distinct tensor storages this trace holds (shared storages counted once)."""
+        seen: dict[int, int] = {}
+        for value in self._values.values():
+            parts = [value] if isinstance(value, Tensor) else list(vars(value).values())
+            for t in (p for p in parts if isinstance(p, Tensor)):
+                st = t.untyped_storage()
+                seen[st.data_ptr()] = st.nbytes()
+        return sum(seen.values())
 
     # -- layers and heads
     @property
@@ -258,6 +301,9 @@ class Trace(Mapping[str, Tensor]):
         index = head % n
         if short in ("k", "v", "rot_k"):
             index //= attn.group_size
+        full = self.full_name(short, layer)
+        if full in self._values and not isinstance(self._values[full], Tensor):
+            return self._value(full, index).select(_HEAD_AXIS[short], 0)  # only this head computed
         return self.act(short, layer).select(_HEAD_AXIS[short], index)
 
     def pattern(self, layer: int, head: int | None = None) -> Tensor:
@@ -282,7 +328,7 @@ class Trace(Mapping[str, Tensor]):
         for short in ATTN_HOOKS + ROTARY_HOOKS + BLOCK_HOOKS:
             full = self.full_name(short, layer)
             if full in self._values:
-                out[short] = self._values[full]
+                out[short] = self._value(full)
         return out
 
     def stack(self, name: str) -> Tensor:
@@ -333,13 +379,7 @@ def trace(
     t = Trace([p for p, _ in layers], [m for _, m in layers])
     chosen = select_hook_points(model, names)
 
-    def make_recorder(name: str) -> HookFn:
-        def record(value: Tensor, point: HookPoint) -> None:
-            t._record(name, value.detach() if detach else value)
-
-        return record
-
-    recorders = {name: make_recorder(name) for name in chosen}
+    recorders = {name: _Recorder(t, name, detach) for name in chosen}
     with hooked(model, hooks or {}, all_threads=all_threads):
         removers = [chosen[name].add(fn, this_thread=not all_threads) for name, fn in recorders.items()]
         try:
@@ -347,6 +387,26 @@ def trace(
         finally:
             for remove in reversed(removers):
                 remove()
+
+
+class _Recorder:
+    """The function :func:`trace` adds to one hook point: records the value (detached unless told).
+
+    With ``detach=True`` it also accepts a :class:`~headspace.hooks.Deferred` (``record_deferred``), which
+    lets the layer skip computing values nothing replaces; with ``detach=False`` it does not (a value
+    recomputed later would not be part of the forward's autograd graph).
+    """
+
+    def __init__(self, t: Trace, name: str, detach: bool) -> None:
+        self.t, self.name, self.detach = t, name, detach
+        if detach:
+            self.record_deferred = self._record_deferred
+
+    def __call__(self, value: Tensor, point: HookPoint) -> None:
+        self.t._record(self.name, value.detach() if self.detach else value)
+
+    def _record_deferred(self, deferred: Deferred, point: HookPoint) -> None:
+        self.t._record(self.name, deferred)
 
 
 class _CallableModule(types.ModuleType):

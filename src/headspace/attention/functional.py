@@ -113,6 +113,117 @@ def reference_parts(
     return out, pattern, weights
 
 
+#: The traced path computes a layer's scores a block of query rows at a time once they would exceed this
+#: many bytes (smaller layers are computed whole, exactly as :func:`reference_parts`).
+TRACED_BLOCK_BYTES = 64 << 20
+#: Fewest query rows in one block of the traced path.
+TRACED_MIN_ROWS = 64
+
+
+def mask_rows(mask: CanonicalMask, seq_q: int, seq_k: int, start: int, end: int) -> CanonicalMask:
+    """The canonical mask of query rows ``start .. end - 1`` only (causality as an explicit bool mask).
+
+    Used with q's rows ``start:end``, :func:`attention_scores` and :func:`attention_pattern` give the
+    rows ``start:end`` of what they give on the whole mask (bottom-right causal alignment kept).
+    """
+    m = mask.mask
+    if mask.is_causal:
+        m = causal_mask(seq_q, seq_k)[start:end]  # (rows, seq_k)
+    elif m is not None and m.shape[-2] != 1:
+        m = m[..., start:end, :]  # (b|1, h|1, rows, seq_k|1)
+    dead = mask.dead_rows
+    if dead is not None and dead.shape[-2] != 1:
+        dead = dead[..., start:end, :]  # (b|1, h|1, rows, 1)
+    return CanonicalMask(mask=m, is_causal=False, dead_rows=dead)
+
+
+def mask_head(mask: CanonicalMask, head: int) -> CanonicalMask:
+    """The canonical mask of query head ``head`` only (head axis kept, of size 1)."""
+    m, dead = mask.mask, mask.dead_rows
+    if m is not None and m.dim() == 4 and m.shape[1] != 1:
+        m = m[:, head : head + 1]  # (b|1, 1, seq_q|1, seq_k|1)
+    if dead is not None and dead.shape[1] != 1:
+        dead = dead[:, head : head + 1]  # (b|1, 1, seq_q|1, 1)
+    return CanonicalMask(mask=m, is_causal=mask.is_causal, dead_rows=dead)
+
+
+def reference_rows(
+    q: Tensor, k: Tensor, v: Tensor, mask: CanonicalMask, *, scale: float, dropout_p: float = 0.0
+) -> Tensor:
+    """:func:`reference_parts`'s output alone, in bounded memory: out [batch, n_heads, seq_q, d_head].
+
+    While the layer's scores fit :data:`TRACED_BLOCK_BYTES` (or with dropout) this *is*
+    :func:`reference_parts`; beyond, the same ops run on blocks of at least :data:`TRACED_MIN_ROWS` query
+    rows, so no [seq_q, seq_k] tensor larger than one block exists. A block's scores and softmax are
+    the whole layer's rows bit for bit; its weighted sum is too at d_head 64 (tested), while at tiny
+    widths (d_head 5) the GEMM may round otherwise: then z agrees to float32 rounding.
+    """
+    B, H, Sq, _ = q.shape
+    Sk = k.shape[-2]
+    per_row = max(1, B * H * Sk * q.element_size())
+    rows = max(TRACED_MIN_ROWS, TRACED_BLOCK_BYTES // per_row)
+    if rows >= Sq or dropout_p > 0.0:
+        out, _, _ = reference_parts(q, k, v, mask, scale=scale, dropout_p=dropout_p)
+        return out
+    v_all = repeat_kv(v, H)  # (B, H, Sk, dh)
+    blocks = []
+    for start in range(0, Sq, rows):
+        end = min(Sq, start + rows)
+        m = mask_rows(mask, Sq, Sk, start, end)
+        scores = attention_scores(q[:, :, start:end], k, m, scale=scale)  # (B, H, rows, Sk)
+        blocks.append(torch.matmul(attention_pattern(scores, m), v_all))  # (B, H, rows, dh)
+        del scores
+    return torch.cat(blocks, dim=2)  # (B, H, Sq, dh)
+
+
+class DeferredAttention:
+    """A traced layer's ``hook_scores`` or ``hook_pattern``, kept as the q and k it was computed from.
+
+    q [batch, n_heads, seq_q, d_head] and k [batch, n_kv_heads, seq_k, d_head] are the tensors the layer
+    attended with (after its hooks and rotation, detached), ``mask`` its canonical mask. ``materialize()``
+    recomputes :func:`attention_scores` (``which="scores"``) or its :func:`attention_pattern`
+    (``"pattern"``) [batch, n_heads, seq_q, seq_k] with the same ops on the same tensors: the values the
+    traced path computes, bit for bit; ``materialize(h)`` head ``h`` only [batch, 1, seq_q, seq_k].
+    """
+
+    def __init__(self, q: Tensor, k: Tensor, mask: CanonicalMask, scale: float, which: str) -> None:
+        if which not in ("scores", "pattern"):
+            raise ValueError(f"which must be 'scores' or 'pattern'; got {which!r}")
+        self.q, self.k, self.mask, self.scale, self.which = q, k, mask, scale, which
+        B, H, Sq, _ = q.shape
+        self.shape = (B, H, Sq, k.shape[-2])
+
+    def materialize(self, head: int | None = None) -> Tensor:
+        """[batch, n_heads, seq_q, seq_k], or [batch, 1, seq_q, seq_k] for query head ``head``."""
+        q, k, mask = self.q, self.k, self.mask
+        if head is not None:
+            g = head // (q.shape[1] // k.shape[1])  # the key/value head query head ``head`` reads
+            q, k, mask = q[:, head : head + 1], k[:, g : g + 1], mask_head(mask, head)
+        scores = attention_scores(q, k, mask, scale=self.scale)  # (B, H|1, Sq, Sk)
+        return scores if self.which == "scores" else attention_pattern(scores, mask)
+
+
+class DeferredResult:
+    """A traced layer's ``hook_result`` [batch, seq_q, n_heads, d_model], kept as z and a copy of W_O.
+
+    ``materialize()`` is ``einsum("bshd,hdm->bshm", z, W_O)``, the traced path's own op on the same
+    tensors (so bit for bit its value; the copy of W_O keeps it so after the weights change);
+    ``materialize(h)`` head ``h`` only [batch, seq_q, 1, d_model].
+    """
+
+    def __init__(self, z: Tensor, W_O: Tensor) -> None:
+        self.z, self.W_O = z, W_O
+        B, Sq, H, _ = z.shape
+        self.shape = (B, Sq, H, W_O.shape[-1])
+
+    def materialize(self, head: int | None = None) -> Tensor:
+        """[batch, seq_q, n_heads, d_model], or [batch, seq_q, 1, d_model] for head ``head``."""
+        if head is None:
+            return torch.einsum("bshd,hdm->bshm", self.z, self.W_O)  # (B, Sq, H, d_model)
+        z, w = self.z[:, :, head : head + 1], self.W_O[head : head + 1]
+        return torch.einsum("bshd,hdm->bshm", z, w)  # (B, Sq, 1, d_model)
+
+
 def explicit_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: CanonicalMask, *, scale: float, dropout_p: float = 0.0
 ) -> tuple[Tensor, Tensor]:

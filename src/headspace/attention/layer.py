@@ -16,8 +16,8 @@ from ..kernels.workspace import THREAD_SCRATCH_MIN_BYTES, Workspace, thread_work
 from ..nn.hooks import HookPoint
 from ..nn.masks import CanonicalMask, canonical_mask
 from ..nn.positions import Rotary, rotary_tables, rotate_fused
-from .functional import get_backend, reference_parts
-from .heads import Head, HeadList
+from .layer.functional import DeferredAttention, DeferredResult, get_backend, reference_parts, reference_rows
+from .layer.heads import Head, HeadList
 
 
 def _shape(t: Tensor) -> list[int]:
@@ -479,6 +479,70 @@ class MultiHeadAttention(nn.Module):
         Returns:
             out [batch, seq_q, d_model], or (out, pattern) with ``need_weights=True``.
         """
+        self_attention, k_in, v_in = self._checked_call(query, key, value, attn_mask, kv_cache, positions)
+        B, Sq, _ = query.shape
+        H, dh = self.n_heads, self.d_head
+        seq_k = k_in.shape[1] + (kv_cache.length if kv_cache is not None else 0)
+        if kv_cache is not None:
+            # checked before anything is appended, so a refused call leaves the cache as it was
+            kv_cache.check(B, Sq, self.o_weight.dtype, self.o_weight.device)
+        mask = canonical_mask(
+            batch=B,
+            n_heads=H,
+            seq_q=Sq,
+            seq_k=seq_k,
+            key_padding=key_padding,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            dtype=query.dtype,
+            device=query.device,
+        )
+        if B == 0 or Sq == 0:
+            z = query.new_zeros(B, Sq, H * dh)  # (B, Sq, H dh)
+            out = F.linear(z, self.o_weight, self.o_bias)  # (B, Sq, d_model)
+            if need_weights:
+                return out, query.new_zeros(B, H, Sq, seq_k)
+            return out
+
+        traced = self.hooks_active
+        scratch = None
+        if not need_weights and self._may_use_thread_workspace(query, self_attention, traced, kv_cache):
+            scratch = thread_workspace()  # q, k, v below are views of it, dead before this call returns
+        q, k, v = self._heads_qkv(query, k_in, v_in, self_attention, traced, scratch, positions, kv_cache)
+        if kv_cache is not None:
+            k, v = kv_cache.append(k, v)  # (B, Hkv, Sk, dh) x 2
+        dropout_p = self.dropout if self.training else 0.0
+
+        if traced:
+            z, pattern, _ = self.traced_attention(q, k, v, mask, dropout_p, need_pattern=need_weights)
+            out = self.output_from_heads(z)  # (B, Sq, d_model)
+        else:
+            backend = get_backend("explicit" if need_weights else "sdpa")
+            z, pattern = backend(q, k, v, mask, scale=self.scale, dropout_p=dropout_p)  # (B, H, Sq, dh)
+            # (bench helper) drop our references to the fused projection before W_O allocates the
+            # output: without grad this frees [B, S, 3 d_model] early and lowers the peak memory.
+            del q, k, v
+            z = z.transpose(1, 2).reshape(B, Sq, H * dh)  # (B, Sq, H dh): heads concatenated
+            out = F.linear(z, self.o_weight, self.o_bias)  # (B, Sq, d_model)
+        if self.check_finite:
+            _check_finite("attention output (inputs were finite: check the weights)", out)
+        if need_weights:
+            return out, pattern
+        return out
+
+    def _checked_call(
+        self,
+        query: Tensor,
+        key: Tensor | None,
+        value: Tensor | None,
+        attn_mask: Tensor | None,
+        kv_cache: KVCache | None,
+        positions: Tensor | None,
+    ) -> tuple[bool, Tensor, Tensor]:
+        """:meth:`forward`'s argument checks (masks are checked by ``canonical_mask``).
+
+        Returns (self-attention?, the key input, the value input).
+        """
         self_attention = key is None and value is None
         if key is None and value is not None:
             raise ValueError("value was given without key; pass key too (value defaults to key)")
@@ -515,38 +579,31 @@ class MultiHeadAttention(nn.Module):
                     _check_finite("value", v_in)
             if isinstance(attn_mask, Tensor) and attn_mask.is_floating_point():
                 _check_finite("attn_mask", attn_mask, allow_neg_inf=True)
-
-        B, Sq, _ = query.shape
-        H, dh = self.n_heads, self.d_head
         if not self_attention and k_in.shape[1] == 0:
-            # (self-attention on an empty sequence is the seq_q == 0 case below: an empty output)
+            # (self-attention on an empty sequence is the seq_q == 0 case of forward: an empty output)
             raise ValueError(f"key length seq_k must be at least 1; got key of shape {_shape(k_in)}")
-        seq_k = k_in.shape[1] + (kv_cache.length if kv_cache is not None else 0)
-        if kv_cache is not None:
-            # checked before anything is appended, so a refused call leaves the cache as it was
-            kv_cache.check(B, Sq, self.o_weight.dtype, self.o_weight.device)
-        mask = canonical_mask(
-            batch=B,
-            n_heads=H,
-            seq_q=Sq,
-            seq_k=seq_k,
-            key_padding=key_padding,
-            attn_mask=attn_mask,
-            is_causal=is_causal,
-            dtype=query.dtype,
-            device=query.device,
-        )
-        if B == 0 or Sq == 0:
-            z = query.new_zeros(B, Sq, H * dh)  # (B, Sq, H dh)
-            out = F.linear(z, self.o_weight, self.o_bias)  # (B, Sq, d_model)
-            if need_weights:
-                return out, query.new_zeros(B, H, Sq, seq_k)
-            return out
+        return self_attention, k_in, v_in
 
-        traced = self.hooks_active
-        scratch = None
-        if not need_weights and self._may_use_thread_workspace(query, self_attention, traced, kv_cache):
-            scratch = thread_workspace()  # q, k, v below are views of it, dead before this call returns
+    def _heads_qkv(
+        self,
+        query: Tensor,
+        k_in: Tensor,
+        v_in: Tensor,
+        self_attention: bool,
+        traced: bool,
+        scratch: Workspace | None,
+        positions: Tensor | None,
+        kv_cache: KVCache | None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The new queries, keys and values per head, rotated on rotary layers, through their hook points.
+
+        Returns q [B, H, Sq, dh] and k, v [B, Hkv, Sk_new, dh] (views of ``scratch`` when given). Untraced
+        rotary layers rotate q and k together on the fused projection; traced ones fire ``hook_q``,
+        ``hook_k``, ``hook_v``, then rotate and fire ``hook_rot_q``, ``hook_rot_k``.
+        """
+        rotary = self._modules.get("rotary")
+        B, Sq, _ = query.shape
+        H = self.n_heads
         if rotary is not None:
             if positions is None:
                 start = 0 if kv_cache is None else kv_cache.length
@@ -560,14 +617,13 @@ class MultiHeadAttention(nn.Module):
             qkv = self._fused_projection(query, scratch)  # (B, H + 2 Hkv, Sq, dh)
             qk = rotate_fused(qkv[:, : H + Hkv], cos, sin, rotary)  # (B, H + Hkv, Sq, dh), fresh
             q, k = qk.split([H, Hkv], dim=1)  # (B, H, Sq, dh), (B, Hkv, Sq, dh)
-            v = qkv[:, H + Hkv :]  # (B, Hkv, Sq, dh)
-        else:
-            q, k, v = self.project_qkv(
-                query,
-                None if self_attention else k_in,
-                None if self_attention else v_in,
-                workspace=scratch,
-            )
+            return q, k, qkv[:, H + Hkv :]  # v: (B, Hkv, Sq, dh)
+        q, k, v = self.project_qkv(
+            query,
+            None if self_attention else k_in,
+            None if self_attention else v_in,
+            workspace=scratch,
+        )
         if traced:
             q = self.hook_q(q.transpose(1, 2)).transpose(1, 2)  # (B, H, Sq, dh)
             k = self.hook_k(k.transpose(1, 2)).transpose(1, 2)  # (B, Hkv, Sk_new, dh)
@@ -578,26 +634,7 @@ class MultiHeadAttention(nn.Module):
                 if self.hook_rot_q is not None:  # (None if rotary was attached after construction)
                     q = self.hook_rot_q(q.transpose(1, 2)).transpose(1, 2)  # (B, H, Sq, dh)
                     k = self.hook_rot_k(k.transpose(1, 2)).transpose(1, 2)  # (B, Hkv, Sk_new, dh)
-        if kv_cache is not None:
-            k, v = kv_cache.append(k, v)  # (B, Hkv, Sk, dh) x 2
-        dropout_p = self.dropout if self.training else 0.0
-
-        if traced:
-            z, pattern, _ = self.traced_attention(q, k, v, mask, dropout_p)  # (B, Sq, H, dh)
-            out = self.output_from_heads(z)  # (B, Sq, d_model)
-        else:
-            backend = get_backend("explicit" if need_weights else "sdpa")
-            z, pattern = backend(q, k, v, mask, scale=self.scale, dropout_p=dropout_p)  # (B, H, Sq, dh)
-            # (bench helper) drop our references to the fused projection before W_O allocates the
-            # output: without grad this frees [B, S, 3 d_model] early and lowers the peak memory.
-            del q, k, v
-            z = z.transpose(1, 2).reshape(B, Sq, H * dh)  # (B, Sq, H dh): heads concatenated
-            out = F.linear(z, self.o_weight, self.o_bias)  # (B, Sq, d_model)
-        if self.check_finite:
-            _check_finite("attention output (inputs were finite: check the weights)", out)
-        if need_weights:
-            return out, pattern
-        return out
+        return q, k, v
 
     def _may_use_thread_workspace(
         self, query: Tensor, self_attention: bool, traced: bool, kv_cache: KVCache | None
@@ -625,20 +662,38 @@ class MultiHeadAttention(nn.Module):
         return query.numel() // query.shape[-1] * n_out * query.element_size() >= THREAD_SCRATCH_MIN_BYTES
 
     def traced_attention(
-        self, q: Tensor, k: Tensor, v: Tensor, mask: CanonicalMask, dropout_p: float
-    ) -> tuple[Tensor, Tensor, Tensor]:
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        mask: CanonicalMask,
+        dropout_p: float,
+        *,
+        need_pattern: bool = True,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """The traced path: the reference backend with ``hook_scores``, ``hook_pattern`` and ``hook_z`` fired.
 
         Used while any hook point of the layer is active (here and in :mod:`headspace.compat`).
         q [B, H, Sq, dh], k, v [B, Hkv, Sk, dh] (after ``hook_q``/``hook_k``/``hook_v``) ->
         (z [B, Sq, H, dh] after ``hook_z``, pattern [B, H, Sq, Sk], weights after dropout).
+
+        ``need_pattern=False`` lets the layer skip the pattern when nothing can replace it (every function
+        on ``hook_scores`` and ``hook_pattern`` only records, :attr:`HookPoint.defers`): the recorders get
+        a :class:`~headspace.functional.DeferredAttention` of q and k, z is
+        :func:`~headspace.functional.reference_rows` (the same values, a block of queries at a time), and
+        pattern and weights are None.
         """
-        z, pattern, weights = reference_parts(
-            q, k, v, mask, scale=self.scale, dropout_p=dropout_p,
-            on_scores=self.hook_scores, on_pattern=self.hook_pattern,
-        )  # fmt: skip
-        z = self.hook_z(z.transpose(1, 2))  # (B, Sq, H, dh)
-        return z, pattern, weights
+        if need_pattern or not (self.hook_scores.defers and self.hook_pattern.defers):
+            z, pattern, weights = reference_parts(
+                q, k, v, mask, scale=self.scale, dropout_p=dropout_p,
+                on_scores=self.hook_scores, on_pattern=self.hook_pattern,
+            )  # fmt: skip
+            return self.hook_z(z.transpose(1, 2)), pattern, weights  # (B, Sq, H, dh), ...
+        for point, which in ((self.hook_scores, "scores"), (self.hook_pattern, "pattern")):
+            if point.active:
+                point.fire_deferred(DeferredAttention(q.detach(), k.detach(), mask, self.scale, which))
+        z = reference_rows(q, k, v, mask, scale=self.scale, dropout_p=dropout_p)  # (B, H, Sq, dh)
+        return self.hook_z(z.transpose(1, 2)), None, None  # (B, Sq, H, dh)
 
     def output_from_heads(self, z: Tensor) -> Tensor:
         """``out = sum_h z_h W_O[h] + b_O`` from z [B, Sq, H, dh], firing ``hook_result`` while it is active.
@@ -649,6 +704,10 @@ class MultiHeadAttention(nn.Module):
         B, Sq, H, dh = z.shape
         if not self.hook_result.active:
             return F.linear(z.reshape(B, Sq, H * dh), self.o_weight, self.o_bias)  # (B, Sq, d_model)
-        result = self.hook_result(torch.einsum("bshd,hdm->bshm", z, self.W_O))  # (B, Sq, H, d_model)
+        result = torch.einsum("bshd,hdm->bshm", z, self.W_O)  # (B, Sq, H, d_model)
+        if self.hook_result.defers:  # only recorders: they keep z and W_O, not the [.., H, d_model] result
+            self.hook_result.fire_deferred(DeferredResult(z.detach(), self.W_O.detach().clone()))
+        else:
+            result = self.hook_result(result)  # (B, Sq, H, d_model)
         out = result.sum(dim=2)  # (B, Sq, d_model)
         return out if self.o_bias is None else out + self.o_bias

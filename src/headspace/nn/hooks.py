@@ -22,11 +22,26 @@ from __future__ import annotations
 import operator
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from torch import Tensor, nn
 
 HookFn = Callable[[Tensor, "HookPoint"], Tensor | None]
+
+
+class Deferred(Protocol):
+    """A value a layer hands to recorders instead of computing it: computed on access, always the same.
+
+    ``materialize()`` returns the whole value, ``materialize(head)`` the slice of one head (the head
+    axis kept, of size 1); both equal, bit for bit, what the layer's traced path would have computed.
+    """
+
+    shape: tuple[int, ...]
+
+    def materialize(self, head: int | None = None) -> Tensor:
+        """The value (or one head's slice of it, head axis kept)."""
+        ...
+
 
 # adding and removing functions is rare; one lock for every hook point keeps the per-thread tuples whole
 # (a lock per module could not be deep-copied or pickled with the model)
@@ -121,6 +136,18 @@ class HookPoint(nn.Module):
         with _EDIT_LOCK:
             self._all_threads.clear()
             self._by_thread.clear()
+
+    @property
+    def defers(self) -> bool:
+        """Whether every function firing here (in the calling thread) only records and accepts a
+        :class:`Deferred` instead of the value (``fn.record_deferred(deferred, point)``): then nothing can
+        replace the value and the layer may skip computing it. True when no function fires."""
+        return all(callable(getattr(fn, "record_deferred", None)) for fn in self.fns)
+
+    def fire_deferred(self, deferred: Deferred) -> None:
+        """Hand ``deferred`` to every function firing here (only valid when :attr:`defers` is True)."""
+        for fn in list(self.fns):
+            fn.record_deferred(deferred, self)  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ running
     def fire(self, value: Tensor) -> Tensor:

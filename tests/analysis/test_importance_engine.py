@@ -1,0 +1,121 @@
+"""head_importance through the batched engine: the numbers of one ablate() run per head.
+
+The reference is computed here by hand: the model run under ``headspace.ablate`` for each head, the
+metric written out with torch (float64 cross-entropy; cosine of masked-mean embeddings).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import headspace as hs
+from headspace import analysis
+from headspace.analysis import ablation, head_importance, patching
+
+V = 37
+
+
+def rotary_decoder() -> hs.Decoder:
+    cfg = hs.ModelConfig(
+        arch="decoder", vocab_size=V, d_model=35, n_layers=3, n_heads=7, n_kv_heads=1, d_head=6, d_mlp=23,
+        max_seq_len=32, positions="rotary", norm_kind="rmsnorm", mlp_kind="gated", act="silu", bias=False,
+    )  # fmt: skip
+    return hs.Decoder(cfg).eval()
+
+
+def encoder() -> hs.Encoder:
+    cfg = hs.ModelConfig(
+        arch="encoder", vocab_size=V, d_model=35, n_layers=3, n_heads=5, d_mlp=23, max_seq_len=32
+    )
+    model = hs.Encoder(cfg).eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.o_bias.normal_()
+    return model
+
+
+@torch.no_grad()
+def loss_by_hand(model: hs.Decoder, tokens: torch.Tensor, real: torch.Tensor) -> float:
+    logits = model(tokens, key_padding=real).double()  # (b, seq, V)
+    ce = F.cross_entropy(logits[:, :-1].transpose(1, 2), tokens[:, 1:], reduction="none")  # (b, seq - 1)
+    pair = (real[:, :-1] & real[:, 1:]).double()
+    return float((ce * pair).sum() / pair.sum())
+
+
+@torch.no_grad()
+def cosine_by_hand(model: hs.Encoder, tokens: torch.Tensor, real: torch.Tensor, ref: torch.Tensor) -> float:
+    w = real.double()[:, :, None]  # (b, seq, 1)
+    e = (model(tokens, key_padding=real).double() * w).sum(1) / w.sum(1)  # (b, d_model)
+    return float(F.cosine_similarity(e, ref, dim=-1).mean())
+
+
+@pytest.mark.parametrize("mode", ["zero", "mean"])
+def test_decoder_with_padding_rotary_gqa_equals_one_ablate_per_head(mode: str) -> None:
+    model = rotary_decoder()
+    tokens = torch.randint(0, V, (3, 11))
+    real = torch.ones(3, 11, dtype=torch.bool)
+    real[1, 8:] = False
+    imp = head_importance(model, tokens, key_padding=real, mode=mode, max_rows=13, progress=False)
+    base = loss_by_hand(model, tokens, real)
+    assert imp.baseline == pytest.approx(base, rel=1e-9, abs=1e-9)
+    means = analysis.mean_z(model, tokens, key_padding=real) if mode == "mean" else None
+    for layer in range(3):
+        for head in (0, 3, 6):
+            with hs.ablate(model, {(layer, head): mode}, means=means):
+                want = loss_by_hand(model, tokens, real)
+            assert float(imp.ablated[layer, head]) == pytest.approx(want, rel=1e-6, abs=1e-6)
+            assert float(imp.scores[layer, head]) == pytest.approx(want - base, rel=1e-4, abs=2e-6)
+
+
+def test_encoder_with_padding_equals_one_ablate_per_head() -> None:
+    model = encoder()
+    tokens = torch.randint(0, V, (2, 9))
+    real = torch.ones(2, 9, dtype=torch.bool)
+    real[0, 5:] = False
+    imp = head_importance(model, tokens, key_padding=real, heads=[(0, 4), (1, 0), (2, 3)], progress=False)
+    assert imp.metric == "cosine" and imp.baseline == 1.0
+    with torch.no_grad():
+        w = real.double()[:, :, None]
+        ref = (model(tokens, key_padding=real).double() * w).sum(1) / w.sum(1)  # (b, d_model)
+    for layer, head in [(0, 4), (1, 0), (2, 3)]:
+        with hs.ablate(model, {(layer, head): "zero"}):
+            want = cosine_by_hand(model, tokens, real, ref)
+        assert float(imp.ablated[layer, head]) == pytest.approx(want, rel=1e-6, abs=1e-7)
+    assert int(torch.isnan(imp.scores).sum()) == 15 - 3
+
+
+def test_engine_runs_and_equals_the_whole_model_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = rotary_decoder()
+    tokens = torch.randint(0, V, (2, 10))
+    joined: list[list[int]] = []
+    original = patching.run_from_layers
+    monkeypatch.setattr(
+        patching, "run_from_layers", lambda m, j, *a: joined.append(sorted(j)) or original(m, j, *a)
+    )
+    engine = head_importance(model, tokens, progress=False)
+    assert joined == [[0, 1, 2]]  # one pass: every layer's copies joined the batch at their block
+    monkeypatch.setattr(ablation, "_engine_applies", lambda *a: False)
+    whole = head_importance(model, tokens, progress=False)
+    torch.testing.assert_close(engine.ablated, whole.ablated, rtol=1e-6, atol=1e-6)
+
+
+def test_next_token_loss_is_float64_cross_entropy() -> None:
+    logits = torch.randn(3, 5, 101) * 7
+    targets = torch.randint(0, 101, (3, 5))
+    want = F.cross_entropy(logits.double().transpose(1, 2), targets, reduction="none")
+    torch.testing.assert_close(ablation.next_token_loss(logits, targets), want, rtol=0, atol=1e-6)
+
+
+def test_smollm2_heads_equal_one_ablate_per_head(smollm2) -> None:
+    sentence = "The cat sat on the mat."
+    heads = [(17, 5)]
+    imp = head_importance(smollm2, sentence, heads=heads, progress=False)
+    tokens, real = smollm2.tokenize_padded([sentence])
+    base = loss_by_hand(smollm2.model, tokens, real)
+    assert imp.baseline == pytest.approx(base, rel=1e-7)
+    for layer, head in heads:
+        with hs.ablate(smollm2, {(layer, head): "zero"}):
+            want = loss_by_hand(smollm2.model, tokens, real)
+        assert float(imp.scores[layer, head]) == pytest.approx(want - base, rel=1e-4, abs=1e-5)

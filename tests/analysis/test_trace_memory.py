@@ -1,0 +1,207 @@
+"""trace() in bounded memory: scores, pattern and result recomputed on access, bit for bit.
+
+The reference is the same trace with ``detach=False``: there every value is stored as the layer
+computed it (the old path, nothing deferred). The deferred values must equal it exactly, and the pattern
+must equal softmax(q k^T * scale + mask) computed by hand from the recorded rotated q and k.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import headspace as hs
+import headspace.attention.functional as fn
+from headspace import MultiHeadAttention
+
+B, S, DH, H, HKV = 2, 13, 5, 7, 1  # distinct primes
+D = H * DH  # 35
+DEFERRED = ("hook_scores", "hook_pattern", "hook_result")
+
+
+def bert_like() -> hs.Encoder:
+    cfg = hs.ModelConfig(
+        arch="encoder", vocab_size=37, d_model=D, n_layers=2, n_heads=H, d_mlp=23, max_seq_len=32,
+    )  # fmt: skip
+    model = hs.Encoder(cfg).eval()
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.qkv_bias.normal_()
+            block.attn.o_bias.normal_()
+    return model
+
+
+def gpt2_like() -> hs.Decoder:
+    cfg = hs.ModelConfig(
+        arch="decoder", vocab_size=37, d_model=D, n_layers=2, n_heads=H, d_mlp=23, max_seq_len=200
+    )
+    return hs.Decoder(cfg).eval()
+
+
+def smollm2_like() -> hs.Decoder:
+    cfg = hs.ModelConfig(
+        arch="decoder", vocab_size=37, d_model=D, n_layers=2, n_heads=H, n_kv_heads=HKV, d_head=6,
+        d_mlp=23, max_seq_len=200, positions="rotary", rope_theta=100.0, norm_kind="rmsnorm",
+        mlp_kind="gated", act="silu", bias=False,
+    )  # fmt: skip
+    return hs.Decoder(cfg).eval()
+
+
+def assert_traces_equal(lazy: hs.Trace, eager: hs.Trace) -> None:
+    """Every value of ``lazy`` equals ``eager``'s bit for bit; the big three were deferred."""
+    assert set(lazy) == set(eager)
+    for name in eager:
+        assert torch.equal(lazy[name], eager[name].detach()), name
+        assert lazy.is_deferred(name) == name.endswith(DEFERRED), name
+    for layer in range(lazy.n_layers):
+        n = lazy._layers[layer].n_heads
+        for short in ("scores", "pattern", "result"):
+            for h in range(n):  # one head computed alone equals its slice of the whole
+                assert torch.equal(lazy.head(short, layer, h), eager.head(short, layer, h).detach())
+
+
+def run_both(
+    model: torch.nn.Module, *args: object, **kwargs: object
+) -> tuple[hs.Trace, hs.Trace, torch.Tensor]:
+    with torch.no_grad():
+        with hs.trace(model) as lazy:
+            out_lazy = model(*args, **kwargs)
+        with hs.trace(model, detach=False) as eager:
+            out_eager = model(*args, **kwargs)
+    assert torch.equal(out_lazy, out_eager)  # the forward is unchanged, bit for bit
+    return lazy, eager, out_lazy
+
+
+def by_hand_pattern(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """softmax(q k^T / sqrt(d_head) masked) from hook values q [b, s, H, dh], k [b, s, Hkv, dh]."""
+    group = q.shape[2] // k.shape[2]
+    k = k.repeat_interleave(group, dim=2)  # (b, s, H, dh)
+    scores = torch.einsum("bihd,bjhd->bhij", q.double(), k.double()) / math.sqrt(q.shape[-1])  # (b, H, s, s)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0)  # (b, H, s, s)
+
+
+def test_encoder_with_key_padding_bitwise_and_by_hand() -> None:
+    model = bert_like()
+    tokens = torch.randint(0, 37, (B, S))
+    pad = torch.ones(B, S, dtype=torch.bool)
+    pad[1, 9:] = False
+    lazy, eager, _ = run_both(model, tokens, key_padding=pad)
+    assert_traces_equal(lazy, eager)
+    allowed = pad[:, None, None, :]  # (B, 1, 1, S)
+    want = by_hand_pattern(lazy["blocks.1.attn.hook_q"], lazy["blocks.1.attn.hook_k"], allowed)
+    torch.testing.assert_close(lazy.pattern(1).double(), want)
+
+
+def test_gpt2_like_causal_bitwise() -> None:
+    model = gpt2_like()
+    lazy, eager, _ = run_both(model, torch.randint(0, 37, (B, S)))
+    assert_traces_equal(lazy, eager)
+    assert torch.equal(lazy.pattern(0).triu(1), torch.zeros(B, H, S, S))
+
+
+def test_smollm2_like_rotary_gqa_bitwise_and_by_hand() -> None:
+    model = smollm2_like()
+    lazy, eager, _ = run_both(model, torch.randint(0, 37, (B, S)))
+    assert_traces_equal(lazy, eager)
+    causal = torch.ones(S, S, dtype=torch.bool).tril()
+    want = by_hand_pattern(lazy["blocks.0.attn.hook_rot_q"], lazy["blocks.0.attn.hook_rot_k"], causal)
+    torch.testing.assert_close(lazy.pattern(0).double(), want)
+    # the deferred pattern holds the rotated q and k the trace records anyway: no second copy
+    d = lazy._values["blocks.0.attn.hook_pattern"]
+    assert d.q.untyped_storage().data_ptr() == lazy["blocks.0.attn.hook_rot_q"].untyped_storage().data_ptr()
+
+
+def test_bare_layer_float_mask_dead_rows_cross_attention_and_need_weights() -> None:
+    attn = MultiHeadAttention(D, H, n_kv_heads=HKV, kdim=11, vdim=17).eval()
+    x, c, v = torch.randn(B, S, D), torch.randn(B, 3, 11), torch.randn(B, 3, 17)
+    mask = torch.randn(B, H, S, 3)
+    mask[0, 2, 4] = float("-inf")  # a dead row: all zero in the pattern
+    lazy, eager, _ = run_both(attn, x, c, v, attn_mask=mask)
+    assert_traces_equal(lazy, eager)
+    assert float(lazy.pattern(0, 2)[0, 4].abs().sum()) == 0.0
+    with torch.no_grad(), hs.trace(attn) as t:  # need_weights: the layer computes the pattern anyway
+        _, weights = attn(x, c, v, attn_mask=mask, need_weights=True)
+    assert not t.is_deferred("hook_pattern") and torch.equal(t["hook_pattern"], weights)
+
+
+@pytest.mark.parametrize("rotary", [False, True])
+def test_query_blocks_equal_the_whole_layer(monkeypatch: pytest.MonkeyPatch, rotary: bool) -> None:
+    """Long inputs: z a block of 64 queries at a time. At d_head 64 (GPT-2's, SmolLM2's) the forward is
+    the whole-layer one bit for bit; the deferred scores and patterns are bit for bit at any d_head."""
+    extra = dict(positions="rotary", norm_kind="rmsnorm", n_kv_heads=1) if rotary else {}
+    cfg = hs.ModelConfig(
+        arch="decoder", vocab_size=37, d_model=3 * 64, n_layers=2, n_heads=3, d_mlp=23, max_seq_len=256,
+        **extra,
+    )  # fmt: skip
+    model = hs.Decoder(cfg).eval()
+    tokens = torch.randint(0, 37, (1, 229))
+    with torch.no_grad(), hs.trace(model, detach=False) as eager:
+        want = model(tokens)
+    monkeypatch.setattr(fn, "TRACED_BLOCK_BYTES", 1)  # every layer in blocks of TRACED_MIN_ROWS rows
+    calls: list[int] = []
+    original = fn.mask_rows
+    monkeypatch.setattr(fn, "mask_rows", lambda *a: calls.append(a[3]) or original(*a))
+    with torch.no_grad(), hs.trace(model) as lazy:
+        got = model(tokens)
+    assert calls[:4] == [0, 64, 128, 192]  # the blocks did run
+    assert torch.equal(got, want)
+    assert_traces_equal(lazy, eager)
+
+
+def test_query_blocks_at_a_tiny_d_head_agree_to_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = gpt2_like()  # d_head 5: the GEMM of a block's weighted sum may round otherwise
+    tokens = torch.randint(0, 37, (1, 197))
+    with torch.no_grad(), hs.trace(model, detach=False) as eager:
+        want = model(tokens)
+    monkeypatch.setattr(fn, "TRACED_BLOCK_BYTES", 1)
+    with torch.no_grad(), hs.trace(model) as lazy:
+        got = model(tokens)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(lazy.pattern(0), eager.pattern(0))  # layer 0's inputs are the same: exact
+
+
+def test_replacing_hooks_and_detach_false_store_values_as_computed() -> None:
+    model = smollm2_like()
+    tokens = torch.randint(0, 37, (1, S))
+
+    def uniform(p: torch.Tensor, point: object) -> torch.Tensor:
+        return torch.full_like(p, 1.0 / p.shape[-1])
+
+    with torch.no_grad(), hs.trace(model, hooks={"blocks.0.attn.hook_pattern": uniform}) as t:
+        model(tokens)
+    assert not t.is_deferred("blocks.0.attn.hook_pattern") and t.is_deferred("blocks.1.attn.hook_pattern")
+    assert torch.equal(t.pattern(0), torch.full((1, H, S, S), 1.0 / S))
+    x = torch.randn(1, S, D, requires_grad=True)
+    with hs.trace(model.blocks[0].attn, detach=False) as t:
+        model.blocks[0].attn(x, is_causal=True)
+    t["hook_pattern"].sum().backward()  # part of the forward's graph, as before
+    assert x.grad is not None and not t.is_deferred("hook_pattern")
+
+
+def test_values_survive_weight_edits_and_memory_is_smaller() -> None:
+    model = smollm2_like()
+    tokens = torch.randint(0, 37, (B, S))
+    lazy, eager, _ = run_both(model, tokens)
+    before = lazy.result(1).clone()
+    with torch.no_grad():
+        model.blocks[1].attn.o_weight.zero_()  # the trace keeps its own copy of W_O
+    assert torch.equal(lazy.result(1), before)
+    assert lazy.stored_bytes() < 0.6 * eager.stored_bytes()
+
+
+def test_smollm2_deferred_trace_equals_stored_trace(smollm2) -> None:
+    ids, _ = smollm2.tokenize_padded(["The cat sat on the mat because the cat was tired."])
+    names = ["blocks.0.*", "blocks.17.attn.*", "blocks.29.*"]
+    with torch.no_grad():
+        with hs.trace(smollm2.model, names) as lazy:
+            got = smollm2.model(ids)
+        with hs.trace(smollm2.model, names, detach=False) as eager:
+            want = smollm2.model(ids)
+    assert torch.equal(got, want)
+    for name in eager:
+        assert torch.equal(lazy[name], eager[name]), name
+    assert lazy.is_deferred("blocks.17.attn.hook_pattern")
+    assert torch.equal(lazy.pattern(17, 5), eager.pattern(17, 5))
