@@ -23,22 +23,29 @@ from .ablation import _replica_hook, _replicate
 from .atlas_state import AtlasState
 from .causal_inputs import last_resid
 
+UNEMBED_POSITIONS = 4096
+"""Positions unembedded at once by the loss (bounds the [positions, vocab] logits)."""
+
 
 def _pair_loss_sums(module: nn.Module, hidden: Tensor, tokens: Tensor, real: Tensor) -> tuple[Tensor, int]:
-    """Cross-entropy sums [rows] of final streams ``hidden`` [rows, S, d] (before ``ln_final``), one row
-    unembedded at a time, over pairs of real tokens of ``tokens``/``real`` [rows, S]; and the pair count
-    of one row set."""
+    """Cross-entropy sums [rows] of final streams ``hidden`` [rows, S, d] (before ``ln_final``) over pairs
+    of real tokens of ``tokens``/``real`` [rows, S], unembedded :data:`UNEMBED_POSITIONS` positions at a
+    time; and the number of pairs."""
     pair = real[:, :-1] & real[:, 1:]  # (rows, S - 1)
-    sums = torch.zeros(hidden.shape[0], dtype=torch.float64)
-    for r in range(hidden.shape[0]):
-        h = hidden[r : r + 1]  # (1, S, d)
+    rows, S = tokens.shape
+    sums = torch.zeros(rows, dtype=torch.float64, device=hidden.device)
+    step = max(1, UNEMBED_POSITIONS // S)
+    lm_head = getattr(module, "lm_head", None)
+    for r in range(0, rows, step):
+        h = hidden[r : r + step]  # (n, S, d)
         if module.ln_final is not None:
             h = module.ln_final(h)
-        lm_head = getattr(module, "lm_head", None)
-        logits = F.linear(h, module.tok_embed.weight) if lm_head is None else lm_head(h)  # (1, S, vocab)
-        ce = F.cross_entropy(logits[0, :-1].double(), tokens[r, 1:], reduction="none")  # (S - 1,)
-        sums[r] = (ce * pair[r]).sum()
-    return sums, int(pair.sum())
+        logits = F.linear(h, module.tok_embed.weight) if lm_head is None else lm_head(h)  # (n, S, vocab)
+        ce = F.cross_entropy(
+            logits[:, :-1].flatten(0, 1).double(), tokens[r : r + step, 1:].flatten(), reduction="none"
+        ).view(h.shape[0], S - 1)  # (n, S - 1)
+        sums[r : r + step] = (ce * pair[r : r + step]).sum(-1)
+    return sums.cpu(), int(pair.sum())
 
 
 @torch.no_grad()

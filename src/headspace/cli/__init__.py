@@ -3,7 +3,8 @@
 * :mod:`.lesson`: ``explain``, ``heads``, ``subspaces`` (the lesson on real weights);
 * :mod:`.view`: ``view`` (the explorer page); :mod:`.train`: ``train``, ``plot-run``, ``generate``;
 * :mod:`.causal`: ``patch``, ``attribute`` (which heads cause the answer);
-* :mod:`.bench`: ``bench``; :mod:`.native`: ``native build``, ``native status``;
+* :mod:`.atlas`: ``atlas`` (every head over a corpus); :mod:`.bench`: ``bench``;
+* :mod:`.native`: ``native build``, ``native status``;
 * :mod:`.demo`: no command at all.
 
 Every command loads models through :func:`.loader.load_model` and reports user errors as one line on
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 import click
 
 from ..errors import UsageError
+from .atlas import COMMANDS as ATLAS_COMMANDS
 from .bench import bench_cmd
 from .causal import COMMANDS as CAUSAL_COMMANDS
 from .lesson import COMMANDS as LESSON_COMMANDS
@@ -67,7 +69,15 @@ def cli(ctx: click.Context) -> None:
         demo()
 
 
-for _command in (*LESSON_COMMANDS, *CAUSAL_COMMANDS, bench_cmd, view, *TRAIN_COMMANDS, *NATIVE_COMMANDS):
+for _command in (
+    *LESSON_COMMANDS,
+    *CAUSAL_COMMANDS,
+    bench_cmd,
+    view,
+    *TRAIN_COMMANDS,
+    *NATIVE_COMMANDS,
+    *ATLAS_COMMANDS,
+):
     cli.add_command(_command)
 
 
