@@ -326,7 +326,8 @@ def atlas(
     def groups() -> Iterator[list[Window]]:
         return _shards(model, corp, window, max_tokens, shard_size)
 
-    total = sum(w.tokens.shape[0] for g in groups() for w in g) if progress else None
+    mine = (g for i, g in enumerate(groups()) if i % info.world_size == info.rank)
+    total = sum(w.tokens.shape[0] for g in mine for w in g) if progress else None  # this rank's tokens
 
     def measure(windows: list[Window]) -> dict[str, Any]:
         state = AtlasState(L, H, dh, top_k)
