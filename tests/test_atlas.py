@@ -166,6 +166,17 @@ def ablation_reference(model, seqs: list[torch.Tensor]) -> torch.Tensor:
     return out
 
 
+def check_attention_stats(model, result, seqs: list[torch.Tensor]) -> dict:
+    """previous/self/entropy against head_roles, first/duplicate/induction against hook_pattern."""
+    roles = roles_reference(model, seqs)
+    for name in ("previous", "self", "entropy"):
+        assert_close(result.stats[name], roles[name], atol=2e-6, rtol=1e-5, msg=name)
+    pats = pattern_reference(model, seqs)
+    for name in ("first", "duplicate", "induction"):
+        assert_close(result.stats[name], pats[name], atol=2e-6, rtol=1e-5, msg=name)
+    return pats
+
+
 def test_random_decoder_matches_per_prompt_functions() -> None:
     model = decoder()
     docs = documents()
@@ -173,12 +184,7 @@ def test_random_decoder_matches_per_prompt_functions() -> None:
                    induction_repeated=False)  # fmt: skip
     seqs = windows(docs, 12)
     assert result.n_sequences == len(seqs) and result.n_queries == sum(t.shape[0] for t in seqs)
-    roles = roles_reference(model, seqs)
-    for name in ("previous", "self", "entropy"):
-        assert_close(result.stats[name], roles[name], atol=2e-6, rtol=1e-5, msg=name)
-    pats = pattern_reference(model, seqs)
-    for name in ("first", "duplicate", "induction"):
-        assert_close(result.stats[name], pats[name], atol=2e-6, rtol=1e-5, msg=name)
+    pats = check_attention_stats(model, result, seqs)
     assert float(result.stats["duplicate"].max()) > 0.01  # the corpus repeats tokens: not a trivial 0
     de, cp = dla_reference(model, seqs, top_keys(model, seqs))
     assert_close(result.stats["direct_effect"], de, atol=1e-5, rtol=1e-4)
@@ -224,12 +230,7 @@ def test_random_encoder() -> None:
     docs = documents(seed=7)
     result = atlas(model, docs, window=9, batch_size=3, progress=False)
     seqs = windows(docs, 9)
-    roles = roles_reference(model, seqs)
-    for name in ("previous", "self", "entropy"):
-        assert_close(result.stats[name], roles[name], atol=2e-6, rtol=1e-5, msg=name)
-    pats = pattern_reference(model, seqs)
-    for name in ("first", "duplicate", "induction"):
-        assert_close(result.stats[name], pats[name], atol=2e-6, rtol=1e-5, msg=name)
+    check_attention_stats(model, result, seqs)
     d = result.to_dict()
     assert d["direct_effect"][0][0] is None and d["ablation"][0][0] is None  # encoders: no logits
 

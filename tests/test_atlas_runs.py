@@ -112,7 +112,7 @@ def test_sigkill_then_resume_writes_the_same_atlas(worker: Path, reference: byte
     assert (tmp_path / "atlas.json").read_bytes() == reference
 
 
-def test_a_shard_of_another_run_is_refused(worker: Path, reference: bytes, tmp_path: Path) -> None:
+def test_a_shard_of_another_run_is_refused(tmp_path: Path) -> None:
     model = hs.Decoder(hs.ModelConfig(arch="decoder", vocab_size=23, d_model=30, n_layers=3, n_heads=5))
     docs = [torch.arange(10) % 23]
     atlas(model.eval(), docs, window=8, out=tmp_path, progress=False, induction_repeated=False)
@@ -131,46 +131,45 @@ def test_two_ranks_merge_to_the_single_process_atlas(worker: Path, reference: by
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
         "--master-port", str(_free_port()), str(worker), str(tmp_path),
     ]  # fmt: skip
-    done = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=240)
+    scratch = tmp_path / "tmp"  # torchrun's own temporary folder, removed with tmp_path
+    scratch.mkdir()
+    out = tmp_path / "out"
+    cmd[-1] = str(out)
+    done = subprocess.run(cmd, env=_env(TMPDIR=str(scratch)), capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("computed 4") == 2  # 4 shards each
-    assert (tmp_path / "atlas.json").read_bytes() == reference
-
-
-@pytest.fixture(scope="module")
-def smollm2():
-    return hs.load("smollm2")
+    assert (out / "atlas.json").read_bytes() == reference
 
 
 TEXTS = ["The cat sat on the mat. The cat sat", "</script><script>alert(1)</script> Paris is in France."]
 
 
-def test_cli_on_smollm2(smollm2, tmp_path: Path) -> None:
+def _windows(model, texts: list[str], window: int) -> list[torch.Tensor]:
+    out = []
+    for t in texts:
+        ids = model.tokenize_padded([t])[0][0]
+        out += [ids[s : s + window] for s in range(0, ids.shape[0], window)]
+    return out
+
+
+def test_cli_on_minilm(tmp_path: Path) -> None:
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
     out = tmp_path / "atlas"
-    args = ["atlas", "--model", "smollm2", "--corpus", str(corpus), "--out", str(out), "--window", "12"]
-    result = CliRunner().invoke(cli, [*args, "--no-ablation", "--top-k", "2"])
+    args = ["atlas", "--model", "minilm", "--corpus", str(corpus), "--out", str(out), "--window", "9"]
+    result = CliRunner().invoke(cli, [*args, "--top-k", "2", "--batch-size", "2"])
     assert result.exit_code == 0, result.output
-    assert "wrote" in result.output and "30 layers x 9 heads" in result.output
+    assert "wrote" in result.output and "6 layers x 12 heads" in result.output
     d = json.loads((out / "atlas.json").read_text())
-    seqs = []
-    for t in TEXTS:
-        ids = smollm2.tokenize_padded([t])[0][0]
-        seqs += [ids[s : s + 12] for s in range(0, ids.shape[0], 12)]
-    assert d["n_tokens"] == sum(s.shape[0] for s in seqs) and d["n_sequences"] == len(seqs)
-    prev = sum(
-        head_roles(smollm2, s[None], chunk_size=None).previous.double() * (s.shape[0] - 1) for s in seqs
-    )
-    assert_close(torch.tensor(d["previous"], dtype=torch.float64), prev / sum(s.shape[0] - 1 for s in seqs),
-                 atol=5e-6, rtol=1e-4)  # fmt: skip
-    short = smollm2.tokenize_padded(["The cat sat on the mat"])[0][0]  # direct effects on real weights
-    de = sum(
-        direct_logit_attribution(smollm2, short[: i + 1][None], int(short[i + 1])).heads.double()
-        for i in range(short.shape[0] - 1)
-    )
-    one = atlas(smollm2, ["The cat sat on the mat"], ablation=False, progress=False, induction_repeated=False)
-    assert_close(one.stats["direct_effect"], de / (short.shape[0] - 1), atol=1e-4, rtol=1e-3)
+    minilm = hs.load("minilm")
+    seqs = _windows(minilm, TEXTS, 9)
+    n = sum(s.shape[0] for s in seqs)
+    assert d["n_tokens"] == n and d["n_sequences"] == len(seqs)
+    roles = [(head_roles(minilm, s[None], chunk_size=None), s.shape[0]) for s in seqs]
+    for key, field in (("entropy", "entropy"), ("self", "current")):
+        want = sum(getattr(r, field).double() * k for r, k in roles) / n
+        assert_close(torch.tensor(d[key], dtype=torch.float64), want, atol=5e-6, rtol=1e-4)
+    assert d["direct_effect"][0][0] is None  # an encoder: no logits
     page = (out / "atlas.html").read_text()
     assert "<script>alert" not in page and "\\u003c/" in page  # the tokens are data, '<' escaped
     assert "http://" not in page and "https://" not in page
@@ -178,15 +177,18 @@ def test_cli_on_smollm2(smollm2, tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "no such file or folder" in bad.output
 
 
-def test_minilm_matches_head_roles() -> None:
-    minilm = hs.load("minilm")
-    result = atlas(minilm, TEXTS, window=9, batch_size=2, progress=False)
-    seqs = []
-    for t in TEXTS:
-        ids = minilm.tokenize_padded([t])[0][0]
-        seqs += [ids[s : s + 9] for s in range(0, ids.shape[0], 9)]
-    n = sum(s.shape[0] for s in seqs)
-    ent = sum(head_roles(minilm, s[None], chunk_size=None).entropy.double() * s.shape[0] for s in seqs)
-    cur = sum(head_roles(minilm, s[None], chunk_size=None).current.double() * s.shape[0] for s in seqs)
-    assert_close(result.stats["entropy"], ent / n, atol=5e-6, rtol=1e-4)
-    assert_close(result.stats["self"], cur / n, atol=5e-6, rtol=1e-4)
+def test_smollm2_matches_per_prompt_functions() -> None:
+    smollm2 = hs.load("smollm2")
+    text = ["The cat sat on the mat. The cat sat"]
+    result = atlas(smollm2, text, window=8, ablation=False, progress=False, induction_repeated=False)
+    seqs = _windows(smollm2, text, 8)
+    prev = sum(
+        head_roles(smollm2, s[None], chunk_size=None).previous.double() * (s.shape[0] - 1) for s in seqs
+    )
+    assert_close(result.stats["previous"], prev / sum(s.shape[0] - 1 for s in seqs), atol=5e-6, rtol=1e-4)
+    de = sum(
+        direct_logit_attribution(smollm2, s[: i + 1][None], int(s[i + 1])).heads.double()
+        for s in seqs
+        for i in range(s.shape[0] - 1)
+    )
+    assert_close(result.stats["direct_effect"], de / sum(s.shape[0] - 1 for s in seqs), atol=1e-4, rtol=1e-3)

@@ -264,6 +264,40 @@ def _finish(
     return stats, clean
 
 
+@dataclass
+class _Phase:
+    """What every pass over the shards shares: the shard groups, the run's fingerprint, where shards are
+    sealed, the rank, and the progress bar's total."""
+
+    groups: Callable[[], Iterator[list[Window]]]
+    fingerprint: dict[str, Any]
+    out: Path | None
+    info: DistInfo
+    total: int | None
+    progress: bool
+
+
+def _ablation_phase(
+    run: _Phase, module: Any, merged: SealedState, blank: dict[str, Any], dims: tuple[int, int, int, int],
+    batch_size: int, pad: int, device: torch.device,
+) -> SealedState:  # fmt: skip
+    """The mean-ablation pass over every shard (with the corpus means of ``merged``), merged over ranks."""
+    L, H, dh, top_k = dims
+    means = merged.z_means().to(device)  # (L, H, dh)
+    fingerprint = {**run.fingerprint, "means_sha256": _digest(merged.data["z_sum"])}
+
+    def ablate(windows: list[Window]) -> dict[str, Any]:
+        state = AtlasState(L, H, dh, top_k)
+        for tokens, real, _ in _batches(windows, batch_size, pad):
+            ablate_batch(module, state, tokens.to(device), real.to(device), means)
+        return state.seal()
+
+    bar = progress_bar(total=run.total, desc="atlas: ablation", unit="tok", disable=not run.progress)
+    local = _run_phase("ablation", run.groups, ablate, fingerprint, run.out, run.info, bar)
+    bar.close()
+    return _all_ranks(local, run.info, blank)
+
+
 def atlas(
     model: Any,
     corpus: Any,
@@ -343,19 +377,8 @@ def atlas(
         merged = _all_ranks(local, info, blank)
         ablated = None
         if ablation and decoder:
-            means = merged.z_means()  # (L, H, dh)
-            fp2 = {**fingerprint, "means_sha256": _digest(merged.data["z_sum"])}
-
-            def ablate(windows: list[Window]) -> dict[str, Any]:
-                state = AtlasState(L, H, dh, top_k)
-                for tokens, real, _ in _batches(windows, batch_size, pad):
-                    ablate_batch(module, state, tokens.to(device), real.to(device), means.to(device))
-                return state.seal()
-
-            bar = progress_bar(total=total, desc="atlas: ablation", unit="tok", disable=not progress)
-            local2 = _run_phase("ablation", groups, ablate, fp2, out_dir, info, bar)
-            bar.close()
-            ablated = _all_ranks(local2, info, blank)
+            run = _Phase(groups, fingerprint, out_dir, info, total, progress)
+            ablated = _ablation_phase(run, module, merged, blank, (L, H, dh, top_k), batch_size, pad, device)
         stats, clean = _finish(merged, ablated, n_heads, decoder)
         nan = torch.full((L, H), float("nan"), dtype=torch.float64)
         repeated = decoder and induction_repeated
