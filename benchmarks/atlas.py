@@ -47,7 +47,7 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_part(part: str, tokens: int, window: int, batch: int, threads: int) -> dict:
+def run_part(part: str, tokens: int, window: int, batch: int, threads: int, save: Path | None = None) -> dict:
     """One part in this process: seconds, tokens, peak RSS (MB, whole and above the loaded model)."""
     import torch
 
@@ -71,8 +71,8 @@ def run_part(part: str, tokens: int, window: int, batch: int, threads: int) -> d
             for toks, real, _ in _batches(windows, batch, 0):
                 module(toks, None if bool(real.all()) else real)
         elif part == "stats":
-            atlas(model, corpus, window=window, batch_size=batch, max_tokens=tokens, ablation=False,
-                  induction_repeated=False, progress=False)  # fmt: skip
+            result = atlas(model, corpus, window=window, batch_size=batch, max_tokens=tokens, ablation=False,
+                           induction_repeated=False, progress=False)  # fmt: skip
         else:
             L, H, dh = len(module.blocks), module.blocks[0].attn.n_heads, module.blocks[0].attn.d_head
             means = torch.zeros(L, H, dh, dtype=torch.float64)  # the cost does not depend on the values
@@ -80,15 +80,44 @@ def run_part(part: str, tokens: int, window: int, batch: int, threads: int) -> d
             for toks, real, _ in _batches(windows, batch, 0):
                 ablate_batch(module, state, toks, real, means)
     seconds = time.perf_counter() - t0
+    if save is not None and part == "stats":
+        result.to_json(save)
     return {"part": part, "tokens": n, "seconds": seconds, "tokens_per_s": n / seconds,
             "peak_rss_mb": _peak_mb(), "peak_over_model_mb": _peak_mb() - base}  # fmt: skip
 
 
-def _child(part: str, tokens: int, args: argparse.Namespace) -> dict:
+def _child(part: str, tokens: int, args: argparse.Namespace, save: Path | None = None) -> dict:
     cmd = [sys.executable, __file__, "--part", part, "--tokens", str(tokens), "--window", str(args.window),
            "--batch", str(args.batch), "--threads", str(args.threads)]  # fmt: skip
+    if save is not None:
+        cmd += ["--save-atlas", str(save)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=os.environ.copy())
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def draw_grid(d: dict, path: Path) -> None:
+    """Four layer x head panels of an atlas.json dict (previous, first, induction, copying) as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    names = ("previous", "first", "induction", "copying")
+    fig, axes = plt.subplots(1, len(names), figsize=(3.2 * len(names), 6.5), constrained_layout=True)
+    for ax, name in zip(axes, names):
+        grid = np.array([[np.nan if v is None else v for v in row] for row in d[name]], dtype=float)
+        signed = name == "copying"
+        m = np.nanmax(np.abs(grid)) if signed else None
+        im = ax.imshow(grid, aspect="auto", cmap="RdBu_r" if signed else "viridis",
+                       vmin=-m if signed else 0, vmax=m if signed else None)  # fmt: skip
+        ax.set_title(name)
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        fig.colorbar(im, ax=ax, shrink=0.6)
+    fig.suptitle(f"head atlas: {d['model']}, {d['n_tokens']} tokens (Python's json package)")
+    fig.savefig(path, dpi=90)
+    print(f"wrote {path}")
 
 
 def main() -> None:
@@ -100,12 +129,22 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--part", choices=["forward", "stats", "ablation"], help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=RESULTS / "atlas.json")
+    p.add_argument("--picture", type=Path, default=None, help="also draw the grid of the stats part (PNG)")
+    p.add_argument("--save-atlas", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.part:
-        print(json.dumps(run_part(args.part, args.tokens, args.window, args.batch, args.threads)))
+        print(
+            json.dumps(
+                run_part(args.part, args.tokens, args.window, args.batch, args.threads, args.save_atlas)
+            )
+        )
         return
     fwd = _child("forward", args.tokens, args)
-    stats = _child("stats", args.tokens, args)
+    saved = None if args.picture is None else args.picture.with_suffix(".json")
+    stats = _child("stats", args.tokens, args, saved)
+    if saved is not None:
+        draw_grid(json.loads(saved.read_text()), args.picture)
+        saved.unlink()
     fwd_small = _child("forward", args.ablation_tokens, args)
     abl = _child("ablation", args.ablation_tokens, args)
     rows = [

@@ -171,7 +171,8 @@ def test_cli_on_minilm(tmp_path: Path) -> None:
         assert_close(torch.tensor(d[key], dtype=torch.float64), want, atol=5e-6, rtol=1e-4)
     assert d["direct_effect"][0][0] is None  # an encoder: no logits
     page = (out / "atlas.html").read_text()
-    assert "<script>alert" not in page and "\\u003c/" in page  # the tokens are data, '<' escaped
+    data = page.split('<script type="application/json" id="atlas-data">')[1].split("</script>")[0]
+    assert "alert" in data and "<" not in data and "\\u003c" in data  # the tokens are data, '<' escaped
     assert "http://" not in page and "https://" not in page
     bad = CliRunner().invoke(cli, ["atlas", "--corpus", str(tmp_path / "none.txt"), "--out", str(out)])
     assert bad.exit_code == 2 and "no such file or folder" in bad.output
