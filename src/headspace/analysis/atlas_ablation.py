@@ -82,7 +82,7 @@ def ablate_batch(
                 for b in blocks[layer:]:
                     xr = b(xr, key_padding=kpr, is_causal=True, **_positions(module, S, tokens.device))
             sums, _ = _pair_loss_sums(module, xr, _replicate(tokens, R), _replicate(real, R))
-            state.ablation_sum[layer, heads] += sums.view(R, B).sum(1)
+            state.ablation_sum[layer, heads] += sums.view(R, B).sum(1)  # (R, B) -> (R,)
 
 
 def _positions(module: nn.Module, S: int, device: torch.device) -> dict[str, Any]:

@@ -111,7 +111,8 @@ class BatchMeasure:
         )  # fmt: skip
         z = torch.zeros(B, H, S, dh, dtype=torch.float32, device=q4.device)  # (B, H, S, dh)
         top_key = torch.zeros(B, H, S, dtype=torch.int64, device=q4.device)  # (B, H, S)
-        sums = torch.zeros(6, H, dtype=torch.float64)  # previous, first, self, entropy, duplicate, induction
+        # rows: previous, first, self, entropy, duplicate, induction
+        sums = torch.zeros(6, H, dtype=torch.float64, device=q4.device)  # (6, H)
         prev_tok = torch.cat([torch.full_like(tok[:, :1], -1), tok[:, :-1]], dim=1)  # (B, S): t_{j-1}
         for block in iter_pattern_blocks(q4, k4, masks, scale=call.scale):
             idx = block.index  # (n,)

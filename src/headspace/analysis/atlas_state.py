@@ -36,7 +36,8 @@ Candidate = tuple[float, int, int, int, float]  # (score, sequence, query, key, 
 def _fixed(t: Tensor) -> list[Any]:
     """float64 tensor -> nested lists of ints in units of 2^-FIXED_BITS."""
     scaled = torch.round(t.to(torch.float64) * 2.0**FIXED_BITS)
-    return [[int(v) for v in row] for row in scaled.reshape(scaled.shape[0], -1).tolist()]
+    rows = scaled.reshape(scaled.shape[0], -1)  # (n_layers, the rest flattened)
+    return [[int(v) for v in row] for row in rows.tolist()]
 
 
 def _unfixed(rows: list[list[int]], shape: tuple[int, ...]) -> list[list[int]]:
@@ -166,5 +167,7 @@ class SealedState:
     def z_means(self) -> Tensor:
         """float64 [n_layers, max_heads, d_head]: every head's mean z over the corpus's real tokens."""
         L, H, dh = self.data["shape"]
-        s = torch.tensor(self.data["z_sum"], dtype=torch.float64).view(L, H, dh) / 2.0**FIXED_BITS
+        s = (
+            torch.tensor(self.data["z_sum"], dtype=torch.float64).view(L, H, dh) / 2.0**FIXED_BITS
+        )  # (L, H, dh)
         return s / max(1, self.data["n_tokens"])
