@@ -92,7 +92,9 @@ def _child(part: str, tokens: int, args: argparse.Namespace, save: Path | None =
     if save is not None:
         cmd += ["--save-atlas", str(save)]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=os.environ.copy())
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    record = json.loads(done.stdout.strip().splitlines()[-1])
+    print(json.dumps(record), file=sys.stderr, flush=True)  # each part as it ends
+    return record
 
 
 def draw_grid(d: dict, path: Path) -> None:

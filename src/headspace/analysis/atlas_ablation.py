@@ -23,7 +23,7 @@ from .ablation import _replica_hook, _replicate
 from .atlas_state import AtlasState
 from .causal_inputs import last_resid
 
-UNEMBED_POSITIONS = 4096
+UNEMBED_POSITIONS = 2048
 """Positions unembedded at once by the loss (bounds the [positions, vocab] logits)."""
 
 
@@ -42,9 +42,9 @@ def _pair_loss_sums(module: nn.Module, hidden: Tensor, tokens: Tensor, real: Ten
             h = module.ln_final(h)
         logits = F.linear(h, module.tok_embed.weight) if lm_head is None else lm_head(h)  # (n, S, vocab)
         ce = F.cross_entropy(
-            logits[:, :-1].flatten(0, 1).double(), tokens[r : r + step, 1:].flatten(), reduction="none"
-        ).view(h.shape[0], S - 1)  # (n, S - 1)
-        sums[r : r + step] = (ce * pair[r : r + step]).sum(-1)
+            logits[:, :-1].flatten(0, 1), tokens[r : r + step, 1:].flatten(), reduction="none"
+        ).view(h.shape[0], S - 1)  # (n, S - 1): float32 per pair, summed in float64
+        sums[r : r + step] = (ce.double() * pair[r : r + step]).sum(-1)
     return sums.cpu(), int(pair.sum())
 
 
