@@ -166,7 +166,10 @@ def main() -> None:
         fwd["seconds"] / fwd["tokens"]
     )
     print(f"stats + ablation: {with_abl:.1f}x the forward's time per token")
-    record = {"args": {k: v for k, v in vars(args).items() if k not in ("part", "out")}, "parts": {
+    kept = {
+        k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("part", "out")
+    }
+    record = {"args": kept, "parts": {
         "forward": fwd, "stats": stats, "forward_ablation_tokens": fwd_small, "ablation": abl},
         "stats_speed_ratio": rows[1][2], "stats_peak_ratio": rows[1][3],
         "with_ablation_time_ratio": with_abl}  # fmt: skip
