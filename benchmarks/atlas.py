@@ -12,7 +12,8 @@ its own fresh process so that each peak RSS is its own (``ru_maxrss`` never goes
 Peak RSS is reported whole and above the process's RSS once the model is loaded. Targets (issue #28):
 stats >= 0.6x the forward's tokens/s; with ablation <= 10x the forward's time; peak <= 1.5x the forward's.
 
-    python benchmarks/atlas.py                          # the table; JSON in benchmarks/results/atlas.json
+    python benchmarks/atlas.py                          # the table; JSON in benchmarks/results/local/
+    python benchmarks/atlas.py --save                   # publish: benchmarks/results/atlas.json
     python benchmarks/atlas.py --tokens 4096 --ablation-tokens 1024 --threads 2
 """
 
@@ -130,10 +131,15 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--part", choices=["forward", "stats", "ablation"], help=argparse.SUPPRESS)
-    p.add_argument("--out", type=Path, default=RESULTS / "atlas.json")
+    p.add_argument("--out", type=Path, default=None, help="JSON path (default: results/local/atlas.json)")
+    p.add_argument("--save", action="store_true", help="publish: write benchmarks/results/atlas.json")
     p.add_argument("--picture", type=Path, default=None, help="also draw the grid of the stats part (PNG)")
     p.add_argument("--save-atlas", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.save and args.out is not None:
+        p.error("--save writes benchmarks/results/atlas.json; give either --save or --out")
+    if args.out is None:
+        args.out = RESULTS / ("atlas.json" if args.save else "local/atlas.json")
     if args.part:
         print(
             json.dumps(
