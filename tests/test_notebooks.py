@@ -23,11 +23,12 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFL
 
 def test_there_are_notebooks() -> None:
     names = [p.name for p in NOTEBOOKS]
-    assert names[:4] == [
+    assert names[:5] == [
         "01_projection_matrices.ipynb",
         "02_heads_specialise.ipynb",
         "03_gqa_and_rope.ipynb",  # SmolLM2: grouped-query attention, rotary positions, rotary_planes
         "04_which_heads_cause_the_answer.ipynb",  # SmolLM2: patching, attribution, the logit lens
+        "05_head_atlas.ipynb",  # SmolLM2: every head over a corpus (analysis.atlas, the atlas page)
     ]
 
 

@@ -13,6 +13,10 @@ form; layer ``i`` is the ``i``-th attention layer (``blocks.i.attn``).
 * :func:`qk_circuit`, :func:`ov_circuit`, :func:`circuit_spectra`, :func:`principal_angles`,
   :func:`head_angles`, :func:`subspace_overlaps` (:mod:`.subspaces`): no inputs needed.
 * :func:`head_mixing`, :func:`wo_norms` (:mod:`.mixing`): each head's share of the attention output.
+* :func:`atlas` (:mod:`.atlas`, with :mod:`.corpus`, :mod:`.atlas_state`, :mod:`.atlas_measure`,
+  :mod:`.atlas_ablation`): every head's statistics over a whole corpus (previous/first/self/entropy,
+  duplicate, induction, copying, direct effect, mean-ablation loss change, top examples), streamed,
+  resumable from sealed shards, sharded over torch.distributed ranks.
 * :func:`rotary_planes`, :func:`plane_scores` (:mod:`.rotary`): each rotary head's score split by RoPE
   frequency plane; which heads attend by content (slow planes) and which by position (fast planes).
 * :func:`score_decomposition`, :func:`composition_scores` (:mod:`.decomposition`): one head's score split
@@ -23,6 +27,7 @@ form; layer ``i`` is the ``i``-th attention layer (``blocks.i.attn``).
 
 from . import circuits
 from .ablation import HeadImportance, head_importance, mean_z
+from .atlas import Atlas, atlas
 from .chunked import LayerQK, PatternSummary, each_layer_qk, pattern_rows, summaries
 from .decomposition import CompositionScores, ScoreDecomposition, composition_scores, score_decomposition
 from .mixing import HeadMixing, head_mixing, shares_from_result, wo_norms
@@ -48,6 +53,7 @@ from .subspaces import (
 __all__ = [
     "SUBSPACES",
     "TARGETS",
+    "Atlas",
     "CircuitSpectra",
     "CompositionScores",
     "HeadImportance",
@@ -58,6 +64,7 @@ __all__ = [
     "RotaryPlanes",
     "ScoreDecomposition",
     "SubspaceOverlaps",
+    "atlas",
     "circuit_spectra",
     "circuits",
     "composition_scores",

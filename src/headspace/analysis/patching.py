@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention.layer.layer import KVCache
+from ..decode.kv_cache import KVCache
 from ._common import JsonResult, eval_mode
 from .causal_inputs import (
     Prompts,

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..attention.layer.layer import MultiHeadAttention
+from ..attention.layer import MultiHeadAttention
 from ..core.checks import is_int
 from ..nn.hooks import Deferred, HookFn, HookPoint, name_hook_points
 

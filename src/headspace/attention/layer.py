@@ -16,8 +16,8 @@ from ..kernels.workspace import THREAD_SCRATCH_MIN_BYTES, Workspace, thread_work
 from ..nn.hooks import HookPoint
 from ..nn.masks import CanonicalMask, canonical_mask
 from ..nn.positions import Rotary, rotary_tables, rotate_fused
-from .layer.functional import DeferredAttention, DeferredResult, get_backend, reference_parts, reference_rows
-from .layer.heads import Head, HeadList
+from .functional import DeferredAttention, DeferredResult, get_backend, reference_parts, reference_rows
+from .heads import Head, HeadList
 
 
 def _shape(t: Tensor) -> list[int]:

@@ -4,7 +4,8 @@
 * :mod:`.view`: ``view`` (the explorer page); :mod:`.train`: ``train``, ``plot-run``, ``generate``;
 * :mod:`.causal`: ``patch``, ``attribute`` (which heads cause the answer);
 * :mod:`.circuits`: ``why`` (why a head attends), ``circuit`` (which heads work together);
-* :mod:`.bench`: ``bench``; :mod:`.native`: ``native build``, ``native status``;
+* :mod:`.atlas`: ``atlas`` (every head over a corpus); :mod:`.bench`: ``bench``;
+* :mod:`.native`: ``native build``, ``native status``;
 * :mod:`.demo`: no command at all.
 
 Every command loads models through :func:`.loader.load_model` and reports user errors as one line on
@@ -20,6 +21,7 @@ from collections.abc import Sequence
 import click
 
 from ..core.errors import UsageError
+from .atlas import COMMANDS as ATLAS_COMMANDS
 from .bench import bench_cmd
 from .causal import COMMANDS as CAUSAL_COMMANDS
 from .circuits import COMMANDS as CIRCUIT_COMMANDS
@@ -77,6 +79,7 @@ _ALL = (
     view,
     *TRAIN_COMMANDS,
     *NATIVE_COMMANDS,
+    *ATLAS_COMMANDS,
 )
 for _command in _ALL:
     cli.add_command(_command)

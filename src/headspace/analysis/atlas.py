@@ -1,0 +1,390 @@
+"""The head atlas: every head's statistics over a whole corpus, streamed, resumable, on torch.distributed.
+
+:func:`atlas` reads a corpus (:mod:`.corpus`), cuts it into windows, groups consecutive windows into
+*shards* of ``shard_size`` sequences and measures every head on every query position of every sequence
+(:mod:`.atlas_measure`; the ``ablation`` pass :mod:`.atlas_ablation`). Each shard's sums, counts and
+top-k candidates (:mod:`.atlas_state`) are merged as they come, so memory does not grow with the corpus.
+
+**Resumable.** With ``out``, each finished shard is sealed in ``out/shards/`` (one JSON file written
+atomically, holding the run's fingerprint and the SHA-256 of its state, checked when read back); a run
+killed at any moment and started again with the same arguments skips the sealed shards and writes the
+same atlas: merged sums are fixed-point integers, so the order in which shards come does not matter.
+
+**Distributed.** Under ``torchrun`` (:func:`headspace.process_group.setup_distributed`) rank ``r`` of
+``W`` takes the shards ``i`` with ``i % W == r``; the ranks' merged states are exchanged as JSON
+(:func:`headspace.process_group.all_gather_bytes`) and added: every rank holds the same atlas as one
+process would (integer sums; top-k lists under a total order).
+
+Two passes over the corpus: the statistics (and each head's mean z), then, for decoders, the
+mean-ablation losses with the corpus means (``ablation=False`` skips it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..core.checks import is_int
+from ..core.fileio import parse_json, read_regular_file, write_atomic
+from ..core.process_group import DistInfo, all_gather_bytes, device_of
+from ..core.progress import progress_bar
+from ._common import eval_mode, to_plain
+from .atlas_ablation import ablate_batch
+from .atlas_measure import measure_batch
+from .atlas_state import EXAMPLE_KINDS, MEANS, AtlasState, SealedState
+from .causal_inputs import is_decoder, token_str
+from .corpus import Corpus, Window, check_window, sequences
+from .roles import induction_scores
+from .trace import as_module, attention_layers
+
+SHARD_FORMAT = "headspace-atlas-shard/1"
+CONTEXT = 8
+"""Tokens of context each side of an example's query and key."""
+
+
+@dataclass
+class Atlas:
+    """Every head's statistics over a corpus (:func:`atlas`); :meth:`to_dict` is ``atlas.json``.
+
+    Each statistic is float64 [n_layers, max_heads] (NaN where not defined: encoders have no
+    ``copying``, ``direct_effect``, ``ablation``; pruned heads): ``previous``, ``first`` (means over
+    queries ``i >= 1`` of the mass on key ``i - 1`` and on key 0), ``self``, ``entropy`` (nats),
+    ``duplicate``, ``induction``, ``copying``, ``direct_effect`` (means over queries; see
+    :mod:`.atlas_measure`), ``ablation`` (corpus loss with the head mean-ablated minus the clean loss);
+    ``induction_repeated`` the repeated-random-token score of :func:`induction_scores` (decoders).
+    ``examples[layer][head]``: ``{"attention": [...], "direct_effect": [...]}``, each example a dict
+    (sequence, document, query and key positions in the document, value, and the tokens around them).
+    """
+
+    stats: dict[str, Tensor]
+    examples: list[list[dict[str, list[dict[str, Any]]]]]
+    n_queries: int
+    n_tokens: int
+    n_sequences: int
+    corpus_sha256: str
+    model: str
+    window: int
+    clean_loss: float | None
+    n_heads: list[int]
+
+    def __getattr__(self, name: str) -> Any:
+        stats = self.__dict__.get("stats", {})
+        if name in stats:
+            return stats[name]
+        raise AttributeError(name)
+
+    def to_dict(self) -> dict[str, Any]:
+        """``atlas.json``: the statistics (lists [n_layers][n_heads], NaN as null), examples and counts."""
+        out: dict[str, Any] = {"kind": "head_atlas"}
+        for name, t in self.stats.items():
+            out[name] = [[to_plain(float(v)) for v in row[:n]] for row, n in zip(t, self.n_heads)]
+        out.update(
+            examples=self.examples, n_queries=self.n_queries, n_tokens=self.n_tokens,
+            n_sequences=self.n_sequences, corpus_sha256=self.corpus_sha256, model=self.model,
+            window=self.window, clean_loss=self.clean_loss, n_heads=self.n_heads,
+        )  # fmt: skip
+        return out
+
+    def to_json(self, path: str | Path | None = None) -> str | Path:
+        """The JSON text of :meth:`to_dict`; with ``path`` written there atomically (the path returned)."""
+        text = json.dumps(self.to_dict(), indent=1, sort_keys=True)
+        return text if path is None else write_atomic(path, text + "\n", make_parents=True)
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()
+
+
+def _shards(
+    model: Any, corpus: Corpus, window: int, max_tokens: int | None, size: int
+) -> Iterator[list[Window]]:
+    part: list[Window] = []
+    for w in sequences(model, corpus, window, max_tokens):
+        part.append(w)
+        if len(part) == size:
+            yield part
+            part = []
+    if part:
+        yield part
+
+
+def _batches(windows: list[Window], batch_size: int, pad: int) -> Iterator[tuple[Tensor, Tensor, Tensor]]:
+    """(tokens int64 [B, S] right-padded with ``pad``, real bool [B, S], sequence ids int64 [B])."""
+    for start in range(0, len(windows), batch_size):
+        part = windows[start : start + batch_size]
+        S = max(w.tokens.shape[0] for w in part)
+        tokens = torch.full((len(part), S), pad, dtype=torch.int64)  # (B, S)
+        real = torch.zeros(len(part), S, dtype=torch.bool)  # (B, S)
+        for b, w in enumerate(part):
+            tokens[b, : w.tokens.shape[0]] = w.tokens
+            real[b, : w.tokens.shape[0]] = True
+        yield tokens, real, torch.tensor([w.index for w in part], dtype=torch.int64)
+
+
+def _read_shard(path: Path, fingerprint: dict[str, Any]) -> dict[str, Any] | None:
+    """A sealed shard's state, or None when absent or not sealed right (it is then recomputed)."""
+    if not path.exists():
+        return None
+    try:
+        obj = parse_json(read_regular_file(path, max_bytes=1 << 30))
+    except ValueError:
+        return None
+    if not isinstance(obj, dict) or obj.get("format") != SHARD_FORMAT or "state" not in obj:
+        return None
+    if obj.get("fingerprint") != fingerprint:
+        raise ValueError(
+            f"{path}: a shard of another run (fingerprint {obj.get('fingerprint')!r}); expected "
+            f"{fingerprint!r}: use a fresh output folder or the same arguments"
+        )
+    if obj.get("sha256") != _digest(obj["state"]):
+        return None
+    return obj["state"]
+
+
+def _run_phase(
+    name: str,
+    shard_groups: Callable[[], Iterator[list[Window]]],
+    work: Callable[[list[Window]], dict[str, Any]],
+    fingerprint: dict[str, Any],
+    out: Path | None,
+    info: DistInfo,
+    bar: Any,
+) -> SealedState | None:
+    """Each of this rank's shards, read back sealed or computed and sealed; their merged state (None
+    when this rank had none)."""
+    merged: SealedState | None = None
+    for index, windows in enumerate(shard_groups()):
+        if index % info.world_size != info.rank:
+            continue
+        path = None if out is None else out / "shards" / f"{name}-{index:06d}.json"
+        state = None if path is None else _read_shard(path, {**fingerprint, "shard": index})
+        if state is None:
+            state = work(windows)
+            if path is not None:
+                record = {"format": SHARD_FORMAT, "fingerprint": {**fingerprint, "shard": index}}
+                record.update(state=state, sha256=_digest(state))
+                write_atomic(path, json.dumps(record), make_parents=True)
+        bar.update(sum(w.tokens.shape[0] for w in windows))
+        if merged is None:
+            merged = SealedState.empty_like(state)
+        merged.add(state)
+    return merged
+
+
+def _all_ranks(local: SealedState | None, info: DistInfo, blank: dict[str, Any]) -> SealedState:
+    """Every rank's merged state added together (exact), on every rank."""
+    total = SealedState.empty_like(blank)
+    if not info.enabled:
+        if local is not None:
+            total.add(local.data)
+        return total
+    payload = json.dumps(None if local is None else local.data).encode()
+    for raw in all_gather_bytes(payload, device_of(info)):
+        part = json.loads(raw)
+        if part is not None:
+            total.add(part)
+    return total
+
+
+def _context(tokens: list[str], at: int) -> dict[str, Any]:
+    lo = max(0, at - CONTEXT)
+    return {"tokens": tokens[lo : at + CONTEXT + 1], "at": at - lo}
+
+
+def _examples(
+    model: Any, merged: SealedState, shard_groups: Callable[[], Iterator[list[Window]]], n_heads: list[int]
+) -> list[list[dict[str, list[dict[str, Any]]]]]:
+    """The top-k candidates with their documents and tokens of context (one more pass over the corpus,
+    keeping only the sequences named)."""
+    top = merged.data["top"]
+    wanted = {int(c[1]) for kind in EXAMPLE_KINDS for row in top[kind] for cs in row for c in cs}
+    found: dict[int, Window] = {}
+    for windows in shard_groups():
+        found.update({w.index: w for w in windows if w.index in wanted})
+        if len(found) == len(wanted):
+            break
+    names: dict[int, str] = {}
+
+    def text(i: int) -> str:
+        if i not in names:
+            names[i] = token_str(model, i)
+        return names[i]
+
+    out = []
+    for layer, n in enumerate(n_heads):
+        row = []
+        for h in range(n):
+            per: dict[str, list[dict[str, Any]]] = {}
+            for kind in EXAMPLE_KINDS:
+                items = []
+                for _, seq, q, k, value in top[kind][layer][h]:
+                    w = found[int(seq)]
+                    toks = [text(int(t)) for t in w.tokens.tolist()]
+                    items.append({
+                        "sequence": int(seq), "document": w.name, "query": w.start + int(q),
+                        "key": w.start + int(k), "value": float(value),
+                        "query_context": _context(toks, int(q)), "key_context": _context(toks, int(k)),
+                    })  # fmt: skip
+                per[kind] = items
+            row.append(per)
+        out.append(row)
+    return out
+
+
+def _check_args(batch_size: Any, top_k: Any, max_tokens: Any, shard_size: Any) -> None:
+    for name, value in (("batch_size", batch_size), ("top_k", top_k), ("shard_size", shard_size)):
+        if not is_int(value) or value < 1:
+            raise ValueError(f"{name} must be a positive int; got {value!r}")
+    if max_tokens is not None and (not is_int(max_tokens) or max_tokens < 1):
+        raise ValueError(f"max_tokens must be a positive int or None (the whole corpus); got {max_tokens!r}")
+
+
+def _finish(
+    merged: SealedState, ablated: SealedState | None, n_heads: list[int], decoder: bool
+) -> tuple[dict[str, Tensor], float | None]:
+    stats = {name: merged.mean(name) for name in MEANS}
+    clean = None
+    L, H = len(n_heads), merged.data["shape"][1]
+    abl = torch.full((L, H), float("nan"), dtype=torch.float64)
+    if ablated is not None and ablated.data["n_pairs"]:
+        pairs = ablated.data["n_pairs"]
+        clean = ablated.data["clean_sum"] / 2.0**40 / pairs
+        abl = torch.tensor(ablated.data["ablation_sum"], dtype=torch.float64) / 2.0**40 / pairs - clean
+    stats["ablation"] = abl
+    if not decoder:
+        stats["copying"] = torch.full((L, H), float("nan"), dtype=torch.float64)
+        stats["direct_effect"] = torch.full((L, H), float("nan"), dtype=torch.float64)
+    return stats, clean
+
+
+@dataclass
+class _Phase:
+    """What every pass over the shards shares: the shard groups, the run's fingerprint, where shards are
+    sealed, the rank, and the progress bar's total."""
+
+    groups: Callable[[], Iterator[list[Window]]]
+    fingerprint: dict[str, Any]
+    out: Path | None
+    info: DistInfo
+    total: int | None
+    progress: bool
+
+
+def _ablation_phase(
+    run: _Phase, module: Any, merged: SealedState, blank: dict[str, Any], dims: tuple[int, int, int, int],
+    batch_size: int, pad: int, device: torch.device,
+) -> SealedState:  # fmt: skip
+    """The mean-ablation pass over every shard (with the corpus means of ``merged``), merged over ranks."""
+    L, H, dh, top_k = dims
+    means = merged.z_means().to(device)  # (L, H, dh)
+    fingerprint = {**run.fingerprint, "means_sha256": _digest(merged.data["z_sum"])}
+
+    def ablate(windows: list[Window]) -> dict[str, Any]:
+        state = AtlasState(L, H, dh, top_k)
+        for tokens, real, _ in _batches(windows, batch_size, pad):
+            ablate_batch(module, state, tokens.to(device), real.to(device), means)
+        return state.seal()
+
+    bar = progress_bar(total=run.total, desc="atlas: ablation", unit="tok", disable=not run.progress)
+    local = _run_phase("ablation", run.groups, ablate, fingerprint, run.out, run.info, bar)
+    bar.close()
+    return _all_ranks(local, run.info, blank)
+
+
+def atlas(
+    model: Any,
+    corpus: Any,
+    *,
+    window: int = 512,
+    batch_size: int = 8,
+    top_k: int = 8,
+    max_tokens: int | None = None,
+    ablation: bool = True,
+    induction_repeated: bool = True,
+    out: str | Path | None = None,
+    shard_size: int = 64,
+    model_name: str | None = None,
+    dist_info: DistInfo | None = None,
+    progress: bool = True,
+) -> Atlas:
+    """Every head's statistics over ``corpus`` (see the module docstring and :class:`Atlas`).
+
+    Args:
+        model: a pretrained wrapper with a tokenizer (``headspace.load("smollm2")``, ``"minilm"``).
+        corpus: a path (UTF-8 text file, folder, ``.jsonl``) or a list of strings (:mod:`.corpus`).
+        window: tokens per sequence (longer documents are cut into windows).
+        batch_size: sequences per forward pass (right-padded).
+        top_k: examples kept per head and kind.
+        max_tokens: stop after this many tokens (None: the whole corpus).
+        ablation: also measure each head's mean-ablation loss change (decoders; a second pass, one
+            replicated run per layer and head: the slow part).
+        induction_repeated: also compute :func:`induction_scores` (repeated random tokens; decoders).
+        out: a folder for the sealed shards (resumable runs); None keeps everything in memory.
+        shard_size: sequences per shard (the unit of resuming and of distribution).
+        model_name: what ``atlas.json`` calls the model (default: the config's ``name`` or the class).
+        dist_info: a torch.distributed job's :class:`~headspace.process_group.DistInfo` (None: one process).
+        progress: show progress bars (tokens/s and ETA).
+
+    Exact: the same sums and counts as running the per-prompt functions on each sequence (tested against
+    :func:`head_roles`, :func:`direct_logit_attribution` and :func:`headspace.ablate`), float32
+    rounding of the model apart; identical across resumed and distributed runs.
+    """
+    _check_args(batch_size, top_k, max_tokens, shard_size)
+    module = as_module(model)
+    layers = attention_layers(model)
+    if not layers:
+        raise ValueError(f"model has no MultiHeadAttention layer; got {type(model).__name__}")
+    window = check_window(window, module)
+    corp = Corpus.of(corpus)
+    info = dist_info or DistInfo(rank=0, world_size=1, local_rank=0, backend=None)
+    decoder = is_decoder(module)
+    n_heads = [a.n_heads for _, a in layers]
+    L, H, dh = len(layers), max(n_heads), max(a.d_head for _, a in layers)
+    sha = corp.sha256()
+    name = model_name or str(getattr(module.config, "name", None) or type(module).__name__)
+    fingerprint = {
+        "corpus_sha256": sha, "model": name, "window": window, "batch_size": batch_size, "top_k": top_k,
+        "max_tokens": max_tokens, "shard_size": shard_size,
+    }  # fmt: skip
+    pad = int(getattr(module.config, "pad_token_id", None) or 0)
+    device = next(module.parameters()).device
+    out_dir = None if out is None else Path(out)
+
+    def groups() -> Iterator[list[Window]]:
+        return _shards(model, corp, window, max_tokens, shard_size)
+
+    mine = (g for i, g in enumerate(groups()) if i % info.world_size == info.rank)
+    total = sum(w.tokens.shape[0] for g in mine for w in g) if progress else None  # this rank's tokens
+
+    def measure(windows: list[Window]) -> dict[str, Any]:
+        state = AtlasState(L, H, dh, top_k)
+        for tokens, real, ids in _batches(windows, batch_size, pad):
+            measure_batch(model, module, layers, state, tokens.to(device), real.to(device), ids)
+        return state.seal()
+
+    blank = AtlasState(L, H, dh, top_k).seal()
+    with eval_mode(module):
+        bar = progress_bar(total=total, desc="atlas: attention", unit="tok", disable=not progress)
+        local = _run_phase("stats", groups, measure, fingerprint, out_dir, info, bar)
+        bar.close()
+        merged = _all_ranks(local, info, blank)
+        ablated = None
+        if ablation and decoder:
+            run = _Phase(groups, fingerprint, out_dir, info, total, progress)
+            ablated = _ablation_phase(run, module, merged, blank, (L, H, dh, top_k), batch_size, pad, device)
+        stats, clean = _finish(merged, ablated, n_heads, decoder)
+        nan = torch.full((L, H), float("nan"), dtype=torch.float64)
+        repeated = decoder and induction_repeated
+        stats["induction_repeated"] = induction_scores(model).to(torch.float64) if repeated else nan
+    return Atlas(
+        stats=stats, examples=_examples(model, merged, groups, n_heads), n_queries=merged.data["n_queries"],
+        n_tokens=merged.data["n_tokens"], n_sequences=merged.data["n_sequences"], corpus_sha256=sha,
+        model=name, window=window, clean_loss=clean, n_heads=n_heads,
+    )  # fmt: skip
