@@ -14,7 +14,8 @@ from ..core.checks import check_positive_int, is_number
 from ..decode.kv_cache import KVCache
 from ..kernels.workspace import THREAD_SCRATCH_MIN_BYTES, Workspace, thread_workspace
 from ..nn.hooks import HookPoint
-from ..nn.masks import CanonicalMask, canonical_mask
+from ..nn.masks import CanonicalMask, canonical_mask, check_window
+from ..nn.norms import RMSNorm
 from ..nn.positions import Rotary, rotary_tables, rotate_fused
 from .functional import get_backend, reference_parts
 from .heads import Head, HeadList
@@ -111,6 +112,22 @@ def _check_rotary_positions(positions: Any, batch: int, seq_q: int, device: torc
         raise ValueError(f"positions is on {positions.device} but the query is on {device}")
 
 
+QK_NORMS = ("head", "all")
+
+
+def _check_qk_norm(qk_norm: Any, softcap: Any) -> None:
+    """``qk_norm`` None or one of :data:`QK_NORMS`; ``softcap`` None or a finite number > 0."""
+    if qk_norm is not None and qk_norm not in QK_NORMS:
+        raise ValueError(
+            f"qk_norm must be None, 'head' (RMSNorm over each head's d_head) or 'all' (over all heads at "
+            f"once); got {qk_norm!r}"
+        )
+    if softcap is not None and (not is_number(softcap) or not math.isfinite(softcap) or softcap <= 0):
+        raise ValueError(
+            f"softcap must be None or a finite number > 0 (cap * tanh(s / cap)); got {softcap!r}"
+        )
+
+
 class MultiHeadAttention(nn.Module):
     r"""Multi-head attention with every head's projections in plain sight.
 
@@ -183,9 +200,16 @@ class MultiHeadAttention(nn.Module):
         qkv_bias: bool | None = None,
         out_bias: bool | None = None,
         rotary: Rotary | None = None,
+        window: int | None = None,
+        qk_norm: str | None = None,
+        qk_norm_eps: float = 1e-6,
+        qk_norm_offset: float = 0.0,
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
         d_head, n_kv_heads = resolve_head_dims(d_model, n_heads, d_head, n_kv_heads)
+        check_window(window)
+        _check_qk_norm(qk_norm, softcap)
         for name, flag in (("qkv_bias", qkv_bias), ("out_bias", out_bias)):
             if flag is not None and not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool or None (= bias); got {type(flag).__name__} {flag!r}")
@@ -233,6 +257,16 @@ class MultiHeadAttention(nn.Module):
         self.o_weight = nn.Parameter(torch.empty(d_model, hq, **f))
         self.o_bias = nn.Parameter(torch.empty(d_model, **f)) if out_bias else None
         self.register_module("rotary", rotary)  # no parameters, no persistent buffers: no state-dict keys
+        self.window = window
+        self.softcap = None if softcap is None else float(softcap)
+        self.qk_norm = qk_norm
+        # QK-norm: RMSNorm of each head's q and k over d_head ("head"), or of all heads' at once ("all")
+        width_q, width_k = (d_head, d_head) if qk_norm == "head" else (hq, hkv)
+        norms = qk_norm is not None
+        q_norm = RMSNorm(width_q, qk_norm_eps, offset=qk_norm_offset).to(**f) if norms else None
+        k_norm = RMSNorm(width_k, qk_norm_eps, offset=qk_norm_offset).to(**f) if norms else None
+        self.register_module("q_norm", q_norm)
+        self.register_module("k_norm", k_norm)
 
         self.hook_q = HookPoint()  # [batch, seq_q, n_heads, d_head]
         self.hook_k = HookPoint()  # [batch, seq_k, n_kv_heads, d_head]
@@ -244,6 +278,9 @@ class MultiHeadAttention(nn.Module):
         # rotary layers only: a layer without rotation has nothing to show there
         self.register_module("hook_rot_q", HookPoint() if rotary is not None else None)  # [b, sq, H, dh]
         self.register_module("hook_rot_k", HookPoint() if rotary is not None else None)  # [b, sk, Hkv, dh]
+        # QK-norm layers only: q and k after their RMSNorm, before any rotation
+        self.register_module("hook_q_normed", HookPoint() if norms else None)  # [b, sq, H, dh]
+        self.register_module("hook_k_normed", HookPoint() if norms else None)  # [b, sk, Hkv, dh]
         self._hook_points = (
             self.hook_q,
             self.hook_k,
@@ -253,6 +290,7 @@ class MultiHeadAttention(nn.Module):
             self.hook_z,
             self.hook_result,
         ) + (() if rotary is None else (self.hook_rot_q, self.hook_rot_k))
+        self._hook_points += () if not norms else (self.hook_q_normed, self.hook_k_normed)
         self.reset_parameters()
 
     # ------------------------------------------------------------------ parameters and views
@@ -371,6 +409,12 @@ class MultiHeadAttention(nn.Module):
         rotary = getattr(self, "rotary", None)
         if rotary is not None:
             s += f", rotary(rotary_dim={rotary.rotary_dim}, base={rotary.base:g}, {rotary.rope_type})"
+        if self.window is not None:
+            s += f", window={self.window}"
+        if self.qk_norm is not None:
+            s += f", qk_norm={self.qk_norm!r}"
+        if self.softcap is not None:
+            s += f", softcap={self.softcap:g}"
         return s
 
     # ------------------------------------------------------------------ checks
@@ -535,6 +579,7 @@ class MultiHeadAttention(nn.Module):
             is_causal=is_causal,
             dtype=query.dtype,
             device=query.device,
+            window=self.window,
         )
         if B == 0 or Sq == 0:
             z = query.new_zeros(B, Sq, H * dh)  # (B, Sq, H dh)
@@ -554,7 +599,8 @@ class MultiHeadAttention(nn.Module):
             else:
                 _check_rotary_positions(positions, B, Sq, query.device)
             cos, sin = rotary_tables(rotary, positions, query.dtype, query.device)  # (B|1, 1, Sq, rd) x 2
-        if rotary is not None and not traced:
+        qk_norm = self.qk_norm is not None
+        if rotary is not None and not traced and not qk_norm:
             # q and k rotated together: they are neighbouring heads of the fused projection
             Hkv = self.n_kv_heads
             qkv = self._fused_projection(query, scratch)  # (B, H + 2 Hkv, Sq, dh)
@@ -572,9 +618,12 @@ class MultiHeadAttention(nn.Module):
             q = self.hook_q(q.transpose(1, 2)).transpose(1, 2)  # (B, H, Sq, dh)
             k = self.hook_k(k.transpose(1, 2)).transpose(1, 2)  # (B, Hkv, Sk_new, dh)
             v = self.hook_v(v.transpose(1, 2)).transpose(1, 2)  # (B, Hkv, Sk_new, dh)
-            if rotary is not None:
-                q = rotate_fused(q, cos, sin, rotary)  # (B, H, Sq, dh)
-                k = rotate_fused(k, cos, sin, rotary)  # (B, Hkv, Sk_new, dh)
+        if qk_norm:
+            q, k = self.normed_qk(q, k)  # (B, H, Sq, dh), (B, Hkv, Sk_new, dh)
+        if rotary is not None and (traced or qk_norm):
+            q = rotate_fused(q, cos, sin, rotary)  # (B, H, Sq, dh)
+            k = rotate_fused(k, cos, sin, rotary)  # (B, Hkv, Sk_new, dh)
+            if traced:
                 if self.hook_rot_q is not None:  # (None if rotary was attached after construction)
                     q = self.hook_rot_q(q.transpose(1, 2)).transpose(1, 2)  # (B, H, Sq, dh)
                     k = self.hook_rot_k(k.transpose(1, 2)).transpose(1, 2)  # (B, Hkv, Sk_new, dh)
@@ -582,7 +631,7 @@ class MultiHeadAttention(nn.Module):
             k, v = kv_cache.append(k, v)  # (B, Hkv, Sk, dh) x 2
         dropout_p = self.dropout if self.training else 0.0
 
-        if traced:
+        if traced or self.softcap is not None:  # (soft-capping: the reference maths, no fused kernel has it)
             z, pattern, _ = self.traced_attention(q, k, v, mask, dropout_p)  # (B, Sq, H, dh)
             out = self.output_from_heads(z)  # (B, Sq, d_model)
         else:
@@ -598,6 +647,28 @@ class MultiHeadAttention(nn.Module):
         if need_weights:
             return out, pattern
         return out
+
+    def normed_qk(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """QK-norm: q [B, H, Sq, dh] and k [B, Hkv, Sk, dh] through ``q_norm`` / ``k_norm``, firing
+        ``hook_q_normed`` / ``hook_k_normed`` ([B, S, heads, dh]) while they are active.
+
+        ``qk_norm="head"`` (Qwen3, Gemma 3): ``q_h <- RMSNorm(q_h)`` over each head's d_head features,
+        one weight [d_head] shared by every head; ``"all"`` (OLMo 2): one RMSNorm over the
+        concatenated heads' n_heads * d_head (n_kv_heads * d_head for k) features.
+        """
+        B, H, Sq, dh = q.shape
+        Hkv, Sk = k.shape[1], k.shape[2]
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)  # (B, H, Sq, dh), (B, Hkv, Sk, dh)
+        else:
+            q = self.q_norm(q.transpose(1, 2).reshape(B, Sq, H * dh))  # (B, Sq, H dh)
+            q = q.view(B, Sq, H, dh).transpose(1, 2)  # (B, H, Sq, dh)
+            k = self.k_norm(k.transpose(1, 2).reshape(B, Sk, Hkv * dh))  # (B, Sk, Hkv dh)
+            k = k.view(B, Sk, Hkv, dh).transpose(1, 2)  # (B, Hkv, Sk, dh)
+        if self.hook_q_normed.fns or self.hook_k_normed.fns:
+            q = self.hook_q_normed(q.transpose(1, 2)).transpose(1, 2)  # (B, H, Sq, dh)
+            k = self.hook_k_normed(k.transpose(1, 2)).transpose(1, 2)  # (B, Hkv, Sk, dh)
+        return q, k
 
     def _may_use_thread_workspace(
         self, query: Tensor, self_attention: bool, traced: bool, kv_cache: KVCache | None
@@ -635,7 +706,7 @@ class MultiHeadAttention(nn.Module):
         """
         z, pattern, weights = reference_parts(
             q, k, v, mask, scale=self.scale, dropout_p=dropout_p,
-            on_scores=self.hook_scores, on_pattern=self.hook_pattern,
+            on_scores=self.hook_scores, on_pattern=self.hook_pattern, softcap=self.softcap,
         )  # fmt: skip
         z = self.hook_z(z.transpose(1, 2))  # (B, Sq, H, dh)
         return z, pattern, weights
