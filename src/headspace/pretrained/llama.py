@@ -64,6 +64,15 @@ from .hf import (
     require_file,
     safetensors_header,
 )
+from .llama_variants import (
+    VARIANT_CONTEXT,
+    VARIANT_MODEL_TYPES,
+    extra_tensors,
+    hidden_act_key,
+    local_rope,
+    variant_fields,
+    windows,
+)
 from .tokenization import TextTokenizer
 from .wrappers import PretrainedDecoder
 
@@ -80,7 +89,7 @@ __all__ = [
 ]
 
 #: ``config.json`` model types :func:`load_llama` reads.
-LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2")
+LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", *VARIANT_MODEL_TYPES)
 
 # transformers' ACT2FN names -> headspace activations (the same functions)
 _HIDDEN_ACT = {
@@ -92,7 +101,7 @@ _HIDDEN_ACT = {
     "relu": "relu",
 }
 # transformers' defaults where config.json is silent (LlamaConfig, MistralConfig, Qwen2Config)
-_DEFAULT_CONTEXT = {"llama": 2048, "mistral": 131072, "qwen2": 32768}
+_DEFAULT_CONTEXT = {"llama": 2048, "mistral": 131072, "qwen2": 32768, **VARIANT_CONTEXT}
 _LAYER_TYPES = ("full_attention", "sliding_attention")
 _INDEX = "model.safetensors.index.json"
 
@@ -195,30 +204,6 @@ def _rope(hf: Mapping[str, Any], f: ConfigFields) -> tuple[float, dict[str, Any]
     return theta, scaling
 
 
-def _sliding_window_problem(f: ConfigFields, kind: str, n_layers: int, context: int) -> str | None:
-    """Why the sliding window would change the result within ``context`` tokens, or None if it cannot."""
-    window = f.integer("sliding_window", None, allow_none=True)
-    if kind == "llama" or window is None:
-        return None
-    if kind == "qwen2":
-        if not f.flag("use_sliding_window", False):
-            return None  # transformers' Qwen2Config sets sliding_window = None then
-        types = f.hf.get("layer_types")
-        if types is None:
-            start = f.integer("max_window_layers", 28, minimum=0)
-            types = ["sliding_attention" if i >= start else "full_attention" for i in range(n_layers)]
-        if "sliding_attention" not in types:
-            return None
-    if window >= context:
-        return None  # a query sees the last `window` keys: every key of a context <= window
-    return (
-        f"sliding_window={window} is active: transformers' {kind} attends to the last {window} tokens only, "
-        f"and headspace has no sliding-window attention; the model is exact for sequences of at most "
-        f"{window} tokens: pass max_seq_len<={window} to load_llama to use it so (supported: "
-        f"sliding_window null or >= the context, here max_position_embeddings={context})"
-    )
-
-
 def llama_config(
     hf: Mapping[str, Any], name: str = "", *, max_seq_len: int | None = None, source: str = "config.json"
 ) -> ModelConfig:
@@ -260,9 +245,10 @@ def llama_config(
             f"{source} has a quantization_config: quantized checkpoints (GPTQ, AWQ, bitsandbytes ...) are "
             "not supported; use the full-precision weights (float32, float16 or bfloat16)"
         )
-    act = f.text("hidden_act", "silu")
+    act_key = hidden_act_key(hf, kind)
+    act = f.text(act_key, "gelu_pytorch_tanh" if act_key == "hidden_activation" else "silu")
     if act not in _HIDDEN_ACT:
-        raise ValueError(f"{source}: hidden_act={act!r} is not supported; supported: {sorted(_HIDDEN_ACT)}")
+        raise ValueError(f"{source}: {act_key}={act!r} is not supported; supported: {sorted(_HIDDEN_ACT)}")
     f.require(["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"],
               "Llama-family")  # fmt: skip
     vocab = f.integer("vocab_size")
@@ -295,10 +281,10 @@ def llama_config(
     types = hf.get("layer_types")
     if types is not None and (not isinstance(types, list) or any(t not in _LAYER_TYPES for t in types)):
         raise ValueError(f"{source}: layer_types must list {list(_LAYER_TYPES)}; got {types!r:.120}")
-    problem = _sliding_window_problem(f, kind, n_layers, context)
-    if problem:
-        raise ValueError(f"{source}: {problem}")
-    theta, scaling = _rope(hf, f)
+    window, layer_types = windows(f, kind, n_layers, context)
+    full_rope, local_theta = local_rope(hf, f, kind)
+    theta, scaling = _rope(full_rope, f)
+    variant = variant_fields(f, kind, d_model)
     if kind == "llama":
         qkv_bias = out_bias = f.flag("attention_bias", False)
         mlp_bias = f.flag("mlp_bias", False)
@@ -315,43 +301,83 @@ def llama_config(
     for key in ("bos_token_id", "eos_token_id"):
         if hf.get(key) is not None:
             extra[key] = hf[key]
+    kw: dict[str, Any] = dict(
+        arch="decoder",
+        vocab_size=vocab,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        d_head=d_head,
+        n_kv_heads=n_kv,
+        d_mlp=d_mlp,
+        max_seq_len=context,
+        act=_HIDDEN_ACT[act],
+        norm="pre",
+        dropout=0.0,
+        attn_dropout=f.probability("attention_dropout", 0.0),
+        emb_dropout=0.0,
+        ln_eps=f.number("rms_norm_eps", 1e-6, low=0.0, low_open=True),
+        bias=False,
+        type_vocab_size=0,
+        tie_embeddings=f.flag("tie_word_embeddings", False),
+        pad_token_id=pad,
+        embed_ln=False,
+        final_ln=True,
+        init_std=init_std,
+        name=name,
+        extra=extra,
+        positions="rotary",
+        rope_theta=theta,
+        rope_scaling=scaling,
+        norm_kind="rmsnorm",
+        mlp_kind="gated",
+        qkv_bias=qkv_bias,
+        out_bias=out_bias,
+        mlp_bias=mlp_bias,
+        sliding_window=window,
+        layer_types=layer_types,
+        rope_local_theta=local_theta if layer_types else None,
+    )
+    kw.update(variant)
     try:
-        return ModelConfig(
-            arch="decoder",
-            vocab_size=vocab,
-            d_model=d_model,
-            n_layers=n_layers,
-            n_heads=n_heads,
-            d_head=d_head,
-            n_kv_heads=n_kv,
-            d_mlp=d_mlp,
-            max_seq_len=context,
-            act=_HIDDEN_ACT[act],
-            norm="pre",
-            dropout=0.0,
-            attn_dropout=f.probability("attention_dropout", 0.0),
-            emb_dropout=0.0,
-            ln_eps=f.number("rms_norm_eps", 1e-6, low=0.0, low_open=True),
-            bias=False,
-            type_vocab_size=0,
-            tie_embeddings=f.flag("tie_word_embeddings", False),
-            pad_token_id=pad,
-            embed_ln=False,
-            final_ln=True,
-            init_std=init_std,
-            name=name,
-            extra=extra,
-            positions="rotary",
-            rope_theta=theta,
-            rope_scaling=scaling,
-            norm_kind="rmsnorm",
-            mlp_kind="gated",
-            qkv_bias=qkv_bias,
-            out_bias=out_bias,
-            mlp_bias=mlp_bias,
-        )
+        return ModelConfig(**kw)
     except ValueError as e:
         raise ValueError(f"{source} does not fit headspace: {e}") from None
+
+
+def _tensors(c: ModelConfig, prefix: str = "model.") -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
+    """(Decoder state-dict name, the Hugging Face tensors (name, shape) whose rows it stacks), every
+    parameter of a checkpoint of config ``c``: one HF tensor per parameter, but for the fused
+    ``qkv_weight`` / ``qkv_bias`` (q, k, v). The norms follow ``c.norm`` and ``c.qk_norm``
+    (:func:`~headspace.pretrained.llama_variants.extra_tensors`)."""
+    d, dm, q, kv = c.d_model, c.d_mlp, c.n_heads * c.d_head, c.n_kv_heads * c.d_head
+    out: list[tuple[str, list[tuple[str, tuple[int, ...]]]]] = [
+        ("tok_embed.weight", [(f"{prefix}embed_tokens.weight", (c.vocab_size, d))])
+    ]
+    qk_widths = (c.d_head, c.d_head) if c.qk_norm == "head" else (q, kv)
+    for i in range(c.n_layers):
+        p, b = f"{prefix}layers.{i}.", f"blocks.{i}."
+        a = f"{p}self_attn."
+        qkv = [(a + "q_proj.weight", (q, d)), (a + "k_proj.weight", (kv, d)), (a + "v_proj.weight", (kv, d))]
+        out.append((b + "attn.qkv_weight", qkv))
+        if c.qkv_bias:
+            out.append(
+                (b + "attn.qkv_bias", [(a + f"{x}_proj.bias", (n,)) for x, n in zip("qkv", (q, kv, kv))])
+            )
+        out.append((b + "attn.o_weight", [(a + "o_proj.weight", (d, q))]))
+        if c.out_bias:
+            out.append((b + "attn.o_bias", [(a + "o_proj.bias", (d,))]))
+        for ours, theirs, shape in (("fc_gate", "gate_proj", (dm, d)), ("fc_in", "up_proj", (dm, d)),
+                                    ("fc_out", "down_proj", (d, dm))):  # fmt: skip
+            out.append((f"{b}mlp.{ours}.weight", [(f"{p}mlp.{theirs}.weight", shape)]))
+            if c.mlp_bias:
+                out.append((f"{b}mlp.{ours}.bias", [(f"{p}mlp.{theirs}.bias", shape[:1])]))
+        for ours, theirs, shape in extra_tensors(c.norm or "pre", c.qk_norm, p, b, (d, *qk_widths)):
+            out.append((ours, [(theirs, shape)]))
+    out.append(("ln_final.weight", [(f"{prefix}norm.weight", (d,))]))
+    if not c.tie_embeddings:
+        out.append(("lm_head.weight", [("lm_head.weight", (c.vocab_size, d))]))
+    return out
 
 
 def llama_parameter_count(c: ModelConfig) -> tuple[int, int]:
@@ -360,9 +386,11 @@ def llama_parameter_count(c: ModelConfig) -> tuple[int, int]:
     An untied checkpoint's ``lm_head.weight`` is counted; a tied one's copy of the embedding is not needed.
     """
     d, dm, q, kv = c.d_model, c.d_mlp, c.n_heads * c.d_head, c.n_kv_heads * c.d_head
-    layer = d * (q + 2 * kv) + q * d + 3 * d * dm + 2 * d
+    n_norms = 4 if c.norm == "sandwich" else 2
+    qk = 0 if c.qk_norm is None else (2 * c.d_head if c.qk_norm == "head" else q + kv)
+    layer = d * (q + 2 * kv) + q * d + 3 * d * dm + n_norms * d + qk
     layer += (q + 2 * kv) * c.qkv_bias + d * c.out_bias + (2 * dm + d) * c.mlp_bias
-    layer_tensors = 9 + 3 * c.qkv_bias + c.out_bias + 3 * c.mlp_bias
+    layer_tensors = 7 + n_norms + 2 * (c.qk_norm is not None) + 3 * c.qkv_bias + c.out_bias + 3 * c.mlp_bias
     untied = not c.tie_embeddings
     n_params = c.vocab_size * d * (1 + untied) + c.n_layers * layer + d
     return n_params, 2 + untied + c.n_layers * layer_tensors
@@ -370,62 +398,12 @@ def llama_parameter_count(c: ModelConfig) -> tuple[int, int]:
 
 def llama_expected(c: ModelConfig, prefix: str = "model.") -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape that a checkpoint of config ``c`` holds (``prefix``: "model." or "")."""
-    d, dm, q, kv = c.d_model, c.d_mlp, c.n_heads * c.d_head, c.n_kv_heads * c.d_head
-    exp: dict[str, tuple[int, ...]] = {f"{prefix}embed_tokens.weight": (c.vocab_size, d)}
-    for i in range(c.n_layers):
-        p = f"{prefix}layers.{i}."
-        exp.update(
-            {
-                f"{p}self_attn.q_proj.weight": (q, d),
-                f"{p}self_attn.k_proj.weight": (kv, d),
-                f"{p}self_attn.v_proj.weight": (kv, d),
-                f"{p}self_attn.o_proj.weight": (d, q),
-                f"{p}mlp.gate_proj.weight": (dm, d),
-                f"{p}mlp.up_proj.weight": (dm, d),
-                f"{p}mlp.down_proj.weight": (d, dm),
-                f"{p}input_layernorm.weight": (d,),
-                f"{p}post_attention_layernorm.weight": (d,),
-            }
-        )
-        if c.qkv_bias:
-            exp.update({f"{p}self_attn.q_proj.bias": (q,), f"{p}self_attn.k_proj.bias": (kv,)})
-            exp[f"{p}self_attn.v_proj.bias"] = (kv,)
-        if c.out_bias:
-            exp[f"{p}self_attn.o_proj.bias"] = (d,)
-        if c.mlp_bias:
-            exp.update({f"{p}mlp.gate_proj.bias": (dm,), f"{p}mlp.up_proj.bias": (dm,)})
-            exp[f"{p}mlp.down_proj.bias"] = (d,)
-    exp[f"{prefix}norm.weight"] = (d,)
-    if not c.tie_embeddings:
-        exp["lm_head.weight"] = (c.vocab_size, d)
-    return exp
+    return {name: shape for _, theirs in _tensors(c, prefix) for name, shape in theirs}
 
 
 def _layout(c: ModelConfig, prefix: str = "model.") -> list[tuple[str, list[str]]]:
-    """(Decoder state-dict name, the Hugging Face tensors whose rows it stacks, in order), every parameter.
-
-    One Hugging Face tensor per parameter, but for the fused ``qkv_weight`` / ``qkv_bias`` (q, k, v).
-    """
-    out: list[tuple[str, list[str]]] = [("tok_embed.weight", [f"{prefix}embed_tokens.weight"])]
-    for i in range(c.n_layers):
-        p, b = f"{prefix}layers.{i}.", f"blocks.{i}."
-        a = f"{p}self_attn."
-        out.append((b + "attn.qkv_weight", [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]))
-        if c.qkv_bias:
-            out.append((b + "attn.qkv_bias", [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]))
-        out.append((b + "attn.o_weight", [a + "o_proj.weight"]))
-        if c.out_bias:
-            out.append((b + "attn.o_bias", [a + "o_proj.bias"]))
-        for ours, theirs in (("fc_gate", "gate_proj"), ("fc_in", "up_proj"), ("fc_out", "down_proj")):
-            out.append((f"{b}mlp.{ours}.weight", [f"{p}mlp.{theirs}.weight"]))
-            if c.mlp_bias:
-                out.append((f"{b}mlp.{ours}.bias", [f"{p}mlp.{theirs}.bias"]))
-        out.append((b + "ln1.weight", [f"{p}input_layernorm.weight"]))
-        out.append((b + "ln2.weight", [f"{p}post_attention_layernorm.weight"]))
-    out.append(("ln_final.weight", [f"{prefix}norm.weight"]))
-    if not c.tie_embeddings:
-        out.append(("lm_head.weight", ["lm_head.weight"]))
-    return out
+    """(Decoder state-dict name, the Hugging Face tensors whose rows it stacks, in order), every parameter."""
+    return [(ours, [name for name, _ in theirs]) for ours, theirs in _tensors(c, prefix)]
 
 
 def llama_state_dict(
@@ -552,8 +530,8 @@ def _wrap(
     model: Decoder, config: ModelConfig, tokenizer: TextTokenizer | None, ignored: list[str]
 ) -> PretrainedDecoder:
     """``model`` (weights in place) with its RoPE tables, as a :class:`PretrainedDecoder`."""
-    rotary = config.make_rotary()  # on the CPU (meta or not), one shared by every block as Decoder does
-    for block in model.blocks:
+    rotaries = config.make_rotaries()  # on the CPU (meta or not), shared by kind of layer as Decoder does
+    for block, rotary in zip(model.blocks, rotaries, strict=True):
         block.attn.rotary = rotary
     return PretrainedDecoder(model, tokenizer, ignored=ignored)
 
