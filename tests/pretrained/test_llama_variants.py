@@ -221,3 +221,19 @@ def test_bad_values_are_refused_naming_the_field() -> None:
             hs.ModelConfig(**{**base, **change})
     c = hs.ModelConfig(**base, positions="rotary", sliding_window=3, layer_types=["sliding", "full"])
     assert hs.ModelConfig.from_dict(c.to_dict()) == c
+
+
+def test_qk_capture_applies_qk_norm_and_pruning_refuses_a_joint_norm(saved: dict) -> None:
+    from headspace.analysis.chunked import each_layer_qk
+
+    model = load_llama(saved["qwen3"][0]).model  # per-head QK-norm; layer 0 is a full layer
+    tokens = torch.randint(1, V, (1, 9))
+    with torch.no_grad(), hs.trace(model, names="blocks.0.attn.hook_rot_q") as t:
+        model(tokens)
+    got: list[torch.Tensor] = []
+    with torch.no_grad():
+        each_layer_qk(model, lambda: model(tokens), lambda lqk: got.append(lqk.q.clone()), layers=[0])
+    torch.testing.assert_close(got[0], t["blocks.0.attn.hook_rot_q"])  # normed, then rotated
+    olmo = load_llama(saved["olmo2"][0]).model
+    with pytest.raises(ValueError, match="qk_norm='all'"):
+        hs.prune_heads(olmo, {0: [0, 1, 2]})  # a whole key/value group

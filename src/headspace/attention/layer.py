@@ -259,14 +259,7 @@ class MultiHeadAttention(nn.Module):
         self.register_module("rotary", rotary)  # no parameters, no persistent buffers: no state-dict keys
         self.window = window
         self.softcap = None if softcap is None else float(softcap)
-        self.qk_norm = qk_norm
-        # QK-norm: RMSNorm of each head's q and k over d_head ("head"), or of all heads' at once ("all")
-        width_q, width_k = (d_head, d_head) if qk_norm == "head" else (hq, hkv)
-        norms = qk_norm is not None
-        q_norm = RMSNorm(width_q, qk_norm_eps, offset=qk_norm_offset).to(**f) if norms else None
-        k_norm = RMSNorm(width_k, qk_norm_eps, offset=qk_norm_offset).to(**f) if norms else None
-        self.register_module("q_norm", q_norm)
-        self.register_module("k_norm", k_norm)
+        self._init_qk_norm(qk_norm, qk_norm_eps, qk_norm_offset, f)
 
         self.hook_q = HookPoint()  # [batch, seq_q, n_heads, d_head]
         self.hook_k = HookPoint()  # [batch, seq_k, n_kv_heads, d_head]
@@ -278,9 +271,6 @@ class MultiHeadAttention(nn.Module):
         # rotary layers only: a layer without rotation has nothing to show there
         self.register_module("hook_rot_q", HookPoint() if rotary is not None else None)  # [b, sq, H, dh]
         self.register_module("hook_rot_k", HookPoint() if rotary is not None else None)  # [b, sk, Hkv, dh]
-        # QK-norm layers only: q and k after their RMSNorm, before any rotation
-        self.register_module("hook_q_normed", HookPoint() if norms else None)  # [b, sq, H, dh]
-        self.register_module("hook_k_normed", HookPoint() if norms else None)  # [b, sk, Hkv, dh]
         self._hook_points = (
             self.hook_q,
             self.hook_k,
@@ -290,8 +280,21 @@ class MultiHeadAttention(nn.Module):
             self.hook_z,
             self.hook_result,
         ) + (() if rotary is None else (self.hook_rot_q, self.hook_rot_k))
-        self._hook_points += () if not norms else (self.hook_q_normed, self.hook_k_normed)
+        self._hook_points += () if qk_norm is None else (self.hook_q_normed, self.hook_k_normed)
         self.reset_parameters()
+
+    def _init_qk_norm(self, qk_norm: str | None, eps: float, offset: float, f: dict[str, Any]) -> None:
+        """``q_norm`` / ``k_norm`` (:class:`~headspace.norms.RMSNorm` over d_head for ``"head"``, over
+        n_heads d_head / n_kv_heads d_head for ``"all"``) and their hook points, or None each."""
+        self.qk_norm = qk_norm
+        norms = qk_norm is not None
+        hq, hkv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
+        width_q, width_k = (self.d_head, self.d_head) if qk_norm == "head" else (hq, hkv)
+        self.register_module("q_norm", RMSNorm(width_q, eps, offset=offset).to(**f) if norms else None)
+        self.register_module("k_norm", RMSNorm(width_k, eps, offset=offset).to(**f) if norms else None)
+        # QK-norm layers only: q and k after their RMSNorm, before any rotation
+        self.register_module("hook_q_normed", HookPoint() if norms else None)  # [b, sq, H, dh]
+        self.register_module("hook_k_normed", HookPoint() if norms else None)  # [b, sk, Hkv, dh]
 
     # ------------------------------------------------------------------ parameters and views
     def reset_parameters(self) -> None:

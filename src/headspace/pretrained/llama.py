@@ -102,7 +102,6 @@ _HIDDEN_ACT = {
 }
 # transformers' defaults where config.json is silent (LlamaConfig, MistralConfig, Qwen2Config)
 _DEFAULT_CONTEXT = {"llama": 2048, "mistral": 131072, "qwen2": 32768, **VARIANT_CONTEXT}
-_LAYER_TYPES = ("full_attention", "sliding_attention")
 _INDEX = "model.safetensors.index.json"
 
 
@@ -204,22 +203,78 @@ def _rope(hf: Mapping[str, Any], f: ConfigFields) -> tuple[float, dict[str, Any]
     return theta, scaling
 
 
+def _sizes(f: ConfigFields) -> tuple[int, int, int, int, int, int, int]:
+    """(vocab, hidden, layers, heads, intermediate, key/value heads, head_dim) of a config, checked."""
+    source = f.source
+    f.require(["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"],
+              "Llama-family")  # fmt: skip
+    vocab = f.integer("vocab_size")
+    d_model = f.integer("hidden_size")
+    n_layers = f.integer("num_hidden_layers")
+    n_heads = f.integer("num_attention_heads")
+    d_mlp = f.integer("intermediate_size")
+    n_kv = f.integer("num_key_value_heads", None, allow_none=True) or n_heads
+    d_head = f.integer("head_dim", None, allow_none=True)
+    if d_head is None:
+        if d_model % n_heads:
+            raise ValueError(
+                f"{source}: hidden_size={d_model} is not divisible by num_attention_heads={n_heads} and "
+                "there is no head_dim"
+            )
+        d_head = d_model // n_heads
+    if n_heads % n_kv:
+        raise ValueError(
+            f"{source}: num_attention_heads={n_heads} is not divisible by num_key_value_heads={n_kv}"
+        )
+    return vocab, d_model, n_layers, n_heads, d_mlp, n_kv, d_head
+
+
+def _context(f: ConfigFields, kind: str, max_seq_len: int | None) -> int:
+    """``max_position_embeddings`` (the model type's default), or ``max_seq_len`` (at most that)."""
+    context = f.integer("max_position_embeddings", _DEFAULT_CONTEXT[kind])
+    if max_seq_len is None:
+        return context
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be None or a positive int; got {max_seq_len!r}")
+    if max_seq_len > context:
+        raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings={context}")
+    return max_seq_len
+
+
+def _pad_id(f: ConfigFields, vocab: int) -> int | None:
+    """``pad_token_id`` (None for null or the -1 old Llama configs write), which must be < vocab."""
+    pad = f.integer("pad_token_id", None, minimum=-(2**31), allow_none=True)
+    if pad is not None and pad < 0:
+        pad = None  # old Llama configs write -1 for "no padding token"
+    if pad is not None and pad >= vocab:
+        raise ValueError(f"{f.source}: pad_token_id must be < vocab_size={vocab}; got {pad}")
+    return pad
+
+
+def _biases(f: ConfigFields, kind: str) -> tuple[bool, bool, bool]:
+    """(q/k/v, output, MLP) biases: Llama's ``attention_bias`` / ``mlp_bias``; transformers' Mistral
+    has none; Qwen2 has them on q, k, v only (whatever the config says); the variants set their own."""
+    if kind == "llama":
+        attention = f.flag("attention_bias", False)
+        return attention, attention, f.flag("mlp_bias", False)
+    return kind == "qwen2", False, False
+
+
 def llama_config(
     hf: Mapping[str, Any], name: str = "", *, max_seq_len: int | None = None, source: str = "config.json"
 ) -> ModelConfig:
-    """A headspace :class:`ModelConfig` from a Hugging Face Llama / Mistral / Qwen2 ``config.json`` dict.
+    """A headspace :class:`ModelConfig` from a Hugging Face ``config.json`` dict of a Llama-family model.
 
-    Supported: ``model_type`` llama, mistral or qwen2; ``hidden_act`` silu (swish), gelu, gelu_new,
-    gelu_pytorch_tanh or relu; RoPE with ``rope_scaling`` / ``rope_parameters`` of type default, linear
-    or llama3 (both the transformers-5 ``rope_parameters`` and the older ``rope_theta`` + ``rope_scaling``
-    spellings); grouped-query attention; an explicit ``head_dim``; Llama's ``attention_bias`` (q, k, v
-    and o) and ``mlp_bias``; Qwen2's q/k/v biases; tied or untied embeddings. Refused, with an error
-    naming the field: any other model_type, hidden_act or rope type (yarn, dynamic, longrope ...),
+    Supported: ``model_type`` in :data:`LLAMA_MODEL_TYPES` (llama, mistral, qwen2 and the variants of
+    :mod:`headspace.pretrained.llama_variants`: gemma2, gemma3_text, qwen3, olmo2, smollm3);
+    ``hidden_act`` (Gemma: ``hidden_activation``) silu (swish), gelu, gelu_new, gelu_pytorch_tanh or
+    relu; RoPE with ``rope_scaling`` / ``rope_parameters`` of type default, linear or llama3 (both
+    spellings; Gemma 3's per-layer-type ``rope_parameters``); grouped-query attention; an explicit
+    ``head_dim``; biases as each architecture has them; tied or untied embeddings; sliding windows on
+    the layers ``layer_types`` (or the model type's rule) names, exactly. Refused, with an error naming
+    the field: any other model_type, hidden_act or rope type (yarn, dynamic, longrope ...),
     ``partial_rotary_factor`` != 1, a ``quantization_config``, ``layer_types`` other than full and
-    sliding attention, and an active sliding window: ``sliding_window`` shorter than the context
-    (Mistral; Qwen2 with ``use_sliding_window``) changes attention beyond ``sliding_window`` tokens,
-    which headspace does not implement; pass ``max_seq_len <= sliding_window`` to use such a model
-    exactly within its window. Every field read is checked for type and range
+    sliding attention, bidirectional Gemma attention. Every field read is checked for type and range
     (:class:`~headspace.pretrained.hf.ConfigFields`): a string where a number or boolean belongs is an
     error, never converted.
 
@@ -249,58 +304,20 @@ def llama_config(
     act = f.text(act_key, "gelu_pytorch_tanh" if act_key == "hidden_activation" else "silu")
     if act not in _HIDDEN_ACT:
         raise ValueError(f"{source}: {act_key}={act!r} is not supported; supported: {sorted(_HIDDEN_ACT)}")
-    f.require(["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"],
-              "Llama-family")  # fmt: skip
-    vocab = f.integer("vocab_size")
-    d_model = f.integer("hidden_size")
-    n_layers = f.integer("num_hidden_layers")
-    n_heads = f.integer("num_attention_heads")
-    d_mlp = f.integer("intermediate_size")
-    n_kv = f.integer("num_key_value_heads", None, allow_none=True) or n_heads
-    d_head = f.integer("head_dim", None, allow_none=True)
-    if d_head is None:
-        if d_model % n_heads:
-            raise ValueError(
-                f"{source}: hidden_size={d_model} is not divisible by num_attention_heads={n_heads} and "
-                "there is no head_dim"
-            )
-        d_head = d_model // n_heads
-    if n_heads % n_kv:
-        raise ValueError(
-            f"{source}: num_attention_heads={n_heads} is not divisible by num_key_value_heads={n_kv}"
-        )
-    context = f.integer("max_position_embeddings", _DEFAULT_CONTEXT[kind])
-    if max_seq_len is not None:
-        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be None or a positive int; got {max_seq_len!r}")
-        if max_seq_len > context:
-            raise ValueError(
-                f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings={context}"
-            )
-        context = max_seq_len
-    types = hf.get("layer_types")
-    if types is not None and (not isinstance(types, list) or any(t not in _LAYER_TYPES for t in types)):
-        raise ValueError(f"{source}: layer_types must list {list(_LAYER_TYPES)}; got {types!r:.120}")
+    vocab, d_model, n_layers, n_heads, d_mlp, n_kv, d_head = _sizes(f)
+    context = _context(f, kind, max_seq_len)
     window, layer_types = windows(f, kind, n_layers, context)
     full_rope, local_theta = local_rope(hf, f, kind)
     theta, scaling = _rope(full_rope, f)
     variant = variant_fields(f, kind, d_model)
-    if kind == "llama":
-        qkv_bias = out_bias = f.flag("attention_bias", False)
-        mlp_bias = f.flag("mlp_bias", False)
-    else:  # transformers' Mistral has no biases; Qwen2 has them on q, k, v only (whatever the config says)
-        qkv_bias, out_bias, mlp_bias = kind == "qwen2", False, False
-    pad = f.integer("pad_token_id", None, minimum=-(2**31), allow_none=True)
-    if pad is not None and pad < 0:
-        pad = None  # old Llama configs write -1 for "no padding token"
-    if pad is not None and pad >= vocab:
-        raise ValueError(f"{source}: pad_token_id must be < vocab_size={vocab}; got {pad}")
+    qkv_bias, out_bias, mlp_bias = _biases(f, kind)
+    pad = _pad_id(f, vocab)
     init = hf.get("initializer_range")
     init_std = 0.02 if init is None else f.number("initializer_range", low=0.0, low_open=True)
-    extra: dict[str, Any] = {"model_type": kind}
-    for key in ("bos_token_id", "eos_token_id"):
-        if hf.get(key) is not None:
-            extra[key] = hf[key]
+    extra = {
+        "model_type": kind,
+        **{k: hf[k] for k in ("bos_token_id", "eos_token_id") if hf.get(k) is not None},
+    }
     kw: dict[str, Any] = dict(
         arch="decoder",
         vocab_size=vocab,

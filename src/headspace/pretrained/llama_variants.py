@@ -34,6 +34,7 @@ VARIANT_MODEL_TYPES = ("gemma2", "gemma3_text", "qwen3", "olmo2", "smollm3")
 #: transformers' defaults where config.json is silent.
 VARIANT_CONTEXT = {"gemma2": 8192, "gemma3_text": 131072, "qwen3": 32768, "olmo2": 4096, "smollm3": 32768}
 _GEMMA = ("gemma2", "gemma3_text")
+_LAYER_TYPES = ("full_attention", "sliding_attention")
 # the model types whose sliding window is switched by use_sliding_window (off by default)
 _WINDOW_SWITCHED = ("qwen2", "qwen3", "smollm3")
 
@@ -51,12 +52,14 @@ def windows(f: ConfigFields, kind: str, n_layers: int, context: int) -> tuple[in
     without it Mistral slides on every layer, Qwen2 from ``max_window_layers`` on, Gemma 2 on even
     layers, Gemma 3 on five of every six.
     """
+    types = f.hf.get("layer_types")
+    if types is not None and (not isinstance(types, list) or any(t not in _LAYER_TYPES for t in types)):
+        raise ValueError(f"{f.source}: layer_types must list {list(_LAYER_TYPES)}; got {types!r:.120}")
     window = f.integer("sliding_window", None, allow_none=True, minimum=1)
     if kind in ("llama", "olmo2") or window is None:
         return None, None  # (transformers' Llama and OLMo 2 attention has no window, whatever the config)
     if kind in _WINDOW_SWITCHED and not f.flag("use_sliding_window", False):
         return None, None  # transformers sets sliding_window = None then
-    types = f.hf.get("layer_types")
     if types is None:
         if kind in _WINDOW_SWITCHED:
             start = f.integer("max_window_layers", 28, minimum=0)
