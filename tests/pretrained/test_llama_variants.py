@@ -237,3 +237,29 @@ def test_qk_capture_applies_qk_norm_and_pruning_refuses_a_joint_norm(saved: dict
     olmo = load_llama(saved["olmo2"][0]).model
     with pytest.raises(ValueError, match="qk_norm='all'"):
         hs.prune_heads(olmo, {0: [0, 1, 2]})  # a whole key/value group
+
+
+def test_features_the_decoding_step_covers_keep_it_and_the_others_fall_back_to_forward() -> None:
+    base = dict(
+        arch="decoder", vocab_size=V, d_model=D, n_layers=2, n_heads=H, n_kv_heads=2, d_head=DH, d_mlp=DM,
+        positions="rotary", norm_kind="rmsnorm", mlp_kind="gated", act="gelu_tanh", bias=False,
+    )  # fmt: skip
+    step_ok = {"embed_scale": D**0.5, "norm_offset": 1.0, "query_pre_attn_scalar": 17}
+    forward_only = [
+        {"sliding_window": 3},
+        {"qk_norm": "head"},
+        {"attn_softcap": 2.0},
+        {"final_softcap": 3.0},
+        {"norm": "sandwich"},
+        {"nope_layers": [1]},
+    ]
+    prompt = torch.randint(0, V, (2, 5))
+    for change in [step_ok, *forward_only]:
+        torch.manual_seed(0)
+        model = hs.Decoder(hs.ModelConfig(**base, **change)).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn_like(p) * 0.1)
+        assert (describe(model) is not None) == (change is step_ok), change
+        cached = model.generate(prompt, 6, temperature=0, native=False)  # (the Python step)
+        assert torch.equal(cached, model.generate(prompt, 6, temperature=0, use_cache=False)), change

@@ -174,6 +174,22 @@ class MultiHeadAttention(nn.Module):
     (default ``kv_cache.length + arange(seq_q)``) says where each query (and its key) sits. The untraced
     path rotates q and k together, on the fused projection, in a few elementwise ops.
 
+    Beyond the classic layer (issue #27: Gemma 2 / 3, Qwen3, OLMo 2, Mistral), each off by default:
+
+    * ``window`` (sliding-window attention): key ``j`` is visible from query ``i`` iff
+      ``i - window < j <= i``, combined by AND with every other mask, on every path; positions are
+      absolute (with a KV cache, the cached keys count: :func:`headspace.masks.window_mask`).
+    * ``qk_norm``: ``"head"`` normalises each head's q and k over d_head (one RMSNorm weight [d_head]
+      each for q and k: Qwen3, Gemma 3), ``"all"`` all heads' q (k) together (OLMo 2); after
+      ``hook_q``/``hook_k``, before the rotation; hook points ``hook_q_normed`` [batch, seq_q, n_heads,
+      d_head] and ``hook_k_normed`` [batch, seq_k, n_kv_heads, d_head]. ``qk_norm_offset`` 1 is
+      Gemma's ``(1 + w)``. With QK-norm the QK circuit ``W_Q[h] W_K[g]^T`` no longer gives the scores
+      alone: they are ``RMSNorm(x W_Q[h]) RMSNorm(c W_K[g])^T``, bilinear in the inputs only at each
+      token's frozen norm scale ``1 / rms(x W_Q[h])`` (and likewise for k).
+    * ``softcap`` (Gemma 2): the scaled scores become ``softcap * tanh(s / softcap)`` before the mask;
+      ``hook_scores`` sees the capped, masked scores. Soft-capped layers run the reference maths.
+    * ``scale``: Gemma's ``query_pre_attn_scalar`` is ``scale = query_pre_attn_scalar ** -0.5``.
+
     ``check_finite`` (default False, as checking costs a pass over the inputs): when True, NaN/Inf in
     the inputs (NaN/+inf in a float ``attn_mask``) or the output raise ``ValueError`` naming the tensor
     and the first bad index. With the default, NaN/Inf propagate like in any torch layer.

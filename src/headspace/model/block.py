@@ -391,7 +391,7 @@ class TransformerBlock(nn.Module):
         """Whether the decoding step (:mod:`headspace.decode`) may stand in for :meth:`forward` on one new
         position (pre-norm, fused self-attention with :class:`~headspace.MultiHeadAttention`'s own
         forward, no ``check_finite``, this module's MLPs; not yet: a sliding window, QK-norm,
-        soft-capping, Gemma's ``1 + weight`` norms, sandwich norms, or a model-wide
+        soft-capping, sandwich or post-sublayer norms, or a model-wide
         :attr:`decode_blockers` reason). Where False, decoding runs :meth:`forward` with the KV cache."""
         a = self.attn
         return (
@@ -400,7 +400,6 @@ class TransformerBlock(nn.Module):
             and getattr(a, "window", None) is None  # (not yet in the step: a ring-buffer cache)
             and getattr(a, "qk_norm", None) is None
             and getattr(a, "softcap", None) is None
-            and all(getattr(n, "offset", 0.0) == 0.0 for n in (self.ln1, self.ln2))
             and isinstance(a, MultiHeadAttention)  # not a head-parallel shard, which has no fused weight
             and type(a).forward is MultiHeadAttention.forward
             and a.fused

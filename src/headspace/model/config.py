@@ -440,7 +440,31 @@ class ModelConfig:
             + (f", positions {self.positions}" if self.positions != "learned" else "")
             + (f" (theta {self.rope_theta:g})" if self.positions == "rotary" else "")
             + (f", {sum(map(len, self.pruned_heads.values()))} heads pruned" if self.pruned_heads else "")
+            + self._layer_summary()
         )
+
+    def _layer_summary(self) -> str:
+        """The #27 features that are on, for :meth:`summary` ("" for a classic model)."""
+        parts = []
+        types = self.layer_types or []
+        if self.sliding_window is not None:
+            parts.append(f"window {self.sliding_window} on {types.count('sliding')}/{len(types)} layers")
+        if self.rope_local_theta is not None:
+            parts.append(f"local theta {self.rope_local_theta:g}")
+        if self.nope_layers:
+            parts.append(f"NoPE layers {self.nope_layers}")
+        if self.qk_norm is not None:
+            parts.append(f"QK-norm ({self.qk_norm})")
+        if self.norm_offset:
+            parts.append(f"norms ({self.norm_offset:g} + w)")
+        for name, v in (("attn softcap", self.attn_softcap), ("final softcap", self.final_softcap)):
+            if v is not None:
+                parts.append(f"{name} {v:g}")
+        if self.embed_scale != 1.0:
+            parts.append(f"embed x {self.embed_scale:.4g}")
+        if self.query_pre_attn_scalar is not None:
+            parts.append(f"scale 1/sqrt({self.query_pre_attn_scalar:g})")
+        return "".join(f", {p}" for p in parts)
 
 
 def _checked_pruned_heads(value: Any, n_layers: int, n_heads: int, n_kv_heads: int) -> dict[int, list[int]]:
