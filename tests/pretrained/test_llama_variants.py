@@ -114,6 +114,7 @@ def test_configs_say_what_each_architecture_is(saved: dict) -> None:
     assert c["smollm3"].nope_layers == [1] and c["mistral"].layer_types == ["sliding"] * L
     model = load_llama(saved["smollm3"][0]).model
     assert [b.attn.rotary is None for b in model.blocks] == [False, True, False]
+    assert hs.load(saved["gemma3_text"][0]).config.qk_norm == "head"  # by config.json's model_type
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
