@@ -60,7 +60,7 @@ def test_config_json_round_trip() -> None:
         ({"n_heads": 4}, ["d_model=35", "n_heads=4"]),
         ({"n_kv_heads": 3}, ["n_heads=7", "n_kv_heads=3"]),
         ({"act": "tanh"}, ["act", "'tanh'"]),
-        ({"norm": "sandwich"}, ["norm", "'sandwich'"]),
+        ({"norm": "middle"}, ["norm", "'middle'"]),  # ("sandwich" is Gemma's since #27)
         ({"dropout": -0.1}, ["dropout", "-0.1"]),
         ({"ln_eps": 0}, ["ln_eps", "0"]),
         ({"pad_token_id": V}, ["pad_token_id", f"vocab_size={V}", str(V)]),

@@ -293,7 +293,7 @@ def test_rope_scaling_and_old_style_configs(tmp_path: Path, saved: dict) -> None
         ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5.*supported: 1.0 or absent"),
         ({"quantization_config": {"quant_method": "gptq"}}, "quantized checkpoints"),
         ({"model_type": "gemma"},
-         r"model_type='gemma' is not supported here; supported: \['llama', 'mistral', 'qwen2'\]"),
+         r"model_type='gemma' is not supported here; supported: \['llama', 'mistral', 'qwen2', 'gemma2'"),
         ({"num_key_value_heads": 4}, "num_attention_heads=6 is not divisible by num_key_value_heads=4"),
         ({"vocab_size": 0}, "vocab_size must be an int >= 1; got 0"),
         ({"tie_word_embeddings": "false"}, "tie_word_embeddings must be true or false"),
@@ -307,22 +307,29 @@ def test_unsupported_configs_are_refused_naming_the_field(
         load_llama(folder)
 
 
-def test_an_active_sliding_window_is_refused_unless_the_context_fits_in_it(tmp_path: Path) -> None:
-    folder, ref = build("mistral", tmp_path / "m", sliding_window=16)
-    with pytest.raises(ValueError, match=r"sliding_window=16 is active.*pass max_seq_len<=16"):
-        load_llama(folder)
-    ours = load_llama(folder, max_seq_len=16)  # exact within its window
-    assert ours.config.max_seq_len == 16
-    tokens = torch.randint(0, V, (2, 16))
+def test_an_active_sliding_window_is_the_layers_window(tmp_path: Path) -> None:
+    """Mistral's sliding window (refused before #27) is every layer's; Qwen2's from max_window_layers on."""
+    folder, ref = build("mistral", tmp_path / "m", sliding_window=5)
+    ours = load_llama(folder)
+    assert ours.config.sliding_window == 5 and ours.config.layer_types == ["sliding"] * L
+    assert all(b.attn.window == 5 for b in ours.model.blocks)
+    tokens = torch.randint(0, V, (2, 16))  # longer than the window
     with torch.no_grad():
-        torch.testing.assert_close(ours(tokens), ref(input_ids=tokens).logits)
-    with pytest.raises(ValueError, match="longer than the position table"):
-        ours(torch.randint(0, V, (1, 17)))
+        want = ref(input_ids=tokens).logits
+        torch.testing.assert_close(ours(tokens), want)
+        windowless = copy_folder(folder, tmp_path / "w")
+        edit_config(windowless, sliding_window=None)
+        assert not torch.allclose(load_llama(windowless)(tokens), want, atol=1e-4)  # the window matters
     qwen = edit_config(copy_folder(folder, tmp_path / "q"), model_type="qwen2", use_sliding_window=True,
                        max_window_layers=1, layer_types=None)  # fmt: skip
-    with pytest.raises(ValueError, match=r"sliding_window=16 is active: transformers' qwen2"):
-        llama_config(json.loads((qwen / "config.json").read_text()))
-    assert llama_config({**json.loads((qwen / "config.json").read_text()), "use_sliding_window": False})
+    c = llama_config(json.loads((qwen / "config.json").read_text()))
+    assert c.layer_types == ["full", "sliding"] and c.sliding_window == 5
+    assert (
+        llama_config(
+            {**json.loads((qwen / "config.json").read_text()), "use_sliding_window": False}
+        ).sliding_window
+        is None
+    )
 
 
 @pytest.fixture

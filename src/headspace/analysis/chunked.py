@@ -595,8 +595,14 @@ class _Stop(Exception):
 def supports_qk_capture(attn: Any) -> bool:
     """Whether :func:`each_layer_qk` can recompute this layer's q and k from its input (a
     :class:`~headspace.MultiHeadAttention` with the stock ``forward``; subclasses with another calling
-    convention, such as the ``torch.nn.MultiheadAttention`` drop-in, are not)."""
-    return isinstance(attn, MultiHeadAttention) and type(attn).forward is MultiHeadAttention.forward
+    convention, such as the ``torch.nn.MultiheadAttention`` drop-in, are not; nor, yet, layers with a
+    sliding window or soft-capped scores, which the chunked statistics do not apply)."""
+    return (
+        isinstance(attn, MultiHeadAttention)
+        and type(attn).forward is MultiHeadAttention.forward
+        and getattr(attn, "window", None) is None
+        and getattr(attn, "softcap", None) is None
+    )
 
 
 def _layer_qk(
@@ -621,6 +627,8 @@ def _layer_qk(
         check_input_tensor("key", k_in, attn.kdim, "kdim", w)
         check_input_tensor("value", k_in if value is None else value, attn.vdim, "vdim", w)
     q, k, _ = attn.project_qkv(query, key, value)  # (B, H, Sq, dh), (B, Hkv, Sk, dh)
+    if getattr(attn, "qk_norm", None) is not None:
+        q, k = attn.normed_qk(q, k)  # QK-norm before the rotation, as the layer
     rotary = attn.rotary
     if rotary is not None:
         positions = kwargs.get("positions")

@@ -44,14 +44,21 @@ def repeat_kv(x: Tensor, n_heads: int) -> Tensor:
     return x.repeat_interleave(n_heads // n_kv_heads, dim=1)  # (batch, n_heads, seq, d_head)
 
 
-def attention_scores(q: Tensor, k: Tensor, mask: CanonicalMask, *, scale: float) -> Tensor:
+def attention_scores(
+    q: Tensor, k: Tensor, mask: CanonicalMask, *, scale: float, softcap: float | None = None
+) -> Tensor:
     """Scaled, masked scores ``q k^T * scale`` with ``-inf`` where a key may not be attended.
+
+    ``softcap`` (Gemma 2's attention logit soft-capping): ``softcap * tanh(q k^T * scale / softcap)``,
+    applied before the mask (so masked keys stay ``-inf``).
 
     Shapes: q [batch, n_heads, seq_q, d_head], k [batch, n_kv_heads, seq_k, d_head]
     -> [batch, n_heads, seq_q, seq_k].
     """
     k = repeat_kv(k, q.shape[1])  # (batch, n_heads, seq_k, d_head)
     scores = torch.matmul(q * scale, k.transpose(-2, -1))  # (batch, n_heads, seq_q, seq_k)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     m = mask.mask
     if mask.is_causal:
         m = causal_mask(q.shape[-2], k.shape[-2], q.device)  # (seq_q, seq_k)
@@ -95,14 +102,15 @@ def reference_parts(
     dropout_p: float = 0.0,
     on_scores: Callable[[Tensor], Tensor] | None = None,
     on_pattern: Callable[[Tensor], Tensor] | None = None,
+    softcap: float | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The reference maths with its intermediates: returns (out, pattern, weights after dropout).
 
     ``on_scores`` / ``on_pattern`` see the scores and the pattern and return them, possibly replaced:
     the traced path of every attention layer passes its hook points here, so a traced layer computes
-    exactly the reference backend's maths.
+    exactly the reference backend's maths. ``softcap``: as :func:`attention_scores`'s.
     """
-    scores = attention_scores(q, k, mask, scale=scale)  # (batch, n_heads, seq_q, seq_k)
+    scores = attention_scores(q, k, mask, scale=scale, softcap=softcap)  # (batch, n_heads, seq_q, seq_k)
     if on_scores is not None:
         scores = on_scores(scores)
     pattern = attention_pattern(scores, mask)  # (batch, n_heads, seq_q, seq_k)

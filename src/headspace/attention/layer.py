@@ -14,7 +14,8 @@ from ..core.checks import check_positive_int, is_number
 from ..decode.kv_cache import KVCache
 from ..kernels.workspace import THREAD_SCRATCH_MIN_BYTES, Workspace, thread_workspace
 from ..nn.hooks import HookPoint
-from ..nn.masks import CanonicalMask, canonical_mask
+from ..nn.masks import CanonicalMask, canonical_mask, check_window
+from ..nn.norms import RMSNorm
 from ..nn.positions import Rotary, rotary_tables, rotate_fused
 from .functional import DeferredAttention, DeferredResult, get_backend, reference_parts, reference_rows
 from .heads import Head, HeadList
@@ -111,6 +112,22 @@ def _check_rotary_positions(positions: Any, batch: int, seq_q: int, device: torc
         raise ValueError(f"positions is on {positions.device} but the query is on {device}")
 
 
+QK_NORMS = ("head", "all")
+
+
+def _check_qk_norm(qk_norm: Any, softcap: Any) -> None:
+    """``qk_norm`` None or one of :data:`QK_NORMS`; ``softcap`` None or a finite number > 0."""
+    if qk_norm is not None and qk_norm not in QK_NORMS:
+        raise ValueError(
+            f"qk_norm must be None, 'head' (RMSNorm over each head's d_head) or 'all' (over all heads at "
+            f"once); got {qk_norm!r}"
+        )
+    if softcap is not None and (not is_number(softcap) or not math.isfinite(softcap) or softcap <= 0):
+        raise ValueError(
+            f"softcap must be None or a finite number > 0 (cap * tanh(s / cap)); got {softcap!r}"
+        )
+
+
 class MultiHeadAttention(nn.Module):
     r"""Multi-head attention with every head's projections in plain sight.
 
@@ -157,6 +174,22 @@ class MultiHeadAttention(nn.Module):
     (default ``kv_cache.length + arange(seq_q)``) says where each query (and its key) sits. The untraced
     path rotates q and k together, on the fused projection, in a few elementwise ops.
 
+    Beyond the classic layer (issue #27: Gemma 2 / 3, Qwen3, OLMo 2, Mistral), each off by default:
+
+    * ``window`` (sliding-window attention): key ``j`` is visible from query ``i`` iff
+      ``i - window < j <= i``, combined by AND with every other mask, on every path; positions are
+      absolute (with a KV cache, the cached keys count: :func:`headspace.masks.window_mask`).
+    * ``qk_norm``: ``"head"`` normalises each head's q and k over d_head (one RMSNorm weight [d_head]
+      each for q and k: Qwen3, Gemma 3), ``"all"`` all heads' q (k) together (OLMo 2); after
+      ``hook_q``/``hook_k``, before the rotation; hook points ``hook_q_normed`` [batch, seq_q, n_heads,
+      d_head] and ``hook_k_normed`` [batch, seq_k, n_kv_heads, d_head]. ``qk_norm_offset`` 1 is
+      Gemma's ``(1 + w)``. With QK-norm the QK circuit ``W_Q[h] W_K[g]^T`` no longer gives the scores
+      alone: they are ``RMSNorm(x W_Q[h]) RMSNorm(c W_K[g])^T``, bilinear in the inputs only at each
+      token's frozen norm scale ``1 / rms(x W_Q[h])`` (and likewise for k).
+    * ``softcap`` (Gemma 2): the scaled scores become ``softcap * tanh(s / softcap)`` before the mask;
+      ``hook_scores`` sees the capped, masked scores. Soft-capped layers run the reference maths.
+    * ``scale``: Gemma's ``query_pre_attn_scalar`` is ``scale = query_pre_attn_scalar ** -0.5``.
+
     ``check_finite`` (default False, as checking costs a pass over the inputs): when True, NaN/Inf in
     the inputs (NaN/+inf in a float ``attn_mask``) or the output raise ``ValueError`` naming the tensor
     and the first bad index. With the default, NaN/Inf propagate like in any torch layer.
@@ -183,9 +216,16 @@ class MultiHeadAttention(nn.Module):
         qkv_bias: bool | None = None,
         out_bias: bool | None = None,
         rotary: Rotary | None = None,
+        window: int | None = None,
+        qk_norm: str | None = None,
+        qk_norm_eps: float = 1e-6,
+        qk_norm_offset: float = 0.0,
+        softcap: float | None = None,
     ) -> None:
         super().__init__()
         d_head, n_kv_heads = resolve_head_dims(d_model, n_heads, d_head, n_kv_heads)
+        check_window(window)
+        _check_qk_norm(qk_norm, softcap)
         for name, flag in (("qkv_bias", qkv_bias), ("out_bias", out_bias)):
             if flag is not None and not isinstance(flag, bool):
                 raise TypeError(f"{name} must be a bool or None (= bias); got {type(flag).__name__} {flag!r}")
@@ -233,6 +273,9 @@ class MultiHeadAttention(nn.Module):
         self.o_weight = nn.Parameter(torch.empty(d_model, hq, **f))
         self.o_bias = nn.Parameter(torch.empty(d_model, **f)) if out_bias else None
         self.register_module("rotary", rotary)  # no parameters, no persistent buffers: no state-dict keys
+        self.window = window
+        self.softcap = None if softcap is None else float(softcap)
+        self._init_qk_norm(qk_norm, qk_norm_eps, qk_norm_offset, f)
 
         self.hook_q = HookPoint()  # [batch, seq_q, n_heads, d_head]
         self.hook_k = HookPoint()  # [batch, seq_k, n_kv_heads, d_head]
@@ -253,7 +296,21 @@ class MultiHeadAttention(nn.Module):
             self.hook_z,
             self.hook_result,
         ) + (() if rotary is None else (self.hook_rot_q, self.hook_rot_k))
+        self._hook_points += () if qk_norm is None else (self.hook_q_normed, self.hook_k_normed)
         self.reset_parameters()
+
+    def _init_qk_norm(self, qk_norm: str | None, eps: float, offset: float, f: dict[str, Any]) -> None:
+        """``q_norm`` / ``k_norm`` (:class:`~headspace.norms.RMSNorm` over d_head for ``"head"``, over
+        n_heads d_head / n_kv_heads d_head for ``"all"``) and their hook points, or None each."""
+        self.qk_norm = qk_norm
+        norms = qk_norm is not None
+        hq, hkv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
+        width_q, width_k = (self.d_head, self.d_head) if qk_norm == "head" else (hq, hkv)
+        self.register_module("q_norm", RMSNorm(width_q, eps, offset=offset).to(**f) if norms else None)
+        self.register_module("k_norm", RMSNorm(width_k, eps, offset=offset).to(**f) if norms else None)
+        # QK-norm layers only: q and k after their RMSNorm, before any rotation
+        self.register_module("hook_q_normed", HookPoint() if norms else None)  # [b, sq, H, dh]
+        self.register_module("hook_k_normed", HookPoint() if norms else None)  # [b, sk, Hkv, dh]
 
     # ------------------------------------------------------------------ parameters and views
     def reset_parameters(self) -> None:
@@ -371,6 +428,12 @@ class MultiHeadAttention(nn.Module):
         rotary = getattr(self, "rotary", None)
         if rotary is not None:
             s += f", rotary(rotary_dim={rotary.rotary_dim}, base={rotary.base:g}, {rotary.rope_type})"
+        if self.window is not None:
+            s += f", window={self.window}"
+        if self.qk_norm is not None:
+            s += f", qk_norm={self.qk_norm!r}"
+        if self.softcap is not None:
+            s += f", softcap={self.softcap:g}"
         return s
 
     # ------------------------------------------------------------------ checks
@@ -496,6 +559,7 @@ class MultiHeadAttention(nn.Module):
             is_causal=is_causal,
             dtype=query.dtype,
             device=query.device,
+            window=self.window,
         )
         if B == 0 or Sq == 0:
             z = query.new_zeros(B, Sq, H * dh)  # (B, Sq, H dh)
@@ -513,7 +577,7 @@ class MultiHeadAttention(nn.Module):
             k, v = kv_cache.append(k, v)  # (B, Hkv, Sk, dh) x 2
         dropout_p = self.dropout if self.training else 0.0
 
-        if traced:
+        if traced or self.softcap is not None:  # (soft-capping: the reference maths, no fused kernel has it)
             z, pattern, _ = self.traced_attention(q, k, v, mask, dropout_p, need_pattern=need_weights)
             out = self.output_from_heads(z)  # (B, Sq, d_model)
         else:
@@ -611,7 +675,8 @@ class MultiHeadAttention(nn.Module):
             else:
                 _check_rotary_positions(positions, B, Sq, query.device)
             cos, sin = rotary_tables(rotary, positions, query.dtype, query.device)  # (B|1, 1, Sq, rd) x 2
-        if rotary is not None and not traced:
+        qk_norm = self.qk_norm is not None
+        if rotary is not None and not traced and not qk_norm:
             # q and k rotated together: they are neighbouring heads of the fused projection
             Hkv = self.n_kv_heads
             qkv = self._fused_projection(query, scratch)  # (B, H + 2 Hkv, Sq, dh)
@@ -628,13 +693,38 @@ class MultiHeadAttention(nn.Module):
             q = self.hook_q(q.transpose(1, 2)).transpose(1, 2)  # (B, H, Sq, dh)
             k = self.hook_k(k.transpose(1, 2)).transpose(1, 2)  # (B, Hkv, Sk_new, dh)
             v = self.hook_v(v.transpose(1, 2)).transpose(1, 2)  # (B, Hkv, Sk_new, dh)
-            if rotary is not None:
-                q = rotate_fused(q, cos, sin, rotary)  # (B, H, Sq, dh)
-                k = rotate_fused(k, cos, sin, rotary)  # (B, Hkv, Sk_new, dh)
+        if qk_norm:
+            q, k = self.normed_qk(q, k)  # (B, H, Sq, dh), (B, Hkv, Sk_new, dh)
+        if rotary is not None and (traced or qk_norm):
+            q = rotate_fused(q, cos, sin, rotary)  # (B, H, Sq, dh)
+            k = rotate_fused(k, cos, sin, rotary)  # (B, Hkv, Sk_new, dh)
+            if traced:
                 if self.hook_rot_q is not None:  # (None if rotary was attached after construction)
                     q = self.hook_rot_q(q.transpose(1, 2)).transpose(1, 2)  # (B, H, Sq, dh)
                     k = self.hook_rot_k(k.transpose(1, 2)).transpose(1, 2)  # (B, Hkv, Sk_new, dh)
         return q, k, v
+
+    def normed_qk(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """QK-norm: q [B, H, Sq, dh] and k [B, Hkv, Sk, dh] through ``q_norm`` / ``k_norm``, firing
+        ``hook_q_normed`` / ``hook_k_normed`` ([B, S, heads, dh]) while they are active.
+
+        ``qk_norm="head"`` (Qwen3, Gemma 3): ``q_h <- RMSNorm(q_h)`` over each head's d_head features,
+        one weight [d_head] shared by every head; ``"all"`` (OLMo 2): one RMSNorm over the
+        concatenated heads' n_heads * d_head (n_kv_heads * d_head for k) features.
+        """
+        B, H, Sq, dh = q.shape
+        Hkv, Sk = k.shape[1], k.shape[2]
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)  # (B, H, Sq, dh), (B, Hkv, Sk, dh)
+        else:
+            q = self.q_norm(q.transpose(1, 2).reshape(B, Sq, H * dh))  # (B, Sq, H dh)
+            q = q.view(B, Sq, H, dh).transpose(1, 2)  # (B, H, Sq, dh)
+            k = self.k_norm(k.transpose(1, 2).reshape(B, Sk, Hkv * dh))  # (B, Sk, Hkv dh)
+            k = k.view(B, Sk, Hkv, dh).transpose(1, 2)  # (B, Hkv, Sk, dh)
+        if self.hook_q_normed.fns or self.hook_k_normed.fns:
+            q = self.hook_q_normed(q.transpose(1, 2)).transpose(1, 2)  # (B, H, Sq, dh)
+            k = self.hook_k_normed(k.transpose(1, 2)).transpose(1, 2)  # (B, Hkv, Sk, dh)
+        return q, k
 
     def _may_use_thread_workspace(
         self, query: Tensor, self_attention: bool, traced: bool, kv_cache: KVCache | None
@@ -683,10 +773,12 @@ class MultiHeadAttention(nn.Module):
         :func:`~headspace.functional.reference_rows` (the same values, a block of queries at a time), and
         pattern and weights are None.
         """
-        if need_pattern or not (self.hook_scores.defers and self.hook_pattern.defers):
+        deferrable = self.hook_scores.defers and self.hook_pattern.defers
+        if need_pattern or self.softcap is not None or not deferrable:
+            # (soft-capped layers keep the pattern: the deferred forms have no cap)
             z, pattern, weights = reference_parts(
                 q, k, v, mask, scale=self.scale, dropout_p=dropout_p,
-                on_scores=self.hook_scores, on_pattern=self.hook_pattern,
+                on_scores=self.hook_scores, on_pattern=self.hook_pattern, softcap=self.softcap,
             )  # fmt: skip
             return self.hook_z(z.transpose(1, 2)), pattern, weights  # (B, Sq, H, dh), ...
         for point, which in ((self.hook_scores, "scores"), (self.hook_pattern, "pattern")):

@@ -57,6 +57,11 @@ def shrink_attention(attn: MultiHeadAttention, keep: Sequence[int]) -> None:
             f"keep: cannot prune all {H} heads of a layer (a layer needs at least one head); zero-ablate "
             "them with headspace.ablate instead, or remove the block"
         )
+    if getattr(attn, "qk_norm", None) == "all" and len(keep) < H:
+        raise ValueError(
+            "keep: this layer's QK-norm normalises all heads' q (and k) together (qk_norm='all', OLMo 2), so "
+            "removing a head changes the others' scores; zero-ablate heads with headspace.ablate instead"
+        )
     kept_kv = kept_kv_heads(attn.n_heads, attn.n_kv_heads, keep, "keep")
     hq, hkv = H * dh, Hkv * dh
 

@@ -41,7 +41,7 @@ from ..nn.positions import Rotary
 #: Activation names accepted by :class:`FeedForward`, :class:`GatedFeedForward` and the models' configs.
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 #: Residual/LayerNorm arrangements accepted by :class:`TransformerBlock`.
-NORMS = ("post", "pre")
+NORMS = ("post", "pre", "sandwich", "post_sublayer")
 #: Kinds of normalisation layer accepted by :class:`TransformerBlock` (``norm_kind``).
 NORM_KINDS = ("layernorm", "rmsnorm")
 #: Kinds of feed-forward network accepted by :class:`TransformerBlock` (``mlp_kind``).
@@ -62,12 +62,15 @@ def make_activation(act: str) -> nn.Module:
     raise ValueError(f"act must be one of {list(ACTIVATIONS)}; got {act!r}")
 
 
-def make_norm(kind: str, d_model: int, eps: float) -> nn.Module:
-    """``"layernorm"`` (``nn.LayerNorm``: weight and bias) or ``"rmsnorm"`` (:class:`RMSNorm`: weight)."""
+def make_norm(kind: str, d_model: int, eps: float, offset: float = 0.0) -> nn.Module:
+    """``"layernorm"`` (``nn.LayerNorm``: weight and bias) or ``"rmsnorm"`` (:class:`RMSNorm`: weight;
+    ``offset`` 1 for Gemma's ``(1 + weight)``; a LayerNorm takes no offset)."""
     if kind == "layernorm":
+        if offset:
+            raise ValueError(f"norm offset={offset} is for RMSNorm (Gemma's 1 + weight); LayerNorm has none")
         return nn.LayerNorm(d_model, eps=eps)
     if kind == "rmsnorm":
-        return RMSNorm(d_model, eps=eps)
+        return RMSNorm(d_model, eps=eps, offset=offset)
     raise ValueError(f"norm_kind must be one of {list(NORM_KINDS)}; got {kind!r}")
 
 
@@ -172,6 +175,9 @@ class TransformerBlock(nn.Module):
 
         post:  h = LN1(x + drop(Attn(x)))          out = LN2(h + drop(MLP(h)))
         pre:   h = x + drop(Attn(LN1(x)))          out = h + drop(MLP(LN2(h)))
+        sandwich (Gemma 2 and 3): h = x + drop(LN_attn_out(Attn(LN1(x))))
+                                  out = h + drop(LN_mlp_out(MLP(LN2(h))))
+        post_sublayer (OLMo 2):   h = x + drop(LN1(Attn(x)))   out = h + drop(LN2(MLP(h)))
 
     with ``Attn`` a :class:`~headspace.MultiHeadAttention` (``.attn``) and ``MLP`` a :class:`FeedForward`
     (``.mlp``; a :class:`GatedFeedForward` with ``mlp_kind="gated"``). Paper symbols (Vaswani et al.
@@ -182,7 +188,10 @@ class TransformerBlock(nn.Module):
     RMSNorm for ``ln1``/``ln2``; ``bias`` switches every bias, ``qkv_bias`` / ``out_bias`` / ``mlp_bias``
     (default: ``bias``) the q/k/v, attention-output and MLP biases apart; ``rotary`` gives the
     attention rotary positions (:class:`~headspace.positions.Rotary`; the same object may serve every
-    block of a model).
+    block of a model). ``window``, ``qk_norm`` (with ``qk_norm_eps``), ``softcap`` and ``scale`` go to
+    :class:`~headspace.MultiHeadAttention` (sliding window, QK-norm, score soft-capping, the score
+    scale); ``norm_offset`` makes every RMSNorm of the block (and the QK-norms) scale by
+    ``offset + weight`` (Gemma: 1).
 
     Hook points, all [batch, seq, d_model]: ``hook_resid_pre`` (the input), ``hook_attn_out`` (the
     attention sublayer's output, after dropout), ``hook_resid_mid`` (``h``), ``hook_mlp_out`` (the MLP
@@ -210,11 +219,18 @@ class TransformerBlock(nn.Module):
         out_bias: bool | None = None,
         mlp_bias: bool | None = None,
         rotary: Rotary | None = None,
+        window: int | None = None,
+        qk_norm: str | None = None,
+        qk_norm_eps: float | None = None,
+        softcap: float | None = None,
+        scale: float | None = None,
+        norm_offset: float = 0.0,
     ) -> None:
         super().__init__()
         if norm not in NORMS:
             raise ValueError(
-                f"norm must be one of {list(NORMS)} ('post' = BERT, 'pre' = GPT-2); got {norm!r}"
+                f"norm must be one of {list(NORMS)} ('post' = BERT, 'pre' = GPT-2, 'sandwich' = Gemma, "
+                f"'post_sublayer' = OLMo 2); got {norm!r}"
             )
         if norm_kind not in NORM_KINDS:
             raise ValueError(f"norm_kind must be one of {list(NORM_KINDS)}; got {norm_kind!r}")
@@ -234,9 +250,11 @@ class TransformerBlock(nn.Module):
         self.mlp_kind = mlp_kind
         self.attn = MultiHeadAttention(
             d_model, n_heads, d_head=d_head, n_kv_heads=n_kv_heads, bias=bias, dropout=attn_dropout,
-            qkv_bias=qkv_bias, out_bias=out_bias, rotary=rotary,
+            qkv_bias=qkv_bias, out_bias=out_bias, rotary=rotary, window=window, qk_norm=qk_norm,
+            qk_norm_eps=ln_eps if qk_norm_eps is None else qk_norm_eps, qk_norm_offset=norm_offset,
+            softcap=softcap, scale=scale,
         )  # fmt: skip
-        self.ln1 = make_norm(norm_kind, d_model, ln_eps)
+        self.ln1 = make_norm(norm_kind, d_model, ln_eps, norm_offset)
         mlp_bias = bias if mlp_bias is None else mlp_bias
         if mlp_kind == "gated":
             self.mlp: FeedForward | GatedFeedForward = GatedFeedForward(
@@ -244,7 +262,18 @@ class TransformerBlock(nn.Module):
             )
         else:
             self.mlp = FeedForward(d_model, d_mlp, act=act, bias=mlp_bias)
-        self.ln2 = make_norm(norm_kind, d_model, ln_eps)
+        self.ln2 = make_norm(norm_kind, d_model, ln_eps, norm_offset)
+        sandwich = norm == "sandwich"
+        # sandwich norms only: the norms of each sublayer's output, before the residual add
+        self.register_module(
+            "ln_attn_out", make_norm(norm_kind, d_model, ln_eps, norm_offset) if sandwich else None
+        )
+        self.register_module(
+            "ln_mlp_out", make_norm(norm_kind, d_model, ln_eps, norm_offset) if sandwich else None
+        )
+        #: Why the cached decoding step may not stand in for this block although the block alone would
+        #: allow it: set by the model for model-wide features (final soft-capping, per-layer rotations).
+        self.decode_blockers: tuple[str, ...] = ()
         self.dropout = nn.Dropout(dropout)
         self.hook_resid_pre = HookPoint()  # [batch, seq, d_model]
         self.hook_attn_out = HookPoint()  # [batch, seq, d_model]
@@ -291,7 +320,9 @@ class TransformerBlock(nn.Module):
         }
         if positions is not None:
             kw["positions"] = positions
-        if self.pre_ln:
+        if self.norm in ("sandwich", "post_sublayer"):
+            out = self._forward_normed_sublayers(x, kw)
+        elif self.pre_ln:
             a = self.dropout(self.attn(self.ln1(x), **kw))  # (batch, seq, d_model)
             if self.hook_attn_out.fns:
                 a = self.hook_attn_out(a)
@@ -317,6 +348,24 @@ class TransformerBlock(nn.Module):
             out = self.hook_resid_post(out)
         return out
 
+    def _forward_normed_sublayers(self, x: Tensor, kw: dict[str, Any]) -> Tensor:
+        """``norm="sandwich"`` (Gemma: a norm before and after each sublayer) or ``"post_sublayer"``
+        (OLMo 2: a norm after each sublayer only), with the residual adds outside the norms:
+        x [batch, seq, d_model] -> [batch, seq, d_model]."""
+        sandwich = self.norm == "sandwich"
+        a = self.attn(self.ln1(x) if sandwich else x, **kw)  # (batch, seq, d_model)
+        a = self.dropout(self.ln_attn_out(a) if sandwich else self.ln1(a))
+        if self.hook_attn_out.fns:
+            a = self.hook_attn_out(a)
+        h = x + a  # (batch, seq, d_model)
+        if self.hook_resid_mid.fns:
+            h = self.hook_resid_mid(h)
+        m = self.mlp(self.ln2(h) if sandwich else h)  # (batch, seq, d_model)
+        m = self.dropout(self.ln_mlp_out(m) if sandwich else self.ln2(m))
+        if self.hook_mlp_out.fns:
+            m = self.hook_mlp_out(m)
+        return h + m
+
     def extra_repr(self) -> str:
         s = f"norm={self.norm!r}"
         if self.norm_kind != "layernorm":
@@ -328,7 +377,11 @@ class TransformerBlock(nn.Module):
         """Whether :meth:`infer` has a fused path for this block (LayerNorm, plain MLP, no rotary)."""
         return (
             self.norm_kind == "layernorm"
+            and self.norm in ("pre", "post")
             and self.mlp_kind == "plain"
+            and getattr(self.attn, "window", None) is None
+            and getattr(self.attn, "qk_norm", None) is None
+            and getattr(self.attn, "softcap", None) is None
             and self.attn.rotary is None
             and self.attn.fused
         )
@@ -337,10 +390,16 @@ class TransformerBlock(nn.Module):
     def decode_supported(self) -> bool:
         """Whether the decoding step (:mod:`headspace.decode`) may stand in for :meth:`forward` on one new
         position (pre-norm, fused self-attention with :class:`~headspace.MultiHeadAttention`'s own
-        forward, no ``check_finite``, this module's MLPs)."""
+        forward, no ``check_finite``, this module's MLPs; not yet: a sliding window, QK-norm,
+        soft-capping, sandwich or post-sublayer norms, or a model-wide
+        :attr:`decode_blockers` reason). Where False, decoding runs :meth:`forward` with the KV cache."""
         a = self.attn
         return (
             self.pre_ln
+            and not self.decode_blockers
+            and getattr(a, "window", None) is None  # (not yet in the step: a ring-buffer cache)
+            and getattr(a, "qk_norm", None) is None
+            and getattr(a, "softcap", None) is None
             and isinstance(a, MultiHeadAttention)  # not a head-parallel shard, which has no fused weight
             and type(a).forward is MultiHeadAttention.forward
             and a.fused

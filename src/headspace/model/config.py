@@ -18,6 +18,8 @@ from ..nn.positions import Rotary
 from .block import ACTIVATIONS, MLP_KINDS, NORM_KINDS, NORMS
 
 ARCHS = ("encoder", "decoder")
+#: The kinds of attention layer (``ModelConfig.layer_types``): a sliding window, or every earlier key.
+LAYER_TYPES = ("sliding", "full")
 #: How a model knows where a token is: a learned table added to the embeddings, rotary positions
 #: (RoPE) in every attention layer, or nothing (causal decoders can do without: "NoPE").
 POSITIONS = ("learned", "rotary", "none")
@@ -29,6 +31,11 @@ _ROPE_DEFAULTS: dict[str, Any] = {
     "rope_interleaved": False,
     "rope_scaling": None,
 }
+
+
+def _finite(value: Any) -> bool:
+    """A real number (not a bool) that is finite."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _positive_int(name: str, value: Any) -> None:
@@ -144,6 +151,29 @@ class ModelConfig:
     out_bias: bool | None = None
     #: Biases in the feed-forward projections; derived: bias.
     mlp_bias: bool | None = None
+    #: Sliding-window attention: on a "sliding" layer (``layer_types``) query i sees key j iff
+    #: i - sliding_window < j <= i (positions absolute, also with a KV cache); None: no window.
+    sliding_window: int | None = None
+    #: One of "sliding" / "full" per layer; derived: all "sliding" with a sliding_window, else all "full".
+    layer_types: list[str] | None = None
+    #: Rotary only: the RoPE base of the "sliding" layers (Gemma 3's rope_local_base_freq 10000; the
+    #: "full" layers use rope_theta); None: rope_theta on every layer.
+    rope_local_theta: float | None = None
+    #: Layers whose attention has no rotary positions (NoPE: SmolLM3's no_rope_layers); empty: none.
+    nope_layers: list[int] = field(default_factory=list)
+    #: QK-norm: None, "head" (RMSNorm of each head's q and k over d_head before RoPE: Qwen3, Gemma 3)
+    #: or "all" (one RMSNorm over all heads' q, one over all k: OLMo 2). Needs norm_kind="rmsnorm".
+    qk_norm: str | None = None
+    #: Every RMSNorm scales by (norm_offset + weight): 0 (Llama), 1 (Gemma's 1 + w).
+    norm_offset: float = 0.0
+    #: Attention logit soft-capping (Gemma 2): scores s -> cap * tanh(s / cap) before the mask; None: off.
+    attn_softcap: float | None = None
+    #: Final-logit soft-capping (Gemma 2): logits -> cap * tanh(logits / cap); None: off.
+    final_softcap: float | None = None
+    #: The token embeddings are multiplied by this (Gemma: sqrt(d_model)); the unembedding is not.
+    embed_scale: float = 1.0
+    #: Scores are scaled by 1 / sqrt(query_pre_attn_scalar) (Gemma's field); None: d_head.
+    query_pre_attn_scalar: float | None = None
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -192,7 +222,7 @@ class ModelConfig:
         if self.embed_ln is None:
             self.embed_ln = self.norm == "post"
         if self.final_ln is None:
-            self.final_ln = self.norm == "pre"
+            self.final_ln = self.norm in ("pre", "sandwich", "post_sublayer")
         for name in ("bias", "tie_embeddings", "embed_ln", "final_ln"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ModelConfig.{name} must be a bool; got {getattr(self, name)!r}")
@@ -220,6 +250,87 @@ class ModelConfig:
             self.pruned_heads, self.n_layers, self.n_heads, self.n_kv_heads
         )
         self._check_llama_fields()
+        self._check_layer_fields()
+
+    def _check_layer_fields(self) -> None:
+        """The fields that came with Gemma / Qwen3 / OLMo 2 / SmolLM3 / Mistral's sliding window."""
+        window = self.sliding_window
+        if window is not None and (not is_int(window) or window < 1):
+            raise ValueError(f"ModelConfig.sliding_window must be None or an int >= 1; got {window!r}")
+        if self.layer_types is None:
+            self.layer_types = ["sliding" if window is not None else "full"] * self.n_layers
+        types = self.layer_types
+        if (
+            not isinstance(types, list)
+            or len(types) != self.n_layers
+            or any(t not in LAYER_TYPES for t in types)
+        ):
+            raise ValueError(
+                f"ModelConfig.layer_types must list {list(LAYER_TYPES)}, one per layer "
+                f"(n_layers={self.n_layers}); got {types!r:.120}"
+            )
+        if "sliding" in types and window is None:
+            raise ValueError("ModelConfig.layer_types has 'sliding' layers but sliding_window is None")
+        nope = self.nope_layers
+        if not isinstance(nope, list) or any(not is_int(i) or not 0 <= i < self.n_layers for i in nope):
+            raise ValueError(
+                f"ModelConfig.nope_layers must be a list of layer indices in [0, n_layers={self.n_layers}); "
+                f"got {nope!r:.120}"
+            )
+        self.nope_layers = sorted(set(nope))
+        if (nope or self.rope_local_theta is not None) and self.positions != "rotary":
+            raise ValueError("ModelConfig.nope_layers and rope_local_theta need positions='rotary'")
+        local = self.rope_local_theta
+        if local is not None and (not _finite(local) or local <= 0):
+            raise ValueError(
+                f"ModelConfig.rope_local_theta must be None or a finite number > 0; got {local!r}"
+            )
+        if self.qk_norm not in (None, "head", "all"):
+            raise ValueError(f"ModelConfig.qk_norm must be None, 'head' or 'all'; got {self.qk_norm!r}")
+        if self.qk_norm is not None and self.norm_kind != "rmsnorm":
+            raise ValueError("ModelConfig.qk_norm is an RMSNorm: it needs norm_kind='rmsnorm'")
+        if not _finite(self.norm_offset) or (self.norm_offset and self.norm_kind != "rmsnorm"):
+            raise ValueError(
+                f"ModelConfig.norm_offset must be a finite number, non-zero only with norm_kind='rmsnorm'; "
+                f"got {self.norm_offset!r} with norm_kind={self.norm_kind!r}"
+            )
+        for name in ("attn_softcap", "final_softcap", "query_pre_attn_scalar"):
+            v = getattr(self, name)
+            if v is not None and (not _finite(v) or v <= 0):
+                raise ValueError(f"ModelConfig.{name} must be None or a finite number > 0; got {v!r}")
+        if not _finite(self.embed_scale) or self.embed_scale <= 0:
+            raise ValueError(f"ModelConfig.embed_scale must be a finite number > 0; got {self.embed_scale!r}")
+
+    @property
+    def attn_scale(self) -> float:
+        """The score scale: 1 / sqrt(query_pre_attn_scalar), or 1 / sqrt(d_head) without it."""
+        d = self.d_head if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar
+        return 1.0 / math.sqrt(d)
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer ``layer`` (None on a "full" layer)."""
+        assert self.layer_types is not None
+        return self.sliding_window if self.layer_types[layer] == "sliding" else None
+
+    def make_rotaries(self) -> list[Rotary | None]:
+        """One :class:`~headspace.positions.Rotary` (or None: NoPE) per layer; layers of one kind share
+        one object (the "full" layers' base rope_theta, the "sliding" layers' rope_local_theta)."""
+        full = self.make_rotary()
+        if full is None:
+            return [None] * self.n_layers
+        local = full
+        if self.rope_local_theta is not None:
+            local = Rotary(
+                self.d_head,
+                base=float(self.rope_local_theta),
+                fraction=float(self.rotary_fraction),
+                interleaved=self.rope_interleaved,
+            )
+        assert self.layer_types is not None
+        return [
+            None if i in self.nope_layers else (local if t == "sliding" else full)
+            for i, t in enumerate(self.layer_types)
+        ]
 
     def _check_llama_fields(self) -> None:
         """positions and the rotary fields, norm_kind, mlp_kind and the three bias switches."""
@@ -329,7 +440,31 @@ class ModelConfig:
             + (f", positions {self.positions}" if self.positions != "learned" else "")
             + (f" (theta {self.rope_theta:g})" if self.positions == "rotary" else "")
             + (f", {sum(map(len, self.pruned_heads.values()))} heads pruned" if self.pruned_heads else "")
+            + self._layer_summary()
         )
+
+    def _layer_summary(self) -> str:
+        """The #27 features that are on, for :meth:`summary` ("" for a classic model)."""
+        parts = []
+        types = self.layer_types or []
+        if self.sliding_window is not None:
+            parts.append(f"window {self.sliding_window} on {types.count('sliding')}/{len(types)} layers")
+        if self.rope_local_theta is not None:
+            parts.append(f"local theta {self.rope_local_theta:g}")
+        if self.nope_layers:
+            parts.append(f"NoPE layers {self.nope_layers}")
+        if self.qk_norm is not None:
+            parts.append(f"QK-norm ({self.qk_norm})")
+        if self.norm_offset:
+            parts.append(f"norms ({self.norm_offset:g} + w)")
+        for name, v in (("attn softcap", self.attn_softcap), ("final softcap", self.final_softcap)):
+            if v is not None:
+                parts.append(f"{name} {v:g}")
+        if self.embed_scale != 1.0:
+            parts.append(f"embed x {self.embed_scale:.4g}")
+        if self.query_pre_attn_scalar is not None:
+            parts.append(f"scale 1/sqrt({self.query_pre_attn_scalar:g})")
+        return "".join(f", {p}" for p in parts)
 
 
 def _checked_pruned_heads(value: Any, n_layers: int, n_heads: int, n_kv_heads: int) -> dict[int, list[int]]:

@@ -101,6 +101,18 @@ def _product_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
     return found
 
 
+def model_decode_blockers(c: ModelConfig) -> tuple[str, ...]:
+    """The model-wide features of ``c`` the cached decoding step does not compute (each block gets them
+    as :attr:`~headspace.block.TransformerBlock.decode_blockers`, which makes its ``decode_supported``
+    False, so decoding runs ``forward``): final-logit soft-capping, rotations that differ by layer."""
+    out = []
+    if c.final_softcap is not None:
+        out.append("final-logit soft-capping")
+    if c.nope_layers or (c.rope_local_theta is not None and "sliding" in (c.layer_types or ())):
+        out.append("rotary positions that differ by layer")
+    return tuple(out)
+
+
 class _Stack(nn.Module):
     """What Encoder and Decoder share: embeddings, blocks, optional LayerNorms, initialisation."""
 
@@ -112,10 +124,11 @@ class _Stack(nn.Module):
         # learned positions only; rotary positions live in the attention layers, "none" has none
         self.pos_embed = nn.Embedding(c.max_seq_len, c.d_model) if c.positions == "learned" else None
         self.type_embed = nn.Embedding(c.type_vocab_size, c.d_model) if c.type_vocab_size else None
-        self.embed_ln = make_norm(c.norm_kind, c.d_model, c.ln_eps) if c.embed_ln else None
+        self.embed_ln = make_norm(c.norm_kind, c.d_model, c.ln_eps, c.norm_offset) if c.embed_ln else None
         self.embed_dropout = nn.Dropout(c.emb_dropout)
         self.hook_embed = HookPoint()  # [batch, seq, d_model]: the residual stream entering block 0
-        rotary = c.make_rotary()  # one for every block: cos/sin are computed once per forward
+        # one per kind of layer (NoPE layers: None), shared: cos/sin are computed once per forward
+        rotaries = c.make_rotaries()
         self.blocks = nn.ModuleList(
             TransformerBlock(
                 c.d_model,
@@ -134,11 +147,19 @@ class _Stack(nn.Module):
                 qkv_bias=c.qkv_bias,
                 out_bias=c.out_bias,
                 mlp_bias=c.mlp_bias,
-                rotary=rotary,
+                rotary=rotaries[i],
+                window=c.layer_window(i),
+                qk_norm=c.qk_norm,
+                softcap=c.attn_softcap,
+                scale=c.attn_scale,
+                norm_offset=c.norm_offset,
             )
-            for _ in range(c.n_layers)
+            for i in range(c.n_layers)
         )
-        self.ln_final = make_norm(c.norm_kind, c.d_model, c.ln_eps) if c.final_ln else None
+        self.ln_final = make_norm(c.norm_kind, c.d_model, c.ln_eps, c.norm_offset) if c.final_ln else None
+        blockers = model_decode_blockers(c)
+        for block in self.blocks:
+            block.decode_blockers = blockers
         self._init_weights()
         for layer in c.pruned_heads:  # built as prune_heads leaves them: (H', ...) fused storage
             shrink_attention(self.blocks[layer].attn, c.kept_heads(layer))
@@ -231,7 +252,8 @@ class _Stack(nn.Module):
         token_type_ids: Tensor | None = None,
         positions: Tensor | None = None,
     ) -> Tensor:
-        """Token + position (+ token-type) embeddings, LayerNorm and dropout as configured.
+        """Token (times ``config.embed_scale``) + position (+ token-type) embeddings, LayerNorm and
+        dropout as configured.
 
         Shapes: tokens [batch, seq] -> [batch, seq, d_model]; positions are ``start .. start + seq - 1``
         for every row, or the given per-row ``positions`` int64 [batch, seq] (left-padded batches:
@@ -240,13 +262,14 @@ class _Stack(nn.Module):
         """
         if positions is not None and start:
             raise ValueError(f"embed takes start or positions, not both; got start={start} and positions")
-        if self.pos_embed is None:
-            e = self.tok_embed(tokens)  # (batch, seq, d_model)
-        else:
+        e = self.tok_embed(tokens)  # (batch, seq, d_model)
+        if self.config.embed_scale != 1.0:
+            e = e * self.config.embed_scale  # Gemma: E_tok[t] * sqrt(d_model)
+        if self.pos_embed is not None:
             if positions is None:
                 seq = tokens.shape[1]
                 positions = torch.arange(start, start + seq, device=tokens.device)  # (seq,)
-            e = self.tok_embed(tokens) + self.pos_embed(positions)  # (batch, seq, d_model)
+            e = e + self.pos_embed(positions)  # (batch, seq, d_model)
         if self.type_embed is not None:
             if token_type_ids is None:
                 e = e + self.type_embed.weight[0]  # every token of segment 0
@@ -313,10 +336,9 @@ class Encoder(_Stack):
                 device=self.tok_embed.weight.device,
             )
         x = self.embed(tokens, token_type_ids=token_type_ids)  # (batch, seq, d_model)
-        kw = {}
-        if self.rotary is not None:  # one positions tensor for every block: cos/sin computed once
-            kw["positions"] = torch.arange(tokens.shape[1], device=tokens.device)  # (seq,)
+        pos = torch.arange(tokens.shape[1], device=tokens.device)  # (seq,): one for every rotary block
         for block in self.blocks:
+            kw = {} if block.attn.rotary is None else {"positions": pos}
             x = block(x, key_padding=key_padding, **kw)  # (batch, seq, d_model)
         if self.ln_final is not None:
             x = self.ln_final(x)
@@ -461,18 +483,16 @@ class Decoder(_Stack):
         else:
             check_positions(positions, tokens, self.config)
             x = self.embed(tokens, positions=positions)  # (batch, seq, d_model)
-        kw = {}
-        if self.rotary is not None:
-            # one positions tensor for every block, so the rotation's cos/sin are computed once
-            seq = tokens.shape[1]
-            kw["positions"] = (
-                torch.arange(start, start + seq, device=tokens.device) if positions is None else positions
-            )  # (seq,) or (batch, seq)
+        # one positions tensor for every rotary block, so the rotation's cos/sin are computed once
+        seq = tokens.shape[1]
+        pos = torch.arange(start, start + seq, device=tokens.device) if positions is None else positions
+        # (seq,) or (batch, seq)
         # one new query after the cached positions sees every key: causality is vacuous there, and
         # dropping it lets attention run without building a mask in every layer
         causal = not (kv_caches is not None and tokens.shape[1] == 1)
         for i, block in enumerate(self.blocks):
             cache = None if kv_caches is None else kv_caches[i]
+            kw = {} if block.attn.rotary is None else {"positions": pos}  # (NoPE blocks: none)
             x = block(x, key_padding=key_padding, is_causal=causal, kv_cache=cache, **kw)  # (batch, seq, d)
         if self.ln_final is not None:
             x = self.ln_final(x)
@@ -516,13 +536,17 @@ class Decoder(_Stack):
                 keys are rotated to (in [0, max_seq_len) all the same).
 
         Returns:
-            logits [batch, seq, vocab_size], float32 at every precision of :meth:`to_precision`.
+            logits [batch, seq, vocab_size], float32 at every precision of :meth:`to_precision`
+            (``cap * tanh(logits / cap)`` with ``config.final_softcap``).
         """
         h = self.hidden_states(tokens, key_padding, kv_caches, positions=positions)  # (batch, seq, d_model)
         if self.lm_head is None:
             logits = F.linear(h, self.tok_embed.weight)  # (batch, seq, vocab_size)
         else:
             logits = self.lm_head(h)  # (batch, seq, vocab_size)
+        cap = self.config.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap  # Gemma 2's final-logit soft-capping
         return logits if logits.dtype == torch.float32 else logits.float()  # float32 at every precision
 
     def generate(self, tokens: Tensor, max_new_tokens: int, **options: Any) -> Tensor:

@@ -195,7 +195,7 @@ def _head_range(n: int, rank: int, world: int) -> slice:
 
 
 #: The constructor arguments a shard or a gathered layer takes over unchanged, read off the layer by name.
-_KEPT_SETTINGS = ("d_head", "kdim", "vdim", "dropout", "scale", "check_finite", "rotary")
+_KEPT_SETTINGS = ("d_head", "kdim", "vdim", "dropout", "scale", "check_finite", "rotary", "window", "softcap")
 
 
 def _attention_like(
@@ -207,6 +207,11 @@ def _attention_like(
     (rotation acts per head: a shard rotates its own heads as the whole layer does), device and dtype;
     an output bias if ``out_bias``. Its weights are freshly initialised.
     """
+    if getattr(attn, "qk_norm", None) is not None:
+        raise ValueError(
+            f"head-parallel attention does not split QK-norm layers yet (qk_norm={attn.qk_norm!r}); "
+            "run this model unsharded"
+        )
     w = attn.o_weight
     kept = {name: getattr(attn, name) for name in _KEPT_SETTINGS}
     return MultiHeadAttention(

