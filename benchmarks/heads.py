@@ -38,17 +38,11 @@ import headspace as hs
 from headspace.analysis import ablation, head_importance
 from headspace.analysis.explain import DEFAULT_SENTENCE
 from headspace.analysis.trace import attention_layers
+from headspace.bench.scripts import output_path
 from headspace.core.fileio import write_json
 
 RESULTS = Path(__file__).resolve().parent / "results"
 """The published results (committed); runs without --save write to RESULTS / "local"."""
-
-
-def output_path(out: str | None, save: bool, name: str) -> Path:
-    """``--out`` as given; else ``RESULTS/name`` with ``--save``, ``RESULTS/local/name`` without."""
-    if out is not None:
-        return Path(out)
-    return (RESULTS if save else RESULTS / "local") / name
 
 
 def timed(fn) -> tuple[object, float, float]:
@@ -86,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--save publishes to benchmarks/results/; it cannot go with --out")
     if args.rounds <= 0 or args.threads <= 0:
         ap.error(f"--rounds and --threads must be positive; got {args.rounds}, {args.threads}")
-    out = output_path(args.out, args.save, "heads.json")
+    out = output_path(args.out, args.save, "heads.json", RESULTS)
     torch.set_num_threads(args.threads)
     if args.random:
         cfg = hs.ModelConfig(

@@ -32,16 +32,11 @@ import sys
 import time
 from pathlib import Path
 
+from headspace.bench.scripts import output_path
+
 RESULTS = Path(__file__).resolve().parent / "results"
 """The published results (committed); runs without --save write to RESULTS / "local"."""
 GB = 1e9
-
-
-def output_path(out: str | None, save: bool, name: str) -> Path:
-    """``--out`` as given; else ``RESULTS/name`` with ``--save``, ``RESULTS/local/name`` without."""
-    if out is not None:
-        return Path(out)
-    return (RESULTS if save else RESULTS / "local") / name
 
 
 def load_model(random: bool):  # -> (model, vocab_size)
@@ -130,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.case is not None:
         print(json.dumps(run_case(args.case, args.tokens[0], args.threads, args.random)))
         return 0
-    out = output_path(args.out, args.save, "trace_memory.json")
+    out = output_path(args.out, args.save, "trace_memory.json", RESULTS)
     cases = []
     for n in args.tokens:
         names = ["forward", "trace_all", "patterns"] + (["stored_all"] if n <= 1024 else [])

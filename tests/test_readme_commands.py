@@ -140,9 +140,9 @@ def test_kernel_marked_tests_are_the_kernel_dependent_files() -> None:
     (pyproject's --strict-markers refuses it otherwise) and carried by each kernel-dependent module."""
     pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
     assert '"kernels: ' in pyproject and "--strict-markers" in pyproject
-    for name in ("test_precision.py", "test_native.py", "test_decoding.py"):
+    for name in ("kernels/test_precision.py", "decode/test_native.py", "decode/test_decoding.py"):
         text = (ROOT / "tests" / name).read_text(encoding="utf-8")
         marks = [line for line in text.splitlines() if line.startswith("pytestmark")]
         assert len(marks) == 1 and "pytest.mark.kernels" in marks[0], name
-    bench = (ROOT / "tests" / "test_bench_scripts.py").read_text(encoding="utf-8")
+    bench = (ROOT / "tests" / "bench" / "test_bench_scripts.py").read_text(encoding="utf-8")
     assert "@pytest.mark.kernels\ndef test_encode_script_" in bench

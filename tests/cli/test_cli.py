@@ -448,6 +448,13 @@ def test_every_model_option_says_what_load_accepts():
     from headspace.pretrained.registry import FOLDER_LOADERS, MODELS
 
     shown = {"bert": "BERT", "gpt2": "GPT-2", "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2"}
+    shown |= {
+        "qwen3": "Qwen3",
+        "gemma2": "Gemma 2",
+        "gemma3_text": "Gemma 3",
+        "olmo2": "OLMo 2",
+        "smollm3": "SmolLM3",
+    }
     assert set(FOLDER_LOADERS) <= set(shown), "a new folder model type: name it in MODEL_HELP"
     for kind in FOLDER_LOADERS:
         assert shown[kind] in MODEL_HELP, kind

@@ -153,7 +153,10 @@ def test_compile_benchmark_smoke_run(tmp_path, capsys: pytest.CaptureFixture[str
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
-    assert module.output_path(None, False, "compile.json") == module.RESULTS / "local" / "compile.json"
+    assert (
+        module.output_path(None, False, "compile.json", module.RESULTS)
+        == module.RESULTS / "local" / "compile.json"
+    )
     with pytest.raises(SystemExit):
         module.main(["--save", "--out", str(tmp_path / "x.json")])
     out = tmp_path / "compile.json"

@@ -394,7 +394,7 @@ def test_rmsnorm_offset_matches_transformers_gemma(dtype: torch.dtype) -> None:
 # ---------------------------------------------------------------------------------------- layering
 
 
-@pytest.mark.parametrize("module", ["positions.py", "norms.py"])
+@pytest.mark.parametrize("module", ["nn/positions.py", "nn/norms.py"])
 def test_modules_import_only_torch_and_stdlib_basics(module: str) -> None:
     tree = ast.parse((SRC / module).read_text())
     allowed = {"__future__", "math", "dataclasses", "typing", "weakref", "torch"}

@@ -14,13 +14,12 @@ import click
 
 from ..core.errors import UsageError
 from .loader import load_model, one_line
+from .options import model_choice_option
 from .output import check_writable_folder
 
 
 @click.command("atlas")
-@click.option(
-    "--model", "model_spec", default="smollm2", show_default=True, help="Model name, folder or .gguf."
-)
+@model_choice_option("smollm2")
 @click.option(
     "--corpus", required=True, help='A UTF-8 text file, a folder of them, or JSONL ({"text": ...} per line).'
 )

@@ -41,8 +41,8 @@ def seed_value(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
 #: read from the registry, so that --help needs no torch; a test checks it names every folder model type).
 MODEL_HELP = (
     "'minilm' (all-MiniLM-L6-v2, an encoder), 'smollm2' (SmolLM2-135M-Instruct, a decoder), a folder "
-    "holding a Hugging Face checkpoint (config.json + model.safetensors: BERT, GPT-2, Llama, Mistral or "
-    "Qwen2), or a .gguf file (Llama family)."
+    "holding a Hugging Face checkpoint (config.json + model.safetensors: BERT, GPT-2, Llama, Mistral, "
+    "Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo 2 or SmolLM3), or a .gguf file (Llama family)."
 )
 
 

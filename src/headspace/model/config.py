@@ -412,6 +412,8 @@ class ModelConfig:
         """Every field, derived ones included, as JSON values (``pruned_heads`` keys as strings)."""
         d = dataclasses.asdict(self)
         d["pruned_heads"] = {str(layer): heads for layer, heads in self.pruned_heads.items()}
+        if self.sliding_window is None and set(self.layer_types or ()) <= {"full"}:
+            d["layer_types"] = None  # every layer full: derived again on load (files as before windows)
         return d
 
     @classmethod
