@@ -100,6 +100,17 @@ def _seed() -> None:
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _same_threads() -> Iterator[None]:
+    """Each test starts with the session's intra-op thread count: a benchmark's ``--threads 1`` (which
+    sets the main thread's count only) must not leave the main thread computing with another count
+    than the threads a later test starts (MKL's sums, and so the bits, depend on it)."""
+    n = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
 @pytest.fixture
 def automatic_choices(monkeypatch: pytest.MonkeyPatch) -> None:
     """For tests of the automatic choices themselves (native step, prepack): no fallback forced by the

@@ -435,15 +435,12 @@ def _bench_script(name: str):
 
 
 def test_long_inputs_benchmark_smoke_run(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    from headspace.bench.scripts import output_path
+
     module = _bench_script("long_inputs")
-    assert (
-        module.output_path(None, False, "long_inputs.json", module.RESULTS)
-        == module.RESULTS / "local" / "long_inputs.json"
-    )
-    assert (
-        module.output_path(None, True, "long_inputs.json", module.RESULTS)
-        == module.RESULTS / "long_inputs.json"
-    )
+    results = module.RESULTS
+    assert output_path(None, False, "long_inputs.json", results) == results / "local" / "long_inputs.json"
+    assert output_path(None, True, "long_inputs.json", results) == results / "long_inputs.json"
     with pytest.raises(SystemExit):
         module.main(["--save", "--out", str(tmp_path / "x.json")])
     out = tmp_path / "long_inputs.json"
