@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers  # a dev dependency: the reference models are built with it
 from click.testing import CliRunner
 from torch.testing import assert_close
 
@@ -98,7 +99,6 @@ def test_one_part_is_the_maths_written_out_by_hand() -> None:
 
 
 def test_score_decomposition_on_pretrained_models(smollm2, tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers")
     minilm = hs.load("minilm")
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=61, n_positions=17, n_embd=28, n_layer=3, n_head=7,
@@ -398,7 +398,6 @@ NAMES = "Mary John Tom James Dan Sarah Paul Anna".split()
 
 def tiny_gpt2(folder: Path) -> Path:
     """A 2-layer GPT-2 saved by transformers, with a word-level tokenizer knowing the IOI templates."""
-    transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     words = {"<|endoftext|>"} | set(NAMES)

@@ -694,9 +694,6 @@ def test_attention_parts_script_quick(
         assert row[-1].startswith(f"{r['layer_over_floor']:.2f}x (")
 
 
-@pytest.mark.skipif(
-    native.compiler() is None, reason="the default step is the native one: it needs a C++ compiler"
-)
 def test_side_by_side_script_against_this_checkout(
     smollm2_gguf: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -710,5 +707,7 @@ def test_side_by_side_script_against_this_checkout(
     for row in doc["rows"]:
         assert row["ratio"] == pytest.approx(row["this"]["median"] / row["before"]["median"])
         assert 0 < row["before"]["min"] <= row["before"]["median"] <= row["before"]["max"]
-    assert doc["native"] == {"this": "loaded", "before": "loaded"}
+    # the default step in both children: the native one where this machine can build it, else Python
+    want = "loaded" if native.compiler() is not None else doc["native"]["before"]
+    assert doc["native"] == {"this": want, "before": want}
     assert "| decode b8 ms/token |" in capsys.readouterr().out
