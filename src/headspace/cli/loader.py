@@ -20,7 +20,8 @@ def one_line(e: BaseException) -> str:
 
 
 def load_model(spec: str) -> Any:
-    """A registered model (``minilm``, ``smollm2``), a Hugging Face checkpoint folder or a ``.gguf`` file."""
+    """A registered model (``minilm``, ``smollm2``, ``gemma3``), a Hugging Face checkpoint folder or a
+    ``.gguf`` file."""
     from .. import pretrained
 
     try:

@@ -40,9 +40,10 @@ def seed_value(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
 #: The help of every command's ``--model``: what :func:`headspace.pretrained.load` accepts (kept here, not
 #: read from the registry, so that --help needs no torch; a test checks it names every folder model type).
 MODEL_HELP = (
-    "'minilm' (all-MiniLM-L6-v2, an encoder), 'smollm2' (SmolLM2-135M-Instruct, a decoder), a folder "
-    "holding a Hugging Face checkpoint (config.json + model.safetensors: BERT, GPT-2, Llama, Mistral, "
-    "Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo 2 or SmolLM3), or a .gguf file (Llama family)."
+    "'minilm' (all-MiniLM-L6-v2, an encoder), 'smollm2' (SmolLM2-135M-Instruct, a decoder), 'gemma3' or "
+    "'gemma3-270m' (Gemma-3-270M, a decoder), a folder holding a Hugging Face checkpoint (config.json + "
+    "model.safetensors: BERT, GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo 2 or "
+    "SmolLM3), or a .gguf file (Llama family, Gemma 3)."
 )
 
 
@@ -64,7 +65,7 @@ def model_choice_option(
 model_option = model_choice_option("minilm")
 #: ``--model`` of the commands that read logits (patch, attribute, generate): default smollm2.
 decoder_model_option = model_choice_option(
-    "smollm2", needs="This command needs a decoder (smollm2, GPT-2, Llama, Mistral, Qwen2)."
+    "smollm2", needs="This command needs a decoder (smollm2, gemma3, GPT-2, Llama, Mistral, Qwen2)."
 )
 #: The --help epilog of the commands that print tokens: how :func:`headspace.tokenization.readable_token`
 #: shows them (kept here so that --help needs no torch; a test holds the two together).

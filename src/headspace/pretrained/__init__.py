@@ -2,7 +2,9 @@
 
 * :mod:`.hf`: reading and checking a Hugging Face folder (shared by every converter);
 * :mod:`.bert`, :mod:`.gpt2`, :mod:`.llama`: one converter per architecture (config, tensors, state dict);
-* :mod:`.gguf_format` reads GGUF files, :mod:`.gguf` puts them on a Decoder (``load_gguf``, smollm2);
+* :mod:`.gguf_format` reads GGUF files (:mod:`.gguf_gemma`: what Gemma 3 files add; :mod:`.gguf_meta`: the
+  error and checked metadata reads they share), :mod:`.gguf` puts them on a Decoder (``load_gguf``,
+  smollm2, gemma3 from its four chunk packages);
 * :mod:`.wrappers`: :class:`LoadedModel` (what a loaded model offers), :class:`PretrainedEncoder`,
   :class:`PretrainedDecoder`;
 * :mod:`.registry`: :func:`load` by name or folder, and where the bundled model lives.
@@ -13,7 +15,7 @@ weights stored [in, out]); the rest in each converter.
 """
 
 from .bert import bert_config, bert_state_dict, load_bert
-from .gguf import load_gguf, load_smollm2
+from .gguf import gemma3_gguf_parts, load_gemma3, load_gguf, load_smollm2
 from .gguf_format import GGUFError, read_gguf, smollm2_gguf_path
 from .gpt2 import gpt2_config, gpt2_state_dict, load_gpt2
 from .llama import LLAMA_MODEL_TYPES, llama_config, llama_from_tensors, llama_state_dict, load_llama
@@ -32,6 +34,7 @@ __all__ = [
     "bert_config",
     "bert_state_dict",
     "cosine",
+    "gemma3_gguf_parts",
     "gpt2_config",
     "gpt2_state_dict",
     "llama_config",
@@ -39,6 +42,7 @@ __all__ = [
     "llama_state_dict",
     "load",
     "load_bert",
+    "load_gemma3",
     "load_gguf",
     "load_gpt2",
     "load_llama",

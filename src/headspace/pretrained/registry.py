@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ..model.models import check_precision
 from .bert import load_bert
-from .gguf import load_gguf, load_smollm2
+from .gguf import load_gemma3, load_gguf, load_smollm2
 from .gpt2 import load_gpt2
 from .hf import checked_folder, read_json, require_file
 from .llama import load_llama
@@ -61,6 +61,8 @@ def _load_minilm(*, precision: str = "float32") -> PretrainedEncoder:
 MODELS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] = {
     "minilm": _load_minilm,
     "smollm2": load_smollm2,
+    "gemma3": load_gemma3,
+    "gemma3-270m": load_gemma3,
 }
 
 
@@ -69,6 +71,8 @@ MODELS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] = {
 SHAPES: dict[str, tuple[int, int]] = {
     "minilm": (6, 12),  # all-MiniLM-L6-v2
     "smollm2": (30, 9),  # SmolLM2-135M-Instruct (3 key/value heads)
+    "gemma3": (18, 4),  # Gemma-3-270M (1 key/value head)
+    "gemma3-270m": (18, 4),
 }
 
 

@@ -1,0 +1,123 @@
+"""Gemma-3-270M on headspace's layers against transformers' Gemma3ForCausalLM on the same GGUF file.
+
+Reference: ``Gemma3ForCausalLM.from_pretrained(folder, gguf_file=..., dtype=torch.float32)`` with eager
+attention, on the four chunks concatenated (tests/conftest.py loads it once per session). headspace reads
+the chunks itself (``load("gemma3")``: found through package metadata, SHA-256 checked). Tolerances, from
+the issue: logits <= 1e-3 max abs, on an input longer than the sliding window (>= 1,400 tokens, where the
+15 sliding layers and the 3 full ones differ) and on a left-padded batch; every head's pattern <= 5e-5.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import headspace as hs
+from headspace.pretrained.gguf_format import GGUFError, read_gguf
+
+TEXTS = [
+    "The capital of France is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n\treturn fibonacci(n - 1) + fibonacci(n - 2)",
+    "Les feuilles mortes se ramassent à la pelle; Ñandú, naïve café, Straße",
+    "東京は日本の首都です。 Москва — столица России.",
+    "Emoji 🙂🚀👩‍💻 and    spaces\tand tabs\n\n\nand newlines",
+    "<start_of_turn>user\nWhat is 2 + 2?<end_of_turn>\n<start_of_turn>model\n",
+    "  leading spaces, 1234567890 and 3.14159, <unused0> and <bos> in text",
+    "A",
+]
+
+
+def _long_ids(model, n: int) -> torch.Tensor:
+    """[1, n] token ids of real text (the standard library's json package source), longer than a window."""
+    text = "".join(p.read_text(encoding="utf-8") for p in sorted(Path(json.__file__).parent.glob("*.py")))
+    ids, _ = model.tokenize_padded([text])  # [1, seq]
+    assert ids.shape[1] >= n
+    return ids[:, :n]
+
+
+def test_gemma3_is_the_documented_model(gemma3) -> None:
+    from headspace.pretrained.registry import registered_shape
+
+    c = gemma3.config
+    assert registered_shape("gemma3") == registered_shape("Gemma3-270M") == (c.n_layers, c.n_heads)
+    assert (c.n_layers, c.n_heads, c.n_kv_heads, c.d_model, c.d_head, c.d_mlp) == (18, 4, 1, 640, 256, 2048)
+    assert c.vocab_size == 262144 and c.sliding_window == 512 and c.qk_norm == "head"
+    assert [i for i, t in enumerate(c.layer_types) if t == "full"] == [5, 11, 17]
+    assert c.rope_local_theta == 10000.0 and c.rope_theta == 1e6 and c.query_pre_attn_scalar == 256
+    attn = gemma3.model.blocks[0].attn
+    assert attn.W_Q.shape == (4, 640, 256) and attn.W_K.shape == (1, 640, 256)
+    # one key/value head for the four query heads: every head's W_K is the same storage
+    assert {attn.heads[h].W_K.data_ptr() for h in range(4)} == {attn.W_K[0].data_ptr()}
+
+
+def test_weights_equal_transformers(gemma3, gemma3_hf) -> None:
+    """Every tensor, bit for bit: dequantisation, norms stored as 1 + w, W_Q / W_K rows not permuted."""
+    from headspace.pretrained.llama import _layout
+
+    ref = gemma3_hf.state_dict()
+    ours = gemma3.model.state_dict()
+    for name, theirs in _layout(gemma3.config, "model."):
+        want = torch.cat([ref[n] for n in theirs]) if len(theirs) > 1 else ref[theirs[0]]
+        assert torch.equal(ours[name], want), name
+
+
+def test_tokenizer_ids_equal_transformers(gemma3, gemma3_hf_tokenizer) -> None:
+    for text in TEXTS:
+        want = gemma3_hf_tokenizer(text).input_ids
+        got = gemma3.tokenizer.encode_ids([text])[0]
+        assert got == want, text
+        assert got[0] == 2  # BOS added, as the file says
+        assert gemma3_hf_tokenizer.decode(got, skip_special_tokens=True) == gemma3.tokenizer.decode(got)
+
+
+def test_logits_longer_than_the_window_equal_transformers(gemma3, gemma3_hf) -> None:
+    """1,400 tokens: the logits of the last 160 positions (each 888+ tokens past the window, where the 15
+    sliding layers and the 3 full ones differ; the 262,144-row unembedding of all 1,400 would dominate
+    the test's time) and every head's whole pattern."""
+    ids = _long_ids(gemma3, 1400)
+    keep = 160
+    with torch.no_grad():
+        want = gemma3_hf(ids, output_attentions=True, logits_to_keep=keep)
+        with hs.trace(gemma3.model, names="*.attn.hook_pattern") as t:
+            h = gemma3.model.hidden_states(ids)  # [1, 1400, 640]
+        got = h[:, -keep:] @ gemma3.model.tok_embed.weight.T  # [1, keep, vocab]: the tied unembedding
+    assert want.logits.shape == got.shape
+    assert (got - want.logits).abs().max() <= 1e-3
+    worst = max(float((t.pattern(i) - want.attentions[i]).abs().max()) for i in range(18))
+    assert worst <= 5e-5
+    # the window is real: a sliding layer gives no weight 512 or more positions back, a full one does
+    assert float(t.pattern(0)[0, :, 1399, :888].abs().max()) == 0.0
+    assert float(t.pattern(5)[0, :, 1399, :888].sum()) > 0.0
+
+
+def test_left_padded_batch_equals_transformers(gemma3, gemma3_hf) -> None:
+    rows = gemma3.tokenizer.encode_ids(TEXTS[:4])
+    tokens, real = gemma3.tokenizer.pad(rows, side="left", fill_id=0)  # (batch, seq) x 2
+    positions = (real.long().cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        want = gemma3_hf(tokens, attention_mask=real.long(), position_ids=positions).logits
+        got = gemma3.model(tokens, real, positions=positions)
+    assert (got - want)[real].abs().max() <= 1e-3  # real positions only: padded ones are never read
+
+
+def test_greedy_generation_equals_transformers(gemma3, gemma3_hf) -> None:
+    ids = gemma3.tokenizer.pad(gemma3.tokenizer.encode_ids(["The capital of France is"]), side="left")[0]
+    with torch.no_grad():
+        want = gemma3_hf.generate(ids, max_new_tokens=16, min_new_tokens=16, do_sample=False)
+    got = gemma3.model.generate(ids, 16, temperature=0)
+    assert torch.equal(got, want)
+
+
+def test_chunks_are_checked_against_the_recorded_sha256(gemma3_parts) -> None:
+    parts, digest = gemma3_parts
+    assert [p.name[-6:] for p in parts] == ["part00", "part01", "part02", "part03"]
+    wrong = ("0" if digest[0] != "0" else "1") + digest[1:]
+    with pytest.raises(GGUFError, match=f"SHA-256 is {digest}, but {wrong} was expected"):
+        read_gguf(parts, sha256=wrong)
+    with pytest.raises(ValueError, match="64 hexadecimal digits"):
+        read_gguf(parts, sha256="abc")
+    with pytest.raises(GGUFError, match="SHA-256 is"):  # the parts out of order are another file
+        read_gguf([parts[1], parts[0], *parts[2:]], sha256=digest)
