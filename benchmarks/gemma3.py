@@ -36,6 +36,7 @@ from headspace.bench.scripts import add_output_options, check_output_options, ch
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NAME = "gemma3.json"
+os.environ.setdefault("TQDM_DISABLE", "1")  # transformers' GGUF dequantisation draws its own bar
 PROMPT = "The history of the city begins in the year"
 
 
@@ -54,15 +55,6 @@ def _assembled(folder: Path) -> Path:
             with p.open("rb") as f:
                 shutil.copyfileobj(f, out, 1 << 24)
     return path
-
-
-def _quiet_transformers() -> None:
-    import transformers
-
-    transformers.utils.logging.disable_progress_bar()
-    transformers.utils.logging.set_verbosity_error()
-    os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
-    os.environ["TQDM_DISABLE"] = "1"  # the GGUF dequantisation's own bar
 
 
 def _child_load(which: str, path: str) -> dict[str, Any]:
