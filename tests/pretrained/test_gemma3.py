@@ -121,3 +121,17 @@ def test_chunks_are_checked_against_the_recorded_sha256(gemma3_parts) -> None:
         read_gguf(parts, sha256="abc")
     with pytest.raises(GGUFError, match="SHA-256 is"):  # the parts out of order are another file
         read_gguf([parts[1], parts[0], *parts[2:]], sha256=digest)
+
+
+def test_the_lesson_walks_qk_norm_the_layer_base_and_the_window(gemma3) -> None:
+    """``headspace explain --model gemma3``'s walk: q normalised, then rotated with that layer's base;
+    the scores are the rotated, normalised q and k over sqrt(256); the window is named."""
+    from headspace.analysis.explain import explain
+
+    for layer, base in ((4, 10000.0), (5, 1e6)):
+        e = explain(gemma3, "The cat sat on the mat because it was tired", "tired", layer=layer, head=2)
+        assert e.qk_norm == "head" and e.rope_theta == base
+        assert e.window == (512 if layer == 4 else None)
+        q_rot, k_rot = torch.tensor(e.q_rot), torch.tensor(e.k_rot)  # [256], [seq, 256]
+        assert abs(float(q_rot.norm()) - float(torch.tensor(e.q_normed).norm())) < 1e-3  # a rotation
+        assert torch.allclose(k_rot @ q_rot / 16.0, torch.tensor(e.scores), atol=1e-4)  # 1 / sqrt(256)

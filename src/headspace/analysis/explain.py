@@ -135,6 +135,13 @@ class Explanation:
     k_rot: list[list[float]] = field(default_factory=list)
     rope_theta: float | None = None
     rotary_dim: int | None = None
+    #: QK-norm models (Gemma 3, Qwen3, OLMo 2): q and every k after the norm (before any rotation), and
+    #: the norm's kind ("head": RMSNorm over each head's d_head; "all": over all heads at once)
+    qk_norm: str | None = None
+    q_normed: list[float] = field(default_factory=list)
+    k_normed: list[list[float]] = field(default_factory=list)
+    #: a sliding-window layer's window (query i sees key j iff i - window < j <= i), else None
+    window: int | None = None
 
     @property
     def token(self) -> str:
@@ -293,13 +300,15 @@ def record(model: nn.Module, run: Callable[[], Any]) -> dict[str, list[Tensor]]:
     ]
     names = ("q", "k", "v", "scores", "pattern", "z", "result")
     rotary = [n for n in ("rot_q", "rot_k") if all(getattr(a, "rotary", None) is not None for a in layers)]
+    normed = [n for n in ("q_normed", "k_normed") if all(getattr(a, "qk_norm", None) for a in layers)]
+    extra = (*rotary, *normed)
     try:
-        with trace(model, [f"hook_{n}" for n in (*names, *rotary)]) as t:
+        with trace(model, [f"hook_{n}" for n in (*names, *extra)]) as t:
             run()
     finally:
         for h in handles:
             h.remove()
-    rec = {n: [t.act(n, i) for i in range(len(layers))] for n in (*names, *rotary)}
+    rec = {n: [t.act(n, i) for i in range(len(layers))] for n in (*names, *extra)}
     rec["input"] = inputs  # type: ignore[assignment]
     return rec
 
@@ -473,6 +482,8 @@ def explain(
         bias=attn.b_Q is not None,
         out_bias=attn.b_O is not None,
         **_rotated(rec, attn, layer, index, head, kv_head),
+        **_normed(rec, attn, layer, index, head, kv_head),
+        window=getattr(attn, "window", None),
     )
 
 
@@ -508,6 +519,18 @@ def _record_sentence(pretrained: Any, sentence: str) -> dict[str, list[Tensor]]:
                 model(ids, key_padding)
 
     return record(model, run)
+
+
+def _normed(rec: dict[str, list[Tensor]], attn: Any, layer: int, index: int, head: int, kv: int) -> dict:
+    """The QK-norm fields of an :class:`Explanation` (none without QK-norm)."""
+    kind = getattr(attn, "qk_norm", None)
+    if kind is None or "q_normed" not in rec:
+        return {}
+    return {
+        "qk_norm": kind,
+        "q_normed": _floats(rec["q_normed"][layer][0, index, head]),
+        "k_normed": [_floats(r) for r in rec["k_normed"][layer][0, :, kv]],
+    }
 
 
 def _rotated(rec: dict[str, list[Tensor]], attn: Any, layer: int, index: int, head: int, kv: int) -> dict:

@@ -53,6 +53,9 @@ ATTN_HOOKS = ("q", "k", "v", "scores", "pattern", "z", "result")
 """Short names of the hook points of an attention layer (full name: ``<attn path>.hook_<short>``)."""
 
 ROTARY_HOOKS = ("rot_q", "rot_k")
+
+QK_NORM_HOOKS = ("q_normed", "k_normed")
+"""Short names of the hook points only QK-norm attention layers have: q and k after the norm (before RoPE)."""
 """Short names of the hook points only rotary attention layers have: q and k after the rotation."""
 
 BLOCK_HOOKS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
@@ -60,7 +63,8 @@ BLOCK_HOOKS = ("resid_pre", "attn_out", "resid_mid", "mlp_out", "resid_post")
 
 # axis that indexes heads in each attention hook's value
 _HEAD_AXIS = {
-    "q": 2, "k": 2, "v": 2, "rot_q": 2, "rot_k": 2, "z": 2, "result": 2, "scores": 1, "pattern": 1,
+    "q": 2, "k": 2, "v": 2, "rot_q": 2, "rot_k": 2, "q_normed": 2, "k_normed": 2, "z": 2, "result": 2,
+    "scores": 1, "pattern": 1,
 }  # fmt: skip
 
 NameFilter = str | Sequence[str] | Callable[[str], bool] | None
@@ -275,12 +279,13 @@ class Trace(Mapping[str, Tensor]):
         """Full hook name of the short ``name`` (``"pattern"``, ``"hook_pattern"``, ``"resid_post"`` ...)."""
         short = name.removeprefix("hook_")
         path = self.layer_paths[self._check_layer(layer)]
-        if short in ATTN_HOOKS + ROTARY_HOOKS:
+        if short in ATTN_HOOKS + ROTARY_HOOKS + QK_NORM_HOOKS:
             return _join(path, f"hook_{short}")
         if short in BLOCK_HOOKS:
             return _join(_parent(path), f"hook_{short}")
         raise ValueError(
-            f"name must be one of {ATTN_HOOKS + ROTARY_HOOKS + BLOCK_HOOKS} (with or without 'hook_'); "
+            f"name must be one of {ATTN_HOOKS + ROTARY_HOOKS + QK_NORM_HOOKS + BLOCK_HOOKS} (with or "
+            "without 'hook_'); "
             f"got {name!r}"
         )
 
@@ -299,7 +304,7 @@ class Trace(Mapping[str, Tensor]):
         if not is_int(head) or not -n <= head < n:
             raise ValueError(f"head must be an int in [0, {n}) for layer {layer}; got {head!r}")
         index = head % n
-        if short in ("k", "v", "rot_k"):
+        if short in ("k", "v", "rot_k", "k_normed"):
             index //= attn.group_size
         full = self.full_name(short, layer)
         if full in self._values and not isinstance(self._values[full], Tensor):
@@ -325,7 +330,7 @@ class Trace(Mapping[str, Tensor]):
     def layer(self, layer: int) -> dict[str, Tensor]:
         """The recorded values of ``layer`` by short name (``"pattern"``, ``"resid_post"`` ...)."""
         out = {}
-        for short in ATTN_HOOKS + ROTARY_HOOKS + BLOCK_HOOKS:
+        for short in ATTN_HOOKS + ROTARY_HOOKS + QK_NORM_HOOKS + BLOCK_HOOKS:
             full = self.full_name(short, layer)
             if full in self._values:
                 out[short] = self._value(full)

@@ -100,13 +100,45 @@ def rotation_lines(e: Explanation) -> list[str]:
     rd = e.rotary_dim if e.rotary_dim is not None else dh
     part = f"all {dh} features" if rd >= dh else f"the first {rd} of {dh} features (the rest pass through)"
     theta = f"{e.rope_theta:g}" if e.rope_theta is not None else "?"
+    q, k = ("q_n", "k_n,j") if e.q_normed else ("q", "k_j")
     return [
         f"2b. rotary positions (RoPE, base {theta}): q and every k_j turn, {rd // 2} planes of 2 features, "
         f"{part}; plane p by the angle position x {theta}^(-2p/{rd}) (before any rope scaling)",
-        f"    q_rot = q R({i})   [{dh}]   |q_rot| = {_norm(e.q_rot):.3f} (= |q|)  {_vec(e.q_rot)}",
-        f"    k_rot_j = k_j R(j): cached this way, so the score q_rot.k_rot_j depends on {i} - j only "
+        f"    q_rot = {q} R({i})   [{dh}]   |q_rot| = {_norm(e.q_rot):.3f} (= |{q}|)  {_vec(e.q_rot)}",
+        f"    k_rot_j = {k} R(j): cached this way, so the score q_rot.k_rot_j depends on {i} - j only "
         f"(key/value head {e.kv_head})",
     ]
+
+
+def qk_norm_lines(e: Explanation) -> list[str]:
+    """Step 2a of the walk for QK-norm (Gemma 3, Qwen3, OLMo 2): q and every k normalised first."""
+    dh = e.d_head
+    over = f"its {dh} features" if e.qk_norm == "head" else "all heads' features at once"
+    return [
+        f"2a. QK-norm: q_n = q / rms(q) * g_q, an RMSNorm over {over} (its own weight g_q [{dh}]), before "
+        f"any rotation: the scores' size is set by g_q and g_k, not by |q| and |k|",
+        f"    q_n   [{dh}]   |q_n| = {_norm(e.q_normed):.3f} (|q| was {_norm(e.q):.3f})  {_vec(e.q_normed)}",
+        f"    k_n,j = k_j / rms(k_j) * g_k for every token j (key/value head {e.kv_head}'s norm, shared by "
+        "its query heads)",
+    ]
+
+
+def window_line(e: Explanation) -> str:
+    """What a sliding window hides from the query (empty for a layer that sees every earlier key)."""
+    if e.window is None:
+        return ""
+    i, w = e.token_index, e.window
+    outside = [j for j in range(len(e.tokens)) if j <= i - w]
+    if not outside:
+        return (
+            f"   window: this layer sees key j iff {i} - {w} < j <= {i}; its window of {w} covers all "
+            f"{i + 1} tokens up to the query"
+        )
+    far = outside[0]
+    return (
+        f"   window: key j is visible iff {i} - {w} < j <= {i}: {len(outside)} keys are outside this "
+        f"layer's window of {w} (key {far} is {i - far} tokens back) and get no weight"
+    )
 
 
 def render_explanation(e: Explanation, *, top_heads: int = 5) -> None:
@@ -157,13 +189,19 @@ def render_explanation(e: Explanation, *, top_heads: int = 5) -> None:
         f"   k_j = x_j W_K[{g}]{b_k}, v_j = x_j W_V[{g}]{b_v} for every token j "
         f"-> k, v [{len(e.tokens)}, {dh}]"
     )
+    if e.q_normed:
+        for line in qk_norm_lines(e):
+            c.print(line)
     rotated = bool(e.q_rot)
     if rotated:
         for line in rotation_lines(e):
             c.print(line)
-    q_name, k_name = ("q_rot", "k_rot_j") if rotated else ("q", "k_j")
+    q_name, k_name = ("q_rot", "k_rot_j") if rotated else ("q_n", "k_n,j") if e.q_normed else ("q", "k_j")
+    root = 1.0 / (e.scale * e.scale)  # the scale is 1 / sqrt(root): d_head, or Gemma's query_pre_attn_scalar
+    root_text = f"{root:.0f}" if abs(root - round(root)) < 1e-6 else f"{root:.4g}"
     t = Table(
-        title=f"3. scores {q_name}.{k_name} / sqrt({dh}) and the softmax over the {len(e.tokens)} tokens"
+        title=f"3. scores {q_name}.{k_name} / sqrt({root_text}) and the softmax over the "
+        f"{len(e.tokens)} tokens"
     )
     for col in ("j", "token", f"|{k_name}|", "score", "softmax", ""):
         t.add_column(col, justify="left" if col in ("token", "") else "right")
@@ -181,6 +219,8 @@ def render_explanation(e: Explanation, *, top_heads: int = 5) -> None:
             style=style,
         )
     c.print(t)
+    if e.window is not None:
+        c.print(window_line(e))
     c.print("   top attended: " + ", ".join(f"[bold]{a.token}[/] {a.weight:.3f}" for a in e.top[:3]))
     c.print(
         f"4. z = sum_j softmax_j v_j                         [{dh}]   |z| = {_norm(e.z):.3f}  {_vec(e.z)}"
