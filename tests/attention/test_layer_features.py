@@ -130,3 +130,33 @@ def test_gradcheck_window_softcap_qknorm() -> None:
     )
     x = torch.randn(1, 5, 10, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: a(t, is_causal=True), (x,))
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7])
+def test_a_windowed_cache_holds_only_the_window_and_decodes_exactly(chunk: int) -> None:
+    """A sliding layer's KV cache keeps the last `window` positions (in order): decoding 2x the window past
+    the prompt, in chunks shorter or longer than the window, equals the full forward; its buffers stay at
+    the window's size; gradients through the decoding equal the full forward's (float64)."""
+    torch.manual_seed(2)
+    window = 5
+    a = MultiHeadAttention(
+        22, 2, d_head=14, n_kv_heads=1, bias=False, window=window, qk_norm="head", dtype=torch.float64,
+        rotary=Rotary(14, base=10000.0),
+    )  # fmt: skip
+    x = torch.randn(2, 17, 22, dtype=torch.float64, requires_grad=True)
+    pad = torch.ones(2, 17, dtype=torch.bool)
+    pad[1, :2] = False  # left padding
+    want = a(x, is_causal=True, key_padding=pad)
+    cache = a.make_kv_cache(2, 17)
+    assert cache.window == window and cache.k.shape[2] == window and cache.capacity == 17
+    outs = [a(x[:, :6], is_causal=True, kv_cache=cache, key_padding=pad[:, :6])]
+    for t in range(6, 17, chunk):
+        end = min(17, t + chunk)
+        outs.append(a(x[:, t:end], is_causal=True, kv_cache=cache, key_padding=pad[:, :end]))
+        assert cache.k.shape[2] == window and cache.held == min(end, window) and cache.length == end
+    got = torch.cat(outs, 1)
+    real = pad[:, :, None].expand_as(got)
+    torch.testing.assert_close(got[real], want[real])
+    g_want = torch.autograd.grad(want[real].sum(), x)[0]
+    g_got = torch.autograd.grad(got[real].sum(), x)[0]
+    torch.testing.assert_close(g_got, g_want)

@@ -180,6 +180,15 @@ def test_tiny_gemma3_logits_and_generation_equal_transformers(tiny: Path, hf: An
         assert (got - want).abs().max() <= 1e-4
         greedy = model.generate(ids[:, :4], max_new_tokens=12, min_new_tokens=12, do_sample=False)
     assert torch.equal(ours.model.generate(ids[:, :4], 12, temperature=0), greedy)
+    # the sliding layers' caches hold the window (5 positions), the full layer's every one; a token at a
+    # time past the window gives the full forward's logits
+    caches = ours.model.make_kv_caches(1, 64)
+    with torch.no_grad():
+        steps = [ours.model(ids[:, :3], kv_caches=caches)]
+        steps += [ours.model(ids[:, t : t + 1], kv_caches=caches) for t in range(3, ids.shape[1])]
+    assert [c.k.shape[2] for c in caches] == [WINDOW] * 5 + [64] + [WINDOW]
+    assert [c.held for c in caches] == [WINDOW] * 5 + [ids.shape[1]] + [WINDOW]
+    assert (torch.cat(steps, 1) - want).abs().max() <= 1e-4
 
 
 def test_tiny_gemma3_tokenizer_equals_transformers(tiny: Path, hf: Any) -> None:

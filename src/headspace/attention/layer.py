@@ -128,6 +128,18 @@ def _check_qk_norm(qk_norm: Any, softcap: Any) -> None:
         )
 
 
+def _last_keys(
+    key_padding: Tensor | None, attn_mask: Tensor | None, seq_k: int
+) -> tuple[Tensor | None, Tensor | None]:
+    """The masks' last ``seq_k`` key columns (a windowed KV cache holds only the newest keys); masks
+    already that narrow, or None, are returned as they are."""
+    if key_padding is not None and key_padding.dim() == 2 and key_padding.shape[1] > seq_k:
+        key_padding = key_padding[:, -seq_k:]  # (batch, seq_k)
+    if attn_mask is not None and attn_mask.dim() >= 2 and attn_mask.shape[-1] > seq_k:
+        attn_mask = attn_mask[..., -seq_k:]  # (..., seq_q, seq_k)
+    return key_padding, attn_mask
+
+
 class MultiHeadAttention(nn.Module):
     r"""Multi-head attention with every head's projections in plain sight.
 
@@ -409,9 +421,12 @@ class MultiHeadAttention(nn.Module):
         return any(h.fns for h in self._hook_points)
 
     def make_kv_cache(self, batch: int, capacity: int) -> KVCache:
-        """A cache for incremental self-attention decoding, in this layer's dtype and device."""
+        """A cache for incremental self-attention decoding, in this layer's dtype and device; a
+        sliding-window layer's holds only the last ``window`` positions (:class:`KVCache`)."""
         w = self.o_weight
-        return KVCache(batch, self.n_kv_heads, self.d_head, capacity, dtype=w.dtype, device=w.device)
+        return KVCache(
+            batch, self.n_kv_heads, self.d_head, capacity, dtype=w.dtype, device=w.device, window=self.window
+        )
 
     def extra_repr(self) -> str:
         s = f"d_model={self.d_model}, n_heads={self.n_heads}, d_head={self.d_head}"
@@ -545,10 +560,14 @@ class MultiHeadAttention(nn.Module):
         self_attention, k_in, v_in = self._checked_call(query, key, value, attn_mask, kv_cache, positions)
         B, Sq, _ = query.shape
         H, dh = self.n_heads, self.d_head
-        seq_k = k_in.shape[1] + (kv_cache.length if kv_cache is not None else 0)
+        seq_k = k_in.shape[1] + (kv_cache.held if kv_cache is not None else 0)
         if kv_cache is not None:
             # checked before anything is appended, so a refused call leaves the cache as it was
             kv_cache.check(B, Sq, self.o_weight.dtype, self.o_weight.device)
+            if kv_cache.held < kv_cache.length:
+                # a windowed cache dropped its oldest keys: the masks, given over every position, lose
+                # those columns (the window mask is bottom-right aligned, so it needs no offset)
+                key_padding, attn_mask = _last_keys(key_padding, attn_mask, seq_k)
         mask = canonical_mask(
             batch=B,
             n_heads=H,

@@ -2,7 +2,13 @@
 file of its own, and so does headspace).
 
 Notation used for tensor shapes:
-    batch, n_kv_heads, capacity (positions the cache can hold), d_head, layers.
+    batch, n_kv_heads, capacity (positions the cache can hold), d_head, layers, window.
+
+A sliding-window layer's cache (``window=``) holds only the last ``window`` positions: key j is visible
+from query i iff i - window < j <= i, so a key older than the window is never read again. Its buffers
+are [batch, n_kv_heads, min(capacity, window), d_head], kept in position order (the oldest first);
+``length`` still counts every position appended (RoPE and the next position read it) and ``held`` how
+many the buffers hold.
 """
 
 from __future__ import annotations
@@ -57,7 +63,10 @@ class KVCache:
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        window: int | None = None,
     ) -> None:
+        if window is not None:
+            check_positive_int("KVCache window", window)
         for name, value in (
             ("batch", batch),
             ("n_kv_heads", n_kv_heads),
@@ -65,7 +74,11 @@ class KVCache:
             ("capacity", capacity),
         ):
             check_positive_int(f"KVCache {name}", value)
-        self.k = torch.zeros(batch, n_kv_heads, capacity, d_head, dtype=dtype, device=device)
+        #: the sliding window this cache keeps (None: every position); ``capacity`` bounds ``length``
+        self.window = window
+        self._capacity = capacity
+        rows = capacity if window is None else min(capacity, window)
+        self.k = torch.zeros(batch, n_kv_heads, rows, d_head, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.length = 0
         # pieces with autograd history, kept only while decoding with gradients (see the class docstring)
@@ -110,7 +123,13 @@ class KVCache:
 
     @property
     def capacity(self) -> int:
-        return self.k.shape[2]
+        """The most positions the cache accepts (``length`` at most this)."""
+        return self._capacity if self.window is not None else self.k.shape[2]
+
+    @property
+    def held(self) -> int:
+        """Positions the buffers hold: ``length``, or the last ``window`` of them for a windowed cache."""
+        return self.length if self.window is None else min(self.length, self.window)
 
     @property
     def batch(self) -> int:
@@ -148,6 +167,8 @@ class KVCache:
             )
         new = k.shape[2]
         self.check(k.shape[0], new, k.dtype, k.device)
+        if self.window is not None:
+            return self._append_windowed(k, v)
         start, end = self.length, self.length + new
         with torch.no_grad():
             self.k[:, :, start:end] = k
@@ -166,6 +187,29 @@ class KVCache:
             return k_all, v_all
         return self.k[:, :, :end], self.v[:, :, :end]
 
+    def _append_windowed(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """A windowed cache's :meth:`append`: returns the held positions then the new ones, in position
+        order ([batch, n_kv_heads, held + new, d_head]: the keys the new queries may see, the last one the
+        newest), and keeps the last ``window`` of them. With gradients tracked, the kept keys keep their
+        history (as the full cache's pieces do), so backpropagating through decoding reaches them."""
+        held, new = self.held, k.shape[2]
+        tracked = self._k_parts or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
+        old_k = (
+            self._k_parts[0] if self._k_parts else self.k[:, :, :held]
+        )  # (batch, n_kv_heads, held, d_head)
+        old_v = self._v_parts[0] if self._v_parts else self.v[:, :, :held]
+        k_all = torch.cat([old_k, k], dim=2)  # (batch, n_kv_heads, held + new, d_head)
+        v_all = torch.cat([old_v, v], dim=2)  # (batch, n_kv_heads, held + new, d_head)
+        keep = min(self.k.shape[2], held + new)
+        with torch.no_grad():
+            self.k[:, :, :keep] = k_all[:, :, held + new - keep :]  # (batch, n_kv_heads, keep, d_head)
+            self.v[:, :, :keep] = v_all[:, :, held + new - keep :]
+        if tracked:
+            self._k_parts[:] = [k_all[:, :, held + new - keep :]]  # the kept keys, with their history
+            self._v_parts[:] = [v_all[:, :, held + new - keep :]]
+        self.length += new
+        return k_all, v_all
+
     def append_one(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """:meth:`append` of one position, ``k`` and ``v`` [batch, n_kv_heads, d_head] (or [batch,
         n_kv_heads, 1, d_head]), for a caller that ran :meth:`check` for one new position (a decoding
@@ -174,6 +218,8 @@ class KVCache:
         Without gradients to track, two copies into the buffers and two views of them.
         """
         one = k.dim() == 4  # the position axis kept
+        if self.window is not None:
+            return self._append_windowed(k if one else k.unsqueeze(2), v if one else v.unsqueeze(2))
         if self._k_parts or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)):
             return self.append(k if one else k.unsqueeze(2), v if one else v.unsqueeze(2))
         start = self.length

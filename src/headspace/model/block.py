@@ -397,7 +397,7 @@ class TransformerBlock(nn.Module):
         return (
             self.pre_ln
             and not self.decode_blockers
-            and getattr(a, "window", None) is None  # (not yet in the step: a ring-buffer cache)
+            and getattr(a, "window", None) is None  # (the step reads a full cache, not a windowed one)
             and getattr(a, "qk_norm", None) is None
             and getattr(a, "softcap", None) is None
             and isinstance(a, MultiHeadAttention)  # not a head-parallel shard, which has no fused weight
