@@ -473,3 +473,31 @@ def test_long_inputs_benchmark_smoke_run(tmp_path, capsys: pytest.CaptureFixture
         )
     printed = capsys.readouterr().out
     assert "| seq | forward s |" in printed and f"wrote {out}" in printed
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 19])
+def test_sliding_window_layers_in_the_chunked_statistics_equal_their_traced_patterns(chunk: int) -> None:
+    """A Gemma-style model (sliding layers of window 4 beside a full one, QK-norm): every layer's pattern
+    rows and role values from each_layer_qk equal the traced hook_pattern, padding included."""
+    config = hs.ModelConfig(
+        arch="decoder", vocab_size=53, d_model=42, n_layers=3, n_heads=6, n_kv_heads=2, d_head=8, d_mlp=26,
+        max_seq_len=64, positions="rotary", norm_kind="rmsnorm", mlp_kind="gated", act="silu", bias=False,
+        sliding_window=4, layer_types=["sliding", "full", "sliding"], qk_norm="head",
+    )  # fmt: skip
+    model = hs.Decoder(config).eval()
+    tokens, pad = padded_tokens(53)
+    with torch.no_grad(), trace(model, "*.hook_pattern") as t:
+        model(tokens, key_padding=pad)
+    got: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def fn(call: chunked.LayerQK) -> None:
+        assert call.window == (None if call.layer == 1 else 4)
+        got[call.layer] = (call.pattern_rows(chunk_size=chunk), call.role_values(chunk_size=chunk))
+
+    with torch.no_grad():
+        each_layer_qk(model, lambda: model(tokens, key_padding=pad), fn)
+    real = pad[:, None, :, None]  # (batch, 1, seq, 1): the real queries
+    for i in range(3):
+        want = t.pattern(i)
+        assert_close(got[i][0] * real, want * real, rtol=0, atol=1e-6)
+    assert float(got[0][0][0, :, 10, :7].abs().max()) == 0.0  # 4 back or more: outside the window

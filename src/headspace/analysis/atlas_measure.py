@@ -107,7 +107,7 @@ class BatchMeasure:
         B, H, S, dh = q4.shape
         masks = RowMasks(
             batch=B, n_heads=H, seq_q=S, seq_k=S, key_padding=call.key_padding, attn_mask=call.attn_mask,
-            is_causal=call.is_causal, dtype=torch.float32, device=q4.device,
+            is_causal=call.is_causal, dtype=torch.float32, device=q4.device, window=call.window,
         )  # fmt: skip
         z = torch.zeros(B, H, S, dh, dtype=torch.float32, device=q4.device)  # (B, H, S, dh)
         top_key = torch.zeros(B, H, S, dtype=torch.int64, device=q4.device)  # (B, H, S)

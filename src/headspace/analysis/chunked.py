@@ -116,14 +116,20 @@ def _heads_first(q: Any, k: Any) -> tuple[Tensor, Tensor]:
 
 
 def _row_masks(
-    q: Tensor, k: Tensor, key_padding: Tensor | None, attn_mask: Tensor | None, is_causal: bool
+    q: Tensor,
+    k: Tensor,
+    key_padding: Tensor | None,
+    attn_mask: Tensor | None,
+    is_causal: bool,
+    window: int | None = None,
 ) -> RowMasks:
-    """q [B, H, Sq, dh], k [B, Hkv, Sk, dh]: the masks of blocks of query rows (checked here)."""
+    """q [B, H, Sq, dh], k [B, Hkv, Sk, dh]: the masks of blocks of query rows (checked here); ``window``
+    a sliding window (query i sees key j iff i - window < j <= i, bottom-right aligned)."""
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool; got {type(is_causal).__name__} {is_causal!r}")
     return RowMasks(
         batch=q.shape[0], n_heads=q.shape[1], seq_q=q.shape[2], seq_k=k.shape[2], key_padding=key_padding,
-        attn_mask=attn_mask, is_causal=is_causal, dtype=torch.float32, device=q.device,
+        attn_mask=attn_mask, is_causal=is_causal, dtype=torch.float32, device=q.device, window=window,
     )  # fmt: skip
 
 
@@ -272,6 +278,7 @@ def iter_pattern_blocks(
     kp = masks.key_padding
     causal_only = (
         masks.is_causal
+        and masks.window is None
         and masks.attn_mask is None
         and offset >= 0
         and rows is None
@@ -343,6 +350,7 @@ def pattern_rows(
     is_causal: bool = False,
     scale: float | None = None,
     chunk_size: int | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """The attention pattern rows of chosen queries, without the full pattern.
 
@@ -354,7 +362,8 @@ def pattern_rows(
         k: [batch, seq_k, n_kv_heads, d_head] (``hook_rot_k``, else ``hook_k``).
         query_positions: an int, a list of ints or a 1-D int tensor of query indices (negative counts
             from the end); None: every query (then the result is the full pattern: mind its size).
-        key_padding, attn_mask, is_causal: the layer's masks, with the layer's rules.
+        key_padding, attn_mask, is_causal, window: the layer's masks (``window``: its sliding window),
+            with the layer's rules.
         scale: the layer's scale (``attn.scale``; None: 1 / sqrt(d_head)).
         chunk_size: queries per block (None: automatic, :func:`default_chunk_size`).
 
@@ -364,7 +373,7 @@ def pattern_rows(
     """
     _check_chunk(chunk_size)
     q4, k4 = _heads_first(q, k)
-    masks = _row_masks(q4, k4, key_padding, attn_mask, is_causal)
+    masks = _row_masks(q4, k4, key_padding, attn_mask, is_causal, window)
     s = _scale(scale, q4.shape[-1])
     index = None if query_positions is None else _query_index(query_positions, q4.shape[2], q4.device)
     B, H = q4.shape[:2]
@@ -432,6 +441,7 @@ def summaries(
     is_causal: bool = False,
     scale: float | None = None,
     chunk_size: int | None = None,
+    window: int | None = None,
     targets: Tensor | None = None,
     query_mask: Tensor | None = None,
 ) -> PatternSummary:
@@ -443,7 +453,8 @@ def summaries(
     Args:
         q: [batch, seq_q, n_heads, d_head], rotated on rotary layers (``hook_rot_q``, else ``hook_q``).
         k: [batch, seq_k, n_kv_heads, d_head] (``hook_rot_k``, else ``hook_k``).
-        key_padding, attn_mask, is_causal: the layer's masks, with the layer's rules.
+        key_padding, attn_mask, is_causal, window: the layer's masks (``window``: its sliding window),
+            with the layer's rules.
         scale: the layer's scale (``attn.scale``; None: 1 / sqrt(d_head)).
         chunk_size: queries per block (None: automatic, :func:`default_chunk_size`).
         targets: int [batch or 1, seq_q, n_targets] key indices per query (-1: none), e.g. the token
@@ -457,7 +468,7 @@ def summaries(
     """
     _check_chunk(chunk_size)
     q4, k4 = _heads_first(q, k)
-    masks = _row_masks(q4, k4, key_padding, attn_mask, is_causal)
+    masks = _row_masks(q4, k4, key_padding, attn_mask, is_causal, window)
     s = _scale(scale, q4.shape[-1])
     B, H, Sq, _ = q4.shape
     Sk = k4.shape[2]
@@ -520,6 +531,7 @@ def role_values(
     is_causal: bool = False,
     scale: float | None = None,
     chunk_size: int | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """What :func:`headspace.analysis.head_roles` needs, and only that: float32 [batch, n_heads, seq, 6].
 
@@ -530,7 +542,7 @@ def role_values(
     """
     _check_chunk(chunk_size)
     q4, k4 = _heads_first(q, k)
-    masks = _row_masks(q4, k4, key_padding, attn_mask, is_causal)
+    masks = _row_masks(q4, k4, key_padding, attn_mask, is_causal, window)
     s = _scale(scale, q4.shape[-1])
     B, H, Sq, _ = q4.shape
     Sk = k4.shape[2]
@@ -568,11 +580,12 @@ class LayerQK:
     attn_mask: Tensor | None
     is_causal: bool
     scale: float
+    window: int | None = None
 
     def _masks(self) -> dict[str, Any]:
         return {
             "key_padding": self.key_padding, "attn_mask": self.attn_mask, "is_causal": self.is_causal,
-            "scale": self.scale,
+            "scale": self.scale, "window": self.window,
         }  # fmt: skip
 
     def pattern_rows(self, query_positions: Any = None, *, chunk_size: int | None = None) -> Tensor:
@@ -595,12 +608,11 @@ class _Stop(Exception):
 def supports_qk_capture(attn: Any) -> bool:
     """Whether :func:`each_layer_qk` can recompute this layer's q and k from its input (a
     :class:`~headspace.MultiHeadAttention` with the stock ``forward``; subclasses with another calling
-    convention, such as the ``torch.nn.MultiheadAttention`` drop-in, are not; nor, yet, layers with a
-    sliding window or soft-capped scores, which the chunked statistics do not apply)."""
+    convention, such as the ``torch.nn.MultiheadAttention`` drop-in, are not; nor, yet, layers with
+    soft-capped scores, which the chunked statistics do not apply; a sliding window they apply)."""
     return (
         isinstance(attn, MultiHeadAttention)
         and type(attn).forward is MultiHeadAttention.forward
-        and getattr(attn, "window", None) is None
         and getattr(attn, "softcap", None) is None
     )
 
@@ -705,6 +717,7 @@ def each_layer_qk(
                     layer=i, name=name, attn=module, q=q.transpose(1, 2), k=k.transpose(1, 2),
                     key_padding=kwargs.get("key_padding"), attn_mask=kwargs.get("attn_mask"),
                     is_causal=bool(kwargs.get("is_causal", False)), scale=module.scale,
+                    window=getattr(module, "window", None),
                 )  # fmt: skip
                 del q, k
                 fn(call)
