@@ -213,10 +213,11 @@ class BatchMeasure:
             sums[1] += (g[..., 1].double() * w_later).sum((0, 2))
             sums[2] += (g[..., 2].double() * w_rq).sum((0, 2))
             sums[3] += (block.entropy.double() * w_rq).sum((0, 2))
-            flat = w.view(B, H, (hi - lo) * W)  # (B, H, n W)
+            heads = torch.arange(H, device=w.device)  # (H,)
             for row, (b, q, off) in zip((4, 5), self.pairs.of(lo, hi, W)):
-                mass = flat[b, :, off].double() * inv[b, :, q].double()  # (nnz, H): p at the pairs
-                sums[row] += mass.sum(0)
+                at = (b * H)[:, None] + heads  # (nnz, H): the (batch, head) row of each pair and head
+                weight = w.reshape(-1).take(at * ((hi - lo) * W) + off[:, None])  # (nnz, H)
+                sums[row] += (weight.double() * inv.reshape(-1).take(at * (hi - lo) + q[:, None])).sum(0)
             if W > 1:
                 best, arg = w[..., 1:].max(dim=-1)  # (B, H, n): the top key after the first token
                 top_weight[:, :, lo:hi] = best * inv
@@ -251,10 +252,10 @@ def _layer_direct(z: Tensor, top_key: Tensor, unembed: Tensor, o_weight: Tensor)
     y = (unembed.reshape(B * S, -1) @ o_weight.to(unembed.dtype)).view(B, S, H, dh)  # (B, S, H, dh)
     zt = z.transpose(1, 2)  # (B, S, H, dh)
     de = torch.zeros(B, S, H, dtype=torch.float32, device=z.device)  # (B, S, H)
-    de[:, :-1] = torch.einsum("bshd,bshd->bsh", zt[:, :-1], y[:, 1:])
+    de[:, :-1] = (zt[:, :-1] * y[:, 1:]).sum(-1)  # (not einsum: it runs as [B S H] 1 x 1 products)
     at = top_key.transpose(1, 2)  # (B, S, H)
     yk = y.gather(1, at[..., None].expand(B, S, H, dh))  # (B, S, H, dh): y at each head's top key
-    cp = torch.einsum("bshd,bshd->bsh", zt, yk)  # (B, S, H)
+    cp = (zt * yk).sum(-1)  # (B, S, H)
     return de, cp
 
 
