@@ -215,9 +215,9 @@ class BatchMeasure:
             sums[3] += (block.entropy.double() * w_rq).sum((0, 2))
             heads = torch.arange(H, device=w.device)  # (H,)
             for row, (b, q, off) in zip((4, 5), self.pairs.of(lo, hi, W)):
-                at = (b * H)[:, None] + heads  # (nnz, H): the (batch, head) row of each pair and head
-                weight = w.reshape(-1).take(at * ((hi - lo) * W) + off[:, None])  # (nnz, H)
-                sums[row] += (weight.double() * inv.reshape(-1).take(at * (hi - lo) + q[:, None])).sum(0)
+                at = heads[:, None] + (b * H)[None]  # (H, nnz): head by head, the pairs in memory order
+                weight = w.reshape(-1).take(at * ((hi - lo) * W) + off[None])  # (H, nnz)
+                sums[row] += (weight.double() * inv.reshape(-1).take(at * (hi - lo) + q[None])).sum(1)
             if W > 1:
                 best, arg = w[..., 1:].max(dim=-1)  # (B, H, n): the top key after the first token
                 top_weight[:, :, lo:hi] = best * inv
