@@ -11,10 +11,13 @@ its own fresh process so that each peak RSS is its own (``ru_maxrss`` never goes
 
 Peak RSS is reported whole and above the process's RSS once the model is loaded. Targets (issue #28):
 stats >= 0.6x the forward's tokens/s; with ablation <= 10x the forward's time; peak <= 1.5x the forward's.
+``--tiny`` runs the same parts on a random 2-layer rotary decoder and a random token corpus (seconds: the
+smoke test's run, not a measurement).
 
     python benchmarks/atlas.py                          # the table; JSON in benchmarks/results/local/
     python benchmarks/atlas.py --save                   # publish: benchmarks/results/atlas.json
     python benchmarks/atlas.py --tokens 4096 --ablation-tokens 1024 --threads 2
+    python benchmarks/atlas.py --tiny --tokens 256 --ablation-tokens 128 --window 64 --out /tmp/a.json
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
+
+from headspace.bench.scripts import output_path
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -48,7 +54,32 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def run_part(part: str, tokens: int, window: int, batch: int, threads: int, save: Path | None = None) -> dict:
+def tiny_model_and_corpus() -> tuple[Any, list[Any]]:
+    """A random 2-layer rotary, RMSNorm, grouped-query decoder (positions up to 512) and a corpus of
+    random token documents (the ``--tiny`` smoke run)."""
+    import torch
+
+    import headspace
+
+    torch.manual_seed(0)
+    cfg = headspace.ModelConfig(
+        arch="decoder", vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, d_mlp=64,
+        max_seq_len=512, positions="rotary", norm_kind="rmsnorm", mlp_kind="gated", act="silu", bias=False,
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(0, 64, (n,), generator=g) for n in (700, 300, 1500, 90)]
+    return headspace.Decoder(cfg).eval(), docs
+
+
+def run_part(
+    part: str,
+    tokens: int,
+    window: int,
+    batch: int,
+    threads: int,
+    save: Path | None = None,
+    tiny: bool = False,
+) -> dict:
     """One part in this process: seconds, tokens, peak RSS (MB, whole and above the loaded model)."""
     import torch
 
@@ -58,14 +89,19 @@ def run_part(part: str, tokens: int, window: int, batch: int, threads: int, save
     from headspace.analysis.atlas_ablation import ablate_batch
     from headspace.analysis.atlas_state import AtlasState
     from headspace.analysis.corpus import Corpus
+    from headspace.analysis.trace import as_module
 
     torch.set_num_threads(threads)
-    model = headspace.load("smollm2")
-    corpus = Corpus.of(corpus_folder())
+    if tiny:
+        model, docs = tiny_model_and_corpus()
+        corpus = Corpus.of(docs)
+    else:
+        model = headspace.load("smollm2")
+        corpus = Corpus.of(corpus_folder())
     windows = [w for g in _shards(model, corpus, window, tokens, 10**9) for w in g]
     n = sum(w.tokens.shape[0] for w in windows)
     base = _rss_mb()
-    module = model.model
+    module = as_module(model)
     t0 = time.perf_counter()
     with torch.no_grad():
         if part == "forward":
@@ -92,6 +128,8 @@ def _child(part: str, tokens: int, args: argparse.Namespace, save: Path | None =
            "--batch", str(args.batch), "--threads", str(args.threads)]  # fmt: skip
     if save is not None:
         cmd += ["--save-atlas", str(save)]
+    if args.tiny:
+        cmd += ["--tiny"]
     done = subprocess.run(cmd, capture_output=True, text=True, check=True, env=os.environ.copy())
     record = json.loads(done.stdout.strip().splitlines()[-1])
     print(json.dumps(record), file=sys.stderr, flush=True)  # each part as it ends
@@ -123,7 +161,7 @@ def draw_grid(d: dict, path: Path) -> None:
     print(f"wrote {path}")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--ablation-tokens", type=int, default=1024)
@@ -135,18 +173,17 @@ def main() -> None:
     p.add_argument("--save", action="store_true", help="publish: write benchmarks/results/atlas.json")
     p.add_argument("--picture", type=Path, default=None, help="also draw the grid of the stats part (PNG)")
     p.add_argument("--save-atlas", type=Path, default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    p.add_argument("--tiny", action="store_true", help="a random tiny decoder and corpus (a smoke run)")
+    args = p.parse_args(argv)
     if args.save and args.out is not None:
         p.error("--save writes benchmarks/results/atlas.json; give either --save or --out")
-    if args.out is None:
-        args.out = RESULTS / ("atlas.json" if args.save else "local/atlas.json")
+    args.out = output_path(args.out, args.save, "atlas.json", RESULTS)
     if args.part:
-        print(
-            json.dumps(
-                run_part(args.part, args.tokens, args.window, args.batch, args.threads, args.save_atlas)
-            )
+        record = run_part(
+            args.part, args.tokens, args.window, args.batch, args.threads, args.save_atlas, args.tiny
         )
-        return
+        print(json.dumps(record))
+        return 0
     fwd = _child("forward", args.tokens, args)
     saved = None if args.picture is None else args.picture.with_suffix(".json")
     stats = _child("stats", args.tokens, args, saved)
@@ -163,7 +200,8 @@ def main() -> None:
         ("ablation pass", abl, abl["tokens_per_s"] / fwd_small["tokens_per_s"],
          abl["peak_over_model_mb"] / max(1e-9, fwd_small["peak_over_model_mb"])),
     ]  # fmt: skip
-    print(f"SmolLM2-135M, window {args.window}, batch {args.batch}, {args.threads} threads, float32")
+    name = "a random tiny decoder" if args.tiny else "SmolLM2-135M"
+    print(f"{name}, window {args.window}, batch {args.batch}, {args.threads} threads, float32")
     print(f"{'part':<24}{'tokens':>8}{'s':>9}{'tok/s':>9}{'x fwd speed':>13}{'peak MB':>9}{'over model':>12}")
     for name, r, ratio, _ in rows:
         print(f"{name:<24}{r['tokens']:>8}{r['seconds']:>9.2f}{r['tokens_per_s']:>9.1f}{ratio:>13.3f}"
@@ -175,9 +213,10 @@ def main() -> None:
     kept = {
         k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("part", "out")
     }
-    record = {"args": kept, "parts": {
+    record = {"benchmark": "atlas", "args": kept, "parts": {
         "forward": fwd, "stats": stats, "forward_ablation_tokens": fwd_small, "ablation": abl},
         "stats_speed_ratio": rows[1][2], "stats_peak_ratio": rows[1][3],
+        "ablation_time_ratio_same_tokens": abl["seconds"] / fwd_small["seconds"],
         "with_ablation_time_ratio": with_abl}  # fmt: skip
     from headspace.bench import machine_info
     from headspace.core.fileio import write_json
@@ -185,7 +224,8 @@ def main() -> None:
     record["machine"] = machine_info()
     write_json(args.out, record)
     print(f"wrote {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -267,3 +267,73 @@ def test_corpus_errors(tmp_path) -> None:
     (folder / "d.jsonl").write_text('{"text": "third"}\n\n{"text": "fourth"}\n')
     assert [t for _, t in Corpus.of(folder).documents()] == ["first", "second", "third", "fourth"]
     assert Corpus.of(folder).sha256() == Corpus.of(folder).sha256()
+
+
+def llama_like(seed: int, **extra) -> hs.Decoder:
+    """A rotary, RMSNorm (offset 1), gated-MLP, grouped-query decoder with soft-capped logits, untied."""
+    torch.manual_seed(seed)
+    cfg = hs.ModelConfig(
+        arch="decoder", vocab_size=V, d_model=D, n_layers=L, n_heads=H, d_mlp=44, max_seq_len=32, dropout=0.0,
+        attn_dropout=0.0, emb_dropout=0.0, positions="rotary", norm_kind="rmsnorm", mlp_kind="gated",
+        act="silu", bias=False, tie_embeddings=False, norm_offset=1.0, final_softcap=5.0, **extra,
+    )  # fmt: skip
+    model = hs.Decoder(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ln" in name or "norm" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    return model
+
+
+@pytest.mark.parametrize("norm", ["pre", "sandwich"])
+def test_rmsnorm_rotary_decoder_matches_per_prompt_functions(norm: str, monkeypatch) -> None:
+    """RMSNorm's per-position factor (the direct effects scaled after the forward), rotary layers, a
+    soft-capped untied unembedding cut into chunks of 5 positions; ``sandwich`` norms ablate on hook_z
+    (the attention output passes a norm), ``pre`` on hook_attn_out."""
+    import headspace.analysis.atlas_ablation as atlas_ablation
+
+    monkeypatch.setattr(atlas_ablation, "UNEMBED_POSITIONS", 5)
+    model = llama_like(4, norm=norm)
+    docs = documents(seed=9)
+    result = atlas(model, docs, window=10, batch_size=3, top_k=2, progress=False, induction_repeated=False)
+    seqs = windows(docs, 10)
+    check_attention_stats(model, result, seqs)
+    de, cp = dla_reference(model, seqs, top_keys(model, seqs))
+    assert_close(result.stats["direct_effect"], de, atol=1e-5, rtol=1e-4)
+    assert_close(result.stats["copying"], cp, atol=1e-5, rtol=1e-4)
+    assert_close(result.stats["ablation"], ablation_reference(model, seqs), atol=1e-5, rtol=1e-4)
+
+
+def test_norm_split_is_frozen_norms_scale() -> None:
+    from headspace.analysis.atlas_measure import norm_split
+    from headspace.analysis.causal_inputs import frozen_norm
+
+    x = torch.randn(2, 5, D) * 3 + 1
+    ln = torch.nn.LayerNorm(D)
+    with torch.no_grad():
+        ln.weight.add_(torch.randn(D))
+    rms = llama_like(0).ln_final  # RMSNorm with an offset
+    for norm in (ln, rms, None):
+        w, c = norm_split(norm, x)  # (D,), (2, 5)
+        scale, _ = frozen_norm(norm, x)  # (2, 5, D)
+        assert w.shape == (D,) and c.shape == (2, 5)
+        assert_close(w * c[..., None], scale, atol=1e-6, rtol=1e-5)
+
+
+def test_pair_loss_sums_skip_padding_and_match_cross_entropy(monkeypatch) -> None:
+    import headspace.analysis.atlas_ablation as atlas_ablation
+
+    monkeypatch.setattr(atlas_ablation, "UNEMBED_POSITIONS", 3)
+    model = llama_like(1)
+    tokens = torch.randint(0, V, (3, 7))
+    real = torch.ones(3, 7, dtype=torch.bool)
+    real[1, 4:] = False
+    real[2, 1:] = False  # one token: no pair
+    with torch.no_grad():
+        with hs.trace(model, [f"blocks.{L - 1}.hook_resid_post"]) as t:
+            logits = model(tokens, real)
+        sums, n = atlas_ablation._pair_loss_sums(model, t[f"blocks.{L - 1}.hook_resid_post"], tokens, real)
+    assert n == 6 + 3
+    ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten(), reduction="none").view(3, 6)
+    pair = (real[:, :-1] & real[:, 1:]).double()
+    assert_close(sums, (ce.double() * pair).sum(-1), atol=1e-5, rtol=1e-5)

@@ -307,16 +307,24 @@ def test_each_layer_qk_gives_the_traced_rotated_q_and_k_and_stops_after_the_last
     for i in range(3):  # one layer traced at a time: the layers before it keep their fused path, as below
         with (
             torch.no_grad(),
-            trace(model, [f"blocks.{i}.attn.hook_rot_q", f"blocks.{i}.attn.hook_rot_k"]) as t,
+            trace(
+                model,
+                [f"blocks.{i}.attn.hook_rot_q", f"blocks.{i}.attn.hook_rot_k", f"blocks.{i}.attn.hook_v"],
+            ) as t,
         ):
             model(tokens, key_padding=pad)
-        want[i] = (t[f"blocks.{i}.attn.hook_rot_q"], t[f"blocks.{i}.attn.hook_rot_k"])
-    got: dict[int, tuple[torch.Tensor, torch.Tensor, bool]] = {}
+        want[i] = (
+            t[f"blocks.{i}.attn.hook_rot_q"],
+            t[f"blocks.{i}.attn.hook_rot_k"],
+            t[f"blocks.{i}.attn.hook_v"],
+        )
+    got: dict[int, tuple[torch.Tensor, torch.Tensor, bool, torch.Tensor]] = {}
     expected_pad = [pad]
 
     def fn(call: chunked.LayerQK) -> None:
         assert not call.attn.hooks_active  # the layer keeps its fused path: no hook point is touched
-        got[call.layer] = (call.q.clone(), call.k.clone(), call.is_causal)
+        assert call.v is not None  # the values of the same projection
+        got[call.layer] = (call.q.clone(), call.k.clone(), call.is_causal, call.v.clone())
         assert call.key_padding is expected_pad[0] and call.scale == call.attn.scale
 
     unembedded = []
@@ -329,6 +337,7 @@ def test_each_layer_qk_gives_the_traced_rotated_q_and_k_and_stops_after_the_last
             assert_close(got[i][0], want[i][0], rtol=0, atol=0)  # the same operations: bitwise
             assert_close(got[i][1], want[i][1], rtol=0, atol=0)
             assert got[i][2] is True
+            assert_close(got[i][3], want[i][2], rtol=0, atol=0)  # v as hook_v shows it
         got.clear()
         expected_pad[0] = None
         with torch.no_grad():

@@ -31,14 +31,13 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 COMMITTED = BENCHMARKS / "results"
 SCRIPTS = (
     "attention", "attention_parts", "decode", "decode_step", "encode", "explorer", "int8_kernels",
-    "precision_cpus", "side_by_side", "trace_overhead", "train", "trace_memory", "heads",
+    "precision_cpus", "side_by_side", "trace_overhead", "train", "trace_memory", "heads", "atlas",
 )  # fmt: skip
 ELSEWHERE = {  # scripts whose smoke run lives with their own tests
     "patching": "needs headspace.load('smollm2'): tests/analysis/test_patching.py runs it",
     "long_inputs": "real runs need SmolLM2: tests/analysis/test_long_inputs.py runs it tiny (--random)",
     "compile": "tests/model/test_compile_models.py runs it tiny (--backend eager)",
     "circuits": "needs a tokenizer: tests/analysis/test_circuits.py runs it on a tiny GPT-2 folder",
-    "atlas": "needs headspace.load('smollm2') and minutes of CPU per part: no smoke run yet (issue #28)",
 }
 CHROMIUM = os.environ.get("HEADSPACE_CHROMIUM", "/usr/bin/chromium")
 
@@ -493,6 +492,27 @@ def test_trace_memory_script_random_model(tmp_path: Path, capsys: pytest.Capture
     printed = capsys.readouterr().out
     for r in doc["rows"]:
         assert f"{r['peak_over_model_gb']:.2f}" in printed and r["case"] in printed
+
+
+def test_atlas_script_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--tiny``: the four parts, each in its own process, on a random decoder and token corpus."""
+    out = tmp_path / "atlas.json"
+    argv = ["--tiny", "--tokens", "192", "--ablation-tokens", "64", "--window", "64", "--batch", "2"]
+    assert _script("atlas").main([*argv, "--threads", "1", "--out", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["benchmark"] == "atlas" and doc["args"]["tiny"] is True
+    parts = doc["parts"]
+    assert [parts[k]["tokens"] for k in ("forward", "stats", "forward_ablation_tokens", "ablation")] == [
+        192, 192, 64, 64,
+    ]  # fmt: skip
+    assert doc["stats_speed_ratio"] == pytest.approx(
+        parts["stats"]["tokens_per_s"] / parts["forward"]["tokens_per_s"]
+    )
+    assert doc["ablation_time_ratio_same_tokens"] == pytest.approx(
+        parts["ablation"]["seconds"] / parts["forward_ablation_tokens"]["seconds"]
+    )
+    printed = capsys.readouterr().out
+    assert "a random tiny decoder" in printed and f"{doc['with_ablation_time_ratio']:.1f}x" in printed
 
 
 def test_heads_script_random_model(

@@ -566,9 +566,12 @@ class LayerQK:
 
     ``q`` [batch, seq_q, n_heads, d_head] and ``k`` [batch, seq_k, n_kv_heads, d_head] in the layer's
     dtype, after rotation on rotary layers (what ``hook_rot_q`` / ``hook_rot_k`` would show; ``hook_q`` /
-    ``hook_k`` otherwise); ``key_padding``, ``attn_mask``, ``is_causal`` as the layer received them;
+    ``hook_k`` otherwise); ``key_padding``, ``attn_mask``, ``is_causal`` as the layer received them and
+    ``window`` its sliding window (None: none);
     ``scale`` the layer's; ``layer`` its index (:func:`headspace.trace.attention_layers`), ``name`` its
-    module path, ``attn`` the module. Valid during the call of ``fn`` only (then freed).
+    module path, ``attn`` the module; ``v`` [batch, seq_k, n_kv_heads, d_head] the values of the same
+    projection (what ``hook_v`` would show; None when built without them). Valid during the call of
+    ``fn`` only (then freed).
     """
 
     layer: int
@@ -581,6 +584,7 @@ class LayerQK:
     is_causal: bool
     scale: float
     window: int | None = None
+    v: Tensor | None = None
 
     def _masks(self) -> dict[str, Any]:
         return {
@@ -617,10 +621,11 @@ def supports_qk_capture(attn: Any) -> bool:
     )
 
 
-def _layer_qk(
+def _layer_qkv(
     attn: MultiHeadAttention, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> tuple[Tensor, Tensor]:
-    """q [B, H, Sq, dh] and k [B, Hkv, Sk, dh] of one call, as the layer computes them (rotated)."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """q [B, H, Sq, dh] and k, v [B, Hkv, Sk, dh] of one call, as the layer computes them (q and k
+    rotated), from one projection."""
     names = ("query", "key", "value")
     given = dict(zip(names, args))
     for n in names:
@@ -638,7 +643,7 @@ def _layer_qk(
         k_in = query if key is None else key
         check_input_tensor("key", k_in, attn.kdim, "kdim", w)
         check_input_tensor("value", k_in if value is None else value, attn.vdim, "vdim", w)
-    q, k, _ = attn.project_qkv(query, key, value)  # (B, H, Sq, dh), (B, Hkv, Sk, dh)
+    q, k, v = attn.project_qkv(query, key, value)  # (B, H, Sq, dh), (B, Hkv, Sk, dh) x 2
     if getattr(attn, "qk_norm", None) is not None:
         q, k = attn.normed_qk(q, k)  # QK-norm before the rotation, as the layer
     rotary = attn.rotary
@@ -649,7 +654,7 @@ def _layer_qk(
         cos, sin = rotary_tables(rotary, positions, query.dtype, query.device)  # (B|1, 1, Sq, rd) x 2
         q = rotate_fused(q, cos, sin, rotary)  # (B, H, Sq, dh)
         k = rotate_fused(k, cos, sin, rotary)  # (B, Hkv, Sk, dh)
-    return q, k
+    return q, k, v
 
 
 def each_layer_qk(
@@ -670,8 +675,8 @@ def each_layer_qk(
     *point* gets a function, so every layer keeps its fused fast path (torch's
     scaled_dot_product_attention, which never builds a pattern), whereas tracing ``hook_q`` would send
     the layer down the traced path, which computes the full reference pattern. ``fn`` runs inside the
-    hook; q and k are freed when it returns, so at most one layer's q and k (and whatever ``fn`` builds)
-    are alive at a time.
+    hook; q, k and v (:attr:`LayerQK.v`, from the same projection) are freed when it returns, so at most
+    one layer's q, k, v (and whatever ``fn`` builds) are alive at a time.
 
     With ``stop_early`` (default), the forward is cut short once every chosen layer has been handed
     over (``run`` is interrupted by an exception caught here: the rest of the model, e.g. a 49k-word
@@ -712,14 +717,14 @@ def each_layer_qk(
             if threading.get_ident() != owner:
                 return
             with torch.no_grad():
-                q, k = _layer_qk(module, args, kwargs)
+                q, k, v = _layer_qkv(module, args, kwargs)
                 call = LayerQK(
                     layer=i, name=name, attn=module, q=q.transpose(1, 2), k=k.transpose(1, 2),
                     key_padding=kwargs.get("key_padding"), attn_mask=kwargs.get("attn_mask"),
                     is_causal=bool(kwargs.get("is_causal", False)), scale=module.scale,
-                    window=getattr(module, "window", None),
+                    window=getattr(module, "window", None), v=v.transpose(1, 2),
                 )  # fmt: skip
-                del q, k
+                del q, k, v
                 fn(call)
                 del call
             seen.add(i)
