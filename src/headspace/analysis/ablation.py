@@ -278,9 +278,11 @@ class _Loss(_Metric):
         tokens, real = _replicate(batch.tokens, R), _replicate(batch.real, R)  # (R b, seq) x 2
         seq = tokens.shape[1]
         pair = (real[:, :-1] & real[:, 1:]).to(torch.float64)  # (R b, seq - 1): context end and target real
+        block = LOSS_SUM_BLOCK if overwrite else None  # the engine's copies: float32 partial sums
+        # out: seq or seq - 1 positions (the engine unembeds only those the loss reads)
         ce = next_token_loss(
-            out[:, : seq - 1], tokens[:, 1:], overwrite=overwrite
-        )  # (R b, seq - 1); out: seq or seq - 1 positions
+            out[:, : seq - 1], tokens[:, 1:], overwrite=overwrite, block=block
+        )  # (R b, seq - 1)
         b = batch.tokens.shape[0]
         return (ce * pair).view(R, b, -1).sum(dim=(1, 2)), pair.view(R, b, -1).sum(dim=(1, 2))
 
