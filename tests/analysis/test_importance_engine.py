@@ -108,6 +108,21 @@ def test_next_token_loss_is_float64_cross_entropy() -> None:
     torch.testing.assert_close(ablation.next_token_loss(logits, targets), want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("vocab", [101, 256, 300])
+def test_next_token_loss_blocked_and_in_place(vocab: int) -> None:
+    logits = torch.randn(3, 5, vocab) * 7
+    targets = torch.randint(0, vocab, (3, 5))
+    want = F.cross_entropy(logits.double().transpose(1, 2), targets, reduction="none")
+    exact = ablation.next_token_loss(logits, targets)
+    scratch = logits.clone()
+    blocked = ablation.next_token_loss(scratch, targets, overwrite=True, block=128)
+    torch.testing.assert_close(blocked, want, rtol=0, atol=1e-6)
+    assert torch.equal(ablation.next_token_loss(logits.clone(), targets, overwrite=True), exact)
+    assert not torch.equal(scratch, logits)  # overwrite: the logits' memory held the exponentials
+    with pytest.raises(ValueError, match="block must be a positive int"):
+        ablation.next_token_loss(logits, targets, block=0)
+
+
 def test_smollm2_heads_equal_one_ablate_per_head(smollm2) -> None:
     sentence = "The cat sat on the mat."
     heads = [(17, 5)]

@@ -19,6 +19,8 @@ from headspace import MultiHeadAttention
 B, S, DH, H, HKV = 2, 13, 5, 7, 1  # distinct primes
 D = H * DH  # 35
 DEFERRED = ("hook_scores", "hook_pattern", "hook_result")
+MLP = ("mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post")  # deferred where larger than the weights
+MID = "hook_resid_mid"  # deferred as resid_pre + attn_out where the block adds them (not post-LN)
 
 
 def bert_like() -> hs.Encoder:
@@ -49,12 +51,15 @@ def smollm2_like() -> hs.Decoder:
     return hs.Decoder(cfg).eval()
 
 
-def assert_traces_equal(lazy: hs.Trace, eager: hs.Trace) -> None:
-    """Every value of ``lazy`` equals ``eager``'s bit for bit; the big three were deferred."""
+def assert_traces_equal(lazy: hs.Trace, eager: hs.Trace, *, mid: bool = True) -> None:
+    """Every value of ``lazy`` equals ``eager``'s bit for bit; the attention's big three, the MLP's hook
+    points and (``mid``) hook_resid_mid were deferred."""
     assert set(lazy) == set(eager)
+    deferred = DEFERRED + ((MID,) if mid else ())
     for name in eager:
         assert torch.equal(lazy[name], eager[name].detach()), name
-        assert lazy.is_deferred(name) == name.endswith(DEFERRED), name
+        if not name.endswith(MLP):  # (those depend on the input's length: tested on their own)
+            assert lazy.is_deferred(name) == name.endswith(deferred), name
     for layer in range(lazy.n_layers):
         n = lazy._layers[layer].n_heads
         for short in ("scores", "pattern", "result"):
@@ -89,7 +94,7 @@ def test_encoder_with_key_padding_bitwise_and_by_hand() -> None:
     pad = torch.ones(B, S, dtype=torch.bool)
     pad[1, 9:] = False
     lazy, eager, _ = run_both(model, tokens, key_padding=pad)
-    assert_traces_equal(lazy, eager)
+    assert_traces_equal(lazy, eager, mid=False)  # post-LN: resid_mid = LN1(x + a) is stored
     allowed = pad[:, None, None, :]  # (B, 1, 1, S)
     want = by_hand_pattern(lazy["blocks.1.attn.hook_q"], lazy["blocks.1.attn.hook_k"], allowed)
     torch.testing.assert_close(lazy.pattern(1).double(), want)
@@ -205,3 +210,69 @@ def test_smollm2_deferred_trace_equals_stored_trace(smollm2) -> None:
         assert torch.equal(lazy[name], eager[name]), name
     assert lazy.is_deferred("blocks.17.attn.hook_pattern")
     assert torch.equal(lazy.pattern(17, 5), eager.pattern(17, 5))
+
+
+def test_mlp_and_resid_mid_survive_weight_edits_and_replacing_hooks_store() -> None:
+    model = smollm2_like()
+    tokens = torch.randint(0, 37, (B, 64))  # 128 rows: the MLP's values outweigh a copy of its weights
+    lazy, eager, _ = run_both(model, tokens)
+    assert_traces_equal(lazy, eager)
+    assert all(lazy.is_deferred(n) for n in lazy if n.endswith(MLP))
+    names = [
+        "blocks.1.mlp.hook_pre",
+        "blocks.1.mlp.hook_pre_linear",
+        "blocks.1.mlp.hook_post",
+        f"blocks.1.{MID}",
+    ]
+    before = {n: lazy[n].clone() for n in names}
+    with torch.no_grad():
+        for p in model.blocks[1].mlp.parameters():
+            p.mul_(2.0)  # the deferred MLP values keep copies of the input linears
+    for n in names:
+        assert torch.equal(lazy[n], before[n]) and torch.equal(before[n], eager[n]), n
+    # the three MLP hook points share one input and one copy of the weights
+    shared = {id(vars(lazy._values[n])["x"]) for n in names[:3]}
+    assert len(shared) == 1
+
+    def double(v: torch.Tensor, point: object) -> torch.Tensor:
+        return v * 2
+
+    with torch.no_grad(), hs.trace(model, hooks={"blocks.0.mlp.hook_pre": double}) as t:
+        out = model(tokens)
+    assert not t.is_deferred("blocks.0.mlp.hook_pre") and t.is_deferred("blocks.1.mlp.hook_pre")
+    with torch.no_grad(), hs.trace(model, hooks={"blocks.0.mlp.hook_pre": double}, detach=False) as e:
+        want = model(tokens)
+    assert torch.equal(out, want)  # the replacement still reaches the forward
+    for name in e:
+        assert torch.equal(t[name], e[name]), name
+
+
+def test_smollm2_every_hook_point_equals_the_stored_trace(smollm2) -> None:
+    ids, _ = smollm2.tokenize_padded(["The cat sat on the mat because the cat was tired."])
+    with torch.no_grad():
+        with hs.trace(smollm2.model) as lazy:
+            got = smollm2.model(ids)
+        with hs.trace(smollm2.model, detach=False) as eager:
+            want = smollm2.model(ids)
+    assert torch.equal(got, want)
+    assert set(lazy) == set(eager)
+    for name in eager:
+        assert torch.equal(lazy[name], eager[name]), name
+    # 13 tokens: the MLP's values are smaller than a copy of its weights, so they are stored
+    assert not lazy.is_deferred("blocks.29.mlp.hook_post") and lazy.is_deferred(f"blocks.3.{MID}")
+
+
+def test_smollm2_long_input_mlp_deferred_bitwise(smollm2) -> None:
+    ids = torch.randint(0, smollm2.config.vocab_size, (1, 480), generator=torch.Generator().manual_seed(0))
+    names = ["blocks.0.*", "blocks.29.*"]
+    with torch.no_grad():
+        with hs.trace(smollm2.model, names) as lazy:
+            got = smollm2.model(ids)
+        with hs.trace(smollm2.model, names, detach=False) as eager:
+            want = smollm2.model(ids)
+    assert torch.equal(got, want)
+    for name in eager:
+        assert torch.equal(lazy[name], eager[name]), name
+    for layer in (0, 29):  # 480 rows: the MLP's values outweigh a copy of its weights
+        assert all(lazy.is_deferred(f"blocks.{layer}.{n}") for n in (*MLP, MID))
+    assert lazy.stored_bytes() < 0.6 * eager.stored_bytes()

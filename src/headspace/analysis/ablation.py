@@ -173,8 +173,16 @@ class _Metric:
     def _setup(self) -> None:
         """What a metric prepares (or checks) once, before any ablation; nothing by default."""
 
-    def stats(self, batch_index: int, out: Tensor, R: int) -> tuple[Tensor, Tensor]:
+    def stats(
+        self, batch_index: int, out: Tensor, R: int, *, overwrite: bool = False
+    ) -> tuple[Tensor, Tensor]:
+        """(sum, count) per copy [R] x 2 of ``out`` [R b, seq, ...]; ``overwrite``: ``out`` may be used
+        as scratch memory (the engine's own buffer)."""
         raise NotImplementedError
+
+    def positions_read(self, seq: int) -> int:
+        """How many leading positions of the output [rows, seq, ...] :meth:`stats` reads (all of them)."""
+        return seq
 
     def baseline(self) -> float:
         raise NotImplementedError
@@ -202,7 +210,9 @@ class _Cosine(_Metric):
         w = real.to(torch.float64)[:, :, None]  # (b, seq, 1)
         return (states.to(torch.float64) * w).sum(1) / w.sum(1).clamp_min(1)  # (b, d_model)
 
-    def stats(self, batch_index: int, out: Tensor, R: int) -> tuple[Tensor, Tensor]:
+    def stats(
+        self, batch_index: int, out: Tensor, R: int, *, overwrite: bool = False
+    ) -> tuple[Tensor, Tensor]:
         batch = self.batches[batch_index]
         ref = self.reference[batch_index]  # (b, d)
         b = ref.shape[0]
@@ -217,18 +227,37 @@ class _Cosine(_Metric):
         return baseline - value
 
 
-def next_token_loss(logits: Tensor, targets: Tensor) -> Tensor:
+#: The engine's :func:`next_token_loss` sums the exponentials this many at a time in float32.
+LOSS_SUM_BLOCK = 128
+
+
+def next_token_loss(
+    logits: Tensor, targets: Tensor, *, overwrite: bool = False, block: int | None = None
+) -> Tensor:
     """Cross-entropy ``logsumexp(logits) - logits[target]`` per position, float64 [rows, seq].
 
     logits float [rows, seq, vocab], targets int64 [rows, seq]. The max and the exponentials are taken in
     the logits' dtype and summed in float64 (``log`` of that sum in float64): within a few float32
     rounding steps of ``F.cross_entropy(logits.double(), ...)`` (tested), without a float64 copy of the
-    logits.
+    logits. ``block=n``: the exponentials are summed ``n`` at a time in float32 and those partial sums in
+    float64 (within float32 rounding of the float64 sum, and many times faster). ``overwrite=True``:
+    the exponentials are computed in the logits' own memory (the logits are lost; the same numbers, no
+    [rows, seq, vocab] allocation).
     """
+    if block is not None and (not is_int(block) or block <= 0):
+        raise ValueError(f"block must be a positive int or None; got {block!r}")
     top = logits.amax(dim=-1, keepdim=True)  # (rows, seq, 1)
-    total = torch.exp(logits - top).sum(dim=-1, dtype=torch.float64)  # (rows, seq)
-    lse = top[..., 0].to(torch.float64) + torch.log(total)  # (rows, seq)
     picked = logits.gather(-1, targets[..., None])[..., 0].to(torch.float64)  # (rows, seq)
+    e = (logits.sub_(top) if overwrite else torch.sub(logits, top)).exp_()  # (rows, seq, vocab)
+    vocab = e.shape[-1]
+    whole = 0 if block is None or e.dtype != torch.float32 else vocab - vocab % block
+    total = torch.zeros(e.shape[:-1], dtype=torch.float64, device=e.device)  # (rows, seq)
+    if whole:
+        parts = e[..., :whole].unflatten(-1, (-1, block)).sum(dim=-1)  # (rows, seq, whole // block)
+        total += parts.sum(dim=-1, dtype=torch.float64)
+    if whole < vocab:
+        total += e[..., whole:].sum(dim=-1, dtype=torch.float64)
+    lse = top[..., 0].to(torch.float64) + torch.log(total)  # (rows, seq)
     return lse - picked
 
 
@@ -242,13 +271,24 @@ class _Loss(_Metric):
             if batch.tokens is None:
                 raise TypeError("metric='loss' needs token ids [batch, seq]; got activations")
 
-    def stats(self, batch_index: int, out: Tensor, R: int) -> tuple[Tensor, Tensor]:
+    def stats(
+        self, batch_index: int, out: Tensor, R: int, *, overwrite: bool = False
+    ) -> tuple[Tensor, Tensor]:
         batch = self.batches[batch_index]
         tokens, real = _replicate(batch.tokens, R), _replicate(batch.real, R)  # (R b, seq) x 2
+        seq = tokens.shape[1]
         pair = (real[:, :-1] & real[:, 1:]).to(torch.float64)  # (R b, seq - 1): context end and target real
-        ce = next_token_loss(out[:, :-1], tokens[:, 1:])  # (R b, seq - 1)
+        block = LOSS_SUM_BLOCK if overwrite else None  # the engine's copies: float32 partial sums
+        # out: seq or seq - 1 positions (the engine unembeds only those the loss reads)
+        ce = next_token_loss(
+            out[:, : seq - 1], tokens[:, 1:], overwrite=overwrite, block=block
+        )  # (R b, seq - 1)
         b = batch.tokens.shape[0]
         return (ce * pair).view(R, b, -1).sum(dim=(1, 2)), pair.view(R, b, -1).sum(dim=(1, 2))
+
+    def positions_read(self, seq: int) -> int:
+        """The last position predicts no token: only the logits of the first ``seq - 1`` are read."""
+        return max(1, seq - 1)
 
     def baseline(self) -> float:
         total, count = torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
@@ -430,13 +470,34 @@ def _engine_applies(module: nn.Module, batches: Sequence[Batch]) -> bool:
     )
 
 
-def _finish(module: nn.Module, x: Tensor) -> Tensor:
-    """What the Encoder's or Decoder's forward does after its last block: LN_f, and a decoder's logits."""
+def _finish(module: nn.Module, x: Tensor, buffer: list[Tensor] | None = None) -> Tensor:
+    """What the Encoder's or Decoder's forward does after its last block: LN_f, and a decoder's logits.
+
+    ``buffer``: a one-item list holding a float32 tensor the logits may be written into (the same GEMM
+    as ``F.linear``, into memory reused from one call to the next; grown and replaced when too small),
+    or an empty list to start one; None: fresh logits.
+    """
     if module.ln_final is not None:
         x = module.ln_final(x)  # (runs, seq, d_model)
     if not _is_decoder(module):
         return x
-    logits = F.linear(x, module.tok_embed.weight) if module.lm_head is None else module.lm_head(x)
+    head = module.lm_head
+    weight = module.tok_embed.weight if head is None else head.weight
+    into = (
+        buffer is not None
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and (head is None or (type(head) is nn.Linear and head.bias is None))
+    )
+    if into:
+        runs, seq, _ = x.shape
+        n = runs * seq * weight.shape[0]
+        if not buffer or buffer[0].numel() < n or buffer[0].device != x.device:
+            buffer[:] = [torch.empty(n, dtype=torch.float32, device=x.device)]
+        out = buffer[0][:n].view(runs * seq, weight.shape[0])  # (runs seq, vocab_size)
+        torch.matmul(x.reshape(runs * seq, -1), weight.t(), out=out)
+        return out.view(runs, seq, -1)  # (runs, seq, vocab_size)
+    logits = F.linear(x, module.tok_embed.weight) if head is None else head(x)
     return logits if logits.dtype == torch.float32 else logits.float()  # (runs, seq, vocab_size)
 
 
@@ -454,6 +515,7 @@ def _from_layers(a: _Ablations, bar: Any) -> list[float]:
     order = sorted(range(len(todo)), key=lambda i: todo[i][0])  # by layer: the order runs join in
     total = torch.zeros(len(todo), dtype=torch.float64)
     count = torch.zeros(len(todo), dtype=torch.float64)
+    buffer: list[Tensor] = []  # the logits of one chunk, memory reused from chunk to chunk
     for bi, batch in enumerate(batches):
         b, seq = batch.tokens.shape
         with trace(module, "blocks.*.hook_resid_pre") as t:
@@ -468,11 +530,14 @@ def _from_layers(a: _Ablations, bar: Any) -> list[float]:
             hooks, block_kwargs = _engine_calls(module, layers, batch, heads_at, mode, means)
             x = run_from_layers(module, joins, hooks, block_kwargs)  # (len(group) b, seq, d_model)
             vocab = getattr(module.config, "vocab_size", 1) if _is_decoder(module) else x.shape[-1]
-            step = max(1, OUTPUT_CHUNK_BYTES // max(1, b * seq * vocab * 8))
+            used = m.positions_read(seq)  # only these positions are unembedded (the loss: seq - 1)
+            step = max(1, OUTPUT_CHUNK_BYTES // max(1, b * used * vocab * 8))
             for c0 in range(0, len(group), step):
                 part = group[c0 : c0 + step]
-                out = _finish(module, x[c0 * b : (c0 + len(part)) * b])  # (len(part) b, seq, ...)
-                st, sc = m.stats(bi, out, len(part))  # (len(part),) x 2
+                out = _finish(
+                    module, x[c0 * b : (c0 + len(part)) * b, :used], buffer
+                )  # (len(part) b, used, ...)
+                st, sc = m.stats(bi, out, len(part), overwrite=True)  # (len(part),) x 2
                 total[part] += st
                 count[part] += sc
             if bi == len(batches) - 1:

@@ -17,8 +17,10 @@ collects only some (exact names or ``fnmatch`` globs such as ``"*.hook_pattern"`
 attention layers owning a collected hook point leave their fused fast path. ``hooks=`` adds functions
 that may *replace* a value (patching, ablation); the trace records the value after replacement.
 
-Memory: ``hook_scores``/``hook_pattern`` are kept as the layer's q and k and ``hook_result`` as z and a
-copy of W_O, and computed again (bit for bit) when read; see :class:`Trace`.
+Memory: ``hook_scores``/``hook_pattern`` are kept as the layer's q and k, ``hook_result`` as z and a
+copy of W_O, the MLP's ``hook_pre``/``hook_pre_linear``/``hook_post`` (on inputs long enough) as its input
+and copies of its input linears, and ``hook_resid_mid`` (where the block adds ``x + a``) as the recorded
+``hook_resid_pre`` and ``hook_attn_out``; each is computed again (bit for bit) when read; see :class:`Trace`.
 
 A bare :class:`~headspace.MultiHeadAttention` is a one-layer model: its names are ``hook_pattern`` ...
 and its layer index is 0.
@@ -190,10 +192,15 @@ class Trace(Mapping[str, Tensor]):
     Memory: what can be recomputed exactly is not stored. ``hook_scores`` and ``hook_pattern`` are kept
     as the layer's q and k (rotated on rotary layers) and ``hook_result`` as z and a copy of W_O
     (:class:`~headspace.functional.DeferredAttention`, :class:`~headspace.functional.DeferredResult`);
-    each access computes the value again with the layer's own ops, bit for bit what the layer computed
-    (``t.pattern(3, 5)`` computes head 5 only). The most recent value is kept until the next access of
-    another. With ``detach=False``, or when a function that may replace them runs on those hook points,
-    they are stored as computed.
+    a standard MLP's ``hook_pre``, ``hook_pre_linear`` and ``hook_post`` [batch, seq, d_mlp] as the
+    MLP's input [batch, seq, d_model] and copies of its input linears, where those values outweigh the
+    input and the copies (:class:`~headspace.block.DeferredMLP`; shorter inputs store them); a pre-norm,
+    sandwich or post-sublayer block's ``hook_resid_mid`` as the ``hook_resid_pre`` and ``hook_attn_out``
+    it is the sum of, when both are recorded (:class:`~headspace.block.DeferredSum`). Each access
+    computes the value again with the layer's own ops, bit for bit what the layer computed, whatever
+    the weights became since (``t.pattern(3, 5)`` computes head 5 only). The most recent value is kept
+    until the next access of another. With ``detach=False``, or when a function that may replace them
+    runs on those hook points, they are stored as computed.
     """
 
     def __init__(self, layer_paths: Sequence[str], layers: Sequence[MultiHeadAttention]) -> None:

@@ -79,6 +79,76 @@ def _fire(hook: HookPoint, value: Tensor) -> Tensor:
     return hook(value) if hook.fns else value
 
 
+def _defers(points: tuple[HookPoint, ...]) -> bool:
+    """Whether some point of ``points`` fires and every one that fires only records a Deferred."""
+    live = [p for p in points if p.active]
+    return bool(live) and all(p.defers for p in live)
+
+
+def _plain_linear(fc: nn.Module) -> bool:
+    """Whether ``fc`` is an ``nn.Linear`` whose forward is ``F.linear`` on plain float weights."""
+    if type(fc) is not nn.Linear:
+        return False
+    return all(
+        t is None or (t.is_floating_point() and not is_int8(t) and not is_bf16(t))
+        for t in (fc.weight, fc.bias)
+    )
+
+
+class DeferredMLP:
+    """An MLP's ``hook_pre``, ``hook_pre_linear`` or ``hook_post`` [batch, seq, d_mlp], kept as the MLP's
+    input [batch, seq, d_model] and copies of the input linears' weights and biases.
+
+    ``materialize()`` runs the layer's own ops again on the same input: ``pre = F.linear(x, W_gate,
+    b_gate)`` (plain MLP: ``F.linear(x, W_in, b_in)``), ``pre_linear = F.linear(x, W_in, b_in)``, ``post =
+    act(pre) * pre_linear`` (plain: ``act(pre)``): bit for bit what the traced forward computed (the
+    copies keep it so after the weights change). ``which``: ``"pre"``, ``"pre_linear"`` or ``"post"``.
+    """
+
+    def __init__(self, x: Tensor, mlp: _FeedForwardLayers, which: str) -> None:
+        if which not in ("pre", "pre_linear", "post"):
+            raise ValueError(f"which must be 'pre', 'pre_linear' or 'post'; got {which!r}")
+        self.x, self.which, self.act = x, which, mlp.act
+        gated = hasattr(mlp, "fc_gate")
+        first = mlp.fc_gate if gated else mlp.fc_in
+        self.w_pre = first.weight.detach().clone()
+        self.b_pre = None if first.bias is None else first.bias.detach().clone()
+        self.w_lin = mlp.fc_in.weight.detach().clone() if gated else None
+        self.b_lin = None if not gated or mlp.fc_in.bias is None else mlp.fc_in.bias.detach().clone()
+        self.shape = (*x.shape[:-1], first.weight.shape[0])
+
+    def share(self, which: str) -> DeferredMLP:
+        """The same inputs (no second copy of anything) for another of the MLP's hook points."""
+        other = object.__new__(DeferredMLP)
+        other.__dict__.update(self.__dict__)
+        other.which = which
+        return other
+
+    def materialize(self, head: int | None = None) -> Tensor:
+        """[batch, seq, d_mlp] (``head`` is not used: the MLP's hook points have no head axis)."""
+        pre = F.linear(self.x, self.w_pre, self.b_pre)  # (batch, seq, d_mlp)
+        if self.which == "pre":
+            return pre
+        if self.w_lin is None:  # plain MLP: post = act(pre)
+            return self.act(pre)
+        lin = F.linear(self.x, self.w_lin, self.b_lin)  # (batch, seq, d_mlp)
+        return lin if self.which == "pre_linear" else self.act(pre) * lin
+
+
+class DeferredSum:
+    """A block's ``hook_resid_mid`` [batch, seq, d_model] where it is ``x + a`` (pre-norm, sandwich and
+    post-sublayer blocks), kept as the two tensors the block added (its recorded ``hook_resid_pre`` and
+    ``hook_attn_out``): ``materialize()`` adds them again, bit for bit the block's value."""
+
+    def __init__(self, x: Tensor, a: Tensor) -> None:
+        self.x, self.a = x, a
+        self.shape = tuple(x.shape)
+
+    def materialize(self, head: int | None = None) -> Tensor:
+        """[batch, seq, d_model] (``head`` is not used)."""
+        return self.x + self.a
+
+
 class _FeedForwardLayers(nn.Module):
     """What :class:`FeedForward` and :class:`GatedFeedForward` share: the checks, the activation, the
     linears and hook points (registered in one order: ``fc_gate`` first and ``hook_pre_linear`` between
@@ -114,8 +184,56 @@ class _FeedForwardLayers(nn.Module):
 
         Returns:
             [batch, seq, d_model].
+
+        While only recorders (:attr:`HookPoint.defers`) watch the hook points of a standard MLP (plain
+        float ``nn.Linear`` layers), they get a :class:`DeferredMLP` of the input instead of the
+        [batch, seq, d_mlp] values; the output is the same, bit for bit.
         """
+        if any(p.fns for p in self._points()) and self._may_defer(x):
+            return self._forward_deferred(x)
         return self.fc_out(_fire(self.hook_post, self._hidden(x)))  # (batch, seq, d_model)
+
+    def _points(self) -> tuple[HookPoint, ...]:
+        gated = "hook_pre_linear" in self._modules
+        return (
+            (self.hook_pre, self.hook_pre_linear, self.hook_post)
+            if gated
+            else (self.hook_pre, self.hook_post)
+        )
+
+    def _may_defer(self, x: Tensor) -> bool:
+        """Whether the hook points may get a :class:`DeferredMLP` of ``x``: only recorders fire, this
+        class's own ``_hidden``, plain float linears and an activation without parameters, and the
+        values [.., d_mlp] of the recorded points outweigh ``x`` and the weight copies (short inputs
+        store the values: a copy of the weights is the larger)."""
+        if type(self)._hidden not in (FeedForward._hidden, GatedFeedForward._hidden):
+            return False
+        gated = "fc_gate" in self._modules
+        linears = [self.fc_in, self.fc_gate] if gated else [self.fc_in]
+        if not all(_plain_linear(fc) for fc in linears) or any(True for _ in self.act.parameters()):
+            return False
+        if not _defers(self._points()):
+            return False
+        rows, d_mlp = x.numel() // max(1, x.shape[-1]), self.fc_in.weight.shape[0]
+        recorded = sum(1 for p in self._points() if p.active) * rows * d_mlp
+        copies = sum(fc.weight.numel() + (0 if fc.bias is None else fc.bias.numel()) for fc in linears)
+        return recorded > copies + x.numel()
+
+    def _forward_deferred(self, x: Tensor) -> Tensor:
+        """:meth:`forward`'s ops (those of ``_hidden``, without firing) with the recorders handed a
+        :class:`DeferredMLP` of ``x``: [batch, seq, d_model] -> [batch, seq, d_model]."""
+        gated = "fc_gate" in self._modules
+        if gated:
+            hidden = self.act(self.fc_gate(x)) * self.fc_in(x)  # (batch, seq, d_mlp)
+        else:
+            hidden = self.act(self.fc_in(x))  # (batch, seq, d_mlp)
+        names = ("pre", "pre_linear", "post") if gated else ("pre", "post")
+        deferred: DeferredMLP | None = None
+        for point, which in zip(self._points(), names, strict=True):
+            if point.active:
+                deferred = DeferredMLP(x.detach(), self, which) if deferred is None else deferred.share(which)
+                point.fire_deferred(deferred)
+        return self.fc_out(hidden)  # (batch, seq, d_model)
 
 
 class FeedForward(_FeedForwardLayers):
@@ -328,7 +446,7 @@ class TransformerBlock(nn.Module):
                 a = self.hook_attn_out(a)
             h = x + a  # (batch, seq, d_model)
             if self.hook_resid_mid.fns:
-                h = self.hook_resid_mid(h)
+                h = self._fire_resid_mid(x, a, h)
             m = self.dropout(self.mlp(self.ln2(h)))  # (batch, seq, d_model)
             if self.hook_mlp_out.fns:
                 m = self.hook_mlp_out(m)
@@ -348,6 +466,19 @@ class TransformerBlock(nn.Module):
             out = self.hook_resid_post(out)
         return out
 
+    def _fire_resid_mid(self, x: Tensor, a: Tensor, h: Tensor) -> Tensor:
+        """``hook_resid_mid`` on ``h = x + a``: while only recorders watch it and ``x`` and ``a`` are
+        recorded too (``hook_resid_pre``, ``hook_attn_out``), they get a :class:`DeferredSum` of the two
+        (no third [batch, seq, d_model] tensor kept); otherwise the hook point fires on ``h``."""
+        if (
+            _defers((self.hook_resid_mid,))
+            and _defers((self.hook_resid_pre,))
+            and _defers((self.hook_attn_out,))
+        ):
+            self.hook_resid_mid.fire_deferred(DeferredSum(x.detach(), a.detach()))
+            return h
+        return self.hook_resid_mid(h)
+
     def _forward_normed_sublayers(self, x: Tensor, kw: dict[str, Any]) -> Tensor:
         """``norm="sandwich"`` (Gemma: a norm before and after each sublayer) or ``"post_sublayer"``
         (OLMo 2: a norm after each sublayer only), with the residual adds outside the norms:
@@ -359,7 +490,7 @@ class TransformerBlock(nn.Module):
             a = self.hook_attn_out(a)
         h = x + a  # (batch, seq, d_model)
         if self.hook_resid_mid.fns:
-            h = self.hook_resid_mid(h)
+            h = self._fire_resid_mid(x, a, h)
         m = self.mlp(self.ln2(h) if sandwich else h)  # (batch, seq, d_model)
         m = self.dropout(self.ln_mlp_out(m) if sandwich else self.ln2(m))
         if self.hook_mlp_out.fns:
