@@ -337,3 +337,18 @@ def test_pair_loss_sums_skip_padding_and_match_cross_entropy(monkeypatch) -> Non
     ce = F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten(), reduction="none").view(3, 6)
     pair = (real[:, :-1] & real[:, 1:]).double()
     assert_close(sums, (ce.double() * pair).sum(-1), atol=1e-5, rtol=1e-5)
+
+
+def test_gemma_style_decoder_with_sliding_windows_matches_per_prompt_functions() -> None:
+    """Sandwich norms, QK-norm and sliding windows of 3 on all layers but the last (Gemma 3's layout):
+    the blocks' window masks are the traced patterns' (the per-prompt references trace every layer)."""
+    types = ["sliding"] * (L - 1) + ["full"]
+    model = llama_like(6, norm="sandwich", qk_norm="head", sliding_window=3, layer_types=types)
+    docs = documents(seed=11)
+    result = atlas(model, docs, window=10, batch_size=3, top_k=2, progress=False, induction_repeated=False)
+    seqs = windows(docs, 10)
+    check_attention_stats(model, result, seqs)
+    de, cp = dla_reference(model, seqs, top_keys(model, seqs))
+    assert_close(result.stats["direct_effect"], de, atol=1e-5, rtol=1e-4)
+    assert_close(result.stats["copying"], cp, atol=1e-5, rtol=1e-4)
+    assert_close(result.stats["ablation"], ablation_reference(model, seqs), atol=1e-5, rtol=1e-4)
