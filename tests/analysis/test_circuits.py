@@ -263,15 +263,21 @@ def test_batched_circuit_run_equals_the_edge_by_edge_run(kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])
-@pytest.mark.parametrize("density", [0.03, 0.5, 0.97])
-def test_patched_run_from_either_side_equals_the_edge_by_edge_run(kind: str, density: float) -> None:
+@pytest.mark.parametrize("density", [0.03, 0.5, 0.97, "late"])
+def test_patched_run_from_either_side_equals_the_edge_by_edge_run(kind: str, density: float | str) -> None:
     """Given the corrupt GraphRun (its residual streams), blocks that keep fewer edges start from the
-    corrupt stream and add the kept edges; sparse circuits gather only their senders. Every density
-    equals the loop reference, and the same run given only the corrupt activations."""
+    corrupt stream and add the kept edges; sparse circuits gather only their senders; blocks that keep
+    no edge take the corrupt run's outputs ("late": only the last layer's MLP and the logits keep
+    edges). Every density equals the loop reference, and the same run given only the corrupt
+    activations."""
     model = make_model(kind, torch.float64)
     task = random_task()
     graph = graph_of(model)
-    mask = torch.rand(graph.valid.shape, generator=torch.Generator().manual_seed(11)) < density
+    if density == "late":
+        mask = torch.zeros_like(graph.valid)
+        mask[::3, -2:] = True  # (n_senders, n_receivers): mlp2.in and the logits
+    else:
+        mask = torch.rand(graph.valid.shape, generator=torch.Generator().manual_seed(11)) < density
     with torch.no_grad():
         e_clean, e_corrupt = model.embed(task.clean), model.embed(task.corrupt)
         corrupt = run_graph(model, graph, e_corrupt, task.last, keep_acts=True)

@@ -164,8 +164,17 @@ def task_of(model: Any, task: Any) -> Task:
 def _chunks(task: Task, batch_size: int) -> list[Task]:
     if not is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
-    order = torch.argsort(task.lengths, stable=True).tolist()  # pairs of like lengths together: less padding
-    return [task.subset(order[s : s + batch_size]) for s in range(0, len(task), batch_size)]
+    # pairs sorted by length (less padding); a part ends at batch_size pairs, or where the length grows
+    # once it holds half of them
+    order = torch.argsort(task.lengths, stable=True).tolist()
+    lengths = task.lengths.tolist()
+    parts: list[list[int]] = [[]]
+    for i in order:
+        part = parts[-1]
+        if len(part) == batch_size or (2 * len(part) >= batch_size and lengths[i] > lengths[part[-1]]):
+            parts.append(part := [])
+        part.append(i)
+    return [task.subset(part) for part in parts]
 
 
 def _metric(logits: Tensor, task: Task) -> Tensor:

@@ -174,8 +174,8 @@ class _Tables:
         return rotate_fused(q, cos, sin, attn.rotary), rotate_fused(k, cos, sin, attn.rotary)
 
 
-def _heads(attn: MultiHeadAttention, q: Tensor, k: Tensor, v: Tensor, tables: _Tables) -> Tensor:
-    """Each head's output ``z_h W_O[h]`` [H, B, S, d_model] from :func:`_project`'s q, k, v."""
+def _mix(attn: MultiHeadAttention, q: Tensor, k: Tensor, v: Tensor, tables: _Tables) -> Tensor:
+    """Each head's mixed values ``z_h`` [B, H, S, dh] from :func:`_project`'s q, k, v."""
     H, Hkv = attn.n_heads, attn.n_kv_heads
     if attn.b_Q is not None:
         q = q + attn.b_Q[None, :, None, :]  # (B, H, S, dh)
@@ -186,13 +186,17 @@ def _heads(attn: MultiHeadAttention, q: Tensor, k: Tensor, v: Tensor, tables: _T
     if Hkv != H:
         k = k.repeat_interleave(H // Hkv, dim=1)  # (B, H, S, dh)
         v = v.repeat_interleave(H // Hkv, dim=1)  # (B, H, S, dh)
-    z = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scale)  # (B, H, S, dh)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scale)  # (B, H, S, dh)
+
+
+def _heads(attn: MultiHeadAttention, z: Tensor) -> Tensor:
+    """Each head's output ``z_h W_O[h]`` [H, B, S, d_model] from z [B, H, S, dh]."""
     return torch.einsum("bhse,hem->hbsm", z, attn.W_O)  # (H, B, S, d_model)
 
 
 def _attention(attn: MultiHeadAttention, x: Tensor, tables: _Tables) -> Tensor:
     """Heads' outputs [H, B, S, d_model] from normalised inputs (shared [B, S, d] or per receiver)."""
-    return _heads(attn, *_project(attn, x), tables)
+    return _heads(attn, _mix(attn, *_project(attn, x), tables))
 
 
 class _Patch:
@@ -203,7 +207,8 @@ class _Patch:
     (``resid``: this run's residual stream, ``resid^corrupt``: the corrupt run's). Each receiver block
     takes the side with fewer edges (the second needs the corrupt run's ``resids``), and of that side's
     mask only the senders with an edge in the block: a small circuit costs its own edges, not the
-    edges it leaves out."""
+    edges it leaves out. A block that keeps no edge reads the corrupt stream, so its outputs are the
+    corrupt run's (:meth:`corrupt_outputs`) and are not computed."""
 
     def __init__(self, corrupt: Tensor | GraphRun | None, missing: Tensor | None, valid: Tensor) -> None:
         resids = None
@@ -224,6 +229,14 @@ class _Patch:
             n = acts.shape[0]
             torch.sub(acts, self.corrupt[self.n : self.n + n], out=self.delta[self.n : self.n + n])
             self.n += n
+
+    def corrupt_outputs(self, cols: slice, n_out: int) -> Tensor | None:
+        """The corrupt run's activations of the next ``n_out`` senders [n_out, B, S, d] where every
+        receiver of ``cols`` reads the corrupt stream (the block keeps no edge), so that their outputs
+        are the corrupt run's and need not be computed; else None."""
+        if not self.on or self.resids is None or bool(self.kept[: self.n, cols].any()):
+            return None
+        return self.corrupt[self.n : self.n + n_out]  # (n_out, B, S, d)
 
     def __call__(self, x: Tensor, cols: slice, block: int) -> Tensor:
         """x [B, S, d] -> the inputs of receivers ``cols``: [B, S, d] where all of them read the same
@@ -288,21 +301,29 @@ def run_graph(
         base = lay * per
         if keep_acts:
             resids.append(resid)
-        inp = patch(resid, slice(base, base + n_qkv), 2 * lay)  # (B, S, d) or (H + 2 Hkv, B, S, d)
-        if keep_inputs:
-            inp = _per_receiver(inp, n_qkv)  # (H + 2 Hkv, B, S, d)
-            inputs.append(inp)
-        heads = _attention(attn, block.ln1(inp), tables)  # (H, B, S, d)
+        heads = patch.corrupt_outputs(slice(base, base + n_qkv), attn.n_heads)  # (H, B, S, d) or None
+        if heads is None:
+            inp = patch(resid, slice(base, base + n_qkv), 2 * lay)  # (B, S, d) or (H + 2 Hkv, B, S, d)
+            if keep_inputs:
+                inp = _per_receiver(inp, n_qkv)  # (H + 2 Hkv, B, S, d)
+                inputs.append(inp)
+            heads = _attention(attn, block.ln1(inp), tables)  # (H, B, S, d)
         patch.add(heads)
         resid = resid + heads.sum(0)
         if attn.b_O is not None:
             resid = resid + attn.b_O
         if keep_acts:
             resids.append(resid)
-        mlp_in = _per_receiver(patch(resid, slice(base + n_qkv, base + per), 2 * lay + 1), 1)  # (1, B, S, d)
-        if keep_inputs:
-            inputs.append(mlp_in)
-        m = block.mlp(block.ln2(mlp_in[0]))  # (B, S, d)
+        corrupt_m = patch.corrupt_outputs(slice(base + n_qkv, base + per), 1)  # (1, B, S, d) or None
+        if corrupt_m is None:
+            mlp_in = _per_receiver(
+                patch(resid, slice(base + n_qkv, base + per), 2 * lay + 1), 1
+            )  # (1, B, S, d)
+            if keep_inputs:
+                inputs.append(mlp_in)
+            m = block.mlp(block.ln2(mlp_in[0]))  # (B, S, d)
+        else:
+            m = corrupt_m[0]  # (B, S, d)
         patch.add(m[None])
         resid = resid + m
         if keep_acts:
@@ -418,14 +439,17 @@ def graph_grads(
             streams.append(resid)
             q, k, v = _project(attn, block.ln1(resid))  # (B, H, S, dh), (B, Hkv, S, dh) x 2
             projections += [q, k, v]
-            heads = _heads(attn, q, k, v, tables)  # (H, B, S, d)
-            resid = resid + heads.sum(0)
+            z = _mix(attn, q, k, v, tables)  # (B, H, S, dh)
+            # the residual update by one fused product; each head's own output only for acts
+            concat = z.transpose(1, 2).flatten(2)  # (B, S, H dh)
+            resid = resid + concat @ attn.W_O.flatten(0, 1)  # (B, S, d) = (B, S, H dh) @ (H dh, d)
             if attn.b_O is not None:
                 resid = resid + attn.b_O
             m = block.mlp(block.ln2(resid + zeros[lay]))  # (B, S, d)
             resid = resid + m
             if keep_acts:
-                acts += [heads.detach(), m.detach()[None]]
+                with torch.no_grad():
+                    acts += [_heads(attn, z), m.detach()[None]]
         rows = (resid + zeros[-1])[torch.arange(B, device=x.device), last]  # (B, d_model)
         if module.ln_final is not None:
             rows = module.ln_final(rows)
