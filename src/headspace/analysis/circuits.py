@@ -12,10 +12,12 @@ change of ``M`` when the edge carries the corrupt activation::
 
     score(u -> v) = sum over pairs, positions of (a_u(corrupt) - a_u(clean)) . dM/dx_v (clean)
 
-from one clean forward, one corrupt forward and one backward (``x_v``: receiver ``v``'s own input).
+from one corrupt forward and one clean forward and backward (``x_v``: receiver ``v``'s own input; see
+:func:`.graph.graph_grads`).
 **EAP-IG** (Hanna et al. 2024) replaces the clean gradient by its mean over ``steps`` points on the line
 between the corrupt and the clean embeddings, ``x_0 = e_corrupt + (k / steps) (e_clean - e_corrupt)``,
-``k = 1 .. steps`` (so ``steps=1`` is EAP).
+``k = 1 .. steps`` (so ``steps=1`` is EAP); the score is linear in the gradient, so the gradients are summed
+over the path and multiplied by the deltas once.
 
 **Faithfulness** of a circuit ``C`` (a set of edges) is measured by running it (:func:`.graph.run_graph`):
 every edge outside ``C`` carries its corrupt activation, all pairs batched, and::
@@ -224,7 +226,7 @@ def edge_scores(
         model: a loaded pre-norm decoder (``headspace.load("smollm2")``) or a :class:`~headspace.Decoder`.
         task: a :class:`~headspace.analysis.tasks.Task` or ``"ioi"``.
         method: ``"eap"`` or ``"eap-ig"``; steps: EAP-IG's points on the path (ignored by EAP).
-        batch_size: pairs per forward pass.
+        batch_size: at most this many pairs per forward pass (pairs of like lengths together).
 
     Returns:
         :class:`EdgeScores`; ``scores`` [n_senders, n_receivers], the metric being the mean over pairs.

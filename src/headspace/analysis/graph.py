@@ -14,11 +14,21 @@ own copy of the residual stream, ``x_v = sum_u a_u + c`` (``c``: the constant bi
 of a circuit carries the sender's *corrupt* activation instead::
 
     x_v = sum_u a_u + c - sum_u missing[u, v] (a_u - a_u^corrupt)
+        = resid^corrupt_v + sum_u kept[u, v] (a_u - a_u^corrupt)
 
-``a_u`` being this run's own activation. Every receiver of a layer reads at once: the layer's q/k/v inputs
-are [n_heads + 2 n_kv_heads, batch, seq, d_model], normalised by LN1 each, projected by its own head's
-``W_Q``/``W_K``/``W_V``. With no edge missing the run is the model's forward (to float rounding: the same
-maths, a different order of products); with every edge missing it is the corrupt run.
+``a_u`` being this run's own activation, ``resid^corrupt_v`` the corrupt run's stream where ``v`` reads.
+Each receiver block (a layer's q/k/v inputs, its MLP's, the logits') takes the side with fewer edges,
+and a block whose receivers all read the same tensor (nothing patched, or nothing kept) is normalised
+once and projected by the fused weights; otherwise its inputs are [n_heads + 2 n_kv_heads, batch, seq,
+d_model], normalised by LN1 each, projected by its own head's ``W_Q``/``W_K``/``W_V``. A block that keeps
+no edge reads the corrupt stream, so its outputs are the corrupt run's, taken rather than recomputed.
+With no edge missing the run is the model's forward (to float rounding: the same maths, a different
+order of products); with every edge missing it is the corrupt run.
+
+**Gradients** (:func:`graph_grads`). Unpatched, every receiver reads the same stream, so ``dM/dx_v`` for
+all receivers comes from the model's own forward and one backward: the gradient at each head's query /
+key / value projection, pulled back through that projection and LN1 alone (closed form for RMSNorm and
+LayerNorm); an MLP's and the logits' are the gradients at a zero added to their inputs.
 """
 
 from __future__ import annotations
