@@ -3,11 +3,11 @@
 The issue's setting: SmolLM2-135M (30 layers x 9 heads, 3 key/value heads), IOI pairs from the built-in
 templates (``--pairs``, default 64), float32. Three measured cases, each beside its slower equivalents:
 
-* ``eap``: :func:`headspace.analysis.circuits.edge_scores` with ``method="eap"`` (two forwards, one
-  backward, the score products batched per receiver layer);
-* ``eap-ig``: the same with ``method="eap-ig", steps=5`` (five backwards);
-* ``curve``: :func:`~headspace.analysis.circuits.faithfulness_curve` at MIB's ten sizes (plus the empty
-  circuit: eleven batched circuit runs and one corrupt run);
+* ``eap``: :func:`headspace.analysis.circuits.edge_scores` with ``method="eap"`` (a corrupt forward, a
+  clean forward and backward, the score products in blocks of a few layers' receivers);
+* ``eap-ig``: the same with ``method="eap-ig", steps=5`` (five forwards and backwards on the path);
+* ``curve``: :func:`~headspace.analysis.circuits.faithfulness_curve` at MIB's ten sizes plus the empty
+  circuit (the corrupt run, the full circuit the clean run, nine patched runs);
 * ``naive`` beside each score method: the exact effect of each edge, one patched forward per edge
   (:func:`~headspace.analysis.graph.run_graph` with that edge missing), timed on ``--sample`` edges and
   extrapolated to every edge (x steps for EAP-IG's definition on the path is not counted: one forward

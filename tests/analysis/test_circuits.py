@@ -23,7 +23,7 @@ import headspace as hs
 from headspace.analysis import circuits as C
 from headspace.analysis import tasks as T
 from headspace.analysis.decomposition import composition_scores, score_decomposition
-from headspace.analysis.graph import graph_of, run_graph
+from headspace.analysis.graph import graph_grads, graph_of, run_graph
 from headspace.cli import cli
 
 V, S = 53, 9  # vocabulary, sequence length
@@ -260,6 +260,89 @@ def test_batched_circuit_run_equals_the_edge_by_edge_run(kind: str) -> None:
         want, _ = reference_run(model, e_clean, task.last, mask, corrupt=ref_corrupt)
     assert_close(got, want, atol=1e-10, rtol=1e-10)
     assert not torch.allclose(got, model(task.clean)[torch.arange(5), task.last].double())  # the patch acted
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("density", [0.03, 0.5, 0.97, "late"])
+def test_patched_run_from_either_side_equals_the_edge_by_edge_run(kind: str, density: float | str) -> None:
+    """Given the corrupt GraphRun (its residual streams), blocks that keep fewer edges start from the
+    corrupt stream and add the kept edges; sparse circuits gather only their senders; blocks that keep
+    no edge take the corrupt run's outputs ("late": only the last layer's MLP and the logits keep
+    edges). Every density equals the loop reference, and the same run given only the corrupt
+    activations."""
+    model = make_model(kind, torch.float64)
+    task = random_task()
+    graph = graph_of(model)
+    if density == "late":
+        mask = torch.zeros_like(graph.valid)
+        mask[::3, -2:] = True  # (n_senders, n_receivers): mlp2.in and the logits
+    else:
+        mask = torch.rand(graph.valid.shape, generator=torch.Generator().manual_seed(11)) < density
+    with torch.no_grad():
+        e_clean, e_corrupt = model.embed(task.clean), model.embed(task.corrupt)
+        corrupt = run_graph(model, graph, e_corrupt, task.last, keep_acts=True)
+        assert corrupt.resids is not None and len(corrupt.resids) == 2 * graph.n_layers + 1
+        missing = graph.valid & ~mask
+        got = run_graph(model, graph, e_clean, task.last, corrupt=corrupt, missing=missing).logits
+        by_acts = run_graph(model, graph, e_clean, task.last, corrupt=corrupt.acts, missing=missing).logits
+        _, ref_corrupt = reference_run(model, e_corrupt, task.last, mask)
+        want, _ = reference_run(model, e_clean, task.last, mask, corrupt=ref_corrupt)
+        none = run_graph(model, graph, e_clean, task.last, corrupt=corrupt, missing=graph.valid).logits
+    assert_close(got, want, atol=1e-10, rtol=1e-10)
+    assert_close(by_acts, want, atol=1e-10, rtol=1e-10)
+    assert torch.equal(none, corrupt.logits)  # no edge kept: every receiver reads the corrupt stream
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_graph_grads_equal_autograd_through_per_receiver_copies(kind: str) -> None:
+    """graph_grads (one ordinary forward, each head's gradient pulled back through its own projection
+    and LN1) equals autograd of run_graph whose receivers read their own copies of the stream."""
+    model = make_model(kind, torch.float64)
+    task = random_task()
+    graph = graph_of(model)
+    x = model.embed(task.clean).detach()
+
+    def metric(logits: torch.Tensor) -> torch.Tensor:
+        return (logits[torch.arange(5), task.answer] - logits[torch.arange(5), task.other]).sum()
+
+    got = graph_grads(model, graph, x, task.last, metric, keep_acts=True)
+    with torch.enable_grad():
+        run = run_graph(
+            model, graph, x.clone().requires_grad_(True), task.last, keep_inputs=True, keep_acts=True
+        )
+        want = torch.cat(torch.autograd.grad(metric(run.logits), run.inputs), 0)  # (n_receivers, B, S, d)
+    assert_close(got.grads, want, atol=1e-10, rtol=1e-8)
+    assert_close(got.acts, run.acts.detach(), atol=1e-12, rtol=1e-12)
+    assert_close(got.logits, run.logits.detach(), atol=1e-12, rtol=1e-12)
+    again = graph_grads(model, graph, x, task.last, metric, out=got.grads.clone())
+    assert_close(again.grads, 2 * want, atol=1e-10, rtol=1e-8)  # out= adds
+    with pytest.raises(ValueError, match="out must be"):
+        graph_grads(model, graph, x, task.last, metric, out=torch.zeros(3))
+
+
+@pytest.mark.parametrize("norm", ["rms", "gemma-rms", "layernorm", "other"])
+def test_norm_pullback_equals_autograd(norm: str) -> None:
+    """The closed-form pullbacks of RMSNorm (both offsets) and LayerNorm, and the autograd fallback,
+    equal autograd through the norm on one copy per gradient (float64, width 23)."""
+    from headspace.analysis.graph import _norm_pullback
+    from headspace.nn.norms import RMSNorm
+
+    torch.manual_seed(3)
+    d = 23
+    module = {
+        "rms": RMSNorm(d, 1e-5),
+        "gemma-rms": RMSNorm(d, 1e-6, offset=1.0),
+        "layernorm": torch.nn.LayerNorm(d, eps=1e-5),
+        "other": torch.nn.Sequential(torch.nn.LayerNorm(d), torch.nn.Tanh()),
+    }[norm].double()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    x = torch.randn(2, 7, d, dtype=torch.float64) * 3
+    g = torch.randn(5, 2, 7, d, dtype=torch.float64)
+    got = _norm_pullback(module, x, g)
+    want = torch.stack([torch.autograd.functional.vjp(module, x, g[i])[1] for i in range(5)])
+    assert_close(got, want, atol=1e-12, rtol=1e-10)
 
 
 @pytest.mark.parametrize(

@@ -12,27 +12,29 @@ change of ``M`` when the edge carries the corrupt activation::
 
     score(u -> v) = sum over pairs, positions of (a_u(corrupt) - a_u(clean)) . dM/dx_v (clean)
 
-from one clean forward, one corrupt forward and one backward (``x_v``: receiver ``v``'s own input).
+from one corrupt forward and one clean forward and backward (``x_v``: receiver ``v``'s own input; see
+:func:`.graph.graph_grads`).
 **EAP-IG** (Hanna et al. 2024) replaces the clean gradient by its mean over ``steps`` points on the line
 between the corrupt and the clean embeddings, ``x_0 = e_corrupt + (k / steps) (e_clean - e_corrupt)``,
-``k = 1 .. steps`` (so ``steps=1`` is EAP).
+``k = 1 .. steps`` (so ``steps=1`` is EAP); the score is linear in the gradient, so the gradients are summed
+over the path and multiplied by the deltas once.
 
 **Faithfulness** of a circuit ``C`` (a set of edges) is measured by running it (:func:`.graph.run_graph`):
 every edge outside ``C`` carries its corrupt activation, all pairs batched, and::
 
     f(C) = (M(C) - M(empty)) / (M(full) - M(empty))
 
-with ``M(full)`` (every edge in: the clean model) and ``M(empty)`` (every edge corrupt: the corrupt model)
-computed by the same run, so ``f(full) == 1`` and ``f(empty) == 0`` exactly. :func:`faithfulness_curve`
-measures ``f`` at circuit sizes given as fractions of the edges (MIB's 0.1% .. 100% by default) and its
-areas as MIB (Mueller et al. 2025) defines them, by the trapezoid rule over the fraction of edges:
+with ``M(full)`` (every edge in: the clean run, nothing patched) and ``M(empty)`` (every edge corrupt: the
+corrupt run) from the same graph runs, so ``f(full) == 1`` and ``f(empty) == 0`` exactly.
+:func:`faithfulness_curve` measures ``f`` at circuit sizes given as fractions of the edges (MIB's 0.1% ..
+100% by default) and its areas as MIB (Mueller et al. 2025) defines them, by the trapezoid rule over the
+fraction of edges:
 ``CPR = integral of f`` (higher is better) and ``CMD = integral of |1 - f|`` (lower is better).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +45,7 @@ from ..core.checks import is_int
 from ..core.progress import progress_bar
 from ._common import JsonResult, eval_mode
 from .causal_inputs import stack_of
-from .graph import Graph, graph_of, run_graph
+from .graph import Graph, graph_grads, graph_of, run_graph
 from .tasks import Task, ioi_task
 
 __all__ = [
@@ -164,7 +166,17 @@ def task_of(model: Any, task: Any) -> Task:
 def _chunks(task: Task, batch_size: int) -> list[Task]:
     if not is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
-    return [task.subset(slice(s, s + batch_size)) for s in range(0, len(task), batch_size)]
+    # pairs sorted by length (less padding); a part ends at batch_size pairs, or where the length grows
+    # once it holds half of them
+    order = torch.argsort(task.lengths, stable=True).tolist()
+    lengths = task.lengths.tolist()
+    parts: list[list[int]] = [[]]
+    for i in order:
+        part = parts[-1]
+        if len(part) == batch_size or (2 * len(part) >= batch_size and lengths[i] > lengths[part[-1]]):
+            parts.append(part := [])
+        part.append(i)
+    return [task.subset(part) for part in parts]
 
 
 def _metric(logits: Tensor, task: Task) -> Tensor:
@@ -178,48 +190,31 @@ def _device(module: Any) -> torch.device:
 
 
 # ---------------------------------------------------------------------------------------- edge scores
-@contextmanager
-def _no_parameter_grads(module: Any) -> Iterator[None]:
-    """Parameters out of autograd for the block (only the receivers' inputs need gradients: a backward
-    that also had to keep what the weight gradients need costs about 2.5x); the flags are restored after."""
-    flags = [(p, p.requires_grad) for p in module.parameters()]
-    try:
-        for p, _ in flags:
-            p.requires_grad_(False)
-        yield
-    finally:
-        for p, flag in flags:
-            p.requires_grad_(flag)
-
-
 def _receiver_grads(module: Any, graph: Graph, x: Tensor, part: Task, weight: float) -> Tensor:
     """dM/dx_v for every receiver at embeddings ``x`` [B, S, d] -> [n_receivers, B, S, d] (M: the weighted
     sum of the pairs' metrics)."""
-    x = x.detach().requires_grad_(True)  # so that every receiver's input is in the autograd graph
-    grads: list[Tensor] = []
-    with torch.enable_grad(), _no_parameter_grads(module):
-        run = run_graph(module, graph, x, part.last.to(x.device), keep_inputs=True)
-        metric = _metric(run.logits, part).sum() * weight
-        got = torch.autograd.grad(metric, run.inputs, allow_unused=True)
-    for t, g in zip(run.inputs, got):
-        grads.append(torch.zeros_like(t) if g is None else g)
-    return torch.cat(grads, 0)  # (n_receivers, B, S, d)
+    last = part.last.to(x.device)
+    return graph_grads(module, graph, x, last, lambda logits: _metric(logits, part).sum() * weight).grads
+
+
+#: Receivers per score product in :func:`_accumulate` (whole layers): enough rows that the product
+#: reads each sender's delta a few times per pass instead of once per layer.
+_ACCUMULATE_ROWS = 96
 
 
 def _accumulate(scores: Tensor, graph: Graph, delta: Tensor, grads: Tensor) -> None:
-    """scores[u, v] += sum over (b, s, d) of delta[u] grads[v], only over existing edges' blocks."""
+    """scores[u, v] += sum over (b, s, d) of delta[u] grads[v] for every edge (and, inside each block of
+    a few layers' receivers, some non-edges, which the caller masks out)."""
     U, R = delta.shape[0], grads.shape[0]
     D = delta.reshape(U, -1)  # (n_senders, B S d)
     G = grads.reshape(R, -1)  # (n_receivers, B S d)
-    per = graph.per_layer
-    for lay in range(graph.n_layers):
-        n = graph.attn_senders(lay)
-        cols = slice(lay * per, lay * per + per - 1)
+    per, L = graph.per_layer, graph.n_layers
+    group = max(1, _ACCUMULATE_ROWS // per)
+    for lay in range(0, L, group):
+        end = min(L, lay + group)
+        cols = slice(lay * per, R if end == L else end * per)  # the last block takes the logits too
+        n = U if end == L else graph.attn_senders(end - 1) + graph.n_heads
         scores[:n, cols] += (D[:n] @ G[cols].T).to(scores.dtype)
-        scores[: n + graph.n_heads, lay * per + per - 1] += (
-            D[: n + graph.n_heads] @ G[lay * per + per - 1]
-        ).to(scores.dtype)
-    scores[:, -1] += (D @ G[-1]).to(scores.dtype)
 
 
 def edge_scores(
@@ -231,7 +226,7 @@ def edge_scores(
         model: a loaded pre-norm decoder (``headspace.load("smollm2")``) or a :class:`~headspace.Decoder`.
         task: a :class:`~headspace.analysis.tasks.Task` or ``"ioi"``.
         method: ``"eap"`` or ``"eap-ig"``; steps: EAP-IG's points on the path (ignored by EAP).
-        batch_size: pairs per forward pass.
+        batch_size: at most this many pairs per forward pass (pairs of like lengths together).
 
     Returns:
         :class:`EdgeScores`; ``scores`` [n_senders, n_receivers], the metric being the mean over pairs.
@@ -247,22 +242,30 @@ def edge_scores(
     scores = torch.zeros(len(graph.senders), len(graph.receivers), dtype=torch.float64)
     n_steps = 1 if method == "eap" else steps
     clean_m = corrupt_m = 0.0
+    weight = 1.0 / (len(task) * n_steps)
     with eval_mode(module):
         parts = _chunks(task, batch_size)
         for part in progress_bar(parts, desc=f"{method} edge scores", total=len(parts)):
             last = part.last.to(dev)
-            e_clean, e_corrupt = module.embed(part.clean.to(dev)), module.embed(part.corrupt.to(dev))
-            clean = run_graph(module, graph, e_clean, last, keep_acts=True)
-            corrupt = run_graph(module, graph, e_corrupt, last, keep_acts=True)
-            clean_m += float(_metric(clean.logits, part).sum()) / len(task)
+            with torch.no_grad():
+                e_clean, e_corrupt = module.embed(part.clean.to(dev)), module.embed(part.corrupt.to(dev))
+                corrupt = run_graph(module, graph, e_corrupt, last, keep_acts=True)
             corrupt_m += float(_metric(corrupt.logits, part).sum()) / len(task)
+
+            def metric(logits: Tensor, part: Task = part) -> Tensor:
+                return _metric(logits, part).sum() * weight
+
+            # the last point of the path is the clean run: its activations give the deltas
+            clean = graph_grads(module, graph, e_clean, last, metric, keep_acts=True)
+            clean_m += float(_metric(clean.logits, part).sum()) / len(task)
             delta = corrupt.acts - clean.acts  # (n_senders, B, S, d)
+            grads = clean.grads  # (n_receivers, B, S, d), summed over the path's points
             del clean, corrupt
-            for k in range(1, n_steps + 1):
+            for k in range(1, n_steps):
                 x = e_corrupt + (k / n_steps) * (e_clean - e_corrupt)  # (B, S, d)
-                grads = _receiver_grads(module, graph, x, part, 1.0 / (len(task) * n_steps))
-                _accumulate(scores, graph, delta, grads)
-                del grads
+                graph_grads(module, graph, x, last, metric, out=grads)
+            _accumulate(scores, graph, delta, grads)  # linear in the gradient: one product per part
+            del grads, delta
     return EdgeScores(
         scores=torch.where(graph.valid, scores, 0.0), valid=graph.valid, senders=graph.senders,
         receivers=graph.receivers, kinds=graph.kinds, method=method, steps=n_steps, n_pairs=len(task),
@@ -305,22 +308,34 @@ def find_circuit(scores: EdgeScores, edges: int | None = None, *, threshold: flo
     )
 
 
+@torch.no_grad()
 def _circuit_metrics(
     module: Any, graph: Graph, task: Task, masks: Sequence[Tensor], batch_size: int
 ) -> list[float]:
-    """Mean metric over pairs of the graph run with each edge mask (True = in the circuit), batched."""
+    """Mean metric over pairs of the graph run with each edge mask (True = in the circuit), batched.
+
+    The empty circuit is the corrupt run itself (every receiver reads the corrupt stream), the full one
+    the clean run (nothing patched); every other circuit is one patched run from the clean embeddings."""
     dev = _device(module)
     totals = [0.0] * len(masks)
+    missing = [(graph.valid & ~mask).to(dev) for mask in masks]  # (n_senders, n_receivers) each
     with eval_mode(module):
         parts = _chunks(task, batch_size)
         for part in progress_bar(parts, desc="circuit runs", total=len(parts)):
             last = part.last.to(dev)
-            corrupt = run_graph(module, graph, module.embed(part.corrupt.to(dev)), last, keep_acts=True).acts
+            corrupt = run_graph(module, graph, module.embed(part.corrupt.to(dev)), last, keep_acts=True)
             e_clean = module.embed(part.clean.to(dev))
-            for i, mask in enumerate(masks):
-                missing = (graph.valid & ~mask).to(dev)
-                run = run_graph(module, graph, e_clean, last, corrupt=corrupt, missing=missing)
-                totals[i] += float(_metric(run.logits, part).sum()) / len(task)
+            clean = None
+            for i, miss in enumerate(missing):
+                if not miss.any():
+                    if clean is None:
+                        clean = run_graph(module, graph, e_clean, last).logits
+                    logits = clean
+                elif bool((miss == graph.valid.to(dev)).all()):
+                    logits = corrupt.logits
+                else:
+                    logits = run_graph(module, graph, e_clean, last, corrupt=corrupt, missing=miss).logits
+                totals[i] += float(_metric(logits, part).sum()) / len(task)
     return totals
 
 
