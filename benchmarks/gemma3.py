@@ -89,7 +89,52 @@ def _load_in_child(which: str, path: Path, threads: int) -> dict[str, Any]:
     return json.loads(out.strip().splitlines()[-1])
 
 
-def main() -> None:
+def measure(ours: Any, hf: Any, *, rounds: int, new_tokens: int, prefill: int) -> dict[str, dict[str, Any]]:
+    """Decode (batch 1 and 8) and prefill, headspace's ``ours`` (a loaded Gemma 3) beside transformers'
+    ``hf`` on the same weights, in rotating rounds: tokens/s, medians and spread, same tokens or not."""
+    prompt = ours.tokenizer.pad(ours.tokenizer.encode_ids([PROMPT]), side="left")[0]  # [1, seq]
+    long_ids = torch.randint(1000, 200000, (1, prefill), generator=torch.Generator().manual_seed(0))
+    long_ids[0, 0] = 2  # BOS
+    cases: dict[str, dict[str, Any]] = {}
+    with torch.no_grad():
+        for batch in (1, 8):
+            ids = prompt.expand(batch, -1).contiguous()  # [batch, seq]
+            times: dict[str, list[float]] = {"headspace": [], "hf": []}
+            check = {}
+            for _ in range(rounds):
+                for who in ("headspace", "hf"):
+                    start = time.perf_counter()
+                    if who == "headspace":
+                        out = ours.model.generate(ids, new_tokens, temperature=0)
+                    else:
+                        out = hf.generate(
+                            ids,
+                            max_new_tokens=new_tokens,
+                            min_new_tokens=new_tokens,
+                            do_sample=False,
+                        )
+                    times[who].append(time.perf_counter() - start)
+                    check[who] = out
+            tokens = batch * new_tokens
+            cases[f"decode_b{batch}"] = {
+                who: {"tokens_per_s": tokens / statistics.median(t), **spread(t)} for who, t in times.items()
+            }
+            cases[f"decode_b{batch}"]["same_tokens"] = bool(torch.equal(check["headspace"], check["hf"]))
+        times = {"headspace": [], "hf": []}
+        for _ in range(rounds):
+            for who in ("headspace", "hf"):
+                start = time.perf_counter()
+                if who == "headspace":
+                    ours.model.generate(long_ids, 1, temperature=0)
+                else:
+                    hf.generate(long_ids, max_new_tokens=1, do_sample=False)
+                times[who].append(time.perf_counter() - start)
+        cases[f"prefill_{prefill}"] = {who: spread(t) for who, t in times.items()}
+
+    return cases
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -99,7 +144,7 @@ def main() -> None:
     parser.add_argument("--child", choices=["headspace", "hf"], help=argparse.SUPPRESS)
     parser.add_argument("--path", default="", help=argparse.SUPPRESS)
     add_output_options(parser, NAME)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     check_output_options(parser, args, NAME, smoke="quick")
     check_positive(parser, args, ["rounds", "new_tokens", "prefill", "threads"])
     torch.set_num_threads(args.threads)
@@ -130,45 +175,7 @@ def main() -> None:
     finally:
         shutil.rmtree(folder, ignore_errors=True)
 
-    prompt = ours.tokenizer.pad(ours.tokenizer.encode_ids([PROMPT]), side="left")[0]  # [1, seq]
-    long_ids = torch.randint(1000, 200000, (1, args.prefill), generator=torch.Generator().manual_seed(0))
-    long_ids[0, 0] = 2  # BOS
-    cases: dict[str, dict[str, Any]] = {}
-    with torch.no_grad():
-        for batch in (1, 8):
-            ids = prompt.expand(batch, -1).contiguous()  # [batch, seq]
-            times: dict[str, list[float]] = {"headspace": [], "hf": []}
-            check = {}
-            for _ in range(args.rounds):
-                for who in ("headspace", "hf"):
-                    start = time.perf_counter()
-                    if who == "headspace":
-                        out = ours.model.generate(ids, args.new_tokens, temperature=0)
-                    else:
-                        out = hf.generate(
-                            ids,
-                            max_new_tokens=args.new_tokens,
-                            min_new_tokens=args.new_tokens,
-                            do_sample=False,
-                        )
-                    times[who].append(time.perf_counter() - start)
-                    check[who] = out
-            tokens = batch * args.new_tokens
-            cases[f"decode_b{batch}"] = {
-                who: {"tokens_per_s": tokens / statistics.median(t), **spread(t)} for who, t in times.items()
-            }
-            cases[f"decode_b{batch}"]["same_tokens"] = bool(torch.equal(check["headspace"], check["hf"]))
-        times = {"headspace": [], "hf": []}
-        for _ in range(args.rounds):
-            for who in ("headspace", "hf"):
-                start = time.perf_counter()
-                if who == "headspace":
-                    ours.model.generate(long_ids, 1, temperature=0)
-                else:
-                    hf.generate(long_ids, max_new_tokens=1, do_sample=False)
-                times[who].append(time.perf_counter() - start)
-        cases[f"prefill_{args.prefill}"] = {who: spread(t) for who, t in times.items()}
-
+    cases = measure(ours, hf, rounds=args.rounds, new_tokens=args.new_tokens, prefill=args.prefill)
     load = {
         who: {
             "seconds": spread([r["seconds"] for r in rs]),
@@ -179,6 +186,7 @@ def main() -> None:
         if rs
     }
     result = {
+        "benchmark": "gemma3",
         "machine": machine_info(),
         "threads": args.threads,
         "rounds": args.rounds,

@@ -135,3 +135,21 @@ def test_the_lesson_walks_qk_norm_the_layer_base_and_the_window(gemma3) -> None:
         q_rot, k_rot = torch.tensor(e.q_rot), torch.tensor(e.k_rot)  # [256], [seq, 256]
         assert abs(float(q_rot.norm()) - float(torch.tensor(e.q_normed).norm())) < 1e-3  # a rotation
         assert torch.allclose(k_rot @ q_rot / 16.0, torch.tensor(e.scores), atol=1e-4)  # 1 / sqrt(256)
+
+
+def test_the_benchmark_measures_both_models_side_by_side(gemma3, gemma3_hf, capsys) -> None:
+    """benchmarks/gemma3.py's measurement on the session's two models, tiny: every case for both, the
+    same greedy tokens at batch 1 and 8 (the full run: python benchmarks/gemma3.py)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "gemma3.py"
+    spec = importlib.util.spec_from_file_location("bench_gemma3_script", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cases = module.measure(gemma3, gemma3_hf, rounds=1, new_tokens=2, prefill=16)
+    assert set(cases) == {"decode_b1", "decode_b8", "prefill_16"}
+    for name in ("decode_b1", "decode_b8"):
+        assert cases[name]["same_tokens"] is True
+        assert cases[name]["headspace"]["tokens_per_s"] > 0 and cases[name]["hf"]["tokens_per_s"] > 0
+    assert cases["prefill_16"]["headspace"]["median"] > 0
