@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -67,7 +69,7 @@ def generate(
         out[:, : prompt.length] = tokens
         caches = generation_caches(model, prompt.batch, prompt.total) if use_cache else None
         real, positions = prompt.cols(0, prompt.length)
-        logits = model(tokens.long(), real, caches, positions=positions)[:, -1]  # (batch, vocab_size)
+        logits = _last(model)(tokens.long(), real, caches, positions=positions)  # (batch, vocab_size)
         step = None
         if caches is not None and prompt.real is None:
             step = _stepper(model, pack_rows, backend)
@@ -78,6 +80,14 @@ def generate(
     finally:
         model.train(was_training)
     return out
+
+
+def _last(model: Any) -> Callable[..., Tensor]:
+    """The model's ``last_logits`` (only the last position unembedded), else ``forward(...)[:, -1]``."""
+    last = getattr(model, "last_logits", None)
+    if last is not None:
+        return last
+    return lambda *args, **kwargs: model(*args, **kwargs)[:, -1]
 
 
 def _check_options(
@@ -203,7 +213,7 @@ def _next_logits(
         real, positions = prompt.cols(pos, pos + 1)  # key_padding covers every cached position + the new
         return model(out[:, pos : pos + 1], real, caches, positions=positions)[:, -1]
     real, positions = prompt.cols(0, pos + 1)
-    return model(out[:, : pos + 1], real, positions=positions)[:, -1]
+    return _last(model)(out[:, : pos + 1], real, positions=positions)
 
 
 def generation_caches(model: DecoderModel, batch: int, capacity: int) -> list[KVCache]:

@@ -540,6 +540,25 @@ class Decoder(_Stack):
             (``cap * tanh(logits / cap)`` with ``config.final_softcap``).
         """
         h = self.hidden_states(tokens, key_padding, kv_caches, positions=positions)  # (batch, seq, d_model)
+        return self.unembed(h)
+
+    def last_logits(
+        self,
+        tokens: Tensor,
+        key_padding: Tensor | None = None,
+        kv_caches: list[KVCache] | None = None,
+        *,
+        positions: Tensor | None = None,
+    ) -> Tensor:
+        """``forward(...)[:, -1]``, float32 [batch, vocab_size], unembedding only the last position (what
+        generation reads: a 262k-word vocabulary over a 2,048-token prompt would be 2 GB of logits).
+        The same products on one row instead of all: equal to float32 rounding, not bit for bit."""
+        h = self.hidden_states(tokens, key_padding, kv_caches, positions=positions)  # (batch, seq, d_model)
+        return self.unembed(h[:, -1:])[:, -1]  # (batch, vocab_size)
+
+    def unembed(self, h: Tensor) -> Tensor:
+        """Logits [..., vocab_size] (float32) of final residuals h [..., d_model] (after LN_f): the
+        unembedding, then ``cap * tanh(logits / cap)`` with ``config.final_softcap``."""
         if self.lm_head is None:
             logits = F.linear(h, self.tok_embed.weight)  # (batch, seq, vocab_size)
         else:
