@@ -187,6 +187,10 @@ def test_tiny_gemma3_logits_and_generation_equal_transformers(tiny: Path, hf: An
         steps = [ours.model(ids[:, :3], kv_caches=caches)]
         steps += [ours.model(ids[:, t : t + 1], kv_caches=caches) for t in range(3, ids.shape[1])]
     assert [c.k.shape[2] for c in caches] == [WINDOW] * 5 + [64] + [WINDOW]
+    from headspace.decode.loop import generation_caches
+
+    # and generate's own caches: the sliding layers' never stacked into full-length buffers
+    assert [c.k.shape[2] for c in generation_caches(ours.model, 1, 64)] == [WINDOW] * 5 + [64] + [WINDOW]
     assert [c.held for c in caches] == [WINDOW] * 5 + [ids.shape[1]] + [WINDOW]
     assert (torch.cat(steps, 1) - want).abs().max() <= 1e-4
 

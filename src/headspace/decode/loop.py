@@ -219,12 +219,13 @@ def _next_logits(
 def generation_caches(model: DecoderModel, batch: int, capacity: int) -> list[KVCache]:
     """The KV caches generate decodes into: one per block, stacked in two buffers
     (:meth:`~headspace.decode.kv_cache.KVCache.stacked`) where every block's attention makes plain
-    KVCaches of the same key/value heads, d_head, dtype and device, else each block's own
+    KVCaches of the same key/value heads, d_head, dtype and device and no window, else each block's own
     ``attn.make_kv_cache(batch, capacity)``. ``capacity`` may exceed ``max_seq_len`` (left padding takes
     slots, not positions)."""
     caches = [b.attn.make_kv_cache(batch, 1) for b in model.blocks]
-    kinds = {(type(c), c.k.shape[1], c.k.shape[3], c.k.dtype, c.k.device) for c in caches}
-    if len(kinds) != 1 or type(caches[0]) is not KVCache:
+    kinds = {(type(c), c.k.shape[1], c.k.shape[3], c.k.dtype, c.k.device, c.window) for c in caches}
+    if len(kinds) != 1 or type(caches[0]) is not KVCache or caches[0].window is not None:
+        # (a sliding layer's cache keeps only its window: never one of the stacked full-length buffers)
         return [b.attn.make_kv_cache(batch, capacity) for b in model.blocks]
     first = caches[0].k
     return KVCache.stacked(
