@@ -12,6 +12,7 @@ import itertools
 from pathlib import Path
 from typing import Any
 
+import gguf  # a dev dependency (the K-quants' dequantisation): imported, not skipped
 import numpy as np
 import pytest
 import torch
@@ -19,7 +20,6 @@ import torch
 import headspace as hs
 from headspace.pretrained.gguf_format import GGUFError, read_gguf
 
-gguf = pytest.importorskip("gguf")
 Q = gguf.GGMLQuantizationType
 
 # hidden 256: every row a whole number of K-quant blocks; 7 layers: sliding 0-4 and 6, full 5; head_dim
@@ -143,7 +143,8 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def hf(tiny: Path) -> Any:
-    transformers = pytest.importorskip("transformers")
+    import transformers
+
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     model = transformers.Gemma3ForCausalLM.from_pretrained(
