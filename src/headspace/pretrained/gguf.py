@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import importlib.metadata
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -91,7 +92,7 @@ def load_gguf(
     cannot represent, or NaN/Inf weights (named).
     """
     check_precision(precision)
-    first = Path(path) if isinstance(path, (str, Path)) else Path(next(iter(path), ""))
+    first = Path(path) if isinstance(path, (str, os.PathLike)) else Path(next(iter(path), ""))
     made: list[EmptyLlama] = []
 
     def into(hf_config: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> dict[str, Tensor]:

@@ -1,4 +1,5 @@
-"""Read a Llama-family GGUF file into plain data: a Hugging Face config dict, float32 tensors, a tokenizer.
+"""Read a GGUF file (Llama family, Gemma 3) into plain data: a Hugging Face config dict, float32 tensors,
+a tokenizer (what Gemma 3 files add: :mod:`.gguf_gemma`).
 
 GGUF (llama.cpp's file format) holds a model's metadata as typed key/value pairs, a table of tensors
 (name, shape in ggml order, storage type, offset) and the tensor data, quantised in blocks. This module
@@ -189,7 +190,8 @@ _HEADER_CHUNK = 1 << 20  # the header is read in growing chunks, starting with 1
 
 @dataclass(frozen=True)
 class GGUFModel:
-    """A Llama-family model read from a GGUF file.
+    """A Llama-family or Gemma 3 model read from a GGUF file (Gemma 3: ``hf_config`` is a ``gemma3_text``
+    config and the tensors add its sandwich norms and ``self_attn.q_norm`` / ``k_norm``).
 
     Attributes:
         path: the file read.
@@ -642,7 +644,7 @@ def _expected_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             b + "attn_norm.weight": (h,),
             b + "ffn_norm.weight": (h,),
         }
-        if config["model_type"] == "gemma3_text":
+        if config["model_type"] == "gemma3_text":  # (what _build_config makes of arch "gemma3")
             shapes |= {f"{b}{part}.weight": shape for part, shape in gemma3_layer_shapes(config).items()}
     shapes["output_norm.weight"] = (h,)
     if not config["tie_word_embeddings"]:

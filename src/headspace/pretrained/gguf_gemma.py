@@ -152,7 +152,7 @@ def sentencepiece_tokenizer(
     that builds its `tokenizers.Tokenizer` (seconds for 262k tokens: the reader runs it beside the
     tensors' dequantisation). Every check on the metadata raises here, as a `GGUFError`."""
     tokens = meta.get("tokenizer.ggml.tokens")
-    if not isinstance(tokens, list) or not tokens or not all(isinstance(t, str) for t in tokens[:1]):
+    if not isinstance(tokens, list) or not tokens or not isinstance(tokens[0], str):
         raise GGUFError(path, "tokenizer.ggml.tokens is missing or not a list of strings")
     if "tokenizer.ggml.merges" in meta:
         raise GGUFError(path, "a Gemma vocabulary with tokenizer.ggml.merges is not one llama.cpp writes")
