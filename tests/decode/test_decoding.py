@@ -37,6 +37,21 @@ CONFIGS = [
     {"positions": "rotary", "norm_kind": "rmsnorm", "mlp_kind": "gated", "act": "gelu", "bias": True,
      "n_heads": 6, "n_kv_heads": 3, "d_model": 36, "tie_embeddings": False},  # Qwen-like biases, GeGLU
 ]  # fmt: skip
+LLAMA = {"positions": "rotary", "norm_kind": "rmsnorm", "mlp_kind": "gated", "bias": False, "n_heads": 6,
+         "d_model": 36}  # fmt: skip
+GEMMA_LIKE = [
+    # Gemma 3: sandwich norms of 1 + w, QK-norm over d_head, one key/value head, a window of 3 on the
+    # first layer (crossed by the 9 positions) with its own rotary base, scaled embeddings and scores;
+    # Gemma 2's final-logit soft-capping on top
+    {**LLAMA, "act": "gelu_tanh", "norm": "sandwich", "norm_offset": 1.0, "qk_norm": "head",
+     "n_kv_heads": 1, "sliding_window": 3, "layer_types": ["sliding", "full"], "rope_local_theta": 100.0,
+     "embed_scale": 36**0.5, "query_pre_attn_scalar": 17, "final_softcap": 3.0},
+    # OLMo 2: norms after each sublayer only, QK-norm over all heads at once; Mistral's window on both
+    {**LLAMA, "act": "silu", "norm": "post_sublayer", "qk_norm": "all", "n_kv_heads": 3, "sliding_window": 4},
+    # SmolLM3: a first layer without positions (NoPE), the step's own rotation from the second
+    {**LLAMA, "act": "silu", "n_kv_heads": 2, "nope_layers": [0]},
+]  # fmt: skip
+STEP_CONFIGS = CONFIGS + GEMMA_LIKE
 
 
 def decoder(**kw) -> Decoder:
@@ -57,13 +72,18 @@ def primed(model: Decoder, seed: int, stacked: bool = False) -> tuple[torch.Tens
 
 
 @pytest.mark.parametrize("stacked", [False, True])
-@pytest.mark.parametrize("kw", CONFIGS)
+@pytest.mark.parametrize("kw", STEP_CONFIGS)
 @torch.no_grad()
 def test_plan_logits_are_bit_for_bit_forwards_cached_step(kw: dict, stacked: bool) -> None:
     torch.manual_seed(0)
     model = decoder(**kw)
+    with torch.no_grad():  # norms away from their start, so a skipped or swapped one shows
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln" in name:
+                p.add_(torch.randn_like(p) * 0.3)
     tokens, ours, ref = primed(model, 0, stacked)
-    assert (ours[0].stack is not None) == stacked
+    windowed = kw.get("sliding_window") is not None
+    assert (ours[0].stack is not None) == (stacked and not windowed)  # a window is never stacked
     plan = model.decode_plan()
     assert plan is not None and plan.idle() and plan.step.pack_rows is None
     plan.backend = "python"
@@ -71,11 +91,14 @@ def test_plan_logits_are_bit_for_bit_forwards_cached_step(kw: dict, stacked: boo
         a = plan.logits(tokens[:, i : i + 1], ours)  # (B, V)
         b = model(tokens[:, i : i + 1], kv_caches=ref)[:, -1]  # forward: the blocks themselves
         assert a.shape == (B, V) and torch.equal(a, b) and plan.backend_used == "python"
-        assert torch.equal(ours[1].k[:, :, : i + 1], ref[1].k[:, :, : i + 1])
-    assert ours[0].length == ref[0].length == 9
+        for mine, theirs in zip(ours, ref):
+            assert torch.equal(mine.k, theirs.k) and torch.equal(mine.v, theirs.v)
+            assert mine.length == theirs.length == i + 1 and mine.held == theirs.held
+    if windowed:  # the sliding layer's cache held only its window, the full one every position
+        assert ours[0].k.shape[2] == kw["sliding_window"] < 9
 
 
-@pytest.mark.parametrize("kw", CONFIGS)
+@pytest.mark.parametrize("kw", STEP_CONFIGS)
 def test_generate_with_the_plan_equals_generate_without(kw: dict, monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(1)
     model = decoder(**kw)
@@ -184,7 +207,7 @@ def test_packed_linear_equals_f_linear_to_rounding(rows: int, bias: bool) -> Non
 
 
 @pytest.mark.skipif(not MKL, reason="this torch has no MKL packed linear (torch.ops.mkl._mkl_linear)")
-@pytest.mark.parametrize("kw", CONFIGS)
+@pytest.mark.parametrize("kw", STEP_CONFIGS)
 @torch.no_grad()
 def test_prepacked_steps_equal_forward_to_rounding(kw: dict) -> None:
     torch.manual_seed(4)

@@ -173,8 +173,9 @@ def _ln2(ref: Any, arch: str) -> Any:
 def test_greedy_generation_equals_transformers_also_left_padded(saved: dict, arch: str) -> None:
     folder, ref = saved[arch]
     ours = load_llama(folder)
-    if ours.config.sliding_window is not None or ours.config.qk_norm or ours.config.nope_layers:
-        assert describe(ours.model) is None  # the cached step does not cover them yet: forward decodes
+    # the cached step covers windows, QK-norm, NoPE, sandwich norms and final soft-capping; Gemma 2's
+    # soft-capped scores decode by forward (the prompt alone takes the step, the padded batch forward)
+    assert (describe(ours.model) is None) == (ours.config.attn_softcap is not None)
     lengths, new = (7, 3, 5), 9  # 7 + 9 = 16 positions: past the window
     seq = max(lengths)
     tokens = torch.zeros(len(lengths), seq, dtype=torch.long)  # (batch, seq), pad id 0
@@ -245,22 +246,25 @@ def test_features_the_decoding_step_covers_keep_it_and_the_others_fall_back_to_f
         arch="decoder", vocab_size=V, d_model=D, n_layers=2, n_heads=H, n_kv_heads=2, d_head=DH, d_mlp=DM,
         positions="rotary", norm_kind="rmsnorm", mlp_kind="gated", act="gelu_tanh", bias=False,
     )  # fmt: skip
-    step_ok = {"embed_scale": D**0.5, "norm_offset": 1.0, "query_pre_attn_scalar": 17}
-    forward_only = [
+    step_ok = [
+        {"embed_scale": D**0.5, "norm_offset": 1.0, "query_pre_attn_scalar": 17},
         {"sliding_window": 3},
         {"qk_norm": "head"},
-        {"attn_softcap": 2.0},
+        {"qk_norm": "all"},
         {"final_softcap": 3.0},
         {"norm": "sandwich"},
+        {"norm": "post_sublayer"},
         {"nope_layers": [1]},
+        {"sliding_window": 3, "layer_types": ["sliding", "full"], "rope_local_theta": 100.0},
     ]
+    forward_only = [{"attn_softcap": 2.0}]
     prompt = torch.randint(0, V, (2, 5))
-    for change in [step_ok, *forward_only]:
+    for change in [*step_ok, *forward_only]:
         torch.manual_seed(0)
         model = hs.Decoder(hs.ModelConfig(**base, **change)).eval()
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.1)
-        assert (describe(model) is not None) == (change is step_ok), change
+        assert (describe(model) is not None) == (change in step_ok), change
         cached = model.generate(prompt, 6, temperature=0, native=False)  # (the Python step)
         assert torch.equal(cached, model.generate(prompt, 6, temperature=0, use_cache=False)), change

@@ -107,9 +107,12 @@ class Stepper:
     def logits(self, tokens: Tensor, caches: Sequence[KVCache]) -> Tensor:
         """Next-token logits [batch, vocab_size] (float32) after the new tokens [batch, 1], appended to
         ``caches``: ``forward(tokens, kv_caches=caches)[:, -1]``, bit for bit (to float32 rounding
-        with packed weights)."""
+        with packed weights), final-logit soft-capping included."""
         start = caches[0].length
         x = self.step.embed(tokens, start=start)  # (batch, 1, d_model)
         h = self.rows(x.view(x.shape[0], x.shape[2]), caches, start)  # (batch, d_model)
         logits = self.unembed(h)  # (batch, vocab_size)
+        cap = self.step.final_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap  # Gemma 2's final-logit soft-capping, as forward
         return logits if logits.dtype == torch.float32 else logits.float()

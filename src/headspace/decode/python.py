@@ -7,8 +7,13 @@ attributes. A step makes the same ATen calls on tensors of the same shapes, stri
 :meth:`headspace.Decoder.forward` on one new position with the KV caches, so its logits are
 ``forward``'s bit for bit (with packed weights, to float32 rounding).
 
+A sliding-window block's cache (:class:`~headspace.decode.kv_cache.KVCache` with ``window``) takes the
+new key through its own ``append_one`` and the step passes the window's mask to attention, as
+``forward`` does; every other cache is written in place through views (:func:`cache_views`).
+
 Notation used for tensor shapes:
-    B (batch), H (n_heads), Hkv (n_kv_heads), dh (d_head), Sk (cached positions + 1), d_model, d_mlp.
+    B (batch), H (n_heads), Hkv (n_kv_heads), dh (d_head), Sk (cached positions + 1, or the held
+    window's + 1), d_model, d_mlp.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels.prepack import packed_linear_fn
+from ..nn.masks import window_mask
 from ..nn.norms import rms_norm
-from ..nn.positions import Rotary, rotate_fused
+from ..nn.positions import Rotary, rotary_tables, rotate_fused
 from .kv_cache import KVCache
 from .step import DecodeStep, LayerStep, Norm, Product
 
@@ -33,7 +39,7 @@ Rows = Callable[[Tensor], Tensor]
 class _Layer(NamedTuple):
     """A :class:`~headspace.decode.step.LayerStep` resolved into callables of the rows."""
 
-    norm1: Rows
+    norm1: Rows | None
     qkv: Rows
     n_heads: int
     n_kv_heads: int
@@ -42,18 +48,24 @@ class _Layer(NamedTuple):
     scale: float
     rotary: Rotary | None
     o: Rows
-    norm2: Rows
+    norm2: Rows | None
     gate: Rows | None
     act_: Rows
     fc_in: Rows
     fc_out: Rows
+    qk_norm: str | None
+    q_norm: Rows | None
+    k_norm: Rows | None
+    window: int | None
+    attn_out_norm: Rows | None
+    mlp_out_norm: Rows | None
 
 
 def norm_fn(norm: Norm) -> Rows:
     """A :class:`~headspace.decode.step.Norm` as a callable of the rows."""
     if norm.kind == "rmsnorm":
         assert norm.weight is not None
-        return functools.partial(rms_norm, weight=norm.weight, eps=norm.eps)
+        return functools.partial(rms_norm, weight=norm.weight, eps=norm.eps, offset=norm.offset)
     if norm.kind == "layernorm":
         shape, weight, bias, eps = (norm.weight.shape[0],), norm.weight, norm.bias, norm.eps  # type: ignore[union-attr]
         return lambda x: F.layer_norm(x, shape, weight, bias, eps)
@@ -89,9 +101,13 @@ def activation_fn_(name: str, module: torch.nn.Module | None) -> Rows:
     return module
 
 
+def _norm_or_none(norm: Norm | None) -> Rows | None:
+    return None if norm is None else norm_fn(norm)
+
+
 def _resolve(layer: LayerStep) -> _Layer:
     return _Layer(
-        norm1=norm_fn(layer.norm1),
+        norm1=_norm_or_none(layer.norm1),
         qkv=linear_fn(layer.qkv),
         n_heads=layer.n_heads,
         n_kv_heads=layer.n_kv_heads,
@@ -100,52 +116,96 @@ def _resolve(layer: LayerStep) -> _Layer:
         scale=layer.scale,
         rotary=layer.rotary,
         o=linear_fn(layer.o),
-        norm2=norm_fn(layer.norm2),
+        norm2=_norm_or_none(layer.norm2),
         gate=None if layer.gate is None else linear_fn(layer.gate),
         act_=activation_fn_(layer.activation, layer.act_module),
         fc_in=linear_fn(layer.fc_in),
         fc_out=linear_fn(layer.fc_out),
+        qk_norm=layer.qk_norm,
+        q_norm=_norm_or_none(layer.q_norm),
+        k_norm=_norm_or_none(layer.k_norm),
+        window=layer.window,
+        attn_out_norm=_norm_or_none(layer.attn_out_norm),
+        mlp_out_norm=_norm_or_none(layer.mlp_out_norm),
     )
+
+
+KV = tuple[Tensor, Tensor, Tensor, Tensor]
+"""A cache's new-position slots [B, Hkv, 1, dh] (k, v) and filled positions [B, Hkv, Sk, dh] (k, v)."""
 
 
 def layer_rows(
     layer: _Layer,
     x: Tensor,
-    kv: tuple[Tensor, Tensor, Tensor, Tensor],
+    kv: KV | KVCache,
     cos: Tensor | None,
     sin: Tensor | None,
 ) -> Tensor:
     """One block's step on the rows ``x`` [B, d_model] -> [B, d_model]; ``kv`` the new position's cache
-    slots [B, Hkv, 1, dh] (k, v) and the filled positions [B, Hkv, Sk, dh] (k, v) including it;
-    ``cos``/``sin`` [1, 1, rotary_dim] (:func:`headspace.positions.rotary_tables`), None without
-    rotary. :meth:`~headspace.TransformerBlock.forward` on one new position, bit for bit: each product
-    one 2-D call, q and k rotated as [B, heads, 1, dh] rows of the fused projection, the activation
-    and the gate's product in place on the fresh gate output."""
+    slots and filled positions (:data:`KV`), or a sliding-window block's :class:`KVCache` itself;
+    ``cos``/``sin`` [1, 1, rotary_dim] (:func:`headspace.positions.rotary_tables`) of this block's
+    rotation, None without one. :meth:`~headspace.TransformerBlock.forward` on one new position, bit
+    for bit: each product one 2-D call, q and k rotated as [B, heads, 1, dh] rows of the fused
+    projection (one call for both, or one each after a QK-norm, as ``forward``), the activation and the
+    gate's product in place on the fresh gate output."""
     B = x.shape[0]
     H, Hkv, dh = layer.n_heads, layer.n_kv_heads, layer.d_head
-    qkv = layer.qkv(layer.norm1(x)).view(B, H + 2 * Hkv, 1, dh)  # (B, H + 2 Hkv, 1, dh)
-    qk, v_new = qkv.split_with_sizes([H + Hkv, Hkv], 1)  # (B, H + Hkv, 1, dh), (B, Hkv, 1, dh)
-    if cos is not None and sin is not None and layer.rotary is not None:
-        qk = rotate_fused(qk, cos, sin, layer.rotary)  # (B, H + Hkv, 1, dh), fresh
-    q, k_new = qk.split_with_sizes([H, Hkv], 1)  # (B, H, 1, dh), (B, Hkv, 1, dh)
-    k_slot, v_slot, k, v = kv  # (B, Hkv, 1, dh) x 2, (B, Hkv, Sk, dh) x 2
-    k_slot.copy_(k_new)
-    v_slot.copy_(v_new)
-    # one query after its cached keys: every key may be attended (no mask)
-    z = F.scaled_dot_product_attention(q, k, v, scale=layer.scale, enable_gqa=layer.gqa)  # (B, H, 1, dh)
-    h = x + layer.o(z.reshape(B, H * dh))  # (B, d_model): heads concatenated
-    m = layer.norm2(h)  # (B, d_model)
+    n = x if layer.norm1 is None else layer.norm1(x)  # (B, d_model)
+    qkv = layer.qkv(n).view(B, H + 2 * Hkv, 1, dh)  # (B, H + 2 Hkv, 1, dh)
+    rotate = cos is not None and sin is not None and layer.rotary is not None
+    if layer.qk_norm is None:
+        qk, v_new = qkv.split_with_sizes([H + Hkv, Hkv], 1)  # (B, H + Hkv, 1, dh), (B, Hkv, 1, dh)
+        if rotate:
+            qk = rotate_fused(qk, cos, sin, layer.rotary)  # (B, H + Hkv, 1, dh), fresh
+        q, k_new = qk.split_with_sizes([H, Hkv], 1)  # (B, H, 1, dh), (B, Hkv, 1, dh)
+    else:
+        q, k_new, v_new = qkv.split_with_sizes([H, Hkv, Hkv], 1)  # (B, H, 1, dh), (B, Hkv, 1, dh) x 2
+        q, k_new = _normed_qk(layer, q, k_new)  # (B, H, 1, dh), (B, Hkv, 1, dh)
+        if rotate:
+            q = rotate_fused(q, cos, sin, layer.rotary)  # (B, H, 1, dh)
+            k_new = rotate_fused(k_new, cos, sin, layer.rotary)  # (B, Hkv, 1, dh)
+    mask = None
+    if isinstance(kv, KVCache):  # a sliding window's cache: the held keys, then the new one
+        k, v = kv.append_one(k_new, v_new)  # (B, Hkv, Sk, dh) x 2
+        assert layer.window is not None
+        mask = window_mask(1, k.shape[2], layer.window, x.device)[None, None]  # (1, 1, 1, Sk)
+    else:
+        k_slot, v_slot, k, v = kv  # (B, Hkv, 1, dh) x 2, (B, Hkv, Sk, dh) x 2
+        k_slot.copy_(k_new)
+        v_slot.copy_(v_new)
+        # one query after its cached keys: every key may be attended (no mask)
+    z = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=layer.gqa
+    )  # (B, H, 1, dh)
+    a = layer.o(z.reshape(B, H * dh))  # (B, d_model): heads concatenated
+    h = x + (a if layer.attn_out_norm is None else layer.attn_out_norm(a))  # (B, d_model)
+    m = h if layer.norm2 is None else layer.norm2(h)  # (B, d_model)
     if layer.gate is not None:
         m = layer.act_(layer.gate(m)).mul_(layer.fc_in(m))  # (B, d_mlp): act(gate) * up
     else:
         m = layer.act_(layer.fc_in(m))  # (B, d_mlp)
-    return h + layer.fc_out(m)  # (B, d_model)
+    m = layer.fc_out(m)  # (B, d_model)
+    return h + (m if layer.mlp_out_norm is None else layer.mlp_out_norm(m))  # (B, d_model)
 
 
-def cache_views(caches: Sequence[KVCache], start: int) -> list[tuple[Tensor, Tensor, Tensor, Tensor]]:
+def _normed_qk(layer: _Layer, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+    """QK-norm of the new q [B, H, 1, dh] and k [B, Hkv, 1, dh]: over each head's d_head (``"head"``)
+    or over the concatenated heads (``"all"``), as :meth:`~headspace.MultiHeadAttention.normed_qk`."""
+    assert layer.q_norm is not None and layer.k_norm is not None
+    if layer.qk_norm == "head":
+        return layer.q_norm(q), layer.k_norm(k)
+    B, H, _, dh = q.shape
+    Hkv = k.shape[1]
+    q = layer.q_norm(q.reshape(B, 1, H * dh)).view(B, H, 1, dh)  # (B, H, 1, dh)
+    k = layer.k_norm(k.reshape(B, 1, Hkv * dh)).view(B, Hkv, 1, dh)  # (B, Hkv, 1, dh)
+    return q, k
+
+
+def cache_views(caches: Sequence[KVCache], start: int) -> list[KV | KVCache]:
     """Per cache, the new position ``start``'s slots [B, Hkv, 1, dh] and the filled positions [B, Hkv,
-    start + 1, dh] of k and v: for every slice of one :meth:`~headspace.KVCache.stacked` pair in order
-    four calls in all, else four per cache."""
+    start + 1, dh] of k and v (:data:`KV`): for every slice of one :meth:`~headspace.KVCache.stacked`
+    pair in order four calls in all, else four per cache; a sliding-window cache is given as itself
+    (its buffers hold the window, not every position)."""
     stack = caches[0].stack
     if stack is not None and len(caches) == stack[0].shape[0]:
         k_all, v_all, _ = stack
@@ -159,7 +219,9 @@ def cache_views(caches: Sequence[KVCache], start: int) -> list[tuple[Tensor, Ten
                 )
             )
     return [
-        (
+        c
+        if c.window is not None
+        else (
             c.k.narrow(2, start, 1),
             c.v.narrow(2, start, 1),
             c.k.narrow(2, 0, start + 1),
@@ -174,12 +236,22 @@ def prepare(step: DecodeStep) -> Callable[..., Tensor]:
     the final norm (see :mod:`headspace.decode.backends` for the signature). Runs any description."""
     layers = [_resolve(layer) for layer in step.layers]
     final = None if step.final_norm is None else norm_fn(step.final_norm)
+    # the rotations other than the step's own (e.g. Gemma 3's full layers' base): tables made per call
+    rotaries = {id(la.rotary): la.rotary for la in layers if la.rotary is not None}
+    others = [r for r in rotaries.values() if r is not step.rotary]
 
     def run(
         x: Tensor, caches: Sequence[KVCache], start: int, cos: Tensor | None, sin: Tensor | None
     ) -> Tensor:
+        tables: dict[int, tuple[Tensor | None, Tensor | None]] = {id(step.rotary): (cos, sin)}
+        if others:
+            positions = torch.arange(start, start + 1, device=x.device)  # (1,)
+            for r in others:
+                c, s = rotary_tables(r, positions, x.dtype, x.device)  # (1, 1, 1, rotary_dim) x 2
+                tables[id(r)] = c.squeeze(2), s.squeeze(2)  # (1, 1, rotary_dim): as the step's own
         for layer, kv in zip(layers, cache_views(caches, start)):
-            x = layer_rows(layer, x, kv, cos, sin)  # (B, d_model)
+            c, s = tables[id(layer.rotary)] if layer.rotary is not None else (None, None)
+            x = layer_rows(layer, x, kv, c, s)  # (B, d_model)
         return x if final is None else final(x)
 
     return run

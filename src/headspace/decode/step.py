@@ -7,13 +7,21 @@ point a step passes. The backends (:mod:`headspace.decode.backends`: ``"python"`
 run a step from this description alone; the native one hands it to C++ field by field, by name
 (:func:`named_fields`).
 
-Per block, for the new position's rows x [batch, d_model] (pre-norm blocks only)::
+Per block, for the new position's rows x [batch, d_model] (pre-norm, sandwich and post-sublayer
+blocks)::
 
     qkv = norm1(x) W_QKV (+ b)      -> q [batch, n_heads, 1, d_head], k, v [batch, n_kv_heads, 1, d_head]
-    q, k = rotate(q, k)                   (rotary positions: to the new position)
-    z = softmax(q K^T * scale) V          (K, V: the cached keys and values, the new ones appended)
-    h = x + z W_O (+ b)
-    out = h + act(norm2(h) W_gate) * (norm2(h) W_in) W_out     (plain MLP: act(norm2(h) W_in) W_out)
+    q, k = q_norm(q), k_norm(k)           (QK-norm only: RMSNorm over d_head, or over all heads)
+    q, k = rotate(q, k)                   (rotary positions: to the new position, with the layer's base)
+    z = softmax(q K^T * scale + M) V      (K, V: the cached keys and values, the new ones appended;
+                                           M: -inf on keys outside a sliding window, else none)
+    a = attn_out_norm(z W_O (+ b))        (sandwich / post-sublayer norms only)
+    h = x + a
+    m = act(norm2(h) W_gate) * (norm2(h) W_in) W_out     (plain MLP: act(norm2(h) W_in) W_out)
+    out = h + mlp_out_norm(m)             (sandwich / post-sublayer norms only)
+
+then ``final_norm``, the unembedding and, with ``final_softcap``, ``cap * tanh(logits / cap)``. A norm
+absent from a block (None) is the identity: a post-sublayer block (OLMo 2) has no ``norm1``/``norm2``.
 
 A description holds the parameters themselves (and views of them): in-place edits of their values
 show in later steps, parameters replaced since (``to_precision``, pruning, assignment) do not, and
@@ -63,14 +71,16 @@ class DecoderModel(Protocol):
 
 @dataclass(frozen=True)
 class Norm:
-    """A norm of the rows: ``"rmsnorm"`` (:func:`headspace.norms.rms_norm`, offset 0), ``"layernorm"``
-    (``F.layer_norm`` over d_model) or ``"module"`` (any other: ``module`` itself, no native form)."""
+    """A norm of the rows: ``"rmsnorm"`` (:func:`headspace.norms.rms_norm` with ``offset``: Gemma's
+    ``1 + weight`` is offset 1), ``"layernorm"`` (``F.layer_norm`` over d_model) or ``"module"`` (any
+    other: ``module`` itself, no native form)."""
 
     kind: str
     weight: Tensor | None = None
     bias: Tensor | None = None
     eps: float = 0.0
     module: nn.Module | None = None
+    offset: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -95,9 +105,16 @@ class Product:
 
 @dataclass(frozen=True)
 class LayerStep:
-    """One pre-norm block's step (see the module docstring for the formula)."""
+    """One block's step (see the module docstring for the formula).
 
-    norm1: Norm
+    ``rotary`` is the block's own (layers may differ: Gemma 3's sliding and full layers have two bases,
+    NoPE layers None). ``qk_norm`` is ``"head"`` (``q_norm``/``k_norm`` over each head's d_head) or
+    ``"all"`` (over the concatenated heads), ``window`` a sliding window (the block's KV cache holds
+    only it: :class:`~headspace.decode.kv_cache.KVCache`), ``attn_out_norm``/``mlp_out_norm`` the norms
+    of the sublayers' outputs (sandwich and post-sublayer blocks); each None where the block has none.
+    """
+
+    norm1: Norm | None
     qkv: Product
     n_heads: int
     n_kv_heads: int
@@ -105,20 +122,34 @@ class LayerStep:
     scale: float
     rotary: Rotary | None
     o: Product
-    norm2: Norm
+    norm2: Norm | None
     activation: str
     gate: Product | None
     fc_in: Product
     fc_out: Product
     act_module: nn.Module | None = None
+    qk_norm: str | None = None
+    q_norm: Norm | None = None
+    k_norm: Norm | None = None
+    window: int | None = None
+    attn_out_norm: Norm | None = None
+    mlp_out_norm: Norm | None = None
+
+
+#: the :class:`LayerStep` fields only the ``"python"`` backend computes (the native step has no form
+#: of them yet: a step with any of them set takes the Python backend)
+PYTHON_ONLY = ("qk_norm", "q_norm", "k_norm", "window", "attn_out_norm", "mlp_out_norm")
 
 
 @dataclass(frozen=True)
 class DecodeStep:
     """A Decoder's cached one-token step (:func:`describe`): ``layers`` then ``final_norm`` on the
-    rows, ``unembed`` to logits; ``embed(tokens, start)`` the model's embedding; ``hook_points`` every
-    hook point a step passes (the step runs only while they are idle, :meth:`idle`); ``pack_rows`` the
-    batch the products were packed for (None: not packed)."""
+    rows, ``unembed`` to logits (then ``final_softcap``'s ``cap * tanh(logits / cap)`` where set);
+    ``embed(tokens, start)`` the model's embedding (Gemma's sqrt(d_model) scale included); ``rotary``
+    the first block's rotation (the tables a backend is handed; other layers' rotations are their own
+    :attr:`LayerStep.rotary`); ``hook_points`` every hook point a step passes (the step runs only while
+    they are idle, :meth:`idle`); ``pack_rows`` the batch the products were packed for (None: not
+    packed)."""
 
     layers: tuple[LayerStep, ...]
     final_norm: Norm | None
@@ -128,6 +159,7 @@ class DecodeStep:
     hook_points: tuple[HookPoint, ...]
     pack_rows: int | None
     model: weakref.ref[Any] = dataclasses.field(repr=False, compare=False)
+    final_softcap: float | None = None
 
     def idle(self) -> bool:
         """Whether the step may run now: the model exists and is in eval mode, and no hook point the
@@ -137,12 +169,12 @@ class DecodeStep:
 
 
 def norm_of(norm: nn.Module | None) -> Norm | None:
-    """``norm`` described: an RMSNorm of offset 0 or a LayerNorm over one dim by name, anything else as
+    """``norm`` described: an RMSNorm (any offset) or a LayerNorm over one dim by name, anything else as
     ``"module"``; None for no norm."""
     if norm is None:
         return None
-    if type(norm) is RMSNorm and norm.offset == 0.0:
-        return Norm("rmsnorm", norm.weight, None, norm.eps)
+    if type(norm) is RMSNorm:
+        return Norm("rmsnorm", norm.weight, None, norm.eps, offset=float(norm.offset))
     if type(norm) is nn.LayerNorm and len(norm.normalized_shape) == 1 and norm.weight is not None:
         return Norm("layernorm", norm.weight, norm.bias, norm.eps)
     return Norm("module", module=norm)
@@ -166,9 +198,9 @@ def product_of(weight: Tensor, bias: Tensor | None, pack_rows: int | None = None
 
 def describe(model: DecoderModel, pack_rows: int | None = None) -> DecodeStep | None:
     """``model``'s cached decoding step described (:class:`DecodeStep`), or None where some block has no
-    such step (:attr:`~headspace.block.TransformerBlock.decode_supported` False: post-norm, a
-    head-parallel shard, ``check_finite``, another attention or MLP), which then decodes by
-    ``forward``."""
+    such step (:attr:`~headspace.block.TransformerBlock.decode_supported` False: post-norm, score
+    soft-capping, a head-parallel shard, ``check_finite``, another attention or MLP), which then
+    decodes by ``forward``."""
     layers = []
     for block in model.blocks:
         if not getattr(block, "decode_supported", False):
@@ -188,6 +220,7 @@ def describe(model: DecoderModel, pack_rows: int | None = None) -> DecodeStep | 
         hook_points=points,
         pack_rows=pack_rows,
         model=weakref.ref(model),  # a step must not keep its model alive
+        final_softcap=getattr(getattr(model, "config", None), "final_softcap", None),
     )
 
 
@@ -197,8 +230,12 @@ def _layer_of(block: Any, pack_rows: int | None) -> LayerStep:
     act = mlp.act
     activation = ACTIVATIONS.get((type(act), getattr(act, "approximate", None)), "module")
     gate = getattr(mlp, "fc_gate", None)
-    norm1, norm2 = norm_of(block.ln1), norm_of(block.ln2)
-    assert norm1 is not None and norm2 is not None
+    if block.norm == "post_sublayer":  # OLMo 2: h = x + ln1(attn(x)), out = h + ln2(mlp(h))
+        norm1 = norm2 = None
+        attn_out, mlp_out = norm_of(block.ln1), norm_of(block.ln2)
+    else:  # pre-norm, or sandwich (Gemma: ln_attn_out / ln_mlp_out too)
+        norm1, norm2 = norm_of(block.ln1), norm_of(block.ln2)
+        attn_out, mlp_out = norm_of(block.ln_attn_out), norm_of(block.ln_mlp_out)
     return LayerStep(
         norm1=norm1,
         qkv=product_of(a.qkv_weight, a.qkv_bias, pack_rows),
@@ -214,6 +251,12 @@ def _layer_of(block: Any, pack_rows: int | None) -> LayerStep:
         fc_in=product_of(mlp.fc_in.weight, mlp.fc_in.bias, pack_rows),
         fc_out=product_of(mlp.fc_out.weight, mlp.fc_out.bias, pack_rows),
         act_module=act if activation == "module" else None,
+        qk_norm=a.qk_norm,
+        q_norm=norm_of(a.q_norm),
+        k_norm=norm_of(a.k_norm),
+        window=a.window,
+        attn_out_norm=attn_out,
+        mlp_out_norm=mlp_out,
     )
 
 
@@ -235,12 +278,19 @@ def named_fields(part: Any, prefix: str = "") -> NamedFields | None:
     """A description (a :class:`LayerStep`, :class:`Norm` or :class:`Product`) as four dicts keyed by
     dotted field names (``"qkv.weight"``, ``"norm1.eps"``, ``"rotary.dim"``, ...): its tensors, ints,
     floats and strings, None values left out. None where a part has no native form (a ``"module"``
-    norm or activation, an ``"other"`` product). What the native step reads, by these names."""
+    norm or activation, an ``"other"`` product, an RMSNorm offset, a :data:`PYTHON_ONLY` field, a
+    block without ``norm1``/``norm2``). What the native step reads, by these names."""
     out: NamedFields = ({}, {}, {}, {})
+    if isinstance(part, LayerStep) and (
+        part.norm1 is None or part.norm2 is None or any(getattr(part, n) is not None for n in PYTHON_ONLY)
+    ):
+        return None  # run by Python only
+    if isinstance(part, Norm) and part.offset != 0.0:
+        return None
     for f in dataclasses.fields(part):
         value = getattr(part, f.name)
         name = prefix + f.name
-        if value is None or f.name in ("module", "carrier", "act_module"):
+        if value is None or f.name in ("module", "carrier", "act_module", "offset"):
             continue
         if isinstance(value, str) and value in ("module", "other"):
             return None  # run by Python only

@@ -520,16 +520,15 @@ class TransformerBlock(nn.Module):
     @property
     def decode_supported(self) -> bool:
         """Whether the decoding step (:mod:`headspace.decode`) may stand in for :meth:`forward` on one new
-        position (pre-norm, fused self-attention with :class:`~headspace.MultiHeadAttention`'s own
-        forward, no ``check_finite``, this module's MLPs; not yet: a sliding window, QK-norm,
-        soft-capping, sandwich or post-sublayer norms, or a model-wide
-        :attr:`decode_blockers` reason). Where False, decoding runs :meth:`forward` with the KV cache."""
+        position: pre-norm, sandwich (Gemma) or post-sublayer (OLMo 2) norms, fused self-attention with
+        :class:`~headspace.MultiHeadAttention`'s own forward (sliding windows, QK-norm and per-layer
+        rotations included), no ``check_finite``, this module's MLPs; not score soft-capping (Gemma 2:
+        its scores take the reference maths) nor a model-wide :attr:`decode_blockers` reason. Where
+        False, decoding runs :meth:`forward` with the KV cache."""
         a = self.attn
         return (
-            self.pre_ln
+            self.norm in ("pre", "sandwich", "post_sublayer")
             and not self.decode_blockers
-            and getattr(a, "window", None) is None  # (the step reads a full cache, not a windowed one)
-            and getattr(a, "qk_norm", None) is None
             and getattr(a, "softcap", None) is None
             and isinstance(a, MultiHeadAttention)  # not a head-parallel shard, which has no fused weight
             and type(a).forward is MultiHeadAttention.forward

@@ -104,13 +104,10 @@ def _product_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
 def model_decode_blockers(c: ModelConfig) -> tuple[str, ...]:
     """The model-wide features of ``c`` the cached decoding step does not compute (each block gets them
     as :attr:`~headspace.block.TransformerBlock.decode_blockers`, which makes its ``decode_supported``
-    False, so decoding runs ``forward``): final-logit soft-capping, rotations that differ by layer."""
-    out = []
-    if c.final_softcap is not None:
-        out.append("final-logit soft-capping")
-    if c.nope_layers or (c.rope_local_theta is not None and "sliding" in (c.layer_types or ())):
-        out.append("rotary positions that differ by layer")
-    return tuple(out)
+    False, so decoding runs ``forward``). None today: final-logit soft-capping, per-layer rotary bases
+    and NoPE layers are all in the step (:mod:`headspace.decode.step`)."""
+    del c
+    return ()
 
 
 class _Stack(nn.Module):
