@@ -48,8 +48,9 @@ GEMMA_LIKE = [
      "embed_scale": 36**0.5, "query_pre_attn_scalar": 17, "final_softcap": 3.0},
     # OLMo 2: norms after each sublayer only, QK-norm over all heads at once; Mistral's window on both
     {**LLAMA, "act": "silu", "norm": "post_sublayer", "qk_norm": "all", "n_kv_heads": 3, "sliding_window": 4},
-    # SmolLM3: a first layer without positions (NoPE), the step's own rotation from the second
-    {**LLAMA, "act": "silu", "n_kv_heads": 2, "nope_layers": [0]},
+    # SmolLM3: a first layer without positions (NoPE), the step's own rotation from the second; a
+    # window of 7 that the steps fill (written in place) and then cross (the oldest key dropped)
+    {**LLAMA, "act": "silu", "n_kv_heads": 2, "nope_layers": [0], "sliding_window": 7},
 ]  # fmt: skip
 STEP_CONFIGS = CONFIGS + GEMMA_LIKE
 

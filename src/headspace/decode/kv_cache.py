@@ -191,9 +191,19 @@ class KVCache:
         """A windowed cache's :meth:`append`: returns the held positions then the new ones, in position
         order ([batch, n_kv_heads, held + new, d_head]: the keys the new queries may see, the last one the
         newest), and keeps the last ``window`` of them. With gradients tracked, the kept keys keep their
-        history (as the full cache's pieces do), so backpropagating through decoding reaches them."""
+        history (as the full cache's pieces do), so backpropagating through decoding reaches them.
+        While the buffers have room for the new positions (nothing drops out of the window yet) they are
+        written in place and viewed, as a full cache's, without a copy of the held ones."""
         held, new = self.held, k.shape[2]
         tracked = self._k_parts or (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad))
+        if not tracked and held + new <= self.k.shape[2]:
+            with torch.no_grad():
+                self.k[:, :, held : held + new] = k
+                self.v[:, :, held : held + new] = v
+            self.length += new
+            return self.k[:, :, : held + new], self.v[
+                :, :, : held + new
+            ]  # (batch, n_kv_heads, held + new, d_head)
         old_k = (
             self._k_parts[0] if self._k_parts else self.k[:, :, :held]
         )  # (batch, n_kv_heads, held, d_head)
