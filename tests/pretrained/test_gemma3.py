@@ -153,3 +153,22 @@ def test_the_benchmark_measures_both_models_side_by_side(gemma3, gemma3_hf, caps
         assert cases[name]["same_tokens"] is True
         assert cases[name]["headspace"]["tokens_per_s"] > 0 and cases[name]["hf"]["tokens_per_s"] > 0
     assert cases["prefill_16"]["headspace"]["median"] > 0
+
+
+def test_attribute_command_adds_up_through_the_sandwich_norms(gemma3, monkeypatch) -> None:
+    """``headspace attribute --model gemma3``: each head reaches the stream through its layer's
+    ``ln_attn_out``, so its part is taken through that norm and the parts add up to the logit (before,
+    taken as ``hook_result`` alone: 9.6 of a logit of 18.3). The session's model, so no load (~3 s)."""
+    from click.testing import CliRunner
+
+    from headspace.cli import causal as cli_causal
+    from headspace.cli import cli
+
+    monkeypatch.setattr(cli_causal, "load_model", lambda spec: gemma3)
+    args = ["attribute", "--model", "gemma3", "The capital of France is", "--answer", " Paris", "--json"]
+    res = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert abs(data["total"] - data["logit"]) <= 1e-3 and data["logit"] > 10
+    # the head that patching restores the answer with (headspace patch: L12H2 +0.93) writes it directly too
+    assert (12, 2) in [(h["layer"], h["head"]) for h in data["top_heads"][:2]]
