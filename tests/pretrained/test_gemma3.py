@@ -195,3 +195,14 @@ def test_the_qk_circuit_gives_gemmas_scores_only_at_the_frozen_norm_scales(gemma
                 score = float(t[f"blocks.{layer}.attn.hook_scores"][0, h, i, j])
                 assert abs(float(raw * s_q[0, i, h] * s_k[0, j, 0]) / 16.0 - score) < 1e-3
                 assert abs(float(raw) / 16.0 - score) > 0.1  # not without the scales
+
+
+def test_why_splits_gemmas_score_exactly(gemma3) -> None:
+    """``headspace why --model gemma3``'s decomposition: the parts reach layer 5 through the sandwich
+    norms and meet at the frozen QK-norm scales, so they add up to the traced score (before: 7.30 of
+    13.94 for this head, query and key)."""
+    from headspace.analysis.decomposition import score_decomposition
+
+    r = score_decomposition(gemma3, "The cat sat on the mat because it was tired", 5, 2)
+    assert r.key == 0 and r.score > 10  # the head parks on <bos>
+    assert abs(r.total - r.score) < 1e-3
