@@ -187,7 +187,7 @@ def test_the_qk_circuit_gives_gemmas_scores_only_at_the_frozen_norm_scales(gemma
             *(f"blocks.{layer}.attn.hook_{n}" for n in "q k scores".split()),
         ]
         with torch.no_grad(), hs.trace(gemma3.model, names=names) as t:
-            gemma3.model(ids)
+            gemma3.model.hidden_states(ids)  # [1, 11, 640]: no unembedding needed
             x = block.ln1(t[f"blocks.{layer}.hook_resid_pre"])[0]  # [11, 640]: the attention's input
             s_q, s_k = attn.qk_norm_scales(t[f"blocks.{layer}.attn.hook_q"], t[f"blocks.{layer}.attn.hook_k"])
             for h, i, j in ((2, 10, 3), (0, 7, 7)):
