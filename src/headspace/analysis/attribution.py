@@ -34,6 +34,7 @@ from .causal_inputs import (
     gather_last,
     is_decoder,
     last_resid,
+    post_attention_norm,
     prompts_of,
     stack_of,
     token_id,
@@ -131,7 +132,7 @@ def direct_logit_attribution(model: Any, prompts: Any, answer: Any, other: Any =
         r = gather_last(t.result(i), p.last)  # (P, H, d_model)
         b_O = block.attn.o_bias
         bias = r.new_zeros(p.batch, r.shape[-1]) if b_O is None else b_O.expand(p.batch, -1)  # (P, d_model)
-        post = _post_attention_norm(block)
+        post = post_attention_norm(block)
         if post is not None:  # the heads reach the stream through this norm, frozen at the layer's output
             s_post, beta_post = frozen_norm(post, r.sum(1) + bias)  # (P, d_model) x 2
             r = centered(post, r) * s_post[:, None]  # (P, H, d_model)
@@ -154,15 +155,6 @@ def direct_logit_attribution(model: Any, prompts: Any, answer: Any, other: Any =
         answer_token=token_str(model, a), other_token=None if b is None else token_str(model, b),
         per_prompt=per,
     )  # fmt: skip
-
-
-def _post_attention_norm(block: Any) -> Any:
-    """The norm between a block's attention output and the residual add (Gemma's sandwich
-    ``ln_attn_out``, OLMo 2's post-sublayer ``ln1``), or None (pre-norm: the output is added as it is)."""
-    kind = getattr(block, "norm", None)
-    if kind == "sandwich":
-        return block.ln_attn_out
-    return block.ln1 if kind == "post_sublayer" else None
 
 
 @dataclass

@@ -44,7 +44,15 @@ from torch import Tensor, nn
 
 from ..core.checks import is_int
 from ._common import JsonResult, eval_mode
-from .causal_inputs import centered, frozen_norm, is_decoder, prompts_of, stack_of, token_str
+from .causal_inputs import (
+    centered,
+    frozen_norm,
+    is_decoder,
+    post_attention_norm,
+    prompts_of,
+    stack_of,
+    token_str,
+)
 from .trace import trace
 
 __all__ = ["CompositionScores", "ScoreDecomposition", "composition_scores", "score_decomposition"]
@@ -123,8 +131,8 @@ def residual_parts(module: nn.Module, t: Any, layer: int) -> tuple[list[str], Te
         kind = getattr(block, "norm", "pre" if block.pre_ln else "post")
         result = t.result(i)[0].double()  # (seq, H, d_model)
         b_O = torch.zeros_like(bias) if block.attn.b_O is None else block.attn.b_O.double().expand_as(bias)
-        if kind in ("sandwich", "post_sublayer"):  # h = x + N(a): N frozen at the layer's output a
-            post = block.ln_attn_out if kind == "sandwich" else block.ln1
+        post = post_attention_norm(block)
+        if post is not None:  # h = x + N(a): N frozen at the layer's output a
             scale, beta = frozen_norm(post, result.sum(1) + b_O)  # (seq, d_model) x 2
             result = centered(post, result) * scale[:, None]  # (seq, H, d_model)
             b_O = centered(post, b_O) * scale + beta  # (seq, d_model)
