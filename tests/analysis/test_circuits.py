@@ -38,6 +38,14 @@ def make_model(kind: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> 
         cfg = hs.ModelConfig(arch="decoder", n_heads=5, **common)
     elif kind == "bert":
         cfg = hs.ModelConfig(arch="encoder", n_heads=5, norm="post", **common)
+    elif kind in ("gemma", "olmo2"):  # a norm after the attention, QK-norm per head / over all heads
+        gemma = kind == "gemma"
+        cfg = hs.ModelConfig(
+            arch="decoder", n_heads=4, d_head=6, n_kv_heads=1 if gemma else 2, norm_kind="rmsnorm",
+            mlp_kind="gated", act="gelu_tanh" if gemma else "silu", positions="rotary", bias=False,
+            norm="sandwich" if gemma else "post_sublayer", qk_norm="head" if gemma else "all",
+            norm_offset=1.0 if gemma else 0.0, **common,
+        )  # fmt: skip
     else:  # a Llama-family decoder with q/k/v biases (Qwen2-like), rotary, 2 kv heads for 4 query heads
         cfg = hs.ModelConfig(
             arch="decoder",
@@ -60,8 +68,10 @@ def make_model(kind: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> 
 
 
 # ------------------------------------------------------------------------------- score decomposition
-@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama"])
+@pytest.mark.parametrize("kind", ["gpt2", "bert", "llama", "gemma", "olmo2"])
 def test_score_parts_add_up_to_the_traced_score(kind: str) -> None:
+    """Also through Gemma's sandwich norms and OLMo 2's post-sublayer ones (the heads reach the stream
+    through a frozen norm) and QK-norm (the parts at the run's frozen norm scales)."""
     model = make_model(kind)
     tokens = torch.randint(0, V, (1, S), generator=torch.Generator().manual_seed(1))
     for layer, head, q in [(0, 1, 4), (2, 3, 8), (1, 0, 6)]:
@@ -77,7 +87,7 @@ def test_score_parts_add_up_to_the_traced_score(kind: str) -> None:
         )  # key=None: the top key
     r64 = score_decomposition(make_model(kind, torch.float64), tokens, 2, 1, query=7, key=3)
     # float64 end to end, except that RMSNorm normalises in float32 (as transformers' does)
-    assert abs(r64.total - r64.score) < (1e-6 if kind == "llama" else 1e-10)
+    assert abs(r64.total - r64.score) < (1e-10 if kind in ("gpt2", "bert") else 1e-6)
 
 
 def test_one_part_is_the_maths_written_out_by_hand() -> None:

@@ -80,6 +80,29 @@ def test_direct_attribution_of_one_head_is_its_output_through_the_frozen_norm() 
     assert_close(r.heads[1, 2], want.detach())
 
 
+@pytest.mark.parametrize("norm", ["sandwich", "post_sublayer"])
+def test_direct_attribution_adds_up_through_a_norm_after_the_attention(norm: str) -> None:
+    """Gemma's sandwich norms and OLMo 2's post-sublayer norms sit between the heads and the residual
+    add: each head's part goes through that norm frozen at the layer's output, so the parts still add up
+    (before: hook_result taken as it is, Gemma-3-270M's parts summed to 9.6 of a logit of 18.3)."""
+    torch.manual_seed(0)
+    cfg = hs.ModelConfig(
+        arch="decoder", vocab_size=V, d_model=D, n_layers=L, n_heads=H, d_mlp=44, max_seq_len=32, norm=norm,
+        norm_kind="rmsnorm", norm_offset=1.0 if norm == "sandwich" else 0.0,
+    )  # fmt: skip
+    model = hs.Decoder(cfg).eval()
+    with torch.no_grad():  # norms that are not the identity, and biases
+        for name, p in model.named_parameters():
+            if "ln" in name or "bias" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    tokens = torch.randint(0, V, (3, S), generator=torch.Generator().manual_seed(2))
+    r = attribution.direct_logit_attribution(model, tokens, 3, 5)
+    assert_close(r.per_prompt["total"], r.per_prompt["logit"], atol=1e-4, rtol=0)
+    with torch.no_grad():
+        logits = model(tokens)[:, -1]
+    assert_close(r.per_prompt["logit"], logits[:, 3] - logits[:, 5])
+
+
 def test_logit_lens_last_row_is_the_model_prediction() -> None:
     model = decoder()
     tokens = torch.randint(0, V, (2, S), generator=torch.Generator().manual_seed(4))

@@ -114,6 +114,40 @@ def test_qk_norm_before_rotation_and_hooks() -> None:
     torch.testing.assert_close(seen["q"], q.view(1, 7, 3, 6))
 
 
+@pytest.mark.parametrize("qk_norm", ["head", "all"])
+def test_qk_circuit_gives_the_scores_at_the_frozen_norm_scales(qk_norm: str) -> None:
+    """With QK-norm, ``head.qk(i - j)`` (the norms' gains folded in) times the run's norm scales
+    (``qk_norm_scales`` of hook_q / hook_k) and ``scale`` is the traced score; without the scales it is
+    not (a fixed matrix cannot give a normalised score). GQA, rotary, biases and Gemma's 1 + w."""
+    from headspace import trace
+
+    torch.manual_seed(3)
+    a = MultiHeadAttention(
+        20, 4, d_head=6, n_kv_heads=2, qk_norm=qk_norm, qk_norm_offset=1.0, rotary=Rotary(6, base=50.0),
+        dtype=torch.float64,
+    )  # fmt: skip
+    with torch.no_grad():
+        for p in (a.q_norm.weight, a.k_norm.weight, a.qkv_bias):
+            p.normal_()
+    x = torch.randn(1, 7, 20, dtype=torch.float64)
+    names = ["hook_q", "hook_k", "hook_q_normed", "hook_scores"]
+    with trace(a, names=names) as t:
+        a(x, is_causal=True)
+    s_q, s_k = a.qk_norm_scales(t["hook_q"], t["hook_k"])  # (1, 7, 4), (1, 7, 2)
+    g_q, _ = a.qk_norm_gains()  # (4, 6), (2, 6)
+    torch.testing.assert_close(t["hook_q_normed"], t["hook_q"] * s_q[..., None] * g_q)
+    xa = torch.cat([x[0], torch.ones(7, 1, dtype=x.dtype)], dim=1)  # (7, 21): [x, 1]
+    for h, (i, j) in ((0, (6, 2)), (3, (5, 5)), (2, (4, 0))):
+        g = a.heads[h].kv_index
+        raw = xa[i] @ a.heads[h].qk(i - j, augmented=True).AB @ xa[j]
+        want = t["hook_scores"][0, h, i, j]
+        torch.testing.assert_close(raw * s_q[0, i, h] * s_k[0, j, g] * a.scale, want)
+        assert not torch.isclose(raw * a.scale, want, rtol=1e-3)  # the scales are needed
+    with pytest.raises(ValueError, match="no QK-norm"):
+        MultiHeadAttention(8, 2).qk_norm_scales(t["hook_q"], t["hook_k"])
+    assert MultiHeadAttention(8, 2).qk_norm_gains() is None
+
+
 def test_bad_values_are_refused() -> None:
     with pytest.raises(ValueError, match="window must be None"):
         MultiHeadAttention(8, 2, window=0)

@@ -214,6 +214,26 @@ def test_subspaces_json_matches_analysis(runner, minilm, tmp_path):
     assert {p.name for p in tmp_path.glob("*.png")} == {"subspaces_L1_q.png", "subspaces_L1_spectra.png"}
 
 
+def test_subspaces_table_says_a_single_key_value_head_has_no_pair():
+    """Gemma 3's one key/value head: --which k has no two distinct heads to compare; the table says so
+    (before: 'nan' and the pair 'H0-H0 nan')."""
+    from rich.console import Console
+
+    from headspace.analysis import circuit_spectra, subspace_overlaps
+
+    torch.manual_seed(0)
+    cfg = headspace.ModelConfig(
+        arch="decoder", vocab_size=11, d_model=16, n_layers=1, n_heads=4, n_kv_heads=1
+    )
+    model = headspace.Decoder(cfg)
+    console = Console(width=200, record=True)
+    for which, want in (("k", "- (1 head)"), ("q", "H")):
+        ov = subspace_overlaps(model, which)
+        console.print(cli_lesson._subspaces_table("tiny", [0], which, ov, circuit_spectra(model)))
+        out = console.export_text()
+        assert "nan" not in out and want in out
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [

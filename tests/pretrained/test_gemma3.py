@@ -153,3 +153,56 @@ def test_the_benchmark_measures_both_models_side_by_side(gemma3, gemma3_hf, caps
         assert cases[name]["same_tokens"] is True
         assert cases[name]["headspace"]["tokens_per_s"] > 0 and cases[name]["hf"]["tokens_per_s"] > 0
     assert cases["prefill_16"]["headspace"]["median"] > 0
+
+
+def test_attribute_command_adds_up_through_the_sandwich_norms(gemma3, monkeypatch) -> None:
+    """``headspace attribute --model gemma3``: each head reaches the stream through its layer's
+    ``ln_attn_out``, so its part is taken through that norm and the parts add up to the logit (before,
+    taken as ``hook_result`` alone: 9.6 of a logit of 18.3). The session's model, so no load (~3 s)."""
+    from click.testing import CliRunner
+
+    from headspace.cli import causal as cli_causal
+    from headspace.cli import cli
+
+    monkeypatch.setattr(cli_causal, "load_model", lambda spec: gemma3)
+    args = ["attribute", "--model", "gemma3", "The capital of France is", "--answer", " Paris", "--json"]
+    res = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    data = json.loads(res.output)
+    assert abs(data["total"] - data["logit"]) <= 1e-3 and data["logit"] > 10
+    # the head that patching restores the answer with (headspace patch: L12H2 +0.93) writes it directly too
+    assert (12, 2) in [(h["layer"], h["head"]) for h in data["top_heads"][:2]]
+
+
+def test_the_qk_circuit_gives_gemmas_scores_only_at_the_frozen_norm_scales(gemma3) -> None:
+    """``head.qk(i - j)`` has the QK-norm gains (1 + w) folded in; times the run's norm scales (one
+    per token and head, ``qk_norm_scales``) and 1 / sqrt(256) it is the traced score, on a sliding layer
+    (base 10,000) and a full one (base 1e6)."""
+    ids = gemma3.tokenize(["The cat sat on the mat because it was tired"])  # [1, 11]
+    for layer in (4, 5):
+        block = gemma3.model.blocks[layer]
+        attn = block.attn
+        names = [
+            f"blocks.{layer}.hook_resid_pre",
+            *(f"blocks.{layer}.attn.hook_{n}" for n in "q k scores".split()),
+        ]
+        with torch.no_grad(), hs.trace(gemma3.model, names=names) as t:
+            gemma3.model.hidden_states(ids)  # [1, 11, 640]: no unembedding needed
+            x = block.ln1(t[f"blocks.{layer}.hook_resid_pre"])[0]  # [11, 640]: the attention's input
+            s_q, s_k = attn.qk_norm_scales(t[f"blocks.{layer}.attn.hook_q"], t[f"blocks.{layer}.attn.hook_k"])
+            for h, i, j in ((2, 10, 3), (0, 7, 7)):
+                raw = x[i] @ attn.heads[h].qk(i - j).AB @ x[j]
+                score = float(t[f"blocks.{layer}.attn.hook_scores"][0, h, i, j])
+                assert abs(float(raw * s_q[0, i, h] * s_k[0, j, 0]) / 16.0 - score) < 1e-3
+                assert abs(float(raw) / 16.0 - score) > 0.1  # not without the scales
+
+
+def test_why_splits_gemmas_score_exactly(gemma3) -> None:
+    """``headspace why --model gemma3``'s decomposition: the parts reach layer 5 through the sandwich
+    norms and meet at the frozen QK-norm scales, so they add up to the traced score (before: 7.30 of
+    13.94 for this head, query and key)."""
+    from headspace.analysis.decomposition import score_decomposition
+
+    r = score_decomposition(gemma3, "The cat sat on the mat because it was tired", 5, 2)
+    assert r.key == 0 and r.score > 10  # the head parks on <bos>
+    assert abs(r.total - r.score) < 1e-3

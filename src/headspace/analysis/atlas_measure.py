@@ -29,7 +29,11 @@ and ``r_i = z_i W_O[h]``:
 Both are ``c_i`` times ``z_i . (W_O[h] center(w * W_U[:, t]))``: that dot product is taken in each
 layer as the forward goes (one [batch x seq, d_model] x [d_model, n_heads x d_head] product per layer),
 kept as [batch, seq, heads], and scaled by ``c_i`` once the last residual stream is known; no layer's z
-outlives its layer.
+outlives its layer. Where a norm sits between the attention output and the residual add (Gemma's
+sandwich ``ln_attn_out``, OLMo 2's post-sublayer norm), ``r_i`` passes it frozen at the layer's output,
+as in :func:`~headspace.analysis.attribution.direct_logit_attribution`: its weight joins the unembedding
+row (``W_U`` -> ``center'(w' * center(w * W_U))``) and its per-position factor ``c'_i`` (taken from the
+norm's input in the forward) joins ``c_i``.
 
 Encoders (no unembedding) get no ``direct_effect``/``copying`` (their counts stay 0: NaN in the atlas).
 """
@@ -43,7 +47,7 @@ from torch import Tensor, nn
 
 from ..nn.masks import RowMasks
 from .atlas_state import AtlasState, Candidate
-from .causal_inputs import is_decoder
+from .causal_inputs import is_decoder, post_attention_norm
 from .chunked import LayerQK, each_layer_qk, iter_pattern_blocks
 
 
@@ -175,6 +179,9 @@ class BatchMeasure:
         self.pairs = _KeyPairs(tokens, real)
         self.direct: dict[int, tuple[Tensor, Tensor]] = {}
         self.top_key: dict[int, Tensor] = {}
+        #: layer -> the norm after its attention (sandwich, post-sublayer blocks), and its factor [B, S]
+        self.post: dict[int, nn.Module] = {}
+        self.post_scale: dict[int, Tensor] = {}
 
     def layer(self, call: LayerQK) -> None:
         """Reduce one layer's pattern block by block into the state (called inside the forward)."""
@@ -238,7 +245,9 @@ class BatchMeasure:
             st.add_sum(name, i, row, count)
         st.z_sum[i, :H] += torch.einsum("bhsd,bs->hd", z.double(), real.double()).cpu()
         if self.unembed is not None:
-            self.direct[i] = _layer_direct(z, top_key, self.unembed, attn.o_weight)
+            post = self.post.get(i)
+            unembed = self.unembed if post is None else _weighted(post, self.unembed)  # (B, S, d_model)
+            self.direct[i] = _layer_direct(z, top_key, unembed, attn.o_weight)
             self.top_key[i] = top_key
 
 
@@ -259,15 +268,19 @@ def _layer_direct(z: Tensor, top_key: Tensor, unembed: Tensor, o_weight: Tensor)
     return de, cp
 
 
-def _unembed_rows(module: nn.Module, tokens: Tensor) -> Tensor:
-    """``center(w * W_U[:, t_j])`` [B, S, d_model] float32 at every position (see :class:`BatchMeasure`)."""
-    norm = module.ln_final
-    u = module.W_U.T[tokens].float()  # (B, S, d_model)
+def _weighted(norm: nn.Module | None, u: Tensor) -> Tensor:
+    """``center(w * u)`` for rows ``u`` [..., d_model] read back through ``norm`` (weight ``w``;
+    ``center`` subtracts the mean for a LayerNorm, nothing for an RMSNorm)."""
     w, _ = norm_split(norm, u[:1, :1])
     u = u * w
     if isinstance(norm, nn.LayerNorm):
         u = u - u.mean(dim=-1, keepdim=True)
     return u
+
+
+def _unembed_rows(module: nn.Module, tokens: Tensor) -> Tensor:
+    """``center(w * W_U[:, t_j])`` [B, S, d_model] float32 at every position (see :class:`BatchMeasure`)."""
+    return _weighted(module.ln_final, module.W_U.T[tokens].float())  # (B, S, d_model)
 
 
 def _direct_effects(m: BatchMeasure, final: Tensor) -> None:
@@ -282,7 +295,8 @@ def _direct_effects(m: BatchMeasure, final: Tensor) -> None:
     pos = torch.arange(S, device=tok.device)
     for i in sorted(m.direct):
         de_raw, cp_raw = m.direct.pop(i)  # (B, S, H) x 2
-        de, cp = de_raw.double() * c, cp_raw.double() * c  # (B, S, H) x 2
+        ci = c if i not in m.post_scale else c * m.post_scale.pop(i).double()[..., None]  # (B, S, 1)
+        de, cp = de_raw.double() * ci, cp_raw.double() * ci  # (B, S, H) x 2
         key = m.top_key.pop(i)  # (B, H, S)
         st.add_sum("direct_effect", i, (de * has_next[..., None]).sum((0, 1)), int(has_next.sum()))
         st.add_sum("copying", i, (cp * real[..., None]).sum((0, 1)), int(real.sum()))
@@ -314,20 +328,29 @@ def measure_batch(
     else:
         m = BatchMeasure(state, tokens, real, seq_ids, _unembed_rows(module, tokens), module.ln_final)
         final: list[Tensor] = []
-        handle = None
+        handles = []
         if module.ln_final is not None:
 
             def keep(_: nn.Module, args: tuple[Any, ...]) -> None:
                 final.append(args[0])
 
-            handle = module.ln_final.register_forward_pre_hook(keep)
+            handles.append(module.ln_final.register_forward_pre_hook(keep))
+        for i, block in enumerate(module.blocks):
+            post = post_attention_norm(block)
+            if post is not None:  # its factor at the layer's output, kept as [B, S] (not the output)
+                m.post[i] = post
+
+                def scale(norm: nn.Module, args: tuple[Any, ...], i: int = i) -> None:
+                    m.post_scale[i] = norm_split(norm, args[0])[1]  # (B, S)
+
+                handles.append(post.register_forward_pre_hook(scale))
         try:
             out = []
             each_layer_qk(
                 model, lambda: out.append(module.hidden_states(tokens, kp)), m.layer, stop_early=False
             )
         finally:
-            if handle is not None:
+            for handle in handles:
                 handle.remove()
         _direct_effects(m, final[-1] if final else out[0])
     state.n_queries += int(real.sum())

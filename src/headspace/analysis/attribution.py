@@ -7,7 +7,11 @@ The logit of token ``a`` is ``norm(x_L) . u`` with ``u = W_U[:, a]`` (``W_U[:, a
 logit difference a - b). With the final norm's scale frozen from the run (``sigma``, the LayerNorm's or
 RMSNorm's divisor at ``x_L``), the norm is linear, ``norm(x) = c(x) w / sigma + beta`` (``c`` subtracts
 the mean for a LayerNorm), so each part ``p`` contributes ``(c(p) w / sigma) . u`` and the parts add up
-**exactly** to the model's own logit (difference); ``beta . u`` is the norm's bias term.
+**exactly** to the model's own logit (difference); ``beta . u`` is the norm's bias term. Where a norm sits
+between the attention output and the residual add (Gemma 2 / 3's sandwich ``ln_attn_out``, OLMo 2's
+post-sublayer norm), it is frozen the same way at the layer's output ``sum_h r_{l,h} + b_O^l``, so each
+head's part is its ``hook_result`` through that norm (the norm's shift joins ``b_O^l``); the MLP's part is
+``hook_mlp_out``, taken after its norm.
 
 **Logit lens.** Each layer's residual stream at the last position, read through the final norm and the
 unembedding as if the model stopped there: the top tokens per layer, and the answer's rank and
@@ -30,6 +34,7 @@ from .causal_inputs import (
     gather_last,
     is_decoder,
     last_resid,
+    post_attention_norm,
     prompts_of,
     stack_of,
     token_id,
@@ -55,7 +60,8 @@ class LogitAttribution(JsonResult):
     Shapes (``P`` prompts; means over prompts in the fields without ``per_prompt``):
 
     * ``heads``: [n_layers, n_heads], each head's ``hook_result``;
-    * ``mlps``: [n_layers]; ``attn_biases``: [n_layers] (``b_O``, 0 without bias);
+    * ``mlps``: [n_layers]; ``attn_biases``: [n_layers] (``b_O``, 0 without bias;
+      through a post-attention norm, with that norm's shift);
     * ``embed``, ``norm_bias``, ``total``, ``logit``: scalars (0-d tensors); ``total`` is the sum of every
       part and equals ``logit``, the model's own logit (difference), up to float rounding;
     * ``per_prompt``: the same per prompt (``heads`` [P, n_layers, n_heads] ...).
@@ -118,16 +124,22 @@ def direct_logit_attribution(model: Any, prompts: Any, answer: Any, other: Any =
         return (centered(norm, part) * s) @ u
 
     embed = contrib(gather_last(t["hook_embed"], p.last))  # (P,)
-    heads = torch.stack(
-        [contrib(gather_last(t.result(i), p.last)) for i in range(n_layers)], dim=1
-    )  # (P, L, H)
     mlps = torch.stack(
         [contrib(gather_last(t[f"blocks.{i}.hook_mlp_out"], p.last)) for i in range(n_layers)], dim=1
     )  # (P, L)
-    biases = []
-    for block in module.blocks:
+    per_layer, biases = [], []
+    for i, block in enumerate(module.blocks):
+        r = gather_last(t.result(i), p.last)  # (P, H, d_model)
         b_O = block.attn.o_bias
-        biases.append(torch.zeros_like(embed) if b_O is None else contrib(b_O.expand(p.batch, 1, -1))[:, 0])
+        bias = r.new_zeros(p.batch, r.shape[-1]) if b_O is None else b_O.expand(p.batch, -1)  # (P, d_model)
+        post = post_attention_norm(block)
+        if post is not None:  # the heads reach the stream through this norm, frozen at the layer's output
+            s_post, beta_post = frozen_norm(post, r.sum(1) + bias)  # (P, d_model) x 2
+            r = centered(post, r) * s_post[:, None]  # (P, H, d_model)
+            bias = centered(post, bias) * s_post + beta_post  # (P, d_model)
+        per_layer.append(contrib(r))  # (P, H)
+        biases.append(contrib(bias[:, None])[:, 0])  # (P,)
+    heads = torch.stack(per_layer, dim=1)  # (P, L, H)
     attn_biases = torch.stack(biases, dim=1)  # (P, L)
     norm_bias = beta @ u  # (P,)
     total = embed + heads.sum((1, 2)) + mlps.sum(1) + attn_biases.sum(1) + norm_bias  # (P,)

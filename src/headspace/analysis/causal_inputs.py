@@ -158,6 +158,16 @@ def frozen_norm(norm: nn.Module | None, x: Tensor) -> tuple[Tensor, Tensor]:
     return (w / rms).expand_as(x), torch.zeros_like(x)
 
 
+def post_attention_norm(block: nn.Module) -> nn.Module | None:
+    """The norm between a block's attention output and the residual add (Gemma's sandwich
+    ``ln_attn_out``, OLMo 2's post-sublayer ``ln1``), or None (pre- and post-LN blocks add the attention
+    output as it is). A head's direct part passes it, frozen at the layer's output."""
+    kind = getattr(block, "norm", None)
+    if kind == "sandwich":
+        return block.ln_attn_out
+    return block.ln1 if kind == "post_sublayer" else None
+
+
 def centered(norm: nn.Module | None, p: Tensor) -> Tensor:
     """``p`` minus its mean over d_model for a LayerNorm (the norm's linear part); ``p`` otherwise."""
     if isinstance(norm, nn.LayerNorm):

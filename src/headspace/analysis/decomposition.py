@@ -13,7 +13,9 @@ subtracts the mean for a LayerNorm, the identity for RMSNorm); ``beta`` joins th
                 = sum_{a, b} scale * [u_a, [a = bias]] Q(i - j) [v_b, [b = bias]]^T = sum_{a, b} parts[a, b]
 
 with ``Q(delta) = head.qk(delta, augmented=True).AB`` (:meth:`headspace.Head.qk`: ``W_Q R(delta) W_K^T``
-with the rotary rotation of the offset, the q/k biases in the augmented row). The ``parts`` add up to the
+with the rotary rotation of the offset, the q/k biases in the augmented row). With QK-norm (Qwen3, Gemma
+3, OLMo 2) ``Q`` has the norms' gains folded in and every part is multiplied by the run's frozen norm
+scales of the query and the key (:meth:`MultiHeadAttention.qk_norm_scales`). The ``parts`` add up to the
 traced ``hook_scores`` value (up to float rounding; the decomposition itself is computed in float64).
 
 **Composition scores** (:func:`composition_scores`; Elhage et al. 2021, "A Mathematical Framework for
@@ -42,7 +44,15 @@ from torch import Tensor, nn
 
 from ..core.checks import is_int
 from ._common import JsonResult, eval_mode
-from .causal_inputs import centered, frozen_norm, is_decoder, prompts_of, stack_of, token_str
+from .causal_inputs import (
+    centered,
+    frozen_norm,
+    is_decoder,
+    post_attention_norm,
+    prompts_of,
+    stack_of,
+    token_str,
+)
 from .trace import trace
 
 __all__ = ["CompositionScores", "ScoreDecomposition", "composition_scores", "score_decomposition"]
@@ -94,6 +104,7 @@ def _check_index(name: str, value: Any, size: int, what: str) -> int:
 def _hook_names(layer: int) -> list[str]:
     names = ["hook_embed", "blocks.*.attn.hook_result", "blocks.*.hook_mlp_out"]
     names += ["blocks.*.hook_resid_pre", "blocks.*.hook_attn_out", "blocks.*.hook_resid_mid"]
+    names += [f"blocks.{layer}.attn.hook_q", f"blocks.{layer}.attn.hook_k"]  # QK-norm's scales
     return [*names, f"blocks.{layer}.attn.hook_scores", f"blocks.{layer}.attn.hook_pattern"]
 
 
@@ -106,32 +117,41 @@ def _freeze(norm: nn.Module, at: Tensor, parts: Tensor, bias: Tensor) -> tuple[T
 def residual_parts(module: nn.Module, t: Any, layer: int) -> tuple[list[str], Tensor, Tensor]:
     """Block ``layer``'s attention input as parts: (names, parts [n, seq, d_model], bias [seq, d_model]).
 
-    From a trace of one prompt (batch 1) holding :func:`_hook_names`; float64; pre-LN: after the frozen
-    LN1 of block ``layer``, post-LN: the block's input itself. ``parts.sum(0) + bias`` is that input.
+    From a trace of one prompt (batch 1) holding :func:`_hook_names`; float64; pre-LN and sandwich: after
+    the frozen LN1 of block ``layer``, post-LN and post-sublayer: the block's input itself. A sandwich
+    (Gemma) or post-sublayer (OLMo 2) block's heads and ``b_O`` reach the stream through the norm after
+    the attention, frozen at the layer's output; its MLP's ``hook_mlp_out`` is taken after its norm.
+    ``parts.sum(0) + bias`` is that input.
     """
     names = ["embed"]
     parts = [t["hook_embed"][0].double()]  # (seq, d_model)
     bias = torch.zeros_like(parts[0])
     for i in range(layer):
         block = module.blocks[i]
+        kind = getattr(block, "norm", "pre" if block.pre_ln else "post")
         result = t.result(i)[0].double()  # (seq, H, d_model)
+        b_O = torch.zeros_like(bias) if block.attn.b_O is None else block.attn.b_O.double().expand_as(bias)
+        post = post_attention_norm(block)
+        if post is not None:  # h = x + N(a): N frozen at the layer's output a
+            scale, beta = frozen_norm(post, result.sum(1) + b_O)  # (seq, d_model) x 2
+            result = centered(post, result) * scale[:, None]  # (seq, H, d_model)
+            b_O = centered(post, b_O) * scale + beta  # (seq, d_model)
         names += [f"L{i}H{h}" for h in range(result.shape[1])]
         parts += list(result.unbind(1))
-        if block.attn.b_O is not None:
-            bias = bias + block.attn.b_O.double()
-        if not block.pre_ln:  # h = LN1(x + a)
+        bias = bias + b_O
+        if kind == "post":  # h = LN1(x + a)
             at = t[f"blocks.{i}.hook_resid_pre"][0] + t[f"blocks.{i}.hook_attn_out"][0]
             stack, bias = _freeze(block.ln1, at, torch.stack(parts), bias)
             parts = list(stack.unbind(0))
         names.append(f"mlp{i}")
         parts.append(t[f"blocks.{i}.hook_mlp_out"][0].double())
-        if not block.pre_ln:  # out = LN2(h + m)
+        if kind == "post":  # out = LN2(h + m)
             at = t[f"blocks.{i}.hook_resid_mid"][0] + t[f"blocks.{i}.hook_mlp_out"][0]
             stack, bias = _freeze(block.ln2, at, torch.stack(parts), bias)
             parts = list(stack.unbind(0))
     stack = torch.stack(parts)  # (n, seq, d_model)
     block = module.blocks[layer]
-    if block.pre_ln:
+    if block.pre_ln or getattr(block, "norm", None) == "sandwich":
         stack, bias = _freeze(block.ln1, t[f"blocks.{layer}.hook_resid_pre"][0], stack, bias)
     return names, stack, bias
 
@@ -184,6 +204,9 @@ def score_decomposition(
     u = _augmented_rows(stack, bias, i) @ qk.A.double()  # (n + 1, dh)
     v = qk.B.double() @ _augmented_rows(stack, bias, j).T  # (dh, n + 1)
     parts = (u @ v) * attn.scale  # (n + 1, n + 1)
+    if getattr(attn, "qk_norm", None) is not None:  # at this run's frozen norm scales (see Head.qk)
+        s_q, s_k = attn.qk_norm_scales(t[f"blocks.{layer}.attn.hook_q"], t[f"blocks.{layer}.attn.hook_k"])
+        parts = parts * float(s_q[0, i, head]) * float(s_k[0, j, attn.heads[head].kv_index])
     texts = [token_str(model, int(x)) for x in tokens[0]]
     score = float(t[f"blocks.{layer}.attn.hook_scores"][0, head, i, j])
     return ScoreDecomposition(

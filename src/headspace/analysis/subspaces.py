@@ -50,11 +50,16 @@ def get_layer(model: Any, layer: int) -> MultiHeadAttention:
 
 
 def qk_circuit(model: Any, layer: int = 0) -> FactoredMatrix:
-    """QK circuits of every query head of ``layer``: ``W_Q[h] W_K[g(h)]^T``, [n_heads, d_model, kdim]."""
+    """QK circuits of every query head of ``layer``: ``W_Q[h] W_K[g(h)]^T``, [n_heads, d_model, kdim]
+    (with QK-norm, its gains folded in: ``W_Q[h] diag(g_q) diag(g_k) W_K[g(h)]^T``, as :meth:`Head.qk`)."""
     attn = get_layer(model, layer)
-    W_K = attn.W_K.repeat_interleave(attn.group_size, dim=0)  # (n_heads, kdim, d_head)
+    W_Q, W_K = attn.W_Q, attn.W_K  # (n_heads, d_model, d_head), (n_kv_heads, kdim, d_head)
+    gains = attn.qk_norm_gains()  # (n_heads, d_head), (n_kv_heads, d_head) or None
+    if gains is not None:
+        W_Q, W_K = W_Q * gains[0][:, None], W_K * gains[1][:, None]
+    W_K = W_K.repeat_interleave(attn.group_size, dim=0)  # (n_heads, kdim, d_head)
     W_Kt = W_K.detach().transpose(1, 2)  # (n_heads, d_head, kdim)
-    return FactoredMatrix(attn.W_Q.detach(), W_Kt)
+    return FactoredMatrix(W_Q.detach(), W_Kt)
 
 
 def ov_circuit(model: Any, layer: int = 0) -> FactoredMatrix:

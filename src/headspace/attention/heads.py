@@ -149,6 +149,19 @@ class Head:
         the circuit is [d_model + 1, kdim + 1] (see :func:`headspace.circuits.qk_factors`)::
 
             [x_i, 1] @ head.qk(i - j, augmented=True).AB @ [x_j, 1]^T == hook_scores[b, h, i, j] / scale
+
+        With QK-norm (``attn.qk_norm``: Qwen3, Gemma 3, OLMo 2) q and k are RMS-normalised before the
+        rotation, so no fixed matrix gives the scores: the circuit has the norms' gains ``g_q``, ``g_k``
+        (:meth:`MultiHeadAttention.qk_norm_gains`) folded in, ``A = W_Q diag(g_q) R(delta)``, ``B = diag(g_k)
+        W_K^T``, and the identity holds only at the run's frozen norm scales ``s_q``, ``s_k``
+        (:meth:`MultiHeadAttention.qk_norm_scales` of that run's ``hook_q``, ``hook_k``)::
+
+            x_i @ head.qk(i - j).AB @ x_j^T * s_q[b, i, h] * s_k[b, j, g] == hook_scores[b, h, i, j] / scale
+
+        (``g`` = ``head.kv_index``; ``augmented=True`` with ``[x, 1]`` as above when there are biases).
+
+        Another input changes the scales, so the circuit alone says where a head looks only up to each
+        token's scale.
         """
         rotation = None
         rotary = self.rotary
@@ -171,9 +184,14 @@ class Head:
             if rotary is not None:
                 W = self.W_Q
                 rotation = rotary.rotation(delta, dtype=W.dtype, device=W.device)  # ([*delta], dh, dh)
-        return qk_factors(
-            self.W_Q, self.W_K, rotation=rotation, b_Q=self.b_Q, b_K=self.b_K, augmented=augmented
-        )
+        W_Q, W_K, b_Q, b_K = self.W_Q, self.W_K, self.b_Q, self.b_K
+        gains = getattr(self.attn, "qk_norm_gains", lambda: None)()  # (H, dh), (Hkv, dh) or None
+        if gains is not None:  # QK-norm: its gains folded in (its scales are the run's; see above)
+            g_q, g_k = gains[0][self.index], gains[1][self.kv_index]  # (dh,), (dh,)
+            W_Q, W_K = W_Q * g_q, W_K * g_k  # (d_model, dh), (kdim, dh)
+            b_Q = None if b_Q is None else b_Q * g_q  # (dh,)
+            b_K = None if b_K is None else b_K * g_k  # (dh,)
+        return qk_factors(W_Q, W_K, rotation=rotation, b_Q=b_Q, b_K=b_K, augmented=augmented)
 
     def ov(self) -> FactoredMatrix:
         """The OV circuit ``W_V W_O`` [vdim, d_model] as factors.

@@ -197,7 +197,8 @@ class MultiHeadAttention(nn.Module):
       d_head] and ``hook_k_normed`` [batch, seq_k, n_kv_heads, d_head]. ``qk_norm_offset`` 1 is
       Gemma's ``(1 + w)``. With QK-norm the QK circuit ``W_Q[h] W_K[g]^T`` no longer gives the scores
       alone: they are ``RMSNorm(x W_Q[h]) RMSNorm(c W_K[g])^T``, bilinear in the inputs only at each
-      token's frozen norm scale ``1 / rms(x W_Q[h])`` (and likewise for k).
+      token's frozen norm scale ``1 / rms(x W_Q[h])`` (and likewise for k): :meth:`qk_norm_scales` reads
+      those off a run, and :meth:`headspace.Head.qk` folds the norms' gains (:meth:`qk_norm_gains`) in.
     * ``softcap`` (Gemma 2): the scaled scores become ``softcap * tanh(s / softcap)`` before the mask;
       ``hook_scores`` sees the capped, masked scores. Soft-capped layers run the reference maths.
     * ``scale``: Gemma's ``query_pre_attn_scalar`` is ``scale = query_pre_attn_scalar ** -0.5``.
@@ -744,6 +745,37 @@ class MultiHeadAttention(nn.Module):
             q = self.hook_q_normed(q.transpose(1, 2)).transpose(1, 2)  # (B, H, Sq, dh)
             k = self.hook_k_normed(k.transpose(1, 2)).transpose(1, 2)  # (B, Hkv, Sk, dh)
         return q, k
+
+    def qk_norm_gains(self) -> tuple[Tensor, Tensor] | None:
+        """QK-norm's per-feature gains ``offset + weight`` of ``q_norm`` / ``k_norm`` per head: (``g_q``
+        [n_heads, d_head], ``g_k`` [n_kv_heads, d_head]); None without QK-norm. ``"head"``: the one
+        [d_head] weight repeated for every head; ``"all"``: each head's slice of the [heads d_head] weight.
+        :meth:`headspace.Head.qk` folds them into the QK circuit."""
+        if self.qk_norm is None:
+            return None
+        H, Hkv, dh = self.n_heads, self.n_kv_heads, self.d_head
+        g_q = self.q_norm.weight + self.q_norm.offset  # (dh,) or (H dh,)
+        g_k = self.k_norm.weight + self.k_norm.offset  # (dh,) or (Hkv dh,)
+        if self.qk_norm == "head":
+            return g_q.expand(H, dh), g_k.expand(Hkv, dh)  # (H, dh), (Hkv, dh)
+        return g_q.view(H, dh), g_k.view(Hkv, dh)  # (H, dh), (Hkv, dh)
+
+    def qk_norm_scales(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """QK-norm's scales ``1 / sqrt(mean(q^2) + eps)`` of one run, per token and head, from
+        ``hook_q`` q [batch, seq_q, n_heads, d_head] and ``hook_k`` k [batch, seq_k, n_kv_heads, d_head]
+        (before the norm): (``s_q`` [batch, seq_q, n_heads], ``s_k`` [batch, seq_k, n_kv_heads]); the
+        mean is over each head's d_head (``"head"``) or over all heads' features (``"all"``, the same
+        scale for every head of a token). Frozen at these values the norm is linear, ``hook_q_normed =
+        hook_q * s_q[..., None] * g_q`` (:meth:`qk_norm_gains`), and so are the scores in the inputs (see
+        :meth:`headspace.Head.qk`)."""
+        if self.qk_norm is None:
+            raise ValueError("qk_norm_scales: this layer has no QK-norm (qk_norm=None)")
+        over = (-1,) if self.qk_norm == "head" else (-2, -1)
+        s_q = (q.float().pow(2).mean(over, keepdim=True) + self.q_norm.eps).rsqrt()  # (B, Sq, H|1, 1)
+        s_k = (k.float().pow(2).mean(over, keepdim=True) + self.k_norm.eps).rsqrt()  # (B, Sk, Hkv|1, 1)
+        s_q = s_q.expand(*q.shape[:-1], 1)[..., 0]  # (B, Sq, H)
+        s_k = s_k.expand(*k.shape[:-1], 1)[..., 0]  # (B, Sk, Hkv)
+        return s_q, s_k
 
     def _may_use_thread_workspace(
         self, query: Tensor, self_attention: bool, traced: bool, kv_cache: KVCache | None

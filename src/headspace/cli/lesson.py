@@ -451,11 +451,15 @@ def _subspaces_table(
         m.fill_diagonal_(float("nan"))
         flat = int(m.nan_to_num(-1).argmax())
         a, b = divmod(flat, n)
+        pair = f"H{a}-H{b} {float(m[a, b]):.3f}"
+        if m.isnan().all():  # one key/value head (Gemma 3's --which k or v), or one head left: no pair
+            heads = int((~ov.overlap[i].diagonal().isnan()).sum())
+            pair = f"- ({heads} {'head' if heads == 1 else 'heads'})"
         t.add_row(
             str(i),
-            f"{float(ov.mean_offdiag[i]):.3f}",
+            "-" if math.isnan(float(ov.mean_offdiag[i])) else f"{float(ov.mean_offdiag[i]):.3f}",
             f"{float(ov.random_expected[i]):.3f}",
-            f"H{a}-H{b} {float(m[a, b]):.3f}",
+            pair,
             f"{float(spectra.qk_effective_rank[i].nanmean()):.1f}",
             f"{float(spectra.ov_effective_rank[i].nanmean()):.1f}",
         )
