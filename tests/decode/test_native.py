@@ -1,6 +1,7 @@
 """The native decoding step (headspace.kernels.native): every block of a cached step in one C++ call,
-bit for bit the Python step (headspace.block.decode_layer_rows), built once, and a Python fallback
-wherever it cannot be built or has no form for the model."""
+bit for bit the Python step (headspace.decode.python.layer_rows), Gemma 3's and its relatives'
+operations included, built once, and a Python fallback wherever it cannot be built or has no form
+for the model."""
 
 from __future__ import annotations
 
@@ -41,6 +42,23 @@ CONFIGS = [
      "qkv_bias": True, "n_heads": 6, "n_kv_heads": 3, "d_model": 36, "tie_embeddings": False},  # Qwen2-like
     {"positions": "rotary", "rope_interleaved": True, "rotary_fraction": 0.25, "norm_kind": "layernorm",
      "act": "relu", "n_heads": 2, "n_kv_heads": 1, "d_model": 52},  # interleaved, 6 of d_head 26
+]  # fmt: skip
+
+
+LLAMA = {"positions": "rotary", "norm_kind": "rmsnorm", "mlp_kind": "gated", "bias": False, "n_heads": 6,
+         "d_model": 36}  # fmt: skip
+GEMMA_LIKE = [  # as tests/decode/test_decoding.py's
+    # Gemma 3: sandwich norms of 1 + w, QK-norm over d_head, one key/value head, a window of 3 on the
+    # first layer (crossed) with its own rotary base, scaled embeddings and scores; Gemma 2's
+    # final-logit soft-capping on top
+    {**LLAMA, "act": "gelu_tanh", "norm": "sandwich", "norm_offset": 1.0, "qk_norm": "head",
+     "n_kv_heads": 1, "sliding_window": 3, "layer_types": ["sliding", "full"], "rope_local_theta": 100.0,
+     "embed_scale": 36**0.5, "query_pre_attn_scalar": 17, "final_softcap": 3.0},
+    # OLMo 2: norms after each sublayer only, QK-norm over all heads at once; Mistral's window on both
+    {**LLAMA, "act": "silu", "norm": "post_sublayer", "qk_norm": "all", "n_kv_heads": 3, "sliding_window": 4},
+    # SmolLM3: a first layer without positions (NoPE), the step's own rotation from the second; a
+    # window of 7 that the steps fill (written in place) and then cross (the oldest key dropped)
+    {**LLAMA, "act": "silu", "n_kv_heads": 2, "nope_layers": [0], "sliding_window": 7},
 ]  # fmt: skip
 
 
@@ -229,19 +247,25 @@ def test_the_native_step_sees_in_place_edits_and_steps_aside_for_hooks(built: No
 
 
 def test_models_without_a_native_form_decode_in_python() -> None:
+    class OwnNorm(RMSNorm):  # another norm class: run as a module, with no native form
+        pass
+
     torch.manual_seed(3)
-    gemma_like = decoder(**CONFIGS[1])
-    for b in gemma_like.blocks:  # (1 + weight) norms: not the F.rms_norm form
-        b.ln1 = RMSNorm(36, offset=1.0)
-    step = describe(gemma_like)
-    assert step is not None and native_form(step) is None and named_fields(step.layers[0]) is None
+    own = decoder(**CONFIGS[1])
+    for b in own.blocks:
+        b.ln1 = OwnNorm(36)
+    step = describe(own)
+    assert step is not None and step.layers[0].norm1.kind == "module"  # type: ignore[union-attr]
+    assert native_form(step) is None and named_fields(step.layers[0]) is None
     prompt = torch.randint(0, V, (B, 4))
     assert torch.equal(
-        gemma_like.generate(prompt, 5, temperature=0),
-        gemma_like.generate(prompt, 5, temperature=0, use_cache=False),
+        own.generate(prompt, 5, temperature=0),
+        own.generate(prompt, 5, temperature=0, use_cache=False),
     )
     step = describe(decoder(**CONFIGS[1]).to_precision("int8"))
     assert step is not None and native_form(step) is None
+    gemma_like = describe(decoder(**GEMMA_LIKE[0]))  # 1 + w norms, QK-norm, windows: a native form
+    assert gemma_like is not None and native_form(gemma_like) is not None
 
 
 def test_generate_checks_native() -> None:
@@ -343,17 +367,34 @@ def test_the_native_step_reads_its_description_by_name(built: None) -> None:
     with pytest.raises(RuntimeError, match="needs the int n_heads"):
         obj.add_layer(tensors, {k: v for k, v in ints.items() if k != "n_heads"}, floats, texts)
     assert obj.n_layers() == 0  # nothing half-added
+    with pytest.raises(RuntimeError, match="qk_norm must be head or all; got both"):
+        obj.add_layer(tensors, ints, floats, {**texts, "qk_norm": "both"})
+    with pytest.raises(RuntimeError, match=r"needs the string q_norm\.kind"):
+        obj.add_layer(tensors, ints, floats, {**texts, "qk_norm": "head"})
+    with pytest.raises(RuntimeError, match=r"has a field it does not know: k_norm\.eps"):
+        obj.add_layer(tensors, ints, {**floats, "k_norm.eps": 1e-6}, texts)  # a norm without QK-norm
+    with pytest.raises(RuntimeError, match="window must be positive; got 0"):
+        obj.add_layer(tensors, {**ints, "window": 0}, floats, texts)
+    with pytest.raises(RuntimeError, match=r"norm1\.offset is an RMSNorm's; a layernorm has none"):
+        obj.add_layer(tensors, ints, {**floats, "norm1.offset": 1.0}, {**texts, "norm1.kind": "layernorm"})
+    assert obj.n_layers() == 0  # nothing half-added
     obj.add_layer(tensors, ints, floats, texts)
     x = torch.zeros(2, 36)
     k = torch.zeros(2, 2, 4, 6)
     with pytest.raises(RuntimeError, match="1 layers need 1 key and value caches; got 0 and 0"):
-        obj.run(x, [], [], 0, None, None)
+        obj.run(x, [], [], 0, [None], [None], [-1])
+    with pytest.raises(RuntimeError, match="1 layers need 1 cos, sin and held entries; got 0, 0 and 1"):
+        obj.run(x, [k], [k.clone()], 0, [], [], [-1])
     with pytest.raises(RuntimeError, match=r"x must be \[batch, d_model\]"):
-        obj.run(x[0], [k], [k.clone()], 0, None, None)
+        obj.run(x[0], [k], [k.clone()], 0, [None], [None], [-1])
     with pytest.raises(RuntimeError, match="position 4 outside layer 0's cache capacity 4"):
-        obj.run(x, [k], [k.clone()], 4, None, None)
+        obj.run(x, [k], [k.clone()], 4, [None], [None], [-1])
     with pytest.raises(RuntimeError, match=r"caches must be float32 \[batch=2, n_kv_heads=2"):
-        obj.run(x, [k[:, :1]], [k[:, :1].clone()], 0, None, None)
+        obj.run(x, [k[:, :1]], [k[:, :1].clone()], 0, [None], [None], [-1])
+    with pytest.raises(RuntimeError, match="layer 0 has no window; its cache holds one"):
+        obj.run(x, [k], [k.clone()], 0, [None], [None], [2])
+    with pytest.raises(RuntimeError, match=r"cos and sin must hold 6 float32 features; got 5"):
+        obj.run(x, [k], [k.clone()], 0, [torch.ones(1, 1, 5)], [torch.ones(1, 1, 5)], [-1])
 
 
 @needs_compiler
