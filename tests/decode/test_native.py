@@ -1,6 +1,7 @@
 """The native decoding step (headspace.kernels.native): every block of a cached step in one C++ call,
-bit for bit the Python step (headspace.block.decode_layer_rows), built once, and a Python fallback
-wherever it cannot be built or has no form for the model."""
+bit for bit the Python step (headspace.decode.python.layer_rows), Gemma 3's and its relatives'
+operations included, built once, and a Python fallback wherever it cannot be built or has no form
+for the model."""
 
 from __future__ import annotations
 
@@ -41,6 +42,23 @@ CONFIGS = [
      "qkv_bias": True, "n_heads": 6, "n_kv_heads": 3, "d_model": 36, "tie_embeddings": False},  # Qwen2-like
     {"positions": "rotary", "rope_interleaved": True, "rotary_fraction": 0.25, "norm_kind": "layernorm",
      "act": "relu", "n_heads": 2, "n_kv_heads": 1, "d_model": 52},  # interleaved, 6 of d_head 26
+]  # fmt: skip
+
+
+LLAMA = {"positions": "rotary", "norm_kind": "rmsnorm", "mlp_kind": "gated", "bias": False, "n_heads": 6,
+         "d_model": 36}  # fmt: skip
+GEMMA_LIKE = [  # as tests/decode/test_decoding.py's
+    # Gemma 3: sandwich norms of 1 + w, QK-norm over d_head, one key/value head, a window of 3 on the
+    # first layer (crossed) with its own rotary base, scaled embeddings and scores; Gemma 2's
+    # final-logit soft-capping on top
+    {**LLAMA, "act": "gelu_tanh", "norm": "sandwich", "norm_offset": 1.0, "qk_norm": "head",
+     "n_kv_heads": 1, "sliding_window": 3, "layer_types": ["sliding", "full"], "rope_local_theta": 100.0,
+     "embed_scale": 36**0.5, "query_pre_attn_scalar": 17, "final_softcap": 3.0},
+    # OLMo 2: norms after each sublayer only, QK-norm over all heads at once; Mistral's window on both
+    {**LLAMA, "act": "silu", "norm": "post_sublayer", "qk_norm": "all", "n_kv_heads": 3, "sliding_window": 4},
+    # SmolLM3: a first layer without positions (NoPE), the step's own rotation from the second; a
+    # window of 7 that the steps fill (written in place) and then cross (the oldest key dropped)
+    {**LLAMA, "act": "silu", "n_kv_heads": 2, "nope_layers": [0], "sliding_window": 7},
 ]  # fmt: skip
 
 
@@ -91,10 +109,56 @@ def test_native_steps_are_bit_for_bit_the_python_steps(kw: dict, built: None) ->
     assert_native_equals_python(model, native_step(model), torch.randint(0, V, (B, 11)), 4)
 
 
+@needs_compiler
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("kw", GEMMA_LIKE, ids=["gemma3", "olmo2", "smollm3"])
+@torch.no_grad()
+def test_native_steps_of_gemma_and_its_relatives_are_bit_for_bit_the_python_steps(
+    kw: dict, batch: int, built: None
+) -> None:
+    """QK-norm (per head, over all heads), 1 + w norms, sandwich and post-sublayer norms, per-layer
+    rotary bases and NoPE, sliding windows filled in place and then crossed (the 2 + 9 positions pass
+    every window): logits and every cache's contents, the windowed caches' too."""
+    torch.manual_seed(8)
+    model = decoder(**kw)
+    for p in model.parameters():
+        p.add_(0.2 * torch.randn_like(p))
+    step = native_step(model)
+    assert any(layer.window for layer in step.layers)
+    assert not any(c.stack for c in generation_caches(model, 1, 4))  # a window's cache is its own
+    assert_native_equals_python(model, step, torch.randint(0, V, (batch, 11)), 2)
+    prompt = torch.randint(0, V, (batch, 3))
+    a = model.generate(prompt, 8, temperature=0, native=True)
+    assert torch.equal(a, model.generate(prompt, 8, temperature=0, native=False))
+    assert torch.equal(a, model.generate(prompt, 8, temperature=0, use_cache=False))
+
+
+@needs_compiler
+def test_with_gradients_a_windowed_step_is_the_python_steps(built: None) -> None:
+    """With gradients on, a windowed cache keeps its keys' history (KVCache._append_windowed): the
+    native backend hands such a call to the Python step, so the caches stay what that step makes them."""
+    torch.manual_seed(9)
+    model = decoder(**GEMMA_LIKE[2])
+    tokens = torch.randint(0, V, (2, 10))
+    ours, ref = model.make_kv_caches(2, 10), model.make_kv_caches(2, 10)
+    model(tokens[:, :2], kv_caches=ours)
+    model(tokens[:, :2], kv_caches=ref)
+    step = native_step(model)
+    fast, slow = Stepper(step, "native"), Stepper(step, "python")
+    for i in range(2, 10):
+        a, b = fast.logits(tokens[:, i : i + 1], ours), slow.logits(tokens[:, i : i + 1], ref)
+        assert torch.equal(a, b) and a.requires_grad
+    for c, r in zip(ours, ref):
+        assert torch.equal(c.k, r.k) and len(c._k_parts) == len(r._k_parts) == 1
+    a.sum().backward()  # through the kept keys' history
+    assert model.blocks[0].attn.qkv_weight.grad is not None
+
+
 @st.composite
 def configs(draw: st.DrawFn) -> dict:
     """A decoder the native step covers: any head grouping, d_head, rotary pairing and fraction, norm,
-    MLP, activation and bias switches."""
+    MLP, activation and bias switches; pre, sandwich or post-sublayer norms; with RMSNorm, QK-norm
+    and Gemma's 1 + w; sliding windows on some layers, their own rotary base, NoPE layers."""
     n_kv = draw(st.sampled_from([1, 2, 3]))
     n_heads = n_kv * draw(st.sampled_from([1, 2, 3]))
     d_head = draw(st.sampled_from([2, 4, 6, 10, 14]))
@@ -114,6 +178,18 @@ def configs(draw: st.DrawFn) -> dict:
         fractions = [f for f in (1.0, 0.5) if int(d_head * f) % 2 == 0 and int(d_head * f) >= 2]
         kw["rotary_fraction"] = draw(st.sampled_from(fractions))
         kw["rope_interleaved"] = draw(st.booleans())
+    kw["norm"] = draw(st.sampled_from(["pre", "sandwich", "post_sublayer"]))
+    if kw["norm_kind"] == "rmsnorm":
+        kw["qk_norm"] = draw(st.sampled_from([None, "head", "all"]))
+        kw["norm_offset"] = draw(st.sampled_from([0.0, 1.0]))
+    if draw(st.booleans()):
+        kw["sliding_window"] = draw(st.integers(1, 5))  # crossed by the 9 positions
+        kw["layer_types"] = draw(st.lists(st.sampled_from(["sliding", "full"]), min_size=kw["n_layers"],
+                                          max_size=kw["n_layers"]))  # fmt: skip
+        if positions == "rotary" and draw(st.booleans()):
+            kw["rope_local_theta"] = 100.0
+    if positions == "rotary":
+        kw["nope_layers"] = draw(st.lists(st.integers(0, kw["n_layers"] - 1), max_size=1))
     return kw
 
 
@@ -147,7 +223,7 @@ def test_generate_native_equals_generate_python(kw: dict, built: None) -> None:
 
 @needs_compiler
 @pytest.mark.skipif(not prepack.prepack_available(), reason="MKL's packed linear (x86 builds with MKL)")
-@pytest.mark.parametrize("kw", CONFIGS)
+@pytest.mark.parametrize("kw", CONFIGS + GEMMA_LIKE[:1])
 @torch.no_grad()
 def test_native_steps_on_packed_weights_are_bit_for_bit_the_python_steps(
     kw: dict, built: None, monkeypatch: pytest.MonkeyPatch
@@ -176,7 +252,7 @@ def test_native_steps_on_packed_weights_are_bit_for_bit_the_python_steps(
 
 @needs_compiler
 @pytest.mark.parametrize("mode", ["onednn", "float32 from many rows", "fallback"])
-@pytest.mark.parametrize("kw", CONFIGS[:3])
+@pytest.mark.parametrize("kw", CONFIGS[:3] + GEMMA_LIKE[:1])
 @torch.no_grad()
 def test_native_steps_on_bfloat16_weights_are_bit_for_bit_the_python_steps(
     kw: dict, mode: str, built: None, monkeypatch: pytest.MonkeyPatch
@@ -229,19 +305,25 @@ def test_the_native_step_sees_in_place_edits_and_steps_aside_for_hooks(built: No
 
 
 def test_models_without_a_native_form_decode_in_python() -> None:
+    class OwnNorm(RMSNorm):  # another norm class: run as a module, with no native form
+        pass
+
     torch.manual_seed(3)
-    gemma_like = decoder(**CONFIGS[1])
-    for b in gemma_like.blocks:  # (1 + weight) norms: not the F.rms_norm form
-        b.ln1 = RMSNorm(36, offset=1.0)
-    step = describe(gemma_like)
-    assert step is not None and native_form(step) is None and named_fields(step.layers[0]) is None
+    own = decoder(**CONFIGS[1])
+    for b in own.blocks:
+        b.ln1 = OwnNorm(36)
+    step = describe(own)
+    assert step is not None and step.layers[0].norm1.kind == "module"  # type: ignore[union-attr]
+    assert native_form(step) is None and named_fields(step.layers[0]) is None
     prompt = torch.randint(0, V, (B, 4))
     assert torch.equal(
-        gemma_like.generate(prompt, 5, temperature=0),
-        gemma_like.generate(prompt, 5, temperature=0, use_cache=False),
+        own.generate(prompt, 5, temperature=0),
+        own.generate(prompt, 5, temperature=0, use_cache=False),
     )
     step = describe(decoder(**CONFIGS[1]).to_precision("int8"))
     assert step is not None and native_form(step) is None
+    gemma_like = describe(decoder(**GEMMA_LIKE[0]))  # 1 + w norms, QK-norm, windows: a native form
+    assert gemma_like is not None and native_form(gemma_like) is not None
 
 
 def test_generate_checks_native() -> None:
@@ -343,17 +425,34 @@ def test_the_native_step_reads_its_description_by_name(built: None) -> None:
     with pytest.raises(RuntimeError, match="needs the int n_heads"):
         obj.add_layer(tensors, {k: v for k, v in ints.items() if k != "n_heads"}, floats, texts)
     assert obj.n_layers() == 0  # nothing half-added
+    with pytest.raises(RuntimeError, match="qk_norm must be head or all; got both"):
+        obj.add_layer(tensors, ints, floats, {**texts, "qk_norm": "both"})
+    with pytest.raises(RuntimeError, match=r"needs the string q_norm\.kind"):
+        obj.add_layer(tensors, ints, floats, {**texts, "qk_norm": "head"})
+    with pytest.raises(RuntimeError, match=r"has a field it does not know: k_norm\.eps"):
+        obj.add_layer(tensors, ints, {**floats, "k_norm.eps": 1e-6}, texts)  # a norm without QK-norm
+    with pytest.raises(RuntimeError, match="window must be positive; got 0"):
+        obj.add_layer(tensors, {**ints, "window": 0}, floats, texts)
+    with pytest.raises(RuntimeError, match=r"norm1\.offset is an RMSNorm's; a layernorm has none"):
+        obj.add_layer(tensors, ints, {**floats, "norm1.offset": 1.0}, {**texts, "norm1.kind": "layernorm"})
+    assert obj.n_layers() == 0  # nothing half-added
     obj.add_layer(tensors, ints, floats, texts)
     x = torch.zeros(2, 36)
     k = torch.zeros(2, 2, 4, 6)
     with pytest.raises(RuntimeError, match="1 layers need 1 key and value caches; got 0 and 0"):
-        obj.run(x, [], [], 0, None, None)
+        obj.run(x, [], [], 0, [None], [None], [-1])
+    with pytest.raises(RuntimeError, match="1 layers need 1 cos, sin and held entries; got 0, 0 and 1"):
+        obj.run(x, [k], [k.clone()], 0, [], [], [-1])
     with pytest.raises(RuntimeError, match=r"x must be \[batch, d_model\]"):
-        obj.run(x[0], [k], [k.clone()], 0, None, None)
+        obj.run(x[0], [k], [k.clone()], 0, [None], [None], [-1])
     with pytest.raises(RuntimeError, match="position 4 outside layer 0's cache capacity 4"):
-        obj.run(x, [k], [k.clone()], 4, None, None)
+        obj.run(x, [k], [k.clone()], 4, [None], [None], [-1])
     with pytest.raises(RuntimeError, match=r"caches must be float32 \[batch=2, n_kv_heads=2"):
-        obj.run(x, [k[:, :1]], [k[:, :1].clone()], 0, None, None)
+        obj.run(x, [k[:, :1]], [k[:, :1].clone()], 0, [None], [None], [-1])
+    with pytest.raises(RuntimeError, match="layer 0 has no window; its cache holds one"):
+        obj.run(x, [k], [k.clone()], 0, [None], [None], [2])
+    with pytest.raises(RuntimeError, match=r"cos and sin must hold 6 float32 features; got 5"):
+        obj.run(x, [k], [k.clone()], 0, [torch.ones(1, 1, 5)], [torch.ones(1, 1, 5)], [-1])
 
 
 @needs_compiler
@@ -369,6 +468,23 @@ def test_smollm2_native_generation_equals_python(smollm2_gguf: Path, built: None
     with torch.inference_mode():  # every step's logits and cache rows, bit for bit, at batch 1 and 2
         assert_native_equals_python(model, step, a, 8)
         assert_native_equals_python(model, step, torch.cat((a, a[:, [*range(8), *range(19, 7, -1)]])), 8)
+
+
+@needs_compiler
+def test_gemma3_native_steps_equal_python(gemma3, built: None) -> None:
+    """Gemma-3-270M natively (sandwich 1 + w norms, QK-norm per head, one key/value head, 15 layers of
+    window 512 and rotary base 10,000, 3 full ones of base 1e6): generate's tokens, then every step's
+    logits and cache rows at batch 2, bit for bit the Python step's (a few steps: the window is not
+    crossed here, the random Gemma-like decoders cross theirs)."""
+    model = gemma3.model
+    step = native_step(model)
+    assert [layer.window for layer in step.layers].count(512) == 15
+    assert len({id(layer.rotary) for layer in step.layers}) == 2 and step.layers[0].q_norm.offset == 1.0
+    prompt = torch.tensor([[2, 651, 6037, 529, 7001, 563]])  # "<bos>The capital of France is"
+    a = model.generate(prompt, 3, temperature=0, native=True)
+    assert torch.equal(a, model.generate(prompt, 3, temperature=0, native=False))
+    with torch.inference_mode():
+        assert_native_equals_python(model, step, torch.cat((a, a.flip(1))), 6)
 
 
 @pytest.mark.usefixtures("automatic_choices")

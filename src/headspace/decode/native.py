@@ -4,9 +4,18 @@
 :mod:`headspace.kernels.native`) one block at a time, by name (:func:`~headspace.decode.step.named_fields`:
 ``"qkv.weight"``, ``"norm1.eps"``, ...). The C++ step makes the same ATen calls as the ``"python"``
 backend and the same single roundings in its elementwise loops, so its logits are the Python step's
-bit for bit (tested). It covers float32 products (MKL-packed or not) and bfloat16 ones, RMSNorm and
-LayerNorm, torch's SiLU, ReLU and GELU; a description with any other part (int8 weights, another norm
-or activation) has no native form (:func:`native_form` is None) and takes the Python step.
+bit for bit (tested). It covers float32 products (MKL-packed or not) and bfloat16 ones, RMSNorm (any
+offset: Gemma's ``1 + weight`` too) and LayerNorm, torch's SiLU, ReLU and GELU, and Gemma 3's and its
+relatives' operations: QK-norm (over each head or over all heads), sliding windows (the windowed
+cache written as its own ``append_one`` writes it, the window's mask passed to attention), per-layer
+rotations and NoPE layers (each layer handed its own tables, the other rotaries' made per call as the
+Python step makes them), sandwich and post-sublayer norms. A description with any other part (int8
+weights, another norm or activation) has no native form (:func:`native_form` is None) and takes the
+Python step; so does a call with gradients enabled on a model with windowed caches (their
+``append_one`` then keeps the keys' history, which only the Python step does).
+
+Notation used for tensor shapes:
+    rotary_dim (the features of d_head a rotation turns).
 """
 
 from __future__ import annotations
@@ -17,6 +26,8 @@ import torch
 from torch import Tensor
 
 from ..kernels import native as library
+from ..nn.positions import rotary_tables
+from . import python
 from .kv_cache import KVCache
 from .step import DecodeStep, NamedFields, named_fields
 
@@ -52,12 +63,46 @@ def prepare(step: DecodeStep) -> Callable[..., Tensor] | None:
     if final is not None:
         obj.set_final_norm(*final)
     run_all = obj.run
+    rotaries = [layer.rotary for layer in step.layers]
+    # the rotations other than the step's own (Gemma 3's full layers' base): tables made per call
+    others = list({id(r): r for r in rotaries if r is not None and r is not step.rotary}.values())
+    windowed = any(layer.window is not None for layer in step.layers)
+    tensors = [t for fields in layers for t in fields[0].values()]  # what the keys' history could reach
+    python_run: list[Callable[..., Tensor]] = []
 
     def run(
         x: Tensor, caches: Sequence[KVCache], start: int, cos: Tensor | None, sin: Tensor | None
     ) -> Tensor:
         if x.dtype != torch.float32 or not x.is_cpu:
             raise ValueError(f"the native step runs float32 CPU rows; got {x.dtype} on {x.device}")
-        return run_all(x, [c.k for c in caches], [c.v for c in caches], start, cos, sin)
+        if windowed and (any(c._k_parts for c in caches) or _tracked(x, tensors)):
+            # a windowed cache keeping its keys' history (KVCache._append_windowed): the Python step's
+            if not python_run:
+                python_run.append(python.prepare(step))
+            return python_run[0](x, caches, start, cos, sin)
+        tables: dict[int, tuple[Tensor | None, Tensor | None]] = {id(step.rotary): (cos, sin)}
+        if others:
+            positions = torch.arange(start, start + 1, device=x.device)  # (1,)
+            for r in others:
+                c, s = rotary_tables(r, positions, x.dtype, x.device)  # (1, 1, 1, rotary_dim) x 2
+                tables[id(r)] = c.squeeze(2), s.squeeze(2)  # (1, 1, rotary_dim): as the step's own
+        none = (None, None)
+        per_layer = [none if r is None else tables[id(r)] for r in rotaries]
+        held = [-1 if c.window is None else c.held for c in caches]  # a window's held positions
+        return run_all(
+            x,
+            [c.k for c in caches],
+            [c.v for c in caches],
+            start,
+            [t[0] for t in per_layer],
+            [t[1] for t in per_layer],
+            held,
+        )
 
     return run
+
+
+def _tracked(x: Tensor, tensors: list[Tensor]) -> bool:
+    """Whether the new keys would carry autograd history (grad mode on, and the rows or a weight
+    requiring it), as a windowed cache's ``append_one`` asks."""
+    return torch.is_grad_enabled() and (x.requires_grad or any(t.requires_grad for t in tensors))

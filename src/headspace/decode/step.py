@@ -136,9 +136,10 @@ class LayerStep:
     mlp_out_norm: Norm | None = None
 
 
-#: the :class:`LayerStep` fields only the ``"python"`` backend computes (the native step has no form
-#: of them yet: a step with any of them set takes the Python backend)
-PYTHON_ONLY = ("qk_norm", "q_norm", "k_norm", "window", "attn_out_norm", "mlp_out_norm")
+#: the :class:`LayerStep` fields only the ``"python"`` backend computes: none since the native step
+#: covers QK-norm, sliding windows, per-layer rotations and sandwich / post-sublayer norms (a step
+#: with any of these set would take the Python backend)
+PYTHON_ONLY: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -276,21 +277,18 @@ NamedFields = tuple[dict[str, Tensor], dict[str, int], dict[str, float], dict[st
 
 def named_fields(part: Any, prefix: str = "") -> NamedFields | None:
     """A description (a :class:`LayerStep`, :class:`Norm` or :class:`Product`) as four dicts keyed by
-    dotted field names (``"qkv.weight"``, ``"norm1.eps"``, ``"rotary.dim"``, ...): its tensors, ints,
-    floats and strings, None values left out. None where a part has no native form (a ``"module"``
-    norm or activation, an ``"other"`` product, an RMSNorm offset, a :data:`PYTHON_ONLY` field, a
-    block without ``norm1``/``norm2``). What the native step reads, by these names."""
+    dotted field names (``"qkv.weight"``, ``"norm1.eps"``, ``"rotary.dim"``, ``"q_norm.offset"``,
+    ``"window"``, ...): its tensors, ints, floats and strings, None values left out (a post-sublayer
+    block has no ``norm1.*``/``norm2.*``, a block without QK-norm no ``qk_norm``). None where a part
+    has no native form (a ``"module"`` norm or activation, an ``"other"`` product, a
+    :data:`PYTHON_ONLY` field). What the native step reads, by these names."""
     out: NamedFields = ({}, {}, {}, {})
-    if isinstance(part, LayerStep) and (
-        part.norm1 is None or part.norm2 is None or any(getattr(part, n) is not None for n in PYTHON_ONLY)
-    ):
+    if isinstance(part, LayerStep) and any(getattr(part, n) is not None for n in PYTHON_ONLY):
         return None  # run by Python only
-    if isinstance(part, Norm) and part.offset != 0.0:
-        return None
     for f in dataclasses.fields(part):
         value = getattr(part, f.name)
         name = prefix + f.name
-        if value is None or f.name in ("module", "carrier", "act_module", "offset"):
+        if value is None or f.name in ("module", "carrier", "act_module"):
             continue
         if isinstance(value, str) and value in ("module", "other"):
             return None  # run by Python only
