@@ -22,6 +22,7 @@ from headspace.decode import (
     product_weights,
     register_backend,
 )
+from headspace.decode.loop import choose_unembed_rows
 from headspace.decode.python import cache_views
 from headspace.kernels import prepack
 
@@ -106,7 +107,7 @@ def test_generate_with_the_plan_equals_generate_without(kw: dict, monkeypatch: p
     prompt = torch.randint(0, V, (B, 4))
     fast = model.generate(prompt, 8, temperature=0)
     sampled = model.generate(prompt, 8, seed=3)
-    monkeypatch.setattr(decoding_mod, "describe", lambda model, pack_rows=None: None)  # forward only
+    monkeypatch.setattr(decoding_mod, "describe", lambda *args: None)  # forward only
     assert torch.equal(fast, model.generate(prompt, 8, temperature=0))
     assert torch.equal(sampled, model.generate(prompt, 8, seed=3))
     # the steps ran in inference mode, the result is an ordinary tensor: it trains (an inference
@@ -186,6 +187,35 @@ def test_choose_pack_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(decoding_mod, "prepack_available", lambda: False)
     with pytest.raises(ValueError, match="prepack=True needs torch's MKL packed linear"):
         model.generate(torch.zeros(2, 3, dtype=torch.long), 2, prepack=True)
+
+
+@pytest.mark.usefixtures("automatic_choices")
+@torch.no_grad()
+def test_at_batch_1_a_large_unembedding_alone_is_packed(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = decoder(**GEMMA_LIKE[0])
+    assert choose_unembed_rows(model, 1, None) is None  # a tiny model: below MIN_PACK_BYTES
+    monkeypatch.setattr(prepack, "MIN_PACK_BYTES", 0)
+    monkeypatch.setattr(prepack, "prepack_available", lambda: True)
+    monkeypatch.setattr(prepack, "available_memory_bytes", lambda: 10**12)
+    assert choose_unembed_rows(model, 1, None) == 1
+    assert choose_unembed_rows(model, 2, None) is None  # batches pack every product (choose_pack_rows)
+    assert choose_unembed_rows(model, 1, False) is None and choose_unembed_rows(model, 1, True) is None
+    monkeypatch.setattr(prepack, "available_memory_bytes", lambda: None)  # unknown: do not pack
+    assert choose_unembed_rows(model, 1, None) is None
+    if not MKL:
+        return
+    step = describe(model, None, 1)
+    assert step is not None and step.unembed.kind == "packed" and step.unembed.rows == 1
+    assert {layer.qkv.kind for layer in step.layers} == {"float32"}  # the blocks stay plain
+    torch.manual_seed(5)
+    tokens = torch.randint(0, V, (1, 9))
+    ours, ref = model.make_kv_caches(1, 9), model.make_kv_caches(1, 9)
+    model(tokens[:, :5], kv_caches=ours)
+    model(tokens[:, :5], kv_caches=ref)
+    run = Stepper(step, "python")
+    for i in range(5, 9):
+        a = run.logits(tokens[:, i : i + 1], ours)
+        torch.testing.assert_close(a, model(tokens[:, i : i + 1], kv_caches=ref)[:, -1], rtol=1e-5, atol=1e-5)
 
 
 def test_product_weights_are_every_product_of_a_step() -> None:

@@ -24,7 +24,7 @@ from torch import Tensor
 
 from ..kernels import native as library
 from ..kernels.cpu import forced
-from ..kernels.prepack import prepack_available, should_prepack
+from ..kernels.prepack import prepack_available, should_pack_unembedding, should_prepack
 from ..nn.inputs import check_left_padding, check_tokens
 from .backends import Stepper, get_backend
 from .kv_cache import KVCache
@@ -53,10 +53,12 @@ def generate(
     prompt_len + max_new_tokens]: the prompts as given, then the new tokens. ``temperature`` 0 is greedy;
     ``top_k`` and ``seed`` (a private generator) shape sampling. ``backend`` ``"python"`` or ``"native"``
     (None: native once built; ``native`` True/False says the same); ``prepack`` packs float32 weights
-    for MKL at batch >= 2 (None: where it pays). The model is in eval mode for the call."""
+    for MKL at batch >= 2, and at batch 1 a large unembedding alone (None: where it pays). The model is
+    in eval mode for the call."""
     backend = _check_options(max_new_tokens, temperature, top_k, seed, compile, native, backend)
     prompt = _Prompt.of(model, tokens, key_padding, max_new_tokens)
     pack_rows = choose_pack_rows(model, prompt.batch, prepack)
+    unembed_rows = choose_unembed_rows(model, prompt.batch, prepack) if pack_rows is None else None
     if max_new_tokens == 0:
         return tokens.clone()
     generator = None if seed is None else torch.Generator(device=tokens.device).manual_seed(seed)
@@ -72,7 +74,7 @@ def generate(
         logits = _last(model)(tokens.long(), real, caches, positions=positions)  # (batch, vocab_size)
         step = None
         if caches is not None and prompt.real is None:
-            step = _stepper(model, pack_rows, backend)
+            step = _stepper(model, pack_rows, backend, unembed_rows)
         for pos in range(prompt.length, prompt.total):
             out[:, pos] = sample(logits, temperature, top_k, generator)
             if pos + 1 < prompt.total:
@@ -182,10 +184,12 @@ class _Prompt:
         return self.real[:, :hi], self.positions[:, lo:hi]  # (batch, hi), (batch, hi - lo)
 
 
-def _stepper(model: DecoderModel, pack_rows: int | None, backend: str | None) -> Stepper | None:
+def _stepper(
+    model: DecoderModel, pack_rows: int | None, backend: str | None, unembed_rows: int | None = None
+) -> Stepper | None:
     """The call's step (None: the model has none), on ``backend`` (None: native once built, unless its
     fallback is forced: :mod:`headspace.kernels.cpu`); starts the native build in the background."""
-    step = describe(model, pack_rows)
+    step = describe(model, pack_rows, unembed_rows)
     if step is None:
         return None
     if backend is None and forced("native"):
@@ -256,6 +260,19 @@ def choose_pack_rows(model: DecoderModel, batch: int, prepack: bool | None) -> i
             f"MKL); this torch has none (torch.backends.mkl.is_available()={mkl})"
         )
     return batch
+
+
+def choose_unembed_rows(model: DecoderModel, batch: int, prepack: bool | None) -> int | None:
+    """At batch 1 with ``prepack`` None, the rows to pack the unembedding alone for (1), or None
+    (:func:`~headspace.kernels.prepack.should_pack_unembedding`: a float32 unembedding of at least
+    32 MiB, MKL's packed linear present, the copy within half the available memory, every block with
+    its decoding step). ``prepack`` True or False is :func:`choose_pack_rows`' to answer: None here."""
+    if batch != 1 or prepack is not None:
+        return None
+    if not all(getattr(b, "decode_supported", False) for b in model.blocks):
+        return None
+    weight = model.tok_embed.weight if model.lm_head is None else model.lm_head.weight
+    return 1 if should_pack_unembedding(weight) else None
 
 
 def sample(

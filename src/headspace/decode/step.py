@@ -197,20 +197,24 @@ def product_of(weight: Tensor, bias: Tensor | None, pack_rows: int | None = None
     return Product("float32", weight, bias)
 
 
-def describe(model: DecoderModel, pack_rows: int | None = None) -> DecodeStep | None:
+def describe(
+    model: DecoderModel, pack_rows: int | None = None, unembed_rows: int | None = None
+) -> DecodeStep | None:
     """``model``'s cached decoding step described (:class:`DecodeStep`), or None where some block has no
     such step (:attr:`~headspace.block.TransformerBlock.decode_supported` False: post-norm, score
     soft-capping, a head-parallel shard, ``check_finite``, another attention or MLP), which then
-    decodes by ``forward``."""
+    decodes by ``forward``. ``pack_rows`` packs every float32 product for that batch;
+    ``unembed_rows`` (without ``pack_rows``) packs the unembedding alone for that batch."""
     layers = []
     for block in model.blocks:
         if not getattr(block, "decode_supported", False):
             return None
         layers.append(_layer_of(block, pack_rows))
+    rows = unembed_rows if pack_rows is None else pack_rows
     if model.lm_head is None:
-        unembed = product_of(model.tok_embed.weight, None, pack_rows)
+        unembed = product_of(model.tok_embed.weight, None, rows)
     else:
-        unembed = product_of(model.lm_head.weight, model.lm_head.bias, pack_rows)
+        unembed = product_of(model.lm_head.weight, model.lm_head.bias, rows)
     points = tuple(m for m in model.modules() if isinstance(m, HookPoint))
     return DecodeStep(
         layers=tuple(layers),

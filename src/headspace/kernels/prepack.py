@@ -70,6 +70,21 @@ def should_prepack(weights: Iterable[Tensor], rows: int) -> bool:
     return free is not None and 2 * nbytes <= free
 
 
+def should_pack_unembedding(weight: Tensor) -> bool:
+    """The automatic choice at one row, for the unembedding alone: pack it when MKL's packed linear
+    exists, it is a plain float32 matrix of at least :data:`MIN_PACK_BYTES` and its copy fits in half
+    the available memory; never with the ``prepack`` fallback forced. (At one row MKL's plain product
+    of a tall [vocab_size, d_model] weight ran on about one core, its packed one on all of them:
+    docs/benchmarks.md, "Gemma 3"; the blocks' smaller weights stay plain.)"""
+    if not prepack_available() or cpu.forced("prepack") or not packable(weight):
+        return False
+    nbytes = weight.numel() * weight.element_size()
+    if nbytes < MIN_PACK_BYTES:
+        return False
+    free = available_memory_bytes()
+    return free is not None and 2 * nbytes <= free
+
+
 def pack_weight(weight: Tensor, rows: int) -> Tensor:
     """``weight`` [out, in] packed for MKL's GEMM at ``rows`` rows: MKL's opaque layout, a copy."""
     return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
