@@ -15,6 +15,7 @@ import torch
 import headspace as hs
 import headspace.attention.functional as fn
 from headspace import MultiHeadAttention
+from headspace.nn.masks import CanonicalMask
 
 B, S, DH, H, HKV = 2, 13, 5, 7, 1  # distinct primes
 D = H * DH  # 35
@@ -151,9 +152,24 @@ def test_query_blocks_equal_the_whole_layer(monkeypatch: pytest.MonkeyPatch, rot
     monkeypatch.setattr(fn, "mask_rows", lambda *a: calls.append(a[3]) or original(*a))
     with torch.no_grad(), hs.trace(model) as lazy:
         got = model(tokens)
-    assert calls[:4] == [0, 64, 128, 192]  # the blocks did run
+    assert calls[:3] == [0, 64, 128] and calls[3] == 0  # the blocks did run (rows 128-228: one block)
     assert torch.equal(got, want)
     assert_traces_equal(lazy, eager)
+
+
+def test_a_short_last_query_block_joins_the_one_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """193 queries in blocks of 64 would leave a block of one row, a matrix-vector product that rounds
+    otherwise than the whole layer's GEMM; it joins the block before, and z stays bit for bit."""
+    assert fn.row_blocks(1, 193, 193, 4) == [(0, 193)]
+    monkeypatch.setattr(fn, "TRACED_BLOCK_BYTES", 1)
+    assert fn.row_blocks(1, 193, 193, 4) == [(0, 64), (64, 128), (128, 193)]
+    assert fn.row_blocks(1, 192, 192, 4) == [(0, 64), (64, 128), (128, 192)]
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 3, 193, 64, generator=gen) for _ in range(3))
+    for mask in (CanonicalMask(None, True, None), CanonicalMask(None, False, None)):
+        want, pattern, _ = fn.reference_parts(q, k, v, mask, scale=0.125)
+        assert torch.equal(fn.reference_rows(q, k, v, mask, scale=0.125), want)
+        assert torch.equal(fn.attention_rows(q, k, mask, scale=0.125, which="pattern"), pattern)
 
 
 def test_query_blocks_at_a_tiny_d_head_agree_to_rounding(monkeypatch: pytest.MonkeyPatch) -> None:
