@@ -346,3 +346,40 @@ def test_a_fully_recorded_block_keeps_its_input_z_and_copies(norm: str, kind: st
             p.mul_(1.5)
     for name in lazy:
         assert torch.equal(lazy[name], before[name]), name
+
+
+def test_the_value_read_last_is_let_go_before_the_next_is_computed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading every layer's pattern holds one pattern at a time, not the last one and the next."""
+    import weakref
+
+    model = gpt2_like()
+    with torch.no_grad(), hs.trace(model, "*.hook_pattern") as t:
+        model(torch.randint(0, 37, (1, S)))
+    first = weakref.ref(t.pattern(0))
+    original = fn.DeferredAttention.evaluate
+    alive: list[bool] = []
+
+    def evaluate(self: fn.DeferredAttention, memo: dict, head: int | None = None) -> torch.Tensor:
+        alive.append(first() is not None)
+        return original(self, memo, head)
+
+    monkeypatch.setattr(fn.DeferredAttention, "evaluate", evaluate)
+    assert torch.equal(t.pattern(0), t.pattern(0))  # the value read last is kept (no second computation)
+    t.pattern(1)
+    assert alive == [False]
+
+
+def test_a_fully_recorded_gemma_like_block_with_a_window_and_offset_norms() -> None:
+    """Sandwich norms scaling by 1 + weight, QK-norm, a sliding window, a score scale of its own: still
+    the stored trace bit for bit, every value but the input, z and the output recomputed."""
+    block = hs.TransformerBlock(
+        D, H, 23, d_head=6, n_kv_heads=HKV, norm="sandwich", norm_kind="rmsnorm", mlp_kind="gated",
+        act="gelu_tanh", bias=False, qk_norm="head", rotary=Rotary(6, base=100.0), window=5, scale=0.3,
+        norm_offset=1.0,
+    ).eval()  # fmt: skip
+    with torch.no_grad():
+        for p in block.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    lazy, eager, _ = run_both(block, torch.randn(B, 40, D), is_causal=True)
+    assert_traces_equal(lazy, eager, chained=True)
+    assert float(lazy.pattern(0)[0, 0, 20, :15].abs().sum()) == 0.0  # outside the window

@@ -270,6 +270,7 @@ class Trace(Mapping[str, Tensor]):
         last = self._last
         if last is not None and last[0] == name and last[1] == head:
             return last[2]
+        del last
         self._last = None  # (released before the next value is computed: one at a time in memory)
         out = value.materialize(head)
         self._last = (name, head, out)

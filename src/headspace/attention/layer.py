@@ -972,23 +972,18 @@ class MultiHeadAttention(nn.Module):
 
         ``hook_result`` sees each head's part ``z_h W_O[h]`` [B, Sq, H, d_model]; without it the heads are
         concatenated and multiplied by ``W_O`` in one GEMM. Returns [B, Sq, d_model]. Inside a fully
-        recorded block, where ``hook_z`` records z and nothing replaces the result, the output is noted
-        as recomputed from z and a copy of W_O (:func:`~headspace.hooks.note_source`), so that the
+        recorded block (``hook_z`` records z, ``hook_result`` only records), the output is noted as
+        recomputed from z and the copy of W_O (:func:`~headspace.hooks.note_source`), so that the
         block's ``hook_attn_out`` keeps those instead of the output.
         """
-        kept = noting() and self.hook_z.active and self.hook_z.defers
         if not self.hook_result.active:
-            out = output_linear(z, self.o_weight, self.o_bias)  # (B, Sq, d_model)
-            if kept:
-                w, b = self.o_weight.detach().clone(), _copy(self.o_bias)
-                note_source(out, Recomputed(output_linear, z.detach(), w, b, shape=out.shape))
-            return out
+            return output_linear(z, self.o_weight, self.o_bias)  # (B, Sq, d_model)
         result = torch.einsum("bshd,hdm->bshm", z, self.W_O)  # (B, Sq, H, d_model)
         if self.hook_result.defers:  # only recorders: they keep z and W_O, not the [.., H, d_model] result
             W_O = self.W_O.detach().clone()
             self.hook_result.fire_deferred(DeferredResult(z.detach(), W_O))
             out = output_sum(result, self.o_bias)  # (B, Sq, d_model)
-            if kept:
+            if noting() and self.hook_z.active and self.hook_z.defers:  # z is recorded: kept anyway
                 node = Recomputed(_output_of_heads, z.detach(), W_O, _copy(self.o_bias), shape=out.shape)
                 note_source(out, node)
             return out

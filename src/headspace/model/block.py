@@ -463,6 +463,10 @@ class TransformerBlock(nn.Module):
 
         Returns:
             [batch, seq, d_model].
+
+        While only :func:`headspace.trace`'s recorders watch every hook point of the block (on inputs
+        long enough), the recorders get values recomputed from the block's input, the attention's z and
+        copies of the weights (:meth:`_forward_noted`); the output is the same, bit for bit.
         """
         check_input_tensor("x", x, self.d_model, "d_model", self.ln1.weight)  # before any LayerNorm
         if self.hook_resid_pre.fns:
