@@ -6,8 +6,8 @@ and report the peak resident set above the loaded model (``VmHWM`` - RSS after t
 trace itself holds (:meth:`headspace.trace.Trace.stored_bytes`). Cases:
 
 * ``forward``      a plain forward (the logits [1, tokens, 49152] alone are 0.2 GB at 1,024 tokens);
-* ``trace_all``    ``with headspace.trace(model)``: every hook point (scores, patterns and head results
-                   kept as what they are recomputed from);
+* ``trace_all``    ``with headspace.trace(model)``: every hook point (each block keeping its input, z
+                   and copies of its weights, every other value recomputed from those when read);
 * ``stored_all``   the same with ``detach=False``: every value stored as computed (what a trace held
                    before, and what TransformerLens's ``run_with_cache`` holds); 1,024 tokens only;
 * ``patterns``     ``trace(model, "*.hook_pattern")``, then every layer's pattern read once;

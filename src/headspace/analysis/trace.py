@@ -17,10 +17,13 @@ collects only some (exact names or ``fnmatch`` globs such as ``"*.hook_pattern"`
 attention layers owning a collected hook point leave their fused fast path. ``hooks=`` adds functions
 that may *replace* a value (patching, ablation); the trace records the value after replacement.
 
-Memory: ``hook_scores``/``hook_pattern`` are kept as the layer's q and k, ``hook_result`` as z and a
-copy of W_O, the MLP's ``hook_pre``/``hook_pre_linear``/``hook_post`` (on inputs long enough) as its input
-and copies of its input linears, and ``hook_resid_mid`` (where the block adds ``x + a``) as the recorded
-``hook_resid_pre`` and ``hook_attn_out``; each is computed again (bit for bit) when read; see :class:`Trace`.
+Memory: a block whose every hook point is recorded keeps, on inputs long enough, only its input
+(``hook_resid_pre``), the attention's ``hook_z`` and one copy of each weight: every other value of the
+block is computed again from those when read. Elsewhere ``hook_scores``/``hook_pattern`` are kept as the
+layer's q and k, ``hook_result`` as z and a copy of W_O, the MLP's ``hook_pre``/``hook_pre_linear``/
+``hook_post`` (on inputs long enough) as its input and copies of its input linears, and
+``hook_resid_mid`` (where the block adds ``x + a``) as the recorded ``hook_resid_pre`` and
+``hook_attn_out``. Every recomputed value is bit for bit the recorded one; see :class:`Trace`.
 
 A bare :class:`~headspace.MultiHeadAttention` is a one-layer model: its names are ``hook_pattern`` ...
 and its layer index is 0.
@@ -49,7 +52,7 @@ from torch import Tensor, nn
 
 from ..attention.layer import MultiHeadAttention
 from ..core.checks import is_int
-from ..nn.hooks import Deferred, HookFn, HookPoint, name_hook_points
+from ..nn.hooks import Deferred, HookFn, HookPoint, deferred_tensors, name_hook_points
 
 ATTN_HOOKS = ("q", "k", "v", "scores", "pattern", "z", "result")
 """Short names of the hook points of an attention layer (full name: ``<attn path>.hook_<short>``)."""
@@ -189,18 +192,32 @@ class Trace(Mapping[str, Tensor]):
     A value recorded by several forward passes inside the same ``trace`` holds the *last* one;
     ``t.calls[name]`` counts the passes.
 
-    Memory: what can be recomputed exactly is not stored. ``hook_scores`` and ``hook_pattern`` are kept
-    as the layer's q and k (rotated on rotary layers) and ``hook_result`` as z and a copy of W_O
-    (:class:`~headspace.functional.DeferredAttention`, :class:`~headspace.functional.DeferredResult`);
-    a standard MLP's ``hook_pre``, ``hook_pre_linear`` and ``hook_post`` [batch, seq, d_mlp] as the
-    MLP's input [batch, seq, d_model] and copies of its input linears, where those values outweigh the
-    input and the copies (:class:`~headspace.block.DeferredMLP`; shorter inputs store them); a pre-norm,
-    sandwich or post-sublayer block's ``hook_resid_mid`` as the ``hook_resid_pre`` and ``hook_attn_out``
-    it is the sum of, when both are recorded (:class:`~headspace.block.DeferredSum`). Each access
-    computes the value again with the layer's own ops, bit for bit what the layer computed, whatever
-    the weights became since (``t.pattern(3, 5)`` computes head 5 only). The most recent value is kept
-    until the next access of another. With ``detach=False``, or when a function that may replace them
-    runs on those hook points, they are stored as computed.
+    Memory: what can be recomputed exactly is not stored.
+
+    * A block whose every hook point (its own, its attention's and its MLP's) is recorded, with
+      nothing replacing a value, keeps its input ``hook_resid_pre``, the attention's ``hook_z``, its
+      output ``hook_resid_post`` (the next block's input) and one copy of each weight it computes with,
+      where that is smaller than what the parts below keep (inputs long enough: from about 430 tokens
+      on for SmolLM2, whose copies are 14 MB a block); q, k, v and their normed and rotated forms, the
+      scores and the pattern, the head results, ``hook_attn_out``, ``hook_resid_mid``, the MLP's hook
+      points and ``hook_mlp_out`` are all computed again from those
+      (:class:`~headspace.hooks.Recomputed`). Standard parts only: :class:`~headspace.MultiHeadAttention`
+      (fused self-attention, no soft-capping), this package's MLPs, RMSNorm or LayerNorm; eval mode,
+      no KV cache.
+    * Otherwise ``hook_scores`` and ``hook_pattern`` are kept as the layer's q and k (rotated on rotary
+      layers) and ``hook_result`` as z and a copy of W_O
+      (:class:`~headspace.functional.DeferredAttention`, :class:`~headspace.functional.DeferredResult`);
+      a standard MLP's ``hook_pre``, ``hook_pre_linear`` and ``hook_post`` [batch, seq, d_mlp] as the
+      MLP's input [batch, seq, d_model] and copies of its input linears, where those values outweigh
+      the input and the copies (:class:`~headspace.block.DeferredMLP`; shorter inputs store them); a
+      pre-norm, sandwich or post-sublayer block's ``hook_resid_mid`` as the ``hook_resid_pre`` and
+      ``hook_attn_out`` it is the sum of, when both are recorded (:class:`~headspace.block.DeferredSum`).
+
+    Each access computes the value again with the layer's own ops, bit for bit what the layer
+    computed, whatever the weights became since (``t.pattern(3, 5)`` computes head 5 only; scores and
+    patterns are computed a block of query rows at a time into the result). The most recent value is
+    kept until the next access of another. With ``detach=False``, or when a function that may replace
+    them runs on those hook points, values are stored as computed.
     """
 
     def __init__(self, layer_paths: Sequence[str], layers: Sequence[MultiHeadAttention]) -> None:
@@ -253,6 +270,8 @@ class Trace(Mapping[str, Tensor]):
         last = self._last
         if last is not None and last[0] == name and last[1] == head:
             return last[2]
+        del last
+        self._last = None  # (released before the next value is computed: one at a time in memory)
         out = value.materialize(head)
         self._last = (name, head, out)
         return out
@@ -265,8 +284,7 @@ class Trace(Mapping[str, Tensor]):
         """Bytes of the distinct tensor storages this trace holds (shared storages counted once)."""
         seen: dict[int, int] = {}
         for value in self._values.values():
-            parts = [value] if isinstance(value, Tensor) else list(vars(value).values())
-            for t in (p for p in parts if isinstance(p, Tensor)):
+            for t in deferred_tensors(value):
                 st = t.untyped_storage()
                 seen[st.data_ptr()] = st.nbytes()
         return sum(seen.values())

@@ -25,12 +25,14 @@ Backends:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels.blocked import blocked_attention
+from ..nn.hooks import Memo, resolve
 from ..nn.masks import CanonicalMask, causal_mask
 
 AttentionBackend = Callable[..., tuple[Tensor, Tensor | None]]
@@ -128,15 +130,24 @@ TRACED_BLOCK_BYTES = 64 << 20
 TRACED_MIN_ROWS = 64
 
 
-def mask_rows(mask: CanonicalMask, seq_q: int, seq_k: int, start: int, end: int) -> CanonicalMask:
-    """The canonical mask of query rows ``start .. end - 1`` only (causality as an explicit bool mask).
+def mask_rows(
+    mask: CanonicalMask,
+    seq_q: int,
+    seq_k: int,
+    start: int,
+    end: int,
+    device: torch.device | str | None = None,
+) -> CanonicalMask:
+    """The canonical mask of query rows ``start .. end - 1`` only (causality as an explicit bool mask
+    [rows, seq_k], built for those rows alone, on ``device``).
 
     Used with q's rows ``start:end``, :func:`attention_scores` and :func:`attention_pattern` give the
     rows ``start:end`` of what they give on the whole mask (bottom-right causal alignment kept).
     """
     m = mask.mask
     if mask.is_causal:
-        m = causal_mask(seq_q, seq_k)[start:end]  # (rows, seq_k)
+        rows = torch.ones(end - start, seq_k, dtype=torch.bool, device=device)
+        m = rows.tril(diagonal=seq_k - seq_q + start)  # (rows, seq_k): causal_mask(seq_q, seq_k)[start:end]
     elif m is not None and m.shape[-2] != 1:
         m = m[..., start:end, :]  # (b|1, h|1, rows, seq_k|1)
     dead = mask.dead_rows
@@ -155,60 +166,149 @@ def mask_head(mask: CanonicalMask, head: int) -> CanonicalMask:
     return CanonicalMask(mask=m, is_causal=mask.is_causal, dead_rows=dead)
 
 
+def row_blocks(batch_heads: int, seq_q: int, seq_k: int, element_size: int) -> list[tuple[int, int]]:
+    """The blocks of query rows (start, end) the traced path computes a layer's scores in: one block of
+    every row while [batch_heads, seq_q, seq_k] fits :data:`TRACED_BLOCK_BYTES`, else blocks of at
+    least :data:`TRACED_MIN_ROWS` rows that fit it, a short last block joining the one before (so no
+    block is a GEMM of a few rows, which may round otherwise: one row is a matrix-vector product)."""
+    per_row = max(1, batch_heads * seq_k * element_size)
+    rows = max(TRACED_MIN_ROWS, TRACED_BLOCK_BYTES // per_row)
+    if rows >= seq_q:
+        return [(0, seq_q)]
+    blocks = [(start, min(seq_q, start + rows)) for start in range(0, seq_q, rows)]
+    if blocks[-1][1] - blocks[-1][0] < TRACED_MIN_ROWS:
+        last = blocks.pop()
+        blocks[-1] = (blocks[-1][0], last[1])
+    return blocks
+
+
+class _RowBuffers:
+    """Two scratch buffers reused by every block of one layer (the scores and the pattern of a block),
+    so that the blocks do not allocate, and fault in, fresh block-sized memory one after another."""
+
+    def __init__(self, like: Tensor, numel: int) -> None:
+        self.scores = like.new_empty(numel)
+        self.pattern = like.new_empty(numel)
+
+    @staticmethod
+    def view(buf: Tensor, shape: tuple[int, ...]) -> Tensor:
+        n = 1
+        for d in shape:
+            n *= d
+        return buf[:n].view(shape)
+
+
+def _block_scores(
+    q: Tensor, k_t: Tensor, m: CanonicalMask, scale: float, start: int, end: int, buf: Tensor
+) -> Tensor:
+    """:func:`attention_scores`' rows ``start:end`` (``m`` their :func:`mask_rows`), written into ``buf``:
+    the same ops (q times the scale, the GEMM with the repeated k, then the mask), in place where the
+    whole-layer function makes a new tensor (the values are the same). k_t [B, H, d_head, seq_k]."""
+    B, H = q.shape[0], q.shape[1]
+    scores = _RowBuffers.view(buf, (B, H, end - start, k_t.shape[-1]))  # (B, H, rows, Sk)
+    torch.matmul(q[:, :, start:end] * scale, k_t, out=scores)
+    if m.mask is not None:
+        if m.mask.dtype == torch.bool:
+            scores.masked_fill_(~m.mask, float("-inf"))
+        else:
+            scores.add_(m.mask)
+    return scores
+
+
+def _block_pattern(scores: Tensor, m: CanonicalMask, buf: Tensor) -> Tensor:
+    """:func:`attention_pattern` of one block's scores, written into ``buf`` (the same values)."""
+    pattern = _RowBuffers.view(buf, tuple(scores.shape))
+    torch.softmax(scores, dim=-1, out=pattern)
+    if m.dead_rows is not None:
+        pattern.masked_fill_(m.dead_rows, 0.0)
+    return pattern
+
+
 def reference_rows(
     q: Tensor, k: Tensor, v: Tensor, mask: CanonicalMask, *, scale: float, dropout_p: float = 0.0
 ) -> Tensor:
     """:func:`reference_parts`'s output alone, in bounded memory: out [batch, n_heads, seq_q, d_head].
 
     While the layer's scores fit :data:`TRACED_BLOCK_BYTES` (or with dropout) this *is*
-    :func:`reference_parts`; beyond, the same ops run on blocks of at least :data:`TRACED_MIN_ROWS` query
-    rows, so no [seq_q, seq_k] tensor larger than one block exists. A block's scores and softmax are
-    the whole layer's rows bit for bit; its weighted sum is too at d_head 64 (tested), while at tiny
-    widths (d_head 5) the GEMM may round otherwise: then z agrees to float32 rounding.
+    :func:`reference_parts`; beyond, the same ops run on the :func:`row_blocks` of query rows (each at
+    least :data:`TRACED_MIN_ROWS`), in two block-sized buffers reused block after block, so no
+    [seq_q, seq_k] tensor larger than one block exists. A block's scores and softmax are the whole
+    layer's rows bit for bit; its weighted sum is too at d_head 64 (tested), while at tiny widths
+    (d_head 5) the GEMM may round otherwise: then z agrees to float32 rounding.
     """
     B, H, Sq, _ = q.shape
     Sk = k.shape[-2]
-    per_row = max(1, B * H * Sk * q.element_size())
-    rows = max(TRACED_MIN_ROWS, TRACED_BLOCK_BYTES // per_row)
-    if rows >= Sq or dropout_p > 0.0:
+    blocks = row_blocks(B * H, Sq, Sk, q.element_size())
+    if len(blocks) == 1 or dropout_p > 0.0:
         out, _, _ = reference_parts(q, k, v, mask, scale=scale, dropout_p=dropout_p)
         return out
+    k_t = repeat_kv(k, H).transpose(-2, -1)  # (B, H, dh, Sk): attention_scores' k^T
     v_all = repeat_kv(v, H)  # (B, H, Sk, dh)
-    blocks = []
-    for start in range(0, Sq, rows):
-        end = min(Sq, start + rows)
-        m = mask_rows(mask, Sq, Sk, start, end)
-        scores = attention_scores(q[:, :, start:end], k, m, scale=scale)  # (B, H, rows, Sk)
-        blocks.append(torch.matmul(attention_pattern(scores, m), v_all))  # (B, H, rows, dh)
-        del scores
-    return torch.cat(blocks, dim=2)  # (B, H, Sq, dh)
+    most = max(end - start for start, end in blocks)
+    buffers = _RowBuffers(q, B * H * most * Sk)
+    out = []
+    for start, end in blocks:
+        m = mask_rows(mask, Sq, Sk, start, end, q.device)
+        scores = _block_scores(q, k_t, m, scale, start, end, buffers.scores)  # (B, H, rows, Sk)
+        pattern = _block_pattern(scores, m, buffers.pattern)  # (B, H, rows, Sk)
+        out.append(torch.matmul(pattern, v_all))  # (B, H, rows, dh)
+    return torch.cat(out, dim=2)  # (B, H, Sq, dh)
+
+
+def attention_rows(q: Tensor, k: Tensor, mask: CanonicalMask, *, scale: float, which: str) -> Tensor:
+    """:func:`attention_scores` (``which="scores"``) or their :func:`attention_pattern` (``"pattern"``)
+    [batch, n_heads, seq_q, seq_k], computed on the :func:`row_blocks` of query rows into the result:
+    bit for bit the whole-layer values, with no more than one block of scores and one of the pattern
+    besides the result itself."""
+    B, H, Sq, _ = q.shape
+    Sk = k.shape[-2]
+    blocks = row_blocks(B * H, Sq, Sk, q.element_size())
+    if len(blocks) == 1:
+        scores = attention_scores(q, k, mask, scale=scale)  # (B, H, Sq, Sk)
+        return scores if which == "scores" else attention_pattern(scores, mask)
+    out = q.new_empty(B, H, Sq, Sk)
+    k_t = repeat_kv(k, H).transpose(-2, -1)  # (B, H, dh, Sk)
+    most = max(end - start for start, end in blocks)
+    buffers = _RowBuffers(q, B * H * most * Sk)
+    for start, end in blocks:
+        m = mask_rows(mask, Sq, Sk, start, end, q.device)
+        block = _block_scores(q, k_t, m, scale, start, end, buffers.scores)  # (B, H, rows, Sk)
+        if which == "pattern":
+            block = _block_pattern(block, m, buffers.pattern)
+        out[:, :, start:end].copy_(block)
+    return out
 
 
 class DeferredAttention:
     """A traced layer's ``hook_scores`` or ``hook_pattern``, kept as the q and k it was computed from.
 
     q [batch, n_heads, seq_q, d_head] and k [batch, n_kv_heads, seq_k, d_head] are the tensors the layer
-    attended with (after its hooks and rotation, detached), ``mask`` its canonical mask. ``materialize()``
-    recomputes :func:`attention_scores` (``which="scores"``) or its :func:`attention_pattern`
-    (``"pattern"``) [batch, n_heads, seq_q, seq_k] with the same ops on the same tensors: the values the
-    traced path computes, bit for bit; ``materialize(h)`` head ``h`` only [batch, 1, seq_q, seq_k].
+    attended with (after its hooks and rotation, detached), or deferred values that compute them again
+    (:class:`~headspace.hooks.Recomputed`: in a fully recorded block, from the block's input), ``mask``
+    its canonical mask. ``materialize()`` recomputes :func:`attention_scores` (``which="scores"``) or
+    its :func:`attention_pattern` (``"pattern"``) [batch, n_heads, seq_q, seq_k] with the same ops on the
+    same tensors, a block of query rows at a time (:func:`attention_rows`): the values the traced path
+    computes, bit for bit; ``materialize(h)`` head ``h`` only [batch, 1, seq_q, seq_k].
     """
 
-    def __init__(self, q: Tensor, k: Tensor, mask: CanonicalMask, scale: float, which: str) -> None:
+    def __init__(self, q: Any, k: Any, mask: CanonicalMask, scale: float, which: str) -> None:
         if which not in ("scores", "pattern"):
             raise ValueError(f"which must be 'scores' or 'pattern'; got {which!r}")
         self.q, self.k, self.mask, self.scale, self.which = q, k, mask, scale, which
         B, H, Sq, _ = q.shape
         self.shape = (B, H, Sq, k.shape[-2])
 
-    def materialize(self, head: int | None = None) -> Tensor:
-        """[batch, n_heads, seq_q, seq_k], or [batch, 1, seq_q, seq_k] for query head ``head``."""
-        q, k, mask = self.q, self.k, self.mask
+    def evaluate(self, memo: Memo, head: int | None = None) -> Tensor:
+        """:meth:`materialize` with the deferred q and k resolved through ``memo``."""
+        q, k, mask = resolve(self.q, memo), resolve(self.k, memo), self.mask
         if head is not None:
             g = head // (q.shape[1] // k.shape[1])  # the key/value head query head ``head`` reads
             q, k, mask = q[:, head : head + 1], k[:, g : g + 1], mask_head(mask, head)
-        scores = attention_scores(q, k, mask, scale=self.scale)  # (B, H|1, Sq, Sk)
-        return scores if self.which == "scores" else attention_pattern(scores, mask)
+        return attention_rows(q, k, mask, scale=self.scale, which=self.which)  # (B, H|1, Sq, Sk)
+
+    def materialize(self, head: int | None = None) -> Tensor:
+        """[batch, n_heads, seq_q, seq_k], or [batch, 1, seq_q, seq_k] for query head ``head``."""
+        return self.evaluate({}, head)
 
 
 class DeferredResult:
@@ -224,12 +324,17 @@ class DeferredResult:
         B, Sq, H, _ = z.shape
         self.shape = (B, Sq, H, W_O.shape[-1])
 
+    def evaluate(self, memo: Memo, head: int | None = None) -> Tensor:
+        """:meth:`materialize` (``memo`` resolves a deferred z)."""
+        z = resolve(self.z, memo)
+        if head is None:
+            return torch.einsum("bshd,hdm->bshm", z, self.W_O)  # (B, Sq, H, d_model)
+        z, w = z[:, :, head : head + 1], self.W_O[head : head + 1]
+        return torch.einsum("bshd,hdm->bshm", z, w)  # (B, Sq, 1, d_model)
+
     def materialize(self, head: int | None = None) -> Tensor:
         """[batch, seq_q, n_heads, d_model], or [batch, seq_q, 1, d_model] for head ``head``."""
-        if head is None:
-            return torch.einsum("bshd,hdm->bshm", self.z, self.W_O)  # (B, Sq, H, d_model)
-        z, w = self.z[:, :, head : head + 1], self.W_O[head : head + 1]
-        return torch.einsum("bshd,hdm->bshm", z, w)  # (B, Sq, 1, d_model)
+        return self.evaluate({}, head)
 
 
 def explicit_attention(

@@ -20,6 +20,7 @@ entries inside the attention layer.
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -33,9 +34,9 @@ from ..decode.kv_cache import KVCache
 from ..kernels.bf16 import is_bf16
 from ..kernels.int8 import is_int8
 from ..kernels.workspace import Workspace
-from ..nn.hooks import HookPoint
+from ..nn.hooks import HookPoint, Memo, Recomputed, note_source, noting_sources, resolve, source_of
 from ..nn.masks import CanonicalMask
-from ..nn.norms import RMSNorm
+from ..nn.norms import RMSNorm, rms_norm
 from ..nn.positions import Rotary
 
 #: Activation names accepted by :class:`FeedForward`, :class:`GatedFeedForward` and the models' configs.
@@ -85,6 +86,22 @@ def _defers(points: tuple[HookPoint, ...]) -> bool:
     return bool(live) and all(p.defers for p in live)
 
 
+def _copy(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.detach().clone()
+
+
+def _norm_source(norm: nn.Module, source: Any, shape: torch.Size) -> Recomputed | None:
+    """``norm`` of a value recomputed from ``source``, as a :class:`~headspace.hooks.Recomputed` with copies
+    of the norm's weights and the op its forward runs (:func:`~headspace.norms.rms_norm`,
+    ``F.layer_norm``); None for other norms."""
+    if type(norm) is RMSNorm:
+        return Recomputed(rms_norm, source, _copy(norm.weight), norm.eps, norm.offset, shape=shape)
+    if type(norm) is nn.LayerNorm:
+        w, b = _copy(norm.weight), _copy(norm.bias)
+        return Recomputed(F.layer_norm, source, norm.normalized_shape, w, b, norm.eps, shape=shape)
+    return None
+
+
 def _plain_linear(fc: nn.Module) -> bool:
     """Whether ``fc`` is an ``nn.Linear`` whose forward is ``F.linear`` on plain float weights."""
     if type(fc) is not nn.Linear:
@@ -97,7 +114,8 @@ def _plain_linear(fc: nn.Module) -> bool:
 
 class DeferredMLP:
     """An MLP's ``hook_pre``, ``hook_pre_linear`` or ``hook_post`` [batch, seq, d_mlp], kept as the MLP's
-    input [batch, seq, d_model] and copies of the input linears' weights and biases.
+    input [batch, seq, d_model] (or, in a fully recorded block, a deferred value that computes the input
+    again: :class:`~headspace.hooks.Recomputed`) and copies of the input linears' weights and biases.
 
     ``materialize()`` runs the layer's own ops again on the same input: ``pre = F.linear(x, W_gate,
     b_gate)`` (plain MLP: ``F.linear(x, W_in, b_in)``), ``pre_linear = F.linear(x, W_in, b_in)``, ``post =
@@ -105,7 +123,7 @@ class DeferredMLP:
     copies keep it so after the weights change). ``which``: ``"pre"``, ``"pre_linear"`` or ``"post"``.
     """
 
-    def __init__(self, x: Tensor, mlp: _FeedForwardLayers, which: str) -> None:
+    def __init__(self, x: Any, mlp: _FeedForwardLayers, which: str) -> None:
         if which not in ("pre", "pre_linear", "post"):
             raise ValueError(f"which must be 'pre', 'pre_linear' or 'post'; got {which!r}")
         self.x, self.which, self.act = x, which, mlp.act
@@ -124,15 +142,20 @@ class DeferredMLP:
         other.which = which
         return other
 
-    def materialize(self, head: int | None = None) -> Tensor:
-        """[batch, seq, d_mlp] (``head`` is not used: the MLP's hook points have no head axis)."""
-        pre = F.linear(self.x, self.w_pre, self.b_pre)  # (batch, seq, d_mlp)
+    def evaluate(self, memo: Memo, head: int | None = None) -> Tensor:
+        """:meth:`materialize`, a deferred input resolved through ``memo``."""
+        x = resolve(self.x, memo)  # (batch, seq, d_model)
+        pre = F.linear(x, self.w_pre, self.b_pre)  # (batch, seq, d_mlp)
         if self.which == "pre":
             return pre
         if self.w_lin is None:  # plain MLP: post = act(pre)
             return self.act(pre)
-        lin = F.linear(self.x, self.w_lin, self.b_lin)  # (batch, seq, d_mlp)
+        lin = F.linear(x, self.w_lin, self.b_lin)  # (batch, seq, d_mlp)
         return lin if self.which == "pre_linear" else self.act(pre) * lin
+
+    def materialize(self, head: int | None = None) -> Tensor:
+        """[batch, seq, d_mlp] (``head`` is not used: the MLP's hook points have no head axis)."""
+        return self.evaluate({}, head)
 
 
 class DeferredSum:
@@ -144,9 +167,13 @@ class DeferredSum:
         self.x, self.a = x, a
         self.shape = tuple(x.shape)
 
+    def evaluate(self, memo: Memo, head: int | None = None) -> Tensor:
+        """:meth:`materialize` (``memo`` resolves deferred terms)."""
+        return resolve(self.x, memo) + resolve(self.a, memo)
+
     def materialize(self, head: int | None = None) -> Tensor:
         """[batch, seq, d_model] (``head`` is not used)."""
-        return self.x + self.a
+        return self.evaluate({})
 
 
 class _FeedForwardLayers(nn.Module):
@@ -214,6 +241,8 @@ class _FeedForwardLayers(nn.Module):
             return False
         if not _defers(self._points()):
             return False
+        if source_of(x) is not None:  # a fully recorded block keeps what x is recomputed from anyway
+            return True
         rows, d_mlp = x.numel() // max(1, x.shape[-1]), self.fc_in.weight.shape[0]
         recorded = sum(1 for p in self._points() if p.active) * rows * d_mlp
         copies = sum(fc.weight.numel() + (0 if fc.bias is None else fc.bias.numel()) for fc in linears)
@@ -228,12 +257,20 @@ class _FeedForwardLayers(nn.Module):
         else:
             hidden = self.act(self.fc_in(x))  # (batch, seq, d_mlp)
         names = ("pre", "pre_linear", "post") if gated else ("pre", "post")
+        source = source_of(x)
+        kept = x.detach() if source is None else source
         deferred: DeferredMLP | None = None
         for point, which in zip(self._points(), names, strict=True):
             if point.active:
-                deferred = DeferredMLP(x.detach(), self, which) if deferred is None else deferred.share(which)
+                deferred = DeferredMLP(kept, self, which) if deferred is None else deferred.share(which)
                 point.fire_deferred(deferred)
-        return self.fc_out(hidden)  # (batch, seq, d_model)
+        out = self.fc_out(hidden)  # (batch, seq, d_model)
+        if source is not None and _plain_linear(self.fc_out):
+            # in a fully recorded block: the output is noted as fc_out of the (deferred) hidden units
+            post = DeferredMLP(kept, self, "post") if deferred is None else deferred.share("post")
+            w, b = self.fc_out.weight.detach().clone(), _copy(self.fc_out.bias)
+            note_source(out, Recomputed(F.linear, post, w, b, shape=out.shape))
+        return out
 
 
 class FeedForward(_FeedForwardLayers):
@@ -426,6 +463,10 @@ class TransformerBlock(nn.Module):
 
         Returns:
             [batch, seq, d_model].
+
+        While only :func:`headspace.trace`'s recorders watch every hook point of the block (on inputs
+        long enough), the recorders get values recomputed from the block's input, the attention's z and
+        copies of the weights (:meth:`_forward_noted`); the output is the same, bit for bit.
         """
         check_input_tensor("x", x, self.d_model, "d_model", self.ln1.weight)  # before any LayerNorm
         if self.hook_resid_pre.fns:
@@ -438,7 +479,11 @@ class TransformerBlock(nn.Module):
         }
         if positions is not None:
             kw["positions"] = positions
-        if self.norm in ("sandwich", "post_sublayer"):
+        if self.hook_resid_pre.fns and self._keeps_input_and_z(x, kv_cache):
+            with noting_sources():
+                note_source(x, x.detach())  # the trace holds x (hook_resid_pre)
+                out = self._forward_noted(x, kw)
+        elif self.norm in ("sandwich", "post_sublayer"):
             out = self._forward_normed_sublayers(x, kw)
         elif self.pre_ln:
             a = self.dropout(self.attn(self.ln1(x), **kw))  # (batch, seq, d_model)
@@ -465,6 +510,109 @@ class TransformerBlock(nn.Module):
         if self.hook_resid_post.fns:
             out = self.hook_resid_post(out)
         return out
+
+    # ------------------------------------------------------------------ a fully recorded block
+    def _all_points(self) -> list[HookPoint]:
+        """Every hook point of the block, its attention and its MLP."""
+        points = [self.hook_resid_pre, self.hook_attn_out, self.hook_resid_mid, self.hook_mlp_out]
+        points += [self.hook_resid_post, *self.attn._hook_points, *self.mlp._points()]
+        return points
+
+    def _norms(self) -> list[nn.Module]:
+        sandwich = self.norm == "sandwich"
+        return [self.ln1, self.ln2] + ([self.ln_attn_out, self.ln_mlp_out] if sandwich else [])
+
+    def _keeps_input_and_z(self, x: Tensor, kv_cache: KVCache | None) -> bool:
+        """Whether this call keeps only the block's input and the attention's z (and copies of the
+        weights): every hook point of the block, its attention and its MLP is recorded and nothing
+        replaces a value, the parts are the standard ones (this module's MLPs, plain float linears,
+        RMSNorm or LayerNorm, no soft-capping), in eval mode without a KV cache, and that keeps fewer
+        bytes than the parts' own deferrals (:meth:`_kept_bytes`: not so for short inputs, where the
+        copies of the weights outweigh the values)."""
+        if self.training or kv_cache is not None or self.reduced_precision:
+            return False
+        a, mlp = self.attn, self.mlp
+        if type(a).forward is not MultiHeadAttention.forward or not a.fused or a.softcap is not None:
+            return False
+        if type(mlp) not in (FeedForward, GatedFeedForward) or any(True for _ in mlp.act.parameters()):
+            return False
+        linears = [mlp.fc_in, mlp.fc_out] + ([mlp.fc_gate] if "fc_gate" in mlp._modules else [])
+        if not all(_plain_linear(fc) for fc in linears):
+            return False
+        if not all(type(n) in (RMSNorm, nn.LayerNorm) for n in self._norms()):
+            return False
+        if not all(p.active and p.defers for p in self._all_points()):
+            return False
+        rows = x.numel() // max(1, x.shape[-1])
+        chained, own = self._kept_bytes(rows)
+        return chained < own
+
+    def _kept_bytes(self, rows: int) -> tuple[int, int]:
+        """What a fully recorded call on ``rows`` positions keeps, in elements, besides
+        ``hook_resid_post``: (keeping the input and z, keeping what each part defers on its own)."""
+        a, mlp = self.attn, self.mlp
+        d, H, Hkv, dh = self.d_model, a.n_heads, a.n_kv_heads, a.d_head
+        d_mlp = mlp.fc_in.weight.shape[0]
+        mlp_points = len(mlp._points())
+        w_o = a.o_weight.numel()
+        mlp_in = sum(p.numel() for name, p in mlp.named_parameters() if not name.startswith("fc_out"))
+        own = rows * (d + (H + 2 * Hkv) * dh + H * dh + 2 * d) + w_o  # x, q/k/v, z, attn_out, mlp_out
+        own += rows * (H + Hkv) * dh * ((a.rotary is not None) + (a.qk_norm is not None))
+        own += rows * d * (self.norm == "post")  # a post-LN block's resid_mid
+        own += min(mlp_points * rows * d_mlp, rows * d + mlp_in)  # the MLP's values, or its input
+        copies = sum(p.numel() for p in self.parameters())  # every weight, copied once
+        chained = rows * (d + H * dh) + copies
+        return chained, own
+
+    def _noted_norm(self, norm: nn.Module, t: Tensor) -> Tensor:
+        """``norm(t)``, noted as recomputed from what ``t`` is recomputed from."""
+        out = norm(t)
+        source = source_of(t)
+        if source is not None:
+            node = _norm_source(norm, source, out.shape)
+            if node is not None:
+                note_source(out, node)
+        return out
+
+    @staticmethod
+    def _fire_noted(point: HookPoint, t: Tensor) -> None:
+        """Fire ``point`` (only recorders watch it) with ``t``, or with what ``t`` is recomputed from."""
+        source = source_of(t)
+        if source is not None and not isinstance(source, Tensor):
+            point.fire_deferred(source)
+        else:
+            point(t)
+
+    def _forward_noted(self, x: Tensor, kw: dict[str, Any]) -> Tensor:
+        """:meth:`forward`'s ops for every arrangement (pre, post, sandwich, post-sublayer), while every
+        hook point is recorded: each value is noted as recomputed from the block's input, the
+        attention's z and copies of the weights, and the block's hook points get those deferred values
+        (:func:`~headspace.hooks.note_source`; the attention and the MLP inside defer theirs to them).
+        x [batch, seq, d_model] -> [batch, seq, d_model], the same tensor bit for bit."""
+        norm, sandwich = self.norm, self.norm == "sandwich"
+        a = self.attn(self._noted_norm(self.ln1, x) if norm in ("pre", "sandwich") else x, **kw)
+        if sandwich:
+            a = self._noted_norm(self.ln_attn_out, a)
+        elif norm == "post_sublayer":
+            a = self._noted_norm(self.ln1, a)
+        a = self.dropout(a)  # (batch, seq, d_model): eval mode, the tensor itself
+        self._fire_noted(self.hook_attn_out, a)
+        h = x + a  # (batch, seq, d_model)
+        sx, sa = source_of(x), source_of(a)
+        if sx is not None and sa is not None:
+            note_source(h, Recomputed(operator.add, sx, sa, shape=h.shape))
+        if norm == "post":
+            h = self._noted_norm(self.ln1, h)
+        self._fire_noted(self.hook_resid_mid, h)
+        m = self.mlp(self._noted_norm(self.ln2, h) if norm in ("pre", "sandwich") else h)
+        if sandwich:
+            m = self._noted_norm(self.ln_mlp_out, m)
+        elif norm == "post_sublayer":
+            m = self._noted_norm(self.ln2, m)
+        m = self.dropout(m)
+        self._fire_noted(self.hook_mlp_out, m)
+        out = h + m  # (batch, seq, d_model)
+        return self.ln2(out) if norm == "post" else out
 
     def _fire_resid_mid(self, x: Tensor, a: Tensor, h: Tensor) -> Tensor:
         """``hook_resid_mid`` on ``h = x + a``: while only recorders watch it and ``x`` and ``a`` are

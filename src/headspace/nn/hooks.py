@@ -7,6 +7,13 @@ Functions added to it see the value and may return a replacement (patching, abla
 Layers check :attr:`HookPoint.active` (or the truth of :attr:`HookPoint.fns`) and take their fast path
 while no hook point of theirs has a function: an untraced module pays nothing.
 
+Deferred values: a function that only records (:func:`headspace.trace`'s) may be handed a
+:class:`Deferred` instead of the value (:attr:`HookPoint.defers`, :meth:`HookPoint.fire_deferred`), which
+computes the value again, bit for bit, when read: :class:`Recomputed` is the general one (an op and the
+tensors, copies of weights and other deferred values it ran on). While a fully recorded block runs, the
+tensors it computed are noted with what they are recomputed from (:func:`noting_sources`,
+:func:`note_source`, :func:`source_of`), so that the attention layer and the MLP inside defer to them.
+
 Threads: a function is added either for every thread (``add(fn)``, the default, as before) or for the
 calling thread only (``add(fn, this_thread=True)``, what :func:`headspace.trace`,
 :func:`~headspace.trace.hooked` and :func:`headspace.ablate` do). A thread-only function fires only in
@@ -19,9 +26,13 @@ functions with ``this_thread=False``.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import threading
-from collections.abc import Callable, Sequence
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, Protocol
 
 from torch import Tensor, nn
@@ -41,6 +52,119 @@ class Deferred(Protocol):
     def materialize(self, head: int | None = None) -> Tensor:
         """The value (or one head's slice of it, head axis kept)."""
         ...
+
+
+Memo = dict[int, Any]
+"""What one access of a deferred value has computed so far, by ``id`` of the deferred input: a value
+needed twice by the same access (the q/k/v projection of ``hook_rot_q`` and ``hook_rot_k`` in a
+pattern) is computed once."""
+
+
+def resolve(value: Any, memo: Memo) -> Any:
+    """``value`` itself, or, for a :class:`Deferred` input, its value (computed once per ``memo``)."""
+    if isinstance(value, Tensor) or not callable(getattr(value, "materialize", None)):
+        return value
+    key = id(value)
+    if key not in memo:
+        evaluate = getattr(value, "evaluate", None)
+        memo[key] = evaluate(memo) if callable(evaluate) else value.materialize()
+    return memo[key]
+
+
+class Recomputed:
+    """A :class:`Deferred` kept as the function that computed it and that function's arguments.
+
+    ``materialize()`` is ``fn(*args)`` with every deferred argument computed first (recursively); the
+    arguments are tensors the value was computed from (kept, not copied), copies of weights, other
+    deferred values and constants. As long as ``fn`` is the op the layer ran and the tensors hold what
+    they held then, the value is bit for bit the layer's. ``head_axis``: the axis ``materialize(head)``
+    narrows to one head (after computing the whole value); None for values without a head axis.
+    """
+
+    def __init__(
+        self, fn: Callable[..., Any], *args: Any, shape: Sequence[int] = (), head_axis: int | None = None
+    ) -> None:
+        self.fn, self.args = fn, args
+        self.shape = tuple(shape)
+        self.head_axis = head_axis
+
+    def evaluate(self, memo: Memo, head: int | None = None) -> Any:
+        """The value, its deferred arguments resolved through ``memo`` (see :func:`resolve`)."""
+        value = self.fn(*(resolve(a, memo) for a in self.args))
+        if head is None:
+            return value
+        if self.head_axis is None:
+            raise ValueError("this value has no head axis")
+        return value.narrow(self.head_axis, head, 1)
+
+    def materialize(self, head: int | None = None) -> Any:
+        """The value (``head``: that head's slice, the head axis kept)."""
+        return self.evaluate({}, head)
+
+
+def deferred_tensors(value: Any) -> Iterator[Tensor]:
+    """Every tensor a stored or deferred value holds: the value itself, or (recursively) the tensors of a
+    deferred value's attributes, argument tuples and dataclasses (masks); modules and functions are not
+    entered (what they hold belongs to the model)."""
+    seen: set[int] = set()
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, Tensor):
+            yield item
+            continue
+        if id(item) in seen or isinstance(item, nn.Module):
+            continue
+        seen.add(id(item))
+        if isinstance(item, (tuple, list)):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif dataclasses.is_dataclass(item) and not isinstance(item, type):
+            stack.extend(getattr(item, f.name) for f in dataclasses.fields(item))
+        elif callable(getattr(item, "materialize", None)):
+            stack.extend(vars(item).values())
+
+
+# --------------------------------------------------------------------------------------------- sources
+# While a fully recorded block runs (TransformerBlock.forward), the tensors it computed from what the trace
+# holds anyway are noted here with what they are recomputed from (a tensor the trace holds, or a
+# Recomputed), so that the attention layer and the MLP inside can defer their hook points to them.
+# (each entry holds its tensor by a weak reference: noting a tensor does not keep it alive)
+_SOURCES: ContextVar[dict[int, tuple[weakref.ref, Any]] | None] = ContextVar("hs_sources", default=None)
+
+
+@contextmanager
+def noting_sources() -> Iterator[None]:
+    """Open a fresh table of sources for the calls inside the block (this thread / context only);
+    every entry is dropped on exit."""
+    token = _SOURCES.set({})
+    try:
+        yield
+    finally:
+        _SOURCES.reset(token)
+
+
+def noting() -> bool:
+    """Whether a table of sources is open (inside a fully recorded block)."""
+    return _SOURCES.get() is not None
+
+
+def note_source(t: Tensor, source: Any) -> None:
+    """Note that ``t`` is recomputed from ``source`` (a tensor the trace holds, or a :class:`Deferred`);
+    nothing happens outside :func:`noting_sources`."""
+    table = _SOURCES.get()
+    if table is not None:
+        table[id(t)] = (weakref.ref(t), source)
+
+
+def source_of(t: Any) -> Any:
+    """What ``t`` itself (this very tensor object) was noted to be recomputed from, or None."""
+    table = _SOURCES.get()
+    if not table:
+        return None
+    entry = table.get(id(t))
+    return entry[1] if entry is not None and entry[0]() is t else None
 
 
 # adding and removing functions is rare; one lock for every hook point keeps the per-thread tuples whole
