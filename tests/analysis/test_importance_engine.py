@@ -134,3 +134,35 @@ def test_smollm2_heads_equal_one_ablate_per_head(smollm2) -> None:
         with hs.ablate(smollm2, {(layer, head): "zero"}):
             want = loss_by_hand(smollm2.model, tokens, real)
         assert float(imp.scores[layer, head]) == pytest.approx(want - base, rel=1e-4, abs=1e-5)
+
+
+@torch.no_grad()
+def test_run_from_layers_separate_equals_one_call_per_block() -> None:
+    """``separate=True``: the joining rows run apart (hooks counted from 0 in their call), the same
+    stream to float32 rounding."""
+    model = rotary_decoder()
+    tokens = torch.randint(0, V, (2, 8))
+    with analysis.trace(model, "blocks.*.hook_resid_pre") as t:
+        model(tokens)
+    joins = {l: t[f"blocks.{l}.hook_resid_pre"].repeat(n, 1, 1) for l, n in ((0, 2), (2, 3))}
+    calls: list[tuple[int, int, int]] = []
+
+    def hooks(layer: int, first: int, n: int) -> dict:
+        calls.append((layer, first, n))
+
+        def zero_head(z: torch.Tensor, point) -> torch.Tensor:
+            z = z.clone()
+            z[first : first + n, :, 1] = 0.0
+            return z
+
+        return {"attn.hook_z": zero_head}
+
+    def kwargs(layer: int, runs: int) -> dict:
+        return {"is_causal": True, "positions": torch.arange(8)}
+
+    one = patching.run_from_layers(model, joins, hooks, kwargs)
+    assert calls == [(0, 0, 4), (2, 4, 6)]
+    calls.clear()
+    apart = patching.run_from_layers(model, joins, hooks, kwargs, separate=True)
+    assert calls == [(0, 0, 4), (2, 0, 6)]
+    torch.testing.assert_close(apart, one, rtol=1e-5, atol=1e-5)
