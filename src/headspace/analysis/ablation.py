@@ -554,9 +554,10 @@ def _finish(module: nn.Module, x: Tensor, buffer: list[Tensor] | None = None) ->
 
 
 #: The engine's fused unembedding and loss (:func:`unembedded_loss`): vocabulary tiles of this many
-#: words, for this many rows at a time (a tile of logits, 8 MB, is reduced while it is in cache).
+#: words, for up to this many rows at a time (logits of at most 64 MB in float32; large calls: on a
+#: shared machine every elementwise pass is a wait for both threads, so fewer passes beat a tile in cache).
 LOSS_VOCAB_TILE = 4096
-LOSS_ROWS = 512
+LOSS_ROWS = 4096
 
 
 def unembedded_loss(
