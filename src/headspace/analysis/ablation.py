@@ -184,7 +184,22 @@ class _Metric:
         """How many leading positions of the output [rows, seq, ...] :meth:`stats` reads (all of them)."""
         return seq
 
+    def base_stats(self, batch_index: int, out: Tensor) -> tuple[Tensor, Tensor]:
+        """(sum, count) [1] x 2 of the unablated output ``out`` of batch ``batch_index``; called once per
+        batch, before any :meth:`stats` of its ablated copies."""
+        return self.stats(batch_index, out, 1)
+
     def baseline(self) -> float:
+        """The metric without ablation: :meth:`baseline_of` the :meth:`base_stats` of one plain run per
+        batch."""
+        total, count = torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
+        for i, batch in enumerate(self.batches):
+            t, c = self.base_stats(i, batch.run(self.module))
+            total, count = total + t, count + c
+        return self.baseline_of(total, count)
+
+    def baseline_of(self, total: Tensor, count: Tensor) -> float:
+        """The baseline from the summed :meth:`stats` [1] x 2 of the unablated runs of every batch."""
         raise NotImplementedError
 
     def value(self, total: Tensor, count: Tensor) -> Tensor:
@@ -200,7 +215,12 @@ class _Cosine(_Metric):
     name = "cosine"
 
     def _setup(self) -> None:
-        self.reference = [self.embed(b.run(self.module), b.real) for b in self.batches]  # [(b, d_model)]
+        self.reference: list[Tensor | None] = [None] * len(self.batches)  # [(b, d_model)], by base_stats
+
+    def base_stats(self, batch_index: int, out: Tensor) -> tuple[Tensor, Tensor]:
+        """Keeps the unablated embeddings of the batch (the reference of :meth:`stats`)."""
+        self.reference[batch_index] = self.embed(out, self.batches[batch_index].real)  # (b, d_model)
+        return super().base_stats(batch_index, out)
 
     def embed(self, states: Tensor, real: Tensor) -> Tensor:
         """Sentence embeddings [b, d]: the wrapper's pool() (as its encode()), else the masked mean."""
@@ -215,12 +235,14 @@ class _Cosine(_Metric):
     ) -> tuple[Tensor, Tensor]:
         batch = self.batches[batch_index]
         ref = self.reference[batch_index]  # (b, d)
+        if ref is None:
+            raise RuntimeError("base_stats(batch) runs before the stats of the batch's ablated copies")
         b = ref.shape[0]
         e = self.embed(out, _replicate(batch.real, R)).view(R, b, -1)  # (R, b, d)
         cos = F.cosine_similarity(e, ref[None], dim=-1)  # (R, b)
         return cos.sum(1), torch.full((R,), float(b), dtype=torch.float64)
 
-    def baseline(self) -> float:
+    def baseline_of(self, total: Tensor, count: Tensor) -> float:
         return 1.0
 
     def score(self, value: Tensor, baseline: float) -> Tensor:
@@ -270,6 +292,8 @@ class _Loss(_Metric):
         for batch in self.batches:
             if batch.tokens is None:
                 raise TypeError("metric='loss' needs token ids [batch, seq]; got activations")
+        if not any(bool((b.real[:, :-1] & b.real[:, 1:]).any()) for b in self.batches):
+            raise ValueError("metric='loss' needs sequences of at least two real tokens")
 
     def stats(
         self, batch_index: int, out: Tensor, R: int, *, overwrite: bool = False
@@ -286,18 +310,29 @@ class _Loss(_Metric):
         b = batch.tokens.shape[0]
         return (ce * pair).view(R, b, -1).sum(dim=(1, 2)), pair.view(R, b, -1).sum(dim=(1, 2))
 
+    def stream_stats(self, batch_index: int, x: Tensor, R: int, weight: Tensor) -> tuple[Tensor, Tensor]:
+        """:meth:`stats` from the final streams ``x`` [R b, >= seq - 1, d_model] (before LN_f) of the
+        copies, for a decoder whose logits are ``F.linear(LN_f(x), weight)``: only the positions of the
+        pairs of real tokens are unembedded, through :func:`unembedded_loss`."""
+        batch = self.batches[batch_index]
+        b = batch.tokens.shape[0]
+        pair = batch.real[:, :-1] & batch.real[:, 1:]  # (b, seq - 1)
+        row, pos = pair.nonzero(as_tuple=True)  # (P,) x 2: the pairs of one copy
+        n = row.shape[0]
+        target = batch.tokens[row, pos + 1]  # (P,)
+        rows = (torch.arange(R, device=x.device)[:, None] * b + row[None]).reshape(-1)  # (R P,)
+        h = x[rows, pos.repeat(R)]  # (R P, d_model): copy r's pairs first, then copy r + 1's
+        if self.module.ln_final is not None:
+            h = self.module.ln_final(h)
+        ce = unembedded_loss(h, weight, target.repeat(R))  # (R P,) float64
+        return ce.view(R, n).sum(dim=1), torch.full((R,), float(n), dtype=torch.float64)
+
     def positions_read(self, seq: int) -> int:
         """The last position predicts no token: only the logits of the first ``seq - 1`` are read."""
         return max(1, seq - 1)
 
-    def baseline(self) -> float:
-        total, count = torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
-        for i, batch in enumerate(self.batches):
-            t, c = self.stats(i, batch.run(self.module), 1)
-            total, count = total + t, count + c
-        if float(count) == 0:
-            raise ValueError("metric='loss' needs sequences of at least two real tokens")
-        return float(total / count)
+    def baseline_of(self, total: Tensor, count: Tensor) -> float:
+        return float(total.sum() / count.sum())
 
 
 def head_importance(
@@ -333,8 +368,13 @@ def head_importance(
     The built-in metrics on an Encoder or Decoder use the batched engine
     (:func:`headspace.analysis.patching.run_from_layers`): the ablation of a head of layer ``l`` leaves
     the blocks below ``l`` unchanged, so its copy of the batch starts at block ``l`` from the unablated
-    stream, and the copies of every layer travel up the stack together. Other modules run one copy per
-    head of a layer through the whole module. Either way the numbers are what one
+    stream, and the copies of every layer travel up the stack together (the ablated layer's copies run
+    as their own call of that block, so the rows already in the batch keep the fused attention). One
+    unablated run per batch gives both the baseline and those streams. A decoder's copies run without
+    the last position (causal attention: it reaches no position the loss reads), and the loss of a
+    plain float32 unembedding is computed a tile of the vocabulary at a time (:func:`unembedded_loss`:
+    no [copies, seq, vocab] logits, only the positions of pairs of real tokens). Other modules run one
+    copy per head of a layer through the whole module. Either way the numbers are what one
     :func:`headspace.ablate` run per head gives, to float32 rounding (a test holds this). The model runs
     in eval mode without autograd; its mode is restored. Deterministic for a deterministic model.
     """
@@ -362,12 +402,12 @@ def head_importance(
                 scores[layer][head] = value - baseline
         else:
             m: _Metric = (_Loss if metric == "loss" else _Cosine)(model, module, batches)
-            name, baseline = m.name, m.baseline()
+            name = m.name
             bar = progress_bar(
                 total=len(todo), desc=f"ablating heads ({name}, {mode})", unit="head", disable=not progress
             )
             run = _from_layers if _engine_applies(module, batches) else _replicated
-            values = run(_Ablations(module, layers, m, batches, todo, mode, means, max_rows), bar)
+            values, baseline = run(_Ablations(module, layers, m, batches, todo, mode, means, max_rows), bar)
             bar.close()
             for (layer, head), value in zip(todo, values):
                 ablated[layer][head] = value
@@ -423,9 +463,11 @@ class _Ablations:
     max_rows: int
 
 
-def _replicated(a: _Ablations, bar: Any) -> list[float]:
-    """The metric with each head of ``todo`` ablated: whole-module runs, a batch copy per head of a layer."""
+def _replicated(a: _Ablations, bar: Any) -> tuple[list[float], float]:
+    """(the metric with each head of ``todo`` ablated, the baseline): whole-module runs, a batch copy
+    per head of a layer."""
     module, layers, m, batches = a.module, a.layers, a.metric, a.batches
+    baseline = m.baseline()
     todo, mode, means = a.todo, a.mode, a.means
     max_rows = a.max_rows
     by_layer: dict[int, list[int]] = {}
@@ -458,7 +500,7 @@ def _replicated(a: _Ablations, bar: Any) -> list[float]:
                     bar.update(R)
         for h, value in zip(layer_heads, m.value(total, count).tolist()):
             found[(layer, h)] = value
-    return [found[pair] for pair in todo]
+    return [found[pair] for pair in todo], baseline
 
 
 def _engine_applies(module: nn.Module, batches: Sequence[Batch]) -> bool:
@@ -470,8 +512,26 @@ def _engine_applies(module: nn.Module, batches: Sequence[Batch]) -> bool:
     )
 
 
+def _plain_unembedding(module: nn.Module) -> Tensor | None:
+    """The unembedding weight [vocab_size, d_model] of a Decoder whose logits are ``F.linear(h, weight)``
+    in float32 (:meth:`~headspace.Decoder.unembed` itself; a tied embedding or an ``nn.Linear`` without
+    bias; no final soft-capping), else None (the logits then come from ``unembed``)."""
+    from ..model.models import Decoder
+
+    if not isinstance(module, Decoder) or type(module).unembed is not Decoder.unembed:
+        return None
+    if getattr(module.config, "final_softcap", None) is not None:
+        return None
+    head = module.lm_head
+    if head is not None and not (type(head) is nn.Linear and head.bias is None):
+        return None
+    weight = module.tok_embed.weight if head is None else head.weight
+    return weight if isinstance(weight, Tensor) and weight.dtype == torch.float32 else None
+
+
 def _finish(module: nn.Module, x: Tensor, buffer: list[Tensor] | None = None) -> Tensor:
-    """What the Encoder's or Decoder's forward does after its last block: LN_f, and a decoder's logits.
+    """What the Encoder's or Decoder's forward does after its last block: LN_f, and a decoder's logits
+    (:meth:`~headspace.Decoder.unembed`, final soft-capping included).
 
     ``buffer``: a one-item list holding a float32 tensor the logits may be written into (the same GEMM
     as ``F.linear``, into memory reused from one call to the next; grown and replaced when too small),
@@ -481,15 +541,8 @@ def _finish(module: nn.Module, x: Tensor, buffer: list[Tensor] | None = None) ->
         x = module.ln_final(x)  # (runs, seq, d_model)
     if not _is_decoder(module):
         return x
-    head = module.lm_head
-    weight = module.tok_embed.weight if head is None else head.weight
-    into = (
-        buffer is not None
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and (head is None or (type(head) is nn.Linear and head.bias is None))
-    )
-    if into:
+    weight = _plain_unembedding(module)
+    if buffer is not None and weight is not None and x.dtype == torch.float32:
         runs, seq, _ = x.shape
         n = runs * seq * weight.shape[0]
         if not buffer or buffer[0].numel() < n or buffer[0].device != x.device:
@@ -497,52 +550,136 @@ def _finish(module: nn.Module, x: Tensor, buffer: list[Tensor] | None = None) ->
         out = buffer[0][:n].view(runs * seq, weight.shape[0])  # (runs seq, vocab_size)
         torch.matmul(x.reshape(runs * seq, -1), weight.t(), out=out)
         return out.view(runs, seq, -1)  # (runs, seq, vocab_size)
-    logits = F.linear(x, module.tok_embed.weight) if head is None else head(x)
-    return logits if logits.dtype == torch.float32 else logits.float()  # (runs, seq, vocab_size)
+    return module.unembed(x)  # (runs, seq, vocab_size), float32
+
+
+#: The engine's fused unembedding and loss (:func:`unembedded_loss`): vocabulary tiles of this many
+#: words, for up to this many rows at a time (logits of at most 64 MB in float32; large calls: on a
+#: shared machine every elementwise pass is a wait for both threads, so fewer passes beat a tile in cache).
+LOSS_VOCAB_TILE = 4096
+LOSS_ROWS = 4096
+
+
+def unembedded_loss(
+    h: Tensor, weight: Tensor, targets: Tensor, *, tile: int = LOSS_VOCAB_TILE, rows: int = LOSS_ROWS
+) -> Tensor:
+    """Cross-entropy ``logsumexp(logits) - logits[target]`` per row of ``logits = h @ weight.T``, float64
+    [n], without the [n, vocab] logits.
+
+    h float [n, d_model] (final states after LN_f), weight [vocab, d_model] of h's dtype, targets int64
+    [n]. The logits are computed ``rows`` x ``tile`` at a time (the products of ``F.linear``, to
+    float32 rounding); per tile the max and the sum of the exponentials are kept in h's dtype and
+    combined in float64: within float32 rounding of :func:`next_token_loss` on the whole logits
+    (tested). The target logit is read from the tile that holds it (the value the exponentials saw).
+    """
+    for name, v in (("tile", tile), ("rows", rows)):
+        if not is_int(v) or v <= 0:
+            raise ValueError(f"{name} must be a positive int; got {v!r}")
+    n, vocab = h.shape[0], weight.shape[0]
+    out = torch.empty(n, dtype=torch.float64, device=h.device)
+    if n == 0:
+        return out
+    if int(targets.min()) < 0 or int(targets.max()) >= vocab:
+        raise ValueError(
+            f"targets must be word ids in [0, {vocab}); got {int(targets.min())}..{int(targets.max())}"
+        )
+    n_tiles = -(-vocab // tile)
+    scratch = torch.empty(min(rows, n) * min(tile, vocab), dtype=h.dtype, device=h.device)
+    for r0 in range(0, n, rows):
+        x, t = h[r0 : r0 + rows], targets[r0 : r0 + rows]  # (m, d_model), (m,)
+        m = x.shape[0]
+        tops = torch.empty(n_tiles, m, dtype=h.dtype, device=h.device)  # each tile's max logit
+        sums = torch.empty(n_tiles, m, dtype=h.dtype, device=h.device)  # each tile's sum of exp(l - max)
+        picked = torch.empty(m, dtype=h.dtype, device=h.device)  # (m,): the target logits
+        which = torch.div(t, tile, rounding_mode="floor")  # (m,): the tile of each row's target
+        counts = torch.bincount(which, minlength=n_tiles).tolist()
+        by_tile = torch.split(torch.argsort(which), counts)  # the rows whose target lies in tile j
+        for j in range(n_tiles):
+            v0 = j * tile
+            w = weight[v0 : v0 + tile]  # (k, d_model)
+            logits = scratch[: m * w.shape[0]].view(m, w.shape[0])
+            torch.mm(x, w.t(), out=logits)  # (m, k)
+            if counts[j]:
+                r = by_tile[j]
+                picked[r] = logits[r, t[r] - v0]
+            top = tops[j]  # (m,)
+            torch.amax(logits, dim=1, out=top)
+            torch.sum(logits.sub_(top[:, None]).exp_(), dim=1, out=sums[j])
+        best = tops.amax(dim=0).to(torch.float64)  # (m,)
+        total = (sums.to(torch.float64) * (tops.to(torch.float64) - best).exp()).sum(dim=0)  # (m,)
+        out[r0 : r0 + m] = best + torch.log(total) - picked.to(torch.float64)
+    return out
 
 
 #: The engine turns the final stream into the metric's output this many bytes (float64) at a time.
 OUTPUT_CHUNK_BYTES = 128 << 20
 
 
-def _from_layers(a: _Ablations, bar: Any) -> list[float]:
-    """The metric with each head of ``todo`` ablated, through the batched engine (see
-    :func:`head_importance`): per batch, groups of heads of at most ``max_rows`` rows."""
+def _from_layers(a: _Ablations, bar: Any) -> tuple[list[float], float]:
+    """(the metric with each head of ``todo`` ablated, the baseline), through the batched engine (see
+    :func:`head_importance`): per batch, one unablated run (the baseline and the stream every copy
+    starts from), then groups of heads of at most ``max_rows`` rows."""
     module, layers, m, batches = a.module, a.layers, a.metric, a.batches
     todo, mode, means = a.todo, a.mode, a.means
     from .patching import run_from_layers
 
+    decoder = _is_decoder(module)
+    weight = _plain_unembedding(module) if isinstance(m, _Loss) else None  # None: logits from unembed
     order = sorted(range(len(todo)), key=lambda i: todo[i][0])  # by layer: the order runs join in
     total = torch.zeros(len(todo), dtype=torch.float64)
     count = torch.zeros(len(todo), dtype=torch.float64)
+    base_total, base_count = torch.zeros(1, dtype=torch.float64), torch.zeros(1, dtype=torch.float64)
     buffer: list[Tensor] = []  # the logits of one chunk, memory reused from chunk to chunk
     for bi, batch in enumerate(batches):
         b, seq = batch.tokens.shape
         with trace(module, "blocks.*.hook_resid_pre") as t:
-            batch.run(module)
+            out = batch.run(module)
+        bt, bc = m.base_stats(bi, out)
+        base_total, base_count = base_total + bt, base_count + bc
+        del out
+        # a decoder's attention is causal: the positions the metric does not read (the loss: the last)
+        # change none that it reads, so the copies run without them
+        keep = m.positions_read(seq) if decoder else seq
         per = max(1, a.max_rows // b)
         for g0 in range(0, len(order), per):
             group = order[g0 : g0 + per]
             heads_at: dict[int, list[int]] = {}
             for i in group:
                 heads_at.setdefault(todo[i][0], []).append(todo[i][1])
-            joins = {l: _replicate(t[f"blocks.{l}.hook_resid_pre"], len(hs)) for l, hs in heads_at.items()}
-            hooks, block_kwargs = _engine_calls(module, layers, batch, heads_at, mode, means)
-            x = run_from_layers(module, joins, hooks, block_kwargs)  # (len(group) b, seq, d_model)
-            vocab = getattr(module.config, "vocab_size", 1) if _is_decoder(module) else x.shape[-1]
-            used = m.positions_read(seq)  # only these positions are unembedded (the loss: seq - 1)
-            step = max(1, OUTPUT_CHUNK_BYTES // max(1, b * used * vocab * 8))
-            for c0 in range(0, len(group), step):
-                part = group[c0 : c0 + step]
-                out = _finish(
-                    module, x[c0 * b : (c0 + len(part)) * b, :used], buffer
-                )  # (len(part) b, used, ...)
-                st, sc = m.stats(bi, out, len(part), overwrite=True)  # (len(part),) x 2
-                total[part] += st
-                count[part] += sc
+            joins = {  # (len(hs) b, keep, d_model) each
+                l: _replicate(t[f"blocks.{l}.hook_resid_pre"][:, :keep], len(hs))
+                for l, hs in heads_at.items()
+            }
+            hooks, block_kwargs = _engine_calls(module, layers, batch, heads_at, mode, means, keep)
+            x = run_from_layers(module, joins, hooks, block_kwargs, separate=True)  # (len(group) b, keep, d)
+            if isinstance(m, _Loss) and weight is not None and x.dtype == weight.dtype:
+                st, sc = m.stream_stats(bi, x, len(group), weight)  # (len(group),) x 2
+                total[group] += st
+                count[group] += sc
+            else:
+                _chunked_stats(a, bi, x, group, buffer, total, count)
             if bi == len(batches) - 1:
                 bar.update(len(group))
-    return m.value(total, count).tolist()
+    return m.value(total, count).tolist(), m.baseline_of(base_total, base_count)
+
+
+def _chunked_stats(
+    a: _Ablations, bi: int, x: Tensor, group: list[int], buffer: list[Tensor], total: Tensor, count: Tensor
+) -> None:
+    """Adds the metric's (sum, count) of the copies ``group`` of batch ``bi`` (their final streams
+    ``x`` [len(group) b, keep, d_model]) to ``total`` / ``count``: :func:`_finish` and
+    :meth:`_Metric.stats`, :data:`OUTPUT_CHUNK_BYTES` of output at a time."""
+    module, m = a.module, a.metric
+    b, seq = a.batches[bi].tokens.shape
+    vocab = getattr(module.config, "vocab_size", 1) if _is_decoder(module) else x.shape[-1]
+    used = m.positions_read(seq)  # only these positions are unembedded (the loss: seq - 1)
+    step = max(1, OUTPUT_CHUNK_BYTES // max(1, b * used * vocab * 8))
+    for c0 in range(0, len(group), step):
+        part = group[c0 : c0 + step]
+        out = _finish(module, x[c0 * b : (c0 + len(part)) * b, :used], buffer)  # (len(part) b, used, ...)
+        st, sc = m.stats(bi, out, len(part), overwrite=True)  # (len(part),) x 2
+        total[part] += st
+        count[part] += sc
 
 
 def _engine_calls(
@@ -552,16 +689,21 @@ def _engine_calls(
     heads_at: dict[int, list[int]],
     mode: str,
     means: dict[tuple[int, int], Tensor] | None,
+    keep: int,
 ) -> tuple[Callable, Callable]:
-    """``hooks`` and ``block_kwargs`` of :func:`~headspace.analysis.patching.run_from_layers` for one
-    batch whose copies ablate ``heads_at[l]`` (copy ``r`` of layer ``l``: head ``heads_at[l][r]``).
+    """``hooks`` and ``block_kwargs`` of :func:`~headspace.analysis.patching.run_from_layers` (with
+    ``separate=True``) for one batch whose copies ablate ``heads_at[l]`` (copy ``r`` of layer ``l``:
+    head ``heads_at[l][r]``), on its first ``keep`` positions.
 
     The block calls are those of ``Encoder.forward`` / ``Decoder.forward`` (padding, causality and
-    rotary positions as there), with the padding replicated over the copies.
+    rotary positions as there), with the padding replicated over the copies; one positions tensor for
+    every call (the rotary tables are computed once).
     """
-    b, seq = batch.tokens.shape
+    b = batch.tokens.shape[0]
     rotary = getattr(module, "rotary", None)
     decoder = _is_decoder(module)
+    padding = None if batch.key_padding is None else batch.key_padding[:, :keep]  # (b, keep)
+    positions = torch.arange(keep, device=batch.tokens.device) if rotary is not None else None  # (keep,)
 
     def hooks(layer: int, first: int, n: int) -> dict[str, Callable]:
         lm = _layer_means(means, layer, layers[layer][1].n_heads)
@@ -569,12 +711,12 @@ def _engine_calls(
 
     def block_kwargs(layer: int, runs: int) -> dict[str, Any]:
         kw: dict[str, Any] = {}
-        if batch.key_padding is not None:
-            kw["key_padding"] = _replicate(batch.key_padding, runs // b)  # (runs, seq)
+        if padding is not None:
+            kw["key_padding"] = _replicate(padding, runs // b)  # (runs, keep)
         if decoder:
             kw["is_causal"] = True
-        if rotary is not None:
-            kw["positions"] = torch.arange(seq, device=batch.tokens.device)  # (seq,)
+        if positions is not None:
+            kw["positions"] = positions
         return kw
 
     return hooks, block_kwargs

@@ -313,6 +313,8 @@ def run_from_layers(
     joins: dict[int, Tensor],
     hooks: Callable[[int, int, int], dict[str, Callable]],
     block_kwargs: Callable[[int, int], dict[str, Any]],
+    *,
+    separate: bool = False,
 ) -> Tensor:
     """The batched engine: runs that start at different blocks travel up the stack together.
 
@@ -322,12 +324,26 @@ def run_from_layers(
     block ``l`` runs with ``hooks(l, first_new_row, n_l)`` (names relative to ``blocks.l``, e.g.
     ``"attn.hook_z"``) added for the duration of the call, with ``block(x, **block_kwargs(l, runs))``.
 
+    ``separate=True``: at a block where runs join, the rows already in the batch and the joining rows
+    run as two calls of the block, the hooks only on the joining rows' call (``hooks(l, 0, n_l)``, rows
+    counted in that call; ``block_kwargs(l, runs)`` with each call's rows), and their outputs are stacked
+    in the same order. The rows already there keep the block's untraced path (a hook on the attention
+    switches a layer to its explicit path); only for blocks whose rows are independent of each other
+    (no state shared across the batch, such as a KV cache of ``runs`` rows).
+
     Returns the stream leaving the last block [sum_l n_l, seq, d_model], rows in order of joining
     (layer by layer; within a layer as in ``joins[l]``).
     """
     x: Tensor | None = None
     for layer, block in enumerate(module.blocks):
         first_new, fresh = (0 if x is None else x.shape[0]), joins.get(layer)
+        if separate and fresh is not None and x is not None:
+            old = block(x, **block_kwargs(layer, x.shape[0]))  # (runs, seq, d_model)
+            fns = hooks(layer, 0, fresh.shape[0])
+            with hooked(module, {f"blocks.{layer}.{name}": fn for name, fn in fns.items()}):
+                new = block(fresh, **block_kwargs(layer, fresh.shape[0]))  # (n_l, seq, d_model)
+            x = torch.cat([old, new], dim=0)  # (runs + n_l, seq, d_model)
+            continue
         if fresh is not None:
             x = fresh.clone() if x is None else torch.cat([x, fresh], dim=0)  # (runs, seq, d_model)
         if x is None:
