@@ -299,10 +299,10 @@ def find_circuit(scores: EdgeScores, edges: int | None = None, *, threshold: flo
             raise ValueError(f"threshold must be a number >= 0 (an |edge score|); got {threshold!r}")
         mask = scores.valid & (mag >= threshold)
     R = mag.shape[1]
-    idx = [i for i in mag.flatten().argsort(descending=True).tolist() if mask.flatten()[i]]
-    listed = [
-        (scores.senders[i // R], scores.receivers[i % R], float(scores.scores.flatten()[i])) for i in idx
-    ]
+    by_size = mag.flatten().argsort(descending=True)
+    idx = by_size[mask.flatten()[by_size]].tolist()  # the circuit's edges, largest |score| first
+    values = scores.scores.flatten()[idx].tolist()
+    listed = [(scores.senders[i // R], scores.receivers[i % R], v) for i, v in zip(idx, values)]
     return Circuit(
         edges=mask, senders=scores.senders, receivers=scores.receivers, kinds=scores.kinds, listed=listed
     )
@@ -402,7 +402,20 @@ def faithfulness_curve(
         raise ValueError(f"fractions must lie in [0, 1]; got {list(fractions)}")
     total = graph.n_edges
     counts = [0 if f == 0 else max(1, round(f * total)) for f in fr]
-    masks = [torch.zeros_like(graph.valid) if k == 0 else find_circuit(scores, edges=k).edges for k in counts]
+    if not isinstance(scores, EdgeScores):
+        raise TypeError(f"scores must be EdgeScores (from edge_scores); got {type(scores).__name__}")
+    if tuple(scores.valid.shape) != tuple(graph.valid.shape):
+        raise ValueError(
+            f"scores are for a graph of {list(scores.valid.shape)} senders x receivers; this model's is "
+            f"{list(graph.valid.shape)}"
+        )
+    # find_circuit's top-k edges for every k from one sort (the same order as each of its calls)
+    order = torch.where(scores.valid, scores.scores.abs(), -1.0).flatten().argsort(descending=True)
+    masks = []
+    for k in counts:
+        mask = torch.zeros(graph.valid.numel(), dtype=torch.bool)
+        mask[order[:k]] = True
+        masks.append(mask.view_as(graph.valid))
     metrics = _circuit_metrics(module, graph, task, masks, batch_size)
     clean_m, corrupt_m = metrics[-1], metrics[0]  # k = total and k = 0
     f = [_normalised(m, clean_m, corrupt_m) for m in metrics]
