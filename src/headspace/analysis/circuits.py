@@ -45,7 +45,7 @@ from ..core.checks import is_int
 from ..core.progress import progress_bar
 from ._common import JsonResult, eval_mode
 from .causal_inputs import stack_of
-from .graph import Graph, graph_grads, graph_of, run_graph
+from .graph import Graph, _plan, _run_rows, graph_grads, graph_of, run_graph
 from .tasks import Task, ioi_task
 
 __all__ = [
@@ -308,6 +308,15 @@ def find_circuit(scores: EdgeScores, edges: int | None = None, *, threshold: flo
     )
 
 
+def _rows_metric(module: Any, rows: Tensor, task: Task) -> Tensor:
+    """:func:`_metric` from the final norm's output rows [n, d_model]: only the answer's and the other
+    token's columns of the unembedding."""
+    W_U = module.W_U  # (d_model, vocab)
+    answer = (rows * W_U[:, task.answer.to(rows.device)].T).sum(-1)  # (n,)
+    other = (rows * W_U[:, task.other.to(rows.device)].T).sum(-1)  # (n,)
+    return answer - other
+
+
 @torch.no_grad()
 def _circuit_metrics(
     module: Any, graph: Graph, task: Task, masks: Sequence[Tensor], batch_size: int
@@ -315,27 +324,39 @@ def _circuit_metrics(
     """Mean metric over pairs of the graph run with each edge mask (True = in the circuit), batched.
 
     The empty circuit is the corrupt run itself (every receiver reads the corrupt stream), the full one
-    the clean run (nothing patched); every other circuit is one patched run from the clean embeddings."""
+    the clean run (nothing patched); every other circuit is one patched run from the clean embeddings,
+    its plan (which heads and MLPs it computes, which edges each receiver block adds or takes away) made
+    once for all batches. The metric reads only the answer's and the other token's logits."""
     dev = _device(module)
     totals = [0.0] * len(masks)
-    missing = [(graph.valid & ~mask).to(dev) for mask in masks]  # (n_senders, n_receivers) each
+    missing = [graph.valid & ~mask.cpu() for mask in masks]  # (n_senders, n_receivers) each
+    ends = ["clean" if not m.any() else "corrupt" if bool(m.equal(graph.valid)) else None for m in missing]
+    plans: list[Any] = [None] * len(masks)
     with eval_mode(module):
         parts = _chunks(task, batch_size)
         for part in progress_bar(parts, desc="circuit runs", total=len(parts)):
             last = part.last.to(dev)
-            corrupt = run_graph(module, graph, module.embed(part.corrupt.to(dev)), last, keep_acts=True)
+            e_corrupt = module.embed(part.corrupt.to(dev))
+            corrupt = _run_rows(module, graph, e_corrupt, last, keep_acts=True)
             e_clean = module.embed(part.clean.to(dev))
             clean = None
             for i, miss in enumerate(missing):
-                if not miss.any():
+                if ends[i] == "clean":
                     if clean is None:
-                        clean = run_graph(module, graph, e_clean, last).logits
-                    logits = clean
-                elif bool((miss == graph.valid.to(dev)).all()):
-                    logits = corrupt.logits
+                        clean = _run_rows(module, graph, e_clean, last).rows
+                    rows = clean
+                elif ends[i] == "corrupt":
+                    rows = corrupt.rows
                 else:
-                    logits = run_graph(module, graph, e_clean, last, corrupt=corrupt, missing=miss).logits
-                totals[i] += float(_metric(logits, part).sum()) / len(task)
+                    if plans[i] is None:
+                        plans[i] = _plan(
+                            module, graph, miss, resids=True, prune=True, full=False, dtype=e_clean.dtype,
+                            device=e_clean.device,
+                        )  # fmt: skip
+                    rows = _run_rows(
+                        module, graph, e_clean, last, corrupt=corrupt, missing=miss, plan=plans[i]
+                    ).rows
+                totals[i] += float(_rows_metric(module, rows, part).sum()) / len(task)
     return totals
 
 
