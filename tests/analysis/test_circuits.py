@@ -29,10 +29,12 @@ from headspace.cli import cli
 V, S = 53, 9  # vocabulary, sequence length
 
 
-def make_model(kind: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+def make_model(
+    kind: str, dtype: torch.dtype = torch.float32, seed: int = 0, n_layers: int = 3
+) -> torch.nn.Module:
     """A random model of one family, with non-trivial norms and biases."""
     torch.manual_seed(seed)
-    common = dict(vocab_size=V, d_model=30, n_layers=3, d_mlp=44, max_seq_len=32, dropout=0.0,
+    common = dict(vocab_size=V, d_model=30, n_layers=n_layers, d_mlp=44, max_seq_len=32, dropout=0.0,
                   attn_dropout=0.0, emb_dropout=0.0)  # fmt: skip
     if kind == "gpt2":
         cfg = hs.ModelConfig(arch="decoder", n_heads=5, **common)
@@ -321,7 +323,8 @@ def test_circuit_run_computes_only_what_reaches_the_logits(kind: str, case: int 
                  device=torch.device("cpu"))  # fmt: skip
     if case == "gather":  # every sender before layer 2 computed, two of them read
         assert plan.n_slots == len(graph.senders)
-        rows = plan.layers[2].rows
+        rows = _plan(model, graph, missing, resids=True, prune=True, full=False, dtype=torch.float64,
+                     device=torch.device("cpu"), block=1).layers[2].near  # fmt: skip
         assert rows.slots is not None and rows.slots.tolist() == [0, graph.attn_senders(2) - 1]
     elif case == 20:
         assert any(lp.sel is not None and lp.sel.heads is not None for lp in plan.layers)  # some heads
@@ -345,6 +348,34 @@ def test_circuit_run_computes_only_what_reaches_the_logits(kind: str, case: int 
     assert_close(with_acts.acts, torch.stack([ref_acts[n] for n in graph.senders]), atol=1e-10, rtol=1e-10)
     n_inputs = [t.shape[0] for t in inputs.inputs]  # per layer its q/k/v receivers, its MLP; the logits
     assert n_inputs == [graph.per_layer - 1, 1] * graph.n_layers + [1]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_blocks_shared_product_equals_each_layers_own(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The receivers of a few layers at a time take their part from the senders before those layers in
+    one product (here forced wherever it reads fewer rows than the layers would), each layer its part
+    from the block's earlier senders in another: equal to the loop reference at one, two and five
+    layers a block (a five-layer model, half the edges)."""
+    from headspace.analysis import graph as G
+
+    model = make_model(kind, torch.float64, n_layers=5)
+    task = random_task()
+    graph = graph_of(model)
+    mask = torch.rand(graph.valid.shape, generator=torch.Generator().manual_seed(5)) < 0.5
+    missing = graph.valid & ~mask
+    monkeypatch.setattr(G, "_SHARED_WRITES", 0)
+    with torch.no_grad():
+        e_clean, e_corrupt = model.embed(task.clean), model.embed(task.corrupt)
+        corrupt = run_graph(model, graph, e_corrupt, task.last, keep_acts=True)
+        _, ref_corrupt = reference_run(model, e_corrupt, task.last, mask)
+        want, _ = reference_run(model, e_clean, task.last, mask, corrupt=ref_corrupt)
+        for block in (1, 2, 5):
+            plan = G._plan(model, graph, missing, resids=True, prune=True, full=False, dtype=torch.float64,
+                           device=torch.device("cpu"), block=block)  # fmt: skip
+            shared = [lp.far is not None and lp.far.coef is not None for lp in plan.layers]
+            assert any(shared) == (block > 1), shared
+            run = G._run_rows(model, graph, e_clean, task.last, corrupt=corrupt, missing=missing, plan=plan)
+            assert_close(run.rows @ model.W_U, want, atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])

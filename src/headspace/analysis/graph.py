@@ -333,7 +333,9 @@ class _LayerPlan:
     sel: _Sel | None  # the heads computed (None: none, their outputs the corrupt run's)
     head_slot: int  # the delta slot of the first computed head (they are consecutive)
     mlp_slot: int | None  # the MLP's slot; None: not computed
-    rows: _Rows  # the attention receivers' inputs, then the MLP's part from earlier senders
+    far: _Rows | None  # on a block's first layer: every layer's part from the senders before the block
+    far_cols: slice  # this layer's receivers among the block's
+    near: _Rows  # its part from the block's earlier senders
     n_attn: int  # attention receivers computed
     attn_side: _Side
     mlp_side: _Side | None
@@ -371,16 +373,21 @@ def _choose(kept: Tensor, missing: Tensor, extra: tuple[Tensor, Tensor], can_kee
     return min(options, key=cost)
 
 
-def _rows_of(kept: Tensor, missing: Tensor, side: Tensor, dtype: torch.dtype, device: torch.device) -> _Rows:
-    """The product over rows 0..n-1 (the slots of the senders computed so far) that ``side`` reads."""
-    coef = torch.where(side, kept.to(dtype), -missing.to(dtype))  # (n_rows, n_cols)
+def _coef(kept: Tensor, missing: Tensor, side: Tensor, dtype: torch.dtype) -> Tensor:
+    """+1 on the kept edges of the receivers that start from the corrupt stream, -1 on the missing edges
+    of the others: [n_rows, n_cols]."""
+    return torch.where(side, kept.to(dtype), -missing.to(dtype))
+
+
+def _rows_of(coef: Tensor, offset: int, device: torch.device) -> _Rows:
+    """The product with ``coef`` [n_rows, n_cols] over the slots ``offset .. offset + n_rows - 1``."""
     used = coef.ne(0).any(1).nonzero()[:, 0]  # (n_used,)
     if used.numel() == 0:
         return _Rows(None)
     lo, hi = int(used[0]), int(used[-1]) + 1
     if hi - lo <= 3 * used.numel():  # a gather reads, writes and reads again each row it keeps
-        return _Rows(coef[lo:hi].to(device), span=(lo, hi))
-    return _Rows(coef[used].to(device), slots=used.to(device))
+        return _Rows(coef[lo:hi].to(device), span=(offset + lo, offset + hi))
+    return _Rows(coef[used].to(device), slots=(offset + used).to(device))
 
 
 def _side_of(side: Tensor, device: torch.device) -> _Side:
@@ -391,9 +398,16 @@ def _side_of(side: Tensor, device: torch.device) -> _Side:
     return _Side("mixed", side.to(device))
 
 
+#: Layers whose receivers share one product of the earlier senders' deltas in a patched run.
+_BLOCK_LAYERS = 5
+#: What that shared product costs beyond reading its rows, in delta rows per receiver: its output written,
+#: read back and added to (weighed against each layer reading the rows itself).
+_SHARED_WRITES = 3
+
+
 def _plan(
     module: nn.Module, graph: Graph, missing: Tensor, *, resids: bool, prune: bool, full: bool,
-    dtype: torch.dtype, device: torch.device,
+    dtype: torch.dtype, device: torch.device, block: int = _BLOCK_LAYERS,
 ) -> _Plan:  # fmt: skip
     """What a run with ``missing`` edges computes. With ``a_u`` this run's activations and ``delta_u = a_u
     - a_u^corrupt``, a receiver reads ``x_v = resid^corrupt_v + sum_{u kept} delta_u = resid_v - sum_{u
@@ -406,7 +420,9 @@ def _plan(
       logits, or one of a computed node); a node that is not needed changes nothing the logits read, so
       it may carry its corrupt output too;
     * each receiver block reads, per receiver, the side with fewer rows (see :func:`_choose`); the delta
-      buffer holds the computed senders only, in order, so a block reads a range of it or gathers.
+      buffer holds the computed senders only, in order, so a product reads a range of it or gathers;
+      the receivers of ``block`` layers at a time take their part from the senders before them in one
+      product, and each layer its part from the block's earlier senders in another.
 
     ``full``: compute every node (each receiver's input is returned).
     """
@@ -440,8 +456,9 @@ def _plan(
         need[base + H : base + H + G] = groups
         need[base + H + G : base + per - 1] = groups
     slot = torch.cumsum(computed, 0) - 1  # (n_senders,): each computed sender's row in the delta buffer
-    layers = []
-    for lay, block in enumerate(module.blocks):
+    layers: list[_LayerPlan] = []
+    coefs: list[Tensor] = []  # per layer (n_pre, n_cols): its receivers' coefficients on the earlier slots
+    for lay, layer in enumerate(module.blocks):
         n, base = graph.attn_senders(lay), lay * per
         pre = computed[:n].nonzero()[:, 0]  # (n_pre,): the senders before the attention, by slot
         heads = computed[n : n + H].nonzero()[:, 0]
@@ -466,16 +483,36 @@ def _plan(
         if heads.numel():
             all_heads = heads.numel() == H
             sel = _Sel(
-                block.attn, None if all_heads else heads.to(device), None if all_heads else groups.to(device)
+                layer.attn, None if all_heads else heads.to(device), None if all_heads else groups.to(device)
             )
+        coefs.append(_coef(k_pre, m_pre, side, dtype))  # (n_pre, n_cols)
         layers.append(
             _LayerPlan(
                 sel=sel, head_slot=int(slot[n + heads[0]]) if heads.numel() else -1,
-                mlp_slot=int(slot[n + H]) if mlp else None, rows=_rows_of(k_pre, m_pre, side, dtype, device),
+                mlp_slot=int(slot[n + H]) if mlp else None, far=None, far_cols=slice(0), near=_Rows(None),
                 n_attn=n_attn, attn_side=_side_of(side[:n_attn], device),
                 mlp_side=_side_of(side[n_attn:], device) if mlp else None, mlp_heads=mlp_heads,
             )
         )  # fmt: skip
+    # per block of layers, one product of the senders before the block for all its receivers, and per
+    # layer one of the senders inside the block before it: each delta row is read about once per block
+    # rather than once per layer, and the block's product is wide enough to be compute-bound. Where the
+    # block's product would write more than it saves reading (few rows before it), each layer reads all
+    for start in range(0, L, block):
+        lays = range(start, min(L, start + block))
+        s0 = coefs[start].shape[0]  # the slots before the block
+        widths = [coefs[lay].shape[1] for lay in lays]
+        before = torch.cat([coefs[lay][:s0] for lay in lays], 1)  # (s0, n_cols of the block)
+        per_layer = sum(int(coefs[lay][:s0].ne(0).any(1).sum()) for lay in lays)  # rows read layer by layer
+        shared = int(before.ne(0).any(1).sum()) + _SHARED_WRITES * sum(widths)  # read once; its output
+        if shared >= per_layer:
+            s0, before = 0, before[:0]
+        layers[start].far = _rows_of(before, 0, device)
+        offset = 0
+        for lay, width in zip(lays, widths):
+            layers[lay].far_cols = slice(offset, offset + width)
+            layers[lay].near = _rows_of(coefs[lay][s0:], s0, device)
+            offset += width
     done = computed.nonzero()[:, 0]
     k_l, m_l = kept[done][:, -1:], missing[done][:, -1:]  # (n_slots, 1) x 2
     zero = torch.zeros(1, dtype=torch.long)
@@ -485,7 +522,7 @@ def _plan(
     own = any(s.kind != "corrupt" for s in [*sides, logits_side])
     return _Plan(
         missing=missing, resids=resids, n_slots=int(computed.sum()), layers=layers,
-        logits=_rows_of(k_l, m_l, side, dtype, device), logits_side=logits_side, own=own,
+        logits=_rows_of(_coef(k_l, m_l, side, dtype), 0, device), logits_side=logits_side, own=own,
     )  # fmt: skip
 
 
@@ -519,10 +556,16 @@ def _patched(
     own = x  # this run's residual stream, where a receiver starts from it (or it is returned)
     track = plan.own or keep_acts
     acts, inputs, resids = [x[None]], [], []
+    far: Tensor | None = None  # the current block's part from the senders before it
     for lay, (block, lp) in enumerate(zip(module.blocks, plan.layers)):
         attn = block.attn
         n, H = graph.attn_senders(lay), attn.n_heads
-        patch = lp.rows.product(delta)  # (n_cols, B, S, d) or None
+        if lp.far is not None:  # a block's first layer: the block's part from the senders before it
+            far = lp.far.product(delta)  # (n_cols of the block, B, S, d) or None
+        patch = None if far is None else far[lp.far_cols]  # (n_cols, B, S, d): a view
+        near = lp.near.product(delta)  # (n_cols, B, S, d) or None
+        if near is not None:
+            patch = near if patch is None else patch.add_(near)
         if keep_acts:
             resids.append(own)
         heads = acts_c[n : n + H]  # (H, B, S, d): the corrupt run's, where not computed
