@@ -25,7 +25,9 @@ every edge outside ``C`` carries its corrupt activation, all pairs batched, and:
     f(C) = (M(C) - M(empty)) / (M(full) - M(empty))
 
 with ``M(full)`` (every edge in: the clean run, nothing patched) and ``M(empty)`` (every edge corrupt: the
-corrupt run) from the same graph runs, so ``f(full) == 1`` and ``f(empty) == 0`` exactly.
+corrupt run) from the same graph runs, so ``f(full) == 1`` and ``f(empty) == 0`` exactly. A circuit's run
+computes only the heads and MLPs that can change ``M`` (see :mod:`.graph`; the same metric, not an
+approximation) and reads only the answer's and the other token's logits.
 :func:`faithfulness_curve` measures ``f`` at circuit sizes given as fractions of the edges (MIB's 0.1% ..
 100% by default) and its areas as MIB (Mueller et al. 2025) defines them, by the trapezoid rule over the
 fraction of edges:
