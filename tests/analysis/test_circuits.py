@@ -29,10 +29,12 @@ from headspace.cli import cli
 V, S = 53, 9  # vocabulary, sequence length
 
 
-def make_model(kind: str, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+def make_model(
+    kind: str, dtype: torch.dtype = torch.float32, seed: int = 0, n_layers: int = 3
+) -> torch.nn.Module:
     """A random model of one family, with non-trivial norms and biases."""
     torch.manual_seed(seed)
-    common = dict(vocab_size=V, d_model=30, n_layers=3, d_mlp=44, max_seq_len=32, dropout=0.0,
+    common = dict(vocab_size=V, d_model=30, n_layers=n_layers, d_mlp=44, max_seq_len=32, dropout=0.0,
                   attn_dropout=0.0, emb_dropout=0.0)  # fmt: skip
     if kind == "gpt2":
         cfg = hs.ModelConfig(arch="decoder", n_heads=5, **common)
@@ -301,6 +303,89 @@ def test_patched_run_from_either_side_equals_the_edge_by_edge_run(kind: str, den
     assert_close(got, want, atol=1e-10, rtol=1e-10)
     assert_close(by_acts, want, atol=1e-10, rtol=1e-10)
     assert torch.equal(none, corrupt.logits)  # no edge kept: every receiver reads the corrupt stream
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+@pytest.mark.parametrize("case", [10, 20, 45, "gather"])
+def test_circuit_run_computes_only_what_reaches_the_logits(kind: str, case: int | str) -> None:
+    """A patched run computes a head or MLP only where it changes (a receiver of it keeps an edge from
+    a sender that changed) and is read (it keeps an edge into the logits or a computed node): the top-k
+    circuits of EAP scores compute some heads of a layer (under GQA some key/value heads), and "gather"
+    (one layer's attention reads only the embeddings and the previous MLP) gathers two rows of many.
+    Equal to the loop reference with the corrupt GraphRun, with its activations only (every node that
+    reaches the logits computed), with keep_acts (every sender's activation, nothing left out for not
+    being read) and keep_inputs (every node computed)."""
+    from headspace.analysis.graph import _plan
+
+    model = make_model(kind, torch.float64)
+    task = random_task()
+    graph = graph_of(model)
+    if case == "gather":
+        mask = graph.valid.clone()
+        lay, per = 2, graph.per_layer
+        cols = slice(lay * per, lay * per + per - 1)  # layer 2's q/k/v receivers
+        mask[:, cols] = False
+        mask[[0, graph.attn_senders(lay) - 1], cols] = True  # the embeddings and mlp1 only
+    else:
+        mask = C.find_circuit(C.edge_scores(model, task, "eap"), edges=case).edges
+    missing = graph.valid & ~mask
+    plan = _plan(model, graph, missing, resids=True, prune=True, full=False, dtype=torch.float64,
+                 device=torch.device("cpu"))  # fmt: skip
+    if case == "gather":  # every sender before layer 2 computed, two of them read
+        assert plan.n_slots == len(graph.senders)
+        rows = _plan(model, graph, missing, resids=True, prune=True, full=False, dtype=torch.float64,
+                     device=torch.device("cpu"), block=1).layers[2].near  # fmt: skip
+        assert rows.slots is not None and rows.slots.tolist() == [0, graph.attn_senders(2) - 1]
+    elif case == 20:
+        assert any(lp.sel is not None and lp.sel.heads is not None for lp in plan.layers)  # some heads
+        assert plan.n_slots < len(graph.senders)
+    with torch.no_grad():
+        e_clean, e_corrupt = model.embed(task.clean), model.embed(task.corrupt)
+        corrupt = run_graph(model, graph, e_corrupt, task.last, keep_acts=True)
+        _, ref_corrupt = reference_run(model, e_corrupt, task.last, mask)
+        want, ref_acts = reference_run(model, e_clean, task.last, mask, corrupt=ref_corrupt)
+        got = run_graph(model, graph, e_clean, task.last, corrupt=corrupt, missing=missing)
+        by_acts = run_graph(model, graph, e_clean, task.last, corrupt=corrupt.acts, missing=missing)
+        with_acts = run_graph(
+            model, graph, e_clean, task.last, corrupt=corrupt, missing=missing, keep_acts=True
+        )
+        inputs = run_graph(
+            model, graph, e_clean, task.last, corrupt=corrupt, missing=missing, keep_inputs=True
+        )
+    for run in (got, by_acts, with_acts, inputs):
+        assert_close(run.logits, want, atol=1e-10, rtol=1e-10)
+    assert with_acts.acts is not None and with_acts.resids is not None
+    assert_close(with_acts.acts, torch.stack([ref_acts[n] for n in graph.senders]), atol=1e-10, rtol=1e-10)
+    n_inputs = [t.shape[0] for t in inputs.inputs]  # per layer its q/k/v receivers, its MLP; the logits
+    assert n_inputs == [graph.per_layer - 1, 1] * graph.n_layers + [1]
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_a_blocks_shared_product_equals_each_layers_own(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The receivers of a few layers at a time take their part from the senders before those layers in
+    one product (here forced wherever it reads fewer rows than the layers would), each layer its part
+    from the block's earlier senders in another: equal to the loop reference at one, two and five
+    layers a block (a five-layer model, half the edges)."""
+    from headspace.analysis import graph as G
+
+    model = make_model(kind, torch.float64, n_layers=5)
+    task = random_task()
+    graph = graph_of(model)
+    mask = torch.rand(graph.valid.shape, generator=torch.Generator().manual_seed(5)) < 0.5
+    missing = graph.valid & ~mask
+    monkeypatch.setattr(G, "_SHARED_WRITES", 0)
+    with torch.no_grad():
+        e_clean, e_corrupt = model.embed(task.clean), model.embed(task.corrupt)
+        corrupt = run_graph(model, graph, e_corrupt, task.last, keep_acts=True)
+        _, ref_corrupt = reference_run(model, e_corrupt, task.last, mask)
+        want, _ = reference_run(model, e_clean, task.last, mask, corrupt=ref_corrupt)
+        for block in (1, 2, 5):
+            plan = G._plan(model, graph, missing, resids=True, prune=True, full=False, dtype=torch.float64,
+                           device=torch.device("cpu"), block=block)  # fmt: skip
+            shared = [lp.far is not None and lp.far.coef is not None for lp in plan.layers]
+            assert any(shared) == (block > 1), shared
+            run = G._run_rows(model, graph, e_clean, task.last, corrupt=corrupt, missing=missing, plan=plan)
+            assert_close(run.rows @ model.W_U, want, atol=1e-10, rtol=1e-10)
 
 
 @pytest.mark.parametrize("kind", ["gpt2", "llama"])

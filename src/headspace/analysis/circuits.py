@@ -25,7 +25,9 @@ every edge outside ``C`` carries its corrupt activation, all pairs batched, and:
     f(C) = (M(C) - M(empty)) / (M(full) - M(empty))
 
 with ``M(full)`` (every edge in: the clean run, nothing patched) and ``M(empty)`` (every edge corrupt: the
-corrupt run) from the same graph runs, so ``f(full) == 1`` and ``f(empty) == 0`` exactly.
+corrupt run) from the same graph runs, so ``f(full) == 1`` and ``f(empty) == 0`` exactly. A circuit's run
+computes only the heads and MLPs that can change ``M`` (see :mod:`.graph`; the same metric, not an
+approximation) and reads only the answer's and the other token's logits.
 :func:`faithfulness_curve` measures ``f`` at circuit sizes given as fractions of the edges (MIB's 0.1% ..
 100% by default) and its areas as MIB (Mueller et al. 2025) defines them, by the trapezoid rule over the
 fraction of edges:
@@ -45,7 +47,7 @@ from ..core.checks import is_int
 from ..core.progress import progress_bar
 from ._common import JsonResult, eval_mode
 from .causal_inputs import stack_of
-from .graph import Graph, graph_grads, graph_of, run_graph
+from .graph import Graph, _plan, _run_rows, graph_grads, graph_of, run_graph
 from .tasks import Task, ioi_task
 
 __all__ = [
@@ -299,13 +301,22 @@ def find_circuit(scores: EdgeScores, edges: int | None = None, *, threshold: flo
             raise ValueError(f"threshold must be a number >= 0 (an |edge score|); got {threshold!r}")
         mask = scores.valid & (mag >= threshold)
     R = mag.shape[1]
-    idx = [i for i in mag.flatten().argsort(descending=True).tolist() if mask.flatten()[i]]
-    listed = [
-        (scores.senders[i // R], scores.receivers[i % R], float(scores.scores.flatten()[i])) for i in idx
-    ]
+    by_size = mag.flatten().argsort(descending=True)
+    idx = by_size[mask.flatten()[by_size]].tolist()  # the circuit's edges, largest |score| first
+    values = scores.scores.flatten()[idx].tolist()
+    listed = [(scores.senders[i // R], scores.receivers[i % R], v) for i, v in zip(idx, values)]
     return Circuit(
         edges=mask, senders=scores.senders, receivers=scores.receivers, kinds=scores.kinds, listed=listed
     )
+
+
+def _rows_metric(module: Any, rows: Tensor, task: Task) -> Tensor:
+    """:func:`_metric` from the final norm's output rows [n, d_model]: only the answer's and the other
+    token's columns of the unembedding."""
+    W_U = module.W_U  # (d_model, vocab)
+    answer = (rows * W_U[:, task.answer.to(rows.device)].T).sum(-1)  # (n,)
+    other = (rows * W_U[:, task.other.to(rows.device)].T).sum(-1)  # (n,)
+    return answer - other
 
 
 @torch.no_grad()
@@ -315,27 +326,39 @@ def _circuit_metrics(
     """Mean metric over pairs of the graph run with each edge mask (True = in the circuit), batched.
 
     The empty circuit is the corrupt run itself (every receiver reads the corrupt stream), the full one
-    the clean run (nothing patched); every other circuit is one patched run from the clean embeddings."""
+    the clean run (nothing patched); every other circuit is one patched run from the clean embeddings,
+    its plan (which heads and MLPs it computes, which edges each receiver block adds or takes away) made
+    once for all batches. The metric reads only the answer's and the other token's logits."""
     dev = _device(module)
     totals = [0.0] * len(masks)
-    missing = [(graph.valid & ~mask).to(dev) for mask in masks]  # (n_senders, n_receivers) each
+    missing = [graph.valid & ~mask.cpu() for mask in masks]  # (n_senders, n_receivers) each
+    ends = ["clean" if not m.any() else "corrupt" if bool(m.equal(graph.valid)) else None for m in missing]
+    plans: list[Any] = [None] * len(masks)
     with eval_mode(module):
         parts = _chunks(task, batch_size)
         for part in progress_bar(parts, desc="circuit runs", total=len(parts)):
             last = part.last.to(dev)
-            corrupt = run_graph(module, graph, module.embed(part.corrupt.to(dev)), last, keep_acts=True)
+            e_corrupt = module.embed(part.corrupt.to(dev))
+            corrupt = _run_rows(module, graph, e_corrupt, last, keep_acts=True)
             e_clean = module.embed(part.clean.to(dev))
             clean = None
             for i, miss in enumerate(missing):
-                if not miss.any():
+                if ends[i] == "clean":
                     if clean is None:
-                        clean = run_graph(module, graph, e_clean, last).logits
-                    logits = clean
-                elif bool((miss == graph.valid.to(dev)).all()):
-                    logits = corrupt.logits
+                        clean = _run_rows(module, graph, e_clean, last).rows
+                    rows = clean
+                elif ends[i] == "corrupt":
+                    rows = corrupt.rows
                 else:
-                    logits = run_graph(module, graph, e_clean, last, corrupt=corrupt, missing=miss).logits
-                totals[i] += float(_metric(logits, part).sum()) / len(task)
+                    if plans[i] is None:
+                        plans[i] = _plan(
+                            module, graph, miss, resids=True, prune=True, full=False, dtype=e_clean.dtype,
+                            device=e_clean.device,
+                        )  # fmt: skip
+                    rows = _run_rows(
+                        module, graph, e_clean, last, corrupt=corrupt, missing=miss, plan=plans[i]
+                    ).rows
+                totals[i] += float(_rows_metric(module, rows, part).sum()) / len(task)
     return totals
 
 
@@ -402,7 +425,20 @@ def faithfulness_curve(
         raise ValueError(f"fractions must lie in [0, 1]; got {list(fractions)}")
     total = graph.n_edges
     counts = [0 if f == 0 else max(1, round(f * total)) for f in fr]
-    masks = [torch.zeros_like(graph.valid) if k == 0 else find_circuit(scores, edges=k).edges for k in counts]
+    if not isinstance(scores, EdgeScores):
+        raise TypeError(f"scores must be EdgeScores (from edge_scores); got {type(scores).__name__}")
+    if tuple(scores.valid.shape) != tuple(graph.valid.shape):
+        raise ValueError(
+            f"scores are for a graph of {list(scores.valid.shape)} senders x receivers; this model's is "
+            f"{list(graph.valid.shape)}"
+        )
+    # find_circuit's top-k edges for every k from one sort (the same order as each of its calls)
+    order = torch.where(scores.valid, scores.scores.abs(), -1.0).flatten().argsort(descending=True)
+    masks = []
+    for k in counts:
+        mask = torch.zeros(graph.valid.numel(), dtype=torch.bool)
+        mask[order[:k]] = True
+        masks.append(mask.view_as(graph.valid))
     metrics = _circuit_metrics(module, graph, task, masks, batch_size)
     clean_m, corrupt_m = metrics[-1], metrics[0]  # k = total and k = 0
     f = [_normalised(m, clean_m, corrupt_m) for m in metrics]
