@@ -314,8 +314,9 @@ def test_circuit_run_computes_only_what_reaches_the_logits(kind: str, case: int 
     (one layer's attention reads only the embeddings and the previous MLP) gathers two rows of many.
     Equal to the loop reference with the corrupt GraphRun, with its activations only (every node that
     reaches the logits computed), with keep_acts (every sender's activation, nothing left out for not
-    being read) and keep_inputs (every node computed)."""
-    from headspace.analysis.graph import _plan
+    being read) and keep_inputs (every node computed), and given the corrupt run's mixed values (each
+    head's delta from its own, as the curve runs it)."""
+    from headspace.analysis.graph import _plan, _run_rows
 
     model = make_model(kind, torch.float64)
     task = random_task()
@@ -352,10 +353,21 @@ def test_circuit_run_computes_only_what_reaches_the_logits(kind: str, case: int 
         inputs = run_graph(
             model, graph, e_clean, task.last, corrupt=corrupt, missing=missing, keep_inputs=True
         )
+        # given the corrupt run's mixed values too (as the curve does): the heads' deltas from them
+        corrupt_z = _run_rows(model, graph, e_corrupt, task.last, keep_acts=True)
+        assert corrupt_z.zs is not None
+        by_z = [
+            _run_rows(model, graph, e_clean, task.last, corrupt=corrupt_z, missing=missing, keep_acts=keep)
+            for keep in (False, True)
+        ]
     for run in (got, by_acts, with_acts, inputs):
         assert_close(run.logits, want, atol=1e-10, rtol=1e-10)
-    assert with_acts.acts is not None and with_acts.resids is not None
-    assert_close(with_acts.acts, torch.stack([ref_acts[n] for n in graph.senders]), atol=1e-10, rtol=1e-10)
+    for rows in by_z:
+        assert_close(rows.rows @ model.W_U, want, atol=1e-10, rtol=1e-10)
+    ref = torch.stack([ref_acts[n] for n in graph.senders])  # (n_senders, B, S, d)
+    assert with_acts.acts is not None and with_acts.resids is not None and by_z[1].acts is not None
+    assert_close(with_acts.acts, ref, atol=1e-10, rtol=1e-10)
+    assert_close(by_z[1].acts, ref, atol=1e-10, rtol=1e-10)
     n_inputs = [t.shape[0] for t in inputs.inputs]  # per layer its q/k/v receivers, its MLP; the logits
     assert n_inputs == [graph.per_layer - 1, 1] * graph.n_layers + [1]
 

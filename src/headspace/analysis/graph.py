@@ -268,20 +268,21 @@ def _heads(attn: Any, z: Tensor) -> Tensor:
     return torch.einsum("bhse,hem->hbsm", z, attn.W_O)  # (H, B, S, d_model)
 
 
-def _attention(attn: MultiHeadAttention, x: Tensor, tables: _Tables) -> Tensor:
-    """Heads' outputs [H, B, S, d_model] from normalised inputs (shared [B, S, d] or per receiver)."""
-    return _heads(attn, _mix(attn, *_project(attn, x), tables))
-
-
-def _attention_of(attn: MultiHeadAttention, norm: nn.Module, x: Tensor, sel: _Sel, tables: _Tables) -> Tensor:
-    """The outputs [n, B, S, d_model] of ``sel``'s heads from raw (not yet normalised) inputs: x [B, S, d]
+def _mixed_of(attn: MultiHeadAttention, norm: nn.Module, x: Tensor, sel: _Sel, tables: _Tables) -> Tensor:
+    """The mixed values z [B, n, S, dh] of ``sel``'s heads from raw (not yet normalised) inputs: x [B, S, d]
     read by all of them, or [n + 2 n_groups, B, S, d] (their queries', then their key/value heads' keys and
     values), each receiver its own."""
     if x.dim() == 4 and _foldable(norm, x):
         q, k, v = _project_folded(sel, norm, x)
     else:
         q, k, v = _project(sel, norm(x))
-    return _heads(sel, _mix(attn, q, k, v, tables, sel))
+    return _mix(attn, q, k, v, tables, sel)
+
+
+def _summed(attn: MultiHeadAttention, z: Tensor) -> Tensor:
+    """The heads' outputs summed, ``sum_h z_h W_O[h]`` [B, S, d_model] from z [B, H, S, dh], by one fused
+    product."""
+    return z.transpose(1, 2).flatten(2) @ attn.W_O.flatten(0, 1)  # (B, S, H dh) @ (H dh, d)
 
 
 # ------------------------------------------------------------------------------------ patched runs
@@ -540,14 +541,19 @@ class _Rowsrun:
     acts: Tensor | None
     inputs: list[Tensor]
     resids: list[Tensor] | None
+    zs: list[Tensor] | None = None  # with keep_acts, unpatched: per layer the mixed values [B, H, S, dh]
 
 
 def _patched(
     module: nn.Module, graph: Graph, x: Tensor, last: Tensor, acts_c: Tensor, resids_c: list[Tensor] | None,
-    plan: _Plan, keep_acts: bool, keep_inputs: bool,
+    zs_c: list[Tensor] | None, plan: _Plan, keep_acts: bool, keep_inputs: bool,
 ) -> tuple[Tensor, list[Tensor], list[Tensor], list[Tensor]]:  # fmt: skip
     """The patched run of ``plan``: the final-norm input rows [B, d] at ``last``; with ``keep_acts`` the
-    senders' activations and this run's residual streams; with ``keep_inputs`` the receivers' inputs."""
+    senders' activations and this run's residual streams; with ``keep_inputs`` the receivers' inputs.
+
+    Given the corrupt run's mixed values ``zs_c``, a head's delta is ``(z_h - z_h^corrupt) W_O[h]``,
+    written straight into the delta buffer, and this run's stream adds the heads by one fused product;
+    else the heads' outputs are computed and the corrupt ones taken from them."""
     B, S, d = x.shape
     per = graph.per_layer
     tables = _Tables(torch.arange(S, device=x.device))  # positions (S,)
@@ -575,19 +581,30 @@ def _patched(
             )  # (B, S, d) or (n_attn, B, S, d)
             if keep_inputs:
                 inputs.append(_per_receiver(inp, per - 1))
-            out = _attention_of(attn, block.ln1, inp, lp.sel, tables)  # (n heads, B, S, d)
-            k = lp.sel.n_heads
-            if lp.sel.heads is None:
-                torch.sub(out, heads, out=delta[lp.head_slot : lp.head_slot + k])
-                heads = out
-            else:
-                torch.sub(
-                    out, heads.index_select(0, lp.sel.heads), out=delta[lp.head_slot : lp.head_slot + k]
-                )
+            z = _mixed_of(attn, block.ln1, inp, lp.sel, tables)  # (B, n heads, S, dh)
+            k, idx = lp.sel.n_heads, lp.sel.heads
+            rows_d = delta[lp.head_slot : lp.head_slot + k]  # (n heads, B, S, d)
+            if zs_c is not None:
+                z_c = zs_c[lay] if idx is None else zs_c[lay].index_select(1, idx)  # (B, n heads, S, dh)
+                dz = (z - z_c).transpose(0, 1).reshape(k, B * S, -1)  # (n heads, B S, dh)
+                torch.bmm(dz, lp.sel.W_O, out=rows_d.view(k, B * S, d))
+                if keep_acts:
+                    heads = heads + rows_d if idx is None else heads.index_add(0, idx, rows_d)  # (H, B, S, d)
                 if track:
-                    heads = heads.index_copy(0, lp.sel.heads, out)  # (H, B, S, d)
+                    z_all = z if idx is None else zs_c[lay].index_copy(1, idx, z)  # (B, H, S, dh)
+            else:
+                out = _heads(lp.sel, z)  # (n heads, B, S, d)
+                if idx is None:
+                    torch.sub(out, heads, out=rows_d)
+                    heads = out
+                else:
+                    torch.sub(out, heads.index_select(0, idx), out=rows_d)
+                    if track:
+                        heads = heads.index_copy(0, idx, out)  # (H, B, S, d)
+        elif zs_c is not None:
+            z_all = zs_c[lay]  # (B, H, S, dh)
         if track:
-            own = own + heads.sum(0)
+            own = own + (_summed(attn, z_all) if zs_c is not None else heads.sum(0))
             if attn.b_O is not None:
                 own = own + attn.b_O
         if keep_acts:
@@ -641,10 +658,11 @@ def _run_rows(
     ``missing`` made earlier, for ``corrupt`` a GraphRun with its resids)."""
     if missing is not None and torch.is_grad_enabled():
         raise RuntimeError("run_graph patches edges without autograd; call it under torch.no_grad()")
-    resids_c = None
+    resids_c = zs_c = None
     if isinstance(corrupt, (GraphRun, _Rowsrun)):
         if corrupt.acts is None:
             raise ValueError("run_graph's corrupt run must have its acts: run it with keep_acts=True")
+        zs_c = corrupt.zs if isinstance(corrupt, _Rowsrun) else None
         corrupt, resids_c = corrupt.acts, corrupt.resids
     B, S, _ = x.shape
     at = torch.arange(B, device=x.device)
@@ -657,11 +675,12 @@ def _run_rows(
         elif plan.resids and resids_c is None:
             raise ValueError("this plan starts blocks from the corrupt stream: give the corrupt GraphRun")
         rows, acts, inputs, resids = _patched(
-            module, graph, x, last, corrupt, resids_c, plan, keep_acts, keep_inputs
+            module, graph, x, last, corrupt, resids_c, zs_c, plan, keep_acts, keep_inputs
         )
+        zs = None
     else:
         tables = _Tables(torch.arange(S, device=x.device))  # positions (S,)
-        acts, inputs, resids = [x[None]], [], []
+        acts, inputs, resids, zs = [x[None]], [], [], []
         resid, n_qkv = x, graph.per_layer - 1
         for block in module.blocks:
             attn = block.attn
@@ -671,8 +690,13 @@ def _run_rows(
             if keep_inputs:
                 inp = _per_receiver(inp, n_qkv)  # (H + 2 Hkv, B, S, d)
                 inputs.append(inp)
-            heads = _attention(attn, block.ln1(inp), tables)  # (H, B, S, d)
-            resid = resid + heads.sum(0)
+            z = _mix(attn, *_project(attn, block.ln1(inp)), tables)  # (B, H, S, dh)
+            if keep_acts or keep_inputs:  # each head's own output
+                heads = _heads(attn, z)  # (H, B, S, d)
+                resid = resid + heads.sum(0)
+                zs.append(z)
+            else:
+                resid = resid + _summed(attn, z)
             if attn.b_O is not None:
                 resid = resid + attn.b_O
             if keep_acts:
@@ -692,7 +716,13 @@ def _run_rows(
         rows = final[0][at, last]  # (B, d_model)
     if module.ln_final is not None:
         rows = module.ln_final(rows)
-    return _Rowsrun(rows, torch.cat(acts, 0) if keep_acts else None, inputs, resids if keep_acts else None)
+    return _Rowsrun(
+        rows,
+        torch.cat(acts, 0) if keep_acts else None,
+        inputs,
+        resids if keep_acts else None,
+        zs if keep_acts and zs else None,
+    )
 
 
 def run_graph(
