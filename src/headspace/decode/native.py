@@ -26,7 +26,6 @@ import torch
 from torch import Tensor
 
 from ..kernels import native as library
-from ..nn.positions import rotary_tables
 from . import python
 from .kv_cache import KVCache
 from .step import DecodeStep, NamedFields, named_fields
@@ -63,9 +62,7 @@ def prepare(step: DecodeStep) -> Callable[..., Tensor] | None:
     if final is not None:
         obj.set_final_norm(*final)
     run_all = obj.run
-    rotaries = [layer.rotary for layer in step.layers]
-    # the rotations other than the step's own (Gemma 3's full layers' base): tables made per call
-    others = list({id(r): r for r in rotaries if r is not None and r is not step.rotary}.values())
+    tables = python.LayerTables(step)  # each layer's rotation tables, as the Python step's
     windowed = any(layer.window is not None for layer in step.layers)
     tensors = [t for fields in layers for t in fields[0].values()]  # what the keys' history could reach
     python_run: list[Callable[..., Tensor]] = []
@@ -80,14 +77,7 @@ def prepare(step: DecodeStep) -> Callable[..., Tensor] | None:
             if not python_run:
                 python_run.append(python.prepare(step))
             return python_run[0](x, caches, start, cos, sin)
-        tables: dict[int, tuple[Tensor | None, Tensor | None]] = {id(step.rotary): (cos, sin)}
-        if others:
-            positions = torch.arange(start, start + 1, device=x.device)  # (1,)
-            for r in others:
-                c, s = rotary_tables(r, positions, x.dtype, x.device)  # (1, 1, 1, rotary_dim) x 2
-                tables[id(r)] = c.squeeze(2), s.squeeze(2)  # (1, 1, rotary_dim): as the step's own
-        none = (None, None)
-        per_layer = [none if r is None else tables[id(r)] for r in rotaries]
+        per_layer = tables(x, start, cos, sin)
         held = [-1 if c.window is None else c.held for c in caches]  # a window's held positions
         return run_all(
             x,

@@ -231,26 +231,43 @@ def cache_views(caches: Sequence[KVCache], start: int) -> list[KV | KVCache]:
     ]
 
 
+Tables = tuple["Tensor | None", "Tensor | None"]
+
+
+class LayerTables:
+    """Each layer's rotation tables for one step, both backends': the step's own ``cos``/``sin`` (handed
+    to ``run``) where a layer has the step's rotation, the other rotations' (e.g. Gemma 3's full layers'
+    base) made once per call, (None, None) on NoPE layers. Each [1, 1, rotary_dim]."""
+
+    def __init__(self, step: DecodeStep) -> None:
+        self.step_rotary = step.rotary
+        self.rotaries = [layer.rotary for layer in step.layers]
+        self.others = list(
+            {id(r): r for r in self.rotaries if r is not None and r is not step.rotary}.values()
+        )
+
+    def __call__(self, x: Tensor, start: int, cos: Tensor | None, sin: Tensor | None) -> list[Tables]:
+        tables: dict[int, Tables] = {id(self.step_rotary): (cos, sin)}
+        if self.others:
+            positions = torch.arange(start, start + 1, device=x.device)  # (1,)
+            for r in self.others:
+                c, s = rotary_tables(r, positions, x.dtype, x.device)  # (1, 1, 1, rotary_dim) x 2
+                tables[id(r)] = c.squeeze(2), s.squeeze(2)  # (1, 1, rotary_dim): as the step's own
+        return [(None, None) if r is None else tables[id(r)] for r in self.rotaries]
+
+
 def prepare(step: DecodeStep) -> Callable[..., Tensor]:
     """The ``"python"`` backend: ``run(x, caches, start, cos, sin)`` -> the rows after every block and
     the final norm (see :mod:`headspace.decode.backends` for the signature). Runs any description."""
     layers = [_resolve(layer) for layer in step.layers]
     final = None if step.final_norm is None else norm_fn(step.final_norm)
-    # the rotations other than the step's own (e.g. Gemma 3's full layers' base): tables made per call
-    rotaries = {id(la.rotary): la.rotary for la in layers if la.rotary is not None}
-    others = [r for r in rotaries.values() if r is not step.rotary]
+    tables = LayerTables(step)
 
     def run(
         x: Tensor, caches: Sequence[KVCache], start: int, cos: Tensor | None, sin: Tensor | None
     ) -> Tensor:
-        tables: dict[int, tuple[Tensor | None, Tensor | None]] = {id(step.rotary): (cos, sin)}
-        if others:
-            positions = torch.arange(start, start + 1, device=x.device)  # (1,)
-            for r in others:
-                c, s = rotary_tables(r, positions, x.dtype, x.device)  # (1, 1, 1, rotary_dim) x 2
-                tables[id(r)] = c.squeeze(2), s.squeeze(2)  # (1, 1, rotary_dim): as the step's own
-        for layer, kv in zip(layers, cache_views(caches, start)):
-            c, s = tables[id(layer.rotary)] if layer.rotary is not None else (None, None)
+        per_layer = tables(x, start, cos, sin)
+        for layer, kv, (c, s) in zip(layers, cache_views(caches, start), per_layer):
             x = layer_rows(layer, x, kv, c, s)  # (B, d_model)
         return x if final is None else final(x)
 
