@@ -185,6 +185,18 @@ PRECISION_ROWS = (
 MIN_COSINE = {"bfloat16": 0.9999, "int8": 0.995}
 
 
+def bf16_sdpa_works() -> bool:
+    """Whether torch's bfloat16 scaled_dot_product_attention (boolean mask, as BERT calls it) runs here."""
+    # MiniLM's shapes at its longest sequence: torch packs (and fails) only past a size
+    q = torch.zeros(1, 12, 256, 32, dtype=torch.bfloat16)  # [batch, heads, seq, d_head]
+    mask = torch.ones(1, 1, 256, 256, dtype=torch.bool)
+    try:
+        torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+    except RuntimeError:
+        return False
+    return True
+
+
 def _ratio_check(name: str, times: dict, num: str, den: str, limit: float, rounds: int) -> dict:
     """``median(times[num]) / median(times[den]) >= limit`` with the per-round ratios beside it."""
     value = statistics.median(times[num]) / statistics.median(times[den])
@@ -224,8 +236,12 @@ def main(argv: list[str] | None = None) -> int:
     ours_bf16 = load("minilm", precision="bfloat16")
     ours_int8 = load("minilm", precision="int8")
     st = sentence_transformers.SentenceTransformer(folder, device="cpu")
+    # torch's own bfloat16 SDPA raises on some CPU settings (its AVX2 and plain builds of the flash
+    # kernel cannot pack bfloat16 where oneDNN still reports AMX, as under ATEN_CPU_CAPABILITY=avx2 on
+    # a Sapphire Rapids); the peer then runs with eager attention and the JSON says so.
+    st_bf16_attention = "sdpa" if bf16_sdpa_works() else "eager"
     st_bf16 = sentence_transformers.SentenceTransformer(
-        folder, device="cpu", model_kwargs={"dtype": torch.bfloat16}
+        folder, device="cpu", model_kwargs={"dtype": torch.bfloat16, "attn_implementation": st_bf16_attention}
     )
     hf_tok = transformers.AutoTokenizer.from_pretrained(folder)
     hf_bert = transformers.BertModel.from_pretrained(folder, attn_implementation="sdpa").eval()
@@ -409,6 +425,7 @@ def main(argv: list[str] | None = None) -> int:
             "threads": a.threads,
             "rounds": a.rounds,
             "torch": torch.__version__,
+            "sentence_transformers_bfloat16_attention": st_bf16_attention,
             "transformers": transformers.__version__,
             "sentence_transformers": sentence_transformers.__version__,
             "load_average_1m": load_avg,
