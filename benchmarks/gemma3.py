@@ -33,6 +33,7 @@ import torch
 
 from headspace.bench.measure import machine_info, read_status_kib, spread
 from headspace.bench.scripts import add_output_options, check_output_options, check_positive, output_path
+from headspace.decode.loop import choose_unembed_q8
 from headspace.pretrained.gguf import assemble_gemma3_gguf
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -89,6 +90,8 @@ def measure(ours: Any, hf: Any, *, rounds: int, new_tokens: int, prefill: int) -
             ids = prompt.expand(batch, -1).contiguous()  # [batch, seq]
             times: dict[str, list[float]] = {"headspace": [], "hf": []}
             check = {}
+            ours.model.generate(ids, 2, temperature=0)  # warm-up, unmeasured (finds the Q8_0 blocks once)
+            hf.generate(ids, max_new_tokens=2, min_new_tokens=2, do_sample=False)
             for _ in range(rounds):
                 for who in ("headspace", "hf"):
                     start = time.perf_counter()
@@ -108,6 +111,8 @@ def measure(ours: Any, hf: Any, *, rounds: int, new_tokens: int, prefill: int) -
                 who: {"tokens_per_s": tokens / statistics.median(t), **spread(t)} for who, t in times.items()
             }
             cases[f"decode_b{batch}"]["same_tokens"] = bool(torch.equal(check["headspace"], check["hf"]))
+            q8 = choose_unembed_q8(ours.model, batch) is not None
+            cases[f"decode_b{batch}"]["headspace_unembedding"] = "q8_0 blocks" if q8 else "float32"
         times = {"headspace": [], "hf": []}
         for _ in range(rounds):
             for who in ("headspace", "hf"):
@@ -145,7 +150,10 @@ def main(argv: list[str] | None = None) -> None:
     import transformers
 
     import headspace
+    from headspace.kernels import native
 
+    if not args.quick:
+        native.build()  # before any timing: the native step and q8_0_mm (else a first call builds it)
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
     folder = Path(tempfile.mkdtemp(prefix="gemma3-bench-"))
@@ -181,6 +189,7 @@ def main(argv: list[str] | None = None) -> None:
         "new_tokens": args.new_tokens,
         "load": load,
         "cases": cases,
+        "native": native.status(),
     }
     print(
         f"Gemma-3-270M, {args.threads} threads, {args.rounds} rounds, medians "

@@ -107,7 +107,7 @@ class Stepper:
     def logits(self, tokens: Tensor, caches: Sequence[KVCache]) -> Tensor:
         """Next-token logits [batch, vocab_size] (float32) after the new tokens [batch, 1], appended to
         ``caches``: ``forward(tokens, kv_caches=caches)[:, -1]``, bit for bit (to float32 rounding
-        with packed weights), final-logit soft-capping included."""
+        with packed weights or a ``"q8_0"`` unembedding), final-logit soft-capping included."""
         start = caches[0].length
         x = self.step.embed(tokens, start=start)  # (batch, 1, d_model)
         h = self.rows(x.view(x.shape[0], x.shape[2]), caches, start)  # (batch, d_model)

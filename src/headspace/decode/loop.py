@@ -24,7 +24,8 @@ from torch import Tensor
 
 from ..kernels import native as library
 from ..kernels.cpu import forced
-from ..kernels.prepack import prepack_available, should_pack_unembedding, should_prepack
+from ..kernels.prepack import MIN_PACK_BYTES, prepack_available, should_pack_unembedding, should_prepack
+from ..kernels.q8_0 import MAX_ROWS, Q8Blocks, q8_0_available, q8_0_blocks, simd_level
 from ..nn.inputs import check_left_padding, check_tokens
 from .backends import Stepper, get_backend
 from .kv_cache import KVCache
@@ -58,7 +59,10 @@ def generate(
     backend = _check_options(max_new_tokens, temperature, top_k, seed, compile, native, backend)
     prompt = _Prompt.of(model, tokens, key_padding, max_new_tokens)
     pack_rows = choose_pack_rows(model, prompt.batch, prepack)
-    unembed_rows = choose_unembed_rows(model, prompt.batch, prepack) if pack_rows is None else None
+    unembed_q8 = choose_unembed_q8(model, prompt.batch) if use_cache else None
+    unembed_rows = None
+    if pack_rows is None and unembed_q8 is None:
+        unembed_rows = choose_unembed_rows(model, prompt.batch, prepack)
     if max_new_tokens == 0:
         return tokens.clone()
     generator = None if seed is None else torch.Generator(device=tokens.device).manual_seed(seed)
@@ -74,7 +78,7 @@ def generate(
         logits = _last(model)(tokens.long(), real, caches, positions=positions)  # (batch, vocab_size)
         step = None
         if caches is not None and prompt.real is None:
-            step = _stepper(model, pack_rows, backend, unembed_rows)
+            step = _stepper(model, pack_rows, backend, unembed_rows, unembed_q8)
         for pos in range(prompt.length, prompt.total):
             out[:, pos] = sample(logits, temperature, top_k, generator)
             if pos + 1 < prompt.total:
@@ -185,11 +189,15 @@ class _Prompt:
 
 
 def _stepper(
-    model: DecoderModel, pack_rows: int | None, backend: str | None, unembed_rows: int | None = None
+    model: DecoderModel,
+    pack_rows: int | None,
+    backend: str | None,
+    unembed_rows: int | None = None,
+    unembed_q8: Q8Blocks | None = None,
 ) -> Stepper | None:
     """The call's step (None: the model has none), on ``backend`` (None: native once built, unless its
     fallback is forced: :mod:`headspace.kernels.cpu`); starts the native build in the background."""
-    step = describe(model, pack_rows, unembed_rows)
+    step = describe(model, pack_rows, unembed_rows, unembed_q8)
     if step is None:
         return None
     if backend is None and forced("native"):
@@ -273,6 +281,29 @@ def choose_unembed_rows(model: DecoderModel, batch: int, prepack: bool | None) -
         return None
     weight = model.tok_embed.weight if model.lm_head is None else model.lm_head.weight
     return 1 if should_pack_unembedding(weight) else None
+
+
+def choose_unembed_q8(model: DecoderModel, batch: int) -> Q8Blocks | None:
+    """The unembedding's Q8_0 blocks for the step to multiply from (:mod:`headspace.kernels.q8_0`), or
+    None: only at most :data:`~headspace.kernels.q8_0.MAX_ROWS` rows, with ``q8_0_mm`` available (the
+    native library built, the ``q8_0`` fallback not forced) at a vector width (AVX2 or AVX512, as torch
+    reports the CPU), for a float32 unembedding without bias of at least
+    :data:`~headspace.kernels.prepack.MIN_PACK_BYTES` (smaller ones stay in the caches: their steps stay
+    bit for bit ``forward``'s) that is exactly Q8_0 blocks, as a GGUF's Q8_0 embedding dequantises."""
+    if batch > MAX_ROWS or forced("q8_0") or simd_level() < 1:
+        return None
+    if not all(getattr(b, "decode_supported", False) for b in model.blocks):
+        return None
+    library.start_build()  # finds a finished build at once (else builds it in the background)
+    if not q8_0_available():
+        return None
+    head = model.lm_head
+    if head is not None and head.bias is not None:
+        return None
+    weight = model.tok_embed.weight if head is None else head.weight
+    if weight.numel() * weight.element_size() < MIN_PACK_BYTES:
+        return None
+    return q8_0_blocks(weight)
 
 
 def sample(

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..kernels.prepack import packed_linear_fn
+from ..kernels.q8_0 import Q8Blocks, q8_0_linear_fn
 from ..nn.masks import window_mask
 from ..nn.norms import rms_norm
 from ..nn.positions import Rotary, rotary_tables, rotate_fused
@@ -76,10 +77,13 @@ def norm_fn(norm: Norm) -> Rows:
 def linear_fn(p: Product) -> Rows:
     """A :class:`~headspace.decode.step.Product` as a callable of the rows x [n, in] -> [n, out]: ``torch.mm``
     on a transposed view of a float32 weight without bias (the product ``F.linear`` runs, without its
-    dispatch layers), MKL's packed linear for ``"packed"``, ``F.linear`` otherwise (biases, and the
-    carriers whose ``F.linear`` runs their own kernels)."""
+    dispatch layers), MKL's packed linear for ``"packed"``, ``torch.ops.headspace.q8_0_mm`` for
+    ``"q8_0"``, ``F.linear`` otherwise (biases, and the carriers whose ``F.linear`` runs their own
+    kernels)."""
     if p.kind == "packed":
         return packed_linear_fn(p.weight, p.bias, p.rows, p.packed)
+    if p.kind == "q8_0" and p.packed is not None and p.scales is not None:
+        return q8_0_linear_fn(Q8Blocks(p.packed, p.scales))
     weight = p.weight if p.carrier is None else p.carrier
     if p.kind == "float32" and p.bias is None:
         weight_t = weight.t()  # (in, out): a view, so in-place edits of the weight show

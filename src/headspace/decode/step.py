@@ -44,6 +44,7 @@ from torch import Tensor, nn
 
 from ..kernels.bf16 import BF16Weight, float32_rows
 from ..kernels.prepack import pack_weight, packable
+from ..kernels.q8_0 import Q8Blocks
 from ..nn.hooks import HookPoint, all_idle
 from ..nn.norms import RMSNorm
 from ..nn.positions import Rotary
@@ -90,8 +91,10 @@ class Product:
     ``kind``: ``"float32"`` (``weight`` a plain float32 [out, in]), ``"packed"`` (the same with MKL's
     ``packed`` copy for ``rows`` rows), ``"bfloat16"`` (``weight`` the float32 values of a
     :class:`~headspace.kernels.bf16.BF16Weight`, ``packed`` oneDNN's copy or None, from
-    ``float32_rows`` rows a float32 GEMM on the rounded values: 0 always, -1 never) or ``"other"``
-    (int8 and any other carrier: ``F.linear`` of ``carrier``, no native form).
+    ``float32_rows`` rows a float32 GEMM on the rounded values: 0 always, -1 never), ``"q8_0"`` (the
+    unembedding only: ``weight`` float32 and exactly its Q8_0 blocks, ``packed`` their int8 integers and
+    ``scales`` their float32 scales, :mod:`headspace.kernels.q8_0`) or ``"other"`` (int8 and any other
+    carrier: ``F.linear`` of ``carrier``, no native form).
     """
 
     kind: str
@@ -101,6 +104,7 @@ class Product:
     rows: int = 0
     float32_rows: int = -1
     carrier: Tensor | None = None
+    scales: Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -198,13 +202,18 @@ def product_of(weight: Tensor, bias: Tensor | None, pack_rows: int | None = None
 
 
 def describe(
-    model: DecoderModel, pack_rows: int | None = None, unembed_rows: int | None = None
+    model: DecoderModel,
+    pack_rows: int | None = None,
+    unembed_rows: int | None = None,
+    unembed_q8: Q8Blocks | None = None,
 ) -> DecodeStep | None:
     """``model``'s cached decoding step described (:class:`DecodeStep`), or None where some block has no
     such step (:attr:`~headspace.block.TransformerBlock.decode_supported` False: post-norm, score
     soft-capping, a head-parallel shard, ``check_finite``, another attention or MLP), which then
     decodes by ``forward``. ``pack_rows`` packs every float32 product for that batch;
-    ``unembed_rows`` (without ``pack_rows``) packs the unembedding alone for that batch."""
+    ``unembed_rows`` (without ``pack_rows``) packs the unembedding alone for that batch;
+    ``unembed_q8``, the unembedding's own Q8_0 blocks (:func:`headspace.kernels.q8_0.q8_0_blocks`),
+    makes the unembedding a ``"q8_0"`` product instead."""
     layers = []
     for block in model.blocks:
         if not getattr(block, "decode_supported", False):
@@ -212,9 +221,13 @@ def describe(
         layers.append(_layer_of(block, pack_rows))
     rows = unembed_rows if pack_rows is None else pack_rows
     if model.lm_head is None:
-        unembed = product_of(model.tok_embed.weight, None, rows)
+        weight, bias = model.tok_embed.weight, None
     else:
-        unembed = product_of(model.lm_head.weight, model.lm_head.bias, rows)
+        weight, bias = model.lm_head.weight, model.lm_head.bias
+    if unembed_q8 is not None and bias is None:
+        unembed = Product("q8_0", weight, None, unembed_q8.q, scales=unembed_q8.d)
+    else:
+        unembed = product_of(weight, bias, rows)
     points = tuple(m for m in model.modules() if isinstance(m, HookPoint))
     return DecodeStep(
         layers=tuple(layers),

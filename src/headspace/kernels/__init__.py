@@ -6,5 +6,8 @@
 * :mod:`.workspace`: scratch memory reused across calls and recycled attention patterns;
 * :mod:`.int8`, :mod:`.bf16` (on :mod:`.carrier`): the reduced-precision products;
 * :mod:`.prepack`: weights packed for MKL's GEMM;
-* :mod:`.native` (+ ``decode_rows.cpp``): the native decoding step.
+* :mod:`.q8_0` (+ ``q8_0.cpp``): products from a matrix's exact Q8_0 blocks (the decoding step's
+  unembedding);
+* :mod:`.native` (+ ``decode_rows.cpp``, ``q8_0.cpp``): the native library: the decoding step, and
+  ``q8_0_mm``.
 """

@@ -12,6 +12,10 @@ name below is a fast path, when it runs, and its fallback (the same maths):
 * ``prepack``: MKL's packed GEMM where torch has it (:func:`mkl_packed_linear_available`); else the
   plain product.
 * ``native``: the C++ decoding step once built; else the Python step (the same logits, bit for bit).
+* ``q8_0``: the decoding step's unembedding from a matrix's exact Q8_0 blocks
+  (:mod:`headspace.kernels.q8_0`) at the vector width ``torch.backends.cpu.get_cpu_capability()``
+  reports, once the native library is built; else ``torch.mm`` on the float32 matrix (the same logits
+  to float32 rounding).
 
 Forcing a fallback, so that a CPU that has every fast path can test the others: the environment variable
 ``HEADSPACE_FORCE_FALLBACK`` (a comma-separated list of the names above, or ``all``), read at every
@@ -49,7 +53,7 @@ __all__ = [
 ENV = "HEADSPACE_FORCE_FALLBACK"
 """The environment variable that forces fallbacks: names from :data:`FALLBACKS`, comma-separated, or
 ``all``."""
-FALLBACKS = ("bf16", "int8", "prepack", "native")
+FALLBACKS = ("bf16", "int8", "prepack", "native", "q8_0")
 """The fast paths that have a fallback (see the module docstring)."""
 
 _local = threading.local()

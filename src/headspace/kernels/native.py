@@ -5,7 +5,8 @@
 blocks described by name (:mod:`headspace.decode.step`), run in one call per token with the Python
 step's roundings: the products, attention, the norms' sums and the activation are the same ATen calls,
 and the elementwise steps around them float32 loops (compiled with ``-O2 -ffp-contract=off``: no fused
-multiply-adds), so its logits are the Python step's bit for bit (tested).
+multiply-adds), so its logits are the Python step's bit for bit (tested). ``q8_0.cpp`` adds
+``torch.ops.headspace.q8_0_mm`` to the same library (:mod:`headspace.kernels.q8_0`).
 
 How it is built:
 
@@ -54,6 +55,9 @@ import torch
 
 SOURCE = Path(__file__).with_name("decode_rows.cpp")
 """The C++ source of ``torch.classes.headspace.DecodeStep``."""
+SOURCES = (SOURCE, Path(__file__).with_name("q8_0.cpp"))
+"""Every C++ source of the library: the step, and ``torch.ops.headspace.q8_0_mm``
+(:mod:`headspace.kernels.q8_0`)."""
 BUILDER = Path(__file__).with_name("_native_build.py")
 """The script the build runs in (a child process; see its docstring)."""
 BUILD_TIMEOUT_S = 600
@@ -121,7 +125,8 @@ def _torch_lib() -> str:
 def library_path(cxx: str | None = None) -> Path:
     """The built library's path for this source, torch and compiler."""
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    for source in SOURCES:
+        key.update(source.read_bytes())
     key.update(f"|{torch.__version__}|{_torch_lib()}|{cxx or compiler()}|{sys.platform}".encode())
     return cache_dir() / "native" / f"headspace_decode_rows_{key.hexdigest()[:20]}.so"
 
@@ -134,7 +139,7 @@ def _command(cxx: str, out: Path | str) -> list[str]:
     return [
         cxx, "-O2", "-std=c++20", "-ffp-contract=off", "-shared", "-fPIC", "-w",
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-        *(f"-I{p}" for p in include_paths()), str(SOURCE), "-o", str(out),
+        *(f"-I{p}" for p in include_paths()), *map(str, SOURCES), "-o", str(out),
         f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}",
     ]  # fmt: skip
 
