@@ -10,6 +10,7 @@ edge; faithfulness is 1 and 0 exactly at the ends; bad tasks are refused by name
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -178,6 +179,37 @@ def test_rotary_composition_uses_qk_at_each_offset() -> None:
         assert c.k[n, 0, 1, 1, 2].item() == pytest.approx(_dense_score(ov, qk.T), rel=1e-9)
     assert c.q[0, 0, 1, 1, 2] != c.q[1, 0, 1, 1, 2]
     assert c.offsets == [0, 3]
+
+
+@pytest.mark.parametrize("kind", ["gemma", "olmo2"])
+def test_composition_scores_take_qk_norm_and_post_attention_gains(kind: str) -> None:
+    """A model's norm gains inside the heads' circuits (QK-norm's, the post-attention norm's and, for
+    sandwich blocks, the pre-attention LN1's) count as if they were in W_Q, W_K, W_V, W_O: the same
+    model with every such gain moved into those weights (and the norms' gains made 1) has the same
+    scores. (The RMS divisions the move changes are one number per token and head, which the ratios
+    cancel.)"""
+    a = make_model(kind, torch.float64)
+    b = copy.deepcopy(a)
+    with torch.no_grad():
+        for block in b.blocks:
+            attn = block.attn
+            g_q, g_k = attn.qk_norm_gains()  # (H, dh), (Hkv, dh)
+            attn.W_Q.mul_(g_q[:, None, :].clone())
+            attn.W_K.mul_(g_k[:, None, :].clone())
+            for norm in (attn.q_norm, attn.k_norm):
+                norm.weight.fill_(1 - norm.offset)
+            after = block.ln_attn_out if kind == "gemma" else block.ln1  # sandwich / post-sublayer
+            attn.W_O.mul_((after.weight + after.offset).clone())
+            after.weight.fill_(1 - after.offset)
+            if kind == "gemma":  # the heads read ln1(x)
+                w = (block.ln1.weight + block.ln1.offset).clone()  # (d,)
+                for W in (attn.W_Q, attn.W_K, attn.W_V):
+                    W.mul_(w[:, None])
+                block.ln1.weight.fill_(1 - block.ln1.offset)
+    ca, cb = composition_scores(a, offsets=[0, 2]), composition_scores(b, offsets=[0, 2])
+    for x, y in ((ca.q, cb.q), (ca.k, cb.k), (ca.v, cb.v)):
+        torch.testing.assert_close(x, y, rtol=1e-12, atol=1e-12)
+    assert ca.q.max() > 0.05
 
 
 # ---------------------------------------------------------------------------- the graph and circuits

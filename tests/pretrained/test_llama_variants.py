@@ -18,7 +18,7 @@ import torch
 import transformers as T
 
 import headspace as hs
-from headspace.decode import describe
+from headspace.decode import describe, generation_caches
 from headspace.pretrained import load_llama
 from headspace.pretrained.llama import llama_parameter_count
 
@@ -176,7 +176,11 @@ def test_greedy_generation_equals_transformers_also_left_padded(saved: dict, arc
     # the cached step covers windows, QK-norm, NoPE, sandwich norms and final soft-capping; Gemma 2's
     # soft-capped scores decode by forward (the prompt alone takes the step, the padded batch forward)
     assert (describe(ours.model) is None) == (ours.config.attn_softcap is not None)
-    lengths, new = (7, 3, 5), 9  # 7 + 9 = 16 positions: past the window
+    lengths, new = (7, 3, 5), 2 * W + 1  # 11 new tokens: more than 2x the window past the prompt
+    if ours.config.sliding_window is not None:  # the sliding layers' caches hold the window, no more
+        caches = generation_caches(ours.model, len(lengths), max(lengths) + new)
+        held = {c.k.shape[2] for c, b in zip(caches, ours.model.blocks) if b.attn.window is not None}
+        assert held == {W}
     seq = max(lengths)
     tokens = torch.zeros(len(lengths), seq, dtype=torch.long)  # (batch, seq), pad id 0
     key_padding = torch.zeros(len(lengths), seq, dtype=torch.bool)  # (batch, seq)

@@ -31,6 +31,12 @@ as TransformerLens's ``all_composition_scores`` computes them (right multiplicat
 ``t``'s reading matrices and, for LayerNorm models, centres ``s``'s writing weights, as TransformerLens's
 ``fold_ln`` / ``center_writing_weights`` do. The baseline is the mean score of independent Gaussian
 matrices with the same factored shapes (a score near it says "no more composition than chance").
+
+Norms inside a head's circuits enter by their gains, always: QK-norm's (Qwen3, Gemma 3, OLMo 2) scale
+``W_Q`` and ``W_K``'s columns, and a post-attention norm (Gemma's sandwich ``ln_attn_out``, OLMo 2's
+post-sublayer norm) scales ``W_O``'s. What these norms also do, divide by an RMS of the run, multiplies
+a whole head's q, k (or a layer's output) by one number per token, which the scores' ratios cancel:
+the scores are those of the circuits at any frozen norm scales.
 """
 
 from __future__ import annotations
@@ -266,11 +272,18 @@ def _layer_circuits(module: nn.Module, fold_norms: bool, offsets: Sequence[int])
         attn = block.attn
         W_Q, W_V, W_O = attn.W_Q.double(), attn.W_V.double(), attn.W_O.double()  # (H|Hkv, d, dh), (H, dh, d)
         W_K = attn.W_K.double()  # (Hkv, d, dh)
+        gains = attn.qk_norm_gains() if hasattr(attn, "qk_norm_gains") else None
+        if gains is not None:  # QK-norm: q and k scaled by their gains (their RMS: a scalar, cancels)
+            W_Q, W_K = W_Q * gains[0].double()[:, None, :], W_K * gains[1].double()[:, None, :]
         g = attn.n_heads // attn.n_kv_heads
         W_K, W_V = W_K.repeat_interleave(g, 0), W_V.repeat_interleave(g, 0)  # (H, d, dh) x 2
-        if fold_norms and block.pre_ln:
+        if fold_norms and getattr(block, "norm", None) in ("pre", "sandwich"):  # heads read ln1(x)
             w = block.ln1.weight.double() + getattr(block.ln1, "offset", 0.0)  # (d,)
             W_Q, W_K, W_V = W_Q * w[:, None], W_K * w[:, None], W_V * w[:, None]
+        after = post_attention_norm(block)
+        if after is not None and getattr(after, "weight", None) is not None:
+            # the writer passes the post-attention norm (Gemma's ln_attn_out, OLMo 2's ln1): its gain
+            W_O = W_O * (after.weight.double() + getattr(after, "offset", 0.0))  # (H, dh, d)
         if fold_norms and isinstance(block.ln1, nn.LayerNorm):
             W_O = W_O - W_O.mean(-1, keepdim=True)  # centred writing weights: LN removes the mean
         if attn.rotary is not None:

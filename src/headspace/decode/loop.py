@@ -294,14 +294,14 @@ def choose_unembed_q8(model: DecoderModel, batch: int) -> Q8Blocks | None:
         return None
     if not all(getattr(b, "decode_supported", False) for b in model.blocks):
         return None
-    library.start_build()  # finds a finished build at once (else builds it in the background)
-    if not q8_0_available():
-        return None
     head = model.lm_head
     if head is not None and head.bias is not None:
         return None
     weight = model.tok_embed.weight if head is None else head.weight
     if weight.numel() * weight.element_size() < MIN_PACK_BYTES:
+        return None
+    library.start_build()  # finds a finished build at once (else builds it in the background)
+    if not q8_0_available():
         return None
     return q8_0_blocks(weight)
 
