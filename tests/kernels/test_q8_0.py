@@ -15,6 +15,7 @@ from headspace import Decoder, ModelConfig
 from headspace.decode import Stepper, describe, generation_caches
 from headspace.decode.loop import choose_unembed_q8
 from headspace.kernels import cpu, native, q8_0
+from headspace.kernels.bf16 import BF16Weight
 from headspace.kernels.prepack import MIN_PACK_BYTES
 
 pytestmark = pytest.mark.kernels
@@ -53,6 +54,7 @@ def test_blocks_are_found_exactly_and_only_where_they_exist() -> None:
     assert q8_0.q8_0_blocks(torch.randn(11, 64)) is None  # ordinary float32 weights
     assert q8_0.q8_0_blocks(q8_matrix(5, 64)[0][:, :48]) is None  # columns not a multiple of 32
     assert q8_0.q8_0_blocks(q8_matrix(5, 64)[0].double()) is None
+    assert q8_0.q8_0_blocks(BF16Weight.from_float(q8_matrix(5, 64)[0])) is None  # a carrier keeps its product
     zero = torch.zeros(3, 32)
     found = q8_0.q8_0_blocks(zero)
     assert found is not None and not found.q.any() and not found.d.any()

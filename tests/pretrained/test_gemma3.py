@@ -9,6 +9,7 @@ the issue: logits <= 1e-3 max abs, on an input longer than the sliding window (>
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -206,3 +207,40 @@ def test_why_splits_gemmas_score_exactly(gemma3) -> None:
     r = score_decomposition(gemma3, "The cat sat on the mat because it was tired", 5, 2)
     assert r.key == 0 and r.score > 10  # the head parks on <bos>
     assert abs(r.total - r.score) < 1e-3
+
+
+def test_heads_subspaces_patch_and_view_run_on_gemma3(gemma3, monkeypatch, tmp_path: Path) -> None:
+    """The lesson's other commands on Gemma 3 (the session's model, so no load): ``heads`` (roles,
+    induction and the ablation importance of all 72 heads), ``subspaces`` of the one shared key head,
+    ``patch`` per head, and ``view``'s page, each with the model's 18 x 4 heads."""
+    from click.testing import CliRunner
+
+    from headspace.cli import causal as cli_causal
+    from headspace.cli import cli
+    from headspace.cli import lesson as cli_lesson
+
+    cli_view = importlib.import_module("headspace.cli.view")  # the package's `view` is the command
+    for module in (cli_causal, cli_lesson, cli_view):
+        monkeypatch.setattr(module, "load_model", lambda spec: gemma3)
+    run = CliRunner()
+
+    def ok(args: list[str]) -> str:
+        res = run.invoke(cli, args, catch_exceptions=False)
+        assert res.exit_code == 0, res.output
+        return res.output
+
+    heads = json.loads(
+        ok(["heads", "--model", "gemma3", "The cat sat on the mat because it was tired", "--json"])
+    )
+    scores = torch.tensor(heads["importance"]["scores"])  # (layers, heads): the ablation importance
+    assert scores.shape == (18, 4) and scores.isfinite().all() and scores.abs().max() > 0
+    assert torch.tensor(heads["roles"]["previous"]).shape == (18, 4)
+    sub = json.loads(ok(["subspaces", "--model", "gemma3", "--which", "k", "--layer", "5", "--json"]))
+    (layer5,) = sub["layers"]
+    assert layer5["overlap"] == [[1.0]] and layer5["mean_offdiag"] is None  # one key head: no pairs
+    patch = json.loads(ok(["patch", "--model", "gemma3", "--json"]))  # the default IOI pair
+    assert torch.tensor(patch["head_patch_effect"]).shape == (18, 4)
+    assert patch["clean_metric"] > patch["corrupt_metric"] and patch["top"]
+    page = tmp_path / "page.html"
+    out = ok(["view", "--model", "gemma3", "The cat sat on the mat", "-o", str(page)])
+    assert "18 layers" in out and page.stat().st_size > 0

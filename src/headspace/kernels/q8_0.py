@@ -29,7 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import cpu
@@ -54,10 +54,13 @@ class Q8Blocks:
 
 
 def q8_0_blocks(weight: Tensor) -> Q8Blocks | None:
-    """``weight``'s Q8_0 form (:class:`Q8Blocks`), or None where it has none: not a float32 CPU matrix
-    with a multiple of 32 columns, or some block not exactly a scale times integers in [-127, 127]. The
-    answer is kept per weight until its values change (its version)."""
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+    """``weight``'s Q8_0 form (:class:`Q8Blocks`), or None where it has none: not a plain float32 CPU
+    matrix (a reduced-precision carrier keeps its own product) with a multiple of 32 columns, or some
+    block not exactly a scale times integers in [-127, 127]. The answer is kept per weight until its
+    values change (its version)."""
+    if type(weight) not in (Tensor, nn.Parameter) or weight.dtype != torch.float32:
+        return None
+    if weight.device.type != "cpu" or weight.dim() != 2:
         return None
     if weight.shape[1] % BLOCK or weight.numel() == 0:
         return None
