@@ -190,3 +190,42 @@ def test_gemma3_decodes_the_same_tokens_from_its_blocks(gemma3, automatic_choice
         fast = model.generate(tokens, 6, temperature=0)
         with cpu.force_fallback("q8_0"):
             assert torch.equal(fast, model.generate(tokens, 6, temperature=0))
+
+
+_BOTH_BUILDS = """
+import sys, torch
+from safetensors.torch import save_file
+from headspace.kernels import native
+assert native.build(), native.status()
+torch.manual_seed(0)
+q = torch.randint(-127, 128, (4099, 96), dtype=torch.int8)
+d = torch.rand(4099, 3) + 0.01
+x = torch.randn(3, 96)
+torch.set_num_threads(2)
+save_file({{str(lv): torch.ops.headspace.q8_0_mm(x, q, d, lv) for lv in range({level} + 1)}}, sys.argv[1])
+"""
+
+
+@needs_library
+def test_the_build_without_openmp_gives_the_same_bits(tmp_path) -> None:
+    """Built with -fopenmp (torch's libgomp, at::parallel_for) or without (threads of its own), each
+    output is the same fixed-order sum: the two libraries' products are equal bit for bit."""
+    import os
+    import subprocess
+
+    from safetensors.torch import load_file
+
+    script = _BOTH_BUILDS.format(level=q8_0.simd_level())
+    results = []
+    for openmp in ("1", "0"):
+        env = dict(
+            os.environ, HEADSPACE_CACHE=str(tmp_path / f"cache{openmp}"), HEADSPACE_NATIVE_OPENMP=openmp
+        )
+        out = tmp_path / f"y{openmp}.safetensors"
+        subprocess.run([sys.executable, "-c", script, str(out)], env=env, check=True, timeout=600)
+        results.append(load_file(out))
+    built = [sorted(p.name for p in (tmp_path / f"cache{o}").rglob("*.so")) for o in ("1", "0")]
+    openmp = native.openmp_flags(native.compiler() or "")
+    assert (built[0] and built[1] and built[0] != built[1]) or not openmp
+    assert results[0].keys() == results[1].keys() == {str(lv) for lv in levels()}
+    assert all(torch.equal(results[0][k], results[1][k]) for k in results[0])

@@ -11,7 +11,8 @@ multiply-adds), so its logits are the Python step's bit for bit (tested). ``q8_0
 How it is built:
 
 * By the system's C++ compiler (``$CXX``, else ``c++``, ``g++`` or ``clang++``) against the installed
-  torch's headers, into a cache folder (``$HEADSPACE_CACHE``, else ``$XDG_CACHE_HOME/headspace``, else
+  torch's headers (with ``-fopenmp`` where torch's own OpenMP runtime is GNU's ``libgomp.so.1``:
+  :func:`openmp_flags`), into a cache folder (``$HEADSPACE_CACHE``, else ``$XDG_CACHE_HOME/headspace``, else
   ``~/.cache/headspace``), at ``native/`` under a name hashed from the source, torch's version and the
   compiler; later processes only load it. ``headspace native build`` (or :func:`build`) builds and
   waits; the first :meth:`headspace.Decoder.generate` that could use it starts the build in the
@@ -127,8 +128,30 @@ def library_path(cxx: str | None = None) -> Path:
     key = hashlib.sha256()
     for source in SOURCES:
         key.update(source.read_bytes())
-    key.update(f"|{torch.__version__}|{_torch_lib()}|{cxx or compiler()}|{sys.platform}".encode())
+    cxx = cxx or compiler()
+    flags = " ".join(openmp_flags(cxx)) if cxx else ""
+    key.update(f"|{torch.__version__}|{_torch_lib()}|{cxx}|{sys.platform}|{flags}".encode())
     return cache_dir() / "native" / f"headspace_decode_rows_{key.hexdigest()[:20]}.so"
+
+
+def openmp_flags(cxx: str) -> list[str]:
+    """``["-fopenmp"]`` where torch's own OpenMP runtime, loaded in this process, is GNU's
+    ``libgomp.so.1`` and ``cxx`` is not clang (by the name it resolves to): the library then runs
+    ``at::parallel_for`` on torch's own OpenMP threads (the one runtime, found by its name). Otherwise
+    none (a renamed or another runtime: ``q8_0.cpp`` then splits its work over threads of its own), also
+    with ``HEADSPACE_NATIVE_OPENMP=0``."""
+    if os.environ.get("HEADSPACE_NATIVE_OPENMP", "1").strip().lower() in ("0", "false", "off", "no"):
+        return []
+    if not sys.platform.startswith("linux"):
+        return []
+    try:
+        maps = Path("/proc/self/maps").read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return []
+    if not any(line.endswith("/libgomp.so.1") for line in maps.splitlines()):
+        return []
+    real = os.path.realpath(shutil.which(cxx) or cxx)  # clang's -fopenmp would bring LLVM's runtime
+    return [] if "clang" in os.path.basename(real).lower() else ["-fopenmp"]
 
 
 def _command(cxx: str, out: Path | str) -> list[str]:
@@ -137,7 +160,7 @@ def _command(cxx: str, out: Path | str) -> list[str]:
     lib = _torch_lib()
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     return [
-        cxx, "-O2", "-std=c++20", "-ffp-contract=off", "-shared", "-fPIC", "-w",
+        cxx, "-O2", "-std=c++20", "-ffp-contract=off", "-shared", "-fPIC", "-w", *openmp_flags(cxx),
         f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         *(f"-I{p}" for p in include_paths()), *map(str, SOURCES), "-o", str(out),
         f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}",

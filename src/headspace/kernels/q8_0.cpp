@@ -13,13 +13,18 @@
 // result to float32 rounding (the order of the additions differs). Each output is
 // computed by one thread in a fixed order, so it does not depend on the number of threads; the order of
 // the sums inside a block depends on the vector width (``level``: 0 plain C++, 1 AVX2 with FMA, 2
-// AVX-512F), which the caller asks of torch (torch.backends.cpu.get_cpu_capability()).
+// AVX-512F), which the caller asks of torch (torch.backends.cpu.get_cpu_capability()); the outputs are
+// split over torch's intra-op thread count (at::get_num_threads()).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <exception>
+#include <thread>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -66,7 +71,7 @@ __attribute__((target("avx2,fma"))) inline float sum8(__m256 v) {
 __attribute__((target("avx2,fma"))) void rows_avx2(const float* x, const int8_t* q, const float* d, float* y,
                                                    int64_t n, int64_t in, int64_t out, int64_t o0, int64_t o1) {
   const int64_t nb = in / kBlock;
-  alignas(64) static thread_local float buf[kTile][kMaxIn];
+  alignas(64) float buf[kTile][kMaxIn];  // 128 KB of the calling thread's stack
   int64_t o = o0;
   for (; o + kTile <= o1; o += kTile) {
     for (int64_t i = 0; i < kTile; ++i) {
@@ -106,7 +111,7 @@ __attribute__((target("avx512f"))) void rows_avx512(const float* x, const int8_t
                                                     int64_t n, int64_t in, int64_t out, int64_t o0,
                                                     int64_t o1) {
   const int64_t nb = in / kBlock;
-  alignas(64) static thread_local float buf[kTile][kMaxIn];
+  alignas(64) float buf[kTile][kMaxIn];  // 128 KB of the calling thread's stack
   int64_t o = o0;
   for (; o + kTile <= o1; o += kTile) {
     for (int64_t i = 0; i < kTile; ++i) {
@@ -169,14 +174,43 @@ at::Tensor q8_0_mm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d
   const int8_t* pq = q.const_data_ptr<int8_t>();
   const float* pd = d.const_data_ptr<float>();
   float* py = y.mutable_data_ptr<float>();
-  at::parallel_for(0, out, 256, [&](int64_t o0, int64_t o1) {
+  auto part = [&](int64_t o0, int64_t o1) {
 #ifdef HEADSPACE_X86
     if (level == 2 && in <= kMaxIn) return rows_avx512(px, pq, pd, py, n, in, out, o0, o1);
     if (level == 1 && in <= kMaxIn) return rows_avx2(px, pq, pd, py, n, in, out, o0, o1);
 #endif
     rows_plain(px, pq, pd, py, n, in, out, o0, o1);
-  });
+  };
+  // torch's intra-op threads, each a contiguous range of outputs (whole tiles of 4). Built with -fopenmp
+  // (torch's own libgomp.so.1: headspace/kernels/native.py, openmp_flags), at::parallel_for runs on
+  // torch's OpenMP threads; without it (a renamed or other runtime, which a second copy would fight),
+  // at::parallel_for would run on one thread, so threads of our own split the outputs.
+#ifdef _OPENMP
+  const int64_t tiles = (out + 3) / 4;
+  at::parallel_for(0, tiles, 64, [&](int64_t t0, int64_t t1) { part(t0 * 4, std::min(out, t1 * 4)); });
   return y;
+#else
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), out / 1024));
+  const int64_t chunk = (out / threads + 3) / 4 * 4;
+  std::vector<std::thread> pool;
+  std::vector<std::exception_ptr> errors(threads);
+  for (int64_t t = 1; t < threads; ++t) {
+    const int64_t o0 = std::min(out, t * chunk), o1 = t + 1 == threads ? out : std::min(out, (t + 1) * chunk);
+    pool.emplace_back([&, t, o0, o1] {
+      try {
+        part(o0, o1);
+      } catch (...) {
+        errors[t] = std::current_exception();
+      }
+    });
+  }
+  part(0, std::min(out, chunk));
+  for (auto& th : pool) th.join();
+  for (auto& e : errors) {
+    if (e) std::rethrow_exception(e);
+  }
+  return y;
+#endif
 }
 
 }  // namespace
