@@ -37,6 +37,15 @@ def q8_matrix(out: int, n_in: int, seed: int = 0) -> tuple[torch.Tensor, torch.T
     return (q.float() * d[..., None]).view(out, n_in), q.view(out, n_in), d
 
 
+def built_blocks(out: int, n_in: int) -> tuple[torch.Tensor, q8_0.Q8Blocks]:
+    """The native library built, and a Q8_0 matrix [out, n_in] with the blocks found of it."""
+    assert native.build()
+    w, _, _ = q8_matrix(out, n_in)
+    blocks = q8_0.q8_0_blocks(w)
+    assert blocks is not None
+    return w, blocks
+
+
 def levels() -> list[int]:
     """The vector widths torch reports this CPU can run (0 always)."""
     return list(range(q8_0.simd_level() + 1))
@@ -63,10 +72,7 @@ def test_blocks_are_found_exactly_and_only_where_they_exist() -> None:
 @needs_library
 @pytest.mark.parametrize("rows", [1, 3, 8, 17])
 def test_product_equals_torch_mm_to_rounding_at_every_width(rows: int) -> None:
-    assert native.build()
-    w, _, _ = q8_matrix(1031, 160)  # 1031 outputs: not a multiple of the kernel's tile of 4
-    blocks = q8_0.q8_0_blocks(w)
-    assert blocks is not None
+    w, blocks = built_blocks(1031, 160)  # 1031 outputs: not a multiple of the kernel's tile of 4
     x = torch.randn(rows, 160)
     ref = torch.mm(x.double(), w.double().t())  # (rows, 1031)
     bound = 1e-5 * torch.mm(x.abs().double(), w.abs().double().t()).max()  # float32 rounding of the sums
@@ -80,10 +86,7 @@ def test_product_equals_torch_mm_to_rounding_at_every_width(rows: int) -> None:
 
 @needs_library
 def test_product_does_not_depend_on_the_thread_count() -> None:
-    assert native.build()
-    w, _, _ = q8_matrix(4099, 64)
-    blocks = q8_0.q8_0_blocks(w)
-    assert blocks is not None
+    _, blocks = built_blocks(4099, 64)
     x = torch.randn(2, 64)
     before = torch.get_num_threads()
     try:
@@ -98,10 +101,7 @@ def test_product_does_not_depend_on_the_thread_count() -> None:
 
 @needs_library
 def test_bad_inputs_are_refused_by_name() -> None:
-    assert native.build()
-    w, _, _ = q8_matrix(7, 64)
-    b = q8_0.q8_0_blocks(w)
-    assert b is not None
+    _, b = built_blocks(7, 64)
     op = torch.ops.headspace.q8_0_mm
     with pytest.raises(RuntimeError, match=r"x must be float32 CPU rows \[n, in\]"):
         op(torch.randn(2, 64).double(), b.q, b.d, 0)

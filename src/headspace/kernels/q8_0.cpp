@@ -10,11 +10,13 @@
 //
 // the sum x W^T makes on the float32 matrix, of the same products (W's values made exactly, a tile of
 // rows at a time in a buffer the L1 cache holds), reading a quarter of the bytes: equal to the GEMM's
-// result to float32 rounding (the order of the additions differs). Each output is
-// computed by one thread in a fixed order, so it does not depend on the number of threads; the order of
-// the sums inside a block depends on the vector width (``level``: 0 plain C++, 1 AVX2 with FMA, 2
-// AVX-512F), which the caller asks of torch (torch.backends.cpu.get_cpu_capability()); the outputs are
-// split over torch's intra-op thread count (at::get_num_threads()).
+// result to float32 rounding (the order of the additions differs). Each output is computed by one
+// thread in a fixed order, so it does not depend on the number of threads; that order depends on the
+// vector width (``level``: 0 plain C++ in column order, 1 AVX2 with FMA, 2 AVX-512F: one partial sum per
+// lane, then the lanes), which the caller asks of torch (torch.backends.cpu.get_cpu_capability()); the
+// outputs are split over torch's intra-op thread count (at::get_num_threads()). The AVX2 and AVX-512
+// paths are one algorithm written twice: GCC's per-function target attributes do not carry through a
+// shared template.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -7,10 +7,11 @@ GGUF's Q8_0 tensors dequantise (Gemma-3-270M's 262,144 x 640 embedding, which is
 :func:`q8_0_blocks` finds that form of a weight exactly (``q * d == W`` for every element, else None),
 once per weight and version (an in-place edit finds it again). The product
 
-    x W^T [n, out] = sum_b d[:, b] * (x[:, block b] q[:, block b]^T)
+    (x W^T)[r, o] = sum_k x[r, k] * (d[o, k / 32] * q[o, k])
 
-then reads int8 integers and one scale per 32 of them instead of float32 values: the decoding step's
-unembedding at a few rows is bound by reading the matrix (:func:`headspace.decode.describe`).
+(the float32 products of W's own values) then reads int8 integers and one scale per 32 of them instead
+of float32 values: the decoding step's unembedding at a few rows is bound by reading the matrix
+(:func:`headspace.decode.describe`).
 
 Fast path and fallback (:mod:`headspace.kernels.cpu`, name ``q8_0``): ``torch.ops.headspace.q8_0_mm``,
 in the native library (:mod:`headspace.kernels.native`, ``q8_0.cpp``), at the vector width torch reports
@@ -29,11 +30,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 from torch.utils.weak import WeakIdKeyDictionary
 
 from . import cpu
 from . import native as library
+from .prepack import packable
 
 BLOCK = 32
 """Columns per Q8_0 block."""
@@ -58,11 +60,7 @@ def q8_0_blocks(weight: Tensor) -> Q8Blocks | None:
     matrix (a reduced-precision carrier keeps its own product) with a multiple of 32 columns, or some
     block not exactly a scale times integers in [-127, 127]. The answer is kept per weight until its
     values change (its version)."""
-    if type(weight) not in (Tensor, nn.Parameter) or weight.dtype != torch.float32:
-        return None
-    if weight.device.type != "cpu" or weight.dim() != 2:
-        return None
-    if weight.shape[1] % BLOCK or weight.numel() == 0:
+    if not packable(weight) or weight.shape[1] % BLOCK or weight.numel() == 0:
         return None
     seen = _found.get(weight)
     if seen is not None and seen[0] == weight._version:
