@@ -48,6 +48,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..model.config import ModelConfig
 from ..model.models import Decoder, check_precision
+from .config_checks import MAX_HEAD_DIM, MAX_LAYERS, at_most, refuse_rope_scaling_beside_parameters
 from .hf import (
     ConfigFields,
     SafetensorsHeader,
@@ -188,6 +189,8 @@ def _rope(hf: Mapping[str, Any], f: ConfigFields) -> tuple[float, dict[str, Any]
             "(supported: a single object such as {'rope_type': 'default', 'rope_theta': 10000.0}); "
             f"got {scaling!r:.120}"
         )
+    if key == "rope_parameters":
+        refuse_rope_scaling_beside_parameters(hf, scaling, f.source)  # transformers would apply it
     theta_fields = ConfigFields(scaling, f"{f.source} {key}") if "rope_theta" in scaling else f
     theta = theta_fields.number("rope_theta", 10000.0, low=0.0, low_open=True)
     scaling.pop("rope_theta", None)
@@ -210,11 +213,11 @@ def _sizes(f: ConfigFields) -> tuple[int, int, int, int, int, int, int]:
               "Llama-family")  # fmt: skip
     vocab = f.integer("vocab_size")
     d_model = f.integer("hidden_size")
-    n_layers = f.integer("num_hidden_layers")
+    n_layers = at_most(source, "num_hidden_layers", f.integer("num_hidden_layers"), MAX_LAYERS)
     n_heads = f.integer("num_attention_heads")
     d_mlp = f.integer("intermediate_size")
     n_kv = f.integer("num_key_value_heads", None, allow_none=True) or n_heads
-    d_head = f.integer("head_dim", None, allow_none=True)
+    d_head = at_most(source, "head_dim", f.integer("head_dim", None, allow_none=True), MAX_HEAD_DIM)
     if d_head is None:
         if d_model % n_heads:
             raise ValueError(
@@ -222,6 +225,11 @@ def _sizes(f: ConfigFields) -> tuple[int, int, int, int, int, int, int]:
                 "there is no head_dim"
             )
         d_head = d_model // n_heads
+        if d_head > MAX_HEAD_DIM:  # (before ModelConfig builds a rotation of d_head / 2 frequencies)
+            raise ValueError(
+                f"{source}: hidden_size={d_model} / num_attention_heads={n_heads} makes heads of {d_head} "
+                f"features; at most {MAX_HEAD_DIM} are read"
+            )
     if n_heads % n_kv:
         raise ValueError(
             f"{source}: num_attention_heads={n_heads} is not divisible by num_key_value_heads={n_kv}"
@@ -274,7 +282,13 @@ def llama_config(
     the layers ``layer_types`` (or the model type's rule) names, exactly. Refused, with an error naming
     the field: any other model_type, hidden_act or rope type (yarn, dynamic, longrope ...),
     ``partial_rotary_factor`` != 1, a ``quantization_config``, ``layer_types`` other than full and
-    sliding attention, bidirectional Gemma attention. Every field read is checked for type and range
+    sliding attention, bidirectional Gemma attention, a ``rope_scaling`` beside ``rope_parameters``
+    that says something else (transformers applies it; :mod:`~headspace.pretrained.config_checks`),
+    more than :data:`~headspace.pretrained.config_checks.MAX_LAYERS` layers or heads wider than
+    :data:`~headspace.pretrained.config_checks.MAX_HEAD_DIM` (refused before any per-layer list or
+    rotation table is built). SmolLM3 without ``no_rope_layers`` / ``layer_types`` takes
+    transformers' defaults (every ``no_rope_layer_interval``-th layer without RoPE, those sliding).
+    Every field read is checked for type and range
     (:class:`~headspace.pretrained.hf.ConfigFields`): a string where a number or boolean belongs is an
     error, never converted.
 
@@ -309,7 +323,7 @@ def llama_config(
     window, layer_types = windows(f, kind, n_layers, context)
     full_rope, local_theta = local_rope(hf, f, kind)
     theta, scaling = _rope(full_rope, f)
-    variant = variant_fields(f, kind, d_model)
+    variant = variant_fields(f, kind, d_model, n_layers)
     qkv_bias, out_bias, mlp_bias = _biases(f, kind)
     pad = _pad_id(f, vocab)
     init = hf.get("initializer_range")
