@@ -224,12 +224,7 @@ def _sizes(f: ConfigFields) -> tuple[int, int, int, int, int, int, int]:
                 f"{source}: hidden_size={d_model} is not divisible by num_attention_heads={n_heads} and "
                 "there is no head_dim"
             )
-        d_head = d_model // n_heads
-        if d_head > MAX_HEAD_DIM:  # (before ModelConfig builds a rotation of d_head / 2 frequencies)
-            raise ValueError(
-                f"{source}: hidden_size={d_model} / num_attention_heads={n_heads} makes heads of {d_head} "
-                f"features; at most {MAX_HEAD_DIM} are read"
-            )
+        d_head = at_most(source, "hidden_size / num_attention_heads", d_model // n_heads, MAX_HEAD_DIM)
     if n_heads % n_kv:
         raise ValueError(
             f"{source}: num_attention_heads={n_heads} is not divisible by num_key_value_heads={n_kv}"
@@ -283,12 +278,8 @@ def llama_config(
     the field: any other model_type, hidden_act or rope type (yarn, dynamic, longrope ...),
     ``partial_rotary_factor`` != 1, a ``quantization_config``, ``layer_types`` other than full and
     sliding attention, bidirectional Gemma attention, a ``rope_scaling`` beside ``rope_parameters``
-    that says something else (transformers applies it; :mod:`~headspace.pretrained.config_checks`),
-    more than :data:`~headspace.pretrained.config_checks.MAX_LAYERS` layers or heads wider than
-    :data:`~headspace.pretrained.config_checks.MAX_HEAD_DIM` (refused before any per-layer list or
-    rotation table is built). SmolLM3 without ``no_rope_layers`` / ``layer_types`` takes
-    transformers' defaults (every ``no_rope_layer_interval``-th layer without RoPE, those sliding).
-    Every field read is checked for type and range
+    that says something else, absurd layer counts and head widths
+    (:mod:`~headspace.pretrained.config_checks`). Every field read is checked for type and range
     (:class:`~headspace.pretrained.hf.ConfigFields`): a string where a number or boolean belongs is an
     error, never converted.
 
@@ -314,6 +305,14 @@ def llama_config(
             f"{source} has a quantization_config: quantized checkpoints (GPTQ, AWQ, bitsandbytes ...) are "
             "not supported; use the full-precision weights (float32, float16 or bfloat16)"
         )
+    return _read_config(hf, f, kind, name, max_seq_len)
+
+
+def _read_config(
+    hf: Mapping[str, Any], f: ConfigFields, kind: str, name: str, max_seq_len: int | None
+) -> ModelConfig:
+    """:func:`llama_config` once ``model_type`` is known (``kind``) and no quantization is claimed."""
+    source = f.source
     act_key = hidden_act_key(hf, kind)
     act = f.text(act_key, "gelu_pytorch_tanh" if act_key == "hidden_activation" else "silu")
     if act not in _HIDDEN_ACT:
