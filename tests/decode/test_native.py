@@ -796,3 +796,55 @@ def test_cli_native_build_loads(
     assert res.stderr.startswith("building the native decoding step into ")
     res = CliRunner().invoke(cli, ["native", "build"])  # a second time: nothing to build
     assert res.exit_code == 0 and res.stderr == "" and res.stdout.splitlines()[0] == "loaded"
+
+
+@posix_only
+def test_a_library_linked_into_a_folder_others_could_write_is_not_loaded(
+    fresh_state: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 42: the check followed the link only for the file's own mode; the folder it lies in, which
+    anyone could write, went unchecked. Links are resolved before the check now."""
+    root = fresh_state / "cache"
+    monkeypatch.setenv("CXX", fake_compiler(fresh_state, 'echo x > "$out"'))
+    monkeypatch.setenv("HEADSPACE_CACHE", str(root))
+    native.build()  # the fake library: built, then refused by the loader (it is no library)
+    lib = native.library_path()
+    open_folder = fresh_state / "open"
+    open_folder.mkdir()
+    open_folder.chmod(0o777)  # anyone could replace what is in it
+    (open_folder / lib.name).write_bytes(lib.read_bytes())
+    (open_folder / lib.name).chmod(0o644)
+    lib.unlink()
+    lib.symlink_to(open_folder / lib.name)
+    # as a later process finds it (_op: the build above loads where this process registered the class)
+    monkeypatch.setattr(native, "_state", {"status": "not built", "thread": None, "warned": False})
+    monkeypatch.setattr(native, "_op", None)
+    native.start_build()
+    assert not native.ready(warn=False)
+    assert native.status() == (
+        f"failed: {open_folder} belongs to another user or is writable by others, so {lib.name} was not "
+        "loaded (make it yours and not writable by others, or point HEADSPACE_CACHE at a folder of your own)"
+    )
+
+
+def test_an_unknown_headspace_native_value_is_refused_in_one_line(
+    fresh_state: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 42: HEADSPACE_NATIVE=bogus counted as on. Unknown values are refused where the variable is
+    read (as HEADSPACE_FORCE_FALLBACK's are); the known ones keep their meaning."""
+    from click.testing import CliRunner
+
+    from headspace.cli import cli
+
+    for value, on in [("1", True), (" Yes ", True), ("ON", True), ("", True), ("0", False), ("Off", False)]:
+        monkeypatch.setenv("HEADSPACE_NATIVE", value)
+        assert native.enabled() is on
+    monkeypatch.setenv("HEADSPACE_NATIVE", "bogus")
+    message = "HEADSPACE_NATIVE must be one of 1, true, on, yes (on) or 0, false, off, no (off); got 'bogus'"
+    with pytest.raises(ValueError, match=f"^{message}$".replace("(", r"\(").replace(")", r"\)")):
+        native.enabled()
+    with pytest.raises(ValueError, match="HEADSPACE_NATIVE must be one of"):
+        decoder().generate(torch.randint(0, V, (1, 3)), 2, temperature=0)
+    for command in (["native", "status"], ["native", "build"]):
+        res = CliRunner().invoke(cli, command)
+        assert res.exit_code == 2 and res.stdout == "" and res.stderr.splitlines() == [f"error: {message}"]

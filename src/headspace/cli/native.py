@@ -3,9 +3,19 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import click
 
 from ..core.errors import UsageError
+
+
+def _check_switch(native: ModuleType) -> None:
+    """``HEADSPACE_NATIVE`` of an unknown value: one line, exit code 2 (:func:`native.enabled`)."""
+    try:
+        native.enabled()
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 @click.group("native")
@@ -20,6 +30,7 @@ def build_command() -> None:
     Exit 0 once it is loaded, else 2 with one line saying why."""
     from ..kernels import native
 
+    _check_switch(native)
     cxx = native.compiler()
     path = native.library_path(cxx) if cxx is not None else None
     if path is not None and native.enabled() and not path.is_file():
@@ -36,6 +47,7 @@ def status_command() -> None:
     """Print the native decoding step's status (not built, built, failed: why) and its library's path."""
     from ..kernels import native
 
+    _check_switch(native)
     cxx = native.compiler()
     path = native.library_path(cxx) if cxx is not None else None
     if path is not None and path.is_file():

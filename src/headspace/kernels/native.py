@@ -26,10 +26,12 @@ How it is built:
   an atomic rename of a finished one. A build stopped so is started again the next time.
 * A library is loaded, and built, only where it and every folder from the cache root down to it
   belong to the current user and are not writable by group or others (:func:`status` names the path
-  otherwise): code another user could have put there is never run.
+  otherwise): code another user could have put there is never run. Symbolic links are resolved
+  before the check, so a link into a folder others can write is refused too.
 
 Without a compiler, or where the build fails, decoding stays the Python step (one warning says why).
-``HEADSPACE_NATIVE=0`` turns it off.
+``HEADSPACE_NATIVE=0`` (or false, off, no) turns it off; 1, true, on, yes or unset leave it on; any
+other value is refused in one line (:func:`enabled`).
 
 Why not ``torch.utils.cpp_extension.load(..., is_python_module=False)``: it is not faster (the compile
 is the time; ``docs/benchmarks.md``), it needs ``ninja``, and its lock (``FileBaton``) is a file created
@@ -94,9 +96,28 @@ _builds: list[_Build] = []  # every build started here: stopped at exit where st
 _announced = False
 
 
+ENV = "HEADSPACE_NATIVE"
+"""The environment variable that turns the native step off (:data:`OFF`) or leaves it on (:data:`ON`)."""
+ON = ("1", "true", "on", "yes", "")
+"""The values of :data:`ENV` that leave the native step on (case and surrounding blanks ignored)."""
+OFF = ("0", "false", "off", "no")
+"""The values of :data:`ENV` that turn it off."""
+
+
 def enabled() -> bool:
-    """Whether the native step may be used (``HEADSPACE_NATIVE`` is not 0/false/off/no)."""
-    return os.environ.get("HEADSPACE_NATIVE", "1").strip().lower() not in ("0", "false", "off", "no")
+    """Whether the native step may be used: ``HEADSPACE_NATIVE`` unset or one of :data:`ON` (True), or
+    one of :data:`OFF` (False). Any other value is refused (``ValueError``, one line naming the variable,
+    the accepted values and what came), read at every call, as ``HEADSPACE_FORCE_FALLBACK`` is."""
+    raw = os.environ.get(ENV, "1")
+    value = raw.strip().lower()
+    if value in OFF:
+        return False
+    if value not in ON:
+        raise ValueError(
+            f"{ENV} must be one of {', '.join(v for v in ON if v)} (on) or {', '.join(OFF)} (off); "
+            f"got {raw!r}"
+        )
+    return True
 
 
 def cache_dir() -> Path:
@@ -185,17 +206,23 @@ def _doubt(p: Path) -> bool:
 def _untrusted(path: Path, root: Path | None = None) -> str | None:
     """Why a library may not be loaded (it, or a folder from the cache root ``root`` down to it,
     belongs to another user or is writable by others: code someone else could have put there), or
-    None."""
+    None. Symbolic links are resolved first: the file a link leads to, and the folders from the
+    resolved root down to it (its own folder alone where it lies outside the root), are checked too."""
     if not hasattr(os, "getuid"):
         return None
-    for folder in _folders(path, cache_dir() if root is None else root):
+    root = cache_dir() if root is None else root
+    real, real_root = Path(os.path.realpath(path)), Path(os.path.realpath(root))
+    # the folders as named and as resolved: a symbolic link (the library's, or a folder's) may lead
+    # into a folder others can write, which the named chain alone would not show
+    folders = dict.fromkeys([*_folders(path, root), *_folders(real, real_root)])
+    for folder in folders:
         if _doubt(folder):
             return (
                 f"{folder} belongs to another user or is writable by others, so {path.name} was not "
                 "loaded (make it yours and not writable by others, or point HEADSPACE_CACHE at a folder "
                 "of your own)"
             )
-    if _doubt(path):
+    if _doubt(real):
         return (
             f"{path} belongs to another user or is writable by others, so {path.name} was not loaded "
             "(remove it, or point HEADSPACE_CACHE at a folder of your own)"
@@ -410,7 +437,7 @@ def ready(*, warn: bool = True) -> bool:
             # a namespace registers once per process (a second TORCH_LIBRARY aborts it): load a build
             # only where no library of this process registered the op already
             if not _registered():
-                torch.ops.load_library(str(path))
+                torch.ops.load_library(os.path.realpath(path))  # the file the check resolved
             _op = torch.classes.headspace.DecodeStep
         except (OSError, RuntimeError, AttributeError) as e:
             _state["status"], _state["reason"] = "failed", f"{path} could not be loaded: {e}"

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 from ..model import layouts
 from ..model.config import ModelConfig
 from ..model.models import Encoder, check_precision
+from .config_checks import MAX_LAYERS, at_most
 from .hf import (
     ConfigFields,
     config_fields,
@@ -78,10 +79,11 @@ def bert_config(hf: dict[str, Any], name: str = "", *, source: str = "config.jso
     )
     f.require(_BERT_FIELDS, "BERT")
     sizes = config_sizes(f, "hidden_size", "num_attention_heads", pad_default=0)
+    n_layers = at_most(source, "num_hidden_layers", f.integer("num_hidden_layers"), MAX_LAYERS)
     with fitting_headspace(source):
         return ModelConfig(
             arch="encoder",
-            n_layers=f.integer("num_hidden_layers"),
+            n_layers=n_layers,
             d_mlp=f.integer("intermediate_size"),
             max_seq_len=f.integer("max_position_embeddings", 512),
             act=_BERT_ACT[hf.get("hidden_act", "gelu")],

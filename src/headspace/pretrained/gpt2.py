@@ -11,6 +11,7 @@ from torch import Tensor
 from ..model import layouts
 from ..model.config import ModelConfig
 from ..model.models import Decoder, check_precision
+from .config_checks import MAX_LAYERS, at_most
 from .hf import (
     config_fields,
     config_sizes,
@@ -56,10 +57,11 @@ def gpt2_config(hf: dict[str, Any], name: str = "", *, source: str = "config.jso
     )
     f.require(["vocab_size", "n_embd", "n_layer", "n_head"], "GPT-2")
     sizes = config_sizes(f, "n_embd", "n_head", pad_default=None)
+    n_layers = at_most(source, "n_layer", f.integer("n_layer"), MAX_LAYERS)  # before any per-layer list
     with fitting_headspace(source):
         return ModelConfig(
             arch="decoder",
-            n_layers=f.integer("n_layer"),
+            n_layers=n_layers,
             d_mlp=f.integer("n_inner", None, allow_none=True) or 4 * sizes["d_model"],
             max_seq_len=f.integer("n_positions", 1024),
             act=_GPT2_ACT[hf.get("activation_function", "gelu_new")],

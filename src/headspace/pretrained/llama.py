@@ -48,6 +48,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..model.config import ModelConfig
 from ..model.models import Decoder, check_precision
+from .config_checks import MAX_HEAD_DIM, MAX_LAYERS, at_most, refuse_rope_scaling_beside_parameters
 from .hf import (
     ConfigFields,
     SafetensorsHeader,
@@ -188,6 +189,8 @@ def _rope(hf: Mapping[str, Any], f: ConfigFields) -> tuple[float, dict[str, Any]
             "(supported: a single object such as {'rope_type': 'default', 'rope_theta': 10000.0}); "
             f"got {scaling!r:.120}"
         )
+    if key == "rope_parameters":
+        refuse_rope_scaling_beside_parameters(hf, scaling, f.source)  # transformers would apply it
     theta_fields = ConfigFields(scaling, f"{f.source} {key}") if "rope_theta" in scaling else f
     theta = theta_fields.number("rope_theta", 10000.0, low=0.0, low_open=True)
     scaling.pop("rope_theta", None)
@@ -210,18 +213,18 @@ def _sizes(f: ConfigFields) -> tuple[int, int, int, int, int, int, int]:
               "Llama-family")  # fmt: skip
     vocab = f.integer("vocab_size")
     d_model = f.integer("hidden_size")
-    n_layers = f.integer("num_hidden_layers")
+    n_layers = at_most(source, "num_hidden_layers", f.integer("num_hidden_layers"), MAX_LAYERS)
     n_heads = f.integer("num_attention_heads")
     d_mlp = f.integer("intermediate_size")
     n_kv = f.integer("num_key_value_heads", None, allow_none=True) or n_heads
-    d_head = f.integer("head_dim", None, allow_none=True)
+    d_head = at_most(source, "head_dim", f.integer("head_dim", None, allow_none=True), MAX_HEAD_DIM)
     if d_head is None:
         if d_model % n_heads:
             raise ValueError(
                 f"{source}: hidden_size={d_model} is not divisible by num_attention_heads={n_heads} and "
                 "there is no head_dim"
             )
-        d_head = d_model // n_heads
+        d_head = at_most(source, "hidden_size / num_attention_heads", d_model // n_heads, MAX_HEAD_DIM)
     if n_heads % n_kv:
         raise ValueError(
             f"{source}: num_attention_heads={n_heads} is not divisible by num_key_value_heads={n_kv}"
@@ -274,7 +277,9 @@ def llama_config(
     the layers ``layer_types`` (or the model type's rule) names, exactly. Refused, with an error naming
     the field: any other model_type, hidden_act or rope type (yarn, dynamic, longrope ...),
     ``partial_rotary_factor`` != 1, a ``quantization_config``, ``layer_types`` other than full and
-    sliding attention, bidirectional Gemma attention. Every field read is checked for type and range
+    sliding attention, bidirectional Gemma attention, a ``rope_scaling`` beside ``rope_parameters``
+    that says something else, absurd layer counts and head widths
+    (:mod:`~headspace.pretrained.config_checks`). Every field read is checked for type and range
     (:class:`~headspace.pretrained.hf.ConfigFields`): a string where a number or boolean belongs is an
     error, never converted.
 
@@ -300,6 +305,14 @@ def llama_config(
             f"{source} has a quantization_config: quantized checkpoints (GPTQ, AWQ, bitsandbytes ...) are "
             "not supported; use the full-precision weights (float32, float16 or bfloat16)"
         )
+    return _read_config(hf, f, kind, name, max_seq_len)
+
+
+def _read_config(
+    hf: Mapping[str, Any], f: ConfigFields, kind: str, name: str, max_seq_len: int | None
+) -> ModelConfig:
+    """:func:`llama_config` once ``model_type`` is known (``kind``) and no quantization is claimed."""
+    source = f.source
     act_key = hidden_act_key(hf, kind)
     act = f.text(act_key, "gelu_pytorch_tanh" if act_key == "hidden_activation" else "silu")
     if act not in _HIDDEN_ACT:
@@ -309,7 +322,7 @@ def llama_config(
     window, layer_types = windows(f, kind, n_layers, context)
     full_rope, local_theta = local_rope(hf, f, kind)
     theta, scaling = _rope(full_rope, f)
-    variant = variant_fields(f, kind, d_model)
+    variant = variant_fields(f, kind, d_model, n_layers)
     qkv_bias, out_bias, mlp_bias = _biases(f, kind)
     pad = _pad_id(f, vocab)
     init = hf.get("initializer_range")

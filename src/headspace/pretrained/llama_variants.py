@@ -47,6 +47,8 @@ def hidden_act_key(hf: Mapping[str, Any], kind: str) -> str:
 def windows(f: ConfigFields, kind: str, n_layers: int, context: int) -> tuple[int | None, list[str] | None]:
     """(sliding_window, layer_types as "sliding"/"full") of a config, or (None, None) when no layer's
     window can change a result within ``context`` tokens (a window >= the context sees every key).
+    Gemma 3 keeps its layer types (they pick each layer's RoPE base); a window of its >= ``context``
+    becomes ``context``, which sees the same keys.
 
     ``layer_types`` (transformers 5: "sliding_attention" / "full_attention") says which layers slide;
     without it Mistral slides on every layer, Qwen2 from ``max_window_layers`` on, Gemma 2 on even
@@ -61,7 +63,9 @@ def windows(f: ConfigFields, kind: str, n_layers: int, context: int) -> tuple[in
     if kind in _WINDOW_SWITCHED and not f.flag("use_sliding_window", False):
         return None, None  # transformers sets sliding_window = None then
     if types is None:
-        if kind in _WINDOW_SWITCHED:
+        if kind == "smollm3":  # transformers' SmolLM3Config: the layers without RoPE slide
+            types = ["full_attention" if r else "sliding_attention" for r in rope_flags(f, n_layers)]
+        elif kind in _WINDOW_SWITCHED:
             start = f.integer("max_window_layers", 28, minimum=0)
             types = ["sliding_attention" if i >= start else "full_attention" for i in range(n_layers)]
         elif kind == "gemma2":
@@ -80,7 +84,10 @@ def windows(f: ConfigFields, kind: str, n_layers: int, context: int) -> tuple[in
     ours = ["sliding" if t == "sliding_attention" else "full" for t in types]
     if "sliding" not in ours or (window >= context and kind != "gemma3_text"):
         return None, None  # (Gemma 3 keeps its layer types: they pick each layer's RoPE base)
-    return window, ours
+    # a window of at least the context sees every earlier key of a sequence that fits the position
+    # table: Gemma 3's becomes the context itself, the same keys seen (sliding_window: 2**63 would
+    # otherwise reach the native step, whose windows are 64-bit ints)
+    return min(window, context), ours
 
 
 def local_rope(hf: Mapping[str, Any], f: ConfigFields, kind: str) -> tuple[dict[str, Any], float | None]:
@@ -113,7 +120,23 @@ def _optional_positive(f: ConfigFields, key: str) -> float | None:
     return None if f.hf.get(key) is None else f.number(key, low=0.0, low_open=True)
 
 
-def variant_fields(f: ConfigFields, kind: str, d_model: int) -> dict[str, Any]:
+def rope_flags(f: ConfigFields, n_layers: int) -> list[int]:
+    """SmolLM3's ``no_rope_layers`` (1: the layer rotates, 0: NoPE), one per layer; where the config has
+    none, transformers' default: every ``no_rope_layer_interval``-th layer (default 4) without RoPE."""
+    flags = f.hf.get("no_rope_layers")
+    if flags is None:
+        every = f.integer("no_rope_layer_interval", 4)
+        return [int((i + 1) % every != 0) for i in range(n_layers)]
+    if not isinstance(flags, list) or any(v not in (0, 1) or isinstance(v, bool) for v in flags):
+        raise ValueError(f"{f.source}: no_rope_layers must list 0 / 1 per layer; got {flags!r:.120}")
+    if len(flags) != n_layers:
+        raise ValueError(
+            f"{f.source}: no_rope_layers must have num_hidden_layers={n_layers} entries; got {len(flags)}"
+        )
+    return flags
+
+
+def variant_fields(f: ConfigFields, kind: str, d_model: int, n_layers: int) -> dict[str, Any]:
     """The :class:`~headspace.ModelConfig` fields (beyond the windows and RoPE) in which ``kind``
     differs from a Llama: norms, QK-norm, soft-capping, embedding and score scales, biases, NoPE."""
     out: dict[str, Any] = {}
@@ -138,11 +161,7 @@ def variant_fields(f: ConfigFields, kind: str, d_model: int) -> dict[str, Any]:
     if kind == "olmo2":
         out.update(norm="post_sublayer", qk_norm="all")
     if kind == "smollm3":
-        flags = f.hf.get("no_rope_layers")
-        if flags is not None:
-            if not isinstance(flags, list) or any(v not in (0, 1) or isinstance(v, bool) for v in flags):
-                raise ValueError(f"{f.source}: no_rope_layers must list 0 / 1 per layer; got {flags!r:.120}")
-            out["nope_layers"] = [i for i, v in enumerate(flags) if v == 0]
+        out["nope_layers"] = [i for i, v in enumerate(rope_flags(f, n_layers)) if v == 0]
     return out
 
 
