@@ -3,10 +3,12 @@
 :func:`atlas` reads a corpus (:mod:`.corpus`), cuts it into windows, groups consecutive windows into
 *shards* of ``shard_size`` sequences and measures every head on every query position of every sequence
 (:mod:`.atlas_measure`; the ``ablation`` pass :mod:`.atlas_ablation`). Each shard's sums, counts and
-top-k candidates (:mod:`.atlas_state`) are merged as they come, so memory does not grow with the corpus.
+top-k candidates (:mod:`.atlas_state`) are merged as they come, so memory does not grow with the corpus
+(but for its token ids: the corpus is read and tokenised once, :func:`.corpus.read_windows`).
 
 **Resumable.** With ``out``, each finished shard is sealed in ``out/shards/`` (one JSON file written
-atomically, holding the run's fingerprint and the SHA-256 of its state, checked when read back); a run
+atomically, holding the run's fingerprint, with the SHA-256 of the model's weights, and the SHA-256 of
+its state, checked when read back: :mod:`.atlas_guard`, which also locks ``out`` for the run); a run
 killed at any moment and started again with the same arguments skips the sealed shards and writes the
 same atlas: merged sums are fixed-point integers, so the order in which shards come does not matter.
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -183,18 +184,20 @@ MAX_PIECE_CHARS = 1 << 20
 :func:`text_pieces`), so that the tokenizer never holds a huge string."""
 
 
+_CUT = re.compile(r"\s(?=\S)")  # in a reversed text: a whitespace character after a non-whitespace one
+
+
 def text_pieces(text: str, max_chars: int) -> Iterator[str]:
     """``text`` cut into consecutive pieces of at most ``max_chars`` characters (joined, they are
     ``text``), each cut placed before a whitespace character that follows a non-whitespace one (so a word
-    and the spaces before it stay together, as byte-level BPE pre-tokenisers split them), or at
-    ``max_chars`` where a piece has no such place."""
+    and the spaces before it stay together, as byte-level BPE pre-tokenisers split them), the last such
+    place within the bound, or at ``max_chars`` where a piece has none."""
     start, n = 0, len(text)
     while n - start > max_chars:
-        cut = start + max_chars
-        while cut > start + 1 and not (text[cut].isspace() and not text[cut - 1].isspace()):
-            cut -= 1
-        if cut == start + 1 and not (text[cut].isspace() and not text[cut - 1].isspace()):
-            cut = start + max_chars
+        end = start + max_chars
+        back = text[start : end + 1][::-1]  # text[end], text[end - 1], ..., text[start]
+        found = _CUT.search(back)
+        cut = end if found is None else end - found.start()
         yield text[start:cut]
         start = cut
     yield text[start:]
