@@ -185,7 +185,9 @@ def test_a_link_in_a_corpus_folder_is_not_followed(tiny: Any, tmp_path: Path) ->
 
 
 # ----------------------------------------------------------------------------------- 3. one run per folder
-def test_a_second_run_on_a_locked_folder_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_second_run_on_a_locked_folder_is_refused(
+    gguf_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     inside, go, measure = threading.Event(), threading.Event(), A.measure_batch
     first_thread: list[threading.Thread] = []
 
@@ -208,6 +210,11 @@ def test_a_second_run_on_a_locked_folder_is_refused(tmp_path: Path, monkeypatch:
             ValueError, match=rf"another atlas run is writing this folder \(pid {os.getpid()} on"
         ):
             atlas(decoder(), token_docs(), out=tmp_path, **{**KW, "window": 16})
+        corpus = tmp_path / "c.txt"  # the command line too: one line, exit code 2
+        corpus.write_text(TEXT)
+        second = _cli(tmp_path, gguf_path, corpus, "--no-ablation")
+        assert second.exit_code == 2
+        assert "another atlas run is writing this folder" in _one_error_line(second.output)
     finally:
         go.set()
         first.join(60)
