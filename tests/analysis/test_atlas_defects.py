@@ -396,7 +396,10 @@ def test_a_full_disk_is_one_line_and_the_rerun_resumes(
     failed = _cli(out, gguf_path, corpus)
     assert failed.exit_code == 1
     line = _one_error_line(failed.output)
-    assert "stats-000003.json: cannot write this shard (No space left on device)" in line and "resume" in line
+    assert line.startswith(
+        f"error: {out / 'shards' / 'stats-000003.json'}: cannot write this shard (No space"
+    )
+    assert "the shards sealed before it" in line and "resume" in line
     monkeypatch.setattr(A, "write_atomic", write)
     measure, calls = A.measure_batch, []
     monkeypatch.setattr(A, "measure_batch", lambda *a, **k: calls.append(1) or measure(*a, **k))
@@ -404,6 +407,16 @@ def test_a_full_disk_is_one_line_and_the_rerun_resumes(
     assert rerun.exit_code == 0, rerun.output
     n_shards = len(list((out / "shards").glob("stats-*.json")))
     assert len(calls) == n_shards - 3  # the three sealed shards were read back
+    assert (out / "atlas.json").read_bytes() == (tmp_path / "ref" / "atlas.json").read_bytes()
+
+    def read_only(path: Any, data: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(A, "write_atomic", read_only)  # every shard sealed: only atlas.json is written
+    last = _cli(out, gguf_path, corpus)
+    assert last.exit_code == 1
+    line = _one_error_line(last.output)
+    assert line.startswith(f"error: {out}: cannot write atlas.json and atlas.html (Read-only file system)")
     assert (out / "atlas.json").read_bytes() == (tmp_path / "ref" / "atlas.json").read_bytes()
 
 

@@ -4,15 +4,19 @@ A corpus is a UTF-8 text file (one document), a folder of them (every regular fi
 one of :data:`TEXT_SUFFIXES`, in sorted path order, each one document; ``.jsonl`` files inside count as
 JSONL), a JSONL file (``.jsonl``: one JSON object ``{"text": "..."}`` per non-blank line, each a
 document), or, from Python, a list of strings (or, for models without a tokenizer, of 1-D int64
-token tensors). Files are read with
-:func:`headspace.fileio.read_regular_file` (regular files only, at most :data:`MAX_FILE_BYTES` each);
-anything malformed is refused with a one-line error naming the file (and line) and what was expected.
+token tensors). Symbolic links inside a folder are skipped (and a file turned into one is refused when
+read). Files are read with :func:`headspace.fileio.read_regular_file` (regular files only, at most
+:data:`MAX_FILE_BYTES` each); anything malformed (invalid or too deeply nested JSON, a ``"text"`` with
+a lone surrogate) is refused with a one-line error naming the file (and line) and what was expected.
 
-Each document is tokenised exactly as ``model.tokenize_padded([text])`` does (the pretrained wrapper's
-own tokeniser, special tokens included) and its real tokens are cut into consecutive windows of
-``window`` tokens (the last one shorter); a document shorter than the window is one sequence. The
+Each document is tokenised once, exactly as ``model.tokenize_padded([text])`` does (the pretrained
+wrapper's own tokeniser, special tokens included), a document longer than :data:`MAX_PIECE_CHARS`
+characters in bounded pieces (:func:`document_tokens`), and its real tokens are cut into consecutive
+windows of ``window`` tokens (the last one shorter); a document shorter than the window is one
+sequence. :func:`read_windows` reads a corpus once, up to ``max_tokens``, and keeps its windows. The
 SHA-256 of the corpus is taken over every document's name and UTF-8 bytes in order (see
-:meth:`Corpus.sha256`), so it names the text, whatever the layout of the folder it came from.
+:meth:`Corpus.sha256`; :func:`read_windows` takes it over the documents it read), so it names the text,
+whatever the layout of the folder it came from.
 """
 
 from __future__ import annotations

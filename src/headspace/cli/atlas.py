@@ -117,9 +117,17 @@ def atlas_cmd(
         except (ValueError, TypeError, FileNotFoundError) as e:
             raise UsageError(one_line(e)) from None
         except OSError as e:
-            raise RunError(one_line(e)) from None
+            raise RunError(_os_reason(e)) from None
     finally:
         teardown(info)
+
+
+def _os_reason(e: OSError) -> str:
+    """An operating-system error on one line, without the ``[Errno N]`` prefix where the message (ours,
+    naming the path) says it all."""
+    if e.filename is None and e.strerror:
+        return " ".join(e.strerror.split())
+    return one_line(e)
 
 
 def _write(result: Any, out_dir: Path, world_size: int) -> None:
@@ -128,8 +136,15 @@ def _write(result: Any, out_dir: Path, world_size: int) -> None:
 
     d = result.to_dict()
     check_own_outputs(out_dir)  # again: a file put there while the run went
-    result.to_json(out_dir / "atlas.json")
-    write_atlas_page(out_dir / "atlas.html", d)
+    try:
+        result.to_json(out_dir / "atlas.json")
+        write_atlas_page(out_dir / "atlas.html", d)
+    except OSError as e:
+        raise OSError(
+            e.errno,
+            f"{out_dir}: cannot write atlas.json and atlas.html ({e.strerror or type(e).__name__}); "
+            f"the sealed shards in {out_dir / 'shards'} are kept: run again to write them from those",
+        ) from None
     L, H = len(d["n_heads"]), max(d["n_heads"])
     click.echo(
         f"wrote {out_dir / 'atlas.json'} and {out_dir / 'atlas.html'} ({d['n_tokens']} tokens in "
