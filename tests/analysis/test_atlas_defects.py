@@ -319,6 +319,27 @@ def test_nothing_is_read_or_tokenised_past_max_tokens(
     assert torch.equal(again.stats["previous"], result.stats["previous"])
 
 
+def test_token_ids_of_a_run_with_out_live_in_a_mapped_file_that_is_removed(
+    counted: Any, tmp_path: Path
+) -> None:
+    from headspace.analysis.corpus import read_windows
+
+    texts = ["the world " * 40, "12 in one " * 9]
+    read = read_windows(counted, Corpus.of(texts), 16, spill=(tmp_path, 0))
+    maps = Path("/proc/self/maps")
+    if maps.exists():  # Linux: the ids are pages of the (removed) file, not the process's own memory
+        assert f"{tmp_path / '.atlas-tokens-0.tmp'} (deleted)" in maps.read_text()
+    assert not list(tmp_path.glob(".atlas-tokens*"))
+    whole = [counted.tokenize_padded([t])[0][0] for t in texts]
+    assert torch.equal(torch.cat([w.tokens.long() for w in read.windows]), torch.cat(whole))
+    kw: dict[str, Any] = dict(window=16, top_k=2, progress=False, ablation=False)
+    on_disk = atlas(counted, texts, out=tmp_path / "o", **kw).to_dict()
+    assert json.dumps(on_disk, sort_keys=True) == json.dumps(
+        atlas(counted, texts, **kw).to_dict(), sort_keys=True
+    )
+    assert not list((tmp_path / "o").glob(".atlas-tokens*"))
+
+
 # ------------------------------------------------------------------------------------- 5. one-line errors
 def test_json_nested_100000_deep_names_the_file_and_line(tmp_path: Path) -> None:
     bad = tmp_path / "c.jsonl"

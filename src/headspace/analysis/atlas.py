@@ -4,7 +4,8 @@
 *shards* of ``shard_size`` sequences and measures every head on every query position of every sequence
 (:mod:`.atlas_measure`; the ``ablation`` pass :mod:`.atlas_ablation`). Each shard's sums, counts and
 top-k candidates (:mod:`.atlas_state`) are merged as they come, so memory does not grow with the corpus
-(but for its token ids: the corpus is read and tokenised once, :func:`.corpus.read_windows`).
+(the corpus is read and tokenised once, :func:`.corpus.read_windows`: with ``out`` its token ids live in
+a mapped file, without it in memory).
 
 **Resumable.** With ``out``, each finished shard is sealed in ``out/shards/`` (one JSON file written
 atomically, holding the run's fingerprint, with the SHA-256 of the model's weights, and the SHA-256 of
@@ -340,7 +341,8 @@ def atlas(
         max_piece_chars: documents longer than this many characters are tokenised in pieces of at most
             this many (:func:`headspace.analysis.corpus.document_tokens`).
 
-    The corpus is read and tokenised once (its token ids kept, 4 bytes a token); shards are
+    The corpus is read and tokenised once (its token ids kept: with ``out`` in a file there, mapped and
+    removed at once; without, in memory, 4 bytes a token); shards are
     fingerprinted by the corpus, the arguments and the SHA-256 of the model's weights
     (:func:`headspace.analysis.atlas_guard.weights_sha256`), so a shard of other weights is refused.
 
@@ -377,7 +379,8 @@ def _atlas_run(
     n_heads = [a.n_heads for _, a in layers]
     L, H, dh = len(layers), max(n_heads), max(a.d_head for _, a in layers)
     weights = weights_sha256(module)
-    read = read_windows(model, corp, s.window, s.max_tokens, max_chars=s.max_piece_chars)
+    spill = None if out_dir is None else (out_dir, info.rank)
+    read = read_windows(model, corp, s.window, s.max_tokens, max_chars=s.max_piece_chars, spill=spill)
     fingerprint = {
         "corpus_sha256": read.sha256, "model": name, "weights_sha256": weights, "window": s.window,
         "batch_size": s.batch_size, "top_k": s.top_k, "max_tokens": s.max_tokens, "shard_size": s.shard_size,

@@ -305,12 +305,47 @@ def sequences(
 
 @dataclass
 class CorpusWindows:
-    """A corpus read once (:func:`read_windows`): its windows (tokens kept as int32, 4 bytes a token),
+    """A corpus read once (:func:`read_windows`): its windows (tokens int32, in memory or mapped),
     the SHA-256 of the documents read (as :meth:`Corpus.sha256`, over those read), and their count."""
 
     windows: list[Window]
     sha256: str
     n_documents: int
+
+
+class _TokenFile:
+    """Token ids (int32) appended to ``folder/.atlas-tokens-RANK.tmp`` as they come, then mapped back
+    read-only (file-backed pages the system can drop, not the process's own memory) and the file
+    removed (the mapping keeps its data)."""
+
+    def __init__(self, folder: Path, rank: int) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.path = folder / f".atlas-tokens-{rank}.tmp"
+        self.path.unlink(missing_ok=True)  # a killed run's; a link there is removed, never followed
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        self.file = os.fdopen(os.open(self.path, flags, 0o600), "wb")  # closed in mapped() or discard()
+        self.n = 0
+
+    def append(self, tokens: Tensor) -> int:
+        """Write ``tokens`` [n]; their offset in the file (in tokens)."""
+        at = self.n
+        self.file.write(tokens.to(torch.int32).contiguous().numpy().tobytes())
+        self.n += int(tokens.numel())
+        return at
+
+    def mapped(self) -> Tensor:
+        """int32 [n]: every token written, mapped from the file (which is then removed)."""
+        self.file.close()
+        try:
+            if not self.n:
+                return torch.zeros(0, dtype=torch.int32)
+            return torch.from_file(str(self.path), shared=False, size=self.n, dtype=torch.int32)  # (n,)
+        finally:
+            self.path.unlink(missing_ok=True)
+
+    def discard(self) -> None:
+        self.file.close()
+        self.path.unlink(missing_ok=True)
 
 
 def read_windows(
@@ -320,9 +355,15 @@ def read_windows(
     max_tokens: int | None = None,
     *,
     max_chars: int = MAX_PIECE_CHARS,
+    spill: tuple[Path, int] | None = None,
 ) -> CorpusWindows:
     """Every window of :func:`sequences`, from one reading of the corpus, with the SHA-256 of the
-    documents read. Raises ``ValueError`` for a corpus with no text (no document, or only empty ones)."""
+    documents read. Raises ``ValueError`` for a corpus with no text (no document, or only empty ones).
+
+    ``spill`` (a folder and this process's rank): the token ids go to a file there as they are read and
+    the windows are views of its mapping, so they take no memory of the process's own; without it they
+    are kept in memory (4 bytes a token).
+    """
     h = hashlib.sha256()
     count = {"read": 0, "with_text": 0}
 
@@ -334,9 +375,24 @@ def read_windows(
             count["with_text"] += bool(text.strip()) if isinstance(text, str) else text.numel() > 0
             yield name, text
 
-    windows = []
-    for w in sequences(model, _Replay(docs()), window, max_tokens, max_chars=max_chars):  # type: ignore[arg-type]
-        windows.append(Window(w.index, w.document, w.name, w.start, w.tokens.to(torch.int32).clone()))
+    sink = None if spill is None else _TokenFile(*spill)
+    windows: list[Window] = []
+    offsets: list[tuple[int, int, str, int, int, int]] = []  # (index, document, name, start, offset, n)
+    try:
+        for w in sequences(model, _Replay(docs()), window, max_tokens, max_chars=max_chars):  # type: ignore[arg-type]
+            if sink is None:
+                windows.append(Window(w.index, w.document, w.name, w.start, w.tokens.to(torch.int32).clone()))
+            else:
+                at = sink.append(w.tokens)  # keep the place, not the tokens
+                offsets.append((w.index, w.document, w.name, w.start, at, int(w.tokens.shape[0])))
+    except BaseException:
+        if sink is not None:
+            sink.discard()
+        raise
+    if sink is not None:
+        ids = sink.mapped()  # (n,)
+        for index, document, name, start, at, n in offsets:
+            windows.append(Window(index, document, name, start, ids[at : at + n]))  # (n,) each
     if not count["with_text"] or not windows:
         where = "(a list)" if isinstance(corpus.source, list) else str(corpus.source)
         raise ValueError(
