@@ -60,7 +60,7 @@ res = A.atlas(model, docs, window=12, batch_size=2, shard_size=1, top_k=3, out=o
               progress=False, induction_repeated=False)
 if info.is_main:
     res.to_json(out / "atlas.json")
-print("computed", len(computed), flush=True)
+print(f"computed {len(computed)}", flush=True)  # one write: ranks share stdout
 teardown(info)
 """
 

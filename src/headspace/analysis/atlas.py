@@ -3,10 +3,13 @@
 :func:`atlas` reads a corpus (:mod:`.corpus`), cuts it into windows, groups consecutive windows into
 *shards* of ``shard_size`` sequences and measures every head on every query position of every sequence
 (:mod:`.atlas_measure`; the ``ablation`` pass :mod:`.atlas_ablation`). Each shard's sums, counts and
-top-k candidates (:mod:`.atlas_state`) are merged as they come, so memory does not grow with the corpus.
+top-k candidates (:mod:`.atlas_state`) are merged as they come, so memory does not grow with the corpus
+(the corpus is read and tokenised once, :func:`.corpus.read_windows`: with ``out`` its token ids live in
+a mapped file, without it in memory).
 
 **Resumable.** With ``out``, each finished shard is sealed in ``out/shards/`` (one JSON file written
-atomically, holding the run's fingerprint and the SHA-256 of its state, checked when read back); a run
+atomically, holding the run's fingerprint, with the SHA-256 of the model's weights, and the SHA-256 of
+its state, checked when read back: :mod:`.atlas_guard`, which also locks ``out`` for the run); a run
 killed at any moment and started again with the same arguments skips the sealed shards and writes the
 same atlas: merged sums are fixed-point integers, so the order in which shards come does not matter.
 
@@ -32,19 +35,21 @@ import torch
 from torch import Tensor
 
 from ..core.checks import is_int
-from ..core.fileio import parse_json, read_regular_file, write_atomic
+from ..core.fileio import write_atomic
 from ..core.process_group import DistInfo, all_gather_bytes, device_of
 from ..core.progress import progress_bar
 from ._common import eval_mode, to_plain
 from .atlas_ablation import ablate_batch
+from .atlas_guard import SHARD_FORMAT, folder_lock, read_shard, seal, weights_sha256
 from .atlas_measure import measure_batch
 from .atlas_state import EXAMPLE_KINDS, MEANS, AtlasState, SealedState
 from .causal_inputs import is_decoder, token_str
-from .corpus import Corpus, Window, check_window, sequences
+from .corpus import MAX_PIECE_CHARS, Corpus, Window, check_window, read_windows, sequences
 from .roles import induction_scores
 from .trace import as_module, attention_layers
 
-SHARD_FORMAT = "headspace-atlas-shard/1"
+__all__ = ["SHARD_FORMAT", "Atlas", "atlas"]
+
 CONTEXT = 8
 """Tokens of context each side of an example's query and key."""
 
@@ -61,6 +66,7 @@ class Atlas:
     ``induction_repeated`` the repeated-random-token score of :func:`induction_scores` (decoders).
     ``examples[layer][head]``: ``{"attention": [...], "direct_effect": [...]}``, each example a dict
     (sequence, document, query and key positions in the document, value, and the tokens around them).
+    ``weights_sha256``: the fingerprint of the model's weights (:func:`.atlas_guard.weights_sha256`).
     """
 
     stats: dict[str, Tensor]
@@ -73,6 +79,7 @@ class Atlas:
     window: int
     clean_loss: float | None
     n_heads: list[int]
+    weights_sha256: str | None = None
 
     def __getattr__(self, name: str) -> Any:
         stats = self.__dict__.get("stats", {})
@@ -89,6 +96,7 @@ class Atlas:
             examples=self.examples, n_queries=self.n_queries, n_tokens=self.n_tokens,
             n_sequences=self.n_sequences, corpus_sha256=self.corpus_sha256, model=self.model,
             window=self.window, clean_loss=self.clean_loss, n_heads=self.n_heads,
+            weights_sha256=self.weights_sha256,
         )  # fmt: skip
         return out
 
@@ -128,26 +136,6 @@ def _batches(windows: list[Window], batch_size: int, pad: int) -> Iterator[tuple
         yield tokens, real, torch.tensor([w.index for w in part], dtype=torch.int64)
 
 
-def _read_shard(path: Path, fingerprint: dict[str, Any]) -> dict[str, Any] | None:
-    """A sealed shard's state, or None when absent or not sealed right (it is then recomputed)."""
-    if not path.exists():
-        return None
-    try:
-        obj = parse_json(read_regular_file(path, max_bytes=1 << 30))
-    except ValueError:
-        return None
-    if not isinstance(obj, dict) or obj.get("format") != SHARD_FORMAT or "state" not in obj:
-        return None
-    if obj.get("fingerprint") != fingerprint:
-        raise ValueError(
-            f"{path}: a shard of another run (fingerprint {obj.get('fingerprint')!r}); expected "
-            f"{fingerprint!r}: use a fresh output folder or the same arguments"
-        )
-    if obj.get("sha256") != _digest(obj["state"]):
-        return None
-    return obj["state"]
-
-
 def _run_phase(
     name: str,
     shard_groups: Callable[[], Iterator[list[Window]]],
@@ -156,21 +144,29 @@ def _run_phase(
     out: Path | None,
     info: DistInfo,
     bar: Any,
+    blank: dict[str, Any],
 ) -> SealedState | None:
     """Each of this rank's shards, read back sealed or computed and sealed; their merged state (None
-    when this rank had none)."""
+    when this rank had none). A shard that cannot be written is an ``OSError`` saying that the shards
+    sealed before it are kept (a rerun resumes from them)."""
     merged: SealedState | None = None
     for index, windows in enumerate(shard_groups()):
         if index % info.world_size != info.rank:
             continue
         path = None if out is None else out / "shards" / f"{name}-{index:06d}.json"
-        state = None if path is None else _read_shard(path, {**fingerprint, "shard": index})
+        mark = {**fingerprint, "shard": index}
+        state = None if path is None else read_shard(path, mark, windows, blank)
         if state is None:
             state = work(windows)
             if path is not None:
-                record = {"format": SHARD_FORMAT, "fingerprint": {**fingerprint, "shard": index}}
-                record.update(state=state, sha256=_digest(state))
-                write_atomic(path, json.dumps(record), make_parents=True)
+                try:
+                    write_atomic(path, seal(state, mark), make_parents=True)
+                except OSError as e:
+                    raise OSError(
+                        e.errno,
+                        f"{path}: cannot write this shard ({e.strerror or type(e).__name__}); the "
+                        f"shards sealed before it in {path.parent} are kept: run again to resume from them",
+                    ) from None
         bar.update(sum(w.tokens.shape[0] for w in windows))
         if merged is None:
             merged = SealedState.empty_like(state)
@@ -199,17 +195,11 @@ def _context(tokens: list[str], at: int) -> dict[str, Any]:
 
 
 def _examples(
-    model: Any, merged: SealedState, shard_groups: Callable[[], Iterator[list[Window]]], n_heads: list[int]
+    model: Any, merged: SealedState, windows: list[Window], n_heads: list[int]
 ) -> list[list[dict[str, list[dict[str, Any]]]]]:
-    """The top-k candidates with their documents and tokens of context (one more pass over the corpus,
-    keeping only the sequences named)."""
+    """The top-k candidates with their documents and tokens of context (``windows`` in sequence order)."""
     top = merged.data["top"]
-    wanted = {int(c[1]) for kind in EXAMPLE_KINDS for row in top[kind] for cs in row for c in cs}
-    found: dict[int, Window] = {}
-    for windows in shard_groups():
-        found.update({w.index: w for w in windows if w.index in wanted})
-        if len(found) == len(wanted):
-            break
+    found = {w.index: w for w in windows}
     names: dict[int, str] = {}
 
     def text(i: int) -> str:
@@ -293,9 +283,24 @@ def _ablation_phase(
         return state.seal()
 
     bar = progress_bar(total=run.total, desc="atlas: ablation", unit="tok", disable=not run.progress)
-    local = _run_phase("ablation", run.groups, ablate, fingerprint, run.out, run.info, bar)
+    local = _run_phase("ablation", run.groups, ablate, fingerprint, run.out, run.info, bar, blank)
     bar.close()
     return _all_ranks(local, run.info, blank)
+
+
+@dataclass
+class _Settings:
+    """An :func:`atlas` call's arguments, checked."""
+
+    window: int
+    batch_size: int
+    top_k: int
+    max_tokens: int | None
+    ablation: bool
+    induction_repeated: bool
+    shard_size: int
+    max_piece_chars: int
+    progress: bool
 
 
 def atlas(
@@ -313,6 +318,7 @@ def atlas(
     model_name: str | None = None,
     dist_info: DistInfo | None = None,
     progress: bool = True,
+    max_piece_chars: int = MAX_PIECE_CHARS,
 ) -> Atlas:
     """Every head's statistics over ``corpus`` (see the module docstring and :class:`Atlas`).
 
@@ -322,69 +328,97 @@ def atlas(
         window: tokens per sequence (longer documents are cut into windows).
         batch_size: sequences per forward pass (right-padded).
         top_k: examples kept per head and kind.
-        max_tokens: stop after this many tokens (None: the whole corpus).
+        max_tokens: stop after this many tokens (None: the whole corpus); nothing past them is read.
         ablation: also measure each head's mean-ablation loss change (decoders; a second pass, one
             replicated run per layer and head: the slow part).
         induction_repeated: also compute :func:`induction_scores` (repeated random tokens; decoders).
-        out: a folder for the sealed shards (resumable runs); None keeps everything in memory.
+        out: a folder for the sealed shards (resumable runs; locked while the run lasts, a second run
+            on it is refused); None keeps everything in memory.
         shard_size: sequences per shard (the unit of resuming and of distribution).
         model_name: what ``atlas.json`` calls the model (default: the config's ``name`` or the class).
         dist_info: a torch.distributed job's :class:`~headspace.process_group.DistInfo` (None: one process).
         progress: show progress bars (tokens/s and ETA).
+        max_piece_chars: documents longer than this many characters are tokenised in pieces of at most
+            this many (:func:`headspace.analysis.corpus.document_tokens`).
+
+    The corpus is read and tokenised once (its token ids kept: with ``out`` in a file there, mapped and
+    removed at once; without, in memory, 4 bytes a token); shards are
+    fingerprinted by the corpus, the arguments and the SHA-256 of the model's weights
+    (:func:`headspace.analysis.atlas_guard.weights_sha256`), so a shard of other weights is refused.
 
     Exact: the same sums and counts as running the per-prompt functions on each sequence (tested against
     :func:`head_roles`, :func:`direct_logit_attribution` and :func:`headspace.ablate`), float32
     rounding of the model apart; identical across resumed and distributed runs.
     """
     _check_args(batch_size, top_k, max_tokens, shard_size)
+    if not is_int(max_piece_chars) or max_piece_chars < 1:
+        raise ValueError(f"max_piece_chars must be a positive int; got {max_piece_chars!r}")
     module = as_module(model)
-    layers = attention_layers(model)
-    if not layers:
+    if not attention_layers(model):
         raise ValueError(f"model has no MultiHeadAttention layer; got {type(model).__name__}")
-    window = check_window(window, module)
+    settings = _Settings(
+        check_window(window, module), batch_size, top_k, max_tokens, ablation, induction_repeated, shard_size,
+        max_piece_chars, progress,
+    )  # fmt: skip
     corp = Corpus.of(corpus)
     info = dist_info or DistInfo(rank=0, world_size=1, local_rank=0, backend=None)
+    name = model_name or str(getattr(module.config, "name", None) or type(module).__name__)
+    if out is None:
+        return _atlas_run(model, corp, settings, name, None, info)
+    with folder_lock(out, info):
+        return _atlas_run(model, corp, settings, name, Path(out), info)
+
+
+def _atlas_run(
+    model: Any, corp: Corpus, s: _Settings, name: str, out_dir: Path | None, info: DistInfo
+) -> Atlas:
+    """:func:`atlas` once its arguments are checked (and its output folder locked)."""
+    module = as_module(model)
+    layers = attention_layers(model)
     decoder = is_decoder(module)
     n_heads = [a.n_heads for _, a in layers]
     L, H, dh = len(layers), max(n_heads), max(a.d_head for _, a in layers)
-    sha = corp.sha256()
-    name = model_name or str(getattr(module.config, "name", None) or type(module).__name__)
+    weights = weights_sha256(module)
+    spill = None if out_dir is None else (out_dir, info.rank)
+    read = read_windows(model, corp, s.window, s.max_tokens, max_chars=s.max_piece_chars, spill=spill)
     fingerprint = {
-        "corpus_sha256": sha, "model": name, "window": window, "batch_size": batch_size, "top_k": top_k,
-        "max_tokens": max_tokens, "shard_size": shard_size,
+        "corpus_sha256": read.sha256, "model": name, "weights_sha256": weights, "window": s.window,
+        "batch_size": s.batch_size, "top_k": s.top_k, "max_tokens": s.max_tokens, "shard_size": s.shard_size,
     }  # fmt: skip
     pad = int(getattr(module.config, "pad_token_id", None) or 0)
     device = next(module.parameters()).device
-    out_dir = None if out is None else Path(out)
+    shards = [read.windows[i : i + s.shard_size] for i in range(0, len(read.windows), s.shard_size)]
 
     def groups() -> Iterator[list[Window]]:
-        return _shards(model, corp, window, max_tokens, shard_size)
+        return iter(shards)
 
-    mine = (g for i, g in enumerate(groups()) if i % info.world_size == info.rank)
-    total = sum(w.tokens.shape[0] for g in mine for w in g) if progress else None  # this rank's tokens
+    mine = (g for i, g in enumerate(shards) if i % info.world_size == info.rank)
+    total = sum(w.tokens.shape[0] for g in mine for w in g)  # this rank's tokens
 
     def measure(windows: list[Window]) -> dict[str, Any]:
-        state = AtlasState(L, H, dh, top_k)
-        for tokens, real, ids in _batches(windows, batch_size, pad):
+        state = AtlasState(L, H, dh, s.top_k)
+        for tokens, real, ids in _batches(windows, s.batch_size, pad):
             measure_batch(model, module, layers, state, tokens.to(device), real.to(device), ids)
         return state.seal()
 
-    blank = AtlasState(L, H, dh, top_k).seal()
+    blank = AtlasState(L, H, dh, s.top_k).seal()
     with eval_mode(module):
-        bar = progress_bar(total=total, desc="atlas: attention", unit="tok", disable=not progress)
-        local = _run_phase("stats", groups, measure, fingerprint, out_dir, info, bar)
+        bar = progress_bar(total=total, desc="atlas: attention", unit="tok", disable=not s.progress)
+        local = _run_phase("stats", groups, measure, fingerprint, out_dir, info, bar, blank)
         bar.close()
         merged = _all_ranks(local, info, blank)
         ablated = None
-        if ablation and decoder:
-            run = _Phase(groups, fingerprint, out_dir, info, total, progress)
-            ablated = _ablation_phase(run, module, merged, blank, (L, H, dh, top_k), batch_size, pad, device)
+        if s.ablation and decoder:
+            run = _Phase(groups, fingerprint, out_dir, info, total, s.progress)
+            dims = (L, H, dh, s.top_k)
+            ablated = _ablation_phase(run, module, merged, blank, dims, s.batch_size, pad, device)
         stats, clean = _finish(merged, ablated, n_heads, decoder)
         nan = torch.full((L, H), float("nan"), dtype=torch.float64)
-        repeated = decoder and induction_repeated
+        repeated = decoder and s.induction_repeated
         stats["induction_repeated"] = induction_scores(model).to(torch.float64) if repeated else nan
     return Atlas(
-        stats=stats, examples=_examples(model, merged, groups, n_heads), n_queries=merged.data["n_queries"],
-        n_tokens=merged.data["n_tokens"], n_sequences=merged.data["n_sequences"], corpus_sha256=sha,
-        model=name, window=window, clean_loss=clean, n_heads=n_heads,
+        stats=stats, examples=_examples(model, merged, read.windows, n_heads),
+        n_queries=merged.data["n_queries"], n_tokens=merged.data["n_tokens"],
+        n_sequences=merged.data["n_sequences"], corpus_sha256=read.sha256, model=name, window=s.window,
+        clean_loss=clean, n_heads=n_heads, weights_sha256=weights,
     )  # fmt: skip

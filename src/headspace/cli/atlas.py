@@ -8,14 +8,53 @@ again with the same command resumes), a progress bar (tokens/s, ETA), and, under
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
 import click
 
 from ..core.errors import UsageError
+from ..core.fileio import parse_json, read_regular_file
 from .loader import load_model, one_line
 from .options import model_choice_option
 from .output import check_writable_folder
+
+OWN_PAGE_MARK = b'<script type="application/json" id="atlas-data">'
+"""What every atlas page headspace writes holds (:func:`headspace.viz.atlas.write_atlas_page`)."""
+
+
+class RunError(click.ClickException):
+    """A run that could not finish (its output could not be written): one line on stderr, exit code 1."""
+
+    exit_code = 1
+
+    def show(self, file: object = None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+def _ours(path: Path) -> bool:
+    """Whether ``path`` (an existing ``atlas.json`` or ``atlas.html``) is a file headspace wrote."""
+    try:
+        raw = read_regular_file(path, max_bytes=1 << 30, follow_symlinks=False)
+        if path.suffix == ".html":
+            return OWN_PAGE_MARK in raw
+        d = parse_json(raw)
+    except (OSError, ValueError):
+        return False
+    return isinstance(d, dict) and d.get("kind") == "head_atlas"
+
+
+def check_own_outputs(out_dir: Path) -> None:
+    """Refuse to run where ``atlas.json`` / ``atlas.html`` exist in ``out_dir`` but headspace did not
+    write them (they would be overwritten)."""
+    for name in ("atlas.json", "atlas.html"):
+        path = out_dir / name
+        if os.path.lexists(path) and not _ours(path):
+            raise UsageError(
+                f"--out {out_dir}: {name} there is not a head atlas headspace wrote; expected a folder "
+                "without it or with one of headspace's own: move it away or choose another folder"
+            )
 
 
 @click.command("atlas")
@@ -49,12 +88,13 @@ def atlas_cmd(
 ) -> None:
     """Every head over a corpus: the head atlas (statistics, relations, top examples)."""
     from ..analysis.atlas import atlas
+    from ..analysis.atlas_guard import folder_lock
     from ..core.process_group import setup_distributed, teardown
-    from ..viz.atlas import write_atlas_page
 
     out_dir = check_writable_folder(out)
     if not Path(corpus).exists():
         raise UsageError(f"--corpus {corpus}: no such file or folder")
+    check_own_outputs(out_dir)
     try:
         info = setup_distributed(device)
     except (ValueError, RuntimeError) as e:
@@ -66,24 +106,50 @@ def atlas_cmd(
 
             model.model.to(torch.device("cuda", torch.cuda.current_device()))
         try:
-            result = atlas(
-                model, corpus, window=window, batch_size=batch_size, top_k=top_k, max_tokens=max_tokens,
-                ablation=not no_ablation, out=out_dir, shard_size=shard_size, model_name=model_spec,
-                dist_info=info, progress=info.is_main,
-            )  # fmt: skip
+            with folder_lock(out_dir, info):
+                result = atlas(
+                    model, corpus, window=window, batch_size=batch_size, top_k=top_k, max_tokens=max_tokens,
+                    ablation=not no_ablation, out=out_dir, shard_size=shard_size, model_name=model_spec,
+                    dist_info=info, progress=info.is_main,
+                )  # fmt: skip
+                if info.is_main:
+                    _write(result, out_dir, info.world_size)
         except (ValueError, TypeError, FileNotFoundError) as e:
             raise UsageError(one_line(e)) from None
-        if info.is_main:
-            d = result.to_dict()
-            result.to_json(out_dir / "atlas.json")
-            write_atlas_page(out_dir / "atlas.html", d)
-            L, H = len(d["n_heads"]), max(d["n_heads"])
-            click.echo(
-                f"wrote {out_dir / 'atlas.json'} and {out_dir / 'atlas.html'} ({d['n_tokens']} tokens in "
-                f"{d['n_sequences']} windows, {L} layers x {H} heads, {info.world_size} process(es))"
-            )
+        except OSError as e:
+            raise RunError(_os_reason(e)) from None
     finally:
         teardown(info)
+
+
+def _os_reason(e: OSError) -> str:
+    """An operating-system error on one line, without the ``[Errno N]`` prefix where the message (ours,
+    naming the path) says it all."""
+    if e.filename is None and e.strerror:
+        return " ".join(e.strerror.split())
+    return one_line(e)
+
+
+def _write(result: Any, out_dir: Path, world_size: int) -> None:
+    """``atlas.json`` and ``atlas.html`` of ``result`` in ``out_dir``, and the line saying so."""
+    from ..viz.atlas import write_atlas_page
+
+    d = result.to_dict()
+    check_own_outputs(out_dir)  # again: a file put there while the run went
+    try:
+        result.to_json(out_dir / "atlas.json")
+        write_atlas_page(out_dir / "atlas.html", d)
+    except OSError as e:
+        raise OSError(
+            e.errno,
+            f"{out_dir}: cannot write atlas.json and atlas.html ({e.strerror or type(e).__name__}); "
+            f"the sealed shards in {out_dir / 'shards'} are kept: run again to write them from those",
+        ) from None
+    L, H = len(d["n_heads"]), max(d["n_heads"])
+    click.echo(
+        f"wrote {out_dir / 'atlas.json'} and {out_dir / 'atlas.html'} ({d['n_tokens']} tokens in "
+        f"{d['n_sequences']} windows, {L} layers x {H} heads, {world_size} process(es))"
+    )
 
 
 COMMANDS = (atlas_cmd,)
