@@ -23,6 +23,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.testing import assert_close
 
+pytestmark = pytest.mark.slow  # the whole module (pyproject.toml: -m slow runs it)
+
 TIMEOUT_S = 240.0  # the whole spawn (two fresh interpreters importing torch on a busy 2-core machine)
 WORLD = 2
 
