@@ -154,6 +154,7 @@ def _windows(model, texts: list[str], window: int) -> list[torch.Tensor]:
     return out
 
 
+@pytest.mark.slow
 def test_cli_on_minilm(tmp_path: Path) -> None:
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))

@@ -376,6 +376,7 @@ def test_no_compiler_and_off_are_said(fresh_state: Path, monkeypatch: pytest.Mon
     assert native.status() == "failed: no C++ compiler found (set CXX, or install g++ or clang++)"
 
 
+@pytest.mark.slow
 @needs_compiler
 def test_a_build_is_kept_and_loaded_by_later_processes(fresh_state: Path) -> None:
     native.start_build()
@@ -395,6 +396,7 @@ def test_a_build_is_kept_and_loaded_by_later_processes(fresh_state: Path) -> Non
     assert done.stdout.split() == ["built", "True", "loaded"]  # found, not compiled again
 
 
+@pytest.mark.slow
 @needs_compiler
 @pytest.mark.skipif(not hasattr(os, "getuid"), reason="file ownership and modes are POSIX")
 def test_a_library_others_could_have_written_is_not_loaded(fresh_state: Path) -> None:

@@ -206,6 +206,7 @@ save_file({k: torch.ops.headspace.q8_0_mm(x, q, d, int(k)) for k in sys.argv[3:]
 """
 
 
+@pytest.mark.slow
 @needs_library
 def test_the_build_without_openmp_gives_the_same_bits(tmp_path) -> None:
     """Built with -fopenmp (torch's libgomp, at::parallel_for: this session's library, where torch's
