@@ -22,7 +22,8 @@ import torch
 # notebook kernels, compilers), goes into one fresh folder: TMPDIR (TEMP, TMP) points there before any
 # test asks for a temporary file, and the folder is removed at exit. Other sessions on the same machine
 # have folders of their own, so what is left in it at the end was left by this session's tests. pytest's
-# own tmp_path folders stay where pytest keeps them (its usual retention of the last three sessions).
+# own tmp_path folders are kept only for failed tests, of the last session only (pyproject.toml,
+# tmp_path_retention_policy / _count; without them one run kept 375 MB).
 os.environ.setdefault("PYTEST_DEBUG_TEMPROOT", tempfile.gettempdir())
 SESSION_TMP = Path(tempfile.mkdtemp(prefix="headspace-tests-"))
 for _name in ("TMPDIR", "TEMP", "TMP"):
@@ -30,6 +31,12 @@ for _name in ("TMPDIR", "TEMP", "TMP"):
 tempfile.tempdir = str(SESSION_TMP)
 atexit.register(shutil.rmtree, SESSION_TMP, ignore_errors=True)
 REPO = Path(__file__).resolve().parent.parent
+
+# ONNX Runtime (benchmarks/encode.py's rows, tests/bench) sends telemetry from Linux too: loading it writes
+# a device id and an event store into $XDG_CACHE_HOME, else ~/.cache, under Microsoft/DeveloperTools/
+# .onnxruntime/. ORT_DISABLE_TELEMETRY=1, which its telemetry reads when it starts, turns that off for this
+# process and every child (the tests never touch $HOME: tests/test_leaves_nothing.py).
+os.environ["ORT_DISABLE_TELEMETRY"] = "1"
 
 # The native decoding step (headspace.kernels.native) is built into a cache folder: a fresh one for each
 # test session, so that the suite compiles it as a new machine would and writes nothing under $HOME.

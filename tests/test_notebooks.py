@@ -15,6 +15,8 @@ import nbclient  # the [dev] extra: nbclient, nbformat, ipykernel
 import nbformat
 import pytest
 
+pytestmark = pytest.mark.slow  # the whole module (pyproject.toml: -m slow runs it)
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 NOTEBOOKS = sorted(EXAMPLES.glob("*.ipynb"))
 CELL_TIMEOUT_S = 300  # the training cells of 02 take 10-60 s on 2 busy cores; 03 and 04 load SmolLM2 (3-40 s)

@@ -129,6 +129,7 @@ def test_ci_runs_the_readme_command_as_written_then_lints_then_the_kernel_reruns
     readme = [step.replace('"', "") for step in _readme_steps()]  # as bash passes the arguments
     assert commands[: len(readme)] == readme  # the README's command, step by step, first
     assert commands[len(readme) :] == [
+        "python -m pytest -q -m slow",  # what the README's default run leaves out (pyproject's addopts)
         "python -m ruff check src tests benchmarks",
         "lint-imports",
         "python -m pytest -q -m kernels",
@@ -139,6 +140,16 @@ def test_ci_runs_the_readme_command_as_written_then_lints_then_the_kernel_reruns
     assert reruns == [watched_off | AVX2, watched_off | NO_SIMD]
     # the main run is not under an emulated CPU
     assert all(e == watched_off for cmd, e in calls if not cmd.endswith("-m kernels"))
+
+
+def test_the_default_run_leaves_out_the_slow_tests_and_ci_runs_them(request: pytest.FixtureRequest) -> None:
+    """The README's ``python -m pytest -q`` deselects ``slow`` (pyproject's addopts, the marker registered
+    for --strict-markers); a -m given on the command line replaces it, as pytest keeps the last -m, so
+    .ci/run's ``-m slow`` and ``-m kernels`` select every slow, every kernels test."""
+    assert request.config.getini("addopts")[-2:] == ["-m", "not slow"]
+    assert any(m.startswith("slow: ") for m in request.config.getini("markers"))
+    ci = CI_RUN.read_text(encoding="utf-8").splitlines()
+    assert "python -m pytest -q -m slow" in ci
 
 
 def test_kernel_marked_tests_are_the_kernel_dependent_files() -> None:

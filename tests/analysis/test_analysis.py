@@ -526,6 +526,7 @@ def minilm():
     return hs.load("minilm")
 
 
+@pytest.mark.slow
 def test_minilm_roles_importance_overlaps_are_computed_and_reproducible(minilm) -> None:
     roles = [head_roles(minilm, SENTENCES) for _ in range(2)]
     imps = [head_importance(minilm, SENTENCES, progress=False) for _ in range(2)]

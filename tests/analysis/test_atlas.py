@@ -177,6 +177,7 @@ def check_attention_stats(model, result, seqs: list[torch.Tensor]) -> dict:
     return pats
 
 
+@pytest.mark.slow
 def test_random_decoder_matches_per_prompt_functions() -> None:
     model = decoder()
     docs = documents()
@@ -285,6 +286,7 @@ def llama_like(seed: int, **extra) -> hs.Decoder:
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("norm", ["pre", "sandwich"])
 def test_rmsnorm_rotary_decoder_matches_per_prompt_functions(norm: str, monkeypatch) -> None:
     """RMSNorm's per-position factor (the direct effects scaled after the forward), rotary layers, a
@@ -339,6 +341,7 @@ def test_pair_loss_sums_skip_padding_and_match_cross_entropy(monkeypatch) -> Non
     assert_close(sums, (ce.double() * pair).sum(-1), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_gemma_style_decoder_with_sliding_windows_matches_per_prompt_functions() -> None:
     """Sandwich norms, QK-norm and sliding windows of 3 on all layers but the last (Gemma 3's layout):
     the blocks' window masks are the traced patterns' (the per-prompt references trace every layer)."""

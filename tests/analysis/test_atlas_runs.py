@@ -89,6 +89,7 @@ def reference(worker: Path, tmp_path_factory: pytest.TempPathFactory) -> bytes:
     return (out / "atlas.json").read_bytes()
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_writes_the_same_atlas(worker: Path, reference: bytes, tmp_path: Path) -> None:
     proc = subprocess.Popen(
         [sys.executable, str(worker), str(tmp_path)], env=_env(ATLAS_TEST_DELAY="0.5"),
@@ -126,6 +127,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow
 def test_two_ranks_merge_to_the_single_process_atlas(worker: Path, reference: bytes, tmp_path: Path) -> None:
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
@@ -152,6 +154,7 @@ def _windows(model, texts: list[str], window: int) -> list[torch.Tensor]:
     return out
 
 
+@pytest.mark.slow
 def test_cli_on_minilm(tmp_path: Path) -> None:
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text("".join(json.dumps({"text": t}) + "\n" for t in TEXTS))
@@ -178,6 +181,7 @@ def test_cli_on_minilm(tmp_path: Path) -> None:
     assert bad.exit_code == 2 and "no such file or folder" in bad.output
 
 
+@pytest.mark.slow
 def test_smollm2_matches_per_prompt_functions() -> None:
     smollm2 = hs.load("smollm2")
     text = ["The cat sat on the mat. The cat sat"]

@@ -111,6 +111,7 @@ def test_one_part_is_the_maths_written_out_by_hand() -> None:
     assert r.components == ["embed", "bias"]
 
 
+@pytest.mark.slow
 def test_score_decomposition_on_pretrained_models(smollm2, tmp_path: Path) -> None:
     minilm = hs.load("minilm")
     torch.manual_seed(0)
@@ -572,6 +573,7 @@ def test_circuits_refuse_encoders_and_bad_methods() -> None:
 
 
 # ------------------------------------------------------------------------------------------- tasks
+@pytest.mark.slow
 def test_ioi_task_and_bad_tasks_named(smollm2, tmp_path: Path) -> None:
     task = T.ioi_task(smollm2, 40)
     assert len(task) == 40 and (task.clean != task.corrupt).any(dim=1).all()

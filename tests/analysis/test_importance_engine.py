@@ -123,6 +123,7 @@ def test_next_token_loss_blocked_and_in_place(vocab: int) -> None:
         ablation.next_token_loss(logits, targets, block=0)
 
 
+@pytest.mark.slow
 def test_smollm2_heads_equal_one_ablate_per_head(smollm2) -> None:
     sentence = "The cat sat on the mat."
     heads = [(17, 5)]

@@ -136,6 +136,7 @@ def test_induction_bad_input() -> None:
         analysis.head_roles(model, torch.randint(0, 11, (1, 5)), induction="yes")
 
 
+@pytest.mark.slow
 def test_smollm2_has_induction_heads(smollm2_gguf) -> None:
     from headspace.pretrained.gguf_format import read_gguf
     from headspace.pretrained.llama import llama_from_tensors

@@ -413,6 +413,7 @@ def test_an_empty_prompt_is_named_in_plain_words(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- benchmark
+@pytest.mark.slow
 def test_the_patching_benchmark_runs_and_its_json_matches_its_table(tmp_path: Path, capsys, smollm2) -> None:
     """benchmarks/patching.py on SmolLM2 (one round, headspace's sweep only): a smoke run."""
     import importlib.util

@@ -234,6 +234,7 @@ def test_values_survive_weight_edits_and_memory_is_smaller() -> None:
     assert lazy.stored_bytes() < 0.6 * eager.stored_bytes()
 
 
+@pytest.mark.slow
 def test_smollm2_deferred_trace_equals_stored_trace(smollm2) -> None:
     ids, _ = smollm2.tokenize_padded(["The cat sat on the mat because the cat was tired."])
     names = ["blocks.0.*", "blocks.17.attn.*", "blocks.29.*"]
@@ -284,6 +285,7 @@ def test_mlp_and_resid_mid_survive_weight_edits_and_replacing_hooks_store() -> N
         assert torch.equal(t[name], e[name]), name
 
 
+@pytest.mark.slow
 def test_smollm2_every_hook_point_equals_the_stored_trace(smollm2) -> None:
     ids, _ = smollm2.tokenize_padded(["The cat sat on the mat because the cat was tired."])
     with torch.no_grad():
@@ -299,6 +301,7 @@ def test_smollm2_every_hook_point_equals_the_stored_trace(smollm2) -> None:
     assert not lazy.is_deferred("blocks.29.mlp.hook_post") and lazy.is_deferred(f"blocks.3.{MID}")
 
 
+@pytest.mark.slow
 def test_smollm2_long_input_mlp_deferred_bitwise(smollm2) -> None:
     ids = torch.randint(0, smollm2.config.vocab_size, (1, 480), generator=torch.Generator().manual_seed(0))
     names = ["blocks.0.*", "blocks.29.*"]

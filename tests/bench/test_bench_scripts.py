@@ -27,6 +27,8 @@ from headspace.bench import CASES, MODES
 from headspace.bench.scripts import output_path
 from headspace.kernels import native
 
+pytestmark = pytest.mark.slow  # the whole module (pyproject.toml: -m slow runs it)
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 COMMITTED = BENCHMARKS / "results"
 SCRIPTS = (

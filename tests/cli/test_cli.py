@@ -200,6 +200,7 @@ def test_heads_table_with_importance(runner, tmp_path):
     assert res.output.count("\n") > 72  # one row per head (6 x 12)
 
 
+@pytest.mark.slow
 def test_subspaces_json_matches_analysis(runner, minilm, tmp_path):
     from headspace.analysis import subspace_overlaps
 
@@ -285,6 +286,7 @@ def test_errors_are_one_line_exit_2(runner, args, needle):
     assert len(res.output.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_subprocess_json_and_error():
     exe = [sys.executable, "-m", "headspace"]
     ok = subprocess.run(
@@ -324,6 +326,7 @@ def test_record_matches_need_weights(minilm):
     torch.testing.assert_close(rec["pattern"][0], pattern.detach())
 
 
+@pytest.mark.slow
 def test_bench_runs_at_given_sizes(runner):
     res = _run(
         runner,
@@ -371,6 +374,7 @@ def test_unwritable_out_is_checked_before_the_model_loads(minilm, monkeypatch, t
     ]
 
 
+@pytest.mark.slow
 def test_spectra_picture_tells_qk_from_ov_for_every_head(runner, minilm, monkeypatch, tmp_path):
     """One panel per head, titled with the head, two labelled lines (QK, OV), one legend, labelled axes."""
     from headspace.viz import plots
@@ -408,6 +412,7 @@ def test_spectra_picture_tells_qk_from_ov_for_every_head(runner, minilm, monkeyp
     assert "singular value index" in xlabel and "singular value" in ylabel
 
 
+@pytest.mark.slow
 def test_registered_shapes_are_the_models_own(minilm, smollm2):
     """registry.SHAPES lets the CLI check --layer/--head before loading: it must be the loaded shapes."""
     from headspace.pretrained.registry import MODELS, SHAPES, registered_shape

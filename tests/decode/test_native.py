@@ -193,6 +193,7 @@ def configs(draw: st.DrawFn) -> dict:
     return kw
 
 
+@pytest.mark.slow
 @needs_compiler
 @settings(max_examples=25, deadline=None)
 @given(kw=configs(), batch=st.integers(1, 3), seed=st.integers(0, 2**16))
@@ -206,6 +207,7 @@ def test_native_steps_equal_python_steps_on_any_covered_decoder(kw: dict, batch:
     assert_native_equals_python(model, native_step(model), torch.randint(0, V, (batch, 9)), 3)
 
 
+@pytest.mark.slow
 @needs_compiler
 @pytest.mark.parametrize("kw", CONFIGS[:2])
 def test_generate_native_equals_generate_python(kw: dict, built: None) -> None:
@@ -221,6 +223,7 @@ def test_generate_native_equals_generate_python(kw: dict, built: None) -> None:
     assert torch.equal(one, model.generate(prompt[:1], 9, temperature=0, native=False))
 
 
+@pytest.mark.slow
 @needs_compiler
 @pytest.mark.skipif(not prepack.prepack_available(), reason="MKL's packed linear (x86 builds with MKL)")
 @pytest.mark.parametrize("kw", CONFIGS + GEMMA_LIKE[:1])
@@ -250,6 +253,7 @@ def test_native_steps_on_packed_weights_are_bit_for_bit_the_python_steps(
     )
 
 
+@pytest.mark.slow
 @needs_compiler
 @pytest.mark.parametrize("mode", ["onednn", "float32 from many rows", "fallback"])
 @pytest.mark.parametrize("kw", CONFIGS[:3] + GEMMA_LIKE[:1])
@@ -372,6 +376,7 @@ def test_no_compiler_and_off_are_said(fresh_state: Path, monkeypatch: pytest.Mon
     assert native.status() == "failed: no C++ compiler found (set CXX, or install g++ or clang++)"
 
 
+@pytest.mark.slow
 @needs_compiler
 def test_a_build_is_kept_and_loaded_by_later_processes(fresh_state: Path) -> None:
     native.start_build()
@@ -391,6 +396,7 @@ def test_a_build_is_kept_and_loaded_by_later_processes(fresh_state: Path) -> Non
     assert done.stdout.split() == ["built", "True", "loaded"]  # found, not compiled again
 
 
+@pytest.mark.slow
 @needs_compiler
 @pytest.mark.skipif(not hasattr(os, "getuid"), reason="file ownership and modes are POSIX")
 def test_a_library_others_could_have_written_is_not_loaded(fresh_state: Path) -> None:
@@ -455,6 +461,7 @@ def test_the_native_step_reads_its_description_by_name(built: None) -> None:
         obj.run(x, [k], [k.clone()], 0, [torch.ones(1, 1, 5)], [torch.ones(1, 1, 5)], [-1])
 
 
+@pytest.mark.slow
 @needs_compiler
 def test_smollm2_native_generation_equals_python(smollm2_gguf: Path, built: None) -> None:
     import headspace
@@ -470,6 +477,7 @@ def test_smollm2_native_generation_equals_python(smollm2_gguf: Path, built: None
         assert_native_equals_python(model, step, torch.cat((a, a[:, [*range(8), *range(19, 7, -1)]])), 8)
 
 
+@pytest.mark.slow
 @needs_compiler
 def test_gemma3_native_steps_equal_python(gemma3, built: None) -> None:
     """Gemma-3-270M natively (sandwich 1 + w norms, QK-norm per head, one key/value head, 15 layers of

@@ -404,6 +404,7 @@ def test_decoder_logits_and_generation_close_to_float32(precision) -> None:
     assert torch.equal(out, m.generate(tokens, 5, temperature=0, use_cache=False))
 
 
+@pytest.mark.slow
 def test_smollm2_next_token_agreement(smollm2) -> None:
     """Over 300 tokens of the README: top-1 next-token agreement with float32 (benchmarks/decode.py
     measures the same over 2,000 tokens of README.md + docs/*.md)."""

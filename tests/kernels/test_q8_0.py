@@ -162,6 +162,7 @@ def test_decoding_from_the_blocks_equals_the_float32_unembedding(kw: dict, autom
         assert torch.equal(greedy, model.generate(tokens, 12, temperature=0))
 
 
+@pytest.mark.slow
 def test_gemma3_embedding_is_its_file_q8_0_blocks(gemma3, gemma3_file) -> None:
     """Gemma-3-270M's embedding (and unembedding) is the GGUF's Q8_0 tensor: the blocks found from the
     float32 weight are the file's own integers and float16 scales, read here with the gguf package."""
@@ -179,6 +180,7 @@ def test_gemma3_embedding_is_its_file_q8_0_blocks(gemma3, gemma3_file) -> None:
     assert torch.equal(blocks.d, d_file)
 
 
+@pytest.mark.slow
 @needs_library
 def test_gemma3_decodes_the_same_tokens_from_its_blocks(gemma3, automatic_choices: None) -> None:
     assert native.build()
@@ -204,6 +206,7 @@ save_file({k: torch.ops.headspace.q8_0_mm(x, q, d, int(k)) for k in sys.argv[3:]
 """
 
 
+@pytest.mark.slow
 @needs_library
 def test_the_build_without_openmp_gives_the_same_bits(tmp_path) -> None:
     """Built with -fopenmp (torch's libgomp, at::parallel_for: this session's library, where torch's

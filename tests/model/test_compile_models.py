@@ -125,6 +125,7 @@ def test_token_ids_out_of_range_are_refused_inside_the_compiled_graph() -> None:
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_compiled_encoder_with_inductor_equals_eager() -> None:
     pytest.importorskip("torch._inductor")
     model = _encoder()
@@ -142,6 +143,7 @@ def test_compiled_encoder_with_inductor_equals_eager() -> None:
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_compile_benchmark_smoke_run(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     import importlib.util
     import json

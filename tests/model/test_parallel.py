@@ -1,4 +1,4 @@
-"""headspace.parallel in one process: the sharding arithmetic, a world of one, and input checks.
+"""headspace.distributed in one process: the sharding arithmetic, a world of one, and input checks.
 
 The sharding is tested here without communication: the shards of every rank, built one after the other
 in this process, must add up to the whole layer (that sum is exactly what the all-reduce computes).
@@ -15,8 +15,13 @@ from torch import nn
 from torch.testing import assert_close
 
 from headspace import MultiHeadAttention
-from headspace.model.block import FeedForward, TransformerBlock
-from headspace.model.parallel import (
+from headspace.distributed.data_parallel import (
+    average_across_ranks,
+    check_same_config,
+    local_batch_slice,
+    wrap_model,
+)
+from headspace.distributed.head_parallel import (
     DistInfo,
     HeadParallelAttention,
     HeadParallelFeedForward,
@@ -28,7 +33,7 @@ from headspace.model.parallel import (
     shard_model,
     teardown,
 )
-from headspace.train.distributed import average_across_ranks, check_same_config, local_batch_slice, wrap_model
+from headspace.model.block import FeedForward, TransformerBlock
 
 SINGLE = DistInfo(rank=0, world_size=1, local_rank=0, backend=None)
 

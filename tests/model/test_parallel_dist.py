@@ -23,6 +23,8 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.testing import assert_close
 
+pytestmark = pytest.mark.slow  # the whole module (pyproject.toml: -m slow runs it)
+
 TIMEOUT_S = 240.0  # the whole spawn (two fresh interpreters importing torch on a busy 2-core machine)
 WORLD = 2
 
@@ -44,7 +46,7 @@ def _entry(rank: int, world: int, port: int, fn: Callable[..., None], args: tupl
         GLOO_SOCKET_IFNAME="lo",
     )
     torch.set_num_threads(1)
-    from headspace.model.parallel import setup_distributed, teardown
+    from headspace.distributed.head_parallel import setup_distributed, teardown
 
     info = setup_distributed("cpu", timeout_s=60)
     assert (info.rank, info.world_size, info.backend) == (rank, world, "gloo")
@@ -144,7 +146,7 @@ def _check_attention_shard_grads(par: Any, ref: Any) -> None:
 
 def _attention_worker(rank: int, world: int) -> None:
     from headspace import MultiHeadAttention
-    from headspace.model.parallel import HeadParallelAttention
+    from headspace.distributed.head_parallel import HeadParallelAttention
 
     # batch=2, seq_q=5, seq_k=7, d_model=11, d_head=3: distinct so a swapped axis fails; n_heads=6 and
     # n_kv_heads=2 are divisible by the world size 2 (each rank: 3 query heads reading 1 kv head).
@@ -234,8 +236,8 @@ def test_head_parallel_attention_matches_single_process_on_two_ranks(two_rank_re
 
 # ---------------------------------------------------------------------------------------------- feed-forward
 def _feed_forward_worker(rank: int, world: int) -> None:
+    from headspace.distributed.head_parallel import HeadParallelFeedForward
     from headspace.model.block import FeedForward
-    from headspace.model.parallel import HeadParallelFeedForward
 
     B, S, D, d_mlp = 2, 5, 11, 14  # each rank: 7 hidden units
     for i, (act, bias) in enumerate((("gelu", True), ("relu", False))):
@@ -270,14 +272,14 @@ def test_head_parallel_feed_forward_matches_single_process_on_two_ranks(two_rank
 # ---------------------------------------------------------------------------------------------- bad input
 def _bad_input_worker(rank: int, world: int) -> None:
     from headspace import MultiHeadAttention
-    from headspace.model.block import FeedForward
-    from headspace.model.parallel import (
+    from headspace.distributed.data_parallel import check_same_config
+    from headspace.distributed.head_parallel import (
         DistInfo,
         HeadParallelAttention,
         HeadParallelFeedForward,
         shard_model,
     )
-    from headspace.train.distributed import check_same_config
+    from headspace.model.block import FeedForward
 
     torch.manual_seed(0)
     _raises_on_every_rank(
@@ -338,7 +340,7 @@ def test_bad_input_raises_the_same_error_on_every_rank(two_rank_results: list) -
 # ---------------------------------------------------------------------------------------------- weights sync
 def _sync_worker(rank: int, world: int) -> None:
     from headspace import MultiHeadAttention
-    from headspace.model.parallel import HeadParallelAttention
+    from headspace.distributed.head_parallel import HeadParallelAttention
 
     torch.manual_seed(rank)  # different weights on each rank
     attn = MultiHeadAttention(12, 4)
@@ -358,13 +360,13 @@ def _model_worker(rank: int, world: int) -> None:
     from headspace import MultiHeadAttention
     from headspace.analysis import head_roles
     from headspace.analysis.trace import trace
-    from headspace.model.models import Decoder, ModelConfig
-    from headspace.model.parallel import (
+    from headspace.distributed.head_parallel import (
         HeadParallelAttention,
         HeadParallelFeedForward,
         gather_model,
         shard_model,
     )
+    from headspace.model.models import Decoder, ModelConfig
 
     torch.manual_seed(300)
     config = ModelConfig(
@@ -425,7 +427,7 @@ def test_head_parallel_decoder_matches_and_gathers_for_the_per_head_tools(two_ra
 def _train_config_worker(rank: int, world: int) -> None:
     import tempfile
 
-    from headspace.model.parallel import DistInfo
+    from headspace.distributed.head_parallel import DistInfo
     from headspace.train.loop import TrainConfig, train
 
     info = DistInfo(rank, world, rank, "gloo")

@@ -19,6 +19,8 @@ import torch
 import headspace as hs
 from headspace.pretrained.gguf_format import GGUFError, read_gguf
 
+pytestmark = pytest.mark.slow  # the whole module (pyproject.toml: -m slow runs it)
+
 TEXTS = [
     "The capital of France is",
     "def fibonacci(n):\n    if n < 2:\n        return n\n\treturn fibonacci(n - 1) + fibonacci(n - 2)",

@@ -87,6 +87,7 @@ def _run(runner: CliRunner, args: list[str]):
     return res.output
 
 
+@pytest.mark.slow
 def test_explain_on_smollm2_shows_the_shared_key_value_head(runner) -> None:
     sentence = "The cat sat on the mat because it was tired"
     out = json.loads(_run(runner, ["explain", "--model", "smollm2", sentence, "--token", "it", "--json"]))
@@ -96,6 +97,7 @@ def test_explain_on_smollm2_shows_the_shared_key_value_head(runner) -> None:
     assert "key/value head 1" in text
 
 
+@pytest.mark.slow
 def test_heads_and_subspaces_on_smollm2(runner, tmp_path) -> None:
     sentences = tmp_path / "s.txt"
     sentences.write_text("The cat sat on the mat.\nHeads attend to tokens.\n")
@@ -105,6 +107,7 @@ def test_heads_and_subspaces_on_smollm2(runner, tmp_path) -> None:
     assert "W_Q subspace overlap" in out
 
 
+@pytest.mark.slow
 def test_patch_and_attribute_commands_on_smollm2(runner, tmp_path) -> None:
     data = json.loads(_run(runner, ["patch", "--model", "smollm2", "--json", "--out", str(tmp_path)]))
     assert len(data["head_patch_effect"]) == 30 and len(data["head_patch_effect"][0]) == 9
@@ -114,6 +117,7 @@ def test_patch_and_attribute_commands_on_smollm2(runner, tmp_path) -> None:
     assert "logit lens" in text and "top 10 heads" in text
 
 
+@pytest.mark.slow
 def test_explain_on_smollm2_by_default_walks_the_rotation_on_a_repeated_phrase(runner) -> None:
     from headspace.core.defaults import DECODER_SENTENCE
 
@@ -133,6 +137,7 @@ def test_explain_on_smollm2_by_default_walks_the_rotation_on_a_repeated_phrase(r
     assert mine["token_index"] == len(mine["tokens"]) - 1
 
 
+@pytest.mark.slow
 def test_subspaces_on_smollm2_shows_the_rotary_planes(runner) -> None:
     from headspace.analysis.rotary import LABELS
 
@@ -148,6 +153,7 @@ def test_subspaces_on_smollm2_shows_the_rotary_planes(runner) -> None:
     assert "rotary planes" in text and "most positional head" in text
 
 
+@pytest.mark.slow
 def test_smollm2_tokens_are_printed_readably_everywhere(runner, smollm2, tmp_path, monkeypatch) -> None:
     """Byte-level BPE's "Ġcat" prints as "␣cat" in explain, its pictures, heads' pattern grid, attribute,
     patch and the explorer's labels; --json keeps the API's strings."""
@@ -201,6 +207,7 @@ def test_smollm2_tokens_are_printed_readably_everywhere(runner, smollm2, tmp_pat
     assert page.data["tokens"] == ["The", "␣cat", "␣sat"]
 
 
+@pytest.mark.slow
 def test_attribute_ranks_count_from_one(runner, smollm2, tmp_path) -> None:
     """The answer's rank in attribute's table and --json is 1 for the top token (LogitLens counts from 0);
     the explorer reads the command's file to the same page as the LogitLens object's."""
@@ -224,6 +231,7 @@ def test_attribute_ranks_count_from_one(runner, smollm2, tmp_path) -> None:
     assert from_cli["notes"] == from_api["notes"]
 
 
+@pytest.mark.slow
 def test_heads_on_smollm2_shows_each_heads_induction_score(runner, smollm2) -> None:
     """A decoder's heads table has the induction score (JSON roles.induction, null before), the score of
     analysis.induction_scores; heads reaching the threshold are labelled induction."""
@@ -243,6 +251,7 @@ def test_heads_on_smollm2_shows_each_heads_induction_score(runner, smollm2) -> N
     assert minilm["roles"]["induction"] is None  # an encoder: no induction score
 
 
+@pytest.mark.slow
 def test_generate_continues_a_prompt_with_a_pretrained_decoder(runner, smollm2, monkeypatch) -> None:
     """generate --model smollm2 "PROMPT" (the run-folder form is tests/cli/test_train_cli.py's)."""
     from headspace.cli import cli

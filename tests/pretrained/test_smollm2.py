@@ -13,6 +13,8 @@ import torch
 import headspace as hs
 from headspace.analysis import attribution, patching
 
+pytestmark = pytest.mark.slow  # the whole module (pyproject.toml: -m slow runs it)
+
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):\n    if n < 2:\n        return n",

@@ -24,6 +24,8 @@ from torch.testing import assert_close
 
 from headspace.train.loop import TrainConfig, train
 
+pytestmark = pytest.mark.slow  # the whole module (pyproject.toml: -m slow runs it)
+
 TIMEOUT_S = 300  # one torchrun launch: an agent and 2 fresh interpreters on a busy 2-core machine
 
 # a small run: 1 layer x 2 heads, d_model 16, global batch 8 (4 rows per rank), 6 steps

@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -72,6 +73,7 @@ def _final(run: Path) -> tuple[dict, dict]:
     return load_file(folder / "model.safetensors"), load_file(folder / "state.safetensors")
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_is_bit_identical(tmp_path: Path) -> None:
     whole, killed = tmp_path / "whole", tmp_path / "killed"
     subprocess.run(_command(whole), check=True, capture_output=True, timeout=300)

@@ -30,6 +30,8 @@ from playwright import sync_api  # noqa: E402 - the [dev] extra; never downloads
 
 from headspace.viz.explorer.page import HEADLESS_CHROMIUM_ARGS  # noqa: E402
 
+pytestmark = pytest.mark.slow  # the whole module (pyproject.toml: -m slow runs it)
+
 
 def test_atlas_page_in_chromium(tmp_path: Path) -> None:
     torch.manual_seed(0)

@@ -36,7 +36,7 @@ if not (Path(CHROMIUM).is_file() and shutil.which(CHROMIUM)):
     pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium)", allow_module_level=True)
 from playwright import sync_api  # noqa: E402 - the [dev] extra; never downloads a browser
 
-pytestmark = pytest.mark.usefixtures("single_thread")
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 
 SENTENCE = "The cat sat on the mat because it was tired."
 LAYER, HEAD, TOKEN = 2, 5, 8  # token 8 is "it" ([CLS] the cat sat on the mat because it ...)

@@ -46,6 +46,7 @@ import torch
 from torch import Tensor, nn
 
 from ..nn.masks import RowMasks
+from ..nn.norms import rms_inverse
 from .atlas_state import AtlasState, Candidate
 from .causal_inputs import is_decoder, post_attention_norm
 from .chunked import LayerQK, each_layer_qk, iter_pattern_blocks
@@ -114,8 +115,7 @@ def norm_split(norm: nn.Module | None, x: Tensor) -> tuple[Tensor, Tensor]:
     weight = getattr(norm, "weight", None)
     if eps is None or weight is None:
         raise TypeError(f"cannot freeze a final norm of type {type(norm).__name__}")
-    rms = torch.sqrt(xf.pow(2).mean(dim=-1) + eps)  # (...)
-    return (weight + getattr(norm, "offset", 0.0)).float(), rms.reciprocal()
+    return (weight + getattr(norm, "offset", 0.0)).float(), rms_inverse(xf, eps)[..., 0]  # (d,), (...)
 
 
 Pairs = tuple[Tensor, Tensor, Tensor]  # (batch, query row in the block, offset in the block), [nnz] each

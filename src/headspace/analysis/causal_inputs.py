@@ -16,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ..core.checks import is_int
+from ..nn.norms import rms_inverse
 from .trace import as_module
 
 
@@ -153,9 +154,8 @@ def frozen_norm(norm: nn.Module | None, x: Tensor) -> tuple[Tensor, Tensor]:
     weight = getattr(norm, "weight", None)
     if eps is None or weight is None:
         raise TypeError(f"cannot freeze a final norm of type {type(norm).__name__}")
-    rms = torch.sqrt(x.float().pow(2).mean(dim=-1, keepdim=True) + eps).to(x.dtype)  # (..., 1)
     w = weight + getattr(norm, "offset", 0.0)
-    return (w / rms).expand_as(x), torch.zeros_like(x)
+    return (w * rms_inverse(x, eps).to(x.dtype)).expand_as(x), torch.zeros_like(x)
 
 
 def post_attention_norm(block: nn.Module) -> nn.Module | None:

@@ -51,7 +51,7 @@ from torch import Tensor, nn
 
 from ..attention.layer import MultiHeadAttention
 from ..model.block import FeedForward, GatedFeedForward, TransformerBlock
-from ..nn.norms import RMSNorm
+from ..nn.norms import RMSNorm, rms_inverse
 from ..nn.positions import rotary_tables, rotate_fused
 from .causal_inputs import is_decoder, stack_of
 
@@ -214,8 +214,7 @@ def _project_folded(sel: _Sel, norm: RMSNorm, x: Tensor) -> tuple[Tensor, Tensor
     order of roundings)."""
     H, Hkv = sel.W_Q.shape[0], sel.W_K.shape[0]
     s = (norm.offset + norm.weight)[:, None]  # (d, 1)
-    ms = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(x.shape[-1])  # (n, B, S, 1)
-    r = torch.rsqrt(ms.add_(norm.eps)).transpose(0, 1)  # (B, n, S, 1)
+    r = rms_inverse(x, norm.eps).transpose(0, 1)  # (B, n, S, 1)
     xq, xk, xv = x.split([H, Hkv, Hkv], dim=0)  # (H, B, S, d), (Hkv, B, S, d) x 2
     q = torch.einsum("hbsd,hde->bhse", xq, sel.W_Q * s) * r[:, :H]  # (B, H, S, dh)
     k = torch.einsum("gbsd,gde->bgse", xk, sel.W_K * s) * r[:, H : H + Hkv]  # (B, Hkv, S, dh)
@@ -759,7 +758,7 @@ def _norm_pullback(norm: nn.Module, x: Tensor, g: Tensor) -> Tensor:
         dt = torch.promote_types(x.dtype, torch.float32)
         xf, gf = x.to(dt), g.to(dt)
         if isinstance(norm, RMSNorm):
-            r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm.eps)  # (B, S, 1)
+            r = rms_inverse(xf, norm.eps)  # (B, S, 1)
             xh = xf * r  # (B, S, d)
             G = gf * (norm.offset + norm.weight.to(dt))  # (n, B, S, d)
             return ((G - xh * (G * xh).mean(-1, keepdim=True)) * r).to(x.dtype)  # (n, B, S, d)

@@ -16,7 +16,7 @@ from ..decode.kv_cache import KVCache
 from ..kernels.workspace import THREAD_SCRATCH_MIN_BYTES, Workspace, thread_workspace
 from ..nn.hooks import HookPoint, Recomputed, note_source, noting, source_of
 from ..nn.masks import CanonicalMask, canonical_mask, check_window
-from ..nn.norms import RMSNorm, rms_norm
+from ..nn.norms import RMSNorm, rms_inverse, rms_norm
 from ..nn.positions import Rotary, rotary_tables, rotate_fused
 from .functional import DeferredAttention, DeferredResult, get_backend, reference_parts, reference_rows
 from .heads import Head, HeadList
@@ -928,8 +928,8 @@ class MultiHeadAttention(nn.Module):
         if self.qk_norm is None:
             raise ValueError("qk_norm_scales: this layer has no QK-norm (qk_norm=None)")
         over = (-1,) if self.qk_norm == "head" else (-2, -1)
-        s_q = (q.float().pow(2).mean(over, keepdim=True) + self.q_norm.eps).rsqrt()  # (B, Sq, H|1, 1)
-        s_k = (k.float().pow(2).mean(over, keepdim=True) + self.k_norm.eps).rsqrt()  # (B, Sk, Hkv|1, 1)
+        s_q = rms_inverse(q.float(), self.q_norm.eps, over)  # (B, Sq, H|1, 1)
+        s_k = rms_inverse(k.float(), self.k_norm.eps, over)  # (B, Sk, Hkv|1, 1)
         s_q = s_q.expand(*q.shape[:-1], 1)[..., 0]  # (B, Sq, H)
         s_k = s_k.expand(*k.shape[:-1], 1)[..., 0]  # (B, Sk, Hkv)
         return s_q, s_k

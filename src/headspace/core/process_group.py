@@ -2,8 +2,9 @@
 
 :func:`setup_distributed` joins the process group that ``torchrun`` describes in the environment (gloo on
 CPU, nccl on GPU); without ``torchrun`` (no ``WORLD_SIZE``) it returns a world of one and the helpers do
-nothing. Used by training (data parallel, :mod:`headspace.train.distributed`) and by head-parallel
-attention (:mod:`headspace.parallel`). Payloads between ranks travel as JSON bytes: nothing is pickled.
+nothing. Used by training (data parallel, :mod:`headspace.distributed.data_parallel`), by head-parallel
+layers (:mod:`headspace.distributed.head_parallel`) and by the atlas's sharded run. Payloads between
+ranks travel as JSON bytes: nothing is pickled.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ The map:
 * :mod:`~headspace.nn.masks`: boolean and additive masks, True = may attend (:class:`CanonicalMask`);
 * :mod:`~headspace.nn.positions`: rotary positions (:class:`Rotary`, its tables, and the one rotation
   :func:`~headspace.nn.positions.rotate_fused` every path uses);
-* :mod:`~headspace.nn.norms`: :class:`RMSNorm` and the one :func:`~headspace.nn.norms.rms_norm`;
+* :mod:`~headspace.nn.norms`: :class:`RMSNorm`, the one :func:`~headspace.nn.norms.rms_norm` and its one
+  statistic :func:`~headspace.nn.norms.rms_inverse` (which every analysis freezing an RMS norm calls);
 * :mod:`~headspace.nn.hooks`: named hook points (:class:`HookPoint`);
 * :mod:`~headspace.nn.inputs`: checks of what a model is given (token ids, positions, prompt masks).
 

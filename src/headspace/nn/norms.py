@@ -8,7 +8,8 @@ For a vector ``x`` of width d_model::
 the operations of transformers' ``LlamaRMSNorm`` (normalise in float32, cast back to the input dtype, then
 multiply by the weight). ``offset = 1`` (Gemma): ``(x_f32 * rsqrt(...) * (1 + weight_f32)).to(dtype)``, the
 operations of ``GemmaRMSNorm`` (the scale is applied in float32, before the cast). Either way float32
-results are bitwise those of transformers.
+results are bitwise those of transformers. The statistic ``1 / sqrt(mean(x ** 2) + eps)`` is
+:func:`rms_inverse`, the one function that derives it (the analyses that freeze a norm call it too).
 
 Notation used for tensor shapes:
     ...: any leading dims (batch, seq); d_model: the normalised width.
@@ -89,8 +90,23 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tens
     input_dtype = x.dtype
     # float32 for the narrow floats (as transformers); float64 stays float64 (gradcheck, references)
     hidden = x.to(torch.promote_types(x.dtype, torch.float32))  # [..., d_model]
-    variance = hidden.pow(2).mean(-1, keepdim=True)  # [..., 1]
-    hidden = hidden * torch.rsqrt(variance + eps)  # [..., d_model]
+    hidden = hidden * rms_inverse(hidden, eps)  # [..., d_model]
     if offset == 0.0:
         return weight * hidden.to(input_dtype)
     return (hidden * (offset + weight.to(hidden.dtype))).to(input_dtype)
+
+
+def rms_inverse(x: Tensor, eps: float, dims: tuple[int, ...] = (-1,)) -> Tensor:
+    """RMSNorm's statistic ``1 / sqrt(mean(x^2) + eps)`` over ``dims`` of ``x``, the dims kept (size 1).
+
+    The one place headspace derives it: :func:`rms_norm` and every analysis that freezes an RMS norm at
+    a run's values (QK-norm's scales, the circuit runner's folded norm and its pullback, the frozen
+    final norm) call it; the native step makes the same roundings in C++. Computed in
+    ``promote_types(x.dtype, float32)`` (float32 for the narrow floats, float64 stays float64) as
+    ``rsqrt(x.pow(2).mean(dims) + eps)``: on float32 these are bitwise ``F.rms_norm``'s roundings, so
+    ``x * rms_inverse(x, eps) * w == F.rms_norm(x, (d,), w, eps)`` exactly (tests/nn/test_norms.py).
+
+    Shapes: x [...]; returns [...] with each of ``dims`` of size 1, e.g. [..., 1] for the default.
+    """
+    hidden = x.to(torch.promote_types(x.dtype, torch.float32))  # [...]
+    return torch.rsqrt(hidden.pow(2).mean(dims, keepdim=True) + eps)  # [...] with dims of size 1

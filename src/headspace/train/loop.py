@@ -51,6 +51,7 @@ from torch import Tensor, nn
 from ..analysis.trace import attention_layers
 from ..core.fileio import UnsafeFileError, parse_json, read_regular_file, write_atomic
 from ..core.process_group import DistInfo, barrier, setup_distributed, teardown
+from ..distributed.data_parallel import average_across_ranks, check_same_config, local_batch_slice, wrap_model
 from ..model.models import Decoder, Encoder, ModelConfig
 from .checkpoint import (
     STATE_FILE,
@@ -65,7 +66,6 @@ from .checkpoint import (
     save_checkpoint,
 )
 from .data import LEVELS, TextData, load_text
-from .distributed import average_across_ranks, check_same_config, local_batch_slice, wrap_model
 from .metrics import evaluate, relation_summary, task_loss
 from .tasks import (
     DROPOUT_STREAM,

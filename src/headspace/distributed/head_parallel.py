@@ -3,8 +3,8 @@
 Heads are independent until ``W_O`` mixes them, so each rank keeps the ``W_Q``/``W_K``/``W_V`` of its heads
 and the matching rows of ``W_O``; one all-reduce after ``W_O`` sums the ranks' partial outputs (see
 :class:`HeadParallelAttention`). The process group (:func:`setup_distributed`, :class:`DistInfo`) lives
-in :mod:`headspace.process_group` and is re-exported here; the data-parallel training helpers are in
-:mod:`headspace.train.distributed`.
+in :mod:`headspace.core.process_group` and is re-exported here; the data-parallel training helpers are in
+:mod:`headspace.distributed.data_parallel`. Old paths: ``headspace.model.parallel``, ``headspace.parallel``.
 """
 
 from __future__ import annotations

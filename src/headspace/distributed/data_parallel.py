@@ -3,8 +3,8 @@
 :func:`wrap_model` wraps the model in :class:`~torch.nn.parallel.DistributedDataParallel`,
 :func:`check_same_config` makes sure every rank was started with the same configuration,
 :func:`local_batch_slice` says which rows of a global batch a rank owns, and
-:func:`average_across_ranks` averages a logged value. The process group itself is
-:mod:`headspace.process_group`.
+:func:`average_across_ranks` averages a logged value; :mod:`headspace.train`'s loop calls them. The
+process group itself is :mod:`headspace.core.process_group`. Old path: ``headspace.train.distributed``.
 """
 
 from __future__ import annotations
