@@ -18,6 +18,8 @@ from ..nn.hooks import HookPoint, Recomputed, note_source, noting, source_of
 from ..nn.masks import CanonicalMask, canonical_mask, check_window
 from ..nn.norms import RMSNorm, rms_norm
 from ..nn.positions import Rotary, rotary_tables, rotate_fused
+from ..nn.spec import AttentionSpec
+from .described import DescribedAttention
 from .functional import DeferredAttention, DeferredResult, get_backend, reference_parts, reference_rows
 from .heads import Head, HeadList
 
@@ -226,7 +228,7 @@ def _output_of_heads(z: Tensor, W_O: Tensor, bias: Tensor | None) -> Tensor:
     return output_sum(torch.einsum("bshd,hdm->bshm", z, W_O), bias)  # (B, Sq, d_model)
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(DescribedAttention, nn.Module):
     r"""Multi-head attention with every head's projections in plain sight.
 
     For each head ``h`` (right-multiplication convention, as in the textbook and TransformerLens)::
@@ -350,14 +352,14 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"scale must be a finite float (or None for 1/sqrt(d_head)); got {scale!r}")
         if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
             raise TypeError(f"dtype must be a floating-point torch.dtype (or None); got {dtype!r}")
-        self.d_model = d_model
-        self.n_heads = n_heads
-        self.d_head = d_head
-        self.n_kv_heads = n_kv_heads
+        self._spec = AttentionSpec(
+            d_model, n_heads, d_head, n_kv_heads, qkv_bias=qkv_bias, out_bias=out_bias, positions=rotary,
+            scale=None if scale is None else float(scale), window=window,
+            softcap=None if softcap is None else float(softcap), qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
+            qk_norm_offset=qk_norm_offset, dropout=dropout,
+        )  # fmt: skip
         self.kdim = d_model if kdim is None else kdim
         self.vdim = d_model if vdim is None else vdim
-        self.dropout = dropout
-        self.scale = 1.0 / math.sqrt(d_head) if scale is None else float(scale)
         self.check_finite = check_finite
         self.fused = self.kdim == d_model and self.vdim == d_model
         f = {"device": device, "dtype": dtype}
@@ -372,8 +374,6 @@ class MultiHeadAttention(nn.Module):
         self.o_weight = nn.Parameter(torch.empty(d_model, hq, **f))
         self.o_bias = nn.Parameter(torch.empty(d_model, **f)) if out_bias else None
         self.register_module("rotary", rotary)  # no parameters, no persistent buffers: no state-dict keys
-        self.window = window
-        self.softcap = None if softcap is None else float(softcap)
         self._init_qk_norm(qk_norm, qk_norm_eps, qk_norm_offset, f)
 
         self.hook_q = HookPoint()  # [batch, seq_q, n_heads, d_head]
@@ -401,7 +401,6 @@ class MultiHeadAttention(nn.Module):
     def _init_qk_norm(self, qk_norm: str | None, eps: float, offset: float, f: dict[str, Any]) -> None:
         """``q_norm`` / ``k_norm`` (:class:`~headspace.norms.RMSNorm` over d_head for ``"head"``, over
         n_heads d_head / n_kv_heads d_head for ``"all"``) and their hook points, or None each."""
-        self.qk_norm = qk_norm
         norms = qk_norm is not None
         hq, hkv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
         width_q, width_k = (self.d_head, self.d_head) if qk_norm == "head" else (hq, hkv)
