@@ -131,6 +131,34 @@ def _check_qk_norm(qk_norm: Any, softcap: Any) -> None:
         )
 
 
+def _check_layer_args(
+    d_model: int, d_head: int, qkv_bias: Any, out_bias: Any, rotary: Any, kdim: Any, vdim: Any, dropout: Any,
+    scale: Any, dtype: Any,
+) -> None:  # fmt: skip
+    """:class:`MultiHeadAttention`'s own checks of its arguments (each a one-line error naming one)."""
+    for name, flag in (("qkv_bias", qkv_bias), ("out_bias", out_bias)):
+        if flag is not None and not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool or None (= bias); got {type(flag).__name__} {flag!r}")
+    if rotary is not None:
+        if not isinstance(rotary, Rotary):
+            raise TypeError(
+                f"rotary must be a headspace.positions.Rotary or None; got {type(rotary).__name__}"
+            )
+        if rotary.d_head != d_head:
+            raise ValueError(f"rotary was made for d_head={rotary.d_head} but this layer has d_head={d_head}")
+    for name, dim in (("kdim", kdim), ("vdim", vdim)):
+        if dim is not None:
+            check_positive_int(name, dim, note=f" (or None for d_model={d_model})")
+    if not is_number(dropout):
+        raise TypeError(f"dropout must be a float in [0, 1); got {type(dropout).__name__} {dropout!r}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1); got {dropout}")
+    if scale is not None and (not is_number(scale) or not math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite float (or None for 1/sqrt(d_head)); got {scale!r}")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype (or None); got {dtype!r}")
+
+
 def _last_keys(
     key_padding: Tensor | None, attn_mask: Tensor | None, seq_k: int
 ) -> tuple[Tensor | None, Tensor | None]:
@@ -327,31 +355,9 @@ class MultiHeadAttention(DescribedAttention, nn.Module):
         d_head, n_kv_heads = resolve_head_dims(d_model, n_heads, d_head, n_kv_heads)
         check_window(window)
         _check_qk_norm(qk_norm, softcap)
-        for name, flag in (("qkv_bias", qkv_bias), ("out_bias", out_bias)):
-            if flag is not None and not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool or None (= bias); got {type(flag).__name__} {flag!r}")
+        _check_layer_args(d_model, d_head, qkv_bias, out_bias, rotary, kdim, vdim, dropout, scale, dtype)
         qkv_bias = bool(bias) if qkv_bias is None else qkv_bias
         out_bias = bool(bias) if out_bias is None else out_bias
-        if rotary is not None:
-            if not isinstance(rotary, Rotary):
-                raise TypeError(
-                    f"rotary must be a headspace.positions.Rotary or None; got {type(rotary).__name__}"
-                )
-            if rotary.d_head != d_head:
-                raise ValueError(
-                    f"rotary was made for d_head={rotary.d_head} but this layer has d_head={d_head}"
-                )
-        for name, dim in (("kdim", kdim), ("vdim", vdim)):
-            if dim is not None:
-                check_positive_int(name, dim, note=f" (or None for d_model={d_model})")
-        if not is_number(dropout):
-            raise TypeError(f"dropout must be a float in [0, 1); got {type(dropout).__name__} {dropout!r}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1); got {dropout}")
-        if scale is not None and (not is_number(scale) or not math.isfinite(scale)):
-            raise ValueError(f"scale must be a finite float (or None for 1/sqrt(d_head)); got {scale!r}")
-        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-            raise TypeError(f"dtype must be a floating-point torch.dtype (or None); got {dtype!r}")
         self._spec = AttentionSpec(
             d_model, n_heads, d_head, n_kv_heads, qkv_bias=qkv_bias, out_bias=out_bias, positions=rotary,
             scale=None if scale is None else float(scale), window=window,

@@ -21,7 +21,6 @@ entries inside the attention layer.
 from __future__ import annotations
 
 import dataclasses
-import operator
 from typing import Any
 
 import torch
@@ -36,14 +35,16 @@ from ..decode.kv_cache import KVCache
 from ..kernels.bf16 import is_bf16
 from ..kernels.int8 import is_int8
 from ..kernels.workspace import Workspace
-from ..nn.hooks import HookPoint, Memo, Recomputed, note_source, noting_sources, resolve, source_of
+from ..nn.hooks import HookPoint
 from ..nn.masks import CanonicalMask
-from ..nn.norms import RMSNorm, rms_norm
+from ..nn.norms import RMSNorm
 from ..nn.positions import Rotary
 from ..nn.spec import BlockSpec, MLPSpec, NormSpec, features_of, refuse_unsupported
+from . import recorded
 from .mlp import ACTIVATIONS as ACTIVATIONS  # re-exported: the MLPs' old home
 from .mlp import DeferredMLP as DeferredMLP
-from .mlp import FeedForward, GatedFeedForward, _copy, _defers, _fire, _plain_linear, make_activation
+from .mlp import FeedForward, GatedFeedForward, _fire, make_activation
+from .recorded import DeferredSum as DeferredSum  # re-exported: its old home
 
 #: Residual/LayerNorm arrangements accepted by :class:`TransformerBlock`.
 NORMS = ("post", "pre", "sandwich", "post_sublayer")
@@ -63,36 +64,6 @@ def make_norm(kind: str, d_model: int, eps: float, offset: float = 0.0) -> nn.Mo
     if kind == "rmsnorm":
         return RMSNorm(d_model, eps=eps, offset=offset)
     raise ValueError(f"norm_kind must be one of {list(NORM_KINDS)}; got {kind!r}")
-
-
-def _norm_source(norm: nn.Module, source: Any, shape: torch.Size) -> Recomputed | None:
-    """``norm`` of a value recomputed from ``source``, as a :class:`~headspace.hooks.Recomputed` with copies
-    of the norm's weights and the op its forward runs (:func:`~headspace.norms.rms_norm`,
-    ``F.layer_norm``); None for other norms."""
-    if type(norm) is RMSNorm:
-        return Recomputed(rms_norm, source, _copy(norm.weight), norm.eps, norm.offset, shape=shape)
-    if type(norm) is nn.LayerNorm:
-        w, b = _copy(norm.weight), _copy(norm.bias)
-        return Recomputed(F.layer_norm, source, norm.normalized_shape, w, b, norm.eps, shape=shape)
-    return None
-
-
-class DeferredSum:
-    """A block's ``hook_resid_mid`` [batch, seq, d_model] where it is ``x + a`` (pre-norm, sandwich and
-    post-sublayer blocks), kept as the two tensors the block added (its recorded ``hook_resid_pre`` and
-    ``hook_attn_out``): ``materialize()`` adds them again, bit for bit the block's value."""
-
-    def __init__(self, x: Tensor, a: Tensor) -> None:
-        self.x, self.a = x, a
-        self.shape = tuple(x.shape)
-
-    def evaluate(self, memo: Memo, head: int | None = None) -> Tensor:
-        """:meth:`materialize` (``memo`` resolves deferred terms)."""
-        return resolve(self.x, memo) + resolve(self.a, memo)
-
-    def materialize(self, head: int | None = None) -> Tensor:
-        """[batch, seq, d_model] (``head`` is not used)."""
-        return self.evaluate({})
 
 
 #: The block features (:func:`~headspace.nn.spec.features_of`) :meth:`TransformerBlock.forward` computes.
@@ -358,16 +329,14 @@ class TransformerBlock(nn.Module):
         ``key_padding`` (bool [batch, seq_k], True = real token), ``attn_mask``, ``is_causal``,
         ``kv_cache`` and ``positions`` go to :meth:`MultiHeadAttention.forward`. While only
         :func:`headspace.trace`'s recorders watch every hook point (on inputs long enough), the trace's
-        executor runs the block instead (:meth:`_forward_noted`): the same output, bit for bit.
+        executor runs the block instead (:mod:`~headspace.model.recorded`): the same output, bit for bit.
         """
         check_input_tensor("x", x, self.d_model, "d_model", self.ln1.weight)  # before any LayerNorm
         x = _fire(self.hook_resid_pre, x)
         kw: dict[str, Any] = {"key_padding": key_padding, "attn_mask": attn_mask, "is_causal": is_causal}
         kw.update(kv_cache=kv_cache, **({} if positions is None else {"positions": positions}))
-        if self.hook_resid_pre.fns and self._keeps_input_and_z(x, kv_cache):
-            with noting_sources():
-                note_source(x, x.detach())  # the trace holds x (hook_resid_pre)
-                out = self._forward_noted(x, kw)
+        if self.hook_resid_pre.fns and recorded.takes(self, x, kv_cache):
+            out = recorded.run(self, x, kw)  # the trace's executor (only recorders watch)
         else:
             out = self._residual(self, x, kw)
         return _fire(self.hook_resid_post, out)
@@ -402,135 +371,10 @@ class TransformerBlock(nn.Module):
         h = self._resid_mid(x, a)  # (batch, seq, d_model): x + a
         return h + _fire(self.hook_mlp_out, self.dropout(self.ln2(self.mlp(_fire(self.hook_mlp_in, h)))))
 
-    # ------------------------------------------------------------------ a fully recorded block
-    def _all_points(self) -> list[HookPoint]:
-        """Every hook point of the block, its attention and its MLP."""
-        points = [self.hook_resid_pre, self.hook_attn_in, self.hook_attn_out, self.hook_resid_mid]
-        points += [self.hook_mlp_in, self.hook_mlp_out]
-        points += [self.hook_resid_post, *self.attn._hook_points, *self.mlp._points()]
-        return points
-
-    def _norms(self) -> list[nn.Module]:
-        sandwich = self.norm == "sandwich"
-        return [self.ln1, self.ln2] + ([self.ln_attn_out, self.ln_mlp_out] if sandwich else [])
-
-    def _keeps_input_and_z(self, x: Tensor, kv_cache: KVCache | None) -> bool:
-        """Whether this call keeps only the block's input and the attention's z (and copies of the
-        weights): every hook point of the block, its attention and its MLP is recorded and nothing
-        replaces a value, the parts are the standard ones (this module's MLPs, plain float linears,
-        RMSNorm or LayerNorm, no soft-capping), in eval mode without a KV cache, and that keeps fewer
-        bytes than the parts' own deferrals (:meth:`_kept_bytes`: not so for short inputs, where the
-        copies of the weights outweigh the values)."""
-        if self.training or kv_cache is not None or self.reduced_precision:
-            return False
-        a, mlp = self.attn, self.mlp
-        if type(a).forward is not MultiHeadAttention.forward or not a.fused or a.softcap is not None:
-            return False
-        if type(mlp) not in (FeedForward, GatedFeedForward) or any(True for _ in mlp.act.parameters()):
-            return False
-        linears = [mlp.fc_in, mlp.fc_out] + ([mlp.fc_gate] if "fc_gate" in mlp._modules else [])
-        if not all(_plain_linear(fc) for fc in linears):
-            return False
-        if not all(type(n) in (RMSNorm, nn.LayerNorm) for n in self._norms()):
-            return False
-        if not all(p.active and p.defers for p in self._all_points()):
-            return False
-        rows = x.numel() // max(1, x.shape[-1])
-        chained, own = self._kept_bytes(rows)
-        return chained < own
-
-    def _kept_bytes(self, rows: int) -> tuple[int, int]:
-        """What a fully recorded call on ``rows`` positions keeps, in elements, besides
-        ``hook_resid_post``: (keeping the input and z, keeping what each part defers on its own)."""
-        a, mlp = self.attn, self.mlp
-        d, H, Hkv, dh = self.d_model, a.n_heads, a.n_kv_heads, a.d_head
-        d_mlp = mlp.fc_in.weight.shape[0]
-        mlp_points = len(mlp._points())
-        w_o = a.o_weight.numel()
-        mlp_in = sum(p.numel() for name, p in mlp.named_parameters() if not name.startswith("fc_out"))
-        own = rows * (d + (H + 2 * Hkv) * dh + H * dh + 2 * d) + w_o  # x, q/k/v, z, attn_out, mlp_out
-        own += rows * (H + Hkv) * dh * ((a.rotary is not None) + (a.qk_norm is not None))
-        own += rows * d * (self.norm == "post")  # a post-LN block's resid_mid
-        own += rows * d * (self.norm in ("pre", "sandwich")) * 2  # attn_in and mlp_in, normed copies
-        own += min(mlp_points * rows * d_mlp, rows * d + mlp_in)  # the MLP's values, or its input
-        copies = sum(p.numel() for p in self.parameters())  # every weight, copied once
-        chained = rows * (d + H * dh) + copies
-        return chained, own
-
-    def _noted_norm(self, norm: nn.Module, t: Tensor) -> Tensor:
-        """``norm(t)``, noted as recomputed from what ``t`` is recomputed from."""
-        out = norm(t)
-        source = source_of(t)
-        if source is not None:
-            node = _norm_source(norm, source, out.shape)
-            if node is not None:
-                note_source(out, node)
-        return out
-
-    @staticmethod
-    def _fire_noted(point: HookPoint, t: Tensor) -> None:
-        """Fire ``point`` (only recorders watch it) with ``t``, or with what ``t`` is recomputed from."""
-        source = source_of(t)
-        if source is not None and not isinstance(source, Tensor):
-            point.fire_deferred(source)
-        else:
-            point(t)
-
-    def _forward_noted(self, x: Tensor, kw: dict[str, Any]) -> Tensor:
-        """:meth:`forward`'s ops for every arrangement (pre, post, sandwich, post-sublayer), while every
-        hook point is recorded: each value is noted as recomputed from the block's input, the
-        attention's z and copies of the weights, and the block's hook points get those deferred values
-        (:func:`~headspace.hooks.note_source`; the attention and the MLP inside defer theirs to them).
-        x [batch, seq, d_model] -> [batch, seq, d_model], the same tensor bit for bit."""
-        norm, sandwich = self.norm, self.norm == "sandwich"
-        a_in = self._noted_norm(self.ln1, x) if norm in ("pre", "sandwich") else x
-        if a_in is x:  # the attention reads the block's input itself, which the trace holds
-            self.hook_attn_in.fire_deferred(Recomputed(Tensor.detach, x.detach(), shape=x.shape))
-        else:
-            self._fire_noted(self.hook_attn_in, a_in)
-        a = self.attn(a_in, **kw)
-        if sandwich:
-            a = self._noted_norm(self.ln_attn_out, a)
-        elif norm == "post_sublayer":
-            a = self._noted_norm(self.ln1, a)
-        a = self.dropout(a)  # (batch, seq, d_model): eval mode, the tensor itself
-        self._fire_noted(self.hook_attn_out, a)
-        h = x + a  # (batch, seq, d_model)
-        sx, sa = source_of(x), source_of(a)
-        if sx is not None and sa is not None:
-            note_source(h, Recomputed(operator.add, sx, sa, shape=h.shape))
-        if norm == "post":
-            h = self._noted_norm(self.ln1, h)
-        self._fire_noted(self.hook_resid_mid, h)
-        m_in = self._noted_norm(self.ln2, h) if norm in ("pre", "sandwich") else h
-        self._fire_noted(self.hook_mlp_in, m_in)
-        m = self.mlp(m_in)
-        if sandwich:
-            m = self._noted_norm(self.ln_mlp_out, m)
-        elif norm == "post_sublayer":
-            m = self._noted_norm(self.ln2, m)
-        m = self.dropout(m)
-        self._fire_noted(self.hook_mlp_out, m)
-        out = h + m  # (batch, seq, d_model)
-        return self.ln2(out) if norm == "post" else out
-
     def _resid_mid(self, x: Tensor, a: Tensor) -> Tensor:
         """``h = x + a`` [batch, seq, d_model], passed through ``hook_resid_mid`` while it is watched."""
         h = x + a  # (batch, seq, d_model)
-        return self._fire_resid_mid(x, a, h) if self.hook_resid_mid.fns else h
-
-    def _fire_resid_mid(self, x: Tensor, a: Tensor, h: Tensor) -> Tensor:
-        """``hook_resid_mid`` on ``h = x + a``: while only recorders watch it and ``x`` and ``a`` are
-        recorded too (``hook_resid_pre``, ``hook_attn_out``), they get a :class:`DeferredSum` of the two
-        (no third [batch, seq, d_model] tensor kept); otherwise the hook point fires on ``h``."""
-        if (
-            _defers((self.hook_resid_mid,))
-            and _defers((self.hook_resid_pre,))
-            and _defers((self.hook_attn_out,))
-        ):
-            self.hook_resid_mid.fire_deferred(DeferredSum(x.detach(), a.detach()))
-            return h
-        return self.hook_resid_mid(h)
+        return recorded.fire_resid_mid(self, x, a, h) if self.hook_resid_mid.fns else h
 
     def extra_repr(self) -> str:
         s = f"norm={self.norm!r}"
