@@ -256,7 +256,9 @@ def describe(
 def _activation_of(act: nn.Module, name: str) -> str:
     """``name`` (the spec's activation) where ``act`` is torch's module for it, else ``"module"``."""
     kind, approximate = _ACTIVATION_MODULES[name]
-    same = type(act) is kind and (approximate is None or getattr(act, "approximate", None) == approximate)
+    same = type(act) is kind and (
+        approximate is None or (isinstance(act, nn.GELU) and act.approximate == approximate)
+    )
     return name if same else "module"
 
 

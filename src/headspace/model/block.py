@@ -140,12 +140,15 @@ class TransformerBlock(nn.Module):
     block of a model). ``window``, ``qk_norm`` (with ``qk_norm_eps``), ``softcap`` and ``scale`` go to
     :class:`~headspace.MultiHeadAttention` (sliding window, QK-norm, score soft-capping, the score
     scale); ``norm_offset`` makes every RMSNorm of the block (and the QK-norms) scale by
-    ``offset + weight`` (Gemma: 1).
+    ``offset + weight`` (Gemma: 1). These keywords build a :class:`~headspace.nn.spec.BlockSpec`;
+    :meth:`from_spec` builds the block from one, and :attr:`spec` is the description every executor
+    reads at call time.
 
-    Hook points, all [batch, seq, d_model]: ``hook_resid_pre`` (the input), ``hook_attn_out`` (the
-    attention sublayer's output, after dropout), ``hook_resid_mid`` (``h``), ``hook_mlp_out`` (the MLP
-    sublayer's output, after dropout), ``hook_resid_post`` (the output). They cost nothing while no
-    function is added to them.
+    Hook points, all [batch, seq, d_model]: ``hook_resid_pre`` (the input), ``hook_attn_in`` (the
+    attention's input: ``LN1(x)``, or ``x`` where the layout has no norm before it), ``hook_attn_out``
+    (the attention sublayer's output, after dropout), ``hook_resid_mid`` (``h``), ``hook_mlp_in`` (the
+    MLP's input: ``LN2(h)``, or ``h``), ``hook_mlp_out`` (the MLP sublayer's output, after dropout),
+    ``hook_resid_post`` (the output). They cost nothing while no function is added to them.
     """
 
     def __init__(
