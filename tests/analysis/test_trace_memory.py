@@ -25,7 +25,8 @@ DEFERRED = ("hook_scores", "hook_pattern", "hook_result")
 MLP = ("mlp.hook_pre", "mlp.hook_pre_linear", "mlp.hook_post")  # deferred where larger than the weights
 MID = "hook_resid_mid"  # deferred as resid_pre + attn_out where the block adds them (not post-LN)
 # what a fully recorded block stores where that is smaller (every other value recomputed from them)
-KEPT = ("hook_embed", "hook_resid_pre", "attn.hook_z", "hook_resid_post")
+# hook_resid_final is the last block's hook_resid_post, the same tensor (kept once)
+KEPT = ("hook_embed", "hook_resid_pre", "attn.hook_z", "hook_resid_post", "hook_resid_final")
 
 
 def bert_like() -> hs.Encoder:

@@ -51,8 +51,10 @@ from torch import Tensor, nn
 
 from ..attention.layer import MultiHeadAttention
 from ..model.block import FeedForward, GatedFeedForward, TransformerBlock
+from ..nn.masks import window_mask
 from ..nn.norms import RMSNorm, rms_inverse
 from ..nn.positions import rotary_tables, rotate_fused
+from ..nn.spec import refuse_unsupported
 from .causal_inputs import is_decoder, stack_of
 
 __all__ = ["Graph", "GraphGrads", "GraphRun", "graph_grads", "graph_of", "run_graph"]
@@ -91,19 +93,28 @@ class Graph:
         return int(self.valid.sum())
 
 
+#: The block features (:func:`~headspace.nn.spec.features_of`) the circuit runner computes: sliding
+#: windows (read from each block's spec at run time); QK-norm, soft-capping and the rest are refused.
+GRAPH_FEATURES = ("window",)
+
+
 def _check_block(i: int, block: Any) -> None:
+    """Refuse (one line) a block the circuit runner cannot run: not a pre-norm :class:`TransformerBlock`
+    with fused self-attention and this package's MLPs, or a spec field it does not compute (by name)."""
     ok = (
         type(block) is TransformerBlock
-        and block.pre_ln
+        and block.spec.layout == "pre"
         and isinstance(block.attn, MultiHeadAttention)
         and block.attn.fused
         and isinstance(block.mlp, (FeedForward, GatedFeedForward))
     )
     if not ok:
+        layout = block.spec.layout if isinstance(block, TransformerBlock) else None
         raise TypeError(
             f"circuits need pre-norm decoder blocks (GPT-2, Llama-family), fused self-attention; block {i} "
-            f"is {type(block).__name__} (pre_ln={getattr(block, 'pre_ln', None)})"
+            f"is {type(block).__name__} (layout={layout!r})"
         )
+    refuse_unsupported(block.spec, f"the circuit runner (block {i})", GRAPH_FEATURES)
 
 
 def graph_of(model: Any) -> Graph:
@@ -259,7 +270,13 @@ def _mix(
     elif Hkv != H:
         k = k.repeat_interleave(H // Hkv, dim=1)  # (B, H, S, dh)
         v = v.repeat_interleave(H // Hkv, dim=1)  # (B, H, S, dh)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=attn.scale)  # (B, H, S, dh)
+    spec = attn.spec  # the layer's description, read at run time: its scale and window
+    scale = spec.score_scale
+    if spec.window is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)  # (B, H, S, dh)
+    S = q.shape[-2]
+    band = window_mask(S, S, spec.window, q.device)  # (S, S): causal and within the window
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=band, scale=scale)  # (B, H, S, dh)
 
 
 def _heads(attn: Any, z: Tensor) -> Tensor:

@@ -18,6 +18,8 @@ from ..nn.hooks import HookPoint, Recomputed, note_source, noting, source_of
 from ..nn.masks import CanonicalMask, canonical_mask, check_window
 from ..nn.norms import RMSNorm, rms_inverse, rms_norm
 from ..nn.positions import Rotary, rotary_tables, rotate_fused
+from ..nn.spec import AttentionSpec
+from .described import DescribedAttention
 from .functional import DeferredAttention, DeferredResult, get_backend, reference_parts, reference_rows
 from .heads import Head, HeadList
 
@@ -129,6 +131,34 @@ def _check_qk_norm(qk_norm: Any, softcap: Any) -> None:
         )
 
 
+def _check_layer_args(
+    d_model: int, d_head: int, qkv_bias: Any, out_bias: Any, rotary: Any, kdim: Any, vdim: Any, dropout: Any,
+    scale: Any, dtype: Any,
+) -> None:  # fmt: skip
+    """:class:`MultiHeadAttention`'s own checks of its arguments (each a one-line error naming one)."""
+    for name, flag in (("qkv_bias", qkv_bias), ("out_bias", out_bias)):
+        if flag is not None and not isinstance(flag, bool):
+            raise TypeError(f"{name} must be a bool or None (= bias); got {type(flag).__name__} {flag!r}")
+    if rotary is not None:
+        if not isinstance(rotary, Rotary):
+            raise TypeError(
+                f"rotary must be a headspace.positions.Rotary or None; got {type(rotary).__name__}"
+            )
+        if rotary.d_head != d_head:
+            raise ValueError(f"rotary was made for d_head={rotary.d_head} but this layer has d_head={d_head}")
+    for name, dim in (("kdim", kdim), ("vdim", vdim)):
+        if dim is not None:
+            check_positive_int(name, dim, note=f" (or None for d_model={d_model})")
+    if not is_number(dropout):
+        raise TypeError(f"dropout must be a float in [0, 1); got {type(dropout).__name__} {dropout!r}")
+    if not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout must be in [0, 1); got {dropout}")
+    if scale is not None and (not is_number(scale) or not math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite float (or None for 1/sqrt(d_head)); got {scale!r}")
+    if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+        raise TypeError(f"dtype must be a floating-point torch.dtype (or None); got {dtype!r}")
+
+
 def _last_keys(
     key_padding: Tensor | None, attn_mask: Tensor | None, seq_k: int
 ) -> tuple[Tensor | None, Tensor | None]:
@@ -226,7 +256,7 @@ def _output_of_heads(z: Tensor, W_O: Tensor, bias: Tensor | None) -> Tensor:
     return output_sum(torch.einsum("bshd,hdm->bshm", z, W_O), bias)  # (B, Sq, d_model)
 
 
-class MultiHeadAttention(nn.Module):
+class MultiHeadAttention(DescribedAttention, nn.Module):
     r"""Multi-head attention with every head's projections in plain sight.
 
     For each head ``h`` (right-multiplication convention, as in the textbook and TransformerLens)::
@@ -325,39 +355,17 @@ class MultiHeadAttention(nn.Module):
         d_head, n_kv_heads = resolve_head_dims(d_model, n_heads, d_head, n_kv_heads)
         check_window(window)
         _check_qk_norm(qk_norm, softcap)
-        for name, flag in (("qkv_bias", qkv_bias), ("out_bias", out_bias)):
-            if flag is not None and not isinstance(flag, bool):
-                raise TypeError(f"{name} must be a bool or None (= bias); got {type(flag).__name__} {flag!r}")
+        _check_layer_args(d_model, d_head, qkv_bias, out_bias, rotary, kdim, vdim, dropout, scale, dtype)
         qkv_bias = bool(bias) if qkv_bias is None else qkv_bias
         out_bias = bool(bias) if out_bias is None else out_bias
-        if rotary is not None:
-            if not isinstance(rotary, Rotary):
-                raise TypeError(
-                    f"rotary must be a headspace.positions.Rotary or None; got {type(rotary).__name__}"
-                )
-            if rotary.d_head != d_head:
-                raise ValueError(
-                    f"rotary was made for d_head={rotary.d_head} but this layer has d_head={d_head}"
-                )
-        for name, dim in (("kdim", kdim), ("vdim", vdim)):
-            if dim is not None:
-                check_positive_int(name, dim, note=f" (or None for d_model={d_model})")
-        if not is_number(dropout):
-            raise TypeError(f"dropout must be a float in [0, 1); got {type(dropout).__name__} {dropout!r}")
-        if not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1); got {dropout}")
-        if scale is not None and (not is_number(scale) or not math.isfinite(scale)):
-            raise ValueError(f"scale must be a finite float (or None for 1/sqrt(d_head)); got {scale!r}")
-        if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
-            raise TypeError(f"dtype must be a floating-point torch.dtype (or None); got {dtype!r}")
-        self.d_model = d_model
-        self.n_heads = n_heads
-        self.d_head = d_head
-        self.n_kv_heads = n_kv_heads
+        self._spec = AttentionSpec(
+            d_model, n_heads, d_head, n_kv_heads, qkv_bias=qkv_bias, out_bias=out_bias, positions=rotary,
+            scale=None if scale is None else float(scale), window=window,
+            softcap=None if softcap is None else float(softcap), qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
+            qk_norm_offset=qk_norm_offset, dropout=dropout,
+        )  # fmt: skip
         self.kdim = d_model if kdim is None else kdim
         self.vdim = d_model if vdim is None else vdim
-        self.dropout = dropout
-        self.scale = 1.0 / math.sqrt(d_head) if scale is None else float(scale)
         self.check_finite = check_finite
         self.fused = self.kdim == d_model and self.vdim == d_model
         f = {"device": device, "dtype": dtype}
@@ -372,8 +380,6 @@ class MultiHeadAttention(nn.Module):
         self.o_weight = nn.Parameter(torch.empty(d_model, hq, **f))
         self.o_bias = nn.Parameter(torch.empty(d_model, **f)) if out_bias else None
         self.register_module("rotary", rotary)  # no parameters, no persistent buffers: no state-dict keys
-        self.window = window
-        self.softcap = None if softcap is None else float(softcap)
         self._init_qk_norm(qk_norm, qk_norm_eps, qk_norm_offset, f)
 
         self.hook_q = HookPoint()  # [batch, seq_q, n_heads, d_head]
@@ -401,7 +407,6 @@ class MultiHeadAttention(nn.Module):
     def _init_qk_norm(self, qk_norm: str | None, eps: float, offset: float, f: dict[str, Any]) -> None:
         """``q_norm`` / ``k_norm`` (:class:`~headspace.norms.RMSNorm` over d_head for ``"head"``, over
         n_heads d_head / n_kv_heads d_head for ``"all"``) and their hook points, or None each."""
-        self.qk_norm = qk_norm
         norms = qk_norm is not None
         hq, hkv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
         width_q, width_k = (self.d_head, self.d_head) if qk_norm == "head" else (hq, hkv)

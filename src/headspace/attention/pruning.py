@@ -8,6 +8,7 @@ config) lives in :mod:`headspace.interventions`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -86,5 +87,4 @@ def shrink_attention(attn: MultiHeadAttention, keep: Sequence[int]) -> None:
         o = attn.o_weight  # (d_model, H dh)
         new_o = _kept_rows(o.T, keep, dh).T  # (d_model, H' dh)
         attn.o_weight = param(new_o.contiguous(), o)
-    attn.n_heads = len(keep)
-    attn.n_kv_heads = len(kept_kv)
+    attn.spec = dataclasses.replace(attn.spec, n_heads=len(keep), n_kv_heads=len(kept_kv))

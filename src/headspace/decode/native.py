@@ -26,16 +26,23 @@ import torch
 from torch import Tensor
 
 from ..kernels import native as library
+from ..nn.spec import refuse_unsupported
 from . import python
 from .kv_cache import KVCache
 from .step import DecodeStep, NamedFields, named_fields
 
+#: The block features (:func:`~headspace.nn.spec.features_of`) the C++ step computes.
+NATIVE_FEATURES = ("window", "qk_norm")
+
 
 def native_form(step: DecodeStep) -> tuple[list[NamedFields], NamedFields | None] | None:
     """Each layer's fields and the final norm's, by name, as the C++ step reads them; None where some
-    part has no native form."""
+    part has no native form. A block description with a field the C++ step does not compute
+    (:data:`NATIVE_FEATURES`) raises ``ValueError`` naming the field: it never falls back silently."""
     layers = []
     for layer in step.layers:
+        if layer.spec is not None:
+            refuse_unsupported(layer.spec, "the native decoding step", NATIVE_FEATURES)
         fields = named_fields(layer)
         if fields is None:
             return None

@@ -31,8 +31,9 @@ from ..kernels.q8_0 import Q8Blocks, q8_0_linear_fn
 from ..nn.masks import window_mask
 from ..nn.norms import rms_norm
 from ..nn.positions import Rotary, rotary_tables, rotate_fused
+from ..nn.spec import refuse_unsupported
 from .kv_cache import KVCache
-from .step import DecodeStep, LayerStep, Norm, Product
+from .step import STEP_FEATURES, DecodeStep, LayerStep, Norm, Product
 
 Rows = Callable[[Tensor], Tensor]
 
@@ -262,7 +263,12 @@ class LayerTables:
 
 def prepare(step: DecodeStep) -> Callable[..., Tensor]:
     """The ``"python"`` backend: ``run(x, caches, start, cos, sin)`` -> the rows after every block and
-    the final norm (see :mod:`headspace.decode.backends` for the signature). Runs any description."""
+    the final norm (see :mod:`headspace.decode.backends` for the signature). Runs any description whose
+    blocks' specs set only :data:`~headspace.decode.step.STEP_FEATURES` (any other field: ``ValueError``
+    naming it)."""
+    for layer in step.layers:
+        if layer.spec is not None:
+            refuse_unsupported(layer.spec, "the Python decoding step", STEP_FEATURES)
     layers = [_resolve(layer) for layer in step.layers]
     final = None if step.final_norm is None else norm_fn(step.final_norm)
     tables = LayerTables(step)

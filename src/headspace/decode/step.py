@@ -48,10 +48,19 @@ from ..kernels.q8_0 import Q8Blocks
 from ..nn.hooks import HookPoint, all_idle
 from ..nn.norms import RMSNorm
 from ..nn.positions import Rotary
+from ..nn.spec import BlockSpec, refuse_unsupported
 
 #: the activations a step runs in place by name (torch's modules); any other is ``"module"``
 ACTIVATIONS = {(nn.SiLU, None): "silu", (nn.ReLU, None): "relu", (nn.GELU, "none"): "gelu"}
 ACTIVATIONS[(nn.GELU, "tanh")] = "gelu_tanh"
+#: each activation of a block's description (``MLPSpec.act``) as torch's module (and GELU's approximation)
+_ACTIVATION_MODULES: dict[str, tuple[type[nn.Module], str | None]] = {
+    name: (kind, approximate) for (kind, approximate), name in ACTIVATIONS.items()
+}
+#: The block features (:func:`~headspace.nn.spec.features_of`) the decoding step computes (both
+#: backends); any other is refused by its field's name. Score soft-capping is not among them: a block
+#: with it is not ``decode_supported`` and decodes by ``forward``.
+STEP_FEATURES = ("window", "qk_norm")
 
 
 class DecoderModel(Protocol):
@@ -138,6 +147,8 @@ class LayerStep:
     window: int | None = None
     attn_out_norm: Norm | None = None
     mlp_out_norm: Norm | None = None
+    #: the block's description the step was read from (each backend refuses the fields it lacks by name)
+    spec: BlockSpec | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
 #: the :class:`LayerStep` fields only the ``"python"`` backend computes: none since the native step
@@ -216,7 +227,7 @@ def describe(
     makes the unembedding a ``"q8_0"`` product instead."""
     layers = []
     for block in model.blocks:
-        if not getattr(block, "decode_supported", False):
+        if not block.decode_supported:
             return None
         layers.append(_layer_of(block, pack_rows))
     rows = unembed_rows if pack_rows is None else pack_rows
@@ -242,39 +253,56 @@ def describe(
     )
 
 
+def _activation_of(act: nn.Module, name: str) -> str:
+    """``name`` (the spec's activation) where ``act`` is torch's module for it, else ``"module"``."""
+    kind, approximate = _ACTIVATION_MODULES[name]
+    same = type(act) is kind and (
+        approximate is None or (isinstance(act, nn.GELU) and act.approximate == approximate)
+    )
+    return name if same else "module"
+
+
 def _layer_of(block: Any, pack_rows: int | None) -> LayerStep:
-    """One block (a :class:`~headspace.block.TransformerBlock` with ``decode_supported``) described."""
-    a, mlp = block.attn, block.mlp
-    act = mlp.act
-    activation = ACTIVATIONS.get((type(act), getattr(act, "approximate", None)), "module")
-    gate = getattr(mlp, "fc_gate", None)
-    if block.norm == "post_sublayer":  # OLMo 2: h = x + ln1(attn(x)), out = h + ln2(mlp(h))
+    """One block (a :class:`~headspace.block.TransformerBlock` with ``decode_supported``) described: its
+    maths read from ``block.spec`` (the layout, head counts, scale, window, QK-norm, rotation, MLP kind
+    and activation), its weights from its modules. A spec field the step does not compute raises
+    ``ValueError`` naming it (:data:`STEP_FEATURES`)."""
+    spec: BlockSpec = block.spec
+    refuse_unsupported(spec, "the decoding step", STEP_FEATURES)
+    at, a, mlp = spec.attention, block.attn, block.mlp
+    activation = _activation_of(mlp.act, spec.mlp.act)
+    gate = mlp.fc_gate if spec.mlp.kind == "gated" else None
+    if spec.layout == "post_sublayer":  # OLMo 2: h = x + ln1(attn(x)), out = h + ln2(mlp(h))
         norm1 = norm2 = None
         attn_out, mlp_out = norm_of(block.ln1), norm_of(block.ln2)
     else:  # pre-norm, or sandwich (Gemma: ln_attn_out / ln_mlp_out too)
         norm1, norm2 = norm_of(block.ln1), norm_of(block.ln2)
-        attn_out, mlp_out = norm_of(block.ln_attn_out), norm_of(block.ln_mlp_out)
+        sandwich = spec.layout == "sandwich"
+        attn_out = norm_of(block.ln_attn_out) if sandwich else None
+        mlp_out = norm_of(block.ln_mlp_out) if sandwich else None
+    qk = at.qk_norm is not None
     return LayerStep(
         norm1=norm1,
         qkv=product_of(a.qkv_weight, a.qkv_bias, pack_rows),
-        n_heads=a.n_heads,
-        n_kv_heads=a.n_kv_heads,
-        d_head=a.d_head,
-        scale=float(a.scale),
-        rotary=a.rotary,
+        n_heads=at.n_heads,
+        n_kv_heads=at.n_kv_heads,
+        d_head=at.d_head,
+        scale=at.score_scale,
+        rotary=at.positions,
         o=product_of(a.o_weight, a.o_bias, pack_rows),
         norm2=norm2,
         activation=activation,
         gate=None if gate is None else product_of(gate.weight, gate.bias, pack_rows),
         fc_in=product_of(mlp.fc_in.weight, mlp.fc_in.bias, pack_rows),
         fc_out=product_of(mlp.fc_out.weight, mlp.fc_out.bias, pack_rows),
-        act_module=act if activation == "module" else None,
-        qk_norm=a.qk_norm,
-        q_norm=norm_of(a.q_norm),
-        k_norm=norm_of(a.k_norm),
-        window=a.window,
+        act_module=mlp.act if activation == "module" else None,
+        qk_norm=at.qk_norm,
+        q_norm=norm_of(a.q_norm) if qk else None,
+        k_norm=norm_of(a.k_norm) if qk else None,
+        window=at.window,
         attn_out_norm=attn_out,
         mlp_out_norm=mlp_out,
+        spec=spec,
     )
 
 
@@ -305,7 +333,7 @@ def named_fields(part: Any, prefix: str = "") -> NamedFields | None:
     for f in dataclasses.fields(part):
         value = getattr(part, f.name)
         name = prefix + f.name
-        if value is None or f.name in ("module", "carrier", "act_module"):
+        if value is None or f.name in ("module", "carrier", "act_module", "spec"):
             continue
         if isinstance(value, str) and value in ("module", "other"):
             return None  # run by Python only

@@ -20,47 +20,38 @@ entries inside the attention layer.
 
 from __future__ import annotations
 
-import operator
+import dataclasses
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..attention.described import DescribedAttention
 from ..attention.functional import sdpa_attention
 from ..attention.layer import MultiHeadAttention, check_input_tensor
-from ..core.checks import check_positive_float, check_positive_int, check_probability
+from ..core.checks import check_positive_float, check_probability
 from ..decode.kv_cache import KVCache
 from ..kernels.bf16 import is_bf16
 from ..kernels.int8 import is_int8
 from ..kernels.workspace import Workspace
-from ..nn.hooks import HookPoint, Memo, Recomputed, note_source, noting_sources, resolve, source_of
+from ..nn.hooks import HookPoint
 from ..nn.masks import CanonicalMask
-from ..nn.norms import RMSNorm, rms_norm
+from ..nn.norms import RMSNorm
 from ..nn.positions import Rotary
+from ..nn.spec import BlockSpec, MLPSpec, NormSpec, features_of, refuse_unsupported
+from . import recorded
+from .mlp import ACTIVATIONS as ACTIVATIONS  # re-exported: the MLPs' old home
+from .mlp import DeferredMLP as DeferredMLP
+from .mlp import FeedForward, GatedFeedForward, _fire, make_activation
+from .recorded import DeferredSum as DeferredSum  # re-exported: its old home
 
-#: Activation names accepted by :class:`FeedForward`, :class:`GatedFeedForward` and the models' configs.
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 #: Residual/LayerNorm arrangements accepted by :class:`TransformerBlock`.
 NORMS = ("post", "pre", "sandwich", "post_sublayer")
 #: Kinds of normalisation layer accepted by :class:`TransformerBlock` (``norm_kind``).
 NORM_KINDS = ("layernorm", "rmsnorm")
 #: Kinds of feed-forward network accepted by :class:`TransformerBlock` (``mlp_kind``).
 MLP_KINDS = ("plain", "gated")
-
-
-def make_activation(act: str) -> nn.Module:
-    """``"gelu"`` (exact, erf: BERT), ``"gelu_tanh"`` (tanh approximation: GPT-2's gelu_new), ``"relu"``,
-    ``"silu"`` (x sigmoid(x), a.k.a. swish: Llama's gate)."""
-    if act == "gelu":
-        return nn.GELU(approximate="none")
-    if act == "gelu_tanh":
-        return nn.GELU(approximate="tanh")
-    if act == "relu":
-        return nn.ReLU()
-    if act == "silu":
-        return nn.SiLU()
-    raise ValueError(f"act must be one of {list(ACTIVATIONS)}; got {act!r}")
 
 
 def make_norm(kind: str, d_model: int, eps: float, offset: float = 0.0) -> nn.Module:
@@ -75,251 +66,54 @@ def make_norm(kind: str, d_model: int, eps: float, offset: float = 0.0) -> nn.Mo
     raise ValueError(f"norm_kind must be one of {list(NORM_KINDS)}; got {kind!r}")
 
 
-def _fire(hook: HookPoint, value: Tensor) -> Tensor:
-    """``hook(value)`` while the hook point has a function, ``value`` itself (no module call) otherwise."""
-    return hook(value) if hook.fns else value
+#: The block features (:func:`~headspace.nn.spec.features_of`) :meth:`TransformerBlock.forward` computes.
+BLOCK_FEATURES = ("window", "softcap", "qk_norm")
 
 
-def _defers(points: tuple[HookPoint, ...]) -> bool:
-    """Whether some point of ``points`` fires and every one that fires only records a Deferred."""
-    live = [p for p in points if p.active]
-    return bool(live) and all(p.defers for p in live)
-
-
-def _copy(t: Tensor | None) -> Tensor | None:
-    return None if t is None else t.detach().clone()
-
-
-def _norm_source(norm: nn.Module, source: Any, shape: torch.Size) -> Recomputed | None:
-    """``norm`` of a value recomputed from ``source``, as a :class:`~headspace.hooks.Recomputed` with copies
-    of the norm's weights and the op its forward runs (:func:`~headspace.norms.rms_norm`,
-    ``F.layer_norm``); None for other norms."""
-    if type(norm) is RMSNorm:
-        return Recomputed(rms_norm, source, _copy(norm.weight), norm.eps, norm.offset, shape=shape)
-    if type(norm) is nn.LayerNorm:
-        w, b = _copy(norm.weight), _copy(norm.bias)
-        return Recomputed(F.layer_norm, source, norm.normalized_shape, w, b, norm.eps, shape=shape)
-    return None
-
-
-def _plain_linear(fc: nn.Module) -> bool:
-    """Whether ``fc`` is an ``nn.Linear`` whose forward is ``F.linear`` on plain float weights."""
-    if type(fc) is not nn.Linear:
-        return False
-    return all(
-        t is None or (t.is_floating_point() and not is_int8(t) and not is_bf16(t))
-        for t in (fc.weight, fc.bias)
-    )
-
-
-class DeferredMLP:
-    """An MLP's ``hook_pre``, ``hook_pre_linear`` or ``hook_post`` [batch, seq, d_mlp], kept as the MLP's
-    input [batch, seq, d_model] (or, in a fully recorded block, a deferred value that computes the input
-    again: :class:`~headspace.hooks.Recomputed`) and copies of the input linears' weights and biases.
-
-    ``materialize()`` runs the layer's own ops again on the same input: ``pre = F.linear(x, W_gate,
-    b_gate)`` (plain MLP: ``F.linear(x, W_in, b_in)``), ``pre_linear = F.linear(x, W_in, b_in)``, ``post =
-    act(pre) * pre_linear`` (plain: ``act(pre)``): bit for bit what the traced forward computed (the
-    copies keep it so after the weights change). ``which``: ``"pre"``, ``"pre_linear"`` or ``"post"``.
-    """
-
-    def __init__(self, x: Any, mlp: _FeedForwardLayers, which: str) -> None:
-        if which not in ("pre", "pre_linear", "post"):
-            raise ValueError(f"which must be 'pre', 'pre_linear' or 'post'; got {which!r}")
-        self.x, self.which, self.act = x, which, mlp.act
-        gated = hasattr(mlp, "fc_gate")
-        first = mlp.fc_gate if gated else mlp.fc_in
-        self.w_pre = first.weight.detach().clone()
-        self.b_pre = None if first.bias is None else first.bias.detach().clone()
-        self.w_lin = mlp.fc_in.weight.detach().clone() if gated else None
-        self.b_lin = None if not gated or mlp.fc_in.bias is None else mlp.fc_in.bias.detach().clone()
-        self.shape = (*x.shape[:-1], first.weight.shape[0])
-
-    def share(self, which: str) -> DeferredMLP:
-        """The same inputs (no second copy of anything) for another of the MLP's hook points."""
-        other = object.__new__(DeferredMLP)
-        other.__dict__.update(self.__dict__)
-        other.which = which
-        return other
-
-    def evaluate(self, memo: Memo, head: int | None = None) -> Tensor:
-        """:meth:`materialize`, a deferred input resolved through ``memo``."""
-        x = resolve(self.x, memo)  # (batch, seq, d_model)
-        pre = F.linear(x, self.w_pre, self.b_pre)  # (batch, seq, d_mlp)
-        if self.which == "pre":
-            return pre
-        if self.w_lin is None:  # plain MLP: post = act(pre)
-            return self.act(pre)
-        lin = F.linear(x, self.w_lin, self.b_lin)  # (batch, seq, d_mlp)
-        return lin if self.which == "pre_linear" else self.act(pre) * lin
-
-    def materialize(self, head: int | None = None) -> Tensor:
-        """[batch, seq, d_mlp] (``head`` is not used: the MLP's hook points have no head axis)."""
-        return self.evaluate({}, head)
-
-
-class DeferredSum:
-    """A block's ``hook_resid_mid`` [batch, seq, d_model] where it is ``x + a`` (pre-norm, sandwich and
-    post-sublayer blocks), kept as the two tensors the block added (its recorded ``hook_resid_pre`` and
-    ``hook_attn_out``): ``materialize()`` adds them again, bit for bit the block's value."""
-
-    def __init__(self, x: Tensor, a: Tensor) -> None:
-        self.x, self.a = x, a
-        self.shape = tuple(x.shape)
-
-    def evaluate(self, memo: Memo, head: int | None = None) -> Tensor:
-        """:meth:`materialize` (``memo`` resolves deferred terms)."""
-        return resolve(self.x, memo) + resolve(self.a, memo)
-
-    def materialize(self, head: int | None = None) -> Tensor:
-        """[batch, seq, d_model] (``head`` is not used)."""
-        return self.evaluate({})
-
-
-class _FeedForwardLayers(nn.Module):
-    """What :class:`FeedForward` and :class:`GatedFeedForward` share: the checks, the activation, the
-    linears and hook points (registered in one order: ``fc_gate`` first and ``hook_pre_linear`` between
-    ``hook_pre`` and ``hook_post`` when gated), and ``forward`` around each one's hidden units."""
-
-    def __init__(self, d_model: int, d_mlp: int, act: str, bias: bool, *, gated: bool) -> None:
-        super().__init__()
-        for name, value in (("d_model", d_model), ("d_mlp", d_mlp)):
-            check_positive_int(name, value)
-        self.act_name = act
-        self.act = make_activation(act)
-        if gated:
-            self.fc_gate = nn.Linear(d_model, d_mlp, bias=bias)
-        self.fc_in = nn.Linear(d_model, d_mlp, bias=bias)
-        self.fc_out = nn.Linear(d_mlp, d_model, bias=bias)
-        self.hook_pre = HookPoint()  # [batch, seq, d_mlp], before the activation (the gate's, if gated)
-        if gated:
-            self.hook_pre_linear = HookPoint()  # [batch, seq, d_mlp], the linear (up) branch
-        self.hook_post = HookPoint()  # [batch, seq, d_mlp], the input of W_out
-
-    def _hidden(self, x: Tensor) -> Tensor:
-        """[batch, seq, d_model] -> the hidden units [batch, seq, d_mlp] before ``hook_post``."""
-        raise NotImplementedError
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Apply the MLP to every position.
-
-        Notation used for tensor shapes:
-            batch, seq, d_model, d_mlp.
-
-        Args:
-            x: [batch, seq, d_model].
-
-        Returns:
-            [batch, seq, d_model].
-
-        While only recorders (:attr:`HookPoint.defers`) watch the hook points of a standard MLP (plain
-        float ``nn.Linear`` layers), they get a :class:`DeferredMLP` of the input instead of the
-        [batch, seq, d_mlp] values; the output is the same, bit for bit.
-        """
-        if any(p.fns for p in self._points()) and self._may_defer(x):
-            return self._forward_deferred(x)
-        return self.fc_out(_fire(self.hook_post, self._hidden(x)))  # (batch, seq, d_model)
-
-    def _points(self) -> tuple[HookPoint, ...]:
-        gated = "hook_pre_linear" in self._modules
-        return (
-            (self.hook_pre, self.hook_pre_linear, self.hook_post)
-            if gated
-            else (self.hook_pre, self.hook_post)
+def _check_block_args(
+    norm: str,
+    norm_kind: str,
+    mlp_kind: str,
+    mlp_bias: object,
+    dropout: float,
+    attn_dropout: float,
+    ln_eps: float,
+) -> None:
+    """The keyword constructor's own checks (each a one-line error naming the argument)."""
+    if norm not in NORMS:
+        raise ValueError(
+            f"norm must be one of {list(NORMS)} ('post' = BERT, 'pre' = GPT-2, 'sandwich' = Gemma, "
+            f"'post_sublayer' = OLMo 2); got {norm!r}"
         )
-
-    def _may_defer(self, x: Tensor) -> bool:
-        """Whether the hook points may get a :class:`DeferredMLP` of ``x``: only recorders fire, this
-        class's own ``_hidden``, plain float linears and an activation without parameters, and the
-        values [.., d_mlp] of the recorded points outweigh ``x`` and the weight copies (short inputs
-        store the values: a copy of the weights is the larger)."""
-        if type(self)._hidden not in (FeedForward._hidden, GatedFeedForward._hidden):
-            return False
-        gated = "fc_gate" in self._modules
-        linears = [self.fc_in, self.fc_gate] if gated else [self.fc_in]
-        if not all(_plain_linear(fc) for fc in linears) or any(True for _ in self.act.parameters()):
-            return False
-        if not _defers(self._points()):
-            return False
-        if source_of(x) is not None:  # a fully recorded block keeps what x is recomputed from anyway
-            return True
-        rows, d_mlp = x.numel() // max(1, x.shape[-1]), self.fc_in.weight.shape[0]
-        recorded = sum(1 for p in self._points() if p.active) * rows * d_mlp
-        copies = sum(fc.weight.numel() + (0 if fc.bias is None else fc.bias.numel()) for fc in linears)
-        return recorded > copies + x.numel()
-
-    def _forward_deferred(self, x: Tensor) -> Tensor:
-        """:meth:`forward`'s ops (those of ``_hidden``, without firing) with the recorders handed a
-        :class:`DeferredMLP` of ``x``: [batch, seq, d_model] -> [batch, seq, d_model]."""
-        gated = "fc_gate" in self._modules
-        if gated:
-            hidden = self.act(self.fc_gate(x)) * self.fc_in(x)  # (batch, seq, d_mlp)
-        else:
-            hidden = self.act(self.fc_in(x))  # (batch, seq, d_mlp)
-        names = ("pre", "pre_linear", "post") if gated else ("pre", "post")
-        source = source_of(x)
-        kept = x.detach() if source is None else source
-        deferred: DeferredMLP | None = None
-        for point, which in zip(self._points(), names, strict=True):
-            if point.active:
-                deferred = DeferredMLP(kept, self, which) if deferred is None else deferred.share(which)
-                point.fire_deferred(deferred)
-        out = self.fc_out(hidden)  # (batch, seq, d_model)
-        if source is not None and _plain_linear(self.fc_out):
-            # in a fully recorded block: the output is noted as fc_out of the (deferred) hidden units
-            post = DeferredMLP(kept, self, "post") if deferred is None else deferred.share("post")
-            w, b = self.fc_out.weight.detach().clone(), _copy(self.fc_out.bias)
-            note_source(out, Recomputed(F.linear, post, w, b, shape=out.shape))
-        return out
+    if norm_kind not in NORM_KINDS:
+        raise ValueError(f"norm_kind must be one of {list(NORM_KINDS)}; got {norm_kind!r}")
+    if mlp_kind not in MLP_KINDS:
+        raise ValueError(
+            f"mlp_kind must be one of {list(MLP_KINDS)} ('gated' = SwiGLU/GeGLU); got {mlp_kind!r}"
+        )
+    if mlp_bias is not None and not isinstance(mlp_bias, bool):
+        raise TypeError(f"mlp_bias must be a bool or None (= bias); got {type(mlp_bias).__name__}")
+    for name, p in (("dropout", dropout), ("attn_dropout", attn_dropout)):
+        check_probability(name, p)
+    check_positive_float("ln_eps", ln_eps)
 
 
-class FeedForward(_FeedForwardLayers):
-    r"""The position-wise feed-forward network ``MLP(x) = act(x W_in + b_in) W_out + b_out``.
-
-    ``fc_in`` is an ``nn.Linear(d_model, d_mlp)`` (so ``W_in = fc_in.weight.T``), ``fc_out`` an
-    ``nn.Linear(d_mlp, d_model)``. Paper symbols (Vaswani et al. 2017, eq. 2): ``W_in = W_1``,
-    ``W_out = W_2``, ``d_mlp = d_ff``; the paper's act is ReLU.
-
-    Hook points, both [batch, seq, d_mlp]: ``hook_pre`` (before the activation), ``hook_post`` (after it).
-    """
-
-    def __init__(self, d_model: int, d_mlp: int, act: str = "gelu", bias: bool = True) -> None:
-        super().__init__(d_model, d_mlp, act, bias, gated=False)
-
-    def _hidden(self, x: Tensor) -> Tensor:
-        return self.act(_fire(self.hook_pre, self.fc_in(x)))  # (batch, seq, d_mlp)
-
-    def extra_repr(self) -> str:
-        return f"act={self.act_name!r}"
-
-
-class GatedFeedForward(_FeedForwardLayers):
-    r"""A gated feed-forward network ``MLP(x) = (act(x W_gate + b_gate) * (x W_in + b_in)) W_out + b_out``.
-
-    SwiGLU with ``act="silu"`` (Llama, Mistral, Qwen: transformers' ``down_proj(act(gate_proj(x)) *
-    up_proj(x))``), GeGLU with ``"gelu"`` / ``"gelu_tanh"`` (Shazeer 2020, "GLU Variants Improve
-    Transformer"). ``fc_gate`` and ``fc_in`` are ``nn.Linear(d_model, d_mlp)`` (``W_gate = fc_gate.weight.T``
-    is Llama's ``gate_proj``, ``W_in = fc_in.weight.T`` its ``up_proj``), ``fc_out`` an
-    ``nn.Linear(d_mlp, d_model)`` (``down_proj``).
-
-    Hook points, all [batch, seq, d_mlp], with TransformerLens's names: ``hook_pre`` (the gate before the
-    activation, ``x W_gate + b_gate``), ``hook_pre_linear`` (``x W_in + b_in``), ``hook_post`` (their
-    gated product, the input of ``W_out``).
-    """
-
-    fc_gate: nn.Linear
-    hook_pre_linear: HookPoint
-
-    def __init__(self, d_model: int, d_mlp: int, act: str = "silu", bias: bool = False) -> None:
-        super().__init__(d_model, d_mlp, act, bias, gated=True)
-
-    def _hidden(self, x: Tensor) -> Tensor:
-        g = _fire(self.hook_pre, self.fc_gate(x))  # (batch, seq, d_mlp)
-        u = _fire(self.hook_pre_linear, self.fc_in(x))  # (batch, seq, d_mlp)
-        return self.act(g) * u  # (batch, seq, d_mlp)
-
-    def extra_repr(self) -> str:
-        return f"act={self.act_name!r}, gated"
+def _check_block_fits(old: BlockSpec, new: BlockSpec) -> None:
+    """One-line ``ValueError`` naming the first field of ``new`` that the block's modules fix to
+    ``old``'s value (the norm and MLP kinds and sizes; a sandwich layout's extra norms)."""
+    fixed = {
+        "norm.kind": (old.norm.kind, new.norm.kind),
+        "mlp.kind": (old.mlp.kind, new.mlp.kind),
+        "mlp.d_mlp": (old.mlp.d_mlp, new.mlp.d_mlp),
+        "mlp.bias": (old.mlp.bias, new.mlp.bias),
+        "layout == 'sandwich'": (old.layout == "sandwich", new.layout == "sandwich"),
+    }
+    for name, (have, got) in fixed.items():
+        if have != got:
+            raise ValueError(
+                f"block spec: {name} must be {have!r}, fixed by the block's modules; got {got!r} "
+                "(build a new block to change it)"
+            )
 
 
 class TransformerBlock(nn.Module):
@@ -346,12 +140,15 @@ class TransformerBlock(nn.Module):
     block of a model). ``window``, ``qk_norm`` (with ``qk_norm_eps``), ``softcap`` and ``scale`` go to
     :class:`~headspace.MultiHeadAttention` (sliding window, QK-norm, score soft-capping, the score
     scale); ``norm_offset`` makes every RMSNorm of the block (and the QK-norms) scale by
-    ``offset + weight`` (Gemma: 1).
+    ``offset + weight`` (Gemma: 1). These keywords build a :class:`~headspace.nn.spec.BlockSpec`;
+    :meth:`from_spec` builds the block from one, and :attr:`spec` is the description every executor
+    reads at call time.
 
-    Hook points, all [batch, seq, d_model]: ``hook_resid_pre`` (the input), ``hook_attn_out`` (the
-    attention sublayer's output, after dropout), ``hook_resid_mid`` (``h``), ``hook_mlp_out`` (the MLP
-    sublayer's output, after dropout), ``hook_resid_post`` (the output). They cost nothing while no
-    function is added to them.
+    Hook points, all [batch, seq, d_model]: ``hook_resid_pre`` (the input), ``hook_attn_in`` (the
+    attention's input: ``LN1(x)``, or ``x`` where the layout has no norm before it), ``hook_attn_out``
+    (the attention sublayer's output, after dropout), ``hook_resid_mid`` (``h``), ``hook_mlp_in`` (the
+    MLP's input: ``LN2(h)``, or ``h``), ``hook_mlp_out`` (the MLP sublayer's output, after dropout),
+    ``hook_resid_post`` (the output). They cost nothing while no function is added to them.
     """
 
     def __init__(
@@ -382,59 +179,142 @@ class TransformerBlock(nn.Module):
         norm_offset: float = 0.0,
     ) -> None:
         super().__init__()
-        if norm not in NORMS:
-            raise ValueError(
-                f"norm must be one of {list(NORMS)} ('post' = BERT, 'pre' = GPT-2, 'sandwich' = Gemma, "
-                f"'post_sublayer' = OLMo 2); got {norm!r}"
-            )
-        if norm_kind not in NORM_KINDS:
-            raise ValueError(f"norm_kind must be one of {list(NORM_KINDS)}; got {norm_kind!r}")
-        if mlp_kind not in MLP_KINDS:
-            raise ValueError(
-                f"mlp_kind must be one of {list(MLP_KINDS)} ('gated' = SwiGLU/GeGLU); got {mlp_kind!r}"
-            )
-        if mlp_bias is not None and not isinstance(mlp_bias, bool):
-            raise TypeError(f"mlp_bias must be a bool or None (= bias); got {type(mlp_bias).__name__}")
-        for name, p in (("dropout", dropout), ("attn_dropout", attn_dropout)):
-            check_probability(name, p)
-        check_positive_float("ln_eps", ln_eps)
-        self.d_model = d_model
-        self.norm = norm
-        self.pre_ln = norm == "pre"
-        self.norm_kind = norm_kind
-        self.mlp_kind = mlp_kind
-        self.attn = MultiHeadAttention(
-            d_model, n_heads, d_head=d_head, n_kv_heads=n_kv_heads, bias=bias, dropout=attn_dropout,
-            qkv_bias=qkv_bias, out_bias=out_bias, rotary=rotary, window=window, qk_norm=qk_norm,
-            qk_norm_eps=ln_eps if qk_norm_eps is None else qk_norm_eps, qk_norm_offset=norm_offset,
-            softcap=softcap, scale=scale,
-        )  # fmt: skip
-        self.ln1 = make_norm(norm_kind, d_model, ln_eps, norm_offset)
-        mlp_bias = bias if mlp_bias is None else mlp_bias
-        if mlp_kind == "gated":
-            self.mlp: FeedForward | GatedFeedForward = GatedFeedForward(
-                d_model, d_mlp, act=act, bias=mlp_bias
-            )
-        else:
-            self.mlp = FeedForward(d_model, d_mlp, act=act, bias=mlp_bias)
-        self.ln2 = make_norm(norm_kind, d_model, ln_eps, norm_offset)
-        sandwich = norm == "sandwich"
+        _check_block_args(norm, norm_kind, mlp_kind, mlp_bias, dropout, attn_dropout, ln_eps)
+        attention = MultiHeadAttention(
+            d_model,
+            n_heads,
+            d_head=d_head,
+            n_kv_heads=n_kv_heads,
+            bias=bias,
+            dropout=attn_dropout,
+            qkv_bias=qkv_bias,
+            out_bias=out_bias,
+            rotary=rotary,
+            window=window,
+            qk_norm=qk_norm,
+            qk_norm_eps=ln_eps if qk_norm_eps is None else qk_norm_eps,
+            qk_norm_offset=norm_offset,
+            softcap=softcap,
+            scale=scale,
+        )  # fmt: skip  (the layer checks the attention's arguments, with its own messages)
+        spec = BlockSpec(
+            attention=attention.spec,
+            mlp=MLPSpec(d_mlp, kind=mlp_kind, act=act, bias=bias if mlp_bias is None else mlp_bias),
+            norm=NormSpec(norm_kind, float(ln_eps), float(norm_offset)),
+            layout=norm,
+            dropout=float(dropout),
+        )
+        self._build(spec, attention)
+
+    @classmethod
+    def from_spec(cls, spec: BlockSpec) -> TransformerBlock:
+        """The block ``spec`` describes (fresh weights: Xavier-uniform attention, torch's default
+        linears, unit norms), with ``spec`` as its :attr:`spec`."""
+        if not isinstance(spec, BlockSpec):
+            raise TypeError(f"from_spec expects a headspace.nn.spec.BlockSpec; got {type(spec).__name__}")
+        block = cls.__new__(cls)
+        nn.Module.__init__(block)
+        block._build(spec, None)
+        return block
+
+    def _build(self, spec: BlockSpec, attention: MultiHeadAttention | None) -> None:
+        """The modules of ``spec``: ``attn``, ``ln1``, ``mlp``, ``ln2`` (a sandwich block's ``ln_attn_out``
+        and ``ln_mlp_out``), the dropout and the hook points; the residual layout bound."""
+        refuse_unsupported(spec, "the block forward", BLOCK_FEATURES)
+        a, n, d = spec.attention, spec.norm, spec.d_model
+        if attention is None:
+            attention = MultiHeadAttention(
+                d, a.n_heads, d_head=a.d_head, n_kv_heads=a.n_kv_heads, dropout=a.dropout,
+                qkv_bias=a.qkv_bias, out_bias=a.out_bias, rotary=a.positions, window=a.window,
+                qk_norm=a.qk_norm, qk_norm_eps=a.qk_norm_eps, qk_norm_offset=a.qk_norm_offset,
+                softcap=a.softcap, scale=a.scale,
+            )  # fmt: skip
+        self.attn = attention
+        self.ln1 = make_norm(n.kind, d, n.eps, n.offset)
+        m = spec.mlp
+        kind = GatedFeedForward if m.kind == "gated" else FeedForward
+        self.mlp: FeedForward | GatedFeedForward = kind(d, m.d_mlp, act=m.act, bias=m.bias)
+        self.ln2 = make_norm(n.kind, d, n.eps, n.offset)
+        sandwich = spec.layout == "sandwich"
         # sandwich norms only: the norms of each sublayer's output, before the residual add
-        self.register_module(
-            "ln_attn_out", make_norm(norm_kind, d_model, ln_eps, norm_offset) if sandwich else None
-        )
-        self.register_module(
-            "ln_mlp_out", make_norm(norm_kind, d_model, ln_eps, norm_offset) if sandwich else None
-        )
+        self.register_module("ln_attn_out", make_norm(n.kind, d, n.eps, n.offset) if sandwich else None)
+        self.register_module("ln_mlp_out", make_norm(n.kind, d, n.eps, n.offset) if sandwich else None)
         #: Why the cached decoding step may not stand in for this block although the block alone would
         #: allow it: set by the model for model-wide features (final soft-capping, per-layer rotations).
         self.decode_blockers: tuple[str, ...] = ()
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = nn.Dropout(spec.dropout)
         self.hook_resid_pre = HookPoint()  # [batch, seq, d_model]
+        self.hook_attn_in = HookPoint()  # [batch, seq, d_model]: the attention's input (after its norm)
         self.hook_attn_out = HookPoint()  # [batch, seq, d_model]
         self.hook_resid_mid = HookPoint()  # [batch, seq, d_model]
+        self.hook_mlp_in = HookPoint()  # [batch, seq, d_model]: the MLP's input (after its norm)
         self.hook_mlp_out = HookPoint()  # [batch, seq, d_model]
         self.hook_resid_post = HookPoint()  # [batch, seq, d_model]
+        self._spec = spec
+        self._residual = _RESIDUAL[spec.layout]
+
+    @property
+    def spec(self) -> BlockSpec:
+        """THE description of this block (:class:`~headspace.nn.spec.BlockSpec`): its forward, the
+        decoding step (:func:`headspace.decode.describe`) and the circuit runner read the block's maths
+        from it at call time. Assigning an edited description (``block.spec = dataclasses.replace(
+        block.spec, ...)``) changes them all; fields fixed by the weights (head counts and widths, the
+        biases present, the norm and MLP kinds, a sandwich layout's extra norms) must stay, and fields
+        the forward does not compute (``chunk``, ``bias``, ``sink``, ``gate``, the ``parallel`` layout)
+        are refused by name."""
+        if not isinstance(self.attn, DescribedAttention):  # a head-parallel shard keeps the built one
+            return self._spec
+        attention = self.attn.spec
+        if self._spec.attention is not attention:
+            self._spec = dataclasses.replace(self._spec, attention=attention)
+        return self._spec
+
+    @spec.setter
+    def spec(self, spec: BlockSpec) -> None:
+        if not isinstance(spec, BlockSpec):
+            raise TypeError(f"block.spec must be a headspace.nn.spec.BlockSpec; got {type(spec).__name__}")
+        refuse_unsupported(spec, "the block forward", BLOCK_FEATURES)
+        _check_block_fits(self.spec, spec)
+        if not isinstance(self.attn, DescribedAttention):
+            raise TypeError(
+                f"block.spec: this block's attention ({type(self.attn).__name__}) has no description"
+            )
+        self.attn.spec = spec.attention
+        for norm in (self.ln1, self.ln2, self.ln_attn_out, self.ln_mlp_out):
+            if norm is not None:
+                norm.eps = spec.norm.eps
+                if isinstance(norm, RMSNorm):
+                    norm.offset = spec.norm.offset
+        if spec.mlp.act != self.mlp.act_name:
+            self.mlp.act_name, self.mlp.act = spec.mlp.act, make_activation(spec.mlp.act)
+        self.dropout.p = spec.dropout
+        self._spec = spec
+        self._residual = _RESIDUAL[spec.layout]
+
+    @property
+    def d_model(self) -> int:
+        """The residual stream's width."""
+        return self._spec.d_model
+
+    @property
+    def norm(self) -> str:
+        """The residual layout: ``"post"``, ``"pre"``, ``"sandwich"`` or ``"post_sublayer"`` (the spec's)."""
+        return self._spec.layout
+
+    @property
+    def pre_ln(self) -> bool:
+        """Whether the layout is ``"pre"``."""
+        return self._spec.layout == "pre"
+
+    @property
+    def norm_kind(self) -> str:
+        """``"layernorm"`` or ``"rmsnorm"`` (the spec's ``norm.kind``)."""
+        return self._spec.norm.kind
+
+    @property
+    def mlp_kind(self) -> str:
+        """``"plain"`` or ``"gated"`` (the spec's ``mlp.kind``)."""
+        return self._spec.mlp.kind
 
     def forward(
         self,
@@ -446,204 +326,58 @@ class TransformerBlock(nn.Module):
         kv_cache: KVCache | None = None,
         positions: Tensor | None = None,
     ) -> Tensor:
-        """Run the block on the residual stream ``x``.
+        """The block on the residual stream x [batch, seq, d_model] -> [batch, seq, d_model]: the residual
+        maths of the layout of :attr:`spec` (class docstring; bound when the spec was set).
 
-        Notation used for tensor shapes:
-            batch, seq (the new positions), seq_k (= seq, plus the cached positions with a KV cache),
-            d_model.
-
-        Args:
-            x: [batch, seq, d_model].
-            key_padding: bool [batch, seq_k], True for real tokens.
-            attn_mask: bool (True = may attend) or float (additive) mask, see :mod:`headspace.masks`.
-            is_causal: causal self-attention (aligned bottom-right, as a KV cache needs).
-            kv_cache: this block's :class:`~headspace.KVCache` for incremental decoding.
-            positions: rotary attention only: int [seq] or [batch, seq] positions of the new tokens
-                (None: after the cached ones), see :meth:`MultiHeadAttention.forward`.
-
-        Returns:
-            [batch, seq, d_model].
-
-        While only :func:`headspace.trace`'s recorders watch every hook point of the block (on inputs
-        long enough), the recorders get values recomputed from the block's input, the attention's z and
-        copies of the weights (:meth:`_forward_noted`); the output is the same, bit for bit.
+        ``key_padding`` (bool [batch, seq_k], True = real token), ``attn_mask``, ``is_causal``,
+        ``kv_cache`` and ``positions`` go to :meth:`MultiHeadAttention.forward`. While only
+        :func:`headspace.trace`'s recorders watch every hook point (on inputs long enough), the trace's
+        executor runs the block instead (:mod:`~headspace.model.recorded`): the same output, bit for bit.
         """
         check_input_tensor("x", x, self.d_model, "d_model", self.ln1.weight)  # before any LayerNorm
-        if self.hook_resid_pre.fns:
-            x = self.hook_resid_pre(x)
-        kw: dict[str, Any] = {
-            "key_padding": key_padding,
-            "attn_mask": attn_mask,
-            "is_causal": is_causal,
-            "kv_cache": kv_cache,
-        }
-        if positions is not None:
-            kw["positions"] = positions
-        if self.hook_resid_pre.fns and self._keeps_input_and_z(x, kv_cache):
-            with noting_sources():
-                note_source(x, x.detach())  # the trace holds x (hook_resid_pre)
-                out = self._forward_noted(x, kw)
-        elif self.norm in ("sandwich", "post_sublayer"):
-            out = self._forward_normed_sublayers(x, kw)
-        elif self.pre_ln:
-            a = self.dropout(self.attn(self.ln1(x), **kw))  # (batch, seq, d_model)
-            if self.hook_attn_out.fns:
-                a = self.hook_attn_out(a)
-            h = x + a  # (batch, seq, d_model)
-            if self.hook_resid_mid.fns:
-                h = self._fire_resid_mid(x, a, h)
-            m = self.dropout(self.mlp(self.ln2(h)))  # (batch, seq, d_model)
-            if self.hook_mlp_out.fns:
-                m = self.hook_mlp_out(m)
-            out = h + m
+        x = _fire(self.hook_resid_pre, x)
+        kw: dict[str, Any] = {"key_padding": key_padding, "attn_mask": attn_mask, "is_causal": is_causal}
+        kw.update(kv_cache=kv_cache, **({} if positions is None else {"positions": positions}))
+        if self.hook_resid_pre.fns and recorded.takes(self, x, kv_cache):
+            out = recorded.run(self, x, kw)  # the trace's executor (only recorders watch)
         else:
-            a = self.dropout(self.attn(x, **kw))  # (batch, seq, d_model)
-            if self.hook_attn_out.fns:
-                a = self.hook_attn_out(a)
-            h = self.ln1(x + a)  # (batch, seq, d_model)
-            if self.hook_resid_mid.fns:
-                h = self.hook_resid_mid(h)
-            m = self.dropout(self.mlp(h))  # (batch, seq, d_model)
-            if self.hook_mlp_out.fns:
-                m = self.hook_mlp_out(m)
-            out = self.ln2(h + m)
-        if self.hook_resid_post.fns:
-            out = self.hook_resid_post(out)
-        return out
+            out = self._residual(self, x, kw)
+        return _fire(self.hook_resid_post, out)
 
-    # ------------------------------------------------------------------ a fully recorded block
-    def _all_points(self) -> list[HookPoint]:
-        """Every hook point of the block, its attention and its MLP."""
-        points = [self.hook_resid_pre, self.hook_attn_out, self.hook_resid_mid, self.hook_mlp_out]
-        points += [self.hook_resid_post, *self.attn._hook_points, *self.mlp._points()]
-        return points
-
-    def _norms(self) -> list[nn.Module]:
-        sandwich = self.norm == "sandwich"
-        return [self.ln1, self.ln2] + ([self.ln_attn_out, self.ln_mlp_out] if sandwich else [])
-
-    def _keeps_input_and_z(self, x: Tensor, kv_cache: KVCache | None) -> bool:
-        """Whether this call keeps only the block's input and the attention's z (and copies of the
-        weights): every hook point of the block, its attention and its MLP is recorded and nothing
-        replaces a value, the parts are the standard ones (this module's MLPs, plain float linears,
-        RMSNorm or LayerNorm, no soft-capping), in eval mode without a KV cache, and that keeps fewer
-        bytes than the parts' own deferrals (:meth:`_kept_bytes`: not so for short inputs, where the
-        copies of the weights outweigh the values)."""
-        if self.training or kv_cache is not None or self.reduced_precision:
-            return False
-        a, mlp = self.attn, self.mlp
-        if type(a).forward is not MultiHeadAttention.forward or not a.fused or a.softcap is not None:
-            return False
-        if type(mlp) not in (FeedForward, GatedFeedForward) or any(True for _ in mlp.act.parameters()):
-            return False
-        linears = [mlp.fc_in, mlp.fc_out] + ([mlp.fc_gate] if "fc_gate" in mlp._modules else [])
-        if not all(_plain_linear(fc) for fc in linears):
-            return False
-        if not all(type(n) in (RMSNorm, nn.LayerNorm) for n in self._norms()):
-            return False
-        if not all(p.active and p.defers for p in self._all_points()):
-            return False
-        rows = x.numel() // max(1, x.shape[-1])
-        chained, own = self._kept_bytes(rows)
-        return chained < own
-
-    def _kept_bytes(self, rows: int) -> tuple[int, int]:
-        """What a fully recorded call on ``rows`` positions keeps, in elements, besides
-        ``hook_resid_post``: (keeping the input and z, keeping what each part defers on its own)."""
-        a, mlp = self.attn, self.mlp
-        d, H, Hkv, dh = self.d_model, a.n_heads, a.n_kv_heads, a.d_head
-        d_mlp = mlp.fc_in.weight.shape[0]
-        mlp_points = len(mlp._points())
-        w_o = a.o_weight.numel()
-        mlp_in = sum(p.numel() for name, p in mlp.named_parameters() if not name.startswith("fc_out"))
-        own = rows * (d + (H + 2 * Hkv) * dh + H * dh + 2 * d) + w_o  # x, q/k/v, z, attn_out, mlp_out
-        own += rows * (H + Hkv) * dh * ((a.rotary is not None) + (a.qk_norm is not None))
-        own += rows * d * (self.norm == "post")  # a post-LN block's resid_mid
-        own += min(mlp_points * rows * d_mlp, rows * d + mlp_in)  # the MLP's values, or its input
-        copies = sum(p.numel() for p in self.parameters())  # every weight, copied once
-        chained = rows * (d + H * dh) + copies
-        return chained, own
-
-    def _noted_norm(self, norm: nn.Module, t: Tensor) -> Tensor:
-        """``norm(t)``, noted as recomputed from what ``t`` is recomputed from."""
-        out = norm(t)
-        source = source_of(t)
-        if source is not None:
-            node = _norm_source(norm, source, out.shape)
-            if node is not None:
-                note_source(out, node)
-        return out
-
-    @staticmethod
-    def _fire_noted(point: HookPoint, t: Tensor) -> None:
-        """Fire ``point`` (only recorders watch it) with ``t``, or with what ``t`` is recomputed from."""
-        source = source_of(t)
-        if source is not None and not isinstance(source, Tensor):
-            point.fire_deferred(source)
-        else:
-            point(t)
-
-    def _forward_noted(self, x: Tensor, kw: dict[str, Any]) -> Tensor:
-        """:meth:`forward`'s ops for every arrangement (pre, post, sandwich, post-sublayer), while every
-        hook point is recorded: each value is noted as recomputed from the block's input, the
-        attention's z and copies of the weights, and the block's hook points get those deferred values
-        (:func:`~headspace.hooks.note_source`; the attention and the MLP inside defer theirs to them).
-        x [batch, seq, d_model] -> [batch, seq, d_model], the same tensor bit for bit."""
-        norm, sandwich = self.norm, self.norm == "sandwich"
-        a = self.attn(self._noted_norm(self.ln1, x) if norm in ("pre", "sandwich") else x, **kw)
-        if sandwich:
-            a = self._noted_norm(self.ln_attn_out, a)
-        elif norm == "post_sublayer":
-            a = self._noted_norm(self.ln1, a)
-        a = self.dropout(a)  # (batch, seq, d_model): eval mode, the tensor itself
-        self._fire_noted(self.hook_attn_out, a)
-        h = x + a  # (batch, seq, d_model)
-        sx, sa = source_of(x), source_of(a)
-        if sx is not None and sa is not None:
-            note_source(h, Recomputed(operator.add, sx, sa, shape=h.shape))
-        if norm == "post":
-            h = self._noted_norm(self.ln1, h)
-        self._fire_noted(self.hook_resid_mid, h)
-        m = self.mlp(self._noted_norm(self.ln2, h) if norm in ("pre", "sandwich") else h)
-        if sandwich:
-            m = self._noted_norm(self.ln_mlp_out, m)
-        elif norm == "post_sublayer":
-            m = self._noted_norm(self.ln2, m)
-        m = self.dropout(m)
-        self._fire_noted(self.hook_mlp_out, m)
-        out = h + m  # (batch, seq, d_model)
-        return self.ln2(out) if norm == "post" else out
-
-    def _fire_resid_mid(self, x: Tensor, a: Tensor, h: Tensor) -> Tensor:
-        """``hook_resid_mid`` on ``h = x + a``: while only recorders watch it and ``x`` and ``a`` are
-        recorded too (``hook_resid_pre``, ``hook_attn_out``), they get a :class:`DeferredSum` of the two
-        (no third [batch, seq, d_model] tensor kept); otherwise the hook point fires on ``h``."""
-        if (
-            _defers((self.hook_resid_mid,))
-            and _defers((self.hook_resid_pre,))
-            and _defers((self.hook_attn_out,))
-        ):
-            self.hook_resid_mid.fire_deferred(DeferredSum(x.detach(), a.detach()))
-            return h
-        return self.hook_resid_mid(h)
-
-    def _forward_normed_sublayers(self, x: Tensor, kw: dict[str, Any]) -> Tensor:
-        """``norm="sandwich"`` (Gemma: a norm before and after each sublayer) or ``"post_sublayer"``
-        (OLMo 2: a norm after each sublayer only), with the residual adds outside the norms:
-        x [batch, seq, d_model] -> [batch, seq, d_model]."""
-        sandwich = self.norm == "sandwich"
-        a = self.attn(self.ln1(x) if sandwich else x, **kw)  # (batch, seq, d_model)
-        a = self.dropout(self.ln_attn_out(a) if sandwich else self.ln1(a))
-        if self.hook_attn_out.fns:
-            a = self.hook_attn_out(a)
-        h = x + a  # (batch, seq, d_model)
-        if self.hook_resid_mid.fns:
-            h = self._fire_resid_mid(x, a, h)
-        m = self.mlp(self.ln2(h) if sandwich else h)  # (batch, seq, d_model)
-        m = self.dropout(self.ln_mlp_out(m) if sandwich else self.ln2(m))
-        if self.hook_mlp_out.fns:
-            m = self.hook_mlp_out(m)
+    # ------------------------------------------------------------------ the residual layouts
+    def _pre(self, x: Tensor, kw: dict[str, Any]) -> Tensor:
+        """pre (GPT-2, Llama): ``h = x + drop(Attn(LN1(x)))``, ``out = h + drop(MLP(LN2(h)))``."""
+        a = _fire(self.hook_attn_out, self.dropout(self.attn(_fire(self.hook_attn_in, self.ln1(x)), **kw)))
+        h = self._resid_mid(x, a)  # (batch, seq, d_model): x + a
+        m = _fire(self.hook_mlp_out, self.dropout(self.mlp(_fire(self.hook_mlp_in, self.ln2(h)))))
         return h + m
+
+    def _post(self, x: Tensor, kw: dict[str, Any]) -> Tensor:
+        """post (BERT): ``h = LN1(x + drop(Attn(x)))``, ``out = LN2(h + drop(MLP(h)))``."""
+        a = _fire(self.hook_attn_out, self.dropout(self.attn(_fire(self.hook_attn_in, x), **kw)))
+        h = _fire(self.hook_resid_mid, self.ln1(x + a))  # (batch, seq, d_model)
+        m = _fire(self.hook_mlp_out, self.dropout(self.mlp(_fire(self.hook_mlp_in, h))))
+        return self.ln2(h + m)
+
+    def _sandwich(self, x: Tensor, kw: dict[str, Any]) -> Tensor:
+        """sandwich (Gemma 2 / 3): ``h = x + drop(LN_ao(Attn(LN1(x))))``,
+        ``out = h + drop(LN_mo(MLP(LN2(h))))``."""
+        a = self.attn(_fire(self.hook_attn_in, self.ln1(x)), **kw)  # (batch, seq, d_model)
+        a = _fire(self.hook_attn_out, self.dropout(self.ln_attn_out(a)))
+        h = self._resid_mid(x, a)  # (batch, seq, d_model): x + a
+        m = self.mlp(_fire(self.hook_mlp_in, self.ln2(h)))  # (batch, seq, d_model)
+        return h + _fire(self.hook_mlp_out, self.dropout(self.ln_mlp_out(m)))
+
+    def _post_sublayer(self, x: Tensor, kw: dict[str, Any]) -> Tensor:
+        """post_sublayer (OLMo 2): ``h = x + drop(LN1(Attn(x)))``, ``out = h + drop(LN2(MLP(h)))``."""
+        a = _fire(self.hook_attn_out, self.dropout(self.ln1(self.attn(_fire(self.hook_attn_in, x), **kw))))
+        h = self._resid_mid(x, a)  # (batch, seq, d_model): x + a
+        return h + _fire(self.hook_mlp_out, self.dropout(self.ln2(self.mlp(_fire(self.hook_mlp_in, h)))))
+
+    def _resid_mid(self, x: Tensor, a: Tensor) -> Tensor:
+        """``h = x + a`` [batch, seq, d_model], passed through ``hook_resid_mid`` while it is watched."""
+        h = x + a  # (batch, seq, d_model)
+        return recorded.fire_resid_mid(self, x, a, h) if self.hook_resid_mid.fns else h
 
     def extra_repr(self) -> str:
         s = f"norm={self.norm!r}"
@@ -658,10 +392,8 @@ class TransformerBlock(nn.Module):
             self.norm_kind == "layernorm"
             and self.norm in ("pre", "post")
             and self.mlp_kind == "plain"
-            and getattr(self.attn, "window", None) is None
-            and getattr(self.attn, "qk_norm", None) is None
-            and getattr(self.attn, "softcap", None) is None
-            and self.attn.rotary is None
+            and not features_of(self.spec)
+            and self.spec.attention.positions is None
             and self.attn.fused
         )
 
@@ -677,8 +409,8 @@ class TransformerBlock(nn.Module):
         return (
             self.norm in ("pre", "sandwich", "post_sublayer")
             and not self.decode_blockers
-            and getattr(a, "softcap", None) is None
-            and isinstance(a, MultiHeadAttention)  # not a head-parallel shard, which has no fused weight
+            and isinstance(a, MultiHeadAttention)
+            and self.spec.attention.softcap is None  # not a head-parallel shard, which has no fused weight
             and type(a).forward is MultiHeadAttention.forward
             and a.fused
             and not a.check_finite
@@ -778,3 +510,12 @@ class TransformerBlock(nn.Module):
         if not self.pre_ln:
             out = F.layer_norm(out, (d,), self.ln2.weight, self.ln2.bias, self.ln2.eps)
         return out.view(B, S, d)  # (B, S, d_model)
+
+
+#: The residual maths of each layout (:attr:`TransformerBlock.spec`'s ``layout``), bound when it is set.
+_RESIDUAL = {
+    "pre": TransformerBlock._pre,
+    "post": TransformerBlock._post,
+    "sandwich": TransformerBlock._sandwich,
+    "post_sublayer": TransformerBlock._post_sublayer,
+}

@@ -15,6 +15,7 @@ from ..attention.layer import resolve_head_dims
 from ..attention.pruning import kept_kv_heads
 from ..core.checks import check_index, check_positive_int, check_probability, is_int
 from ..nn.positions import Rotary
+from ..nn.spec import AttentionSpec, BlockSpec, MLPSpec, NormSpec
 from .block import ACTIVATIONS, MLP_KINDS, NORM_KINDS, NORMS
 
 ARCHS = ("encoder", "decoder")
@@ -311,6 +312,38 @@ class ModelConfig:
         """The sliding window of layer ``layer`` (None on a "full" layer)."""
         assert self.layer_types is not None
         return self.sliding_window if self.layer_types[layer] == "sliding" else None
+
+    def block_spec(self, layer: int, positions: Rotary | None = None) -> BlockSpec:
+        """Block ``layer``'s description (:class:`~headspace.nn.spec.BlockSpec`), built from this config
+        once per block: its window (:meth:`layer_window`), the score scale, soft-cap, QK-norm, biases,
+        norms and MLP. ``positions``: the block's rotation (the model's shared one from
+        :meth:`make_rotaries`; None for no rotation)."""
+        layer = check_index("layer", layer, self.n_layers, of="n_layers")
+        assert self.d_head is not None and self.n_kv_heads is not None and self.d_mlp is not None
+        assert self.act is not None and self.norm is not None
+        bias = self.bias
+        attention = AttentionSpec(
+            self.d_model, self.n_heads, self.d_head, self.n_kv_heads,
+            qkv_bias=bias if self.qkv_bias is None else self.qkv_bias,
+            out_bias=bias if self.out_bias is None else self.out_bias,
+            positions=positions, scale=self.attn_scale, window=self.layer_window(layer),
+            softcap=self.attn_softcap, qk_norm=self.qk_norm, qk_norm_eps=self.ln_eps,
+            qk_norm_offset=self.norm_offset, dropout=self.attn_dropout,
+        )  # fmt: skip
+        return BlockSpec(
+            attention=attention,
+            mlp=MLPSpec(
+                self.d_mlp, self.mlp_kind, self.act, bias if self.mlp_bias is None else self.mlp_bias
+            ),
+            norm=NormSpec(self.norm_kind, float(self.ln_eps), float(self.norm_offset)),
+            layout=self.norm,
+            dropout=float(self.dropout),
+        )
+
+    def block_specs(self) -> list[BlockSpec]:
+        """Every block's description (:meth:`block_spec`), the rotations shared as :meth:`make_rotaries`
+        makes them."""
+        return [self.block_spec(i, rotary) for i, rotary in enumerate(self.make_rotaries())]
 
     def make_rotaries(self) -> list[Rotary | None]:
         """One :class:`~headspace.positions.Rotary` (or None: NoPE) per layer; layers of one kind share

@@ -125,41 +125,24 @@ class _Stack(nn.Module):
         self.embed_dropout = nn.Dropout(c.emb_dropout)
         self.hook_embed = HookPoint()  # [batch, seq, d_model]: the residual stream entering block 0
         # one per kind of layer (NoPE layers: None), shared: cos/sin are computed once per forward
-        rotaries = c.make_rotaries()
-        self.blocks = nn.ModuleList(
-            TransformerBlock(
-                c.d_model,
-                c.n_heads,
-                c.d_mlp,
-                d_head=c.d_head,
-                n_kv_heads=c.n_kv_heads,
-                act=c.act,
-                norm=c.norm,
-                dropout=c.dropout,
-                attn_dropout=c.attn_dropout,
-                ln_eps=c.ln_eps,
-                bias=c.bias,
-                norm_kind=c.norm_kind,
-                mlp_kind=c.mlp_kind,
-                qkv_bias=c.qkv_bias,
-                out_bias=c.out_bias,
-                mlp_bias=c.mlp_bias,
-                rotary=rotaries[i],
-                window=c.layer_window(i),
-                qk_norm=c.qk_norm,
-                softcap=c.attn_softcap,
-                scale=c.attn_scale,
-                norm_offset=c.norm_offset,
-            )
-            for i in range(c.n_layers)
-        )
+        self.blocks = nn.ModuleList(TransformerBlock.from_spec(spec) for spec in c.block_specs())
         self.ln_final = make_norm(c.norm_kind, c.d_model, c.ln_eps, c.norm_offset) if c.final_ln else None
+        self.hook_resid_final = (
+            HookPoint()
+        )  # [batch, seq, d_model]: the final norm's input (last block's output)
         blockers = model_decode_blockers(c)
         for block in self.blocks:
             block.decode_blockers = blockers
         self._init_weights()
         for layer in c.pruned_heads:  # built as prune_heads leaves them: (H', ...) fused storage
             shrink_attention(self.blocks[layer].attn, c.kept_heads(layer))
+
+    def final_norm(self, x: Tensor) -> Tensor:
+        """The residual stream leaving the last block x [batch, seq, d_model] through ``hook_resid_final``
+        (while watched), then the final norm where the model has one: [batch, seq, d_model]."""
+        if self.hook_resid_final.fns:
+            x = self.hook_resid_final(x)
+        return x if self.ln_final is None else self.ln_final(x)
 
     def _init_weights(self) -> None:
         """Normal(0, init_std) embeddings and feed-forward weights, zero biases, unit LayerNorms (RMSNorms
@@ -337,9 +320,7 @@ class Encoder(_Stack):
         for block in self.blocks:
             kw = {} if block.attn.rotary is None else {"positions": pos}
             x = block(x, key_padding=key_padding, **kw)  # (batch, seq, d_model)
-        if self.ln_final is not None:
-            x = self.ln_final(x)
-        return x
+        return self.final_norm(x)
 
     def infer(
         self,
@@ -393,9 +374,7 @@ class Encoder(_Stack):
         x = self.embed(tokens).contiguous()  # (batch, seq, d_model)
         for block in self.blocks:
             x = block.infer(x, mask, ws)  # (batch, seq, d_model)
-        if self.ln_final is not None:
-            x = self.ln_final(x)
-        return x
+        return self.final_norm(x)
 
 
 class Decoder(_Stack):
@@ -491,9 +470,7 @@ class Decoder(_Stack):
             cache = None if kv_caches is None else kv_caches[i]
             kw = {} if block.attn.rotary is None else {"positions": pos}  # (NoPE blocks: none)
             x = block(x, key_padding=key_padding, is_causal=causal, kv_cache=cache, **kw)  # (batch, seq, d)
-        if self.ln_final is not None:
-            x = self.ln_final(x)
-        return x
+        return self.final_norm(x)
 
     def decode_plan(self, pack_rows: int | None = None) -> Stepper | None:
         """This model's cached decoding step (:func:`headspace.decode.describe`) ready to run
