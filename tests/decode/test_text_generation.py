@@ -149,8 +149,12 @@ def test_smollm2_stops_at_im_end_with_the_tokens_before_unchanged(smollm2) -> No
 def test_smollm2_streams_text_and_batched_rows_stop_on_their_own(smollm2) -> None:
     pieces: list[str] = []
     prompt = "The capital of France is"
-    text = smollm2.generate(prompt, 6, temperature=0, stop_tokens=None, on_text=pieces.append)
+    steps: list[torch.Tensor] = []
+    text = smollm2.generate(prompt, 6, temperature=0, stop_tokens=None, on_text=pieces.append,
+                            on_token=steps.append)  # fmt: skip
     assert "".join(pieces) == text and pieces[0] == prompt and len(pieces) >= 3
+    assert len(steps) == 6 and text == smollm2.tokenizer.decode(smollm2.tokenize(prompt)[0].tolist()
+                                                               + [int(t) for t in steps])  # fmt: skip
     prompts = ["What is the capital of France?", "Name a colour."]
     replies = smollm2.generate(prompts, 10, temperature=0, chat=True)
     assert replies == [smollm2.generate(p, 10, temperature=0, chat=True) for p in prompts]

@@ -128,6 +128,18 @@ class TextStream:
             self.sent = text
 
 
+def _both(first: Any, then: TextStream) -> Callable[[Tensor], None]:
+    """``on_token`` calling ``first``, then ``then``."""
+    if not callable(first):
+        raise TypeError(f"on_token must be None or callable (new tokens [batch]); got {first!r:.60}")
+
+    def call(new: Tensor) -> None:
+        first(new)
+        then(new)
+
+    return call
+
+
 def _cut(row: list[int], stops: frozenset[int]) -> list[int]:
     """``row``'s tokens before the first of ``stops``."""
     for k, t in enumerate(row):
@@ -168,11 +180,14 @@ def generate_text(
     tokens, key_padding = tokenizer.pad(ids, side="left", fill_id=fill)  # (batch, seq) x 2
     padded = None if bool(key_padding.all()) else key_padding
     stream = None
+    on_token = options.pop("on_token", None)  # the caller's own, called before the stream's
     if on_text is not None:
         stream = TextStream(tokenizer, on_text, [] if template else ids[0], stops)
         stream.start()
+        if on_token is not None:
+            on_token = _both(on_token, stream)
     out = model.generate(tokens, max_new_tokens, key_padding=padded, stop_tokens=list(stops),
-                         on_token=stream, **options)  # fmt: skip  # (batch, seq + steps)
+                         on_token=on_token or stream, **options)  # fmt: skip  # (batch, seq + steps)
     seq, ends = tokens.shape[1], frozenset(stops)
     kept = [[] if template else row for row in ids]  # the prompt's tokens, kept in the text without chat
     decoded = [tokenizer.decode(kept[i] + _cut(out[i, seq:].tolist(), ends)) for i in range(len(ids))]
