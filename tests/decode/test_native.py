@@ -856,3 +856,50 @@ def test_an_unknown_headspace_native_value_is_refused_in_one_line(
     for command in (["native", "status"], ["native", "build"]):
         res = CliRunner().invoke(cli, command)
         assert res.exit_code == 2 and res.stdout == "" and res.stderr.splitlines() == [f"error: {message}"]
+
+
+@posix_only
+def test_a_background_build_runs_niced_and_a_waited_one_does_not(
+    fresh_state: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    base = os.nice(0)
+    if base >= 19:
+        pytest.skip("this process runs at the lowest priority already: nothing lower to see")
+    # the "compiler" writes its own niceness into the library file
+    nice = f'"{sys.executable}" -c "import os; print(os.nice(0))" > "$out"'
+    monkeypatch.setenv("CXX", fake_compiler(fresh_state, nice))
+    native.start_build()  # in the background, as the first generate starts it
+    thread = native._state["thread"]
+    assert isinstance(thread, threading.Thread)
+    thread.join(60)
+    lib = native.library_path()
+    assert int(lib.read_text()) == min(base + 10, 19)  # BACKGROUND_NICE lower, inherited by the compiler
+    lib.unlink()
+    monkeypatch.setattr(native, "_state", {"status": "not built", "thread": None, "warned": False})
+    native.build()  # waited for: the caller's priority
+    assert int(lib.read_text()) == base
+
+
+@pytest.mark.usefixtures("automatic_choices")
+@posix_only
+def test_generate_streams_its_tokens_while_a_slow_build_runs(
+    fresh_state: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started = fresh_state / "started"
+    monkeypatch.setenv("CXX", fake_compiler(fresh_state, f'touch "{started}"\nsleep 120'))
+    model = decoder(**CONFIGS[1])
+    prompt = torch.randint(0, V, (1, 3))
+    seen: list[tuple[int, str]] = []
+    t0 = time.monotonic()
+    out = model.generate(
+        prompt, 6, temperature=0, on_token=lambda t: seen.append((int(t[0]), native.status()))
+    )
+    took = time.monotonic() - t0
+    try:
+        assert took < 30  # not the 120 s the build takes
+        assert [t for t, _ in seen] == out[0, 3:].tolist()  # each token handed over as it came
+        assert {s for _, s in seen} == {"building"}  # every one of them while the build ran
+        wait_until(started.exists)  # (the compiler did start: it is the build that was slow)
+        assert torch.equal(out, model.generate(prompt, 6, temperature=0, backend="python"))
+    finally:
+        native._stop_builds()

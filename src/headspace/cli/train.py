@@ -138,6 +138,12 @@ def plot_run_command(run_dir: str, out: str | None) -> None:
     None, needs="It needs a decoder. Without --model, the argument is a training run folder (RUN_DIR)."
 )
 @precision_option
+@click.option(
+    "--chat",
+    is_flag=True,
+    default=False,
+    help="With --model: the prompt as a user message in the model's chat template; prints the reply.",
+)
 def generate_command(
     target: str | None,
     prompt: str | None,
@@ -147,18 +153,22 @@ def generate_command(
     seed: int,
     model_spec: str | None,
     model_precision: str,
+    chat: bool,
 ) -> None:
     """Continue a prompt with a language model (KV-cached decoding): the one trained in RUN_DIR
-    (generate RUN_DIR --prompt TEXT) or a pretrained decoder (generate --model smollm2 "TEXT")."""
+    (generate RUN_DIR --prompt TEXT) or a pretrained decoder (generate --model smollm2 "TEXT"), whose
+    text is printed as it comes and ends where the model ends its text or turn."""
     if model_spec is not None:
         if target is not None and prompt is not None:
             raise UsageError("with --model, give the prompt once: as the argument or as --prompt, not both")
         text = target if prompt is None else prompt
         if text is None:
             raise UsageError('give the text to continue: headspace generate --model MODEL "PROMPT"')
-        click.echo(_generate_pretrained(model_spec, model_precision, text, max_new_tokens, temperature,
-                                        top_k, seed))  # fmt: skip
+        _generate_pretrained(model_spec, model_precision, text, max_new_tokens, temperature, top_k, seed,
+                             chat)  # fmt: skip
         return
+    if chat:
+        raise UsageError("--chat needs a pretrained model with a chat template: give --model (e.g. smollm2)")
     if target is None:
         raise UsageError(
             "give a training run folder (headspace generate RUN_DIR --prompt TEXT) or a model "
@@ -191,9 +201,10 @@ def generate_command(
 
 def _generate_pretrained(
     model_spec: str, precision: str, prompt: str, max_new_tokens: int, temperature: float,
-    top_k: int | None, seed: int,
-) -> str:  # fmt: skip
-    """The prompt and its continuation by the pretrained decoder ``model_spec``, or one line."""
+    top_k: int | None, seed: int, chat: bool,
+) -> None:  # fmt: skip
+    """Print the prompt and its continuation by the pretrained decoder ``model_spec`` (with ``chat``
+    the reply alone) piece by piece as it comes, then a newline; or one line saying what is wrong."""
     from ..core.defaults import is_decoder
 
     if not prompt.strip():
@@ -204,10 +215,17 @@ def _generate_pretrained(
             f"--model {model_spec} is an encoder: generate needs a decoder (smollm2, or a GPT-2, Llama, "
             "Mistral or Qwen2 folder, or a .gguf file)"
         )
+    if chat and model.chat_template_text() is None:
+        raise UsageError(
+            f"--chat needs the model's chat template; --model {model_spec} has none (no "
+            "tokenizer.chat_template in its GGUF, no chat_template in its tokenizer_config.json)"
+        )
     try:
-        return model.generate(prompt, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed)
+        model.generate(prompt, max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
+                       chat=chat, on_text=lambda piece: click.echo(piece, nl=False))  # fmt: skip
     except (ValueError, TypeError) as e:
         raise _fail(e) from None
+    click.echo()
 
 
 COMMANDS = (train_command, plot_run_command, generate_command)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,8 @@ def generate(
     compile: bool = False,
     native: bool | None = None,
     backend: str | None = None,
+    stop_tokens: Sequence[int] | Tensor | None = None,
+    on_token: Callable[[Tensor], object] | None = None,
 ) -> Tensor:
     """Sample ``max_new_tokens`` tokens after each prompt of ``tokens`` int64 [batch, prompt_len]
     (left-padded, real tokens marked by ``key_padding`` bool [batch, prompt_len]); returns [batch,
@@ -55,8 +57,16 @@ def generate(
     ``top_k`` and ``seed`` (a private generator) shape sampling. ``backend`` ``"python"`` or ``"native"``
     (None: native once built; ``native`` True/False says the same); ``prepack`` packs float32 weights
     for MKL at batch >= 2, and at batch 1 a large unembedding alone (None: where it pays). The model is
-    in eval mode for the call."""
+    in eval mode for the call.
+
+    ``stop_tokens`` (token ids; None or empty: none): a row that samples one of them has stopped; its
+    later columns repeat that token, and once every row has stopped the loop ends: the result is then
+    [batch, prompt_len + n], n <= ``max_new_tokens`` the steps taken. The tokens up to a stop are those
+    of the same call without ``stop_tokens`` (the same logits, the same draws). ``on_token(new)`` is
+    called after each step with its tokens int64 [batch] (a fresh tensor; a stopped row's entry is its
+    stop token again), before the next step is computed."""
     backend = _check_options(max_new_tokens, temperature, top_k, seed, compile, native, backend)
+    stops = _check_stops(stop_tokens, on_token, model.config.vocab_size)  # type: ignore[attr-defined]
     prompt = _Prompt.of(model, tokens, key_padding, max_new_tokens)
     pack_rows = choose_pack_rows(model, prompt.batch, prepack)
     unembed_q8 = choose_unembed_q8(model, prompt.batch) if use_cache else None
@@ -79,13 +89,69 @@ def generate(
         step = None
         if caches is not None and prompt.real is None:
             step = _stepper(model, pack_rows, backend, unembed_rows, unembed_q8)
+        stopping = None if stops is None else _Stopping(stops)
         for pos in range(prompt.length, prompt.total):
-            out[:, pos] = sample(logits, temperature, top_k, generator)
+            new = sample(logits, temperature, top_k, generator)  # (batch,)
+            if stopping is not None:
+                new = stopping.update(new)  # (batch,): stopped rows repeat their stop token
+            out[:, pos] = new
+            if on_token is not None:
+                on_token(new)
+            if stopping is not None and stopping.all_stopped():
+                return out[:, : pos + 1].clone()  # (batch, prompt_len + steps taken)
             if pos + 1 < prompt.total:
                 logits = _next_logits(model, out, pos, caches, prompt, step)  # (batch, vocab_size)
     finally:
         model.train(was_training)
     return out
+
+
+def _check_stops(stop_tokens: object, on_token: object, vocab_size: int) -> Tensor | None:
+    """``stop_tokens`` as int64 [n] on the CPU (None where none), each an id < ``vocab_size``; a
+    one-line error for anything else (and for an ``on_token`` that is not callable)."""
+    if on_token is not None and not callable(on_token):
+        raise TypeError(f"on_token must be None or callable (new tokens [batch]); got {on_token!r:.60}")
+    if stop_tokens is None:
+        return None
+    if isinstance(stop_tokens, Tensor):
+        ok = stop_tokens.dim() <= 1 and not stop_tokens.is_floating_point() and not stop_tokens.is_complex()
+        ids = stop_tokens.reshape(-1).tolist() if ok else None  # (n,)
+    elif isinstance(stop_tokens, (list, tuple, set, frozenset)):
+        ids = list(stop_tokens)
+    else:
+        ids = None
+    bad = ids is None or any(isinstance(i, bool) or not isinstance(i, int) for i in ids)
+    if bad or any(not 0 <= i < vocab_size for i in ids):  # type: ignore[union-attr]
+        raise ValueError(
+            f"stop_tokens must be None or token ids (ints in [0, {vocab_size})), a sequence or a 1-D "
+            f"integer tensor; got {stop_tokens!r:.80}"
+        )
+    return torch.tensor(sorted(set(ids)), dtype=torch.long) if ids else None  # (n,)
+
+
+class _Stopping:
+    """Which rows have sampled a stop token, and the token each repeats from then on."""
+
+    def __init__(self, stops: Tensor) -> None:
+        self.stops = stops  # (n,)
+        self.done: Tensor | None = None  # bool (batch,), on the tokens' device once seen
+        self.fill: Tensor | None = None  # int64 (batch,): each stopped row's stop token
+
+    def update(self, new: Tensor) -> Tensor:
+        """The step's tokens [batch] with stopped rows' replaced by their stop token; marks the rows
+        whose token is a stop token as stopped."""
+        if self.done is None or self.fill is None:
+            self.stops = self.stops.to(new.device)
+            self.done = torch.zeros_like(new, dtype=torch.bool)  # (batch,)
+            self.fill = torch.zeros_like(new)  # (batch,)
+        new = torch.where(self.done, self.fill, new)  # (batch,)
+        newly = ~self.done & torch.isin(new, self.stops)  # (batch,)
+        self.fill = torch.where(newly, new, self.fill)
+        self.done = self.done | newly
+        return new
+
+    def all_stopped(self) -> bool:
+        return self.done is not None and bool(self.done.all())
 
 
 def _last(model: Any) -> Callable[..., Tensor]:

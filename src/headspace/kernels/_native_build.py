@@ -1,7 +1,10 @@
 """The child process that builds the native decoding step (started by :mod:`headspace.kernels.native`).
 
-Run as a script (``python -I _native_build.py --watch FD --timeout S LIBRARY -- COMMAND...``, standard
-library only, so that it starts without importing torch). Its contract:
+Run as a script (``python -I _native_build.py --watch FD --timeout S [--nice N] LIBRARY -- COMMAND...``,
+standard library only, so that it starts without importing torch). Its contract:
+
+* With ``--nice N`` (N > 0) it first lowers its own priority by N (``os.nice``); the compiler it starts
+  inherits it.
 
 * It holds an exclusive ``fcntl.flock`` on ``LIBRARY`` with the suffix ``.lock`` while it builds, so
   a second builder of the same library waits, then finds it built. The kernel drops the lock when the
@@ -152,6 +155,7 @@ def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="_native_build")
     parser.add_argument("--watch", type=int, required=True)
     parser.add_argument("--timeout", type=float, required=True)
+    parser.add_argument("--nice", type=int, default=0)
     parser.add_argument("library", type=Path)
     parser.add_argument("command", nargs=argparse.REMAINDER)
     args = parser.parse_args(argv)
@@ -160,6 +164,11 @@ def main(argv: list[str]) -> int:
     def stop(signum: int, frame: object) -> None:
         raise _Stop
 
+    if args.nice > 0:
+        try:
+            os.nice(args.nice)  # before the compiler starts: it inherits the lower priority
+        except OSError:
+            pass  # (lowering one's own priority is always allowed; a platform without it builds as is)
     signal.signal(signal.SIGTERM, stop)  # (in a session of its own, no terminal's Ctrl-C reaches it)
     deadline = time.monotonic() + args.timeout
     library: Path = args.library

@@ -17,9 +17,11 @@ How it is built:
   compiler; later processes only load it. ``headspace native build`` (or :func:`build`) builds and
   waits; the first :meth:`headspace.Decoder.generate` that could use it starts the build in the
   background (:func:`start_build`, one line on stderr says so) and decodes in Python until it is done.
-* In a child process (``_native_build.py``) that holds an exclusive ``flock`` on the library's
-  ``.lock`` file: a second process building at once waits for it, then finds the library built (a
-  background build meanwhile decodes in Python). The kernel drops the lock when its holder dies.
+* In a child process (``_native_build.py``; a background build's at lower priority, ``os.nice``
+  :data:`BACKGROUND_NICE`, so that the decoding beside it keeps its cores) that holds an exclusive
+  ``flock`` on the library's ``.lock`` file: a second process building at once waits for it, then
+  finds the library built (a background build meanwhile decodes in Python). The kernel drops the
+  lock when its holder dies.
 * The compiler does not outlive the process that started the build: at exit (``atexit``), or when the
   process dies any other way (the child watches a pipe only the parent holds open), the child kills
   the compiler's whole process group and removes the temporary output; the library appears only by
@@ -67,6 +69,10 @@ BUILD_TIMEOUT_S = 600
 """A build (waiting for another's lock included) is stopped past this."""
 STOP_WAIT_S = 10
 """At exit, how long the builder is given to stop the compiler and clean up before it is killed."""
+BACKGROUND_NICE = 10
+"""How much a background build lowers its priority (``os.nice`` in the builder child, inherited by the
+compiler): the decoding it runs beside keeps the cores it would share. A build waited for (:func:`build`)
+keeps the caller's priority."""
 
 _lock = threading.Lock()
 _state: dict[str, object] = {"status": "not built", "thread": None, "warned": False}
@@ -254,12 +260,13 @@ def _prepare(path: Path) -> str | None:
 
 
 def _spawn(path: Path, cxx: str, background: bool) -> _Build:
-    """Start the builder child (in a session of its own; it stops when this process goes)."""
+    """Start the builder child (in a session of its own; it stops when this process goes); a
+    ``background`` one at :data:`BACKGROUND_NICE` lower priority."""
     read, write = os.pipe()
     try:
         proc = subprocess.Popen(
             [sys.executable, "-I", str(BUILDER), "--watch", str(read), "--timeout", str(BUILD_TIMEOUT_S),
-             str(path), "--", *_command(cxx, "@OUT@")],
+             "--nice", str(BACKGROUND_NICE if background else 0), str(path), "--", *_command(cxx, "@OUT@")],
             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
             pass_fds=(read,), start_new_session=True,
         )  # fmt: skip

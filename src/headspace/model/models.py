@@ -545,6 +545,7 @@ class Decoder(_Stack):
     def generate(self, tokens: Tensor, max_new_tokens: int, **options: Any) -> Tensor:
         """Sample ``max_new_tokens`` continuation tokens after each (left-padded) prompt:
         :func:`headspace.decode.generate` on this model (its options: ``key_padding``, ``temperature``
-        (0: greedy), ``top_k``, ``seed``, ``use_cache``, ``prepack``, ``backend``, ``native``; see
-        ``docs/decoding.md``). Returns [batch, prompt_len + max_new_tokens]."""
+        (0: greedy), ``top_k``, ``seed``, ``use_cache``, ``prepack``, ``backend``, ``native``,
+        ``stop_tokens``, ``on_token``; see ``docs/decoding.md``). Returns [batch, prompt_len +
+        max_new_tokens] (fewer columns only where ``stop_tokens`` stopped every row)."""
         return generate_tokens(self, tokens, max_new_tokens, **options)

@@ -104,6 +104,10 @@ def load_gguf(
     tok = TextTokenizer.from_tokenizer(g.tokenizer, pad_id=made[0].config.pad_token_id, copy=False)
     pre = made[0].finish(tok, precision=precision)
     pre.special_tokens = dict(g.special_tokens)
+    for key in ("eot", "eom"):  # end of turn / of message: where generation stops, as the eos
+        value = g.metadata.get(f"tokenizer.ggml.{key}_token_id")
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < tok.vocab_size:
+            pre.special_tokens[key] = value
     pre.chat_template = g.chat_template
     _return_freed_memory()
     return pre

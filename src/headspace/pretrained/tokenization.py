@@ -12,6 +12,10 @@ read (a FIFO or ``/dev/zero`` in its place is refused before reading), and a fil
 parse is a ``ValueError`` naming it. Text that cannot be encoded as UTF-8 (a lone surrogate such as
 ``"\udcff"``, which ``bytes.decode(errors="surrogateescape")`` produces) is a ``ValueError`` naming
 the sentence's index and the character's position.
+
+What ends a text or a turn (:attr:`TextTokenizer.end_ids`, :meth:`TextTokenizer.template_end_ids`,
+:meth:`TextTokenizer.folder_settings`) and which tokens are control tokens, left out of decoded text
+(:attr:`TextTokenizer.control_ids`), are read here too; :mod:`.generation` puts them together.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import json
 import re
 import unicodedata
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +80,25 @@ def _byte_of_char() -> dict[str, int]:
 
 
 _BYTE_FALLBACK = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+
+#: Tokens that end a text or a turn in the common formats (ChatML's ``<|im_end|>``, Gemma's
+#: ``<end_of_turn>``, Llama 3's ``<|eot_id|>``, ...): a stop wherever the tokenizer has one as a special
+#: token (Gemma's ``</s>`` is an ordinary HTML tag, not a stop).
+END_TOKENS = frozenset(
+    {"<|im_end|>", "<|endoftext|>", "<|end_of_text|>", "<|eot_id|>", "<|eom_id|>", "<|end|>",
+     "<end_of_turn>", "<eos>", "</s>", "<|return|>"}
+)  # fmt: skip
+
+#: An added token that looks like a control token though its tokenizer does not flag it special
+#: (a GGUF's user-defined ``<start_of_image>``; ``<|x|>``; ``[multimodal]``): snake_case with at least
+#: one underscore, so that HTML tags (``<b>``, ``</table>``: Gemma's ordinary added tokens) are text.
+_CONTROL_LIKE = re.compile(r"^(<\|[^|\s]+\|>|</?[a-z0-9]+(?:_[a-z0-9]+)+>|\[[a-z0-9_]+\])$")
+
+#: Words that mark a special token of a chat template as the end of a turn or of the text.
+_END_WORDS = re.compile(r"end|eot|eos|eom", re.IGNORECASE)
+
+#: The largest tokenizer_config.json / generation_config.json / chat_template.jinja read.
+MAX_SETTINGS_BYTES = 16 << 20
 
 
 def _types(node: Any) -> set[str]:
@@ -171,6 +195,7 @@ class TextTokenizer:
         self._tok.no_truncation()
         self._max_length: int | None = None
         self.pad_id = pad_id
+        self._folder: Path | None = self.path.parent  # read from a file: its folder's settings apply
 
     @classmethod
     def from_tokenizer(
@@ -198,6 +223,7 @@ class TextTokenizer:
         self._tok.no_truncation()
         self._max_length = None
         self.pad_id = pad_id
+        self._folder = None  # (in memory: no folder of settings beside it)
         return self
 
     @functools.cached_property
@@ -315,9 +341,150 @@ class TextTokenizer:
         return self.pad(self.encode_ids(sentences, max_length=max_length))
 
     def decode(self, ids: Sequence[int] | Tensor, *, skip_special_tokens: bool = True) -> str:
+        """The text of ``ids``; ``skip_special_tokens`` leaves out every control token
+        (:attr:`control_ids`: the special ones and those that look it)."""
         if isinstance(ids, Tensor):
             ids = ids.tolist()
-        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = list(ids)
+        if skip_special_tokens:
+            control = self.control_ids
+            ids = [i for i in ids if i not in control]
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def control_ids(self) -> frozenset[int]:
+        """The ids of control tokens: added tokens flagged special, and added tokens that look like
+        control tokens though not flagged (``<start_of_image>``, ``<|x|>``, ``[multimodal]``: not text a
+        reader should see; HTML tags such as ``<b>`` stay text)."""
+        return frozenset(
+            i
+            for i, t in self._tok.get_added_tokens_decoder().items()
+            if t.special or _CONTROL_LIKE.match(t.content)
+        )
+
+    @functools.cached_property
+    def end_ids(self) -> frozenset[int]:
+        """The ids of this tokenizer's special tokens named in :data:`END_TOKENS` (end of text or turn)."""
+        return frozenset(
+            i
+            for i, t in self._tok.get_added_tokens_decoder().items()
+            if t.special and t.content in END_TOKENS
+        )
+
+    def template_end_ids(self, template: str | None) -> frozenset[int]:
+        """The ids of the control tokens a chat ``template`` writes whose names say they end a turn or
+        the text (``<|im_end|>``, ``<end_of_turn>``, ``<|eot_id|>``: with end, eot, eos or eom)."""
+        if not template:
+            return frozenset()
+        added = self._tok.get_added_tokens_decoder()
+        return frozenset(
+            i
+            for i in self.control_ids
+            if added[i].content in template and _END_WORDS.search(added[i].content)
+        )
+
+    def id_of(self, token: str | None) -> int | None:
+        """The id of ``token`` (None where it is not in the vocabulary, or for None)."""
+        return None if token is None else self._tok.token_to_id(token)
+
+    def token_of(self, i: int | None) -> str | None:
+        """The token of id ``i`` (None where it has none, or for None)."""
+        return None if i is None else self._tok.id_to_token(i)
+
+    def folder_settings(self) -> FolderSettings:
+        """What the files beside a ``tokenizer.json`` say about ending and chat (nothing for a tokenizer
+        made in memory): ``generation_config.json``'s ``eos_token_id`` (an id or a list), and
+        ``tokenizer_config.json``'s ``eos_token`` / ``bos_token`` and ``chat_template`` (a string, or a
+        list of named ones: ``"default"`` taken), else ``chat_template.jinja``'s text. Each file is
+        untrusted: a regular file of at most :data:`MAX_SETTINGS_BYTES`, JSON of the expected types; a
+        ValueError naming the file and the field otherwise."""
+        if self._folder is None:
+            return FolderSettings()
+        return read_folder_settings(self._folder)
 
     def __repr__(self) -> str:
         return f"TextTokenizer({self.path.name}, vocab_size={self.vocab_size}, pad_id={self.pad_id})"
+
+
+@dataclass(frozen=True)
+class FolderSettings:
+    """What a Hugging Face folder's side files say (:meth:`TextTokenizer.folder_settings`)."""
+
+    eos_ids: tuple[int, ...] = ()
+    eos_token: str | None = None
+    bos_token: str | None = None
+    chat_template: str | None = None
+
+
+def _settings_text(path: Path) -> str:
+    """The UTF-8 text of a settings file: a regular file of at most :data:`MAX_SETTINGS_BYTES`."""
+    try:
+        return read_regular_file(path, max_bytes=MAX_SETTINGS_BYTES).decode("utf-8")
+    except UnsafeFileError as e:
+        raise ValueError(f"{e}; expected a regular file of at most {MAX_SETTINGS_BYTES} bytes") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e})") from None
+
+
+def _settings_json(path: Path) -> dict[str, Any] | None:
+    """A settings file's JSON object, None where the file is absent; a one-line ValueError otherwise."""
+    if not path.exists():
+        return None
+    text = _settings_text(path)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object; got {type(data).__name__}")
+    return data
+
+
+def _token_field(data: dict[str, Any], key: str, path: Path) -> str | None:
+    """A token field of tokenizer_config.json: a string, ``{"content": string}`` or null."""
+    value = data.get(key)
+    if isinstance(value, dict):
+        value = value.get("content")
+    if value is not None and not isinstance(value, str):
+        raise ValueError(
+            f'{path}: {key} must be a token string (or {{"content": string}}); got {value!r:.60}'
+        )
+    return value
+
+
+def _template_field(data: dict[str, Any], path: Path) -> str | None:
+    """tokenizer_config.json's chat_template: a string, or a list of ``{"name", "template"}`` (the
+    ``"default"`` one)."""
+    value = data.get("chat_template")
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    if value is not None and not isinstance(value, str):
+        raise ValueError(
+            f'{path}: chat_template must be a string (or a list with a "default"); got {value!r:.60}'
+        )
+    return value
+
+
+def read_folder_settings(folder: Path) -> FolderSettings:
+    """:meth:`TextTokenizer.folder_settings` of the files in ``folder``."""
+    eos_ids: tuple[int, ...] = ()
+    gen_path = folder / "generation_config.json"
+    gen = _settings_json(gen_path) or {}
+    eos = gen.get("eos_token_id")
+    if eos is not None:
+        ids = eos if isinstance(eos, list) else [eos]
+        if not ids or any(not is_int(i) or i < 0 for i in ids):
+            raise ValueError(
+                f"{gen_path}: eos_token_id must be a token id >= 0 or a list of them; got {eos!r:.60}"
+            )
+        eos_ids = tuple(ids)
+    tok_path = folder / "tokenizer_config.json"
+    tok = _settings_json(tok_path) or {}
+    template = _template_field(tok, tok_path)
+    jinja = folder / "chat_template.jinja"
+    if template is None and jinja.exists():
+        template = _settings_text(jinja)
+    return FolderSettings(
+        eos_ids, _token_field(tok, "eos_token", tok_path), _token_field(tok, "bos_token", tok_path), template
+    )

@@ -8,7 +8,7 @@ explorer, the CLI) uses to turn text into model input.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -216,8 +216,10 @@ class PretrainedEncoder(_Loaded):
 class PretrainedDecoder(_Loaded):
     """A pretrained :class:`~headspace.Decoder` (GPT-2, Llama family) with its tokenizer (when it has one).
 
-    ``special_tokens`` (``{"bos": id, "eos": id, ...}``) and ``chat_template`` come from a GGUF file's
-    metadata (empty / None for Hugging Face folders).
+    ``special_tokens`` (``{"bos": id, "eos": id, ...}``, and ``"eot"`` / ``"eom"`` where the file names
+    them) and ``chat_template`` come from a GGUF file's metadata (empty / None for Hugging Face folders,
+    whose ``tokenizer_config.json`` / ``generation_config.json`` say the same:
+    :meth:`chat_template_text`, :attr:`stop_token_ids`).
     """
 
     def __init__(
@@ -257,40 +259,75 @@ class PretrainedDecoder(_Loaded):
         return self.model(tokens)
 
     def generate(
-        self, prompt: str | Sequence[str] | Tensor, max_new_tokens: int, **kwargs: Any
+        self,
+        prompt: str | Sequence[str] | Tensor,
+        max_new_tokens: int,
+        *,
+        chat: bool = False,
+        on_text: Callable[[str], object] | None = None,
+        **kwargs: Any,
     ) -> str | list[str] | Tensor:
         """:meth:`Decoder.generate` on token ids, on a text prompt, or on a list of text prompts.
 
         Token ids (a Tensor) give token ids back, and take every keyword of :meth:`Decoder.generate`
-        (``key_padding`` included). A text gives text back: the prompt followed by its continuation,
-        decoded without special tokens. A list of texts gives a list of such texts, one per prompt: the
-        prompts may tokenize to different lengths; they are left-padded into one batch with its
-        ``key_padding``, so each continuation is the one that prompt gets alone (exactly so with
-        ``temperature=0``; sampled batches draw their random numbers together).
+        (``key_padding``, ``stop_tokens``, ``on_token`` included), as :meth:`Decoder.generate` does. A
+        text gives text back: the prompt followed by its continuation, decoded without control tokens
+        (:attr:`~.tokenization.TextTokenizer.control_ids`), ending where the model ends a text or a turn
+        (:attr:`stop_token_ids`; ``stop_tokens=None`` or ids of your own instead). A list of texts gives a
+        list of such texts, one per prompt: the prompts may tokenize to different lengths; they are
+        left-padded into one batch with its ``key_padding``, so each continuation is the one that prompt
+        gets alone (exactly so with ``temperature=0``; sampled batches draw their random numbers
+        together), each row stopping on its own.
+
+        ``chat=True`` puts each text in the model's chat template (:attr:`chat_template`, else its
+        folder's ``tokenizer_config.json`` / ``chat_template.jinja``) as a user message, with the
+        assistant's turn opened, and returns the reply alone. ``on_text(piece)`` (a str prompt only) is
+        handed the text as it comes: the prompt (not with ``chat``), then each new piece; the pieces add
+        up to the text returned (:class:`~.generation.TextStream`).
 
         Raises:
             ValueError: no tokenizer.json in the checkpoint folder; a text prompt that tokenizes to no
-                token; ``key_padding`` passed with text prompts (it is computed from them).
+                token; ``key_padding`` passed with text prompts (it is computed from them); ``chat``
+                for a model without a chat template, or a template that fails.
+            TypeError: ``on_text`` with a list of prompts or token ids, or not callable.
         """
+        from .generation import generate_text
+
         if isinstance(prompt, Tensor):
+            if chat or on_text is not None:
+                raise TypeError("chat and on_text take text prompts; with token ids use on_token")
             return self.model.generate(prompt, max_new_tokens, **kwargs)
         if "key_padding" in kwargs:
             raise ValueError("key_padding is computed from the text prompts; pass it only with token ids")
-        texts = check_sentences(prompt, "prompt")
         tokenizer = self._need_tokenizer()
-        ids = tokenizer.encode_ids(texts)
-        for i, row in enumerate(ids):
-            if not row:
-                where = "prompt" if isinstance(prompt, str) else f"prompt[{i}]"
-                raise ValueError(f"{where} ({texts[i]!r:.60}) tokenizes to no token; give at least 1 token")
-        # the padded ids are masked out, never read: any id will do where the tokenizer has no pad token
-        fill = 0 if tokenizer.pad_id is None else tokenizer.pad_id
-        tokens, key_padding = tokenizer.pad(ids, side="left", fill_id=fill)  # (batch, seq) x 2
-        padded = None if bool(key_padding.all()) else key_padding
-        out = self.model.generate(tokens, max_new_tokens, key_padding=padded, **kwargs)  # (batch, seq + new)
-        seq = tokens.shape[1]
-        decoded = [tokenizer.decode(out[i, seq - len(row) :]) for i, row in enumerate(ids)]
-        return decoded[0] if isinstance(prompt, str) else decoded
+        template = self.chat_template_text() if chat else None
+        if chat and template is None:
+            raise ValueError(
+                "chat=True needs the model's chat template; this model has none (no tokenizer.chat_template "
+                "in its GGUF, no chat_template in its folder's tokenizer_config.json)"
+            )
+        stops = kwargs.pop("stop_tokens") if "stop_tokens" in kwargs else self.stop_token_ids
+        return generate_text(self.model, tokenizer, prompt, max_new_tokens, stops=list(stops or ()),
+                             template=template, on_text=on_text, options=kwargs)  # fmt: skip
+
+    def chat_template_text(self) -> str | None:
+        """The chat template: :attr:`chat_template` (a GGUF's ``tokenizer.chat_template``), else the
+        tokenizer folder's (``tokenizer_config.json``'s ``chat_template``, ``chat_template.jinja``)."""
+        if self.chat_template is not None or self.tokenizer is None:
+            return self.chat_template
+        return self.tokenizer.folder_settings().chat_template
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """The ids that end a text or a turn for this model, sorted
+        (:func:`~.generation.stop_token_ids`); empty without a tokenizer."""
+        from .generation import stop_token_ids
+
+        if self.tokenizer is None:
+            return []
+        template = self.chat_template_text()
+        extra = self.config.extra
+        return stop_token_ids(self.tokenizer, self.special_tokens, extra, template, self.config.vocab_size)
 
 
 def cosine(a: Tensor, b: Tensor) -> float:
