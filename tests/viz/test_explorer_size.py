@@ -63,6 +63,33 @@ def test_grid_codes_rebuild_every_bit_and_refuse_what_is_not_on_a_grid() -> None
     assert encode_grid(torch.randn(3, 5, 24)) is None  # H * dh not a multiple of 32
 
 
+def test_a_model_with_grid_weights_gets_codes_and_the_same_output() -> None:
+    """build_page_data stores a grid W_O as codes, bit for bit, and the page's formula
+    (sum_h z_h W_O[h] + b_O from the stored values) still gives the traced attention output."""
+    from headspace.model.models import Decoder, ModelConfig
+    from headspace.viz.explorer import Explorer
+
+    torch.manual_seed(1)
+    config = ModelConfig(arch="decoder", vocab_size=41, d_model=24, n_layers=2, n_heads=4, d_head=16)
+    model = Decoder(config).eval()
+    attn = attention_layers(model)[1][1]
+    w = _grid_weights(3)  # (H, dh, dm)
+    with torch.no_grad():
+        attn.o_weight.copy_(w.permute(2, 0, 1).reshape(24, 64))  # (d_model, H * dh): W_O transposed
+    tokens = torch.randint(0, 41, (1, 9))
+    page = Explorer(model, tokens)
+    first, second = page.data["layers"]
+    assert first["W_O"]["dtype"] == "float32" and second["W_O"]["dtype"] == "grid4"
+    np.testing.assert_array_equal(unpack(second["W_O"]), w.numpy())
+    with torch.no_grad(), trace(model, ["*.hook_z", "*.hook_attn_out"]) as t:
+        model(tokens)
+    z = t.z(1)[0].double()  # (S, H, dh)
+    out = torch.einsum("shd,hdm->sm", z, torch.from_numpy(unpack(second["W_O"])).double())  # (S, d_model)
+    if second["b_O"] is not None:
+        out = out + torch.from_numpy(unpack(second["b_O"])).double()
+    torch.testing.assert_close(out.float(), t.act("attn_out", 1)[0], rtol=1e-5, atol=1e-5)
+
+
 @pytest.fixture(scope="module")
 def smollm2_page(smollm2: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """``headspace patch --json`` then ``headspace view --model smollm2 --result patch.json``, as the issue

@@ -1,8 +1,8 @@
 // headspace explorer: draws the data embedded in the page (#explorer-data); makes no request.
 //
 // Stored per layer (see headspace/viz/explorer/data.py): q [seq, H, dh], k and v [seq, Hkv, dh],
-// W_O [H, dh, d_model], b_O [d_model], shares [seq, H], overlaps. Everything else is computed here
-// with the model's own formulas, in float64:
+// W_O [H, dh, d_model] (floats, or "grid4" codes: decodeGrid), b_O [d_model], shares [seq, H], overlaps.
+// Everything else is computed here with the model's own formulas, in float64:
 //   score_j = (q_t . k_j) * scale  (masked keys excluded)   w = softmax(score)   z_h = sum_j w_j v_j
 //   out = sum_h z_h W_O[h] + b_O
 // DATA.results (optional): saved patching / attribution results, drawn as they are (view 5).
@@ -768,7 +768,8 @@
     const t0 = performance.now();
     $("subtitle").textContent = `${DATA.model ? DATA.model + " — " : ""}${SEQ} tokens, ${N_LAYERS} attention layers` +
       (DATA.sentence ? `: "${DATA.sentence.length > 160 ? DATA.sentence.slice(0, 160) + "…" : DATA.sentence}"` : "");
-    $("footer").textContent = `${DATA.format}; ${DATA.precision} values; written by headspace. Scores, softmax, z and out ` +
+    const grid = DATA.layers.some((L) => L.W_O.dtype === "grid4") ? " (W_O from its exact 4-bit codes)" : "";
+    $("footer").textContent = `${DATA.format}; ${DATA.precision} values${grid}; written by headspace. Scores, softmax, z and out ` +
       "are computed in this page from the traced q, k, v and the model's W_O, b_O." +
       (RESULTS.length ? ` The ${RESULTS.length} saved result view(s) are drawn as saved.` : "");
     state.shown = new Set([state.head]);
