@@ -96,7 +96,7 @@ def test_page_data_holds_every_sites_effect_exactly(model: Decoder, prompts, res
     assert mlp["values"] == [[v] for v in results["mlp"].effect.tolist()] and mlp["cols"] == ["MLP"]
     # positions before the first difference are exactly 0 in the page too
     assert all(row[:3] == [0.0, 0.0, 0.0] for row in resid["values"])
-    assert page.data["format"] == "headspace-explorer/2"
+    assert page.data["format"] == "headspace-explorer/3"
     assert '"results":[' in page.html
 
 

@@ -1,8 +1,8 @@
 // headspace explorer: draws the data embedded in the page (#explorer-data); makes no request.
 //
 // Stored per layer (see headspace/viz/explorer/data.py): q [seq, H, dh], k and v [seq, Hkv, dh],
-// W_O [H, dh, d_model], b_O [d_model], shares [seq, H], overlaps. Everything else is computed here
-// with the model's own formulas, in float64:
+// W_O [H, dh, d_model] (floats, or "grid4" codes: decodeGrid), b_O [d_model], shares [seq, H], overlaps.
+// Everything else is computed here with the model's own formulas, in float64:
 //   score_j = (q_t . k_j) * scale  (masked keys excluded)   w = softmax(score)   z_h = sum_j w_j v_j
 //   out = sum_h z_h W_O[h] + b_O
 // DATA.results (optional): saved patching / attribution results, drawn as they are (view 5).
@@ -31,16 +31,43 @@
     return t;
   })();
 
-  function decode(a) {
-    if (a === null) return null;
-    const bin = atob(a.data);
+  function bytesOf(text) {
+    const bin = atob(text);
     const bytes = new Uint8Array(bin.length);
     for (let i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);
-    if (a.dtype === "float32") return new Float32Array(bytes.buffer);
+    return bytes;
+  }
+
+  function floats(text, dtype) { // base64 of little-endian float32 or float16 -> Float32Array
+    const bytes = bytesOf(text);
+    if (dtype === "float32") return new Float32Array(bytes.buffer);
     const half = new Uint16Array(bytes.buffer);
     const out = new Float32Array(half.length);
     for (let i = 0; i < half.length; i++) out[i] = F16[half[i]];
     return out;
+  }
+
+  // "grid4" (data.py / codec.py): W_O [H, dh, dm] as 4-bit codes, per block of 32 a lo and a step, in the
+  // order of W_O transposed [dm, H * dh]; each weight is fl32(fl32(step * code) + lo), the float32 bits
+  // Python checked. (A float32 product of float32 numbers is exact in a double, so fround gives the float32 one.)
+  function decodeGrid(a) {
+    const [H, dh, dm] = a.shape, width = H * dh, block = a.block;
+    const lo = floats(a.lo, a.scale_dtype), step = floats(a.step, a.scale_dtype), codes = bytesOf(a.codes);
+    const out = new Float32Array(H * dh * dm);
+    for (let m = 0; m < dm; m++) {
+      for (let j = 0; j < width; j++) {
+        const n = m * width + j, b = (n / block) | 0;
+        const code = n & 1 ? codes[n >> 1] >> 4 : codes[n >> 1] & 15;
+        out[j * dm + m] = Math.fround(Math.fround(step[b] * code) + lo[b]);
+      }
+    }
+    return out;
+  }
+
+  function decode(a) {
+    if (a === null) return null;
+    if (a.dtype === "grid4") return decodeGrid(a);
+    return floats(a.data, a.dtype);
   }
 
   const decoded = new Map();
@@ -741,7 +768,8 @@
     const t0 = performance.now();
     $("subtitle").textContent = `${DATA.model ? DATA.model + " — " : ""}${SEQ} tokens, ${N_LAYERS} attention layers` +
       (DATA.sentence ? `: "${DATA.sentence.length > 160 ? DATA.sentence.slice(0, 160) + "…" : DATA.sentence}"` : "");
-    $("footer").textContent = `${DATA.format}; ${DATA.precision} values; written by headspace. Scores, softmax, z and out ` +
+    const grid = DATA.layers.some((L) => L.W_O.dtype === "grid4") ? " (W_O from its exact 4-bit codes)" : "";
+    $("footer").textContent = `${DATA.format}; ${DATA.precision} values${grid}; written by headspace. Scores, softmax, z and out ` +
       "are computed in this page from the traced q, k, v and the model's W_O, b_O." +
       (RESULTS.length ? ` The ${RESULTS.length} saved result view(s) are drawn as saved.` : "");
     state.shown = new Set([state.head]);
