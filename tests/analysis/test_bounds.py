@@ -268,7 +268,7 @@ def test_patching_fits_its_batches_under_the_limit() -> None:
     assert B.fit_runs(m, n_runs, 24, 12, limit) <= n_runs // 5
     part = P.patch(module, t.clean, t.corrupt, site="heads_pos", answer=0, other=1, max_memory=limit)
     assert_close(part.patched_metric, whole.patched_metric)
-    with pytest.raises(B.MemoryBudgetError, match=r"1 patched run\(s\) of 24 tokens a batch"):
+    with pytest.raises(B.MemoryBudgetError, match=r"1 patched run of 24 tokens a batch"):
         P.patch(module, t.clean, t.corrupt, site="heads_pos", answer=0, other=1, max_memory=1000)
 
 

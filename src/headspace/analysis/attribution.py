@@ -97,8 +97,9 @@ def _check_memory(module: Any, p: Any, kind: str, max_memory: Any) -> None:
     what = "direct logit attribution" if kind == "dla" else "the logit lens"
     check_memory(
         attribution_bytes(m, rows, seq, kind), what,
-        f"{rows} prompt(s) of {seq} tokens, {m.n_layers} layers, {m.n_heads} heads, d_model {m.d_model}, "
-        f"vocabulary {m.vocab}", "use fewer or shorter prompts", max_memory, p.tokens.device,
+        f"{rows} prompt{'s' * (rows != 1)} of {seq} tokens, {m.n_layers} layers, {m.n_heads} heads, "
+        f"d_model {m.d_model}, vocabulary {m.vocab}", "use fewer or shorter prompts", max_memory,
+        p.tokens.device,
     )  # fmt: skip
 
 

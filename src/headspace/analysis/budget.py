@@ -14,7 +14,9 @@ weights' element size) and the run's (``B`` rows a pass, ``S`` positions):
   corrupt runs and their difference (``3 U``, ``U = 1 + L (H + 1)``), the receivers' gradients (``R = L (H
   + 2 Hkv + 1) + 1``) and the residual streams, plus what autograd keeps per layer for EAP / EAP-IG (the
   same for any number of EAP-IG steps: the path's gradients are summed in place); a circuit run
-  (``"run"``: faithfulness, the curve) holds no gradients but its per-receiver inputs;
+  (``"run"``: faithfulness, the curve) holds no gradients but its per-receiver inputs; a backward also
+  keeps every layer's attention scores, ``3 L B H S^2`` floats (measured: the squared term dominates past
+  about a thousand tokens on SmolLM2);
 * patching (:func:`patch_bytes`): the clean and corrupt runs' traces, plus per patched run in a batch its
   stream through one block, its key/value cache and a block of attention scores;
 * attribution (:func:`attribution_bytes`): one traced forward (``"dla"``, ``"lens"``: the logits of every
@@ -193,6 +195,12 @@ def _scores_block(m: ModelShape, rows: int, seq_q: int, seq_k: int) -> int:
     return 3 * per_row * n + n * seq_k  # the scores, their masked copy, the pattern; the mask
 
 
+def _kept_scores(m: ModelShape, rows: int, seq: int) -> int:
+    """Bytes of every layer's attention scores that a backward keeps: [rows, H, seq, seq] per layer, about
+    three floats an entry (measured on SmolLM2: its EAP peak grows by ~3 KB per pair and squared token)."""
+    return 3 * m.n_layers * rows * m.n_heads * seq * seq * m.itemsize
+
+
 def circuit_bytes(m: ModelShape, rows: int, seq: int, method: str) -> int:
     """Peak bytes of one pass of :mod:`.circuits` over ``rows`` pairs of ``seq`` positions: ``method``
     ``"eap"`` or ``"eap-ig"`` (edge scores, any steps), or ``"run"`` (circuit runs: faithfulness, curve)."""
@@ -207,7 +215,8 @@ def circuit_bytes(m: ModelShape, rows: int, seq: int, method: str) -> int:
         # autograd's saved layers and one layer's pulled-back gradients
         floats += t * ((2 * U + R + 2 * Q) * d + L * m.layer_floats())
     logits = 2 * rows * m.vocab
-    return (floats + logits) * m.itemsize  # (attention by scaled_dot_product_attention: no [S, S] scores)
+    kept = 0 if method == "run" else _kept_scores(m, rows, seq)
+    return (floats + logits) * m.itemsize + kept
 
 
 def patch_bytes(
@@ -221,7 +230,8 @@ def patch_bytes(
     traces = seq * L * (3 * d + 2 * H * dh) + 2 * m.vocab  # the clean and corrupt runs' recordings
     if grad:
         kept = seq * (L * (m.layer_floats() + 2 * d + H * dh) + 2 * d)
-        scores = ((L if traced else 0) + 1) * _scores_block(m, 1, seq, seq)  # the patterns kept
+        # the traced attention keeps every layer's pattern for backward, block after block
+        scores = (_kept_scores(m, 1, seq) if traced else 0) + _scores_block(m, 1, seq, seq)
         return (traces + kept + 2 * m.vocab) * m.itemsize + scores
     per_run = (
         new * (m.layer_floats(grad=False) + 3 * d + 2 * H * dh) + 4 * m.n_kv_heads * seq * dh + 2 * m.vocab
@@ -253,8 +263,8 @@ def fit_runs(
         runs //= 2
     check_memory(
         patch_bytes(m, runs, seq, new), "activation patching",
-        f"{runs} patched run(s) of {seq} tokens a batch, {new} of them after the first difference, "
-        f"{m.n_layers} layers, {m.n_heads} heads, d_model {m.d_model}",
+        f"{runs} patched run{'s' * (runs != 1)} of {seq} tokens a batch, {new} of them after the first "
+        f"difference, {m.n_layers} layers, {m.n_heads} heads, d_model {m.d_model}",
         "use a shorter prompt pair", max_memory, device,
     )  # fmt: skip
     return runs

@@ -177,7 +177,8 @@ def _check_bounds(module: Any, task: Task, batch_size: int, method: str, max_mem
     what = {"run": "a circuit run"}.get(method, f"{method} edge scores")
     check_memory(
         circuit_bytes(m, rows, seq, method), what,
-        f"{rows} pairs of {seq} tokens a pass, {m.n_layers} layers, {m.n_heads} heads, d_model {m.d_model}",
+        f"{rows} pair{'s' * (rows != 1)} of {seq} tokens a pass, {m.n_layers} layers, {m.n_heads} heads, "
+        f"d_model {m.d_model}",
         "use fewer pairs a pass (batch_size, --batch-size) or shorter prompts", max_memory, _device(module),
     )  # fmt: skip
 
