@@ -49,6 +49,7 @@ __all__ = [
     "MemoryBudgetError",
     "ModelShape",
     "attribution_bytes",
+    "check_backward",
     "check_length",
     "check_memory",
     "circuit_bytes",
@@ -268,3 +269,14 @@ def fit_runs(
         "use a shorter prompt pair", max_memory, device,
     )  # fmt: skip
     return runs
+
+
+def check_backward(m: ModelShape, tokens: torch.Tensor, traced: bool, max_memory: Any = None) -> None:
+    """Refuse :func:`.patching.attribution_patching` of a prompt pair of ``tokens`` [1, seq] above the
+    limit (:func:`patch_bytes` with ``grad=True``)."""
+    seq, device = tokens.shape[1], tokens.device
+    check_memory(
+        patch_bytes(m, 1, seq, seq, grad=True, traced=traced), "attribution patching",
+        f"one prompt pair of {seq} tokens kept for backward, {m.n_layers} layers, {m.n_heads} heads, "
+        f"d_model {m.d_model}", "use a shorter prompt pair", max_memory, device,
+    )  # fmt: skip

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from ..decode.kv_cache import KVCache
 from ._common import JsonResult, eval_mode
-from .budget import check_memory, fit_runs, patch_bytes, shape_of
+from .budget import check_backward, fit_runs, shape_of
 from .causal_inputs import (
     Prompts,
     check_distinct_answers,
@@ -60,6 +60,13 @@ SITES: dict[str, tuple[str, ...]] = {
     "heads_pos": ("layer", "head", "position"),
     "resid": ("layer", "position"),
     "mlp": ("layer",),
+}
+#: site -> the hook point (in each block) whose activation attribution patching reads
+_HOOKS = {
+    "heads": "attn.hook_z",
+    "heads_pos": "attn.hook_z",
+    "resid": "hook_resid_pre",
+    "mlp": "hook_mlp_out",
 }
 #: site -> the JSON key of its effect
 EFFECT_KEYS = {
@@ -575,26 +582,15 @@ def attribution_patching(
     ``patched - corrupt ~ (a_clean - a_corrupt) . d metric / d a`` at the corrupt run, for each site's
     activation ``a`` (summed over the site's positions and features), normalised by
     ``clean - corrupt``. Exact for a metric linear in the activations; a good guide where a patch
-    moves the metric a little, a poor one where it saturates a softmax. A run whose estimated peak
-    memory is above ``max_memory`` (as for :func:`patch`) is refused before anything runs.
+    moves the metric a little, a poor one where it saturates a softmax. ``max_memory``: as for :func:`patch`.
     """
     if site not in SITES:
         raise ValueError(f"unknown site {site!r}; sites: {list(SITES)}")
     module = stack_of(model, "attribution_patching")
     decoder = is_decoder(module)
     c, k = _pair(model, clean, corrupt)
-    m, seq = shape_of(module), c.tokens.shape[1]
-    check_memory(
-        patch_bytes(m, 1, seq, seq, grad=True, traced=site in ("heads", "heads_pos")), "attribution patching",
-        f"one prompt pair of {seq} tokens kept for backward, {m.n_layers} layers, {m.n_heads} heads, "
-        f"d_model {m.d_model}", "use a shorter prompt pair", max_memory, c.tokens.device,
-    )  # fmt: skip
-    hook = {
-        "heads": "attn.hook_z",
-        "heads_pos": "attn.hook_z",
-        "resid": "hook_resid_pre",
-        "mlp": "hook_mlp_out",
-    }[site]
+    check_backward(shape_of(module), c.tokens, site in ("heads", "heads_pos"), max_memory)
+    hook = _HOOKS[site]
     L = len(module.blocks)
     with eval_mode(module):
         with torch.no_grad():
