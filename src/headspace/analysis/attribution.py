@@ -27,6 +27,7 @@ import torch
 from torch import Tensor
 
 from ._common import JsonResult, eval_mode
+from .budget import attribution_bytes, check_memory, shape_of
 from .causal_inputs import (
     centered,
     check_distinct_answers,
@@ -90,14 +91,31 @@ class LogitAttribution(JsonResult):
         return [(int(i) // n, int(i) % n, float(flat[i])) for i in order]
 
 
+def _check_memory(module: Any, p: Any, kind: str, max_memory: Any) -> None:
+    """Refuse a forward whose estimated peak memory (:func:`.budget.attribution_bytes`) is above the limit."""
+    m, (rows, seq) = shape_of(module), p.tokens.shape
+    what = "direct logit attribution" if kind == "dla" else "the logit lens"
+    check_memory(
+        attribution_bytes(m, rows, seq, kind), what,
+        f"{rows} prompt{'s' * (rows != 1)} of {seq} tokens, {m.n_layers} layers, {m.n_heads} heads, "
+        f"d_model {m.d_model}, vocabulary {m.vocab}", "use fewer or shorter prompts", max_memory,
+        p.tokens.device,
+    )  # fmt: skip
+
+
 @torch.no_grad()
-def direct_logit_attribution(model: Any, prompts: Any, answer: Any, other: Any = None) -> LogitAttribution:
+def direct_logit_attribution(
+    model: Any, prompts: Any, answer: Any, other: Any = None, *, max_memory: int | str | None = None
+) -> LogitAttribution:
     """Direct logit attribution of ``answer`` (minus ``other``) at the last position of each prompt.
 
     Args:
         model: a loaded decoder (``headspace.load(...)``) or a :class:`~headspace.Decoder`.
         prompts: a string, a list of strings (right-padded into one batch) or int64 ids [batch, seq].
         answer: one token (``" Paris"``) or its id; ``other``: the same, for a logit difference.
+        max_memory: the memory limit (bytes or a size such as ``"8G"``; default ``$HEADSPACE_MAX_MEMORY``,
+            else the memory available): a run estimated above it is refused before the forward
+            (:mod:`.budget`), and so is a prompt longer than the position table.
 
     Returns:
         :class:`LogitAttribution`; ``total == logit`` (the parts add up to the model's logit).
@@ -107,6 +125,7 @@ def direct_logit_attribution(model: Any, prompts: Any, answer: Any, other: Any =
     a = token_id(model, answer, "answer")
     b = None if other is None else token_id(model, other, "other")
     check_distinct_answers(model, a, b)
+    _check_memory(module, p, "dla", max_memory)
     n_layers = len(module.blocks)
     last = last_resid(module)
     with eval_mode(module), torch.no_grad():
@@ -180,13 +199,17 @@ class LogitLens(JsonResult):
 
 
 @torch.no_grad()
-def logit_lens(model: Any, prompts: Any, answer: Any = None, *, top: int = 5) -> LogitLens:
-    """The logit lens of each prompt's last position (see the module docstring)."""
+def logit_lens(
+    model: Any, prompts: Any, answer: Any = None, *, top: int = 5, max_memory: int | str | None = None
+) -> LogitLens:
+    """The logit lens of each prompt's last position (see the module docstring; ``max_memory`` as for
+    :func:`direct_logit_attribution`)."""
     module = _decoder(model, "logit_lens")
     if not isinstance(top, int) or isinstance(top, bool) or top < 1:
         raise ValueError(f"top must be a positive int; got {top!r}")
     p = prompts_of(model, prompts)
     a = None if answer is None else token_id(model, answer, "answer")
+    _check_memory(module, p, "lens", max_memory)
     with eval_mode(module), torch.no_grad():
         with trace(module, names=["hook_embed", "blocks.*.hook_resid_post"]) as t:
             module(p.tokens, p.key_padding)

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from ..core.checks import is_int
 from ..nn.norms import rms_inverse
+from .budget import check_length
 from .trace import as_module
 
 
@@ -56,7 +57,8 @@ def last_resid(module: nn.Module) -> str:
 
 
 def prompts_of(model: Any, prompts: Any, what: str = "prompts") -> Prompts:
-    """Tokenize ``prompts`` (a str, a list of str, or int64 ids [batch, seq]) for ``model``."""
+    """Tokenize ``prompts`` (a str, a list of str, or int64 ids [batch, seq]) for ``model``; prompts longer
+    than its position table are refused here, before any forward (:func:`.budget.check_length`)."""
     module = stack_of(model, what)
     device = next(module.parameters()).device
     if isinstance(prompts, Tensor):
@@ -83,6 +85,8 @@ def prompts_of(model: Any, prompts: Any, what: str = "prompts") -> Prompts:
         tokens, key_padding = tokenize(list(prompts))  # (batch, seq) x 2, right-padded
         tokens, key_padding = tokens.to(device), key_padding.to(device)
         texts = list(prompts)
+    label = "prompt" if what == "prompts" else f"{what} prompt"
+    check_length(module, tokens, label if tokens.shape[0] == 1 else f"the longest {label}")
     empty = [0] if tokens.shape[1] == 0 else (~key_padding.any(dim=1)).nonzero()[:, 0].tolist()
     if empty:
         raise ValueError(_empty_message(what, empty[0], tokens.shape[0], texts))

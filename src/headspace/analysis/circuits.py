@@ -46,6 +46,7 @@ from torch import Tensor
 from ..core.checks import is_int
 from ..core.progress import progress_bar
 from ._common import JsonResult, eval_mode
+from .budget import check_length, check_memory, circuit_bytes, shape_of
 from .causal_inputs import stack_of
 from .graph import Graph, _plan, _run_rows, graph_grads, graph_of, run_graph
 from .tasks import Task, ioi_task
@@ -165,6 +166,23 @@ def task_of(model: Any, task: Any) -> Task:
     raise TypeError(f"task must be a headspace.analysis.tasks.Task or 'ioi'; got {task!r:.60}")
 
 
+def _check_bounds(module: Any, task: Task, batch_size: int, method: str, max_memory: Any) -> None:
+    """Refuse, before anything runs, prompts longer than the position table and a pass whose estimated
+    peak memory (:func:`.budget.circuit_bytes` of the largest part) is above the limit."""
+    check_length(module, task.clean, f"the longest prompt of task {task.name!r}")
+    m = shape_of(module)
+    parts = _chunks(task, batch_size)
+    worst = max(parts, key=lambda part: circuit_bytes(m, len(part), part.clean.shape[1], method))
+    rows, seq = len(worst), worst.clean.shape[1]
+    what = {"run": "a circuit run"}.get(method, f"{method} edge scores")
+    check_memory(
+        circuit_bytes(m, rows, seq, method), what,
+        f"{rows} pair{'s' * (rows != 1)} of {seq} tokens a pass, {m.n_layers} layers, {m.n_heads} heads, "
+        f"d_model {m.d_model}",
+        "use fewer pairs a pass (batch_size, --batch-size) or shorter prompts", max_memory, _device(module),
+    )  # fmt: skip
+
+
 def _chunks(task: Task, batch_size: int) -> list[Task]:
     if not is_int(batch_size) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int; got {batch_size!r}")
@@ -220,8 +238,9 @@ def _accumulate(scores: Tensor, graph: Graph, delta: Tensor, grads: Tensor) -> N
 
 
 def edge_scores(
-    model: Any, task: Any, method: str = "eap", steps: int = 5, *, batch_size: int = 32
-) -> EdgeScores:
+    model: Any, task: Any, method: str = "eap", steps: int = 5, *, batch_size: int = 32,
+    max_memory: int | str | None = None,
+) -> EdgeScores:  # fmt: skip
     """Every edge's EAP or EAP-IG score on ``task`` (see the module docstring).
 
     Args:
@@ -229,6 +248,9 @@ def edge_scores(
         task: a :class:`~headspace.analysis.tasks.Task` or ``"ioi"``.
         method: ``"eap"`` or ``"eap-ig"``; steps: EAP-IG's points on the path (ignored by EAP).
         batch_size: at most this many pairs per forward pass (pairs of like lengths together).
+        max_memory: the memory limit (bytes or a size such as ``"8G"``; default ``$HEADSPACE_MAX_MEMORY``,
+            else the memory available): a pass estimated above it is refused before anything runs
+            (:mod:`.budget`), and so is a prompt longer than the position table.
 
     Returns:
         :class:`EdgeScores`; ``scores`` [n_senders, n_receivers], the metric being the mean over pairs.
@@ -240,6 +262,7 @@ def edge_scores(
     module = stack_of(model, "edge_scores")
     graph = graph_of(module)
     task = task_of(model, task)
+    _check_bounds(module, task, batch_size, method, max_memory)
     dev = _device(module)
     scores = torch.zeros(len(graph.senders), len(graph.receivers), dtype=torch.float64)
     n_steps = 1 if method == "eap" else steps
@@ -379,12 +402,16 @@ def _mask_of(circuit: Any, graph: Graph) -> Tensor:
     return mask.cpu() & graph.valid
 
 
-def faithfulness(model: Any, task: Any, circuit: Any, *, batch_size: int = 32) -> Faithfulness:
-    """The faithfulness of ``circuit`` on ``task`` by running it (see the module docstring)."""
+def faithfulness(
+    model: Any, task: Any, circuit: Any, *, batch_size: int = 32, max_memory: int | str | None = None
+) -> Faithfulness:
+    """The faithfulness of ``circuit`` on ``task`` by running it (see the module docstring;
+    ``max_memory`` as for :func:`edge_scores`)."""
     module = stack_of(model, "faithfulness")
     graph = graph_of(module)
     task = task_of(model, task)
     mask = _mask_of(circuit, graph)
+    _check_bounds(module, task, batch_size, "run", max_memory)
     full, empty = graph.valid, torch.zeros_like(graph.valid)
     m, clean_m, corrupt_m = _circuit_metrics(module, graph, task, [mask, full, empty], batch_size)
     return Faithfulness(_normalised(m, clean_m, corrupt_m), m, clean_m, corrupt_m, int(mask.sum()))
@@ -411,11 +438,12 @@ def faithfulness_curve(
     fractions: Sequence[float] = MIB_FRACTIONS,
     *,
     batch_size: int = 32,
+    max_memory: int | str | None = None,
 ) -> FaithfulnessCurve:
     """Faithfulness of the top-k circuits, ``k = max(1, round(fraction * n_edges))``, and MIB's CPR / CMD.
 
     The areas are trapezoids over the fractions (sorted; 0 and 1 must be among them or are added: the
-    empty circuit has f = 0, the full one f = 1, exactly).
+    empty circuit has f = 0, the full one f = 1, exactly). ``max_memory`` as for :func:`edge_scores`.
     """
     module = stack_of(model, "faithfulness_curve")
     graph = graph_of(module)
@@ -432,6 +460,7 @@ def faithfulness_curve(
             f"scores are for a graph of {list(scores.valid.shape)} senders x receivers; this model's is "
             f"{list(graph.valid.shape)}"
         )
+    _check_bounds(module, task, batch_size, "run", max_memory)
     # find_circuit's top-k edges for every k from one sort (the same order as each of its calls)
     order = torch.where(scores.valid, scores.scores.abs(), -1.0).flatten().argsort(descending=True)
     masks = []

@@ -122,7 +122,8 @@ def graph_of(model: Any) -> Graph:
     module = stack_of(model, "circuits")
     if not is_decoder(module):
         raise TypeError(
-            f"circuits read logits, so they need a decoder; this model is an {module.config.arch}"
+            f"circuits read logits, so they need a decoder (GPT-2 or Llama-family, e.g. smollm2); this "
+            f"model is an {module.config.arch}"
         )
     for i, block in enumerate(module.blocks):
         _check_block(i, block)

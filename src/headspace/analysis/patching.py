@@ -41,6 +41,7 @@ from torch import Tensor, nn
 
 from ..decode.kv_cache import KVCache
 from ._common import JsonResult, eval_mode
+from .budget import check_backward, fit_runs, shape_of
 from .causal_inputs import (
     Prompts,
     check_distinct_answers,
@@ -59,6 +60,13 @@ SITES: dict[str, tuple[str, ...]] = {
     "heads_pos": ("layer", "head", "position"),
     "resid": ("layer", "position"),
     "mlp": ("layer",),
+}
+#: site -> the hook point (in each block) whose activation attribution patching reads
+_HOOKS = {
+    "heads": "attn.hook_z",
+    "heads_pos": "attn.hook_z",
+    "resid": "hook_resid_pre",
+    "mlp": "hook_mlp_out",
 }
 #: site -> the JSON key of its effect
 EFFECT_KEYS = {
@@ -444,6 +452,7 @@ def patch(
     answer: Any = None,
     other: Any = None,
     max_runs: int = 1024,
+    max_memory: int | str | None = None,
 ) -> PatchResult:
     """Activation patching of every ``site`` from the clean run into the corrupt run (see the module doc).
 
@@ -457,7 +466,11 @@ def patch(
         site: "heads", "heads_pos", "resid" or "mlp".
         answer, other: the answer token (and the other token) of the default decoder metric; two
             different tokens (``answer == other`` makes the metric 0 in every run: ``ValueError``).
-        max_runs: how many patched runs go through the stack in one batch at most.
+        max_runs: how many patched runs go through the stack in one batch at most (fewer where the
+            estimated peak memory of a batch is above ``max_memory``: the same runs in smaller batches).
+        max_memory: the memory limit (bytes or a size such as ``"8G"``; default ``$HEADSPACE_MAX_MEMORY``,
+            else the memory available); a single patched run estimated above it is refused before
+            anything runs (:mod:`.budget`).
 
     Returns:
         :class:`PatchResult` with ``effect`` [*axes], ``clean_metric`` and ``corrupt_metric``.
@@ -466,15 +479,19 @@ def patch(
         raise ValueError(f"unknown site {site!r}; sites: {list(SITES)}")
     module = stack_of(model, "patch")
     decoder = is_decoder(module)
+    if isinstance(max_runs, bool) or not isinstance(max_runs, int) or max_runs < 1:
+        raise ValueError(f"max_runs must be a positive int; got {max_runs!r}")
     c, k = _pair(model, clean, corrupt)
+    seq = c.tokens.shape[1]
+    p = _first_difference(c.tokens, k.tokens) if decoder else 0
+    n_heads = [b.attn.n_heads for b in module.blocks]
+    sites, where = _sites(site, len(module.blocks), n_heads, seq, p)
+    dev = c.tokens.device
+    max_runs = fit_runs(shape_of(module), min(max_runs, len(sites)), seq, seq - p, max_memory, dev)
     with eval_mode(module):
         clean_run = _full_run(module, c.tokens, decoder)
         fn, name = _metric_fn(model, module, metric, answer, other, clean_run.output)
         clean_metric = float(_checked(fn(clean_run.output), 1, name)[0])
-        seq = c.tokens.shape[1]
-        p = _first_difference(c.tokens, k.tokens) if decoder else 0
-        n_heads = [b.attn.n_heads for b in module.blocks]
-        sites, where = _sites(site, len(module.blocks), n_heads, seq, p)
         shape = _effect_shape(site, n_heads, seq, len(module.blocks))
         # p < seq: _pair refused identical prompts
         resid, prefix, corrupt_out = _corrupt_stream(module, k.tokens, p, decoder)
@@ -558,25 +575,22 @@ def attribution_patching(
     site: str = "heads",
     answer: Any = None,
     other: Any = None,
+    max_memory: int | str | None = None,
 ) -> PatchResult:
     """The first-order estimate of :func:`patch`'s effects from two forwards and one backward.
 
     ``patched - corrupt ~ (a_clean - a_corrupt) . d metric / d a`` at the corrupt run, for each site's
     activation ``a`` (summed over the site's positions and features), normalised by
     ``clean - corrupt``. Exact for a metric linear in the activations; a good guide where a patch
-    moves the metric a little, a poor one where it saturates a softmax.
+    moves the metric a little, a poor one where it saturates a softmax. ``max_memory``: as for :func:`patch`.
     """
     if site not in SITES:
         raise ValueError(f"unknown site {site!r}; sites: {list(SITES)}")
     module = stack_of(model, "attribution_patching")
     decoder = is_decoder(module)
     c, k = _pair(model, clean, corrupt)
-    hook = {
-        "heads": "attn.hook_z",
-        "heads_pos": "attn.hook_z",
-        "resid": "hook_resid_pre",
-        "mlp": "hook_mlp_out",
-    }[site]
+    check_backward(shape_of(module), c.tokens, site in ("heads", "heads_pos"), max_memory)
+    hook = _HOOKS[site]
     L = len(module.blocks)
     with eval_mode(module):
         with torch.no_grad():

@@ -15,7 +15,9 @@ position, averaged over pairs.
 * :func:`make_task`: the same from Python lists.
 
 Refused by name: an empty task, a pair whose clean and corrupt prompts tokenize to different lengths,
-an answer or other that is not one token, an answer equal to its other.
+a prompt longer than the model's position table (``max_seq_len``), an answer or other that is not one
+token, an answer equal to its other; in a task file, a line that is not one JSON object (nested too
+deep included).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .budget import check_length
 from .causal_inputs import stack_of, token_id
 
 __all__ = ["IOI_NAMES", "IOI_TEMPLATES", "MAX_TASK_BYTES", "Task", "ioi_task", "load_task", "make_task"]
@@ -106,7 +109,7 @@ def _ids(model: Any, text: str) -> list[int]:
 def make_task(model: Any, pairs: Sequence[dict[str, Any]], name: str = "task") -> Task:
     """A :class:`Task` from ``pairs``: dicts with ``clean``, ``corrupt`` (texts), ``answer``, ``other``
     (one token each, a string or an id). Every pair is checked; the first bad one is named."""
-    stack_of(model, "make_task")
+    module = stack_of(model, "make_task")
     if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Sequence) or len(pairs) == 0:
         raise ValueError(f"task {name!r} is empty: give at least one clean/corrupt pair; got {pairs!r:.60}")
     rows: list[tuple[list[int], list[int], int, int]] = []
@@ -128,6 +131,8 @@ def make_task(model: Any, pairs: Sequence[dict[str, Any]], name: str = "task") -
         if a == b:
             raise ValueError(f"{where}: answer and other are the same token (id {a}); the metric would be 0")
         ci, ki = _ids(model, clean), _ids(model, corrupt)
+        for side, ids in (("clean", ci), ("corrupt", ki)):  # refused before anything runs the model
+            check_length(module, torch.tensor([ids], dtype=torch.int64), f"{where} {side} prompt")
         if len(ci) != len(ki):
             raise ValueError(
                 f"{where}: clean and corrupt must have equal token lengths (every position is patched "
@@ -171,6 +176,11 @@ def load_task(model: Any, path: str | os.PathLike[str]) -> Task:
             continue
         try:
             pairs.append(json.loads(line, parse_constant=_no_constant))
+        except RecursionError:  # the parser recurses once per level
+            raise ValueError(
+                f"task file {str(p)!r} line {n} is not one JSON object of clean, corrupt, answer and "
+                "other: it nests too deeply for the JSON parser"
+            ) from None
         except (json.JSONDecodeError, ValueError) as e:
             raise ValueError(f"task file {str(p)!r} line {n} is not one JSON object: {e}") from None
     return make_task(model, pairs, name=p.stem)

@@ -37,6 +37,23 @@ def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise UsageError(" ".join(str(e).split())) from None
 
 
+#: ``--max-memory`` of ``patch``, ``attribute`` and ``circuit`` (the API's ``max_memory=``).
+max_memory_option = click.option(
+    "--max-memory", "max_memory", default=None, metavar="SIZE",
+    help="Refuse a run whose estimated peak memory is above SIZE (e.g. 8G, 512M; default: "
+    "$HEADSPACE_MAX_MEMORY, else the memory available now).",
+)  # fmt: skip
+
+
+def checked_memory(max_memory: str | None) -> str | None:
+    """``--max-memory`` checked before the model loads (a size such as ``8G``; None: the default)."""
+    if max_memory is not None:
+        from ..analysis.budget import parse_memory
+
+        _run(parse_memory, max_memory, "--max-memory")
+    return max_memory
+
+
 def _check_distinct(clean_text: str | None, corrupt_text: str | None, answer: str, other: str | None) -> None:
     """Refuse, before the model loads, a prompt pair or an answer pair that would measure nothing (the
     analysis refuses the same after tokenization too, e.g. two spellings of one token)."""
@@ -98,19 +115,23 @@ def _metric_shown(model: Any, name: str, answer: str, other: str) -> str:
 @precision_option
 @out_option
 @json_option
+@max_memory_option
 def patch_cmd(
     clean_text: str, corrupt_text: str, answer: str, other: str, site: str, top: int, model_spec: str,
-    model_precision: str, out_dir: Path | None, as_json: bool,
+    model_precision: str, out_dir: Path | None, as_json: bool, max_memory: str | None,
 ) -> None:  # fmt: skip
     """Activation patching: put each site's clean activation into the corrupt run, read logit(answer) -
     logit(other); 1 = the clean answer restored, 0 = no effect."""
     _check_distinct(clean_text, corrupt_text, answer, other)
+    checked_memory(max_memory)
     if out_dir is not None:
         check_writable_folder(out_dir)
     from ..analysis.patching import EFFECT_KEYS, patch
 
     model = at_precision(load_model(model_spec), model_precision)
-    r = _run(patch, model, clean_text, corrupt_text, site=site, answer=answer, other=other)
+    r = _run(
+        patch, model, clean_text, corrupt_text, site=site, answer=answer, other=other, max_memory=max_memory
+    )
     pictures = []
     if out_dir is not None:
         from ..viz.causal_plots import plot_patch_effect
@@ -157,22 +178,24 @@ def patch_cmd(
 @precision_option
 @out_option
 @json_option
+@max_memory_option
 def attribute_cmd(
     prompt: str, answer: str, other: str | None, top: int, model_spec: str, model_precision: str,
-    out_dir: Path | None, as_json: bool,
+    out_dir: Path | None, as_json: bool, max_memory: str | None,
 ) -> None:  # fmt: skip
     """The logit lens of PROMPT and the heads and MLPs that write --answer directly (direct logit
     attribution: the parts add up to the model's logit).
 
     The answer's rank counts from 1 (1 = the top token), in the table and in --json's answer_rank."""
     _check_distinct(None, None, answer, other)
+    checked_memory(max_memory)
     if out_dir is not None:
         check_writable_folder(out_dir)
     from ..analysis.attribution import direct_logit_attribution, logit_lens
 
     model = at_precision(load_model(model_spec), model_precision)
-    dla = _run(direct_logit_attribution, model, prompt, answer, other)
-    lens = _run(logit_lens, model, prompt, answer, top=5)
+    dla = _run(direct_logit_attribution, model, prompt, answer, other, max_memory=max_memory)
+    lens = _run(logit_lens, model, prompt, answer, top=5, max_memory=max_memory)
     heads = dla.top_heads(top)
     order = dla.mlps.abs().argsort(descending=True)[:top]
     mlps = [(int(i), float(dla.mlps[i])) for i in order]

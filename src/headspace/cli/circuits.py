@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from .causal import _run
+from .causal import _run, checked_memory, max_memory_option
 from .loader import at_precision, load_model
 from .options import (
     TOKENS_HELP,
@@ -167,24 +167,29 @@ def _task(model: Any, spec: str, pairs: int) -> Any:
 @click.option(
     "--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), required=True, help=OUT_HELP
 )
+@max_memory_option
 def circuit_cmd(
     task_spec: str, edges: int, method: str, steps: int, pairs: int, batch_size: int, out_dir: Path,
-    model_spec: str, model_precision: str, as_json: bool,
+    model_spec: str, model_precision: str, as_json: bool, max_memory: str | None,
 ) -> None:  # fmt: skip
     """Find a circuit: score every edge (EAP / EAP-IG), keep the top --edges, measure its faithfulness by
     running it (edges outside carry the corrupt run's values), and the faithfulness curve (MIB's CPR/CMD)."""
     check_writable_folder(out_dir)
+    checked_memory(max_memory)
     from ..analysis import circuits as C
+    from ..analysis.graph import graph_of
     from ..core.fileio import write_atomic
     from ..viz.circuit_plots import plot_circuit, plot_faithfulness_curve
 
     model = at_precision(load_model(model_spec), model_precision)
+    _run(graph_of, model)  # a decoder of pre-norm blocks, said before any task is built for it
     task = _task(model, task_spec, pairs)
-    scores = _run(C.edge_scores, model, task, method, steps, batch_size=batch_size)
+    bounds = {"batch_size": batch_size, "max_memory": max_memory}
+    scores = _run(C.edge_scores, model, task, method, steps, **bounds)
     n = min(edges, int(scores.valid.sum()))
     circuit = C.find_circuit(scores, edges=n)
-    curve = _run(C.faithfulness_curve, model, task, scores, batch_size=batch_size)
-    faith = _run(C.faithfulness, model, task, circuit, batch_size=batch_size)
+    curve = _run(C.faithfulness_curve, model, task, scores, **bounds)
+    faith = _run(C.faithfulness, model, task, circuit, **bounds)
     summary = circuit_summary(model, task, scores, circuit, curve, faith)
     out_dir.mkdir(parents=True, exist_ok=True)
     import json
