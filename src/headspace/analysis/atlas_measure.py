@@ -40,6 +40,7 @@ Encoders (no unembedding) get no ``direct_effect``/``copying`` (their counts sta
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -327,14 +328,10 @@ def measure_batch(
         each_layer_qk(model, lambda: module(tokens, kp), m.layer, stop_early=True)
     else:
         m = BatchMeasure(state, tokens, real, seq_ids, _unembed_rows(module, tokens), module.ln_final)
-        final: list[Tensor] = []
-        handles = []
+        final: list[Tensor] = []  # the final norm's input, as hook_resid_final sees it
+        removers: list[Callable[[], None]] = []
         if module.ln_final is not None:
-
-            def keep(_: nn.Module, args: tuple[Any, ...]) -> None:
-                final.append(args[0])
-
-            handles.append(module.ln_final.register_forward_pre_hook(keep))
+            removers.append(module.hook_resid_final.add(lambda v, _hp: final.append(v)))
         for i, block in enumerate(module.blocks):
             post = post_attention_norm(block)
             if post is not None:  # its factor at the layer's output, kept as [B, S] (not the output)
@@ -343,15 +340,17 @@ def measure_batch(
                 def scale(norm: nn.Module, args: tuple[Any, ...], i: int = i) -> None:
                     m.post_scale[i] = norm_split(norm, args[0])[1]  # (B, S)
 
-                handles.append(post.register_forward_pre_hook(scale))
+                # no hook point holds the attention's output before this norm (hook_attn_out is after
+                # it): a torch pre-hook on the norm, the one raw hook left here (tests/test_no_raw_hooks)
+                removers.append(post.register_forward_pre_hook(scale).remove)
         try:
             out = []
             each_layer_qk(
                 model, lambda: out.append(module.hidden_states(tokens, kp)), m.layer, stop_early=False
             )
         finally:
-            for handle in handles:
-                handle.remove()
+            for remove in removers:
+                remove()
         _direct_effects(m, final[-1] if final else out[0])
     state.n_queries += int(real.sum())
     state.n_tokens += int(real.sum())

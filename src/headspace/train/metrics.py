@@ -39,6 +39,7 @@ from ..analysis import wo_norms
 from ..analysis.roles import DEFAULT_THRESHOLD, RoleAccumulator
 from ..analysis.trace import attention_layers
 from ..core.checks import is_int, nonfinite_count
+from ..nn.hooks import HookPoint
 from .tasks import IGNORE, Batch
 
 #: The most tokens (rows x seq) one evaluation chunk runs through the model.
@@ -164,7 +165,8 @@ class _Scores:
 
 
 def _block_stack(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module] | None:
-    """The blocks holding ``layers`` (each block's ``attn``), when they are one ``nn.ModuleList`` in order.
+    """The blocks holding ``layers`` (each block's ``attn``), when they are one ``nn.ModuleList`` in order
+    and each block has a ``hook_resid_post`` (:class:`~headspace.nn.hooks.HookPoint`: its output).
 
     None when the model is laid out otherwise: its ablations then run the whole model.
     """
@@ -180,6 +182,8 @@ def _block_stack(model: nn.Module, layers: list[nn.Module]) -> list[nn.Module] |
     blocks = list(stack)
     for block, attn in zip(blocks, layers):
         if getattr(block, "attn", None) is not attn or "forward" in vars(block) or "forward" in vars(attn):
+            return None
+        if not isinstance(getattr(block, "hook_resid_post", None), HookPoint):  # its output is read there
             return None
     return blocks
 
@@ -275,9 +279,8 @@ class _Evaluation:
             for i, attn in enumerate(self.layers):
                 removers.append(attn.hook_pattern.add(lambda v, _hp, i=i: fold(v, i, chunk)))
                 removers.append(attn.hook_z.add(lambda v, _hp: zs.append(v.detach())))
-            for block in self.blocks or ():
-                handle = block.register_forward_hook(lambda _m, _a, out: outputs.append(out.detach()))
-                removers.append(handle.remove)
+            for block in self.blocks or ():  # the block's output: what its hook_resid_post sees
+                removers.append(block.hook_resid_post.add(lambda v, _hp: outputs.append(v.detach())))
         try:
             logits = self.model(chunk.tokens)  # (rows, seq, vocab)
         finally:
