@@ -903,3 +903,21 @@ def test_generate_streams_its_tokens_while_a_slow_build_runs(
         assert torch.equal(out, model.generate(prompt, 6, temperature=0, backend="python"))
     finally:
         native._stop_builds()
+
+
+@needs_compiler
+@torch.no_grad()
+def test_a_hand_built_window_past_the_position_table_decodes_on_both_backends(built: None) -> None:
+    """Issue 42: ``sliding_window=2**63`` in a ``ModelConfig`` built by hand (not loaded from a file) raised a
+    raw RuntimeError in the native step (the window overflowed its int64). A window past ``max_seq_len``
+    is stored as ``max_seq_len``, the same maths (every earlier key), so both steps decode it, and as a
+    model without a window does."""
+    torch.manual_seed(0)
+    model = decoder(**{**LLAMA, "act": "silu", "sliding_window": 2**63})
+    assert model.config.sliding_window == model.config.max_seq_len == 23
+    plain = decoder(**{**LLAMA, "act": "silu"})
+    plain.load_state_dict(model.state_dict())
+    assert_native_equals_python(model, native_step(model), torch.randint(0, V, (B, 11)), 4)
+    tokens = torch.randint(0, V, (B, 4))
+    ours = model.generate(tokens, 6, temperature=0, native=True)
+    assert torch.equal(ours, plain.generate(tokens, 6, temperature=0, native=False))

@@ -153,7 +153,8 @@ class ModelConfig:
     #: Biases in the feed-forward projections; derived: bias.
     mlp_bias: bool | None = None
     #: Sliding-window attention: on a "sliding" layer (``layer_types``) query i sees key j iff
-    #: i - sliding_window < j <= i (positions absolute, also with a KV cache); None: no window.
+    #: i - sliding_window < j <= i (positions absolute, also with a KV cache); None: no window. A window
+    #: longer than ``max_seq_len`` is stored as ``max_seq_len`` (the same maths: every earlier key).
     sliding_window: int | None = None
     #: One of "sliding" / "full" per layer; derived: all "sliding" with a sliding_window, else all "full".
     layer_types: list[str] | None = None
@@ -258,6 +259,10 @@ class ModelConfig:
         window = self.sliding_window
         if window is not None and (not is_int(window) or window < 1):
             raise ValueError(f"ModelConfig.sliding_window must be None or an int >= 1; got {window!r}")
+        if window is not None and window > self.max_seq_len:
+            # a window past the position table sees every earlier key of any input the model takes: the
+            # table's length is the same maths, and it fits every executor's integers (2**63 did not)
+            self.sliding_window = window = self.max_seq_len
         if self.layer_types is None:
             self.layer_types = ["sliding" if window is not None else "full"] * self.n_layers
         types = self.layer_types
