@@ -8,14 +8,12 @@ again with the same command resumes), a progress bar (tokens/s, ETA), and, under
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
-from ..core.errors import UsageError
-from .loader import load_model, one_line
+from .errors import check_input
+from .loader import load_model
 from .options import model_choice_option
-from .output import check_writable_folder
+from .output import check_writable_folder, output_folder
 
 
 @click.command("atlas")
@@ -53,26 +51,19 @@ def atlas_cmd(
     from ..viz.atlas import write_atlas_page
 
     out_dir = check_writable_folder(out)
-    if not Path(corpus).exists():
-        raise UsageError(f"--corpus {corpus}: no such file or folder")
-    try:
-        info = setup_distributed(device)
-    except (ValueError, RuntimeError) as e:
-        raise UsageError(one_line(e)) from None
+    check_input(corpus, "--corpus", "corpus", "any")
+    info = setup_distributed(device)
     try:
         model = load_model(model_spec)
         if device == "cuda":
             import torch
 
             model.model.to(torch.device("cuda", torch.cuda.current_device()))
-        try:
-            result = atlas(
-                model, corpus, window=window, batch_size=batch_size, top_k=top_k, max_tokens=max_tokens,
-                ablation=not no_ablation, out=out_dir, shard_size=shard_size, model_name=model_spec,
-                dist_info=info, progress=info.is_main,
-            )  # fmt: skip
-        except (ValueError, TypeError, FileNotFoundError) as e:
-            raise UsageError(one_line(e)) from None
+        result = atlas(
+            model, corpus, window=window, batch_size=batch_size, top_k=top_k, max_tokens=max_tokens,
+            ablation=not no_ablation, out=output_folder(out_dir), shard_size=shard_size,
+            model_name=model_spec, dist_info=info, progress=info.is_main,
+        )  # fmt: skip
         if info.is_main:
             d = result.to_dict()
             result.to_json(out_dir / "atlas.json")
