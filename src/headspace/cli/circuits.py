@@ -25,7 +25,7 @@ from .options import (
     precision_option,
 )
 from .output import check_writable_folder, clean, json_out, more_note
-from .shape import check_before_loading
+from .shape import check_before_loading, check_loaded_shape
 
 OUT_HELP = "Folder for circuit.json, curve.json, faithfulness.png and circuit.png (created if needed)."
 #: The edges ``circuit`` prints (all of them are in circuit.json; every head of the circuit is printed).
@@ -84,6 +84,7 @@ def why_cmd(
     from ..analysis.decomposition import score_decomposition
 
     model = at_precision(load_model(model_spec), model_precision)
+    check_loaded_shape(model, layer, head, from_end=True)  # a .gguf file's shape is known only now
     r = score_decomposition(model, text, layer, head, query, key)
     roles = _roles(model, text, r.layer)
     pairs = r.top_pairs(top)

@@ -32,10 +32,10 @@ USER_ERRORS: tuple[type[BaseException], ...] = (ValueError, TypeError, LookupErr
 def one_line(e: BaseException) -> str:
     """An error's message on one line (a multi-line mismatch report joined with '; ').
 
-    An ``OSError`` with a file name reads ``<file>: <the system's reason>``; a ``KeyError`` its key's
-    text without the quotes ``str(KeyError)`` adds."""
-    if isinstance(e, OSError) and e.strerror and e.filename is not None:
-        text = f"{os.fsdecode(e.filename)}: {e.strerror}"
+    An ``OSError`` reads ``<file>: <the system's reason>`` (the reason alone without a file); a
+    ``KeyError`` its key's text without the quotes ``str(KeyError)`` adds."""
+    if isinstance(e, OSError) and e.strerror:
+        text = e.strerror if e.filename is None else f"{os.fsdecode(e.filename)}: {e.strerror}"
     elif isinstance(e, KeyError) and len(e.args) == 1 and isinstance(e.args[0], str):
         text = e.args[0]
     else:
@@ -44,9 +44,13 @@ def one_line(e: BaseException) -> str:
     return "; ".join(lines) if lines else type(e).__name__
 
 
-def as_usage_error(e: BaseException, prefix: str = "") -> UsageError:
-    """The :class:`UsageError` of a library error: its one-line message after ``prefix: `` (if any)."""
-    return UsageError(f"{prefix}: {one_line(e)}" if prefix else one_line(e))
+def as_usage_error(e: BaseException, prefix: str = "", *, in_brackets: bool = False) -> UsageError:
+    """The :class:`UsageError` of a library error: its one-line message after ``prefix: `` (if any), or
+    ``in_brackets`` after the prefix (``--port 80: cannot listen on 127.0.0.1:80 (Permission denied)``)."""
+    message = one_line(e)
+    if not prefix:
+        return UsageError(message)
+    return UsageError(f"{prefix} ({message})" if in_brackets else f"{prefix}: {message}")
 
 
 def _traceback_wanted() -> bool:
@@ -54,10 +58,11 @@ def _traceback_wanted() -> bool:
 
 
 @contextmanager
-def reported(prefix: str = "") -> Iterator[None]:
+def reported(prefix: str = "", *, in_brackets: bool = False) -> Iterator[None]:
     """Inside, an error of :data:`USER_ERRORS` is raised again as a one-line :class:`UsageError`.
 
-    ``prefix`` (an option's name, e.g. ``"--result"``) starts the message. A broken pipe (the reader of
+    ``prefix`` (an option's name, e.g. ``"--result"``) starts the message, the error's own text after a
+    colon or (``in_brackets``) in brackets. A broken pipe (the reader of
     stdout went away, ``headspace heads | head``) is left to click, which exits quietly; so is everything
     under ``HEADSPACE_TRACEBACK=1``.
     """
@@ -66,22 +71,24 @@ def reported(prefix: str = "") -> Iterator[None]:
     except USER_ERRORS as e:
         if isinstance(e, BrokenPipeError) or getattr(e, "errno", None) == errno.EPIPE or _traceback_wanted():
             raise
-        raise as_usage_error(e, prefix) from None
+        raise as_usage_error(e, prefix, in_brackets=in_brackets) from None
 
 
 #: What each kind of input must be, in the message of :func:`check_input`.
 _EXPECTED = {"file": "a regular file", "folder": "a folder", "any": "a file or a folder"}
+#: What is missing, in the message of :func:`check_input`.
+_MISSING = {"file": "no such file", "folder": "no such folder", "any": "no such file or folder"}
 
 
 def check_input(path: str | os.PathLike[str], option: str, noun: str, kind: str = "file") -> Path:
     """``path`` (the value of ``option``, a ``noun`` such as "sentences file") must exist as ``kind``
     (``"file"``, ``"folder"`` or ``"any"``); else one line, the same for every command: ``cannot read
-    sentences file x.txt (--sentences): not found; it must be a regular file``. Returns the path."""
+    sentences file x.txt (--sentences): no such file; it must be a regular file``. Returns the path."""
     p = Path(path)
     expected = _EXPECTED[kind]
     found = None
     if not os.path.lexists(p):
-        found = "not found"
+        found = _MISSING[kind]
     elif kind == "folder" and not p.is_dir():
         found = "not a folder"
     elif kind == "file" and p.is_dir():

@@ -23,7 +23,7 @@ from ..core.defaults import (
     is_decoder,
 )
 from ..core.errors import UsageError
-from .errors import check_index, read_input_file, reported
+from .errors import read_input_file, reported
 from .loader import at_precision, load_model
 from .options import (
     TOKENS_HELP,
@@ -43,7 +43,7 @@ from .render import (
     readable_explanation,
     render_explanation,
 )
-from .shape import check_before_loading
+from .shape import check_before_loading, check_loaded_shape
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -138,9 +138,7 @@ def explain_cmd(
         check_writable_folder(out_dir)
     check_before_loading(model_spec, layer, head)
     pretrained = at_precision(load_model(model_spec), model_precision)
-    cfg = pretrained.model.config
-    check_index("layer", layer, cfg.n_layers)
-    check_index("head", head, cfg.n_heads)
+    check_loaded_shape(pretrained, layer, head)
     from ..analysis.explain import explain, token_strings
 
     decoder = is_decoder(pretrained)
@@ -345,7 +343,7 @@ def subspaces_cmd(
         check_writable_folder(out_dir)
     check_before_loading(model_spec, layer)
     pretrained = at_precision(load_model(model_spec), model_precision)
-    check_index("layer", layer, pretrained.model.config.n_layers)
+    check_loaded_shape(pretrained, layer)
     from ..analysis import circuit_spectra, subspace_overlaps
 
     ov = subspace_overlaps(pretrained, which)

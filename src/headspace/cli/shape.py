@@ -60,6 +60,16 @@ def known_shape(spec: str) -> tuple[int, int] | None:
     return _folder_shape(folder) if folder.is_dir() else None
 
 
+def check_loaded_shape(
+    pretrained: Any, layer: int | None, head: int | None = None, *, from_end: bool = False
+) -> None:
+    """``--layer`` / ``--head`` against the loaded model's config, in :func:`check_before_loading`'s words
+    (for the models whose shape was not known before they loaded)."""
+    config = pretrained.model.config
+    check_index("layer", layer, config.n_layers, from_end=from_end)
+    check_index("head", head, config.n_heads, from_end=from_end)
+
+
 def check_before_loading(
     model_spec: str, layer: int | None, head: int | None = None, *, from_end: bool = False
 ) -> None:

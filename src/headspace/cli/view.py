@@ -128,7 +128,7 @@ def _bind(port: int) -> PageServer:
     cannot be listened on is a :class:`UsageError` naming it and the OS's reason."""
     from ..viz.explorer.page import page_server
 
-    with reported(f"--port {port}: cannot listen on 127.0.0.1:{port}"):
+    with reported(f"--port {port}: cannot listen on 127.0.0.1:{port}", in_brackets=True):
         return page_server(port=port)
 
 
