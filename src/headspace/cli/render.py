@@ -86,15 +86,16 @@ def _heads_table(heads: Sequence[Any], tokens: Sequence[str], *, relational: boo
     from rich.table import Table
 
     t = Table()
-    cols = ("layer", "head", "role", "content flow" if relational else "weight", "on", "top attended tokens")
+    values = ("content flow", "flow") if relational else ("weight",)
+    cols = ("layer", "head", "role", *values, "on", "top attended tokens")
     for col in cols:
-        numeric = col in ("layer", "head", "content flow", "weight")
+        numeric = col in ("layer", "head", "content flow", "flow", "weight")
         t.add_column(col, justify="right" if numeric else "left")
     for f in heads:
         top = ", ".join(f"{token_label(tokens, a.index)} {a.weight:.2f}" for a in f.top)
         key = f.top[0]
-        value = f"{f.content_flow:.3f}" if relational else f"{key.weight:.3f}"
-        t.add_row(str(f.layer), str(f.head), f.role, value, token_label(tokens, key.index), top)
+        shown = (f"{f.content_flow:.3f}", f"{f.flow:.3f}") if relational else (f"{key.weight:.3f}",)
+        t.add_row(str(f.layer), str(f.head), f.role, *shown, token_label(tokens, key.index), top)
     return t
 
 
@@ -192,12 +193,15 @@ def _render_heads(c: Any, e: Explanation, top_heads: int) -> None:
         c.print(
             f"relational heads ({shown} of {len(e.relational)}): '{tok}' attends most to another content word"
         )
-        c.print("ranked by content flow = sum over content words j of weight_j x |v_j W_O\\[h]|")
+        c.print("ranked by content flow = sum over content words j of weight_j x |v_j W_O\\[h]|;")
+        c.print("flow: the same for the top key alone")
         c.print(_heads_table(e.relational[:top_heads], e.tokens, relational=True))
     if e.positional:
         shown = min(top_heads, len(e.positional))
-        c.print(f"positional and function-word heads ({shown} of {len(e.positional)}): '{tok}' attends most")
-        c.print("to itself, a neighbour, a special token or a function word; ranked by that weight")
+        c.print(f"positional heads, function-word ones included ({shown} of {len(e.positional)}): '{tok}'")
+        c.print(
+            "attends most to itself, a neighbour, a special token or a function word; ranked by that weight"
+        )
         c.print(_heads_table(e.positional[:top_heads], e.tokens, relational=False))
     if any(e.tokens.count(t) > 1 for t in e.tokens):
         c.print("a token that occurs more than once is shown with its position: token@position")
