@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from headspace.analysis.explain import (
+    FUNCTION,
     RELATIONAL,
     explain,
     find_token,
@@ -23,8 +24,8 @@ from headspace.analysis.explain import (
 from headspace.cli.render import kv_note, occurrence_note, render_explanation
 from headspace.model.models import Decoder, ModelConfig
 
-# [CLS] a b c d e [SEP]; the explained token is "c" (index 3)
-TOKENS = ["[CLS]", "a", "b", "c", "d", "e", "[SEP]"]
+# [CLS] apple bird cat dog egg [SEP]; the explained token is "cat" (index 3)
+TOKENS = ["[CLS]", "apple", "bird", "cat", "dog", "egg", "[SEP]"]
 INDEX = 3
 SPECIAL = {0, 6}
 
@@ -53,10 +54,10 @@ def patterns_from_rows(rows: list[torch.Tensor]) -> list[torch.Tensor]:
 HEADS = [
     ("previous", one_hot_row({2: 0.97})),
     ("first", one_hot_row({0: 0.95})),  # [CLS]
-    ("relational", one_hot_row({1: 0.40})),  # "a", two tokens back
+    ("relational", one_hot_row({1: 0.40})),  # "apple", two tokens back
     ("current", one_hot_row({3: 0.93})),  # the token itself
     ("last", one_hot_row({6: 0.91})),  # [SEP]
-    ("relational", one_hot_row({5: 0.60})),  # "e", two tokens on
+    ("relational", one_hot_row({5: 0.60})),  # "egg", two tokens on
     ("next", one_hot_row({4: 0.90})),
 ]
 
@@ -81,21 +82,35 @@ def test_rank_heads_puts_relational_heads_first_and_labels_every_role() -> None:
         (4, "last"),  # 0.91
         (6, "next"),  # 0.90
     ]
-    assert ranking[0].focus_token == "e" and ranking[0].flow == pytest.approx(0.60)
+    assert ranking[0].focus_token == "egg" and ranking[0].flow == pytest.approx(0.60)
     assert not ranking[0].positional and all(f.positional for f in ranking[2:])
     # focus keeps its meaning: the largest weight on a content token (not itself, not [CLS]/[SEP])
     by_head = {f.head: f for f in ranking}
-    assert by_head[0].focus == pytest.approx(0.97) and by_head[0].focus_token == "b"
+    assert by_head[0].focus == pytest.approx(0.97) and by_head[0].focus_token == "bird"
     assert by_head[1].focus_token != "[CLS]" and by_head[4].focus_token != "[SEP]"
 
 
-def test_rank_heads_orders_relational_heads_by_flow_when_value_norms_are_given() -> None:
-    """flow = weight x |v_j W_O[h]|: a weaker weight on a key whose value moves more comes first."""
+def test_rank_heads_orders_relational_heads_by_content_flow_when_value_norms_are_given() -> None:
+    """content flow = sum over content keys of weight x |v_j W_O[h]|: a weaker weight on a key whose
+    value moves more comes first (head 2: 0.40 x 2 + 3 x 0.10 > head 5: 0.60 + 3 x 0.067)."""
     norms = torch.ones(len(HEADS), len(TOKENS))
-    norms[2, 1] = 2.0  # head 2's top key "a" carries a value twice as long: 0.40 x 2 > 0.60 x 1
+    norms[2, 1] = 2.0  # head 2's top key "apple" carries a value twice as long
     ranking = rank_heads(patterns_from_rows([row for _, row in HEADS]), TOKENS, INDEX, SPECIAL, norms=[norms])
     assert [f.head for f in ranking[:2]] == [2, 5]
-    assert ranking[0].flow == pytest.approx(0.80)
+    assert ranking[0].flow == pytest.approx(0.80) and ranking[0].content_flow == pytest.approx(1.10)
+
+
+def test_a_head_whose_top_key_is_a_function_word_is_not_relational() -> None:
+    """A head that puts most weight on "the" (or a piece like "'t") relates no word: role "function",
+    listed after the relational heads however heavy."""
+    tokens = ["[CLS]", "the", "trophy", "'t", "fit", "it", "[SEP]"]
+    rows = [one_hot_row({1: 0.9}, 7), one_hot_row({3: 0.8}, 7), one_hot_row({2: 0.3}, 7)]
+    p = torch.full((1, 3, 7, 7), 1.0 / 7)
+    for h, row in enumerate(rows):
+        p[0, h, 5] = row
+    ranking = rank_heads([p], tokens, 5, {0, 6})
+    assert [(f.head, f.role) for f in ranking] == [(2, "relational"), (0, "function"), (1, "function")]
+    assert ranking[0].focus_token == "trophy" and ranking[0].content_mass == pytest.approx(0.3 + 0.7 / 6 * 1)
 
 
 def test_value_norms_follow_the_kv_group_of_each_query_head() -> None:
@@ -168,7 +183,15 @@ def test_explain_runs_on_a_grouped_query_decoder_without_biases(gqa: TinyLoaded)
     assert (e.n_heads, e.n_kv_heads, e.kv_head, e.kv_shared_by) == (6, 2, 1, [3, 4, 5])
     assert not e.bias
     assert e.pattern[5:] == [0.0] * 4  # causal: nothing after the token
-    assert {f.role for f in e.ranking} <= {RELATIONAL, "previous", "current", "first", "last", "special"}
+    assert {f.role for f in e.ranking} <= {
+        RELATIONAL,
+        FUNCTION,
+        "previous",
+        "current",
+        "first",
+        "last",
+        "special",
+    }
     assert len(e.ranking) == 12
     d = e.to_dict(top=2)
     assert [r["role"] for r in d["ranking"]] == [f.role for f in (*e.relational[:2], *e.positional[:2])]

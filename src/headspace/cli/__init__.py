@@ -9,14 +9,16 @@
 * :mod:`.demo`: no command at all.
 
 Every command loads models through :func:`.loader.load_model` and reports user errors as one line on
-stderr with exit code 2 (:class:`~headspace.errors.UsageError`), never a traceback. Nothing here imports
-torch at module level, so ``headspace --help`` answers at once.
+stderr with exit code 2 (:class:`~headspace.errors.UsageError`), never a traceback: the group runs each
+command inside :func:`.errors.reported`, the one place that maps the library's error types to that line.
+Nothing here imports torch at module level, so ``headspace --help`` answers at once.
 """
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 import click
 
@@ -25,6 +27,7 @@ from .atlas import COMMANDS as ATLAS_COMMANDS
 from .bench import bench_cmd
 from .causal import COMMANDS as CAUSAL_COMMANDS
 from .circuits import COMMANDS as CIRCUIT_COMMANDS
+from .errors import reported
 from .lesson import COMMANDS as LESSON_COMMANDS
 from .native import COMMANDS as NATIVE_COMMANDS
 from .train import COMMANDS as TRAIN_COMMANDS
@@ -49,11 +52,16 @@ def check_arguments(args: Sequence[str]) -> None:
 
 
 class HeadspaceGroup(click.Group):
-    """The command group; it checks every argument before click parses any."""
+    """The command group; it checks every argument before click parses any, and runs every command
+    inside :func:`.errors.reported`: the one place where the library's errors become one line, exit 2."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         check_arguments(args)
         return super().parse_args(ctx, args)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        with reported():
+            return super().invoke(ctx)
 
 
 @click.group(

@@ -16,9 +16,10 @@ import click
 
 from ..core.errors import UsageError
 from ..core.fileio import parse_json, read_regular_file
-from .loader import load_model, one_line
+from .errors import check_input, one_line
+from .loader import load_model
 from .options import model_choice_option
-from .output import check_writable_folder
+from .output import check_writable_folder, output_folder
 
 OWN_PAGE_MARK = b'<script type="application/json" id="atlas-data">'
 """What every atlas page headspace writes holds (:func:`headspace.viz.atlas.write_atlas_page`)."""
@@ -92,12 +93,12 @@ def atlas_cmd(
     from ..core.process_group import setup_distributed, teardown
 
     out_dir = check_writable_folder(out)
-    if not Path(corpus).exists():
-        raise UsageError(f"--corpus {corpus}: no such file or folder")
+    check_input(corpus, "--corpus", "corpus", "any")
+    out_dir = output_folder(out_dir)
     check_own_outputs(out_dir)
     try:
         info = setup_distributed(device)
-    except (ValueError, RuntimeError) as e:
+    except RuntimeError as e:  # torch built without distributed, a rank's environment unusable
         raise UsageError(one_line(e)) from None
     try:
         model = load_model(model_spec)
@@ -114,10 +115,10 @@ def atlas_cmd(
                 )  # fmt: skip
                 if info.is_main:
                     _write(result, out_dir, info.world_size)
-        except (ValueError, TypeError, FileNotFoundError) as e:
-            raise UsageError(one_line(e)) from None
         except OSError as e:
-            raise RunError(_os_reason(e)) from None
+            if isinstance(e, FileNotFoundError):
+                raise  # an input gone: the command line's one path says so (exit code 2)
+            raise RunError(_os_reason(e)) from None  # the output could not be written: exit code 1
     finally:
         teardown(info)
 

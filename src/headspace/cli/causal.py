@@ -14,44 +14,23 @@ from typing import Any
 import click
 
 from ..core.errors import UsageError
+from .answers import warn_if_not_continuation
 from .loader import at_precision, load_model
 from .options import (
     TOKENS_HELP,
+    checked_memory,
     choice_option,
     decoder_model_option,
     json_option,
+    max_memory_option,
     out_option,
     precision_option,
 )
-from .output import check_writable_folder, clean, json_out
+from .output import check_writable_folder, clean, json_out, more_note
 
 #: The indirect-object prompt pair of the README's worked example.
 DEFAULT_CLEAN = "When Mary and John went to the store, John gave a drink to"
 DEFAULT_CORRUPT = "When Mary and John went to the store, Mary gave a drink to"
-
-
-def _run(fn: Any, *args: Any, **kwargs: Any) -> Any:
-    try:
-        return fn(*args, **kwargs)
-    except (ValueError, TypeError) as e:
-        raise UsageError(" ".join(str(e).split())) from None
-
-
-#: ``--max-memory`` of ``patch``, ``attribute`` and ``circuit`` (the API's ``max_memory=``).
-max_memory_option = click.option(
-    "--max-memory", "max_memory", default=None, metavar="SIZE",
-    help="Refuse a run whose estimated peak memory is above SIZE (e.g. 8G, 512M; default: "
-    "$HEADSPACE_MAX_MEMORY, else the memory available now).",
-)  # fmt: skip
-
-
-def checked_memory(max_memory: str | None) -> str | None:
-    """``--max-memory`` checked before the model loads (a size such as ``8G``; None: the default)."""
-    if max_memory is not None:
-        from ..analysis.budget import parse_memory
-
-        _run(parse_memory, max_memory, "--max-memory")
-    return max_memory
 
 
 def _check_distinct(clean_text: str | None, corrupt_text: str | None, answer: str, other: str | None) -> None:
@@ -129,9 +108,8 @@ def patch_cmd(
     from ..analysis.patching import EFFECT_KEYS, patch
 
     model = at_precision(load_model(model_spec), model_precision)
-    r = _run(
-        patch, model, clean_text, corrupt_text, site=site, answer=answer, other=other, max_memory=max_memory
-    )
+    warn_if_not_continuation(model, clean_text, {"--answer": answer, "--other": other})
+    r = patch(model, clean_text, corrupt_text, site=site, answer=answer, other=other, max_memory=max_memory)
     pictures = []
     if out_dir is not None:
         from ..viz.causal_plots import plot_patch_effect
@@ -162,7 +140,8 @@ def patch_cmd(
     click.echo(f"clean:   {clean_text!r}\ncorrupt: {corrupt_text!r}")
     metric = _metric_shown(model, r.metric_name, answer, other)
     click.echo(f"metric {metric}: clean {r.clean_metric:+.3f}, corrupt {r.corrupt_metric:+.3f}")
-    click.echo(f"top {len(ranked)} sites by |effect| (1 = clean restored, 0 = no effect):")
+    cut = more_note(r.effect.numel(), len(ranked), "with --top N or --json")
+    click.echo(f"top {len(ranked)} sites by |effect|{cut} (1 = clean restored, 0 = no effect):")
     for idx, value in ranked:
         click.echo(f"  {_site_name(r.axes, idx, r.tokens):<34} {value:+.3f}")
     for p in pictures:
@@ -194,8 +173,9 @@ def attribute_cmd(
     from ..analysis.attribution import direct_logit_attribution, logit_lens
 
     model = at_precision(load_model(model_spec), model_precision)
-    dla = _run(direct_logit_attribution, model, prompt, answer, other, max_memory=max_memory)
-    lens = _run(logit_lens, model, prompt, answer, top=5, max_memory=max_memory)
+    warn_if_not_continuation(model, prompt, {"--answer": answer, "--other": other})
+    dla = direct_logit_attribution(model, prompt, answer, other, max_memory=max_memory)
+    lens = logit_lens(model, prompt, answer, top=5, max_memory=max_memory)
     heads = dla.top_heads(top)
     order = dla.mlps.abs().argsort(descending=True)[:top]
     mlps = [(int(i), float(dla.mlps[i])) for i in order]
@@ -236,10 +216,12 @@ def attribute_cmd(
         shown = ", ".join(f"{_shown(t)} {float(p):.2f}" for t, p in zip(toks[:3], lens.top_probs[0, i, :3]))
         rank, prob = int(lens.answer_rank[0, i]) + 1, float(lens.answer_prob[0, i])  # 1 = the top token
         click.echo(f"  {label:<9} answer rank {rank:>6}  p={prob:.3f}  top: {shown}")
-    click.echo(f"top {len(heads)} heads by direct attribution:")
+    n_heads, n_mlps = dla.heads.numel(), dla.mlps.numel()
+    hint = "with --top N or --json"
+    click.echo(f"top {len(heads)} heads by direct attribution{more_note(n_heads, len(heads), hint)}:")
     for layer, head, value in heads:
         click.echo(f"  layer {layer:>2} head {head:>2}  {value:+.3f}")
-    click.echo(f"top {len(mlps)} MLPs:")
+    click.echo(f"top {len(mlps)} MLPs{more_note(n_mlps, len(mlps), hint)}:")
     for layer, value in mlps:
         click.echo(f"  layer {layer:>2} MLP      {value:+.3f}")
     click.echo(

@@ -14,33 +14,42 @@ from typing import Any
 
 import click
 
-from .causal import _run, checked_memory, max_memory_option
+from .errors import check_input
 from .loader import at_precision, load_model
 from .options import (
     TOKENS_HELP,
+    checked_memory,
     choice_option,
     decoder_model_option,
     json_option,
+    max_memory_option,
     model_option,
     precision_option,
 )
-from .output import check_writable_folder, clean, json_out
+from .output import check_writable_folder, clean, json_out, more_note
+from .shape import check_before_loading, check_loaded_shape
 
-OUT_HELP = "Folder for circuit.json, curve.json, faithfulness.png and circuit.png."
+OUT_HELP = "Folder for circuit.json, curve.json, faithfulness.png and circuit.png (created if needed)."
+#: The edges ``circuit`` prints (all of them are in circuit.json; every head of the circuit is printed).
+TOP_EDGES = 10
 DEFAULT_WHY = "When Mary and John went to the store, John gave a drink to"
 
 
 def describe(component: str, token: str, roles: dict[str, str] | None = None) -> str:
-    """A component in words: ``"L17H3's output at ' the' (a previous head)"``, ``"the embedding of ' a'"``."""
+    """A component in words: ``"L17H3's output at ␣the (a previous head)"``, ``"the embedding of ␣a"``;
+    ``token`` as the command line prints tokens (:data:`.options.TOKENS_HELP`: a space as ␣, no quotes)."""
+    from ..pretrained.tokenization import readable_token
+
+    token = readable_token(token)
     if component == "embed":
-        return f"the embedding of {token!r}"
+        return f"the embedding of {token}"
     if component == "bias":
         return "the bias terms"
     if component.startswith("mlp"):
-        return f"MLP {component[3:]}'s output at {token!r}"
+        return f"MLP {component[3:]}'s output at {token}"
     role = (roles or {}).get(component)
     shown = f" (a {role} head)" if role and role != "mixed" else ""
-    return f"{component}'s output at {token!r}{shown}"
+    return f"{component}'s output at {token}{shown}"
 
 
 def _roles(model: Any, prompt: str, layer: int) -> dict[str, str]:
@@ -72,11 +81,13 @@ def why_cmd(
     """Why a head attends where it does: its score of the query on the key split exactly over
     (query-side part) x (key-side part): embeddings, earlier heads, earlier MLPs, biases."""
     if out_file is not None:
-        check_writable_folder(out_file.parent if str(out_file.parent) else Path("."), "--out", out_file)
+        check_writable_folder(out_file.parent, "--out", out_file)
+    check_before_loading(model_spec, layer, head, from_end=True)
     from ..analysis.decomposition import score_decomposition
 
     model = at_precision(load_model(model_spec), model_precision)
-    r = _run(score_decomposition, model, text, layer, head, query, key)
+    check_loaded_shape(model, layer, head, from_end=True)  # a .gguf file's shape is known only now
+    r = score_decomposition(model, text, layer, head, query, key)
     roles = _roles(model, text, r.layer)
     pairs = r.top_pairs(top)
     qt, kt = r.tokens[r.query], r.tokens[r.key]
@@ -100,9 +111,14 @@ def why_cmd(
         }  # fmt: skip
         json_out(clean(data))
         return
-    click.echo(f"layer {r.layer} head {r.head}: query {r.query} {qt!r} -> key {r.key} {kt!r}")
+    from ..pretrained.tokenization import readable_token
+
+    q_shown, k_shown = readable_token(qt), readable_token(kt)
+    click.echo(f"layer {r.layer} head {r.head}: query {r.query} {q_shown} -> key {r.key} {k_shown}")
     click.echo(f"score {r.score:+.4f} (attention weight {r.pattern:.3f}); the parts add up to {r.total:+.4f}")
-    click.echo(f"top {len(pairs)} pairs of parts:")
+    n_pairs = r.parts.numel()
+    note = more_note(n_pairs, len(pairs), "with --top N or --json")
+    click.echo(f"top {len(pairs)} pairs of parts{note}:")
     for (_, _, v), w in zip(pairs, words):
         click.echo(f"  {v:+8.4f}  {w}")
     if picture is not None:
@@ -144,8 +160,8 @@ def _task(model: Any, spec: str, pairs: int) -> Any:
     from ..analysis.tasks import ioi_task, load_task
 
     if spec == "ioi":
-        return _run(ioi_task, model, pairs)
-    task = _run(load_task, model, spec)
+        return ioi_task(model, pairs)
+    task = load_task(model, spec)
     return task.subset(slice(0, pairs)) if len(task) > pairs else task
 
 
@@ -176,20 +192,22 @@ def circuit_cmd(
     running it (edges outside carry the corrupt run's values), and the faithfulness curve (MIB's CPR/CMD)."""
     check_writable_folder(out_dir)
     checked_memory(max_memory)
+    if task_spec != "ioi":
+        check_input(task_spec, "--task", "task file")
     from ..analysis import circuits as C
     from ..analysis.graph import graph_of
     from ..core.fileio import write_atomic
     from ..viz.circuit_plots import plot_circuit, plot_faithfulness_curve
 
     model = at_precision(load_model(model_spec), model_precision)
-    _run(graph_of, model)  # a decoder of pre-norm blocks, said before any task is built for it
+    graph_of(model)  # a decoder of pre-norm blocks, said before any task is built for it
     task = _task(model, task_spec, pairs)
     bounds = {"batch_size": batch_size, "max_memory": max_memory}
-    scores = _run(C.edge_scores, model, task, method, steps, **bounds)
+    scores = C.edge_scores(model, task, method, steps, **bounds)
     n = min(edges, int(scores.valid.sum()))
     circuit = C.find_circuit(scores, edges=n)
-    curve = _run(C.faithfulness_curve, model, task, scores, **bounds)
-    faith = _run(C.faithfulness, model, task, circuit, **bounds)
+    curve = C.faithfulness_curve(model, task, scores, **bounds)
+    faith = C.faithfulness(model, task, circuit, **bounds)
     summary = circuit_summary(model, task, scores, circuit, curve, faith)
     out_dir.mkdir(parents=True, exist_ok=True)
     import json
@@ -211,10 +229,13 @@ def circuit_cmd(
     n_all = int(scores.valid.sum())
     click.echo(f"{method} scores over {n_all} edges; top {n} kept: faithfulness {faith.faithfulness:.3f}")
     click.echo(f"curve: CPR {curve.cpr:.3f} (higher is better), CMD {curve.cmd:.3f} (lower is better)")
-    click.echo("top edges:")
-    for s, r, v in circuit.listed[:10]:
+    edges_shown = circuit.listed[:TOP_EDGES]
+    note = more_note(len(circuit.listed), len(edges_shown), "in circuit.json")
+    click.echo(f"top {len(edges_shown)} of the {len(circuit.listed)} edges kept{note}:")
+    for s, r, v in edges_shown:
         click.echo(f"  {s:>8} -> {r:<12} {v:+.4f}")
-    click.echo("heads in the circuit: " + ", ".join(circuit.heads()[:30]))
+    heads = circuit.heads()
+    click.echo(f"heads in the circuit ({len(heads)}): " + ", ".join(heads))
     for p in written:
         click.echo(f"wrote {p}")
     click.echo(

@@ -23,6 +23,7 @@ from ..core.defaults import (
     is_decoder,
 )
 from ..core.errors import UsageError
+from .errors import read_input_file, reported
 from .loader import at_precision, load_model
 from .options import (
     TOKENS_HELP,
@@ -33,7 +34,7 @@ from .options import (
     positive_int,
     precision_option,
 )
-from .output import check_writable_folder, clean, json_out
+from .output import check_writable_folder, clean, json_out, more_note
 from .render import (
     console,
     explain_pictures,
@@ -42,6 +43,7 @@ from .render import (
     readable_explanation,
     render_explanation,
 )
+from .shape import check_before_loading, check_loaded_shape
 
 if TYPE_CHECKING:
     from rich.table import Table
@@ -52,9 +54,21 @@ if TYPE_CHECKING:
 MAX_SENTENCES_BYTES = 16 * 1024 * 1024
 
 
-def _check_range(name: str, value: int | None, n: int) -> None:
-    if value is not None and not 0 <= value < n:
-        raise UsageError(f"{name} {value} is out of range: valid {name}s are 0..{n - 1}")
+def _check_occurrence(tokens: Sequence[str], tok: str | int, occurrence: int | None) -> None:
+    """``--occurrence N`` needs ``--token`` as text that occurs at least N times (one line, exit 2)."""
+    if occurrence is None:
+        return
+    if not isinstance(tok, str):
+        raise UsageError(f"--occurrence needs --token as text; --token {tok} is already one position")
+    from ..analysis.explain import token_occurrences
+
+    found = token_occurrences(tokens, tok)
+    if found and occurrence > len(found):
+        where = ", ".join(f"{n} at position {i}" for n, i in enumerate(found, start=1))
+        raise UsageError(
+            f"--occurrence {occurrence} of {tok!r} is out of range: it occurs {len(found)} time(s) "
+            f"({where}); valid occurrences are 1..{len(found)}"
+        )
 
 
 def _check_sentence(sentence: str | None) -> None:
@@ -64,19 +78,6 @@ def _check_sentence(sentence: str | None) -> None:
             f"SENTENCE is empty ({sentence!r}); give at least one word (or leave it out for the default "
             "sentence)"
         )
-
-
-def _check_before_loading(model_spec: str, layer: int | None, head: int | None = None) -> None:
-    """--layer / --head against a registered model's known shape, before the model loads (a folder's
-    shape is known only from its config: it is checked after loading)."""
-    if layer is None and head is None:
-        return
-    from ..pretrained.registry import registered_shape
-
-    shape = registered_shape(model_spec)
-    if shape is not None:
-        _check_range("layer", layer, shape[0])
-        _check_range("head", head, shape[1])
 
 
 @click.command("explain", epilog=TOKENS_HELP)
@@ -135,32 +136,24 @@ def explain_cmd(
         raise UsageError(f"--token is empty ({token!r}); give a token of the sentence or its index")
     if out_dir is not None:
         check_writable_folder(out_dir)
-    _check_before_loading(model_spec, layer, head)
+    check_before_loading(model_spec, layer, head)
     pretrained = at_precision(load_model(model_spec), model_precision)
-    cfg = pretrained.model.config
-    _check_range("layer", layer, cfg.n_layers)
-    _check_range("head", head, cfg.n_heads)
-    from ..analysis.explain import explain, find_token, token_strings
+    check_loaded_shape(pretrained, layer, head)
+    from ..analysis.explain import explain, token_strings
 
     decoder = is_decoder(pretrained)
     if sentence is None:
         sentence = DECODER_SENTENCE if decoder else DEFAULT_SENTENCE
         if decoder and token is None and occurrence is None:
             token, occurrence = DECODER_TOKEN, DECODER_OCCURRENCE
-    try:
-        tokens = token_strings(pretrained, sentence)
-        if token is None:  # an encoder follows "it"; a decoder its last token, which sees the whole text
-            token = str(len(tokens) - 1) if decoder else DEFAULT_TOKEN
-        tok: str | int = int(token) if token.isdigit() and token not in tokens else token
-        if occurrence is not None and not isinstance(tok, str):
-            raise ValueError(f"--occurrence needs --token as text; --token {token} is already one position")
-        find_token(tokens, tok, occurrence)
-        e = explain(
-            pretrained, sentence, tok, layer=layer, head=head, model_name=model_spec, occurrence=occurrence
-        )
-    except ValueError as err:
-        message = str(err)
-        raise UsageError("--" + message if message.startswith("occurrence ") else message) from None
+    tokens = token_strings(pretrained, sentence)
+    if token is None:  # an encoder follows "it"; a decoder its last token, which sees the whole text
+        token = str(len(tokens) - 1) if decoder else DEFAULT_TOKEN
+    tok: str | int = int(token) if token.isdigit() and token not in tokens else token
+    _check_occurrence(tokens, tok, occurrence)
+    e = explain(
+        pretrained, sentence, tok, layer=layer, head=head, model_name=model_spec, occurrence=occurrence
+    )
     shown = readable_explanation(e, piece_display(pretrained))  # "Ġcat" -> "␣cat"; the JSON keeps "Ġcat"
     pictures = explain_pictures(shown, pretrained, out_dir) if out_dir is not None else []
     if as_json:
@@ -175,16 +168,9 @@ def explain_cmd(
 
 def _read_sentences(path: Path) -> list[str]:
     """The non-empty lines of a UTF-8 file: a regular file of at most :data:`MAX_SENTENCES_BYTES`."""
-    from ..core.fileio import UnsafeFileError, read_regular_file
-
-    limit = f"only regular files of at most {MAX_SENTENCES_BYTES // (1024 * 1024)} MB are read"
-    try:
-        text = read_regular_file(path, max_bytes=MAX_SENTENCES_BYTES).decode("utf-8")
-    except UnsafeFileError as e:
-        reason = str(e).removeprefix(f"{path}: ")
-        raise UsageError(f"cannot read sentences file {path}: {reason} ({limit})") from None
-    except (OSError, UnicodeDecodeError) as e:
-        raise UsageError(f"cannot read sentences file {path}: {e.__class__.__name__}: {e}") from None
+    data = read_input_file(path, "--sentences", "sentences file", MAX_SENTENCES_BYTES)
+    with reported(f"cannot read sentences file {path}"):
+        text = data.decode("utf-8")
     sentences = [line.strip() for line in text.splitlines() if line.strip()]
     if not sentences:
         raise UsageError(f"sentences file {path} holds no sentence (one sentence per line expected)")
@@ -237,13 +223,10 @@ def heads_cmd(
     kw: dict[str, Any] = {} if threshold is None else {"threshold": threshold}
     # a decoder's heads also get the induction score (repeated random tokens: where copying heads look)
     induction = is_decoder(pretrained)
-    try:
-        roles = head_roles(pretrained, sentences, induction=induction, **kw)
-        importance = (
-            None if no_importance else head_importance(pretrained, sentences, mode=mode, progress=not as_json)
-        )
-    except ValueError as err:
-        raise UsageError(str(err)) from None
+    roles = head_roles(pretrained, sentences, induction=induction, **kw)
+    importance = (
+        None if no_importance else head_importance(pretrained, sentences, mode=mode, progress=not as_json)
+    )
     norms = wo_norms(pretrained)
     pictures = []
     if out_dir is not None:
@@ -263,8 +246,46 @@ def heads_cmd(
         )
         return
     console().print(_heads_table(model_spec, len(sentences), roles, importance, norms))
+    for line in heads_legend(sentences, roles, importance):
+        click.echo(line)
     for p in pictures:
         click.echo(f"wrote {p}")
+
+
+#: The sentences ``heads`` names under its table (the rest are counted; --json lists them all).
+SHOWN_SENTENCES = 3
+
+
+def heads_legend(sentences: Sequence[str], roles: Any, importance: Any) -> list[str]:
+    """The lines under the ``heads`` table: the sentences measured on, and what each column means."""
+    shown = [s if len(s) <= 70 else s[:67] + "..." for s in sentences[:SHOWN_SENTENCES]]
+    cut = more_note(len(sentences), len(shown), "with --json")
+    lines = [f"measured on {len(sentences)} sentence(s){cut}:", *(f"  {s!r}" for s in shown)]
+    lines += [
+        "columns, each a mean over the real query tokens of the sentences:",
+        "  prev, self, next, first, last: the attention weight on the token just before the query, the",
+        "    query itself, the token just after it, the first token ([CLS] / BOS), the last ([SEP] / EOS)",
+        "  entropy: of the query's attention pattern, in nats (0 = all on one key, log n = even over n)",
+        f"  role: the largest of those five weights if it is at least {roles.threshold}, else mixed",
+    ]
+    if roles.induction is not None:
+        lines += [
+            "  induction: on random tokens repeated twice (not the sentences), the weight from each token",
+            "    of the second copy to the token after its first occurrence; at least the threshold: role",
+            "    induction",
+        ]
+    if importance is None:
+        lines.append("  importance: not measured (--no-importance)")
+    else:
+        change = "1 - the mean cosine of the sentence embeddings" if importance.metric == "cosine" else (
+            "the increase of the next-token loss" if importance.metric == "loss" else importance.metric
+        )  # fmt: skip
+        lines += [
+            f"  importance: {change} when the head's z is {importance.mode}-ablated",
+            "    (larger: the head matters more)",
+        ]
+    lines.append("  |W_O[h]|: the Frobenius norm of the head's block of W_O (no input: the weights alone)")
+    return lines
 
 
 def _heads_table(model_spec: str, n_sentences: int, roles: Any, importance: Any, norms: Any) -> Any:
@@ -320,9 +341,9 @@ def subspaces_cmd(
     """Head x head subspace overlap per layer beside the random baseline, and the QK/OV spectra."""
     if out_dir is not None:
         check_writable_folder(out_dir)
-    _check_before_loading(model_spec, layer)
+    check_before_loading(model_spec, layer)
     pretrained = at_precision(load_model(model_spec), model_precision)
-    _check_range("layer", layer, pretrained.model.config.n_layers)
+    check_loaded_shape(pretrained, layer)
     from ..analysis import circuit_spectra, subspace_overlaps
 
     ov = subspace_overlaps(pretrained, which)

@@ -1,7 +1,8 @@
 """The one model loader of every command: ``--model NAME | FOLDER`` -> a loaded model, or one line.
 
 Every command that runs a model calls :func:`load_model`; it is :func:`headspace.pretrained.load` with
-its errors turned into one :class:`~headspace.errors.UsageError` line (exit code 2) that says what was
+its errors turned into one :class:`~headspace.errors.UsageError` line (exit code 2, by
+:func:`.errors.reported`) that says what was
 wrong and what is valid. ``--precision`` (``--model-precision``) is applied by :func:`at_precision` on
 the loaded model (float32 loads as it always did).
 """
@@ -11,12 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 from ..core.errors import UsageError
+from .errors import one_line, reported
 
-
-def one_line(e: BaseException) -> str:
-    """An error's message on one line (a multi-line mismatch report joined with '; ')."""
-    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
-    return "; ".join(lines) if lines else type(e).__name__
+__all__ = ["UsageError", "at_precision", "load_model", "one_line"]
 
 
 def load_model(spec: str) -> Any:
@@ -24,17 +22,13 @@ def load_model(spec: str) -> Any:
     ``.gguf`` file."""
     from .. import pretrained
 
-    try:
+    with reported():
         return pretrained.load(spec)
-    except (ImportError, OSError, ValueError, TypeError, KeyError) as e:
-        raise UsageError(one_line(e)) from None
 
 
 def at_precision(pretrained: Any, precision: str) -> Any:
     """The loaded model converted in place to ``precision`` (float32: as loaded), or one line."""
     if precision == "float32":
         return pretrained
-    try:
+    with reported():
         return pretrained.to_precision(precision)
-    except (ValueError, TypeError) as e:
-        raise UsageError(one_line(e)) from None

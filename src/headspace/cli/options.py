@@ -137,3 +137,21 @@ def choice_option(
         show_default=default is not None,
         help=help,
     )
+
+
+#: ``--max-memory`` of ``patch``, ``attribute`` and ``circuit`` (the API's ``max_memory=``).
+max_memory_option = click.option(
+    "--max-memory", "max_memory", default=None, metavar="SIZE",
+    help="Refuse a run whose estimated peak memory is above SIZE (e.g. 8G, 512M; default: "
+    "$HEADSPACE_MAX_MEMORY, else the memory available now).",
+)  # fmt: skip
+
+
+def checked_memory(max_memory: str | None) -> str | None:
+    """``--max-memory`` checked before the model loads (a size such as ``8G``; None: the default); a bad
+    size is a ``ValueError`` naming the option, which the command line's one error path reports."""
+    if max_memory is not None:
+        from ..analysis.budget import parse_memory
+
+        parse_memory(max_memory, "--max-memory")
+    return max_memory

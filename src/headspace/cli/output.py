@@ -37,11 +37,13 @@ def clean(x: Any) -> Any:
 def check_writable_folder(
     path: str | os.PathLike[str], option: str = "--out", value: str | os.PathLike[str] | None = None
 ) -> Path:
-    """Check that files can be written into the folder ``path`` (created later if it does not exist).
+    """Check that files can be written into the folder ``path``, before the command does its work.
 
-    The nearest existing folder on the way to ``path`` must take a new entry: a probe folder is made in
-    it and removed at once, so nothing is left behind. Raises :class:`UsageError` naming the option and
-    its ``value`` (default ``path``), the folder and the operating system's reason.
+    Every command treats its output folder alike: one that does not exist is created, with its parents
+    (the command makes it when it writes, :func:`output_folder`), if the nearest existing folder on the
+    way to ``path`` takes a new entry: a probe folder is made in it and removed at once, so nothing is
+    left behind. Raises :class:`UsageError` naming the option and its ``value`` (default ``path``), the
+    folder and the operating system's reason.
     """
     path = Path(path)
     given = f"{option} {path if value is None else value}"
@@ -61,3 +63,19 @@ def check_writable_folder(
     except OSError:  # pragma: no cover - we just made it
         pass
     return path
+
+
+def output_folder(path: str | os.PathLike[str]) -> Path:
+    """The checked output folder ``path`` (:func:`check_writable_folder`), created (with its parents) if it
+    is new."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def more_note(total: int, shown: int, where: str = "") -> str:
+    """What a cut list leaves out: ``" (190 more in circuit.json)"`` (``where`` = ``"in circuit.json"``),
+    or ``""`` when nothing is cut."""
+    if total <= shown:
+        return ""
+    return f" ({total - shown} more{f' {where}' if where else ''})"

@@ -33,12 +33,37 @@ def readable_explanation(e: Explanation, show: Callable[[str], str]) -> Explanat
     return dataclasses.replace(e, tokens=[show(t) for t in e.tokens], top=attended(e.top), ranking=ranking)
 
 
-def console():
+#: The widest line ``explain`` prints (its steps are composed to fit; its tables are made to).
+EXPLAIN_WIDTH = 100
+
+
+def console(width: int | None = None) -> Any:
+    """A rich console: a terminal's own width (at most ``width``), else (piped, captured) ``width`` or,
+    without it, 150 columns, wide enough for the tables instead of the 80-column default."""
     from rich.console import Console
 
     console = Console(highlight=False)
-    # piped or captured output gets a width that fits the tables instead of the 80-column default
-    return console if console.is_terminal else Console(highlight=False, width=150)
+    if console.is_terminal:
+        return console if width is None else Console(highlight=False, width=min(console.width, width))
+    return Console(highlight=False, width=150 if width is None else width)
+
+
+def token_label(tokens: Sequence[str], j: int) -> str:
+    """Token ``j`` as the terminal shows it: its text, and ``@j`` (its position) when the same text
+    occurs more than once in ``tokens`` (``␣cat@2 0.575, ␣cat@13 0.055``)."""
+    return f"{tokens[j]}@{j}" if tokens.count(tokens[j]) > 1 else tokens[j]
+
+
+def _step(c: Any, text: str, vector: str = "", width: int = EXPLAIN_WIDTH) -> None:
+    """Print one step of the walk: ``text`` and its ``vector`` on one line when they fit in ``width``
+    columns, else the vector on the next line, indented under the step."""
+    if not vector:
+        c.print(text)
+    elif len(text) + 2 + len(vector) <= width:
+        c.print(f"{text}  {vector}")
+    else:
+        c.print(text)
+        c.print(f"    {vector}")
 
 
 def _vec(values: Sequence[float], n: int = 8) -> str:
@@ -55,18 +80,22 @@ def _bar(x: float, width: int = 24) -> str:
     return "█" * n + "·" * (width - n)
 
 
-def _heads_table(title: str, heads: Sequence[Any], *, relational: bool):
+def _heads_table(heads: Sequence[Any], tokens: Sequence[str], *, relational: bool) -> Any:
+    """A group of ranked heads: layer, head, role, content flow (relational) or top weight, the top key
+    and the top attended tokens (a repeated token with its position, :func:`token_label`)."""
     from rich.table import Table
 
-    t = Table(title=title)
-    cols = ("layer", "head", "role", "flow" if relational else "weight", "on", "top attended tokens")
+    t = Table()
+    values = ("content flow", "flow") if relational else ("weight",)
+    cols = ("layer", "head", "role", *values, "on", "top attended tokens")
     for col in cols:
-        t.add_column(col, justify="right" if col in ("layer", "head", "flow", "weight") else "left")
+        numeric = col in ("layer", "head", "content flow", "flow", "weight")
+        t.add_column(col, justify="right" if numeric else "left")
     for f in heads:
-        top = ", ".join(f"{a.token} {a.weight:.2f}" for a in f.top)
+        top = ", ".join(f"{token_label(tokens, a.index)} {a.weight:.2f}" for a in f.top)
         key = f.top[0]
-        value = f"{f.flow:.3f}" if relational else f"{key.weight:.3f}"
-        t.add_row(str(f.layer), str(f.head), f.role, value, key.token, top)
+        shown = (f"{f.content_flow:.3f}", f"{f.flow:.3f}") if relational else (f"{key.weight:.3f}",)
+        t.add_row(str(f.layer), str(f.head), f.role, *shown, token_label(tokens, key.index), top)
     return t
 
 
@@ -94,7 +123,8 @@ def rotation_lines(e: Explanation) -> list[str]:
     """Step 2b of the walk for rotary positions (RoPE): q and every k turned by their positions.
 
     Each pair of features (a plane) turns by the angle position x inv_freq[plane]; the score of query i
-    on key j then depends on the positions only through the offset i - j. Lengths do not change.
+    on key j then depends on the positions only through the offset i - j. Lengths do not change. Every
+    line fits :data:`EXPLAIN_WIDTH` columns but the vector, which :func:`_step` places.
     """
     dh, i = e.d_head, e.token_index
     rd = e.rotary_dim if e.rotary_dim is not None else dh
@@ -102,11 +132,11 @@ def rotation_lines(e: Explanation) -> list[str]:
     theta = f"{e.rope_theta:g}" if e.rope_theta is not None else "?"
     q, k = ("q_n", "k_n,j") if e.q_normed else ("q", "k_j")
     return [
-        f"2b. rotary positions (RoPE, base {theta}): q and every k_j turn, {rd // 2} planes of 2 features, "
-        f"{part}; plane p by the angle position x {theta}^(-2p/{rd}) (before any rope scaling)",
-        f"    q_rot = {q} R({i})   [{dh}]   |q_rot| = {_norm(e.q_rot):.3f} (= |{q}|)  {_vec(e.q_rot)}",
-        f"    k_rot_j = {k} R(j): cached this way, so the score q_rot.k_rot_j depends on {i} - j only "
-        f"(key/value head {e.kv_head})",
+        f"2b. rotary positions (RoPE, base {theta}): q and every k_j turn, {rd // 2} planes of 2 features,",
+        f"    {part}; plane p by the angle position x {theta}^(-2p/{rd}) (before any rope scaling)",
+        f"    q_rot = {q} R({i})   [{dh}]   |q_rot| = {_norm(e.q_rot):.3f} (= |{q}|)",
+        f"    k_rot_j = {k} R(j): cached this way, so the score q_rot.k_rot_j depends on {i} - j only",
+        f"    (key/value head {e.kv_head})",
     ]
 
 
@@ -115,38 +145,37 @@ def qk_norm_lines(e: Explanation) -> list[str]:
     dh = e.d_head
     over = f"its {dh} features" if e.qk_norm == "head" else "all heads' features at once"
     return [
-        f"2a. QK-norm: q_n = q / rms(q) * g_q, an RMSNorm over {over} (its own weight g_q [{dh}]), before "
-        f"any rotation: the scores' size is set by g_q and g_k, not by |q| and |k|",
-        f"    q_n   [{dh}]   |q_n| = {_norm(e.q_normed):.3f} (|q| was {_norm(e.q):.3f})  {_vec(e.q_normed)}",
-        f"    k_n,j = k_j / rms(k_j) * g_k for every token j (key/value head {e.kv_head}'s norm, shared by "
-        "its query heads)",
+        f"2a. QK-norm: q_n = q / rms(q) * g_q, an RMSNorm over {over} (its own weight g_q [{dh}]),",
+        "    before any rotation: the scores' size is set by g_q and g_k, not by |q| and |k|",
+        f"    q_n   [{dh}]   |q_n| = {_norm(e.q_normed):.3f} (|q| was {_norm(e.q):.3f})",
+        f"    k_n,j = k_j / rms(k_j) * g_k for every token j (key/value head {e.kv_head}'s norm, shared",
+        "    by its query heads)",
     ]
 
 
 def window_line(e: Explanation) -> str:
-    """What a sliding window hides from the query (empty for a layer that sees every earlier key)."""
+    """What a sliding window hides from the query (empty for a layer that sees every earlier key); two
+    lines, each within :data:`EXPLAIN_WIDTH` columns."""
     if e.window is None:
         return ""
     i, w = e.token_index, e.window
     outside = [j for j in range(len(e.tokens)) if j <= i - w]
     if not outside:
         return (
-            f"   window: this layer sees key j iff {i} - {w} < j <= {i}; its window of {w} covers all "
-            f"{i + 1} tokens up to the query"
+            f"   window: this layer sees key j iff {i} - {w} < j <= {i};\n"
+            f"   its window of {w} covers all {i + 1} tokens up to the query"
         )
     far = outside[0]
     return (
-        f"   window: key j is visible iff {i} - {w} < j <= {i}: {len(outside)} keys are outside this "
-        f"layer's window of {w} (key {far} is {i - far} tokens back) and get no weight"
+        f"   window: key j is visible iff {i} - {w} < j <= {i}: {len(outside)} keys are outside this\n"
+        f"   layer's window of {w} (key {far} is {i - far} tokens back) and get no weight"
     )
 
 
-def render_explanation(e: Explanation, *, top_heads: int = 5) -> None:
-    """Print the pipeline of an :class:`Explanation` in order, with real shapes and values."""
+def _render_heads(c: Any, e: Explanation, top_heads: int) -> None:
+    """The sentence's panel, the occurrence note and the two groups of ranked heads."""
     from rich.panel import Panel
-    from rich.table import Table
 
-    c = console()
     tok = e.tokens[e.token_index]
     c.print(
         Panel.fit(
@@ -160,55 +189,67 @@ def render_explanation(e: Explanation, *, top_heads: int = 5) -> None:
     if note:
         c.print(note)
     if e.relational:
+        shown = min(top_heads, len(e.relational))
         c.print(
-            _heads_table(
-                f"relational heads: '{tok}' attends most to another content token "
-                "(ranked by flow = weight x |v_j W_O\\[h]|: what that token adds to the output)",
-                e.relational[:top_heads],
-                relational=True,
-            )
+            f"relational heads ({shown} of {len(e.relational)}): '{tok}' attends most to another content word"
         )
+        c.print("ranked by content flow = sum over content words j of weight_j x |v_j W_O\\[h]|;")
+        c.print("flow: the same for the top key alone")
+        c.print(_heads_table(e.relational[:top_heads], e.tokens, relational=True))
     if e.positional:
+        shown = min(top_heads, len(e.positional))
+        c.print(f"positional heads, function-word ones included ({shown} of {len(e.positional)}): '{tok}'")
         c.print(
-            _heads_table(
-                f"positional heads: '{tok}' attends most to itself, a neighbour or a special token "
-                "(ranked by weight)",
-                e.positional[:top_heads],
-                relational=False,
-            )
+            "attends most to itself, a neighbour, a special token or a function word; ranked by that weight"
         )
-    L, H, dh, dm = e.layer, e.head, e.d_head, e.d_model
-    g = e.kv_head
-    c.print(f"\n[bold]Layer {L}, head {H}[/]{kv_note(e)} for token {e.token_index} '{tok}'")
-    c.print(f"1. x, the token's input to the attention      [{dm}]   |x| = {_norm(e.x):.3f}  {_vec(e.x)}")
+        c.print(_heads_table(e.positional[:top_heads], e.tokens, relational=False))
+    if any(e.tokens.count(t) > 1 for t in e.tokens):
+        c.print("a token that occurs more than once is shown with its position: token@position")
+
+
+def _render_query(c: Any, e: Explanation) -> bool:
+    """Steps 1, 2 (and 2a, 2b): x, q, the keys and values; returns whether q and k are rotated."""
+    H, g, dh, dm = e.head, e.kv_head, e.d_head, e.d_model
+    tok = e.tokens[e.token_index]
+    c.print(f"\n[bold]Layer {e.layer}, head {H}[/]{kv_note(e)} for token {e.token_index} '{tok}'")
+    _step(c, f"1. x, the token's input to the attention   [{dm}]   |x| = {_norm(e.x):.3f}", _vec(e.x))
     b_q, b_k, b_v = (f" + b_Q[{H}]", f" + b_K[{g}]", f" + b_V[{g}]") if e.bias else ("", "", "")
-    c.print(
-        f"2. q = x W_Q[{H}]{b_q}   W_Q[{H}]: [{dm}, {dh}]  -> q [{dh}]  |q| = {_norm(e.q):.3f}  {_vec(e.q)}"
+    _step(
+        c, f"2. q = x W_Q[{H}]{b_q}   W_Q[{H}]: [{dm}, {dh}]  -> q [{dh}]  |q| = {_norm(e.q):.3f}", _vec(e.q)
     )
     c.print(
         f"   k_j = x_j W_K[{g}]{b_k}, v_j = x_j W_V[{g}]{b_v} for every token j "
         f"-> k, v [{len(e.tokens)}, {dh}]"
     )
     if e.q_normed:
-        for line in qk_norm_lines(e):
+        *lines, last = qk_norm_lines(e)
+        for line in lines[:2]:
             c.print(line)
+        _step(c, lines[2], _vec(e.q_normed))
+        c.print(lines[3])
+        c.print(last)
     rotated = bool(e.q_rot)
     if rotated:
-        for line in rotation_lines(e):
+        lines = rotation_lines(e)
+        c.print(lines[0])
+        c.print(lines[1])
+        _step(c, lines[2], _vec(e.q_rot))
+        for line in lines[3:]:
             c.print(line)
-    q_name, k_name = ("q_rot", "k_rot_j") if rotated else ("q_n", "k_n,j") if e.q_normed else ("q", "k_j")
-    root = 1.0 / (e.scale * e.scale)  # the scale is 1 / sqrt(root): d_head, or Gemma's query_pre_attn_scalar
-    root_text = f"{root:.0f}" if abs(root - round(root)) < 1e-6 else f"{root:.4g}"
-    t = Table(
-        title=f"3. scores {q_name}.{k_name} / sqrt({root_text}) and the softmax over the "
-        f"{len(e.tokens)} tokens"
-    )
+    return rotated
+
+
+def _scores_table(e: Explanation, rotated: bool) -> Any:
+    """Step 3: each key's |k|, score and softmax weight, the top key in bold."""
+    from rich.table import Table
+
+    k_name = "k_rot_j" if rotated else "k_n,j" if e.q_normed else "k_j"
+    t = Table()
     for col in ("j", "token", f"|{k_name}|", "score", "softmax", ""):
         t.add_column(col, justify="left" if col in ("token", "") else "right")
     for j, token in enumerate(e.tokens):
         s = e.scores[j]
         p = e.pattern[j]
-        style = "bold" if j == e.top[0].index else ""
         t.add_row(
             str(j),
             token + (" <- query" if j == e.token_index else ""),
@@ -216,36 +257,58 @@ def render_explanation(e: Explanation, *, top_heads: int = 5) -> None:
             "masked" if s is None else f"{s:+.3f}",
             f"{p:.4f}",
             _bar(p),
-            style=style,
+            style="bold" if j == e.top[0].index else "",
         )
-    c.print(t)
-    if e.window is not None:
-        c.print(window_line(e))
-    c.print("   top attended: " + ", ".join(f"[bold]{a.token}[/] {a.weight:.3f}" for a in e.top[:3]))
-    c.print(
-        f"4. z = sum_j softmax_j v_j                         [{dh}]   |z| = {_norm(e.z):.3f}  {_vec(e.z)}"
+    return t
+
+
+def _render_output(c: Any, e: Explanation) -> None:
+    """Steps 4-7: z, the concatenation, the output through W_O and how W_O weighs the heads."""
+    from rich.table import Table
+
+    dh, dm, tok = e.d_head, e.d_model, e.tokens[e.token_index]
+    _step(c, f"4. z = sum_j softmax_j v_j   [{dh}]   |z| = {_norm(e.z):.3f}", _vec(e.z))
+    width = e.n_heads * dh
+    _step(
+        c,
+        f"5. concat of the {e.n_heads} heads' z for this token   [{e.n_heads} x {dh} = {width}]",
+        _vec(e.concat),
     )
-    c.print(
-        f"5. concat of the {e.n_heads} heads' z for this token    [{e.n_heads} x {dh} = {e.n_heads * dh}]"
-        f"  {_vec(e.concat)}"
-    )
-    c.print(
-        f"6. out = concat W_O{' + b_O' if e.out_bias else ''}   W_O: [{e.n_heads * dh}, {dm}]  "
-        f"-> out [{dm}]  "
-        f"|out| = {_norm(e.out):.3f}  {_vec(e.out)}"
-    )
-    t = Table(title=f"7. how W_O weighs the heads of layer {L} for '{tok}' (share of sum_h |z_h W_O\\[h]|)")
+    b_o = " + b_O" if e.out_bias else ""
+    out = f"6. out = concat W_O{b_o}   W_O: [{width}, {dm}]  -> out [{dm}]  |out| = {_norm(e.out):.3f}"
+    _step(c, out, _vec(e.out))
+    c.print(f"7. how W_O weighs the heads of layer {e.layer} for '{tok}' (share of sum_h |z_h W_O\\[h]|)")
+    t = Table()
     for col in ("head", "|z_h W_O\\[h]|", "share", ""):
         t.add_column(col, justify="left" if col == "" else "right")
-    order = sorted(range(e.n_heads), key=lambda h: -e.head_shares[h])
-    for h in order:
+    for h in sorted(range(e.n_heads), key=lambda h: -e.head_shares[h]):
         t.add_row(
-            f"{h}{' *' if h == H else ''}",
+            f"{h}{' *' if h == e.head else ''}",
             f"{e.head_contributions[h]:.3f}",
             f"{e.head_shares[h]:.3f}",
             _bar(e.head_shares[h] * 2),
         )
     c.print(t)
+
+
+def render_explanation(e: Explanation, *, top_heads: int = 5) -> None:
+    """Print the pipeline of an :class:`Explanation` in order, with real shapes and values, in at most
+    :data:`EXPLAIN_WIDTH` columns (a vector that does not fit beside its step goes under it)."""
+    c = console(EXPLAIN_WIDTH)
+    _render_heads(c, e, top_heads)
+    rotated = _render_query(c, e)
+    q_name, k_name = ("q_rot", "k_rot_j") if rotated else ("q_n", "k_n,j") if e.q_normed else ("q", "k_j")
+    root = 1.0 / (e.scale * e.scale)  # the scale is 1 / sqrt(root): d_head, or Gemma's query_pre_attn_scalar
+    root_text = f"{root:.0f}" if abs(root - round(root)) < 1e-6 else f"{root:.4g}"
+    c.print(
+        f"3. scores {q_name}.{k_name} / sqrt({root_text}) and the softmax over the {len(e.tokens)} tokens"
+    )
+    c.print(_scores_table(e, rotated))
+    if e.window is not None:
+        c.print(window_line(e))
+    labels = [token_label(e.tokens, a.index) for a in e.top[:3]]
+    c.print("   top attended: " + ", ".join(f"[bold]{t}[/] {a.weight:.3f}" for t, a in zip(labels, e.top)))
+    _render_output(c, e)
 
 
 def explain_pictures(e: Explanation, pretrained: Any, out: Path) -> list[Path]:

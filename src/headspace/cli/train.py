@@ -11,9 +11,10 @@ from pathlib import Path
 import click
 
 from ..core.errors import UsageError
+from .errors import check_input
 from .loader import at_precision, load_model
 from .options import choice_option, model_choice_option, precision_option, seed_value
-from .output import check_writable_folder
+from .output import check_writable_folder, output_folder
 
 
 def _fail(e: Exception) -> UsageError:
@@ -70,22 +71,20 @@ def train_command(
     out: str, resume: bool, no_progress: bool,
 ) -> None:  # fmt: skip
     """Train an Encoder or Decoder and watch its heads specialise (metrics, checkpoints, summary.json)."""
-    from ..train.checkpoint import CheckpointError
     from ..train.loop import TrainConfig, train
 
     if task is None:
         task = "text" if data is not None else "relations"
     check_writable_folder(out)  # before any training: a run that cannot be saved is not started
-    try:
-        config = TrainConfig(
-            task=task, data=data, level=level, arch=arch, n_layers=n_layers, n_heads=n_heads, d_model=d_model,
-            d_mlp=d_mlp, seq_len=seq_len, batch_size=batch_size, steps=steps, lr=lr, warmup=warmup,
-            weight_decay=weight_decay, grad_clip=grad_clip, dropout=dropout, eval_every=eval_every,
-            eval_batch=eval_batch, log_every=log_every, save_every=save_every, seed=seed, device=device,
-        )  # fmt: skip
-        result = train(config, out, resume=resume, progress=not no_progress)
-    except (ValueError, TypeError, CheckpointError) as e:
-        raise _fail(e) from None
+    if data is not None:
+        check_input(data, "--data", "data file")
+    config = TrainConfig(
+        task=task, data=data, level=level, arch=arch, n_layers=n_layers, n_heads=n_heads, d_model=d_model,
+        d_mlp=d_mlp, seq_len=seq_len, batch_size=batch_size, steps=steps, lr=lr, warmup=warmup,
+        weight_decay=weight_decay, grad_clip=grad_clip, dropout=dropout, eval_every=eval_every,
+        eval_batch=eval_batch, log_every=log_every, save_every=save_every, seed=seed, device=device,
+    )  # fmt: skip
+    result = train(config, out, resume=resume, progress=not no_progress)
     s = result.summary
     if s is not None and "relations" in s:
         click.echo(f"accuracy {s['accuracy']:.4f}  ({s['n_layers']} layer(s) x {s['n_heads']} head(s))")
@@ -114,16 +113,12 @@ def plot_run_command(run_dir: str, out: str | None) -> None:
     """Draw the loss curves and per-head metrics over training of RUN_DIR (PNG)."""
     from ..viz.training import plot_run
 
-    if not Path(run_dir).is_dir():
-        raise UsageError(f"RUN_DIR {run_dir} is not a folder")
+    check_input(run_dir, "RUN_DIR", "run folder", "folder")
     if out is None:
         check_writable_folder(run_dir, "RUN_DIR")
     else:
-        check_writable_folder(Path(out).parent, "--out", out)
-    try:
-        path = plot_run(run_dir, out)
-    except ValueError as e:
-        raise _fail(e) from None
+        output_folder(check_writable_folder(Path(out).parent, "--out", out))
+    path = plot_run(run_dir, out)
     click.echo(str(path))
 
 

@@ -22,9 +22,10 @@ import click
 
 from ..core.defaults import default_sentence
 from ..core.errors import UsageError
+from .errors import check_input, reported
 from .loader import at_precision, load_model
 from .options import TOKENS_HELP, choice_option, model_choice_option, model_precision_option
-from .output import check_writable_folder
+from .output import check_writable_folder, output_folder
 
 if TYPE_CHECKING:  # the page module imports torch; --help must not
     from ..viz.explorer.page import Explorer, PageServer
@@ -107,22 +108,19 @@ def _read_results(result_files: tuple[str, ...], sentence: str | None) -> tuple[
 
     views: list[Any] = []
     for name in result_files:
-        try:
+        check_input(name, "--result", "result file")
+        with reported("--result"):
             views += load_results(name)
-        except (OSError, ValueError) as e:
-            raise UsageError(f"--result: {' '.join(str(e).split())}") from None
     return views, prompt_of(views) if sentence is None else sentence
 
 
 def _check_sentence_and_output(sentence: str | None, output: str | None) -> None:
-    """Refuse an all-blank SENTENCE, and an ``-o`` whose folder is missing or not writable."""
+    """Refuse an all-blank SENTENCE, and an ``-o`` whose folder cannot be written or created (a new
+    folder is made only inside an existing one, as for every command's output folder)."""
     if sentence is not None and not sentence.strip():
         raise UsageError("SENTENCE is empty; give at least one word (or leave it out for the default)")
     if output is not None:
-        folder = Path(output).parent
-        if not folder.is_dir():
-            raise UsageError(f"-o {output!r}: the folder {str(folder)!r} does not exist")
-        check_writable_folder(folder, "-o", output)
+        check_writable_folder(Path(output).parent, "-o", output)
 
 
 def _bind(port: int) -> PageServer:
@@ -130,27 +128,23 @@ def _bind(port: int) -> PageServer:
     cannot be listened on is a :class:`UsageError` naming it and the OS's reason."""
     from ..viz.explorer.page import page_server
 
-    try:
+    with reported(f"--port {port}: cannot listen on 127.0.0.1:{port}", in_brackets=True):
         return page_server(port=port)
-    except OSError as e:
-        raise UsageError(f"--port {port}: cannot listen on 127.0.0.1:{port} ({e.strerror})") from None
 
 
 def _build_page(pre: Any, sentence: str, precision: str, views: list[Any]) -> Explorer:
     """The :class:`~headspace.viz.explorer.page.Explorer` of ``sentence`` on the loaded model ``pre``;
-    a sentence or precision it refuses is a :class:`UsageError` with the first line of its message."""
+    a sentence or precision it refuses is one line (:func:`.errors.reported`)."""
     from ..viz.explorer.page import Explorer
 
-    try:
-        return Explorer(pre, sentence, precision=precision, results=views)
-    except ValueError as e:
-        raise UsageError(str(e).splitlines()[0]) from None
+    return Explorer(pre, sentence, precision=precision, results=views)
 
 
 def _save_page(page: Explorer, output: str | None) -> tuple[Path, Path | None]:
     """Save ``page`` to ``output``, or (None: only served) into a fresh temporary folder; returns
     (the page's path, that folder or None). The folder is removed again if the save fails."""
     if output is not None:
+        output_folder(Path(output).parent)
         return page.save(output), None
     temp = Path(tempfile.mkdtemp(prefix="headspace-view-"))
     try:
