@@ -444,7 +444,8 @@ def _replacer(site: str, comps: list[tuple[int, ...]], clean: _Run, B: int) -> P
             if site == "mlp":
                 value[rows] = src
             elif site == "heads_pos":
-                value[rows, c[1], c[2]] = src[:, c[1], c[2]]
+                if c[2] < value.shape[2]:  # beyond this batch's width: padding, no effect
+                    value[rows, c[1], c[2]] = src[:, c[1], c[2]]
             else:
                 value[rows, c[1]] = src[:, c[1]]
         return value
