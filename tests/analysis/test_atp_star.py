@@ -165,7 +165,9 @@ def graddrop_reference(model: hs.Decoder, task: Task) -> torch.Tensor:
     for drop in range(L):
         zs: dict[int, torch.Tensor] = {}
         hooks = {"hook_embed": lambda v, pt: v.detach().requires_grad_(True)}
-        hooks.update({f"blocks.{j}.attn.hook_z": (lambda v, pt, j=j: zs.__setitem__(j, v)) for j in range(L)})
+        hooks.update(
+            {f"blocks.{j}.attn.hook_z": (lambda v, pt, j=j, zs=zs: zs.__setitem__(j, v)) for j in range(L)}
+        )
         hooks[f"blocks.{drop}.hook_attn_out"] = lambda v, pt: v.detach()
         hooks[f"blocks.{drop}.hook_mlp_out"] = lambda v, pt: v.detach()
         with torch.enable_grad(), hooked(model, hooks):
