@@ -49,7 +49,7 @@ COUNTRIES = (
 ).split()
 CAPITAL_TEMPLATES = (
     "The capital of {c} is the city of",
-    "Q: What is the capital of {c}? A: It is",
+    "Q: What is the capital of {c} called? A: It is",
     "{c} is a country. Its capital city is",
     "I flew to the capital of {c}, which is",
 )
@@ -64,10 +64,14 @@ def capital_task(model: Any, n_pairs: int, seed: int = 0) -> Task:
     if len(ok) < 2:
         raise SystemExit(f"capital task: fewer than 2 one-token countries for this tokenizer ({ok})")
     g = torch.Generator().manual_seed(seed)
-    rows = []
-    for n in range(n_pairs):
+    rows: list[dict[str, str]] = []
+    n = 0
+    while len(rows) < n_pairs:
         i, j = torch.randperm(len(ok), generator=g)[:2].tolist()
         t = CAPITAL_TEMPLATES[n % len(CAPITAL_TEMPLATES)]
+        n += 1
+        if len(tok.plain_ids(t.format(c=ok[i][0]))) != len(tok.plain_ids(t.format(c=ok[j][0]))):
+            continue  # a country that merges with the next character: not a same-length pair
         rows.append({"clean": t.format(c=ok[i][0]), "corrupt": t.format(c=ok[j][0]),
                      "answer": " " + ok[i][1], "other": " " + ok[j][1]})  # fmt: skip
     return make_task(model, rows, name="capitals")
@@ -102,7 +106,10 @@ def node_scores(es: Any, n_layers: int, n_heads: int) -> dict[str, torch.Tensor]
 def timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[Any, float]:
     t0 = time.perf_counter()
     out = fn(*args, **kwargs)
-    return out, time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    what = " ".join(str(a) for a in args[2:] if isinstance(a, str))
+    print(f"  {getattr(fn, '__name__', fn)} {what} {kwargs.get('method', '')}: {seconds:.1f} s", flush=True)
+    return out, seconds
 
 
 def run_task(model: Any, task: Task, args: argparse.Namespace) -> list[dict]:
