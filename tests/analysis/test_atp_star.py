@@ -336,7 +336,7 @@ def test_cli_patch_method(gpt2_folder: Path) -> None:
     runner = CliRunner()
     args = ["patch", "--model", str(gpt2_folder), "--json"]
     exact = json.loads(runner.invoke(cli, args).output)
-    assert exact["method"] == "exact" and "score" not in exact
+    assert exact["patch_method"] == "exact" and exact["method"] == "activation" and "score" not in exact
     star = runner.invoke(cli, [*args, "--method", "atp*"])
     assert star.exit_code == 0, star.output
     star = json.loads(star.output)
@@ -346,7 +346,8 @@ def test_cli_patch_method(gpt2_folder: Path) -> None:
             "other": " John"}  # fmt: skip
     task = hs.analysis.tasks.make_task(model, [pair])
     ref = S.atp_star(model, task, "heads")
-    assert star["method"] == "atp*" and star["axes"] == ["layer", "head"]
+    assert star["patch_method"] == "atp*" and star["method"] == "attribution"
+    assert star["axes"] == ["layer", "head"]
     assert_close(torch.tensor(star["score"]), ref.score)
     assert_close(torch.tensor(star["head_patch_effect"]), ref.effect)
     assert [tuple(t["site"].values()) for t in star["top"]] == ref.ranking()[:8]

@@ -141,7 +141,9 @@ def patch_cmd(
     if as_json:
         data = {
             "site": site,
-            "method": method,
+            # PatchResult's word (the explorer reads it): real patched runs, or an estimate of them
+            "method": "activation" if method == "exact" else "attribution",
+            "patch_method": method,
             "axes": list(r.axes),
             EFFECT_KEYS.get(site, f"{site}_patch_effect"): r.effect.tolist(),
             "patched_metric": r.patched_metric.tolist(),
