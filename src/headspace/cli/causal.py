@@ -203,7 +203,7 @@ def _patched(model: Any, method: str, clean_text: str, corrupt_text: str, site: 
              other: str) -> Any:  # fmt: skip
     """The result of ``--method`` on one prompt pair: a PatchResult (exact and atp of patching.py's
     sites) or an :class:`_Shown` of :mod:`..analysis.atp_star`'s (atp*, and queries/keys)."""
-    from ..analysis import atp_star as star
+    from ..analysis.atp_star import atp_star, exact_effects
     from ..analysis.patching import attribution_patching, patch
 
     if site in ("heads", "heads_pos", "resid", "mlp") and method != "atp*":
@@ -214,9 +214,9 @@ def _patched(model: Any, method: str, clean_text: str, corrupt_text: str, site: 
     pair = {"clean": clean_text, "corrupt": corrupt_text, "answer": answer, "other": other}
     task = _run(make_task, model, [pair], name="pair")
     if method == "exact":
-        r = _run(star.exact_effects, model, task, site)
+        r = _run(exact_effects, model, task, site)
     else:
-        r = _run(star.atp_star, model, task, site, method=method)
+        r = _run(atp_star, model, task, site, method=method)
     ids = task.clean[0, : int(task.lengths[0])].tolist()
     tokens = [model.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
     diff = (task.clean[0] != task.corrupt[0]).nonzero()
