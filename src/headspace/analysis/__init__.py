@@ -21,6 +21,9 @@ form; layer ``i`` is the ``i``-th attention layer (``blocks.i.attn``).
   frequency plane; which heads attend by content (slow planes) and which by position (fast planes).
 * :func:`score_decomposition`, :func:`composition_scores` (:mod:`.decomposition`): one head's score split
   exactly over (query-side part) x (key-side part); Q/K/V composition of every head pair.
+* :func:`atp_star` (:mod:`.atp_star`, with :func:`exact_effects` and :func:`atp_star_diagnostic`): AtP*,
+  attribution patching with the QK fix and GradDrop, of every head, head and position, MLP, query or key
+  over a task's pairs, held to exact patching, and a bound on its false negatives.
 * :mod:`.circuits` (``edge_scores``, ``find_circuit``, ``faithfulness``, ``faithfulness_curve``) over the
   head/MLP graph of :mod:`.graph`, on tasks of :mod:`.tasks` (``ioi_task``, ``load_task``).
 """
@@ -28,6 +31,7 @@ form; layer ``i`` is the ``i``-th attention layer (``blocks.i.attn``).
 from . import circuits
 from .ablation import HeadImportance, head_importance, mean_z
 from .atlas import Atlas, atlas
+from .atp_star import AtPStarResult, Diagnostic, atp_star, atp_star_diagnostic, exact_effects
 from .chunked import LayerQK, PatternSummary, each_layer_qk, pattern_rows, summaries
 from .decomposition import CompositionScores, ScoreDecomposition, composition_scores, score_decomposition
 from .mixing import HeadMixing, head_mixing, shares_from_result, wo_norms
@@ -53,9 +57,11 @@ from .subspaces import (
 __all__ = [
     "SUBSPACES",
     "TARGETS",
+    "AtPStarResult",
     "Atlas",
     "CircuitSpectra",
     "CompositionScores",
+    "Diagnostic",
     "HeadImportance",
     "HeadMixing",
     "HeadRoles",
@@ -65,10 +71,13 @@ __all__ = [
     "ScoreDecomposition",
     "SubspaceOverlaps",
     "atlas",
+    "atp_star",
+    "atp_star_diagnostic",
     "circuit_spectra",
     "circuits",
     "composition_scores",
     "each_layer_qk",
+    "exact_effects",
     "head_angles",
     "head_importance",
     "head_mixing",

@@ -57,7 +57,17 @@ from ..nn.positions import rotary_tables, rotate_fused
 from ..nn.spec import refuse_unsupported
 from .causal_inputs import is_decoder, stack_of
 
-__all__ = ["Graph", "GraphGrads", "GraphRun", "graph_grads", "graph_of", "run_graph"]
+__all__ = [
+    "Graph",
+    "GraphGrads",
+    "GraphRun",
+    "RotaryTables",
+    "frozen_parameters",
+    "graph_grads",
+    "graph_of",
+    "project_qkv",
+    "run_graph",
+]
 
 
 @dataclass(frozen=True)
@@ -247,6 +257,12 @@ class _Tables:
             self.memo[key] = rotary_tables(attn.rotary, self.positions, q.dtype, q.device)
         cos, sin = self.memo[key]  # each (1, 1, S, rotary_dim)
         return rotate_fused(q, cos, sin, attn.rotary), rotate_fused(k, cos, sin, attn.rotary)
+
+
+#: Public names of the projection and the rotary tables above, for modules that write their own forward
+#: through the same maths (:mod:`.atp_star`, which needs the attention pattern itself).
+project_qkv = _project
+RotaryTables = _Tables
 
 
 def _mix(

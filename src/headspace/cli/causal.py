@@ -1,13 +1,15 @@
 """``headspace patch`` and ``headspace attribute``: which heads cause the answer, from the command line.
 
 ``patch`` runs activation patching (:func:`headspace.analysis.patching.patch`) of a clean prompt into a
-corrupt one and prints the top sites; ``attribute`` prints the logit lens and the heads and MLPs that
-write the answer directly (:mod:`headspace.analysis.attribution`). Both write pictures to ``--out`` and
-the same numbers as JSON with ``--json``.
+corrupt one and prints the top sites (``--method atp`` / ``atp*``: the estimates of attribution patching
+and of AtP*, :mod:`headspace.analysis.atp_star`, instead of the patched runs); ``attribute`` prints the
+logit lens and the heads and MLPs that write the answer directly (:mod:`headspace.analysis.attribution`).
+Both write pictures to ``--out`` and the same numbers as JSON with ``--json``.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,9 @@ from .output import check_writable_folder, clean, json_out, more_note
 #: The indirect-object prompt pair of the README's worked example.
 DEFAULT_CLEAN = "When Mary and John went to the store, John gave a drink to"
 DEFAULT_CORRUPT = "When Mary and John went to the store, Mary gave a drink to"
+#: ``headspace patch --method``
+PATCH_METHODS = ("exact", "atp", "atp*")
+_STAR_SITES = ("heads", "heads_pos", "mlp", "queries", "keys")
 
 
 def _check_distinct(clean_text: str | None, corrupt_text: str | None, answer: str, other: str | None) -> None:
@@ -85,9 +90,17 @@ def _metric_shown(model: Any, name: str, answer: str, other: str) -> str:
 @click.option("--other", default=" John", show_default=True, help="The competing answer (one token).")
 @choice_option(
     "--site",
-    choices=["heads", "heads_pos", "resid", "mlp"],
+    choices=["heads", "heads_pos", "resid", "mlp", "queries", "keys"],
     default="heads",
-    help="What to patch: each head's z, per position, the residual stream per position, each MLP.",
+    help="What to patch: each head's z, per position, the residual stream per position, each MLP, each "
+    "head's query, each key/value head's key.",
+)
+@click.option(
+    "--method",
+    default="exact",
+    show_default=True,
+    help="exact|atp|atp*. exact: the patched runs; atp: attribution patching's first-order estimate; "
+    "atp*: AtP* (exact attention patterns for queries/keys, GradDrop), ranked by its score.",
 )
 @click.option("--top", type=click.IntRange(1, None), default=10, show_default=True, help="Sites to list.")
 @decoder_model_option
@@ -96,25 +109,28 @@ def _metric_shown(model: Any, name: str, answer: str, other: str) -> str:
 @json_option
 @max_memory_option
 def patch_cmd(
-    clean_text: str, corrupt_text: str, answer: str, other: str, site: str, top: int, model_spec: str,
-    model_precision: str, out_dir: Path | None, as_json: bool, max_memory: str | None,
+    clean_text: str, corrupt_text: str, answer: str, other: str, site: str, method: str, top: int,
+    model_spec: str, model_precision: str, out_dir: Path | None, as_json: bool, max_memory: str | None,
 ) -> None:  # fmt: skip
     """Activation patching: put each site's clean activation into the corrupt run, read logit(answer) -
-    logit(other); 1 = the clean answer restored, 0 = no effect."""
+    logit(other); 1 = the clean answer restored, 0 = no effect. --method atp / atp* estimate the same
+    effects from gradients (two forwards and one backward; AtP* adds GradDrop's backward passes)."""
     _check_distinct(clean_text, corrupt_text, answer, other)
     checked_memory(max_memory)
+    _check_method(method, site)
     if out_dir is not None:
         check_writable_folder(out_dir)
-    from ..analysis.patching import EFFECT_KEYS, patch
+    from ..analysis.patching import EFFECT_KEYS
 
     model = at_precision(load_model(model_spec), model_precision)
     warn_if_not_continuation(model, clean_text, {"--answer": answer, "--other": other})
-    r = patch(model, clean_text, corrupt_text, site=site, answer=answer, other=other, max_memory=max_memory)
+    r = _patched(model, method, clean_text, corrupt_text, site, answer, other, max_memory)
     pictures = []
     if out_dir is not None:
         from ..viz.causal_plots import plot_patch_effect
 
-        title = f"{model_spec}: patching {site} ({r.metric_name})"
+        what = "patching" if method == "exact" else f"{method} estimate of patching"
+        title = f"{model_spec}: {what} {site} ({r.metric_name})"
         pictures.append(
             plot_patch_effect(
                 r.effect, r.axes, Path(out_dir) / f"patch_{site}.png", title=title, tokens=r.tokens
@@ -124,8 +140,11 @@ def patch_cmd(
     if as_json:
         data = {
             "site": site,
+            # PatchResult's word (the explorer reads it): real patched runs, or an estimate of them
+            "method": "activation" if method == "exact" else "attribution",
+            "patch_method": method,
             "axes": list(r.axes),
-            EFFECT_KEYS[site]: r.effect.tolist(),
+            EFFECT_KEYS.get(site, f"{site}_patch_effect"): r.effect.tolist(),
             "patched_metric": r.patched_metric.tolist(),
             "clean_metric": r.clean_metric,
             "corrupt_metric": r.corrupt_metric,
@@ -135,17 +154,81 @@ def patch_cmd(
             "top": [{"site": dict(zip(r.axes, idx)), "effect": value} for idx, value in ranked],
             "pictures": [str(p) for p in pictures],
         }
+        if getattr(r, "score", None) is not None:
+            data["score"] = r.score.tolist()  # AtP*'s ranking (GradDrop's mean |c_l|, metric units)
         json_out(clean(data))
         return
     click.echo(f"clean:   {clean_text!r}\ncorrupt: {corrupt_text!r}")
     metric = _metric_shown(model, r.metric_name, answer, other)
     click.echo(f"metric {metric}: clean {r.clean_metric:+.3f}, corrupt {r.corrupt_metric:+.3f}")
+    by = {"exact": "|effect|", "atp": "|estimated effect|", "atp*": "AtP* score (GradDrop)"}[method]
     cut = more_note(r.effect.numel(), len(ranked), "with --top N or --json")
-    click.echo(f"top {len(ranked)} sites by |effect|{cut} (1 = clean restored, 0 = no effect):")
+    click.echo(f"top {len(ranked)} sites by {by}{cut} (1 = clean restored, 0 = no effect):")
     for idx, value in ranked:
         click.echo(f"  {_site_name(r.axes, idx, r.tokens):<34} {value:+.3f}")
     for p in pictures:
         click.echo(f"wrote {p}")
+
+
+def _check_method(method: str, site: str) -> None:
+    """Refuse, before the model loads, a site the method does not patch."""
+    if method not in PATCH_METHODS:
+        raise UsageError(f"--method must be one of {', '.join(PATCH_METHODS)}; got {method!r}")
+    if site == "resid" and method == "atp*":
+        raise UsageError(
+            f"--method atp* patches {', '.join(_STAR_SITES)}; got --site resid (use --method exact or atp)"
+        )
+
+
+@dataclass
+class _Shown:
+    """What ``patch`` prints of a result: PatchResult's fields, from an AtP* / exact_effects result."""
+
+    axes: tuple[str, ...]
+    effect: Any
+    patched_metric: Any
+    clean_metric: float
+    corrupt_metric: float
+    metric_name: str
+    tokens: list[str] | None
+    first_difference: int
+    score: Any
+    ranked: list[tuple[tuple[int, ...], float]]
+
+    def top(self, k: int) -> list[tuple[tuple[int, ...], float]]:
+        return self.ranked[:k]
+
+
+def _patched(model: Any, method: str, clean_text: str, corrupt_text: str, site: str, answer: str,
+             other: str, max_memory: str | None) -> Any:  # fmt: skip
+    """The result of ``--method`` on one prompt pair: a PatchResult (exact and atp of patching.py's
+    sites) or an :class:`_Shown` of :mod:`..analysis.atp_star`'s (atp*, and queries/keys)."""
+    from ..analysis.atp_star import atp_star, exact_effects
+    from ..analysis.patching import attribution_patching, patch
+
+    if site in ("heads", "heads_pos", "resid", "mlp") and method != "atp*":
+        fn = patch if method == "exact" else attribution_patching
+        return fn(
+            model, clean_text, corrupt_text, site=site, answer=answer, other=other, max_memory=max_memory
+        )
+    from ..analysis.tasks import make_task
+
+    pair = {"clean": clean_text, "corrupt": corrupt_text, "answer": answer, "other": other}
+    task = make_task(model, [pair], name="pair")
+    if method == "exact":
+        r = exact_effects(model, task, site)
+    else:
+        r = atp_star(model, task, site, method=method)
+    ids = task.clean[0, : int(task.lengths[0])].tolist()
+    tokens = [model.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    diff = (task.clean[0] != task.corrupt[0]).nonzero()
+    return _Shown(
+        axes=r.axes, effect=r.effect, patched_metric=r.estimate + r.corrupt_metric,
+        clean_metric=r.clean_metric, corrupt_metric=r.corrupt_metric,
+        metric_name=f"logit({answer!r}) - logit({other!r})", tokens=tokens,
+        first_difference=int(diff[0, 0]) if len(diff) else len(ids),
+        score=r.score if method == "atp*" else None, ranked=r.top(len(r.ranking())),
+    )  # fmt: skip
 
 
 @click.command("attribute", epilog=TOKENS_HELP)
