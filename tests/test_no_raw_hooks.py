@@ -24,8 +24,6 @@ ALLOWED: dict[str, tuple[int, str]] = {
     # unless some module of the layer has a torch hook; the other conditions it checks (batch_first,
     # in_proj_bias, _qkv_same_embed_dim, ...) describe the weights and cannot be faked without lying
     "attention/compat.py": (1, "do-nothing pre-hook keeping torch's encoder layer off its fast path"),
-    # KNOWN REMAINING EXCEPTION (another branch converts it to hook_attn_in): remove after the merge
-    "analysis/explain.py": (1, "attention input read by a raw pre-hook; to become blocks.L.hook_attn_in"),
     # hook_attn_in carries the attention's input but not the keywords of its call (key_padding,
     # attn_mask, is_causal, positions, kv_cache), which recomputing q and k needs
     "analysis/chunked.py": (1, "each_layer_qk needs the attention call's keywords; no hook point has them"),

@@ -310,15 +310,14 @@ def record(model: nn.Module, run: Callable[[], Any]) -> dict[str, list[Tensor]]:
     layers = _attention_layers(model)
     inputs: list[Tensor | None] = [None] * len(layers)
 
-    def grab_input(i: int) -> Callable[..., None]:
-        def hook(_mod: nn.Module, args: tuple, kwargs: dict) -> None:
-            inputs[i] = args[0].detach().clone()
+    def grab_input(i: int) -> Callable[[Tensor, Any], None]:
+        def keep(value: Tensor, _point: Any) -> None:
+            inputs[i] = value.detach().clone()  # (batch, seq, d_model)
 
-        return hook
+        return keep
 
-    handles = [
-        attn.register_forward_pre_hook(grab_input(i), with_kwargs=True) for i, attn in enumerate(layers)
-    ]
+    # each block's hook_attn_in: the attention's input after its norm, in every residual layout
+    removers = [b.hook_attn_in.add(grab_input(i), this_thread=True) for i, b in enumerate(model.blocks)]
     names = ("q", "k", "v", "scores", "pattern", "z", "result")
     rotary = [n for n in ("rot_q", "rot_k") if all(getattr(a, "rotary", None) is not None for a in layers)]
     normed = [n for n in ("q_normed", "k_normed") if all(getattr(a, "qk_norm", None) for a in layers)]
@@ -327,8 +326,8 @@ def record(model: nn.Module, run: Callable[[], Any]) -> dict[str, list[Tensor]]:
         with trace(model, [f"hook_{n}" for n in (*names, *extra)]) as t:
             run()
     finally:
-        for h in handles:
-            h.remove()
+        for remove in removers:
+            remove()
     rec = {n: [t.act(n, i) for i in range(len(layers))] for n in (*names, *extra)}
     rec["input"] = inputs  # type: ignore[assignment]
     return rec
