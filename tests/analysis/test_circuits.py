@@ -736,3 +736,26 @@ def test_benchmark_script_runs_tiny(tmp_path: Path) -> None:
     assert [r["case"] for r in data["rows"]] == ["eap", "eap-ig (2 steps)", "faithfulness curve (11 points)"]
     assert all(r["headspace_s"] > 0 and r["hook_loop_s"] > 0 for r in data["rows"])
     assert data["curve"]["faithfulness"][0] == 0.0 and data["curve"]["faithfulness"][-1] == 1.0
+
+
+def test_atp_star_benchmark_script_runs_tiny(tmp_path: Path) -> None:
+    """benchmarks/atp_star.py end to end on the tiny GPT-2 folder (the IOI task): its JSON holds a row per
+    site with each method's rank correlation to exact patching and its cost."""
+    import importlib.util
+
+    folder = tiny_gpt2(tmp_path / "gpt2")
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "atp_star.py"
+    spec = importlib.util.spec_from_file_location("bench_atp_star_script", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    out = tmp_path / "atp_star.json"
+    argv = ["--model", str(folder), "--tasks", "ioi", "--pairs", "4", "--batch", "2", "--threads", "1"]
+    argv += ["--k-heads", "2", "--k-mlp", "1", "--samples", "2", "--out", str(out)]
+    assert script.main(argv) == 0
+    data = json.loads(out.read_text())
+    assert data["rows"] and data["settings"]["pairs"] == 4
+    assert {r["task"] for r in data["rows"]} == {"ioi"}
+    methods = {"exact", "atp", "atp*", "eap-ig"}
+    assert {(r["site"], r["method"]) for r in data["rows"]} == {
+        (s, m) for s in ("heads", "mlp") for m in methods
+    }

@@ -40,6 +40,7 @@ ELSEWHERE = {  # scripts whose smoke run lives with their own tests
     "long_inputs": "real runs need SmolLM2: tests/analysis/test_long_inputs.py runs it tiny (--random)",
     "compile": "tests/model/test_compile_models.py runs it tiny (--backend eager)",
     "circuits": "needs a tokenizer: tests/analysis/test_circuits.py runs it on a tiny GPT-2 folder",
+    "atp_star": "needs a tokenizer: tests/analysis/test_circuits.py runs it on a tiny GPT-2 folder",
     "gemma3": "needs Gemma-3-270M and transformers' copy: tests/pretrained/test_gemma3.py runs its measure()",
 }
 CHROMIUM = os.environ.get("HEADSPACE_CHROMIUM", "/usr/bin/chromium")
