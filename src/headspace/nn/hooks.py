@@ -313,7 +313,8 @@ def name_hook_points(model: nn.Module) -> dict[str, HookPoint]:
     points = {}
     for name, module in model.named_modules():
         if isinstance(module, HookPoint):
-            module.name = name
+            if module.name != name:  # set once: nn.Module.__setattr__'s checks cost on every trace
+                module.name = name
             points[name] = module
     return points
 
