@@ -1,12 +1,15 @@
-"""Is this checkout slower than another? SmolLM2 decoding at batch 1 and 8 and MiniLM encoding, side by side.
+"""Is this checkout slower than another? SmolLM2 and Gemma 3 decoding, MiniLM encoding and the patching sweep.
 
 Each round runs one child process per source tree (this checkout's ``src`` and ``--before``'s, in
 alternating order), and each child times, on the same prompt and sentences:
 
 * ``decode b1`` / ``decode b8``: ms per token of SmolLM2 greedy ``generate`` at batch 1 and 8 (after a
   warm-up call; the default step: the native one where it is built, which the script builds first);
+* ``gemma3 decode b1``: ms per token of Gemma-3-270M greedy ``generate`` at batch 1;
 * ``encode``: seconds for MiniLM to encode ``--sentences`` (256) lines of the README
-  (``PretrainedEncoder.encode``).
+  (``PretrainedEncoder.encode``);
+* ``patch sweep``: seconds for ``patch`` over SmolLM2's 270 heads on the indirect-object prompts of
+  ``benchmarks/patching.py`` (its batched sweep; the same numbers in both trees).
 
 It prints each figure's median and spread per tree and the ratio of the medians (this / before), and
 writes JSON. A ratio near 1 within the spread means "no slower"; the ratios to transformers are then
@@ -36,7 +39,13 @@ from headspace.core.fileio import write_json
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
-FIGURES = ("decode b1 ms/token", "decode b8 ms/token", "encode s")
+FIGURES = (
+    "decode b1 ms/token",
+    "decode b8 ms/token",
+    "gemma3 decode b1 ms/token",
+    "encode s",
+    "patch sweep s",
+)
 
 CHILD = r"""
 import json, statistics, sys, time
@@ -59,6 +68,27 @@ for batch in (1, 8):
         m.model.generate(p, steps, temperature=0)
         times.append((time.perf_counter() - t0) / steps * 1e3)
     out[f"decode b{batch} ms/token"] = statistics.median(times)
+from headspace.analysis.patching import patch
+clean = "When Mary and John went to the store, John gave a drink to"
+corrupt = "When Mary and John went to the store, Mary gave a drink to"
+patch(m, clean, corrupt, answer=" Mary", other=" John")  # warm-up
+times = []
+for _ in range(3):
+    t0 = time.perf_counter()
+    patch(m, clean, corrupt, answer=" Mary", other=" John")
+    times.append(time.perf_counter() - t0)
+out["patch sweep s"] = statistics.median(times)
+del m
+g = headspace.load("gemma3")
+gp = g.tokenize(text[:20000])[:, :tokens]  # (1, tokens)
+g.model.generate(gp, 4, temperature=0)
+times = []
+for _ in range(3):
+    t0 = time.perf_counter()
+    g.model.generate(gp, steps, temperature=0)
+    times.append((time.perf_counter() - t0) / steps * 1e3)
+out["gemma3 decode b1 ms/token"] = statistics.median(times)
+del g
 enc = headspace.load("minilm")
 n = int(sys.argv[5])
 sentences = [line for line in text.splitlines() if line.strip()][:n]

@@ -727,7 +727,13 @@ def test_side_by_side_script_against_this_checkout(
     assert _script("side_by_side").main([*argv, "--sentences", "4", "--threads", "1", "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "side_by_side" and set(doc["runs"]) == {"this", "before"}
-    assert [r["figure"] for r in doc["rows"]] == ["decode b1 ms/token", "decode b8 ms/token", "encode s"]
+    assert [r["figure"] for r in doc["rows"]] == [
+        "decode b1 ms/token",
+        "decode b8 ms/token",
+        "gemma3 decode b1 ms/token",
+        "encode s",
+        "patch sweep s",
+    ]
     for row in doc["rows"]:
         assert row["ratio"] == pytest.approx(row["this"]["median"] / row["before"]["median"])
         assert 0 < row["before"]["min"] <= row["before"]["median"] <= row["before"]["max"]
