@@ -85,7 +85,7 @@ def run_part(
 
     import headspace
     from headspace.analysis import atlas
-    from headspace.analysis.atlas import _batches, _shards
+    from headspace.analysis.atlas.run import _batches, _shards
     from headspace.analysis.atlas_ablation import ablate_batch
     from headspace.analysis.atlas_state import AtlasState
     from headspace.analysis.corpus import Corpus

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import headspace
-from headspace.analysis import circuits as C
+from headspace.analysis.circuits import edges as C
 from headspace.analysis.graph import graph_of, run_graph
 from headspace.analysis.tasks import ioi_task
 from headspace.bench import machine_info

@@ -26,10 +26,13 @@ ALLOWED: dict[str, tuple[int, str]] = {
     "attention/compat.py": (1, "do-nothing pre-hook keeping torch's encoder layer off its fast path"),
     # hook_attn_in carries the attention's input but not the keywords of its call (key_padding,
     # attn_mask, is_causal, positions, kv_cache), which recomputing q and k needs
-    "analysis/chunked.py": (1, "each_layer_qk needs the attention call's keywords; no hook point has them"),
+    "analysis/lesson/chunked.py": (
+        1,
+        "each_layer_qk needs the attention call's keywords; no hook point has them",
+    ),
     # no hook point holds the attention's output before a sandwich / post-sublayer norm
     # (hook_attn_out is after it); the atlas reads that norm's scale from it
-    "analysis/atlas_measure.py": (1, "post-attention norm's input: no hook point holds it"),
+    "analysis/atlas/measure.py": (1, "post-attention norm's input: no hook point holds it"),
 }
 
 

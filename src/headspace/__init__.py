@@ -30,11 +30,11 @@ _NAMES = {
     "HookPoint": ".nn.hooks",
     "KVCache": ".decode",
     "MultiHeadAttention": ".attention.layer",
-    "Trace": ".analysis.trace",
-    "trace": ".analysis.trace",
+    "Trace": ".analysis.trace.trace",
+    "trace": ".analysis.trace.trace",
     "TransformerBlock": ".model.block",
-    "ablate": ".analysis.interventions",
-    "prune_heads": ".analysis.interventions",
+    "ablate": ".analysis.causal.interventions",
+    "prune_heads": ".analysis.causal.interventions",
     "load": ".pretrained",
     "load_bert": ".pretrained",
     "load_gpt2": ".pretrained",
@@ -89,10 +89,28 @@ _MOVED = {
     "block": "model.block", "config": "model.config", "layouts": "model.layouts", "models": "model.models",
     "parallel": "distributed.head_parallel", "model.parallel": "distributed.head_parallel",
     "train.distributed": "distributed.data_parallel",
-    "trace": "analysis.trace", "interventions": "analysis.interventions", "explain": "analysis.explain",
+    "trace": "analysis.trace.trace", "interventions": "analysis.causal.interventions",
+    "explain": "analysis.lesson.explain",
     "tokenization": "pretrained.tokenization",
     "decoding": "decode.plan", "generate": "decode.loop", "workspace": "kernels.workspace",
     "train.plots": "viz.training",
+    # analysis/ in rooms (#37); analysis.atlas, .circuits and .trace are the rooms' packages, which
+    # re-export their old modules' public names (the modules: atlas.run, circuits.edges, trace.trace)
+    "analysis.atlas_state": "analysis.atlas.state", "analysis.atlas_measure": "analysis.atlas.measure",
+    "analysis.atlas_ablation": "analysis.atlas.ablation", "analysis.corpus": "analysis.atlas.corpus",
+    "analysis.atlas_guard": "analysis.atlas.guard",
+    "analysis.patching": "analysis.causal.patching", "analysis.attribution": "analysis.causal.attribution",
+    "analysis.interventions": "analysis.causal.interventions",
+    "analysis.causal_inputs": "analysis.causal.causal_inputs",
+    "analysis.ablation": "analysis.causal.ablation",
+    "analysis.targets": "analysis.causal.targets", "analysis.atp_star": "analysis.causal.atp_star",
+    "analysis.budget": "analysis.causal.budget",
+    "analysis.graph": "analysis.circuits.graph", "analysis.decomposition": "analysis.circuits.decomposition",
+    "analysis.tasks": "analysis.circuits.tasks",
+    "analysis.explain": "analysis.lesson.explain", "analysis.roles": "analysis.lesson.roles",
+    "analysis.subspaces": "analysis.lesson.subspaces", "analysis.rotary": "analysis.lesson.rotary",
+    "analysis.mixing": "analysis.lesson.mixing", "analysis.chunked": "analysis.lesson.chunked",
+    "analysis.content_tokens": "analysis.lesson.content_tokens",
 }  # fmt: skip
 
 
@@ -140,8 +158,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
     from . import analysis, train
-    from .analysis.interventions import ablate, prune_heads
-    from .analysis.trace import Trace, trace
+    from .analysis.causal.interventions import ablate, prune_heads
+    from .analysis.trace.trace import Trace, trace
     from .attention import compat
     from .attention.circuits import FactoredMatrix
     from .attention.heads import Head, HeadList

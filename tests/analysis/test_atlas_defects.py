@@ -32,7 +32,7 @@ from headspace.cli import cli
 
 # The helpers added with the fixes are imported inside the tests that use them, so that on the code
 # before them each test fails on its own defect, not on an import.
-A = importlib.import_module("headspace.analysis.atlas")  # the module (the package exports the function)
+A = importlib.import_module("headspace.analysis.atlas.run")  # the module (the package exports the function)
 C = importlib.import_module("headspace.analysis.corpus")
 _spec = importlib.util.spec_from_file_location(
     "atlas_tiny_gguf", Path(__file__).resolve().parents[1] / "pretrained" / "test_gguf.py"

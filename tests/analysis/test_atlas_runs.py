@@ -35,7 +35,7 @@ import torch
 torch.set_num_threads(1)
 import headspace as hs
 import importlib
-A = importlib.import_module("headspace.analysis.atlas")  # the module (the package exports the function)
+A = importlib.import_module("headspace.analysis.atlas.run")  # the module (the package exports the function)
 from headspace.process_group import setup_distributed, teardown
 
 out = Path(sys.argv[1])

@@ -37,7 +37,7 @@ def continuation_token(model: Any, prompt: str, answer: str) -> int | None:
 def warn_if_not_continuation(model: Any, prompt: str, answers: dict[str, str | None]) -> None:
     """For each ``{option: answer}`` (None: not given), warn on stderr when the answer's token is not the
     one the model would use after ``prompt`` (:func:`continuation_token`), naming that token."""
-    from ..analysis.causal_inputs import is_decoder, stack_of, token_id, token_str
+    from ..analysis.causal.causal_inputs import is_decoder, stack_of, token_id, token_str
     from ..pretrained.tokenization import readable_token
 
     if not is_decoder(stack_of(model, "the answer check")):

@@ -88,8 +88,8 @@ def atlas_cmd(
     device: str,
 ) -> None:
     """Every head over a corpus: the head atlas (statistics, relations, top examples)."""
-    from ..analysis.atlas import atlas
-    from ..analysis.atlas_guard import folder_lock
+    from ..analysis.atlas.guard import folder_lock
+    from ..analysis.atlas.run import atlas
     from ..core.process_group import setup_distributed, teardown
 
     out_dir = check_writable_folder(out)

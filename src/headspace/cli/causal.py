@@ -73,7 +73,7 @@ def _site_name(axes: tuple[str, ...], index: tuple[int, ...], tokens: list[str] 
 
 def _metric_shown(model: Any, name: str, answer: str, other: str) -> str:
     """The metric's name with its tokens as the command line prints them (``logit('␣Mary') - ...``)."""
-    from ..analysis.causal_inputs import is_decoder, stack_of, token_id, token_str
+    from ..analysis.causal.causal_inputs import is_decoder, stack_of, token_id, token_str
 
     if not is_decoder(stack_of(model, "patch")):  # an encoder's metric names no token
         return name
@@ -120,7 +120,7 @@ def patch_cmd(
     _check_method(method, site)
     if out_dir is not None:
         check_writable_folder(out_dir)
-    from ..analysis.patching import EFFECT_KEYS
+    from ..analysis.causal.patching import EFFECT_KEYS
 
     model = at_precision(load_model(model_spec), model_precision)
     warn_if_not_continuation(model, clean_text, {"--answer": answer, "--other": other})
@@ -203,15 +203,15 @@ def _patched(model: Any, method: str, clean_text: str, corrupt_text: str, site: 
              other: str, max_memory: str | None) -> Any:  # fmt: skip
     """The result of ``--method`` on one prompt pair: a PatchResult (exact and atp of patching.py's
     sites) or an :class:`_Shown` of :mod:`..analysis.atp_star`'s (atp*, and queries/keys)."""
-    from ..analysis.atp_star import atp_star, exact_effects
-    from ..analysis.patching import attribution_patching, patch
+    from ..analysis.causal.atp_star import atp_star, exact_effects
+    from ..analysis.causal.patching import attribution_patching, patch
 
     if site in ("heads", "heads_pos", "resid", "mlp") and method != "atp*":
         fn = patch if method == "exact" else attribution_patching
         return fn(
             model, clean_text, corrupt_text, site=site, answer=answer, other=other, max_memory=max_memory
         )
-    from ..analysis.tasks import make_task
+    from ..analysis.circuits.tasks import make_task
 
     pair = {"clean": clean_text, "corrupt": corrupt_text, "answer": answer, "other": other}
     task = make_task(model, [pair], name="pair")
@@ -253,7 +253,7 @@ def attribute_cmd(
     checked_memory(max_memory)
     if out_dir is not None:
         check_writable_folder(out_dir)
-    from ..analysis.attribution import direct_logit_attribution, logit_lens
+    from ..analysis.causal.attribution import direct_logit_attribution, logit_lens
 
     model = at_precision(load_model(model_spec), model_precision)
     warn_if_not_continuation(model, prompt, {"--answer": answer, "--other": other})

@@ -83,7 +83,7 @@ def why_cmd(
     if out_file is not None:
         check_writable_folder(out_file.parent, "--out", out_file)
     check_before_loading(model_spec, layer, head, from_end=True)
-    from ..analysis.decomposition import score_decomposition
+    from ..analysis.circuits.decomposition import score_decomposition
 
     model = at_precision(load_model(model_spec), model_precision)
     check_loaded_shape(model, layer, head, from_end=True)  # a .gguf file's shape is known only now
@@ -131,7 +131,7 @@ def circuit_summary(
     """The ``circuit.json`` the explorer reads (kind ``"circuit_summary"``, see its circuit view)."""
     import torch
 
-    from ..analysis.graph import graph_of
+    from ..analysis.circuits.graph import graph_of
 
     g = graph_of(model)
     graph_layers, n_heads = g.n_layers, g.n_heads
@@ -157,7 +157,7 @@ def circuit_summary(
 
 
 def _task(model: Any, spec: str, pairs: int) -> Any:
-    from ..analysis.tasks import ioi_task, load_task
+    from ..analysis.circuits.tasks import ioi_task, load_task
 
     if spec == "ioi":
         return ioi_task(model, pairs)
@@ -194,8 +194,8 @@ def circuit_cmd(
     checked_memory(max_memory)
     if task_spec != "ioi":
         check_input(task_spec, "--task", "task file")
-    from ..analysis import circuits as C
-    from ..analysis.graph import graph_of
+    from ..analysis.circuits import edges as C
+    from ..analysis.circuits.graph import graph_of
     from ..core.fileio import write_atomic
     from ..viz.circuit_plots import plot_circuit, plot_faithfulness_curve
 

@@ -60,7 +60,7 @@ def _check_occurrence(tokens: Sequence[str], tok: str | int, occurrence: int | N
         return
     if not isinstance(tok, str):
         raise UsageError(f"--occurrence needs --token as text; --token {tok} is already one position")
-    from ..analysis.explain import token_occurrences
+    from ..analysis.lesson.explain import token_occurrences
 
     found = token_occurrences(tokens, tok)
     if found and occurrence > len(found):
@@ -139,7 +139,7 @@ def explain_cmd(
     check_before_loading(model_spec, layer, head)
     pretrained = at_precision(load_model(model_spec), model_precision)
     check_loaded_shape(pretrained, layer, head)
-    from ..analysis.explain import explain, token_strings
+    from ..analysis.lesson.explain import explain, token_strings
 
     decoder = is_decoder(pretrained)
     if sentence is None:

@@ -151,7 +151,7 @@ def checked_memory(max_memory: str | None) -> str | None:
     """``--max-memory`` checked before the model loads (a size such as ``8G``; None: the default); a bad
     size is a ``ValueError`` naming the option, which the command line's one error path reports."""
     if max_memory is not None:
-        from ..analysis.budget import parse_memory
+        from ..analysis.causal.budget import parse_memory
 
         parse_memory(max_memory, "--max-memory")
     return max_memory

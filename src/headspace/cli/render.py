@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ..analysis.explain import Explanation
+    from ..analysis.lesson.explain import Explanation
 
 
 def piece_display(pretrained: Any) -> Callable[[str], str]:
@@ -315,7 +315,7 @@ def explain_pictures(e: Explanation, pretrained: Any, out: Path) -> list[Path]:
     """PNG pictures of an explanation: the head's pattern, the token's row, q/k/v/z cells, W_O shares."""
     import torch
 
-    from ..analysis.explain import record, tokenize_one
+    from ..analysis.lesson.explain import record, tokenize_one
     from ..viz import plots
 
     ids, pad = tokenize_one(pretrained, e.sentence)
@@ -361,7 +361,7 @@ def explain_pictures(e: Explanation, pretrained: Any, out: Path) -> list[Path]:
 def pattern_grid(pretrained: Any, sentence: str, out: Path) -> Path:
     import torch
 
-    from ..analysis.explain import record, token_strings, tokenize_one
+    from ..analysis.lesson.explain import record, token_strings, tokenize_one
     from ..viz import plots
 
     ids, pad = tokenize_one(pretrained, sentence)

@@ -48,7 +48,7 @@ from typing import IO, Any
 import torch
 from torch import Tensor, nn
 
-from ..analysis.trace import attention_layers
+from ..analysis.trace.trace import attention_layers
 from ..core.fileio import UnsafeFileError, parse_json, read_regular_file, write_atomic
 from ..core.process_group import DistInfo, barrier, setup_distributed, teardown
 from ..distributed.data_parallel import average_across_ranks, check_same_config, local_batch_slice, wrap_model

@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..analysis import wo_norms
-from ..analysis.roles import DEFAULT_THRESHOLD, RoleAccumulator
-from ..analysis.trace import attention_layers
+from ..analysis.lesson.roles import DEFAULT_THRESHOLD, RoleAccumulator
+from ..analysis.trace.trace import attention_layers
 from ..core.checks import is_int, nonfinite_count
 from ..nn.hooks import HookPoint
 from .tasks import IGNORE, Batch

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor, nn
 
 from ...analysis import overlap_matrix, random_overlap, shares_from_result
-from ...analysis.trace import attention_layers, trace
+from ...analysis.trace.trace import attention_layers, trace
 from ...attention.layer import MultiHeadAttention
 from .codec import decode_grid, encode_grid
 

@@ -82,7 +82,7 @@ def initial_selection(captures: Sequence[LayerCapture], labels: Sequence[str]) -
     """Where the page opens: the token ``headspace explain`` follows by default ("it" if the input has it,
     else its first non-special token) and the head it walks for that token (:func:`headspace.explain.
     rank_heads`: the best relational head)."""
-    from ...analysis.explain import default_index, rank_heads, special_positions, value_norms
+    from ...analysis.lesson.explain import default_index, rank_heads, special_positions, value_norms
 
     index = default_index(labels)
     norms = [value_norms(c.v, c.attn.W_O) for c in captures]  # (H, S) each

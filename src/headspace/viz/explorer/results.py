@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ...analysis.patching import EFFECT_KEYS, SITES
+from ...analysis.causal.patching import EFFECT_KEYS, SITES
 from ...core.fileio import UnsafeFileError, parse_json, read_regular_file
 from .circuit_view import circuit_views
 

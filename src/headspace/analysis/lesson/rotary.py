@@ -33,10 +33,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..attention.functional import repeat_kv
-from ..nn.positions import Rotary
-from ._common import Batch, JsonResult, eval_mode, make_batches, pad_heads
-from .trace import as_module, attention_layers, trace
+from ...attention.functional import repeat_kv
+from ...nn.positions import Rotary
+from .._common import Batch, JsonResult, eval_mode, make_batches, pad_heads
+from ..trace.trace import as_module, attention_layers, trace
 
 LABELS = ("content", "position", "mixed")
 DEFAULT_THRESHOLD = 0.6

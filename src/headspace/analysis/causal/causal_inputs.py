@@ -15,10 +15,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..core.checks import is_int
-from ..nn.norms import rms_inverse
+from ...core.checks import is_int
+from ...nn.norms import rms_inverse
+from ..trace.trace import as_module
 from .budget import check_length
-from .trace import as_module
 
 
 @dataclass

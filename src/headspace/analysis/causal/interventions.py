@@ -15,11 +15,11 @@ from typing import Any
 
 from torch import Tensor
 
-from ..attention.layer import MultiHeadAttention
-from ..attention.pruning import kept_kv_heads, shrink_attention
-from ..core.checks import is_int
-from ..model.models import _Stack
-from .trace import as_module, attention_layers, hooked
+from ...attention.layer import MultiHeadAttention
+from ...attention.pruning import kept_kv_heads, shrink_attention
+from ...core.checks import is_int
+from ...model.models import Decoder, Encoder
+from ..trace.trace import as_module, attention_layers, hooked
 
 ABLATION_MODES = ("zero", "mean")
 
@@ -199,7 +199,7 @@ def prune_heads(model: Any, heads: Mapping[int, Sequence[int]]) -> dict[int, lis
 def _config_owner(model: Any, layers: Sequence[MultiHeadAttention]) -> Any:
     """The Encoder/Decoder behind ``model`` whose config describes exactly ``layers``, else None."""
     module = as_module(model)
-    if not isinstance(module, _Stack) or [b.attn for b in module.blocks] != list(layers):
+    if not isinstance(module, Encoder | Decoder) or [b.attn for b in module.blocks] != list(layers):
         return None
     config = module.config
     if any(len(config.kept_heads(i)) != a.n_heads for i, a in enumerate(layers)):

@@ -28,11 +28,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..attention.circuits import FactoredMatrix, effective_rank
-from ..attention.layer import MultiHeadAttention
-from ..core.checks import check_tensor_dims, is_int, nonfinite_count
-from ._common import JsonResult, html_table, layer_head_table, pad_heads
-from .trace import attention_layers
+from ...attention.circuits import FactoredMatrix, effective_rank
+from ...attention.layer import MultiHeadAttention
+from ...core.checks import check_tensor_dims, is_int, nonfinite_count
+from .._common import JsonResult, html_table, layer_head_table, pad_heads
+from ..trace.trace import attention_layers
 
 SUBSPACES = ("q", "k", "v", "o")
 """Which weight's subspace: ``q`` W_Q[h], ``k`` W_K[g], ``v`` W_V[g] (read), ``o`` W_O[h]^T (written)."""

@@ -39,8 +39,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..decode.kv_cache import KVCache
-from ._common import JsonResult, eval_mode
+from ...decode.kv_cache import KVCache
+from .._common import JsonResult, eval_mode
+from ..trace.trace import hooked, trace
 from .budget import check_backward, fit_runs, shape_of
 from .causal_inputs import (
     Prompts,
@@ -52,7 +53,6 @@ from .causal_inputs import (
     token_id,
     token_str,
 )
-from .trace import hooked, trace
 
 #: site -> the axes of its effect tensor
 SITES: dict[str, tuple[str, ...]] = {

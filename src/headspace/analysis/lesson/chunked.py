@@ -46,11 +46,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..attention.layer import MultiHeadAttention, check_input_tensor, rotary_tables, rotate_fused
-from ..core.checks import is_int
-from ..nn.masks import CanonicalMask, RowMasks
-from .targets import TargetMasses
-from .trace import attention_layers
+from ...attention.layer import MultiHeadAttention, check_input_tensor, rotary_tables, rotate_fused
+from ...core.checks import is_int
+from ...nn.masks import CanonicalMask, RowMasks
+from ..causal.targets import TargetMasses
+from ..trace.trace import attention_layers
 
 BLOCK_BYTES = 32 * 2**20
 """The automatic ``chunk_size`` keeps one block's scores [batch, n_heads, chunk_size, seq_k] float32 under

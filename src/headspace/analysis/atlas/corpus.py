@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..core.checks import is_int
-from ..core.fileio import read_regular_file
+from ...core.checks import is_int
+from ...core.fileio import read_regular_file
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
 """The files a corpus folder contributes (others are ignored); ``.jsonl`` ones are read as JSONL."""

@@ -49,13 +49,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention.layer import MultiHeadAttention
-from ..model.block import FeedForward, GatedFeedForward, TransformerBlock
-from ..nn.masks import window_mask
-from ..nn.norms import RMSNorm, rms_inverse
-from ..nn.positions import rotary_tables, rotate_fused
-from ..nn.spec import refuse_unsupported
-from .causal_inputs import is_decoder, stack_of
+from ...attention.layer import MultiHeadAttention
+from ...model.block import FeedForward, GatedFeedForward, TransformerBlock
+from ...nn.masks import window_mask
+from ...nn.norms import RMSNorm, rms_inverse
+from ...nn.positions import rotary_tables, rotate_fused
+from ...nn.spec import refuse_unsupported
+from ..causal.causal_inputs import is_decoder, stack_of
 
 __all__ = [
     "Graph",

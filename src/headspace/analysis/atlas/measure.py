@@ -46,11 +46,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..nn.masks import RowMasks
-from ..nn.norms import rms_inverse
-from .atlas_state import AtlasState, Candidate
-from .causal_inputs import is_decoder, post_attention_norm
-from .chunked import LayerQK, each_layer_qk, iter_pattern_blocks
+from ...nn.masks import RowMasks
+from ...nn.norms import rms_inverse
+from ..causal.causal_inputs import is_decoder, post_attention_norm
+from ..lesson.chunked import LayerQK, each_layer_qk, iter_pattern_blocks
+from .state import AtlasState, Candidate
 
 
 def _grouped_z(w: Tensor, v: Tensor) -> Tensor:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from ._common import JsonResult
+from .._common import JsonResult
 
 __all__ = ["TargetMasses"]
 

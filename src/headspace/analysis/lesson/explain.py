@@ -43,8 +43,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..core.checks import is_int
-from ..core.defaults import DEFAULT_SENTENCE, DEFAULT_TOKEN
+from ...core.checks import is_int
+from ...core.defaults import DEFAULT_SENTENCE, DEFAULT_TOKEN
 from .content_tokens import content_positions
 
 
@@ -305,7 +305,7 @@ def record(model: nn.Module, run: Callable[[], Any]) -> dict[str, list[Tensor]]:
     pre-LN models) and ``q, k, v, scores, pattern, z, result`` (the hook points' values, shapes as in
     :class:`~headspace.MultiHeadAttention`).
     """
-    from .trace import trace
+    from ..trace.trace import trace
 
     layers = _attention_layers(model)
     inputs: list[Tensor | None] = [None] * len(layers)

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..core.checks import check_tensor_dims
-from ._common import JsonResult, eval_mode, layer_head_table, make_batches, pad_heads
-from .trace import as_module, attention_layers, trace
+from ...core.checks import check_tensor_dims
+from .._common import JsonResult, eval_mode, layer_head_table, make_batches, pad_heads
+from ..trace.trace import as_module, attention_layers, trace
 
 
 @dataclass

@@ -50,9 +50,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..attention.layer import MultiHeadAttention
-from ..core.checks import is_int
-from ..nn.hooks import Deferred, HookFn, HookPoint, deferred_tensors, name_hook_points
+from ...attention.layer import MultiHeadAttention
+from ...core.checks import is_int
+from ...nn.hooks import Deferred, HookFn, HookPoint, deferred_tensors, name_hook_points
 
 ATTN_HOOKS = ("q", "k", "v", "scores", "pattern", "z", "result")
 """Short names of the hook points of an attention layer (full name: ``<attn path>.hook_<short>``)."""

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._common import JsonResult, eval_mode
+from .._common import JsonResult, eval_mode
+from ..trace.trace import trace
 from .budget import attribution_bytes, check_memory, shape_of
 from .causal_inputs import (
     centered,
@@ -41,7 +42,6 @@ from .causal_inputs import (
     token_id,
     token_str,
 )
-from .trace import trace
 
 
 def _decoder(model: Any, what: str) -> Any:

@@ -67,12 +67,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..core.checks import is_int
-from ._common import JsonResult, eval_mode
+from ...core.checks import is_int
+from .._common import JsonResult, eval_mode
+from ..circuits.edges import task_of
+from ..circuits.graph import RotaryTables, frozen_parameters, graph_of, project_qkv
+from ..circuits.tasks import Task
 from .causal_inputs import stack_of
-from .circuits import task_of
-from .graph import RotaryTables, frozen_parameters, graph_of, project_qkv
-from .tasks import Task
 
 __all__ = [
     "METHODS",

@@ -39,10 +39,10 @@ from typing import Any
 
 import torch
 
-from ..attention.functional import TRACED_BLOCK_BYTES, TRACED_MIN_ROWS
-from ..core.checks import is_int
-from ..kernels.prepack import available_memory_bytes
-from ..nn.inputs import check_tokens
+from ...attention.functional import TRACED_BLOCK_BYTES, TRACED_MIN_ROWS
+from ...core.checks import is_int
+from ...kernels.prepack import available_memory_bytes
+from ...nn.inputs import check_tokens
 
 __all__ = [
     "ENV_MAX_MEMORY",

@@ -34,19 +34,19 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..core.checks import is_int
-from ..core.fileio import write_atomic
-from ..core.process_group import DistInfo, all_gather_bytes, device_of
-from ..core.progress import progress_bar
-from ._common import eval_mode, to_plain
-from .atlas_ablation import ablate_batch
-from .atlas_guard import SHARD_FORMAT, folder_lock, read_shard, seal, weights_sha256
-from .atlas_measure import measure_batch
-from .atlas_state import EXAMPLE_KINDS, MEANS, AtlasState, SealedState
-from .causal_inputs import is_decoder, token_str
+from ...core.checks import is_int
+from ...core.fileio import write_atomic
+from ...core.process_group import DistInfo, all_gather_bytes, device_of
+from ...core.progress import progress_bar
+from .._common import eval_mode, to_plain
+from ..causal.causal_inputs import is_decoder, token_str
+from ..lesson.roles import induction_scores
+from ..trace.trace import as_module, attention_layers
+from .ablation import ablate_batch
 from .corpus import MAX_PIECE_CHARS, Corpus, Window, check_window, read_windows, sequences
-from .roles import induction_scores
-from .trace import as_module, attention_layers
+from .guard import SHARD_FORMAT, folder_lock, read_shard, seal, weights_sha256
+from .measure import measure_batch
+from .state import EXAMPLE_KINDS, MEANS, AtlasState, SealedState
 
 __all__ = ["SHARD_FORMAT", "Atlas", "atlas"]
 

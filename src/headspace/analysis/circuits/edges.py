@@ -43,11 +43,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..core.checks import is_int
-from ..core.progress import progress_bar
-from ._common import JsonResult, eval_mode
-from .budget import check_length, check_memory, circuit_bytes, shape_of
-from .causal_inputs import stack_of
+from ...core.checks import is_int
+from ...core.progress import progress_bar
+from .._common import JsonResult, eval_mode
+from ..causal.budget import check_length, check_memory, circuit_bytes, shape_of
+from ..causal.causal_inputs import stack_of
 from .graph import Graph, _plan, _run_rows, graph_grads, graph_of, run_graph
 from .tasks import Task, ioi_task
 

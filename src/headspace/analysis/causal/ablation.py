@@ -22,11 +22,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..core.checks import is_int
-from ..core.progress import progress_bar
-from ._common import Batch, JsonResult, eval_mode, format_number, layer_head_table, make_batches, pad_heads
+from ...core.checks import is_int
+from ...core.progress import progress_bar
+from .._common import Batch, JsonResult, eval_mode, format_number, layer_head_table, make_batches, pad_heads
+from ..trace.trace import as_module, attention_layers, hooked, trace
 from .interventions import ABLATION_MODES, ablate
-from .trace import as_module, attention_layers, hooked, trace
 
 METRICS = ("auto", "cosine", "loss")
 
@@ -143,12 +143,12 @@ def _check_heads(
     return todo
 
 
-def _replicate(t: Tensor, n: int) -> Tensor:
+def replicate(t: Tensor, n: int) -> Tensor:
     """[b, ...] -> [n b, ...]: ``n`` copies stacked on the batch axis (copy ``r``: rows r b .. r b + b)."""
     return t.repeat(n, *([1] * (t.dim() - 1)))  # (n b, ...)
 
 
-def _replica_hook(heads: Sequence[int], mode: str, means: Tensor | None, b: int) -> Callable:
+def replica_hook(heads: Sequence[int], mode: str, means: Tensor | None, b: int) -> Callable:
     """A ``hook_z`` function ablating head ``heads[r]`` in copy ``r`` of a replicated batch."""
 
     def fn(z: Tensor, point: Any) -> Tensor:  # z: (R b, seq, n_heads, d_head)
@@ -238,7 +238,7 @@ class _Cosine(_Metric):
         if ref is None:
             raise RuntimeError("base_stats(batch) runs before the stats of the batch's ablated copies")
         b = ref.shape[0]
-        e = self.embed(out, _replicate(batch.real, R)).view(R, b, -1)  # (R, b, d)
+        e = self.embed(out, replicate(batch.real, R)).view(R, b, -1)  # (R, b, d)
         cos = F.cosine_similarity(e, ref[None], dim=-1)  # (R, b)
         return cos.sum(1), torch.full((R,), float(b), dtype=torch.float64)
 
@@ -299,7 +299,7 @@ class _Loss(_Metric):
         self, batch_index: int, out: Tensor, R: int, *, overwrite: bool = False
     ) -> tuple[Tensor, Tensor]:
         batch = self.batches[batch_index]
-        tokens, real = _replicate(batch.tokens, R), _replicate(batch.real, R)  # (R b, seq) x 2
+        tokens, real = replicate(batch.tokens, R), replicate(batch.real, R)  # (R b, seq) x 2
         seq = tokens.shape[1]
         pair = (real[:, :-1] & real[:, 1:]).to(torch.float64)  # (R b, seq - 1): context end and target real
         block = LOSS_SUM_BLOCK if overwrite else None  # the engine's copies: float32 partial sums
@@ -487,11 +487,11 @@ def _replicated(a: _Ablations, bar: Any) -> tuple[list[float], float]:
                 part = layer_heads[start : start + chunk]
                 R = len(part)
                 rep = Batch(
-                    tuple(_replicate(a, R) for a in batch.args),
-                    None if batch.key_padding is None else _replicate(batch.key_padding, R),
-                    None if batch.tokens is None else _replicate(batch.tokens, R),
+                    tuple(replicate(a, R) for a in batch.args),
+                    None if batch.key_padding is None else replicate(batch.key_padding, R),
+                    None if batch.tokens is None else replicate(batch.tokens, R),
                 )
-                with hooked(module, {hook_name: _replica_hook(part, mode, layer_means, b)}):
+                with hooked(module, {hook_name: replica_hook(part, mode, layer_means, b)}):
                     out = rep.run(module)  # (R b, ...)
                 t, c = m.stats(bi, out, R)  # (R,) x 2
                 total[start : start + R] += t
@@ -505,7 +505,7 @@ def _replicated(a: _Ablations, bar: Any) -> tuple[list[float], float]:
 
 def _engine_applies(module: nn.Module, batches: Sequence[Batch]) -> bool:
     """Whether the batched engine can run: an Encoder or Decoder fed token ids alone."""
-    from ..model.models import Decoder, Encoder
+    from ...model.models import Decoder, Encoder
 
     return isinstance(module, (Encoder, Decoder)) and all(
         b.tokens is not None and len(b.args) == 1 for b in batches
@@ -516,7 +516,7 @@ def _plain_unembedding(module: nn.Module) -> Tensor | None:
     """The unembedding weight [vocab_size, d_model] of a Decoder whose logits are ``F.linear(h, weight)``
     in float32 (:meth:`~headspace.Decoder.unembed` itself; a tied embedding or an ``nn.Linear`` without
     bias; no final soft-capping), else None (the logits then come from ``unembed``)."""
-    from ..model.models import Decoder
+    from ...model.models import Decoder
 
     if not isinstance(module, Decoder) or type(module).unembed is not Decoder.unembed:
         return None
@@ -647,8 +647,7 @@ def _from_layers(a: _Ablations, bar: Any) -> tuple[list[float], float]:
             for i in group:
                 heads_at.setdefault(todo[i][0], []).append(todo[i][1])
             joins = {  # (len(hs) b, keep, d_model) each
-                l: _replicate(t[f"blocks.{l}.hook_resid_pre"][:, :keep], len(hs))
-                for l, hs in heads_at.items()
+                l: replicate(t[f"blocks.{l}.hook_resid_pre"][:, :keep], len(hs)) for l, hs in heads_at.items()
             }
             hooks, block_kwargs = _engine_calls(module, layers, batch, heads_at, mode, means, keep)
             x = run_from_layers(module, joins, hooks, block_kwargs, separate=True)  # (len(group) b, keep, d)
@@ -712,7 +711,7 @@ def _engine_calls(
     def block_kwargs(layer: int, runs: int) -> dict[str, Any]:
         kw: dict[str, Any] = {}
         if padding is not None:
-            kw["key_padding"] = _replicate(padding, runs // b)  # (runs, keep)
+            kw["key_padding"] = replicate(padding, runs // b)  # (runs, keep)
         if decoder:
             kw["is_causal"] = True
         if positions is not None:

@@ -31,10 +31,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..core.fileio import parse_json, read_regular_file
-from ..core.process_group import DistInfo, all_gather_bytes, device_of
-from .atlas_state import EXAMPLE_KINDS, SealedState
+from ...core.fileio import parse_json, read_regular_file
+from ...core.process_group import DistInfo, all_gather_bytes, device_of
 from .corpus import Window
+from .state import EXAMPLE_KINDS, SealedState
 
 try:
     import fcntl

@@ -23,11 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..attention.layer import MultiHeadAttention
-from .ablation import _replica_hook, _replicate
-from .atlas_state import AtlasState
-from .causal_inputs import last_resid
-from .trace import hooked, trace
+from ...attention.layer import MultiHeadAttention
+from ..causal.ablation import replica_hook, replicate
+from ..causal.causal_inputs import last_resid
+from ..trace.trace import hooked, trace
+from .state import AtlasState
 
 UNEMBED_POSITIONS = 512
 """Positions unembedded at once by the loss (bounds the [positions, vocab] logits)."""
@@ -134,8 +134,8 @@ def ablate_batch(
         for start in range(0, H, per):
             heads = list(range(start, min(H, start + per)))
             R = len(heads)
-            xr = _replicate(resid[layer], R)  # (R B, S, d)
-            kpr = None if kp is None else _replicate(kp, R)
+            xr = replicate(resid[layer], R)  # (R B, S, d)
+            kpr = None if kp is None else replicate(kp, R)
             if direct:
                 change = layer_means[heads][:, None, None] - z[:, :, heads].permute(
                     2, 0, 1, 3
@@ -143,11 +143,11 @@ def ablate_batch(
                 deltas = torch.einsum("rbsd,rdm->rbsm", change, W_O[heads])  # (R, B, S, d_model)
                 fns = {f"blocks.{layer}.hook_attn_out": _output_hook(deltas)}
             else:
-                fns = {f"blocks.{layer}.attn.hook_z": _replica_hook(heads, "mean", layer_means, B)}
+                fns = {f"blocks.{layer}.attn.hook_z": replica_hook(heads, "mean", layer_means, B)}
             with hooked(module, fns):
                 for b in blocks[layer:]:
                     xr = b(xr, key_padding=kpr, is_causal=True, **positions)
-            sums, _ = _pair_loss_sums(module, xr, _replicate(tokens, R), _replicate(real, R))
+            sums, _ = _pair_loss_sums(module, xr, replicate(tokens, R), replicate(real, R))
             state.ablation_sum[layer, heads] += sums.view(R, B).sum(1)  # (R, B) -> (R,)
 
 

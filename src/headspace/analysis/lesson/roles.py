@@ -38,11 +38,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..core.checks import check_tensor_dims, is_int, is_number, nonfinite_count
-from ._common import Batch, eval_mode, layer_head_table, make_batches, pad_heads
+from ...core.checks import check_tensor_dims, is_int, is_number, nonfinite_count
+from .._common import Batch, eval_mode, layer_head_table, make_batches, pad_heads
+from ..causal.targets import TargetMasses
+from ..trace.trace import as_module, attention_layers, hooked
 from .chunked import default_chunk_size, each_layer_qk, supports_qk_capture
-from .targets import TargetMasses
-from .trace import as_module, attention_layers, hooked
 
 TARGETS = ("previous", "next", "current", "first", "last")
 """The attention targets measured, in label precedence order (ties go to the earlier one)."""

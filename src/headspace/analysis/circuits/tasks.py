@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .budget import check_length
-from .causal_inputs import stack_of, token_id
+from ..causal.budget import check_length
+from ..causal.causal_inputs import stack_of, token_id
 
 __all__ = ["IOI_NAMES", "IOI_TEMPLATES", "MAX_TASK_BYTES", "Task", "ioi_task", "load_task", "make_task"]
 

@@ -48,9 +48,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..core.checks import is_int
-from ._common import JsonResult, eval_mode
-from .causal_inputs import (
+from ...core.checks import is_int
+from .._common import JsonResult, eval_mode
+from ..causal.causal_inputs import (
     centered,
     frozen_norm,
     is_decoder,
@@ -59,7 +59,7 @@ from .causal_inputs import (
     stack_of,
     token_str,
 )
-from .trace import trace
+from ..trace.trace import trace
 
 __all__ = ["CompositionScores", "ScoreDecomposition", "composition_scores", "score_decomposition"]
 

@@ -1,0 +1,48 @@
+"""Causal analysis: what a head or an MLP causes, measured by running the model with it changed.
+
+* :mod:`.patching`: activation patching, attribution patching and path patching (:func:`patch`,
+  :func:`attribution_patching`, :func:`path_patch`).
+* :mod:`.atp_star`: AtP* over a task's pairs, held to exact patching (:func:`atp_star`,
+  :func:`exact_effects`).
+* :mod:`.attribution`: direct logit attribution and the logit lens.
+* :mod:`.ablation`: head importance, the change of a metric when each head is ablated.
+* :mod:`.interventions`: :func:`ablate` (while a block runs) and :func:`prune_heads` (for good).
+* :mod:`.causal_inputs`: prompts to tokens, answer tokens, the final norm frozen, the unembedding.
+* :mod:`.budget`: prompts inside the position table, and a run's peak memory estimated before it runs.
+* :mod:`.targets`: the fields of every positional-target result (mass on five targets, entropy).
+"""
+
+from .ablation import HeadImportance, head_importance, mean_z
+from .atp_star import AtPStarResult, Diagnostic, atp_star, atp_star_diagnostic, exact_effects
+from .attribution import LogitAttribution, LogitLens, direct_logit_attribution, logit_lens
+from .budget import MemoryBudgetError, parse_memory
+from .interventions import ABLATION_MODES, ablate, prune_heads
+from .patching import EFFECT_KEYS, PatchResult, attribution_patching, patch, patch_activations, path_patch
+from .targets import TargetMasses
+
+__all__ = [
+    "ABLATION_MODES",
+    "EFFECT_KEYS",
+    "AtPStarResult",
+    "Diagnostic",
+    "HeadImportance",
+    "LogitAttribution",
+    "LogitLens",
+    "MemoryBudgetError",
+    "PatchResult",
+    "TargetMasses",
+    "ablate",
+    "atp_star",
+    "atp_star_diagnostic",
+    "attribution_patching",
+    "direct_logit_attribution",
+    "exact_effects",
+    "head_importance",
+    "logit_lens",
+    "mean_z",
+    "parse_memory",
+    "patch",
+    "patch_activations",
+    "path_patch",
+    "prune_heads",
+]

@@ -1,0 +1,57 @@
+"""Circuits: the head/MLP graph of a pre-norm decoder, its edges scored and kept; weight-space composition.
+
+* :mod:`.edges`: :func:`edge_scores` (EAP, EAP-IG), :func:`find_circuit` (the top edges),
+  :func:`faithfulness` and :func:`faithfulness_curve`.
+* :mod:`.graph`: the graph itself (:func:`graph_of`), one batched run of it with edges masked
+  (:func:`run_graph`) and its gradients (:func:`graph_grads`).
+* :mod:`.tasks`: clean/corrupt prompt pairs as token ids (:func:`ioi_task`, :func:`load_task`,
+  :func:`make_task`).
+* :mod:`.decomposition`: one head's score split over (query part) x (key part), and Q/K/V composition
+  of every head pair (:func:`score_decomposition`, :func:`composition_scores`).
+
+``headspace.analysis.circuits`` was the module :mod:`.edges` before it became this package: it re-exports
+that module's public names. (Not :mod:`headspace.attention.circuits`, the QK/OV FactoredMatrix module.)
+"""
+
+from .decomposition import CompositionScores, ScoreDecomposition, composition_scores, score_decomposition
+from .edges import (
+    METHODS,
+    MIB_FRACTIONS,
+    Circuit,
+    EdgeScores,
+    Faithfulness,
+    FaithfulnessCurve,
+    edge_scores,
+    faithfulness,
+    faithfulness_curve,
+    find_circuit,
+    task_of,
+)
+from .graph import Graph, graph_grads, graph_of, run_graph
+from .tasks import Task, ioi_task, load_task, make_task
+
+__all__ = [
+    "METHODS",
+    "MIB_FRACTIONS",
+    "Circuit",
+    "CompositionScores",
+    "EdgeScores",
+    "Faithfulness",
+    "FaithfulnessCurve",
+    "Graph",
+    "ScoreDecomposition",
+    "Task",
+    "composition_scores",
+    "edge_scores",
+    "faithfulness",
+    "faithfulness_curve",
+    "find_circuit",
+    "graph_grads",
+    "graph_of",
+    "ioi_task",
+    "load_task",
+    "make_task",
+    "run_graph",
+    "score_decomposition",
+    "task_of",
+]

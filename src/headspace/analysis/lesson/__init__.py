@@ -1,0 +1,70 @@
+"""The lesson: what each head does, read from a real model (roles, subspaces, one token's journey).
+
+* :mod:`.explain`: :func:`explain`, one token's journey through one head, in words and numbers.
+* :mod:`.content_tokens`: the words a relational head can send a token to (explain's head choice).
+* :mod:`.roles`: head roles (mass on previous / next / current / first / last token, entropy, a label)
+  and induction scores.
+* :mod:`.chunked`: pattern rows and per-query statistics from q and k, a block of queries at a time.
+* :mod:`.subspaces`: weight-space circuits (QK, OV), their spectra and the heads' subspaces; no inputs.
+* :mod:`.rotary`: each rotary head's score split by RoPE frequency plane.
+* :mod:`.mixing`: each head's share of the attention output (how W_O weighs the heads).
+"""
+
+from .chunked import LayerQK, PatternSummary, each_layer_qk, pattern_rows, summaries
+from .explain import Explanation, explain
+from .mixing import HeadMixing, head_mixing, shares_from_result, wo_norms
+from .roles import TARGETS, HeadRoles, head_roles, induction_scores, repeated_tokens, roles_from_patterns
+from .rotary import RotaryPlanes, plane_scores, rotary_planes
+from .subspaces import (
+    SUBSPACES,
+    CircuitSpectra,
+    SubspaceOverlaps,
+    circuit_spectra,
+    head_angles,
+    head_subspaces,
+    orthonormal_basis,
+    ov_circuit,
+    overlap_matrix,
+    principal_angles,
+    qk_circuit,
+    random_overlap,
+    subspace_overlap,
+    subspace_overlaps,
+)
+
+__all__ = [
+    "SUBSPACES",
+    "TARGETS",
+    "CircuitSpectra",
+    "Explanation",
+    "HeadMixing",
+    "HeadRoles",
+    "LayerQK",
+    "PatternSummary",
+    "RotaryPlanes",
+    "SubspaceOverlaps",
+    "circuit_spectra",
+    "each_layer_qk",
+    "explain",
+    "head_angles",
+    "head_mixing",
+    "head_roles",
+    "head_subspaces",
+    "induction_scores",
+    "orthonormal_basis",
+    "ov_circuit",
+    "overlap_matrix",
+    "pattern_rows",
+    "plane_scores",
+    "principal_angles",
+    "qk_circuit",
+    "random_overlap",
+    "repeated_tokens",
+    "roles_from_patterns",
+    "rotary_planes",
+    "shares_from_result",
+    "subspace_overlap",
+    "subspace_overlaps",
+    "summaries",
+    "wo_norms",
+]
