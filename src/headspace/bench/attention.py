@@ -55,296 +55,46 @@ below the patterns the memory targets compare.
 Timing runs in one process: there headspace's workspace stays allocated from call to call, which
 is what it is for; between calls it keeps the QKV projection ([B S, 3D] floats) and one dropped
 pattern ([B, H, S, S]).
+
+The cases themselves (their modules, :func:`build_case`, the float64 reference) are in
+:mod:`.attention_cases`, whose names this module re-exports; measuring, the targets and the table are here.
 """
 
 from __future__ import annotations
 
 import gc
 import json
-import math
 import os
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
 
-from ..attention.layer import MultiHeadAttention
 from ..kernels.workspace import release_thread_workspace
+from .attention_cases import (
+    CASES,
+    GEMM_FLOOR,
+    LABELS,
+    MODES,
+    Case,
+    _dtype_name,
+    build_case,
+    float64_reference,
+)
+from .attention_cases import DTYPES as DTYPES  # re-exported: the cases are defined there
+from .attention_cases import NanoGPTAttention as NanoGPTAttention
+from .attention_cases import TextbookAttention as TextbookAttention
+from .attention_cases import copy_weights as copy_weights
 from .measure import machine_info, measure_peak_extra_mib, round_robin
-
-CASES: tuple[str, ...] = (
-    "headspace",
-    "headspace_idle_hooks",
-    "headspace_weights",
-    "torch_mha",
-    "torch_mha_weights",
-    "nanogpt",
-    "textbook",
-    "gemm_floor",
-)
-MODES: tuple[str, ...] = ("forward", "backward")
-#: The dtypes the benchmark runs in (``dtype=``): every case's weights, input and the floor's matrices.
-DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def _dtype_name(dtype: str | torch.dtype) -> str:
-    """``"float32"`` / ``"bfloat16"`` from a name or a torch.dtype; anything else is refused, listing them."""
-    for name, value in DTYPES.items():
-        if dtype == name or dtype is value:
-            return name
-    raise ValueError(f"dtype must be one of {list(DTYPES)} (or the torch dtypes); got {dtype!r}")
-
-
-LABELS: dict[str, str] = {
-    "headspace": "headspace (fast path)",
-    "headspace_idle_hooks": "headspace, idle hook points",
-    "headspace_weights": "headspace need_weights=True",
-    "torch_mha": "torch MHA",
-    "torch_mha_weights": "torch MHA need_weights=True",
-    "nanogpt": "nanoGPT-style fused QKV + SDPA",
-    "textbook": "textbook per-head loop",
-    "gemm_floor": "GEMM floor",
-}
-
-#: One-line definition of the floor, written into the JSON (the module docstring has the full list).
-GEMM_FLOOR = (
-    "plain torch.matmul(out=...) on preallocated tensors of the run's dtype; forward: X@W_qkv [BS,D]x[D,3D], "
-    "Q@K^T [BH,S,dh]x[BH,dh,S], P@V [BH,S,S]x[BH,S,dh], Z@W_O [BS,D]x[D,D]; forward+backward adds "
-    "dY@W_O^T, Z^T@dY, dZ@V^T, P^T@dZ, dS@K, dS^T@Q, dQKV@W_qkv^T, X^T@dQKV; no softmax, bias, mask, "
-    "copy or allocation"
-)
 
 #: The targets of the issue, as (description, check) pairs evaluated by :func:`check_targets`.
 FAST_VS_FLOOR = {"forward": 1.05, "backward": 1.12}
 WEIGHTS_VS_TORCH = 0.8
 IDLE_HOOKS_TOLERANCE = 1.05
-
-
-# ---------------------------------------------------------------------------------------------------
-# The comparison modules
-# ---------------------------------------------------------------------------------------------------
-class NanoGPTAttention(nn.Module):
-    """nanoGPT-style self-attention, one fused QKV Linear: ``y = SDPA(split(x W_attn + b)) W_proj + b``."""
-
-    def __init__(self, d_model: int, n_heads: int) -> None:
-        super().__init__()
-        self.n_heads = n_heads
-        self.c_attn = nn.Linear(d_model, 3 * d_model)
-        self.c_proj = nn.Linear(d_model, d_model)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Notation used for tensor shapes: B batch, T seq, C d_model, nh n_heads, hs d_head.
-
-        x [B, T, C] -> [B, T, C].
-        """
-        B, T, C = x.shape
-        nh, hs = self.n_heads, C // self.n_heads
-        q, k, v = self.c_attn(x).split(C, dim=2)  # (B, T, C) x 3
-        q = q.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
-        v = v.view(B, T, nh, hs).transpose(1, 2)  # (B, nh, T, hs)
-        y = F.scaled_dot_product_attention(q, k, v)  # (B, nh, T, hs)
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
-        return self.c_proj(y)
-
-
-class TextbookAttention(nn.Module):
-    """The per-head textbook layer: ``head_h = softmax(x W_Q^h (x W_K^h)^T / sqrt(dh)) x W_V^h``,
-    ``y = concat_h(head_h) W_O``, with one ``nn.Linear`` per head and projection and a loop over heads.
-    """
-
-    def __init__(self, d_model: int, n_heads: int) -> None:
-        super().__init__()
-        d_head = d_model // n_heads
-        self.d_head = d_head
-        self.q = nn.ModuleList(nn.Linear(d_model, d_head) for _ in range(n_heads))
-        self.k = nn.ModuleList(nn.Linear(d_model, d_head) for _ in range(n_heads))
-        self.v = nn.ModuleList(nn.Linear(d_model, d_head) for _ in range(n_heads))
-        self.o = nn.Linear(d_model, d_model)
-
-    def forward(self, x: Tensor) -> Tensor:
-        """Notation used for tensor shapes: batch, seq, d_model, d_head.
-
-        x [batch, seq, d_model] -> [batch, seq, d_model].
-        """
-        heads = []
-        for wq, wk, wv in zip(self.q, self.k, self.v):
-            q, k, v = wq(x), wk(x), wv(x)  # (batch, seq, d_head) x 3
-            scores = q @ k.transpose(-2, -1) / math.sqrt(self.d_head)  # (batch, seq, seq)
-            heads.append(torch.softmax(scores, dim=-1) @ v)  # (batch, seq, d_head)
-        return self.o(torch.cat(heads, dim=-1))  # (batch, seq, d_model)
-
-
-def copy_weights(src: MultiHeadAttention, dst: nn.Module) -> None:
-    """Give a comparison module exactly the weights of ``src`` (so all cases compute one function)."""
-    D, H, dh = src.d_model, src.n_heads, src.d_head
-    with torch.no_grad():
-        if isinstance(dst, nn.MultiheadAttention):
-            dst.in_proj_weight.copy_(src.qkv_weight)  # both [3D, D]: q rows, k rows, v rows
-            dst.in_proj_bias.copy_(src.qkv_bias)
-            dst.out_proj.weight.copy_(src.o_weight)
-            dst.out_proj.bias.copy_(src.o_bias)
-        elif isinstance(dst, NanoGPTAttention):
-            dst.c_attn.weight.copy_(src.qkv_weight)
-            dst.c_attn.bias.copy_(src.qkv_bias)
-            dst.c_proj.weight.copy_(src.o_weight)
-            dst.c_proj.bias.copy_(src.o_bias)
-        elif isinstance(dst, TextbookAttention):
-            w = src.qkv_weight.view(3, H, dh, D)  # (q|k|v, head, d_head, d_model): [out, in] per head
-            b = src.qkv_bias.view(3, H, dh)  # (q|k|v, head, d_head)
-            for h in range(H):
-                for i, lin in enumerate((dst.q[h], dst.k[h], dst.v[h])):
-                    lin.weight.copy_(w[i, h])
-                    lin.bias.copy_(b[i, h])
-            dst.o.weight.copy_(src.o_weight)
-            dst.o.bias.copy_(src.o_bias)
-        else:
-            raise TypeError(f"copy_weights: unsupported module {type(dst).__name__}")
-
-
-# ---------------------------------------------------------------------------------------------------
-# Cases
-# ---------------------------------------------------------------------------------------------------
-@dataclass
-class Case:
-    """One benchmark case: ``step()`` runs one timed unit of work; ``output()`` returns the layer output.
-
-    ``module`` is the layer under test (None for the GEMM floor).
-    """
-
-    name: str
-    step: Callable[[], None]
-    output: Callable[[], Tensor]
-    module: nn.Module | None = None
-
-
-def _gemm_floor(
-    batch: int, seq: int, d_model: int, n_heads: int, mode: str, gen: torch.Generator,
-    dtype: torch.dtype = torch.float32,
-) -> Case:  # fmt: skip
-    """The bare matmuls of the layer on preallocated tensors (the definition is in the module docstring)."""
-    B, S, D, H = batch, seq, d_model, n_heads
-    dh = D // H
-
-    def r(*shape: int) -> Tensor:
-        return (torch.randn(*shape, generator=gen) * 0.1).to(dtype)
-
-    x, w_qkv, w_o = r(B * S, D), r(D, 3 * D), r(D, D)
-    q, kt, v = r(B * H, S, dh), r(B * H, dh, S), r(B * H, S, dh)
-    qkv, scores, z, zo, y = r(B * S, 3 * D), r(B * H, S, S), r(B * H, S, dh), r(B * S, D), r(B * S, D)
-    backward = mode == "backward"
-    if backward:
-        dy, dz, dw_o = r(B * S, D), r(B * S, D), r(D, D)  # output projection
-        dzh, dp, dv, dq, dk = (
-            r(B * H, S, dh),
-            r(B * H, S, S),
-            r(B * H, S, dh),
-            r(B * H, S, dh),
-            r(B * H, S, dh),
-        )
-        dqkv, dx, dw_qkv = r(B * S, 3 * D), r(B * S, D), r(D, 3 * D)  # input projection
-        k, vt = (
-            kt.transpose(1, 2),
-            v.transpose(1, 2),
-        )  # (B H, S, dh), (B H, dh, S): strided views, as in autograd
-
-    def step() -> None:
-        torch.matmul(x, w_qkv, out=qkv)
-        torch.matmul(q, kt, out=scores)
-        torch.matmul(scores, v, out=z)
-        torch.matmul(zo, w_o, out=y)
-        if backward:
-            torch.matmul(dy, w_o.t(), out=dz)
-            torch.matmul(zo.t(), dy, out=dw_o)
-            torch.matmul(dzh, vt, out=dp)
-            torch.matmul(scores.transpose(1, 2), dzh, out=dv)
-            torch.matmul(dp, k, out=dq)
-            torch.matmul(dp.transpose(1, 2), q, out=dk)
-            torch.matmul(dqkv, w_qkv.t(), out=dx)
-            torch.matmul(x.t(), dqkv, out=dw_qkv)
-
-    return Case("gemm_floor", step, lambda: y.view(B, S, D))
-
-
-def build_case(
-    name: str, *, seq: int, batch: int, d_model: int, n_heads: int, mode: str, seed: int = 0,
-    dtype: str | torch.dtype = "float32",
-) -> Case:  # fmt: skip
-    """Build one case with its own input (the same values for every case of one seed), in ``dtype``."""
-    dt = DTYPES[_dtype_name(dtype)]
-    if name not in CASES:
-        raise ValueError(f"unknown benchmark case {name!r}; known cases: {list(CASES)}")
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {list(MODES)}; got {mode!r}")
-    gen = torch.Generator().manual_seed(seed)
-    if name == "gemm_floor":
-        return _gemm_floor(batch, seq, d_model, n_heads, mode, gen, dt)
-    torch.manual_seed(seed)
-    layer = MultiHeadAttention(d_model, n_heads)
-    if name == "headspace_idle_hooks":
-        removers = [hp.add(lambda value, hook: None) for hp in layer._hook_points]
-        for remove in removers:
-            remove()
-    model: nn.Module = layer
-    if name.startswith("torch_mha"):
-        model = nn.MultiheadAttention(d_model, n_heads, batch_first=True)
-    elif name == "nanogpt":
-        model = NanoGPTAttention(d_model, n_heads)
-    elif name == "textbook":
-        model = TextbookAttention(d_model, n_heads)
-    if model is not layer:
-        copy_weights(layer, model)
-    if dt != torch.float32:
-        layer.to(dt)
-        model.to(dt)
-    x = torch.randn(batch, seq, d_model, generator=gen).to(dt)
-    grad_y = torch.randn(batch, seq, d_model, generator=gen).to(dt)
-    backward = mode == "backward"
-    model.train(backward)
-    params = list(model.parameters())
-    if backward:
-        x.requires_grad_(True)
-
-    def call() -> tuple[Tensor, Tensor | None]:
-        """(out, pattern or None); a need_weights caller holds the pattern until the step ends."""
-        if name == "headspace_weights":
-            return layer(x, need_weights=True)
-        if name == "torch_mha":
-            return model(x, x, x, need_weights=False)
-        if name == "torch_mha_weights":
-            return model(x, x, x, need_weights=True, average_attn_weights=False)
-        return model(x), None
-
-    def run() -> None:
-        out, _pattern = call()
-        if backward:
-            out.backward(grad_y)
-
-    if backward:
-
-        def step() -> None:
-            x.grad = None
-            for p in params:
-                p.grad = None
-            run()
-    else:
-
-        def step() -> None:
-            with torch.no_grad():
-                run()
-
-    def output() -> Tensor:
-        with torch.no_grad():
-            return call()[0]
-
-    return Case(name, step, output, model)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -397,19 +147,6 @@ def _memory_probe_main(arg: str) -> None:
 def _auto_repeats(round_s: float, target_s: float = 25.0) -> int:
     """Repeats for one (seq, mode): about ``target_s`` seconds of timing, between 3 and 15."""
     return max(3, min(15, int(target_s / max(round_s, 1e-9))))
-
-
-def float64_reference(*, seq: int, batch: int, d_model: int, n_heads: int, seed: int = 0,
-                      dtype: str | torch.dtype = "float32") -> Tensor:  # fmt: skip
-    """The layer output of :func:`build_case`'s weights and input (rounded to ``dtype``, as every case
-    sees them) computed in float64: what each case's output is compared with (``max_abs_error``)."""
-    dt = DTYPES[_dtype_name(dtype)]
-    gen = torch.Generator().manual_seed(seed)
-    torch.manual_seed(seed)
-    layer = MultiHeadAttention(d_model, n_heads).to(dt).double().eval()
-    x = torch.randn(batch, seq, d_model, generator=gen).to(dt).double()
-    with torch.no_grad():
-        return layer(x)
 
 
 def _output_errors(built: Sequence[Case], **sizes: Any) -> dict[str, tuple[float, float]]:
@@ -466,7 +203,6 @@ def run_attention_benchmark(
     _check_benchmark_args(seqs, modes, cases, batch, d_model, n_heads, repeats)
     if threads is not None:
         torch.set_num_threads(threads)
-    n_threads = torch.get_num_threads()
 
     from ..core.progress import progress_bar
 
@@ -476,39 +212,61 @@ def run_attention_benchmark(
     sizes = {"batch": batch, "d_model": d_model, "n_heads": n_heads}
     for seq, mode in groups:
         bar.set_postfix_str(f"seq={seq} {mode}")
-        memory = (
-            _memory_probe(cases, seq, batch, d_model, n_heads, mode, dtype_name)
-            if measure_memory
-            else dict.fromkeys(cases)
-        )
-        built = [build_case(c, seq=seq, mode=mode, dtype=dtype_name, **sizes) for c in cases]
-        n, times = _time_round_robin(built, repeats)
-        errors = _output_errors(built, seq=seq, dtype=dtype_name, **sizes)
-        del built
-        gc.collect()
-        floor = statistics.median(times["gemm_floor"]) if "gemm_floor" in times else None
-        for name in cases:
-            med = statistics.median(times[name])
-            rows.append(
-                {
-                    "case": name,
-                    "label": LABELS[name],
-                    "seq": seq,
-                    "mode": mode,
-                    **sizes,
-                    "dtype": dtype_name,
-                    "threads": n_threads,
-                    "repeats": n,
-                    "median_ms": med,
-                    "times_ms": times[name],
-                    "peak_extra_mib": memory.get(name),
-                    "vs_floor": None if floor is None else med / floor,
-                    "max_abs_error": errors.get(name, (None, None))[0],
-                    "max_rel_error": errors.get(name, (None, None))[1],
-                }
-            )
+        rows += _measure_group(cases, seq, mode, sizes, dtype_name, repeats, measure_memory)
         bar.update(1)
     bar.close()
+    return rows
+
+
+def _measure_group(
+    cases: list[str],
+    seq: int,
+    mode: str,
+    sizes: dict[str, int],
+    dtype_name: str,
+    repeats: int | None,
+    measure_memory: bool,
+) -> list[dict]:
+    """The rows of :func:`run_attention_benchmark` for one (seq, mode), one per case, in ``cases`` order.
+
+    ``sizes``: ``batch``, ``d_model``, ``n_heads``. The peak memory is measured first (a subprocess per
+    group, when ``measure_memory``), then every case is built, timed round-robin and its output compared
+    with the float64 reference.
+    """
+    batch, d_model, n_heads = sizes["batch"], sizes["d_model"], sizes["n_heads"]
+    memory = (
+        _memory_probe(cases, seq, batch, d_model, n_heads, mode, dtype_name)
+        if measure_memory
+        else dict.fromkeys(cases)
+    )
+    built = [build_case(c, seq=seq, mode=mode, dtype=dtype_name, **sizes) for c in cases]
+    n, times = _time_round_robin(built, repeats)
+    errors = _output_errors(built, seq=seq, dtype=dtype_name, **sizes)
+    del built
+    gc.collect()
+    floor = statistics.median(times["gemm_floor"]) if "gemm_floor" in times else None
+    n_threads = torch.get_num_threads()
+    rows = []
+    for name in cases:
+        med = statistics.median(times[name])
+        rows.append(
+            {
+                "case": name,
+                "label": LABELS[name],
+                "seq": seq,
+                "mode": mode,
+                **sizes,
+                "dtype": dtype_name,
+                "threads": n_threads,
+                "repeats": n,
+                "median_ms": med,
+                "times_ms": times[name],
+                "peak_extra_mib": memory.get(name),
+                "vs_floor": None if floor is None else med / floor,
+                "max_abs_error": errors.get(name, (None, None))[0],
+                "max_rel_error": errors.get(name, (None, None))[1],
+            }
+        )
     return rows
 
 

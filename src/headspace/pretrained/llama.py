@@ -43,12 +43,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
+from torch import Tensor
 
 from ..model.config import ModelConfig
 from ..model.models import Decoder, check_precision
 from .config_checks import MAX_HEAD_DIM, MAX_LAYERS, at_most, refuse_rope_scaling_beside_parameters
+from .empty_weights import SkipMetaInit as _SkipMetaInit
+from .empty_weights import all_finite_floats as _all_finite_floats  # re-exported: tests use it
+from .empty_weights import allocate_parameters as _allocate_parameters
 from .hf import (
     ConfigFields,
     SafetensorsHeader,
@@ -60,10 +62,8 @@ from .hf import (
     checked_folder,
     folder_tokenizer,
     load_tensors,
-    optional_file,
     read_json,
     require_file,
-    safetensors_header,
 )
 from .llama_variants import (
     VARIANT_CONTEXT,
@@ -74,6 +74,9 @@ from .llama_variants import (
     variant_fields,
     windows,
 )
+from .shards import SHARD_INDEX as _INDEX
+from .shards import shard_headers as _headers
+from .shards import weight_files as _weight_files
 from .tokenization import TextTokenizer
 from .wrappers import PretrainedDecoder
 
@@ -103,72 +106,6 @@ _HIDDEN_ACT = {
 }
 # transformers' defaults where config.json is silent (LlamaConfig, MistralConfig, Qwen2Config)
 _DEFAULT_CONTEXT = {"llama": 2048, "mistral": 131072, "qwen2": 32768, **VARIANT_CONTEXT}
-_INDEX = "model.safetensors.index.json"
-
-
-# ------------------------------------------------------------------------------------------------ files
-def _weight_files(path: Path) -> tuple[list[Path], dict[str, Path] | None]:
-    """``model.safetensors``, or the shards a ``model.safetensors.index.json`` names (inside the folder).
-
-    Returns (the files, the index's ``{tensor name: shard}`` or None for a single file). A shard must be
-    named by a bare file name of the folder (no folder part, no ".."); it may be a symbolic link, as the
-    Hugging Face cache stores them, to a regular file.
-    """
-    single = optional_file(path, "model.safetensors", "the weights")
-    if single is not None:
-        return [single], None
-    index_path = optional_file(path, _INDEX, "the shard index")
-    if index_path is None:
-        require_file(path, "model.safetensors", f"the weights, or {_INDEX} naming the shards")
-    index = read_json(index_path)
-    weight_map = index.get("weight_map")
-    if not isinstance(weight_map, dict) or not weight_map:
-        raise ValueError(f"{index_path}: 'weight_map' must be a non-empty object {{tensor name: shard file}}")
-    files: list[Path] = []
-    where: dict[str, Path] = {}
-    for name, file in weight_map.items():
-        if not isinstance(file, str) or not file:
-            raise ValueError(f"{index_path}: weight_map[{name!r}] must be a file name; got {file!r:.80}")
-        if file in (".", "..") or Path(file).name != file or "\\" in file:
-            raise ValueError(
-                f"{index_path}: weight_map[{name!r}] = {file!r:.80} points outside the model folder {path}; "
-                "shards must be files in the folder itself"
-            )
-        shard = path / file
-        where[name] = shard
-        if shard not in files:
-            files.append(require_file(path, file, f"a shard named by {_INDEX}"))
-    return files, where
-
-
-def _headers(
-    files: list[Path], weight_map: dict[str, Path] | None, index_path: Path
-) -> tuple[SafetensorsHeader, dict[Path, SafetensorsHeader]]:
-    """Every file's checked header, and one header of all their tensors (the index path as its path).
-
-    A tensor stored in two files is refused; with shards, the index must place every tensor where it is.
-    """
-    per_file = {file: safetensors_header(file) for file in files}
-    if weight_map is None:
-        return per_file[files[0]], per_file
-    merged: dict[str, TensorEntry] = {}
-    home: dict[str, Path] = {}
-    for file, header in per_file.items():
-        for name, entry in header.tensors.items():
-            if name in merged:
-                raise ValueError(f"tensor {name!r} is stored twice: in {home[name]} and in {file}")
-            merged[name], home[name] = entry, file
-    misplaced = sorted(n for n, f in weight_map.items() if home.get(n) != f)
-    unlisted = sorted(n for n in merged if n not in weight_map)
-    if misplaced or unlisted:
-        raise ValueError(
-            f"{index_path} does not match its shards: "
-            + (f"tensors not in the shard it names: {misplaced[:10]}" if misplaced else "")
-            + ("; " if misplaced and unlisted else "")
-            + (f"tensors in shards but not in weight_map: {unlisted[:10]}" if unlisted else "")
-        )
-    size = sum(h.file_size for h in per_file.values())
-    return SafetensorsHeader(index_path, merged, {}, size), per_file
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -510,50 +447,10 @@ def _build(
     return _wrap(model, config, tokenizer, ignored)
 
 
-# what Decoder's initialisation calls: nn.init's functions and the in-place fills behind them
-_INIT_FUNCTIONS = frozenset(
-    f
-    for n in dir(torch.nn.init)
-    if n.endswith("_") and not n.startswith("_") and callable(f := getattr(torch.nn.init, n))
-)
-_INIT_METHODS = frozenset({Tensor.normal_, Tensor.uniform_, Tensor.zero_, Tensor.fill_})
-
-
-class _SkipMetaInit(TorchFunctionMode):
-    """Initialisation of meta tensors skipped: they hold no values, and the loaded weights replace them.
-
-    Not only wasted work: PyTorch runs a random init of a meta tensor through its Python reference
-    implementation, whose first use imports ``torch._dynamo`` (about 1 s and 65 MiB resident, measured
-    on SmolLM2's load).
-    """
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func in _INIT_FUNCTIONS or func in _INIT_METHODS:
-            t = args[0] if args else kwargs.get("tensor")
-            if isinstance(t, Tensor) and t.is_meta:
-                return t
-        return func(*args, **kwargs)
-
-
 def _meta_decoder(config: ModelConfig) -> Decoder:
     """A Decoder of ``config`` on the meta device: shapes only, nothing allocated or initialised."""
     with torch.device("meta"), _SkipMetaInit():
         return Decoder(config)
-
-
-def _allocate_parameters(model: nn.Module) -> None:
-    """Give every meta parameter of ``model`` CPU storage from ``torch.empty``: no value is written.
-
-    Pages are touched only as the weights are written. (``Module.to_empty`` does the same but imports
-    sympy on first use: 25 MiB resident.) Buffers are left as they are.
-    """
-    made: dict[int, nn.Parameter] = {}
-    for module in model.modules():
-        for n, p in list(module.named_parameters(recurse=False)):
-            if id(p) not in made:
-                made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
-            setattr(module, n, made[id(p)])
 
 
 def _wrap(
@@ -659,34 +556,6 @@ def _tied_head(tensors: Mapping[str, Tensor], c: ModelConfig, prefix: str, sourc
                 f"{source}: config.json says tie_word_embeddings=true but lm_head.weight differs from "
                 f"{prefix}embed_tokens.weight"
             )
-
-
-_SUM_CHUNK = 1 << 22  # values summed at a time when a narrower float is summed in float32 (16 MiB)
-
-
-def _all_finite_floats(tensors: Mapping[str, Tensor], names: list[str]) -> bool:
-    """Whether every tensor ``names`` is floating point and finite: one sum per tensor, no copy.
-
-    A NaN or Inf makes a floating-point sum NaN or Inf, so a finite sum means every value is finite; a
-    sum that overflows (finite values summing past float32's range) only sends the caller to the exact
-    checks, which name the culprits and pass a tensor that has none. A float32 tensor is summed in
-    float32, which reads it once and allocates nothing (``sum(dtype=torch.float64)`` would first copy
-    it to float64: 216 MiB for SmolLM2's embedding); a narrower float is summed in float32 a bounded
-    slice at a time. This is several times faster than ``isfinite(t).all()``, which writes a mask.
-    """
-    for k in names:
-        t = tensors[k]
-        if not t.is_floating_point() or t.dtype == torch.float64:
-            return False
-        if not t.numel():
-            continue
-        if t.dtype == torch.float32:
-            sums = [t.sum()]
-        else:
-            sums = [part.sum(dtype=torch.float32) for part in t.reshape(-1).split(_SUM_CHUNK)]
-        if not all(bool(torch.isfinite(s)) for s in sums):
-            return False
-    return True
 
 
 def llama_from_tensors(

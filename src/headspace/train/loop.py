@@ -30,15 +30,17 @@ their memory is that of one chunk whatever ``eval_batch`` is.
 Data parallel (``torchrun --nproc-per-node W -m headspace train ...``): every rank draws the same
 global batch and trains on rows ``[r B/W, (r+1) B/W)``; DDP averages the gradients, so a step equals the
 one-process step on the whole batch. Only rank 0 writes files.
+
+The run's parts, each in its module (every name importable from here): :mod:`.run_config` (the
+configuration, the model's size and the learning-rate schedule), :mod:`.run_folder` (the run folder's
+own files and checks), :mod:`.run_progress` (progress on stderr).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -49,260 +51,50 @@ import torch
 from torch import Tensor, nn
 
 from ..analysis.trace.trace import attention_layers
-from ..core.fileio import UnsafeFileError, parse_json, read_regular_file, write_atomic
+from ..core.fileio import write_atomic
 from ..core.process_group import DistInfo, barrier, setup_distributed, teardown
 from ..distributed.data_parallel import average_across_ranks, check_same_config, local_batch_slice, wrap_model
 from ..model.models import Decoder, Encoder, ModelConfig
 from .checkpoint import (
-    STATE_FILE,
-    STATE_TENSORS_FILE,
-    Checkpoint,
     CheckpointError,
-    config_differences,
     load_checkpoint,
     load_weights_into,
     remove_stale_temporaries,
     restore_training_state,
     save_checkpoint,
 )
-from .data import LEVELS, TextData, load_text
+from .data import TextData, load_text
 from .metrics import evaluate, relation_summary, task_loss
+from .run_config import MAX_PARAMETERS, TrainConfig, check_model_size, learning_rate
+from .run_config import parameter_count as parameter_count  # re-exported, as every name below
+from .run_folder import MAX_METRICS_BYTES as MAX_METRICS_BYTES
+from .run_folder import MAX_RECORD_BYTES as MAX_RECORD_BYTES
+from .run_folder import (
+    METRICS_FILE,
+    RESUMABLE_CHANGES,
+    RUN_CONFIG,
+    SUMMARY_FILE,
+    RunResult,
+    _check_resume_point,
+    _check_run_dir,
+    _read_metrics,
+    _trim_metrics,
+    normalizer_for,
+    run_record,
+)
+from .run_folder import RUN_FORMAT as RUN_FORMAT
+from .run_folder import RunFolderError as RunFolderError
+from .run_folder import with_current_defaults as with_current_defaults
+from .run_progress import _eval_line, _Progress
 from .tasks import (
     DROPOUT_STREAM,
     EVAL_STREAM,
-    TASKS,
     TRAIN_STREAM,
     Batch,
     batch_generator,
     make_task,
     step_seed,
 )
-
-RUN_FORMAT = "headspace-run/1"
-RUN_CONFIG = "config.json"
-METRICS_FILE = "metrics.jsonl"
-SUMMARY_FILE = "summary.json"
-
-#: Fields of TrainConfig that may change when a run is resumed (they do not change the weights). A text
-#: run's data file must hold the same content: its SHA-256 (``data.sha256``) is compared on ``--resume``.
-RESUMABLE_CHANGES = ("train.device", "train.save_every", "train.eval_every", "train.log_every", "data.path")
-
-#: The largest model :func:`train` builds, in parameters (checked before anything is allocated). At 16
-#: bytes a parameter (float32 weights, gradients and AdamW's two moments) that is 32 GB before activations.
-MAX_PARAMETERS = 2_000_000_000
-#: Size caps of the run folder's own files read back on ``--resume``.
-MAX_RECORD_BYTES = 64 << 20
-MAX_METRICS_BYTES = 1 << 30
-
-# per-task defaults for the fields left as None
-_DEFAULTS = {
-    "relations": {
-        "n_layers": 1,
-        "n_heads": 2,
-        "d_model": 64,
-        "steps": 400,
-        "lr": 3e-3,
-        "batch_size": 64,
-        "eval_every": 25,
-        "eval_batch": 512,
-    },
-    "reverse": {
-        "n_layers": 2,
-        "n_heads": 2,
-        "d_model": 64,
-        "steps": 1500,
-        "lr": 3e-3,
-        "batch_size": 64,
-        "eval_every": 100,
-        "eval_batch": 512,
-    },
-    "text": {
-        "n_layers": 4,
-        "n_heads": 4,
-        "d_model": 128,
-        "steps": 2000,
-        "lr": 1e-3,
-        "batch_size": 32,
-        "eval_every": 250,
-        "eval_batch": 64,
-    },
-}
-
-
-@dataclass
-class TrainConfig:
-    """Everything that decides a training run (stored as JSON in the run folder and its checkpoints).
-
-    Fields left as ``None`` take the task's default (see ``_DEFAULTS``): ``relations`` trains 1 layer x 2
-    heads, d_model 64, 400 steps, evaluated every 25; ``text`` 4 layers x 4 heads, d_model 128, 2000
-    steps. Out-of-range values raise ``ValueError`` naming the field, and so does a model of more than
-    :data:`MAX_PARAMETERS` parameters (see :func:`parameter_count`; a text model's vocabulary is known
-    only once its file is read, so :func:`train` checks the count again before building the model).
-    """
-
-    #: "relations", "reverse" (built-in synthetic tasks) or "text" (a language model on ``data``).
-    task: str = "relations"
-    #: UTF-8 text file for task "text".
-    data: str | None = None
-    #: Text tokens: "char" (characters of the file) or "byte" (UTF-8 bytes).
-    level: str = "char"
-    #: "decoder" (causal) or "encoder" (bidirectional, with a linear read-out; synthetic tasks only).
-    arch: str = "decoder"
-    n_layers: int | None = None
-    n_heads: int | None = None
-    d_model: int | None = None
-    #: Feed-forward width; None: 4 * d_model.
-    d_mlp: int | None = None
-    dropout: float = 0.0
-    #: Window length for text (default 128); synthetic tasks fix their own length.
-    seq_len: int | None = None
-    #: Global batch (split over data-parallel ranks).
-    batch_size: int | None = None
-    steps: int | None = None
-    #: Peak learning rate, reached after ``warmup`` steps, then a cosine decay to ``min_lr_ratio * lr``.
-    lr: float | None = None
-    min_lr_ratio: float = 0.1
-    warmup: int = 50
-    weight_decay: float = 0.01
-    beta1: float = 0.9
-    beta2: float = 0.99
-    #: Clip the global gradient norm to this value (0: no clipping).
-    grad_clip: float = 1.0
-    #: Evaluate (and measure every head) before training, every this many steps and at the end.
-    eval_every: int | None = None
-    #: Evaluation batch size (a fixed held-out batch; 512 sequences for tasks, 64 windows for text, whose
-    #: per-head ablations cost one forward pass per head).
-    eval_batch: int | None = None
-    #: Log the training loss every this many steps.
-    log_every: int = 10
-    #: Write a checkpoint every this many steps (0: only at the end).
-    save_every: int = 0
-    seed: int = 0
-    device: str = "cpu"
-
-    def __post_init__(self) -> None:
-        if self.data is not None and self.task != "text":
-            raise ValueError(f"data={self.data!r} is given, so task must be 'text'; got task={self.task!r}")
-        if self.task not in (*TASKS, "text"):
-            raise ValueError(f"task must be one of {[*TASKS, 'text']}; got {self.task!r}")
-        if self.task == "text" and self.data is None:
-            raise ValueError("task 'text' needs data (a UTF-8 text file, --data FILE)")
-        if self.level not in LEVELS:
-            raise ValueError(f"level must be one of {list(LEVELS)}; got {self.level!r}")
-        if self.arch not in ("decoder", "encoder"):
-            raise ValueError(f"arch must be 'decoder' or 'encoder'; got {self.arch!r}")
-        if self.arch == "encoder" and self.task == "text":
-            raise ValueError(
-                "arch='encoder' trains only synthetic tasks; a text language model needs 'decoder'"
-            )
-        for name, value in _DEFAULTS[self.task].items():
-            if getattr(self, name) is None:
-                setattr(self, name, value)
-        if self.task == "text" and self.seq_len is None:
-            self.seq_len = 128
-        if self.task != "text" and self.seq_len is not None:
-            raise ValueError(
-                f"seq_len is fixed by the task {self.task!r}; leave it unset (got {self.seq_len})"
-            )
-        for name in ("n_layers", "n_heads", "d_model", "batch_size", "steps", "eval_every", "eval_batch"):
-            _positive_int(name, getattr(self, name))
-        _positive_int("log_every", self.log_every)
-        for name in ("d_mlp", "seq_len"):
-            if getattr(self, name) is not None:
-                _positive_int(name, getattr(self, name))
-        for name in ("warmup", "save_every", "seed"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise ValueError(f"{name} must be an int >= 0; got {v!r}")
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"d_model={self.d_model} must be divisible by n_heads={self.n_heads} "
-                "(d_head = d_model / n_heads)"
-            )
-        _in_range("lr", self.lr, 0.0, 10.0, low_open=True)
-        _in_range("min_lr_ratio", self.min_lr_ratio, 0.0, 1.0)
-        _in_range("weight_decay", self.weight_decay, 0.0, 10.0)
-        _in_range("beta1", self.beta1, 0.0, 1.0, high_open=True)
-        _in_range("beta2", self.beta2, 0.0, 1.0, high_open=True)
-        _in_range("grad_clip", self.grad_clip, 0.0, 1e6)
-        _in_range("dropout", self.dropout, 0.0, 1.0, high_open=True)
-        if not isinstance(self.device, str) or self.device.split(":")[0] not in ("cpu", "cuda"):
-            raise ValueError(f"device must be 'cpu' or 'cuda'; got {self.device!r}")
-        if self.task == "text":  # the vocabulary is the file's: 256 bytes, or at least one character
-            assert self.seq_len is not None
-            check_model_size(self, 256 if self.level == "byte" else 1, self.seq_len)
-        else:
-            task = make_task(self.task)
-            check_model_size(self, task.vocab_size, task.seq_len)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"TrainConfig: unknown fields {unknown}; known fields: {sorted(known)}")
-        return cls(**data)
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be an int >= 1; got {value!r}")
-
-
-def _in_range(
-    name: str, value: Any, low: float, high: float, *, low_open: bool = False, high_open: bool = False
-) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
-    if not ok:
-        lo, hi = "(" if low_open else "[", ")" if high_open else "]"
-        raise ValueError(f"{name} must be a number in {lo}{low}, {high}{hi}; got {value!r}")
-
-
-def parameter_count(config: TrainConfig, vocab_size: int, seq_len: int) -> int:
-    """The number of parameters of the model :func:`train` builds for ``config``, without building it.
-
-    With d = d_model, m = d_mlp (default 4 d), V = vocab_size, S = seq_len and L = n_layers: token and
-    position embeddings V d + S d; per block 4 d^2 + 4 d (W_Q, W_K, W_V, W_O and biases), 2 d m + m + d
-    (feed-forward), 4 d (two LayerNorms); the final LayerNorm 2 d; the decoder's unembedding is tied to the
-    token embedding, the encoder's read-out adds d V + V.
-    """
-    d, n_layers = config.d_model, config.n_layers
-    assert d is not None and n_layers is not None
-    m = config.d_mlp if config.d_mlp is not None else 4 * d
-    per_block = (4 * d * d + 4 * d) + (2 * d * m + m + d) + 4 * d
-    total = vocab_size * d + seq_len * d + n_layers * per_block + 2 * d
-    if config.arch == "encoder":
-        total += d * vocab_size + vocab_size
-    return total
-
-
-def check_model_size(config: TrainConfig, vocab_size: int, seq_len: int) -> None:
-    """``ValueError`` when the model of ``config`` would have more than :data:`MAX_PARAMETERS` parameters."""
-    n = parameter_count(config, vocab_size, seq_len)
-    if n > MAX_PARAMETERS:
-        d_mlp = config.d_mlp if config.d_mlp is not None else 4 * (config.d_model or 0)
-        raise ValueError(
-            f"the model is too large to train: {n:,} parameters (n_layers={config.n_layers}, "
-            f"d_model={config.d_model}, d_mlp={d_mlp}, vocab_size={vocab_size}, seq_len={seq_len}), more "
-            f"than the cap of {MAX_PARAMETERS:,} (MAX_PARAMETERS; 16 bytes a parameter for float32 weights, "
-            f"gradients and AdamW moments: {16 * MAX_PARAMETERS / 1e9:.0f} GB); choose a smaller n_layers, "
-            "d_model or d_mlp"
-        )
-
-
-def learning_rate(config: TrainConfig, step: int) -> float:
-    """Linear warm-up to ``lr`` over ``warmup`` steps, then cosine decay to ``min_lr_ratio * lr``."""
-    peak, floor = config.lr, config.lr * config.min_lr_ratio
-    if step < config.warmup:
-        return peak * (step + 1) / config.warmup
-    span = max(1, config.steps - config.warmup)
-    progress = min(1.0, (step - config.warmup) / span)
-    return floor + 0.5 * (peak - floor) * (1.0 + math.cos(math.pi * progress))
 
 
 # --------------------------------------------------------------------------------------------- models
@@ -381,170 +173,6 @@ class _Source:
 
 
 # --------------------------------------------------------------------------------------------- run folder
-@dataclass
-class RunResult:
-    """What :func:`train` returns: the run folder, the final step, the last evaluation and the summary
-    (what ``summary.json`` holds; None on ranks other than 0, which write nothing)."""
-
-    run_dir: Path
-    step: int
-    model: nn.Module
-    final_eval: dict[str, Any]
-    summary: dict[str, Any] | None
-
-
-class RunFolderError(ValueError):
-    """The output folder cannot take this run (it holds another run, or nothing to resume)."""
-
-
-def run_record(config: TrainConfig, model_config: ModelConfig, data: dict[str, Any]) -> dict[str, Any]:
-    return {"format": RUN_FORMAT, "train": config.to_dict(), "model": model_config.to_dict(), "data": data}
-
-
-def with_current_defaults(saved: dict[str, Any]) -> dict[str, Any]:
-    """A stored run record with the model fields added since it was written filled in by their defaults.
-
-    A field added to :class:`~headspace.ModelConfig` with a default that keeps the old behaviour (such
-    as ``pruned_heads``) is absent from older run folders; read through ``ModelConfig`` they compare
-    equal to a new request, so ``--resume`` keeps working. A record that does not parse is returned as
-    it is, and the comparison names its fields.
-    """
-    model = saved.get("model") if isinstance(saved, dict) else None
-    if not isinstance(model, dict):
-        return saved
-    try:
-        return {**saved, "model": ModelConfig.from_dict(dict(model)).to_dict()}
-    except (TypeError, ValueError):
-        return saved
-
-
-def normalizer_for(record: dict[str, Any]) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """How a stored run record is read before it is compared with ``record`` (a new request).
-
-    :func:`with_current_defaults`, and a text run's ``data.sha256`` (the checksum of the data file's
-    content, recorded since it was added) taken from ``record`` when the stored record predates it, so
-    such a run folder stays resumable (its vocabulary and token counts are still compared).
-    """
-
-    def normalize(saved: dict[str, Any]) -> dict[str, Any]:
-        out = with_current_defaults(saved)
-        data, wanted = out.get("data") if isinstance(out, dict) else None, record.get("data")
-        if (
-            isinstance(data, dict)
-            and isinstance(wanted, dict)
-            and "sha256" not in data
-            and "sha256" in wanted
-        ):
-            out = {**out, "data": {**data, "sha256": wanted["sha256"]}}
-        return out
-
-    return normalize
-
-
-def _read_record(path: Path) -> Any:
-    """A JSON file of the run folder: a regular file within its size cap, nested at most 32 levels."""
-    return parse_json(read_regular_file(path, max_bytes=MAX_RECORD_BYTES))
-
-
-def _check_same_data(out: Path, saved: Any, record: dict[str, Any]) -> None:
-    """A text run resumes only on the data it was trained on: the SHA-256 of the file's content."""
-    before = saved.get("data") if isinstance(saved, dict) else None
-    now = record.get("data")
-    if not (isinstance(before, dict) and isinstance(now, dict)):
-        return
-    if "sha256" in before and "sha256" in now and before["sha256"] != now["sha256"]:
-        raise RunFolderError(
-            f"--resume: the data file {now.get('path')} is not the one this run was trained on: the "
-            f"SHA-256 of its content is {now['sha256']}, {out / RUN_CONFIG} records {before['sha256']} "
-            f"(for {before.get('path')}); resume with the same data or start a new run"
-        )
-
-
-def _check_run_dir(out: Path, record: dict[str, Any], resume: bool) -> None:
-    cfg = out / RUN_CONFIG
-    if resume:
-        if not os.path.lexists(cfg):
-            raise RunFolderError(
-                f"--resume: {out} holds no run (no {RUN_CONFIG}); start one without --resume"
-            )
-        try:
-            saved = _read_record(cfg)
-        except UnsafeFileError as e:
-            raise RunFolderError(f"--resume: {e}") from None
-        except (OSError, ValueError) as e:
-            raise RunFolderError(f"--resume: {cfg} is unreadable ({e})") from None
-        _check_same_data(out, saved, record)
-        diffs = [
-            d
-            for d in config_differences(normalizer_for(record)(saved), record)
-            if not any(d.startswith(f"{f}:") or d.startswith(f"{f}.") for f in RESUMABLE_CHANGES)
-        ]
-        if diffs:
-            raise RunFolderError(
-                f"--resume: {out} holds a run with another configuration; differing fields: "
-                + "; ".join(diffs)
-            )
-        return
-    if out.exists() and not out.is_dir():
-        raise RunFolderError(f"--out {out} is a file, not a folder")
-    if os.path.lexists(cfg):
-        try:
-            saved = _read_record(cfg)
-            what = f"task {saved['train']['task']!r}, {saved['train']['steps']} steps"
-        except (OSError, ValueError, KeyError, TypeError):
-            what = "unreadable config"
-        raise RunFolderError(
-            f"--out {out} already holds another run ({what}); pass --resume to continue it "
-            "(in Python: train(..., resume=True)) or choose a new folder"
-        )
-    if out.exists() and any(out.iterdir()):
-        raise RunFolderError(f"--out {out} is not empty and holds no run; choose a new or empty folder")
-
-
-def _read_metrics(path: Path) -> str | None:
-    """The metrics file's text (None when there is none yet), read as a bounded regular file."""
-    try:
-        raw = read_regular_file(path, max_bytes=MAX_METRICS_BYTES)
-    except FileNotFoundError:
-        return None
-    except UnsafeFileError as e:
-        raise RunFolderError(f"--resume: {e}") from None
-    except OSError as e:
-        raise RunFolderError(f"--resume: {path} is unreadable ({e.strerror or e})") from None
-    return raw.decode("utf-8", errors="replace")  # a line cut by a kill may end mid-character
-
-
-def _trim_metrics(path: Path, text: str | None, step: int) -> None:
-    """Keep the metrics lines up to ``step`` (a resumed run rewrites what came after its checkpoint)."""
-    if text is None:
-        return
-    kept = []
-    for line in text.splitlines():
-        try:
-            if json.loads(line)["step"] <= step:
-                kept.append(line)
-        except (ValueError, KeyError, TypeError, RecursionError):
-            continue  # a line cut short by a kill
-    write_atomic(path, "".join(k + "\n" for k in kept))
-
-
-def _check_resume_point(ckpt: Checkpoint, config: TrainConfig) -> None:
-    """The checkpoint's step within the run, and the optimizer's step counts equal to it."""
-    assert config.steps is not None
-    if ckpt.step > config.steps:
-        raise CheckpointError(
-            f"{ckpt.folder / STATE_FILE}: step {ckpt.step} is past the run's last step ({config.steps})"
-        )
-    for name, t in sorted(ckpt.state_tensors.items()):
-        if name.startswith("optimizer.state.") and name.endswith(".step") and t.numel() == 1:
-            counted = float(t)
-            if counted != ckpt.step:
-                raise CheckpointError(
-                    f"{ckpt.folder / STATE_TENSORS_FILE}: {name} counts {counted:g} optimizer steps, but "
-                    f"the checkpoint is at step {ckpt.step}"
-                )
-
-
 def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
     """AdamW; weight decay on matrices (>= 2-D), none on biases and LayerNorm gains (as nanoGPT)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
@@ -556,116 +184,11 @@ def _optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=config.lr, betas=(config.beta1, config.beta2), foreach=False)
 
 
-# --------------------------------------------------------------------------------------------- progress
-class _Progress:
-    """What a run is doing, on stderr (rank 0, ``progress=True``): status lines, then the training bar
-    (:func:`headspace.progress.progress_bar`: redrawn in a terminal or a notebook, a plain line every few
-    seconds with steps, rate and ETA where stderr is a log file or a pipe).
-
-    Status lines say what happens before the first step (reading and encoding the data, building the
-    model, the first evaluation, with a bar over its forward passes). The training bar starts after the
-    first step this process runs, which carries one-time costs (allocations, the optimizer's state) and
-    is not timed, so its first rate and ETA are those of ordinary steps; the time of an evaluation or a
-    checkpoint does not count as step time either (the bar's description shows an evaluation's passes).
-    """
-
-    def __init__(self, enabled: bool, desc: str, total: int) -> None:
-        self.enabled, self.desc, self.total = enabled, desc, total
-        self.bar: Any = None
-        self._eval_bar: Any = None
-        self._last_refresh = 0.0
-
-    def say(self, message: str) -> None:
-        if not self.enabled:
-            return
-        if self.bar is not None:
-            self.bar.write(message, file=sys.stderr)
-        else:
-            print(message, file=sys.stderr, flush=True)
-
-    def start_bar(self, initial: int) -> None:
-        """The training bar from step ``initial`` on (timed from now)."""
-        if not self.enabled or self.bar is not None:
-            return
-        from ..core.progress import progress_bar
-
-        self.bar = progress_bar(
-            total=self.total,
-            initial=initial,
-            desc=self.desc,
-            unit="step",
-            dynamic_ncols=True,
-            file=sys.stderr,
-        )
-
-    def step(self) -> None:
-        if self.bar is not None:
-            self.bar.update(1)
-
-    def postfix(self, **values: str) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix(**values, refresh=False)
-
-    def eval_progress(self, step: int) -> Callable[[int, int], None] | None:
-        """``on_progress`` for :func:`~.metrics.evaluate`: its passes on the bar (or a bar of its own)."""
-        if not self.enabled:
-            return None
-
-        def on_progress(done: int, total: int) -> None:
-            now = time.perf_counter()
-            if self.bar is None:
-                if self._eval_bar is None:
-                    from ..core.progress import progress_bar
-
-                    self._eval_bar = progress_bar(
-                        total=total, desc=f"eval step {step}", unit="pass", leave=False, file=sys.stderr
-                    )
-                self._eval_bar.update(done - self._eval_bar.n)
-            elif done == total:
-                self.bar.set_description_str(self.desc, refresh=False)
-            elif now - self._last_refresh >= 0.25:
-                self._last_refresh = now
-                self.bar.set_description_str(f"{self.desc} [eval step {step}: pass {done}/{total}]")
-
-        return on_progress
-
-    def end_eval(self) -> None:
-        if self._eval_bar is not None:
-            self._eval_bar.close()
-            self._eval_bar = None
-
-    def untimed(self, seconds: float) -> None:
-        """Leave ``seconds`` just spent (an evaluation, a checkpoint) out of the bar's step rate.
-
-        The bar's elapsed time still counts them; its rate (and so its ETA) is that of training steps.
-        """
-        from ..core.progress import PlainProgress
-
-        if isinstance(self.bar, PlainProgress):
-            self.bar.exclude(seconds)
-        elif self.bar is not None:
-            self.bar.last_print_t += seconds
-
-    def close(self) -> None:
-        if self._eval_bar is not None:
-            self._eval_bar.close()
-            self._eval_bar = None
-        if self.bar is not None:
-            self.bar.close()
-            self.bar = None
-
-
 def _describe_eval(source: _Source, batch: Batch, model: nn.Module) -> str:
     rows = batch.tokens.shape[0]
     what = "windows" if source.text is not None else "sequences"
     n_heads = sum(m.n_heads for _, m in attention_layers(model))
     return f"{rows} held-out {what} (loss, attention patterns, {n_heads} head ablations)"
-
-
-def _eval_line(step: int, result: dict[str, Any], seconds: float) -> str:
-    acc = result.get("accuracy")
-    extra = "" if acc is None else f", accuracy {acc:.3f}"
-    return f"step {step}: eval loss {result['loss']:.4f}{extra} ({seconds:.1f} s)"
 
 
 # --------------------------------------------------------------------------------------------- training
@@ -760,7 +283,8 @@ def _read_run(
             f"{d['train_tokens'] + d['val_tokens']:,} {config.level} tokens, vocabulary {d['vocab_size']} "
             f"({d['train_tokens']:,} train, {d['val_tokens']:,} held out) in {time.perf_counter() - t0:.1f} s"
         )
-    check_model_size(config, source.vocab_size, source.seq_len)  # before anything is allocated
+    # before anything is allocated; the cap read here, where MAX_PARAMETERS is documented
+    check_model_size(config, source.vocab_size, source.seq_len, MAX_PARAMETERS)
     model_config = model_config_for(config, source.vocab_size, source.seq_len)
     record = run_record(config, model_config, source.describe())
     check_same_config({k: v for k, v in config.to_dict().items() if k != "device"}, info)
