@@ -27,8 +27,8 @@ from ..kernels.cpu import forced
 from ..kernels.prepack import MIN_PACK_BYTES, prepack_available, should_pack_unembedding, should_prepack
 from ..kernels.q8_0 import MAX_ROWS, Q8Blocks, q8_0_available, q8_0_blocks, simd_level
 from ..nn.inputs import check_left_padding, check_tokens
+from ..nn.kv_cache import KVCache
 from .backends import Stepper, get_backend
-from .kv_cache import KVCache
 from .native import native_form
 from .step import DecoderModel, describe, product_weights
 
@@ -296,7 +296,7 @@ def _next_logits(
 
 def generation_caches(model: DecoderModel, batch: int, capacity: int) -> list[KVCache]:
     """The KV caches generate decodes into: one per block, stacked in two buffers
-    (:meth:`~headspace.decode.kv_cache.KVCache.stacked`) where every block's attention makes plain
+    (:meth:`~headspace.nn.kv_cache.KVCache.stacked`) where every block's attention makes plain
     KVCaches of the same key/value heads, d_head, dtype and device and no window, else each block's own
     ``attn.make_kv_cache(batch, capacity)``. ``capacity`` may exceed ``max_seq_len`` (left padding takes
     slots, not positions)."""

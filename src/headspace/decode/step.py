@@ -123,7 +123,7 @@ class LayerStep:
     ``rotary`` is the block's own (layers may differ: Gemma 3's sliding and full layers have two bases,
     NoPE layers None). ``qk_norm`` is ``"head"`` (``q_norm``/``k_norm`` over each head's d_head) or
     ``"all"`` (over the concatenated heads), ``window`` a sliding window (the block's KV cache holds
-    only it: :class:`~headspace.decode.kv_cache.KVCache`), ``attn_out_norm``/``mlp_out_norm`` the norms
+    only it: :class:`~headspace.nn.kv_cache.KVCache`), ``attn_out_norm``/``mlp_out_norm`` the norms
     of the sublayers' outputs (sandwich and post-sublayer blocks); each None where the block has none.
     """
 
