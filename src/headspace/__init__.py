@@ -13,6 +13,8 @@ import importlib.machinery
 import sys
 from typing import TYPE_CHECKING, Any
 
+from .model import decoding as _decoding
+
 __version__ = "0.1.0"
 
 #: public name -> the module that defines it (relative to this package).
@@ -28,7 +30,7 @@ _NAMES = {
     "Head": ".attention.heads",
     "HeadList": ".attention.heads",
     "HookPoint": ".nn.hooks",
-    "KVCache": ".decode",
+    "KVCache": ".nn.kv_cache",
     "MultiHeadAttention": ".attention.layer",
     "Trace": ".analysis.trace.trace",
     "trace": ".analysis.trace.trace",
@@ -93,6 +95,7 @@ _MOVED = {
     "explain": "analysis.lesson.explain",
     "tokenization": "pretrained.tokenization",
     "decoding": "decode.plan", "generate": "decode.loop", "workspace": "kernels.workspace",
+    "decode.kv_cache": "nn.kv_cache",
     "train.plots": "viz.training",
     # analysis/ in rooms (#37); analysis.atlas, .circuits and .trace are the rooms' packages, which
     # re-export their old modules' public names (the modules: atlas.run, circuits.edges, trace.trace)
@@ -139,6 +142,16 @@ if not any(isinstance(f, _MovedModules) for f in sys.meta_path):
     sys.meta_path.append(_MovedModules())
 
 
+def _load_decoding() -> None:
+    """Import :mod:`headspace.decode`, which registers what ``Decoder.generate`` runs."""
+    importlib.import_module(f"{__name__}.decode")
+
+
+# The decoding package sits above the model, which never imports it (headspace.model.decoding): the
+# package's face tells the model's registry how to load it on the first generate (torch is not imported).
+_decoding.load_with(_load_decoding)
+
+
 def __getattr__(name: str) -> Any:
     if name in _NAMES:
         value = getattr(importlib.import_module(_NAMES[name], __name__), name)
@@ -164,12 +177,12 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
     from .attention.circuits import FactoredMatrix
     from .attention.heads import Head, HeadList
     from .attention.layer import MultiHeadAttention
-    from .decode import KVCache
     from .model import layouts
     from .model.block import TransformerBlock
     from .model.config import ModelConfig
     from .model.models import Decoder, Encoder
     from .nn.hooks import HookPoint
+    from .nn.kv_cache import KVCache
     from .nn.masks import CanonicalMask, canonical_mask, causal_mask
     from .pretrained import load, load_bert, load_gguf, load_gpt2, load_llama
     from .train.checkpoint import CheckpointError

@@ -172,8 +172,7 @@ def test_choose_pack_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     assert choose_pack_rows(model, 1, None) is None  # one row: MKL's matrix-vector kernel, no packing
     assert choose_pack_rows(model, 8, None) is None  # a tiny model: below MIN_PACK_BYTES
     monkeypatch.setattr(prepack, "MIN_PACK_BYTES", 0)
-    monkeypatch.setattr(prepack, "prepack_available", lambda: True)
-    monkeypatch.setattr(decoding_mod, "prepack_available", lambda: True)
+    monkeypatch.setattr(prepack, "prepack_available", lambda: True)  # the policy asks it (kernels/policy.py)
     monkeypatch.setattr(prepack, "available_memory_bytes", lambda: 10**12)
     assert choose_pack_rows(model, 8, None) == 8
     nbytes = sum(w.numel() * 4 for w in product_weights(model))
@@ -184,7 +183,7 @@ def test_choose_pack_rows(monkeypatch: pytest.MonkeyPatch) -> None:
     assert choose_pack_rows(model, 8, True) == 8
     with pytest.raises(TypeError, match="prepack must be None"):
         choose_pack_rows(model, 8, "yes")  # type: ignore[arg-type]
-    monkeypatch.setattr(decoding_mod, "prepack_available", lambda: False)
+    monkeypatch.setattr(prepack, "prepack_available", lambda: False)
     with pytest.raises(ValueError, match="prepack=True needs torch's MKL packed linear"):
         model.generate(torch.zeros(2, 3, dtype=torch.long), 2, prepack=True)
 

@@ -14,7 +14,7 @@ The map:
 ``headspace.attention`` itself holds the layer's names, as the module of that name did.
 """
 
-from ..decode.kv_cache import KVCache
+from ..nn.kv_cache import KVCache
 from ..nn.positions import rotary_tables, rotate_fused
 from .layer import MultiHeadAttention, _check_finite, check_input_tensor, resolve_head_dims
 

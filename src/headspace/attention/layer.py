@@ -1,5 +1,5 @@
 """MultiHeadAttention: the four projections, per-head views and forward (its KV cache is
-:class:`headspace.decode.kv_cache.KVCache`; the rotation is :func:`headspace.positions.rotate_fused`)."""
+:class:`headspace.nn.kv_cache.KVCache`; the rotation is :func:`headspace.positions.rotate_fused`)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..core.checks import check_positive_int, is_number
-from ..decode.kv_cache import KVCache
 from ..kernels.workspace import THREAD_SCRATCH_MIN_BYTES, Workspace, thread_workspace
 from ..nn.hooks import HookPoint, Recomputed, note_source, noting, source_of
+from ..nn.kv_cache import KVCache
 from ..nn.masks import CanonicalMask, canonical_mask, check_window
 from ..nn.norms import RMSNorm, rms_inverse, rms_norm
 from ..nn.positions import Rotary, rotary_tables, rotate_fused

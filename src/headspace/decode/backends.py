@@ -3,7 +3,7 @@
 A backend is a function ``prepare(step) -> run | None`` of a :class:`~headspace.decode.step.DecodeStep`;
 ``run(x, caches, start, cos, sin) -> rows`` runs every block and the final norm on the new position
 ``start``'s rows x [batch, d_model], writing the new keys and values into ``caches`` (one
-:class:`~headspace.decode.kv_cache.KVCache` per block) at ``start``; ``cos``/``sin`` [1, 1, rotary_dim]
+:class:`~headspace.nn.kv_cache.KVCache` per block) at ``start``; ``cos``/``sin`` [1, 1, rotary_dim]
 are the new position's rotation tables (None without rotary). ``prepare`` returns None where it cannot
 run that step (here: ``"native"`` without the built library or a native form).
 
@@ -23,11 +23,11 @@ import torch
 from torch import Tensor
 
 from ..kernels import native as library
+from ..nn.kv_cache import KVCache
 from ..nn.positions import rotary_tables
 from . import native, python
-from .kv_cache import KVCache
 from .python import linear_fn
-from .step import DecodeStep
+from .step import DecoderModel, DecodeStep, describe
 
 StepFn = Callable[[Tensor, Sequence[KVCache], int, "Tensor | None", "Tensor | None"], Tensor]
 Prepare = Callable[[DecodeStep], "StepFn | None"]
@@ -116,3 +116,14 @@ class Stepper:
         if cap is not None:
             logits = torch.tanh(logits / cap) * cap  # Gemma 2's final-logit soft-capping, as forward
         return logits if logits.dtype == torch.float32 else logits.float()
+
+
+def decode_plan(model: DecoderModel, pack_rows: int | None = None) -> Stepper | None:
+    """``model``'s cached decoding step (:func:`~headspace.decode.step.describe`) ready to run, or None
+    where one-token steps must take ``forward`` (training mode, a block without its decoding step, an
+    active hook point): :meth:`headspace.Decoder.decode_plan`. ``pack_rows`` packs the float32 products
+    for that batch."""
+    step = describe(model, pack_rows)
+    if step is None or not step.idle():
+        return None
+    return Stepper(step)

@@ -23,14 +23,14 @@ import torch
 from torch import Tensor
 
 from ..kernels import native as library
+from ..kernels import policy
 from ..kernels.cpu import forced
-from ..kernels.prepack import MIN_PACK_BYTES, prepack_available, should_pack_unembedding, should_prepack
-from ..kernels.q8_0 import MAX_ROWS, Q8Blocks, q8_0_available, q8_0_blocks, simd_level
+from ..kernels.q8_0 import Q8Blocks, q8_0_blocks
 from ..nn.inputs import check_left_padding, check_tokens
+from ..nn.kv_cache import KVCache
 from .backends import Stepper, get_backend
-from .kv_cache import KVCache
 from .native import native_form
-from .step import DecoderModel, describe, product_weights
+from .step import DecoderModel, describe, products_of, unembedding
 
 
 @torch.no_grad()
@@ -66,13 +66,12 @@ def generate(
     called after each step with its tokens int64 [batch] (a fresh tensor; a stopped row's entry is its
     stop token again), before the next step is computed."""
     backend = _check_options(max_new_tokens, temperature, top_k, seed, compile, native, backend)
-    stops = _check_stops(stop_tokens, on_token, model.config.vocab_size)  # type: ignore[attr-defined]
+    stops = _check_stops(stop_tokens, on_token, model.config.vocab_size)
     prompt = _Prompt.of(model, tokens, key_padding, max_new_tokens)
-    pack_rows = choose_pack_rows(model, prompt.batch, prepack)
-    unembed_q8 = choose_unembed_q8(model, prompt.batch) if use_cache else None
-    unembed_rows = None
-    if pack_rows is None and unembed_q8 is None:
-        unembed_rows = choose_unembed_rows(model, prompt.batch, prepack)
+    kernels = policy.choose_kernels(products_of(model), prompt.batch, prepack, q8=use_cache)
+    pack_rows = kernels.pack_rows
+    unembed_q8 = q8_0_blocks(unembedding(model)[0]) if kernels.unembed_q8 else None
+    unembed_rows = kernels.unembed_rows if unembed_q8 is None else None
     if max_new_tokens == 0:
         return tokens.clone()
     generator = None if seed is None else torch.Generator(device=tokens.device).manual_seed(seed)
@@ -220,7 +219,7 @@ class _Prompt:
 
     @classmethod
     def of(cls, model: DecoderModel, tokens: Tensor, key_padding: Tensor | None, new: int) -> _Prompt:
-        config = model.config  # type: ignore[attr-defined]
+        config = model.config
         check_tokens(tokens, config, check_length=key_padding is None, device=model.tok_embed.weight.device)
         batch, length = tokens.shape
         if length == 0:
@@ -296,7 +295,7 @@ def _next_logits(
 
 def generation_caches(model: DecoderModel, batch: int, capacity: int) -> list[KVCache]:
     """The KV caches generate decodes into: one per block, stacked in two buffers
-    (:meth:`~headspace.decode.kv_cache.KVCache.stacked`) where every block's attention makes plain
+    (:meth:`~headspace.nn.kv_cache.KVCache.stacked`) where every block's attention makes plain
     KVCaches of the same key/value heads, d_head, dtype and device and no window, else each block's own
     ``attn.make_kv_cache(batch, capacity)``. ``capacity`` may exceed ``max_seq_len`` (left padding takes
     slots, not positions)."""
@@ -312,64 +311,26 @@ def generation_caches(model: DecoderModel, batch: int, capacity: int) -> list[KV
 
 
 def choose_pack_rows(model: DecoderModel, batch: int, prepack: bool | None) -> int | None:
-    """The rows to pack the weights for (None: no packing). ``prepack`` None chooses
-    (:func:`~headspace.kernels.prepack.should_prepack`: batch >= 2, MKL's packed linear present, at
+    """The rows to pack the weights for (None: no packing): :func:`headspace.kernels.policy.pack_rows`
+    of ``model``'s description. ``prepack`` None chooses (batch >= 2, MKL's packed linear present, at
     least 32 MiB of float32 weights, their copy within half the available memory); True packs (a
     ValueError where this torch has no MKL packed linear); False never packs."""
-    if prepack is None:
-        # no step without every block's decoding step (e.g. head-parallel layers): nothing to pack for
-        if batch < 2 or not all(getattr(b, "decode_supported", False) for b in model.blocks):
-            return None
-        return batch if should_prepack(product_weights(model), batch) else None
-    if not isinstance(prepack, bool):
-        raise TypeError(
-            f"prepack must be None (choose), True or False; got {type(prepack).__name__} {prepack!r}"
-        )
-    if not prepack:
-        return None
-    if not prepack_available():
-        mkl = torch.backends.mkl.is_available()
-        raise ValueError(
-            "prepack=True needs torch's MKL packed linear (torch.ops.mkl._mkl_linear, x86 builds with "
-            f"MKL); this torch has none (torch.backends.mkl.is_available()={mkl})"
-        )
-    return batch
+    return policy.pack_rows(products_of(model), batch, prepack)
 
 
 def choose_unembed_rows(model: DecoderModel, batch: int, prepack: bool | None) -> int | None:
-    """At batch 1 with ``prepack`` None, the rows to pack the unembedding alone for (1), or None
-    (:func:`~headspace.kernels.prepack.should_pack_unembedding`: a float32 unembedding of at least
-    32 MiB, MKL's packed linear present, the copy within half the available memory, every block with
-    its decoding step). ``prepack`` True or False is :func:`choose_pack_rows`' to answer: None here."""
-    if batch != 1 or prepack is not None:
-        return None
-    if not all(getattr(b, "decode_supported", False) for b in model.blocks):
-        return None
-    weight = model.tok_embed.weight if model.lm_head is None else model.lm_head.weight
-    return 1 if should_pack_unembedding(weight) else None
+    """At batch 1 with ``prepack`` None, the rows to pack the unembedding alone for (1), or None:
+    :func:`headspace.kernels.policy.unembed_rows` of ``model``'s description."""
+    return policy.unembed_rows(products_of(model), batch, prepack)
 
 
 def choose_unembed_q8(model: DecoderModel, batch: int) -> Q8Blocks | None:
-    """The unembedding's Q8_0 blocks for the step to multiply from (:mod:`headspace.kernels.q8_0`), or
-    None: only at most :data:`~headspace.kernels.q8_0.MAX_ROWS` rows, with ``q8_0_mm`` available (the
-    native library built, the ``q8_0`` fallback not forced) at a vector width (AVX2 or AVX512, as torch
-    reports the CPU), for a float32 unembedding without bias of at least
-    :data:`~headspace.kernels.prepack.MIN_PACK_BYTES` (smaller ones stay in the caches: their steps stay
-    bit for bit ``forward``'s) that is exactly Q8_0 blocks, as a GGUF's Q8_0 embedding dequantises."""
-    if batch > MAX_ROWS or forced("q8_0") or simd_level() < 1:
+    """The unembedding's Q8_0 blocks for the step to multiply from (:mod:`headspace.kernels.q8_0`),
+    where the policy takes them (:func:`headspace.kernels.policy.unembed_q8`) and the unembedding is
+    exactly Q8_0 blocks, as a GGUF's Q8_0 embedding dequantises; else None."""
+    if not policy.unembed_q8(products_of(model), batch):
         return None
-    if not all(getattr(b, "decode_supported", False) for b in model.blocks):
-        return None
-    head = model.lm_head
-    if head is not None and head.bias is not None:
-        return None
-    weight = model.tok_embed.weight if head is None else head.weight
-    if weight.numel() * weight.element_size() < MIN_PACK_BYTES:
-        return None
-    library.start_build()  # finds a finished build at once (else builds it in the background)
-    if not q8_0_available():
-        return None
-    return q8_0_blocks(weight)
+    return q8_0_blocks(unembedding(model)[0])
 
 
 def sample(

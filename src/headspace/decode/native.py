@@ -26,9 +26,9 @@ import torch
 from torch import Tensor
 
 from ..kernels import native as library
+from ..nn.kv_cache import KVCache
 from ..nn.spec import refuse_unsupported
 from . import python
-from .kv_cache import KVCache
 from .step import DecodeStep, NamedFields, named_fields
 
 #: The block features (:func:`~headspace.nn.spec.features_of`) the C++ step computes.

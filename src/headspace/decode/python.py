@@ -7,7 +7,7 @@ attributes. A step makes the same ATen calls on tensors of the same shapes, stri
 :meth:`headspace.Decoder.forward` on one new position with the KV caches, so its logits are
 ``forward``'s bit for bit (with packed weights, to float32 rounding).
 
-A sliding-window block's cache (:class:`~headspace.decode.kv_cache.KVCache` with ``window``) takes the
+A sliding-window block's cache (:class:`~headspace.nn.kv_cache.KVCache` with ``window``) takes the
 new key through its own ``append_one`` and the step passes the window's mask to attention, as
 ``forward`` does; every other cache is written in place through views (:func:`cache_views`).
 
@@ -28,11 +28,11 @@ from torch import Tensor
 
 from ..kernels.prepack import packed_linear_fn
 from ..kernels.q8_0 import Q8Blocks, q8_0_linear_fn
+from ..nn.kv_cache import KVCache
 from ..nn.masks import window_mask
 from ..nn.norms import rms_norm
 from ..nn.positions import Rotary, rotary_tables, rotate_fused
 from ..nn.spec import refuse_unsupported
-from .kv_cache import KVCache
 from .step import STEP_FEATURES, DecodeStep, LayerStep, Norm, Product
 
 Rows = Callable[[Tensor], Tensor]

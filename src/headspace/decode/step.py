@@ -43,8 +43,10 @@ import torch
 from torch import Tensor, nn
 
 from ..kernels.bf16 import BF16Weight, float32_rows
+from ..kernels.policy import StepProducts
 from ..kernels.prepack import pack_weight, packable
 from ..kernels.q8_0 import Q8Blocks
+from ..model.config import ModelConfig
 from ..nn.hooks import HookPoint, all_idle
 from ..nn.norms import RMSNorm
 from ..nn.positions import Rotary
@@ -65,8 +67,9 @@ STEP_FEATURES = ("window", "qk_norm")
 
 class DecoderModel(Protocol):
     """What :func:`describe` and :func:`~headspace.decode.generate` read of a decoder (a
-    :class:`headspace.Decoder`): its blocks, final norm, embedding and unembedding."""
+    :class:`headspace.Decoder`): its configuration, blocks, final norm, embedding and unembedding."""
 
+    config: ModelConfig
     blocks: nn.ModuleList
     ln_final: nn.Module | None
     lm_head: nn.Linear | None
@@ -74,6 +77,8 @@ class DecoderModel(Protocol):
     rotary: Rotary | None
     training: bool
 
+    @property
+    def precision(self) -> str: ...
     def embed(self, tokens: Tensor, start: int = 0) -> Tensor: ...
     def modules(self) -> Any: ...
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor: ...
@@ -123,7 +128,7 @@ class LayerStep:
     ``rotary`` is the block's own (layers may differ: Gemma 3's sliding and full layers have two bases,
     NoPE layers None). ``qk_norm`` is ``"head"`` (``q_norm``/``k_norm`` over each head's d_head) or
     ``"all"`` (over the concatenated heads), ``window`` a sliding window (the block's KV cache holds
-    only it: :class:`~headspace.decode.kv_cache.KVCache`), ``attn_out_norm``/``mlp_out_norm`` the norms
+    only it: :class:`~headspace.nn.kv_cache.KVCache`), ``attn_out_norm``/``mlp_out_norm`` the norms
     of the sublayers' outputs (sandwich and post-sublayer blocks); each None where the block has none.
     """
 
@@ -231,10 +236,7 @@ def describe(
             return None
         layers.append(_layer_of(block, pack_rows))
     rows = unembed_rows if pack_rows is None else pack_rows
-    if model.lm_head is None:
-        weight, bias = model.tok_embed.weight, None
-    else:
-        weight, bias = model.lm_head.weight, model.lm_head.bias
+    weight, bias = unembedding(model)
     if unembed_q8 is not None and bias is None:
         unembed = Product("q8_0", weight, None, unembed_q8.q, scales=unembed_q8.d)
     else:
@@ -249,7 +251,7 @@ def describe(
         hook_points=points,
         pack_rows=pack_rows,
         model=weakref.ref(model),  # a step must not keep its model alive
-        final_softcap=getattr(getattr(model, "config", None), "final_softcap", None),
+        final_softcap=model.config.final_softcap,
     )
 
 
@@ -306,6 +308,30 @@ def _layer_of(block: Any, pack_rows: int | None) -> LayerStep:
     )
 
 
+def unembedding(model: DecoderModel) -> tuple[Tensor, Tensor | None]:
+    """The unembedding's weight [vocab_size, d_model] and bias (None: none): the token embedding's
+    where tied, else ``lm_head``'s."""
+    if model.lm_head is None:
+        return model.tok_embed.weight, None
+    return model.lm_head.weight, model.lm_head.bias
+
+
+def products_of(model: DecoderModel) -> StepProducts:
+    """What the kernel policy (:mod:`headspace.kernels.policy`) decides ``model``'s step by: every
+    block's description, the unembedding's shape from the configuration, whether the products are
+    plain float32 CPU matrices (precision ``"float32"`` on the CPU), whether the unembedding has a
+    bias and whether every block has its decoding step."""
+    c = model.config
+    return StepProducts(
+        blocks=tuple(b.spec for b in model.blocks),
+        vocab_size=c.vocab_size,
+        d_model=c.d_model,
+        float32=model.precision == "float32" and model.tok_embed.weight.device.type == "cpu",
+        unembed_bias=unembedding(model)[1] is not None,
+        stepped=all(getattr(b, "decode_supported", False) for b in model.blocks),
+    )
+
+
 def product_weights(model: DecoderModel) -> list[Tensor]:
     """Every weight a decoding step multiplies by, in order: per block the fused QKV, W_O and the
     MLP's (gate, in, out), then the unembedding."""
@@ -313,7 +339,7 @@ def product_weights(model: DecoderModel) -> list[Tensor]:
     for b in model.blocks:
         weights += [b.attn.qkv_weight, b.attn.o_weight]
         weights += [lin.weight for lin in b.mlp.modules() if isinstance(lin, nn.Linear)]
-    weights.append(model.tok_embed.weight if model.lm_head is None else model.lm_head.weight)
+    weights.append(unembedding(model)[0])
     return weights
 
 

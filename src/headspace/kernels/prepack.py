@@ -57,32 +57,31 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def should_prepack(weights: Iterable[Tensor], rows: int) -> bool:
-    """The automatic choice: pack for ``rows`` >= 2 when MKL's packed linear exists, the packable
-    weights hold at least :data:`MIN_PACK_BYTES`, and their copy fits in half the memory available;
-    never with the ``prepack`` fallback forced (:mod:`headspace.kernels.cpu`)."""
-    if rows < 2 or not prepack_available() or cpu.forced("prepack"):
-        return False
-    nbytes = sum(w.numel() * w.element_size() for w in weights if packable(w))
-    if nbytes < MIN_PACK_BYTES:
+def pays_to_pack(nbytes: int) -> bool:
+    """Whether packing ``nbytes`` of float32 weights pays and fits: MKL's packed linear exists, the
+    ``prepack`` fallback is not forced (:mod:`headspace.kernels.cpu`), ``nbytes`` is at least
+    :data:`MIN_PACK_BYTES` and the copy fits in half the memory available. What
+    :mod:`headspace.kernels.policy` decides the decoding step's packing by."""
+    if not prepack_available() or cpu.forced("prepack") or nbytes < MIN_PACK_BYTES:
         return False
     free = available_memory_bytes()
     return free is not None and 2 * nbytes <= free
+
+
+def should_prepack(weights: Iterable[Tensor], rows: int) -> bool:
+    """The automatic choice: pack for ``rows`` >= 2 where the packable ``weights`` pay to pack
+    (:func:`pays_to_pack` of their bytes)."""
+    if rows < 2:
+        return False
+    return pays_to_pack(sum(w.numel() * w.element_size() for w in weights if packable(w)))
 
 
 def should_pack_unembedding(weight: Tensor) -> bool:
-    """The automatic choice at one row, for the unembedding alone: pack it when MKL's packed linear
-    exists, it is a plain float32 matrix of at least :data:`MIN_PACK_BYTES` and its copy fits in half
-    the available memory; never with the ``prepack`` fallback forced. (At one row MKL's plain product
-    of a tall [vocab_size, d_model] weight ran on about one core, its packed one on all of them:
+    """The automatic choice at one row, for the unembedding alone: pack it where it is a plain float32
+    matrix that pays to pack (:func:`pays_to_pack`). (At one row MKL's plain product of a tall
+    [vocab_size, d_model] weight ran on about one core, its packed one on all of them:
     docs/benchmarks.md, "Gemma 3"; the blocks' smaller weights stay plain.)"""
-    if not prepack_available() or cpu.forced("prepack") or not packable(weight):
-        return False
-    nbytes = weight.numel() * weight.element_size()
-    if nbytes < MIN_PACK_BYTES:
-        return False
-    free = available_memory_bytes()
-    return free is not None and 2 * nbytes <= free
+    return packable(weight) and pays_to_pack(weight.numel() * weight.element_size())
 
 
 def pack_weight(weight: Tensor, rows: int) -> Tensor:

@@ -31,11 +31,11 @@ from ..attention.described import DescribedAttention
 from ..attention.functional import sdpa_attention
 from ..attention.layer import MultiHeadAttention, check_input_tensor
 from ..core.checks import check_positive_float, check_probability
-from ..decode.kv_cache import KVCache
 from ..kernels.bf16 import is_bf16
 from ..kernels.int8 import is_int8
 from ..kernels.workspace import Workspace
 from ..nn.hooks import HookPoint
+from ..nn.kv_cache import KVCache
 from ..nn.masks import CanonicalMask
 from ..nn.norms import RMSNorm
 from ..nn.positions import Rotary

@@ -29,17 +29,17 @@ from torch import Tensor, nn
 
 from ..attention.pruning import shrink_attention
 from ..core.checks import is_int
-from ..decode import KVCache, Stepper, describe
-from ..decode import generate as generate_tokens
 from ..kernels.bf16 import BF16Weight, is_bf16, round_to_bf16
 from ..kernels.int8 import Int8Weight, is_int8
 from ..kernels.workspace import Workspace
 from ..nn.hooks import HookPoint
 from ..nn.inputs import check_positions, check_tokens
+from ..nn.kv_cache import KVCache
 from ..nn.masks import check_key_padding
 from ..nn.positions import Rotary
 from .block import TransformerBlock, make_norm
 from .config import ModelConfig
+from .decoding import StepPlan, decoding
 
 
 def _check_config(config: Any, arch: str, cls_name: str) -> ModelConfig:
@@ -472,18 +472,16 @@ class Decoder(_Stack):
             x = block(x, key_padding=key_padding, is_causal=causal, kv_cache=cache, **kw)  # (batch, seq, d)
         return self.final_norm(x)
 
-    def decode_plan(self, pack_rows: int | None = None) -> Stepper | None:
+    def decode_plan(self, pack_rows: int | None = None) -> StepPlan | None:
         """This model's cached decoding step (:func:`headspace.decode.describe`) ready to run
         (:class:`headspace.decode.Stepper`), or None where one-token steps must take :meth:`forward`
         (training mode, a block without
         :attr:`~headspace.block.TransformerBlock.decode_supported`, or an active hook point).
         ``plan.logits(tokens, caches)`` is ``forward(tokens, kv_caches=caches)[:, -1]``, bit for bit,
         while ``plan.idle()``; with ``pack_rows`` (a batch size) the float32 products run on weights
-        packed for MKL's GEMM (a second copy of them, equal to float32 rounding)."""
-        step = describe(self, pack_rows)
-        if step is None or not step.idle():
-            return None
-        return Stepper(step)
+        packed for MKL's GEMM (a second copy of them, equal to float32 rounding). Run by
+        :func:`headspace.decode.decode_plan` (:mod:`headspace.model.decoding`)."""
+        return decoding().plan(self, pack_rows)
 
     def forward(
         self,
@@ -547,5 +545,6 @@ class Decoder(_Stack):
         :func:`headspace.decode.generate` on this model (its options: ``key_padding``, ``temperature``
         (0: greedy), ``top_k``, ``seed``, ``use_cache``, ``prepack``, ``backend``, ``native``,
         ``stop_tokens``, ``on_token``; see ``docs/decoding.md``). Returns [batch, prompt_len +
-        max_new_tokens] (fewer columns only where ``stop_tokens`` stopped every row)."""
-        return generate_tokens(self, tokens, max_new_tokens, **options)
+        max_new_tokens] (fewer columns only where ``stop_tokens`` stopped every row). Run by the
+        decoding package above the model (:mod:`headspace.model.decoding`)."""
+        return decoding().generate(self, tokens, max_new_tokens, **options)

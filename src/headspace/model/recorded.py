@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention.layer import MultiHeadAttention
-from ..decode.kv_cache import KVCache
 from ..nn.hooks import HookPoint, Memo, Recomputed, note_source, noting_sources, resolve, source_of
+from ..nn.kv_cache import KVCache
 from ..nn.norms import RMSNorm, rms_norm
 from .mlp import FeedForward, GatedFeedForward, _copy, _defers, _plain_linear
 

@@ -8,7 +8,9 @@ The map:
 * :mod:`~headspace.nn.norms`: :class:`RMSNorm`, the one :func:`~headspace.nn.norms.rms_norm` and its one
   statistic :func:`~headspace.nn.norms.rms_inverse` (which every analysis freezing an RMS norm calls);
 * :mod:`~headspace.nn.hooks`: named hook points (:class:`HookPoint`);
-* :mod:`~headspace.nn.inputs`: checks of what a model is given (token ids, positions, prompt masks).
+* :mod:`~headspace.nn.inputs`: checks of what a model is given (token ids, positions, prompt masks);
+* :mod:`~headspace.nn.kv_cache`: :class:`KVCache`, each layer's keys and values of the positions decoded
+  so far (``headspace.decode.kv_cache`` is this module).
 
 Old paths (``headspace.masks``, ``headspace.positions``, ...) keep working.
 """

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...decode.kv_cache import KVCache
+from ...nn.kv_cache import KVCache
 from .._common import JsonResult, eval_mode
 from ..trace.trace import hooked, trace
 from .budget import check_backward, fit_runs, shape_of
