@@ -43,7 +43,6 @@ from ..attention.recording import (
 )
 from ..decode.kv_cache import KVCache
 from ..nn.hooks import HookPoint, Memo, Recomputed, note_source, noting_sources, resolve, source_of
-from ..nn.masks import canonical_mask
 from ..nn.norms import RMSNorm, rms_norm
 from ..nn.positions import rotary_tables
 from .mlp import DeferredMLP as DeferredMLP  # formerly block.DeferredMLP (FORMER_BLOCK_NAMES)
@@ -236,11 +235,7 @@ def attention(attn: MultiHeadAttention, x: Tensor, kw: dict[str, Any]) -> Tensor
     if B == 0 or S == 0:
         return attn(x, **kw)  # an empty output: nothing to record
     spec = attn.spec
-    mask = canonical_mask(
-        batch=B, n_heads=spec.n_heads, seq_q=S, seq_k=S, key_padding=kw["key_padding"],
-        attn_mask=kw["attn_mask"], is_causal=kw["is_causal"], dtype=x.dtype, device=x.device,
-        window=spec.window,
-    )  # fmt: skip
+    mask = attn._call_mask(x, S, kw["key_padding"], kw["attn_mask"], kw["is_causal"], None)
     source = source_of(x)
     qk: tuple[Recomputed, Recomputed] | None = None
     if source is not None and _standard_qk_norms(attn):
