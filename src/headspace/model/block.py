@@ -42,9 +42,7 @@ from ..nn.positions import Rotary
 from ..nn.spec import BlockSpec, MLPSpec, NormSpec, features_of, refuse_unsupported
 from . import recorded
 from .mlp import ACTIVATIONS as ACTIVATIONS  # re-exported: the MLPs' old home
-from .mlp import DeferredMLP as DeferredMLP
 from .mlp import FeedForward, GatedFeedForward, _fire, make_activation
-from .recorded import DeferredSum as DeferredSum  # re-exported: its old home
 
 #: Residual/LayerNorm arrangements accepted by :class:`TransformerBlock`.
 NORMS = ("post", "pre", "sandwich", "post_sublayer")
@@ -519,3 +517,11 @@ _RESIDUAL = {
     "sandwich": TransformerBlock._sandwich,
     "post_sublayer": TransformerBlock._post_sublayer,
 }
+
+
+def __getattr__(name: str) -> Any:
+    """The trace executor's values that this module once held (:data:`~headspace.model.recorded.
+    FORMER_BLOCK_NAMES`), still importable from here: the same objects."""
+    if name in recorded.FORMER_BLOCK_NAMES:
+        return getattr(recorded, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,7 +12,9 @@ Two forms, each bit for bit the block's own forward:
   gets a :class:`DeferredSum` of the two instead of a third tensor.
 
 The block's forward dispatches here once (``forward``) and for ``hook_resid_mid``; its maths stays in
-the block (``model/block.py``).
+the block (``model/block.py``). Inside a fully recorded block the attention sublayer is run here too
+(:func:`attention`), from the layer's description (``attn.spec``) and its weights, by the ops of its
+traced forward; the attention's own hook firing is :mod:`headspace.attention.recording`'s.
 
 Notation used for tensor shapes:
     batch, seq, d_model.
@@ -27,11 +29,28 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..attention import recording
+from ..attention.checks import check_rotary_positions, refuse_non_finite
 from ..attention.layer import MultiHeadAttention
+from ..attention.recording import (
+    QKVOps,
+    copied,
+    hook_view,
+    norm_params,
+    output_of_heads,
+    project_stages,
+    stage,
+)
 from ..nn.hooks import HookPoint, Memo, Recomputed, note_source, noting_sources, resolve, source_of
 from ..nn.kv_cache import KVCache
 from ..nn.norms import RMSNorm, rms_norm
+from ..nn.positions import rotary_tables
+from .mlp import DeferredMLP as DeferredMLP  # formerly block.DeferredMLP (FORMER_BLOCK_NAMES)
 from .mlp import FeedForward, GatedFeedForward, _copy, _defers, _plain_linear
+
+#: The names :mod:`headspace.model.block` held before the trace's executor had a module of its own:
+#: ``from headspace.model.block import DeferredSum`` keeps working (``block.__getattr__``).
+FORMER_BLOCK_NAMES = ("DeferredMLP", "DeferredSum")
 
 
 def norm_source(norm: nn.Module, source: Any, shape: torch.Size) -> Recomputed | None:
@@ -174,7 +193,7 @@ def _run_noted(block: Any, x: Tensor, kw: dict[str, Any]) -> Tensor:
         block.hook_attn_in.fire_deferred(Recomputed(Tensor.detach, x.detach(), shape=x.shape))
     else:
         _fire_noted(block.hook_attn_in, a_in)
-    a = block.attn(a_in, **kw)
+    a = attention(block.attn, a_in, kw)
     if sandwich:
         a = _noted_norm(block.ln_attn_out, a)
     elif norm == "post_sublayer":
@@ -199,3 +218,95 @@ def _run_noted(block: Any, x: Tensor, kw: dict[str, Any]) -> Tensor:
     _fire_noted(block.hook_mlp_out, m)
     out = h + m  # (batch, seq, d_model)
     return block.ln2(out) if norm == "post" else out
+
+
+# ------------------------------------------------------------------------------- the attention sublayer
+def attention(attn: MultiHeadAttention, x: Tensor, kw: dict[str, Any]) -> Tensor:
+    """The attention sublayer of a fully recorded block (:func:`takes`: fused self-attention, no KV cache,
+    no soft-capping), run from the layer's description (``attn.spec``) and its weights: x [batch, seq,
+    d_model] -> [batch, seq, d_model], bit for bit the layer's forward. The stages' hook points (q, k,
+    v, the QK-normed and rotated q and k) get values recomputed from what x is recomputed from and
+    copies of the weights (:func:`_recorded_qkv`), the scores and the pattern deferred values of those
+    (:meth:`MultiHeadAttention.traced_attention`), and the output is noted as recomputed from z and the
+    copy of ``W_O`` that ``hook_result`` keeps."""
+    positions = kw.get("positions")
+    attn._checked_call(x, None, None, kw["attn_mask"], None, positions)
+    B, S, _ = x.shape
+    if B == 0 or S == 0:
+        return attn(x, **kw)  # an empty output: nothing to record
+    spec = attn.spec
+    mask = attn._call_mask(x, S, kw["key_padding"], kw["attn_mask"], kw["is_causal"], None)
+    source = source_of(x)
+    qk: tuple[Recomputed, Recomputed] | None = None
+    if source is not None and _standard_qk_norms(attn):
+        q, k, v, qk = _recorded_qkv(attn, x, source, positions)
+    else:  # the layer's own traced stages, each hook point handed its value
+        q, k, v = attn._heads_qkv(x, x, x, True, True, None, positions, None)
+    dropout_p = spec.dropout if attn.training else 0.0
+    z, _, _ = attn.traced_attention(q, k, v, mask, dropout_p, need_pattern=False, qk_sources=qk)
+    out, W_O = recording.output_from_heads(z, attn.W_O, attn.o_bias, attn.hook_result)
+    if W_O is not None and attn.hook_z.defers:  # z is recorded, the copy of W_O kept: out costs nothing
+        note_source(out, Recomputed(output_of_heads, z.detach(), W_O, copied(attn.o_bias), shape=out.shape))
+    if attn.check_finite:
+        refuse_non_finite("attention output (inputs were finite: check the weights)", out)
+    return out
+
+
+def _standard_qk_norms(attn: MultiHeadAttention) -> bool:
+    """Whether the QK-norms (if any) are this package's RMSNorm, whose op :func:`project_stages` runs."""
+    return attn.qk_norm is None or (type(attn.q_norm) is RMSNorm and type(attn.k_norm) is RMSNorm)
+
+
+def _stage_points(attn: MultiHeadAttention) -> tuple[tuple[str, HookPoint | None], ...]:
+    """The hook points of :func:`project_stages`' stages, by stage name (None: the layer has none)."""
+    return (
+        ("q", attn.hook_q),
+        ("k", attn.hook_k),
+        ("v", attn.hook_v),
+        ("q_normed", attn.hook_q_normed),
+        ("k_normed", attn.hook_k_normed),
+        ("rot_q", attn.hook_rot_q),
+        ("rot_k", attn.hook_rot_k),
+    )
+
+
+def _qkv_ops(attn: MultiHeadAttention, cos: Tensor | None, sin: Tensor | None, *, copy: bool) -> QKVOps:
+    """:class:`QKVOps` of ``attn`` from its description and weights (``copy``: copies of the weights)."""
+    spec = attn.spec
+    w = attn.qkv_weight.detach()
+    b = None if attn.qkv_bias is None else attn.qkv_bias.detach()
+    return QKVOps(
+        weight=w.clone() if copy else w,
+        bias=None if b is None else (b.clone() if copy else b),
+        n_heads=spec.n_heads, n_kv_heads=spec.n_kv_heads, d_head=spec.d_head,
+        qk_norm=spec.qk_norm,
+        q_norm=norm_params(attn.q_norm, copy), k_norm=norm_params(attn.k_norm, copy),
+        rotary=spec.positions, cos=cos, sin=sin,
+    )  # fmt: skip
+
+
+def _recorded_qkv(
+    attn: MultiHeadAttention, x: Tensor, source: Any, positions: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor, tuple[Recomputed, Recomputed]]:
+    """q [B, H, S, dh], k, v [B, Hkv, S, dh] of the layer on x [B, S, d_model] by :func:`project_stages`,
+    each active stage hook point handed a :class:`~headspace.hooks.Recomputed` that computes its value
+    again from ``source`` (what x is recomputed from) and copies of the weights; also the recomputed q
+    and k the scores use."""
+    rotary = attn.spec.positions
+    B, S, _ = x.shape
+    cos = sin = None
+    if rotary is not None:
+        if positions is None:
+            positions = torch.arange(S, device=x.device)  # (S,)
+        else:
+            check_rotary_positions(positions, B, S, x.device)
+        cos, sin = rotary_tables(rotary, positions, x.dtype, x.device)  # (B|1, 1, S, rd) x 2
+    stages = project_stages(x, _qkv_ops(attn, cos, sin, copy=False))
+    node = Recomputed(project_stages, source, _qkv_ops(attn, cos, sin, copy=True))
+    for name, point in _stage_points(attn):
+        if point is not None and point.active:
+            shape = stages[name].transpose(1, 2).shape
+            point.fire_deferred(Recomputed(hook_view, node, name, shape=shape, head_axis=2))
+    q_src = Recomputed(stage, node, "q_att", shape=stages["q_att"].shape, head_axis=1)
+    k_src = Recomputed(stage, node, "k_att", shape=stages["k_att"].shape, head_axis=1)
+    return stages["q_att"], stages["k_att"], stages["v"], (q_src, k_src)
