@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..nn.kv_cache import KVCache
 from ..kernels.workspace import Workspace
+from ..nn.kv_cache import KVCache
 from ..nn.norms import rms_inverse
 from ..nn.positions import rotary_tables, rotate_fused
 from .checks import check_rotary_positions
