@@ -103,6 +103,45 @@ def _token_labels(pretrained: Any, sentence: str, ids: Sequence[int]) -> list[st
     return [show(str(t)) for t in labels]
 
 
+def _input_tokens(
+    model: Any, module: nn.Module, sentence: str | Tensor | Sequence[int], labels: Sequence[str] | None
+) -> tuple[Tensor, Sequence[str], str]:
+    """The explorer's input: ``(tokens [1, seq] int64, labels, text)``; a sentence is tokenized by a
+    pretrained ``model`` (labels from its tokenizer unless given, text the sentence), token ids are taken
+    as they are (labels their ids as text unless given, text empty)."""
+    if isinstance(sentence, str):
+        if not (hasattr(model, "model") and hasattr(model, "tokenize")):
+            raise TypeError(
+                "a sentence needs a model with a tokenizer (headspace.load(...)); for a bare module pass "
+                "an int64 token tensor [1, seq] instead"
+            )
+        if not sentence.strip():
+            raise ValueError("sentence is empty; give at least one word")
+        encoded = model.tokenize([sentence])
+        # PretrainedEncoder.tokenize -> (tokens, key_padding); PretrainedDecoder.tokenize -> tokens.
+        # One sentence has no padding: tokens is (1, seq).
+        tokens = encoded[0] if isinstance(encoded, tuple) else encoded
+        if labels is None:
+            labels = _token_labels(model, sentence, tokens[0].tolist())
+        max_len = getattr(getattr(module, "config", None), "max_seq_len", None)
+        if max_len is not None and tokens.shape[1] > max_len:
+            raise ValueError(
+                f"sentence has {tokens.shape[1]} tokens but the model's position table holds "
+                f"max_seq_len={max_len}; shorten the sentence"
+            )
+        return tokens, labels, sentence
+    tokens = torch.as_tensor(sentence)
+    if tokens.dim() == 1:
+        tokens = tokens.unsqueeze(0)  # (seq,) -> (1, seq)
+    if tokens.dim() != 2 or tokens.shape[0] != 1 or tokens.dtype != torch.int64:
+        raise ValueError(
+            "sentence must be a str (for a pretrained model) or an int64 token tensor [1, seq] "
+            "(one sequence); got dtype "
+            f"{tokens.dtype} and shape {list(tokens.shape)}"
+        )
+    return tokens, [str(i) for i in tokens[0].tolist()] if labels is None else labels, ""
+
+
 class Explorer:
     """The explorer page of one model on one input.
 
@@ -139,47 +178,10 @@ class Explorer:
                 "model must be a pretrained object (headspace.load(...)) or a torch.nn.Module with headspace "
                 f"attention layers; got {type(model).__name__}"
             )
-        text = ""
-        if isinstance(sentence, str):
-            if not is_pretrained:
-                raise TypeError(
-                    "a sentence needs a model with a tokenizer (headspace.load(...)); for a bare module pass "
-                    "an int64 token tensor [1, seq] instead"
-                )
-            if not sentence.strip():
-                raise ValueError("sentence is empty; give at least one word")
-            text = sentence
-            encoded = model.tokenize([sentence])
-            # PretrainedEncoder.tokenize -> (tokens, key_padding); PretrainedDecoder.tokenize -> tokens.
-            # One sentence has no padding: tokens is (1, seq).
-            tokens = encoded[0] if isinstance(encoded, tuple) else encoded
-            if labels is None:
-                labels = _token_labels(model, sentence, tokens[0].tolist())
-            max_len = getattr(getattr(module, "config", None), "max_seq_len", None)
-            if max_len is not None and tokens.shape[1] > max_len:
-                raise ValueError(
-                    f"sentence has {tokens.shape[1]} tokens but the model's position table holds "
-                    f"max_seq_len={max_len}; shorten the sentence"
-                )
+        tokens, labels, text = _input_tokens(model, module, sentence, labels)
 
-            def default_run() -> Any:
-                return module(tokens)
-
-        else:
-            tokens = torch.as_tensor(sentence)
-            if tokens.dim() == 1:
-                tokens = tokens.unsqueeze(0)  # (1, seq)
-            if tokens.dim() != 2 or tokens.shape[0] != 1 or tokens.dtype != torch.int64:
-                raise ValueError(
-                    "sentence must be a str (for a pretrained model) or an int64 token tensor [1, seq] "
-                    "(one sequence); got dtype "
-                    f"{tokens.dtype} and shape {list(tokens.shape)}"
-                )
-            ids = tokens[0].tolist()
-            labels = [str(i) for i in ids] if labels is None else labels
-
-            def default_run() -> Any:
-                return module(tokens)
+        def default_run() -> Any:
+            return module(tokens)
 
         if labels is not None and len(labels) != tokens.shape[1]:
             raise ValueError(
