@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from ...core.fileio import write_atomic
+from . import blob
 from .data import LayerCapture, build_page_data, capture_layers
 from .results import check_views_fit, result_views
 
@@ -39,7 +40,7 @@ HEADLESS_CHROMIUM_ARGS = (
     "--disable-sync",
 )
 
-_PLACEHOLDERS = re.compile(r"/\*__CSS__\*/|/\*__JS__\*/|__DATA__|__TITLE__")
+_PLACEHOLDERS = re.compile(r"/\*__CSS__\*/|/\*__JS__\*/|__DATA__|__TITLE__|__BLOB__")
 
 
 @cache
@@ -48,33 +49,48 @@ def asset(name: str) -> str:
     return resources.files(__package__).joinpath("assets", name).read_text(encoding="utf-8")
 
 
-def _json_for_script(data: dict[str, Any]) -> str:
-    """JSON safe inside ``<script type="application/json">``: no ``</`` or ``<!--`` can end the element."""
-    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+def _json_for_script(data: dict[str, Any], *, ascii_only: bool = False) -> str:
+    """JSON safe inside ``<script type="application/json">``: no ``</`` or ``<!--`` can end the element
+    (``ascii_only``: every non-ASCII character as ``\\uXXXX``)."""
+    text = json.dumps(data, ensure_ascii=ascii_only, separators=(",", ":"), allow_nan=False)
     return text.replace("<", "\\u003c").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
 
 
 def render_page(data: dict[str, Any]) -> str:
-    """The whole HTML page for ``data`` (from :func:`build_page_data`) as a string."""
+    """The whole HTML page for ``data`` (from :func:`build_page_data`) as a string.
+
+    A page whose arrays reach :data:`.blob.BLOB_MIN_CHARS` of base64 stores them as one deflated block,
+    one byte a character, in a windows-1252 page (:mod:`.blob`; write it with :func:`write_page`, which
+    writes those bytes); a smaller one is UTF-8 with base64 arrays."""
     if not isinstance(data, dict) or "layers" not in data or "tokens" not in data:
         raise TypeError("data must be the dict from build_page_data (with 'tokens' and 'layers')")
+    title = html.escape(str(data.get("title", "headspace explorer")))
+    template, js, css, block = asset("template.html"), asset("explorer.js"), asset("explorer.css"), ""
+    big = blob.base64_chars(data) >= blob.BLOB_MIN_CHARS
+    if big:
+        data, deflated = blob.to_blob(data)
+        block = (
+            f'\n<script type="application/octet-stream" id="explorer-blob">{blob.escape(deflated)}</script>'
+        )
+        js, css = blob.ascii_script(js), blob.ascii_script(css)
+        template = template.replace(blob.UTF8_META, blob.BLOB_META, 1)
+        title = title.encode("ascii", "xmlcharrefreplace").decode("ascii")
     parts = {
-        "/*__CSS__*/": asset("explorer.css"),
-        "/*__JS__*/": asset("explorer.js"),
-        "__DATA__": _json_for_script(data),
-        "__TITLE__": html.escape(str(data.get("title", "headspace explorer"))),
-    }
+        "/*__CSS__*/": css, "/*__JS__*/": js, "__DATA__": _json_for_script(data, ascii_only=big),
+        "__TITLE__": title, "__BLOB__": block,
+    }  # fmt: skip
     # one pass, so nothing inserted (a token that reads "__DATA__") is substituted again
-    return _PLACEHOLDERS.sub(lambda m: parts[m.group(0)], asset("template.html"))
+    return _PLACEHOLDERS.sub(lambda m: parts[m.group(0)], template)
 
 
 def write_page(path: str | os.PathLike[str], page: str) -> Path:
-    """Write ``page`` to ``path`` atomically (temp file in the same folder, then ``os.replace``)."""
+    """Write ``page`` to ``path`` atomically (temp file in the same folder, then ``os.replace``), in its
+    charset (:func:`.blob.page_bytes`)."""
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise ValueError(f"output folder {str(folder)!r} does not exist (for output file {str(path)!r})")
-    write_atomic(path, page)
+    write_atomic(path, blob.page_bytes(page))
     return path
 
 
@@ -264,7 +280,7 @@ class _PageHandler(BaseHTTPRequestHandler):
             return
         try:
             self.send_response(200)
-            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Type", f"text/html; charset={blob.page_charset(body)}")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
