@@ -36,3 +36,24 @@ def test_a_sweep_of_several_batches_ticks_per_batch_of_runs(
     runs = 2 * 4 * 4  # layers x heads x the positions from the first difference
     found = re.findall(r"^patching heads_pos: (\d+)/(\d+) runs", capsys.readouterr().err, flags=re.M)
     assert [int(n) for n, _ in found] == [0, 10, 20, 30, 32, 32] and {int(t) for _, t in found} == {runs}
+
+
+@pytest.mark.parametrize("engine", [True, False])
+def test_head_importance_ticks_on_every_batch_not_only_the_last(
+    engine: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With several batches (``heads --sentences FILE``) the bar sat at 0 until the last batch began."""
+    from headspace.analysis import ablation
+
+    if not engine:  # the whole-model path (one copy of the batch per head)
+        monkeypatch.setattr(ablation, "_engine_applies", lambda *a: False)
+    monkeypatch.setattr(progress, "PLAIN_EVERY", 0.0)
+    inputs = torch.randint(0, 41, (3, 7), generator=torch.Generator().manual_seed(2))
+    ablation.head_importance(
+        _model(), list(inputs.split(1)), max_rows=4
+    )  # 3 batches (one pass each), 8 heads
+    err = capsys.readouterr().err
+    found = re.findall(r"^ablating heads \(loss, zero\): (\d+)/(\d+) head-batches", err, flags=re.M)
+    counts = [int(n) for n, _ in found]
+    assert {int(t) for _, t in found} == {24} and counts[-1] == 24
+    assert 0 < min(n for n in counts if n > 0) <= 8  # a tick during the first batch
