@@ -124,3 +124,24 @@ def test_chromium_shows_the_same_numbers_from_the_block(
         return tab.frames[1]
 
     assert _shown(browser, in_frame) == want
+
+
+def test_the_server_names_each_page_s_charset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+    import urllib.request
+
+    from headspace.viz.explorer import serve_page
+
+    _, plain, packed = _pages(tmp_path, monkeypatch)
+    for path, charset in ((plain, "utf-8"), (packed, "windows-1252")):
+        server = serve_page(path, port=0)
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{server.server_address[1]}/") as reply:
+                assert reply.headers["Content-Type"] == f"text/html; charset={charset}"
+                assert reply.read() == path.read_bytes()
+        finally:
+            server.shutdown()
+            server.server_close()
+            thread.join()
