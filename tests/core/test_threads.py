@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -87,3 +88,16 @@ def test_the_entry_point_refuses_a_bad_setting_in_one_line() -> None:
     done = _run("from headspace.cli import main\nmain(['--version'])", HEADSPACE_THREADS="zero")
     assert done.returncode == 2
     assert done.stderr == "error: HEADSPACE_THREADS must be a positive integer or 'auto'; got 'zero'\n"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/loadavg"), reason="the runnable count is Linux's /proc/loadavg")
+def test_a_spinning_competitor_is_counted_and_leaves_a_2_core_machine_one_thread() -> None:
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.5)  # running
+        others = others_running()
+        assert others >= 1
+        assert plan_threads(2, others, {}).threads == 1
+    finally:
+        spinner.kill()
+        spinner.wait()
