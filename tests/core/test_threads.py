@@ -14,9 +14,9 @@ from headspace.core.errors import UsageError
 from headspace.core.threads import ThreadPlan, configure, others_running, plan_threads
 
 
-def test_a_quiet_machine_uses_every_core_and_keeps_the_runtime_s_wait_policy() -> None:
+def test_a_quiet_machine_keeps_torch_s_threads_and_the_runtime_s_wait_policy() -> None:
     plan = plan_threads(2, 0, {})
-    assert plan == ThreadPlan(2, {"OMP_NUM_THREADS": "2"}, plan.reason)
+    assert plan == ThreadPlan(2, {}, plan.reason)  # torch's own default: one thread per physical core
     assert plan_threads(16, 0.4, {}).threads == 16  # a stray task now and then is not a competitor
 
 

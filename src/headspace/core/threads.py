@@ -8,9 +8,11 @@ chooses, at its start and before torch (and its OpenMP runtime) is imported:
 
 * **threads** (:func:`plan_threads`, a pure function of cores, load and environment):
   ``HEADSPACE_THREADS=N`` if set, else the user's ``OMP_NUM_THREADS`` (left as it is), else
-  ``max(1, cores - others)``: the cores this process may run on (``os.sched_getaffinity``) less the other
-  runnable tasks measured now (:func:`others_running`). A quiet 2-core machine gets 2 threads, the same
-  machine with one competing process gets 1 (its own core: no wait for a thread it cannot schedule).
+  ``max(1, cores - others)``: the physical cores this process may run on (``os.sched_getaffinity``,
+  hyperthreads counted once) less the other runnable tasks measured now (:func:`others_running`). A
+  quiet machine keeps torch's default (a thread per physical core: 2 on a 2-core machine; nothing is
+  set), the same machine with one competing process gets 1 (its own core: no wait for a thread it
+  cannot schedule).
 * **wait policy**: when other tasks share the machine and more than one thread is kept,
   ``OMP_WAIT_POLICY=PASSIVE`` and ``KMP_BLOCKTIME=0`` (Intel's OpenMP), so that a waiting thread sleeps
   instead of spinning on a core another process needs; on a quiet machine the runtime's default (a short
@@ -76,7 +78,8 @@ def plan_threads(cores: int, others: float, env: Mapping[str, str]) -> ThreadPla
         busy = max(0, round(others))
         threads = max(1, cores - busy)
         reason = f"{cores} cores, {busy} other runnable task{'s' * (busy != 1)}"
-        updates = {"OMP_NUM_THREADS": str(threads)}
+        # a quiet machine keeps torch's own default (a thread per physical core), set by nobody
+        updates = {"OMP_NUM_THREADS": str(threads)} if busy else {}
     if round(others) > 0 and threads > 1:
         updates.update({"OMP_WAIT_POLICY": "PASSIVE", "KMP_BLOCKTIME": "0"})
     kept = {k: v for k, v in updates.items() if k == "OMP_NUM_THREADS" or k not in env}  # never the user's
@@ -84,11 +87,22 @@ def plan_threads(cores: int, others: float, env: Mapping[str, str]) -> ThreadPla
 
 
 def cores_available() -> int:
-    """The cores this process may run on (its affinity mask; ``os.cpu_count()`` where there is none)."""
+    """The physical cores this process may run on: the CPUs of its affinity mask (``os.cpu_count()``
+    where there is none), hyperthreads of one core counted once (Linux's ``thread_siblings_list``)."""
     try:
-        return len(os.sched_getaffinity(0))
+        cpus = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count() or 1
+    cores = set()
+    for cpu in cpus:
+        try:
+            with open(
+                f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list", encoding="ascii"
+            ) as f:
+                cores.add(f.read().strip())
+        except OSError:
+            cores.add(str(cpu))
+    return max(1, len(cores))
 
 
 def _running_now() -> int | None:
@@ -130,6 +144,6 @@ def configure(environ: MutableMapping[str, str] | None = None) -> ThreadPlan:
     plan = plan_threads(cores_available(), others_running(), env)
     env.update(plan.env)
     torch = sys.modules.get("torch")
-    if torch is not None and hasattr(torch, "set_num_threads"):
+    if torch is not None and hasattr(torch, "set_num_threads") and "OMP_NUM_THREADS" in plan.env:
         torch.set_num_threads(plan.threads)
     return plan
