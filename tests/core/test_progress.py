@@ -100,3 +100,27 @@ print("ok")
     if "ipywidgets is installed" in out.stderr:
         pytest.skip("ipywidgets is installed here")
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
+
+
+def test_the_first_unit_of_a_slow_pass_gets_its_line_at_once(monkeypatch) -> None:
+    """Issue 41: a pass whose units take seconds each showed nothing but its first line for minutes."""
+    now = [100.0]
+    monkeypatch.setattr(progress.time, "perf_counter", lambda: now[0])
+    out = io.StringIO()
+    bar = PlainProgress(total=162, desc="atlas: ablation", unit="tok", file=out, every=60)
+    now[0] += 3.0
+    bar.update(8)  # 3 s for the first 8 tokens: a line now, with rate and ETA
+    now[0] += 3.0
+    bar.update(8)  # the next ones within `every`: no line
+    lines = out.getvalue().splitlines()
+    assert lines == ["atlas: ablation: 0/162 toks", "atlas: ablation: 8/162 toks, 2.67 tok/s, ETA 0:58"]
+
+
+def test_ticker_moves_a_bar_to_the_engine_s_count() -> None:
+    out = io.StringIO()
+    bar = PlainProgress(desc="pairs", unit="pair", file=out, every=0)
+    tick = progress.ticker(bar)
+    for done in (0, 2, 5, 5, 64):
+        tick(done, 64)
+    assert bar.n == 64 and bar.total == 64
+    assert out.getvalue().splitlines()[-1].startswith("pairs: 64/64 pairs, ")

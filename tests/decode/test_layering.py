@@ -23,7 +23,6 @@ def _fresh(code: str) -> str:
 
 def test_the_kv_cache_lives_below_the_attention_layer_and_keeps_its_old_paths() -> None:
     import headspace.decode.kv_cache as old
-
     import headspace.nn.kv_cache as new
 
     assert old is new and new.__name__ == "headspace.nn.kv_cache"

@@ -11,7 +11,8 @@
 Every command loads models through :func:`.loader.load_model` and reports user errors as one line on
 stderr with exit code 2 (:class:`~headspace.errors.UsageError`), never a traceback: the group runs each
 command inside :func:`.errors.reported`, the one place that maps the library's error types to that line.
-Nothing here imports torch at module level, so ``headspace --help`` answers at once.
+Nothing here imports torch at module level, so ``headspace --help`` answers at once, and :func:`main`
+chooses torch's threads from the machine's load before torch starts (:mod:`headspace.core.threads`).
 """
 
 from __future__ import annotations
@@ -94,7 +95,16 @@ for _command in _ALL:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Entry point of the ``headspace`` console script and ``python -m headspace``."""
+    """Entry point of the ``headspace`` console script and ``python -m headspace``: torch's threads and
+    OpenMP's wait policy chosen from the machine's load first (:mod:`headspace.core.threads`, before torch
+    is imported), then the command."""
+    from ..core.threads import configure
+
+    try:
+        configure()
+    except UsageError as e:  # a bad HEADSPACE_THREADS / OMP_NUM_THREADS: one line, exit 2
+        e.show()
+        sys.exit(e.exit_code)
     cli.main(args=argv, prog_name="headspace", standalone_mode=True)
 
 

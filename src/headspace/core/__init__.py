@@ -7,6 +7,7 @@ The map:
 * :mod:`~headspace.core.fileio`: sealed, atomically written JSON and safetensors files, read as untrusted;
 * :mod:`~headspace.core.progress`: progress bars (rate and ETA; plain lines when not a terminal);
 * :mod:`~headspace.core.process_group`: torch.distributed helpers;
+* :mod:`~headspace.core.threads`: the command line's threads and OpenMP wait policy, from the machine's load;
 * :mod:`~headspace.core.html`, :mod:`~headspace.core.defaults`: escaped HTML pieces, the default prompt.
 
 Old paths (``headspace.checks``, ``headspace.fileio``, ...) keep working.

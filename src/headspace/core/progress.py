@@ -9,7 +9,10 @@ the attention benchmark):
   ``TqdmWarning: IProgress not found`` in every notebook;
 * anything else (a log file, a pipe, a captured stream) gets :class:`PlainProgress`: a plain line every
   :data:`PLAIN_EVERY` seconds (done/total, rate, ETA, the postfix) and one at the end, never a carriage
-  return, so a log holds lines, not thousands of redraws.
+  return, so a log holds lines, not thousands of redraws; the first unit of a slow pass (one that took
+  :data:`FIRST_AFTER` seconds or more) gets its line as it ends, so rate and ETA show at once.
+
+:func:`ticker` turns a bar into the ``on_progress(done, total)`` callback an engine calls per unit.
 """
 
 from __future__ import annotations
@@ -17,11 +20,13 @@ from __future__ import annotations
 import importlib.util
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any
 
 #: Seconds between two lines of :class:`PlainProgress`.
 PLAIN_EVERY = 5.0
+#: A pass whose first unit took at least this many seconds gets a line as that unit ends.
+FIRST_AFTER = 1.0
 
 
 def in_notebook() -> bool:
@@ -90,7 +95,7 @@ class PlainProgress:
         self.postfix = ""
         self._start = self._last = time.perf_counter()
         self._initial = initial
-        self._closed = False
+        self._closed = self._ticked = False
         if not disable and leave:
             self._print(first=True)  # the log says when it began
 
@@ -110,7 +115,11 @@ class PlainProgress:
 
     def update(self, n: int = 1) -> None:
         self.n += n
-        if not self.disable and time.perf_counter() - self._last >= self.every:
+        now = time.perf_counter()
+        # the first unit of a slow pass is reported as it ends (its rate and the ETA at once), then every
+        first = not self._ticked and n > 0 and now - self._start >= FIRST_AFTER
+        self._ticked = self._ticked or n > 0
+        if not self.disable and (first or now - self._last >= self.every):
             self._print()
 
     def set_postfix(self, refresh: bool = True, **values: Any) -> None:
@@ -167,6 +176,20 @@ class PlainProgress:
     def _print(self, *, final: bool = False, first: bool = False) -> None:
         self._last = time.perf_counter()
         print(self.line(final=final, first=first), file=self.file or sys.stderr, flush=True)
+
+
+def ticker(bar: Any) -> Callable[[int, int], None]:
+    """``on_progress(done, total)`` for an engine that counts its own units (pairs, steps, tokens): each
+    call moves ``bar`` (a :func:`progress_bar`) to ``done`` of ``total``, so the bar ticks per unit as
+    the engine finishes them, with rate and ETA, instead of once per batch."""
+
+    def on_progress(done: int, total: int) -> None:
+        if bar.total != total:
+            bar.total = total
+        if done != bar.n:
+            bar.update(done - bar.n)
+
+    return on_progress
 
 
 def progress_bar(iterable: Iterable[Any] | None = None, **kwargs: Any) -> Any:

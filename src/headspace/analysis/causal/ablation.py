@@ -403,9 +403,12 @@ def head_importance(
         else:
             m: _Metric = (_Loss if metric == "loss" else _Cosine)(model, module, batches)
             name = m.name
+            # every batch ticks: over several batches a unit is one head ablated on one batch
+            n_batches = max(1, len(batches))
             bar = progress_bar(
-                total=len(todo), desc=f"ablating heads ({name}, {mode})", unit="head", disable=not progress
-            )
+                total=len(todo) * n_batches, desc=f"ablating heads ({name}, {mode})",
+                unit="head" if n_batches == 1 else "head-batch", disable=not progress,
+            )  # fmt: skip
             run = _from_layers if _engine_applies(module, batches) else _replicated
             values, baseline = run(_Ablations(module, layers, m, batches, todo, mode, means, max_rows), bar)
             bar.close()
@@ -496,8 +499,7 @@ def _replicated(a: _Ablations, bar: Any) -> tuple[list[float], float]:
                 t, c = m.stats(bi, out, R)  # (R,) x 2
                 total[start : start + R] += t
                 count[start : start + R] += c
-                if bi == len(batches) - 1:
-                    bar.update(R)
+                bar.update(R)
         for h, value in zip(layer_heads, m.value(total, count).tolist()):
             found[(layer, h)] = value
     return [found[pair] for pair in todo], baseline
@@ -657,8 +659,7 @@ def _from_layers(a: _Ablations, bar: Any) -> tuple[list[float], float]:
                 count[group] += sc
             else:
                 _chunked_stats(a, bi, x, group, buffer, total, count)
-            if bi == len(batches) - 1:
-                bar.update(len(group))
+            bar.update(len(group))
     return m.value(total, count).tolist(), m.baseline_of(base_total, base_count)
 
 

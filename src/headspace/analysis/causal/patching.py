@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ...core.progress import progress_bar
 from ...nn.kv_cache import KVCache
 from .._common import JsonResult, eval_mode
 from ..trace.trace import hooked, trace
@@ -497,12 +498,18 @@ def patch(
         resid, prefix, corrupt_out = _corrupt_stream(module, k.tokens, p, decoder)
         corrupt_metric = float(_checked(fn(corrupt_out), 1, name)[0])
         patched = torch.full(shape, corrupt_metric)
+        # a sweep of several batches shows its patched runs as each batch ends (one batch: nothing to show)
+        bar = progress_bar(
+            total=len(sites), desc=f"patching {site}", unit="run", disable=len(sites) <= max_runs
+        )
         for start in range(0, len(sites), max_runs):
             chunk = sites[start : start + max_runs]
             out = _sweep(module, site, chunk, clean_run, resid, prefix, p, decoder)
             values = _checked(fn(out), len(chunk), name)
             for idx, v in zip(where[start : start + max_runs], values.tolist()):
                 patched[idx] = v
+            bar.update(len(chunk))
+        bar.close()
     return PatchResult(
         site=site, axes=SITES[site], effect=_normalise(patched, clean_metric, corrupt_metric),
         patched_metric=patched, clean_metric=clean_metric, corrupt_metric=corrupt_metric,

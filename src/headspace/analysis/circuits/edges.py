@@ -270,7 +270,10 @@ def edge_scores(
     weight = 1.0 / (len(task) * n_steps)
     with eval_mode(module):
         parts = _chunks(task, batch_size)
-        for part in progress_bar(parts, desc=f"{method} edge scores", total=len(parts)):
+        # one tick per pair and point of the path, as each backward pass ends (not one per part)
+        unit = "pair" if n_steps == 1 else "pair-step"
+        bar = progress_bar(total=len(task) * n_steps, desc=f"{method} edge scores", unit=unit)
+        for part in parts:
             last = part.last.to(dev)
             with torch.no_grad():
                 e_clean, e_corrupt = module.embed(part.clean.to(dev)), module.embed(part.corrupt.to(dev))
@@ -282,6 +285,7 @@ def edge_scores(
 
             # the last point of the path is the clean run: its activations give the deltas
             clean = graph_grads(module, graph, e_clean, last, metric, keep_acts=True)
+            bar.update(len(part))
             clean_m += float(_metric(clean.logits, part).sum()) / len(task)
             delta = corrupt.acts - clean.acts  # (n_senders, B, S, d)
             grads = clean.grads  # (n_receivers, B, S, d), summed over the path's points
@@ -289,8 +293,10 @@ def edge_scores(
             for k in range(1, n_steps):
                 x = e_corrupt + (k / n_steps) * (e_clean - e_corrupt)  # (B, S, d)
                 graph_grads(module, graph, x, last, metric, out=grads)
+                bar.update(len(part))
             _accumulate(scores, graph, delta, grads)  # linear in the gradient: one product per part
             del grads, delta
+        bar.close()
     return EdgeScores(
         scores=torch.where(graph.valid, scores, 0.0), valid=graph.valid, senders=graph.senders,
         receivers=graph.receivers, kinds=graph.kinds, method=method, steps=n_steps, n_pairs=len(task),
@@ -359,7 +365,9 @@ def _circuit_metrics(
     plans: list[Any] = [None] * len(masks)
     with eval_mode(module):
         parts = _chunks(task, batch_size)
-        for part in progress_bar(parts, desc="circuit runs", total=len(parts)):
+        # one tick per pair and circuit as each batch of patched runs ends (not one per part)
+        bar = progress_bar(total=len(task) * len(masks), desc="circuit runs", unit="run")
+        for part in parts:
             last = part.last.to(dev)
             e_corrupt = module.embed(part.corrupt.to(dev))
             corrupt = _run_rows(module, graph, e_corrupt, last, keep_acts=True)
@@ -382,6 +390,8 @@ def _circuit_metrics(
                         module, graph, e_clean, last, corrupt=corrupt, missing=miss, plan=plans[i]
                     ).rows
                 totals[i] += float(_rows_metric(module, rows, part).sum()) / len(task)
+                bar.update(len(part))
+        bar.close()
     return totals
 
 

@@ -28,7 +28,8 @@ Arrays travel as ``{"dtype", "shape", "data"}`` with ``data`` the base64 of the 
 values lie exactly on a 4-bit grid per block of 32 (a model loaded from a Q4_1 GGUF file, such as
 the packaged SmolLM2) travels as those codes instead (``"dtype": "grid4"``, :mod:`.codec`), 5 or 6 bits a
 weight and rebuilt bit for bit, at any ``precision``: W_O is most of the page (SmolLM2: 30 layers of
-9 x 64 x 576 weights, 53 of the 55 MB as float32 at 14 tokens; 8.3 MB as codes).
+9 x 64 x 576 weights, 53 of the 55 MB as float32 at 14 tokens; 8.3 MB as codes). A large page stores
+the arrays' bytes as one deflated block instead of base64 when it is rendered (:mod:`.blob`).
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor, nn
 
 from ...core.fileio import write_atomic
+from . import blob
 from .data import LayerCapture, build_page_data, capture_layers
 from .results import check_views_fit, result_views
 
@@ -39,7 +40,7 @@ HEADLESS_CHROMIUM_ARGS = (
     "--disable-sync",
 )
 
-_PLACEHOLDERS = re.compile(r"/\*__CSS__\*/|/\*__JS__\*/|__DATA__|__TITLE__")
+_PLACEHOLDERS = re.compile(r"/\*__CSS__\*/|/\*__JS__\*/|__DATA__|__TITLE__|__BLOB__")
 
 
 @cache
@@ -48,33 +49,48 @@ def asset(name: str) -> str:
     return resources.files(__package__).joinpath("assets", name).read_text(encoding="utf-8")
 
 
-def _json_for_script(data: dict[str, Any]) -> str:
-    """JSON safe inside ``<script type="application/json">``: no ``</`` or ``<!--`` can end the element."""
-    text = json.dumps(data, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+def _json_for_script(data: dict[str, Any], *, ascii_only: bool = False) -> str:
+    """JSON safe inside ``<script type="application/json">``: no ``</`` or ``<!--`` can end the element
+    (``ascii_only``: every non-ASCII character as ``\\uXXXX``)."""
+    text = json.dumps(data, ensure_ascii=ascii_only, separators=(",", ":"), allow_nan=False)
     return text.replace("<", "\\u003c").replace("\u2028", "\\u2028").replace("\u2029", "\\u2029")
 
 
 def render_page(data: dict[str, Any]) -> str:
-    """The whole HTML page for ``data`` (from :func:`build_page_data`) as a string."""
+    """The whole HTML page for ``data`` (from :func:`build_page_data`) as a string.
+
+    A page whose arrays reach :data:`.blob.BLOB_MIN_CHARS` of base64 stores them as one deflated block,
+    one byte a character, in a windows-1252 page (:mod:`.blob`; write it with :func:`write_page`, which
+    writes those bytes); a smaller one is UTF-8 with base64 arrays."""
     if not isinstance(data, dict) or "layers" not in data or "tokens" not in data:
         raise TypeError("data must be the dict from build_page_data (with 'tokens' and 'layers')")
+    title = html.escape(str(data.get("title", "headspace explorer")))
+    template, js, css, block = asset("template.html"), asset("explorer.js"), asset("explorer.css"), ""
+    big = blob.base64_chars(data) >= blob.BLOB_MIN_CHARS
+    if big:
+        data, deflated = blob.to_blob(data)
+        block = (
+            f'\n<script type="application/octet-stream" id="explorer-blob">{blob.escape(deflated)}</script>'
+        )
+        js, css = blob.ascii_script(js), blob.ascii_script(css)
+        template = template.replace(blob.UTF8_META, blob.BLOB_META, 1)
+        title = title.encode("ascii", "xmlcharrefreplace").decode("ascii")
     parts = {
-        "/*__CSS__*/": asset("explorer.css"),
-        "/*__JS__*/": asset("explorer.js"),
-        "__DATA__": _json_for_script(data),
-        "__TITLE__": html.escape(str(data.get("title", "headspace explorer"))),
-    }
+        "/*__CSS__*/": css, "/*__JS__*/": js, "__DATA__": _json_for_script(data, ascii_only=big),
+        "__TITLE__": title, "__BLOB__": block,
+    }  # fmt: skip
     # one pass, so nothing inserted (a token that reads "__DATA__") is substituted again
-    return _PLACEHOLDERS.sub(lambda m: parts[m.group(0)], asset("template.html"))
+    return _PLACEHOLDERS.sub(lambda m: parts[m.group(0)], template)
 
 
 def write_page(path: str | os.PathLike[str], page: str) -> Path:
-    """Write ``page`` to ``path`` atomically (temp file in the same folder, then ``os.replace``)."""
+    """Write ``page`` to ``path`` atomically (temp file in the same folder, then ``os.replace``), in its
+    charset (:func:`.blob.page_bytes`)."""
     path = Path(path)
     folder = path.parent if str(path.parent) else Path(".")
     if not folder.is_dir():
         raise ValueError(f"output folder {str(folder)!r} does not exist (for output file {str(path)!r})")
-    write_atomic(path, page)
+    write_atomic(path, blob.page_bytes(page))
     return path
 
 
@@ -101,6 +117,45 @@ def _token_labels(pretrained: Any, sentence: str, ids: Sequence[int]) -> list[st
         return [str(i) for i in ids]
     show = getattr(tok, "readable", str)
     return [show(str(t)) for t in labels]
+
+
+def _input_tokens(
+    model: Any, module: nn.Module, sentence: str | Tensor | Sequence[int], labels: Sequence[str] | None
+) -> tuple[Tensor, Sequence[str], str]:
+    """The explorer's input: ``(tokens [1, seq] int64, labels, text)``; a sentence is tokenized by a
+    pretrained ``model`` (labels from its tokenizer unless given, text the sentence), token ids are taken
+    as they are (labels their ids as text unless given, text empty)."""
+    if isinstance(sentence, str):
+        if not (hasattr(model, "model") and hasattr(model, "tokenize")):
+            raise TypeError(
+                "a sentence needs a model with a tokenizer (headspace.load(...)); for a bare module pass "
+                "an int64 token tensor [1, seq] instead"
+            )
+        if not sentence.strip():
+            raise ValueError("sentence is empty; give at least one word")
+        encoded = model.tokenize([sentence])
+        # PretrainedEncoder.tokenize -> (tokens, key_padding); PretrainedDecoder.tokenize -> tokens.
+        # One sentence has no padding: tokens is (1, seq).
+        tokens = encoded[0] if isinstance(encoded, tuple) else encoded
+        if labels is None:
+            labels = _token_labels(model, sentence, tokens[0].tolist())
+        max_len = getattr(getattr(module, "config", None), "max_seq_len", None)
+        if max_len is not None and tokens.shape[1] > max_len:
+            raise ValueError(
+                f"sentence has {tokens.shape[1]} tokens but the model's position table holds "
+                f"max_seq_len={max_len}; shorten the sentence"
+            )
+        return tokens, labels, sentence
+    tokens = torch.as_tensor(sentence)
+    if tokens.dim() == 1:
+        tokens = tokens.unsqueeze(0)  # (seq,) -> (1, seq)
+    if tokens.dim() != 2 or tokens.shape[0] != 1 or tokens.dtype != torch.int64:
+        raise ValueError(
+            "sentence must be a str (for a pretrained model) or an int64 token tensor [1, seq] "
+            "(one sequence); got dtype "
+            f"{tokens.dtype} and shape {list(tokens.shape)}"
+        )
+    return tokens, [str(i) for i in tokens[0].tolist()] if labels is None else labels, ""
 
 
 class Explorer:
@@ -139,47 +194,10 @@ class Explorer:
                 "model must be a pretrained object (headspace.load(...)) or a torch.nn.Module with headspace "
                 f"attention layers; got {type(model).__name__}"
             )
-        text = ""
-        if isinstance(sentence, str):
-            if not is_pretrained:
-                raise TypeError(
-                    "a sentence needs a model with a tokenizer (headspace.load(...)); for a bare module pass "
-                    "an int64 token tensor [1, seq] instead"
-                )
-            if not sentence.strip():
-                raise ValueError("sentence is empty; give at least one word")
-            text = sentence
-            encoded = model.tokenize([sentence])
-            # PretrainedEncoder.tokenize -> (tokens, key_padding); PretrainedDecoder.tokenize -> tokens.
-            # One sentence has no padding: tokens is (1, seq).
-            tokens = encoded[0] if isinstance(encoded, tuple) else encoded
-            if labels is None:
-                labels = _token_labels(model, sentence, tokens[0].tolist())
-            max_len = getattr(getattr(module, "config", None), "max_seq_len", None)
-            if max_len is not None and tokens.shape[1] > max_len:
-                raise ValueError(
-                    f"sentence has {tokens.shape[1]} tokens but the model's position table holds "
-                    f"max_seq_len={max_len}; shorten the sentence"
-                )
+        tokens, labels, text = _input_tokens(model, module, sentence, labels)
 
-            def default_run() -> Any:
-                return module(tokens)
-
-        else:
-            tokens = torch.as_tensor(sentence)
-            if tokens.dim() == 1:
-                tokens = tokens.unsqueeze(0)  # (1, seq)
-            if tokens.dim() != 2 or tokens.shape[0] != 1 or tokens.dtype != torch.int64:
-                raise ValueError(
-                    "sentence must be a str (for a pretrained model) or an int64 token tensor [1, seq] "
-                    "(one sequence); got dtype "
-                    f"{tokens.dtype} and shape {list(tokens.shape)}"
-                )
-            ids = tokens[0].tolist()
-            labels = [str(i) for i in ids] if labels is None else labels
-
-            def default_run() -> Any:
-                return module(tokens)
+        def default_run() -> Any:
+            return module(tokens)
 
         if labels is not None and len(labels) != tokens.shape[1]:
             raise ValueError(
@@ -262,7 +280,7 @@ class _PageHandler(BaseHTTPRequestHandler):
             return
         try:
             self.send_response(200)
-            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Type", f"text/html; charset={blob.page_charset(body)}")
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)

@@ -6,9 +6,12 @@
 //   score_j = (q_t . k_j) * scale  (masked keys excluded)   w = softmax(score)   z_h = sum_j w_j v_j
 //   out = sum_h z_h W_O[h] + b_O
 // DATA.results (optional): saved patching / attribution results, drawn as they are (view 5).
+// A large page (blob.py) holds its arrays as one deflated block (#explorer-blob, one byte a character,
+// NUL, CR, "<" and "~" written as "~" and the byte + 64); an array's fields then say where its bytes are.
 "use strict";
-(function () {
+(async function () {
   const DATA = JSON.parse(document.getElementById("explorer-data").textContent);
+  const BLOB = DATA.blob ? await inflateBlock(document.getElementById("explorer-blob").textContent) : null;
   const TOKENS = DATA.tokens;
   const SEQ = TOKENS.length;
   const N_LAYERS = DATA.layers.length;
@@ -31,7 +34,32 @@
     return t;
   })();
 
+  // windows-1252 reads bytes 0x80..0x9F as these characters (a page opened from its file); a page given as
+  // text (Jupyter's srcdoc) has the characters U+0080..U+009F themselves.
+  function blockBytes(text) {
+    const high = "\u20ac\u0081\u201a\u0192\u201e\u2026\u2020\u2021\u02c6\u2030\u0160\u2039\u0152\u008d\u017d\u008f" +
+      "\u0090\u2018\u2019\u201c\u201d\u2022\u2013\u2014\u02dc\u2122\u0161\u203a\u0153\u009d\u017e\u0178";
+    const map = new Map([...high].map((c, i) => [c.charCodeAt(0), 0x80 + i]));
+    const out = new Uint8Array(text.length);
+    let n = 0;
+    for (let i = 0; i < text.length; i++) {
+      const c = text.charCodeAt(i);
+      const b = c > 0xff ? map.get(c) : c;
+      if (b === 0x7e) out[n++] = (((c2) => (c2 > 0xff ? map.get(c2) : c2))(text.charCodeAt(++i)) - 64) & 255;
+      else out[n++] = b;
+    }
+    return out.subarray(0, n);
+  }
+
+  async function inflateBlock(text) {
+    const stream = new Blob([blockBytes(text)]).stream().pipeThrough(new DecompressionStream("deflate"));
+    const bytes = new Uint8Array(await new Response(stream).arrayBuffer());
+    if (bytes.length !== DATA.blob.bytes) throw new Error(`the page's block holds ${bytes.length} bytes, not ${DATA.blob.bytes}`);
+    return bytes;
+  }
+
   function bytesOf(text) {
+    if (typeof text !== "string") return BLOB.slice(text.at, text.at + text.n); // {at, n} into the block
     const bin = atob(text);
     const bytes = new Uint8Array(bin.length);
     for (let i = 0; i < bin.length; i++) bytes[i] = bin.charCodeAt(i);

@@ -1,0 +1,245 @@
+"""The README's commands as a new user runs them: wall time quiet and beside one competing process.
+
+Each command runs as ``python -m headspace ...`` in a subprocess (import, model load and all), once on
+the machine as it is (``quiet``) and once while a child process spins on one core (``busy``: one
+CPU-bound competitor, issue 41). Beside each command's quiet time stands what it should cost: the
+model's load (``python -c "headspace.load(MODEL)"``, timed the same way) plus the engine's figure from
+the project's own published benchmarks:
+
+* ``circuit --task ioi --edges 200``: EAP-IG (5 steps) + the faithfulness curve (``circuits.json``);
+* ``atlas --corpus`` (a small corpus of this checkout's docs): its tokens at the statistics' rate
+  plus the ablation's rate (``atlas.json``);
+* ``heads``: the importance engine (``heads.json``);
+* ``generate --tokens N``: the prefill at its rate plus N decode steps (``decode.json``, batch 1).
+
+Targets (issue 41): quiet within 30% of load + engine (``quiet_over_expected <= 1.3``), busy at most
+2.5x quiet (``busy_over_quiet <= 2.5``). The machine's load average is recorded with every row: a
+loaded machine's figures say so.
+
+``--quick``: the smoke run: ``--model`` (a small checkpoint folder), tiny sizes, no engine figures.
+
+Usage: python benchmarks/cli.py [--model smollm2] [--commands heads,circuit,atlas,generate]
+       [--no-busy] [--quick] [--out PATH | --save]
+Writes benchmarks/results/local/cli.json (git-ignored) unless ``--out PATH``; only ``--save`` replaces
+the committed benchmarks/results/cli.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from headspace.bench.scripts import add_output_options, check_output_options, output_path
+from headspace.core.fileio import write_json
+
+RESULTS = Path(__file__).resolve().parent / "results"
+"""The published results (committed); runs without --save write to RESULTS / "local"."""
+ROOT = Path(__file__).resolve().parents[1]
+COMMANDS = ("circuit", "atlas", "heads", "generate")
+PROMPT = "The capital of France is"
+GENERATE_TOKENS = 32
+
+
+def _published(name: str) -> dict[str, Any] | None:
+    path = RESULTS / name
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+
+
+def engine_circuit() -> float | None:
+    """EAP-IG (5 steps) + the faithfulness curve, seconds, from circuits.json."""
+    doc = _published("circuits.json")
+    rows = {r["case"]: r["headspace_s"] for r in (doc or {}).get("rows", [])}
+    parts = [v for k, v in rows.items() if k.startswith(("eap-ig", "faithfulness curve"))]
+    return sum(parts) if len(parts) == 2 else None
+
+
+def engine_atlas(tokens: int) -> float | None:
+    """``tokens`` at atlas.json's statistics rate plus its ablation rate, seconds."""
+    parts = (_published("atlas.json") or {}).get("parts", {})
+    if "stats" not in parts or "ablation" not in parts:
+        return None
+    return tokens / parts["stats"]["tokens_per_s"] + tokens / parts["ablation"]["tokens_per_s"]
+
+
+def engine_heads() -> float | None:
+    """``head_importance`` on the command's sentence, seconds, from heads.json."""
+    rows = (_published("heads.json") or {}).get("rows", [])
+    return next((r["wall_s"] for r in rows if r["case"] == "engine"), None)
+
+
+def engine_generate(prompt_tokens: int, tokens: int) -> float | None:
+    """The prefill of ``prompt_tokens`` and ``tokens`` decode steps (batch 1), seconds, from decode.json."""
+    rows = (_published("decode.json") or {}).get("smollm2", {}).get("rows", [])
+    row = next((r for r in rows if r["model"] == "headspace" and r["precision"] == "float32"), None)
+    if row is None:
+        return None
+    return prompt_tokens / row["prefill_tokens_per_s"] + tokens * row["decode_ms_batch1"] / 1000
+
+
+def corpus(folder: Path, max_chars: int) -> int:
+    """A small corpus in ``folder``: the first ``max_chars`` characters of three of this checkout's docs
+    (three short files, as in issue 41). Returns the characters written."""
+    folder.mkdir(parents=True, exist_ok=True)
+    total = 0
+    for name in ("README.md", "docs/cli.md", "docs/atlas.md"):
+        text = (ROOT / name).read_text(encoding="utf-8")[: max_chars // 3]
+        (folder / Path(name).with_suffix(".txt").name).write_text(text, encoding="utf-8")
+        total += len(text)
+    return total
+
+
+def atlas_tokens(path: Path, chars: int) -> int:
+    """The tokens the atlas command read (its ``atlas.json``'s ``n_tokens``); about ``chars / 4`` when it
+    wrote none."""
+    try:
+        return int(json.loads(path.read_text(encoding="utf-8"))["n_tokens"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return chars // 4
+
+
+def command_lines(model: str, work: Path, quick: bool) -> dict[str, list[str]]:
+    """The argument lists of each command (after ``python -m headspace``), sized for ``quick`` or not."""
+    small = ["--pairs", "4", "--steps", "1", "--edges", "5"] if quick else []
+    return {
+        "circuit": ["circuit", "--model", model, "--task", "ioi", "--out", str(work / "ioi"), *small]
+        + ([] if quick else ["--edges", "200"]),
+        "atlas": ["atlas", "--model", model, "--corpus", str(work / "notes"), "--out", str(work / "atl")]
+        + (["--tokens", "16", "--window", "8"] if quick else []),
+        "heads": ["heads", "--model", model],
+        "generate": ["generate", "--model", model, PROMPT, "--tokens", str(4 if quick else GENERATE_TOKENS)],
+    }
+
+
+def timed_run(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """``python argv`` in a subprocess: wall seconds, exit code, the machine's 1-minute load after."""
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env=env, check=False)
+    wall = time.perf_counter() - t0
+    if done.returncode != 0:
+        print(done.stderr[-2000:], file=sys.stderr)
+    return {"wall_s": round(wall, 2), "rc": done.returncode, "load_1m": round(os.getloadavg()[0], 2)}
+
+
+class Spinner:
+    """One CPU-bound competitor: a child Python process spinning until :meth:`stop` (a context manager)."""
+
+    def __init__(self) -> None:
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def __enter__(self) -> Spinner:
+        self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        time.sleep(0.5)  # running before the command measures the machine
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def measure(
+    names: list[str], lines: dict[str, list[str]], model: str, modes: list[str], env: dict[str, str]
+) -> list[dict[str, Any]]:
+    """One row per (command, mode), with the load time of the same mode."""
+    rows = []
+    load = ["-c", f"import headspace as hs; hs.load({model!r})"]
+    for mode in modes:
+        with Spinner() if mode == "busy" else _nothing():
+            load_s = timed_run(load, env)["wall_s"]
+            for name in names:
+                run = timed_run(["-m", "headspace", *lines[name]], env)
+                rows.append({"command": name, "mode": mode, "load_s": load_s, **run})
+    return rows
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def summarise(rows: list[dict[str, Any]], engines: dict[str, float | None]) -> list[dict[str, Any]]:
+    """A row per command: quiet and busy wall, load + engine, and the two ratios of the targets."""
+    table = []
+    for name in dict.fromkeys(r["command"] for r in rows):
+        by = {r["mode"]: r for r in rows if r["command"] == name}
+        quiet, busy, engine = by.get("quiet"), by.get("busy"), engines.get(name)
+        expected = None if engine is None or quiet is None else round(quiet["load_s"] + engine, 2)
+        table.append({
+            "command": name, "quiet_s": quiet and quiet["wall_s"], "busy_s": busy and busy["wall_s"],
+            "load_s": quiet and quiet["load_s"], "engine_s": None if engine is None else round(engine, 2),
+            "expected_s": expected,
+            "quiet_over_expected": None if expected is None else round(quiet["wall_s"] / expected, 2),
+            "busy_over_quiet": None if not (quiet and busy) else round(busy["wall_s"] / quiet["wall_s"], 2),
+            "ok": all(r["rc"] == 0 for r in by.values()),
+        })  # fmt: skip
+    return table
+
+
+def _cell(v: Any) -> str:
+    return "-" if v is None else f"{v}"
+
+
+def print_table(table: list[dict[str, Any]], say: Callable[[str], None] = print) -> None:
+    """The Markdown table of :func:`summarise`'s rows."""
+    cols = ("command", "quiet_s", "busy_s", "load_s", "engine_s", "expected_s", "quiet_over_expected",
+            "busy_over_quiet", "ok")  # fmt: skip
+    say("| " + " | ".join(cols) + " |")
+    say("|" + "|".join("---" for _ in cols) + "|")
+    for row in table:
+        say("| " + " | ".join(_cell(row[c]) for c in cols) + " |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument(
+        "--commands", default=",".join(COMMANDS), help="comma-separated, of " + ", ".join(COMMANDS)
+    )
+    ap.add_argument("--no-busy", action="store_true", help="only the quiet run")
+    ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, no engine figures")
+    add_output_options(ap, "cli.json")
+    args = ap.parse_args(argv)
+    check_output_options(ap, args, "cli.json", smoke="quick")
+    names = [n.strip() for n in args.commands.split(",") if n.strip()]
+    if not names or set(names) - set(COMMANDS):
+        ap.error(f"--commands must name some of {', '.join(COMMANDS)}; got {args.commands!r}")
+    out = output_path(args.out, args.save, "cli.json", RESULTS)
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "HEADSPACE_THREADS")}
+    modes = ["quiet"] if args.no_busy else ["quiet", "busy"]
+    with tempfile.TemporaryDirectory(prefix="headspace-bench-cli-") as tmp:
+        work = Path(tmp)
+        chars = corpus(work / "notes", 200 if args.quick else 900)
+        rows = measure(names, command_lines(args.model, work, args.quick), args.model, modes, env)
+        tokens = atlas_tokens(work / "atl" / "atlas.json", chars)
+    engines = {} if args.quick else {
+        "circuit": engine_circuit(), "atlas": engine_atlas(tokens), "heads": engine_heads(),
+        "generate": engine_generate(len(PROMPT.split()) + 1, GENERATE_TOKENS),
+    }  # fmt: skip
+    table = summarise(rows, engines)
+    print(f"{args.model}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f} at the end")
+    print_table(table)
+    doc = {
+        "benchmark": "cli", "model": args.model, "quick": args.quick, "rows": rows, "table": table,
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
+                    "python": platform.python_version()},
+        "targets": {"quiet_over_expected": 1.3, "busy_over_quiet": 2.5},
+    }  # fmt: skip
+    write_json(out, doc)
+    print(f"wrote {out}")
+    return 0 if all(r["ok"] for r in table) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
