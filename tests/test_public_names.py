@@ -89,7 +89,8 @@ def test_every_moved_module_keeps_its_old_import_path(old: str) -> None:
     parent = headspace
     for part in old.split("."):  # headspace.train.plots: the attribute of headspace.train
         parent = getattr(parent, part)
-    assert parent is new
+    # headspace.analysis.atp_star stays the function of that name, as before analysis/ had rooms (#37)
+    assert parent is new or parent is getattr(new, old.rpartition(".")[2], None)
     assert new.__spec__.name == new.__name__ == f"headspace.{headspace._MOVED[old]}"  # its own spec kept
 
 

@@ -349,7 +349,8 @@ def test_circuit_run_computes_only_what_reaches_the_logits(kind: str, case: int 
     reaches the logits computed), with keep_acts (every sender's activation, nothing left out for not
     being read) and keep_inputs (every node computed), and given the corrupt run's mixed values (each
     head's delta from its own, as the curve runs it)."""
-    from headspace.analysis.graph import _plan, _run_rows
+    from headspace.analysis.circuits.graph import run_rows
+    from headspace.analysis.circuits.plan import plan_run
 
     model = make_model(kind, torch.float64)
     task = random_task()
@@ -363,11 +364,11 @@ def test_circuit_run_computes_only_what_reaches_the_logits(kind: str, case: int 
     else:
         mask = C.find_circuit(C.edge_scores(model, task, "eap"), edges=case).edges
     missing = graph.valid & ~mask
-    plan = _plan(model, graph, missing, resids=True, prune=True, full=False, dtype=torch.float64,
+    plan = plan_run(model, graph, missing, resids=True, prune=True, full=False, dtype=torch.float64,
                  device=torch.device("cpu"))  # fmt: skip
     if case == "gather":  # every sender before layer 2 computed, two of them read
         assert plan.n_slots == len(graph.senders)
-        rows = _plan(model, graph, missing, resids=True, prune=True, full=False, dtype=torch.float64,
+        rows = plan_run(model, graph, missing, resids=True, prune=True, full=False, dtype=torch.float64,
                      device=torch.device("cpu"), block=1).layers[2].near  # fmt: skip
         assert rows.slots is not None and rows.slots.tolist() == [0, graph.attn_senders(2) - 1]
     elif case == 20:
@@ -387,10 +388,10 @@ def test_circuit_run_computes_only_what_reaches_the_logits(kind: str, case: int 
             model, graph, e_clean, task.last, corrupt=corrupt, missing=missing, keep_inputs=True
         )
         # given the corrupt run's mixed values too (as the curve does): the heads' deltas from them
-        corrupt_z = _run_rows(model, graph, e_corrupt, task.last, keep_acts=True)
+        corrupt_z = run_rows(model, graph, e_corrupt, task.last, keep_acts=True)
         assert corrupt_z.zs is not None
         by_z = [
-            _run_rows(model, graph, e_clean, task.last, corrupt=corrupt_z, missing=missing, keep_acts=keep)
+            run_rows(model, graph, e_clean, task.last, corrupt=corrupt_z, missing=missing, keep_acts=keep)
             for keep in (False, True)
         ]
     for run in (got, by_acts, with_acts, inputs):
@@ -411,25 +412,26 @@ def test_a_blocks_shared_product_equals_each_layers_own(kind: str, monkeypatch: 
     one product (here forced wherever it reads fewer rows than the layers would), each layer its part
     from the block's earlier senders in another: equal to the loop reference at one, two and five
     layers a block (a five-layer model, half the edges)."""
-    from headspace.analysis import graph as G
+    from headspace.analysis.circuits import plan as P
+    from headspace.analysis.circuits.graph import run_rows
 
     model = make_model(kind, torch.float64, n_layers=5)
     task = random_task()
     graph = graph_of(model)
     mask = torch.rand(graph.valid.shape, generator=torch.Generator().manual_seed(5)) < 0.5
     missing = graph.valid & ~mask
-    monkeypatch.setattr(G, "_SHARED_WRITES", 0)
+    monkeypatch.setattr(P, "_SHARED_WRITES", 0)
     with torch.no_grad():
         e_clean, e_corrupt = model.embed(task.clean), model.embed(task.corrupt)
         corrupt = run_graph(model, graph, e_corrupt, task.last, keep_acts=True)
         _, ref_corrupt = reference_run(model, e_corrupt, task.last, mask)
         want, _ = reference_run(model, e_clean, task.last, mask, corrupt=ref_corrupt)
         for block in (1, 2, 5):
-            plan = G._plan(model, graph, missing, resids=True, prune=True, full=False, dtype=torch.float64,
+            plan = P.plan_run(model, graph, missing, resids=True, prune=True, full=False, dtype=torch.float64,
                            device=torch.device("cpu"), block=block)  # fmt: skip
             shared = [lp.far is not None and lp.far.coef is not None for lp in plan.layers]
             assert any(shared) == (block > 1), shared
-            run = G._run_rows(model, graph, e_clean, task.last, corrupt=corrupt, missing=missing, plan=plan)
+            run = run_rows(model, graph, e_clean, task.last, corrupt=corrupt, missing=missing, plan=plan)
             assert_close(run.rows @ model.W_U, want, atol=1e-10, rtol=1e-10)
 
 

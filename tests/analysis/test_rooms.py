@@ -86,12 +86,13 @@ def test_a_room_named_as_an_old_module_reexports_its_public_names(old: str) -> N
 def test_the_monkeypatch_strings_the_tests_use_reach_the_room_modules(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from headspace.analysis.circuits import graph
+    from headspace.analysis.causal import patching
     from headspace.analysis.lesson import roles
 
-    monkeypatch.setattr("headspace.analysis.graph._SHARED_WRITES", 0)
+    spy = object()
+    monkeypatch.setattr("headspace.analysis.patching.run_from_layers", spy)
     monkeypatch.setattr("headspace.analysis.roles.AUTO_PATTERN_BYTES", 1000)
-    assert graph._SHARED_WRITES == 0 and roles.AUTO_PATTERN_BYTES == 1000
+    assert patching.run_from_layers is spy and roles.AUTO_PATTERN_BYTES == 1000
 
 
 def test_the_analysis_package_keeps_its_names() -> None:

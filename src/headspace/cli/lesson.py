@@ -139,20 +139,28 @@ def explain_cmd(
     check_before_loading(model_spec, layer, head)
     pretrained = at_precision(load_model(model_spec), model_precision)
     check_loaded_shape(pretrained, layer, head)
-    from ..analysis.lesson.explain import explain, token_strings
+    from ..analysis.lesson.explain import explain, tokenize_sentence
 
     decoder = is_decoder(pretrained)
     if sentence is None:
         sentence = DECODER_SENTENCE if decoder else DEFAULT_SENTENCE
         if decoder and token is None and occurrence is None:
             token, occurrence = DECODER_TOKEN, DECODER_OCCURRENCE
-    tokens = token_strings(pretrained, sentence)
+    tokenized = tokenize_sentence(pretrained, sentence)  # the command's one tokenization
+    tokens = tokenized.tokens
     if token is None:  # an encoder follows "it"; a decoder its last token, which sees the whole text
         token = str(len(tokens) - 1) if decoder else DEFAULT_TOKEN
     tok: str | int = int(token) if token.isdigit() and token not in tokens else token
     _check_occurrence(tokens, tok, occurrence)
     e = explain(
-        pretrained, sentence, tok, layer=layer, head=head, model_name=model_spec, occurrence=occurrence
+        pretrained,
+        sentence,
+        tok,
+        layer=layer,
+        head=head,
+        model_name=model_spec,
+        occurrence=occurrence,
+        tokenized=tokenized,
     )
     shown = readable_explanation(e, piece_display(pretrained))  # "Ġcat" -> "␣cat"; the JSON keeps "Ġcat"
     pictures = explain_pictures(shown, pretrained, out_dir) if out_dir is not None else []

@@ -6,6 +6,10 @@
   :func:`exact_effects`).
 * :mod:`.attribution`: direct logit attribution and the logit lens.
 * :mod:`.ablation`: head importance, the change of a metric when each head is ablated.
+* :mod:`.engine`: the batched patching engine (runs from a layer on, many patched copies at once),
+  which patching and head importance share.
+* :mod:`.losses`: the language-model loss per position in float64, without a float64 copy of the
+  logits (or the logits).
 * :mod:`.interventions`: :func:`ablate` (while a block runs) and :func:`prune_heads` (for good).
 * :mod:`.causal_inputs`: prompts to tokens, answer tokens, the final norm frozen, the unembedding.
 * :mod:`.budget`: prompts inside the position table, and a run's peak memory estimated before it runs.

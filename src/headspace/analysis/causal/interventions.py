@@ -40,6 +40,28 @@ def _check_layer_head(layers: Sequence[MultiHeadAttention], layer: Any, head: An
         raise ValueError(f"{arg}: head must be an int in [0, {h}) for layer {layer}; got {head!r}")
 
 
+def _checked_means(layers: Sequence[MultiHeadAttention], means: Mapping | None) -> dict:
+    """``ablate``'s ``means`` as a dict, each key a (layer, head) of ``layers`` and each value a float
+    tensor broadcasting to [batch, seq_q, d_head]."""
+    means = dict(means or {})
+    for key in means:
+        if not isinstance(key, tuple) or len(key) != 2:
+            raise TypeError(f"means keys must be (layer, head) pairs; got {key!r}")
+        _check_layer_head(layers, key[0], key[1], "means")
+        m, dh = means[key], layers[key[0]].d_head
+        if not isinstance(m, Tensor) or not m.is_floating_point():
+            got = f"dtype {m.dtype}" if isinstance(m, Tensor) else type(m).__name__
+            raise TypeError(
+                f"means[{key}] must be a float tensor broadcasting to [batch, seq_q, d_head={dh}]; got {got}"
+            )
+        if m.dim() > 3 or (m.dim() and m.shape[-1] not in (1, dh)):
+            raise ValueError(
+                f"means[{key}] must broadcast to [batch, seq_q, d_head={dh}] (e.g. [{dh}]); "
+                f"got shape {list(m.shape)}"
+            )
+    return means
+
+
 @contextmanager
 def ablate(
     model: Any,
@@ -92,22 +114,7 @@ def ablate(
         if mode not in ABLATION_MODES:
             raise ValueError(f"heads[{key}] must be one of {ABLATION_MODES}; got {mode!r}")
         per_layer.setdefault(key[0], {})[key[1]] = mode
-    means = dict(means or {})
-    for key in means:
-        if not isinstance(key, tuple) or len(key) != 2:
-            raise TypeError(f"means keys must be (layer, head) pairs; got {key!r}")
-        _check_layer_head(layers, key[0], key[1], "means")
-        m, dh = means[key], layers[key[0]].d_head
-        if not isinstance(m, Tensor) or not m.is_floating_point():
-            got = f"dtype {m.dtype}" if isinstance(m, Tensor) else type(m).__name__
-            raise TypeError(
-                f"means[{key}] must be a float tensor broadcasting to [batch, seq_q, d_head={dh}]; got {got}"
-            )
-        if m.dim() > 3 or (m.dim() and m.shape[-1] not in (1, dh)):
-            raise ValueError(
-                f"means[{key}] must broadcast to [batch, seq_q, d_head={dh}] (e.g. [{dh}]); "
-                f"got shape {list(m.shape)}"
-            )
+    means = _checked_means(layers, means)
 
     def make_fn(layer: int, modes: dict[int, str]) -> Callable[[Tensor, Any], Tensor]:
         def fn(z: Tensor, point: Any) -> Tensor:  # z: (batch, seq_q, n_heads, d_head)

@@ -36,11 +36,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...core.progress import progress_bar
-from ...nn.kv_cache import KVCache
 from .._common import JsonResult, eval_mode
 from ..trace.trace import hooked, trace
 from .budget import check_backward, fit_runs, shape_of
@@ -54,6 +52,8 @@ from .causal_inputs import (
     token_id,
     token_str,
 )
+from .engine import FullRun, corrupt_stream, full_run, model_output, sites_of, sweep
+from .engine import run_from_layers as run_from_layers  # its old home: head importance imports it here
 
 #: site -> the axes of its effect tensor
 SITES: dict[str, tuple[str, ...]] = {
@@ -193,243 +193,6 @@ def _checked(values: Any, runs: int, name: str) -> Tensor:
     )
 
 
-def _output(module: nn.Module, x: Tensor, decoder: bool) -> Tensor:
-    """The final stream [runs, seq, d_model] -> logits at the last position [runs, vocab] (decoder) or the
-    sentence embedding [runs, d_model] (encoder: mean over positions, L2-normalised)."""
-    if decoder:
-        last = x[:, -1]  # (runs, d_model)
-        if module.ln_final is not None:
-            last = module.ln_final(last)
-        return last @ module.W_U  # (runs, vocab)
-    if getattr(module, "ln_final", None) is not None:
-        x = module.ln_final(x)
-    return F.normalize(x.mean(dim=1), dim=-1)  # (runs, d_model)
-
-
-# ---------------------------------------------------------------------------------------------- runs
-@dataclass
-class _Run:
-    """One prompt's activations per layer (index 0 = block 0) and its output."""
-
-    resid_pre: list[Tensor]  # [1, seq, d_model] each
-    z: list[Tensor]  # [1, seq, n_heads, d_head]
-    mlp_out: list[Tensor]  # [1, seq, d_model]
-    output: Tensor  # [1, vocab] or [1, d_model]
-
-
-def _full_run(module: nn.Module, tokens: Tensor, decoder: bool) -> _Run:
-    L = len(module.blocks)
-    last = last_resid(module)
-    names = ["blocks.*.hook_resid_pre", "blocks.*.attn.hook_z", "blocks.*.hook_mlp_out", last]
-    with trace(module, names=names) as t:
-        module(tokens)
-    final = t[last]  # (1, seq, d_model)
-    return _Run(
-        resid_pre=[t[f"blocks.{i}.hook_resid_pre"] for i in range(L)],
-        z=[t[f"blocks.{i}.attn.hook_z"] for i in range(L)],
-        mlp_out=[t[f"blocks.{i}.hook_mlp_out"] for i in range(L)],
-        output=_output(module, final, decoder),
-    )
-
-
-@dataclass
-class _Site:
-    layer: int
-    head: int | None = None
-    position: int | None = None  # absolute position
-
-
-def _sites(
-    site: str, n_layers: int, n_heads: list[int], seq: int, p: int
-) -> tuple[list[_Site], list[tuple[int, ...]]]:
-    """The sites to run and the index of each in the effect tensor; positions before ``p`` are skipped
-    (their activations are the same in both runs, so their effect is exactly 0)."""
-    sites: list[_Site] = []
-    where: list[tuple[int, ...]] = []
-    for layer in range(n_layers):
-        if site == "heads":
-            for h in range(n_heads[layer]):
-                sites.append(_Site(layer, head=h))
-                where.append((layer, h))
-        elif site == "heads_pos":
-            for h in range(n_heads[layer]):
-                for pos in range(p, seq):
-                    sites.append(_Site(layer, head=h, position=pos))
-                    where.append((layer, h, pos))
-        elif site == "resid":
-            for pos in range(p, seq):
-                sites.append(_Site(layer, position=pos))
-                where.append((layer, pos))
-        else:
-            sites.append(_Site(layer))
-            where.append((layer,))
-    return sites, where
-
-
-def _sweep(
-    module: nn.Module,
-    site: str,
-    sites: list[_Site],
-    clean: _Run,
-    corrupt_resid: list[Tensor],
-    prefix: list[tuple[Tensor, Tensor]],
-    p: int,
-    decoder: bool,
-) -> Tensor:
-    """The output of every patched run, in the order of ``sites``: [runs, vocab] or [runs, d_model].
-
-    ``corrupt_resid[l]`` is the corrupt stream entering block ``l`` at positions ``p..seq-1``
-    [1, seq - p, d_model]; ``prefix[l]`` that block's keys and values of positions ``0..p-1``.
-    """
-    rotary = getattr(module, "rotary", None)
-    seq = p + corrupt_resid[0].shape[1]
-    positions = torch.arange(p, seq, device=corrupt_resid[0].device)  # (seq - p,)
-    by_layer: dict[int, list[int]] = {}
-    for i, s in enumerate(sites):
-        by_layer.setdefault(s.layer, []).append(i)
-    joins = {layer: corrupt_resid[layer].expand(len(new), -1, -1) for layer, new in by_layer.items()}
-    order = [i for layer in sorted(by_layer) for i in by_layer[layer]]  # site index of each run
-
-    def hooks(layer: int, first_new: int, n_new: int) -> dict[str, Callable]:
-        new = [sites[i] for i in by_layer.get(layer, [])]
-        return _patch_hooks(site, new, first_new, clean, layer, p)
-
-    def block_kwargs(layer: int, runs: int) -> dict[str, Any]:
-        kwargs: dict[str, Any] = {}
-        if decoder:
-            kwargs["is_causal"] = True
-            if p:
-                k, v = prefix[layer]
-                cache = KVCache(runs, k.shape[1], k.shape[3], seq, dtype=k.dtype, device=k.device)
-                cache.k[:, :, :p] = k
-                cache.v[:, :, :p] = v
-                cache.length = p
-                kwargs["kv_cache"] = cache
-            if rotary is not None:
-                kwargs["positions"] = positions
-        return kwargs
-
-    x = run_from_layers(module, joins, hooks, block_kwargs)
-    assert len(order) == len(sites)
-    out = _output(module, x, decoder)  # (runs, ...)
-    result = torch.empty_like(out)
-    result[torch.tensor(order, device=out.device)] = out
-    return result
-
-
-def run_from_layers(
-    module: nn.Module,
-    joins: dict[int, Tensor],
-    hooks: Callable[[int, int, int], dict[str, Callable]],
-    block_kwargs: Callable[[int, int], dict[str, Any]],
-    *,
-    separate: bool = False,
-) -> Tensor:
-    """The batched engine: runs that start at different blocks travel up the stack together.
-
-    ``joins[l]`` [n_l, seq, d_model] is the residual stream entering block ``l`` of the ``n_l`` runs that
-    start there (a run that changes only block ``l`` or above equals the unchanged run below ``l``, so
-    the blocks below are not run for it). At block ``l`` those runs join the batch as its last rows,
-    block ``l`` runs with ``hooks(l, first_new_row, n_l)`` (names relative to ``blocks.l``, e.g.
-    ``"attn.hook_z"``) added for the duration of the call, with ``block(x, **block_kwargs(l, runs))``.
-
-    ``separate=True``: at a block where runs join, the rows already in the batch and the joining rows
-    run as two calls of the block, the hooks only on the joining rows' call (``hooks(l, 0, n_l)``, rows
-    counted in that call; ``block_kwargs(l, runs)`` with each call's rows), and their outputs are stacked
-    in the same order. The rows already there keep the block's untraced path (a hook on the attention
-    switches a layer to its explicit path); only for blocks whose rows are independent of each other
-    (no state shared across the batch, such as a KV cache of ``runs`` rows).
-
-    Returns the stream leaving the last block [sum_l n_l, seq, d_model], rows in order of joining
-    (layer by layer; within a layer as in ``joins[l]``).
-    """
-    x: Tensor | None = None
-    for layer, block in enumerate(module.blocks):
-        first_new, fresh = (0 if x is None else x.shape[0]), joins.get(layer)
-        if separate and fresh is not None and x is not None:
-            old = block(x, **block_kwargs(layer, x.shape[0]))  # (runs, seq, d_model)
-            fns = hooks(layer, 0, fresh.shape[0])
-            with hooked(module, {f"blocks.{layer}.{name}": fn for name, fn in fns.items()}):
-                new = block(fresh, **block_kwargs(layer, fresh.shape[0]))  # (n_l, seq, d_model)
-            x = torch.cat([old, new], dim=0)  # (runs + n_l, seq, d_model)
-            continue
-        if fresh is not None:
-            x = fresh.clone() if x is None else torch.cat([x, fresh], dim=0)  # (runs, seq, d_model)
-        if x is None:
-            continue
-        n_new = 0 if fresh is None else fresh.shape[0]
-        fns = hooks(layer, first_new, n_new) if n_new else {}
-        with hooked(module, {f"blocks.{layer}.{name}": fn for name, fn in fns.items()}):
-            x = block(x, **block_kwargs(layer, x.shape[0]))  # (runs, seq, d_model)
-    if x is None:
-        raise ValueError(
-            f"joins must name at least one block of the {len(module.blocks)}; got {sorted(joins)}"
-        )
-    return x
-
-
-def _patch_hooks(
-    site: str, new: list[_Site], row0: int, clean: _Run, layer: int, p: int
-) -> dict[str, Callable]:
-    """Hook functions (on one block) that put the clean activation into rows ``row0 ..`` of the batch."""
-    if not new:
-        return {}
-    rows = list(range(row0, row0 + len(new)))
-
-    if site in ("heads", "heads_pos"):
-        clean_z = clean.z[layer][0, p:]  # (seq - p, n_heads, d_head)
-
-        def patch_z(z: Tensor, point: Any) -> Tensor:  # z (runs, seq - p, n_heads, d_head)
-            z = z.clone()
-            for r, s in zip(rows, new):
-                if s.position is None:
-                    z[r, :, s.head] = clean_z[:, s.head]
-                else:
-                    z[r, s.position - p, s.head] = clean_z[s.position - p, s.head]
-            return z
-
-        return {"attn.hook_z": patch_z}
-    if site == "resid":
-        clean_x = clean.resid_pre[layer][0, p:]  # (seq - p, d_model)
-
-        def patch_resid(x: Tensor, point: Any) -> Tensor:  # x (runs, seq - p, d_model)
-            x = x.clone()
-            for r, s in zip(rows, new):
-                x[r, s.position - p] = clean_x[s.position - p]
-            return x
-
-        return {"hook_resid_pre": patch_resid}
-    clean_m = clean.mlp_out[layer][0, p:]  # (seq - p, d_model)
-
-    def patch_mlp(m: Tensor, point: Any) -> Tensor:  # m (runs, seq - p, d_model)
-        m = m.clone()
-        m[rows] = clean_m
-        return m
-
-    return {"hook_mlp_out": patch_mlp}
-
-
-def _corrupt_stream(
-    module: nn.Module, tokens: Tensor, p: int, decoder: bool
-) -> tuple[list[Tensor], list, Tensor]:
-    """(the corrupt stream entering each block at positions p.., the prefix K/V, the corrupt output)."""
-    L = len(module.blocks)
-    last = last_resid(module)
-    names = ["blocks.*.hook_resid_pre", last]
-    if decoder and p:
-        caches = module.make_kv_caches(1, tokens.shape[1])
-        module(tokens[:, :p], None, caches)  # the prefix, the same in every run
-        prefix = [(c.k[:, :, :p].clone(), c.v[:, :, :p].clone()) for c in caches]  # (1, Hkv, p, dh) x 2
-        with trace(module, names=names) as t:
-            module(tokens[:, p:], None, caches)
-    else:
-        prefix = []
-        with trace(module, names=names) as t:
-            module(tokens)
-    resid = [t[f"blocks.{i}.hook_resid_pre"] for i in range(L)]  # (1, seq - p, d_model) each
-    return resid, prefix, _output(module, t[last], decoder)
-
-
 def _first_difference(a: Tensor, b: Tensor) -> int:
     diff = (a[0] != b[0]).nonzero()
     return int(diff[0, 0]) if len(diff) else a.shape[1]
@@ -486,16 +249,16 @@ def patch(
     seq = c.tokens.shape[1]
     p = _first_difference(c.tokens, k.tokens) if decoder else 0
     n_heads = [b.attn.n_heads for b in module.blocks]
-    sites, where = _sites(site, len(module.blocks), n_heads, seq, p)
+    sites, where = sites_of(site, len(module.blocks), n_heads, seq, p)
     dev = c.tokens.device
     max_runs = fit_runs(shape_of(module), min(max_runs, len(sites)), seq, seq - p, max_memory, dev)
     with eval_mode(module):
-        clean_run = _full_run(module, c.tokens, decoder)
+        clean_run = full_run(module, c.tokens, decoder)
         fn, name = _metric_fn(model, module, metric, answer, other, clean_run.output)
         clean_metric = float(_checked(fn(clean_run.output), 1, name)[0])
         shape = _effect_shape(site, n_heads, seq, len(module.blocks))
         # p < seq: _pair refused identical prompts
-        resid, prefix, corrupt_out = _corrupt_stream(module, k.tokens, p, decoder)
+        resid, prefix, corrupt_out = corrupt_stream(module, k.tokens, p, decoder)
         corrupt_metric = float(_checked(fn(corrupt_out), 1, name)[0])
         patched = torch.full(shape, corrupt_metric)
         # a sweep of several batches shows its patched runs as each batch ends (one batch: nothing to show)
@@ -504,7 +267,7 @@ def patch(
         )
         for start in range(0, len(sites), max_runs):
             chunk = sites[start : start + max_runs]
-            out = _sweep(module, site, chunk, clean_run, resid, prefix, p, decoder)
+            out = sweep(module, site, chunk, clean_run, resid, prefix, p, decoder)
             values = _checked(fn(out), len(chunk), name)
             for idx, v in zip(where[start : start + max_runs], values.tolist()):
                 patched[idx] = v
@@ -562,12 +325,12 @@ def patch_activations(
         hooks[last] = lambda v, pt: final.__setitem__("x", v)
         with hooked(module, hooks):
             module(k.tokens)
-        out = _output(module, final["x"], decoder)
+        out = model_output(module, final["x"], decoder)
         clean_out = None
         if metric is None and not decoder:  # the embedding metric needs the clean embedding
             with trace(module, names=[last]) as tc:
                 module(c.tokens)
-            clean_out = _output(module, tc[last], decoder)
+            clean_out = model_output(module, tc[last], decoder)
         fn, name = _metric_fn(model, module, metric, answer, other, clean_out)
         return float(_checked(fn(out), 1, name)[0])
 
@@ -601,7 +364,7 @@ def attribution_patching(
     L = len(module.blocks)
     with eval_mode(module):
         with torch.no_grad():
-            clean_run = _full_run(module, c.tokens, decoder)
+            clean_run = full_run(module, c.tokens, decoder)
         fn, name = _metric_fn(model, module, metric, answer, other, clean_run.output)
         clean_metric = float(_checked(fn(clean_run.output), 1, name)[0])
         acts: dict[int, Tensor] = {}
@@ -620,7 +383,7 @@ def attribution_patching(
         hooks[last_resid(module)] = lambda v, pt: final.__setitem__("x", v)
         with torch.enable_grad(), hooked(module, hooks):
             module(k.tokens)
-            out = _output(module, final["x"], decoder)
+            out = model_output(module, final["x"], decoder)
             value = _checked(fn(out), 1, name)[0]
             grads = torch.autograd.grad(value, [acts[i] for i in range(L)], allow_unused=True)
     corrupt_metric = float(value.detach())
@@ -674,6 +437,44 @@ def correlation(a: PatchResult, b: PatchResult) -> float:
 
 # ---------------------------------------------------------------------------------------------- paths
 @torch.no_grad()
+def _check_pairs(module: nn.Module, **named: Sequence[tuple[int, int]]) -> None:
+    """Each of ``named`` (senders, receivers) a non-empty sequence of (layer, head) pairs of ``module``."""
+    L = len(module.blocks)
+    for what, pairs in named.items():
+        if not pairs:
+            raise ValueError(f"{what} must name at least one (layer, head)")
+        for pair in pairs:
+            if not (isinstance(pair, tuple) and len(pair) == 2):
+                raise TypeError(f"{what} must hold (layer, head) pairs; got {pair!r}")
+            layer, head = pair
+            if not isinstance(layer, int) or not 0 <= layer < L:
+                raise ValueError(f"{what}: layer must be in [0, {L}); got {layer!r}")
+            n = module.blocks[layer].attn.n_heads
+            if not isinstance(head, int) or not 0 <= head < n:
+                raise ValueError(f"{what}: head must be in [0, {n}) for layer {layer}; got {head!r}")
+
+
+def _frozen_z(
+    n_layers: int, clean_run: FullRun, corrupt_run: FullRun, senders: Sequence[tuple[int, int]]
+) -> dict:
+    """Hook functions on every layer's ``hook_z`` [1, seq, n_heads, d_head] that hold it at the corrupt
+    run's values, the ``senders``' heads at the clean run's."""
+    send: dict[int, list[int]] = {}
+    for layer, head in senders:
+        send.setdefault(layer, []).append(head)
+
+    def frozen_z(layer: int) -> Callable:
+        def fn_(z: Tensor, point: Any) -> Tensor:  # (1, seq, n_heads, d_head)
+            out = corrupt_run.z[layer].clone()
+            for h in send.get(layer, []):
+                out[:, :, h] = clean_run.z[layer][:, :, h]
+            return out
+
+        return fn_
+
+    return {f"blocks.{i}.attn.hook_z": frozen_z(i) for i in range(n_layers)}
+
+
 def path_patch(
     model: Any,
     clean: Any,
@@ -697,39 +498,14 @@ def path_patch(
         raise ValueError(f"receiver_input must be 'q', 'k' or 'v'; got {receiver_input!r}")
     module = stack_of(model, "path_patch")
     decoder = is_decoder(module)
-    L = len(module.blocks)
-    for what, pairs in (("senders", senders), ("receivers", receivers)):
-        if not pairs:
-            raise ValueError(f"{what} must name at least one (layer, head)")
-        for pair in pairs:
-            if not (isinstance(pair, tuple) and len(pair) == 2):
-                raise TypeError(f"{what} must hold (layer, head) pairs; got {pair!r}")
-            layer, head = pair
-            if not isinstance(layer, int) or not 0 <= layer < L:
-                raise ValueError(f"{what}: layer must be in [0, {L}); got {layer!r}")
-            n = module.blocks[layer].attn.n_heads
-            if not isinstance(head, int) or not 0 <= head < n:
-                raise ValueError(f"{what}: head must be in [0, {n}) for layer {layer}; got {head!r}")
+    _check_pairs(module, senders=senders, receivers=receivers)
     c, k = _pair(model, clean, corrupt)
     with eval_mode(module):
-        clean_run = _full_run(module, c.tokens, decoder)
-        corrupt_run = _full_run(module, k.tokens, decoder)
+        clean_run = full_run(module, c.tokens, decoder)
+        corrupt_run = full_run(module, k.tokens, decoder)
         fn, name = _metric_fn(model, module, metric, answer, other, clean_run.output)
         clean_metric = float(_checked(fn(clean_run.output), 1, name)[0])
         corrupt_metric = float(_checked(fn(corrupt_run.output), 1, name)[0])
-        send = {}
-        for layer, head in senders:
-            send.setdefault(layer, []).append(head)
-
-        def frozen_z(layer: int) -> Callable:
-            def fn_(z: Tensor, point: Any) -> Tensor:  # (1, seq, n_heads, d_head)
-                out = corrupt_run.z[layer].clone()
-                for h in send.get(layer, []):
-                    out[:, :, h] = clean_run.z[layer][:, :, h]
-                return out
-
-            return fn_
-
         point = f"hook_{receiver_input}"
         by_layer: dict[int, list[int]] = {}
         for layer, head in receivers:
@@ -737,7 +513,7 @@ def path_patch(
             index = head if receiver_input == "q" else head // attn.group_size
             by_layer.setdefault(layer, []).append(index)
         recorded: dict[int, Tensor] = {}
-        hooks: dict[str, Callable] = {f"blocks.{i}.attn.hook_z": frozen_z(i) for i in range(L)}
+        hooks = _frozen_z(len(module.blocks), clean_run, corrupt_run, senders)
         for layer in by_layer:
             hooks[f"blocks.{layer}.attn.{point}"] = lambda v, pt, layer=layer: recorded.__setitem__(
                 layer, v.clone()
@@ -759,7 +535,7 @@ def path_patch(
         hooks[last_resid(module)] = lambda v, pt: final.__setitem__("x", v)
         with hooked(module, hooks):
             module(k.tokens)
-        patched = float(_checked(fn(_output(module, final["x"], decoder)), 1, name)[0])
+        patched = float(_checked(fn(model_output(module, final["x"], decoder)), 1, name)[0])
     effect = float(_normalise(torch.tensor([patched]), clean_metric, corrupt_metric)[0])
     return {
         "effect": effect,

@@ -2,8 +2,12 @@
 
 * :mod:`.edges`: :func:`edge_scores` (EAP, EAP-IG), :func:`find_circuit` (the top edges),
   :func:`faithfulness` and :func:`faithfulness_curve`.
-* :mod:`.graph`: the graph itself (:func:`graph_of`), one batched run of it with edges masked
-  (:func:`run_graph`) and its gradients (:func:`graph_grads`).
+* :mod:`.graph`: one batched run of the graph with edges masked (:func:`run_graph`) and its gradients
+  (:func:`graph_grads`), over:
+  * :mod:`.nodes`: the graph itself, heads and MLPs as nodes (:class:`Graph`, :func:`graph_of`);
+  * :mod:`.head_maths`: the attention maths of all or some of a layer's heads (projection, mixing);
+  * :mod:`.plan`: what a patched run computes, from the edge masks alone (:func:`~.plan.plan_run`);
+  * :mod:`.patched`: the patched run itself (:func:`~.patched.patched_run`).
 * :mod:`.tasks`: clean/corrupt prompt pairs as token ids (:func:`ioi_task`, :func:`load_task`,
   :func:`make_task`).
 * :mod:`.decomposition`: one head's score split over (query part) x (key part), and Q/K/V composition

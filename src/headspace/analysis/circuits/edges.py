@@ -48,7 +48,8 @@ from ...core.progress import progress_bar
 from .._common import JsonResult, eval_mode
 from ..causal.budget import check_length, check_memory, circuit_bytes, shape_of
 from ..causal.causal_inputs import stack_of
-from .graph import Graph, _plan, _run_rows, graph_grads, graph_of, run_graph
+from .graph import Graph, graph_grads, graph_of, run_graph, run_rows
+from .plan import plan_run
 from .tasks import Task, ioi_task
 
 __all__ = [
@@ -370,23 +371,23 @@ def _circuit_metrics(
         for part in parts:
             last = part.last.to(dev)
             e_corrupt = module.embed(part.corrupt.to(dev))
-            corrupt = _run_rows(module, graph, e_corrupt, last, keep_acts=True)
+            corrupt = run_rows(module, graph, e_corrupt, last, keep_acts=True)
             e_clean = module.embed(part.clean.to(dev))
             clean = None
             for i, miss in enumerate(missing):
                 if ends[i] == "clean":
                     if clean is None:
-                        clean = _run_rows(module, graph, e_clean, last).rows
+                        clean = run_rows(module, graph, e_clean, last).rows
                     rows = clean
                 elif ends[i] == "corrupt":
                     rows = corrupt.rows
                 else:
                     if plans[i] is None:
-                        plans[i] = _plan(
+                        plans[i] = plan_run(
                             module, graph, miss, resids=True, prune=True, full=False, dtype=e_clean.dtype,
                             device=e_clean.device,
                         )  # fmt: skip
-                    rows = _run_rows(
+                    rows = run_rows(
                         module, graph, e_clean, last, corrupt=corrupt, missing=miss, plan=plans[i]
                     ).rows
                 totals[i] += float(_rows_metric(module, rows, part).sum()) / len(task)

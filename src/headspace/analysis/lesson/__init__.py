@@ -5,6 +5,8 @@
 * :mod:`.roles`: head roles (mass on previous / next / current / first / last token, entropy, a label)
   and induction scores.
 * :mod:`.chunked`: pattern rows and per-query statistics from q and k, a block of queries at a time.
+* :mod:`.pattern_blocks`: the machinery under it: the pattern's softmax, one block of query rows at a
+  time.
 * :mod:`.subspaces`: weight-space circuits (QK, OV), their spectra and the heads' subspaces; no inputs.
 * :mod:`.rotary`: each rotary head's score split by RoPE frequency plane.
 * :mod:`.mixing`: each head's share of the attention output (how W_O weighs the heads).

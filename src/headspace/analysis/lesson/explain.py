@@ -223,6 +223,38 @@ def token_strings(pretrained: Any, sentence: str) -> list[str]:
     return tok.tokens(sentence)
 
 
+@dataclass(frozen=True)
+class TokenizedSentence:
+    """One sentence, tokenized once: ``text``; its token strings ``tokens`` (special tokens included);
+    ``ids`` int64 [1, seq] and ``key_padding`` bool [1, seq] (True = real token) or None: ``tokens[i]``
+    is the string of ``ids[0, i]``."""
+
+    text: str
+    tokens: list[str]
+    ids: Tensor
+    key_padding: Tensor | None
+
+
+def tokenize_sentence(pretrained: Any, sentence: str) -> TokenizedSentence:
+    """``sentence`` tokenized by one call of the tokenizer: the ids of :func:`tokenize_one`, and each id's
+    token string (the tokenizer's ``token_of``). A tokenizer without ``token_of`` (a stand-in with only
+    ``tokens``) is asked for the strings as well.
+
+    Raises:
+        ValueError: the model has no tokenizer.
+    """
+    tok = getattr(pretrained, "tokenizer", None)
+    if tok is None:
+        raise ValueError("this model has no tokenizer (its folder had no tokenizer.json)")
+    ids, key_padding = tokenize_one(pretrained, sentence)
+    token_of = getattr(tok, "token_of", None)
+    if token_of is None:
+        tokens = list(tok.tokens(sentence))
+    else:
+        tokens = [str(token_of(i)) for i in ids[0].tolist()]
+    return TokenizedSentence(sentence, tokens, ids, key_padding)
+
+
 def tokenize_one(pretrained: Any, sentence: str) -> tuple[Tensor, Tensor | None]:
     """(tokens [1, seq], key_padding [1, seq] or None) for one sentence, for an encoder or a decoder.
 
@@ -432,6 +464,7 @@ def explain(
     head: int | None = None,
     model_name: str = "",
     occurrence: int | None = None,
+    tokenized: TokenizedSentence | None = None,
 ) -> Explanation:
     """Walk the attention pipeline for ``token`` of ``sentence`` through one head of ``pretrained``.
 
@@ -442,23 +475,27 @@ def explain(
             :func:`rank_heads` is chosen (within ``layer`` if given): the best relational head, or the
             best positional one where no head is relational.
         occurrence: which occurrence of ``token`` (1-based) when it appears several times (default 1).
+        tokenized: ``sentence`` already tokenized (:func:`tokenize_sentence`), for a caller that read its
+            tokens first; None: tokenized here. The tokenizer runs once either way.
 
     Raises:
         ValueError: token not in the sentence (lists the tokens); occurrence out of range (lists the
-            positions); layer or head out of range (gives it).
+            positions); layer or head out of range (gives it); ``tokenized`` of another sentence.
     """
     if not isinstance(sentence, str) or not sentence.strip():
         raise ValueError(f"sentence must be a non-empty string; got {sentence!r}")
     model = pretrained.model
-    config = model.config
-    n_layers = config.n_layers
     _check_head_choice(model, layer, head)
-    tokens = token_strings(pretrained, sentence)
+    if tokenized is None:
+        tokenized = tokenize_sentence(pretrained, sentence)
+    elif tokenized.text != sentence:
+        raise ValueError(f"tokenized holds the sentence {tokenized.text!r}; expected {sentence!r}")
+    tokens = tokenized.tokens
     index = find_token(tokens, token, occurrence)
     occurrences = token_occurrences(tokens, tokens[index])
     if index not in occurrences:  # a token the text match does not give back (a bare "Ġ")
         occurrences = [index]
-    rec = _record_sentence(pretrained, sentence)
+    rec = _record_ids(model, tokenized.ids, tokenized.key_padding)
     layers = _attention_layers(model)
     norms = [value_norms(rec["v"][i][0], a.W_O) for i, a in enumerate(layers)]
     ranking = rank_heads(rec["pattern"], tokens, index, special_positions(pretrained, tokens), norms=norms)
@@ -468,6 +505,26 @@ def explain(
     elif layer is None:
         layer = next(f.layer for f in ranking if f.head == head)
     attn = layers[layer]
+    return Explanation(
+        model=model_name or model.config.name,
+        sentence=sentence,
+        tokens=tokens,
+        token_index=index,
+        layer=layer,
+        head=head,
+        n_layers=model.config.n_layers,
+        ranking=ranking,
+        occurrence=occurrences.index(index) + 1,
+        occurrences=occurrences,
+        **_walk(rec, attn, layer, index, head, tokens),
+    )
+
+
+def _walk(
+    rec: dict[str, list[Tensor]], attn: Any, layer: int, index: int, head: int, tokens: list[str]
+) -> dict:
+    """The fields of an :class:`Explanation` that follow token ``index`` through head ``head`` of layer
+    ``layer`` (whose attention is ``attn``), read from the recorded values ``rec`` (batch 1)."""
     kv_head = head // attn.group_size
     pattern_row = rec["pattern"][layer][0, head, index]  # (seq_k,)
     scores_row = rec["scores"][layer][0, head, index]  # (seq_k,)
@@ -477,15 +534,8 @@ def explain(
     if attn.b_O is not None:
         out = out + attn.b_O.detach()
     order = pattern_row.argsort(descending=True)[:5].tolist()
-    return Explanation(
-        model=model_name or config.name,
-        sentence=sentence,
-        tokens=tokens,
-        token_index=index,
-        layer=layer,
-        head=head,
+    return dict(
         kv_head=kv_head,
-        n_layers=n_layers,
         d_model=attn.d_model,
         n_heads=attn.n_heads,
         n_kv_heads=attn.n_kv_heads,
@@ -503,9 +553,6 @@ def explain(
         out=_floats(out),
         head_contributions=_floats(contributions),
         head_shares=_floats(contributions / contributions.sum().clamp(min=1e-30)),
-        ranking=ranking,
-        occurrence=occurrences.index(index) + 1,
-        occurrences=occurrences,
         bias=attn.b_Q is not None,
         out_bias=attn.b_O is not None,
         **_rotated(rec, attn, layer, index, head, kv_head),
@@ -532,11 +579,9 @@ def _check_head_choice(model: Any, layer: int | None, head: int | None) -> None:
         raise ValueError(f"head {head} is out of range: {where} heads 0..{n_heads - 1}")
 
 
-def _record_sentence(pretrained: Any, sentence: str) -> dict[str, list[Tensor]]:
+def _record_ids(model: nn.Module, ids: Tensor, key_padding: Tensor | None) -> dict[str, list[Tensor]]:
     """Every layer's hook values (``input``, ``q``, ``k``, ``v``, ``scores``, ``pattern``, ``z``,
-    ``result`` ...; see :func:`record`) for one forward pass of ``sentence`` (batch 1, inference mode)."""
-    model = pretrained.model
-    ids, key_padding = tokenize_one(pretrained, sentence)
+    ``result`` ...; see :func:`record`) for one forward pass of ``ids`` [1, seq] (inference mode)."""
 
     def run() -> None:
         with torch.inference_mode():

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ...attention.functional import repeat_kv
 from ...nn.positions import Rotary
@@ -177,25 +177,9 @@ def rotary_planes(
     Returns:
         :class:`RotaryPlanes`.
     """
-    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.5 < threshold <= 1:
-        raise ValueError(f"threshold must be a number in (0.5, 1]; got {threshold!r}")
-    if split is not None and (
-        isinstance(split, bool) or not isinstance(split, (int, float)) or not split > 0
-    ):
-        raise ValueError(f"split must be None or a positive number of tokens; got {split!r}")
+    _check_settings(threshold, split)
     module = as_module(model)
-    layers = attention_layers(module)
-    if not layers:
-        raise ValueError(f"model has no MultiHeadAttention layer; got {type(module).__name__}")
-    plain = [path or "<the layer>" for path, attn in layers if attn.rotary is None]
-    if plain:
-        raise ValueError(
-            f"rotary_planes needs rotary positions in every attention layer; {len(plain)} have none: "
-            f"{plain[:4]}"
-        )
-    widths = sorted({a.rotary.rotary_dim for _, a in layers})
-    if len(widths) > 1:
-        raise ValueError(f"rotary_planes needs one rotary_dim in every layer; got {widths}")
+    layers = _rotary_layers(module)
     batches = _batches(model, inputs, key_padding, batch_size)
 
     def hook(path: str, short: str) -> str:
@@ -218,7 +202,41 @@ def rotary_planes(
                 sums[i] += _abs_sums(q, k, attn.rotary, allowed).cpu()
                 if i == 0:
                     n_pairs += int(allowed[:, 0].sum())
-    split = float(longest if split is None else split)
+    return _planes(layers, sums, float(longest if split is None else split), float(threshold), n_pairs)
+
+
+def _check_settings(threshold: Any, split: Any) -> None:
+    """``rotary_planes``' ``threshold`` in (0.5, 1] and ``split`` None or positive, else ValueError."""
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.5 < threshold <= 1:
+        raise ValueError(f"threshold must be a number in (0.5, 1]; got {threshold!r}")
+    if split is not None and (
+        isinstance(split, bool) or not isinstance(split, (int, float)) or not split > 0
+    ):
+        raise ValueError(f"split must be None or a positive number of tokens; got {split!r}")
+
+
+def _rotary_layers(module: nn.Module) -> list[tuple[str, Any]]:
+    """The attention layers of ``module``, each checked rotary, all of one ``rotary_dim``."""
+    layers = attention_layers(module)
+    if not layers:
+        raise ValueError(f"model has no MultiHeadAttention layer; got {type(module).__name__}")
+    plain = [path or "<the layer>" for path, attn in layers if attn.rotary is None]
+    if plain:
+        raise ValueError(
+            f"rotary_planes needs rotary positions in every attention layer; {len(plain)} have none: "
+            f"{plain[:4]}"
+        )
+    widths = sorted({a.rotary.rotary_dim for _, a in layers})
+    if len(widths) > 1:
+        raise ValueError(f"rotary_planes needs one rotary_dim in every layer; got {widths}")
+    return layers
+
+
+def _planes(
+    layers: list[tuple[str, Any]], sums: list[Tensor], split: float, threshold: float, n_pairs: int
+) -> RotaryPlanes:
+    """:class:`RotaryPlanes` from each layer's summed magnitudes per plane ``sums`` [n_heads, n_planes + 1]
+    (the last column: the dimensions rotary leaves alone)."""
     shares, passthrough, slow, waves = [], [], [], []
     for (_, attn), s in zip(layers, sums):
         total = s.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(torch.float64).tiny)  # (n_heads, 1)
@@ -245,7 +263,7 @@ def rotary_planes(
         fast=1 - slow_t,
         labels=labels,
         split=split,
-        threshold=float(threshold),
+        threshold=threshold,
         n_pairs=n_pairs,
     )
 
