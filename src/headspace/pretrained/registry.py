@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..model.models import check_precision
 from .bert import load_bert
+from .encdec import ENCDEC_LOADERS
 from .gguf import load_gemma3, load_gguf, load_smollm2
 from .gpt2 import load_gpt2
 from .hf import checked_folder, read_json, require_file
@@ -141,6 +142,7 @@ FOLDER_LOADERS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] 
     "mistral": load_llama,
     "qwen2": load_llama,
     **dict.fromkeys(VARIANT_MODEL_TYPES, load_llama),  # gemma2, gemma3_text, qwen3, olmo2, smollm3
+    **ENCDEC_LOADERS,  # t5, bart, marian, whisper: headspace.model.encdec.EncoderDecoder (issue #40)
 }
 
 
