@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
 
 from ...core.checks import is_int, is_number
 
@@ -21,6 +25,17 @@ POSITION_KINDS = ("learned", "sinusoidal", "buckets", "none")
 ENCDEC_NORMS = ("layernorm", "rmsnorm")
 ENCDEC_MLPS = ("plain", "gated")
 ENCDEC_ACTS = ("gelu", "gelu_tanh", "relu", "silu")
+
+
+def check_ids(name: str, ids: Any, vocab: int) -> None:
+    """``ids`` must be an integer tensor [batch, seq] of ids in [0, vocab) (one-line ValueError)."""
+    if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
+        got = f"{ids.dtype} {list(ids.shape)}" if isinstance(ids, Tensor) else type(ids).__name__
+        raise ValueError(f"{name} must be an int64 tensor [batch, seq]; got {got}")
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
+        raise ValueError(
+            f"{name} must hold token ids in [0, {vocab}); got ids {int(ids.min())}..{int(ids.max())}"
+        )
 
 
 def _fail(name: str, expected: str, value: object) -> ValueError:

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ...core.checks import is_int
+from .config import check_ids
 
 if TYPE_CHECKING:  # pragma: no cover
     from .model import EncoderDecoder
@@ -55,7 +56,7 @@ def greedy(
         raise ValueError(
             f"decoder_input_ids must have batch {B} (the inputs'); got {list(decoder_input_ids.shape)}"
         )
-    model.decode(decoder_input_ids[:, :0], memory)  # checks the ids (an empty step computes nothing)
+    check_ids("decoder_input_ids", decoder_input_ids, c.vocab_size)
     eos = c.eos_token_id if eos_token_id is None else eos_token_id
     pad = c.pad_token_id if c.pad_token_id is not None else eos
     blocks = list(model.decoder.blocks)

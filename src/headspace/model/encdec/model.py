@@ -19,19 +19,9 @@ import torch
 from torch import Tensor, nn
 
 from ...nn.hooks import HookPoint, name_hook_points
-from .config import EncDecConfig
+from .config import EncDecConfig, check_ids
 from .generate import greedy
 from .stacks import DecoderStack, EncoderStack
-
-
-def _check_ids(name: str, ids: Any, vocab: int) -> None:
-    if not isinstance(ids, Tensor) or ids.dim() != 2 or ids.dtype not in (torch.int64, torch.int32):
-        got = f"{ids.dtype} {list(ids.shape)}" if isinstance(ids, Tensor) else type(ids).__name__
-        raise ValueError(f"{name} must be an int64 tensor [batch, seq]; got {got}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab):
-        raise ValueError(
-            f"{name} must hold token ids in [0, {vocab}); got ids {int(ids.min())}..{int(ids.max())}"
-        )
 
 
 class EncoderDecoder(nn.Module):
@@ -64,7 +54,7 @@ class EncoderDecoder(nn.Module):
     def _check_inputs(self, inputs: Any) -> None:
         c = self.config
         if not c.audio:
-            _check_ids("input_ids", inputs, c.vocab_size)
+            check_ids("input_ids", inputs, c.vocab_size)
             return
         frames = 2 * c.max_source_positions
         if not isinstance(inputs, Tensor) or inputs.dim() != 3 or not inputs.is_floating_point():
@@ -98,7 +88,7 @@ class EncoderDecoder(nn.Module):
         self, decoder_input_ids: Tensor, memory: Tensor, attention_mask: Tensor | None = None
     ) -> Tensor:
         """Logits [batch, seq_dec, vocab] of ``decoder_input_ids`` [batch, seq_dec] on the encoder output."""
-        _check_ids("decoder_input_ids", decoder_input_ids, self.config.vocab_size)
+        check_ids("decoder_input_ids", decoder_input_ids, self.config.vocab_size)
         padding = None if attention_mask is None else attention_mask.bool()
         return self.unembed(self.decoder(decoder_input_ids, memory, padding))
 

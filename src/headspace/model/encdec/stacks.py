@@ -91,7 +91,12 @@ class EncoderStack(nn.Module):
         else:
             x = self.embed(inputs)  # (B, S, d_model)
         S = x.shape[1]
-        bias = None if self.rel_bias is None else self.rel_bias(S, S).expand(x.shape[0], -1, -1, -1)
+        bias = None
+        if self.rel_bias is not None:  # the padding folded into the additive bias (masks do not mix kinds)
+            bias = self.rel_bias(S, S).expand(x.shape[0], -1, -1, -1)  # (B, H, S, S)
+            if key_padding is not None:
+                bias = bias.masked_fill(~key_padding[:, None, None, :], float("-inf"))  # (B, H, S, S)
+                key_padding = None
         for block in self.blocks:
             x = block(x, key_padding=key_padding, bias=bias)
         return x if self.final_ln is None else self.final_ln(x)

@@ -1,0 +1,78 @@
+"""T5, BART, Marian and Whisper on headspace's EncoderDecoder equal transformers' eager forward on the same
+tiny random weights: logits within 1e-4 of their largest magnitude, every attention pattern (encoder self,
+decoder self, cross) within 1e-5."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import headspace
+from conftest import FAMILIES, SIZES, inputs_of
+from headspace.model.encdec import EncoderDecoder
+
+
+def _reference(ref: object, kind: str, x: torch.Tensor, y: torch.Tensor, mask: torch.Tensor | None) -> object:
+    key = "input_features" if kind == "whisper" else "input_ids"
+    kw = {key: x, "decoder_input_ids": y, "output_attentions": True}
+    if mask is not None:
+        kw["attention_mask"] = mask
+    with torch.no_grad():
+        return ref(**kw)
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_logits_and_patterns_equal_transformers(tiny, kind: str) -> None:
+    folder, ref = tiny(kind)
+    m = headspace.load(folder)
+    assert isinstance(m, EncoderDecoder)
+    x = inputs_of(kind)
+    y = torch.randint(0, SIZES[kind]["vocab_size"], (2, 8), generator=torch.Generator().manual_seed(5))
+    out = _reference(ref, kind, x, y, None)
+    logits, cache = m.run_with_cache(x, y)
+    scale = out.logits.abs().max()
+    assert (logits - out.logits).abs().max() <= 1e-4 * scale
+    c = m.config
+    for i in range(c.n_encoder_layers):
+        got = cache[f"encoder.blocks.{i}.attn.hook_pattern"]
+        torch.testing.assert_close(got, out.encoder_attentions[i], atol=1e-5, rtol=0)
+    for i in range(c.n_decoder_layers):
+        torch.testing.assert_close(
+            cache[f"decoder.blocks.{i}.attn.hook_pattern"], out.decoder_attentions[i], atol=1e-5, rtol=0
+        )
+        cross = cache[f"decoder.blocks.{i}.cross_attn.hook_pattern"]
+        assert cross.shape == out.cross_attentions[i].shape  # [batch, n_heads, seq_dec, seq_enc]
+        torch.testing.assert_close(cross, out.cross_attentions[i], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("kind", ["t5", "bart", "marian"])
+def test_padded_source_equals_transformers(tiny, kind: str) -> None:
+    """A padded source row: the encoder's padding is masked in its self-attention and in cross-attention."""
+    folder, ref = tiny(kind)
+    m = headspace.load(folder)
+    x = inputs_of(kind)
+    mask = torch.ones_like(x)
+    mask[1, 6:] = 0
+    y = torch.randint(0, SIZES[kind]["vocab_size"], (2, 4), generator=torch.Generator().manual_seed(6))
+    out = _reference(ref, kind, x, y, mask)
+    logits, cache = m.run_with_cache(x, y, mask)
+    assert (logits - out.logits).abs().max() <= 1e-4 * out.logits.abs().max()
+    cross = cache["decoder.blocks.0.cross_attn.hook_pattern"]
+    assert float(cross[1, :, :, 6:].abs().max()) == 0.0
+    torch.testing.assert_close(cross, out.cross_attentions[0], atol=1e-5, rtol=0)
+
+
+def test_marian_positions_are_transformers_sinusoids(tiny) -> None:
+    folder, ref = tiny("marian")
+    m = headspace.load(folder)
+    table = ref.model.encoder.embed_positions.weight
+    torch.testing.assert_close(m.encoder.embed.sinusoid, table, atol=1e-6, rtol=0)
+
+
+def test_hook_points_of_every_attention_layer(tiny) -> None:
+    folder, _ = tiny("bart")
+    points = headspace.load(folder).hook_points()
+    for stage in ("q", "k", "v", "scores", "pattern", "z", "result"):
+        assert f"encoder.blocks.1.attn.hook_{stage}" in points
+        assert f"decoder.blocks.2.attn.hook_{stage}" in points
+        assert f"decoder.blocks.2.cross_attn.hook_{stage}" in points
