@@ -23,6 +23,8 @@ _NAMES = {
     "CheckpointError": ".train.checkpoint",
     "Decoder": ".model.models",
     "Encoder": ".model.models",
+    "EncoderDecoder": ".model.encdec",
+    "EncDecConfig": ".model.encdec",
     "ModelConfig": ".model.config",
     "FactoredMatrix": ".attention.circuits",
     "Head": ".attention.heads",
@@ -48,7 +50,9 @@ __all__ = [
     "CanonicalMask",
     "CheckpointError",
     "Decoder",
+    "EncDecConfig",
     "Encoder",
+    "EncoderDecoder",
     "FactoredMatrix",
     "Head",
     "HeadList",
@@ -150,6 +154,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
     from .model import layouts
     from .model.block import TransformerBlock
     from .model.config import ModelConfig
+    from .model.encdec import EncDecConfig, EncoderDecoder
     from .model.models import Decoder, Encoder
     from .nn.hooks import HookPoint
     from .nn.masks import CanonicalMask, canonical_mask, causal_mask

@@ -112,3 +112,17 @@ def test_config_checks_name_the_field() -> None:
         EncDecConfig(**base, eos_token_id=10)
     with pytest.raises(ValueError, match=r"EncDecConfig.n_heads must be a positive int; got 0"):
         EncDecConfig(**{**base, "n_heads": 0})
+
+
+def test_commands_refuse_an_encoder_decoder_by_name(tiny) -> None:
+    from click.testing import CliRunner
+
+    from headspace.cli import cli
+
+    folder = tiny("t5")[0]
+    res = CliRunner().invoke(cli, ["heads", "--model", str(folder)])
+    assert res.exit_code == 2, res.output
+    line = res.output.strip()
+    assert len(line.splitlines()) == 1
+    assert line.startswith(f"error: --model {folder}: an encoder-decoder (")
+    assert "do not handle encoder-decoders yet" in line
