@@ -76,3 +76,27 @@ def test_hook_points_of_every_attention_layer(tiny) -> None:
         assert f"encoder.blocks.1.attn.hook_{stage}" in points
         assert f"decoder.blocks.2.attn.hook_{stage}" in points
         assert f"decoder.blocks.2.cross_attn.hook_{stage}" in points
+
+
+def test_whisper_from_a_transformers_state_dict(tiny) -> None:
+    """A state dict in transformers' naming (the in-memory model's, proj_out included) loads directly."""
+    from headspace.pretrained.encdec import whisper_from_state_dict
+
+    _, ref = tiny("whisper")
+    m = whisper_from_state_dict(ref.config.to_dict(), ref.state_dict())
+    x = inputs_of("whisper")
+    y = torch.tensor([[1, 5, 7, 9], [1, 3, 3, 2]])
+    with torch.no_grad():
+        want = ref(input_features=x, decoder_input_ids=y).logits
+        got = m(x, y)
+    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
+    broken = dict(ref.state_dict())
+    broken["model.encoder.conv2.weight"] = broken["model.encoder.conv2.weight"][:, :, :2]
+    with pytest.raises(ValueError, match=r"whisper state dict does not match .*1 mis-shaped"):
+        whisper_from_state_dict(ref.config.to_dict(), broken)
+    broken = dict(ref.state_dict())
+    broken["model.decoder.layers.0.fc1.bias"] = torch.full_like(
+        broken["model.decoder.layers.0.fc1.bias"], float("nan")
+    )
+    with pytest.raises(ValueError, match=r"model.decoder.layers.0.fc1.bias' has 41 NaN/Inf"):
+        whisper_from_state_dict(ref.config.to_dict(), broken)

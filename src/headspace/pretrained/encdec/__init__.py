@@ -4,9 +4,9 @@
 """
 
 from .bart import bart_config, load_bart, load_marian, marian_config
-from .common import load_encdec
+from .common import encdec_from_state_dict, load_encdec
 from .t5 import load_t5, t5_config
-from .whisper import load_whisper, whisper_config
+from .whisper import load_whisper, whisper_config, whisper_from_state_dict
 
 #: ``model_type`` -> loader.
 ENCDEC_LOADERS = {"t5": load_t5, "bart": load_bart, "marian": load_marian, "whisper": load_whisper}
@@ -14,6 +14,7 @@ ENCDEC_LOADERS = {"t5": load_t5, "bart": load_bart, "marian": load_marian, "whis
 __all__ = [
     "ENCDEC_LOADERS",
     "bart_config",
+    "encdec_from_state_dict",
     "load_bart",
     "load_encdec",
     "load_marian",
@@ -22,4 +23,5 @@ __all__ = [
     "marian_config",
     "t5_config",
     "whisper_config",
+    "whisper_from_state_dict",
 ]

@@ -12,7 +12,7 @@ the safetensors header before any tensor is read (:mod:`headspace.pretrained.hf`
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from ..hf import (
     ConfigFields,
     check_dtypes,
     check_tensors,
+    check_values,
     config_fields,
     config_problems,
     folder_tokenizer,
@@ -146,10 +147,37 @@ def load_encdec(
     check_dtypes(header.tensors, [*expected, *tied], weights)
     t = load_tensors(header, header.tensors, [*expected, *tied])
     _check_tied(t, tied, weights)
-    sd = {ours: t[theirs].reshape(model.state_dict()[ours].shape) for ours, theirs in plan.names.items()}
+    _fill(model, plan, t)
+    model.tokenizer = folder_tokenizer(path, config.pad_token_id)
+    return model
+
+
+def _fill(model: EncoderDecoder, plan: Plan, t: dict[str, Tensor]) -> None:
+    """Load the checked tensors ``t`` (the checkpoint's names) into ``model`` by ``plan``; eval mode."""
+    own = model.state_dict()
+    sd = {ours: t[theirs].reshape(own[ours].shape) for ours, theirs in plan.names.items()}
     for ours, names in plan.attention.items():
-        sd.update(_attention_state(t, ours, names, config))
+        sd.update(_attention_state(t, ours, names, model.config))
     model.load_state_dict(sd, strict=True)
     model.eval()
-    model.tokenizer = folder_tokenizer(path, config.pad_token_id)
+
+
+def encdec_from_state_dict(
+    config: EncDecConfig, plan_of: Callable[[EncDecConfig], Plan], tensors: Mapping[str, Tensor], source: str
+) -> EncoderDecoder:
+    """An :class:`EncoderDecoder` of ``config`` from a state dict in the checkpoint's naming (``tensors``,
+    e.g. transformers' ``model.state_dict()``), checked as a folder's are: the names and shapes
+    ``plan_of(config)`` expects (one ``ValueError`` listing the missing, unexpected and mis-shaped ones,
+    its first line naming ``source``), floating point, finite, tied copies equal; converted to float32."""
+    model = EncoderDecoder(config)
+    plan = plan_of(config)
+    where = Path(source)
+    expected = _expected(model, plan)
+    check_tensors(tensors, expected, lambda k: k in plan.tied, where)
+    names = [*expected, *(k for k in plan.tied if k in tensors)]
+    t = {k: tensors[k].detach().to("cpu") for k in names}
+    check_values(t, names, where)
+    t = {k: v.float() for k, v in t.items()}
+    _check_tied(t, {k: plan.tied[k] for k in plan.tied if k in t}, where)
+    _fill(model, plan, t)
     return model

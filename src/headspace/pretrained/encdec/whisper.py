@@ -10,13 +10,16 @@ the decoder's token embedding. State dicts in transformers' naming load through 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from torch import Tensor
 
 from ...model.encdec import EncDecConfig, EncoderDecoder
 from ..hf import config_fields
 from .bart import seq2seq_layers
-from .common import Plan, act_of, load_encdec, same_heads
+from .common import Plan, act_of, encdec_from_state_dict, load_encdec, same_heads
 
 
 def whisper_config(hf: dict[str, Any], name: str = "", source: str = "config.json") -> EncDecConfig:
@@ -68,3 +71,14 @@ def whisper_plan(c: EncDecConfig) -> Plan:
 def load_whisper(folder: str | Path, *, name: str = "", precision: str = "float32") -> EncoderDecoder:
     """A Whisper folder as an :class:`EncoderDecoder` (module docstring)."""
     return load_encdec(folder, whisper_config, whisper_plan, name=name, precision=precision)
+
+
+def whisper_from_state_dict(
+    hf: dict[str, Any], tensors: Mapping[str, Tensor], *, name: str = "whisper"
+) -> EncoderDecoder:
+    """A Whisper :class:`EncoderDecoder` from a ``config.json`` dict ``hf`` and a state dict in
+    transformers' naming (``WhisperForConditionalGeneration.state_dict()``, or a converted checkpoint's),
+    checked as a folder's tensors are (names, shapes, dtypes, NaN/Inf; ``proj_out.weight`` may be present,
+    equal to the decoder's embedding)."""
+    config = whisper_config(hf, name, "config")
+    return encdec_from_state_dict(config, whisper_plan, tensors, f"{name} state dict")
