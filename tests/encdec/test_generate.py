@@ -12,20 +12,26 @@ from conftest import FAMILIES, inputs_of
 NEW = 12
 
 
-def _hf_greedy(ref: object, kind: str, x: torch.Tensor, eos: int) -> torch.Tensor:
-    """transformers' greedy search with no logits processor (GenerationMixin.generate itself: Whisper's own
-    generate adds its timestamp and language logic)."""
+def _hf_greedy_config(ref: object, eos: int) -> object:
+    """transformers' greedy search with no logits processor: the model's own forced and suppressed tokens
+    cleared (they would be merged in: BART forces eos at the end)."""
     c = ref.config
-    gen = transformers.GenerationConfig(
+    for name in ("forced_bos_token_id", "forced_eos_token_id", "begin_suppress_tokens", "suppress_tokens"):
+        setattr(ref.generation_config, name, None)
+    return transformers.GenerationConfig(
         max_new_tokens=NEW, do_sample=False, num_beams=1, decoder_start_token_id=c.decoder_start_token_id,
         eos_token_id=eos, pad_token_id=c.pad_token_id, forced_bos_token_id=None, forced_eos_token_id=None,
         no_repeat_ngram_size=0, min_length=0, bos_token_id=None, use_cache=False,
     )  # fmt: skip
-    for name in ("forced_bos_token_id", "forced_eos_token_id", "begin_suppress_tokens", "suppress_tokens"):
-        setattr(ref.generation_config, name, None)  # the model's own would be merged in (BART forces eos)
+
+
+def _hf_greedy(ref: object, kind: str, x: torch.Tensor, eos: int) -> torch.Tensor:
+    """GenerationMixin.generate itself (Whisper's own generate adds its timestamp and language logic)."""
     key = "input_features" if kind == "whisper" else "input_ids"
     with torch.no_grad():
-        return transformers.GenerationMixin.generate(ref, **{key: x}, generation_config=gen)
+        return transformers.GenerationMixin.generate(
+            ref, **{key: x}, generation_config=_hf_greedy_config(ref, eos)
+        )
 
 
 transformers = pytest.importorskip("transformers")
@@ -96,3 +102,20 @@ def test_generate_refuses_bad_arguments(tiny) -> None:
         m.generate(x, 3, decoder_input_ids=torch.zeros(3, 1, dtype=torch.long))
     with pytest.raises(ValueError, match=r"do not fit this model's 40 positions"):
         m.decode(torch.zeros(1, 41, dtype=torch.long), m.encode(x[:1]))
+
+
+@pytest.mark.parametrize("kind", ["t5", "bart"])
+def test_greedy_with_a_padded_source_equals_transformers(tiny, kind: str) -> None:
+    folder, ref = tiny(kind)
+    m = headspace.load(folder)
+    x = inputs_of(kind, batch=3)
+    mask = torch.ones_like(x)
+    mask[0, 5:] = 0
+    mask[2, 7:] = 0
+    gen = _hf_greedy_config(ref, m.config.eos_token_id)
+    with torch.no_grad():
+        want = transformers.GenerationMixin.generate(
+            ref, input_ids=x, attention_mask=mask, generation_config=gen
+        )
+    got = m.generate(x, NEW, attention_mask=mask)
+    assert got.tolist() == want.tolist()

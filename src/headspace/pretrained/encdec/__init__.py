@@ -6,7 +6,7 @@
 from .bart import bart_config, load_bart, load_marian, marian_config
 from .common import encdec_from_state_dict, load_encdec
 from .t5 import load_t5, t5_config
-from .whisper import load_whisper, whisper_config, whisper_from_state_dict
+from .whisper import load_whisper, whisper_config, whisper_from_state_dict, whisper_plan
 
 #: ``model_type`` -> loader.
 ENCDEC_LOADERS = {"t5": load_t5, "bart": load_bart, "marian": load_marian, "whisper": load_whisper}
@@ -24,4 +24,5 @@ __all__ = [
     "t5_config",
     "whisper_config",
     "whisper_from_state_dict",
+    "whisper_plan",
 ]
