@@ -7,8 +7,10 @@ cross-attention, MLP), each sublayer with its norm placed by the layout::
 ``A`` the self-attention (the decoder's causal), ``C`` the cross-attention on the encoder's output ``e``
 (queries from the decoder's stream, keys and values from ``e``), ``M`` the MLP.
 
-Hook points of each block, [batch, seq, d_model]: ``hook_resid_pre``, ``hook_attn_out``, the decoder's
-``hook_cross_out``, ``hook_mlp_out``, ``hook_resid_post``; each attention layer has its own (``attn.hook_q``
+Hook points of each block, [batch, seq, d_model]: ``hook_resid_pre``, ``hook_attn_in`` / ``hook_attn_out``
+(the self-attention's input, after its norm where pre-LN, and output), the decoder's ``hook_cross_in`` /
+``hook_cross_out`` (the cross-attention's query input and output), ``hook_mlp_in`` / ``hook_mlp_out``,
+``hook_resid_post``; each attention layer has its own (``attn.hook_q``
 ... ``attn.hook_result``, ``cross_attn.hook_*``).
 """
 
@@ -40,12 +42,18 @@ def _mlp(c: EncDecConfig) -> nn.Module:
 
 
 def _sublayer(
-    pre: bool, norm: nn.Module, x: Tensor, run: Callable[[Tensor], Tensor], hook: HookPoint
+    pre: bool,
+    norm: nn.Module,
+    x: Tensor,
+    run: Callable[[Tensor], Tensor],
+    hook_in: HookPoint,
+    hook: HookPoint,
 ) -> Tensor:
-    """One residual sublayer: ``x + hook(run(norm(x)))`` (pre) or ``norm(x + hook(run(x)))`` (post)."""
+    """One residual sublayer: ``x + hook(run(hook_in(norm(x))))`` (pre) or ``norm(x + hook(run(hook_in(x))))``
+    (post): ``hook_in`` sees the sublayer's input, ``hook`` its output."""
     if pre:
-        return x + hook(run(norm(x)))
-    return norm(x + hook(run(x)))
+        return x + hook(run(hook_in(norm(x))))
+    return norm(x + hook(run(hook_in(x))))
 
 
 class EncoderBlock(nn.Module):
@@ -59,7 +67,9 @@ class EncoderBlock(nn.Module):
         self.mlp = _mlp(c)
         self.ln2 = make_norm(c.norm, c.d_model, c.norm_eps)
         self.hook_resid_pre = HookPoint()  # [batch, seq, d_model]
+        self.hook_attn_in = HookPoint()  # [batch, seq, d_model]: the self-attention's input
         self.hook_attn_out = HookPoint()  # [batch, seq, d_model]
+        self.hook_mlp_in = HookPoint()  # [batch, seq, d_model]: the MLP's input
         self.hook_mlp_out = HookPoint()  # [batch, seq, d_model]
         self.hook_resid_post = HookPoint()  # [batch, seq, d_model]
 
@@ -71,8 +81,9 @@ class EncoderBlock(nn.Module):
         def attend(h: Tensor) -> Tensor:
             return self.attn(h, key_padding=key_padding, attn_mask=bias)
 
-        h = _sublayer(self.pre, self.ln1, x, attend, self.hook_attn_out)
-        return self.hook_resid_post(_sublayer(self.pre, self.ln2, h, self.mlp, self.hook_mlp_out))
+        h = _sublayer(self.pre, self.ln1, x, attend, self.hook_attn_in, self.hook_attn_out)
+        out = _sublayer(self.pre, self.ln2, h, self.mlp, self.hook_mlp_in, self.hook_mlp_out)
+        return self.hook_resid_post(out)
 
 
 class DecoderBlock(nn.Module):
@@ -89,8 +100,11 @@ class DecoderBlock(nn.Module):
         self.mlp = _mlp(c)
         self.ln2 = make_norm(c.norm, c.d_model, c.norm_eps)
         self.hook_resid_pre = HookPoint()  # [batch, seq, d_model]
+        self.hook_attn_in = HookPoint()  # [batch, seq, d_model]: the self-attention's input
         self.hook_attn_out = HookPoint()  # [batch, seq, d_model]
+        self.hook_cross_in = HookPoint()  # [batch, seq, d_model]: the cross-attention's query input
         self.hook_cross_out = HookPoint()  # [batch, seq, d_model]
+        self.hook_mlp_in = HookPoint()  # [batch, seq, d_model]: the MLP's input
         self.hook_mlp_out = HookPoint()  # [batch, seq, d_model]
         self.hook_resid_post = HookPoint()  # [batch, seq, d_model]
 
@@ -121,6 +135,7 @@ class DecoderBlock(nn.Module):
                 return self.cross_attn.attend_cached(h, cross_kv[0], cross_kv[1], cross_mask)
             return self.cross_attn(h, memory, key_padding=memory_padding)
 
-        h = _sublayer(self.pre, self.ln1, x, attend, self.hook_attn_out)
-        h = _sublayer(self.pre, self.ln_cross, h, cross, self.hook_cross_out)
-        return self.hook_resid_post(_sublayer(self.pre, self.ln2, h, self.mlp, self.hook_mlp_out))
+        h = _sublayer(self.pre, self.ln1, x, attend, self.hook_attn_in, self.hook_attn_out)
+        h = _sublayer(self.pre, self.ln_cross, h, cross, self.hook_cross_in, self.hook_cross_out)
+        out = _sublayer(self.pre, self.ln2, h, self.mlp, self.hook_mlp_in, self.hook_mlp_out)
+        return self.hook_resid_post(out)

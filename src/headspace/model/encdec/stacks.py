@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ...decode.kv_cache import KVCache
+from ...nn.hooks import HookPoint
 from ..block import make_norm
 from .blocks import DecoderBlock, EncoderBlock
 from .config import EncDecConfig
@@ -81,6 +82,9 @@ class EncoderStack(nn.Module):
         )
         self.blocks = nn.ModuleList(EncoderBlock(c, self.rel_bias) for _ in range(c.n_encoder_layers))
         self.final_ln = make_norm(c.norm, c.d_model, c.norm_eps) if c.final_norm else None
+        self.hook_out = (
+            HookPoint()
+        )  # [batch, seq_enc, d_model]: the output, every cross-attention's k/v input
 
     def forward(self, inputs: Tensor, key_padding: Tensor | None = None) -> Tensor:
         """Token ids [batch, seq] (or features [batch, n_mels, frames]) -> output [batch, seq, d_model]."""
@@ -99,7 +103,7 @@ class EncoderStack(nn.Module):
                 key_padding = None
         for block in self.blocks:
             x = block(x, key_padding=key_padding, bias=bias)
-        return x if self.final_ln is None else self.final_ln(x)
+        return self.hook_out(x if self.final_ln is None else self.final_ln(x))
 
 
 class DecoderStack(nn.Module):
