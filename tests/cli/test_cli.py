@@ -308,9 +308,9 @@ def test_load_model_reads_a_folder(tmp_path):
     """--model PATH: a folder without config.json or of another model type is a clear error."""
     with pytest.raises(cli_loader.UsageError, match=r"has no config\.json"):
         cli_loader.load_model(str(tmp_path))
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
     with pytest.raises(
-        cli_loader.UsageError, match=r"model_type 't5' is not supported; supported: \[.*'bert'.*'gpt2'"
+        cli_loader.UsageError, match=r"model_type 'mamba' is not supported; supported: \[.*'bert'.*'gpt2'"
     ):
         cli_loader.load_model(str(tmp_path))
     assert Path(headspace.pretrained.minilm_path()).is_dir()

@@ -100,6 +100,10 @@ def test_generate_refuses_bad_arguments(tiny) -> None:
         m.generate(x, -1)
     with pytest.raises(ValueError, match=r"decoder_input_ids must have batch 2"):
         m.generate(x, 3, decoder_input_ids=torch.zeros(3, 1, dtype=torch.long))
+    with pytest.raises(
+        ValueError, match=r"a prompt of 1 tokens and max_new_tokens=40 need 41 positions; the decoder has 40"
+    ):
+        m.generate(x, 40)
     with pytest.raises(ValueError, match=r"do not fit this model's 40 positions"):
         m.decode(torch.zeros(1, 41, dtype=torch.long), m.encode(x[:1]))
 

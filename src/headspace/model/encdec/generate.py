@@ -57,6 +57,13 @@ def greedy(
             f"decoder_input_ids must have batch {B} (the inputs'); got {list(decoder_input_ids.shape)}"
         )
     check_ids("decoder_input_ids", decoder_input_ids, c.vocab_size)
+    embed = model.decoder.embed
+    total = decoder_input_ids.shape[1] + max_new_tokens
+    if embed.kind in ("learned", "sinusoidal") and total > embed.n_positions:
+        raise ValueError(
+            f"a prompt of {decoder_input_ids.shape[1]} tokens and max_new_tokens={max_new_tokens} need "
+            f"{total} positions; the decoder has {embed.n_positions}"
+        )
     eos = c.eos_token_id if eos_token_id is None else eos_token_id
     pad = c.pad_token_id if c.pad_token_id is not None else eos
     blocks = list(model.decoder.blocks)
