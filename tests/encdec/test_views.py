@@ -11,28 +11,6 @@ from conftest import SIZES, inputs_of
 from headspace.model.encdec import BucketQK, relative_bucket
 
 
-def _inputs_of_layers(
-    m: object, layers: dict[str, torch.nn.Module], x: torch.Tensor, y: torch.Tensor
-) -> dict:
-    """Each layer's query and key inputs of one forward pass, with its hook values."""
-    seen: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    handles = []
-    for name, layer in layers.items():
-
-        def grab(module: torch.nn.Module, args: tuple, kwargs: dict, name: str = name) -> None:
-            query = args[0]
-            key = args[1] if len(args) > 1 and args[1] is not None else query
-            seen[name] = (query.detach(), key.detach())
-
-        handles.append(layer.register_forward_pre_hook(grab, with_kwargs=True))
-    try:
-        _, cache = m.run_with_cache(x, y)
-    finally:
-        for h in handles:
-            h.remove()
-    return {"inputs": seen, "cache": cache}
-
-
 @pytest.mark.parametrize("kind", ["bart", "whisper"])
 def test_cross_attention_head_views_read_both_streams(tiny, kind: str) -> None:
     folder, _ = tiny(kind)
@@ -40,11 +18,10 @@ def test_cross_attention_head_views_read_both_streams(tiny, kind: str) -> None:
     x = inputs_of(kind)
     y = torch.randint(0, SIZES[kind]["vocab_size"], (2, 6), generator=torch.Generator().manual_seed(3))
     layer = m.decoder.blocks[1].cross_attn
-    run = _inputs_of_layers(m, {"cross": layer}, x, y)
-    query, key = run["inputs"]["cross"]
-    memory = m.encode(x).detach()
-    torch.testing.assert_close(key, memory)  # the key/value input is the encoder's output
-    cache = run["cache"]
+    _, cache = m.run_with_cache(x, y)
+    query = cache["decoder.blocks.1.hook_cross_in"]  # (B, T, d_model): the decoder's stream, normed
+    memory = cache["encoder.hook_out"]  # (B, S, d_model): the encoder's output
+    torch.testing.assert_close(memory, m.encode(x).detach())
     p = "decoder.blocks.1.cross_attn."
     for h, head in enumerate(layer.heads):
         assert head.W_Q.shape == (m.config.d_model, m.config.d_head)
@@ -74,9 +51,9 @@ def test_t5_head_qk_adds_the_bucket_bias(tiny, stack: str) -> None:
     x = inputs_of("t5")
     y = torch.randint(0, SIZES["t5"]["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(4))
     layer = getattr(m, stack).blocks[1].attn
-    run = _inputs_of_layers(m, {"self": layer}, x, y)
-    inp = run["inputs"]["self"][0][0]  # (S, d_model): the layer's input (after ln1), first row
-    scores = run["cache"][f"{stack}.blocks.1.attn.hook_scores"][0]  # (H, S, S)
+    _, cache = m.run_with_cache(x, y)
+    inp = cache[f"{stack}.blocks.1.hook_attn_in"][0]  # (S, d_model): the layer's input (after ln1), first row
+    scores = cache[f"{stack}.blocks.1.attn.hook_scores"][0]  # (H, S, S)
     S = inp.shape[0]
     table = (
         getattr(ref, stack).block[0].layer[0].SelfAttention.relative_attention_bias.weight.detach()
