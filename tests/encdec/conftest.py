@@ -72,6 +72,8 @@ SIZES: dict[str, dict[str, Any]] = {
         pad_token_id=36,
         decoder_start_token_id=36,
         eos_token_id=0,
+        scale_embedding=True,
+        activation_function="swish",
     ),
     "whisper": dict(
         vocab_size=VOCAB,

@@ -88,6 +88,13 @@ def test_refuses_bad_inputs_in_one_line(tiny) -> None:
         ValueError, match=r"input_features must be a float tensor \[batch, n_mels=7, frames\]"
     ):
         m(torch.zeros(2, 7, dtype=torch.long), y)
+    with pytest.raises(ValueError, match=r"attention_mask is for token inputs; an audio encoder"):
+        m(x, y, torch.ones(2, 22))
+    bart = headspace.load(tiny("bart")[0])
+    with pytest.raises(
+        ValueError, match=r"attention_mask must be \[batch, seq\] = \[2, 9\] \(1: real token\); got \[2, 8\]"
+    ):
+        bart(inputs_of("bart"), y, torch.ones(2, 8))
     with pytest.raises(
         ValueError, match=r"decoder_input_ids must hold token ids in \[0, 37\); got ids 0..40"
     ):

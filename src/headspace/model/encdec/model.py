@@ -72,10 +72,23 @@ class EncoderDecoder(nn.Module):
                 f"got {list(inputs.shape)}"
             )
 
+    def _check_mask(self, mask: Any, inputs: Tensor) -> None:
+        if self.config.audio:
+            raise ValueError(
+                "attention_mask is for token inputs; an audio encoder (Whisper) reads every frame"
+            )
+        if not isinstance(mask, Tensor) or tuple(mask.shape) != tuple(inputs.shape):
+            got = list(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+            raise ValueError(
+                f"attention_mask must be [batch, seq] = {list(inputs.shape)} (1: real token); got {got}"
+            )
+
     def encode(self, inputs: Tensor, attention_mask: Tensor | None = None) -> Tensor:
         """The encoder's output [batch, seq_k, d_model] of token ids [batch, seq] or audio features
         [batch, n_mels, frames] (seq_k = frames / 2); ``attention_mask`` [batch, seq] (1: real token)."""
         self._check_inputs(inputs)
+        if attention_mask is not None:
+            self._check_mask(attention_mask, inputs)
         return self.encoder(inputs, None if attention_mask is None else attention_mask.bool())
 
     def unembed(self, h: Tensor) -> Tensor:
