@@ -117,6 +117,9 @@ def make_tiny(kind: str, folder: Path, seed: int = 0) -> Any:
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.2)
+        for name, b in model.named_buffers():
+            if name.endswith("final_logits_bias"):  # a saved buffer, zero from transformers (BART, Marian)
+                b.add_(torch.randn_like(b))
     model.save_pretrained(folder)
     return model_cls.from_pretrained(folder, attn_implementation="eager").eval()
 
