@@ -100,3 +100,24 @@ def test_whisper_from_a_transformers_state_dict(tiny) -> None:
     )
     with pytest.raises(ValueError, match=r"model.decoder.layers.0.fc1.bias' has 41 NaN/Inf"):
         whisper_from_state_dict(ref.config.to_dict(), broken)
+
+
+@pytest.mark.parametrize("kind", ["t5", "t5-relu"])
+def test_t5_offsets_past_max_distance_equal_transformers(tiny, kind: str) -> None:
+    """Offsets beyond relative_attention_max_distance share the last bucket, in both stacks."""
+    folder, ref = tiny(kind)
+    m = headspace.load(folder)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randint(3, 36, (1, 29), generator=g)
+    y = torch.randint(0, 37, (1, 23), generator=g)
+    out = _reference(ref, kind, x, y, None)
+    logits, cache = m.run_with_cache(x, y)
+    assert (logits - out.logits).abs().max() <= 1e-4 * out.logits.abs().max()
+    torch.testing.assert_close(
+        cache["encoder.blocks.0.attn.hook_pattern"], out.encoder_attentions[0], atol=1e-5, rtol=0
+    )
+    torch.testing.assert_close(
+        cache["decoder.blocks.1.attn.hook_pattern"], out.decoder_attentions[1], atol=1e-5, rtol=0
+    )
+    far = m.encoder.rel_bias.bucket(torch.tensor([-28, 28, -15, 15]))
+    assert far.tolist()[:2] == far.tolist()[2:]  # past max_distance: the same bucket each way
