@@ -56,7 +56,10 @@ class EncDecLesson:
 
     def text(self, keys: list[str] | None = None) -> str:
         """The lesson as lines of text; ``keys`` names each key position (source tokens, frame times)."""
-        name = lambda j: keys[j] if keys is not None else f"#{j}"  # noqa: E731
+
+        def name(j: int) -> str:
+            return keys[j] if keys is not None else f"#{j}"
+
         what = "source" if self.attention == "cross" else "position"
         lines = [
             f"{self.stack} layer {self.layer} head {self.head}, {self.attention}-attention, query position "

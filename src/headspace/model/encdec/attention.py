@@ -9,6 +9,7 @@ what it reads from the encoder into the decoder's stream.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -68,7 +69,7 @@ class _BucketHeads(HeadList):
     def __getitem__(self, index: int) -> Head:
         return BucketHead(self.attn, index)
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[Head]:
         return (BucketHead(self.attn, i) for i in range(self.attn.n_heads))
 
 

@@ -37,6 +37,8 @@ class EncoderDecoder(nn.Module):
         self.tok_embed = nn.Embedding(config.vocab_size, config.d_model)
         self.encoder = EncoderStack(config, self.tok_embed)
         self.decoder = DecoderStack(config, self.tok_embed)
+        #: the folder's tokenizer (:class:`~headspace.tokenization.TextTokenizer`) where the loader found one
+        self.tokenizer: Any = None
         if config.logits_bias:
             self.logits_bias = nn.Parameter(torch.zeros(config.vocab_size))
         else:
