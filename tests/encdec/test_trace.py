@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from headspace.trace import attention_layers
 
 import headspace
 from conftest import SIZES, inputs_of
+from headspace.trace import attention_layers
 
 
 @pytest.mark.parametrize("kind", ["t5", "whisper"])
