@@ -10,7 +10,9 @@ against the traced scores for Phi-3's partial rotary with LongRoPE's attention f
 
 from __future__ import annotations
 
+import json
 import math
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +52,11 @@ ARCHS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         },
     ),
     "gemma": (T.GemmaConfig, T.GemmaForCausalLM, {"head_dim": 10, "hidden_activation": "gelu_pytorch_tanh"}),
+    "olmo": (
+        T.OlmoConfig,
+        T.OlmoForCausalLM,
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 80.0}},
+    ),
     "seed_oss": (
         T.SeedOssConfig,
         T.SeedOssForCausalLM,
@@ -175,3 +182,19 @@ def test_phi3_qk_delta_is_the_partial_longrope_circuit(saved: dict) -> None:
         AB = attn.heads[h].qk(delta).AB.double()  # (S, S, d_model, d_model)
         got = torch.einsum("im,ijmn,jn->ij", x, AB, x)  # (S, S)
         torch.testing.assert_close(got[causal], scores[h][causal], rtol=1e-4, atol=1e-4)
+
+
+def test_what_is_not_exact_is_refused_naming_the_field(saved: dict, tmp_path: Path) -> None:
+    for arch, change, field in (
+        ("olmo", {"clip_qkv": 8.0}, "clip_qkv=8.0"),
+        ("olmo3", {"sliding_window": None}, "rope_parameters['sliding_attention']"),
+        ("phi3_longrope", {"rope_parameters": {**LONGROPE, "short_factor": [1.0]}}, "'short_factor'"),
+    ):
+        folder = tmp_path / arch
+        shutil.copytree(saved[arch][0], folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(ValueError) as info:
+            hs.load(folder)
+        message = str(info.value)
+        assert field in message and "\n" not in message, message

@@ -1,4 +1,4 @@
-"""Rotary families read as a Llama with named differences: phi3, gemma, seed_oss, olmo3, exaone4.
+"""Rotary families read as a Llama with named differences: phi3, gemma, olmo, seed_oss, olmo3, exaone4.
 
 Each family's ``config.json`` is read as a Llama-family base config (:func:`~headspace.pretrained.llama.
 llama_config` of a ``model_type`` it already knows), then the fields in which the family differs are set
@@ -11,6 +11,7 @@ same Decoder serve. Per family (transformers 5's ``*ForCausalLM``)::
               sliding window on every layer
     gemma     RMSNorm scale (1 + w), embeddings times sqrt(d_model) (rounded to the dtype, as
               transformers), gelu_pytorch_tanh MLP; no soft-capping, no sandwich norms
+    olmo      a Llama whose norms are LayerNorms without weight or bias (eps 1e-5); clip_qkv refused
     seed_oss  a Llama with separate q/k/v (attention_bias) and output (attention_out_bias) biases
     olmo3     OLMo 2 (norms after the sublayers, QK-norm over all heads) with sliding windows on the
               layers ``layer_types`` names
@@ -42,7 +43,16 @@ from .hf import (
     read_json,
     require_file,
 )
-from .llama import _build, _headers, _ignorable, _weight_files, llama_config, llama_expected
+from .llama import (
+    _headers,
+    _ignorable,
+    _meta_decoder,
+    _weight_files,
+    _wrap,
+    llama_config,
+    llama_expected,
+    llama_state_dict,
+)
 from .llama_variants import local_rope
 from .rope_config import extend_rope
 from .wrappers import PretrainedDecoder
@@ -126,6 +136,30 @@ def _exaone4(hf: Mapping[str, Any], f: ConfigFields) -> tuple[dict[str, Any], di
     return _base(hf, "llama", drop=("sliding_window",)), over
 
 
+def _olmo(hf: Mapping[str, Any], f: ConfigFields) -> tuple[dict[str, Any], dict[str, Any]]:
+    if hf.get("clip_qkv") is not None:
+        clip = hf["clip_qkv"]
+        raise ValueError(
+            f"{f.source}: clip_qkv={clip!r:.40} (q, k, v clamped) is not supported (supported: null)"
+        )
+    # OLMo's LayerNorm has no weight or bias and eps 1e-5 whatever the config says: weights 1, biases 0
+    bias = f.flag("attention_bias", False)
+    return _base(hf, "llama"), {"norm_kind": "layernorm", "ln_eps": 1e-5, "qkv_bias": bias, "out_bias": bias}
+
+
+def _olmo_tensors(t: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
+    """OLMo's parameter-free LayerNorms as weight-1 norms (their zero biases come in load_family)."""
+    prefix = "" if "embed_tokens.weight" in t else "model."
+    ones = torch.ones(c.d_model)  # [d_model]
+    names = [f"{prefix}norm.weight"]
+    for i in range(c.n_layers):
+        names += [
+            f"{prefix}layers.{i}.input_layernorm.weight",
+            f"{prefix}layers.{i}.post_attention_layernorm.weight",
+        ]
+    return {**t, **{n: ones.clone() for n in names if n not in t}}
+
+
 def _split_rows(t: Tensor, sizes: list[int]) -> list[Tensor]:
     return list(torch.split(t, sizes, dim=0))  # each [size, ...]
 
@@ -160,6 +194,7 @@ _Renamer = Callable[[dict[str, Tensor], ModelConfig], dict[str, Tensor]]
 FAMILIES: dict[str, tuple[_Reader, _Renamer]] = {
     "phi3": (_phi3, _phi3_tensors),
     "gemma": (_gemma, _same),
+    "olmo": (_olmo, _olmo_tensors),
     "seed_oss": (_seed_oss, _same),
     "olmo3": (_olmo3, _same),
     "exaone4": (_exaone4, _same),
@@ -243,4 +278,10 @@ def load_family(
             )
     ignored = check_tensors(tensors, expected, _ignorable, header.path)
     tokenizer = folder_tokenizer(path, config.pad_token_id)
-    return _build(config, tensors, prefix, tokenizer, ignored).to_precision(precision)
+    sd = {k: v.float() for k, v in llama_state_dict(tensors, config, prefix).items()}
+    model = _meta_decoder(config)
+    for key, param in model.state_dict().items():  # a LayerNorm's bias the checkpoint has not: 0 (OLMo)
+        if key not in sd and key.endswith(".bias") and key.rsplit(".", 2)[-2].startswith("ln"):
+            sd[key] = torch.zeros(param.shape)
+    model.load_state_dict(sd, strict=True, assign=True)
+    return _wrap(model, config, tokenizer, ignored).to_precision(precision)
