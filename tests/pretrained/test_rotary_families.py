@@ -52,6 +52,20 @@ ARCHS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         },
     ),
     "gemma": (T.GemmaConfig, T.GemmaForCausalLM, {"head_dim": 10, "hidden_activation": "gelu_pytorch_tanh"}),
+    # every multiplier away from 1 (tied: the unembedding's 1 / logits_scaling goes on a copy)
+    "granite": (
+        T.GraniteConfig,
+        T.GraniteForCausalLM,
+        {
+            "embedding_multiplier": 3.5,
+            "attention_multiplier": 0.21,
+            "residual_multiplier": 0.37,
+            "logits_scaling": 2.6,
+            "attention_bias": True,
+            "mlp_bias": True,
+            "tie_word_embeddings": True,
+        },
+    ),
     "olmo": (
         T.OlmoConfig,
         T.OlmoForCausalLM,
@@ -137,6 +151,9 @@ def test_configs_say_what_each_family_is(saved: dict) -> None:
     assert (rotary.rotary_dim, rotary.rope_type) == (8, "longrope")
     assert rotary.attention_factor == pytest.approx(math.sqrt(1 + math.log(CTX / 10) / math.log(10)))
     assert (c["gemma"].norm_offset, c["gemma"].embed_scale) == (1.0, pytest.approx(D**0.5, rel=1e-7))
+    g = c["granite"]
+    assert (g.embed_scale, g.attn_scale, g.tie_embeddings) == (3.5, pytest.approx(0.21, rel=1e-12), False)
+    assert g.extra["granite"]["residual_multiplier"] == 0.37 and g.extra["tied_checkpoint"] is True
     assert (c["seed_oss"].qkv_bias, c["seed_oss"].out_bias, c["seed_oss"].mlp_bias) == (True, True, True)
     assert (c["olmo3"].norm, c["olmo3"].qk_norm, c["olmo3"].layer_types) == (
         "post_sublayer",

@@ -11,6 +11,10 @@ same Decoder serve. Per family (transformers 5's ``*ForCausalLM``)::
               sliding window on every layer
     gemma     RMSNorm scale (1 + w), embeddings times sqrt(d_model) (rounded to the dtype, as
               transformers), gelu_pytorch_tanh MLP; no soft-capping, no sandwich norms
+    granite   a Llama with four multipliers: embeddings times embedding_multiplier, scores times
+              attention_multiplier (not 1 / sqrt(d_head)), each sublayer's output times
+              residual_multiplier (folded into o_proj and down_proj), logits / logits_scaling (folded
+              into the unembedding, which is then untied: a copy of a tied embedding)
     olmo      a Llama whose norms are LayerNorms without weight or bias (eps 1e-5); clip_qkv refused
     seed_oss  a Llama with separate q/k/v (attention_bias) and output (attention_out_bias) biases
     olmo3     OLMo 2 (norms after the sublayers, QK-norm over all heads) with sliding windows on the
@@ -160,6 +164,44 @@ def _olmo_tensors(t: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
     return {**t, **{n: ones.clone() for n in names if n not in t}}
 
 
+_GRANITE = ("embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling")
+
+
+def _granite(hf: Mapping[str, Any], f: ConfigFields) -> tuple[dict[str, Any], dict[str, Any]]:
+    m = {k: f.number(k, 1.0, low=0.0, low_open=True) for k in _GRANITE}
+    bias = f.flag("attention_bias", False)
+    over = {
+        "embed_scale": m["embedding_multiplier"],
+        "query_pre_attn_scalar": m["attention_multiplier"] ** -2,  # scores times attention_multiplier
+        "tie_embeddings": False,  # the unembedding carries 1 / logits_scaling (granite_tensors)
+        "qkv_bias": bias,
+        "out_bias": bias,
+        "mlp_bias": f.flag("mlp_bias", False),
+        "extra": {"granite": m, "tied_checkpoint": f.flag("tie_word_embeddings", False)},
+    }
+    return _base(hf, "llama"), over
+
+
+def _granite_tensors(t: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
+    """Granite's residual multiplier folded into what each sublayer writes (o_proj, down_proj: weight
+    and bias) and 1 / logits_scaling into the unembedding (a copy of the embedding where tied)."""
+    m = c.extra["granite"]
+    prefix = "" if "embed_tokens.weight" in t else "model."
+    out = dict(t)
+    r = m["residual_multiplier"]
+    for name, value in t.items():
+        if name.endswith(("self_attn.o_proj.weight", "self_attn.o_proj.bias", "mlp.down_proj.weight",
+                          "mlp.down_proj.bias")):  # fmt: skip
+            out[name] = value * r
+    head = t.get("lm_head.weight") if not c.extra["tied_checkpoint"] else None
+    embed = t.get(f"{prefix}embed_tokens.weight")
+    if head is None and embed is not None:
+        head = embed
+    if head is not None:
+        out["lm_head.weight"] = head / m["logits_scaling"]  # [vocab, d_model]
+    return out
+
+
 def _split_rows(t: Tensor, sizes: list[int]) -> list[Tensor]:
     return list(torch.split(t, sizes, dim=0))  # each [size, ...]
 
@@ -194,6 +236,7 @@ _Renamer = Callable[[dict[str, Tensor], ModelConfig], dict[str, Tensor]]
 FAMILIES: dict[str, tuple[_Reader, _Renamer]] = {
     "phi3": (_phi3, _phi3_tensors),
     "gemma": (_gemma, _same),
+    "granite": (_granite, _granite_tensors),
     "olmo": (_olmo, _olmo_tensors),
     "seed_oss": (_seed_oss, _same),
     "olmo3": (_olmo3, _same),
@@ -230,7 +273,7 @@ def family_config(
     scaling, context = extend_rope(
         scaling, f, config.max_seq_len, max_seq_len, longrope_aliases=kind == "phi3"
     )
-    extra = {**config.extra, "model_type": kind}
+    extra = {**config.extra, "model_type": kind, **over.pop("extra", {})}
     if kind == "phi3" and scaling is not None and scaling.get("rope_type") == "longrope":
         # transformers' Phi-3 generate re-runs the prefix once the sequence passes the original length
         extra["recompute_cache_at"] = scaling["original_max_position_embeddings"]
@@ -267,15 +310,15 @@ def load_family(
     tensors: dict[str, Tensor] = {}
     for file_header in per_file.values():
         tensors.update(load_tensors(file_header, file_header.tensors, list(file_header.tensors)))
-    tensors = FAMILIES[str(config.extra["model_type"])][1](tensors, config)
     prefix = "" if "embed_tokens.weight" in tensors else "model."
-    expected = llama_expected(config, prefix)
-    if config.tie_embeddings:
+    if config.tie_embeddings or config.extra.get("tied_checkpoint"):
         head, emb = tensors.pop("lm_head.weight", None), tensors.get(f"{prefix}embed_tokens.weight")
         if head is not None and emb is not None and not torch.equal(head, emb):
             raise ValueError(
                 f"{header.path}: tie_word_embeddings=true but lm_head.weight differs from the embedding"
             )
+    tensors = FAMILIES[str(config.extra["model_type"])][1](tensors, config)
+    expected = llama_expected(config, prefix)
     ignored = check_tensors(tensors, expected, _ignorable, header.path)
     tokenizer = folder_tokenizer(path, config.pad_token_id)
     sd = {k: v.float() for k, v in llama_state_dict(tensors, config, prefix).items()}
