@@ -47,7 +47,7 @@ from .mlp import FeedForward, GatedFeedForward, _fire, make_activation
 from .recorded import DeferredSum as DeferredSum  # re-exported: its old home
 
 #: Residual/LayerNorm arrangements accepted by :class:`TransformerBlock`.
-NORMS = ("post", "pre", "sandwich", "post_sublayer")
+NORMS = ("post", "pre", "sandwich", "post_sublayer", "parallel")
 #: Kinds of normalisation layer accepted by :class:`TransformerBlock` (``norm_kind``).
 NORM_KINDS = ("layernorm", "rmsnorm")
 #: Kinds of feed-forward network accepted by :class:`TransformerBlock` (``mlp_kind``).
@@ -67,7 +67,7 @@ def make_norm(kind: str, d_model: int, eps: float, offset: float = 0.0) -> nn.Mo
 
 
 #: The block features (:func:`~headspace.nn.spec.features_of`) :meth:`TransformerBlock.forward` computes.
-BLOCK_FEATURES = ("window", "softcap", "qk_norm")
+BLOCK_FEATURES = ("window", "softcap", "qk_norm", "layout")
 
 
 def _check_block_args(
@@ -374,6 +374,14 @@ class TransformerBlock(nn.Module):
         h = self._resid_mid(x, a)  # (batch, seq, d_model): x + a
         return h + _fire(self.hook_mlp_out, self.dropout(self.ln2(self.mlp(_fire(self.hook_mlp_in, h)))))
 
+    def _parallel(self, x: Tensor, kw: dict[str, Any]) -> Tensor:
+        """parallel (GPT-NeoX, GPT-J, Phi-2, Cohere): ``out = x + drop(Attn(LN1(x))) + drop(MLP(LN2(x)))``,
+        both sublayers reading the block's input (a one-norm family's LN2 is a copy of its LN1); no
+        ``hook_resid_mid`` (there is no middle of the residual)."""
+        a = _fire(self.hook_attn_out, self.dropout(self.attn(_fire(self.hook_attn_in, self.ln1(x)), **kw)))
+        m = _fire(self.hook_mlp_out, self.dropout(self.mlp(_fire(self.hook_mlp_in, self.ln2(x)))))
+        return x + a + m  # (batch, seq, d_model)
+
     def _resid_mid(self, x: Tensor, a: Tensor) -> Tensor:
         """``h = x + a`` [batch, seq, d_model], passed through ``hook_resid_mid`` while it is watched."""
         h = x + a  # (batch, seq, d_model)
@@ -518,4 +526,5 @@ _RESIDUAL = {
     "post": TransformerBlock._post,
     "sandwich": TransformerBlock._sandwich,
     "post_sublayer": TransformerBlock._post_sublayer,
+    "parallel": TransformerBlock._parallel,
 }

@@ -224,7 +224,7 @@ class ModelConfig:
         if self.embed_ln is None:
             self.embed_ln = self.norm == "post"
         if self.final_ln is None:
-            self.final_ln = self.norm in ("pre", "sandwich", "post_sublayer")
+            self.final_ln = self.norm in ("pre", "sandwich", "post_sublayer", "parallel")
         for name in ("bias", "tie_embeddings", "embed_ln", "final_ln"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ModelConfig.{name} must be a bool; got {getattr(self, name)!r}")

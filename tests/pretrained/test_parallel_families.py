@@ -1,0 +1,172 @@
+"""GPT-NeoX (parallel and sequential residual), StableLM (parallel and sequential) and Cohere against
+transformers 5 itself: partial rotary, interleaved pairs, LayerNorm with and without bias, the
+parallel layout.
+
+References: tiny random checkpoints built and saved by transformers (odd sizes, every norm weight and
+bias random, non-default values of the fields that matter), read back with ``headspace.load`` and
+compared with transformers' eager forward: logits within 1e-4 of their largest magnitude, every
+head's pattern within 1e-5; greedy decoding token for token (the parallel layout is refused by the
+cached step, by name, and decodes through the forward with its KV cache); ``head.qk(delta)`` against
+the traced scores on a partial and an interleaved rotation.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers as T
+
+import headspace as hs
+from headspace.decode import describe
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+V, D, L, H, DM, CTX = 83, 48, 3, 4, 37, 32  # vocab, hidden, layers, heads (d_head 12), mlp, context
+ARCHS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
+    "gpt_neox": (
+        T.GPTNeoXConfig,
+        T.GPTNeoXForCausalLM,
+        {
+            "use_parallel_residual": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 300.0, "partial_rotary_factor": 1 / 3},
+        },
+    ),
+    "gpt_neox_sequential": (
+        T.GPTNeoXConfig,
+        T.GPTNeoXForCausalLM,
+        {
+            "use_parallel_residual": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 300.0, "partial_rotary_factor": 0.5},
+        },
+    ),
+    "stablelm": (
+        T.StableLmConfig,
+        T.StableLmForCausalLM,
+        {
+            "num_key_value_heads": 2,
+            "use_qkv_bias": True,
+            "use_parallel_residual": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 90.0, "partial_rotary_factor": 2 / 3},
+        },
+    ),
+    "stablelm_sequential": (
+        T.StableLmConfig,
+        T.StableLmForCausalLM,
+        {
+            "num_key_value_heads": 4,
+            "use_parallel_residual": False,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 90.0, "partial_rotary_factor": 0.5},
+        },
+    ),
+    "cohere": (
+        T.CohereConfig,
+        T.CohereForCausalLM,
+        {
+            "num_key_value_heads": 2,
+            "logit_scale": 0.37,
+            "attention_bias": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 70.0},
+        },
+    ),
+}
+
+
+def build(arch: str, folder: Path) -> Any:
+    config_cls, model_cls, extra = ARCHS[arch]
+    torch.manual_seed(0)
+    kw = dict(
+        vocab_size=V, hidden_size=D, num_hidden_layers=L, num_attention_heads=H, intermediate_size=DM,
+        max_position_embeddings=CTX, initializer_range=0.3, pad_token_id=0, bos_token_id=1,
+        eos_token_id=None, layer_norm_eps=1e-5,
+    )  # fmt: skip
+    kw.update(extra)
+    model = model_cls(config_cls(**kw)).eval()
+    with torch.no_grad():  # norms and biases away from their start, so a wrong or skipped one shows
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(folder)
+    return model_cls.from_pretrained(folder, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
+    out = {}
+    for arch in ARCHS:
+        folder = tmp_path_factory.mktemp(arch)
+        out[arch] = (folder, build(arch, folder))
+    return out
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_logits_and_every_head_pattern_equal_transformers(saved: dict, arch: str) -> None:
+    folder, ref = saved[arch]
+    ours = hs.load(folder)
+    assert ours.config.norm == ("pre" if arch.endswith("sequential") else "parallel")
+    tokens = torch.randint(1, V, (2, 13))
+    with torch.no_grad():
+        want = ref(input_ids=tokens, output_attentions=True)
+        with hs.trace(ours.model, names="*.hook_pattern") as t:
+            got = ours(tokens)
+    bound = 1e-4 * float(want.logits.abs().max())
+    torch.testing.assert_close(got, want.logits, atol=bound, rtol=0)
+    for layer in range(L):
+        torch.testing.assert_close(t.pattern(layer), want.attentions[layer], atol=1e-5, rtol=0)
+
+
+def test_configs_say_what_each_family_is(saved: dict) -> None:
+    rot = {a: hs.load(f).model.blocks[0].attn.rotary for a, (f, _) in saved.items()}
+    assert (rot["gpt_neox"].rotary_dim, rot["gpt_neox_sequential"].rotary_dim) == (4, 6)
+    assert (rot["stablelm"].rotary_dim, rot["stablelm"].base) == (8, 90.0)
+    assert (rot["cohere"].rotary_dim, rot["cohere"].interleaved) == (12, True)
+    cohere = hs.load(saved["cohere"][0]).config
+    assert cohere.extra["logit_scale"] == 0.37 and not cohere.tie_embeddings
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_greedy_decoding_equals_transformers(saved: dict, arch: str) -> None:
+    folder, ref = saved[arch]
+    ours = hs.load(folder)
+    # the cached step runs the sequential layout and refuses the parallel one by name (forward decodes)
+    assert (describe(ours.model) is None) == (ours.config.norm == "parallel")
+    prompt = torch.randint(1, V, (1, 6))
+    got = ours.generate(prompt, 10, temperature=0)
+    with torch.no_grad():
+        want = ref.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False, pad_token_id=0
+        )
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("arch", ["gpt_neox", "cohere"])
+def test_qk_delta_is_the_partial_or_interleaved_circuit(saved: dict, arch: str) -> None:
+    ours = hs.load(saved[arch][0])
+    tokens = torch.randint(1, V, (1, 11))
+    with hs.trace(ours.model, names=["blocks.1.hook_attn_in", "blocks.1.attn.hook_scores"]) as t:
+        ours(tokens)
+    attn = ours.model.blocks[1].attn
+    x = t["blocks.1.hook_attn_in"][0].double()  # (S, d_model)
+    xa = torch.cat([x, torch.ones(11, 1, dtype=torch.float64)], dim=-1)  # (S, d_model + 1): the biases
+    scores = t["blocks.1.attn.hook_scores"][0].double() / attn.scale  # (H, S, S)
+    delta = torch.arange(11)[:, None] - torch.arange(11)[None, :]  # (S, S)
+    causal = torch.ones(11, 11, dtype=torch.bool).tril()
+    for h in range(H):
+        AB = attn.heads[h].qk(delta, augmented=True).AB.double()  # (S, S, d_model + 1, d_model + 1)
+        got = torch.einsum("im,ijmn,jn->ij", xa, AB, xa)  # (S, S)
+        torch.testing.assert_close(got[causal], scores[h][causal], rtol=1e-4, atol=1e-4)
+
+
+def test_per_head_qk_layernorm_is_refused_by_name(saved: dict, tmp_path: Path) -> None:
+    for arch, key in (("stablelm", "qk_layernorm"), ("cohere", "use_qk_norm")):
+        folder = tmp_path / arch
+        shutil.copytree(saved[arch][0], folder)
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, key: True}))
+        with pytest.raises(ValueError, match=f"{key}=true") as info:
+            hs.load(folder)
+        assert "\n" not in str(info.value)
