@@ -5,8 +5,8 @@ parallel layout.
 References: tiny random checkpoints built and saved by transformers (odd sizes, every norm weight and
 bias random, non-default values of the fields that matter), read back with ``headspace.load`` and
 compared with transformers' eager forward: logits within 1e-4 of their largest magnitude, every
-head's pattern within 1e-5; greedy decoding token for token (the parallel layout is refused by the
-cached step, by name, and decodes through the forward with its KV cache); ``head.qk(delta)`` against
+head's pattern within 1e-5; greedy decoding token for token through the cached step (the parallel
+layout on the Python backend: the native step has no form of it); ``head.qk(delta)`` against
 the traced scores on a partial and an interleaved rotation.
 """
 
@@ -132,8 +132,9 @@ def test_configs_say_what_each_family_is(saved: dict) -> None:
 def test_greedy_decoding_equals_transformers(saved: dict, arch: str) -> None:
     folder, ref = saved[arch]
     ours = hs.load(folder)
-    # the cached step runs the sequential layout and refuses the parallel one by name (forward decodes)
-    assert (describe(ours.model) is None) == (ours.config.norm == "parallel")
+    step = describe(ours.model)  # the Python cached step runs both layouts (the native one: sequential)
+    assert step is not None
+    assert [layer.parallel for layer in step.layers] == [True if ours.config.norm == "parallel" else None] * L
     prompt = torch.randint(1, V, (1, 6))
     got = ours.generate(prompt, 10, temperature=0)
     with torch.no_grad():
