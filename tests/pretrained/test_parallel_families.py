@@ -63,6 +63,20 @@ ARCHS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
             "rope_parameters": {"rope_type": "default", "rope_theta": 90.0, "partial_rotary_factor": 0.5},
         },
     ),
+    "phi": (
+        T.PhiConfig,
+        T.PhiForCausalLM,
+        {
+            "hidden_act": "gelu_new",
+            "rope_parameters": {"rope_type": "default", "rope_theta": 60.0, "partial_rotary_factor": 0.5},
+        },
+    ),
+    # rotary_dim 8 of d_head 12, interleaved; n_inner None: 4 d_model
+    "gptj": (
+        T.GPTJConfig,
+        T.GPTJForCausalLM,
+        {"rotary_dim": 8, "n_inner": None, "tie_word_embeddings": False},
+    ),
     "cohere": (
         T.CohereConfig,
         T.CohereForCausalLM,
@@ -124,6 +138,10 @@ def test_configs_say_what_each_family_is(saved: dict) -> None:
     assert (rot["gpt_neox"].rotary_dim, rot["gpt_neox_sequential"].rotary_dim) == (4, 6)
     assert (rot["stablelm"].rotary_dim, rot["stablelm"].base) == (8, 90.0)
     assert (rot["cohere"].rotary_dim, rot["cohere"].interleaved) == (12, True)
+    assert (rot["gptj"].rotary_dim, rot["gptj"].interleaved, rot["gptj"].base) == (8, True, 10000.0)
+    assert (rot["phi"].rotary_dim, rot["phi"].interleaved) == (6, False)
+    for arch in ("gptj", "phi"):  # the unembedding's bias is there, and random
+        assert hs.load(saved[arch][0]).model.lm_head.bias.abs().max() > 0
     cohere = hs.load(saved["cohere"][0]).config
     assert cohere.extra["logit_scale"] == 0.37 and not cohere.tie_embeddings
 
@@ -144,7 +162,7 @@ def test_greedy_decoding_equals_transformers(saved: dict, arch: str) -> None:
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("arch", ["gpt_neox", "cohere"])
+@pytest.mark.parametrize("arch", ["gpt_neox", "cohere", "gptj"])
 def test_qk_delta_is_the_partial_or_interleaved_circuit(saved: dict, arch: str) -> None:
     ours = hs.load(saved[arch][0])
     tokens = torch.randint(1, V, (1, 11))

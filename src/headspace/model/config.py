@@ -176,6 +176,8 @@ class ModelConfig:
     embed_scale: float = 1.0
     #: Scores are scaled by 1 / sqrt(query_pre_attn_scalar) (Gemma's field); None: d_head.
     query_pre_attn_scalar: float | None = None
+    #: The unembedding has a bias (GPT-J, Phi: logits = h W_U + b_U); needs an untied unembedding.
+    unembed_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -253,6 +255,11 @@ class ModelConfig:
         )
         self._check_llama_fields()
         self._check_layer_fields()
+        if not isinstance(self.unembed_bias, bool) or (self.unembed_bias and self.tie_embeddings):
+            raise ValueError(
+                f"ModelConfig.unembed_bias must be a bool, True only with tie_embeddings=False; "
+                f"got {self.unembed_bias!r} with tie_embeddings={self.tie_embeddings!r}"
+            )
 
     def _check_layer_fields(self) -> None:
         """The fields that came with Gemma / Qwen3 / OLMo 2 / SmolLM3 / Mistral's sliding window."""

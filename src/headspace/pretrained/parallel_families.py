@@ -1,4 +1,4 @@
-"""Partial-rotary LayerNorm families, parallel or sequential: gpt_neox, stablelm, cohere.
+"""Partial-rotary LayerNorm families, parallel or sequential: gpt_neox, stablelm, cohere, phi, gptj.
 
 Each ``config.json`` becomes a :class:`~headspace.ModelConfig` with LayerNorm blocks and a partial
 rotation (``rotary_dim = int(d_head * partial_rotary_factor)``; the rest of each head passes through);
@@ -13,6 +13,10 @@ the tensors are renamed to the Decoder's state dict. Per family (transformers 5'
     cohere    parallel with one LayerNorm without bias (bias 0), SwiGLU, interleaved rotary pairs
               (2i, 2i + 1), logits times logit_scale (folded into an untied unembedding: a copy of a
               tied embedding); use_qk_norm refused
+    phi       parallel with one LayerNorm (bias), plain gelu_new MLP, biases everywhere, partial rotary,
+              an unembedding with a bias; qk_layernorm refused
+    gptj      parallel with one LayerNorm (bias), q/k/v/out without bias, interleaved rotary pairs on
+              the first rotary_dim features (base 10000), an unembedding with a bias
 
 Rotary scaling of every kind is read as :mod:`headspace.pretrained.rotary_families` reads it.
 """
@@ -55,7 +59,7 @@ def _common(hf: Mapping[str, Any], f: ConfigFields, kind: str, max_seq_len: int 
     """The ModelConfig fields every family here shares: sizes, LayerNorm, rotation, context."""
     f.require(["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads"], kind)
     d_model, n_heads = f.integer("hidden_size"), f.integer("num_attention_heads")
-    act = f.text("hidden_act", "gelu" if kind == "gpt_neox" else "silu")
+    act = f.text("hidden_act", {"gpt_neox": "gelu", "phi": "gelu_new"}.get(kind, "silu"))
     if act not in _HIDDEN_ACT:
         raise ValueError(f"{f.source}: hidden_act={act!r} is not supported; supported: {sorted(_HIDDEN_ACT)}")
     limit = f.integer("max_position_embeddings", 2048)
@@ -123,6 +127,36 @@ def _cohere(hf: Mapping[str, Any], f: ConfigFields, kw: dict[str, Any]) -> dict[
     extra["tied_checkpoint"] = f.flag("tie_word_embeddings", True)
     return dict(kw, norm="parallel", mlp_kind="gated", bias=True, qkv_bias=bias, out_bias=bias,
                 mlp_bias=False, tie_embeddings=False, rope_interleaved=True, extra=extra)  # fmt: skip
+
+
+def _phi(hf: Mapping[str, Any], f: ConfigFields, kw: dict[str, Any]) -> dict[str, Any]:
+    _refuse_true(f, "qk_layernorm", "a LayerNorm on q and k")
+    return dict(kw, norm="parallel", mlp_kind="plain", bias=True, qkv_bias=True, out_bias=True,
+                mlp_bias=True, tie_embeddings=False, unembed_bias=True)  # fmt: skip
+
+
+_GPTJ_KEYS = {"n_embd": "hidden_size", "n_layer": "num_hidden_layers", "n_head": "num_attention_heads",
+              "n_positions": "max_position_embeddings", "n_inner": "intermediate_size",
+              "activation_function": "hidden_act", "layer_norm_epsilon": "layer_norm_eps"}  # fmt: skip
+
+
+def gptj_as_common(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """GPT-J's config keys under the names :func:`_common` reads (``n_embd`` -> ``hidden_size`` ...);
+    ``rotary_dim`` as ``partial_rotary_factor`` (None: the whole head); ``rotary_dim`` of the head."""
+    skip = set(_GPTJ_KEYS.values())  # transformers' GPT-J reads only its own names (a stray one is ignored)
+    out = {k: v for k, v in hf.items() if k not in skip}
+    out.update({ours: hf[theirs] for theirs, ours in _GPTJ_KEYS.items() if hf.get(theirs) is not None})
+    d_head = out["hidden_size"] // out["num_attention_heads"] if "hidden_size" in out else None
+    rotary = hf.get("rotary_dim")
+    if d_head and rotary is not None and not isinstance(rotary, bool) and isinstance(rotary, int):
+        out["partial_rotary_factor"] = rotary / d_head
+    out.pop("rope_parameters", None)  # GPT-J's rotation is plain, base 10000: nothing else reads it
+    return out
+
+
+def _gptj(hf: Mapping[str, Any], f: ConfigFields, kw: dict[str, Any]) -> dict[str, Any]:
+    return dict(kw, norm="parallel", mlp_kind="plain", bias=True, qkv_bias=False, out_bias=False,
+                mlp_bias=True, tie_embeddings=False, unembed_bias=True, rope_interleaved=True)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------- tensors
@@ -198,11 +232,52 @@ def _llama_like_tensors(t: dict[str, Tensor], c: ModelConfig) -> dict[str, Tenso
     return {**t, **sd}
 
 
+def _parallel_one_norm(sd: dict[str, Tensor], b: str) -> None:
+    """A one-norm parallel block: its LN2 a copy of its LN1 (both sublayers read the same norm)."""
+    sd[b + "ln2.weight"], sd[b + "ln2.bias"] = sd[b + "ln1.weight"].clone(), sd[b + "ln1.bias"].clone()
+
+
+def _phi_tensors(t: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
+    sd: dict[str, Tensor] = {"tok_embed.weight": t.pop("model.embed_tokens.weight")}
+    for i in range(c.n_layers):
+        p, b = f"model.layers.{i}.", f"blocks.{i}."
+        a = p + "self_attn."
+        _norm(sd, t, b + "ln1", p + "input_layernorm")
+        _parallel_one_norm(sd, b)
+        sd[b + "attn.qkv_weight"] = torch.cat(
+            [t.pop(f"{a}{x}_proj.weight") for x in "qkv"]
+        )  # [(H+2Hkv) dh, d]
+        sd[b + "attn.qkv_bias"] = torch.cat([t.pop(f"{a}{x}_proj.bias") for x in "qkv"])  # [(H+2Hkv) dh]
+        sd[b + "attn.o_weight"], sd[b + "attn.o_bias"] = t.pop(a + "dense.weight"), t.pop(a + "dense.bias")
+        _move(sd, t, b + "mlp.fc_in", p + "mlp.fc1", True)
+        _move(sd, t, b + "mlp.fc_out", p + "mlp.fc2", True)
+    _norm(sd, t, "ln_final", "model.final_layernorm")
+    _move(sd, t, "lm_head", "lm_head", True)
+    return {**t, **sd}
+
+
+def _gptj_tensors(t: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
+    sd: dict[str, Tensor] = {"tok_embed.weight": t.pop("transformer.wte.weight")}
+    for i in range(c.n_layers):
+        p, b = f"transformer.h.{i}.", f"blocks.{i}."
+        _norm(sd, t, b + "ln1", p + "ln_1")
+        _parallel_one_norm(sd, b)
+        sd[b + "attn.qkv_weight"] = torch.cat([t.pop(f"{p}attn.{x}_proj.weight") for x in "qkv"])  # [3 d, d]
+        sd[b + "attn.o_weight"] = t.pop(p + "attn.out_proj.weight")
+        _move(sd, t, b + "mlp.fc_in", p + "mlp.fc_in", True)
+        _move(sd, t, b + "mlp.fc_out", p + "mlp.fc_out", True)
+    _norm(sd, t, "ln_final", "transformer.ln_f")
+    _move(sd, t, "lm_head", "lm_head", True)
+    return {k: v for k, v in {**t, **sd}.items() if not k.endswith(("attn.bias", "attn.masked_bias"))}
+
+
 #: model_type -> (config fields, tensor renamer).
 FAMILIES: dict[str, tuple[Callable[..., dict[str, Any]], _Renamer]] = {
     "gpt_neox": (_neox, _neox_tensors),
     "stablelm": (_stablelm, _llama_like_tensors),
     "cohere": (_cohere, _llama_like_tensors),
+    "phi": (_phi, _phi_tensors),
+    "gptj": (_gptj, _gptj_tensors),
 }
 #: The ``config.json`` model types of :data:`FAMILIES`.
 PARALLEL_FAMILY_TYPES = tuple(FAMILIES)
@@ -218,6 +293,9 @@ def parallel_family_config(
         raise ValueError(f"{source}: model_type={kind!r} is not supported here; supported: {list(FAMILIES)}")
     if hf.get("quantization_config") is not None:
         raise ValueError(f"{source} has a quantization_config: quantized checkpoints are not supported")
+    if kind == "gptj":
+        hf = gptj_as_common(hf)
+        f = ConfigFields(hf, source)
     kw = FAMILIES[kind][0](hf, f, _common(hf, f, kind, max_seq_len))
     try:
         return ModelConfig(name=name, **kw)

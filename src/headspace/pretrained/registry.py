@@ -144,7 +144,7 @@ FOLDER_LOADERS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] 
     "qwen2": load_llama,
     **dict.fromkeys(VARIANT_MODEL_TYPES, load_llama),  # gemma2, gemma3_text, qwen3, olmo2, smollm3
     **dict.fromkeys(ROTARY_FAMILY_TYPES, load_family),  # phi3, gemma, granite, olmo, seed_oss, olmo3, exaone4
-    **dict.fromkeys(PARALLEL_FAMILY_TYPES, load_parallel_family),  # gpt_neox, stablelm, cohere
+    **dict.fromkeys(PARALLEL_FAMILY_TYPES, load_parallel_family),  # gpt_neox, stablelm, cohere, phi, gptj
 }
 
 
