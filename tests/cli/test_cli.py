@@ -480,6 +480,11 @@ def test_every_model_option_says_what_load_accepts():
         "olmo2": "OLMo 2",
         "smollm3": "SmolLM3",
     }
+    shown |= {  # issue 38's rotary families
+        "phi3": "Phi-3", "gemma": "Gemma,", "granite": "Granite", "olmo": "OLMo,", "olmo3": "OLMo 3",
+        "exaone4": "EXAONE 4", "seed_oss": "Seed-OSS", "gpt_neox": "GPT-NeoX", "stablelm": "StableLM",
+        "cohere": "Cohere", "phi": "Phi-2", "gptj": "GPT-J",
+    }  # fmt: skip
     assert set(FOLDER_LOADERS) <= set(shown), "a new folder model type: name it in MODEL_HELP"
     for kind in FOLDER_LOADERS:
         assert shown[kind] in MODEL_HELP, kind
