@@ -189,3 +189,16 @@ def test_per_head_qk_layernorm_is_refused_by_name(saved: dict, tmp_path: Path) -
         with pytest.raises(ValueError, match=f"{key}=true") as info:
             hs.load(folder)
         assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("arch", ["gpt_neox", "gptj"])
+def test_score_decomposition_adds_up_through_parallel_blocks(saved: dict, arch: str) -> None:
+    """The parts (embedding, every earlier head and MLP, the bias) of a head's score add up to it: the
+    heads of a parallel block read its LN1, frozen, as a pre-norm block's do."""
+    from headspace.analysis.decomposition import score_decomposition
+
+    model = hs.load(saved[arch][0]).model
+    tokens = torch.randint(1, V, (1, 9), generator=torch.Generator().manual_seed(3))
+    for layer, head, q in [(0, 1, 4), (2, 3, 8)]:
+        r = score_decomposition(model, tokens, layer, head, query=q)
+        assert abs(r.total - r.score) <= 1e-4 * max(1.0, abs(r.score)), (layer, r.total, r.score)
