@@ -77,6 +77,26 @@ ARCHS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         T.GPTJForCausalLM,
         {"rotary_dim": 8, "n_inner": None, "tie_word_embeddings": False},
     ),
+    # per-head QK LayerNorm (qk_norm "head_layernorm")
+    "stablelm_qk": (
+        T.StableLmConfig,
+        T.StableLmForCausalLM,
+        {
+            "num_key_value_heads": 2,
+            "qk_layernorm": True,
+            "use_parallel_residual": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 90.0, "partial_rotary_factor": 0.5},
+        },
+    ),
+    "cohere_qk": (
+        T.CohereConfig,
+        T.CohereForCausalLM,
+        {
+            "num_key_value_heads": 2,
+            "use_qk_norm": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 70.0},
+        },
+    ),
     "cohere": (
         T.CohereConfig,
         T.CohereForCausalLM,
@@ -180,8 +200,15 @@ def test_qk_delta_is_the_partial_or_interleaved_circuit(saved: dict, arch: str) 
         torch.testing.assert_close(got[causal], scores[h][causal], rtol=1e-4, atol=1e-4)
 
 
-def test_per_head_qk_layernorm_is_refused_by_name(saved: dict, tmp_path: Path) -> None:
-    for arch, key in (("stablelm", "qk_layernorm"), ("cohere", "use_qk_norm")):
+def test_per_head_qk_layernorm_is_loaded_and_its_circuit_refused_by_name(saved: dict, tmp_path: Path) -> None:
+    for arch in ("stablelm_qk", "cohere_qk"):
+        ours = hs.load(saved[arch][0])
+        attn = ours.model.blocks[0].attn
+        assert ours.config.qk_norm == "head_layernorm" and attn.q_norm.weight.shape == (H, 12)
+        assert attn.k_norm.weight.shape == (2, 12) and float(attn.q_norm.weight.detach().std()) > 0
+        with pytest.raises(ValueError, match="attention field 'qk_norm' \\('head_layernorm'"):
+            attn.heads[0].qk(3)
+    for arch, key in (("phi", "qk_layernorm"),):  # Phi's is one LayerNorm with bias shared by the heads
         folder = tmp_path / arch
         shutil.copytree(saved[arch][0], folder)
         config = json.loads((folder / "config.json").read_text())

@@ -16,7 +16,7 @@ from ..decode.kv_cache import KVCache
 from ..kernels.workspace import THREAD_SCRATCH_MIN_BYTES, Workspace, thread_workspace
 from ..nn.hooks import HookPoint, Recomputed, note_source, noting, source_of
 from ..nn.masks import CanonicalMask, canonical_mask, check_window
-from ..nn.norms import RMSNorm, rms_inverse, rms_norm
+from ..nn.norms import HeadLayerNorm, RMSNorm, rms_inverse, rms_norm
 from ..nn.positions import Rotary, rotary_tables, rotate_fused
 from ..nn.spec import AttentionSpec
 from .described import DescribedAttention
@@ -115,7 +115,7 @@ def _check_rotary_positions(positions: Any, batch: int, seq_q: int, device: torc
         raise ValueError(f"positions is on {positions.device} but the query is on {device}")
 
 
-QK_NORMS = ("head", "all")
+QK_NORMS = ("head", "all", "head_layernorm")
 
 
 def _check_qk_norm(qk_norm: Any, softcap: Any) -> None:
@@ -410,8 +410,12 @@ class MultiHeadAttention(DescribedAttention, nn.Module):
         norms = qk_norm is not None
         hq, hkv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
         width_q, width_k = (self.d_head, self.d_head) if qk_norm == "head" else (hq, hkv)
-        self.register_module("q_norm", RMSNorm(width_q, eps, offset=offset).to(**f) if norms else None)
-        self.register_module("k_norm", RMSNorm(width_k, eps, offset=offset).to(**f) if norms else None)
+        if qk_norm == "head_layernorm":  # StableLM / Cohere: a LayerNorm per head, its own weight
+            self.register_module("q_norm", HeadLayerNorm(self.n_heads, self.d_head, eps).to(**f))
+            self.register_module("k_norm", HeadLayerNorm(self.n_kv_heads, self.d_head, eps).to(**f))
+        else:
+            self.register_module("q_norm", RMSNorm(width_q, eps, offset=offset).to(**f) if norms else None)
+            self.register_module("k_norm", RMSNorm(width_k, eps, offset=offset).to(**f) if norms else None)
         # QK-norm layers only: q and k after their RMSNorm, before any rotation
         self.register_module("hook_q_normed", HookPoint() if norms else None)  # [b, sq, H, dh]
         self.register_module("hook_k_normed", HookPoint() if norms else None)  # [b, sk, Hkv, dh]
@@ -896,7 +900,7 @@ class MultiHeadAttention(DescribedAttention, nn.Module):
         """
         B, H, Sq, dh = q.shape
         Hkv, Sk = k.shape[1], k.shape[2]
-        if self.qk_norm == "head":
+        if self.qk_norm in ("head", "head_layernorm"):
             q, k = self.q_norm(q), self.k_norm(k)  # (B, H, Sq, dh), (B, Hkv, Sk, dh)
         else:
             q = self.q_norm(q.transpose(1, 2).reshape(B, Sq, H * dh))  # (B, Sq, H dh)
@@ -915,6 +919,11 @@ class MultiHeadAttention(DescribedAttention, nn.Module):
         :meth:`headspace.Head.qk` folds them into the QK circuit."""
         if self.qk_norm is None:
             return None
+        if self.qk_norm == "head_layernorm":  # centring per head and token: no fixed gain makes it
+            raise ValueError(
+                "qk_norm_gains: the attention field 'qk_norm' ('head_layernorm', a LayerNorm per head) "
+                "centres q and k per token: no fixed circuit gives the scores"
+            )
         H, Hkv, dh = self.n_heads, self.n_kv_heads, self.d_head
         g_q = self.q_norm.weight + self.q_norm.offset  # (dh,) or (H dh,)
         g_k = self.k_norm.weight + self.k_norm.offset  # (dh,) or (Hkv dh,)
@@ -932,6 +941,11 @@ class MultiHeadAttention(DescribedAttention, nn.Module):
         :meth:`headspace.Head.qk`)."""
         if self.qk_norm is None:
             raise ValueError("qk_norm_scales: this layer has no QK-norm (qk_norm=None)")
+        if self.qk_norm == "head_layernorm":
+            raise ValueError(
+                "qk_norm_scales: the attention field 'qk_norm' ('head_layernorm') centres q and k per "
+                "token: no per-token scale makes it linear"
+            )
         over = (-1,) if self.qk_norm == "head" else (-2, -1)
         s_q = rms_inverse(q.float(), self.q_norm.eps, over)  # (B, Sq, H|1, 1)
         s_k = rms_inverse(k.float(), self.k_norm.eps, over)  # (B, Sk, Hkv|1, 1)

@@ -298,9 +298,11 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.rope_local_theta must be None or a finite number > 0; got {local!r}"
             )
-        if self.qk_norm not in (None, "head", "all"):
-            raise ValueError(f"ModelConfig.qk_norm must be None, 'head' or 'all'; got {self.qk_norm!r}")
-        if self.qk_norm is not None and self.norm_kind != "rmsnorm":
+        if self.qk_norm not in (None, "head", "all", "head_layernorm"):
+            raise ValueError(
+                f"ModelConfig.qk_norm must be None, 'head', 'all' or 'head_layernorm'; got {self.qk_norm!r}"
+            )
+        if self.qk_norm in ("head", "all") and self.norm_kind != "rmsnorm":
             raise ValueError("ModelConfig.qk_norm is an RMSNorm: it needs norm_kind='rmsnorm'")
         if not _finite(self.norm_offset) or (self.norm_offset and self.norm_kind != "rmsnorm"):
             raise ValueError(

@@ -42,8 +42,9 @@ LAYOUTS = ("post", "pre", "sandwich", "post_sublayer", "parallel")
 MLP_KINDS = ("plain", "gated")
 #: The activations of an MLP (``MLPSpec.act``).
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
-#: QK-norm over each head's d_head (``"head"``: Qwen3, Gemma 3) or all heads at once (``"all"``: OLMo 2).
-QK_NORMS = ("head", "all")
+#: QK-norm over each head's d_head (``"head"``: Qwen3, Gemma 3) or all heads at once (``"all"``: OLMo 2),
+#: RMSNorms; ``"head_layernorm"``: a LayerNorm per head with its own weight, no bias (StableLM, Cohere).
+QK_NORMS = ("head", "all", "head_layernorm")
 #: Additive score biases (``AttentionSpec.bias``): ALiBi's per-head linear distance penalty.
 SCORE_BIASES = ("alibi",)
 #: Attention sinks (``AttentionSpec.sink``): one learned logit per head in the softmax (gpt-oss).

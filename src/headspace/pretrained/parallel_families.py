@@ -8,11 +8,11 @@ the tensors are renamed to the Decoder's state dict. Per family (transformers 5'
               rows), rotary_pct / partial_rotary_factor (Pythia 0.25); use_parallel_residual:
               out = x + A(N1(x)) + M(N2(x)) (layout "parallel"), else the pre layout
     stablelm  LayerNorm with bias, SwiGLU MLP, optional q/k/v biases, partial rotary; parallel
-              (use_parallel_residual: one norm, N2 a copy of N1) or pre; qk_layernorm refused (per-head
-              LayerNorm weights)
+              (use_parallel_residual: one norm, N2 a copy of N1) or pre; qk_layernorm: a LayerNorm
+              per head on q and k (qk_norm "head_layernorm")
     cohere    parallel with one LayerNorm without bias (bias 0), SwiGLU, interleaved rotary pairs
               (2i, 2i + 1), logits times logit_scale (folded into an untied unembedding: a copy of a
-              tied embedding); use_qk_norm refused
+              tied embedding); use_qk_norm: a LayerNorm per head (qk_norm "head_layernorm")
     phi       parallel with one LayerNorm (bias), plain gelu_new MLP, biases everywhere, partial rotary,
               an unembedding with a bias; qk_layernorm refused
     gptj      parallel with one LayerNorm (bias), q/k/v/out without bias, interleaved rotary pairs on
@@ -113,19 +113,19 @@ def _neox(hf: Mapping[str, Any], f: ConfigFields, kw: dict[str, Any]) -> dict[st
 
 
 def _stablelm(hf: Mapping[str, Any], f: ConfigFields, kw: dict[str, Any]) -> dict[str, Any]:
-    _refuse_true(f, "qk_layernorm", "a LayerNorm per head on q and k")
     parallel = f.flag("use_parallel_residual", False)
-    return dict(kw, norm="parallel" if parallel else "pre", mlp_kind="gated", bias=True,
+    qk = "head_layernorm" if f.hf.get("qk_layernorm") is not None and f.flag("qk_layernorm") else None
+    return dict(kw, norm="parallel" if parallel else "pre", mlp_kind="gated", bias=True, qk_norm=qk,
                 qkv_bias=f.flag("use_qkv_bias", False), out_bias=False, mlp_bias=False,
                 tie_embeddings=f.flag("tie_word_embeddings", False))  # fmt: skip
 
 
 def _cohere(hf: Mapping[str, Any], f: ConfigFields, kw: dict[str, Any]) -> dict[str, Any]:
-    _refuse_true(f, "use_qk_norm", "a LayerNorm per head on q and k")
+    qk = "head_layernorm" if f.hf.get("use_qk_norm") is not None and f.flag("use_qk_norm") else None
     bias = f.flag("attention_bias", False)
     extra = {**kw["extra"], "logit_scale": f.number("logit_scale", 0.0625, low=0.0, low_open=True)}
     extra["tied_checkpoint"] = f.flag("tie_word_embeddings", True)
-    return dict(kw, norm="parallel", mlp_kind="gated", bias=True, qkv_bias=bias, out_bias=bias,
+    return dict(kw, norm="parallel", mlp_kind="gated", bias=True, qkv_bias=bias, out_bias=bias, qk_norm=qk,
                 mlp_bias=False, tie_embeddings=False, rope_interleaved=True, extra=extra)  # fmt: skip
 
 
@@ -223,6 +223,8 @@ def _llama_like_tensors(t: dict[str, Tensor], c: ModelConfig) -> dict[str, Tenso
             sd[b + "attn.o_bias"] = sd.pop(b + "attn.o.bias")
         for ours, theirs in (("fc_gate", "gate_proj"), ("fc_in", "up_proj"), ("fc_out", "down_proj")):
             _move(sd, t, f"{b}mlp.{ours}", f"{p}mlp.{theirs}", bool(c.mlp_bias))
+        if c.qk_norm == "head_layernorm":
+            _head_norms(sd, t, b, a, c)
     _norm(sd, t, "ln_final", "model.norm")
     head = t.pop("lm_head.weight", None)
     if c.extra.get("tied_checkpoint"):
@@ -269,6 +271,20 @@ def _gptj_tensors(t: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
     _norm(sd, t, "ln_final", "transformer.ln_f")
     _move(sd, t, "lm_head", "lm_head", True)
     return {k: v for k, v in {**t, **sd}.items() if not k.endswith(("attn.bias", "attn.masked_bias"))}
+
+
+def _head_norms(sd: dict[str, Tensor], t: dict[str, Tensor], b: str, a: str, c: ModelConfig) -> None:
+    """The per-head QK LayerNorm weights [heads, d_head]: Cohere's q_norm / k_norm as they are,
+    StableLM's one LayerNorm per head (``q_layernorm.norms.{h}.weight`` [d_head]) stacked."""
+    assert c.n_kv_heads is not None
+    for ours, cohere, stablelm, heads in (("q_norm", "q_norm", "q_layernorm", c.n_heads),
+                                          ("k_norm", "k_norm", "k_layernorm", c.n_kv_heads)):  # fmt: skip
+        if f"{a}{cohere}.weight" in t:
+            sd[f"{b}attn.{ours}.weight"] = t.pop(f"{a}{cohere}.weight")  # [heads, d_head]
+        else:  # [heads, d_head] from heads x [d_head]
+            sd[f"{b}attn.{ours}.weight"] = torch.stack(
+                [t.pop(f"{a}{stablelm}.norms.{h}.weight") for h in range(heads)]
+            )
 
 
 #: model_type -> (config fields, tensor renamer).
