@@ -255,11 +255,6 @@ class ModelConfig:
         )
         self._check_llama_fields()
         self._check_layer_fields()
-        if not isinstance(self.unembed_bias, bool) or (self.unembed_bias and self.tie_embeddings):
-            raise ValueError(
-                f"ModelConfig.unembed_bias must be a bool, True only with tie_embeddings=False; "
-                f"got {self.unembed_bias!r} with tie_embeddings={self.tie_embeddings!r}"
-            )
 
     def _check_layer_fields(self) -> None:
         """The fields that came with Gemma / Qwen3 / OLMo 2 / SmolLM3 / Mistral's sliding window."""
@@ -315,6 +310,11 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name} must be None or a finite number > 0; got {v!r}")
         if not _finite(self.embed_scale) or self.embed_scale <= 0:
             raise ValueError(f"ModelConfig.embed_scale must be a finite number > 0; got {self.embed_scale!r}")
+        if not isinstance(self.unembed_bias, bool) or (self.unembed_bias and self.tie_embeddings):
+            raise ValueError(
+                f"ModelConfig.unembed_bias must be a bool, True only with tie_embeddings=False; "
+                f"got {self.unembed_bias!r} with tie_embeddings={self.tie_embeddings!r}"
+            )
 
     @property
     def attn_scale(self) -> float:
