@@ -229,3 +229,20 @@ def test_score_decomposition_adds_up_through_parallel_blocks(saved: dict, arch: 
     for layer, head, q in [(0, 1, 4), (2, 3, 8)]:
         r = score_decomposition(model, tokens, layer, head, query=q)
         assert abs(r.total - r.score) <= 1e-4 * max(1.0, abs(r.score)), (layer, r.total, r.score)
+
+
+def test_pruning_a_per_head_qk_layernorm_layer_keeps_the_kept_heads_norms(saved: dict) -> None:
+    """Pruned heads 2, 3 (key/value head 1) of a StableLM layer with per-head QK LayerNorm: the layer
+    computes what the unpruned one does with those heads' z zero-ablated."""
+    from headspace.analysis.interventions import prune_heads
+
+    ours = hs.load(saved["stablelm_qk"][0]).model
+    tokens = torch.randint(1, V, (1, 9), generator=torch.Generator().manual_seed(5))
+
+    with torch.no_grad():
+        with hs.ablate(ours, {(0, 2): "zero", (0, 3): "zero"}):
+            want = ours(tokens)
+        prune_heads(ours, {0: [2, 3]})
+        assert ours.blocks[0].attn.q_norm.weight.shape == (2, 12)
+        got = ours(tokens)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
