@@ -481,6 +481,11 @@ def test_every_model_option_says_what_load_accepts():
         "smollm3": "SmolLM3",
     }
     shown |= {"t5": "T5", "bart": "BART", "marian": "Marian", "whisper": "Whisper"}  # Python only (#40)
+    shown |= {  # issue 38's rotary families
+        "phi3": "Phi-3", "gemma": "Gemma,", "granite": "Granite", "olmo": "OLMo,", "olmo3": "OLMo 3",
+        "exaone4": "EXAONE 4", "seed_oss": "Seed-OSS", "gpt_neox": "GPT-NeoX", "stablelm": "StableLM",
+        "cohere": "Cohere", "phi": "Phi-2", "gptj": "GPT-J",
+    }  # fmt: skip
     assert set(FOLDER_LOADERS) <= set(shown), "a new folder model type: name it in MODEL_HELP"
     for kind in FOLDER_LOADERS:
         assert shown[kind] in MODEL_HELP, kind

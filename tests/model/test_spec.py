@@ -143,8 +143,6 @@ def test_each_executor_refuses_a_field_it_lacks_by_name() -> None:
         block.spec = dataclasses.replace(
             before, attention=dataclasses.replace(before.attention, gate="headwise")
         )
-    with pytest.raises(ValueError, match="does not support the block field 'layout' \\('parallel'\\)"):
-        block.spec = dataclasses.replace(before, layout="parallel")
     assert block.spec == before  # a refused description changes nothing
     step = describe(model)
     assert step is not None
@@ -222,3 +220,15 @@ def test_a_description_must_fit_the_weights() -> None:
 def test_bad_descriptions_name_the_field(make: object, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         make()  # type: ignore[operator]
+
+
+def test_the_parallel_layout_runs_both_sublayers_on_the_block_input() -> None:
+    """layout "parallel" (GPT-NeoX): out = x + Attn(ln1(x)) + MLP(ln2(x)), in the block forward."""
+    torch.manual_seed(7)
+    model = hs.Decoder(llama_like()).eval()
+    block = model.blocks[0]
+    block.spec = dataclasses.replace(block.spec, layout="parallel")
+    x = torch.randn(2, 5, block.d_model)
+    with torch.no_grad():
+        want = x + block.attn(block.ln1(x), is_causal=True) + block.mlp(block.ln2(x))
+        torch.testing.assert_close(block(x, is_causal=True), want, rtol=0, atol=1e-6)

@@ -394,11 +394,16 @@ def test_rmsnorm_offset_matches_transformers_gemma(dtype: torch.dtype) -> None:
 # ---------------------------------------------------------------------------------------- layering
 
 
-@pytest.mark.parametrize("module", ["nn/positions.py", "nn/norms.py"])
+@pytest.mark.parametrize("module", ["nn/positions.py", "nn/norms.py", "nn/rope_scaling.py"])
 def test_modules_import_only_torch_and_stdlib_basics(module: str) -> None:
     tree = ast.parse((SRC / module).read_text())
     allowed = {"__future__", "math", "dataclasses", "typing", "weakref", "torch"}
     for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and module == "nn/positions.py" and node.level == 1:
+            # its one sibling, itself held to this rule: the rotary scalings (YaRN, dynamic, LongRoPE)
+            assert node.module in (None, "rope_scaling"), f"{module}: relative import of {node.module}"
+            assert node.module == "rope_scaling" or [a.name for a in node.names] == ["rope_scaling"]
+            continue
         if isinstance(node, ast.ImportFrom):
             assert node.level == 0 and node.module is not None, f"{module}: relative import"
             names = [node.module]
@@ -448,9 +453,10 @@ def test_modules_import_only_torch_and_stdlib_basics(module: str) -> None:
             r"scaling \(rope_scaling\) must be None or a dict.*got str",
         ),
         (
-            {"d_head": 8, "scaling": {"rope_type": "yarn", "factor": 2.0}},
+            {"d_head": 8, "scaling": {"rope_type": "proportional", "factor": 2.0}},
             ValueError,
-            r"rope_scaling.*'rope_type' must be one of \['default', 'linear', 'llama3'\]; got 'yarn'",
+            r"rope_scaling.*'rope_type' must be one of \['default', 'linear', 'llama3', 'yarn', 'dynamic', "
+            r"'longrope'\]; got 'proportional'",
         ),
         (
             {"d_head": 8, "scaling": {"factor": 2.0}},

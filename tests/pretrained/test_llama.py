@@ -287,8 +287,9 @@ def test_rope_scaling_and_old_style_configs(tmp_path: Path, saved: dict) -> None
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}},
-         r"rope_scaling.*'rope_type' must be one of \['default', 'linear', 'llama3'\]; got 'yarn'"),
+        ({"rope_parameters": {"rope_type": "proportional", "factor": 2.0, "rope_theta": 1e4}},
+         r"rope_scaling.*'rope_type' must be one of \['default', 'linear', 'llama3', 'yarn'.*"
+         r"got 'proportional'"),
         ({"hidden_act": "relu2"}, r"hidden_act='relu2' is not supported; supported: \['gelu'"),
         ({"partial_rotary_factor": 0.5}, r"partial_rotary_factor=0.5.*supported: 1.0 or absent"),
         ({"quantization_config": {"quant_method": "gptq"}}, "quantized checkpoints"),

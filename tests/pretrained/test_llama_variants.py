@@ -210,7 +210,7 @@ def test_bad_values_are_refused_naming_the_field() -> None:
         ({"sliding_window": 0}, "sliding_window must be None or an int >= 1"),
         ({"layer_types": ["sliding", "full"]}, "has 'sliding' layers but sliding_window is None"),
         ({"layer_types": ["full"]}, "layer_types must list"),
-        ({"qk_norm": "layer"}, "qk_norm must be None, 'head' or 'all'"),
+        ({"qk_norm": "layer"}, "qk_norm must be None, 'head', 'all' or 'head_layernorm'"),
         ({"attn_softcap": 0.0}, "attn_softcap must be None or a finite number > 0"),
         ({"final_softcap": float("inf")}, "final_softcap must be None"),
         ({"embed_scale": -1.0}, "embed_scale must be a finite number > 0"),

@@ -109,7 +109,7 @@ def check_rotary_positions(positions: Any, batch: int, seq_q: int, device: torch
         raise ValueError(f"positions is on {positions.device} but the query is on {device}")
 
 
-QK_NORMS = ("head", "all")
+QK_NORMS = ("head", "all", "head_layernorm")
 
 
 def _check_qk_norm(qk_norm: Any, softcap: Any) -> None:

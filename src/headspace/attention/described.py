@@ -57,7 +57,7 @@ class DescribedAttention:
         """One-line ``ValueError`` naming the first field of ``spec`` the layer's weights do not have."""
         o_weight = self.o_weight  # type: ignore[attr-defined]  # (d_model, n_heads d_head)
         q_norm = self._modules.get("q_norm")  # type: ignore[attr-defined]
-        width = None if q_norm is None else q_norm.weight.shape[0]
+        width = None if q_norm is None else q_norm.weight.numel()  # (a per-head LayerNorm's: [H, dh])
         found = {
             "d_model": o_weight.shape[0],
             "n_heads * d_head": o_weight.shape[1],
@@ -65,6 +65,7 @@ class DescribedAttention:
             "out_bias": self.o_bias is not None,  # type: ignore[attr-defined]
             "positions is None": self._modules.get("rotary") is None,  # type: ignore[attr-defined]
             "qk_norm is None": q_norm is None,
+            "qk_norm per-head LayerNorm": type(q_norm).__name__ == "HeadLayerNorm",
         }
         wanted = {
             "d_model": spec.d_model,
@@ -73,6 +74,7 @@ class DescribedAttention:
             "out_bias": spec.out_bias,
             "positions is None": spec.positions is None,
             "qk_norm is None": spec.qk_norm is None,
+            "qk_norm per-head LayerNorm": spec.qk_norm == "head_layernorm",
         }
         if width is not None:
             found["qk_norm width"] = width

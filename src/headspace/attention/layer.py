@@ -13,7 +13,7 @@ from ..kernels.workspace import THREAD_SCRATCH_MIN_BYTES, thread_workspace
 from ..nn.hooks import HookPoint
 from ..nn.kv_cache import KVCache
 from ..nn.masks import CanonicalMask, canonical_mask, check_window
-from ..nn.norms import RMSNorm
+from ..nn.norms import HeadLayerNorm, RMSNorm
 from ..nn.positions import Rotary
 from ..nn.positions import rotary_tables as rotary_tables  # re-exported: analysis/chunked.py reads them here
 from ..nn.positions import rotate_fused as rotate_fused
@@ -205,8 +205,12 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
         norms = qk_norm is not None
         hq, hkv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
         width_q, width_k = (self.d_head, self.d_head) if qk_norm == "head" else (hq, hkv)
-        self.register_module("q_norm", RMSNorm(width_q, eps, offset=offset).to(**f) if norms else None)
-        self.register_module("k_norm", RMSNorm(width_k, eps, offset=offset).to(**f) if norms else None)
+        if qk_norm == "head_layernorm":  # StableLM / Cohere: a LayerNorm per head, its own weight
+            self.register_module("q_norm", HeadLayerNorm(self.n_heads, self.d_head, eps).to(**f))
+            self.register_module("k_norm", HeadLayerNorm(self.n_kv_heads, self.d_head, eps).to(**f))
+        else:
+            self.register_module("q_norm", RMSNorm(width_q, eps, offset=offset).to(**f) if norms else None)
+            self.register_module("k_norm", RMSNorm(width_k, eps, offset=offset).to(**f) if norms else None)
         # QK-norm layers only: q and k after their RMSNorm, before any rotation
         self.register_module("hook_q_normed", HookPoint() if norms else None)  # [b, sq, H, dh]
         self.register_module("hook_k_normed", HookPoint() if norms else None)  # [b, sk, Hkv, dh]

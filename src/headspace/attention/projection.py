@@ -212,7 +212,7 @@ class HeadProjections:
         """
         B, H, Sq, dh = q.shape
         Hkv, Sk = k.shape[1], k.shape[2]
-        if self.qk_norm == "head":
+        if self.qk_norm in ("head", "head_layernorm"):
             q, k = self.q_norm(q), self.k_norm(k)  # (B, H, Sq, dh), (B, Hkv, Sk, dh)
         else:
             q = self.q_norm(q.transpose(1, 2).reshape(B, Sq, H * dh))  # (B, Sq, H dh)
@@ -231,6 +231,11 @@ class HeadProjections:
         :meth:`headspace.Head.qk` folds them into the QK circuit."""
         if self.qk_norm is None:
             return None
+        if self.qk_norm == "head_layernorm":  # centring per head and token: no fixed gain makes it
+            raise ValueError(
+                "qk_norm_gains: the attention field 'qk_norm' ('head_layernorm', a LayerNorm per head) "
+                "centres q and k per token: no fixed circuit gives the scores"
+            )
         H, Hkv, dh = self.n_heads, self.n_kv_heads, self.d_head
         g_q = self.q_norm.weight + self.q_norm.offset  # (dh,) or (H dh,)
         g_k = self.k_norm.weight + self.k_norm.offset  # (dh,) or (Hkv dh,)
@@ -248,6 +253,11 @@ class HeadProjections:
         :meth:`headspace.Head.qk`)."""
         if self.qk_norm is None:
             raise ValueError("qk_norm_scales: this layer has no QK-norm (qk_norm=None)")
+        if self.qk_norm == "head_layernorm":
+            raise ValueError(
+                "qk_norm_scales: the attention field 'qk_norm' ('head_layernorm') centres q and k per "
+                "token: no per-token scale makes it linear"
+            )
         over = (-1,) if self.qk_norm == "head" else (-2, -1)
         s_q = rms_inverse(q.float(), self.q_norm.eps, over)  # (B, Sq, H|1, 1)
         s_k = rms_inverse(k.float(), self.k_norm.eps, over)  # (B, Sk, Hkv|1, 1)

@@ -84,6 +84,9 @@ def shrink_attention(attn: MultiHeadAttention, keep: Sequence[int]) -> None:
             attn.v_weight = param(_kept_rows(attn.v_weight, kept_kv, dh), attn.v_weight)
         if attn.qkv_bias is not None:
             attn.qkv_bias = param(split_kept(attn.qkv_bias), attn.qkv_bias)
+        if getattr(attn, "qk_norm", None) == "head_layernorm":  # a weight per head: keep the kept rows
+            attn.q_norm.weight = param(attn.q_norm.weight[keep], attn.q_norm.weight)  # (H', dh)
+            attn.k_norm.weight = param(attn.k_norm.weight[kept_kv], attn.k_norm.weight)  # (Hkv', dh)
         o = attn.o_weight  # (d_model, H dh)
         new_o = _kept_rows(o.T, keep, dh).T  # (d_model, H' dh)
         attn.o_weight = param(new_o.contiguous(), o)

@@ -42,9 +42,10 @@ def seed_value(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
 MODEL_HELP = (
     "'minilm' (all-MiniLM-L6-v2, an encoder), 'smollm2' (SmolLM2-135M-Instruct, a decoder), 'gemma3' or "
     "'gemma3-270m' (Gemma-3-270M, a decoder), a folder holding a Hugging Face checkpoint (config.json + "
-    "model.safetensors: BERT, GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo 2 or "
-    "SmolLM3), or a .gguf file (Llama family, Gemma 3). T5, BART, Marian and Whisper folders load in Python "
-    "(headspace.load); no command runs an encoder-decoder yet."
+    "model.safetensors: BERT, GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo 2, "
+    "SmolLM3, Phi-3, Gemma, Granite, OLMo, OLMo 3, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, Cohere, "
+    "Phi-2 or GPT-J), or a .gguf file (Llama family, Gemma 3). T5, BART, Marian and Whisper folders load "
+    "in Python (headspace.load); no command runs an encoder-decoder yet."
 )
 
 

@@ -98,7 +98,9 @@ def generate(
                 on_token(new)
             if stopping is not None and stopping.all_stopped():
                 return out[:, : pos + 1].clone()  # (batch, prompt_len + steps taken)
-            if pos + 1 < prompt.total:
+            if pos + 1 < prompt.total and caches is not None and pos == _recompute_at(model):
+                logits = _recompute(model, out, pos, caches, prompt)  # (batch, vocab_size)
+            elif pos + 1 < prompt.total:
                 logits = _next_logits(model, out, pos, caches, prompt, step)  # (batch, vocab_size)
     finally:
         model.train(was_training)
@@ -270,6 +272,25 @@ def _stepper(
     if backend is None and native_form(step) is not None:
         library.start_build()  # in the background; steps run in Python until it is loaded
     return Stepper(step, backend)
+
+
+def _recompute_at(model: DecoderModel) -> int | None:
+    """The column at which generation re-runs the whole prefix into fresh caches, or None:
+    ``config.extra["recompute_cache_at"]`` (Phi-3 with LongRoPE: transformers' Phi-3 ``generate`` drops
+    its cache the first time the sequence passes ``original_max_position_embeddings``, so every cached
+    key is rotated again with the long factors)."""
+    extra = getattr(getattr(model, "config", None), "extra", None)
+    at = extra.get("recompute_cache_at") if isinstance(extra, dict) else None
+    return at if isinstance(at, int) and not isinstance(at, bool) else None
+
+
+def _recompute(model: DecoderModel, out: Tensor, pos: int, caches: list[KVCache], prompt: _Prompt) -> Tensor:
+    """The logits [batch, vocab_size] after ``out[:, pos]``, every cache emptied and refilled from the
+    columns 0..pos by ``forward`` (see :func:`_recompute_at`)."""
+    for cache in caches:
+        cache.reset()
+    real, positions = prompt.cols(0, pos + 1)
+    return _last(model)(out[:, : pos + 1], real, caches, positions=positions)  # (batch, vocab_size)
 
 
 def _next_logits(

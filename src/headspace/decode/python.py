@@ -61,6 +61,7 @@ class _Layer(NamedTuple):
     window: int | None
     attn_out_norm: Rows | None
     mlp_out_norm: Rows | None
+    parallel: bool
 
 
 def norm_fn(norm: Norm) -> Rows:
@@ -132,6 +133,7 @@ def _resolve(layer: LayerStep) -> _Layer:
         window=layer.window,
         attn_out_norm=_norm_or_none(layer.attn_out_norm),
         mlp_out_norm=_norm_or_none(layer.mlp_out_norm),
+        parallel=bool(layer.parallel),
     )
 
 
@@ -184,7 +186,8 @@ def layer_rows(
     )  # (B, H, 1, dh)
     a = layer.o(z.reshape(B, H * dh))  # (B, d_model): heads concatenated
     h = x + (a if layer.attn_out_norm is None else layer.attn_out_norm(a))  # (B, d_model)
-    m = h if layer.norm2 is None else layer.norm2(h)  # (B, d_model)
+    m_in = x if layer.parallel else h  # (B, d_model): a parallel block's MLP reads the block's input
+    m = m_in if layer.norm2 is None else layer.norm2(m_in)  # (B, d_model)
     if layer.gate is not None:
         m = layer.act_(layer.gate(m)).mul_(layer.fc_in(m))  # (B, d_mlp): act(gate) * up
     else:
@@ -197,7 +200,7 @@ def _normed_qk(layer: _Layer, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
     """QK-norm of the new q [B, H, 1, dh] and k [B, Hkv, 1, dh]: over each head's d_head (``"head"``)
     or over the concatenated heads (``"all"``), as :meth:`~headspace.MultiHeadAttention.normed_qk`."""
     assert layer.q_norm is not None and layer.k_norm is not None
-    if layer.qk_norm == "head":
+    if layer.qk_norm in ("head", "head_layernorm"):
         return layer.q_norm(q), layer.k_norm(k)
     B, H, _, dh = q.shape
     Hkv = k.shape[1]

@@ -62,7 +62,7 @@ _ACTIVATION_MODULES: dict[str, tuple[type[nn.Module], str | None]] = {
 #: The block features (:func:`~headspace.nn.spec.features_of`) the decoding step computes (both
 #: backends); any other is refused by its field's name. Score soft-capping is not among them: a block
 #: with it is not ``decode_supported`` and decodes by ``forward``.
-STEP_FEATURES = ("window", "qk_norm")
+STEP_FEATURES = ("window", "qk_norm", "layout")
 
 
 class DecoderModel(Protocol):
@@ -152,14 +152,16 @@ class LayerStep:
     window: int | None = None
     attn_out_norm: Norm | None = None
     mlp_out_norm: Norm | None = None
+    #: True for the parallel layout (GPT-NeoX: ``out = x + Attn(norm1(x)) + MLP(norm2(x))``); None else
+    parallel: bool | None = None
     #: the block's description the step was read from (each backend refuses the fields it lacks by name)
     spec: BlockSpec | None = dataclasses.field(default=None, compare=False, repr=False)
 
 
-#: the :class:`LayerStep` fields only the ``"python"`` backend computes: none since the native step
-#: covers QK-norm, sliding windows, per-layer rotations and sandwich / post-sublayer norms (a step
-#: with any of these set would take the Python backend)
-PYTHON_ONLY: tuple[str, ...] = ()
+#: the :class:`LayerStep` fields only the ``"python"`` backend computes (a step with any of these set
+#: takes the Python backend): the parallel layout; the native step covers QK-norm, sliding windows,
+#: per-layer rotations and sandwich / post-sublayer norms
+PYTHON_ONLY: tuple[str, ...] = ("parallel",)
 
 
 @dataclass(frozen=True)
@@ -283,6 +285,7 @@ def _layer_of(block: Any, pack_rows: int | None) -> LayerStep:
         attn_out = norm_of(block.ln_attn_out) if sandwich else None
         mlp_out = norm_of(block.ln_mlp_out) if sandwich else None
     qk = at.qk_norm is not None
+    parallel = True if spec.layout == "parallel" else None  # norm1 / norm2 as a pre-norm block's
     return LayerStep(
         norm1=norm1,
         qkv=product_of(a.qkv_weight, a.qkv_bias, pack_rows),
@@ -304,6 +307,7 @@ def _layer_of(block: Any, pack_rows: int | None) -> LayerStep:
         window=at.window,
         attn_out_norm=attn_out,
         mlp_out_norm=mlp_out,
+        parallel=parallel,
         spec=spec,
     )
 

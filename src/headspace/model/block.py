@@ -45,7 +45,7 @@ from .mlp import ACTIVATIONS as ACTIVATIONS  # re-exported: the MLPs' old home
 from .mlp import FeedForward, GatedFeedForward, _fire, make_activation
 
 #: Residual/LayerNorm arrangements accepted by :class:`TransformerBlock`.
-NORMS = ("post", "pre", "sandwich", "post_sublayer")
+NORMS = ("post", "pre", "sandwich", "post_sublayer", "parallel")
 #: Kinds of normalisation layer accepted by :class:`TransformerBlock` (``norm_kind``).
 NORM_KINDS = ("layernorm", "rmsnorm")
 #: Kinds of feed-forward network accepted by :class:`TransformerBlock` (``mlp_kind``).
@@ -65,7 +65,7 @@ def make_norm(kind: str, d_model: int, eps: float, offset: float = 0.0) -> nn.Mo
 
 
 #: The block features (:func:`~headspace.nn.spec.features_of`) :meth:`TransformerBlock.forward` computes.
-BLOCK_FEATURES = ("window", "softcap", "qk_norm")
+BLOCK_FEATURES = ("window", "softcap", "qk_norm", "layout")
 
 
 def _check_block_args(
@@ -372,6 +372,14 @@ class TransformerBlock(nn.Module):
         h = self._resid_mid(x, a)  # (batch, seq, d_model): x + a
         return h + _fire(self.hook_mlp_out, self.dropout(self.ln2(self.mlp(_fire(self.hook_mlp_in, h)))))
 
+    def _parallel(self, x: Tensor, kw: dict[str, Any]) -> Tensor:
+        """parallel (GPT-NeoX, GPT-J, Phi-2, Cohere): ``out = x + drop(Attn(LN1(x))) + drop(MLP(LN2(x)))``,
+        both sublayers reading the block's input (a one-norm family's LN2 is a copy of its LN1); no
+        ``hook_resid_mid`` (there is no middle of the residual)."""
+        a = _fire(self.hook_attn_out, self.dropout(self.attn(_fire(self.hook_attn_in, self.ln1(x)), **kw)))
+        m = _fire(self.hook_mlp_out, self.dropout(self.mlp(_fire(self.hook_mlp_in, self.ln2(x)))))
+        return x + a + m  # (batch, seq, d_model)
+
     def _resid_mid(self, x: Tensor, a: Tensor) -> Tensor:
         """``h = x + a`` [batch, seq, d_model], passed through ``hook_resid_mid`` while it is watched."""
         h = x + a  # (batch, seq, d_model)
@@ -398,14 +406,15 @@ class TransformerBlock(nn.Module):
     @property
     def decode_supported(self) -> bool:
         """Whether the decoding step (:mod:`headspace.decode`) may stand in for :meth:`forward` on one new
-        position: pre-norm, sandwich (Gemma) or post-sublayer (OLMo 2) norms, fused self-attention with
+        position: pre-norm, sandwich (Gemma), post-sublayer (OLMo 2) or parallel (GPT-NeoX) blocks, fused
+        self-attention with
         :class:`~headspace.MultiHeadAttention`'s own forward (sliding windows, QK-norm and per-layer
         rotations included), no ``check_finite``, this module's MLPs; not score soft-capping (Gemma 2:
         its scores take the reference maths) nor a model-wide :attr:`decode_blockers` reason. Where
         False, decoding runs :meth:`forward` with the KV cache."""
         a = self.attn
         return (
-            self.norm in ("pre", "sandwich", "post_sublayer")
+            self.norm in ("pre", "sandwich", "post_sublayer", "parallel")
             and not self.decode_blockers
             and isinstance(a, MultiHeadAttention)
             and self.spec.attention.softcap is None  # not a head-parallel shard, which has no fused weight
@@ -516,6 +525,7 @@ _RESIDUAL = {
     "post": TransformerBlock._post,
     "sandwich": TransformerBlock._sandwich,
     "post_sublayer": TransformerBlock._post_sublayer,
+    "parallel": TransformerBlock._parallel,
 }
 
 

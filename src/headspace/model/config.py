@@ -176,6 +176,8 @@ class ModelConfig:
     embed_scale: float = 1.0
     #: Scores are scaled by 1 / sqrt(query_pre_attn_scalar) (Gemma's field); None: d_head.
     query_pre_attn_scalar: float | None = None
+    #: The unembedding has a bias (GPT-J, Phi: logits = h W_U + b_U); needs an untied unembedding.
+    unembed_bias: bool = False
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -224,7 +226,7 @@ class ModelConfig:
         if self.embed_ln is None:
             self.embed_ln = self.norm == "post"
         if self.final_ln is None:
-            self.final_ln = self.norm in ("pre", "sandwich", "post_sublayer")
+            self.final_ln = self.norm in ("pre", "sandwich", "post_sublayer", "parallel")
         for name in ("bias", "tie_embeddings", "embed_ln", "final_ln"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ModelConfig.{name} must be a bool; got {getattr(self, name)!r}")
@@ -291,9 +293,11 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.rope_local_theta must be None or a finite number > 0; got {local!r}"
             )
-        if self.qk_norm not in (None, "head", "all"):
-            raise ValueError(f"ModelConfig.qk_norm must be None, 'head' or 'all'; got {self.qk_norm!r}")
-        if self.qk_norm is not None and self.norm_kind != "rmsnorm":
+        if self.qk_norm not in (None, "head", "all", "head_layernorm"):
+            raise ValueError(
+                f"ModelConfig.qk_norm must be None, 'head', 'all' or 'head_layernorm'; got {self.qk_norm!r}"
+            )
+        if self.qk_norm in ("head", "all") and self.norm_kind != "rmsnorm":
             raise ValueError("ModelConfig.qk_norm is an RMSNorm: it needs norm_kind='rmsnorm'")
         if not _finite(self.norm_offset) or (self.norm_offset and self.norm_kind != "rmsnorm"):
             raise ValueError(
@@ -306,6 +310,11 @@ class ModelConfig:
                 raise ValueError(f"ModelConfig.{name} must be None or a finite number > 0; got {v!r}")
         if not _finite(self.embed_scale) or self.embed_scale <= 0:
             raise ValueError(f"ModelConfig.embed_scale must be a finite number > 0; got {self.embed_scale!r}")
+        if not isinstance(self.unembed_bias, bool) or (self.unembed_bias and self.tie_embeddings):
+            raise ValueError(
+                f"ModelConfig.unembed_bias must be a bool, True only with tie_embeddings=False; "
+                f"got {self.unembed_bias!r} with tie_embeddings={self.tie_embeddings!r}"
+            )
 
     @property
     def attn_scale(self) -> float:

@@ -398,9 +398,12 @@ class Decoder(_Stack):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(_check_config(config, "decoder", "Decoder"))
         c = self.config
-        self.lm_head = None if c.tie_embeddings else nn.Linear(c.d_model, c.vocab_size, bias=False)
+        bias = getattr(c, "unembed_bias", False)  # GPT-J, Phi: the unembedding has a bias
+        self.lm_head = None if c.tie_embeddings else nn.Linear(c.d_model, c.vocab_size, bias=bias)
         if self.lm_head is not None:
             nn.init.normal_(self.lm_head.weight, std=c.init_std)
+            if self.lm_head.bias is not None:
+                nn.init.zeros_(self.lm_head.bias)
 
     @property
     def W_U(self) -> Tensor:

@@ -117,7 +117,7 @@ def takes(block: Any, x: Tensor, kv_cache: KVCache | None) -> bool:
     RMSNorm or LayerNorm, no soft-capping), in eval mode without a KV cache, and that keeps fewer
     bytes than the parts' own deferrals (:func:`kept_elements`: not so for short inputs, where the
     copies of the weights outweigh the values)."""
-    if block.training or kv_cache is not None or block.reduced_precision:
+    if block.training or kv_cache is not None or block.reduced_precision or block.norm == "parallel":
         return False
     a, mlp = block.attn, block.mlp
     if type(a).forward is not MultiHeadAttention.forward or not a.fused or a.softcap is not None:

@@ -110,3 +110,27 @@ def rms_inverse(x: Tensor, eps: float, dims: tuple[int, ...] = (-1,)) -> Tensor:
     """
     hidden = x.to(torch.promote_types(x.dtype, torch.float32))  # [...]
     return torch.rsqrt(hidden.pow(2).mean(dims, keepdim=True) + eps)  # [...] with dims of size 1
+
+
+class HeadLayerNorm(nn.Module):
+    """A LayerNorm per head without bias (StableLM's ``qk_layernorm``, Cohere's ``use_qk_norm``): each
+    head's d_head features centred and scaled by their own statistics, times that head's weight.
+
+    Shapes: weight [n_heads, d_head]; x [batch, n_heads, seq, d_head] -> the same:
+    ``layer_norm(x[b, h, s], eps) * weight[h]`` (``F.layer_norm`` over d_head, no affine, then the gain).
+    """
+
+    def __init__(self, n_heads: int, d_head: int, eps: float = 1e-5) -> None:
+        super().__init__()
+        if not _is_real(eps) or not math.isfinite(eps) or eps <= 0:
+            raise ValueError(f"HeadLayerNorm eps must be a finite number > 0; got {eps!r}")
+        self.eps = float(eps)
+        self.weight = nn.Parameter(torch.ones(n_heads, d_head))  # [n_heads, d_head]
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [batch, n_heads, seq, d_head] -> [batch, n_heads, seq, d_head]."""
+        normed = F.layer_norm(x.float(), (x.shape[-1],), eps=self.eps)  # [batch, n_heads, seq, d_head]
+        return (self.weight.float()[:, None, :] * normed).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"

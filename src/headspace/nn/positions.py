@@ -43,6 +43,16 @@ Scaling (transformers' ``rope_scaling`` / ``rope_parameters``), all folded into 
     ``original / high_freq_factor`` keep their frequency, those longer than ``original / low_freq_factor``
     are divided by ``factor``, those between are interpolated smoothly (same float32 operations as
     transformers' ``_compute_llama3_parameters``).
+    ``"yarn"``, ``"dynamic"`` (NTK) and ``"longrope"``: :mod:`headspace.nn.rope_scaling` (the formulas).
+    YaRN and LongRoPE multiply cos and sin by an ``attention_factor`` (q and k grow by it on the rotated
+    features); dynamic NTK and LongRoPE pick their frequencies per call from the call's largest
+    position, as transformers' ``dynamic_rope_update`` (dynamic NTK keeps them as state: they follow the
+    longest call seen, and reset on a call shorter than the config's length).
+
+YaRN / LongRoPE and ``rotation``: with ``attention_factor`` ``a`` != 1, ``rotate(x, p)`` is ``a`` times
+the rotation on the rotated features, so the relative identity holds with ``a ** 2`` folded into the
+planes of ``R(delta)``: ``rotate(q, i) @ rotate(k, j)^T = q @ R(i - j) @ k^T`` where ``R`` is
+:meth:`Rotary.rotation` (no longer orthogonal; the pass-through block stays the identity).
 
 Numerics: ``inv_freq`` is computed in float32 exactly as transformers does; cos/sin are computed in
 float32 (float64 when float64 is asked for) and cast to the requested dtype, so float32 and bfloat16
@@ -68,7 +78,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+from . import rope_scaling
+from .rope_scaling import EXTENDED_ROPE_TYPES
+
+SUPPORTED_ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3", *EXTENDED_ROPE_TYPES)
 
 # The keys each rope_type needs besides "rope_type" itself.
 _ROPE_TYPE_KEYS: dict[str, tuple[str, ...]] = {
@@ -113,7 +126,9 @@ def _scaling_number(rope_type: str, key: str, value: Any, *, integer: bool = Fal
     return float(value)
 
 
-def _parse_scaling(scaling: Any, base: float, fraction: float) -> tuple[str, dict[str, float]]:
+def _parse_scaling(
+    scaling: Any, base: float, fraction: float, n_planes: int = 0
+) -> tuple[str, dict[str, Any]]:
     """Validate ``scaling`` and return (rope_type, its numeric parameters)."""
     if scaling is None:
         return "default", {}
@@ -133,6 +148,14 @@ def _parse_scaling(scaling: Any, base: float, fraction: float) -> tuple[str, dic
         raise ValueError(
             f"scaling (rope_scaling) 'rope_type' must be one of {list(SUPPORTED_ROPE_TYPES)}; got {got}"
         )
+    for key, ours, name in (("rope_theta", base, "base"), ("partial_rotary_factor", fraction, "fraction")):
+        if key in scaling and scaling[key] is not None and scaling[key] != ours:
+            raise ValueError(
+                f"scaling (rope_scaling) {key!r}={scaling[key]!r} disagrees with {name}={ours!r}; "
+                f"pass {name}={scaling[key]!r} or drop {key!r}"
+            )
+    if rope_type in EXTENDED_ROPE_TYPES:
+        return rope_type, rope_scaling.parse_extended(rope_type, scaling, _ECHO_KEYS, n_planes)
     needed = _ROPE_TYPE_KEYS[rope_type]
     allowed = {"rope_type", "type", *needed, *_ECHO_KEYS}
     unknown = sorted(str(k) for k in scaling if k not in allowed)
@@ -146,12 +169,6 @@ def _parse_scaling(scaling: Any, base: float, fraction: float) -> tuple[str, dic
         raise ValueError(
             f"scaling (rope_scaling) {rope_type!r} needs the keys {list(needed)}; missing {missing}"
         )
-    for key, ours, name in (("rope_theta", base, "base"), ("partial_rotary_factor", fraction, "fraction")):
-        if key in scaling and scaling[key] is not None and scaling[key] != ours:
-            raise ValueError(
-                f"scaling (rope_scaling) {key!r}={scaling[key]!r} disagrees with {name}={ours!r}; "
-                f"pass {name}={scaling[key]!r} or drop {key!r}"
-            )
     params = {
         key: _scaling_number(rope_type, key, scaling[key], integer=key == "original_max_position_embeddings")
         for key in needed
@@ -207,7 +224,9 @@ class Rotary(nn.Module):
             cos/sin are computed directly, inside the graph.
         scaling: None, ``{"rope_type": "default"}``, ``{"rope_type": "linear", "factor": f}`` or
             ``{"rope_type": "llama3", "factor", "low_freq_factor", "high_freq_factor",
-            "original_max_position_embeddings"}`` (transformers' ``rope_scaling``); ``rope_theta`` /
+            "original_max_position_embeddings"}``, or yarn / dynamic / longrope
+            (:mod:`headspace.nn.rope_scaling`: their keys, plus the config's ``max_position_embeddings``
+            where the type reads it) (transformers' ``rope_scaling``); ``rope_theta`` /
             ``partial_rotary_factor`` may come along if they agree with ``base`` / ``fraction``.
 
     Attributes:
@@ -256,7 +275,7 @@ class Rotary(nn.Module):
             )
         if max_seq_len is not None and max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be None or a positive int; got {max_seq_len!r}")
-        rope_type, params = _parse_scaling(scaling, float(base), float(fraction))
+        rope_type, params = _parse_scaling(scaling, float(base), float(fraction), rotary_dim // 2)
 
         self.d_head = d_head
         self.base = float(base)
@@ -267,11 +286,27 @@ class Rotary(nn.Module):
         self.rope_type = rope_type
         self.scaling_params = params
 
+        #: cos and sin are multiplied by it (YaRN, LongRoPE; 1 otherwise): q and k grow by it on the
+        #: rotated features.
+        self.attention_factor = 1.0
         inv_freq = _default_inv_freq(rotary_dim, self.base)  # [n_planes]
         if rope_type == "linear":
             inv_freq = inv_freq / params["factor"]
         elif rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, params)
+        elif rope_type == "yarn":
+            inv_freq, self.attention_factor = rope_scaling.yarn(rotary_dim, self.base, params)
+        elif rope_type == "longrope":
+            inv_freq = rope_scaling.longrope(rotary_dim, self.base, params, long=False)
+            self.attention_factor = rope_scaling.longrope_attention_factor(params)
+        elif rope_type == "dynamic":
+            inv_freq = rope_scaling.dynamic(rotary_dim, self.base, params, None)
+        if rope_type in ("dynamic", "longrope"):
+            self.max_seq_len = None  # the frequencies depend on the call: no fixed tables
+        # dynamic NTK's state (transformers' max_seq_len_cached) and a counter of frequency changes
+        self._cached_len = int(params.get("max_position_embeddings") or 0)
+        self._freq_version = 0
+        self._original_inv_freq = inv_freq
         self._inv_freq_cpu = inv_freq  # the float32 master copy the buffers are rebuilt from
         self.register_buffer("inv_freq", inv_freq.clone(), persistent=False)
         self.register_buffer("_cos_table", None, persistent=False)
@@ -355,10 +390,38 @@ class Rotary(nn.Module):
         else:
             cos = torch.cat((cos, cos), dim=-1)  # [batch, seq, rotary_dim]
             sin = torch.cat((sin, sin), dim=-1)  # [batch, seq, rotary_dim]
+        if self.attention_factor != 1.0:  # YaRN / LongRoPE: transformers' cos * attention_scaling
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
         return cos.to(dtype), sin.to(dtype)
+
+    def _follow(self, positions: Tensor) -> None:
+        """Dynamic NTK and LongRoPE: set ``inv_freq`` for a call at ``positions`` as transformers'
+        ``dynamic_rope_update`` does (nn/rope_scaling.py); nothing for the other types."""
+        if self.rope_type not in ("dynamic", "longrope") or positions.numel() == 0:
+            return
+        seq_len = positions.max().cpu() + 1  # 0-D int64: the call's length
+        params = self.scaling_params
+        new: Tensor | None = None
+        if self.rope_type == "longrope":
+            long = bool(seq_len > params["original_max_position_embeddings"])
+            new = rope_scaling.longrope(self.rotary_dim, self.base, params, long)
+        else:
+            original = params["max_position_embeddings"]
+            cached = self._cached_len
+            if int(seq_len) > cached:  # growth: frequencies for this length
+                new = rope_scaling.dynamic(self.rotary_dim, self.base, params, seq_len)
+                self._cached_len = int(seq_len)
+            if int(seq_len) < original and cached > original:  # back to the plain frequencies
+                new = self._original_inv_freq
+                self._cached_len = original
+        if new is not None and not torch.equal(new, self._inv_freq_cpu):
+            self._inv_freq_cpu = new
+            self.inv_freq = new.to(self.inv_freq.device)
+            self._freq_version += 1
 
     def _plane_cos_sin(self, positions: Tensor, compute_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """positions [batch, seq] (on the target device) -> cos, sin [batch, seq, n_planes], compute_dtype."""
+        self._follow(positions)
         inv_freq = self.inv_freq.to(device=positions.device, dtype=torch.float32)
         table = self._cos_table
         if (
@@ -418,11 +481,13 @@ class Rotary(nn.Module):
         dtype: torch.dtype = torch.float64,
         device: torch.device | str | None = None,
     ) -> Tensor:
-        """The orthogonal matrix ``R(delta)`` with ``rotate(x, p) == x @ R(p)`` and, for rows q and k,
-        ``rotate(q, i) @ rotate(k, j)^T == q @ R(i - j) @ k^T``.
+        """The matrix ``R(delta)``: for rows q and k, ``rotate(q, i) @ rotate(k, j)^T == q @ R(i - j) @ k^T``;
+        orthogonal, and ``rotate(x, p) == x @ R(p)``, when ``attention_factor`` is 1 (else the planes carry
+        ``attention_factor ** 2``). Dynamic NTK and LongRoPE: the frequencies of the last call.
 
-        On each plane ``(a, b)`` with frequency ``w``: ``R[a, a] = R[b, b] = cos(delta w)``,
-        ``R[a, b] = +sin(delta w)``, ``R[b, a] = -sin(delta w)``; the identity on pass-through features.
+        On each plane ``(a, b)`` with frequency ``w`` (``g = attention_factor ** 2``):
+        ``R[a, a] = R[b, b] = g cos(delta w)``, ``R[a, b] = +g sin(delta w)``, ``R[b, a] = -g sin(delta w)``;
+        the identity on pass-through features.
 
         Notation used for tensor shapes:
             d_head; delta_shape: the shape of a tensor ``delta``.
@@ -456,6 +521,8 @@ class Rotary(nn.Module):
         matrix = eye.repeat(*delta_t.shape, 1, 1)  # [*delta_shape, d_head, d_head]
         a = torch.tensor([p[0] for p in self.planes()], device=device)  # [n_planes]
         b = torch.tensor([p[1] for p in self.planes()], device=device)  # [n_planes]
+        gain = self.attention_factor**2  # YaRN / LongRoPE: q and k each scaled by attention_factor
+        cos, sin = cos * gain, sin * gain
         matrix[..., a, a] = cos
         matrix[..., b, b] = cos
         matrix[..., a, b] = sin
@@ -485,7 +552,12 @@ def rotary_tables(
     if torch.compiler.is_compiling():
         return _signed_tables(rotary, positions, dtype, device)
     inference = positions.is_inference()  # no version counter: such positions are compared by value
-    key = (None if inference else positions._version, dtype, device, torch.is_inference_mode_enabled())
+    key = (
+        None if inference else positions._version,
+        dtype,
+        device,
+        (torch.is_inference_mode_enabled(), rotary._freq_version),
+    )
     memo = _ROTARY_TABLES.get(rotary)
     if memo is not None and memo[1:5] == key:
         same = torch.equal(memo[0], positions) if inference else memo[0] is positions

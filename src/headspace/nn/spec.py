@@ -15,10 +15,11 @@ Residual layouts (``BlockSpec.layout``; ``N1``/``N2`` the block's two norms, ``A
     pre (GPT-2, Llama):    h = x + A(N1(x))            out = h + M(N2(h))
     sandwich (Gemma 2/3):  h = x + N_ao(A(N1(x)))      out = h + N_mo(M(N2(h)))
     post_sublayer (OLMo 2): h = x + N1(A(x))           out = h + N2(M(h))
-    parallel (GPT-J):      out = x + A(N1(x)) + M(N1(x))        (described; no executor runs it yet)
+    parallel (GPT-NeoX):   out = x + A(N1(x)) + M(N2(x))   (GPT-J, Phi-2, Cohere: N2 a copy of N1)
 
-A field that no executor computes yet (``chunk``, ``bias``, ``sink``, ``gate``, the ``parallel`` layout)
-may be described; each executor refuses it by the field's name (:func:`refuse_unsupported`), never
+A field that no executor computes yet (``chunk``, ``bias``, ``sink``, ``gate``; the ``parallel`` layout
+beyond the block forward) may be described; each executor refuses it by the field's name
+(:func:`refuse_unsupported`), never
 running without it. Every value is checked on construction: a bad one raises a one-line
 ``ValueError`` naming the field, what it expects and what came.
 """
@@ -34,14 +35,16 @@ from .positions import Rotary
 
 #: The kinds of normalisation layer (``NormSpec.kind``).
 NORM_KINDS = ("layernorm", "rmsnorm")
-#: The residual layouts (``BlockSpec.layout``); ``"parallel"`` is described but run by no executor yet.
+#: The residual layouts (``BlockSpec.layout``); ``"parallel"`` runs in the block forward only (the
+#: decoding step refuses it by name and decoding falls back to the forward with its KV cache).
 LAYOUTS = ("post", "pre", "sandwich", "post_sublayer", "parallel")
 #: The kinds of feed-forward network (``MLPSpec.kind``).
 MLP_KINDS = ("plain", "gated")
 #: The activations of an MLP (``MLPSpec.act``).
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
-#: QK-norm over each head's d_head (``"head"``: Qwen3, Gemma 3) or all heads at once (``"all"``: OLMo 2).
-QK_NORMS = ("head", "all")
+#: QK-norm over each head's d_head (``"head"``: Qwen3, Gemma 3) or all heads at once (``"all"``: OLMo 2),
+#: RMSNorms; ``"head_layernorm"``: a LayerNorm per head with its own weight, no bias (StableLM, Cohere).
+QK_NORMS = ("head", "all", "head_layernorm")
 #: Additive score biases (``AttentionSpec.bias``): ALiBi's per-head linear distance penalty.
 SCORE_BIASES = ("alibi",)
 #: Attention sinks (``AttentionSpec.sink``): one learned logit per head in the softmax (gpt-oss).

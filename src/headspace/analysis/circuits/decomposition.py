@@ -157,7 +157,7 @@ def residual_parts(module: nn.Module, t: Any, layer: int) -> tuple[list[str], Te
             parts = list(stack.unbind(0))
     stack = torch.stack(parts)  # (n, seq, d_model)
     block = module.blocks[layer]
-    if block.pre_ln or getattr(block, "norm", None) == "sandwich":
+    if block.pre_ln or getattr(block, "norm", None) in ("sandwich", "parallel"):  # heads read LN1(x)
         stack, bias = _freeze(block.ln1, t[f"blocks.{layer}.hook_resid_pre"][0], stack, bias)
     return names, stack, bias
 
@@ -277,7 +277,8 @@ def _layer_circuits(module: nn.Module, fold_norms: bool, offsets: Sequence[int])
             W_Q, W_K = W_Q * gains[0].double()[:, None, :], W_K * gains[1].double()[:, None, :]
         g = attn.n_heads // attn.n_kv_heads
         W_K, W_V = W_K.repeat_interleave(g, 0), W_V.repeat_interleave(g, 0)  # (H, d, dh) x 2
-        if fold_norms and getattr(block, "norm", None) in ("pre", "sandwich"):  # heads read ln1(x)
+        reads_ln1 = getattr(block, "norm", None) in ("pre", "sandwich", "parallel")  # heads read ln1(x)
+        if fold_norms and reads_ln1:
             w = block.ln1.weight.double() + getattr(block.ln1, "offset", 0.0)  # (d,)
             W_Q, W_K, W_V = W_Q * w[:, None], W_K * w[:, None], W_V * w[:, None]
         after = post_attention_norm(block)
