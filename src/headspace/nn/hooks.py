@@ -319,6 +319,28 @@ def name_hook_points(model: nn.Module) -> dict[str, HookPoint]:
     return points
 
 
+# ---------------------------------------------------------------------------------- torch's fast path
+def keep_off_torch_fast_path(module: nn.Module, args: tuple[Any, ...]) -> None:
+    """A forward pre-hook that does nothing (:func:`keep_torch_fast_path_off` registers it)."""
+    return None
+
+
+def keep_torch_fast_path_off(module: nn.Module) -> None:
+    """Keep torch's fused transformer kernels from standing in for ``module`` (and skipping its hook
+    points): register the do-nothing forward pre-hook :func:`keep_off_torch_fast_path` on it, once.
+
+    torch's ``nn.TransformerEncoderLayer`` skips its fused inference kernel when any of its modules has
+    forward hooks or pre-hooks (``why_not_sparsity_fast_path = "forward pre-/hooks are attached to the
+    module"``), because that kernel would skip them; its other conditions (``batch_first``,
+    ``in_proj_bias``, ``_qkv_same_embed_dim`` ...) describe the weights and cannot be met otherwise
+    without lying about them. So the drop-in :class:`headspace.compat.MultiheadAttention` carries this
+    one torch hook, here in the hook machinery: a layer holding it always calls the drop-in's
+    ``forward``, where headspace's hook points fire.
+    """
+    if keep_off_torch_fast_path not in module._forward_pre_hooks.values():
+        module.register_forward_pre_hook(keep_off_torch_fast_path)
+
+
 # read in C by map(): a point's every-thread functions, and its thread id -> thread-only functions
 _EVERY_THREAD = operator.attrgetter("_all_threads")
 _SOME_THREAD = operator.attrgetter("_by_thread")
