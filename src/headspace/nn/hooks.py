@@ -12,7 +12,8 @@ Deferred values: a function that only records (:func:`headspace.trace`'s) may be
 computes the value again, bit for bit, when read: :class:`Recomputed` is the general one (an op and the
 tensors, copies of weights and other deferred values it ran on). While a fully recorded block runs, the
 tensors it computed are noted with what they are recomputed from (:func:`noting_sources`,
-:func:`note_source`, :func:`source_of`), so that the attention layer and the MLP inside defer to them.
+:func:`note_source`, :func:`source_of`), so that the MLP inside, and the trace's executor
+(:mod:`headspace.model.recorded`, which runs the attention), defer to them.
 
 Threads: a function is added either for every thread (``add(fn)``, the default, as before) or for the
 calling thread only (``add(fn, this_thread=True)``, what :func:`headspace.trace`,
@@ -129,7 +130,7 @@ def deferred_tensors(value: Any) -> Iterator[Tensor]:
 # --------------------------------------------------------------------------------------------- sources
 # While a fully recorded block runs (TransformerBlock.forward), the tensors it computed from what the trace
 # holds anyway are noted here with what they are recomputed from (a tensor the trace holds, or a
-# Recomputed), so that the attention layer and the MLP inside can defer their hook points to them.
+# Recomputed), so that the trace's executor (the attention) and the MLP can defer their hook points to them.
 # (each entry holds its tensor by a weak reference: noting a tensor does not keep it alive)
 _SOURCES: ContextVar[dict[int, tuple[weakref.ref, Any]] | None] = ContextVar("hs_sources", default=None)
 
