@@ -15,15 +15,12 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "headspace"
 #: register_full_backward_pre_hook, register_backward_hook, and the global register_module_* ones.
 RAW_HOOK = re.compile(r"^register_(module_)?(forward|full_backward|backward)(_pre)?_hook$")
 
-#: the hook machinery itself, free to use torch's hooks
+#: the hook machinery itself, free to use torch's hooks (among them the drop-in's do-nothing pre-hook that
+#: keeps torch's encoder layer off its fused kernel: nn.hooks.keep_torch_fast_path_off)
 MACHINERY = "nn/hooks.py"
 
 #: path under src/headspace -> (number of raw hook uses, why it stays).
 ALLOWED: dict[str, tuple[int, str]] = {
-    # torch's TransformerEncoderLayer takes its own fused kernel (skipping every headspace hook point)
-    # unless some module of the layer has a torch hook; the other conditions it checks (batch_first,
-    # in_proj_bias, _qkv_same_embed_dim, ...) describe the weights and cannot be faked without lying
-    "attention/compat.py": (1, "do-nothing pre-hook keeping torch's encoder layer off its fast path"),
     # hook_attn_in carries the attention's input but not the keywords of its call (key_padding,
     # attn_mask, is_causal, positions, kv_cache), which recomputing q and k needs
     "analysis/lesson/chunked.py": (

@@ -244,8 +244,12 @@ def attention(attn: MultiHeadAttention, x: Tensor, kw: dict[str, Any]) -> Tensor
         q, k, v = attn._heads_qkv(x, x, x, True, True, None, positions, None)
     dropout_p = spec.dropout if attn.training else 0.0
     z, _, _ = attn.traced_attention(q, k, v, mask, dropout_p, need_pattern=False, qk_sources=qk)
-    out, W_O = recording.output_from_heads(z, attn.W_O, attn.o_bias, attn.hook_result)
-    if W_O is not None and attn.hook_z.defers:  # z is recorded, the copy of W_O kept: out costs nothing
+    W_O: Tensor | None = None
+    if attn.hook_result.active:
+        out, W_O = recording.output_from_heads(z, attn.W_O, attn.o_bias, attn.hook_result)
+    else:
+        out = attn.output_from_heads(z)  # (batch, seq, d_model)
+    if W_O is not None and attn.hook_z.active and attn.hook_z.defers:  # z recorded, W_O copied: out is free
         note_source(out, Recomputed(output_of_heads, z.detach(), W_O, copied(attn.o_bias), shape=out.shape))
     if attn.check_finite:
         refuse_non_finite("attention output (inputs were finite: check the weights)", out)

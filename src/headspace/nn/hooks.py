@@ -12,7 +12,8 @@ Deferred values: a function that only records (:func:`headspace.trace`'s) may be
 computes the value again, bit for bit, when read: :class:`Recomputed` is the general one (an op and the
 tensors, copies of weights and other deferred values it ran on). While a fully recorded block runs, the
 tensors it computed are noted with what they are recomputed from (:func:`noting_sources`,
-:func:`note_source`, :func:`source_of`), so that the attention layer and the MLP inside defer to them.
+:func:`note_source`, :func:`source_of`), so that the MLP inside, and the trace's executor
+(:mod:`headspace.model.recorded`, which runs the attention), defer to them.
 
 Threads: a function is added either for every thread (``add(fn)``, the default, as before) or for the
 calling thread only (``add(fn, this_thread=True)``, what :func:`headspace.trace`,
@@ -129,7 +130,7 @@ def deferred_tensors(value: Any) -> Iterator[Tensor]:
 # --------------------------------------------------------------------------------------------- sources
 # While a fully recorded block runs (TransformerBlock.forward), the tensors it computed from what the trace
 # holds anyway are noted here with what they are recomputed from (a tensor the trace holds, or a
-# Recomputed), so that the attention layer and the MLP inside can defer their hook points to them.
+# Recomputed), so that the trace's executor (the attention) and the MLP can defer their hook points to them.
 # (each entry holds its tensor by a weak reference: noting a tensor does not keep it alive)
 _SOURCES: ContextVar[dict[int, tuple[weakref.ref, Any]] | None] = ContextVar("hs_sources", default=None)
 
@@ -317,6 +318,28 @@ def name_hook_points(model: nn.Module) -> dict[str, HookPoint]:
                 module.name = name
             points[name] = module
     return points
+
+
+# ---------------------------------------------------------------------------------- torch's fast path
+def keep_off_torch_fast_path(module: nn.Module, args: tuple[Any, ...]) -> None:
+    """A forward pre-hook that does nothing (:func:`keep_torch_fast_path_off` registers it)."""
+    return None
+
+
+def keep_torch_fast_path_off(module: nn.Module) -> None:
+    """Keep torch's fused transformer kernels from standing in for ``module`` (and skipping its hook
+    points): register the do-nothing forward pre-hook :func:`keep_off_torch_fast_path` on it, once.
+
+    torch's ``nn.TransformerEncoderLayer`` skips its fused inference kernel when any of its modules has
+    forward hooks or pre-hooks (``why_not_sparsity_fast_path = "forward pre-/hooks are attached to the
+    module"``), because that kernel would skip them; its other conditions (``batch_first``,
+    ``in_proj_bias``, ``_qkv_same_embed_dim`` ...) describe the weights and cannot be met otherwise
+    without lying about them. So the drop-in :class:`headspace.compat.MultiheadAttention` carries this
+    one torch hook, here in the hook machinery: a layer holding it always calls the drop-in's
+    ``forward``, where headspace's hook points fire.
+    """
+    if keep_off_torch_fast_path not in module._forward_pre_hooks.values():
+        module.register_forward_pre_hook(keep_off_torch_fast_path)
 
 
 # read in C by map(): a point's every-thread functions, and its thread id -> thread-only functions
