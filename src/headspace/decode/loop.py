@@ -30,7 +30,7 @@ from ..nn.inputs import check_left_padding, check_tokens
 from ..nn.kv_cache import KVCache
 from .backends import Stepper, get_backend
 from .native import native_form
-from .step import DecoderModel, describe, products_of, unembedding
+from .step import DecoderModel, blocks_of, describe, products_of, unembedding
 
 
 @torch.no_grad()
@@ -320,11 +320,12 @@ def generation_caches(model: DecoderModel, batch: int, capacity: int) -> list[KV
     KVCaches of the same key/value heads, d_head, dtype and device and no window, else each block's own
     ``attn.make_kv_cache(batch, capacity)``. ``capacity`` may exceed ``max_seq_len`` (left padding takes
     slots, not positions)."""
-    caches = [b.attn.make_kv_cache(batch, 1) for b in model.blocks]
+    blocks = blocks_of(model)
+    caches = [b.attn.make_kv_cache(batch, 1) for b in blocks]
     kinds = {(type(c), c.k.shape[1], c.k.shape[3], c.k.dtype, c.k.device, c.window) for c in caches}
     if len(kinds) != 1 or type(caches[0]) is not KVCache or caches[0].window is not None:
         # (a sliding layer's cache keeps only its window: never one of the stacked full-length buffers)
-        return [b.attn.make_kv_cache(batch, capacity) for b in model.blocks]
+        return [b.attn.make_kv_cache(batch, capacity) for b in blocks]
     first = caches[0].k
     return KVCache.stacked(
         len(caches), batch, first.shape[1], first.shape[3], capacity, dtype=first.dtype, device=first.device

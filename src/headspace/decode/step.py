@@ -1,6 +1,8 @@
 """The decoding step, described once: what one new token computes in every block of a Decoder, by name.
 
-:func:`describe` is the one function that reads a model's internals for decoding. It returns a frozen
+:func:`describe` is the one function that reads a model's modules for decoding (each block as a typed
+:class:`~headspace.model.block.TransformerBlock`, its maths from ``block.spec``; :func:`products_of`
+reads the description the kernel policy decides by, :mod:`headspace.kernels.policy`). It returns a frozen
 :class:`DecodeStep`: per block a :class:`LayerStep` (its norms, products, head counts, rotation and
 activation, each a named field), then the final norm, the unembedding, the embedding and every hook
 point a step passes. The backends (:mod:`headspace.decode.backends`: ``"python"`` and ``"native"``)
@@ -46,6 +48,7 @@ from ..kernels.bf16 import BF16Weight, float32_rows
 from ..kernels.policy import StepProducts
 from ..kernels.prepack import pack_weight, packable
 from ..kernels.q8_0 import Q8Blocks
+from ..model.block import TransformerBlock
 from ..model.config import ModelConfig
 from ..nn.hooks import HookPoint, all_idle
 from ..nn.norms import RMSNorm
@@ -80,6 +83,8 @@ class DecoderModel(Protocol):
     @property
     def precision(self) -> str: ...
     def embed(self, tokens: Tensor, start: int = 0) -> Tensor: ...
+    def eval(self) -> Any: ...
+    def train(self, mode: bool = True) -> Any: ...
     def modules(self) -> Any: ...
     def __call__(self, *args: Any, **kwargs: Any) -> Tensor: ...
 
@@ -191,11 +196,13 @@ class DecodeStep:
         return model is not None and not model.training and all_idle(self.hook_points)
 
 
-def norm_of(norm: nn.Module | None) -> Norm | None:
-    """``norm`` described: an RMSNorm (any offset) or a LayerNorm over one dim by name, anything else as
-    ``"module"``; None for no norm."""
+def norm_of(norm: object) -> Norm | None:
+    """``norm`` (a module or None) described: an RMSNorm (any offset) or a LayerNorm over one dim by
+    name, any other module as ``"module"``; None for no norm."""
     if norm is None:
         return None
+    if not isinstance(norm, nn.Module):
+        raise TypeError(f"a norm must be an nn.Module or None; got {type(norm).__name__}")
     if type(norm) is RMSNorm:
         return Norm("rmsnorm", norm.weight, None, norm.eps, offset=float(norm.offset))
     if type(norm) is nn.LayerNorm and len(norm.normalized_shape) == 1 and norm.weight is not None:
@@ -234,7 +241,7 @@ def describe(
     makes the unembedding a ``"q8_0"`` product instead."""
     layers = []
     for block in model.blocks:
-        if not block.decode_supported:
+        if not isinstance(block, TransformerBlock) or not block.decode_supported:
             return None
         layers.append(_layer_of(block, pack_rows))
     rows = unembed_rows if pack_rows is None else pack_rows
@@ -266,11 +273,11 @@ def _activation_of(act: nn.Module, name: str) -> str:
     return name if same else "module"
 
 
-def _layer_of(block: Any, pack_rows: int | None) -> LayerStep:
-    """One block (a :class:`~headspace.block.TransformerBlock` with ``decode_supported``) described: its
-    maths read from ``block.spec`` (the layout, head counts, scale, window, QK-norm, rotation, MLP kind
-    and activation), its weights from its modules. A spec field the step does not compute raises
-    ``ValueError`` naming it (:data:`STEP_FEATURES`)."""
+def _layer_of(block: TransformerBlock, pack_rows: int | None) -> LayerStep:
+    """One block with ``decode_supported`` described: its maths read from ``block.spec`` (the layout,
+    head counts, scale, window, QK-norm, rotation, MLP kind and activation), its weights and norms from
+    its typed modules (``attn``, ``mlp``, ``ln1``/``ln2`` and a sandwich's output norms). A spec field
+    the step does not compute raises ``ValueError`` naming it (:data:`STEP_FEATURES`)."""
     spec: BlockSpec = block.spec
     refuse_unsupported(spec, "the decoding step", STEP_FEATURES)
     at, a, mlp = spec.attention, block.attn, block.mlp
@@ -326,21 +333,33 @@ def products_of(model: DecoderModel) -> StepProducts:
     plain float32 CPU matrices (precision ``"float32"`` on the CPU), whether the unembedding has a
     bias and whether every block has its decoding step."""
     c = model.config
+    blocks = [b for b in model.blocks if isinstance(b, TransformerBlock)]
     return StepProducts(
-        blocks=tuple(b.spec for b in model.blocks),
+        blocks=tuple(b.spec for b in blocks),
         vocab_size=c.vocab_size,
         d_model=c.d_model,
         float32=model.precision == "float32" and model.tok_embed.weight.device.type == "cpu",
         unembed_bias=unembedding(model)[1] is not None,
-        stepped=all(getattr(b, "decode_supported", False) for b in model.blocks),
+        stepped=len(blocks) == len(model.blocks) and all(b.decode_supported for b in blocks),
     )
+
+
+def blocks_of(model: DecoderModel) -> list[TransformerBlock]:
+    """``model.blocks`` as the :class:`~headspace.model.block.TransformerBlock` each is; a TypeError
+    naming the first that is not."""
+    blocks: list[TransformerBlock] = []
+    for i, b in enumerate(model.blocks):
+        if not isinstance(b, TransformerBlock):
+            raise TypeError(f"a decoder's blocks must be TransformerBlocks; block {i} is {type(b).__name__}")
+        blocks.append(b)
+    return blocks
 
 
 def product_weights(model: DecoderModel) -> list[Tensor]:
     """Every weight a decoding step multiplies by, in order: per block the fused QKV, W_O and the
     MLP's (gate, in, out), then the unembedding."""
     weights: list[Tensor] = []
-    for b in model.blocks:
+    for b in blocks_of(model):
         weights += [b.attn.qkv_weight, b.attn.o_weight]
         weights += [lin.weight for lin in b.mlp.modules() if isinstance(lin, nn.Linear)]
     weights.append(unembedding(model)[0])

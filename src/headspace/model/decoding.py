@@ -35,12 +35,6 @@ class StepPlan(Protocol):
         ...
 
 
-class Generate(Protocol):
-    """:func:`headspace.decode.generate`'s signature: ``(model, tokens, max_new_tokens, **options)``."""
-
-    def __call__(self, model: Any, tokens: Tensor, max_new_tokens: int, **options: Any) -> Tensor: ...
-
-
 class Plan(Protocol):
     """:func:`headspace.decode.decode_plan`'s signature: ``(model, pack_rows) -> StepPlan | None``."""
 
@@ -51,7 +45,8 @@ class Plan(Protocol):
 class Decoding:
     """The decoding a Decoder runs: ``generate`` (the sampling loop) and ``plan`` (the cached step)."""
 
-    generate: Generate
+    #: :func:`headspace.decode.generate`: ``(model, tokens, max_new_tokens, **options) -> tokens``
+    generate: Callable[..., Tensor]
     plan: Plan
 
 
