@@ -1,11 +1,12 @@
 """Pretrained weights on headspace's own code: ``load(name | folder)``, ``load_bert/gpt2/llama/gguf``.
 
-* :mod:`.hf`: reading and checking a Hugging Face folder (shared by every converter);
-  :mod:`.safetensors_file` (a safetensors header), :mod:`.shards` (the files of a sharded folder) and
-  :mod:`.empty_weights` (parameters built without values) are its parts;
+* :mod:`.hf`: reading and checking a Hugging Face folder (shared by every converter), with
+  :mod:`.safetensors_file` (a safetensors header, re-exported by :mod:`.hf`), :mod:`.shards` (a sharded
+  folder's files) and :mod:`.empty_weights` (parameters built without values, then written in place);
 * :mod:`.bert`, :mod:`.gpt2`, :mod:`.llama`: one converter per architecture (config, tensors, state dict);
-* :mod:`.gguf_format` reads GGUF files (:mod:`.gguf_gemma`: what Gemma 3 files add; :mod:`.gguf_meta`: the
-  error and checked metadata reads they share), :mod:`.gguf` puts them on a Decoder (``load_gguf``,
+* :mod:`.gguf_format` reads GGUF files (its parts: :mod:`.gguf_container`, :mod:`.gguf_config`,
+  :mod:`.gguf_tensors`, :mod:`.gguf_tokenizer`; :mod:`.gguf_gemma`: what Gemma 3 files add; :mod:`.gguf_meta`:
+  the error and checked metadata reads they share), :mod:`.gguf` puts them on a Decoder (``load_gguf``,
   smollm2, gemma3 from its four chunk packages);
 * :mod:`.wrappers`: :class:`LoadedModel` (what a loaded model offers), :class:`PretrainedEncoder`,
   :class:`PretrainedDecoder`;
