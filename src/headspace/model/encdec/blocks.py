@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 from torch import Tensor, nn
 
-from ...decode.kv_cache import KVCache
 from ...nn.hooks import HookPoint
+from ...nn.kv_cache import KVCache
 from ..block import make_norm
 from ..mlp import FeedForward, GatedFeedForward
 from .attention import EncDecAttention

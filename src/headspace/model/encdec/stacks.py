@@ -15,8 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...decode.kv_cache import KVCache
 from ...nn.hooks import HookPoint
+from ...nn.kv_cache import KVCache
 from ..block import make_norm
 from .blocks import DecoderBlock, EncoderBlock
 from .config import EncDecConfig
