@@ -38,7 +38,7 @@ from .trace import hooked
 IMPORTANCE_METHODS = ("atp*", "exact", "none")
 """The atlas's importance methods (``atlas(importance=...)``, ``headspace atlas --importance``)."""
 
-MAX_GRAD_TOKENS = 2048
+MAX_GRAD_TOKENS = 1024
 """Tokens (rows x positions) per forward and backward of the ``atp*`` pass (bounds its saved activations)."""
 
 
