@@ -448,15 +448,7 @@ def atlas(
     rounding of the model apart; identical across resumed and distributed runs.
     """
     _check_args(batch_size, top_k, max_tokens, shard_size)
-    method = check_importance(importance, ablation)
-    if importance_check is not None and (not is_int(importance_check) or importance_check < 1):
-        raise ValueError(
-            f"importance_check must be a positive int (tokens) or None; got {importance_check!r}"
-        )
-    if importance_check is not None and method == "none":
-        raise ValueError(
-            "importance_check compares atp* with exact: it needs importance 'atp*' or 'exact'; got none"
-        )
+    method = check_importance(importance, ablation, importance_check)
     if not is_int(max_piece_chars) or max_piece_chars < 1:
         raise ValueError(f"max_piece_chars must be a positive int; got {max_piece_chars!r}")
     module = as_module(model)

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..core.checks import is_int
 from .atlas_ablation import _pair_loss_sums
 from .atlas_state import AtlasState
 from .causal_inputs import last_resid
@@ -38,18 +39,26 @@ from .trace import hooked
 IMPORTANCE_METHODS = ("atp*", "exact", "none")
 """The atlas's importance methods (``atlas(importance=...)``, ``headspace atlas --importance``)."""
 
-MAX_GRAD_TOKENS = 1024
+MAX_GRAD_TOKENS = 512
 """Tokens (rows x positions) per forward and backward of the ``atp*`` pass (bounds its saved activations)."""
 
 
-def check_importance(importance: Any, ablation: Any = True) -> str:
+def check_importance(importance: Any, ablation: Any = True, check: Any = None) -> str:
     """The importance method of an :func:`~headspace.analysis.atlas` call: ``importance`` checked, ``"none"``
-    when ``ablation`` is False (the older switch)."""
+    when ``ablation`` is False (the older switch); ``check`` (``importance_check``) a positive int or None,
+    and only with a method."""
     if importance not in IMPORTANCE_METHODS:
         raise ValueError(f"importance must be one of {list(IMPORTANCE_METHODS)}; got {importance!r}")
     if not isinstance(ablation, bool):
         raise ValueError(f"ablation must be a bool; got {type(ablation).__name__} {ablation!r}")
-    return importance if ablation else "none"
+    method = importance if ablation else "none"
+    if check is not None and (not is_int(check) or check < 1):
+        raise ValueError(f"importance_check must be a positive int (tokens) or None; got {check!r}")
+    if check is not None and method == "none":
+        raise ValueError(
+            "importance_check compares atp* with exact: it needs importance 'atp*' or 'exact'; got none"
+        )
+    return method
 
 
 def _grad_leaf(x: Tensor, point: Any) -> Tensor:
