@@ -6,11 +6,15 @@ its own fresh process so that each peak RSS is its own (``ru_maxrss`` never goes
 
 * ``forward``: ``model.model(tokens)`` on every batch (the logits, as the atlas's forward computes them);
 * ``stats``: :func:`headspace.analysis.atlas` without ``ablation`` (everything else);
-* ``ablation``: the mean-ablation pass alone (``--ablation-tokens``, fewer: one replicated pass up the
-  stack per head, 270 heads), with the forward timed on the same tokens for its ratio.
+* ``ablation``: the exact mean-ablation pass alone (``--ablation-tokens``, fewer: one replicated pass up
+  the stack per head, 270 heads), with the forward timed on the same tokens for its ratio;
+* ``importance``: the default importance pass alone, AtP*'s estimate of the same column
+  (:func:`headspace.analysis.atlas_importance.attribute_batch`: one forward and one backward), on the
+  forward's tokens (issue #41: at most 3x the forward's time).
 
 Peak RSS is reported whole and above the process's RSS once the model is loaded. Targets (issue #28):
-stats >= 0.6x the forward's tokens/s; with ablation <= 10x the forward's time; peak <= 1.5x the forward's.
+stats >= 0.6x the forward's tokens/s; with ablation <= 10x the forward's time; peak <= 1.5x the forward's;
+(issue #41) the atp* importance pass <= 3x the forward's time.
 ``--tiny`` runs the same parts on a random 2-layer rotary decoder and a random token corpus (seconds: the
 smoke test's run, not a measurement).
 
@@ -87,6 +91,7 @@ def run_part(
     from headspace.analysis import atlas
     from headspace.analysis.atlas.run import _batches, _shards
     from headspace.analysis.atlas_ablation import ablate_batch
+    from headspace.analysis.atlas_importance import attribute_batch
     from headspace.analysis.atlas_state import AtlasState
     from headspace.analysis.corpus import Corpus
     from headspace.analysis.trace import as_module
@@ -102,6 +107,15 @@ def run_part(
     n = sum(w.tokens.shape[0] for w in windows)
     base = _rss_mb()
     module = as_module(model)
+
+    def forward_seconds() -> float:
+        t = time.perf_counter()
+        with torch.no_grad():
+            for toks, real, _ in _batches(windows, batch, 0):
+                module(toks, None if bool(real.all()) else real)
+        return time.perf_counter() - t
+
+    beside = forward_seconds() if part == "importance" else None  # the same process, just before
     t0 = time.perf_counter()
     with torch.no_grad():
         if part == "forward":
@@ -114,13 +128,17 @@ def run_part(
             L, H, dh = len(module.blocks), module.blocks[0].attn.n_heads, module.blocks[0].attn.d_head
             means = torch.zeros(L, H, dh, dtype=torch.float64)  # the cost does not depend on the values
             state = AtlasState(L, H, dh, 1)
+            run = ablate_batch if part == "ablation" else attribute_batch
             for toks, real, _ in _batches(windows, batch, 0):
-                ablate_batch(module, state, toks, real, means)
+                run(module, state, toks, real, means)
     seconds = time.perf_counter() - t0
     if save is not None and part == "stats":
         result.to_json(save)
-    return {"part": part, "tokens": n, "seconds": seconds, "tokens_per_s": n / seconds,
-            "peak_rss_mb": _peak_mb(), "peak_over_model_mb": _peak_mb() - base}  # fmt: skip
+    record = {"part": part, "tokens": n, "seconds": seconds, "tokens_per_s": n / seconds,
+              "peak_rss_mb": _peak_mb(), "peak_over_model_mb": _peak_mb() - base}  # fmt: skip
+    if beside is not None:  # a forward just before and just after, in this process: the load-robust ratio
+        record["forward_beside_s"] = [beside, forward_seconds()]
+    return record
 
 
 def _child(part: str, tokens: int, args: argparse.Namespace, save: Path | None = None) -> dict:
@@ -168,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--window", type=int, default=512)
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--part", choices=["forward", "stats", "ablation"], help=argparse.SUPPRESS)
+    p.add_argument("--part", choices=["forward", "stats", "ablation", "importance"], help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=None, help="JSON path (default: results/local/atlas.json)")
     p.add_argument("--save", action="store_true", help="publish: write benchmarks/results/atlas.json")
     p.add_argument("--picture", type=Path, default=None, help="also draw the grid of the stats part (PNG)")
@@ -190,12 +208,15 @@ def main(argv: list[str] | None = None) -> int:
     if saved is not None:
         draw_grid(json.loads(saved.read_text()), args.picture)
         saved.unlink()
+    imp = _child("importance", args.tokens, args)
     fwd_small = _child("forward", args.ablation_tokens, args)
     abl = _child("ablation", args.ablation_tokens, args)
     rows = [
         ("forward", fwd, 1.0, 1.0),
         ("stats (no ablation)", stats, stats["tokens_per_s"] / fwd["tokens_per_s"],
          stats["peak_over_model_mb"] / max(1e-9, fwd["peak_over_model_mb"])),
+        ("importance (atp*)", imp, imp["tokens_per_s"] / fwd["tokens_per_s"],
+         imp["peak_over_model_mb"] / max(1e-9, fwd["peak_over_model_mb"])),
         (f"forward ({fwd_small['tokens']} tok)", fwd_small, 1.0, 1.0),
         ("ablation pass", abl, abl["tokens_per_s"] / fwd_small["tokens_per_s"],
          abl["peak_over_model_mb"] / max(1e-9, fwd_small["peak_over_model_mb"])),
@@ -210,11 +231,16 @@ def main(argv: list[str] | None = None) -> int:
         fwd["seconds"] / fwd["tokens"]
     )
     print(f"stats + ablation: {with_abl:.1f}x the forward's time per token")
+    imp_ratio = imp["seconds"] / (sum(imp["forward_beside_s"]) / 2)  # against the forwards beside it
+    verdict = "met" if imp_ratio <= 3 else "not met"
+    print(f"importance (atp*): {imp_ratio:.2f}x the mean of a forward just before and after it, same process "
+          f"(target <= 3x: {verdict})")  # fmt: skip
     kept = {
         k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("part", "out")
     }
     record = {"benchmark": "atlas", "args": kept, "parts": {
-        "forward": fwd, "stats": stats, "forward_ablation_tokens": fwd_small, "ablation": abl},
+        "forward": fwd, "stats": stats, "importance": imp, "forward_ablation_tokens": fwd_small,
+        "ablation": abl}, "importance_time_ratio": imp_ratio,
         "stats_speed_ratio": rows[1][2], "stats_peak_ratio": rows[1][3],
         "ablation_time_ratio_same_tokens": abl["seconds"] / fwd_small["seconds"],
         "with_ablation_time_ratio": with_abl}  # fmt: skip

@@ -12,6 +12,9 @@ components:
 * ``eap-ig``: EAP-IG (``edge_scores(..., "eap-ig")``, 5 steps), a node's score the sum of its outgoing
   edges' scores (= the integrated-gradients attribution of the node), by magnitude.
 
+Edges: AtP over the circuit graph's edges (``atp_star(model, task, "edges", method="atp")``) is timed
+beside EAP (``edge_scores(..., "eap")``) on the same pairs (issue 41: no slower than EAP).
+
 Columns: Spearman correlation of each score with the exact ``|effect|``; top-k recall (the share of
 the exact top k among the method's top k); false negatives (components with exact ``|effect|`` >=
 ``--threshold``, normalised to the clean-corrupt gap, that the method ranks below its top k); and the
@@ -117,6 +120,7 @@ def run_task(model: Any, task: Task, args: argparse.Namespace) -> list[dict]:
     L, H = len(module.blocks), module.blocks[0].attn.n_heads
     eap_ig, t_ig = timed(lambda: edge_scores(model, task, "eap-ig", steps=5, batch_size=args.batch))
     _, t_eap = timed(lambda: edge_scores(model, task, "eap", batch_size=args.batch))
+    _, t_atp_edges = timed(lambda: atp_star(model, task, "edges", method="atp", batch_size=args.batch))
     eap_nodes = node_scores(eap_ig, L, H)
     rows = []
     for site, k in (("heads", args.k_heads), ("mlp", args.k_mlp)):
@@ -133,7 +137,7 @@ def run_task(model: Any, task: Task, args: argparse.Namespace) -> list[dict]:
             row.update(compare(score, ex, eff, k, args.threshold))
             rows.append(row)
         rows.append({"task": task.name, "site": site, "method": "exact", "k": k, "seconds": t_exact,
-                     "diagnostic": diag.to_dict(), "eap_seconds": t_eap,
+                     "diagnostic": diag.to_dict(), "eap_seconds": t_eap, "atp_edges_seconds": t_atp_edges,
                      "clean_metric": exact.clean_metric, "corrupt_metric": exact.corrupt_metric})  # fmt: skip
     return rows
 
@@ -147,6 +151,9 @@ def print_table(rows: list[dict], threshold: float) -> None:
         if r["method"] == "exact":
             d = r["diagnostic"]
             print(f"| {r['task']} | {r['site']} | exact | | | | {r['seconds']:.1f} |")
+            print(
+                f"|  |  | edges: AtP {r['atp_edges_seconds']:.2f} s, EAP {r['eap_seconds']:.2f} s | | | | |"
+            )
             print(f"|  |  | AtP* diagnostic: {d['n_sampled']} of {d['n_below']} below top {d['k']} patched, "
                   f"{len(d['hits'])} above {threshold}; false-negative fraction <= {d['p_upper']:.3f} "
                   f"({d['confidence']:.0%}) | | | | |")  # fmt: skip

@@ -182,7 +182,7 @@ def test_random_decoder_matches_per_prompt_functions() -> None:
     model = decoder()
     docs = documents()
     result = atlas(model, docs, window=12, batch_size=2, top_k=3, shard_size=3, progress=False,
-                   induction_repeated=False)  # fmt: skip
+                   induction_repeated=False, importance="exact")  # fmt: skip
     seqs = windows(docs, 12)
     assert result.n_sequences == len(seqs) and result.n_queries == sum(t.shape[0] for t in seqs)
     pats = check_attention_stats(model, result, seqs)
@@ -297,7 +297,8 @@ def test_rmsnorm_rotary_decoder_matches_per_prompt_functions(norm: str, monkeypa
     monkeypatch.setattr(atlas_ablation, "UNEMBED_POSITIONS", 5)
     model = llama_like(4, norm=norm)
     docs = documents(seed=9)
-    result = atlas(model, docs, window=10, batch_size=3, top_k=2, progress=False, induction_repeated=False)
+    kw = dict(window=10, batch_size=3, top_k=2, progress=False, induction_repeated=False)
+    result = atlas(model, docs, importance="exact", **kw)
     seqs = windows(docs, 10)
     check_attention_stats(model, result, seqs)
     de, cp = dla_reference(model, seqs, top_keys(model, seqs))
@@ -348,7 +349,8 @@ def test_gemma_style_decoder_with_sliding_windows_matches_per_prompt_functions()
     types = ["sliding"] * (L - 1) + ["full"]
     model = llama_like(6, norm="sandwich", qk_norm="head", sliding_window=3, layer_types=types)
     docs = documents(seed=11)
-    result = atlas(model, docs, window=10, batch_size=3, top_k=2, progress=False, induction_repeated=False)
+    kw = dict(window=10, batch_size=3, top_k=2, progress=False, induction_repeated=False)
+    result = atlas(model, docs, importance="exact", **kw)
     seqs = windows(docs, 10)
     check_attention_stats(model, result, seqs)
     de, cp = dla_reference(model, seqs, top_keys(model, seqs))

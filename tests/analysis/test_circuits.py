@@ -761,3 +761,5 @@ def test_atp_star_benchmark_script_runs_tiny(tmp_path: Path) -> None:
     assert {(r["site"], r["method"]) for r in data["rows"]} == {
         (s, m) for s in ("heads", "mlp") for m in methods
     }
+    exact_rows = [r for r in data["rows"] if r["method"] == "exact"]
+    assert all(r["atp_edges_seconds"] > 0 and r["eap_seconds"] > 0 for r in exact_rows)  # side by side

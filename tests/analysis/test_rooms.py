@@ -26,7 +26,9 @@ MOVED = {
     "causal_inputs": "causal.causal_inputs",
     "ablation": "causal.ablation",
     "targets": "causal.targets",
-    "atp_star": "causal.atp_star",
+    "atp_star": "circuits.atp_star",
+    "atp_edges": "circuits.atp_edges",
+    "atlas_importance": "atlas.importance",
     "budget": "causal.budget",
     "graph": "circuits.graph",
     "decomposition": "circuits.decomposition",
@@ -156,3 +158,27 @@ def test_the_scan_finds_cross_room_private_imports(tmp_path: Path) -> None:
 
 def test_no_room_imports_another_rooms_private_names() -> None:
     assert cross_room_private_imports(ANALYSIS) == []
+
+
+def room_imports(root: Path) -> dict[str, set[str]]:
+    """Per room, the other rooms its modules import (module-level and inside functions alike)."""
+    found: dict[str, set[str]] = {room: set() for room in ROOMS}
+    for room in ROOMS:
+        for path in (root / room).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if isinstance(node, ast.ImportFrom) and node.level == 2 and node.module:
+                    other = node.module.split(".")[0]
+                    if other in ROOMS and other != room:
+                        found[room].add(other)
+    return found
+
+
+def test_the_rooms_import_each_other_one_way() -> None:
+    """No two rooms import each other, directly or round a longer loop: the rooms form layers."""
+    graph = room_imports(ANALYSIS)
+
+    def reaches(start: str, goal: str, seen: set[str]) -> bool:
+        return any(n == goal or (n not in seen and reaches(n, goal, seen | {n})) for n in graph[start])
+
+    circles = [room for room in ROOMS if reaches(room, room, {room})]
+    assert circles == [], f"rooms on an import circle: {circles} ({graph})"

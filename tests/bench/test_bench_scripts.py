@@ -516,8 +516,12 @@ def test_atlas_script_tiny_model(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert doc["ablation_time_ratio_same_tokens"] == pytest.approx(
         parts["ablation"]["seconds"] / parts["forward_ablation_tokens"]["seconds"]
     )
+    imp = parts["importance"]  # issue 41: the atp* pass, with a forward just before and after it
+    assert imp["tokens"] == 192 and len(imp["forward_beside_s"]) == 2
+    assert doc["importance_time_ratio"] == pytest.approx(imp["seconds"] / (sum(imp["forward_beside_s"]) / 2))
     printed = capsys.readouterr().out
     assert "a random tiny decoder" in printed and f"{doc['with_ablation_time_ratio']:.1f}x" in printed
+    assert f"importance (atp*): {doc['importance_time_ratio']:.2f}x" in printed
 
 
 def test_heads_script_random_model(

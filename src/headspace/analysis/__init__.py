@@ -13,7 +13,7 @@ The rooms, one subpackage per product, each with its map in its ``__init__``:
   :func:`rotary_planes`, :func:`plane_scores` (:mod:`.lesson.rotary`); :func:`head_mixing`,
   :func:`wo_norms` (:mod:`.lesson.mixing`); ``explain`` (:mod:`.lesson.explain`).
 * :mod:`.causal`: what a head or an MLP causes: patching (:mod:`.causal.patching`), :func:`atp_star`
-  with :func:`exact_effects` and :func:`atp_star_diagnostic` (:mod:`.causal.atp_star`), direct logit
+  with :func:`exact_effects` and :func:`atp_star_diagnostic` (:mod:`.circuits.atp_star`), direct logit
   attribution (:mod:`.causal.attribution`), :func:`head_importance` (:mod:`.causal.ablation`), ``ablate``
   and ``prune_heads`` (:mod:`.causal.interventions`), and the memory bounds (:mod:`.causal.budget`).
 * :mod:`.circuits`: ``edge_scores``, ``find_circuit``, ``faithfulness``, ``faithfulness_curve``
@@ -38,7 +38,7 @@ from typing import Any
 from . import circuits
 from .atlas.run import Atlas, atlas
 from .causal.ablation import HeadImportance, head_importance, mean_z
-from .causal.atp_star import AtPStarResult, Diagnostic, atp_star_diagnostic, exact_effects
+from .circuits.atp_star import AtPStarResult, Diagnostic, atp_star_diagnostic, exact_effects
 from .circuits.decomposition import (
     CompositionScores,
     ScoreDecomposition,

@@ -73,7 +73,23 @@ def check_own_outputs(out_dir: Path) -> None:
 @click.option(
     "--shard-size", type=click.IntRange(min=1), default=64, show_default=True, help="Windows per shard."
 )
-@click.option("--no-ablation", is_flag=True, help="Skip the mean-ablation pass (the slow part).")
+@click.option(
+    "--importance",
+    type=click.Choice(["atp*", "exact", "none"]),
+    default="atp*",
+    show_default=True,
+    help="Each head's mean-ablation loss change: AtP* estimate (one forward and backward), exact "
+    "(one run per head: slow), or none.",
+)
+@click.option(
+    "--importance-check",
+    "importance_check",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="TOKENS",
+    help="Also run AtP* and exact on the first TOKENS tokens; their agreement goes into atlas.json.",
+)
+@click.option("--no-ablation", is_flag=True, help="Skip the importance pass (as --importance none).")
 @click.option("--device", type=click.Choice(["cpu", "cuda"]), default="cpu", show_default=True)
 def atlas_cmd(
     model_spec: str,
@@ -84,6 +100,8 @@ def atlas_cmd(
     batch_size: int,
     top_k: int,
     shard_size: int,
+    importance: str,
+    importance_check: int | None,
     no_ablation: bool,
     device: str,
 ) -> None:
@@ -92,6 +110,11 @@ def atlas_cmd(
     from ..analysis.atlas.run import atlas
     from ..core.process_group import setup_distributed, teardown
 
+    if importance_check is not None and (no_ablation or importance == "none"):
+        raise UsageError(
+            "--importance-check compares atp* with exact: it needs --importance atp* or exact; got "
+            f"{'--no-ablation' if no_ablation else '--importance none'}"
+        )
     out_dir = check_writable_folder(out)
     check_input(corpus, "--corpus", "corpus", "any")
     out_dir = output_folder(out_dir)
@@ -111,7 +134,8 @@ def atlas_cmd(
                 result = atlas(
                     model, corpus, window=window, batch_size=batch_size, top_k=top_k, max_tokens=max_tokens,
                     ablation=not no_ablation, out=out_dir, shard_size=shard_size, model_name=model_spec,
-                    dist_info=info, progress=info.is_main,
+                    dist_info=info, progress=info.is_main, importance=importance,
+                    importance_check=importance_check,
                 )  # fmt: skip
                 if info.is_main:
                     _write(result, out_dir, info.world_size)
@@ -149,8 +173,15 @@ def _write(result: Any, out_dir: Path, world_size: int) -> None:
     L, H = len(d["n_heads"]), max(d["n_heads"])
     click.echo(
         f"wrote {out_dir / 'atlas.json'} and {out_dir / 'atlas.html'} ({d['n_tokens']} tokens in "
-        f"{d['n_sequences']} windows, {L} layers x {H} heads, {world_size} process(es))"
+        f"{d['n_sequences']} windows, {L} layers x {H} heads, {world_size} process(es); importance: "
+        f"{d['importance_method']})"
     )
+    check = d.get("importance_check")
+    if check:
+        click.echo(
+            f"importance check on {check['tokens']} tokens: atp* against exact, Spearman "
+            f"{check['spearman']:.3f}, top-{check['top_k']} overlap {check['top_k_overlap']:.2f}"
+        )
 
 
 COMMANDS = (atlas_cmd,)

@@ -203,8 +203,8 @@ def _patched(model: Any, method: str, clean_text: str, corrupt_text: str, site: 
              other: str, max_memory: str | None) -> Any:  # fmt: skip
     """The result of ``--method`` on one prompt pair: a PatchResult (exact and atp of patching.py's
     sites) or an :class:`_Shown` of :mod:`..analysis.atp_star`'s (atp*, and queries/keys)."""
-    from ..analysis.causal.atp_star import atp_star, exact_effects
     from ..analysis.causal.patching import attribution_patching, patch
+    from ..analysis.circuits.atp_star import atp_star, exact_effects
 
     if site in ("heads", "heads_pos", "resid", "mlp") and method != "atp*":
         fn = patch if method == "exact" else attribution_patching

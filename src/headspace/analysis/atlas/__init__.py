@@ -11,6 +11,6 @@
 module's public names (``headspace.analysis.atlas_state`` and the other old paths are the modules here).
 """
 
-from .run import CONTEXT, Atlas, atlas
+from .run import CHECK_TOP_K, CONTEXT, Atlas, atlas
 
-__all__ = ["CONTEXT", "Atlas", "atlas"]
+__all__ = ["CHECK_TOP_K", "CONTEXT", "Atlas", "atlas"]

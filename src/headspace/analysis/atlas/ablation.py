@@ -102,12 +102,19 @@ def _clean_z(module: nn.Module, layer: int, x: Tensor, kw: dict[str, Any]) -> Te
 
 @torch.no_grad()
 def ablate_batch(
-    module: nn.Module, state: AtlasState, tokens: Tensor, real: Tensor, means: Tensor, max_rows: int = 64
+    module: nn.Module,
+    state: AtlasState,
+    tokens: Tensor,
+    real: Tensor,
+    means: Tensor,
+    max_rows: int = 64,
+    tick: Callable[[float], None] | None = None,
 ) -> None:
     """Add one batch's clean and per-head mean-ablated loss sums to ``state`` (a decoder).
 
     ``means`` float64 [n_layers, max_heads, d_head]: every head's corpus mean z. ``max_rows``: copies x
-    sequences per pass up the stack.
+    sequences per pass up the stack. ``tick(fraction)``: called after each layer's heads with the
+    fraction of the batch's work that layer was (the fractions sum to 1), for a progress bar.
     """
     B, S = tokens.shape
     kp = None if bool(real.all()) else real
@@ -149,6 +156,8 @@ def ablate_batch(
                     xr = b(xr, key_padding=kpr, is_causal=True, **positions)
             sums, _ = _pair_loss_sums(module, xr, replicate(tokens, R), replicate(real, R))
             state.ablation_sum[layer, heads] += sums.view(R, B).sum(1)  # (R, B) -> (R,)
+        if tick is not None:  # the work of a layer's runs falls with its depth: blocks layer..L-1
+            tick((len(blocks) - layer) / (len(blocks) * (len(blocks) + 1) / 2))
 
 
 def _positions(module: nn.Module, S: int, device: torch.device) -> dict[str, Any]:

@@ -181,6 +181,11 @@ def _check_state(path: Path, state: Any, windows: list[Window], blank: dict[str,
 
 def _fingerprint_error(path: Path, theirs: Any, ours: dict[str, Any]) -> ValueError:
     differ = {k for k in ours if isinstance(theirs, dict) and theirs.get(k) != ours[k]}
+    if differ == {"importance"}:
+        return ValueError(
+            f"{path}: a shard of importance {theirs.get('importance')!r}; this run asks for "
+            f"{ours['importance']!r}: use the same importance method (--importance) or a fresh output folder"
+        )
     if "weights_sha256" in differ and differ <= {"weights_sha256", "model"}:
         return ValueError(
             f"{path}: a shard of a model with other weights (weights SHA-256 "

@@ -19,7 +19,12 @@ same atlas: merged sums are fixed-point integers, so the order in which shards c
 process would (integer sums; top-k lists under a total order).
 
 Two passes over the corpus: the statistics (and each head's mean z), then, for decoders, the
-mean-ablation losses with the corpus means (``ablation=False`` skips it).
+importance column ``ablation``: each head's mean-ablation loss change with the corpus means
+(:mod:`.atlas_importance`), estimated by AtP* (``importance="atp*"``, the default: one forward and one
+backward), or exact (``importance="exact"``: one replicated run per layer and head, the slow part), or
+skipped (``importance="none"``, or ``ablation=False``). ``atlas.json`` names the method
+(``importance_method``); ``importance_check=N`` also runs both methods on the first ``N`` tokens'
+windows and records their agreement (``importance_check``: Spearman, top-k overlap).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from ..trace.trace import as_module, attention_layers
 from .ablation import ablate_batch
 from .corpus import MAX_PIECE_CHARS, Corpus, Window, check_window, read_windows, sequences
 from .guard import SHARD_FORMAT, folder_lock, read_shard, seal, weights_sha256
+from .importance import agreement, attribute_batch, check_importance
 from .measure import measure_batch
 from .state import EXAMPLE_KINDS, MEANS, AtlasState, SealedState
 
@@ -52,6 +58,9 @@ __all__ = ["SHARD_FORMAT", "Atlas", "atlas"]
 
 CONTEXT = 8
 """Tokens of context each side of an example's query and key."""
+
+CHECK_TOP_K = 10
+"""Heads in the top-k overlap of the importance check (fewer when the model has fewer)."""
 
 
 @dataclass
@@ -67,6 +76,10 @@ class Atlas:
     ``examples[layer][head]``: ``{"attention": [...], "direct_effect": [...]}``, each example a dict
     (sequence, document, query and key positions in the document, value, and the tokens around them).
     ``weights_sha256``: the fingerprint of the model's weights (:func:`.atlas_guard.weights_sha256`).
+    ``importance_method``: what produced ``ablation`` (``"atp*"``, ``"exact"``, ``"none"``);
+    ``importance_check``: None, or the sample comparison of AtP* and exact
+    (:func:`.atlas_importance.agreement`, plus ``tokens``, ``windows`` and both columns ``atp*`` and
+    ``exact`` as [layer][head] lists).
     """
 
     stats: dict[str, Tensor]
@@ -80,6 +93,8 @@ class Atlas:
     clean_loss: float | None
     n_heads: list[int]
     weights_sha256: str | None = None
+    importance_method: str = "exact"
+    importance_check: dict[str, Any] | None = None
 
     def __getattr__(self, name: str) -> Any:
         stats = self.__dict__.get("stats", {})
@@ -96,7 +111,8 @@ class Atlas:
             examples=self.examples, n_queries=self.n_queries, n_tokens=self.n_tokens,
             n_sequences=self.n_sequences, corpus_sha256=self.corpus_sha256, model=self.model,
             window=self.window, clean_loss=self.clean_loss, n_heads=self.n_heads,
-            weights_sha256=self.weights_sha256,
+            weights_sha256=self.weights_sha256, importance_method=self.importance_method,
+            importance_check=self.importance_check,
         )  # fmt: skip
         return out
 
@@ -147,8 +163,9 @@ def _run_phase(
     blank: dict[str, Any],
 ) -> SealedState | None:
     """Each of this rank's shards, read back sealed or computed and sealed; their merged state (None
-    when this rank had none). A shard that cannot be written is an ``OSError`` saying that the shards
-    sealed before it are kept (a rerun resumes from them)."""
+    when this rank had none). ``bar.update(tokens)`` follows each shard (a :class:`_Ticker` makes that
+    the rest of a shard whose work moved the bar as it went). A shard that cannot be written is an
+    ``OSError`` saying that the shards sealed before it are kept (a rerun resumes from them)."""
     merged: SealedState | None = None
     for index, windows in enumerate(shard_groups()):
         if index % info.world_size != info.rank:
@@ -267,25 +284,96 @@ class _Phase:
     progress: bool
 
 
+class _Ticker:
+    """A token bar moved by fractions of a batch while a shard is computed (``tick``) and brought to the
+    shard's whole count when it is done (``update``, what :func:`_run_phase` calls)."""
+
+    def __init__(self, bar: Any) -> None:
+        self.bar, self.part, self.shown = bar, 0.0, 0
+
+    def tick(self, tokens: float) -> None:
+        self.part += tokens
+        step = int(self.part) - self.shown
+        if step > 0:
+            self.bar.update(step)
+            self.shown += step
+
+    def update(self, tokens: int) -> None:
+        if tokens > self.shown:
+            self.bar.update(tokens - self.shown)
+        self.part, self.shown = 0.0, 0
+
+
+def _importance_batch(
+    method: str, module: Any, state: AtlasState, tokens: Tensor, real: Tensor, means: Tensor, ticker: _Ticker
+) -> None:
+    """One batch of the importance pass by ``method`` (``"atp*"`` or ``"exact"``), moving ``ticker``."""
+    n = float(real.sum())
+    if method == "exact":
+        ablate_batch(module, state, tokens, real, means, tick=lambda f: ticker.tick(f * n))
+    else:
+        attribute_batch(module, state, tokens, real, means)
+        ticker.tick(n)
+
+
 def _ablation_phase(
     run: _Phase, module: Any, merged: SealedState, blank: dict[str, Any], dims: tuple[int, int, int, int],
-    batch_size: int, pad: int, device: torch.device,
+    batch_size: int, pad: int, device: torch.device, method: str,
 ) -> SealedState:  # fmt: skip
-    """The mean-ablation pass over every shard (with the corpus means of ``merged``), merged over ranks."""
+    """The importance pass by ``method`` over every shard (with the corpus means of ``merged``), merged
+    over ranks; its shards' fingerprint names the method (a shard of another method is refused)."""
     L, H, dh, top_k = dims
     means = merged.z_means().to(device)  # (L, H, dh)
-    fingerprint = {**run.fingerprint, "means_sha256": _digest(merged.data["z_sum"])}
+    fingerprint = {**run.fingerprint, "means_sha256": _digest(merged.data["z_sum"]), "importance": method}
+    desc = "atlas: ablation (exact)" if method == "exact" else f"atlas: importance ({method})"
+    bar = progress_bar(total=run.total, desc=desc, unit="tok", disable=not run.progress)
+    ticker = _Ticker(bar)
 
     def ablate(windows: list[Window]) -> dict[str, Any]:
         state = AtlasState(L, H, dh, top_k)
         for tokens, real, _ in _batches(windows, batch_size, pad):
-            ablate_batch(module, state, tokens.to(device), real.to(device), means)
+            _importance_batch(method, module, state, tokens.to(device), real.to(device), means, ticker)
         return state.seal()
 
-    bar = progress_bar(total=run.total, desc="atlas: ablation", unit="tok", disable=not run.progress)
-    local = _run_phase("ablation", run.groups, ablate, fingerprint, run.out, run.info, bar, blank)
+    local = _run_phase("ablation", run.groups, ablate, fingerprint, run.out, run.info, ticker, blank)
     bar.close()
     return _all_ranks(local, run.info, blank)
+
+
+def _importance_check(
+    module: Any, windows: list[Window], n_tokens: int, merged: SealedState, dims: tuple[int, int, int, int],
+    batch_size: int, pad: int, device: torch.device, n_heads: list[int], progress: bool,
+) -> dict[str, Any]:  # fmt: skip
+    """Both importance methods on the first windows holding at least ``n_tokens`` tokens (all when the
+    corpus has fewer), and their :func:`.atlas_importance.agreement` over every head."""
+    sample: list[Window] = []
+    count = 0
+    for w in windows:
+        if count >= n_tokens:
+            break
+        sample.append(w)
+        count += int(w.tokens.shape[0])
+    L, H, dh, top_k = dims
+    means = merged.z_means().to(device)  # (L, H, dh)
+    bar = progress_bar(total=2 * count, desc="atlas: importance check", unit="tok", disable=not progress)
+    ticker = _Ticker(bar)
+    cols: dict[str, Tensor] = {}
+    for method in ("atp*", "exact"):
+        state = AtlasState(L, H, dh, top_k)
+        for tokens, real, _ in _batches(sample, batch_size, pad):
+            _importance_batch(method, module, state, tokens.to(device), real.to(device), means, ticker)
+        col = torch.full((L, H), float("nan"), dtype=torch.float64)
+        if state.n_pairs:
+            col = (state.ablation_sum - state.clean_sum) / state.n_pairs  # (L, H)
+        for layer, n in enumerate(n_heads):
+            col[layer, n:] = float("nan")
+        cols[method] = col
+    bar.close()
+    found = agreement(cols["atp*"], cols["exact"], min(CHECK_TOP_K, sum(n_heads)))
+    as_lists = {
+        m: [[to_plain(float(v)) for v in row[:n]] for row, n in zip(c, n_heads)] for m, c in cols.items()
+    }
+    return {"tokens": count, "windows": len(sample), **found, **as_lists}
 
 
 @dataclass
@@ -301,6 +389,8 @@ class _Settings:
     shard_size: int
     max_piece_chars: int
     progress: bool
+    importance: str = "atp*"
+    importance_check: int | None = None
 
 
 def atlas(
@@ -319,6 +409,8 @@ def atlas(
     dist_info: DistInfo | None = None,
     progress: bool = True,
     max_piece_chars: int = MAX_PIECE_CHARS,
+    importance: str = "atp*",
+    importance_check: int | None = None,
 ) -> Atlas:
     """Every head's statistics over ``corpus`` (see the module docstring and :class:`Atlas`).
 
@@ -329,8 +421,13 @@ def atlas(
         batch_size: sequences per forward pass (right-padded).
         top_k: examples kept per head and kind.
         max_tokens: stop after this many tokens (None: the whole corpus); nothing past them is read.
-        ablation: also measure each head's mean-ablation loss change (decoders; a second pass, one
-            replicated run per layer and head: the slow part).
+        ablation: False skips the importance column (as ``importance="none"``).
+        importance: how each head's mean-ablation loss change (the ``ablation`` column; decoders) is
+            measured: ``"atp*"`` (the default: AtP*'s first-order estimate, one forward and one backward
+            of the corpus, :mod:`.atlas_importance`), ``"exact"`` (one replicated run per layer and head:
+            the slow part) or ``"none"``.
+        importance_check: with a method, also run both methods on the first windows holding this many
+            tokens and record their agreement in ``importance_check`` (None: no check).
         induction_repeated: also compute :func:`induction_scores` (repeated random tokens; decoders).
         out: a folder for the sealed shards (resumable runs; locked while the run lasts, a second run
             on it is refused); None keeps everything in memory.
@@ -351,14 +448,15 @@ def atlas(
     rounding of the model apart; identical across resumed and distributed runs.
     """
     _check_args(batch_size, top_k, max_tokens, shard_size)
+    method = check_importance(importance, ablation, importance_check)
     if not is_int(max_piece_chars) or max_piece_chars < 1:
         raise ValueError(f"max_piece_chars must be a positive int; got {max_piece_chars!r}")
     module = as_module(model)
     if not attention_layers(model):
         raise ValueError(f"model has no MultiHeadAttention layer; got {type(model).__name__}")
     settings = _Settings(
-        check_window(window, module), batch_size, top_k, max_tokens, ablation, induction_repeated, shard_size,
-        max_piece_chars, progress,
+        check_window(window, module), batch_size, top_k, max_tokens, method != "none", induction_repeated,
+        shard_size, max_piece_chars, progress, method, importance_check,
     )  # fmt: skip
     corp = Corpus.of(corpus)
     info = dist_info or DistInfo(rank=0, world_size=1, local_rank=0, backend=None)
@@ -407,11 +505,17 @@ def _atlas_run(
         local = _run_phase("stats", groups, measure, fingerprint, out_dir, info, bar, blank)
         bar.close()
         merged = _all_ranks(local, info, blank)
-        ablated = None
-        if s.ablation and decoder:
+        ablated = check = None
+        method = s.importance if decoder else "none"
+        dims = (L, H, dh, s.top_k)
+        if method != "none":
             run = _Phase(groups, fingerprint, out_dir, info, total, s.progress)
-            dims = (L, H, dh, s.top_k)
-            ablated = _ablation_phase(run, module, merged, blank, dims, s.batch_size, pad, device)
+            ablated = _ablation_phase(run, module, merged, blank, dims, s.batch_size, pad, device, method)
+            if s.importance_check is not None:
+                check = _importance_check(
+                    module, read.windows, s.importance_check, merged, dims, s.batch_size, pad, device,
+                    n_heads, s.progress,
+                )  # fmt: skip
         stats, clean = _finish(merged, ablated, n_heads, decoder)
         nan = torch.full((L, H), float("nan"), dtype=torch.float64)
         repeated = decoder and s.induction_repeated
@@ -420,5 +524,6 @@ def _atlas_run(
         stats=stats, examples=_examples(model, merged, read.windows, n_heads),
         n_queries=merged.data["n_queries"], n_tokens=merged.data["n_tokens"],
         n_sequences=merged.data["n_sequences"], corpus_sha256=read.sha256, model=name, window=s.window,
-        clean_loss=clean, n_heads=n_heads, weights_sha256=weights,
+        clean_loss=clean, n_heads=n_heads, weights_sha256=weights, importance_method=method,
+        importance_check=check,
     )  # fmt: skip

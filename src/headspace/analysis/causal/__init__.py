@@ -2,8 +2,8 @@
 
 * :mod:`.patching`: activation patching, attribution patching and path patching (:func:`patch`,
   :func:`attribution_patching`, :func:`path_patch`).
-* :mod:`.atp_star`: AtP* over a task's pairs, held to exact patching (:func:`atp_star`,
-  :func:`exact_effects`).
+* AtP* (:func:`~headspace.analysis.circuits.atp_star.atp_star`) estimates what patching measures; it lives
+  with the circuits, whose graph and tasks it runs on.
 * :mod:`.attribution`: direct logit attribution and the logit lens.
 * :mod:`.ablation`: head importance, the change of a metric when each head is ablated.
 * :mod:`.engine`: the batched patching engine (runs from a layer on, many patched copies at once),
@@ -17,7 +17,6 @@
 """
 
 from .ablation import HeadImportance, head_importance, mean_z
-from .atp_star import AtPStarResult, Diagnostic, atp_star, atp_star_diagnostic, exact_effects
 from .attribution import LogitAttribution, LogitLens, direct_logit_attribution, logit_lens
 from .budget import MemoryBudgetError, parse_memory
 from .interventions import ABLATION_MODES, ablate, prune_heads
@@ -27,8 +26,6 @@ from .targets import TargetMasses
 __all__ = [
     "ABLATION_MODES",
     "EFFECT_KEYS",
-    "AtPStarResult",
-    "Diagnostic",
     "HeadImportance",
     "LogitAttribution",
     "LogitLens",
@@ -36,11 +33,8 @@ __all__ = [
     "PatchResult",
     "TargetMasses",
     "ablate",
-    "atp_star",
-    "atp_star_diagnostic",
     "attribution_patching",
     "direct_logit_attribution",
-    "exact_effects",
     "head_importance",
     "logit_lens",
     "mean_z",

@@ -8,6 +8,9 @@
   * :mod:`.head_maths`: the attention maths of all or some of a layer's heads (projection, mixing);
   * :mod:`.plan`: what a patched run computes, from the edge masks alone (:func:`~.plan.plan_run`);
   * :mod:`.patched`: the patched run itself (:func:`~.patched.patched_run`).
+* :mod:`.atp_star`: AtP* over a task's pairs (heads, positions, MLPs, queries, keys), held to exact
+  patching (:func:`atp_star`, :func:`exact_effects`, :func:`atp_star_diagnostic`); :mod:`.atp_edges`: AtP
+  over the graph's edges.
 * :mod:`.tasks`: clean/corrupt prompt pairs as token ids (:func:`ioi_task`, :func:`load_task`,
   :func:`make_task`).
 * :mod:`.decomposition`: one head's score split over (query part) x (key part), and Q/K/V composition
@@ -17,6 +20,7 @@
 that module's public names. (Not :mod:`headspace.attention.circuits`, the QK/OV FactoredMatrix module.)
 """
 
+from .atp_star import AtPStarResult, Diagnostic, atp_star, atp_star_diagnostic, exact_effects
 from .decomposition import CompositionScores, ScoreDecomposition, composition_scores, score_decomposition
 from .edges import (
     METHODS,
@@ -37,16 +41,21 @@ from .tasks import Task, ioi_task, load_task, make_task
 __all__ = [
     "METHODS",
     "MIB_FRACTIONS",
+    "AtPStarResult",
     "Circuit",
     "CompositionScores",
+    "Diagnostic",
     "EdgeScores",
     "Faithfulness",
     "FaithfulnessCurve",
     "Graph",
     "ScoreDecomposition",
     "Task",
+    "atp_star",
+    "atp_star_diagnostic",
     "composition_scores",
     "edge_scores",
+    "exact_effects",
     "faithfulness",
     "faithfulness_curve",
     "find_circuit",

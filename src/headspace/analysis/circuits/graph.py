@@ -65,7 +65,7 @@ __all__ = [
 ]
 
 #: The projection's public name here, for modules that write their own forward through the same maths
-#: (:mod:`~headspace.analysis.causal.atp_star`, which needs the attention pattern itself).
+#: (:mod:`~headspace.analysis.circuits.atp_star`, which needs the attention pattern itself).
 project_qkv = project
 
 

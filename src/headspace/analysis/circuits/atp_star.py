@@ -14,7 +14,9 @@ Sites (``site=``; every layer the same head counts, as for :mod:`.graph`):
 * ``"mlp"``: each MLP's output -> [layer];
 * ``"queries"``: each query head's ``q`` (after its bias and rotary), all positions -> [layer, head];
 * ``"keys"``: each key/value head's ``k`` (after bias and rotary; under grouped-query attention shared by
-  its group's query heads) -> [layer, kv_head].
+  its group's query heads) -> [layer, kv_head];
+* ``"edges"``: the circuit graph's edges (:mod:`.atp_edges`; plain AtP only, ``method="atp"``) -> an
+  :class:`~headspace.analysis.circuits.EdgeScores` [sender, receiver].
 
 **AtP** (first order, one clean forward, one corrupt forward and backward per batch of pairs)::
 
@@ -69,10 +71,10 @@ from torch import Tensor, nn
 
 from ...core.checks import is_int
 from .._common import JsonResult, eval_mode
-from ..circuits.edges import task_of
-from ..circuits.graph import RotaryTables, frozen_parameters, graph_of, project_qkv
-from ..circuits.tasks import Task
-from .causal_inputs import stack_of
+from ..causal.causal_inputs import stack_of
+from .edges import task_of
+from .graph import RotaryTables, frozen_parameters, graph_of, project_qkv
+from .tasks import Task
 
 __all__ = [
     "METHODS",
@@ -367,20 +369,23 @@ def _place(total: Tensor, value: Tensor) -> None:
 def atp_star(
     model: Any, task: Any, site: str = "heads", *, method: str = "atp*", qk_fix: bool | None = None,
     graddrop: bool | None = None, batch_size: int = 32,
-) -> AtPStarResult:  # fmt: skip
+) -> Any:  # fmt: skip
     """AtP* (or plain AtP) estimates of every component's patching effect on ``task`` (module docstring).
 
     Args:
         model: a loaded pre-norm decoder (``headspace.load("smollm2")``) or a bare Decoder.
         task: a :class:`~headspace.analysis.tasks.Task` or ``"ioi"`` (the built-in task, 256 pairs).
-        site: "heads", "heads_pos", "mlp", "queries" or "keys".
+        site: "heads", "heads_pos", "mlp", "queries", "keys" or "edges" (with ``method="atp"``).
         method: "atp*" (QK fix and GradDrop) or "atp" (neither); ``qk_fix``/``graddrop`` override one fix.
         batch_size: at most this many pairs per forward pass.
 
     Returns:
         :class:`AtPStarResult`: ``estimate`` [*axes] (signed, metric units), ``score`` [*axes] (the ranking:
-        GradDrop's ``1/(L-1) sum_l |c_l|`` with ``graddrop``, else ``|estimate|``), ``effect`` normalised.
+        GradDrop's ``1/(L-1) sum_l |c_l|`` with ``graddrop``, else ``|estimate|``), ``effect`` normalised;
+        for ``site="edges"`` an :class:`~headspace.analysis.circuits.EdgeScores` (:mod:`.atp_edges`).
     """
+    if site == "edges":
+        return _edges(model, task, method, qk_fix, graddrop, batch_size)
     site = _check_site(site)
     if method not in METHODS:
         raise ValueError(f"method must be one of {list(METHODS)}; got {method!r}")
@@ -412,6 +417,21 @@ def atp_star(
         score=score.float(), effect=_normalised(est, clean_m, corrupt_m).float(), clean_metric=clean_m,
         corrupt_metric=corrupt_m, n_pairs=n, qk_fix=qk_fix, graddrop=graddrop,
     )  # fmt: skip
+
+
+def _edges(model: Any, task: Any, method: Any, qk_fix: Any, graddrop: Any, batch_size: int) -> Any:
+    """``site="edges"``: plain AtP over the graph's edges; the fixes refused by name (:mod:`.atp_edges`)."""
+    from .atp_edges import atp_edges  # beside this module; it imports the circuits' scoring
+
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {list(METHODS)}; got {method!r}")
+    star = method == "atp*"
+    if (star if qk_fix is None else bool(qk_fix)) or (star if graddrop is None else bool(graddrop)):
+        raise ValueError(
+            "site 'edges' takes method='atp' (plain AtP, EAP's cost): the QK fix and GradDrop per edge are "
+            f"not implemented; got method={method!r}, qk_fix={qk_fix!r}, graddrop={graddrop!r}"
+        )
+    return atp_edges(model, task, batch_size=batch_size)
 
 
 def _method_name(qk_fix: bool, graddrop: bool) -> str:
