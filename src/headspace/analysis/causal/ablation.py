@@ -362,15 +362,7 @@ def head_importance(
     scores = [torch.full((attn.n_heads,), float("nan"), dtype=torch.float64) for _, attn in layers]
     with eval_mode(module):
         if callable(metric):
-            name = getattr(metric, "__name__", type(metric).__name__)
-            baseline = float(metric(model))
-            desc = f"ablating heads ({name}, {mode})"
-            bar = progress_bar(todo, desc=desc, unit="head", disable=not progress)
-            for layer, head in bar:
-                with ablate(model, {(layer, head): mode}, means=means):
-                    value = float(metric(model))
-                ablated[layer][head] = value
-                scores[layer][head] = value - baseline
+            name, baseline = _by_callable(model, metric, mode, means, todo, ablated, scores, progress)
         else:
             m: _Metric = (_Loss if metric == "loss" else _Cosine)(model, module, batches)
             name = m.name
@@ -389,6 +381,23 @@ def head_importance(
     return HeadImportance(
         scores=pad_heads(scores), ablated=pad_heads(ablated), baseline=float(baseline), metric=name, mode=mode
     )
+
+
+def _by_callable(
+    model: Any, metric: Callable[[Any], float], mode: str, means: Any, todo: list[tuple[int, int]],
+    ablated: list[Tensor], scores: list[Tensor], progress: bool,
+) -> tuple[str, float]:  # fmt: skip
+    """:func:`head_importance` with a callable metric: one :func:`ablate` run per head, written into
+    ``ablated`` and ``scores`` (per layer, [n_heads]); returns the metric's name and the baseline."""
+    name = getattr(metric, "__name__", type(metric).__name__)
+    baseline = float(metric(model))
+    bar = progress_bar(todo, desc=f"ablating heads ({name}, {mode})", unit="head", disable=not progress)
+    for layer, head in bar:
+        with ablate(model, {(layer, head): mode}, means=means):
+            value = float(metric(model))
+        ablated[layer][head] = value
+        scores[layer][head] = value - baseline
+    return name, baseline
 
 
 def _checked_importance_args(
