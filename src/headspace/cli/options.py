@@ -43,8 +43,9 @@ MODEL_HELP = (
     "'minilm' (all-MiniLM-L6-v2, an encoder), 'smollm2' (SmolLM2-135M-Instruct, a decoder), 'gemma3' or "
     "'gemma3-270m' (Gemma-3-270M, a decoder), a folder holding a Hugging Face checkpoint (config.json + "
     "model.safetensors: BERT, GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo 2 or "
-    "SmolLM3), or a .gguf file (Llama family, Gemma 3). T5, BART, Marian and Whisper folders load in Python "
-    "(headspace.load); no command runs an encoder-decoder yet."
+    "SmolLM3), or a .gguf file (Llama family, Gemma 3). T5, BART, Marian and Whisper folders and "
+    "'whisper-base' (Whisper base, from its CTranslate2 file) load in Python (headspace.load); no command "
+    "runs an encoder-decoder yet."
 )
 
 
