@@ -22,7 +22,7 @@ import torch
 import transformers
 
 import headspace
-from headspace.pretrained.ctranslate2 import CT2Error, read_ctranslate2
+from headspace.pretrained.ctranslate2 import CT2Error, parse_ctranslate2, read_ctranslate2
 from headspace.pretrained.encdec.features import log_mel, mel_filters, read_wav, wav_features
 from headspace.pretrained.encdec.whisper_base import (
     load_whisper_ctranslate2,
@@ -273,6 +273,25 @@ def test_reader_refuses_each_corrupted_field(model_bytes: bytes, tmp_path: Path,
     with pytest.raises((CT2Error, ValueError), match=message) as e:
         load_whisper_ctranslate2(path, whisper_base_files()["tokenizer"], name="whisper-test")
     assert "\n" not in str(e.value)
+
+
+def test_mutated_header_bytes_raise_only_ct2_error(model_bytes: bytes) -> None:
+    """Random byte changes in the header and the first records, and in the aliases: the file loads or is
+    refused with a CT2Error; never another exception."""
+    at = _offsets(model_bytes)
+    spots = [*range(at["dtype"] + 6), *range(at["aliases"], len(model_bytes))]
+    rng = np.random.default_rng(0)
+    refused = 0
+    for _ in range(24):
+        data = bytearray(model_bytes)
+        for i in rng.choice(spots, size=2, replace=False):
+            data[i] = int(rng.integers(0, 256))
+        try:
+            whisper_ct2_state_dict(parse_ctranslate2(data), SPECIAL)
+        except CT2Error as e:
+            assert "\n" not in str(e)
+            refused += 1
+    assert refused >= 12  # most such changes break the file
 
 
 def test_reader_refuses_what_is_not_a_file(tmp_path: Path) -> None:
