@@ -26,6 +26,7 @@ from headspace.pretrained.ctranslate2 import CT2Error, parse_ctranslate2, read_c
 from headspace.pretrained.encdec.features import log_mel, mel_filters, read_wav, wav_features
 from headspace.pretrained.encdec.whisper_base import (
     load_whisper_ctranslate2,
+    whisper_base_alignment_heads,
     whisper_base_files,
     whisper_ct2_state_dict,
 )
@@ -97,6 +98,15 @@ def test_found_through_package_metadata_and_joined_in_order(model: headspace.Enc
         51865,
     )
     assert (c.decoder_start_token_id, c.eos_token_id) == (50258, 50257)
+
+
+def test_config_alignment_heads_and_precision() -> None:
+    heads = whisper_base_alignment_heads()
+    assert heads == [(3, 1), (4, 2), (4, 3), (4, 7), (5, 1), (5, 2), (5, 4), (5, 6)]
+    with pytest.raises(
+        ValueError, match=r"whisper-base loads at precision 'float32' only for now; got 'int8'"
+    ):
+        headspace.load("whisper-base", precision="int8")
 
 
 def test_missing_package_named_with_its_install_line(monkeypatch: pytest.MonkeyPatch) -> None:

