@@ -21,15 +21,8 @@ MACHINERY = "nn/hooks.py"
 
 #: path under src/headspace -> (number of raw hook uses, why it stays).
 ALLOWED: dict[str, tuple[int, str]] = {
-    # hook_attn_in carries the attention's input but not the keywords of its call (key_padding,
-    # attn_mask, is_causal, positions, kv_cache), which recomputing q and k needs
-    "analysis/lesson/chunked.py": (
-        1,
-        "each_layer_qk needs the attention call's keywords; no hook point has them",
-    ),
-    # no hook point holds the attention's output before a sandwich / post-sublayer norm
-    # (hook_attn_out is after it); the atlas reads that norm's scale from it
-    "analysis/atlas/measure.py": (1, "post-attention norm's input: no hook point holds it"),
+    # empty: what no tensor hook point carries (a call's keywords, a norm's input) is read through the
+    # machinery's on_call (each_layer_qk's masks and positions, the atlas's post-attention norm input)
 }
 
 

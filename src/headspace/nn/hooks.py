@@ -342,6 +342,23 @@ def keep_torch_fast_path_off(module: nn.Module) -> None:
         module.register_forward_pre_hook(keep_off_torch_fast_path)
 
 
+def on_call(module: nn.Module, fn: Callable[..., None]) -> Callable[[], None]:
+    """Run ``fn(module, args, kwargs)`` before every call of ``module``, with the call's positional and
+    keyword arguments; returns the function that removes it.
+
+    The hook machinery's one way to read a call's arguments: what no tensor hook point carries (an
+    attention call's ``key_padding``, ``attn_mask``, ``is_causal``, ``positions``; a norm's input where
+    no hook point sits before it). ``fn`` may raise to stop the run (the exception propagates to the
+    caller). Analyses use this, or hook points, never torch's module hooks directly
+    (``tests/test_no_raw_hooks.py``).
+    """
+
+    def call(m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        fn(m, args, kwargs)
+
+    return module.register_forward_pre_hook(call, with_kwargs=True).remove
+
+
 # read in C by map(): a point's every-thread functions, and its thread id -> thread-only functions
 _EVERY_THREAD = operator.attrgetter("_all_threads")
 _SOME_THREAD = operator.attrgetter("_by_thread")

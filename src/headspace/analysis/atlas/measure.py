@@ -46,6 +46,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ...nn.hooks import on_call
 from ...nn.masks import RowMasks
 from ...nn.norms import rms_inverse
 from ..causal.causal_inputs import is_decoder, post_attention_norm
@@ -337,12 +338,12 @@ def measure_batch(
             if post is not None:  # its factor at the layer's output, kept as [B, S] (not the output)
                 m.post[i] = post
 
-                def scale(norm: nn.Module, args: tuple[Any, ...], i: int = i) -> None:
+                def scale(norm: nn.Module, args: tuple[Any, ...], _kw: Any, i: int = i) -> None:
                     m.post_scale[i] = norm_split(norm, args[0])[1]  # (B, S)
 
                 # no hook point holds the attention's output before this norm (hook_attn_out is after
-                # it): a torch pre-hook on the norm, the one raw hook left here (tests/test_no_raw_hooks)
-                removers.append(post.register_forward_pre_hook(scale).remove)
+                # it): the norm's call input, through the hook machinery's on_call
+                removers.append(on_call(post, scale))
         try:
             out = []
             each_layer_qk(

@@ -47,6 +47,7 @@ from torch import Tensor
 
 from ...attention.layer import MultiHeadAttention, check_input_tensor, rotary_tables, rotate_fused
 from ...core.checks import is_int
+from ...nn.hooks import on_call
 from ..causal.targets import TargetMasses
 from ..trace.trace import attention_layers
 from .pattern_blocks import (
@@ -500,17 +501,15 @@ def each_layer_qk(
 
         return hook
 
-    handles = [
-        all_layers[i][1].register_forward_pre_hook(make_hook(i, all_layers[i][0]), with_kwargs=True)
-        for i in dict.fromkeys(chosen)
-    ]
+    # the call's keywords (masks, positions) are no tensor hook point's: the hook machinery's on_call
+    removers = [on_call(all_layers[i][1], make_hook(i, all_layers[i][0])) for i in dict.fromkeys(chosen)]
     try:
         run()
     except _Stop:
         pass
     finally:
-        for h in handles:
-            h.remove()
+        for remove in removers:
+            remove()
     missing = [i for i in chosen if i not in seen]
     if missing:
         raise ValueError(f"run() never called the attention layers {missing} of this model")
