@@ -1,8 +1,8 @@
 """The explorer page: one self-contained HTML file (its CSS, JS and data inline, no request made).
 
-``render_page(data)`` fills the packaged ``assets/template.html`` with ``explorer.css``, ``explorer.js``
-and the JSON of :func:`~headspace.viz.explorer.data.build_page_data`; ``write_page`` writes it
-atomically; :class:`Explorer` does both from a model and a sentence and shows inline in Jupyter;
+``render_page(data)`` fills the packaged ``assets/template.html`` with ``explorer.css``, ``explorer_draw.js``
+then ``explorer.js`` (one script), and the JSON of :func:`~headspace.viz.explorer.data.build_page_data`;
+``write_page`` writes it atomically; :class:`Explorer` does both from a model and a sentence and shows inline in Jupyter;
 ``serve_page`` serves a written page on localhost.
 """
 
@@ -45,7 +45,8 @@ _PLACEHOLDERS = re.compile(r"/\*__CSS__\*/|/\*__JS__\*/|__DATA__|__TITLE__|__BLO
 
 @cache
 def asset(name: str) -> str:
-    """The text of a packaged asset (``template.html``, ``explorer.js``, ``explorer.css``)."""
+    """The text of a packaged asset (``template.html``, ``explorer_draw.js``, ``explorer.js``,
+    ``explorer.css``)."""
     return resources.files(__package__).joinpath("assets", name).read_text(encoding="utf-8")
 
 
@@ -65,7 +66,8 @@ def render_page(data: dict[str, Any]) -> str:
     if not isinstance(data, dict) or "layers" not in data or "tokens" not in data:
         raise TypeError("data must be the dict from build_page_data (with 'tokens' and 'layers')")
     title = html.escape(str(data.get("title", "headspace explorer")))
-    template, js, css, block = asset("template.html"), asset("explorer.js"), asset("explorer.css"), ""
+    template, css, block = asset("template.html"), asset("explorer.css"), ""
+    js = asset("explorer_draw.js") + "\n" + asset("explorer.js")  # the helpers first, in one script
     big = blob.base64_chars(data) >= blob.BLOB_MIN_CHARS
     if big:
         data, deflated = blob.to_blob(data)
