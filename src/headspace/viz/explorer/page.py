@@ -2,8 +2,8 @@
 
 ``render_page(data)`` fills the packaged ``assets/template.html`` with ``explorer.css``, ``explorer_draw.js``
 then ``explorer.js`` (one script), and the JSON of :func:`~headspace.viz.explorer.data.build_page_data`;
-``write_page`` writes it atomically; :class:`Explorer` does both from a model and a sentence and shows inline in Jupyter;
-``serve_page`` serves a written page on localhost.
+``write_page`` writes it atomically; :class:`Explorer` does both from a model and a sentence and shows
+inline in Jupyter; ``serve_page`` serves a written page on localhost.
 """
 
 from __future__ import annotations
