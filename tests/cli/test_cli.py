@@ -479,6 +479,10 @@ def test_every_model_option_says_what_load_accepts():
         "gemma3_text": "Gemma 3",
         "olmo2": "OLMo 2",
         "smollm3": "SmolLM3",
+        "mixtral": "Mixtral",
+        "qwen2_moe": "Qwen2-MoE",
+        "qwen3_moe": "Qwen3-MoE",
+        "olmoe": "OLMoE",
     }
     assert set(FOLDER_LOADERS) <= set(shown), "a new folder model type: name it in MODEL_HELP"
     for kind in FOLDER_LOADERS:

@@ -43,6 +43,7 @@ from ..nn.spec import BlockSpec, MLPSpec, NormSpec, features_of, refuse_unsuppor
 from . import recorded
 from .mlp import ACTIVATIONS as ACTIVATIONS  # re-exported: the MLPs' old home
 from .mlp import FeedForward, GatedFeedForward, _fire, make_activation
+from .moe import MixtureOfExperts, moe_of
 
 #: Residual/LayerNorm arrangements accepted by :class:`TransformerBlock`.
 NORMS = ("post", "pre", "sandwich", "post_sublayer")
@@ -65,7 +66,7 @@ def make_norm(kind: str, d_model: int, eps: float, offset: float = 0.0) -> nn.Mo
 
 
 #: The block features (:func:`~headspace.nn.spec.features_of`) :meth:`TransformerBlock.forward` computes.
-BLOCK_FEATURES = ("window", "softcap", "qk_norm")
+BLOCK_FEATURES = ("window", "softcap", "qk_norm", "moe")
 
 
 def _check_block_args(
@@ -104,6 +105,10 @@ def _check_block_fits(old: BlockSpec, new: BlockSpec) -> None:
         "mlp.kind": (old.mlp.kind, new.mlp.kind),
         "mlp.d_mlp": (old.mlp.d_mlp, new.mlp.d_mlp),
         "mlp.bias": (old.mlp.bias, new.mlp.bias),
+        "mlp.n_experts": (old.mlp.n_experts, new.mlp.n_experts),
+        "mlp.top_k": (old.mlp.top_k, new.mlp.top_k),
+        "mlp.norm_topk": (old.mlp.norm_topk, new.mlp.norm_topk),
+        "mlp.d_shared": (old.mlp.d_shared, new.mlp.d_shared),
         "layout == 'sandwich'": (old.layout == "sandwich", new.layout == "sandwich"),
     }
     for name, (have, got) in fixed.items():
@@ -231,7 +236,9 @@ class TransformerBlock(nn.Module):
         self.ln1 = make_norm(n.kind, d, n.eps, n.offset)
         m = spec.mlp
         kind = GatedFeedForward if m.kind == "gated" else FeedForward
-        self.mlp: FeedForward | GatedFeedForward = kind(d, m.d_mlp, act=m.act, bias=m.bias)
+        self.mlp: FeedForward | GatedFeedForward | MixtureOfExperts = (
+            moe_of(d, m) if m.kind == "moe" else kind(d, m.d_mlp, act=m.act, bias=m.bias)
+        )
         self.ln2 = make_norm(n.kind, d, n.eps, n.offset)
         sandwich = spec.layout == "sandwich"
         # sandwich norms only: the norms of each sublayer's output, before the residual add

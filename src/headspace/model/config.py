@@ -15,8 +15,8 @@ from ..attention.layer import resolve_head_dims
 from ..attention.pruning import kept_kv_heads
 from ..core.checks import check_index, check_positive_int, check_probability, is_int
 from ..nn.positions import Rotary
-from ..nn.spec import AttentionSpec, BlockSpec, MLPSpec, NormSpec
-from .block import ACTIVATIONS, MLP_KINDS, NORM_KINDS, NORMS
+from ..nn.spec import MLP_KINDS, AttentionSpec, BlockSpec, MLPSpec, NormSpec
+from .block import ACTIVATIONS, NORM_KINDS, NORMS
 
 ARCHS = ("encoder", "decoder")
 #: The kinds of attention layer (``ModelConfig.layer_types``): a sliding window, or every earlier key.
@@ -146,6 +146,13 @@ class ModelConfig:
     #: The feed-forward network: "plain" (act(x W_in) W_out) or "gated" (act(x W_gate) * (x W_in)) W_out,
     #: SwiGLU with act="silu").
     mlp_kind: str = "plain"
+    #: mlp_kind="moe" only (mixture of experts, :mod:`headspace.model.moe`): the number of experts (each
+    #: a gated MLP of width d_mlp), how many each token takes, whether their k weights are renormalised
+    #: to sum to 1, and the width of the shared gated expert (None: none).
+    n_experts: int | None = None
+    experts_top_k: int | None = None
+    experts_norm_topk: bool = False
+    shared_expert_d_mlp: int | None = None
     #: Biases on the q, k and v projections; derived: bias (Qwen2: True with bias=False).
     qkv_bias: bool | None = None
     #: Bias on the attention output projection (b_O); derived: bias.
@@ -338,7 +345,14 @@ class ModelConfig:
         return BlockSpec(
             attention=attention,
             mlp=MLPSpec(
-                self.d_mlp, self.mlp_kind, self.act, bias if self.mlp_bias is None else self.mlp_bias
+                self.d_mlp,
+                self.mlp_kind,
+                self.act,
+                bias if self.mlp_bias is None else self.mlp_bias,
+                n_experts=self.n_experts,
+                top_k=self.experts_top_k,
+                norm_topk=self.experts_norm_topk,
+                d_shared=self.shared_expert_d_mlp,
             ),
             norm=NormSpec(self.norm_kind, float(self.ln_eps), float(self.norm_offset)),
             layout=self.norm,
@@ -382,7 +396,8 @@ class ModelConfig:
             )
         if self.mlp_kind not in MLP_KINDS:
             raise ValueError(
-                f"ModelConfig.mlp_kind must be one of {list(MLP_KINDS)} ('gated' = SwiGLU / GeGLU); "
+                f"ModelConfig.mlp_kind must be one of {list(MLP_KINDS)} ('gated' = SwiGLU / GeGLU, 'moe' = "
+                "mixture of experts); "
                 f"got {self.mlp_kind!r}"
             )
         for name in ("qkv_bias", "out_bias", "mlp_bias"):

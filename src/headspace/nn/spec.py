@@ -37,7 +37,7 @@ NORM_KINDS = ("layernorm", "rmsnorm")
 #: The residual layouts (``BlockSpec.layout``); ``"parallel"`` is described but run by no executor yet.
 LAYOUTS = ("post", "pre", "sandwich", "post_sublayer", "parallel")
 #: The kinds of feed-forward network (``MLPSpec.kind``).
-MLP_KINDS = ("plain", "gated")
+MLP_KINDS = ("plain", "gated", "moe")
 #: The activations of an MLP (``MLPSpec.act``).
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 #: QK-norm over each head's d_head (``"head"``: Qwen3, Gemma 3) or all heads at once (``"all"``: OLMo 2).
@@ -175,18 +175,39 @@ class AttentionSpec:
 @dataclass(frozen=True)
 class MLPSpec:
     """A position-wise MLP of hidden width ``d_mlp``: ``"plain"`` ``act(x W_in + b_in) W_out + b_out`` or
-    ``"gated"`` ``(act(x W_gate + b_gate) * (x W_in + b_in)) W_out + b_out``; ``bias`` switches every bias."""
+    ``"gated"`` ``(act(x W_gate + b_gate) * (x W_in + b_in)) W_out + b_out``; ``bias`` switches every bias.
+
+    ``"moe"``: a mixture of ``n_experts`` gated experts of width ``d_mlp`` each, ``top_k`` of them per
+    token, chosen by the router's softmax (``norm_topk``: the k weights renormalised to sum to 1);
+    ``d_shared``: the width of a shared gated expert that every token takes, scaled by ``sigmoid(x w_sg)``
+    (Qwen2-MoE), None for none (:class:`headspace.model.moe.MixtureOfExperts`). The expert fields must be
+    None / False for the other kinds."""
 
     d_mlp: int
     kind: str = "plain"
     act: str = "gelu"
     bias: bool = True
+    n_experts: int | None = None
+    top_k: int | None = None
+    norm_topk: bool = False
+    d_shared: int | None = None
 
     def __post_init__(self) -> None:
         _positive_int("MLPSpec", "d_mlp", self.d_mlp)
         _choice("MLPSpec", "kind", self.kind, MLP_KINDS)
         _choice("MLPSpec", "act", self.act, ACTIVATIONS)
         _bool("MLPSpec", "bias", self.bias)
+        _bool("MLPSpec", "norm_topk", self.norm_topk)
+        _optional_positive_int("MLPSpec", "d_shared", self.d_shared)
+        if self.kind != "moe":
+            for name in ("n_experts", "top_k", "d_shared"):
+                if getattr(self, name) is not None:
+                    raise _fail("MLPSpec", name, f"None for kind={self.kind!r}", getattr(self, name))
+            return
+        _positive_int("MLPSpec", "n_experts", self.n_experts)
+        _positive_int("MLPSpec", "top_k", self.top_k)
+        if self.top_k > self.n_experts:  # type: ignore[operator]
+            raise _fail("MLPSpec", "top_k", f"at most n_experts={self.n_experts}", self.top_k)
 
 
 @dataclass(frozen=True)
@@ -220,23 +241,31 @@ class BlockSpec:
 
 def features_of(spec: AttentionSpec | BlockSpec) -> list[str]:
     """The names of the features ``spec`` sets beyond the classic block, in :data:`ATTENTION_FEATURES`
-    order, then ``"layout"`` for a block whose layout is ``"parallel"``."""
+    order, then ``"layout"`` for a block whose layout is ``"parallel"`` and ``"moe"`` for a block whose
+    MLP is a mixture of experts."""
     attention = spec.attention if isinstance(spec, BlockSpec) else spec
     found = [name for name in ATTENTION_FEATURES if getattr(attention, name) is not None]
     if isinstance(spec, BlockSpec) and spec.layout == "parallel":
         found.append("layout")
+    if isinstance(spec, BlockSpec) and spec.mlp.kind == "moe":
+        found.append("moe")
     return found
 
 
 def refuse_unsupported(spec: AttentionSpec | BlockSpec, executor: str, supported: tuple[str, ...]) -> None:
     """Raise ``ValueError("{executor} does not support the attention field '{name}' ...")`` for the first
     feature of ``spec`` (:func:`features_of`) that is not in ``supported``; the ``parallel`` layout is
-    named as ``the block field 'layout' ('parallel')``. Nothing where every feature is supported."""
+    named as ``the block field 'layout' ('parallel')``, a mixture of experts as ``the block field
+    'mlp.kind' ('moe' ...)``. Nothing where every feature is supported."""
     for name in features_of(spec):
         if name in supported:
             continue
         if name == "layout":
             raise ValueError(f"{executor} does not support the block field 'layout' ('parallel')")
+        if name == "moe":
+            raise ValueError(
+                f"{executor} does not support the block field 'mlp.kind' ('moe': mixture of experts)"
+            )
         attention = spec.attention if isinstance(spec, BlockSpec) else spec
         raise ValueError(
             f"{executor} does not support the attention field {name!r} (set to {getattr(attention, name)!r})"
