@@ -9,6 +9,7 @@ experts with the same router row), broken as torch.topk breaks them in transform
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,8 @@ import torch
 import transformers as T
 
 import headspace as hs
-from headspace.decode import describe
+from headspace.decode import describe, native, python
+from headspace.decode.step import _layer_of
 from headspace.model.moe import MixtureOfExperts
 from headspace.nn.spec import MLPSpec
 
@@ -157,21 +159,33 @@ def test_expert_outputs_sum_to_the_mlp_and_ablation_removes_one(saved: dict) -> 
         mlp.ablate_experts([E])
 
 
-def test_decoding_runs_moe_by_forward_and_the_step_refuses_it_by_name(saved: dict) -> None:
+def test_decoding_runs_moe_by_forward_and_each_step_refuses_it_by_name(saved: dict) -> None:
     folder, ref = saved["olmoe"]
     ours = hs.load(folder)
     assert describe(ours.model) is None  # no cached step stands in for a mixture-of-experts block
-    with pytest.raises(ValueError, match=r"does not support the block field 'mlp.kind' \('moe"):
-        from headspace.decode.step import _layer_of
-
+    moe_field = r"does not support the block field 'mlp.kind' \('moe"
+    with pytest.raises(ValueError, match="the decoding step " + moe_field):
         _layer_of(ours.model.blocks[0], None)
+    # a step whose description carries the experts (a dense step given an MoE block's spec): each
+    # backend names the field rather than running a dense MLP in its place
+    dense = hs.Decoder(dataclasses.replace(ours.config, mlp_kind="gated", n_experts=None, experts_top_k=None,
+                                           experts_norm_topk=False)).eval()  # fmt: skip
+    step = describe(dense)
+    assert step is not None
+    layers = tuple(
+        dataclasses.replace(x, spec=b.spec) for x, b in zip(step.layers, ours.model.blocks, strict=True)
+    )
+    moe_step = dataclasses.replace(step, layers=layers)
+    with pytest.raises(ValueError, match="the native decoding step " + moe_field):
+        native.native_form(moe_step)
+    with pytest.raises(ValueError, match="the Python decoding step " + moe_field):
+        python.prepare(moe_step)
     prompt = torch.randint(3, V, (1, 5))
     with torch.no_grad():
         want = ref.generate(
             prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False, pad_token_id=0
         )
-    got = ours.generate(prompt, 6, temperature=0)
-    assert torch.equal(got, want)
+    assert torch.equal(ours.generate(prompt, 6, temperature=0), want)  # forward with the KV cache
 
 
 def test_bad_moe_fields_are_refused_naming_the_field(tmp_path: Path) -> None:
