@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.nn.functional as F
 import transformers as T
 
 import headspace as hs
@@ -200,3 +201,42 @@ def test_bad_moe_fields_are_refused_naming_the_field(tmp_path: Path) -> None:
         moe_config({**cfg, "mlp_only_layers": [0]})
     with pytest.raises(ValueError, match="num_experts_per_tok must be at most the 5 experts; got 6"):
         moe_config({**cfg, "num_experts_per_tok": 6})
+
+
+def test_gpt_oss_experts_equal_transformers_mlp() -> None:
+    """gpt-oss's MLP alone (router bias, top-k before the softmax, expert biases, clamped SwiGLU with
+    gate and up interleaved) against transformers' GptOssMLP on the same random weights."""
+    from headspace.model.moe import moe_of
+    from headspace.pretrained.gpt_oss import GPT_OSS_MLP, gpt_oss_mlp_state
+
+    torch.manual_seed(3)
+    config = T.GptOssConfig(
+        hidden_size=D, intermediate_size=DM, num_local_experts=E, num_experts_per_tok=K, swiglu_limit=0.9
+    )  # fmt: skip  (a small limit, so that the clamps bite)
+    ref = transformers_gpt_oss_mlp(config)
+    ours = moe_of(D, MLPSpec(DM, act="silu", n_experts=E, top_k=K, swiglu_limit=0.9, swiglu_alpha=1.702,
+                             **GPT_OSS_MLP))  # fmt: skip
+    ours.load_state_dict(gpt_oss_mlp_state(ref.state_dict()), strict=True)
+    x = torch.randn(2, 7, D)
+    with torch.no_grad():
+        want, _ = ref(x)
+        got = ours(x)
+        gate = F.linear(x, ours.experts_gate[0], ours.experts_gate_bias[0])
+    assert bool((gate > 0.9).any())  # the clamp changes some values
+    torch.testing.assert_close(got, want, atol=1e-5 * float(want.abs().max()), rtol=0)
+    with torch.no_grad():  # the routing: the same experts, weights the softmax over their k logits
+        _, scores, indices = ref.router(x.reshape(-1, D))
+        dense = ours.route(x).reshape(-1, E)
+    assert torch.equal(dense.ne(0).nonzero()[:, 1].reshape(-1, K).sort(-1).values, indices.sort(-1).values)
+    torch.testing.assert_close(dense.gather(-1, indices), scores, atol=1e-6, rtol=0)
+
+
+def transformers_gpt_oss_mlp(config: Any) -> Any:
+    """transformers' GptOssMLP of ``config`` with every parameter random (the router's bias too)."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    mlp = GptOssMLP(config).eval()
+    with torch.no_grad():
+        for name, p in mlp.named_parameters():
+            p.copy_((1.0 if name.startswith("router") else 0.3) * torch.randn_like(p))
+    return mlp

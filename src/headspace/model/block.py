@@ -109,6 +109,10 @@ def _check_block_fits(old: BlockSpec, new: BlockSpec) -> None:
         "mlp.top_k": (old.mlp.top_k, new.mlp.top_k),
         "mlp.norm_topk": (old.mlp.norm_topk, new.mlp.norm_topk),
         "mlp.d_shared": (old.mlp.d_shared, new.mlp.d_shared),
+        "mlp.routing": (old.mlp.routing, new.mlp.routing),
+        "mlp.router_bias": (old.mlp.router_bias, new.mlp.router_bias),
+        "mlp.swiglu_limit": (old.mlp.swiglu_limit, new.mlp.swiglu_limit),
+        "mlp.swiglu_alpha": (old.mlp.swiglu_alpha, new.mlp.swiglu_alpha),
         "layout == 'sandwich'": (old.layout == "sandwich", new.layout == "sandwich"),
     }
     for name, (have, got) in fixed.items():

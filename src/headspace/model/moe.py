@@ -10,7 +10,13 @@ For each position ``x`` [d_model], with ``E`` experts of width ``d_mlp`` and ``k
     MoE(x) = sum_j w_j y_{i_j}  +  sigmoid(x w_sg) Shared(x)   (the shared term: Qwen2-MoE only)
 
 exactly as transformers' ``*TopKRouter`` / ``*Experts`` compute it (the routing weights of unchosen
-experts are 0, so the sum runs over the chosen ones only).
+experts are 0, so the sum runs over the chosen ones only). gpt-oss (``routing="topk_softmax"``,
+``router_bias``, expert biases, ``swiglu_limit`` / ``swiglu_alpha``)::
+
+    r     = x W_R + b_R
+    v, i  = topk(r, k);   w = softmax(v)            the softmax over the k chosen logits only
+    g     = min(x W_gate[e] + b_gate[e], limit);   u = clamp(x W_in[e] + b_in[e], -limit, limit)
+    y_e   = ((u + 1) * g * sigmoid(alpha g)) W_out[e] + b_out[e]
 
 Hook points (``batch``, ``seq``; ``E`` = ``n_experts``):
 
@@ -58,6 +64,10 @@ class MixtureOfExperts(nn.Module):
         act: str = "silu",
         norm_topk: bool = False,
         d_shared: int | None = None,
+        routing: str = "softmax_topk",
+        router_bias: bool = False,
+        bias: bool = False,
+        swiglu: tuple[float, float] | None = None,
     ) -> None:
         super().__init__()
         for name, value in (("d_model", d_model), ("d_mlp", d_mlp), ("n_experts", n_experts)):
@@ -65,14 +75,21 @@ class MixtureOfExperts(nn.Module):
         check_positive_int("top_k", top_k)
         if top_k > n_experts:
             raise ValueError(f"top_k must be at most n_experts={n_experts}; got {top_k}")
+        if routing not in ("softmax_topk", "topk_softmax"):
+            raise ValueError(f"routing must be 'softmax_topk' or 'topk_softmax'; got {routing!r}")
         self.n_experts, self.top_k, self.norm_topk, self.act_name = n_experts, top_k, norm_topk, act
+        self.routing, self.swiglu = routing, swiglu
         self.act = make_activation(act)
-        self.router = nn.Linear(d_model, n_experts, bias=False)
+        self.router = nn.Linear(d_model, n_experts, bias=router_bias)
         self.experts_gate = nn.Parameter(torch.empty(n_experts, d_mlp, d_model))
         self.experts_in = nn.Parameter(torch.empty(n_experts, d_mlp, d_model))
         self.experts_out = nn.Parameter(torch.empty(n_experts, d_model, d_mlp))
         for w in (self.experts_gate, self.experts_in, self.experts_out):
             nn.init.normal_(w, std=0.02)
+        shapes = {"experts_gate_bias": (n_experts, d_mlp), "experts_in_bias": (n_experts, d_mlp),
+                  "experts_out_bias": (n_experts, d_model)}  # fmt: skip
+        for name, shape in shapes.items():
+            self.register_parameter(name, nn.Parameter(torch.zeros(shape)) if bias else None)
         self.shared: GatedFeedForward | None = None
         self.shared_gate: nn.Linear | None = None
         if d_shared is not None:
@@ -97,11 +114,19 @@ class MixtureOfExperts(nn.Module):
     def route(self, x: Tensor) -> Tensor:
         """[batch, seq, d_model] -> the dense routing weights [batch, seq, n_experts] (float32; 0 for the
         experts not chosen), firing the router's hook points."""
-        logits = _fire(self.hook_router_logits, F.linear(x, self.router.weight))  # (batch, seq, E)
+        logits = F.linear(x, self.router.weight, self.router.bias)  # (batch, seq, E)
+        logits = _fire(self.hook_router_logits, logits)
+        if self.routing == "topk_softmax":  # gpt-oss: the k largest logits, then their softmax
+            probs = logits
+            top_i = _fire(self.hook_top_k, torch.topk(logits, self.top_k, dim=-1).indices)  # (batch, seq, k)
+            top_w = F.softmax(logits.gather(-1, top_i), dim=-1, dtype=logits.dtype)  # (batch, seq, k)
+            dense = torch.zeros_like(probs).scatter(-1, top_i, top_w)  # (batch, seq, E)
+            if self.ablated:
+                dense[..., list(self.ablated)] = 0.0
+            return _fire(self.hook_routing, dense)
         probs = F.softmax(logits, dim=-1, dtype=torch.float)  # (batch, seq, E)
-        top_w, top_i = torch.topk(probs, self.top_k, dim=-1)  # (batch, seq, k) each
-        top_i = _fire(self.hook_top_k, top_i)
-        top_w = probs.gather(-1, top_i)  # (batch, seq, k): the same values, or the edited choices'
+        top_i = _fire(self.hook_top_k, torch.topk(probs, self.top_k, dim=-1).indices)  # (batch, seq, k)
+        top_w = probs.gather(-1, top_i)  # (batch, seq, k): the top values (or the edited choices')
         if self.norm_topk:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         dense = torch.zeros_like(probs).scatter(-1, top_i, top_w)  # (batch, seq, E)
@@ -110,10 +135,22 @@ class MixtureOfExperts(nn.Module):
         return _fire(self.hook_routing, dense.to(logits.dtype))
 
     def expert(self, e: int, x: Tensor) -> Tensor:
-        """Expert ``e``'s unweighted output ``(act(x W_gate[e]) * (x W_in[e])) W_out[e]``:
-        [..., d_model] -> [..., d_model]."""
-        hidden = self.act(F.linear(x, self.experts_gate[e])) * F.linear(x, self.experts_in[e])  # (..., d_mlp)
-        return F.linear(hidden, self.experts_out[e])  # (..., d_model)
+        """Expert ``e``'s unweighted output ``(act(x W_gate[e]) * (x W_in[e])) W_out[e]`` (with biases
+        and the clamped SwiGLU where set: module docstring): [..., d_model] -> [..., d_model]."""
+        b_gate, b_in, b_out = (None if b is None else b[e] for b in self._expert_biases())
+        gate = F.linear(x, self.experts_gate[e], b_gate)  # (..., d_mlp)
+        up = F.linear(x, self.experts_in[e], b_in)  # (..., d_mlp)
+        if self.swiglu is None:
+            hidden = self.act(gate) * up  # (..., d_mlp)
+        else:
+            limit, alpha = self.swiglu
+            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+            hidden = (up + 1) * (gate * torch.sigmoid(gate * alpha))  # (..., d_mlp)
+        return F.linear(hidden, self.experts_out[e], b_out)  # (..., d_model)
+
+    def _expert_biases(self) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """(gate, in, out) biases of the experts ([E, d_mlp], [E, d_mlp], [E, d_model]) or Nones."""
+        return self.experts_gate_bias, self.experts_in_bias, self.experts_out_bias
 
     def forward(self, x: Tensor) -> Tensor:
         """[batch, seq, d_model] -> [batch, seq, d_model]: the routed experts' weighted sum, plus the
@@ -152,9 +189,11 @@ def moe_of(d_model: int, spec: MLPSpec) -> MixtureOfExperts:
     """The :class:`MixtureOfExperts` an ``MLPSpec`` of kind ``"moe"`` describes, on ``d_model``."""
     if spec.kind != "moe" or spec.n_experts is None or spec.top_k is None:
         raise ValueError(f"moe_of needs an MLPSpec of kind 'moe'; got kind={spec.kind!r}")
-    if spec.bias:
-        raise ValueError("MLPSpec.bias must be False for kind 'moe' (experts without biases); got True")
+    swiglu = None
+    if spec.swiglu_limit is not None and spec.swiglu_alpha is not None:
+        swiglu = (float(spec.swiglu_limit), float(spec.swiglu_alpha))
     return MixtureOfExperts(
         d_model, spec.d_mlp, spec.n_experts, spec.top_k,
-        act=spec.act, norm_topk=spec.norm_topk, d_shared=spec.d_shared,
+        act=spec.act, norm_topk=spec.norm_topk, d_shared=spec.d_shared, routing=spec.routing,
+        router_bias=spec.router_bias, bias=spec.bias, swiglu=swiglu,
     )  # fmt: skip

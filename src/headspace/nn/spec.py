@@ -38,6 +38,10 @@ NORM_KINDS = ("layernorm", "rmsnorm")
 LAYOUTS = ("post", "pre", "sandwich", "post_sublayer", "parallel")
 #: The kinds of feed-forward network (``MLPSpec.kind``).
 MLP_KINDS = ("plain", "gated", "moe")
+#: How a mixture of experts weighs its k experts (``MLPSpec.routing``): ``"softmax_topk"`` (the softmax
+#: over all experts, then the k largest: Mixtral, Qwen-MoE, OLMoE) or ``"topk_softmax"`` (the k largest
+#: logits, then the softmax over those k: gpt-oss).
+ROUTINGS = ("softmax_topk", "topk_softmax")
 #: The activations of an MLP (``MLPSpec.act``).
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 #: QK-norm over each head's d_head (``"head"``: Qwen3, Gemma 3) or all heads at once (``"all"``: OLMo 2).
@@ -180,8 +184,12 @@ class MLPSpec:
     ``"moe"``: a mixture of ``n_experts`` gated experts of width ``d_mlp`` each, ``top_k`` of them per
     token, chosen by the router's softmax (``norm_topk``: the k weights renormalised to sum to 1);
     ``d_shared``: the width of a shared gated expert that every token takes, scaled by ``sigmoid(x w_sg)``
-    (Qwen2-MoE), None for none (:class:`headspace.model.moe.MixtureOfExperts`). The expert fields must be
-    None / False for the other kinds."""
+    (Qwen2-MoE), None for none (:class:`headspace.model.moe.MixtureOfExperts`). ``routing``: one of
+    :data:`ROUTINGS`; ``router_bias``: the router has a bias (gpt-oss); ``bias``: each expert's three
+    projections have biases. ``swiglu_limit`` / ``swiglu_alpha`` (gpt-oss's clamped SwiGLU, both or
+    neither): ``g = min(x W_gate, limit)``, ``u = clamp(x W_in, -limit, limit)``, hidden ``(u + 1) g
+    sigmoid(alpha g)`` in place of ``act(x W_gate) (x W_in)``. The expert fields must keep their
+    defaults for the other kinds."""
 
     d_mlp: int
     kind: str = "plain"
@@ -191,6 +199,10 @@ class MLPSpec:
     top_k: int | None = None
     norm_topk: bool = False
     d_shared: int | None = None
+    routing: str = "softmax_topk"
+    router_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float | None = None
 
     def __post_init__(self) -> None:
         _positive_int("MLPSpec", "d_mlp", self.d_mlp)
@@ -199,10 +211,19 @@ class MLPSpec:
         _bool("MLPSpec", "bias", self.bias)
         _bool("MLPSpec", "norm_topk", self.norm_topk)
         _optional_positive_int("MLPSpec", "d_shared", self.d_shared)
+        _choice("MLPSpec", "routing", self.routing, ROUTINGS)
+        _bool("MLPSpec", "router_bias", self.router_bias)
+        for name in ("swiglu_limit", "swiglu_alpha"):
+            if getattr(self, name) is not None:
+                _positive_float("MLPSpec", name, getattr(self, name))
+        if (self.swiglu_limit is None) != (self.swiglu_alpha is None):
+            raise _fail("MLPSpec", "swiglu_alpha", "set exactly when swiglu_limit is", self.swiglu_alpha)
         if self.kind != "moe":
-            for name in ("n_experts", "top_k", "d_shared"):
-                if getattr(self, name) is not None:
-                    raise _fail("MLPSpec", name, f"None for kind={self.kind!r}", getattr(self, name))
+            defaults = {"n_experts": None, "top_k": None, "d_shared": None, "routing": "softmax_topk",
+                        "router_bias": False, "swiglu_limit": None}  # fmt: skip
+            for name, default in defaults.items():
+                if getattr(self, name) != default:
+                    raise _fail("MLPSpec", name, f"{default!r} for kind={self.kind!r}", getattr(self, name))
             return
         _positive_int("MLPSpec", "n_experts", self.n_experts)
         _positive_int("MLPSpec", "top_k", self.top_k)
