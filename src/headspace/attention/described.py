@@ -19,7 +19,7 @@ import dataclasses
 from ..nn.spec import AttentionSpec, refuse_unsupported
 
 #: The attention features (:data:`~headspace.nn.spec.ATTENTION_FEATURES`) the layer's forward computes.
-FORWARD_FEATURES = ("window", "softcap", "qk_norm")
+FORWARD_FEATURES = ("window", "softcap", "qk_norm", "sink")
 
 
 class DescribedAttention:
@@ -65,6 +65,7 @@ class DescribedAttention:
             "out_bias": self.o_bias is not None,  # type: ignore[attr-defined]
             "positions is None": self._modules.get("rotary") is None,  # type: ignore[attr-defined]
             "qk_norm is None": q_norm is None,
+            "sink is None": self._parameters.get("sinks") is None,  # type: ignore[attr-defined]
         }
         wanted = {
             "d_model": spec.d_model,
@@ -73,6 +74,7 @@ class DescribedAttention:
             "out_bias": spec.out_bias,
             "positions is None": spec.positions is None,
             "qk_norm is None": spec.qk_norm is None,
+            "sink is None": spec.sink is None,
         }
         if width is not None:
             found["qk_norm width"] = width
