@@ -483,6 +483,7 @@ def test_every_model_option_says_what_load_accepts():
         "qwen2_moe": "Qwen2-MoE",
         "qwen3_moe": "Qwen3-MoE",
         "olmoe": "OLMoE",
+        "gpt_oss": "gpt-oss",
     }
     assert set(FOLDER_LOADERS) <= set(shown), "a new folder model type: name it in MODEL_HELP"
     for kind in FOLDER_LOADERS:

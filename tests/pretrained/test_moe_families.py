@@ -10,6 +10,7 @@ experts with the same router row), broken as torch.topk breaks them in transform
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +241,50 @@ def transformers_gpt_oss_mlp(config: Any) -> Any:
         for name, p in mlp.named_parameters():
             p.copy_((1.0 if name.startswith("router") else 0.3) * torch.randn_like(p))
     return mlp
+
+
+def test_gpt_oss_logits_patterns_and_sinks_equal_transformers(tmp_path: Path) -> None:
+    """gpt-oss (plain RoPE: YaRN is refused by name): sinks, q/k/v/o biases, sliding / full layers,
+    the experts; every zero-initialised parameter (sinks, router and expert biases) random."""
+    torch.manual_seed(4)
+    config = T.GptOssConfig(
+        vocab_size=V, hidden_size=D, intermediate_size=DM, num_hidden_layers=L, num_attention_heads=H,
+        num_key_value_heads=3, head_dim=DH, num_local_experts=E, num_experts_per_tok=K, sliding_window=W,
+        max_position_embeddings=64, layer_types=["sliding_attention", "full_attention"], swiglu_limit=1.5,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, pad_token_id=0, eos_token_id=2,
+        tie_word_embeddings=False,
+    )  # fmt: skip
+    model = T.GptOssForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            scale = 1.0 if ("router" in name or "sinks" in name) else 0.2
+            p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else scale * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    ref = T.GptOssForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager", experts_implementation="eager"
+    )
+    ours = hs.load(tmp_path)
+    assert ours.config.layer_types == ["sliding", "full"] and ours.config.attn_sink
+    assert sum(p.numel() for p in ours.model.parameters()) == sum(p.numel() for p in ref.parameters())
+    tokens = torch.randint(3, V, (2, 11))
+    with torch.no_grad():
+        want = ref.eval()(input_ids=tokens, output_attentions=True, output_router_logits=True)
+        with hs.trace(ours.model, names=["*.hook_pattern", "*.hook_sink", "*.hook_router_logits"]) as t:
+            got = ours(tokens)
+    torch.testing.assert_close(got, want.logits, atol=1e-4 * float(want.logits.abs().max()), rtol=0)
+    for layer in range(L):
+        torch.testing.assert_close(t.pattern(layer), want.attentions[layer], atol=1e-5, rtol=0)
+        sink = t[f"blocks.{layer}.attn.hook_sink"]  # (batch, heads, seq)
+        torch.testing.assert_close(t.pattern(layer).sum(-1), 1 - sink, atol=1e-6, rtol=0)
+        router, want_router = (
+            t[f"blocks.{layer}.mlp.hook_router_logits"].reshape(-1, E),
+            want.router_logits[layer],
+        )
+        atol = 1e-5 * max(1.0, float(want_router.abs().max()))  # (scaled to their largest magnitude)
+        torch.testing.assert_close(router, want_router, atol=atol, rtol=0)
+    assert float(t.pattern(0)[:, :, W:, 0].abs().max()) == 0.0  # the sliding layer's window
+    yarn = {**json.loads((tmp_path / "config.json").read_text()), "rope_parameters": {"rope_type": "yarn",
+            "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16}}  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(yarn))
+    with pytest.raises(ValueError, match="yarn"):
+        hs.load(tmp_path)

@@ -43,7 +43,7 @@ MODEL_HELP = (
     "'minilm' (all-MiniLM-L6-v2, an encoder), 'smollm2' (SmolLM2-135M-Instruct, a decoder), 'gemma3' or "
     "'gemma3-270m' (Gemma-3-270M, a decoder), a folder holding a Hugging Face checkpoint (config.json + "
     "model.safetensors: BERT, GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo 2, "
-    "SmolLM3, or the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE and OLMoE), "
+    "SmolLM3, or the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss), "
     "or a .gguf file (Llama family, Gemma 3)."
 )
 

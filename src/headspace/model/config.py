@@ -153,6 +153,14 @@ class ModelConfig:
     experts_top_k: int | None = None
     experts_norm_topk: bool = False
     shared_expert_d_mlp: int | None = None
+    #: mlp_kind="moe": how the k experts are weighed ("softmax_topk" or gpt-oss's "topk_softmax"), a
+    #: router bias, and gpt-oss's clamped SwiGLU (limit, alpha; None: the plain gated act).
+    experts_routing: str = "softmax_topk"
+    router_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float | None = None
+    #: Learned attention sinks on every layer (gpt-oss: one logit per head in each row's softmax).
+    attn_sink: bool = False
     #: Biases on the q, k and v projections; derived: bias (Qwen2: True with bias=False).
     qkv_bias: bool | None = None
     #: Bias on the attention output projection (b_O); derived: bias.
@@ -341,6 +349,7 @@ class ModelConfig:
             positions=positions, scale=self.attn_scale, window=self.layer_window(layer),
             softcap=self.attn_softcap, qk_norm=self.qk_norm, qk_norm_eps=self.ln_eps,
             qk_norm_offset=self.norm_offset, dropout=self.attn_dropout,
+            sink="learned" if self.attn_sink else None,
         )  # fmt: skip
         return BlockSpec(
             attention=attention,
@@ -353,6 +362,10 @@ class ModelConfig:
                 top_k=self.experts_top_k,
                 norm_topk=self.experts_norm_topk,
                 d_shared=self.shared_expert_d_mlp,
+                routing=self.experts_routing,
+                router_bias=self.router_bias,
+                swiglu_limit=self.swiglu_limit,
+                swiglu_alpha=self.swiglu_alpha,
             ),
             norm=NormSpec(self.norm_kind, float(self.ln_eps), float(self.norm_offset)),
             layout=self.norm,

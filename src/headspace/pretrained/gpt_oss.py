@@ -19,6 +19,8 @@ from typing import Any
 
 from torch import Tensor
 
+from .hf import ConfigFields
+
 #: The MLPSpec fields of a gpt-oss layer beyond the sizes (``swiglu_limit`` / ``swiglu_alpha`` from
 #: the config: transformers' defaults 7.0 and 1.702).
 GPT_OSS_MLP: dict[str, Any] = {"kind": "moe", "routing": "topk_softmax", "router_bias": True, "bias": True}
@@ -40,3 +42,54 @@ def gpt_oss_mlp_state(t: Mapping[str, Tensor], prefix: str = "") -> dict[str, Te
         "experts_in_bias": gate_up_bias[:, 1::2].contiguous(),  # (E, d_mlp)
         "experts_out_bias": t[e + "down_proj_bias"].float(),  # (E, d_model)
     }
+
+
+def gpt_oss_fields(f: ConfigFields) -> dict[str, Any]:
+    """The ModelConfig fields of a gpt-oss config beyond its Mistral-like attention: biases on q, k, v
+    and o (``attention_bias``), sinks, and the experts (router bias, top-k before the softmax, expert
+    biases, the clamped SwiGLU)."""
+    bias = f.flag("attention_bias", True)
+    return dict(
+        qkv_bias=bias,
+        out_bias=bias,
+        attn_sink=True,
+        mlp_kind="moe",
+        mlp_bias=True,
+        experts_routing="topk_softmax",
+        router_bias=True,
+        experts_norm_topk=False,
+        swiglu_limit=f.number("swiglu_limit", 7.0, low=0.0, low_open=True),
+        swiglu_alpha=f.number("swiglu_alpha", 1.702, low=0.0, low_open=True),
+    )
+
+
+def gpt_oss_tensors(
+    c: Any, prefix: str, attention: list[Any]
+) -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
+    """``attention`` (the Llama family's (ours, HF tensors) pieces without the MLP) plus each layer's
+    sinks and fused experts (module docstring), one HF tensor per piece."""
+    d, dm, n = c.d_model, c.d_mlp, c.n_experts
+    out = list(attention)
+    for i in range(c.n_layers):
+        p, b = f"{prefix}layers.{i}.", f"blocks.{i}."
+        out.append((b + "attn.sinks", [(p + "self_attn.sinks", (c.n_heads,))]))
+        shapes = {
+            "router.weight": (n, d),
+            "router.bias": (n,),
+            "experts.gate_up_proj": (n, d, 2 * dm),
+            "experts.gate_up_proj_bias": (n, 2 * dm),
+            "experts.down_proj": (n, dm, d),
+            "experts.down_proj_bias": (n, d),
+        }
+        for name, shape in shapes.items():
+            out.append((f"{b}mlp:{name}", [(f"{p}mlp.{name}", shape)]))
+    return out
+
+
+def gpt_oss_state_dict(t: Mapping[str, Tensor], n_layers: int, prefix: str) -> dict[str, Tensor]:
+    """Every layer's MLP state (:func:`gpt_oss_mlp_state`) under ``blocks.N.mlp.``."""
+    out: dict[str, Tensor] = {}
+    for i in range(n_layers):
+        for name, value in gpt_oss_mlp_state(t, f"{prefix}layers.{i}.mlp.").items():
+            out[f"blocks.{i}.mlp.{name}"] = value
+    return out

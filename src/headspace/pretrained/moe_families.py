@@ -1,4 +1,4 @@
-"""Mixture-of-experts checkpoints (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE) onto a headspace Decoder.
+"""Mixture-of-experts checkpoints (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss) onto a headspace Decoder.
 
 Each is a Llama-family decoder whose MLP is a :class:`~headspace.model.moe.MixtureOfExperts`
 (``mlp_kind="moe"``); the attention is that of the family it extends::
@@ -11,6 +11,9 @@ Each is a Llama-family decoder whose MLP is a :class:`~headspace.model.moe.Mixtu
                ``shared_expert_intermediate_size``, scaled by ``sigmoid(x mlp.shared_expert_gate)``
     qwen3_moe  Qwen3 attention (QK-norm per head; every layer slides when ``use_sliding_window``)
     olmoe      Llama attention with QK-norm over all heads at once (``q_norm`` [n_heads d_head])
+    gpt_oss    Mistral-like attention with q/k/v/o biases, learned sinks (``self_attn.sinks``) and windows
+               per ``layer_types``; experts fused (:mod:`headspace.pretrained.gpt_oss`); its YaRN RoPE
+               is refused by name (as every YaRN rotation): only a plain rotation loads
 
 The experts' width is ``moe_intermediate_size`` (Qwen) or ``intermediate_size`` (Mixtral, OLMoE);
 ``norm_topk_prob`` switches the renormalisation (Qwen, OLMoE). Checkpoints in transformers' saved
@@ -34,6 +37,7 @@ from torch import Tensor
 
 from ..model.config import ModelConfig
 from ..model.models import check_precision
+from .gpt_oss import gpt_oss_fields, gpt_oss_state_dict, gpt_oss_tensors
 from .hf import (
     ConfigFields,
     check_dtypes,
@@ -61,7 +65,13 @@ from .llama import (
 from .wrappers import PretrainedDecoder
 
 #: ``config.json`` model types read here, and the Llama-family model type whose attention each has.
-MOE_MODEL_TYPES = {"mixtral": "mistral", "qwen2_moe": "qwen2", "qwen3_moe": "qwen3", "olmoe": "llama"}
+MOE_MODEL_TYPES = {
+    "mixtral": "mistral",
+    "qwen2_moe": "qwen2",
+    "qwen3_moe": "qwen3",
+    "olmoe": "llama",
+    "gpt_oss": "mistral",  # windows per layer_types; biases, sinks and experts: gpt_oss.gpt_oss_fields
+}
 #: (router, expert prefix, (gate, up, down) names) of each family's tensors under ``model.layers.N.``.
 _NAMES = {
     "mixtral": ("block_sparse_moe.gate", "block_sparse_moe.experts", ("w1", "w3", "w2")),
@@ -128,6 +138,8 @@ def moe_config(
             f"{source}: model_type={kind!r} is not a mixture of experts read here: {list(MOE_MODEL_TYPES)}"
         )
     moe = _moe_fields(f, kind)
+    if kind == "gpt_oss":
+        moe.update(gpt_oss_fields(f))
     config = llama_config(_base_config(hf, f, kind), name, max_seq_len=max_seq_len, source=source)
     extra = {**config.extra, "model_type": kind}
     changes: dict[str, Any] = {**moe, "extra": extra}
@@ -150,6 +162,8 @@ def moe_tensors(
     assert c.n_experts is not None and c.d_mlp is not None
     d, dm, n = c.d_model, c.d_mlp, c.n_experts
     out = [(ours, theirs) for ours, theirs in _tensors(c, prefix) if ".mlp." not in ours]
+    if kind == "gpt_oss":
+        return gpt_oss_tensors(c, prefix, out)
     router, experts, (gate, up, down) = _NAMES.get(kind, _NAMES["default"])
     for i in range(c.n_layers):
         p, b = f"{prefix}layers.{i}.", f"blocks.{i}.mlp."
@@ -218,8 +232,11 @@ def load_moe(
         tensors.pop("lm_head.weight", None)
     check_values(tensors, list(tensors), header.path)
     model = _meta_decoder(config)
-    model.load_state_dict(
-        moe_state_dict(tensors, [(o, [n for n, _ in t]) for o, t in pieces]), strict=True, assign=True
-    )
+    extra: dict[str, Tensor] = {}
+    if kind == "gpt_oss":  # the fused experts (pieces named "mlp:..."): converted by gpt_oss_state_dict
+        extra = gpt_oss_state_dict(tensors, config.n_layers, prefix)
+        pieces = [(o, t) for o, t in pieces if ".mlp:" not in o]
+    sd = moe_state_dict(tensors, [(o, [n for n, _ in t]) for o, t in pieces])
+    model.load_state_dict({**sd, **extra}, strict=True, assign=True)
     tokenizer = folder_tokenizer(path, config.pad_token_id)
     return _wrap(model, config, tokenizer, ignored).to_precision(precision)

