@@ -352,7 +352,9 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
             k, v = kv_cache.append(k, v)  # (B, Hkv, Sk, dh) x 2
         dropout_p = self.dropout if self.training else 0.0
 
-        if traced or self.softcap is not None or self.sinks is not None:  # (no fused kernel caps or sinks)
+        if (
+            traced or self.softcap is not None or getattr(self, "sinks", None) is not None
+        ):  # (no fused: caps, sinks)
             z, pattern, _ = self.traced_attention(q, k, v, mask, dropout_p, need_pattern=need_weights)
             out = self.output_from_heads(z)  # (B, Sq, d_model)
         else:
@@ -495,7 +497,7 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
         points = (self.hook_scores, self.hook_pattern, self.hook_z)
         z, pattern, weights = recording.traced_attention(
             q, k, v, mask, dropout_p, points, scale=self.scale, softcap=self.softcap,
-            need_pattern=need_pattern, qk_sources=qk_sources, sinks=self.sinks,
+            need_pattern=need_pattern, qk_sources=qk_sources, sinks=getattr(self, "sinks", None),
         )  # fmt: skip
         fire_sink(self, pattern)
         return z, pattern, weights
