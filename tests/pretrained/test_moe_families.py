@@ -251,7 +251,7 @@ def test_gpt_oss_logits_patterns_and_sinks_equal_transformers(tmp_path: Path) ->
         vocab_size=V, hidden_size=D, intermediate_size=DM, num_hidden_layers=L, num_attention_heads=H,
         num_key_value_heads=3, head_dim=DH, num_local_experts=E, num_experts_per_tok=K, sliding_window=W,
         max_position_embeddings=64, layer_types=["sliding_attention", "full_attention"], swiglu_limit=1.5,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, pad_token_id=0, eos_token_id=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000.0}, pad_token_id=0, eos_token_id=None,
         tie_word_embeddings=False,
     )  # fmt: skip
     model = T.GptOssForCausalLM(config).eval()
@@ -283,6 +283,11 @@ def test_gpt_oss_logits_patterns_and_sinks_equal_transformers(tmp_path: Path) ->
         atol = 1e-5 * max(1.0, float(want_router.abs().max()))  # (scaled to their largest magnitude)
         torch.testing.assert_close(router, want_router, atol=atol, rtol=0)
     assert float(t.pattern(0)[:, :, W:, 0].abs().max()) == 0.0  # the sliding layer's window
+    prompt = tokens[:1, :5]  # greedy decoding (forward with the KV cache) past the window, as transformers
+    with torch.no_grad():
+        want_ids = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=2 * W + 1,
+                                do_sample=False, pad_token_id=0)  # fmt: skip
+    assert torch.equal(ours.generate(prompt, 2 * W + 1, temperature=0), want_ids)
     yarn = {**json.loads((tmp_path / "config.json").read_text()), "rope_parameters": {"rope_type": "yarn",
             "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16}}  # fmt: skip
     (tmp_path / "config.json").write_text(json.dumps(yarn))
