@@ -48,12 +48,21 @@ FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
             "shared_expert_intermediate_size": 17,
             "norm_topk_prob": False,
             "decoder_sparse_step": 1,
+            "use_sliding_window": True,
+            "sliding_window": W,
         },
     ),
     "qwen3_moe": (
         T.Qwen3MoeConfig,
         T.Qwen3MoeForCausalLM,
-        {"num_experts": E, "moe_intermediate_size": DM, "intermediate_size": 30, "norm_topk_prob": True},
+        {
+            "num_experts": E,
+            "moe_intermediate_size": DM,
+            "intermediate_size": 30,
+            "norm_topk_prob": True,
+            "use_sliding_window": True,
+            "sliding_window": W,
+        },
     ),
     # OLMoE's QK-norm widths follow hidden_size: head_dim must be hidden_size / heads (6)
     "olmoe": (
@@ -98,6 +107,7 @@ def test_configs_say_what_each_family_is(saved: dict) -> None:
     assert c["mixtral"].experts_norm_topk and c["mixtral"].layer_types == ["sliding"] * L
     assert (c["qwen2_moe"].shared_expert_d_mlp, c["qwen2_moe"].qkv_bias) == (17, True)
     assert not c["qwen2_moe"].experts_norm_topk and c["qwen3_moe"].experts_norm_topk
+    assert c["qwen2_moe"].layer_types == ["sliding", "full"] and c["qwen3_moe"].layer_types == ["sliding"] * L
     assert (c["qwen3_moe"].qk_norm, c["olmoe"].qk_norm, c["olmoe"].norm) == ("head", "all", "pre")
     for f, (folder, ref) in saved.items():  # every parameter of the checkpoint is one of ours
         ours = hs.load(folder).model
@@ -127,7 +137,7 @@ def test_logits_patterns_and_router_equal_transformers(saved: dict, family: str)
     # taken, as torch.topk breaks it in transformers (checked above): such tokens exist
     tied = t["blocks.0.mlp.hook_top_k"]
     assert bool(((tied == 3).any(-1) ^ (tied == 1).any(-1)).any())
-    if family == "mixtral":  # the window has teeth: a key W back gets no weight
+    if family != "olmoe":  # the windows have teeth (layer 0 slides): a key W back gets no weight
         assert float(t.pattern(0)[:, :, W:, 0].abs().max()) == 0.0
 
 
