@@ -397,6 +397,19 @@ class ModelConfig:
             for i, t in enumerate(self.layer_types)
         ]
 
+    def _check_mlp_spec(self) -> None:
+        """The MLP fields (the experts' among them) checked as the blocks' ``MLPSpec`` checks them."""
+        assert self.d_mlp is not None and self.act is not None
+        try:
+            MLPSpec(
+                self.d_mlp, self.mlp_kind, self.act, bool(self.mlp_bias), n_experts=self.n_experts,
+                top_k=self.experts_top_k, norm_topk=self.experts_norm_topk, d_shared=self.shared_expert_d_mlp,
+                routing=self.experts_routing, router_bias=self.router_bias, swiglu_limit=self.swiglu_limit,
+                swiglu_alpha=self.swiglu_alpha,
+            )  # fmt: skip
+        except ValueError as e:
+            raise ValueError(f"ModelConfig: {e}") from None
+
     def _check_llama_fields(self) -> None:
         """positions and the rotary fields, norm_kind, mlp_kind and the three bias switches."""
         if self.positions not in POSITIONS:
@@ -420,6 +433,7 @@ class ModelConfig:
                 raise ValueError(
                     f"ModelConfig.{name} must be a bool (or None for bias); got {getattr(self, name)!r}"
                 )
+        self._check_mlp_spec()
         theta = self.rope_theta
         if (
             isinstance(theta, bool)
