@@ -9,7 +9,8 @@ and what every executor that reads the layer's description computes.
 A new description must fit the layer's weights: the head counts and widths are those of ``qkv_weight``
 and ``o_weight``, ``qkv_bias`` / ``out_bias`` those of the biases present, ``qk_norm`` that of the
 ``q_norm`` / ``k_norm`` present, ``positions`` None exactly where the layer has no rotation; and every
-field must be one this layer computes (``chunk``, ``bias``, ``sink`` and ``gate`` are refused by name).
+field must be one this layer computes (``chunk``, ``bias`` and ``gate`` are refused by name; ``sink``
+only where the layer has its ``sinks`` parameter).
 """
 
 from __future__ import annotations

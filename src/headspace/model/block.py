@@ -269,7 +269,7 @@ class TransformerBlock(nn.Module):
         from it at call time. Assigning an edited description (``block.spec = dataclasses.replace(
         block.spec, ...)``) changes them all; fields fixed by the weights (head counts and widths, the
         biases present, the norm and MLP kinds, a sandwich layout's extra norms) must stay, and fields
-        the forward does not compute (``chunk``, ``bias``, ``sink``, ``gate``, the ``parallel`` layout)
+        the forward does not compute (``chunk``, ``bias``, ``gate``, the ``parallel`` layout)
         are refused by name."""
         if not isinstance(self.attn, DescribedAttention):  # a head-parallel shard keeps the built one
             return self._spec

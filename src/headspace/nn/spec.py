@@ -17,10 +17,11 @@ Residual layouts (``BlockSpec.layout``; ``N1``/``N2`` the block's two norms, ``A
     post_sublayer (OLMo 2): h = x + N1(A(x))           out = h + N2(M(h))
     parallel (GPT-J):      out = x + A(N1(x)) + M(N1(x))        (described; no executor runs it yet)
 
-A field that no executor computes yet (``chunk``, ``bias``, ``sink``, ``gate``, the ``parallel`` layout)
-may be described; each executor refuses it by the field's name (:func:`refuse_unsupported`), never
-running without it. Every value is checked on construction: a bad one raises a one-line
-``ValueError`` naming the field, what it expects and what came.
+A field that no executor computes yet (``chunk``, ``bias``, ``gate``, the ``parallel`` layout) may be
+described; each executor refuses it by the field's name (:func:`refuse_unsupported`), never running
+without it. ``sink`` and a mixture-of-experts MLP (``MLPSpec.kind == "moe"``) are computed by the block
+forward only: the decoding steps and the circuit runner refuse them by name. Every value is checked on
+construction: a bad one raises a one-line ``ValueError`` naming the field, what it expects and what came.
 """
 
 from __future__ import annotations
