@@ -20,7 +20,7 @@ Residual layouts (``BlockSpec.layout``; ``N1``/``N2`` the block's two norms, ``A
 A field that no executor computes yet (``chunk``, ``bias``, ``gate``, the ``parallel`` layout) may be
 described; each executor refuses it by the field's name (:func:`refuse_unsupported`), never running
 without it. ``sink`` and a mixture-of-experts MLP (``MLPSpec.kind == "moe"``) are computed by the block
-forward only: the decoding steps and the circuit runner refuse them by name. Every value is checked on
+forward only: the decoding steps refuse them by name. Every value is checked on
 construction: a bad one raises a one-line ``ValueError`` naming the field, what it expects and what came.
 """
 
