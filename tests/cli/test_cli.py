@@ -479,6 +479,11 @@ def test_every_model_option_says_what_load_accepts():
         "gemma3_text": "Gemma 3",
         "olmo2": "OLMo 2",
         "smollm3": "SmolLM3",
+        "mixtral": "Mixtral",
+        "qwen2_moe": "Qwen2-MoE",
+        "qwen3_moe": "Qwen3-MoE",
+        "olmoe": "OLMoE",
+        "gpt_oss": "gpt-oss",
     }
     shown |= {"t5": "T5", "bart": "BART", "marian": "Marian", "whisper": "Whisper"}  # Python only (#40)
     shown |= {  # issue 38's rotary families

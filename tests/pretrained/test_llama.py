@@ -455,7 +455,8 @@ def test_model_config_fields_defaults_json_and_errors() -> None:
         ({"positions": "rotary", "rotary_fraction": 0.3},
          r"ModelConfig.rotary_fraction: rotary_dim .* = 1 must be even"),
         ({"norm_kind": "batchnorm"}, r"ModelConfig.norm_kind must be one of \['layernorm', 'rmsnorm'\]"),
-        ({"mlp_kind": "moe"}, r"ModelConfig.mlp_kind must be one of \['plain', 'gated'\]"),
+        ({"mlp_kind": "sparse"}, r"ModelConfig.mlp_kind must be one of \['plain', 'gated', 'moe'\]"),
+        ({"mlp_kind": "moe"}, r"ModelConfig: MLPSpec.n_experts must be a positive int; got None"),
         ({"qkv_bias": "yes"}, r"ModelConfig.qkv_bias must be a bool"),
     ]  # fmt: skip
     for changes, message in bad:

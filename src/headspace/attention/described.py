@@ -9,7 +9,8 @@ and what every executor that reads the layer's description computes.
 A new description must fit the layer's weights: the head counts and widths are those of ``qkv_weight``
 and ``o_weight``, ``qkv_bias`` / ``out_bias`` those of the biases present, ``qk_norm`` that of the
 ``q_norm`` / ``k_norm`` present, ``positions`` None exactly where the layer has no rotation; and every
-field must be one this layer computes (``chunk``, ``bias``, ``sink`` and ``gate`` are refused by name).
+field must be one this layer computes (``chunk``, ``bias`` and ``gate`` are refused by name; ``sink``
+only where the layer has its ``sinks`` parameter).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import dataclasses
 from ..nn.spec import AttentionSpec, refuse_unsupported
 
 #: The attention features (:data:`~headspace.nn.spec.ATTENTION_FEATURES`) the layer's forward computes.
-FORWARD_FEATURES = ("window", "softcap", "qk_norm")
+FORWARD_FEATURES = ("window", "softcap", "qk_norm", "sink")
 
 
 class DescribedAttention:
@@ -66,6 +67,7 @@ class DescribedAttention:
             "positions is None": self._modules.get("rotary") is None,  # type: ignore[attr-defined]
             "qk_norm is None": q_norm is None,
             "qk_norm per-head LayerNorm": type(q_norm).__name__ == "HeadLayerNorm",
+            "sink is None": self._parameters.get("sinks") is None,  # type: ignore[attr-defined]
         }
         wanted = {
             "d_model": spec.d_model,
@@ -75,6 +77,7 @@ class DescribedAttention:
             "positions is None": spec.positions is None,
             "qk_norm is None": spec.qk_norm is None,
             "qk_norm per-head LayerNorm": spec.qk_norm == "head_layernorm",
+            "sink is None": spec.sink is None,
         }
         if width is not None:
             found["qk_norm width"] = width

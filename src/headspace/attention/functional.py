@@ -34,6 +34,7 @@ from torch import Tensor
 from ..kernels.blocked import blocked_attention
 from ..nn.hooks import Memo, resolve
 from ..nn.masks import CanonicalMask, causal_mask
+from .sinks import sink_pattern
 
 AttentionBackend = Callable[..., tuple[Tensor, Tensor | None]]
 
@@ -105,17 +106,22 @@ def reference_parts(
     on_scores: Callable[[Tensor], Tensor] | None = None,
     on_pattern: Callable[[Tensor], Tensor] | None = None,
     softcap: float | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """The reference maths with its intermediates: returns (out, pattern, weights after dropout).
 
     ``on_scores`` / ``on_pattern`` see the scores and the pattern and return them, possibly replaced:
     the traced path of every attention layer passes its hook points here, so a traced layer computes
-    exactly the reference backend's maths. ``softcap``: as :func:`attention_scores`'s.
+    exactly the reference backend's maths. ``softcap``: as :func:`attention_scores`'s. ``sinks`` [n_heads]:
+    learned sink logits in each row's softmax (:func:`headspace.attention.sinks.sink_pattern`).
     """
     scores = attention_scores(q, k, mask, scale=scale, softcap=softcap)  # (batch, n_heads, seq_q, seq_k)
     if on_scores is not None:
         scores = on_scores(scores)
-    pattern = attention_pattern(scores, mask)  # (batch, n_heads, seq_q, seq_k)
+    if sinks is None:
+        pattern = attention_pattern(scores, mask)  # (batch, n_heads, seq_q, seq_k)
+    else:
+        pattern = sink_pattern(scores, sinks)  # (batch, n_heads, seq_q, seq_k): rows sum to 1 - sink
     if on_pattern is not None:
         pattern = on_pattern(pattern)
     weights = F.dropout(pattern, p=dropout_p) if dropout_p > 0.0 else pattern

@@ -31,6 +31,7 @@ from .projection import HeadProjections
 from .recording import QKVOps as QKVOps  # re-exported: their old home
 from .recording import output_sum as output_sum
 from .recording import project_stages as project_stages
+from .sinks import add_sinks, fire_sink
 
 
 def _last_keys(
@@ -145,6 +146,7 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
         qk_norm_eps: float = 1e-6,
         qk_norm_offset: float = 0.0,
         softcap: float | None = None,
+        sink: str | None = None,
     ) -> None:
         super().__init__()
         d_head, n_kv_heads = resolve_head_dims(d_model, n_heads, d_head, n_kv_heads)
@@ -157,7 +159,7 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
             d_model, n_heads, d_head, n_kv_heads, qkv_bias=qkv_bias, out_bias=out_bias, positions=rotary,
             scale=None if scale is None else float(scale), window=window,
             softcap=None if softcap is None else float(softcap), qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
-            qk_norm_offset=qk_norm_offset, dropout=dropout,
+            qk_norm_offset=qk_norm_offset, dropout=dropout, sink=sink,
         )  # fmt: skip
         self.kdim = d_model if kdim is None else kdim
         self.vdim = d_model if vdim is None else vdim
@@ -197,6 +199,7 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
             self.hook_result,
         ) + (() if rotary is None else (self.hook_rot_q, self.hook_rot_k))
         self._hook_points += () if qk_norm is None else (self.hook_q_normed, self.hook_k_normed)
+        self._hook_points += add_sinks(self, sink, f)
         self.reset_parameters()
 
     def _init_qk_norm(self, qk_norm: str | None, eps: float, offset: float, f: dict[str, Any]) -> None:
@@ -353,7 +356,9 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
             k, v = kv_cache.append(k, v)  # (B, Hkv, Sk, dh) x 2
         dropout_p = self.dropout if self.training else 0.0
 
-        if traced or self.softcap is not None:  # (soft-capping: the reference maths, no fused kernel has it)
+        if (
+            traced or self.softcap is not None or getattr(self, "sinks", None) is not None
+        ):  # (no fused: caps, sinks)
             z, pattern, _ = self.traced_attention(q, k, v, mask, dropout_p, need_pattern=need_weights)
             out = self.output_from_heads(z)  # (B, Sq, d_model)
         else:
@@ -494,10 +499,12 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
         (:func:`headspace.attention.recording.traced_attention`).
         """
         points = (self.hook_scores, self.hook_pattern, self.hook_z)
-        return recording.traced_attention(
+        z, pattern, weights = recording.traced_attention(
             q, k, v, mask, dropout_p, points, scale=self.scale, softcap=self.softcap,
-            need_pattern=need_pattern, qk_sources=qk_sources,
+            need_pattern=need_pattern, qk_sources=qk_sources, sinks=getattr(self, "sinks", None),
         )  # fmt: skip
+        fire_sink(self, pattern)
+        return z, pattern, weights
 
     def output_from_heads(self, z: Tensor) -> Tensor:
         """``out = sum_h z_h W_O[h] + b_O`` from z [B, Sq, H, dh], firing ``hook_result`` while it is active.

@@ -137,6 +137,7 @@ def traced_attention(
     softcap: float | None,
     need_pattern: bool = True,
     qk_sources: tuple[Deferred, Deferred] | None = None,
+    sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None, Tensor | None]:
     """The reference attention with its hook points ``points`` = (``hook_scores``, ``hook_pattern``,
     ``hook_z``) fired: q [B, H, Sq, dh], k, v [B, Hkv, Sk, dh] -> (z [B, Sq, H, dh] after ``hook_z``,
@@ -146,15 +147,17 @@ def traced_attention(
     on ``hook_scores`` and ``hook_pattern`` only records, :attr:`HookPoint.defers`): the recorders get
     a :class:`~headspace.functional.DeferredAttention` of q and k, z is
     :func:`~headspace.functional.reference_rows` (the same values, a block of queries at a time), and
-    pattern and weights are None. Soft-capped layers keep the pattern (the deferred forms have no cap).
+    pattern and weights are None. Soft-capped layers and layers with ``sinks`` [n_heads] keep the pattern
+    (the deferred forms have neither).
     ``qk_sources``: values that compute q and k again (a fully recorded block's,
     :class:`~headspace.hooks.Recomputed`), kept by the deferred scores and pattern instead of q and k.
     """
     on_scores, on_pattern, on_z = points
-    if need_pattern or softcap is not None or not (on_scores.defers and on_pattern.defers):
+    keep = need_pattern or softcap is not None or sinks is not None
+    if keep or not (on_scores.defers and on_pattern.defers):
         z, pattern, weights = reference_parts(
             q, k, v, mask, scale=scale, dropout_p=dropout_p,
-            on_scores=on_scores, on_pattern=on_pattern, softcap=softcap,
+            on_scores=on_scores, on_pattern=on_pattern, softcap=softcap, sinks=sinks,
         )  # fmt: skip
         return on_z(z.transpose(1, 2)), pattern, weights  # (B, Sq, H, dh), ...
     q_kept, k_kept = (q.detach(), k.detach()) if qk_sources is None else qk_sources

