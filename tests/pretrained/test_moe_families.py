@@ -254,7 +254,7 @@ def transformers_gpt_oss_mlp(config: Any) -> Any:
 
 
 def test_gpt_oss_logits_patterns_and_sinks_equal_transformers(tmp_path: Path) -> None:
-    """gpt-oss (plain RoPE: YaRN is refused by name): sinks, q/k/v/o biases, sliding / full layers,
+    """gpt-oss (plain RoPE, then YaRN as gpt-oss ships it): sinks, q/k/v/o biases, sliding / full layers,
     the experts; every zero-initialised parameter (sinks, router and expert biases) random."""
     torch.manual_seed(4)
     config = T.GptOssConfig(
@@ -300,6 +300,12 @@ def test_gpt_oss_logits_patterns_and_sinks_equal_transformers(tmp_path: Path) ->
     assert torch.equal(ours.generate(prompt, 2 * W + 1, temperature=0), want_ids)
     yarn = {**json.loads((tmp_path / "config.json").read_text()), "rope_parameters": {"rope_type": "yarn",
             "rope_theta": 1e4, "factor": 4.0, "original_max_position_embeddings": 16}}  # fmt: skip
+    yarn["rope_parameters"] |= {"beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}  # as gpt-oss ships
     (tmp_path / "config.json").write_text(json.dumps(yarn))
-    with pytest.raises(ValueError, match="yarn"):
-        hs.load(tmp_path)
+    ref = T.GptOssForCausalLM.from_pretrained(
+        tmp_path, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+    ours, long = hs.load(tmp_path), torch.randint(3, V, (2, 23))  # past original_max_position_embeddings
+    with torch.no_grad():
+        want = ref(input_ids=long).logits
+        torch.testing.assert_close(ours(long), want, atol=1e-4 * float(want.abs().max()), rtol=0)

@@ -13,7 +13,7 @@ Each is a Llama-family decoder whose MLP is a :class:`~headspace.model.moe.Mixtu
     olmoe      Llama attention with QK-norm over all heads at once (``q_norm`` [n_heads d_head])
     gpt_oss    Mistral-like attention with q/k/v/o biases, learned sinks (``self_attn.sinks``) and windows
                per ``layer_types``; experts fused (:mod:`headspace.pretrained.gpt_oss`); its YaRN RoPE
-               is refused by name (as every YaRN rotation): only a plain rotation loads
+               (as released) loads as every YaRN rotation does (:mod:`headspace.nn.rope_scaling`)
 
 The experts' width is ``moe_intermediate_size`` (Qwen) or ``intermediate_size`` (Mixtral, OLMoE);
 ``norm_topk_prob`` switches the renormalisation (Qwen, OLMoE). Checkpoints in transformers' saved
