@@ -114,6 +114,8 @@ _MOVED = {
     "analysis.causal.atp_star": "analysis.circuits.atp_star",
     "analysis.atp_edges": "analysis.circuits.atp_edges",
     "analysis.atlas_importance": "analysis.atlas.importance",
+    "analysis.cross_lesson": "analysis.lesson.cross",
+    "analysis.encdec_patching": "analysis.causal.encdec_patching",
     "analysis.budget": "analysis.causal.budget",
     "analysis.graph": "analysis.circuits.graph", "analysis.decomposition": "analysis.circuits.decomposition",
     "analysis.tasks": "analysis.circuits.tasks",

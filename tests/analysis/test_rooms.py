@@ -29,6 +29,8 @@ MOVED = {
     "atp_star": "circuits.atp_star",
     "atp_edges": "circuits.atp_edges",
     "atlas_importance": "atlas.importance",
+    "cross_lesson": "lesson.cross",
+    "encdec_patching": "causal.encdec_patching",
     "budget": "causal.budget",
     "graph": "circuits.graph",
     "decomposition": "circuits.decomposition",

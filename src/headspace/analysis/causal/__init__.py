@@ -4,6 +4,8 @@
   :func:`attribution_patching`, :func:`path_patch`).
 * AtP* (:func:`~headspace.analysis.circuits.atp_star.atp_star`) estimates what patching measures; it lives
   with the circuits, whose graph and tasks it runs on.
+* :mod:`.encdec_patching`: patching an encoder-decoder's cross-attention heads between clean and
+  corrupt sources (:func:`~.encdec_patching.patch_cross_heads`).
 * :mod:`.attribution`: direct logit attribution and the logit lens.
 * :mod:`.ablation`: head importance, the change of a metric when each head is ablated.
 * :mod:`.engine`: the batched patching engine (runs from a layer on, many patched copies at once),

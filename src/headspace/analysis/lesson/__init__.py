@@ -1,6 +1,8 @@
 """The lesson: what each head does, read from a real model (roles, subspaces, one token's journey).
 
 * :mod:`.explain`: :func:`explain`, one token's journey through one head, in words and numbers.
+* :mod:`.cross`: the same journey through one cross-attention head of an encoder-decoder
+  (:func:`~.cross.explain_encdec`; a T5 head's bucket bias as its own step).
 * :mod:`.content_tokens`: the words a relational head can send a token to (explain's head choice).
 * :mod:`.roles`: head roles (mass on previous / next / current / first / last token, entropy, a label)
   and induction scores.

@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ..core.checks import is_int
-from ..model.encdec import EncoderDecoder
-from .trace import trace
+from ...core.checks import is_int
+from ...model.encdec import EncoderDecoder
+from ..trace.trace import trace
 
 
 @dataclass

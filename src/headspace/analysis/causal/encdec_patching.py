@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ..core.checks import is_int
-from ..model.encdec import EncoderDecoder
-from .trace import hooked, trace
+from ...core.checks import is_int
+from ...model.encdec import EncoderDecoder
+from ..trace.trace import hooked, trace
 
 
 @dataclass
