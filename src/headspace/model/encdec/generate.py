@@ -7,16 +7,27 @@ self-attention keeps a :class:`~headspace.decode.kv_cache.KVCache`. A step feeds
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from ...core.checks import is_int
-from .config import check_ids
+from .config import EncDecConfig, check_ids
+from .stacks import DecoderStack
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .model import EncoderDecoder
+
+class Seq2Seq(Protocol):
+    """What :func:`greedy` reads of a model (:class:`~headspace.model.encdec.EncoderDecoder` has it): its
+    config, ``encode``, the decoder stack and ``unembed``. (A protocol, so that this module and the model's
+    import each other in one direction only.)"""
+
+    config: EncDecConfig
+    decoder: DecoderStack
+
+    def encode(self, inputs: Tensor, attention_mask: Tensor | None = None) -> Tensor: ...
+
+    def unembed(self, h: Tensor) -> Tensor: ...
 
 
 def _cross_mask(attention_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -28,7 +39,7 @@ def _cross_mask(attention_mask: Tensor | None, dtype: torch.dtype) -> Tensor | N
 
 
 def greedy(
-    model: EncoderDecoder,
+    model: Seq2Seq,
     inputs: Tensor,
     max_new_tokens: int,
     *,
