@@ -411,15 +411,19 @@ def markdown_table() -> str:
 
 
 def compact_table() -> str:
-    """The README's short table: per block layout, its model_types grouped by how they decode."""
+    """The README's short table: one row per block layout (``parallel`` also names the families that may
+    be ``pre``; the encoder-decoders one row), its model_types grouped by how ``generate`` runs them."""
     groups: dict[str, dict[str, list[str]]] = {}
     for r in FAMILIES:
-        key = "encoder-decoder, " + r.layouts[0] if r.kind == "encoder-decoder" else " or ".join(r.layouts)
-        groups.setdefault(key, {}).setdefault("/".join(r.decode), []).append(f"`{r.model_type}`")
-    lines = [_md(["layout", "model_types (decode: how generation runs)"]), "|---|---|"]
-    for key, by_route in groups.items():
+        key = r.kind if r.kind == "encoder-decoder" else r.layouts[0]
+        label = "/".join(r.decode) + ("" if len(r.layouts) == 1 else f": {' / '.join(r.layouts)}")
+        if r.kind == "encoder-decoder":
+            label = f"{r.layouts[0]}-norm, {label}"
+        groups.setdefault(key, {}).setdefault(label, []).append(f"`{r.model_type}`")
+    lines = [_md(["layout", "model_types (decode)"]), "|---|---|"]
+    for key, by_label in groups.items():
         lines.append(
-            _md([key, "; ".join(f"{', '.join(names)} ({route})" for route, names in by_route.items())])
+            _md([key, "; ".join(f"{', '.join(names)} ({label})" for label, names in by_label.items())])
         )
     return "\n".join(lines) + "\n"
 
