@@ -420,7 +420,7 @@ def compact_table() -> str:
         if r.kind == "encoder-decoder":
             label = f"{r.layouts[0]}-norm, {label}"
         groups.setdefault(key, {}).setdefault(label, []).append(f"`{r.model_type}`")
-    lines = [_md(["layout", "model_types (decode)"]), "|---|---|"]
+    lines = [_md(["layout", "model_types (how `generate` runs a token)"]), "|---|---|"]
     for key, by_label in groups.items():
         lines.append(
             _md([key, "; ".join(f"{', '.join(names)} ({label})" for label, names in by_label.items())])
