@@ -15,6 +15,7 @@ import transformers as T
 
 import headspace as hs
 from headspace.decode.step import blocks_of
+from headspace.pretrained import PretrainedEncoder
 from headspace.pretrained import families_table as ft
 from headspace.pretrained.registry import FOLDER_LOADERS
 
@@ -41,17 +42,21 @@ CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
         "rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 8}}),
     "mixtral": (T.MixtralConfig, T.MixtralForCausalLM, {"num_local_experts": 3, "num_experts_per_tok": 2,
                                                         "num_key_value_heads": 1}),
-    "gpt2": (T.GPT2Config, T.GPT2LMHeadModel, {"n_embd": D, "n_layer": L, "n_head": H, "n_positions": 32}),
+    "gpt2": (T.GPT2Config, T.GPT2LMHeadModel, {"n_embd": D, "n_layer": L, "n_head": H, "n_positions": 32,
+                                           "bos_token_id": None, "eos_token_id": None}),
+    "bert": (T.BertConfig, T.BertModel, {}),
+    "bart": (T.BartConfig, T.BartForConditionalGeneration, {
+        "d_model": D, "encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": H,
+        "decoder_attention_heads": H, "encoder_ffn_dim": 19, "decoder_ffn_dim": 19,
+        "max_position_embeddings": 32}),
 }  # fmt: skip
 
 
 def build(case: str, folder: Path) -> None:
     config_cls, model_cls, extra = CASES[case]
     torch.manual_seed(0)
-    kw = {} if config_cls is T.GPT2Config else dict(COMMON)
+    kw = {"vocab_size": V} if config_cls in (T.GPT2Config, T.BartConfig) else dict(COMMON)
     kw.update(extra)
-    if config_cls is T.GPT2Config:
-        kw["vocab_size"] = V
     model_cls(config_cls(**kw)).eval().save_pretrained(folder)
 
 
@@ -79,6 +84,10 @@ def test_the_table_lists_exactly_the_model_types_the_registry_loads() -> None:
 def test_each_row_says_what_loading_its_family_builds(loaded: dict, case: str) -> None:
     model_type, model = loaded[case]
     row = ft.family(model_type)
+    if isinstance(model, hs.EncoderDecoder):
+        assert row.kind == "encoder-decoder" and row.decode == ("encdec",)
+        assert row.layouts == (model.config.layout,) and row.rotation == "none"
+        return
     blocks = blocks_of(model.model)
     layouts = {b.spec.layout for b in blocks}
     assert layouts <= set(row.layouts), (model_type, layouts, row.layouts)
@@ -88,8 +97,13 @@ def test_each_row_says_what_loading_its_family_builds(loaded: dict, case: str) -
     else:
         assert rotaries, model_type
         assert {r.interleaved for r in rotaries} == {row.rotation == "interleaved"}, model_type
+        assert {r.rope_type for r in rotaries} <= set(row.rope_types), model_type
     if any(r.rotary_dim < r.d_head for r in rotaries):
         assert row.partial, f"{model_type} built a partial rotation; the row says it is not partial"
+    if isinstance(model, PretrainedEncoder):
+        assert row.kind == "encoder" and row.decode == ("-",)
+        return
+    assert row.kind == "decoder"
     assert ft.decode_route(model) in row.decode, (model_type, ft.decode_route(model), row.decode)
 
 

@@ -50,7 +50,8 @@ class Family:
 
     ``positions`` and ``notes`` are prose; ``layouts`` (the ``BlockSpec.layout`` values its blocks may
     take; an encoder-decoder's ``EncDecConfig.layout``), ``rotation`` (one of :data:`ROTATIONS`),
-    ``partial`` (the rotation may cover only part of each head), ``kind`` (one of :data:`KINDS`) and
+    ``partial`` (the rotation may cover only part of each head), ``rope_types`` (the ``rope_type``
+    values its tests load; none where ``rotation`` is ``"none"``), ``kind`` (one of :data:`KINDS`) and
     ``decode`` (the :data:`DECODE_ROUTES` it takes, by configuration: as ``layouts``) are checked
     against loaded models by the tests."""
 
@@ -65,11 +66,16 @@ class Family:
     tested_in: str
     rotation: str = "half-split"
     partial: bool = False
+    rope_types: tuple[str, ...] = ("default",)
 
     def __post_init__(self) -> None:
         for name, value, choices in (("kind", self.kind, KINDS), ("rotation", self.rotation, ROTATIONS)):
             if value not in choices:
                 raise ValueError(f"Family.{name} must be one of {list(choices)}; got {value!r}")
+        if (self.rotation == "none") != (not self.rope_types):
+            raise ValueError(
+                f"Family.rope_types must be empty exactly when rotation is 'none'; got {self.rope_types!r}"
+            )
         if not self.decode or any(route not in DECODE_ROUTES for route in self.decode):
             raise ValueError(f"Family.decode must be a tuple of {list(DECODE_ROUTES)}; got {self.decode!r}")
 
@@ -96,6 +102,7 @@ FAMILIES: tuple[Family, ...] = (
         "- / 1e-5",
         "tests/pretrained/test_pretrained.py",
         rotation="none",
+        rope_types=(),
     ),
     _d(
         "gpt2",
@@ -107,6 +114,7 @@ FAMILIES: tuple[Family, ...] = (
         "1e-5* / -",
         "tests/pretrained/test_pretrained.py",
         rotation="none",
+        rope_types=(),
     ),
     _d(
         "llama",
@@ -117,6 +125,7 @@ FAMILIES: tuple[Family, ...] = (
         ("native",),
         _REL,
         "tests/pretrained/test_llama.py, test_rope_scaling.py",
+        rope_types=("default", "linear", "llama3", "yarn", "dynamic"),
     ),
     _d("mistral", "rotary", _PRE, _RMS, "sliding window", ("native",), _ABS, _VARIANTS_T),
     _d(
@@ -156,6 +165,7 @@ FAMILIES: tuple[Family, ...] = (
         _REL,
         _ENCDEC_T,
         rotation="none",
+        rope_types=(),
     ),
     Family(
         "bart",
@@ -168,6 +178,7 @@ FAMILIES: tuple[Family, ...] = (
         _REL,
         _ENCDEC_T,
         rotation="none",
+        rope_types=(),
     ),
     Family(
         "marian",
@@ -180,6 +191,7 @@ FAMILIES: tuple[Family, ...] = (
         _REL,
         _ENCDEC_T,
         rotation="none",
+        rope_types=(),
     ),
     Family(
         "whisper",
@@ -192,6 +204,7 @@ FAMILIES: tuple[Family, ...] = (
         _REL,
         _ENCDEC_T,
         rotation="none",
+        rope_types=(),
     ),
     _d(
         "phi3",
@@ -203,6 +216,7 @@ FAMILIES: tuple[Family, ...] = (
         _REL,
         _ROTARY_T,
         partial=True,
+        rope_types=("default", "longrope"),
     ),
     _d(
         "gemma",
