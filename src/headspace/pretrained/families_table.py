@@ -369,8 +369,8 @@ def family(model_type: str) -> Family:
 
 
 def as_json() -> list[dict[str, Any]]:
-    """Every row as a dict (``layouts`` and ``decode`` lists), in :data:`FAMILIES` order."""
-    return [{**asdict(row), "layouts": list(row.layouts), "decode": list(row.decode)} for row in FAMILIES]
+    """Every row as a dict (its tuples as lists), in :data:`FAMILIES` order."""
+    return [{k: list(v) if isinstance(v, tuple) else v for k, v in asdict(row).items()} for row in FAMILIES]
 
 
 #: The marker comments around the generated part of a markdown file (:func:`sync_markdown`).
