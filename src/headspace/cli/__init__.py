@@ -5,7 +5,7 @@
 * :mod:`.causal`: ``patch``, ``attribute`` (which heads cause the answer);
 * :mod:`.circuits`: ``why`` (why a head attends), ``circuit`` (which heads work together);
 * :mod:`.atlas`: ``atlas`` (every head over a corpus); :mod:`.bench`: ``bench``;
-* :mod:`.native`: ``native build``, ``native status``;
+* :mod:`.native`: ``native build``, ``native status``; :mod:`.models`: ``models`` (the families);
 * :mod:`.demo`: no command at all.
 
 Every command loads models through :func:`.loader.load_model` and reports user errors as one line on
@@ -30,6 +30,7 @@ from .causal import COMMANDS as CAUSAL_COMMANDS
 from .circuits import COMMANDS as CIRCUIT_COMMANDS
 from .errors import reported
 from .lesson import COMMANDS as LESSON_COMMANDS
+from .models import COMMANDS as MODEL_COMMANDS
 from .native import COMMANDS as NATIVE_COMMANDS
 from .train import COMMANDS as TRAIN_COMMANDS
 from .view import view
@@ -89,6 +90,7 @@ _ALL = (
     *TRAIN_COMMANDS,
     *NATIVE_COMMANDS,
     *ATLAS_COMMANDS,
+    *MODEL_COMMANDS,
 )
 for _command in _ALL:
     cli.add_command(_command)
