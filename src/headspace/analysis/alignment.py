@@ -14,9 +14,9 @@ convolution). As in Whisper's own timestamp code (``whisper/timing.py``)::
 A word (tokens grouped by the tokenizer's leading space) spans the frames from its first token's jump
 to the jump of the token after its last (Whisper's convention: the next word's start, or end-of-text).
 That span also holds the silence before the word (the row predicting a word's first token starts where
-the previous word ends), so :func:`word_timings` narrows it by default to its longest run of sounding frames (a frame sounds
-when its loudest mel band is within 30 dB of the loudest frame's, :func:`speech_frames`; runs closer
-than 100 ms joined).
+the previous word ends), so :func:`word_timings` narrows it by default to its longest run of sounding
+frames (a frame sounds when its loudest mel band is within 30 dB of the loudest frame's,
+:func:`speech_frames`; runs closer than 100 ms joined).
 
 :func:`alignment_heads` scores every head alone (``W`` of that one head):
 
