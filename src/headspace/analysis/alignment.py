@@ -86,6 +86,13 @@ class AlignmentHeads:
         """The ``k`` best (layer, head) pairs."""
         return self.ranking[:k]
 
+    def best(self) -> list[tuple[int, int]]:
+        """The top quarter of the heads (at least one), the heads ``headspace align --heads auto`` uses:
+        averaging that many was steadier than fewer on espeak-ng speech (tests/encdec/test_alignment.py;
+        on Whisper base, top 12 of 48: 33 and 18 ms mean boundary error on two sentences, top 8: 109 and
+        49 ms)."""
+        return self.top(max(1, len(self.ranking) // 4))
+
     def to_dict(self) -> dict[str, Any]:
         """Plain lists, ready for JSON."""
         return {

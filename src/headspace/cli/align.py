@@ -33,11 +33,13 @@ def parse_heads(text: str, n_layers: int, n_heads: int) -> list[tuple[int, int]]
 @click.argument("audio", metavar="SPEECH.WAV")
 @click.option("--model", "model_spec", default="whisper-base", show_default=True, help="A Whisper model.")
 @click.option("--heads", default="auto", show_default=True, help="auto, or LAYER:HEAD,LAYER:HEAD ...")
-@click.option("--top", type=click.IntRange(min=1), default=8, show_default=True,
-              help="With --heads auto: how many of the best-scoring heads to use.")  # fmt: skip
+@click.option("--top", type=click.IntRange(min=1), default=None,
+              help="With --heads auto: how many of the best heads to use (default: a quarter).")  # fmt: skip
 @click.option("--transcript", default=None, help="The words spoken (default: the model's transcription).")
 @json_option
-def align(audio: str, model_spec: str, heads: str, top: int, transcript: str | None, as_json: bool) -> None:
+def align(
+    audio: str, model_spec: str, heads: str, top: int | None, transcript: str | None, as_json: bool
+) -> None:
     """Print each word's start and end (seconds) in a 16 kHz WAV file, from Whisper's alignment heads."""
     from ..analysis.alignment import alignment_heads, word_timings
 
@@ -48,7 +50,7 @@ def align(audio: str, model_spec: str, heads: str, top: int, transcript: str | N
     n_layers, n_heads = len(model.decoder.blocks), model.config.n_heads
     if heads.strip() == "auto":
         found = alignment_heads(model, audio, transcript)
-        chosen = found.top(min(top, n_layers * n_heads))
+        chosen = found.best() if top is None else found.top(min(top, n_layers * n_heads))
     else:
         chosen = parse_heads(heads, n_layers, n_heads)
     words = word_timings(model, audio, chosen, transcript)
