@@ -153,3 +153,12 @@ def test_align_command(spoken: tuple[Path, list]) -> None:
     assert starts == sorted(starts) and abs(starts[1] - truth[1][1]) < 0.1
     bad = CliRunner().invoke(cli, ["align", str(path), "--heads", "9:0"])
     assert bad.exit_code == 2 and "layer < 6, head < 8; got '9:0'" in bad.output
+
+
+def test_align_refuses_what_is_not_whisper(spoken: tuple[Path, list], tiny: object) -> None:
+    path, _ = spoken
+    folder, _ = tiny("t5")  # type: ignore[operator]
+    r = CliRunner().invoke(cli, ["align", "--model", str(folder), str(path)])
+    assert r.exit_code == 2 and "an encoder-decoder" in r.output and len(r.output.strip().splitlines()) == 1
+    with pytest.raises(ValueError, match=r"audio must be a 16 kHz WAV path or a non-empty 1-D float tensor"):
+        alignment_heads(headspace.load("whisper-base"), torch.zeros(2, 3))
