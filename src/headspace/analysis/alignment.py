@@ -115,7 +115,10 @@ def _audio(audio: Any) -> Tensor:
 
 
 def _check_model(model: Any) -> None:
-    if not isinstance(model, EncoderDecoder) or not model.config.audio or model.tokenizer is None:
+    whisper = (
+        isinstance(model, EncoderDecoder) and model.config.audio and callable(getattr(model, "prompt", None))
+    )
+    if not whisper or model.tokenizer is None:
         raise ValueError(
             f"model must be a Whisper EncoderDecoder with its tokenizer (headspace.load('whisper-base')); "
             f"got {type(model).__name__}"

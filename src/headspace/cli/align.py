@@ -11,7 +11,7 @@ import click
 from ..core.errors import UsageError
 from .errors import check_input
 from .loader import load_model
-from .options import json_option
+from .options import json_option, model_choice_option
 from .output import json_out
 
 
@@ -31,7 +31,9 @@ def parse_heads(text: str, n_layers: int, n_heads: int) -> list[tuple[int, int]]
 
 @click.command("align")
 @click.argument("audio", metavar="SPEECH.WAV")
-@click.option("--model", "model_spec", default="whisper-base", show_default=True, help="A Whisper model.")
+@model_choice_option(
+    "whisper-base", needs="This command needs a Whisper model with its tokenizer: 'whisper-base'."
+)
 @click.option("--heads", default="auto", show_default=True, help="auto, or LAYER:HEAD,LAYER:HEAD ...")
 @click.option("--top", type=click.IntRange(min=1), default=None,
               help="With --heads auto: how many of the best heads to use (default: a quarter).")  # fmt: skip
