@@ -85,8 +85,25 @@ def test_dtw_follows_the_cheapest_monotonic_path() -> None:
         cost[row, list(frames)] = 0.0
     rows, frames = dtw(cost)
     assert rows.tolist() == [0, 0, 1, 1, 2, 2] and frames.tolist() == [0, 1, 2, 3, 4, 5]
-    m = normalise(torch.rand(2, 4, 30))
-    assert m.shape == (2, 4, 30) and torch.isfinite(m).all()
+
+
+def test_dtw_and_normalise_equal_transformers_whisper_timestamps() -> None:
+    """The reference: transformers' Whisper token timestamps (``_dynamic_time_warping``, and
+    ``_median_filter`` after standardising over the rows, as ``_extract_token_timestamps`` does)."""
+    from transformers.models.whisper import generation_whisper as ref
+
+    g = torch.Generator().manual_seed(0)
+    for rows, frames in ((1, 9), (7, 7), (12, 80), (30, 41)):
+        pattern = torch.rand(3, rows, frames, generator=g).softmax(dim=-1)
+        std, mean = torch.std_mean(pattern, dim=-2, keepdim=True, unbiased=False)
+        want = ref._median_filter((pattern - mean) / std, 7) if rows > 1 else None
+        got = normalise(pattern)
+        if want is not None:
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+        cost = -pattern[0]
+        text, time = ref._dynamic_time_warping(cost.numpy())
+        r, f = dtw(cost)
+        assert r.tolist() == text.tolist() and f.tolist() == time.tolist()
 
 
 def test_found_heads_agree_with_the_config_list_without_reading_it(
