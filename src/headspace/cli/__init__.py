@@ -6,6 +6,7 @@
 * :mod:`.circuits`: ``why`` (why a head attends), ``circuit`` (which heads work together);
 * :mod:`.atlas`: ``atlas`` (every head over a corpus); :mod:`.bench`: ``bench``;
 * :mod:`.native`: ``native build``, ``native status``; :mod:`.models`: ``models`` (the families);
+* :mod:`.align`: ``align`` (word timings from Whisper's alignment heads);
 * :mod:`.demo`: no command at all.
 
 Every command loads models through :func:`.loader.load_model` and reports user errors as one line on
@@ -24,6 +25,7 @@ from typing import Any
 import click
 
 from ..core.errors import UsageError
+from .align import COMMANDS as ALIGN_COMMANDS
 from .atlas import COMMANDS as ATLAS_COMMANDS
 from .bench import bench_cmd
 from .causal import COMMANDS as CAUSAL_COMMANDS
@@ -91,6 +93,7 @@ _ALL = (
     *NATIVE_COMMANDS,
     *ATLAS_COMMANDS,
     *MODEL_COMMANDS,
+    *ALIGN_COMMANDS,
 )
 for _command in _ALL:
     cli.add_command(_command)

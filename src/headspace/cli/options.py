@@ -47,7 +47,7 @@ MODEL_HELP = (
     "Phi-2, GPT-J, or the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss), or a "
     ".gguf file (Llama family, Gemma 3). T5, BART, Marian and Whisper folders and 'whisper-base' (Whisper "
     "base, from its CTranslate2 file) load in Python (headspace.load); no command runs an encoder-decoder "
-    "yet."
+    "yet but align (Whisper)."
 )
 
 
