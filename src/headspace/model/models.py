@@ -173,9 +173,11 @@ class _Stack(nn.Module):
 
         A model cast by hand to another dtype (``model.half()``) reads as that dtype's name.
         """
-        if len(self.blocks) and is_int8(self.blocks[0].attn.o_weight):
+        # (a head-parallel shard's attention has no fused o_weight: its model reads as its embedding's dtype)
+        o_weight = getattr(self.blocks[0].attn, "o_weight", None) if len(self.blocks) else None
+        if o_weight is not None and is_int8(o_weight):
             return "int8"
-        if len(self.blocks) and is_bf16(self.blocks[0].attn.o_weight):
+        if o_weight is not None and is_bf16(o_weight):
             return "bfloat16"
         dtype = self.tok_embed.weight.dtype
         return {torch.float32: "float32", torch.bfloat16: "bfloat16"}.get(
