@@ -115,6 +115,7 @@ _MOVED = {
     "analysis.atp_edges": "analysis.circuits.atp_edges",
     "analysis.atlas_importance": "analysis.atlas.importance",
     "analysis.cross_lesson": "analysis.lesson.cross",
+    "analysis.alignment": "analysis.lesson.alignment",
     "analysis.encdec_patching": "analysis.causal.encdec_patching",
     "analysis.budget": "analysis.causal.budget",
     "analysis.graph": "analysis.circuits.graph", "analysis.decomposition": "analysis.circuits.decomposition",

@@ -30,6 +30,7 @@ MOVED = {
     "atp_edges": "circuits.atp_edges",
     "atlas_importance": "atlas.importance",
     "cross_lesson": "lesson.cross",
+    "alignment": "lesson.alignment",
     "encdec_patching": "causal.encdec_patching",
     "budget": "causal.budget",
     "graph": "circuits.graph",

@@ -1,7 +1,7 @@
 """``headspace align --model whisper-base speech.wav [--heads auto|L:H,L:H...]``: each word's start and
 end in seconds, from the chosen cross-attention heads' attention and dynamic time warping
-(:mod:`headspace.analysis.alignment`). ``--heads auto`` finds the heads first from the audio alone
-(:func:`~headspace.analysis.alignment.alignment_heads`, the path's own consistency), never from the
+(:mod:`headspace.analysis.lesson.alignment`). ``--heads auto`` finds the heads first from the audio alone
+(:func:`~headspace.analysis.lesson.alignment.alignment_heads`, the path's own consistency), never from the
 model's config."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def align(
     audio: str, model_spec: str, heads: str, top: int | None, transcript: str | None, as_json: bool
 ) -> None:
     """Print each word's start and end (seconds) in a 16 kHz WAV file, from Whisper's alignment heads."""
-    from ..analysis.alignment import alignment_heads, word_timings
+    from ..analysis.lesson.alignment import alignment_heads, word_timings
 
     check_input(audio, "SPEECH.WAV", "audio file")
     model = load_model(model_spec, whisper=True)

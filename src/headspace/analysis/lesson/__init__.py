@@ -3,6 +3,8 @@
 * :mod:`.explain`: :func:`explain`, one token's journey through one head, in words and numbers.
 * :mod:`.cross`: the same journey through one cross-attention head of an encoder-decoder
   (:func:`~.cross.explain_encdec`; a T5 head's bucket bias as its own step).
+* :mod:`.alignment`: which cross-attention heads align text with audio (:func:`~.alignment.alignment_heads`,
+  by dynamic time warping) and the word timings they give (:func:`~.alignment.word_timings`).
 * :mod:`.content_tokens`: the words a relational head can send a token to (explain's head choice).
 * :mod:`.roles`: head roles (mass on previous / next / current / first / last token, entropy, a label)
   and induction scores.

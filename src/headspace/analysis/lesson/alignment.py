@@ -44,8 +44,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..model.encdec import EncoderDecoder
-from ..pretrained.encdec.features import SAMPLE_RATE, log_mel, read_wav
+from ...model.encdec import EncoderDecoder
+from ...pretrained.encdec.features import SAMPLE_RATE, log_mel, read_wav
 
 #: seconds per encoder frame (2 x 10 ms hop)
 FRAME_SECONDS = 0.02
