@@ -70,6 +70,7 @@ import torch
 from torch import Tensor, nn
 
 from ...core.checks import is_int
+from ...nn.spec import features_of
 from .._common import JsonResult, eval_mode
 from ..causal.causal_inputs import stack_of
 from .edges import task_of
@@ -245,13 +246,8 @@ def _check_model(model: Any, what: str) -> nn.Module:
     module = stack_of(model, what)
     graph_of(module)  # pre-norm decoder blocks, one head count: refused by name otherwise
     for i, block in enumerate(module.blocks):
-        attn = block.attn
-        extras = {
-            "qk_norm": getattr(attn, "qk_norm", None),
-            "softcap": getattr(attn, "softcap", None),
-            "window": getattr(attn, "window", None),
-        }
-        used = [name for name, value in extras.items() if value is not None]
+        # the block's description says what its attention adds to plain softmax attention
+        used = features_of(block.spec)
         if used:
             raise TypeError(f"{what} writes out plain softmax attention; block {i} has {', '.join(used)}")
     return module
