@@ -5,28 +5,9 @@ maths the runs share is :mod:`.head_maths`; a patched run's plan and the run its
 :mod:`.patched`. This module runs the graph (:func:`run_graph`, unpatched or patched) and takes its
 gradients (:func:`graph_grads`).
 
-**A run with edges patched** (:func:`run_graph` with ``corrupt`` and ``missing``). Each receiver reads its
-own copy of the residual stream, ``x_v = sum_u a_u + c`` (``c``: the constant biases), and an edge left out
-of a circuit carries the sender's *corrupt* activation instead::
-
-    x_v = sum_u a_u + c - sum_u missing[u, v] (a_u - a_u^corrupt)
-        = resid^corrupt_v + sum_u kept[u, v] (a_u - a_u^corrupt)
-
-``a_u`` being this run's own activation, ``resid^corrupt_v`` the corrupt run's stream where ``v`` reads;
-only senders whose activation differs from the corrupt one count. The run computes a head or MLP only
-where that can change the logits (given the corrupt :class:`GraphRun`, with its streams): where one of
-its receivers keeps an edge from a sender that differs (else it reads the corrupt stream and its output
-is the corrupt run's, taken rather than recomputed), and where it keeps an edge into the logits or into
-a node that is computed (else its output is read by no one but through missing edges, and it carries
-the corrupt one). Each receiver starts from the side that reads fewer senders' deltas, per receiver or
-per block, the deltas of a layer's receivers summed by one product per layer (its q/k/v inputs and its
-MLP's part from earlier senders together); the logits' only at the last positions. A block whose
-receivers all read the same tensor is normalised once and projected by the fused weights; otherwise its
-inputs are [n + 2 n_kv, batch, seq, d_model] for the ``n`` heads computed, each receiver projected by its
-own head's ``W_Q``/``W_K``/``W_V`` (under RMSNorm the norm's scale is applied after the projection, the
-same maths without writing the normalised copies). With no edge missing the run is the model's forward
-(to float rounding: the same maths, a different order of products); with every edge missing it is the
-corrupt run.
+**A run with edges patched** (:func:`run_graph` with ``corrupt`` and ``missing``): an edge left out of a
+circuit carries the sender's corrupt activation; what the run computes, and what it takes from the corrupt
+run, is written in :mod:`.patched`.
 
 **Gradients** (:func:`graph_grads`). Unpatched, every receiver reads the same stream, so ``dM/dx_v`` for
 all receivers comes from the model's own forward and one backward: the gradient at each head's query /
