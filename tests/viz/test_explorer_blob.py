@@ -4,10 +4,7 @@ exactly, in Python and in Chromium, which shows the same numbers as from the bas
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +13,6 @@ import torch
 
 from headspace.model.models import Decoder, ModelConfig
 from headspace.viz.explorer import Explorer, blob
-from headspace.viz.explorer.page import HEADLESS_CHROMIUM_ARGS
-
-CHROMIUM = os.environ.get("HEADSPACE_CHROMIUM", "/usr/bin/chromium")
 
 
 def _as_browser_reads(page: bytes) -> str:
@@ -72,21 +66,6 @@ def test_a_block_page_is_ascii_around_its_block_and_reads_back_to_the_same_data(
     assert around.isascii() and around.count(b"</script>") == 3
     assert blob.page_data(body) == page.data == blob.page_data(plain.read_bytes())
     assert blob.page_charset(body) == "windows-1252" and blob.page_charset(plain.read_bytes()) == "utf-8"
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    if not (Path(CHROMIUM).is_file() and shutil.which(CHROMIUM)):
-        if os.environ.get("HEADSPACE_REQUIRE_BROWSER"):
-            raise RuntimeError(f"HEADSPACE_REQUIRE_BROWSER is set but no Chromium at {CHROMIUM}")
-        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium)")
-    os.environ.setdefault("PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1")
-    from playwright import sync_api
-
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=list(HEADLESS_CHROMIUM_ARGS))
-        yield b
-        b.close()
 
 
 def _shown(browser: Any, open_tab: Any) -> tuple[dict[str, Any], list[str], str]:

@@ -10,9 +10,6 @@ that page and the old float32 one in Chromium and requires the same numbers from
 
 from __future__ import annotations
 
-import os
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +24,7 @@ from headspace.cli import cli
 from headspace.viz.explorer import blob
 from headspace.viz.explorer.codec import decode_grid, encode_grid
 from headspace.viz.explorer.data import pack, unpack
-from headspace.viz.explorer.page import HEADLESS_CHROMIUM_ARGS, render_page
+from headspace.viz.explorer.page import render_page
 
 SENTENCE = "When Mary and John went to the store, John gave a drink to"  # 14 SmolLM2 tokens
 #: What the page of that sentence with a patching result may weigh: the issue's target, 8 MB. As base64
@@ -121,24 +118,6 @@ def test_the_smollm2_page_with_a_patch_result_is_small(smollm2_page: Path, smoll
     for layer, (_, attn) in zip(data["layers"], attention_layers(smollm2.model)):
         assert layer["W_O"]["dtype"] == "grid4"
         np.testing.assert_array_equal(unpack(layer["W_O"]), attn.W_O.detach().float().numpy())
-
-
-CHROMIUM = os.environ.get("HEADSPACE_CHROMIUM", "/usr/bin/chromium")
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    if not (Path(CHROMIUM).is_file() and shutil.which(CHROMIUM)):
-        if os.environ.get("HEADSPACE_REQUIRE_BROWSER"):
-            raise RuntimeError(f"HEADSPACE_REQUIRE_BROWSER is set but no Chromium at {CHROMIUM}")
-        pytest.skip(f"no Chromium at {CHROMIUM} (apt-get install chromium)")
-    os.environ.setdefault("PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD", "1")
-    from playwright import sync_api
-
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=list(HEADLESS_CHROMIUM_ARGS))
-        yield b
-        b.close()
 
 
 def _snapshot(browser: Any, path: Path, layer: int, head: int, token: int) -> tuple[dict[str, Any], Any]:
