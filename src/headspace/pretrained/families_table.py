@@ -42,6 +42,8 @@ _PARALLEL_T = "tests/pretrained/test_parallel_families.py"
 _VARIANTS_T = "tests/pretrained/test_llama_variants.py"
 _MOE_T = "tests/pretrained/test_moe_families.py"
 _ENCDEC_T = "tests/encdec/test_families.py"
+_ABSOLUTE_T = "tests/pretrained/test_absolute_families.py"
+_NONE: dict[str, Any] = {"rotation": "none", "rope_types": ()}
 
 
 @dataclass(frozen=True)
@@ -356,6 +358,39 @@ FAMILIES: tuple[Family, ...] = (
         ("forward",),
         _REL,
         _MOE_T,
+    ),
+    _d(
+        "opt",
+        "learned absolute (offset 2)",
+        ("pre", "post"),
+        _LN,
+        "do_layer_norm_before; projected embeddings",
+        ("native", "forward"),
+        _REL,
+        _ABSOLUTE_T,
+        **_NONE,
+    ),
+    _d(
+        "gpt_neo",
+        "learned absolute",
+        _PRE,
+        _LN,
+        "unscaled scores; local windows on chosen layers",
+        ("native",),
+        _REL,
+        _ABSOLUTE_T,
+        **_NONE,
+    ),
+    _d(
+        "gpt_bigcode",
+        "learned absolute",
+        _PRE,
+        _LN,
+        "multi-query (one key/value head)",
+        ("native",),
+        _REL,
+        _ABSOLUTE_T,
+        **_NONE,
     ),
 )
 

@@ -1,0 +1,257 @@
+"""OPT, GPT-Neo and GPT-BigCode against transformers 5 itself: learned absolute positions (OPT's offset
+of 2), pre and post layouts, OPT's projected embeddings, GPT-Neo's unscaled scores and local windows,
+GPT-BigCode's multi-query attention.
+
+References: tiny random checkpoints built and saved by transformers (odd sizes, every norm weight and
+bias random, non-default values of the fields that matter), read back with ``headspace.load`` and
+compared with transformers' eager forward: logits within 1e-4 of their largest magnitude, every
+head's pattern within 1e-5; greedy decoding token for token.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers as T
+
+import headspace as hs
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+V, D, L, H, DM, CTX = 83, 48, 3, 4, 37, 32  # vocab, hidden, layers, heads (d_head 12), mlp, context
+ARCHS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
+    # pre-LN, projected embeddings (word_embed_proj_dim 20 != 48), relu, biases
+    "opt": (
+        T.OPTConfig,
+        T.OPTForCausalLM,
+        dict(
+            vocab_size=V,
+            hidden_size=D,
+            num_hidden_layers=L,
+            num_attention_heads=H,
+            ffn_dim=DM,
+            max_position_embeddings=CTX,
+            word_embed_proj_dim=20,
+            do_layer_norm_before=True,
+            activation_function="relu",
+            enable_bias=True,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=None,
+        ),
+    ),
+    # post-LN (OPT-350m), no final LayerNorm, no biases, gelu, untied head
+    "opt_post": (
+        T.OPTConfig,
+        T.OPTForCausalLM,
+        dict(
+            vocab_size=V,
+            hidden_size=D,
+            num_hidden_layers=L,
+            num_attention_heads=H,
+            ffn_dim=DM,
+            max_position_embeddings=CTX,
+            word_embed_proj_dim=D,
+            do_layer_norm_before=False,
+            activation_function="gelu",
+            enable_bias=False,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=None,
+        ),
+    ),
+    # unscaled scores; local layers (window 4) between global ones
+    "gpt_neo": (
+        T.GPTNeoConfig,
+        T.GPTNeoForCausalLM,
+        dict(
+            vocab_size=V,
+            hidden_size=D,
+            num_layers=L,
+            num_heads=H,
+            intermediate_size=DM,
+            max_position_embeddings=CTX,
+            attention_types=[[["local", "global", "local"], 1]],
+            window_size=4,
+            activation_function="gelu_new",
+            layer_norm_epsilon=1e-4,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=None,
+        ),
+    ),
+    # multi-query: one key/value head
+    "gpt_bigcode": (
+        T.GPTBigCodeConfig,
+        T.GPTBigCodeForCausalLM,
+        dict(
+            vocab_size=V,
+            n_embd=D,
+            n_layer=L,
+            n_head=H,
+            n_inner=DM,
+            n_positions=CTX,
+            multi_query=True,
+            activation_function="gelu_pytorch_tanh",
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=None,
+        ),
+    ),
+    # every head its own key/value head (c_attn rows per head), unscaled scores, untied head
+    "gpt_bigcode_mha": (
+        T.GPTBigCodeConfig,
+        T.GPTBigCodeForCausalLM,
+        dict(
+            vocab_size=V,
+            n_embd=D,
+            n_layer=L,
+            n_head=H,
+            n_inner=DM,
+            n_positions=CTX,
+            multi_query=False,
+            scale_attn_weights=False,
+            tie_word_embeddings=False,
+            activation_function="relu",
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=None,
+        ),
+    ),
+}
+
+
+def build(arch: str, folder: Path) -> Any:
+    config_cls, model_cls, kw = ARCHS[arch]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**kw, initializer_range=0.3)).eval()
+    with torch.no_grad():  # norms, biases and positions away from their start, so a wrong one shows
+        for name, p in model.named_parameters():
+            if "norm" in name or "ln_" in name or name.endswith("bias") or "pos" in name or "wpe" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(folder)
+    return model_cls.from_pretrained(folder, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
+    out = {}
+    for arch in ARCHS:
+        folder = tmp_path_factory.mktemp(arch)
+        out[arch] = (folder, build(arch, folder))
+    return out
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_logits_and_every_head_pattern_equal_transformers(saved: dict, arch: str) -> None:
+    folder, ref = saved[arch]
+    ours = hs.load(folder)
+    tokens = torch.randint(1, V, (2, 13), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(input_ids=tokens, output_attentions=True)
+        with hs.trace(ours.model, names="*.hook_pattern") as t:
+            got = ours(tokens)
+    bound = 1e-4 * float(want.logits.abs().max())
+    torch.testing.assert_close(got, want.logits, atol=bound, rtol=0)
+    for layer in range(L):
+        torch.testing.assert_close(t.pattern(layer), want.attentions[layer], atol=1e-5, rtol=0)
+
+
+def test_configs_say_what_each_family_is(saved: dict) -> None:
+    c = {a: hs.load(f).config for a, (f, _) in saved.items()}
+    assert (c["opt"].norm, c["opt"].final_ln, c["opt"].act, c["opt"].max_seq_len) == (
+        "pre",
+        True,
+        "relu",
+        CTX,
+    )
+    assert (c["opt_post"].norm, c["opt_post"].final_ln, c["opt_post"].bias) == ("post", False, False)
+    assert not c["opt"].tie_embeddings and c["opt"].extra["word_embed_proj_dim"] == 20
+    neo = hs.load(saved["gpt_neo"][0]).model
+    assert [b.spec.attention.window for b in neo.blocks] == [4, None, 4]
+    assert {b.spec.attention.score_scale for b in neo.blocks} == {1.0}
+    assert [b.spec.attention.qkv_bias for b in neo.blocks] == [False] * L
+    assert c["gpt_bigcode"].n_kv_heads == 1 and c["gpt_bigcode_mha"].n_kv_heads == H
+    assert c["gpt_bigcode_mha"].attn_scale == 1.0
+
+
+def test_opt_position_table_is_offset_by_two(saved: dict) -> None:
+    """Headspace's position row p is OPT's row p + 2 (its first two rows are never read)."""
+    folder, ref = saved["opt"]
+    ours = hs.load(folder)
+    table = ref.model.decoder.embed_positions.weight  # [CTX + 2, D]
+    assert table.shape == (CTX + 2, D)
+    torch.testing.assert_close(ours.model.pos_embed.weight, table[2:], atol=0, rtol=0)
+
+
+def test_opt_left_padded_rows_take_their_positions(saved: dict) -> None:
+    """A left-padded row with per-row positions (0 at its first real token) is the unpadded row: what
+    OPT's cumsum of the attention mask gives transformers."""
+    folder, ref = saved["opt"]
+    ours = hs.load(folder)
+    tokens = torch.randint(1, V, (1, 9), generator=torch.Generator().manual_seed(2))
+    padded = torch.cat([torch.zeros(1, 3, dtype=torch.long), tokens], dim=1)  # (1, 12)
+    mask = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 9, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        want = ref(input_ids=padded, attention_mask=mask).logits[:, 3:]  # (1, 9, V)
+        got = ours.model(tokens)
+    torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_greedy_decoding_equals_transformers(saved: dict, arch: str) -> None:
+    folder, ref = saved[arch]
+    ours = hs.load(folder)
+    prompt = torch.randint(1, V, (1, 6), generator=torch.Generator().manual_seed(3))
+    got = ours.generate(prompt, 10, temperature=0)
+    with torch.no_grad():
+        want = ref.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False, pad_token_id=0
+        )
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize(
+    ("arch", "key", "value"),
+    [
+        ("gpt_neo", "attention_types", [[["global", "sparse"], 3]]),
+        ("gpt_neo", "attention_types", [[["global", "local"], 1]]),
+        ("gpt_bigcode", "add_cross_attention", True),
+        ("opt", "activation_function", "swish_and_more"),
+    ],
+)
+def test_what_headspace_cannot_run_is_refused_by_field_name(
+    saved: dict, tmp_path: Path, arch: str, key: str, value: Any
+) -> None:
+    folder = tmp_path / arch
+    shutil.copytree(saved[arch][0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(ValueError, match=key) as info:
+        hs.load(folder)
+    assert "\n" not in str(info.value)
+
+
+def test_the_families_table_rows_say_what_loading_builds(saved: dict) -> None:
+    """Each row of headspace.pretrained.families_table: its layouts and decoding routes are the loaded
+    models' (OPT's pre layout decodes through the native step, its post layout through the forward)."""
+    from headspace.decode.step import blocks_of
+    from headspace.pretrained import families_table as ft
+
+    routes = {}
+    for arch, (folder, _) in saved.items():
+        ours = hs.load(folder)
+        row = ft.family(ours.config.extra["model_type"])
+        assert (
+            row.kind == "decoder" and row.rotation == "none" and row.tested_in.endswith(Path(__file__).name)
+        )
+        assert {b.spec.layout for b in blocks_of(ours.model)} <= set(row.layouts), arch
+        routes[arch] = ft.decode_route(ours)
+        assert routes[arch] in row.decode, (arch, routes[arch])
+    assert (routes["opt"], routes["opt_post"]) == ("native", "forward")
