@@ -313,7 +313,7 @@ class Encoder(_Stack):
                 )
             check_tokens(
                 token_type_ids,
-                dataclasses.replace(self.config, vocab_size=self.config.type_vocab_size),
+                dataclasses.replace(self.config, vocab_size=self.config.type_vocab_size, pad_token_id=None),
                 name="token_type_ids",
                 device=self.tok_embed.weight.device,
             )

@@ -392,6 +392,18 @@ FAMILIES: tuple[Family, ...] = (
         _ABSOLUTE_T,
         **_NONE,
     ),
+    Family(
+        "roberta",
+        "encoder",
+        "learned absolute (past pad_token_id)",
+        ("post",),
+        _LN,
+        "BERT with its position table offset by pad_token_id + 1",
+        ("-",),
+        "1e-4 rel / 1e-5",
+        "tests/pretrained/test_encoder_families.py",
+        **_NONE,
+    ),
 )
 
 

@@ -17,6 +17,7 @@ from .absolute_families import ABSOLUTE_FAMILY_TYPES, load_absolute_family
 from .bert import load_bert
 from .encdec import ENCDEC_LOADERS
 from .encdec.whisper_base import load_whisper_base
+from .encoder_families import ENCODER_LOADERS
 from .gguf import load_gemma3, load_gguf, load_smollm2
 from .gpt2 import load_gpt2
 from .hf import checked_folder, read_json, require_file
@@ -159,6 +160,7 @@ FOLDER_LOADERS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] 
     **dict.fromkeys(PARALLEL_FAMILY_TYPES, load_parallel_family),  # gpt_neox, stablelm, cohere, phi, gptj
     **dict.fromkeys(MOE_MODEL_TYPES, load_moe),  # mixtral, qwen2_moe, qwen3_moe, olmoe, gpt_oss
     **dict.fromkeys(ABSOLUTE_FAMILY_TYPES, load_absolute_family),  # opt, gpt_neo, gpt_bigcode
+    **ENCODER_LOADERS,  # roberta
 }
 
 
