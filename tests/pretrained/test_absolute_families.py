@@ -255,3 +255,58 @@ def test_the_families_table_rows_say_what_loading_builds(saved: dict) -> None:
         routes[arch] = ft.decode_route(ours)
         assert routes[arch] in row.decode, (arch, routes[arch])
     assert (routes["opt"], routes["opt_post"]) == ("native", "forward")
+
+
+@pytest.mark.parametrize("arch", ["opt", "gpt_neo", "gpt_bigcode", "gpt_bigcode_mha"])
+def test_qk_circuit_gives_the_traced_scores(saved: dict, arch: str) -> None:
+    """``head.qk(delta)`` (no rotation: the same circuit at every offset) with the biases, applied to the
+    traced attention input, is each head's score: GPT-Neo's scale 1, GPT-BigCode's one shared key head."""
+    ours = hs.load(saved[arch][0])
+    tokens = torch.randint(1, V, (1, 11), generator=torch.Generator().manual_seed(4))
+    with hs.trace(ours.model, names=["blocks.1.hook_attn_in", "blocks.1.attn.hook_scores"]) as t:
+        ours(tokens)
+    attn = ours.model.blocks[1].attn
+    x = t["blocks.1.hook_attn_in"][0].double()  # (S, d_model)
+    xa = torch.cat([x, torch.ones(11, 1, dtype=torch.float64)], dim=-1)  # (S, d_model + 1): the biases
+    scores = t["blocks.1.attn.hook_scores"][0].double() / attn.scale  # (H, S, S)
+    causal = torch.ones(11, 11, dtype=torch.bool).tril()
+    for h in range(H):
+        AB = attn.heads[h].qk(3, augmented=True).AB.double()  # (d_model + 1, d_model + 1)
+        got = xa @ AB @ xa.T  # (S, S)
+        torch.testing.assert_close(got[causal], scores[h][causal], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_score_decomposition_and_logit_attribution_add_up(saved: dict, arch: str) -> None:
+    """The parts of a head's score add up to it on every family; the direct logit attribution's parts
+    add up to the logit on the pre-LN ones (OPT's folded projections included) and the post layout
+    (OPT-350m) is refused by name: its norms rescale the whole stream."""
+    from headspace.analysis.causal.attribution import direct_logit_attribution
+    from headspace.analysis.circuits.decomposition import composition_scores, score_decomposition
+
+    ours = hs.load(saved[arch][0])
+    tokens = torch.randint(1, V, (1, 9), generator=torch.Generator().manual_seed(5))
+    r = score_decomposition(ours.model, tokens, 2, 1, query=8)
+    assert abs(r.total - r.score) <= 1e-4 * max(1.0, abs(r.score)), (r.total, r.score)
+    assert composition_scores(ours).q.shape[-1] == H
+    if arch == "opt_post":
+        with pytest.raises(ValueError, match="'layout' \\('post'\\)"):
+            direct_logit_attribution(ours, tokens, 5, 7)
+        return
+    dla = direct_logit_attribution(ours, tokens, 5, 7)
+    assert abs(float(dla.total) - float(dla.logit)) <= 1e-4 * max(1.0, abs(float(dla.logit)))
+
+
+def test_the_atlas_leaves_direct_effects_out_on_the_post_layout(saved: dict) -> None:
+    """The atlas's direct effects and copying scores are DLA's: computed on OPT's pre layout, left out
+    (NaN) on its post layout, where no part has a fixed direct path to the logits."""
+    from headspace.analysis import atlas
+
+    docs = [torch.randint(1, V, (30,), generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    for arch, absent in (("opt", False), ("opt_post", True)):
+        model = hs.load(saved[arch][0]).model
+        result = atlas(model, docs, window=12, batch_size=2, top_k=3, shard_size=3, progress=False,
+                       induction_repeated=False, importance="exact")  # fmt: skip
+        for stat in ("direct_effect", "copying"):
+            assert bool(result.stats[stat].isnan().all()) is absent, (arch, stat)
+        assert not result.stats["ablation"].isnan().any()

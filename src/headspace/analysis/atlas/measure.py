@@ -35,7 +35,9 @@ as in :func:`~headspace.analysis.attribution.direct_logit_attribution`: its weig
 row (``W_U`` -> ``center'(w' * center(w * W_U))``) and its per-position factor ``c'_i`` (taken from the
 norm's input in the forward) joins ``c_i``.
 
-Encoders (no unembedding) get no ``direct_effect``/``copying`` (their counts stay 0: NaN in the atlas).
+Encoders (no unembedding) and decoders of the ``post`` layout (a norm after each residual add rescales
+the whole stream: no fixed direct path) get no ``direct_effect``/``copying`` (their counts stay 0: NaN in
+the atlas).
 """
 
 from __future__ import annotations
@@ -322,7 +324,8 @@ def measure_batch(
 ) -> None:
     """Add one batch (tokens int64 [B, S], right-padded, ``real`` bool [B, S], ``seq_ids`` int64 [B]) to
     ``state``: every statistic of the module docstring, one forward pass (decoders: without the logits)."""
-    decoder = is_decoder(module)
+    # a post-layout decoder (OPT-350m): each residual add's norm rescales the whole stream, no direct path
+    decoder = is_decoder(module) and all(block.spec.layout != "post" for block in module.blocks)
     kp = None if bool(real.all()) else real
     if not decoder:
         m = BatchMeasure(state, tokens, real, seq_ids)

@@ -119,8 +119,16 @@ def direct_logit_attribution(
 
     Returns:
         :class:`LogitAttribution`; ``total == logit`` (the parts add up to the model's logit).
+
+    Raises:
+        ValueError: a block of the ``post`` layout (a norm after each residual add: OPT-350m), by name.
     """
     module = _decoder(model, "direct_logit_attribution")
+    if any(block.spec.layout == "post" for block in module.blocks):  # OPT-350m: do_layer_norm_before false
+        raise ValueError(
+            "direct_logit_attribution does not support the block field 'layout' ('post'): the norm after "
+            "each residual add rescales the whole stream, so no part has a fixed direct path to the logit"
+        )
     p = prompts_of(model, prompts)
     a = token_id(model, answer, "answer")
     b = None if other is None else token_id(model, other, "other")
