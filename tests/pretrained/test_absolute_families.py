@@ -66,6 +66,26 @@ ARCHS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
             eos_token_id=None,
         ),
     ),
+    # LayerNorms without parameters, no final LayerNorm, projected embeddings with an untied head
+    "opt_plain": (
+        T.OPTConfig,
+        T.OPTForCausalLM,
+        dict(
+            vocab_size=V,
+            hidden_size=D,
+            num_hidden_layers=L,
+            num_attention_heads=H,
+            ffn_dim=DM,
+            max_position_embeddings=CTX,
+            word_embed_proj_dim=28,
+            layer_norm_elementwise_affine=False,
+            _remove_final_layer_norm=True,
+            tie_word_embeddings=False,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=None,
+        ),
+    ),
     # unscaled scores; local layers (window 4) between global ones
     "gpt_neo": (
         T.GPTNeoConfig,
@@ -173,6 +193,10 @@ def test_configs_say_what_each_family_is(saved: dict) -> None:
     )
     assert (c["opt_post"].norm, c["opt_post"].final_ln, c["opt_post"].bias) == ("post", False, False)
     assert not c["opt"].tie_embeddings and c["opt"].extra["word_embed_proj_dim"] == 20
+    plain = hs.load(saved["opt_plain"][0]).model
+    assert (c["opt_plain"].norm, c["opt_plain"].final_ln) == ("pre", False)
+    for norm in [n for b in plain.blocks for n in (b.ln1, b.ln2)]:  # no parameters: weight 1, bias 0
+        assert bool((norm.weight == 1).all()) and bool((norm.bias == 0).all())
     neo = hs.load(saved["gpt_neo"][0]).model
     assert [b.spec.attention.window for b in neo.blocks] == [4, None, 4]
     assert {b.spec.attention.score_scale for b in neo.blocks} == {1.0}
