@@ -335,3 +335,24 @@ def test_the_atlas_leaves_direct_effects_out_on_the_post_layout(saved: dict) -> 
         for stat in ("direct_effect", "copying"):
             assert bool(result.stats[stat].isnan().all()) is absent, (arch, stat)
         assert not result.stats["ablation"].isnan().any()
+
+
+@pytest.mark.parametrize("arch", ["opt", "opt_post"])
+def test_left_padded_batch_decodes_as_transformers_does(saved: dict, arch: str) -> None:
+    """Prompts of different lengths, left-padded with their key_padding: each row's continuation is
+    transformers' (OPT counts positions from each row's first real token, offset 2 in its table)."""
+    folder, ref = saved[arch]
+    ours = hs.load(folder)
+    tokens = torch.randint(1, V, (2, 7), generator=torch.Generator().manual_seed(6))
+    real = torch.ones(2, 7, dtype=torch.bool)
+    tokens[1, :3], real[1, :3] = 0, False  # row 1: 3 padding tokens, then 4 real ones
+    positions = (real.long().cumsum(1) - 1).clamp(min=0)  # (2, 7): 0 at each row's first real token
+    with torch.no_grad():
+        logits = ref(tokens, attention_mask=real.long()).logits  # (2, 7, V)
+        mine = ours.model(tokens, real, positions=positions)  # (2, 7, V)
+        want = ref.generate(
+            tokens, attention_mask=real.long(), max_new_tokens=8, do_sample=False, pad_token_id=0
+        )
+    torch.testing.assert_close(mine[real], logits[real], atol=1e-4 * float(logits.abs().max()), rtol=0)
+    got = ours.generate(tokens, 8, temperature=0, key_padding=real)
+    assert torch.equal(got[:, 7:], want[:, 7:])
