@@ -138,3 +138,16 @@ def test_what_headspace_cannot_run_is_refused_by_field_name(
     with pytest.raises(ValueError, match=match) as info:
         hs.load(folder)
     assert "\n" not in str(info.value)
+
+
+def test_sentence_transformers_max_seq_length_is_read_as_for_bert(
+    saved: tuple[Path, Any], tmp_path: Path
+) -> None:
+    folder = tmp_path / "st"
+    shutil.copytree(saved[0], folder)
+    assert hs.load(folder).max_length == CTX - PAD - 1  # the shifted table's length
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": 7}))
+    assert hs.load(folder).max_length == 7
+    (folder / "sentence_bert_config.json").write_text(json.dumps({"max_seq_length": "7"}))
+    with pytest.raises(ValueError, match=r"sentence_bert_config.json: max_seq_length must be an int >= 1"):
+        hs.load(folder)

@@ -15,6 +15,7 @@ never attended to and should be ignored. The tensors and their checks are BERT's
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +33,16 @@ from .bert import (
     bert_state_dict,
 )
 from .hf import (
+    ConfigFields,
     config_fields,
     fitting_headspace,
     folder_tokenizer,
     linear_shapes,
     load_converted,
     open_checkpoint,
+    optional_file,
     read_checked,
+    read_json,
 )
 from .wrappers import PretrainedEncoder
 
@@ -90,7 +94,8 @@ def load_roberta(
 
     As :func:`~headspace.pretrained.load_bert` (the same untrusted-input checks, ``roberta.``-prefixed
     task checkpoints accepted, the pooler kept when present), with the position table shifted past
-    ``pad_token_id`` (module docstring). ``precision``: ``"float32"`` (exact), ``"bfloat16"`` or ``"int8"``.
+    ``pad_token_id`` (module docstring); sentence-transformers' ``max_seq_length`` is read as BERT's is.
+    ``precision``: ``"float32"`` (exact), ``"bfloat16"`` or ``"int8"``.
 
     Raises:
         FileNotFoundError: the folder or a needed file is missing (named).
@@ -120,9 +125,14 @@ def load_roberta(
             {"weight": tensors["pooler.dense.weight"], "bias": tensors["pooler.dense.bias"]}
         )
     tokenizer = folder_tokenizer(ckpt.path, config.pad_token_id)
+    st_config = optional_file(ckpt.path, "sentence_bert_config.json", "sentence-transformers' settings")
+    if max_length is None and st_config is not None:  # a RoBERTa sentence-transformers model's limit
+        max_length = ConfigFields(read_json(st_config), str(st_config)).integer(
+            "max_seq_length", None, allow_none=True
+        )
     pre = PretrainedEncoder(model, tokenizer, max_length=max_length, pooler=pooler, ignored=ignored)
     return pre.to_precision(precision)
 
 
 #: model_type -> loader.
-ENCODER_LOADERS = {"roberta": load_roberta}
+ENCODER_LOADERS: dict[str, Callable[..., PretrainedEncoder]] = {"roberta": load_roberta}
