@@ -347,7 +347,6 @@ def test_wav_reader_refuses_bad_files_in_one_line(tmp_path: Path) -> None:
     cases = {
         tmp_path / "absent.wav": r"no such audio file",
         _write_wav(tmp_path / "empty.wav", np.zeros(0, dtype="<i2"), 16000): r"holds no samples",
-        _write_wav(tmp_path / "fast.wav", silence, 22050): r"sample rate 22050 Hz; expected 16000 Hz",
         _write_wav(tmp_path / "deep.wav", np.zeros(480, dtype="u1"), 16000, width=3): r"24-bit samples",
     }
     (tmp_path / "text.wav").write_text("not audio")

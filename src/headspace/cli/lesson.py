@@ -24,6 +24,7 @@ from ..core.defaults import (
 )
 from ..core.errors import UsageError
 from .errors import read_input_file, reported
+from .explain_encdec import ENCDEC_TARGET_HELP, explain_encoder_decoder, is_encoder_decoder
 from .loader import at_precision, load_model
 from .options import (
     TOKENS_HELP,
@@ -111,6 +112,7 @@ def _check_sentence(sentence: str | None) -> None:
     callback=positive_int,
     help="How many ranked heads to show per group (relational, positional); at least 1.",
 )
+@click.option("--target", default=None, help=ENCDEC_TARGET_HELP)
 @model_option
 @precision_option
 @out_option
@@ -122,6 +124,7 @@ def explain_cmd(
     head: int | None,
     occurrence: int | None,
     top_heads: int,
+    target: str | None,
     model_spec: str,
     model_precision: str,
     out_dir: Path | None,
@@ -130,14 +133,24 @@ def explain_cmd(
     """Walk one token through one head: x -> q, k, v -> scores -> softmax -> z -> concat -> W_O -> out.
 
     Without SENTENCE an encoder reads the coreference sentence (and follows "it"), a decoder a repeated
-    phrase (and follows its last token, where the copying heads look back)."""
+    phrase (and follows its last token, where the copying heads look back). An encoder-decoder (T5,
+    BART, Marian with a tokenizer; whisper-base with SPEECH.WAV) walks one output token through one
+    cross-attention head instead (--token: an output token or its index; --out: its pattern as a PNG)."""
     _check_sentence(sentence)
     if token is not None and not token.strip():
         raise UsageError(f"--token is empty ({token!r}); give a token of the sentence or its index")
     if out_dir is not None:
         check_writable_folder(out_dir)
     check_before_loading(model_spec, layer, head)
-    pretrained = at_precision(load_model(model_spec), model_precision)
+    pretrained = load_model(model_spec, encdec=True)
+    if is_encoder_decoder(pretrained):
+        return explain_encoder_decoder(
+            pretrained, model_spec, sentence, token=token, layer=layer, head=head, target=target,
+            precision=model_precision, out_dir=out_dir, as_json=as_json,
+        )  # fmt: skip
+    if target is not None:
+        raise UsageError(f"--target: only for encoder-decoders; --model {model_spec} is not one")
+    pretrained = at_precision(pretrained, model_precision)
     check_loaded_shape(pretrained, layer, head)
     from ..analysis.lesson.explain import explain, tokenize_sentence
 

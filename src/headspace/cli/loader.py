@@ -17,24 +17,25 @@ from .errors import one_line, reported
 __all__ = ["UsageError", "at_precision", "load_model", "one_line"]
 
 
-def load_model(spec: str, *, whisper: bool = False) -> Any:
+def load_model(spec: str, *, whisper: bool = False, encdec: bool = False) -> Any:
     """A registered model (``minilm``, ``smollm2``, ``gemma3``), a Hugging Face checkpoint folder or a
-    ``.gguf`` file; with ``whisper=True`` (``headspace align``) a Whisper encoder-decoder is let through."""
+    ``.gguf`` file; with ``whisper=True`` (``headspace align``) a Whisper encoder-decoder is let through,
+    with ``encdec=True`` (``headspace explain``) any encoder-decoder."""
     from .. import pretrained
 
     with reported():
         model = pretrained.load(spec)
-    refuse_encoder_decoder(model, spec, whisper=whisper)
+    refuse_encoder_decoder(model, spec, whisper=whisper, encdec=encdec)
     return model
 
 
-def refuse_encoder_decoder(model: Any, spec: str, *, whisper: bool = False) -> None:
-    """An encoder-decoder (T5, BART, Marian, Whisper) is refused by name in one line: no command runs one
-    yet (the Python API does: :class:`headspace.EncoderDecoder`, docs/encoder_decoder.md), except a
-    Whisper model (audio encoder) when ``whisper`` (``headspace align``)."""
+def refuse_encoder_decoder(model: Any, spec: str, *, whisper: bool = False, encdec: bool = False) -> None:
+    """An encoder-decoder (T5, BART, Marian, Whisper) is refused by name in one line where a command does
+    not run one (the Python API does: :class:`headspace.EncoderDecoder`, docs/encoder_decoder.md); a
+    Whisper model (audio encoder) passes when ``whisper`` (``headspace align``), any one when ``encdec``."""
     from ..model.encdec import EncoderDecoder
 
-    if isinstance(model, EncoderDecoder) and whisper and model.config.audio:
+    if isinstance(model, EncoderDecoder) and (encdec or (whisper and model.config.audio)):
         return
     if isinstance(model, EncoderDecoder):
         raise UsageError(

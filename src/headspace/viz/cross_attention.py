@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from .plots import ArrayLike, _np, _save, _token_ticks, plt
 
@@ -47,3 +48,19 @@ def plot_cross_pattern(
     ax.set_title(title or "cross-attention pattern")
     fig.colorbar(im, ax=ax, fraction=0.046, pad=0.04, label="attention weight")
     return _save(fig, path)
+
+
+def plot_cross_explanation(e: Any, path: str | Path) -> Path:
+    """The picture of ``headspace explain`` on an encoder-decoder: the head's pattern of a
+    :class:`~headspace.analysis.lesson.cross_explain.CrossExplanation` ``e``, one row per output token and
+    the end (labelled ``input token → predicted token``), the source in tokens or seconds, with the word
+    boundaries drawn (:func:`plot_cross_pattern`)."""
+    les = e.lesson
+    targets = [f"{q.strip()} → {t.strip()}" for q, t in zip(e.queries, [*e.outputs, "<end>"])]
+    where = "audio" if e.seconds_per_key is not None else "source"
+    return plot_cross_pattern(
+        e.pattern, path, targets=targets, sources=None if e.seconds_per_key is not None else e.sources,
+        seconds_per_key=e.seconds_per_key, boundaries=e.boundaries,
+        title=f"decoder layer {les.layer} cross-attention head {les.head} over the {where} "
+        "(lines: word boundaries)",
+    )  # fmt: skip

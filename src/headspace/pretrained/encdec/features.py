@@ -1,5 +1,9 @@
-"""Whisper's input: 16 kHz PCM WAV files, and log-mel features computed as transformers'
+"""Whisper's input: PCM WAV files resampled to 16 kHz, and log-mel features computed as transformers'
 ``WhisperFeatureExtractor`` computes them (issue #40).
+
+A file at another rate ``r`` is resampled by ``scipy.signal.resample_poly(x, 16000 / g, r / g)``
+(``g = gcd(16000, r)``): upsampling by ``16000 / g``, scipy's default Kaiser-windowed (beta 5) FIR
+low-pass at the lower Nyquist rate, then downsampling by ``r / g`` (polyphase, float64).
 
 For a waveform ``x`` at 16 kHz, zero-padded (or cut) to ``N = 30 s * 16000 = 480000`` samples::
 
@@ -70,10 +74,23 @@ def log_mel(audio: Tensor, n_mels: int = 80) -> Tensor:
     return (log_spec + 4.0) / 4.0
 
 
-def read_wav(path: str | os.PathLike[str]) -> Tensor:
-    """The samples [n] in [-1, 1] (float32) of a PCM WAV file at 16 kHz (channels averaged).
+def resample(x: Tensor, rate: int, target: int = SAMPLE_RATE) -> Tensor:
+    """``x`` [n] sampled at ``rate`` Hz, resampled to ``target`` Hz [ceil(n * target / rate)] (float32) by
+    ``scipy.signal.resample_poly`` (module docstring); ``x`` itself when the rates are equal."""
+    if rate == target:
+        return x.float()
+    from scipy.signal import resample_poly  # a run-time dependency (pyproject.toml); imported when needed
 
-    ValueError, one line naming the file, for a missing, unreadable, non-PCM, empty or non-16 kHz file.
+    g = math.gcd(target, rate)
+    y = resample_poly(x.double().numpy(), target // g, rate // g)  # [ceil(n * target / rate)]
+    return torch.from_numpy(y).float()
+
+
+def read_wav(path: str | os.PathLike[str]) -> Tensor:
+    """The samples [n] in [-1, 1] (float32) of a PCM WAV file (channels averaged), resampled to 16 kHz
+    (:func:`resample`) when the file holds another rate.
+
+    ValueError, one line naming the file, for a missing, unreadable, non-PCM or empty file.
     """
     p = Path(path)
     if not p.is_file():
@@ -88,20 +105,20 @@ def read_wav(path: str | os.PathLike[str]) -> Tensor:
         ) from None
     if width not in _SAMPLE_DTYPES:
         raise ValueError(f"{p}: {8 * width}-bit samples; expected 8-, 16- or 32-bit PCM")
-    if rate != SAMPLE_RATE:
-        raise ValueError(f"{p}: sample rate {rate} Hz; expected {SAMPLE_RATE} Hz (resample it first)")
+    if rate <= 0:
+        raise ValueError(f"{p}: sample rate {rate} Hz; expected a positive rate")
     count = len(raw) // (width * channels)
     if count == 0:
         raise ValueError(f"{p}: the WAV file holds no samples")
     x = torch.frombuffer(bytearray(raw[: count * width * channels]), dtype=_SAMPLE_DTYPES[width])
     x = x.reshape(count, channels).double()  # [count * channels] -> [count, channels]
     x = (x - 128.0) / 128.0 if width == 1 else x / float(2 ** (8 * width - 1))
-    return x.mean(dim=1).float()
+    return resample(x.mean(dim=1), rate)
 
 
 def wav_features(path: str | os.PathLike[str], n_mels: int = 80) -> Tensor:
-    """Log-mel features [1, n_mels, 3000] of the first 30 s of a 16 kHz PCM WAV file."""
+    """Log-mel features [1, n_mels, 3000] of the first 30 s of a PCM WAV file (resampled to 16 kHz)."""
     return log_mel(read_wav(path), n_mels)[None]  # [n_mels, 3000] -> [1, n_mels, 3000]
 
 
-__all__ = ["N_SAMPLES", "SAMPLE_RATE", "log_mel", "mel_filters", "read_wav", "wav_features"]
+__all__ = ["N_SAMPLES", "SAMPLE_RATE", "log_mel", "mel_filters", "read_wav", "resample", "wav_features"]
