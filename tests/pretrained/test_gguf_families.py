@@ -11,6 +11,7 @@ largest magnitude). Broken files are refused by name before any tensor data is r
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,14 @@ pytestmark = pytest.mark.usefixtures("single_thread")
 
 V, D, L, H, KV, DM, CTX = 263, 48, 2, 4, 2, 37, 32  # vocab, hidden, layers, heads (d_head 12), kv, mlp, ctx
 A = gguf.MODEL_ARCH
+# phi3: head_dim 12, rotary_dim 8 (fraction 2/3), 4 planes
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 300.0,
+    "short_factor": [1.0, 1.3, 1.7, 2.2],
+    "long_factor": [2.0, 3.5, 5.0, 7.5],
+    "partial_rotary_factor": 2 / 3,
+}
 # name -> (gguf arch, config class, model class, config arguments)
 ARCHS: dict[str, tuple[Any, Any, Any, dict[str, Any]]] = {
     "gpt_neox": (A.GPTNEOX, T.GPTNeoXConfig, T.GPTNeoXForCausalLM, {
@@ -50,6 +59,10 @@ ARCHS: dict[str, tuple[Any, Any, Any, dict[str, Any]]] = {
     "phi3": (A.PHI3, T.Phi3Config, T.Phi3ForCausalLM, {
         "num_key_value_heads": KV, "partial_rotary_factor": 2 / 3,
         "rope_parameters": {"rope_type": "default", "rope_theta": 200.0, "partial_rotary_factor": 2 / 3},
+    }),
+    "phi3_longrope": (A.PHI3, T.Phi3Config, T.Phi3ForCausalLM, {
+        "num_key_value_heads": KV, "partial_rotary_factor": 2 / 3, "original_max_position_embeddings": 10,
+        "rope_parameters": LONGROPE,
     }),
     "gemma": (A.GEMMA, T.GemmaConfig, T.GemmaForCausalLM, {
         "num_key_value_heads": KV, "head_dim": 10, "hidden_activation": "gelu_pytorch_tanh",
@@ -156,6 +169,9 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, cfg: Any) -> None:
         writer.add_layer_norm_eps(1e-5)
     if arch.startswith(("gpt_neox", "stablelm")):
         writer.add_parallel_residual(cfg.use_parallel_residual)
+    if arch == "phi3_longrope":  # the factor lists are tensors (write_gguf); the context, metadata
+        writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(CTX / 10) / math.log(10)))
     if arch == "gemma":
         writer.add_key_length(d_head)
         writer.add_value_length(d_head)
@@ -191,6 +207,11 @@ def write_gguf(
         assert gguf_name is not None, name
         if gguf_name != drop:
             writer.add_tensor(gguf_name, _as_llama_cpp(name, w.float(), arch).numpy().astype(np.float32))
+    if arch == "phi3_longrope":  # llama.cpp's Phi3MiniModel: LongRoPE's lists as float32 tensors
+        for which in ("long", "short"):
+            if f"rope_factors_{which}.weight" != drop:
+                factors = np.array(LONGROPE[f"{which}_factor"], dtype=np.float32)  # [rotary_dim / 2]
+                writer.add_tensor(f"rope_factors_{which}.weight", factors)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -216,13 +237,18 @@ def test_the_gguf_file_loads_equal_to_the_safetensors_folder_and_transformers(sa
     for field in ("n_layers", "n_heads", "n_kv_heads", "d_head", "d_mlp", "norm", "rope_theta"):
         assert getattr(ours.config, field) == getattr(theirs.config, field), field
     assert ours.model.blocks[0].attn.rotary.rotary_dim == theirs.model.blocks[0].attn.rotary.rotary_dim
-    tokens = torch.tensor([[3, 100, 7, 260, 55, 8, 200, 1, 9, 40]])
-    with torch.no_grad():
-        want = ref(input_ids=tokens).logits
-        got, folder_logits = ours(tokens), theirs(tokens)
-    bound = 1e-4 * float(want.abs().max())
-    torch.testing.assert_close(got, want, atol=bound, rtol=0)
-    torch.testing.assert_close(got, folder_logits, atol=1e-5 * float(want.abs().max()), rtol=0)
+    gen = torch.Generator().manual_seed(3)
+    # 10 tokens, and 20: past phi3_longrope's original 10 positions (its long factors)
+    for tokens in (
+        torch.tensor([[3, 100, 7, 260, 55, 8, 200, 1, 9, 40]]),
+        torch.randint(0, V, (1, 20), generator=gen),
+    ):
+        with torch.no_grad():
+            want = ref(input_ids=tokens).logits
+            got, folder_logits = ours(tokens), theirs(tokens)
+        bound = 1e-4 * float(want.abs().max())
+        torch.testing.assert_close(got, want, atol=bound, rtol=0)
+        torch.testing.assert_close(got, folder_logits, atol=1e-5 * float(want.abs().max()), rtol=0)
     if arch != "gemma":  # F32 storage and no (1 + w) round trip: the very same weights
         for name, value in theirs.model.state_dict().items():
             assert torch.equal(ours.model.state_dict()[name], value), name
@@ -246,6 +272,7 @@ def test_the_tokenizer_comes_from_the_file(saved: dict) -> None:
         ),
         ("phi3", "", {"phi3.rope.scaling.type": "longrope"}, "'phi3.rope.scaling.type' is 'longrope'"),
         ("olmo", "", {"olmo.attention.clamp_kqv": "8"}, "clip_qkv"),
+        ("phi3_longrope", "rope_factors_short.weight", None, "missing tensors .*rope_factors_short.weight"),
     ],
 )
 def test_broken_files_are_refused_by_name(

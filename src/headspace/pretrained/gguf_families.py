@@ -23,8 +23,11 @@ checkpoint folder of that family (:mod:`.rotary_families`, :mod:`.parallel_famil
 
 The metadata keys are llama.cpp's (``{arch}.block_count``, ``{arch}.rope.dimension_count`` for the
 rotated dims of each head, ``{arch}.use_parallel_residual``, ``granite.embedding_scale`` ...); a RoPE base
-the file does not give is llama.cpp's default, 10000. Not read (refused by name): LongRoPE factor tensors
-(``rope_factors_long`` / ``rope_factors_short``), fused ``attn_qkv`` for phi2, RoPE scaling metadata.
+the file does not give is llama.cpp's default, 10000. Phi-3's LongRoPE is read from the tensors
+``rope_factors_long`` / ``rope_factors_short`` ([rotary_dim / 2] each) and
+``phi3.rope.scaling.original_context_length``; its attention factor is derived from the context lengths,
+as transformers derives it. Refused by name: ``{arch}.rope.scaling.type`` other than none (YaRN and
+linear scaling on these families), phi2's fused ``attn_qkv``, any tensor the configuration does not imply.
 """
 
 from __future__ import annotations
@@ -75,6 +78,9 @@ _RMS: list[_Spec] = [
 ]
 
 
+_Specs = Callable[[dict[str, Any], set[str]], list[_Spec]]  # (HF config, the file's tensor names) -> specs
+
+
 @dataclass(frozen=True)
 class _Arch:
     """One llama.cpp architecture: its model_type, where its layers live in Hugging Face naming, its
@@ -82,14 +88,17 @@ class _Arch:
 
     model_type: str
     layer_prefix: str
-    layer: Callable[[dict[str, Any], set[str]], list[_Spec]]
-    globals: Callable[[dict[str, Any], set[str]], list[_Spec]]
+    layer: _Specs
+    globals: _Specs
     config: Callable[[dict[str, Any], dict[str, Any], set[str], Path], dict[str, Any]]
     permuted: bool = False  # llama.cpp permuted W_Q / W_K rows (its LlamaModel.permute)
     plus_one: bool = False  # norms stored as 1 + w (Gemma)
 
 
-def _globals(embed: str, norm: str, head: str, *, norm_bias: bool, head_bias: bool = False):
+def _globals(embed: str, norm: str, head: str, *, norm_bias: bool, head_bias: bool = False) -> _Specs:
+    """The tensors outside the layers: the embedding, the final norm (``norm_bias``: with a bias) and the
+    unembedding where the file has one (``output.weight``; ``head_bias``: with ``output.bias``)."""
+
     def specs(c: dict[str, Any], names: set[str]) -> list[_Spec]:
         out: list[_Spec] = [
             ("token_embd.weight", embed, "v,h"),
@@ -107,7 +116,8 @@ def _globals(embed: str, norm: str, head: str, *, norm_bias: bool, head_bias: bo
 
 
 def _shape(key: str, s: dict[str, int]) -> tuple[int, ...]:
-    """``"q,h"`` -> (heads * d_head, hidden) from the sizes ``s`` (h, i, q, kv, v, 3q, qkv, 2i, H, Hkv, d)."""
+    """``"q,h"`` -> (heads * d_head, hidden) from the sizes ``s`` (:func:`_dims`: h, i, q, kv, v, 3q, qkv,
+    2i, H, Hkv, d; r = rotary_dim / 2)."""
     return tuple(s[k] for k in key.split(","))
 
 
@@ -240,6 +250,9 @@ def _llama_like(model_type: str, arch: str, **fixed: Any):
             hf["partial_rotary_factor"] = hf["rope_parameters"]["partial_rotary_factor"]
             window = meta_int(meta, "phi3.attention.sliding_window", path, 1, _MAX_CONTEXT, default=0)
             hf["sliding_window"] = window or None
+            if "rope_factors_long.weight" in names:  # LongRoPE: its factor lists are tensors of the file
+                key = "phi3.rope.scaling.original_context_length"
+                hf["original_max_position_embeddings"] = meta_int(meta, key, path, 1, _MAX_CONTEXT)
         elif arch in ("gemma", "granite"):
             hf["rms_norm_eps"] = _eps(meta, arch, path, rms=True)
         elif arch == "command-r":
@@ -284,29 +297,32 @@ def _stablelm_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
 
 
 def _phi2_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
-    out = [*_ln("attn_norm", "input_layernorm"), *_llama_attn("self_attn.dense")]
-    out += [(f"attn_{x}.bias", f"self_attn.{x}_proj.bias", "q" if x == "q" else "kv") for x in "qkv"]
-    out += [
-        ("attn_output.bias", "self_attn.dense.bias", "h"),
-        *_ln("ffn_up", "mlp.fc1"),
-        *_ln("ffn_down", "mlp.fc2"),
-    ]
     return [
-        (g, h, {"mlp.fc1.weight": "i,h", "mlp.fc1.bias": "i", "mlp.fc2.weight": "h,i"}.get(h, k))
-        for g, h, k in out
+        *_ln("attn_norm", "input_layernorm"),
+        *_llama_attn("self_attn.dense"),
+        ("attn_q.bias", "self_attn.q_proj.bias", "q"),
+        ("attn_k.bias", "self_attn.k_proj.bias", "kv"),
+        ("attn_v.bias", "self_attn.v_proj.bias", "kv"),
+        ("attn_output.bias", "self_attn.dense.bias", "h"),
+        ("ffn_up.weight", "mlp.fc1.weight", "i,h"),
+        ("ffn_up.bias", "mlp.fc1.bias", "i"),
+        ("ffn_down.weight", "mlp.fc2.weight", "h,i"),
+        ("ffn_down.bias", "mlp.fc2.bias", "h"),
     ]
 
 
 def _gptj_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
-    out: list[_Spec] = [*_ln("attn_norm", "ln_1")]
-    out += [(f"attn_{x}.weight", f"attn.{x}_proj.weight", "h,h") for x in "qkv"]
-    out += [
+    return [
+        *_ln("attn_norm", "ln_1"),
+        ("attn_q.weight", "attn.q_proj.weight", "h,h"),
+        ("attn_k.weight", "attn.k_proj.weight", "h,h"),
+        ("attn_v.weight", "attn.v_proj.weight", "h,h"),
         ("attn_output.weight", "attn.out_proj.weight", "h,h"),
-        *_ln("ffn_up", "mlp.fc_in"),
-        *_ln("ffn_down", "mlp.fc_out"),
+        ("ffn_up.weight", "mlp.fc_in.weight", "i,h"),
+        ("ffn_up.bias", "mlp.fc_in.bias", "i"),
+        ("ffn_down.weight", "mlp.fc_out.weight", "h,i"),
+        ("ffn_down.bias", "mlp.fc_out.bias", "h"),
     ]
-    shapes = {"mlp.fc_in.weight": "i,h", "mlp.fc_in.bias": "i", "mlp.fc_out.weight": "h,i"}
-    return [(g, h, shapes.get(h, k)) for g, h, k in out]
 
 
 def _phi3_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
@@ -333,6 +349,25 @@ def _cohere_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
         out += [("attn_q_norm.weight", "self_attn.q_norm.weight", "H,d"),
                 ("attn_k_norm.weight", "self_attn.k_norm.weight", "Hkv,d")]  # fmt: skip
     return out
+
+
+#: LongRoPE's factor lists, as the file stores them ([rotary_dim / 2] each) -> where they go for a while
+_LONGROPE = {"rope_factors_long.weight": "rope_parameters.long_factor",
+             "rope_factors_short.weight": "rope_parameters.short_factor"}  # fmt: skip
+
+
+def _phi3_globals(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+    """Phi-3's: a Llama's, and LongRoPE's factor lists where the file has them (both, or neither)."""
+    out = _globals(*_MODEL, norm_bias=False)(c, names)
+    if "rope_factors_long.weight" in names or "rope_factors_short.weight" in names:
+        out += [(gguf_name, hf_name, "r") for gguf_name, hf_name in _LONGROPE.items()]
+    return out
+
+
+def _olmo_globals(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+    """OLMo's: the embedding and the unembedding where the file has one (its norms have no weights)."""
+    head = [("output.weight", "lm_head.weight", "v,h")] if "output.weight" in names else []
+    return [("token_embd.weight", "model.embed_tokens.weight", "v,h"), *head]
 
 
 _MODEL = ("model.embed_tokens.weight", "model.norm", "lm_head")
@@ -367,7 +402,7 @@ _ARCHS: dict[str, _Arch] = {
         "phi3",
         "model.layers",
         _phi3_layer,
-        _globals(*_MODEL, norm_bias=False),
+        _phi3_globals,
         _llama_like("phi3", "phi3", hidden_act="silu"),
     ),
     "gemma": _Arch(
@@ -390,10 +425,7 @@ _ARCHS: dict[str, _Arch] = {
         "olmo",
         "model.layers",
         _olmo_layer,
-        lambda c, n: (
-            [("token_embd.weight", _MODEL[0], "v,h")]
-            + ([("output.weight", "lm_head.weight", "v,h")] if "output.weight" in n else [])
-        ),
+        _olmo_globals,
         _llama_like("olmo", "olmo", hidden_act="silu"),
         permuted=True,
     ),
@@ -422,11 +454,13 @@ class FamilyLayout:
     minus_one: frozenset[str]
 
 
-def _dims(hf: dict[str, Any], s: dict[str, Any]) -> dict[str, int]:
+def _dims(s: dict[str, Any]) -> dict[str, int]:
+    """The shape keys of :data:`_Spec` from the sizes of :func:`_sizes`."""
     h, i, H, kv, d = (s["hidden_size"], s["intermediate_size"], s["num_attention_heads"],
                       s["num_key_value_heads"], s["d_head"])  # fmt: skip
     return {"h": h, "i": i, "q": H * d, "kv": kv * d, "v": s["vocab_size"], "3q": 3 * H * d,
-            "qkv": (H + 2 * kv) * d, "2i": 2 * i, "H": H, "Hkv": kv, "d": d}  # fmt: skip
+            "qkv": (H + 2 * kv) * d, "2i": 2 * i, "H": H, "Hkv": kv, "d": d,
+            "r": s["rope_dims"] // 2}  # fmt: skip
 
 
 def _check_table(header: _Header, expected: dict[str, tuple[int, ...]], arch: str, path: Path) -> None:
@@ -458,7 +492,7 @@ def family_layout(meta: dict[str, Any], arch: str, header: _Header, path: Path) 
     present = {t.name for t in header.tensors}
     s = _sizes(meta, arch, path)
     hf = a.config(meta, s, present, path)
-    dims = _dims(hf, s)
+    dims = _dims(s)
     expected: dict[str, tuple[int, ...]] = {}
     names: dict[str, str] = {}
     for gguf_name, hf_name, key in a.globals(hf, present):
@@ -515,6 +549,9 @@ def family_decoder(
     kind = hf["model_type"]
     if kind == "gpt_neox":
         _neox_rows(t, hf)
+    if _LONGROPE["rope_factors_long.weight"] in t:  # [rotary_dim / 2] each, float32 as stored
+        factors = {hf_name.split(".")[1]: t.pop(hf_name).tolist() for hf_name in _LONGROPE.values()}
+        hf = {**hf, "rope_parameters": {**hf["rope_parameters"], "rope_type": "longrope", **factors}}
     where = f"{source} (GGUF metadata)"
     if kind in PARALLEL:
         config = parallel_family_config(hf, name, source=where)
