@@ -140,6 +140,16 @@ def rotation_lines(e: Explanation) -> list[str]:
     ]
 
 
+def scheme_lines(e: Explanation) -> list[str]:
+    """The positional scheme's steps (:mod:`headspace.analysis.lesson.scheme_steps`): each step's title as
+    ``2c.``, ``2d.`` ..., its lines indented under it."""
+    out = []
+    for n, step in enumerate(e.scheme_steps):
+        out.append(f"2{chr(ord('c') + n)}. {step.title}")
+        out.extend(f"    {line}" for line in step.lines)
+    return out
+
+
 def qk_norm_lines(e: Explanation) -> list[str]:
     """Step 2a of the walk for QK-norm (Gemma 3, Qwen3, OLMo 2): q and every k normalised first."""
     dh = e.d_head
@@ -236,6 +246,10 @@ def _render_query(c: Any, e: Explanation) -> bool:
         _step(c, lines[2], _vec(e.q_rot))
         for line in lines[3:]:
             c.print(line)
+    from rich.markup import escape
+
+    for line in scheme_lines(e):
+        c.print(escape(line))
     return rotated
 
 

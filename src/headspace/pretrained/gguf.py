@@ -40,9 +40,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from ..model.models import check_precision
+from .gguf_families import FAMILY_MODEL_TYPES, family_decoder
 from .gguf_format import read_gguf, smollm2_gguf_path
 from .llama import EmptyLlama, empty_llama
 from .tokenization import TextTokenizer
@@ -73,7 +75,9 @@ def load_gguf(
     precision: str = "float32",
     sha256: str | None = None,
 ) -> PretrainedDecoder:
-    """Load a GGUF file of a supported architecture (Llama, Gemma 3) onto a headspace Decoder.
+    """Load a GGUF file of a supported architecture (Llama, Gemma 3, and the families of
+    :mod:`.gguf_families`: gptneox, gptj, phi2, phi3, stablelm, olmo, granite, command-r, gemma) onto a
+    headspace Decoder.
 
     ``path``: the file, or its parts in order; ``sha256``: the SHA-256 its bytes must have, checked
     before they are parsed (:func:`~.gguf_format.read_gguf`).
@@ -96,10 +100,24 @@ def load_gguf(
     made: list[EmptyLlama] = []
 
     def into(hf_config: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> dict[str, Tensor]:
+        if hf_config["model_type"] in FAMILY_MODEL_TYPES:  # gguf_families.py builds it once read
+            return {n: torch.empty(shape, dtype=torch.float32) for n, shape in shapes.items()}
         made.append(empty_llama(hf_config, shapes, name=name or first.stem, source=str(first)))
         return made[0].destinations
 
     g = read_gguf(path, into=into, sha256=sha256)
+    if not made:
+        family = family_decoder(
+            g.hf_config,
+            g.tensors,
+            g.tokenizer,
+            name=name or first.stem,
+            source=str(first),
+            precision=precision,
+        )
+        family.special_tokens = dict(g.special_tokens)
+        family.chat_template = g.chat_template
+        return family
     # the reader made this tokenizer for this model alone: taken over, not copied
     tok = TextTokenizer.from_tokenizer(g.tokenizer, pad_id=made[0].config.pad_token_id, copy=False)
     pre = made[0].finish(tok, precision=precision)

@@ -68,6 +68,7 @@ from .gguf_container import (
     _parse_header,
     _read_whole,
 )
+from .gguf_families import FAMILY_ARCHITECTURES, family_layout
 from .gguf_gemma import GEMMA3_ARCH, GEMMA3_LAYER_NAMES, sentencepiece_tokenizer
 from .gguf_meta import GGUFError
 from .gguf_tensors import _check_destinations, _read_tensors
@@ -239,17 +240,20 @@ def _plan(f: BinaryIO, size: int, path: Path) -> _Plan:
     arch = meta.get("general.architecture")
     if not isinstance(arch, str):
         raise GGUFError(path, "metadata 'general.architecture' is missing or not a string")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in SUPPORTED_ARCHITECTURES and arch not in FAMILY_ARCHITECTURES:
         reason = _REFUSED_ARCHITECTURES.get(arch, "this reader only knows Llama-family layouts")
         raise GGUFError(
             path,
             f"architecture {arch!r} is not supported ({reason}); "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}",
+            f"supported: {', '.join((*SUPPORTED_ARCHITECTURES, *FAMILY_ARCHITECTURES))}",
         )
-    names = {t.name for t in header.tensors}
-    config = _build_config(meta, arch, names, header.file_size, path)
-    expected = _expected_shapes(config)
-    _check_tensors(header, expected, path)
+    family = family_layout(meta, arch, header, path) if arch in FAMILY_ARCHITECTURES else None
+    if family is None:
+        config = _build_config(meta, arch, {t.name for t in header.tensors}, header.file_size, path)
+        expected = _expected_shapes(config)
+        _check_tensors(header, expected, path)
+    else:  # the rotary and parallel families (gguf_families.py): checked there
+        config, expected = family.config, family.expected
 
     special = {
         short: meta[f"tokenizer.ggml.{key}"]
@@ -272,8 +276,10 @@ def _plan(f: BinaryIO, size: int, path: Path) -> _Plan:
     for short, value in special.items():
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < n_tokens:
             raise GGUFError(path, f"the {short} token id is {value!r}, not one of the {n_tokens} tokens")
+    if family is not None:
+        config.update({f"{k}_token_id": special[k] for k in ("bos", "eos", "pad") if k in special})
     gemma = arch == GEMMA3_ARCH
-    if gemma:
+    if gemma or (family is not None and meta.get("tokenizer.ggml.model") == "llama"):
         build_tokenizer = sentencepiece_tokenizer(meta, special, path)  # checked now, built later
     else:
         built = _build_tokenizer(meta, special, path)
@@ -282,14 +288,17 @@ def _plan(f: BinaryIO, size: int, path: Path) -> _Plan:
     if template is not None and not isinstance(template, str):
         raise GGUFError(path, "tokenizer.chat_template is not a string")
 
-    layers = range(config["num_hidden_layers"])
-    heads: dict[str, int] = {}
-    if not gemma:  # llama.cpp permutes a Llama's W_Q / W_K rows, not Gemma's
-        heads = {f"blk.{n}.attn_q.weight": config["num_attention_heads"] for n in layers}
-        heads |= {f"blk.{n}.attn_k.weight": config["num_key_value_heads"] for n in layers}
-    layer_names = GEMMA3_LAYER_NAMES if gemma else _LAYER_NAMES
-    names = {name: _hf_name(name, layer_names) for name in expected}
-    minus_one = frozenset(n for n in expected if gemma and n.endswith("norm.weight"))
+    if family is not None:  # the rotary and parallel families: their own plan
+        heads, names, minus_one = family.heads, family.names, family.minus_one
+    else:
+        layers = range(config["num_hidden_layers"])
+        heads = {}
+        if not gemma:  # llama.cpp permutes a Llama's W_Q / W_K rows, not Gemma's
+            heads = {f"blk.{n}.attn_q.weight": config["num_attention_heads"] for n in layers}
+            heads |= {f"blk.{n}.attn_k.weight": config["num_key_value_heads"] for n in layers}
+        layer_names = GEMMA3_LAYER_NAMES if gemma else _LAYER_NAMES
+        names = {name: _hf_name(name, layer_names) for name in expected}
+        minus_one = frozenset(n for n in expected if gemma and n.endswith("norm.weight"))
     return _Plan(header, arch, config, expected, heads, names, minus_one, build_tokenizer, special, template)
 
 

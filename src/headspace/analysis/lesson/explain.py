@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from ...core.checks import is_int
 from ...core.defaults import DEFAULT_SENTENCE, DEFAULT_TOKEN
 from .content_tokens import content_positions
+from .scheme_steps import SchemeStep, scheme_steps
 
 
 @dataclass
@@ -163,6 +164,8 @@ class Explanation:
     k_normed: list[list[float]] = field(default_factory=list)
     #: a sliding-window layer's window (query i sees key j iff i - window < j <= i), else None
     window: int | None = None
+    #: the positional scheme's steps for this head (partial rotary, pairs, scaling ...; :mod:`.scheme_steps`)
+    scheme_steps: list[SchemeStep] = field(default_factory=list)
 
     @property
     def token(self) -> str:
@@ -558,6 +561,7 @@ def _walk(
         **_rotated(rec, attn, layer, index, head, kv_head),
         **_normed(rec, attn, layer, index, head, kv_head),
         window=getattr(attn, "window", None),
+        scheme_steps=scheme_steps(attn, head, len(tokens)),
     )
 
 

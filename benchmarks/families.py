@@ -1,0 +1,347 @@
+"""Every decoder family headspace loads, against transformers: load time, forward and decode tokens/s.
+
+For each decoder family of the families table (``headspace.pretrained.families_table.FAMILIES``, the
+registry's own list) and each size:
+
+* ``125m``: ``hidden_size`` 768, 12 layers, 12 heads (d_head 64), ``intermediate_size`` 3072, vocabulary
+  32000, 1024 positions, random weights, plus each family's own fields (:data:`FIELDS`: the partial rotary
+  of GPT-NeoX, Phi and StableLM, GPT-J's interleaved 64 rotary dims, Granite's multipliers, a few small
+  experts for the mixture-of-experts families ...);
+* ``tiny``: ``hidden_size`` 64, 2 layers, 4 heads, the same fields,
+
+a random transformers model is written with ``save_pretrained`` into a temporary folder and timed:
+
+* ``load s``: the folder to a ready model: ``headspace.load(folder)`` against
+  ``AutoModelForCausalLM.from_pretrained(folder, attn_implementation=...)``;
+* ``forward tok/s``: one forward of ``--batch`` x ``--seq`` tokens (inference mode; transformers with
+  ``use_cache=False``), tokens over wall seconds;
+* ``decode tok/s``: greedy decoding with the KV cache at batch 1, ``--new`` tokens after a ``--seq``-token
+  prompt, each library's own ``generate``; ``n / (time(n + 1 tokens) - time(1 token))`` leaves the
+  prefill out,
+
+for ``headspace``, ``transformers eager`` and ``transformers sdpa``, rounds rotating over the three
+(``headspace.bench.round_robin``); median and spread (min, max) of ``--repeats`` rounds. Before timing,
+the script checks that the three give the same logits (``max |ours - theirs| / max |theirs|`` is in the
+JSON) and that greedy decoding gives the same tokens.
+
+    python benchmarks/families.py                        # every decoder family, both sizes
+    python benchmarks/families.py --families gptj,phi    # some families
+    python benchmarks/families.py --quick                # tiny size, few tokens: a smoke run
+    python benchmarks/families.py --save                 # publish: benchmarks/results/families.json
+
+The JSON goes to benchmarks/results/local/families.json (git-ignored) unless ``--out PATH``; only
+``--save`` replaces the committed benchmarks/results/families.json (a ``--quick`` run is never published).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import headspace as hs
+from headspace.bench import machine_info, round_robin, spread
+from headspace.bench.scripts import add_output_options, check_output_options, check_positive, output_path
+from headspace.core.fileio import write_json
+from headspace.pretrained.families_table import FAMILIES
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+NAME = "families.json"
+SIZES: dict[str, dict[str, int]] = {
+    "125m": {
+        "hidden_size": 768,
+        "num_hidden_layers": 12,
+        "num_attention_heads": 12,
+        "intermediate_size": 3072,
+    },
+    "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 96},
+}
+VOCAB, POSITIONS = 32000, 1024
+LIBS = ("headspace", "transformers eager", "transformers sdpa")
+_SLIDING = {"sliding_window": 64}
+_MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256}
+#: model_type -> the family's own config fields, beside the size (non-default where the family has them).
+FIELDS: dict[str, dict[str, Any]] = {
+    "llama": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    "mistral": _SLIDING,
+    "qwen2": {},
+    "gemma2": {**_SLIDING, "head_dim": None},
+    "gemma3_text": {**_SLIDING, "head_dim": None},
+    "qwen3": {"head_dim": None},
+    "phi3": {"partial_rotary_factor": 0.75},
+    "gemma": {"head_dim": None},
+    "granite": {
+        "embedding_multiplier": 12.0,
+        "attention_multiplier": 0.015625,
+        "residual_multiplier": 0.22,
+        "logits_scaling": 8.0,
+    },
+    "seed_oss": {"head_dim": None},
+    "olmo3": _SLIDING,
+    "exaone4": {**_SLIDING, "head_dim": None},
+    "gpt_neox": {"partial_rotary_factor": 0.25, "use_parallel_residual": True},
+    "stablelm": {"partial_rotary_factor": 0.25, "use_parallel_residual": False},
+    "phi": {"partial_rotary_factor": 0.5},
+    "gptj": {"rotary_dim": None, "n_inner": None},  # rotary_dim: half of d_head (set per size)
+    "cohere": {"logit_scale": 0.0625},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen2_moe": {**_MOE, "num_experts": 4},
+    "qwen3_moe": {**_MOE, "num_experts": 4, "head_dim": None},
+    "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": None, **_SLIDING},
+}
+
+
+def decoder_families() -> list[str]:
+    """Every decoder ``model_type`` of the families table, in its order."""
+    return [f.model_type for f in FAMILIES if f.kind == "decoder"]
+
+
+def config_for(model_type: str, size: str) -> Any:
+    """The transformers config of ``model_type`` at ``size``: the size's fields, then :data:`FIELDS`
+    (a ``head_dim`` / ``rotary_dim`` left None is filled in from the size: d_head, d_head / 2)."""
+    from transformers import AutoConfig
+
+    dims = SIZES[size]
+    d_head = dims["hidden_size"] // dims["num_attention_heads"]
+    fields = dict(FIELDS.get(model_type, {}))
+    for key, fill in (("head_dim", d_head), ("rotary_dim", d_head // 2)):
+        if key in fields and fields[key] is None:
+            fields[key] = fill
+    return AutoConfig.for_model(
+        model_type, vocab_size=VOCAB, max_position_embeddings=POSITIONS, num_key_value_heads=dims[
+            "num_attention_heads"], pad_token_id=0, bos_token_id=1, eos_token_id=None,
+        tie_word_embeddings=False, **dims, **fields,
+    )  # fmt: skip
+
+
+def write_checkpoint(model_type: str, size: str, folder: Path) -> None:
+    """A random transformers model of ``model_type`` at ``size``, saved into ``folder``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config_for(model_type, size)).eval().save_pretrained(folder)
+
+
+def _hf_load(folder: Path, attn: str) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn, dtype=torch.float32).eval()
+
+
+def loaders(folder: Path) -> dict[str, Callable[[], Any]]:
+    """Library name -> a call that loads the checkpoint in ``folder`` into a ready model."""
+    return {
+        "headspace": lambda: hs.load(folder),
+        "transformers eager": lambda: _hf_load(folder, "eager"),
+        "transformers sdpa": lambda: _hf_load(folder, "sdpa"),
+    }
+
+
+def load_each(folder: Path) -> tuple[dict[str, Callable[[], Any]], dict[str, Any], dict[str, str]]:
+    """(the loaders that work, a model from each, library -> why it was left out): transformers has no
+    sdpa path for some families (Gemma 2's soft-capping), which raises on loading."""
+    working, models, skipped = {}, {}, {}
+    for name, load in loaders(folder).items():
+        try:
+            models[name] = load()
+        except ValueError as e:
+            if name == "headspace" or name == "transformers eager":
+                raise
+            skipped[name] = str(e).split(". ")[0]
+            continue
+        working[name] = load
+    return working, models, skipped
+
+
+def runners(models: dict[str, Any]) -> tuple[dict[str, Callable], dict[str, Callable]]:
+    """(forward, generate) calls per library: ``forward(ids)`` -> logits [batch, seq, vocab];
+    ``generate(ids, n)`` -> [1, seq + n] greedy tokens."""
+    forward: dict[str, Callable] = {}
+    generate: dict[str, Callable] = {}
+    for name, m in models.items():
+        if name == "headspace":
+            forward[name] = lambda ids, m=m: m(ids)
+            generate[name] = lambda ids, n, m=m: m.model.generate(ids, n, temperature=0)
+        else:
+            forward[name] = lambda ids, m=m: m(input_ids=ids, use_cache=False).logits
+            generate[name] = lambda ids, n, m=m: m.generate(
+                ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+            )
+    return forward, generate
+
+
+def _check_same(forward: dict[str, Callable], generate: dict[str, Callable], ids: torch.Tensor,
+                new: int) -> dict[str, Any]:  # fmt: skip
+    """Each library's logits against transformers eager (largest difference over the largest logit) and
+    whether greedy decoding gives eager's tokens."""
+    with torch.inference_mode():
+        logits = {k: f(ids).float() for k, f in forward.items()}  # each [batch, seq, vocab]
+        tokens = {k: g(ids[:1], new) for k, g in generate.items()}  # each [1, seq + new]
+    ref, ref_tokens = logits["transformers eager"], tokens["transformers eager"]
+    scale = float(ref.abs().max())
+    return {
+        "logits_rel_diff": {k: float((v - ref).abs().max()) / scale for k, v in logits.items()},
+        "same_greedy_tokens": {k: bool(torch.equal(v, ref_tokens)) for k, v in tokens.items()},
+    }
+
+
+def _rates(times: dict[str, list[float]], work: float) -> dict[str, dict[str, float]]:
+    """Work per second from wall seconds: median and spread (the fastest and slowest round); a library
+    without any round is left out."""
+    out = {}
+    for name, ts in times.items():
+        if not ts:  # every round lost in noise (decoding, in a smoke run): no figure
+            continue
+        s = spread(ts)
+        out[name] = {"median": work / s["median"], "min": work / s["max"], "max": work / s["min"]}
+    return out
+
+
+def measure(model_type: str, size: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """One family at one size: load, forward and decode figures per library (module docstring)."""
+    folder = root / f"{model_type}_{size}"
+    write_checkpoint(model_type, size, folder)
+    working, models, skipped = load_each(folder)  # also the loads' warm-up
+    load_times = round_robin(working, args.repeats)
+    forward, generate = runners(models)
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(2, VOCAB, (args.batch, args.seq), generator=gen)  # [batch, seq]
+    check = _check_same(forward, generate, ids, args.new)
+
+    def fwd(f: Callable) -> Callable[[], object]:
+        return lambda: f(ids)
+
+    def dec(g: Callable, n: int) -> Callable[[], object]:
+        return lambda: g(ids[:1], n)
+
+    with torch.inference_mode():
+        fwd_times = round_robin({k: fwd(f) for k, f in forward.items()}, args.repeats)
+        one = round_robin({k: dec(g, 1) for k, g in generate.items()}, args.repeats)
+        many = round_robin({k: dec(g, args.new + 1) for k, g in generate.items()}, args.repeats)
+    # per round: time(n + 1 tokens) - time(1 token); a round where noise made it <= 0 is dropped
+    decode_times = {k: [a - b for a, b in zip(many[k], one[k]) if a > b] for k in many}
+    cfg = models["headspace"].model.config
+    return {
+        "family": model_type,
+        "size": size,
+        "shape": {
+            "d_model": cfg.d_model,
+            "n_layers": cfg.n_layers,
+            "n_heads": cfg.n_heads,
+            "d_head": cfg.d_head,
+        },
+        "left_out": skipped,
+        "load_s": {k: spread(v) for k, v in load_times.items()},
+        "forward_tok_s": _rates(fwd_times, args.batch * args.seq),
+        "decode_tok_s": _rates(decode_times, args.new),
+        **check,
+    }
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """A Markdown table: one row per family and size, the three libraries side by side (medians, and
+    headspace's forward speed over transformers eager's)."""
+    short = {"headspace": "hs", "transformers eager": "eager", "transformers sdpa": "sdpa"}
+    cols = ["family", "size"]
+    for what in ("load s", "fwd tok/s", "decode tok/s"):
+        cols += [f"{what} {short[lib]}" for lib in LIBS]
+    cols += ["fwd hs/eager", "max rel diff"]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = [r["family"], r["size"]]
+        cells += [_cell(r["load_s"], lib, "{:.3f}") for lib in LIBS]
+        cells += [_cell(r["forward_tok_s"], lib, "{:.0f}") for lib in LIBS]
+        cells += [_cell(r["decode_tok_s"], lib, "{:.1f}") for lib in LIBS]
+        cells += [f"{_fwd_ratio(r):.2f}x", f"{max(r['logits_rel_diff'].values()):.1e}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _cell(figures: dict[str, dict[str, float]], lib: str, form: str) -> str:
+    """One library's median, or "-" where it was left out."""
+    return form.format(figures[lib]["median"]) if lib in figures else "-"  # left out, or no round
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--families", default=None, help="comma-separated model_types (default: every decoder)")
+    p.add_argument("--sizes", default=None, help=f"comma-separated sizes of {list(SIZES)} (default: all)")
+    p.add_argument("--quick", action="store_true", help="a smoke run: tiny size, few tokens, 1 round")
+    p.add_argument("--repeats", type=int, default=None, help="rounds per figure (default 5; 1 with --quick)")
+    p.add_argument("--batch", type=int, default=None, help="forward batch (default 4; 1 with --quick)")
+    p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 128; 8 with --quick)")
+    p.add_argument("--new", type=int, default=None, help="decoded tokens (default 32; 4 with --quick)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    add_output_options(p, NAME)
+    args = p.parse_args(argv)
+    check_output_options(p, args, NAME, smoke="quick")
+    check_positive(p, args, ("repeats", "batch", "seq", "new", "threads"))
+    for key, full, quick in (("repeats", 5, 1), ("batch", 4, 1), ("seq", 128, 8), ("new", 32, 4)):
+        if getattr(args, key) is None:
+            setattr(args, key, quick if args.quick else full)
+    known = decoder_families()
+    args.families = (
+        known if args.families is None else [f.strip() for f in args.families.split(",") if f.strip()]
+    )
+    unknown = [f for f in args.families if f not in known]
+    if unknown or not args.families:
+        p.error(f"--families takes decoder model_types of {known}; got {unknown or args.families}")
+    sizes = ["tiny"] if args.quick else list(SIZES)
+    args.sizes = sizes if args.sizes is None else [s.strip() for s in args.sizes.split(",") if s.strip()]
+    if not args.sizes or any(s not in SIZES for s in args.sizes):
+        p.error(f"--sizes takes sizes of {list(SIZES)}; got {args.sizes}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    rows: list[dict[str, Any]] = []
+    failed: list[dict[str, str]] = []
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="headspace_families_") as tmp:
+        for size in args.sizes:
+            for family in args.families:
+                print(f"{family} at {size} ...", file=sys.stderr, flush=True)
+                try:
+                    rows.append(measure(family, size, args, Path(tmp)))
+                except Exception as e:  # one family's failure is reported, not fatal to the rest
+                    failed.append({"family": family, "size": size, "error": f"{type(e).__name__}: {e}"[:300]})
+    print(format_table(rows))
+    for f in failed:
+        print(f"FAILED {f['family']} ({f['size']}): {f['error']}")
+    slower = [f"{r['family']} ({r['size']})" for r in rows if _fwd_ratio(r) < 1.0]
+    print(f"forward slower than transformers eager: {', '.join(slower) or 'none'}")
+    path = output_path(args.out, args.save, NAME, RESULTS)
+    doc = {
+        "benchmark": "families",
+        "args": {k: v for k, v in vars(args).items() if k not in ("out", "save")},
+        "machine": machine_info(),
+        "seconds": time.perf_counter() - t0,
+        "median_of": args.repeats,
+        "rows": rows,
+        "failed": failed,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, doc)
+    print(f"wrote {path}")
+    return 1 if failed else 0
+
+
+def _fwd_ratio(r: dict[str, Any]) -> float:
+    """headspace's forward tokens/s over transformers eager's (medians)."""
+    tok_s = r["forward_tok_s"]
+    return tok_s["headspace"]["median"] / tok_s["transformers eager"]["median"]
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,577 @@
+"""GGUF files of the rotary and parallel families: gptneox, gptj, phi2, phi3, stablelm, olmo, granite,
+command-r and gemma (llama.cpp's ``general.architecture`` names).
+
+:func:`~.gguf_format.read_gguf` dispatches here by ``general.architecture`` (:data:`FAMILY_ARCHITECTURES`)
+after the container's header-first checks (:mod:`.gguf_container`: every count, length and tensor extent
+checked against the file's size); :func:`family_layout` then reads the sizes from the metadata with bounds,
+builds the Hugging Face ``config.json`` dict of the family, and requires the tensor table to hold exactly
+the tensors that configuration implies, each of its shape, before any tensor data is read. The tensors
+come back in Hugging Face naming; :func:`family_decoder` undoes what llama.cpp's converter changed
+(:data:`_ARCHS`' ``fix``) and builds the Decoder with the same config checks and tensor renaming as a
+checkpoint folder of that family (:mod:`.rotary_families`, :mod:`.parallel_families`)::
+
+    arch        model_type  tensors (GGUF, per layer)                         what llama.cpp changed
+    gptneox     gpt_neox    attn_qkv, attn_output, ffn_up/down, 2 LNs   qkv rows [3, H, d], not [H, 3, d]
+    gptj        gptj        attn_q/k/v/output, ffn_up/down, one LayerNorm      -
+    phi2        phi         attn_q/k/v/output (+ biases), ffn_up/down, 1 LN    -
+    phi3        phi3        attn_qkv, attn_output, ffn_up ([gate; up]), down   -
+    stablelm    stablelm    attn_q/k/v/output, ffn_gate/up/down, LayerNorms    -
+    olmo        olmo        attn_q/k/v/output, ffn_gate/up/down (no norms)     W_Q / W_K rows permuted
+    granite     granite     Llama's                                            W_Q / W_K rows permuted
+    command-r   cohere      attn_q/k/v/output, ffn_gate/up/down, 1 LN (+ QK)   -
+    gemma       gemma       Llama's                                            norms stored as 1 + w
+
+The metadata keys are llama.cpp's (``{arch}.block_count``, ``{arch}.rope.dimension_count`` for the
+rotated dims of each head, ``{arch}.use_parallel_residual``, ``granite.embedding_scale`` ...); a RoPE base
+the file does not give is llama.cpp's default, 10000. Phi-3's LongRoPE is read from the tensors
+``rope_factors_long`` / ``rope_factors_short`` ([rotary_dim / 2] each) and
+``phi3.rope.scaling.original_context_length``; its attention factor is derived from the context lengths,
+as transformers derives it. Refused by name: ``{arch}.rope.scaling.type`` other than none (YaRN and
+linear scaling on these families), phi2's fused ``attn_qkv``, any tensor the configuration does not imply.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .gguf_container import _Header
+from .gguf_meta import GGUFError, meta_float, meta_int
+
+__all__ = ["FAMILY_ARCHITECTURES", "FamilyLayout", "family_decoder", "family_layout"]
+
+_MAX_LAYERS, _MAX_HIDDEN, _MAX_INTERMEDIATE = 10_000, 1 << 17, 1 << 20
+_MAX_HEADS, _MAX_VOCAB, _MAX_CONTEXT = 4096, 1 << 22, 1 << 24
+
+# (GGUF part under blk.N., Hugging Face name under the layer prefix, shape key); shape keys: see _shape
+_Spec = tuple[str, str, str]
+
+
+def _ln(gguf: str, hf: str) -> list[_Spec]:
+    """A LayerNorm with a bias."""
+    return [(f"{gguf}.weight", f"{hf}.weight", "h"), (f"{gguf}.bias", f"{hf}.bias", "h")]
+
+
+def _llama_attn(o: str = "self_attn.o_proj") -> list[_Spec]:
+    return [
+        ("attn_q.weight", "self_attn.q_proj.weight", "q,h"),
+        ("attn_k.weight", "self_attn.k_proj.weight", "kv,h"),
+        ("attn_v.weight", "self_attn.v_proj.weight", "kv,h"),
+        ("attn_output.weight", f"{o}.weight", "h,q"),
+    ]
+
+
+_SWIGLU: list[_Spec] = [
+    ("ffn_gate.weight", "mlp.gate_proj.weight", "i,h"),
+    ("ffn_up.weight", "mlp.up_proj.weight", "i,h"),
+    ("ffn_down.weight", "mlp.down_proj.weight", "h,i"),
+]
+_RMS: list[_Spec] = [
+    ("attn_norm.weight", "input_layernorm.weight", "h"),
+    ("ffn_norm.weight", "post_attention_layernorm.weight", "h"),
+]
+
+
+_Specs = Callable[[dict[str, Any], set[str]], list[_Spec]]  # (HF config, the file's tensor names) -> specs
+
+
+@dataclass(frozen=True)
+class _Arch:
+    """One llama.cpp architecture: its model_type, where its layers live in Hugging Face naming, its
+    per-layer and global tensors, and how its config is read (``config(meta, sizes, tensors, path)``)."""
+
+    model_type: str
+    layer_prefix: str
+    layer: _Specs
+    globals: _Specs
+    config: Callable[[dict[str, Any], dict[str, Any], set[str], Path], dict[str, Any]]
+    permuted: bool = False  # llama.cpp permuted W_Q / W_K rows (its LlamaModel.permute)
+    plus_one: bool = False  # norms stored as 1 + w (Gemma)
+
+
+def _globals(embed: str, norm: str, head: str, *, norm_bias: bool, head_bias: bool = False) -> _Specs:
+    """The tensors outside the layers: the embedding, the final norm (``norm_bias``: with a bias) and the
+    unembedding where the file has one (``output.weight``; ``head_bias``: with ``output.bias``)."""
+
+    def specs(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+        out: list[_Spec] = [
+            ("token_embd.weight", embed, "v,h"),
+            ("output_norm.weight", f"{norm}.weight", "h"),
+        ]
+        if norm_bias:
+            out.append(("output_norm.bias", f"{norm}.bias", "h"))
+        if "output.weight" in names:
+            out.append(("output.weight", f"{head}.weight", "v,h"))
+            if head_bias:
+                out.append(("output.bias", f"{head}.bias", "v"))
+        return out
+
+    return specs
+
+
+def _shape(key: str, s: dict[str, int]) -> tuple[int, ...]:
+    """``"q,h"`` -> (heads * d_head, hidden) from the sizes ``s`` (:func:`_dims`: h, i, q, kv, v, 3q, qkv,
+    2i, H, Hkv, d; r = rotary_dim / 2)."""
+    return tuple(s[k] for k in key.split(","))
+
+
+def _rope_fraction(rope_dims: int, d_head: int, path: Path) -> float:
+    """``partial_rotary_factor`` f with ``int(d_head * f) == rope_dims`` (transformers' rotary width)."""
+    if not 2 <= rope_dims <= d_head or rope_dims % 2:
+        raise GGUFError(
+            path, f"RoPE rotates {rope_dims} of {d_head} dims per head; expected an even 2..{d_head}"
+        )
+    f = rope_dims / d_head
+    for candidate in (f, math.nextafter(f, 2.0)):
+        if int(d_head * candidate) == rope_dims:
+            return candidate
+    raise GGUFError(path, f"no partial_rotary_factor gives {rope_dims} rotated dims of {d_head}")
+
+
+def _sizes(meta: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
+    """The sizes every family shares, each checked against a sane bound."""
+    p = arch + "."
+    heads = meta_int(meta, p + "attention.head_count", path, 1, _MAX_HEADS)
+    kv = meta_int(meta, p + "attention.head_count_kv", path, 1, heads, default=heads)
+    if heads % kv:
+        raise GGUFError(path, f"{heads} attention heads cannot be shared among {kv} key/value heads")
+    hidden = meta_int(meta, p + "embedding_length", path, 1, _MAX_HIDDEN)
+    d_head = meta_int(meta, p + "attention.key_length", path, 2, _MAX_HIDDEN, default=hidden // heads)
+    tokens = meta.get("tokenizer.ggml.tokens")
+    n_tokens = len(tokens) if isinstance(tokens, list) else None
+    return {
+        "vocab_size": meta_int(meta, p + "vocab_size", path, 1, _MAX_VOCAB, default=n_tokens),
+        "hidden_size": hidden,
+        "intermediate_size": meta_int(meta, p + "feed_forward_length", path, 1, _MAX_INTERMEDIATE),
+        "num_hidden_layers": meta_int(meta, p + "block_count", path, 1, _MAX_LAYERS),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "max_position_embeddings": meta_int(meta, p + "context_length", path, 1, _MAX_CONTEXT, default=2048),
+        "d_head": d_head,
+        "rope_theta": meta_float(meta, p + "rope.freq_base", path, 0.0, 1e12, 10000.0),
+        "rope_dims": meta_int(meta, p + "rope.dimension_count", path, 2, _MAX_HIDDEN, default=d_head),
+    }
+
+
+def _rope(s: dict[str, Any], path: Path) -> dict[str, Any]:
+    fraction = _rope_fraction(s["rope_dims"], s["d_head"], path)
+    return {"rope_type": "default", "rope_theta": s["rope_theta"], "partial_rotary_factor": fraction}
+
+
+def _hf_base(s: dict[str, Any], model_type: str, keys: tuple[str, ...]) -> dict[str, Any]:
+    return {"model_type": model_type, **{k: s[k] for k in keys}}
+
+
+_SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+              "num_key_value_heads", "max_position_embeddings")  # fmt: skip
+
+
+def _eps(meta: dict[str, Any], arch: str, path: Path, rms: bool) -> float:
+    key = "attention.layer_norm_rms_epsilon" if rms else "attention.layer_norm_epsilon"
+    return meta_float(meta, f"{arch}.{key}", path, 0.0, 1.0, 1e-5)
+
+
+def _flag(meta: dict[str, Any], key: str, default: bool, path: Path) -> bool:
+    value = meta.get(key, default)
+    if not isinstance(value, bool):
+        raise GGUFError(path, f"metadata {key!r} is {value!r}, not a bool")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------- configs
+def _neox_config(meta: dict[str, Any], s: dict[str, Any], names: set[str], path: Path) -> dict[str, Any]:
+    return {
+        **_hf_base(s, "gpt_neox", _SIZE_KEYS),
+        "layer_norm_eps": _eps(meta, "gptneox", path, rms=False),
+        "use_parallel_residual": _flag(meta, "gptneox.use_parallel_residual", True, path),
+        "rope_parameters": _rope(s, path),
+        "hidden_act": "gelu",
+        "attention_bias": True,
+        "tie_word_embeddings": "output.weight" not in names,
+    }
+
+
+def _stablelm_config(meta: dict[str, Any], s: dict[str, Any], names: set[str], path: Path) -> dict[str, Any]:
+    return {
+        **_hf_base(s, "stablelm", _SIZE_KEYS),
+        "layer_norm_eps": _eps(meta, "stablelm", path, rms=False),
+        "use_parallel_residual": _flag(meta, "stablelm.use_parallel_residual", False, path),
+        "use_qkv_bias": "blk.0.attn_q.bias" in names,
+        "rope_parameters": _rope(s, path),
+        "hidden_act": "silu",
+        "tie_word_embeddings": "output.weight" not in names,
+    }
+
+
+def _phi2_config(meta: dict[str, Any], s: dict[str, Any], names: set[str], path: Path) -> dict[str, Any]:
+    return {
+        **_hf_base(s, "phi", _SIZE_KEYS),
+        "layer_norm_eps": _eps(meta, "phi2", path, rms=False),
+        "rope_parameters": _rope(s, path),
+        "hidden_act": "gelu_new",
+        "tie_word_embeddings": False,
+    }
+
+
+def _gptj_config(meta: dict[str, Any], s: dict[str, Any], names: set[str], path: Path) -> dict[str, Any]:
+    if s["rope_theta"] != 10000.0:
+        raise GGUFError(path, f"gptj.rope.freq_base is {s['rope_theta']}; GPT-J's rotation has base 10000")
+    _rope_fraction(s["rope_dims"], s["d_head"], path)
+    return {
+        "model_type": "gptj",
+        "vocab_size": s["vocab_size"],
+        "n_embd": s["hidden_size"],
+        "n_layer": s["num_hidden_layers"],
+        "n_head": s["num_attention_heads"],
+        "n_inner": s["intermediate_size"],
+        "n_positions": s["max_position_embeddings"],
+        "rotary_dim": s["rope_dims"],
+        "layer_norm_epsilon": _eps(meta, "gptj", path, rms=False),
+        "activation_function": "gelu_new",
+        "tie_word_embeddings": False,
+    }
+
+
+def _llama_like(model_type: str, arch: str, **fixed: Any):
+    """phi3, gemma, granite, olmo, command-r: sizes, RMS (or LayerNorm) eps, the rotation."""
+
+    def config(meta: dict[str, Any], s: dict[str, Any], names: set[str], path: Path) -> dict[str, Any]:
+        hf = {**_hf_base(s, model_type, _SIZE_KEYS), "head_dim": s["d_head"], **fixed}
+        hf["rope_parameters"] = _rope(s, path)
+        hf["tie_word_embeddings"] = "output.weight" not in names
+        if arch == "phi3":
+            hf["rms_norm_eps"] = _eps(meta, arch, path, rms=True)
+            hf["partial_rotary_factor"] = hf["rope_parameters"]["partial_rotary_factor"]
+            window = meta_int(meta, "phi3.attention.sliding_window", path, 1, _MAX_CONTEXT, default=0)
+            hf["sliding_window"] = window or None
+            if "rope_factors_long.weight" in names:  # LongRoPE: its factor lists are tensors of the file
+                key = "phi3.rope.scaling.original_context_length"
+                hf["original_max_position_embeddings"] = meta_int(meta, key, path, 1, _MAX_CONTEXT)
+        elif arch in ("gemma", "granite"):
+            hf["rms_norm_eps"] = _eps(meta, arch, path, rms=True)
+        elif arch == "command-r":
+            hf["layer_norm_eps"] = _eps(meta, arch, path, rms=False)
+            hf["logit_scale"] = meta_float(meta, "command-r.logit_scale", path, 0.0, 1e6, 0.0625)
+            hf["use_qk_norm"] = "blk.0.attn_q_norm.weight" in names
+        if arch == "granite":
+            for key, gguf_key in (("embedding_multiplier", "embedding_scale"), ("residual_multiplier",
+                                  "residual_scale"), ("attention_multiplier", "attention.scale"),
+                                  ("logits_scaling", "logit_scale")):  # fmt: skip
+                hf[key] = meta_float(meta, f"granite.{gguf_key}", path, 0.0, 1e6, 1.0)
+        if arch == "olmo" and "olmo.attention.clamp_kqv" in meta:
+            hf["clip_qkv"] = meta["olmo.attention.clamp_kqv"]  # refused by name, as in a folder
+        return hf
+
+    return config
+
+
+# ---------------------------------------------------------------------------------------------- tensors
+def _neox_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+    return [
+        *_ln("attn_norm", "input_layernorm"),
+        *_ln("ffn_norm", "post_attention_layernorm"),
+        ("attn_qkv.weight", "attention.query_key_value.weight", "3q,h"),
+        ("attn_qkv.bias", "attention.query_key_value.bias", "3q"),
+        ("attn_output.weight", "attention.dense.weight", "h,q"),
+        ("attn_output.bias", "attention.dense.bias", "h"),
+        ("ffn_up.weight", "mlp.dense_h_to_4h.weight", "i,h"),
+        ("ffn_up.bias", "mlp.dense_h_to_4h.bias", "i"),
+        ("ffn_down.weight", "mlp.dense_4h_to_h.weight", "h,i"),
+        ("ffn_down.bias", "mlp.dense_4h_to_h.bias", "h"),
+    ]
+
+
+def _stablelm_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+    out = [*_ln("attn_norm", "input_layernorm"), *_llama_attn(), *_SWIGLU]
+    if not c["use_parallel_residual"]:
+        out += _ln("ffn_norm", "post_attention_layernorm")
+    if c["use_qkv_bias"]:
+        out += [(f"attn_{x}.bias", f"self_attn.{x}_proj.bias", "q" if x == "q" else "kv") for x in "qkv"]
+    return out
+
+
+def _phi2_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+    return [
+        *_ln("attn_norm", "input_layernorm"),
+        *_llama_attn("self_attn.dense"),
+        ("attn_q.bias", "self_attn.q_proj.bias", "q"),
+        ("attn_k.bias", "self_attn.k_proj.bias", "kv"),
+        ("attn_v.bias", "self_attn.v_proj.bias", "kv"),
+        ("attn_output.bias", "self_attn.dense.bias", "h"),
+        ("ffn_up.weight", "mlp.fc1.weight", "i,h"),
+        ("ffn_up.bias", "mlp.fc1.bias", "i"),
+        ("ffn_down.weight", "mlp.fc2.weight", "h,i"),
+        ("ffn_down.bias", "mlp.fc2.bias", "h"),
+    ]
+
+
+def _gptj_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+    return [
+        *_ln("attn_norm", "ln_1"),
+        ("attn_q.weight", "attn.q_proj.weight", "h,h"),
+        ("attn_k.weight", "attn.k_proj.weight", "h,h"),
+        ("attn_v.weight", "attn.v_proj.weight", "h,h"),
+        ("attn_output.weight", "attn.out_proj.weight", "h,h"),
+        ("ffn_up.weight", "mlp.fc_in.weight", "i,h"),
+        ("ffn_up.bias", "mlp.fc_in.bias", "i"),
+        ("ffn_down.weight", "mlp.fc_out.weight", "h,i"),
+        ("ffn_down.bias", "mlp.fc_out.bias", "h"),
+    ]
+
+
+def _phi3_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+    return [
+        *_RMS,
+        ("attn_qkv.weight", "self_attn.qkv_proj.weight", "qkv,h"),
+        ("attn_output.weight", "self_attn.o_proj.weight", "h,q"),
+        ("ffn_up.weight", "mlp.gate_up_proj.weight", "2i,h"),
+        ("ffn_down.weight", "mlp.down_proj.weight", "h,i"),
+    ]
+
+
+def _rms_llama_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+    return [*_RMS, *_llama_attn(), *_SWIGLU]
+
+
+def _olmo_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+    return [*_llama_attn(), *_SWIGLU]
+
+
+def _cohere_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+    out = [("attn_norm.weight", "input_layernorm.weight", "h"), *_llama_attn(), *_SWIGLU]
+    if c["use_qk_norm"]:
+        out += [("attn_q_norm.weight", "self_attn.q_norm.weight", "H,d"),
+                ("attn_k_norm.weight", "self_attn.k_norm.weight", "Hkv,d")]  # fmt: skip
+    return out
+
+
+#: LongRoPE's factor lists, as the file stores them ([rotary_dim / 2] each) -> where they go for a while
+_LONGROPE = {"rope_factors_long.weight": "rope_parameters.long_factor",
+             "rope_factors_short.weight": "rope_parameters.short_factor"}  # fmt: skip
+
+
+def _phi3_globals(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+    """Phi-3's: a Llama's, and LongRoPE's factor lists where the file has them (both, or neither)."""
+    out = _globals(*_MODEL, norm_bias=False)(c, names)
+    if "rope_factors_long.weight" in names or "rope_factors_short.weight" in names:
+        out += [(gguf_name, hf_name, "r") for gguf_name, hf_name in _LONGROPE.items()]
+    return out
+
+
+def _olmo_globals(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+    """OLMo's: the embedding and the unembedding where the file has one (its norms have no weights)."""
+    head = [("output.weight", "lm_head.weight", "v,h")] if "output.weight" in names else []
+    return [("token_embd.weight", "model.embed_tokens.weight", "v,h"), *head]
+
+
+_MODEL = ("model.embed_tokens.weight", "model.norm", "lm_head")
+_ARCHS: dict[str, _Arch] = {
+    "gptneox": _Arch(
+        "gpt_neox",
+        "gpt_neox.layers",
+        _neox_layer,
+        _globals("gpt_neox.embed_in.weight", "gpt_neox.final_layer_norm", "lm_head", norm_bias=True),
+        _neox_config,
+    ),
+    "stablelm": _Arch(
+        "stablelm", "model.layers", _stablelm_layer, _globals(*_MODEL, norm_bias=True), _stablelm_config
+    ),
+    "phi2": _Arch(
+        "phi",
+        "model.layers",
+        _phi2_layer,
+        _globals(
+            "model.embed_tokens.weight", "model.final_layernorm", "lm_head", norm_bias=True, head_bias=True
+        ),
+        _phi2_config,
+    ),
+    "gptj": _Arch(
+        "gptj",
+        "transformer.h",
+        _gptj_layer,
+        _globals("transformer.wte.weight", "transformer.ln_f", "lm_head", norm_bias=True, head_bias=True),
+        _gptj_config,
+    ),
+    "phi3": _Arch(
+        "phi3",
+        "model.layers",
+        _phi3_layer,
+        _phi3_globals,
+        _llama_like("phi3", "phi3", hidden_act="silu"),
+    ),
+    "gemma": _Arch(
+        "gemma",
+        "model.layers",
+        _rms_llama_layer,
+        _globals(*_MODEL, norm_bias=False),
+        _llama_like("gemma", "gemma", hidden_activation="gelu_pytorch_tanh"),
+        plus_one=True,
+    ),
+    "granite": _Arch(
+        "granite",
+        "model.layers",
+        _rms_llama_layer,
+        _globals(*_MODEL, norm_bias=False),
+        _llama_like("granite", "granite", hidden_act="silu"),
+        permuted=True,
+    ),
+    "olmo": _Arch(
+        "olmo",
+        "model.layers",
+        _olmo_layer,
+        _olmo_globals,
+        _llama_like("olmo", "olmo", hidden_act="silu"),
+        permuted=True,
+    ),
+    "command-r": _Arch(
+        "cohere",
+        "model.layers",
+        _cohere_layer,
+        _globals(*_MODEL, norm_bias=False),
+        _llama_like("cohere", "command-r", hidden_act="silu"),
+    ),
+}
+#: The ``general.architecture`` values this module reads.
+FAMILY_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHS)
+
+
+@dataclass(frozen=True)
+class FamilyLayout:
+    """A checked file's plan: the Hugging Face ``config`` dict, ``expected`` (GGUF name -> PyTorch shape,
+    exactly the file's tensors), ``names`` (GGUF name -> Hugging Face name), ``heads`` (W_Q / W_K GGUF
+    name -> heads whose rows llama.cpp permuted) and ``minus_one`` (norms stored as 1 + w)."""
+
+    config: dict[str, Any]
+    expected: dict[str, tuple[int, ...]]
+    names: dict[str, str]
+    heads: dict[str, int]
+    minus_one: frozenset[str]
+
+
+def _dims(s: dict[str, Any]) -> dict[str, int]:
+    """The shape keys of :data:`_Spec` from the sizes of :func:`_sizes`."""
+    h, i, H, kv, d = (s["hidden_size"], s["intermediate_size"], s["num_attention_heads"],
+                      s["num_key_value_heads"], s["d_head"])  # fmt: skip
+    return {"h": h, "i": i, "q": H * d, "kv": kv * d, "v": s["vocab_size"], "3q": 3 * H * d,
+            "qkv": (H + 2 * kv) * d, "2i": 2 * i, "H": H, "Hkv": kv, "d": d,
+            "r": s["rope_dims"] // 2}  # fmt: skip
+
+
+def _check_table(header: _Header, expected: dict[str, tuple[int, ...]], arch: str, path: Path) -> None:
+    """Exactly the expected tensors, each of its expected shape; the message names the first few."""
+    present = {t.name: t.shape for t in header.tensors}
+    missing = [n for n in expected if n not in present]
+    unexpected = [n for n in present if n not in expected]
+    for what, listed in (("missing tensors", missing), ("tensors it does not have", unexpected)):
+        if listed:
+            shown = ", ".join(listed[:8]) + (f", ... ({len(listed)} in all)" if len(listed) > 8 else "")
+            raise GGUFError(path, f"{what} for a {arch!r} model as its metadata describes it: {shown}")
+    for name, shape in expected.items():
+        if present[name] != shape:
+            raise GGUFError(
+                path,
+                f"tensor {name!r} has shape {list(present[name])}, but the metadata implies {list(shape)}",
+            )
+
+
+def family_layout(meta: dict[str, Any], arch: str, header: _Header, path: Path) -> FamilyLayout:
+    """The configuration and tensor plan of a file of architecture ``arch`` (one of
+    :data:`FAMILY_ARCHITECTURES`), every check done before any tensor data is read."""
+    a = _ARCHS[arch]
+    kind = meta.get(f"{arch}.rope.scaling.type", "none")
+    if kind != "none":
+        raise GGUFError(
+            path, f"metadata '{arch}.rope.scaling.type' is {kind!r}: RoPE scaling is not read here"
+        )
+    present = {t.name for t in header.tensors}
+    s = _sizes(meta, arch, path)
+    hf = a.config(meta, s, present, path)
+    dims = _dims(s)
+    expected: dict[str, tuple[int, ...]] = {}
+    names: dict[str, str] = {}
+    for gguf_name, hf_name, key in a.globals(hf, present):
+        expected[gguf_name], names[gguf_name] = _shape(key, dims), hf_name
+    layer_specs = a.layer(hf, present)
+    for n in range(s["num_hidden_layers"]):
+        for part, hf_name, key in layer_specs:
+            expected[f"blk.{n}.{part}"] = _shape(key, dims)
+            names[f"blk.{n}.{part}"] = f"{a.layer_prefix}.{n}.{hf_name}"
+    _check_table(header, expected, arch, path)
+    heads: dict[str, int] = {}
+    if a.permuted:
+        for n in range(s["num_hidden_layers"]):
+            heads[f"blk.{n}.attn_q.weight"] = dims["H"]
+            heads[f"blk.{n}.attn_k.weight"] = dims["Hkv"]
+    minus_one = frozenset(n for n in expected if a.plus_one and n.endswith("norm.weight"))
+    return FamilyLayout(hf, expected, names, heads, minus_one)
+
+
+#: The Hugging Face model types :func:`family_decoder` builds.
+FAMILY_MODEL_TYPES: tuple[str, ...] = tuple(a.model_type for a in _ARCHS.values())
+
+
+def _neox_rows(t: dict[str, Tensor], hf: dict[str, Any]) -> None:
+    """GPT-NeoX's fused q/k/v rows from llama.cpp's order [3, H, d_head] back to Hugging Face's
+    [H, 3, d_head] (weights and biases), in place of ``t``."""
+    H = hf["num_attention_heads"]
+    d = hf["hidden_size"] // H
+    for name in [n for n in t if n.endswith("attention.query_key_value.weight")]:
+        w = t[name]  # [3 H d, hidden] rows q (all heads), k, v
+        t[name] = w.view(3, H, d, -1).transpose(0, 1).reshape(w.shape)  # [H 3 d, hidden]
+    for name in [n for n in t if n.endswith("attention.query_key_value.bias")]:
+        b = t[name]  # [3 H d]
+        t[name] = b.view(3, H, d).transpose(0, 1).reshape(-1)  # [H 3 d]
+
+
+def family_decoder(
+    hf: dict[str, Any], tensors: dict[str, Tensor], tokenizer: Any, *, name: str, source: str, precision: str
+) -> Any:
+    """The :class:`~headspace.pretrained.PretrainedDecoder` of a family file: ``hf`` (its
+    :class:`FamilyLayout` config, special token ids added), ``tensors`` (Hugging Face names, float32, as
+    read) and ``tokenizer`` (a ``tokenizers.Tokenizer``), through the config checks and tensor renaming a
+    checkpoint folder of the family gets (:func:`~.rotary_families.family_config`,
+    :func:`~.parallel_families.parallel_family_config`)."""
+    from .hf import check_tensors
+    from .llama import _ignorable, _meta_decoder, _wrap, llama_expected, llama_state_dict
+    from .parallel_families import FAMILIES as PARALLEL
+    from .parallel_families import parallel_family_config
+    from .rotary_families import FAMILIES as ROTARY
+    from .rotary_families import family_config
+    from .tokenization import TextTokenizer
+
+    t = dict(tensors)
+    kind = hf["model_type"]
+    if kind == "gpt_neox":
+        _neox_rows(t, hf)
+    if _LONGROPE["rope_factors_long.weight"] in t:  # [rotary_dim / 2] each, float32 as stored
+        factors = {hf_name.split(".")[1]: t.pop(hf_name).tolist() for hf_name in _LONGROPE.values()}
+        hf = {**hf, "rope_parameters": {**hf["rope_parameters"], "rope_type": "longrope", **factors}}
+    where = f"{source} (GGUF metadata)"
+    if kind in PARALLEL:
+        config = parallel_family_config(hf, name, source=where)
+        model = _meta_decoder(config)
+        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        sd = PARALLEL[kind][1](t, config)
+        ignored = check_tensors(sd, expected, lambda k: False, Path(source))
+    else:
+        config = family_config(hf, name, source=where)
+        if config.tie_embeddings or config.extra.get("tied_checkpoint"):
+            t.pop("lm_head.weight", None)
+        t = ROTARY[kind][1](t, config)
+        ignored = check_tensors(t, llama_expected(config, "model."), _ignorable, Path(source))
+        sd = llama_state_dict(t, config, "model.")
+        model = _meta_decoder(config)
+        for key, param in model.state_dict().items():  # a LayerNorm bias the file has not: 0 (OLMo)
+            if key not in sd and key.endswith(".bias") and key.rsplit(".", 2)[-2].startswith("ln"):
+                sd[key] = torch.zeros(param.shape)
+    config.extra["source"] = source
+    sd = {k: v.float() for k, v in sd.items() if k in model.state_dict()}
+    model.load_state_dict(sd, strict=True, assign=True)
+    tok = TextTokenizer.from_tokenizer(tokenizer, pad_id=config.pad_token_id, copy=False)
+    return _wrap(model, config, tok, ignored).to_precision(precision)

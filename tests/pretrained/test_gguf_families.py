@@ -1,0 +1,298 @@
+"""GGUF files of the rotary and parallel families (pretrained/gguf_families.py), read by ``load_gguf``.
+
+Each file is written with the `gguf` package's ``GGUFWriter`` from a tiny random checkpoint that
+transformers 5 builds and saves: the tensor names come from gguf's own ``TensorNameMap`` for the
+architecture, the metadata from the writer's ``add_*`` methods (llama.cpp's keys), and the file holds
+what llama.cpp's converter writes (GPT-NeoX's q/k/v rows as [3, H, d_head], OLMo's and Granite's W_Q / W_K
+rows permuted for its RoPE, Gemma's norms as 1 + w). The model read from the file must equal the
+safetensors load of the same checkpoint and transformers' eager forward (logits within 1e-4 of their
+largest magnitude). Broken files are refused by name before any tensor data is read.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import gguf  # a dev dependency (the K-quants' dequantisation): imported, not skipped
+import numpy as np
+import pytest
+import torch
+import transformers as T
+from safetensors.torch import load_file
+
+import headspace as hs
+from headspace.pretrained.gguf import load_gguf
+from headspace.pretrained.gguf_format import GGUFError
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+V, D, L, H, KV, DM, CTX = 263, 48, 2, 4, 2, 37, 32  # vocab, hidden, layers, heads (d_head 12), kv, mlp, ctx
+A = gguf.MODEL_ARCH
+# phi3: head_dim 12, rotary_dim 8 (fraction 2/3), 4 planes
+LONGROPE = {
+    "rope_type": "longrope",
+    "rope_theta": 300.0,
+    "short_factor": [1.0, 1.3, 1.7, 2.2],
+    "long_factor": [2.0, 3.5, 5.0, 7.5],
+    "partial_rotary_factor": 2 / 3,
+}
+# name -> (gguf arch, config class, model class, config arguments)
+ARCHS: dict[str, tuple[Any, Any, Any, dict[str, Any]]] = {
+    "gpt_neox": (A.GPTNEOX, T.GPTNeoXConfig, T.GPTNeoXForCausalLM, {
+        "use_parallel_residual": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 300.0, "partial_rotary_factor": 1 / 3},
+    }),
+    "gpt_neox_sequential": (A.GPTNEOX, T.GPTNeoXConfig, T.GPTNeoXForCausalLM, {
+        "use_parallel_residual": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 300.0, "partial_rotary_factor": 0.5},
+    }),
+    "stablelm": (A.STABLELM, T.StableLmConfig, T.StableLmForCausalLM, {
+        "num_key_value_heads": KV, "use_qkv_bias": True, "use_parallel_residual": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 90.0, "partial_rotary_factor": 0.5},
+    }),
+    "phi": (A.PHI2, T.PhiConfig, T.PhiForCausalLM, {
+        "hidden_act": "gelu_new",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 60.0, "partial_rotary_factor": 0.5},
+    }),
+    "phi3": (A.PHI3, T.Phi3Config, T.Phi3ForCausalLM, {
+        "num_key_value_heads": KV, "partial_rotary_factor": 2 / 3,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 200.0, "partial_rotary_factor": 2 / 3},
+    }),
+    "phi3_longrope": (A.PHI3, T.Phi3Config, T.Phi3ForCausalLM, {
+        "num_key_value_heads": KV, "partial_rotary_factor": 2 / 3, "original_max_position_embeddings": 10,
+        "rope_parameters": LONGROPE,
+    }),
+    "gemma": (A.GEMMA, T.GemmaConfig, T.GemmaForCausalLM, {
+        "num_key_value_heads": KV, "head_dim": 10, "hidden_activation": "gelu_pytorch_tanh",
+        "rope_parameters": {"rope_type": "default", "rope_theta": 150.0},
+    }),
+    "granite": (A.GRANITE, T.GraniteConfig, T.GraniteForCausalLM, {
+        "num_key_value_heads": KV, "embedding_multiplier": 3.5, "attention_multiplier": 0.21,
+        "residual_multiplier": 0.37, "logits_scaling": 2.6, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 120.0},
+    }),
+    "olmo": (A.OLMO, T.OlmoConfig, T.OlmoForCausalLM, {
+        "num_key_value_heads": KV, "rope_parameters": {"rope_type": "default", "rope_theta": 80.0},
+    }),
+    "cohere": (A.COMMAND_R, T.CohereConfig, T.CohereForCausalLM, {
+        "num_key_value_heads": KV, "logit_scale": 0.37, "use_qk_norm": True,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 70.0},
+    }),
+    "gptj": (A.GPTJ, T.GPTJConfig, T.GPTJForCausalLM, {"rotary_dim": 8, "n_inner": None}),
+}  # fmt: skip
+
+SPECIAL = "<|endoftext|>"
+MERGES = ["Ġ t", "h e", "Ġt he"]
+
+
+def _byte_chars() -> list[str]:
+    """GPT-2's 256 byte characters, in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        chars[b] = chr(b) if b in keep else chr(256 + (extra := extra + 1) - 1)
+    return [chars[b] for b in range(256)]
+
+
+def _tokens() -> list[str]:
+    """The vocabulary, padded to the embedding's rows as llama.cpp's converter pads it ("[PAD{i}]")."""
+    tokens = [SPECIAL, *_byte_chars()]
+    tokens += [m.replace(" ", "") for m in MERGES if m.replace(" ", "") not in tokens]
+    return tokens + [f"[PAD{i}]" for i in range(len(tokens), V)]
+
+
+N_REAL = len(_tokens()) - sum(t.startswith("[PAD") for t in _tokens())
+
+
+def build(arch: str, folder: Path) -> Any:
+    """A random transformers model of ``arch`` saved into ``folder``, read back with eager attention."""
+    _, config_cls, model_cls, extra = ARCHS[arch]
+    torch.manual_seed(0)
+    kw = dict(
+        vocab_size=V, hidden_size=D, num_hidden_layers=L, num_attention_heads=H, intermediate_size=DM,
+        max_position_embeddings=CTX, initializer_range=0.3, pad_token_id=0, bos_token_id=0, eos_token_id=0,
+        layer_norm_eps=1e-5, rms_norm_eps=1e-5,
+    )  # fmt: skip
+    kw.update(extra)
+    model = model_cls(config_cls(**kw)).eval()
+    with torch.no_grad():  # norms and biases away from their start, so a wrong or skipped one shows
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias") or ".ln_" in name:
+                p.add_(torch.randn_like(p) * 0.3)
+    model.save_pretrained(folder)
+    return model_cls.from_pretrained(folder, attn_implementation="eager").eval()
+
+
+def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's ``LlamaModel.permute``: each head's rows from (half, index) to (pair, member) order."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _as_llama_cpp(name: str, w: torch.Tensor, arch: str) -> torch.Tensor:
+    """What llama.cpp's converter (convert_hf_to_gguf.py) stores for Hugging Face tensor ``name``."""
+    if arch.startswith("gpt_neox") and "query_key_value" in name:
+        d = D // H
+        if w.dim() == 2:  # [H 3 d, D] -> [3 H d, D]
+            return w.reshape(H, 3, d, D).transpose(0, 1).reshape(3 * H * d, D)
+        return w.reshape(H, 3, d).transpose(0, 1).reshape(-1)  # [H 3 d] -> [3 H d]
+    if arch in ("olmo", "granite") and name.endswith("q_proj.weight"):
+        return _permute(w, H)
+    if arch in ("olmo", "granite") and name.endswith("k_proj.weight"):
+        return _permute(w, KV)
+    if arch == "gemma" and name.endswith("norm.weight"):
+        return w + 1
+    return w
+
+
+def _metadata(writer: gguf.GGUFWriter, arch: str, cfg: Any) -> None:
+    """llama.cpp's metadata for the family (its converter's set_gguf_parameters), through the writer."""
+    d_head = getattr(cfg, "head_dim", None) or D // H
+    writer.add_block_count(L)
+    writer.add_context_length(CTX)
+    writer.add_embedding_length(D)
+    writer.add_feed_forward_length(4 * D if arch == "gptj" else DM)
+    writer.add_head_count(H)
+    writer.add_head_count_kv(getattr(cfg, "num_key_value_heads", H) or H)
+    rotary = (
+        cfg.rotary_dim
+        if arch == "gptj"
+        else int(d_head * cfg.rope_parameters.get("partial_rotary_factor", 1))
+    )
+    writer.add_rope_dimension_count(rotary)
+    if arch != "gptj":
+        writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    if arch in ("phi3", "gemma", "granite"):
+        writer.add_layer_norm_rms_eps(1e-5)
+    elif arch != "olmo":
+        writer.add_layer_norm_eps(1e-5)
+    if arch.startswith(("gpt_neox", "stablelm")):
+        writer.add_parallel_residual(cfg.use_parallel_residual)
+    if arch == "phi3_longrope":  # the factor lists are tensors (write_gguf); the context, metadata
+        writer.add_rope_scaling_orig_ctx_len(cfg.original_max_position_embeddings)
+        writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(CTX / 10) / math.log(10)))
+    if arch == "gemma":
+        writer.add_key_length(d_head)
+        writer.add_value_length(d_head)
+    if arch == "cohere":
+        writer.add_logit_scale(cfg.logit_scale)
+    if arch == "granite":
+        writer.add_embedding_scale(cfg.embedding_multiplier)
+        writer.add_residual_scale(cfg.residual_multiplier)
+        writer.add_attention_scale(cfg.attention_multiplier)
+        writer.add_logit_scale(cfg.logits_scaling)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(_tokens())
+    writer.add_token_types([3] + [1] * (N_REAL - 1) + [5] * (V - N_REAL))  # 5: unused (the padding)
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(0)
+    writer.add_eos_token_id(0)
+
+
+def write_gguf(
+    arch: str, folder: Path, path: Path, *, drop: str = "", kv: dict[str, Any] | None = None
+) -> Path:
+    """The checkpoint in ``folder`` as llama.cpp would write it (F32), or broken: tensor ``drop`` left
+    out, metadata ``kv`` added (string values)."""
+    gguf_arch = ARCHS[arch][0]
+    cfg = T.AutoConfig.from_pretrained(folder)
+    names = gguf.get_tensor_name_map(gguf_arch, L)
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf_arch])
+    _metadata(writer, arch, cfg)
+    for key, value in (kv or {}).items():
+        writer.add_string(key, value)
+    for name, w in load_file(folder / "model.safetensors").items():
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gguf_name is not None, name
+        if gguf_name != drop:
+            writer.add_tensor(gguf_name, _as_llama_cpp(name, w.float(), arch).numpy().astype(np.float32))
+    if arch == "phi3_longrope":  # llama.cpp's Phi3MiniModel: LongRoPE's lists as float32 tensors
+        for which in ("long", "short"):
+            if f"rope_factors_{which}.weight" != drop:
+                factors = np.array(LONGROPE[f"{which}_factor"], dtype=np.float32)  # [rotary_dim / 2]
+                writer.add_tensor(f"rope_factors_{which}.weight", factors)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path, Any]]:
+    out = {}
+    for arch in ARCHS:
+        folder = tmp_path_factory.mktemp(arch)
+        ref = build(arch, folder)
+        out[arch] = (folder, write_gguf(arch, folder, folder.parent / f"{arch}.gguf"), ref)
+    return out
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_the_gguf_file_loads_equal_to_the_safetensors_folder_and_transformers(saved: dict, arch: str) -> None:
+    folder, path, ref = saved[arch]
+    ours, theirs = load_gguf(path), hs.load(folder)
+    assert ours.config.extra["model_type"] == theirs.config.extra["model_type"]
+    for field in ("n_layers", "n_heads", "n_kv_heads", "d_head", "d_mlp", "norm", "rope_theta"):
+        assert getattr(ours.config, field) == getattr(theirs.config, field), field
+    assert ours.model.blocks[0].attn.rotary.rotary_dim == theirs.model.blocks[0].attn.rotary.rotary_dim
+    gen = torch.Generator().manual_seed(3)
+    # 10 tokens, and 20: past phi3_longrope's original 10 positions (its long factors)
+    for tokens in (
+        torch.tensor([[3, 100, 7, 260, 55, 8, 200, 1, 9, 40]]),
+        torch.randint(0, V, (1, 20), generator=gen),
+    ):
+        with torch.no_grad():
+            want = ref(input_ids=tokens).logits
+            got, folder_logits = ours(tokens), theirs(tokens)
+        bound = 1e-4 * float(want.abs().max())
+        torch.testing.assert_close(got, want, atol=bound, rtol=0)
+        torch.testing.assert_close(got, folder_logits, atol=1e-5 * float(want.abs().max()), rtol=0)
+    if arch != "gemma":  # F32 storage and no (1 + w) round trip: the very same weights
+        for name, value in theirs.model.state_dict().items():
+            assert torch.equal(ours.model.state_dict()[name], value), name
+
+
+def test_the_tokenizer_comes_from_the_file(saved: dict) -> None:
+    ours = load_gguf(saved["phi"][1])
+    assert ours.tokenizer.vocab_size == V
+    ids = ours.tokenize(["the the"])[0].tolist()
+    assert ids == [_tokens().index(t) for t in ("t", "he", "Ġthe")]  # the merges "h e", "Ġ t", "Ġt he"
+
+
+@pytest.mark.parametrize(
+    ("arch", "drop", "kv", "message"),
+    [
+        (
+            "gpt_neox",
+            "blk.1.attn_qkv.bias",
+            None,
+            "missing tensors for a 'gptneox' model.*blk.1.attn_qkv.bias",
+        ),
+        ("phi3", "", {"phi3.rope.scaling.type": "longrope"}, "'phi3.rope.scaling.type' is 'longrope'"),
+        ("olmo", "", {"olmo.attention.clamp_kqv": "8"}, "clip_qkv"),
+        ("phi3_longrope", "rope_factors_short.weight", None, "missing tensors .*rope_factors_short.weight"),
+    ],
+)
+def test_broken_files_are_refused_by_name(
+    saved: dict, tmp_path: Path, arch: str, drop: str, kv: dict | None, message: str
+) -> None:
+    path = write_gguf(arch, saved[arch][0], tmp_path / "broken.gguf", drop=drop, kv=kv)
+    with pytest.raises(ValueError, match=message):
+        load_gguf(path)
+
+
+def test_a_tensor_of_the_wrong_shape_is_refused_before_any_data_is_read(saved: dict, tmp_path: Path) -> None:
+    folder = saved["stablelm"][0]
+    path = write_gguf("stablelm", folder, tmp_path / "shape.gguf", kv={"stablelm.note": "x"})
+    good = load_gguf(path)  # an unknown string key is ignored, as llama.cpp does
+    assert good.config.extra["model_type"] == "stablelm"
+    data = bytearray(path.read_bytes())
+    ffn = data.find(b"blk.0.ffn_up.weight")  # name, then n_dims (u32), then dims (u64 each)
+    start = ffn + len(b"blk.0.ffn_up.weight") + 4
+    data[start : start + 8] = (D + 1).to_bytes(8, "little")  # ggml dim 0 is PyTorch's last: [DM, D + 1]
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(bytes(data))
+    with pytest.raises(GGUFError, match=r"tensor 'blk.0.ffn_up.weight' has shape \[37, 49\]|ffn_up"):
+        load_gguf(bad)
