@@ -121,8 +121,9 @@ def load(name: str | Path, *, precision: str = "float32") -> PretrainedEncoder |
     ``olmo2``, ``smollm3`` (:func:`load_llama`), ``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``olmoe``,
     ``gpt_oss`` (:func:`~headspace.pretrained.moe_families.load_moe`), and the encoder-decoders ``t5``,
     ``bart``, ``marian``, ``whisper`` (a :class:`headspace.EncoderDecoder`, docs/encoder_decoder.md); a
-    ``.gguf`` file (Llama family) loads with :func:`load_gguf`. The rotary and parallel families of
-    docs/families.md load too. Errors name what was given and list what is valid (an unknown
+    ``.gguf`` file (Llama family) loads with :func:`load_gguf`. The rotary, parallel and learned-absolute
+    families of docs/families.md (among them ``opt``, ``gpt_neo``, ``gpt_bigcode``, ``roberta``) load
+    too. Errors name what was given and list what is valid (an unknown
     ``precision`` is refused before anything is read).
     """
     check_precision(precision)
