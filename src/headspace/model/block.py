@@ -41,8 +41,8 @@ from ..nn.norms import RMSNorm
 from ..nn.positions import Rotary
 from ..nn.spec import BlockSpec, MLPSpec, NormSpec, features_of, refuse_unsupported
 from . import recorded
-from .mlp import ACTIVATIONS as ACTIVATIONS  # re-exported: the MLPs' old home
 from .gemma_extras import GemmaAttention
+from .mlp import ACTIVATIONS as ACTIVATIONS  # re-exported: the MLPs' old home
 from .mlp import FeedForward, GatedFeedForward, _fire, make_activation
 from .moe import MixtureOfExperts, moe_of
 

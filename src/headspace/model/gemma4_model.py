@@ -146,7 +146,9 @@ class Gemma4Decoder(Decoder):
     ) -> Tensor:
         """:meth:`~headspace.Decoder.hidden_states` with the per-layer inputs and layer scalars (module
         docstring); owners leave their keys and values to the layers that share them."""
-        if kv_caches is not None and (not isinstance(kv_caches, (list, tuple)) or len(kv_caches) != len(self.blocks)):
+        if kv_caches is not None and (
+            not isinstance(kv_caches, (list, tuple)) or len(kv_caches) != len(self.blocks)
+        ):
             raise ValueError(f"kv_caches must be a list of {len(self.blocks)} KVCache (one per block)")
         start = 0 if kv_caches is None else kv_caches[0].length
         check_tokens(tokens, self.config, start=start, check_length=positions is None,

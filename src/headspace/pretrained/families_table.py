@@ -357,6 +357,18 @@ FAMILIES: tuple[Family, ...] = (
         _REL,
         _MOE_T,
     ),
+    _d(
+        "gemma4_text",
+        "rotary; proportional partial rotary on global layers",
+        ("sandwich",),
+        _RMS,
+        "value norm, score scale 1, k_eq_v, shared K/V layers, per-layer inputs; MoE refused",
+        ("forward",),
+        _REL,
+        "tests/pretrained/test_gemma4.py",
+        partial=True,
+        rope_types=("default", "proportional"),
+    ),
 )
 
 

@@ -46,12 +46,21 @@ from .wrappers import PretrainedDecoder
 GEMMA4_MODEL_TYPES = ("gemma4_text",)
 _ACT = {"gelu_pytorch_tanh": "gelu_tanh", "gelu_new": "gelu_tanh", "gelu": "gelu", "silu": "silu"}
 _TYPES = {"sliding_attention": "sliding", "full_attention": "full"}
+# (ours, transformers') names of each layer's four norms (the sandwich layout)
+_NORMS = (
+    ("ln1", "input_layernorm"),
+    ("ln_attn_out", "post_attention_layernorm"),
+    ("ln2", "pre_feedforward_layernorm"),
+    ("ln_mlp_out", "post_feedforward_layernorm"),
+)
 
 
 def _refuse(f: ConfigFields) -> None:
     """Refuse, by name, what headspace does not compute exactly for Gemma 4 yet."""
     if f.hf.get("enable_moe_block"):
-        raise ValueError(f"{f.source}: enable_moe_block=true (Gemma 4's mixture of experts) is not supported yet")
+        raise ValueError(
+            f"{f.source}: enable_moe_block=true (Gemma 4's mixture of experts) is not supported yet"
+        )
     if f.hf.get("attention_bias"):
         raise ValueError(f"{f.source}: attention_bias=true is not supported (Gemma 4 has none)")
     if f.hf.get("use_bidirectional_attention") is not None:
@@ -102,7 +111,9 @@ def _rope(f: ConfigFields, types: list[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
-def _layers(f: ConfigFields, n: int, d_head: int, n_kv: int, d_mlp: int) -> tuple[list[str], list[dict[str, Any]]]:
+def _layers(
+    f: ConfigFields, n: int, d_head: int, n_kv: int, d_mlp: int
+) -> tuple[list[str], list[dict[str, Any]]]:
     """(layer types, the per-layer entries of ``extra["gemma4"]["layers"]``)."""
     raw = f.hf.get("layer_types") or [
         "full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(n)
@@ -125,7 +136,9 @@ def _layers(f: ConfigFields, n: int, d_head: int, n_kv: int, d_mlp: int) -> tupl
     for i, t in enumerate(types):
         o = overrides.get(str(i), {})
         if not isinstance(o, dict) or set(o) - {"head_dim", "num_key_value_heads"}:
-            raise ValueError(f"{f.source}: per_layer_config['{i}'] may set head_dim, num_key_value_heads; got {o!r:.80}")
+            raise ValueError(
+                f"{f.source}: per_layer_config['{i}'] may set head_dim, num_key_value_heads; got {o!r:.80}"
+            )
         lf = ConfigFields(o, f"{f.source} per_layer_config['{i}']")
         layers.append({
             "type": t,
@@ -143,9 +156,14 @@ def gemma4_config(hf: Mapping[str, Any], name: str = "", *, source: str = "confi
     f = ConfigFields(hf, source)
     kind = f.text("model_type", None, allow_none=True)
     if kind not in GEMMA4_MODEL_TYPES:
-        raise ValueError(f"{source}: model_type={kind!r} is not supported here; supported: {list(GEMMA4_MODEL_TYPES)}")
+        raise ValueError(
+            f"{source}: model_type={kind!r} is not supported here; supported: {list(GEMMA4_MODEL_TYPES)}"
+        )
     _refuse(f)
-    f.require(["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"], "Gemma 4")
+    f.require(
+        ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"],
+        "Gemma 4",
+    )
     d, n, H = f.integer("hidden_size"), f.integer("num_hidden_layers"), f.integer("num_attention_heads")
     d_head, n_kv = f.integer("head_dim", 256), f.integer("num_key_value_heads", 4)
     d_mlp = f.integer("intermediate_size")
@@ -157,29 +175,33 @@ def gemma4_config(hf: Mapping[str, Any], name: str = "", *, source: str = "confi
     ple = f.integer("hidden_size_per_layer_input", 0, minimum=0, allow_none=True) or None
     window = f.integer("sliding_window", 512, minimum=1)
     context = f.integer("max_position_embeddings", 131072)
-    gemma4 = {"layers": layers, "rope": rope, "ple": ple,
-              "ple_vocab": f.integer("vocab_size_per_layer_input", f.integer("vocab_size")) if ple else None}  # fmt: skip
+    vocab = f.integer("vocab_size")
+    ple_vocab = f.integer("vocab_size_per_layer_input", vocab) if ple else None
+    gemma4 = {"layers": layers, "rope": rope, "ple": ple, "ple_vocab": ple_vocab}
     cap = hf.get("final_logit_softcapping")
+    cap = None if cap is None else f.number("final_logit_softcapping", low=0.0, low_open=True)
+    ids = {k: hf[k] for k in ("bos_token_id", "eos_token_id") if hf.get(k) is not None}
     try:
         return ModelConfig(
-            arch="decoder", vocab_size=f.integer("vocab_size"), d_model=d, n_layers=n, n_heads=H,
-            d_head=d_head, n_kv_heads=n_kv, d_mlp=d_mlp, max_seq_len=context, act=_ACT[act], norm="sandwich",
-            dropout=0.0, attn_dropout=0.0, emb_dropout=0.0, ln_eps=f.number("rms_norm_eps", 1e-6, low=0.0, low_open=True),
-            bias=False, type_vocab_size=0, tie_embeddings=f.flag("tie_word_embeddings", True), pad_token_id=None,
-            embed_ln=False, final_ln=True, name=name, positions="rotary", norm_kind="rmsnorm", mlp_kind="gated",
+            arch="decoder", vocab_size=vocab, d_model=d, n_layers=n, n_heads=H, d_head=d_head,
+            n_kv_heads=n_kv, d_mlp=d_mlp, max_seq_len=context, act=_ACT[act], norm="sandwich",
+            dropout=0.0, attn_dropout=0.0, emb_dropout=0.0,
+            ln_eps=f.number("rms_norm_eps", 1e-6, low=0.0, low_open=True), bias=False, type_vocab_size=0,
+            tie_embeddings=f.flag("tie_word_embeddings", True), pad_token_id=None, embed_ln=False,
+            final_ln=True, name=name, positions="rotary", norm_kind="rmsnorm", mlp_kind="gated",
             qkv_bias=False, out_bias=False, mlp_bias=False, qk_norm="head", embed_scale=math.sqrt(d),
-            final_softcap=None if cap is None else f.number("final_logit_softcapping", low=0.0, low_open=True),
-            sliding_window=min(window, context), layer_types=types,
+            final_softcap=cap, sliding_window=min(window, context), layer_types=types,
             rope_theta=rope.get("full", rope.get("sliding"))["rope_theta"],
             rope_local_theta=rope["sliding"]["rope_theta"] if "sliding" in rope else None,
-            extra={"model_type": kind, "gemma4": gemma4,
-                   **{k: hf[k] for k in ("bos_token_id", "eos_token_id") if hf.get(k) is not None}},
+            extra={"model_type": kind, "gemma4": gemma4, **ids},
         )  # fmt: skip
     except ValueError as e:
         raise ValueError(f"{source} does not fit headspace: {e}") from None
 
 
-def gemma4_tensors(c: ModelConfig, prefix: str = "model.") -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
+def gemma4_tensors(
+    c: ModelConfig, prefix: str = "model."
+) -> list[tuple[str, list[tuple[str, tuple[int, ...]]]]]:
     """(Gemma4Decoder state-dict name, the HF tensors (name, shape) whose rows it stacks), every one."""
     g = c.extra["gemma4"]
     d, H = c.d_model, c.n_heads
@@ -200,8 +222,7 @@ def gemma4_tensors(c: ModelConfig, prefix: str = "model.") -> list[tuple[str, li
         for ours, theirs, shape in (("fc_gate", "gate_proj", (dm, d)), ("fc_in", "up_proj", (dm, d)),
                                     ("fc_out", "down_proj", (d, dm))):  # fmt: skip
             out.append((f"{b}mlp.{ours}.weight", [(f"{p}mlp.{theirs}.weight", shape)]))
-        for ours, theirs in (("ln1", "input_layernorm"), ("ln_attn_out", "post_attention_layernorm"),
-                             ("ln2", "pre_feedforward_layernorm"), ("ln_mlp_out", "post_feedforward_layernorm")):  # fmt: skip
+        for ours, theirs in _NORMS:
             out.append((f"{b}{ours}.weight", [(f"{p}{theirs}.weight", (d,))]))
         out.append((f"layer_scalars:{i}", [(p + "layer_scalar", (1,))]))
     L, pd = c.n_layers, g["ple"]
@@ -210,7 +231,13 @@ def gemma4_tensors(c: ModelConfig, prefix: str = "model.") -> list[tuple[str, li
         shapes.update({"ple_embed.weight": (g["ple_vocab"], L * pd), "ple_model_proj.weight": (L * pd, d),
                        "ple_norm.weight": (pd,)})  # fmt: skip
         for i in range(L):
-            shapes.update({f"ple.{i}.gate.weight": (pd, d), f"ple.{i}.proj.weight": (d, pd), f"ple.{i}.norm.weight": (d,)})
+            shapes.update(
+                {
+                    f"ple.{i}.gate.weight": (pd, d),
+                    f"ple.{i}.proj.weight": (d, pd),
+                    f"ple.{i}.norm.weight": (d,),
+                }
+            )
     for ours, theirs in state_dict_names(c, prefix).items():
         out.append((ours, [(theirs, shapes[ours])]))
     if not c.tie_embeddings:
@@ -229,7 +256,9 @@ def load_gemma4(
     config = gemma4_config(hf, name=name or path.name, source=config_file)
     if max_seq_len is not None:
         if max_seq_len > config.max_seq_len:
-            raise ValueError(f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings={config.max_seq_len}")
+            raise ValueError(
+                f"max_seq_len={max_seq_len} exceeds the model's max_position_embeddings={config.max_seq_len}"
+            )
         config = _with_context(config, max_seq_len)
     config.extra["source"] = str(path)
     files, weight_map = weight_files(path)
@@ -238,7 +267,9 @@ def load_gemma4(
     pieces = gemma4_tensors(config, prefix)
     expected = {n: s for _, theirs in pieces for n, s in theirs}
     implied = sum(math.prod(s) for s in expected.values())
-    fields = f"num_hidden_layers={config.n_layers}, hidden_size={config.d_model}, vocab_size={config.vocab_size}"
+    fields = (
+        f"num_hidden_layers={config.n_layers}, hidden_size={config.d_model}, vocab_size={config.vocab_size}"
+    )
     summary = check_parameter_count(implied, len(expected), header, fields, config_file)
     if "lm_head.weight" in header.tensors and config.tie_embeddings:
         expected["lm_head.weight"] = (config.vocab_size, config.d_model)
@@ -252,7 +283,9 @@ def load_gemma4(
     check_values(tensors, list(tensors), header.path)
     head = tensors.pop("lm_head.weight", None) if config.tie_embeddings else None
     if head is not None and not torch.equal(head.float(), tensors[f"{prefix}embed_tokens.weight"].float()):
-        raise ValueError(f"{header.path}: tie_word_embeddings=true but lm_head.weight differs from the embedding")
+        raise ValueError(
+            f"{header.path}: tie_word_embeddings=true but lm_head.weight differs from the embedding"
+        )
     return _build(config, tensors, pieces, ignored, path).to_precision(precision)
 
 
@@ -275,7 +308,11 @@ def _build(
         if ours.startswith("layer_scalars:"):
             scalars[int(ours.split(":")[1])] = tensors[theirs[0][0]].float().reshape(())
             continue
-        sd[ours] = torch.cat([tensors[n].float() for n, _ in theirs]) if len(theirs) > 1 else tensors[theirs[0][0]].float()
+        sd[ours] = (
+            torch.cat([tensors[n].float() for n, _ in theirs])
+            if len(theirs) > 1
+            else tensors[theirs[0][0]].float()
+        )
     sd["layer_scalars"] = scalars
     model.load_state_dict(sd, strict=True, assign=True)
     fresh = _rotaries(config, config.extra["gemma4"])  # (non-persistent tables: built on the CPU)
