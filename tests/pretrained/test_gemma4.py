@@ -38,6 +38,9 @@ CASES: dict[str, dict[str, Any]] = {
                   global_head_dim=10, tie_word_embeddings=False,
                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                    "full_attention": {"rope_type": "default", "rope_theta": 1000.0}}),
+    "moe": dict(enable_moe_block=True, num_experts=5, top_k_experts=2, moe_intermediate_size=9,
+                attention_k_eq_v=True, num_kv_shared_layers=2, hidden_size_per_layer_input=0,
+                global_head_dim=14, num_global_key_value_heads=1),
 }  # fmt: skip
 
 
@@ -52,11 +55,16 @@ def build(case: str, folder: Path) -> Any:
     model = T.Gemma4ForCausalLM(config).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
-            p.copy_((1.0 + 0.3 * torch.randn_like(p)) if "norm" in name else 0.2 * torch.randn_like(p))
+            unit = "norm" in name or "scale" in name  # norms, the router's scales
+            p.copy_((1.0 + 0.3 * torch.randn_like(p)) if unit else 0.2 * torch.randn_like(p))
         for i, layer in enumerate(model.model.layers):
             layer.layer_scalar.fill_(0.6 + 0.15 * i)
+            if config.enable_moe_block:  # experts 1 and 3 share one router row: every token ties them
+                layer.router.proj.weight[3] = layer.router.proj.weight[1]
     model.save_pretrained(folder)
-    return T.Gemma4ForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+    return T.Gemma4ForCausalLM.from_pretrained(
+        folder, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
 
 
 @pytest.fixture(scope="module")
@@ -71,15 +79,24 @@ def test_logits_and_patterns_equal_transformers(saved: dict, case: str) -> None:
     torch.manual_seed(4)
     tokens = torch.randint(3, V, (2, 11))  # longer than the window (4)
     with torch.no_grad():
-        want = ref(input_ids=tokens, output_attentions=True)
+        want = ref(input_ids=tokens, output_attentions=True, output_router_logits=case == "moe")
         got = ours(tokens)
-        with hs.trace(ours.model, names=["*.hook_pattern"]) as t:
+        names = ["*.hook_pattern"] + (["*.hook_router_logits", "*.hook_top_k"] if case == "moe" else [])
+        with hs.trace(ours.model, names=names) as t:
             traced = ours(tokens)
     scale = float(want.logits.abs().max())
     torch.testing.assert_close(got, want.logits, atol=1e-4 * scale, rtol=0)
     torch.testing.assert_close(traced, want.logits, atol=1e-4 * scale, rtol=0)
     for layer in range(L):
         torch.testing.assert_close(t.pattern(layer), want.attentions[layer], atol=1e-5, rtol=0)
+    if case == "moe":  # transformers records the router's softmax; the choices are its top k
+        for layer in range(L):
+            probs = torch.softmax(t[f"blocks.{layer}.mlp.hook_router_logits"].reshape(-1, 5), dim=-1)
+            torch.testing.assert_close(probs, want.router_logits[layer], atol=1e-5, rtol=0)
+            top = t[f"blocks.{layer}.mlp.hook_top_k"].reshape(-1, 2)
+            assert torch.equal(top, torch.topk(want.router_logits[layer], 2, dim=-1).indices)
+        tied = t["blocks.0.mlp.hook_top_k"]  # the tie falls at the k-th place somewhere: one is taken
+        assert bool(((tied == 3).any(-1) ^ (tied == 1).any(-1)).any())
     # the window has teeth: a key 4 back from a query of a sliding layer gets no weight
     assert float(t.pattern(0)[:, :, 10, :7].abs().max()) == 0.0
     assert float(t.pattern(1)[:, :, 10, :7].abs().max()) > 0.0  # (a global layer sees it)
@@ -156,7 +173,9 @@ def test_the_steps_refuse_the_new_fields_by_name(saved: dict) -> None:
 @pytest.mark.parametrize(
     ("change", "message"),
     [
-        ({"enable_moe_block": True}, "enable_moe_block=true"),
+        ({"enable_moe_block": True, "num_experts": 3, "top_k_experts": 4, "moe_intermediate_size": 5},
+         "top_k_experts must be at most num_experts=3"),
+        ({"enable_moe_block": True}, "num_experts must be an int"),
         ({"attention_bias": True}, "attention_bias=true"),
         ({"rope_parameters": {"sliding_attention": {"rope_type": "yarn", "rope_theta": 1.0, "factor": 2.0},
                               "full_attention": {"rope_type": "default", "rope_theta": 1.0}}},

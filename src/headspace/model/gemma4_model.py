@@ -37,6 +37,7 @@ from ..nn.positions import Rotary
 from ..nn.spec import BlockSpec
 from .block import TransformerBlock
 from .config import ModelConfig
+from .gemma4_moe import Gemma4MoE
 from .gemma_extras import GemmaAttention, proportional_rotary
 from .mlp import make_activation
 from .models import Decoder
@@ -74,6 +75,12 @@ def gemma4_block_specs(c: ModelConfig) -> list[BlockSpec]:
             k_eq_v=layer["k_eq_v"], kv_source=layer["kv_source"],
         )  # fmt: skip
         mlp = dataclasses.replace(base.mlp, d_mlp=layer["d_mlp"])
+        if g.get("moe"):  # the experts' width; the dense MLP is the "shared" expert every token takes
+            moe = g["moe"]
+            mlp = dataclasses.replace(
+                mlp, kind="moe", d_mlp=moe["d_expert"], n_experts=moe["n_experts"], top_k=moe["top_k"],
+                norm_topk=True, d_shared=layer["d_mlp"],
+            )  # fmt: skip
         specs.append(dataclasses.replace(base, attention=attention, mlp=mlp))
     return specs
 
@@ -99,7 +106,9 @@ class PerLayerInput(nn.Module):
 class Gemma4Decoder(Decoder):
     """Gemma 4's text decoder (module docstring). ``config.extra["gemma4"]``: ``layers`` (one dict of
     :data:`LAYER_KEYS` per layer), ``rope`` (per layer type: ``rope_type``, ``rope_theta``,
-    ``partial``, ``factor``), ``ple`` (p, or None without per-layer inputs) and ``ple_vocab``."""
+    ``partial``, ``factor``), ``ple`` (p, or None without per-layer inputs), ``ple_vocab`` and ``moe``
+    (None, or ``n_experts``, ``top_k``, ``d_expert``: every layer's MLP a
+    :class:`~headspace.model.gemma4_moe.Gemma4MoE`, its block's ``ln2`` the identity)."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
@@ -113,6 +122,13 @@ class Gemma4Decoder(Decoder):
             attn.layer_index, attn.kv_store = i, self._kv_store
             if attn.spec.kv_source is not None:
                 attn.share_from(self.blocks[attn.spec.kv_source].attn)
+            if g.get("moe"):  # the router and the experts' norm read h itself: the block's ln2 is none
+                m = block.spec.mlp
+                assert m.n_experts is not None and m.top_k is not None and m.d_shared is not None
+                block.mlp = Gemma4MoE(
+                    c.d_model, m.d_shared, m.d_mlp, m.n_experts, m.top_k, act=c.act, eps=c.ln_eps
+                )
+                block.ln2 = nn.Identity()
         self.register_buffer("layer_scalars", torch.ones(c.n_layers))
         p = g["ple"]
         self.ple_dim = p

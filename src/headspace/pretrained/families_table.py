@@ -362,7 +362,7 @@ FAMILIES: tuple[Family, ...] = (
         "rotary; proportional partial rotary on global layers",
         ("sandwich",),
         _RMS,
-        "value norm, score scale 1, k_eq_v, shared K/V layers, per-layer inputs; MoE refused",
+        "value norm, score scale 1, k_eq_v, shared K/V layers, per-layer inputs; dense or MoE",
         ("forward",),
         _REL,
         "tests/pretrained/test_gemma4.py",

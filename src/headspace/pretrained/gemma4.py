@@ -8,7 +8,8 @@ layers' ``head_dim`` / ``num_key_value_heads``; older spellings ``global_head_di
 ``attention_k_eq_v``, ``num_kv_shared_layers`` (each shared layer reads the last earlier unshared layer of
 its type, as transformers' ``kv_sharing_modes``), ``use_double_wide_mlp``, ``hidden_size_per_layer_input``
 / ``vocab_size_per_layer_input``, ``final_logit_softcapping``, ``hidden_activation``, ``rms_norm_eps``.
-Refused, by name: ``enable_moe_block`` (the mixture-of-experts variant: not yet), ``attention_bias``,
+``enable_moe_block`` (``num_experts``, ``top_k_experts``, ``moe_intermediate_size``): every layer's MLP a
+:class:`~headspace.model.gemma4_moe.Gemma4MoE`. Refused, by name: ``attention_bias``,
 ``use_bidirectional_attention``, any other rope type. Untrusted folders get
 :func:`~headspace.pretrained.load_llama`'s checks (headers, counts, names, shapes, dtypes, NaN/Inf).
 """
@@ -57,14 +58,20 @@ _NORMS = (
 
 def _refuse(f: ConfigFields) -> None:
     """Refuse, by name, what headspace does not compute exactly for Gemma 4 yet."""
-    if f.hf.get("enable_moe_block"):
-        raise ValueError(
-            f"{f.source}: enable_moe_block=true (Gemma 4's mixture of experts) is not supported yet"
-        )
     if f.hf.get("attention_bias"):
         raise ValueError(f"{f.source}: attention_bias=true is not supported (Gemma 4 has none)")
     if f.hf.get("use_bidirectional_attention") is not None:
         raise ValueError(f"{f.source}: use_bidirectional_attention is not supported (causal only)")
+
+
+def _moe(f: ConfigFields) -> dict[str, int] | None:
+    """``enable_moe_block``'s experts (every layer): count, top-k and width; None without."""
+    if not f.flag("enable_moe_block", False):
+        return None
+    n, k = f.integer("num_experts"), f.integer("top_k_experts")
+    if k > n:
+        raise ValueError(f"{f.source}: top_k_experts must be at most num_experts={n}; got {k}")
+    return {"n_experts": n, "top_k": k, "d_expert": f.integer("moe_intermediate_size")}
 
 
 def _kv_sources(types: list[str], n_shared: int, source: str) -> list[int | None]:
@@ -177,7 +184,7 @@ def gemma4_config(hf: Mapping[str, Any], name: str = "", *, source: str = "confi
     context = f.integer("max_position_embeddings", 131072)
     vocab = f.integer("vocab_size")
     ple_vocab = f.integer("vocab_size_per_layer_input", vocab) if ple else None
-    gemma4 = {"layers": layers, "rope": rope, "ple": ple, "ple_vocab": ple_vocab}
+    gemma4 = {"layers": layers, "rope": rope, "ple": ple, "ple_vocab": ple_vocab, "moe": _moe(f)}
     cap = hf.get("final_logit_softcapping")
     cap = None if cap is None else f.number("final_logit_softcapping", low=0.0, low_open=True)
     ids = {k: hf[k] for k in ("bos_token_id", "eos_token_id") if hf.get(k) is not None}
@@ -219,11 +226,16 @@ def gemma4_tensors(
         out.append((b + "attn.qkv_weight", rows))
         out.append((b + "attn.o_weight", [(a + "o_proj.weight", (d, H * dh))]))
         out.append((b + "attn.q_norm.weight", [(a + "q_norm.weight", (dh,))]))
+        dense = f"{b}mlp.shared." if g.get("moe") else f"{b}mlp."
         for ours, theirs, shape in (("fc_gate", "gate_proj", (dm, d)), ("fc_in", "up_proj", (dm, d)),
                                     ("fc_out", "down_proj", (d, dm))):  # fmt: skip
-            out.append((f"{b}mlp.{ours}.weight", [(f"{p}mlp.{theirs}.weight", shape)]))
+            out.append((f"{dense}{ours}.weight", [(f"{p}mlp.{theirs}.weight", shape)]))
         for ours, theirs in _NORMS:
+            if g.get("moe") and ours == "ln2":
+                ours = "mlp.pre_norm"  # (the block's ln2 is the identity: module gemma4_moe)
             out.append((f"{b}{ours}.weight", [(f"{p}{theirs}.weight", (d,))]))
+        if g.get("moe"):
+            out.extend(_moe_tensors(g["moe"], d, p, b))
         out.append((f"layer_scalars:{i}", [(p + "layer_scalar", (1,))]))
     L, pd = c.n_layers, g["ple"]
     shapes = {"tok_embed.weight": (c.vocab_size, d), "ln_final.weight": (d,)}
@@ -243,6 +255,22 @@ def gemma4_tensors(
     if not c.tie_embeddings:
         out.append(("lm_head.weight", [("lm_head.weight", (c.vocab_size, d))]))
     return out
+
+
+def _moe_tensors(moe: dict[str, int], d: int, p: str, b: str) -> list[tuple[str, list[Any]]]:
+    """One MoE layer's router, experts and norms (``experts:gate_up`` is split by :func:`_build`)."""
+    n, de = moe["n_experts"], moe["d_expert"]
+    pieces = {
+        "mlp.router.weight": ("router.proj.weight", (n, d)),
+        "mlp.router_scale": ("router.scale", (d,)),
+        "mlp.per_expert_scale": ("router.per_expert_scale", (n,)),
+        "mlp.experts_out": ("experts.down_proj", (n, d, de)),
+        "mlp.post_norm_shared.weight": ("post_feedforward_layernorm_1.weight", (d,)),
+        "mlp.pre_norm_experts.weight": ("pre_feedforward_layernorm_2.weight", (d,)),
+        "mlp.post_norm_experts.weight": ("post_feedforward_layernorm_2.weight", (d,)),
+        "mlp:gate_up": ("experts.gate_up_proj", (n, 2 * de, d)),
+    }
+    return [(b + ours, [(p + theirs, shape)]) for ours, (theirs, shape) in pieces.items()]
 
 
 def load_gemma4(
@@ -307,6 +335,11 @@ def _build(
     for ours, theirs in pieces:
         if ours.startswith("layer_scalars:"):
             scalars[int(ours.split(":")[1])] = tensors[theirs[0][0]].float().reshape(())
+            continue
+        if ours.endswith("mlp:gate_up"):  # (E, 2 d_expert, d_model): gate rows, then up rows
+            gate, up = tensors[theirs[0][0]].float().chunk(2, dim=1)  # (E, d_expert, d_model) x 2
+            sd[ours.replace("mlp:gate_up", "mlp.experts_gate")] = gate.contiguous()
+            sd[ours.replace("mlp:gate_up", "mlp.experts_in")] = up.contiguous()
             continue
         sd[ours] = (
             torch.cat([tensors[n].float() for n, _ in theirs])
