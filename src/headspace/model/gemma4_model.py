@@ -61,9 +61,10 @@ def _rotaries(c: ModelConfig, g: dict[str, Any]) -> dict[str, Rotary]:
     return out
 
 
-def gemma4_block_specs(c: ModelConfig) -> list[BlockSpec]:
-    """Every block's description from ``c`` and ``c.extra["gemma4"]`` (module docstring)."""
-    g = c.extra["gemma4"]
+def gemma4_block_specs(c: ModelConfig, key: str = "gemma4") -> list[BlockSpec]:
+    """Every block's description from ``c`` and ``c.extra[key]`` (module docstring; Gemma 3n's
+    layers are described under ``"gemma3n"`` the same way)."""
+    g = c.extra[key]
     rotaries = _rotaries(c, g)
     base = c.block_spec(0)
     specs = []
@@ -97,10 +98,15 @@ class PerLayerInput(nn.Module):
         self.act = make_activation(act)
         self.hook_out = HookPoint()  # [batch, seq, d_model]
 
-    def forward(self, h: Tensor, per_layer: Tensor) -> Tensor:
-        """h [B, S, d_model], per_layer [B, S, p] -> [B, S, d_model]."""
+    def term(self, h: Tensor, per_layer: Tensor) -> Tensor:
+        """The added term ``N((act(h W_g) * P_l) W_p)`` [B, S, d_model] (through ``hook_out``) of h [B, S,
+        d_model] and per_layer [B, S, p]."""
         y = self.norm(self.proj(self.act(self.gate(h)) * per_layer))  # (B, S, d_model)
-        return h + (self.hook_out(y) if self.hook_out.fns else y)
+        return self.hook_out(y) if self.hook_out.fns else y
+
+    def forward(self, h: Tensor, per_layer: Tensor) -> Tensor:
+        """h [B, S, d_model], per_layer [B, S, p] -> ``h + term`` [B, S, d_model]."""
+        return h + self.term(h, per_layer)
 
 
 class Gemma4Decoder(Decoder):
@@ -110,11 +116,14 @@ class Gemma4Decoder(Decoder):
     (None, or ``n_experts``, ``top_k``, ``d_expert``: every layer's MLP a
     :class:`~headspace.model.gemma4_moe.Gemma4MoE`, its block's ``ln2`` the identity)."""
 
+    #: the key of ``config.extra`` that describes the layers
+    EXTRA_KEY = "gemma4"
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         c = self.config
-        g = c.extra["gemma4"]
-        self.blocks = nn.ModuleList(TransformerBlock.from_spec(s) for s in gemma4_block_specs(c))
+        g = c.extra[self.EXTRA_KEY]
+        self.blocks = nn.ModuleList(TransformerBlock.from_spec(s) for s in gemma4_block_specs(c, self.EXTRA_KEY))
         self._kv_store: dict[int, tuple[Tensor, Tensor]] = {}
         for i, block in enumerate(self.blocks):
             attn = block.attn
@@ -148,9 +157,32 @@ class Gemma4Decoder(Decoder):
         L, p, d = self.config.n_layers, self.ple_dim, self.config.d_model
         ctx = self.ple_model_proj(e) * (d**-0.5)  # (B, S, L p)
         ctx = self.ple_norm(ctx.reshape(B, S, L, p))  # (B, S, L, p)
+        if self.ple_embed.num_embeddings < self.config.vocab_size:  # (Gemma 3n: others read row 0)
+            tokens = torch.where(tokens < self.ple_embed.num_embeddings, tokens, 0)  # (B, S)
         ids = self.ple_embed(tokens) * torch.tensor(math.sqrt(p), dtype=e.dtype)  # (B, S, L p)
         out = (ctx + ids.reshape(B, S, L, p)) * (2.0**-0.5)  # (B, S, L, p)
         return self.hook_per_layer_inputs(out) if self.hook_per_layer_inputs.fns else out
+
+    def _embedded(
+        self, tokens: Tensor, kv_caches: list[KVCache] | None, positions: Tensor | None
+    ) -> tuple[Tensor, Tensor, int]:
+        """(the embedding [batch, seq, d_model], the rotary positions [seq] or [batch, seq], the first
+        new position), the inputs checked as :meth:`~headspace.Decoder.hidden_states` checks them."""
+        if kv_caches is not None and (
+            not isinstance(kv_caches, (list, tuple)) or len(kv_caches) != len(self.blocks)
+        ):
+            raise ValueError(f"kv_caches must be a list of {len(self.blocks)} KVCache (one per block)")
+        start = 0 if kv_caches is None else kv_caches[0].length
+        check_tokens(tokens, self.config, start=start, check_length=positions is None,
+                     device=self.tok_embed.weight.device)  # fmt: skip
+        if positions is None:
+            x = self.embed(tokens, start=start)  # (batch, seq, d_model)
+            pos = torch.arange(start, start + tokens.shape[1], device=tokens.device)  # (seq,)
+        else:
+            check_positions(positions, tokens, self.config)
+            x = self.embed(tokens, positions=positions)  # (batch, seq, d_model)
+            pos = positions
+        return x, pos, start
 
     def hidden_states(
         self,
@@ -162,22 +194,9 @@ class Gemma4Decoder(Decoder):
     ) -> Tensor:
         """:meth:`~headspace.Decoder.hidden_states` with the per-layer inputs and layer scalars (module
         docstring); owners leave their keys and values to the layers that share them."""
-        if kv_caches is not None and (
-            not isinstance(kv_caches, (list, tuple)) or len(kv_caches) != len(self.blocks)
-        ):
-            raise ValueError(f"kv_caches must be a list of {len(self.blocks)} KVCache (one per block)")
-        start = 0 if kv_caches is None else kv_caches[0].length
-        check_tokens(tokens, self.config, start=start, check_length=positions is None,
-                     device=self.tok_embed.weight.device)  # fmt: skip
-        if positions is None:
-            x = self.embed(tokens, start=start)  # (batch, seq, d_model)
-        else:
-            check_positions(positions, tokens, self.config)
-            x = self.embed(tokens, positions=positions)  # (batch, seq, d_model)
+        x, pos, _ = self._embedded(tokens, kv_caches, positions)  # (batch, seq, d_model)
         P = self.per_layer_inputs(tokens, x) if self.ple_dim else None  # (batch, seq, L, p)
-        seq = tokens.shape[1]
-        pos = torch.arange(start, start + seq, device=tokens.device) if positions is None else positions
-        causal = not (kv_caches is not None and seq == 1)
+        causal = not (kv_caches is not None and tokens.shape[1] == 1)
         self._kv_store.clear()
         try:
             for i, block in enumerate(self.blocks):
