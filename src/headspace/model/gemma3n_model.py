@@ -54,7 +54,9 @@ class SparseGatedFeedForward(GatedFeedForward):
     def _hidden(self, x: Tensor) -> Tensor:
         g = self.fc_gate(x)  # (batch, seq, d_mlp)
         std_multiplier = torch.distributions.normal.Normal(0, 1).icdf(torch.tensor(self.sparsity))
-        cutoff = g.mean(-1, keepdim=True) + g.std(-1, keepdim=True, unbiased=False) * std_multiplier.to(g.dtype)
+        cutoff = g.mean(-1, keepdim=True) + g.std(-1, keepdim=True, unbiased=False) * std_multiplier.to(
+            g.dtype
+        )
         g = _fire(self.hook_pre, F.relu(g - cutoff))  # (batch, seq, d_mlp)
         u = _fire(self.hook_pre_linear, self.fc_in(x))  # (batch, seq, d_mlp)
         return self.act(g) * u  # (batch, seq, d_mlp)
@@ -84,7 +86,9 @@ class AltUp(nn.Module):
     def predict(self, X: Tensor) -> Tensor:
         """X [K, B, S, d] -> the predictions [K, B, S, d]."""
         m = self.modalities(X[self.active])  # (B, S, K)
-        coefs = self.prediction_coefs(m).reshape(*m.shape[:-1], self.k, self.k).permute(0, 1, 3, 2)  # (B,S,K,K)
+        coefs = (
+            self.prediction_coefs(m).reshape(*m.shape[:-1], self.k, self.k).permute(0, 1, 3, 2)
+        )  # (B,S,K,K)
         out = torch.matmul(X.permute(1, 2, 3, 0), coefs).permute(3, 0, 1, 2) + X  # (K, B, S, d)
         return _fire(self.hook_predict, out.contiguous())
 

@@ -123,7 +123,9 @@ class Gemma4Decoder(Decoder):
         super().__init__(config)
         c = self.config
         g = c.extra[self.EXTRA_KEY]
-        self.blocks = nn.ModuleList(TransformerBlock.from_spec(s) for s in gemma4_block_specs(c, self.EXTRA_KEY))
+        self.blocks = nn.ModuleList(
+            TransformerBlock.from_spec(s) for s in gemma4_block_specs(c, self.EXTRA_KEY)
+        )
         self._kv_store: dict[int, tuple[Tensor, Tensor]] = {}
         for i, block in enumerate(self.blocks):
             attn = block.attn

@@ -369,6 +369,16 @@ FAMILIES: tuple[Family, ...] = (
         partial=True,
         rope_types=("default", "proportional"),
     ),
+    _d(
+        "gemma3n_text",
+        "rotary, a base for local and one for global layers",
+        ("sandwich",),
+        _RMS,
+        "AltUp streams, LAuReL, per-layer inputs, activation sparsity, value norm, shared K/V layers",
+        ("forward",),
+        _REL,
+        "tests/pretrained/test_gemma3n.py",
+    ),
 )
 
 

@@ -16,6 +16,7 @@ from ..model.models import check_precision
 from .bert import load_bert
 from .encdec import ENCDEC_LOADERS
 from .encdec.whisper_base import load_whisper_base
+from .gemma3n import GEMMA3N_MODEL_TYPES, load_gemma3n
 from .gemma4 import GEMMA4_MODEL_TYPES, load_gemma4
 from .gguf import load_gemma3, load_gguf, load_smollm2
 from .gpt2 import load_gpt2
@@ -159,6 +160,7 @@ FOLDER_LOADERS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] 
     **dict.fromkeys(PARALLEL_FAMILY_TYPES, load_parallel_family),  # gpt_neox, stablelm, cohere, phi, gptj
     **dict.fromkeys(MOE_MODEL_TYPES, load_moe),  # mixtral, qwen2_moe, qwen3_moe, olmoe, gpt_oss
     **dict.fromkeys(GEMMA4_MODEL_TYPES, load_gemma4),  # gemma4_text (pretrained/gemma4.py)
+    **dict.fromkeys(GEMMA3N_MODEL_TYPES, load_gemma3n),  # gemma3n_text (pretrained/gemma3n.py)
 }
 
 
