@@ -140,6 +140,8 @@ def test_shared_layers_views_are_the_owners_tensors(saved: dict) -> None:
     assert isinstance(shared, GemmaAttention) and shared.kv_owner is owner
     assert shared.W_K.data_ptr() == owner.W_K.data_ptr() and shared.W_V.data_ptr() == owner.W_V.data_ptr()
     assert shared.k_norm is None and torch.equal(shared.qk_norm_gains()[1][0], owner.k_norm.weight)
+    k = torch.randn(1, 5, 3, 8)  # the owner's hook_k: the sharing layer's key scales are the owner's
+    assert torch.equal(shared.qk_norm_scales(torch.randn(1, 5, H, 8), k)[1], owner.qk_norm_scales(k, k)[1])
     glob = model.blocks[1].attn
     assert glob.W_V.data_ptr() == glob.W_K.data_ptr() and torch.equal(glob.W_V, glob.W_K)
     assert glob.qkv_weight.shape[0] == (H + 1) * 14  # W_Q and W_K only

@@ -35,6 +35,7 @@ from ..attention.layer import MultiHeadAttention, _last_keys
 from ..nn.hooks import HookPoint
 from ..nn.kv_cache import KVCache
 from ..nn.masks import canonical_mask
+from ..nn.norms import rms_inverse
 from ..nn.positions import Rotary
 from ..nn.spec import AttentionSpec, refuse_unsupported
 
@@ -180,6 +181,15 @@ class GemmaAttention(MultiHeadAttention):
         gains = owner.qk_norm_gains()
         assert gains is not None
         return g_q, gains[1]
+
+    def qk_norm_scales(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
+        """As :meth:`~headspace.MultiHeadAttention.qk_norm_scales`; a sharing layer's key scales are
+        its owner's norm's (``k`` its owner's ``hook_k``)."""
+        owner = self._kv_owner
+        if owner is None or self.q_norm is None or self.qk_norm != "head":
+            return super().qk_norm_scales(q, k)
+        s_q = rms_inverse(q.float(), self.q_norm.eps, (-1,))[..., 0]  # (B, Sq, H)
+        return s_q, owner.qk_norm_scales(k, k)[1]
 
     # ------------------------------------------------------------------ forward
     def project_qkv(
