@@ -166,10 +166,10 @@ def test_the_steps_refuse_the_new_fields_by_name(saved: dict) -> None:
         AttentionSpec(8, 2, 4, 2, kv_source=-1)
     with pytest.raises(ValueError, match="v_norm must be True, fixed by the layer's weights"):
         model.blocks[0].attn.spec = dataclasses.replace(model.blocks[0].attn.spec, v_norm=False)
-    block = model.blocks[4]
-    block.attn.kv_store.clear()
-    with pytest.raises(RuntimeError, match="reads the keys and values of layer 2"):
-        block.attn(torch.zeros(1, 3, D))
+    with pytest.raises(RuntimeError, match="field 'kv_source': layer 4 reads the keys and values of layer 2"):
+        model.blocks[4].attn(torch.zeros(1, 3, D))  # (alone: never another run's keys)
+    model(torch.tensor([[5, 6, 7]]))  # the whole forward leaves no keys behind
+    assert not model.blocks[4].attn.kv_store and not model.blocks[4].attn.kv_store.active
 
 
 @pytest.mark.parametrize(

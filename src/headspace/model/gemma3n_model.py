@@ -169,14 +169,14 @@ class Gemma3nDecoder(Gemma4Decoder):
         target = torch.mean(e**2, dim=-1, keepdim=True) ** 0.5  # (B, S, 1)
         X = torch.stack([e] + [_rescale(up(e), target) for up in self.altup_up])  # (K, B, S, d)
         causal = not (kv_caches is not None and tokens.shape[1] == 1)
-        self._kv_store.clear()
+        self._kv_store.open()
         try:
             for i in range(len(self.blocks)):
                 cache = None if kv_caches is None else kv_caches[i]
                 kw = {"key_padding": key_padding, "is_causal": causal, "kv_cache": cache, "positions": pos}
                 X = self._layer(i, X, P[:, :, i], kw)
         finally:
-            self._kv_store.clear()
+            self._kv_store.close()
         target = torch.mean(X[0] ** 2, dim=-1, keepdim=True) ** 0.5  # (B, S, 1)
         outs = [X[0]] + [_rescale(down(X[k + 1]), target) for k, down in enumerate(self.altup_down)]
         return self.final_norm(torch.stack(outs).mean(dim=0))  # (B, S, d)

@@ -38,7 +38,7 @@ from ..nn.spec import BlockSpec
 from .block import TransformerBlock
 from .config import ModelConfig
 from .gemma4_moe import Gemma4MoE
-from .gemma_extras import GemmaAttention, proportional_rotary
+from .gemma_extras import GemmaAttention, SharedKV, proportional_rotary
 from .mlp import make_activation
 from .models import Decoder
 
@@ -126,7 +126,7 @@ class Gemma4Decoder(Decoder):
         self.blocks = nn.ModuleList(
             TransformerBlock.from_spec(s) for s in gemma4_block_specs(c, self.EXTRA_KEY)
         )
-        self._kv_store: dict[int, tuple[Tensor, Tensor]] = {}
+        self._kv_store = SharedKV()  # the owners' keys and values, while a forward runs
         for i, block in enumerate(self.blocks):
             attn = block.attn
             assert isinstance(attn, GemmaAttention)
@@ -199,7 +199,7 @@ class Gemma4Decoder(Decoder):
         x, pos, _ = self._embedded(tokens, kv_caches, positions)  # (batch, seq, d_model)
         P = self.per_layer_inputs(tokens, x) if self.ple_dim else None  # (batch, seq, L, p)
         causal = not (kv_caches is not None and tokens.shape[1] == 1)
-        self._kv_store.clear()
+        self._kv_store.open()
         try:
             for i, block in enumerate(self.blocks):
                 cache = None if kv_caches is None else kv_caches[i]
@@ -208,7 +208,7 @@ class Gemma4Decoder(Decoder):
                     x = self.ple[i](x, P[:, :, i])  # (batch, seq, d_model)
                 x = x * self.layer_scalars[i]
         finally:
-            self._kv_store.clear()
+            self._kv_store.close()
         return self.final_norm(x)
 
 

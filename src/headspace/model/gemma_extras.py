@@ -12,8 +12,10 @@ QK-norms over d_head, whose weights scale directly (Gemma 4: ``qk_norm_offset`` 
 layer ``s`` computed in the same forward (from layer ``s``'s own input), so ``W_K``, ``W_V``,
 ``k_norm`` and ``b_K`` / ``b_V`` are layer ``s``'s own tensors (the owner is held by reference, not as a
 submodule: it adds no parameters). The owner leaves its keys and values (after its KV cache, so every
-cached position) in the model's shared store (:attr:`GemmaAttention.kv_store`, a dict the model clears
-at each forward); a sharing layer called before its owner in a forward raises, naming the owner.
+cached position) in the model's shared store (:attr:`GemmaAttention.kv_store`, a :class:`SharedKV`
+that the model opens at the start of its forward and empties and closes at its end). A sharing layer
+run anywhere else (alone, or by an analysis that runs blocks one by one) raises, naming the field and
+the owner it waits for: never stale keys of another run.
 
 Storage: ``qkv_weight`` holds the rows the layer owns: ``[W_Q; W_K; W_V]`` ((H + 2 Hkv) d_head rows),
 ``[W_Q; W_K]`` with ``k_eq_v`` ((H + Hkv) d_head) and ``W_Q`` alone with ``kv_source`` (H d_head).
@@ -38,6 +40,24 @@ from ..nn.masks import canonical_mask
 from ..nn.norms import rms_inverse
 from ..nn.positions import Rotary
 from ..nn.spec import AttentionSpec, refuse_unsupported
+
+
+class SharedKV(dict):
+    """{owner layer index: (k, v) [batch, n_kv_heads, seq_k, d_head] x 2} of the forward that runs now;
+    ``active`` while the model's forward runs (outside it owners store nothing and sharers refuse)."""
+
+    active: bool = False
+
+    def open(self) -> None:
+        """Start a forward: empty, active."""
+        self.clear()
+        self.active = True
+
+    def close(self) -> None:
+        """End a forward: empty, inactive (no keys outlive their run)."""
+        self.clear()
+        self.active = False
+
 
 #: The attention features :class:`GemmaAttention`'s forward computes.
 GEMMA_FORWARD_FEATURES = ("window", "softcap", "qk_norm", "v_norm", "k_eq_v", "kv_source")
@@ -94,7 +114,7 @@ class GemmaAttention(MultiHeadAttention):
         if a.v_norm:
             layer._hook_points += (layer.hook_v_normed,)
         #: the model's store of each owner layer's keys and values in the current forward
-        layer.kv_store = {}  # {layer index: (k, v) [B, Hkv, Sk, dh] x 2}
+        layer.kv_store = SharedKV()  # the model's, shared by its layers (set by the model)
         #: this layer's index in its model (set by the model; where it leaves its keys and values)
         layer.layer_index = None
         object.__setattr__(layer, "_kv_owner", None)
@@ -290,13 +310,14 @@ class GemmaAttention(MultiHeadAttention):
             if kv_cache is not None:
                 kv_cache.check(B, Sq, self.o_weight.dtype, self.o_weight.device)
                 k, v = kv_cache.append(k, v)  # (B, Hkv, Sk, dh) x 2
-            if self.layer_index is not None:
+            if self.layer_index is not None and self.kv_store.active:
                 self.kv_store[self.layer_index] = (k, v)
         else:
-            if source not in self.kv_store:
+            if not self.kv_store.active or source not in self.kv_store:
                 raise RuntimeError(
-                    f"layer {self.layer_index} reads the keys and values of layer {source} (kv_source), "
-                    "which has not run in this forward: run the whole model"
+                    f"the attention field 'kv_source': layer {self.layer_index} reads the keys and values "
+                    f"of layer {source}, which only the whole model's forward gives it (this call runs "
+                    "the layer without its owner)"
                 )
             k, v = self.kv_store[source]
         seq_k = k.shape[2]
