@@ -115,6 +115,13 @@ def test_greedy_decoding_equals_transformers(saved: dict, case: str) -> None:
         got = ours.model.generate(prompt, 9, temperature=0)
     assert got.tolist() == want.tolist()
     assert decode_route(ours) == "forward"
+    # a left-padded batch decodes each row as it decodes alone (shared layers read the padded keys)
+    short = torch.tensor([[0, 0, 8, 19, 23, 4]])
+    padding = torch.tensor([[True] * 6, [False, False, True, True, True, True]])
+    with torch.no_grad():
+        both = ours.model.generate(torch.cat([prompt, short]), 9, temperature=0, key_padding=padding)
+        alone = ours.model.generate(short[:, 2:], 9, temperature=0)
+    assert both[0].tolist() == got[0].tolist() and both[1, 2:].tolist() == alone[0].tolist()
 
 
 def test_the_config_says_what_each_layer_is(saved: dict) -> None:

@@ -64,6 +64,14 @@ def _refuse(f: ConfigFields) -> None:
         raise ValueError(f"{f.source}: use_bidirectional_attention is not supported (causal only)")
 
 
+def _pad(f: ConfigFields, vocab: int) -> int | None:
+    """``pad_token_id`` (None for null or negative), which must be < ``vocab_size``."""
+    pad = f.integer("pad_token_id", None, minimum=-(2**31), allow_none=True)
+    if pad is not None and pad >= vocab:
+        raise ValueError(f"{f.source}: pad_token_id must be < vocab_size={vocab}; got {pad}")
+    return None if pad is None or pad < 0 else pad
+
+
 def _moe(f: ConfigFields) -> dict[str, int] | None:
     """``enable_moe_block``'s experts (every layer): count, top-k and width; None without."""
     if not f.flag("enable_moe_block", False):
@@ -194,7 +202,7 @@ def gemma4_config(hf: Mapping[str, Any], name: str = "", *, source: str = "confi
             n_kv_heads=n_kv, d_mlp=d_mlp, max_seq_len=context, act=_ACT[act], norm="sandwich",
             dropout=0.0, attn_dropout=0.0, emb_dropout=0.0,
             ln_eps=f.number("rms_norm_eps", 1e-6, low=0.0, low_open=True), bias=False, type_vocab_size=0,
-            tie_embeddings=f.flag("tie_word_embeddings", True), pad_token_id=None, embed_ln=False,
+            tie_embeddings=f.flag("tie_word_embeddings", True), pad_token_id=_pad(f, vocab), embed_ln=False,
             final_ln=True, name=name, positions="rotary", norm_kind="rmsnorm", mlp_kind="gated",
             qkv_bias=False, out_bias=False, mlp_bias=False, qk_norm="head", embed_scale=math.sqrt(d),
             final_softcap=cap, sliding_window=min(window, context), layer_types=types,
