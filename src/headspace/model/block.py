@@ -41,6 +41,7 @@ from ..nn.norms import RMSNorm
 from ..nn.positions import Rotary
 from ..nn.spec import BlockSpec, MLPSpec, NormSpec, features_of, refuse_unsupported
 from . import recorded
+from .gemma_extras import GemmaAttention
 from .mlp import ACTIVATIONS as ACTIVATIONS  # re-exported: the MLPs' old home
 from .mlp import FeedForward, GatedFeedForward, _fire, make_activation
 from .moe import MixtureOfExperts, moe_of
@@ -66,7 +67,7 @@ def make_norm(kind: str, d_model: int, eps: float, offset: float = 0.0) -> nn.Mo
 
 
 #: The block features (:func:`~headspace.nn.spec.features_of`) :meth:`TransformerBlock.forward` computes.
-BLOCK_FEATURES = ("window", "softcap", "qk_norm", "layout", "sink", "moe")
+BLOCK_FEATURES = ("window", "softcap", "qk_norm", "layout", "sink", "moe", "v_norm", "k_eq_v", "kv_source")
 
 
 def _check_block_args(
@@ -229,6 +230,8 @@ class TransformerBlock(nn.Module):
         and ``ln_mlp_out``), the dropout and the hook points; the residual layout bound."""
         refuse_unsupported(spec, "the block forward", BLOCK_FEATURES)
         a, n, d = spec.attention, spec.norm, spec.d_model
+        if attention is None and (a.v_norm or a.k_eq_v or a.kv_source is not None):
+            attention = GemmaAttention.from_spec(a)  # Gemma 3n / 4 (model/gemma_extras.py)
         if attention is None:
             attention = MultiHeadAttention(
                 d, a.n_heads, d_head=a.d_head, n_kv_heads=a.n_kv_heads, dropout=a.dropout,

@@ -58,7 +58,9 @@ SINKS = ("learned",)
 GATES = ("headwise", "elementwise")
 #: The attention fields that change what an attention layer computes beyond the classic layer, in the
 #: order executors check them: :func:`refuse_unsupported` names the first one an executor lacks.
-ATTENTION_FEATURES = ("window", "chunk", "softcap", "qk_norm", "bias", "sink", "gate")
+ATTENTION_FEATURES = (
+    "window", "chunk", "softcap", "qk_norm", "bias", "sink", "gate", "v_norm", "k_eq_v", "kv_source",
+)  # fmt: skip
 
 
 def _fail(owner: str, name: str, expected: str, value: object) -> ValueError:
@@ -124,6 +126,10 @@ class AttentionSpec:
     softcap)``. ``qk_norm``: RMSNorm of q and k (``"head"`` or ``"all"``) with ``qk_norm_eps`` and
     ``qk_norm_offset``. ``bias``: an additive score bias (``"alibi"``). ``sink``: learned sink logits
     (``"learned"``). ``gate``: a gate on each head's output. ``dropout``: on the pattern, in [0, 1).
+    Gemma 3n / 4 (:mod:`headspace.model.gemma_extras`): ``v_norm``: each head's v through an RMSNorm
+    over d_head without a scale, ``v / sqrt(mean(v^2) + qk_norm_eps)``; ``k_eq_v``: the values are the
+    key projection before its norm (``W_V`` is ``W_K``); ``kv_source``: the index of the earlier layer
+    whose keys and values this layer attends to (it has no ``W_K`` / ``W_V`` of its own).
     """
 
     d_model: int
@@ -144,6 +150,9 @@ class AttentionSpec:
     sink: str | None = None
     gate: str | None = None
     dropout: float = 0.0
+    v_norm: bool = False
+    k_eq_v: bool = False
+    kv_source: int | None = None
 
     def __post_init__(self) -> None:
         o = "AttentionSpec"
@@ -173,6 +182,10 @@ class AttentionSpec:
         _choice(o, "gate", self.gate, GATES, optional=True)
         if not is_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
             raise _fail(o, "dropout", "a float in [0, 1)", self.dropout)
+        _bool(o, "v_norm", self.v_norm)
+        _bool(o, "k_eq_v", self.k_eq_v)
+        if self.kv_source is not None and (not is_int(self.kv_source) or self.kv_source < 0):
+            raise _fail(o, "kv_source", "None or a layer index >= 0", self.kv_source)
 
     @property
     def score_scale(self) -> float:
@@ -269,7 +282,7 @@ def features_of(spec: AttentionSpec | BlockSpec) -> list[str]:
     order, then ``"layout"`` for a block whose layout is ``"parallel"`` and ``"moe"`` for a block whose
     MLP is a mixture of experts."""
     attention = spec.attention if isinstance(spec, BlockSpec) else spec
-    found = [name for name in ATTENTION_FEATURES if getattr(attention, name) is not None]
+    found = [name for name in ATTENTION_FEATURES if getattr(attention, name) not in (None, False)]
     if isinstance(spec, BlockSpec) and spec.layout == "parallel":
         found.append("layout")
     if isinstance(spec, BlockSpec) and spec.mlp.kind == "moe":

@@ -404,6 +404,28 @@ FAMILIES: tuple[Family, ...] = (
         "tests/pretrained/test_encoder_families.py",
         **_NONE,
     ),
+    _d(
+        "gemma4_text",
+        "rotary; proportional partial rotary on global layers",
+        ("sandwich",),
+        _RMS,
+        "value norm, score scale 1, k_eq_v, shared K/V layers, per-layer inputs; dense or MoE",
+        ("forward",),
+        _REL,
+        "tests/pretrained/test_gemma4.py",
+        partial=True,
+        rope_types=("default", "proportional"),
+    ),
+    _d(
+        "gemma3n_text",
+        "rotary, a base for local and one for global layers",
+        ("sandwich",),
+        _RMS,
+        "AltUp streams, LAuReL, per-layer inputs, activation sparsity, value norm, shared K/V layers",
+        ("forward",),
+        _REL,
+        "tests/pretrained/test_gemma3n.py",
+    ),
 )
 
 

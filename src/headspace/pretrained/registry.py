@@ -18,6 +18,8 @@ from .bert import load_bert
 from .encdec import ENCDEC_LOADERS
 from .encdec.whisper_base import load_whisper_base
 from .encoder_families import ENCODER_LOADERS
+from .gemma3n import GEMMA3N_MODEL_TYPES, load_gemma3n
+from .gemma4 import GEMMA4_MODEL_TYPES, load_gemma4
 from .gguf import load_gemma3, load_gguf, load_smollm2
 from .gpt2 import load_gpt2
 from .hf import checked_folder, read_json, require_file
@@ -162,6 +164,8 @@ FOLDER_LOADERS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] 
     **dict.fromkeys(MOE_MODEL_TYPES, load_moe),  # mixtral, qwen2_moe, qwen3_moe, olmoe, gpt_oss
     **dict.fromkeys(ABSOLUTE_FAMILY_TYPES, load_absolute_family),  # opt, gpt_neo, gpt_bigcode
     **ENCODER_LOADERS,  # roberta
+    **dict.fromkeys(GEMMA4_MODEL_TYPES, load_gemma4),  # gemma4_text (pretrained/gemma4.py)
+    **dict.fromkeys(GEMMA3N_MODEL_TYPES, load_gemma3n),  # gemma3n_text (pretrained/gemma3n.py)
 }
 
 
