@@ -191,10 +191,16 @@ def _metadata(writer: gguf.GGUFWriter, arch: str, cfg: Any) -> None:
 
 
 def write_gguf(
-    arch: str, folder: Path, path: Path, *, drop: str = "", kv: dict[str, Any] | None = None
+    arch: str,
+    folder: Path,
+    path: Path,
+    *,
+    drop: str = "",
+    kv: dict[str, Any] | None = None,
+    replace: dict[str, np.ndarray] | None = None,
 ) -> Path:
     """The checkpoint in ``folder`` as llama.cpp would write it (F32), or broken: tensor ``drop`` left
-    out, metadata ``kv`` added (string values)."""
+    out, metadata ``kv`` added (string values), tensors ``replace``d (GGUF name -> array)."""
     gguf_arch = ARCHS[arch][0]
     cfg = T.AutoConfig.from_pretrained(folder)
     names = gguf.get_tensor_name_map(gguf_arch, L)
@@ -206,7 +212,8 @@ def write_gguf(
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
         if gguf_name != drop:
-            writer.add_tensor(gguf_name, _as_llama_cpp(name, w.float(), arch).numpy().astype(np.float32))
+            array = _as_llama_cpp(name, w.float(), arch).numpy().astype(np.float32)
+            writer.add_tensor(gguf_name, (replace or {}).get(gguf_name, array))
     if arch == "phi3_longrope":  # llama.cpp's Phi3MiniModel: LongRoPE's lists as float32 tensors
         for which in ("long", "short"):
             if f"rope_factors_{which}.weight" != drop:
@@ -288,11 +295,16 @@ def test_a_tensor_of_the_wrong_shape_is_refused_before_any_data_is_read(saved: d
     path = write_gguf("stablelm", folder, tmp_path / "shape.gguf", kv={"stablelm.note": "x"})
     good = load_gguf(path)  # an unknown string key is ignored, as llama.cpp does
     assert good.config.extra["model_type"] == "stablelm"
-    data = bytearray(path.read_bytes())
-    ffn = data.find(b"blk.0.ffn_up.weight")  # name, then n_dims (u32), then dims (u64 each)
-    start = ffn + len(b"blk.0.ffn_up.weight") + 4
-    data[start : start + 8] = (D + 1).to_bytes(8, "little")  # ggml dim 0 is PyTorch's last: [DM, D + 1]
+    wide = np.zeros((DM, D + 1), dtype=np.float32)  # ffn_up [DM, D] one column too wide
+    path = write_gguf("stablelm", folder, tmp_path / "wide.gguf", replace={"blk.0.ffn_up.weight": wide})
+    with pytest.raises(
+        GGUFError, match=r"tensor 'blk.0.ffn_up.weight' has shape \[37, 49\], but the metadata"
+    ):
+        load_gguf(path)
+    data = bytearray((tmp_path / "shape.gguf").read_bytes())
+    at = data.find(b"blk.0.ffn_up.weight") + len(b"blk.0.ffn_up.weight") + 4  # after the name and n_dims
+    data[at : at + 8] = (D + 1).to_bytes(8, "little")  # ggml dim 0 is PyTorch's last: [DM, D + 1]
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(bytes(data))
-    with pytest.raises(GGUFError, match=r"tensor 'blk.0.ffn_up.weight' has shape \[37, 49\]|ffn_up"):
-        load_gguf(bad)
+    with pytest.raises(GGUFError, match=r"'blk.0.ffn_up.weight' and .* overlap in the file"):
+        load_gguf(bad)  # the header's own check, before the family's
