@@ -261,6 +261,21 @@ def test_the_gguf_file_loads_equal_to_the_safetensors_folder_and_transformers(sa
             assert torch.equal(ours.model.state_dict()[name], value), name
 
 
+@pytest.mark.parametrize("arch", ["gpt_neox", "phi3_longrope", "granite", "gemma", "cohere", "gptj"])
+def test_greedy_decoding_of_the_gguf_load_equals_transformers(saved: dict, arch: str) -> None:
+    _, path, ref = saved[arch]
+    ours = load_gguf(path)
+    prompt = torch.randint(1, V, (1, 6), generator=torch.Generator().manual_seed(5))
+    new = 12  # to position 17: past LongRoPE's original 10 (the long factors)
+    got = ours.generate(prompt, new, temperature=0)
+    with torch.no_grad():
+        want = ref.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new,
+            do_sample=False, pad_token_id=0,
+        )  # fmt: skip
+    assert torch.equal(got, want)
+
+
 def test_the_tokenizer_comes_from_the_file(saved: dict) -> None:
     ours = load_gguf(saved["phi"][1])
     assert ours.tokenizer.vocab_size == V
