@@ -42,6 +42,7 @@ _PARALLEL_T = "tests/pretrained/test_parallel_families.py"
 _VARIANTS_T = "tests/pretrained/test_llama_variants.py"
 _MOE_T = "tests/pretrained/test_moe_families.py"
 _ENCDEC_T = "tests/encdec/test_families.py"
+_ALIBI_T = "tests/pretrained/test_alibi_families.py"
 
 
 @dataclass(frozen=True)
@@ -356,6 +357,40 @@ FAMILIES: tuple[Family, ...] = (
         ("forward",),
         _REL,
         _MOE_T,
+    ),
+    _d(
+        "bloom",
+        "ALiBi",
+        _PRE,
+        f"{_LN} with bias",
+        "LayerNorm after the embeddings; qkv fused per head",
+        ("python",),
+        _REL,
+        _ALIBI_T,
+        rotation="none",
+        rope_types=(),
+    ),
+    _d(
+        "falcon",
+        "rotary or ALiBi",
+        ("parallel", "pre"),
+        f"{_LN} with bias",
+        "new_decoder_architecture (grouped kv, ln_attn/ln_mlp) or multi_query; parallel_attn; bias",
+        ("python",),
+        _REL,
+        _ALIBI_T,
+    ),
+    _d(
+        "mpt",
+        "ALiBi",
+        _PRE,
+        f"{_LN} without bias",
+        "no biases; softmax_scale; clip_qkv, qk_ln refused",
+        ("python",),
+        _REL,
+        _ALIBI_T,
+        rotation="none",
+        rope_types=(),
     ),
 )
 

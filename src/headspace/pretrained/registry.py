@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..model.models import check_precision
+from .alibi_families import ALIBI_FAMILY_TYPES, load_alibi_family
 from .bert import load_bert
 from .encdec import ENCDEC_LOADERS
 from .encdec.whisper_base import load_whisper_base
@@ -157,6 +158,7 @@ FOLDER_LOADERS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] 
     **dict.fromkeys(ROTARY_FAMILY_TYPES, load_family),  # phi3, gemma, granite, olmo, seed_oss, olmo3, exaone4
     **dict.fromkeys(PARALLEL_FAMILY_TYPES, load_parallel_family),  # gpt_neox, stablelm, cohere, phi, gptj
     **dict.fromkeys(MOE_MODEL_TYPES, load_moe),  # mixtral, qwen2_moe, qwen3_moe, olmoe, gpt_oss
+    **dict.fromkeys(ALIBI_FAMILY_TYPES, load_alibi_family),  # bloom, falcon, mpt
 }
 
 
