@@ -130,8 +130,8 @@ def _falcon_alibi(f: ConfigFields, kw: dict[str, Any], d: int, n_heads: int) -> 
     heads) and ``j < 256``: more heads are refused by name, the context capped at 256."""
     if n_heads > 8:
         raise ValueError(
-            f"{f.source}: alibi=true with num_attention_heads={n_heads} is not supported (transformers rounds "
-            "Falcon's ALiBi bias to bfloat16, exact only up to 8 heads, whose slopes are powers of 2)"
+            f"{f.source}: alibi=true with num_attention_heads={n_heads} is not supported (transformers "
+            "rounds Falcon's ALiBi bias to bfloat16, exact only up to 8 heads, whose slopes are powers of 2)"
         )
     kw["max_seq_len"] = min(kw["max_seq_len"], FALCON_ALIBI_CONTEXT)
     scale = 1.0 / math.sqrt(d // n_heads)
