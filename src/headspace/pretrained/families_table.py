@@ -376,7 +376,7 @@ FAMILIES: tuple[Family, ...] = (
         ("parallel", "pre"),
         f"{_LN} with bias",
         "new_decoder_architecture (grouped kv, ln_attn/ln_mlp) or multi_query; parallel_attn; bias",
-        ("python",),
+        ("python", "native"),
         _REL,
         _ALIBI_T,
     ),
