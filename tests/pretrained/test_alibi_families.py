@@ -188,3 +188,33 @@ def test_fields_that_cannot_be_exact_are_refused_by_name(
     with pytest.raises(ValueError, match=key) as info:
         hs.load(_edited(saved, tmp_path, arch, **changes))
     assert "\n" not in str(info.value) and "not supported" in str(info.value)
+
+
+@pytest.mark.parametrize("arch", ["bloom", "mpt"])
+def test_score_decomposition_adds_up_with_the_alibi_bias(saved: dict, arch: str) -> None:
+    """The parts of a head's score add up to the traced score: ALiBi's -m_h (i - j) is in the bias part."""
+    from headspace.analysis.decomposition import score_decomposition
+
+    model = hs.load(saved[arch][0]).model
+    tokens = torch.randint(1, V, (1, 9), generator=torch.Generator().manual_seed(3))
+    for layer, head, q, k in [(0, 1, 4, 0), (2, 5, 8, 3)]:
+        r = score_decomposition(model, tokens, layer, head, query=q, key=k)
+        assert abs(r.total - r.score) <= 1e-4 * max(1.0, abs(r.score)), (layer, r.total, r.score)
+
+
+def test_the_chunked_statistics_refuse_alibi_by_name_and_head_roles_trace_it(saved: dict) -> None:
+    from headspace.analysis import each_layer_qk
+    from headspace.analysis.lesson.roles import head_roles
+
+    model = hs.load(saved["bloom"][0]).model
+    tokens = torch.randint(1, V, (1, 9), generator=torch.Generator().manual_seed(4))
+    with pytest.raises(ValueError, match=r"^layer 0 \(.*\): the chunked statistics do not add the attention "
+                                         r"field 'bias' \('alibi'\)"):  # fmt: skip
+        each_layer_qk(model, lambda: model(tokens), lambda call: None)
+    roles = head_roles(model, tokens)  # "auto": the traced patterns, ALiBi included
+    with hs.trace(model, names="*.hook_pattern") as t:
+        model(tokens)
+    for layer in range(L):
+        pattern = t.pattern(layer)[0]  # (H, S, S)
+        previous = pattern.diagonal(offset=-1, dim1=-2, dim2=-1).mean(-1)  # (H,): queries 1.. on i - 1
+        torch.testing.assert_close(roles.mass("previous")[layer], previous, atol=1e-5, rtol=0)
