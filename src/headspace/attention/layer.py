@@ -165,8 +165,7 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
             scale=None if scale is None else float(scale), window=window,
             softcap=None if softcap is None else float(softcap), qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
             qk_norm_offset=qk_norm_offset, dropout=dropout, sink=sink,
-            bias=None if alibi_slopes is None else "alibi",
-            alibi_slopes=None if alibi_slopes is None else tuple(alibi_slopes),
+            bias=None if alibi_slopes is None else "alibi", alibi_slopes=alibi_slopes,
         )  # fmt: skip
         self.kdim = d_model if kdim is None else kdim
         self.vdim = d_model if vdim is None else vdim
