@@ -121,6 +121,9 @@ def test_configs_say_what_each_family_is(saved: dict) -> None:
 
     load = {arch: hs.load(folder) for arch, (folder, _) in saved.items()}
     assert load["bloom"].config.alibi_slopes == bloom_slopes(6) and load["bloom"].config.embed_ln
+    assert ", ALiBi" in load["bloom"].config.summary() and "ALiBi" not in load["falcon_new"].config.summary()
+    again = hs.ModelConfig.from_dict(json.loads(json.dumps(load["mpt"].config.to_dict())))
+    assert again.alibi_slopes == mpt_slopes(6) and again.block_spec(0).attention.bias == "alibi"
     assert load["mpt"].config.alibi_slopes == mpt_slopes(6) and load["mpt"].model.blocks[0].attn.scale == 0.3
     assert load["falcon_multi_query_alibi"].config.alibi_slopes == [m / 6**0.5 for m in bloom_slopes(8)]
     assert load["falcon_multi_query_alibi"].config.max_seq_len == 40  # under the 256 cap

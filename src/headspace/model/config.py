@@ -538,6 +538,7 @@ class ModelConfig:
             + (f", {self.mlp_kind} MLP" if self.mlp_kind != "plain" else "")
             + (f", positions {self.positions}" if self.positions != "learned" else "")
             + (f" (theta {self.rope_theta:g})" if self.positions == "rotary" else "")
+            + (", ALiBi" if self.alibi_slopes is not None else "")
             + (f", {sum(map(len, self.pruned_heads.values()))} heads pruned" if self.pruned_heads else "")
             + self._layer_summary()
         )
