@@ -221,3 +221,22 @@ def test_the_chunked_statistics_refuse_alibi_by_name_and_head_roles_trace_it(sav
         pattern = t.pattern(layer)[0]  # (H, S, S)
         previous = pattern.diagonal(offset=-1, dim1=-2, dim2=-1).mean(-1)  # (H,): queries 1.. on i - 1
         torch.testing.assert_close(roles.mass("previous")[layer], previous, atol=1e-5, rtol=0)
+
+
+def test_pruned_heads_keep_their_own_slopes(saved: dict, tmp_path: Path) -> None:
+    """Pruning heads 1 and 4 of an ALiBi layer computes what zero-ablating them does (each kept head keeps
+    its slope), and a model rebuilt from the pruned config does too."""
+    from headspace.analysis.interventions import prune_heads
+
+    ours = hs.load(saved["bloom"][0]).model
+    tokens = torch.randint(1, V, (1, 9), generator=torch.Generator().manual_seed(5))
+    slopes = ours.blocks[0].attn.spec.alibi_slopes
+    with torch.no_grad():
+        with hs.ablate(ours, {(0, 1): "zero", (0, 4): "zero"}):
+            want = ours(tokens)
+        prune_heads(ours, {0: [1, 4]})
+        assert ours.blocks[0].attn.spec.alibi_slopes == tuple(slopes[h] for h in (0, 2, 3, 5))
+        torch.testing.assert_close(ours(tokens), want, atol=1e-5, rtol=0)
+        rebuilt = hs.Decoder(ours.config).eval()
+        rebuilt.load_state_dict(ours.state_dict())
+        torch.testing.assert_close(rebuilt(tokens), want, atol=1e-5, rtol=0)
