@@ -240,3 +240,19 @@ def test_pruned_heads_keep_their_own_slopes(saved: dict, tmp_path: Path) -> None
         rebuilt = hs.Decoder(ours.config).eval()
         rebuilt.load_state_dict(ours.state_dict())
         torch.testing.assert_close(rebuilt(tokens), want, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("arch", ["bloom", "falcon_multi_query_alibi", "mpt"])
+def test_a_left_padded_batch_equals_transformers_on_the_real_tokens(saved: dict, arch: str) -> None:
+    """Transformers' BLOOM and Falcon place keys by the padding mask's cumulative sum, MPT by index:
+    either way only the distance between real tokens reaches the pattern, as headspace's -m_h (i - j)."""
+    folder, ref = saved[arch]
+    ours = hs.load(folder)
+    tokens = torch.randint(1, V, (2, 10))
+    real = torch.ones(2, 10, dtype=torch.bool)
+    real[1, :3] = False  # row 1: three pads on the left
+    with torch.no_grad():
+        want = ref(input_ids=tokens, attention_mask=real.long()).logits
+        got = ours.model(tokens, key_padding=real)
+    bound = 1e-4 * float(want[real].abs().max())
+    torch.testing.assert_close(got[real], want[real], atol=bound, rtol=0)
