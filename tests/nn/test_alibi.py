@@ -155,3 +155,12 @@ def test_a_decoder_with_alibi_decodes_through_the_python_step_and_the_native_one
         ValueError, match=r"^the native decoding step does not support the attention field 'bias'"
     ):
         native.prepare(step)
+
+
+def test_head_parallel_shards_refuse_alibi_by_name(layer: MultiHeadAttention) -> None:
+    from headspace.distributed.head_parallel import attention_shard
+
+    with pytest.raises(
+        ValueError, match=r"^head-parallel attention does not split the attention field 'bias'"
+    ):
+        attention_shard(layer, 0, 2)
