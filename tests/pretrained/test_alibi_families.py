@@ -256,3 +256,13 @@ def test_a_left_padded_batch_equals_transformers_on_the_real_tokens(saved: dict,
         got = ours.model(tokens, key_padding=real)
     bound = 1e-4 * float(want[real].abs().max())
     torch.testing.assert_close(got[real], want[real], atol=bound, rtol=0)
+
+
+def test_falcon_alibi_context_is_capped_where_transformers_bias_stays_exact(saved: dict) -> None:
+    from headspace.pretrained.alibi_families import FALCON_ALIBI_CONTEXT, alibi_family_config
+
+    hf = json.loads((saved["falcon_multi_query_alibi"][0] / "config.json").read_text())
+    long = alibi_family_config({**hf, "max_position_embeddings": 2048})
+    assert long.max_seq_len == FALCON_ALIBI_CONTEXT == 256
+    rotary = json.loads((saved["falcon_new"][0] / "config.json").read_text())
+    assert alibi_family_config({**rotary, "max_position_embeddings": 2048}).max_seq_len == 2048
