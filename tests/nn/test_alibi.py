@@ -164,3 +164,21 @@ def test_head_parallel_shards_refuse_alibi_by_name(layer: MultiHeadAttention) ->
         ValueError, match=r"^head-parallel attention does not split the attention field 'bias'"
     ):
         attention_shard(layer, 0, 2)
+
+
+def test_the_default_backend_takes_the_python_step_even_once_the_native_library_is_ready(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from headspace.decode.backends import Stepper
+    from headspace.kernels import native as library
+
+    config = hs.ModelConfig(arch="decoder", vocab_size=31, d_model=24, n_layers=1, n_heads=3,
+                            positions="none", max_seq_len=16, alibi_slopes=bloom_slopes(3))  # fmt: skip
+    step = describe(hs.Decoder(config).eval())
+    assert step is not None
+    monkeypatch.setattr(library, "ready", lambda: True)  # as if built: the native step is asked first
+    stepper = Stepper(step)
+    stepper._run()
+    assert stepper.backend_used == "python"
+    with pytest.raises(ValueError, match=r"attention field 'bias'"):
+        Stepper(step, "native")._run()
