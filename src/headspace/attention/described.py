@@ -9,7 +9,7 @@ and what every executor that reads the layer's description computes.
 A new description must fit the layer's weights: the head counts and widths are those of ``qkv_weight``
 and ``o_weight``, ``qkv_bias`` / ``out_bias`` those of the biases present, ``qk_norm`` that of the
 ``q_norm`` / ``k_norm`` present, ``positions`` None exactly where the layer has no rotation; and every
-field must be one this layer computes (``chunk``, ``bias`` and ``gate`` are refused by name; ``sink``
+field must be one this layer computes (``chunk`` and ``gate`` are refused by name; ``sink``
 only where the layer has its ``sinks`` parameter).
 """
 
@@ -20,7 +20,7 @@ import dataclasses
 from ..nn.spec import AttentionSpec, refuse_unsupported
 
 #: The attention features (:data:`~headspace.nn.spec.ATTENTION_FEATURES`) the layer's forward computes.
-FORWARD_FEATURES = ("window", "softcap", "qk_norm", "sink")
+FORWARD_FEATURES = ("window", "softcap", "qk_norm", "bias", "sink")
 
 
 class DescribedAttention:

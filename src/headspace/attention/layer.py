@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..kernels.workspace import THREAD_SCRATCH_MIN_BYTES, thread_workspace
+from ..nn.alibi import with_alibi
 from ..nn.hooks import HookPoint
 from ..nn.kv_cache import KVCache
 from ..nn.masks import CanonicalMask, canonical_mask, check_window
@@ -114,6 +116,8 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
     * ``softcap`` (Gemma 2): the scaled scores become ``softcap * tanh(s / softcap)`` before the mask;
       ``hook_scores`` sees the capped, masked scores. Soft-capped layers run the reference maths.
     * ``scale``: Gemma's ``query_pre_attn_scalar`` is ``scale = query_pre_attn_scalar ** -0.5``.
+    * ``alibi_slopes`` (ALiBi: BLOOM, MPT, Falcon): ``-m_h * (i - j)`` joins every path's mask
+      (:func:`headspace.nn.alibi.with_alibi`), so ``hook_scores`` include it (spec ``bias="alibi"``).
 
     ``check_finite`` (default False, as checking costs a pass over the inputs): when True, NaN/Inf in
     the inputs (NaN/+inf in a float ``attn_mask``) or the output raise ``ValueError`` naming the tensor
@@ -147,6 +151,7 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
         qk_norm_offset: float = 0.0,
         softcap: float | None = None,
         sink: str | None = None,
+        alibi_slopes: Sequence[float] | None = None,
     ) -> None:
         super().__init__()
         d_head, n_kv_heads = resolve_head_dims(d_model, n_heads, d_head, n_kv_heads)
@@ -160,6 +165,7 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
             scale=None if scale is None else float(scale), window=window,
             softcap=None if softcap is None else float(softcap), qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
             qk_norm_offset=qk_norm_offset, dropout=dropout, sink=sink,
+            bias=None if alibi_slopes is None else "alibi", alibi_slopes=alibi_slopes,
         )  # fmt: skip
         self.kdim = d_model if kdim is None else kdim
         self.vdim = d_model if vdim is None else vdim
@@ -277,7 +283,7 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
             s += f", qk_norm={self.qk_norm!r}"
         if self.softcap is not None:
             s += f", softcap={self.softcap:g}"
-        return s
+        return s + (", alibi" if self._spec.bias else "")
 
     # ------------------------------------------------------------------ checks
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
@@ -393,11 +399,13 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
                 # a windowed cache dropped its oldest keys: the masks, given over every position, lose
                 # those columns (the window mask is bottom-right aligned, so it needs no offset)
                 key_padding, attn_mask = _last_keys(key_padding, attn_mask, seq_k)
-        return canonical_mask(
+        mask = canonical_mask(
             batch=B, n_heads=self.n_heads, seq_q=Sq, seq_k=seq_k, key_padding=key_padding,
             attn_mask=attn_mask, is_causal=is_causal, dtype=query.dtype, device=query.device,
             window=self.window,
         )  # fmt: skip
+        slopes = self._spec.alibi_slopes  # ALiBi: -m_h (i - j) joins the mask (headspace.nn.alibi)
+        return mask if slopes is None else with_alibi(mask, slopes, Sq, seq_k, query.dtype, query.device)
 
     def _checked_call(
         self,

@@ -90,4 +90,8 @@ def shrink_attention(attn: MultiHeadAttention, keep: Sequence[int]) -> None:
         o = attn.o_weight  # (d_model, H dh)
         new_o = _kept_rows(o.T, keep, dh).T  # (d_model, H' dh)
         attn.o_weight = param(new_o.contiguous(), o)
-    attn.spec = dataclasses.replace(attn.spec, n_heads=len(keep), n_kv_heads=len(kept_kv))
+    slopes = attn.spec.alibi_slopes  # ALiBi: each kept head keeps its own slope
+    kept_slopes = None if slopes is None else [slopes[h] for h in keep]
+    attn.spec = dataclasses.replace(
+        attn.spec, n_heads=len(keep), n_kv_heads=len(kept_kv), alibi_slopes=kept_slopes
+    )

@@ -67,7 +67,18 @@ def make_norm(kind: str, d_model: int, eps: float, offset: float = 0.0) -> nn.Mo
 
 
 #: The block features (:func:`~headspace.nn.spec.features_of`) :meth:`TransformerBlock.forward` computes.
-BLOCK_FEATURES = ("window", "softcap", "qk_norm", "layout", "sink", "moe", "v_norm", "k_eq_v", "kv_source")
+BLOCK_FEATURES = (
+    "window",
+    "softcap",
+    "qk_norm",
+    "bias",
+    "layout",
+    "sink",
+    "moe",
+    "v_norm",
+    "k_eq_v",
+    "kv_source",
+)
 
 
 def _check_block_args(
@@ -237,7 +248,7 @@ class TransformerBlock(nn.Module):
                 d, a.n_heads, d_head=a.d_head, n_kv_heads=a.n_kv_heads, dropout=a.dropout,
                 qkv_bias=a.qkv_bias, out_bias=a.out_bias, rotary=a.positions, window=a.window,
                 qk_norm=a.qk_norm, qk_norm_eps=a.qk_norm_eps, qk_norm_offset=a.qk_norm_offset,
-                softcap=a.softcap, scale=a.scale, sink=a.sink,
+                softcap=a.softcap, scale=a.scale, sink=a.sink, alibi_slopes=a.alibi_slopes,
             )  # fmt: skip
         self.attn = attention
         self.ln1 = make_norm(n.kind, d, n.eps, n.offset)

@@ -14,6 +14,7 @@ from typing import Any
 from ..attention.layer import resolve_head_dims
 from ..attention.pruning import kept_kv_heads
 from ..core.checks import check_index, check_positive_int, check_probability, is_int
+from ..nn.alibi import check_slopes
 from ..nn.positions import Rotary
 from ..nn.spec import MLP_KINDS, AttentionSpec, BlockSpec, MLPSpec, NormSpec
 from .block import ACTIVATIONS, NORM_KINDS, NORMS
@@ -193,6 +194,9 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     #: The unembedding has a bias (GPT-J, Phi: logits = h W_U + b_U); needs an untied unembedding.
     unembed_bias: bool = False
+    #: ALiBi (BLOOM, MPT, Falcon's alibi variant): one slope m_h per head, -m_h (i - j) added to every
+    #: layer's scaled scores (headspace.nn.alibi); None: no ALiBi.
+    alibi_slopes: list[float] | None = None
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -270,6 +274,9 @@ class ModelConfig:
         )
         self._check_llama_fields()
         self._check_layer_fields()
+        if self.alibi_slopes is not None:
+            slopes = check_slopes("ModelConfig.alibi_slopes", self.alibi_slopes, self.n_heads)
+            self.alibi_slopes = list(slopes)
 
     def _check_layer_fields(self) -> None:
         """The fields that came with Gemma / Qwen3 / OLMo 2 / SmolLM3 / Mistral's sliding window."""
@@ -358,7 +365,8 @@ class ModelConfig:
             positions=positions, scale=self.attn_scale, window=self.layer_window(layer),
             softcap=self.attn_softcap, qk_norm=self.qk_norm, qk_norm_eps=self.ln_eps,
             qk_norm_offset=self.norm_offset, dropout=self.attn_dropout,
-            sink="learned" if self.attn_sink else None,
+            sink="learned" if self.attn_sink else None, bias=None if self.alibi_slopes is None else "alibi",
+            alibi_slopes=None if self.alibi_slopes is None else tuple(self.alibi_slopes),
         )  # fmt: skip
         return BlockSpec(
             attention=attention,
@@ -530,6 +538,7 @@ class ModelConfig:
             + (f", {self.mlp_kind} MLP" if self.mlp_kind != "plain" else "")
             + (f", positions {self.positions}" if self.positions != "learned" else "")
             + (f" (theta {self.rope_theta:g})" if self.positions == "rotary" else "")
+            + (", ALiBi" if self.alibi_slopes is not None else "")
             + (f", {sum(map(len, self.pruned_heads.values()))} heads pruned" if self.pruned_heads else "")
             + self._layer_summary()
         )

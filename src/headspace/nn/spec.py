@@ -17,8 +17,9 @@ Residual layouts (``BlockSpec.layout``; ``N1``/``N2`` the block's two norms, ``A
     post_sublayer (OLMo 2): h = x + N1(A(x))           out = h + N2(M(h))
     parallel (GPT-NeoX):   out = x + A(N1(x)) + M(N2(x))   (GPT-J, Phi-2, Cohere: N2 a copy of N1)
 
-A field that no executor computes yet (``chunk``, ``bias``, ``gate``; the ``parallel`` layout beyond the
-block forward and the Python step) may be described; each executor refuses it by the field's name
+A field that no executor computes yet (``chunk``, ``gate``; the ``parallel`` layout beyond the
+block forward and the Python step; ``bias`` (ALiBi) beyond the forward, the traced path and the Python
+step) may be described; each executor refuses it by the field's name
 (:func:`refuse_unsupported`), never running without it. ``sink`` and a mixture-of-experts MLP
 (``MLPSpec.kind == "moe"``) are computed by the block forward only: the decoding steps refuse them by name.
 Every value is checked on construction: a bad one raises a one-line ``ValueError`` naming the field, what
@@ -32,6 +33,7 @@ import math
 from dataclasses import dataclass
 
 from ..core.checks import is_int, is_number
+from .alibi import check_slopes
 from .positions import Rotary
 
 #: The kinds of normalisation layer (``NormSpec.kind``).
@@ -124,8 +126,10 @@ class AttentionSpec:
     visible from query ``i`` iff ``i - window < j <= i``). ``chunk``: chunked attention (keys of the
     query's own chunk of that many positions only). ``softcap``: scores become ``softcap * tanh(s /
     softcap)``. ``qk_norm``: RMSNorm of q and k (``"head"`` or ``"all"``) with ``qk_norm_eps`` and
-    ``qk_norm_offset``. ``bias``: an additive score bias (``"alibi"``). ``sink``: learned sink logits
-    (``"learned"``). ``gate``: a gate on each head's output. ``dropout``: on the pattern, in [0, 1).
+    ``qk_norm_offset``. ``bias``: an additive score bias (``"alibi"``: ``-alibi_slopes[h] * (i - j)``
+    added to the scaled scores, :mod:`headspace.nn.alibi`; ``alibi_slopes`` one per head). ``sink``:
+    learned sink logits (``"learned"``). ``gate``: a gate on each head's output. ``dropout``: on the
+    pattern, in [0, 1).
     Gemma 3n / 4 (:mod:`headspace.model.gemma_extras`): ``v_norm``: each head's v through an RMSNorm
     over d_head without a scale, ``v / sqrt(mean(v^2) + qk_norm_eps)``; ``k_eq_v``: the values are the
     key projection before its norm (``W_V`` is ``W_K``); ``kv_source``: the index of the earlier layer
@@ -147,6 +151,7 @@ class AttentionSpec:
     qk_norm_eps: float = 1e-6
     qk_norm_offset: float = 0.0
     bias: str | None = None
+    alibi_slopes: tuple[float, ...] | None = None
     sink: str | None = None
     gate: str | None = None
     dropout: float = 0.0
@@ -178,6 +183,12 @@ class AttentionSpec:
         if not is_number(self.qk_norm_offset) or not math.isfinite(self.qk_norm_offset):
             raise _fail(o, "qk_norm_offset", "a finite float", self.qk_norm_offset)
         _choice(o, "bias", self.bias, SCORE_BIASES, optional=True)
+        if self.bias == "alibi" or self.alibi_slopes is not None:
+            if self.bias != "alibi":
+                raise _fail(o, "alibi_slopes", "None without bias='alibi'", self.alibi_slopes)
+            object.__setattr__(
+                self, "alibi_slopes", check_slopes(f"{o}.alibi_slopes", self.alibi_slopes, self.n_heads)
+            )
         _choice(o, "sink", self.sink, SINKS, optional=True)
         _choice(o, "gate", self.gate, GATES, optional=True)
         if not is_number(self.dropout) or not 0.0 <= self.dropout < 1.0:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..model.models import check_precision
 from .absolute_families import ABSOLUTE_FAMILY_TYPES, load_absolute_family
+from .alibi_families import ALIBI_FAMILY_TYPES, load_alibi_family
 from .bert import load_bert
 from .encdec import ENCDEC_LOADERS
 from .encdec.whisper_base import load_whisper_base
@@ -166,6 +167,7 @@ FOLDER_LOADERS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] 
     **ENCODER_LOADERS,  # roberta
     **dict.fromkeys(GEMMA4_MODEL_TYPES, load_gemma4),  # gemma4_text (pretrained/gemma4.py)
     **dict.fromkeys(GEMMA3N_MODEL_TYPES, load_gemma3n),  # gemma3n_text (pretrained/gemma3n.py)
+    **dict.fromkeys(ALIBI_FAMILY_TYPES, load_alibi_family),  # bloom, falcon, mpt
 }
 
 
