@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..attention.delta_net import GatedDeltaNet
 from ..attention.described import DescribedAttention
 from ..attention.functional import sdpa_attention
 from ..attention.layer import MultiHeadAttention, check_input_tensor
@@ -66,7 +67,7 @@ def make_norm(kind: str, d_model: int, eps: float, offset: float = 0.0) -> nn.Mo
 
 
 #: The block features (:func:`~headspace.nn.spec.features_of`) :meth:`TransformerBlock.forward` computes.
-BLOCK_FEATURES = ("window", "softcap", "qk_norm", "layout", "sink", "moe")
+BLOCK_FEATURES = ("window", "softcap", "qk_norm", "layout", "sink", "gate", "moe", "mixer")
 
 
 def _check_block_args(
@@ -229,12 +230,14 @@ class TransformerBlock(nn.Module):
         and ``ln_mlp_out``), the dropout and the hook points; the residual layout bound."""
         refuse_unsupported(spec, "the block forward", BLOCK_FEATURES)
         a, n, d = spec.attention, spec.norm, spec.d_model
+        if spec.mixer == "gated_deltanet":  # (linear attention: attention/delta_net.py)
+            attention = GatedDeltaNet(spec.delta_net)  # type: ignore[assignment]
         if attention is None:
             attention = MultiHeadAttention(
                 d, a.n_heads, d_head=a.d_head, n_kv_heads=a.n_kv_heads, dropout=a.dropout,
                 qkv_bias=a.qkv_bias, out_bias=a.out_bias, rotary=a.positions, window=a.window,
                 qk_norm=a.qk_norm, qk_norm_eps=a.qk_norm_eps, qk_norm_offset=a.qk_norm_offset,
-                softcap=a.softcap, scale=a.scale, sink=a.sink,
+                softcap=a.softcap, scale=a.scale, sink=a.sink, gate=a.gate,
             )  # fmt: skip
         self.attn = attention
         self.ln1 = make_norm(n.kind, d, n.eps, n.offset)
@@ -430,6 +433,7 @@ class TransformerBlock(nn.Module):
             and isinstance(a, MultiHeadAttention)
             and self.spec.attention.softcap is None  # not a head-parallel shard, which has no fused weight
             and self.spec.attention.sink is None  # (the step has no sinks: decoding runs forward)
+            and self.spec.attention.gate is None  # (nor gates: decoding runs forward)
             and type(a).forward is MultiHeadAttention.forward
             and a.fused
             and not a.check_finite

@@ -23,6 +23,7 @@ from .llama import load_llama
 from .llama_variants import VARIANT_MODEL_TYPES
 from .moe_families import MOE_MODEL_TYPES, load_moe
 from .parallel_families import PARALLEL_FAMILY_TYPES, load_parallel_family
+from .qwen_next import QWEN_NEXT_MODEL_TYPES, load_qwen_next
 from .rotary_families import ROTARY_FAMILY_TYPES, load_family
 from .wrappers import PretrainedDecoder, PretrainedEncoder
 
@@ -117,7 +118,8 @@ def load(name: str | Path, *, precision: str = "float32") -> PretrainedEncoder |
     holding a Hugging Face checkpoint loads by its ``model_type``: ``bert`` (:func:`load_bert`), ``gpt2``
     (:func:`load_gpt2`), ``llama``, ``mistral``, ``qwen2``, ``gemma2``, ``gemma3_text``, ``qwen3``,
     ``olmo2``, ``smollm3`` (:func:`load_llama`), ``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``olmoe``,
-    ``gpt_oss`` (:func:`~headspace.pretrained.moe_families.load_moe`), and the encoder-decoders ``t5``,
+    ``gpt_oss`` (:func:`~headspace.pretrained.moe_families.load_moe`), ``qwen3_next``, ``qwen3_5_text``
+    (:func:`~headspace.pretrained.qwen_next.load_qwen_next`), and the encoder-decoders ``t5``,
     ``bart``, ``marian``, ``whisper`` (a :class:`headspace.EncoderDecoder`, docs/encoder_decoder.md); a
     ``.gguf`` file (Llama family) loads with :func:`load_gguf`. The rotary and parallel families of
     docs/families.md load too. Errors name what was given and list what is valid (an unknown
@@ -157,6 +159,7 @@ FOLDER_LOADERS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] 
     **dict.fromkeys(ROTARY_FAMILY_TYPES, load_family),  # phi3, gemma, granite, olmo, seed_oss, olmo3, exaone4
     **dict.fromkeys(PARALLEL_FAMILY_TYPES, load_parallel_family),  # gpt_neox, stablelm, cohere, phi, gptj
     **dict.fromkeys(MOE_MODEL_TYPES, load_moe),  # mixtral, qwen2_moe, qwen3_moe, olmoe, gpt_oss
+    **dict.fromkeys(QWEN_NEXT_MODEL_TYPES, load_qwen_next),  # qwen3_next, qwen3_5_text
 }
 
 
