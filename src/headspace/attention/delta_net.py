@@ -82,6 +82,17 @@ def refuse_linear_attention(module: nn.Module, what: str) -> None:
         )
 
 
+def refuse_linear_attention_model(module: nn.Module, what: str) -> None:
+    """:func:`refuse_linear_attention` for a whole model: one line naming the Gated DeltaNet blocks of
+    ``module`` (an Encoder/Decoder) where ``what`` needs a softmax pattern (or every layer's heads)."""
+    blocks = [i for i, b in enumerate(getattr(module, "blocks", ())) if isinstance(b.attn, GatedDeltaNet)]
+    if blocks:
+        raise ValueError(
+            f"{what} needs a softmax attention pattern in every layer; blocks {blocks} are Gated DeltaNet "
+            "(the block field 'mixer' is 'gated_deltanet': linear attention has no pattern)"
+        )
+
+
 class GatedDeltaNet(nn.Module):
     """A Gated DeltaNet layer from its :class:`~headspace.nn.delta_spec.DeltaNetSpec` (module docstring)."""
 
