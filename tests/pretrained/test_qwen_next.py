@@ -11,6 +11,7 @@ full-attention layers') within 1e-5, greedy decoding equal.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from headspace.analysis.atlas.run import atlas
 from headspace.analysis.causal.attribution import direct_logit_attribution
 from headspace.analysis.circuits.decomposition import composition_scores, score_decomposition
 from headspace.attention.delta_net import DeltaNetCache, GatedDeltaNet
-from headspace.decode import describe
+from headspace.decode import describe, native, python
 from headspace.decode.step import _layer_of
 from headspace.pretrained.qwen_next import qwen_next_config
 
@@ -127,6 +128,19 @@ def test_the_decoding_step_refuses_gates_and_deltanet_by_name(saved: dict) -> No
         _layer_of(ours.model.blocks[0], None)
     with pytest.raises(ValueError, match="the decoding step does not support the attention field 'gate'"):
         _layer_of(ours.model.blocks[3], None)
+    # a dense step given the hybrid's descriptions (as a future step's would be): each backend names them
+    dense = hs.Decoder(
+        dataclasses.replace(ours.config, attn_gate=None, delta_net=None, layer_types=None)
+    ).eval()
+    step = describe(dense)
+    assert step is not None
+    for block, field in ((0, "block field 'mixer'"), (3, "attention field 'gate'")):
+        layers = tuple(dataclasses.replace(x, spec=ours.model.blocks[block].spec) for x in step.layers)
+        hybrid = dataclasses.replace(step, layers=layers)
+        with pytest.raises(ValueError, match=f"the native decoding step does not support the {field}"):
+            native.native_form(hybrid)
+        with pytest.raises(ValueError, match=f"the Python decoding step does not support the {field}"):
+            python.prepare(hybrid)
 
 
 def test_analyses_that_need_a_pattern_refuse_deltanet_layers_by_name(saved: dict) -> None:
