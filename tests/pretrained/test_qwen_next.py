@@ -23,6 +23,7 @@ import headspace as hs
 from headspace.analysis.atlas.run import atlas
 from headspace.analysis.causal.attribution import direct_logit_attribution
 from headspace.analysis.circuits.decomposition import composition_scores, score_decomposition
+from headspace.analysis.lesson.explain import explain
 from headspace.attention.delta_net import DeltaNetCache, GatedDeltaNet
 from headspace.decode import describe, native, python
 from headspace.decode.step import _layer_of
@@ -155,6 +156,8 @@ def test_analyses_that_need_a_pattern_refuse_deltanet_layers_by_name(saved: dict
         atlas(ours, ["some text"])
     with pytest.raises(ValueError, match="direct_logit_attribution \\(per head\\) needs .*" + named):
         direct_logit_attribution(ours.model, tokens, 5)
+    with pytest.raises(ValueError, match="explain \\(the lesson\\) needs a softmax .*" + named):
+        explain(ours, "a b c", 0)
     layer = ours.model.blocks[0].attn
     assert isinstance(layer, GatedDeltaNet)
     with pytest.raises(ValueError, match="a Gated DeltaNet layer has no softmax pattern and takes no mask"):

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ...attention.delta_net import refuse_linear_attention_model
 from ...core.checks import is_int
 from ...core.defaults import DEFAULT_SENTENCE, DEFAULT_TOKEN
 from .content_tokens import content_positions
@@ -485,6 +486,7 @@ def explain(
     if not isinstance(sentence, str) or not sentence.strip():
         raise ValueError(f"sentence must be a non-empty string; got {sentence!r}")
     model = pretrained.model
+    refuse_linear_attention_model(model, "explain (the lesson)")
     _check_head_choice(model, layer, head)
     if tokenized is None:
         tokenized = tokenize_sentence(pretrained, sentence)
