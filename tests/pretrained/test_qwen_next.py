@@ -103,6 +103,9 @@ def test_logits_and_patterns_equal_transformers(saved: dict, family: str) -> Non
     assert len(want.attentions) == 1 and t.n_layers == 1  # transformers and the trace: softmax layers only
     assert t.layer_paths == ["blocks.3.attn"]
     torch.testing.assert_close(t.pattern(0), want.attentions[0], atol=1e-5, rtol=0)
+    refused = r"blocks\.0\.attn is a Gated DeltaNet layer \(the block field 'mixer'"
+    with pytest.raises(ValueError, match=refused):
+        t["blocks.0.attn.hook_pattern"]
     assert t["blocks.3.attn.hook_gate"].shape == (2, 70, 4, 6 if family == "qwen3_next" else 8)
     assert t["blocks.0.attn.hook_gate"].shape == (2, 70, 4)  # the DeltaNet's log decay
     assert bool((t["blocks.0.attn.hook_gate"] < 0).all())
