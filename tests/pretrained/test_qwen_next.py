@@ -126,6 +126,18 @@ def test_greedy_decoding_equals_transformers(saved: dict, family: str) -> None:
     assert torch.equal(ours.generate(prompt, 10, temperature=0), want)
 
 
+def test_a_left_padded_batch_decodes_each_row_as_alone(saved: dict) -> None:
+    """Padded positions' inputs are zeroed in the DeltaNet layers (as transformers does): they write
+    nothing into the state, so a left-padded row generates what it generates alone."""
+    model = hs.load(saved["qwen3_5_text"][0]).model
+    a, b = torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([[11, 12, 13]])
+    batch = torch.tensor([[5, 6, 7, 8, 9], [0, 0, 11, 12, 13]])
+    real = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]]).bool()
+    both = model.generate(batch, 5, temperature=0, key_padding=real)
+    assert torch.equal(both[:1], model.generate(a, 5, temperature=0))
+    assert torch.equal(both[1:, 2:], model.generate(b, 5, temperature=0))
+
+
 def test_the_decoding_step_refuses_gates_and_deltanet_by_name(saved: dict) -> None:
     ours = hs.load(saved["qwen3_5_text"][0])
     with pytest.raises(ValueError, match="the decoding step does not support the block field 'mixer'"):
