@@ -99,7 +99,7 @@ def attention_layers(model: Any) -> list[tuple[str, MultiHeadAttention]]:
     return [(name, m) for name, m in module.named_modules() if isinstance(m, MultiHeadAttention)]
 
 
-def refuse_linear_pattern(key: str, linear_paths: Sequence[str]) -> None:
+def _refuse_linear_pattern(key: str, linear_paths: Sequence[str]) -> None:
     """One-line ``ValueError`` where ``key`` asks a Gated DeltaNet layer for a softmax value."""
     path, _, name = key.rpartition(".")
     if path in linear_paths and name in ("hook_scores", "hook_pattern", "hook_rot_q", "hook_rot_k"):
@@ -251,7 +251,7 @@ class Trace(Mapping[str, Tensor]):
         try:
             return self._value(key)
         except KeyError:
-            refuse_linear_pattern(str(key), self.linear_paths)
+            _refuse_linear_pattern(str(key), self.linear_paths)
             close = difflib.get_close_matches(str(key), list(self._values), n=3, cutoff=0.5)
             raise KeyError(
                 f"{key!r} was not recorded; recorded: {close or list(self._values)[:5]} "
