@@ -83,6 +83,8 @@ def test_configs_say_what_each_family_is(saved: dict) -> None:
         ]
         assert [b.spec.mixer for b in ours.model.blocks] == ["gated_deltanet"] * 3 + ["attention"]
         assert ours.model.blocks[3].attn.rotary.rotary_dim == 2
+        assert c.summary().endswith("Gated DeltaNet on 3/4 layers, elementwise output gates")
+        assert hs.ModelConfig.from_dict(c.to_dict()) == c  # the new fields round-trip through JSON
         assert sum(p.numel() for p in ours.model.parameters()) == sum(p.numel() for p in ref.parameters())
     assert hs.load(saved["qwen3_next"][0]).config.mlp_kind == "moe"
     assert hs.load(saved["qwen3_5_text"][0]).config.mlp_kind == "gated"

@@ -566,6 +566,10 @@ class ModelConfig:
             parts.append(f"embed x {self.embed_scale:.4g}")
         if self.query_pre_attn_scalar is not None:
             parts.append(f"scale 1/sqrt({self.query_pre_attn_scalar:g})")
+        if "linear" in types:
+            parts.append(f"Gated DeltaNet on {types.count('linear')}/{len(types)} layers")
+        if self.attn_gate is not None:
+            parts.append(f"{self.attn_gate} output gates")
         return "".join(f", {p}" for p in parts)
 
 
