@@ -124,3 +124,24 @@ def test_a_bad_gate_is_refused_naming_the_field() -> None:
         ValueError, match="gate is None must be False, fixed by the layer's weights; got True"
     ):
         layer.spec = dataclasses.replace(layer.spec, gate=None)
+
+
+def test_pruning_a_gated_layer_keeps_the_gates_of_the_kept_heads() -> None:
+    from headspace.attention.pruning import shrink_attention
+
+    layer = gated_layer("elementwise", bias=True)
+    x = torch.randn(1, 6, D)
+
+    def zero_first_group(value: torch.Tensor, point: object) -> torch.Tensor:
+        out = value.clone()
+        out[:, :, :2] = 0  # heads 0 and 1 (key/value head 0) silenced
+        return out
+
+    remove = layer.hook_z.add(zero_first_group)
+    with torch.no_grad():
+        want = layer(x, is_causal=True)
+    remove()
+    shrink_attention(layer, [2, 3])
+    assert layer.gate_weight.shape == (2 * DH, D) and layer.gate_bias.shape == (2 * DH,)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x, is_causal=True), want, atol=1e-6, rtol=0)
