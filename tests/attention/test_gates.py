@@ -145,3 +145,34 @@ def test_pruning_a_gated_layer_keeps_the_gates_of_the_kept_heads() -> None:
     assert layer.gate_weight.shape == (2 * DH, D) and layer.gate_bias.shape == (2 * DH,)
     with torch.no_grad():
         torch.testing.assert_close(layer(x, is_causal=True), want, atol=1e-6, rtol=0)
+
+
+def test_the_lesson_shows_the_gate_and_the_gated_z(capsys: pytest.CaptureFixture[str]) -> None:
+    from headspace.analysis.lesson.explain import explain
+    from headspace.cli.render import render_explanation
+
+    torch.manual_seed(0)
+    config = hs.ModelConfig(
+        arch="decoder", vocab_size=29, d_model=D, n_layers=2, n_heads=H, n_kv_heads=HKV, d_head=DH, d_mlp=16,
+        max_seq_len=16, bias=False, attn_gate="elementwise",
+    )  # fmt: skip
+    model = hs.Decoder(config).eval()
+
+    class Words:  # a loaded model with a tokenizer of one token per word
+        def __init__(self) -> None:
+            self.model, self.config, self.tokenizer = model, config, self
+
+        def tokens(self, sentence: str) -> list[str]:
+            return sentence.split()
+
+        def tokenize_padded(self, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+            ids = torch.tensor([[hash(w) % 29 for w in t.split()] for t in texts])
+            return ids, torch.ones_like(ids, dtype=torch.bool)
+
+    e = explain(Words(), "a b c d e f", "d", layer=1, head=3)
+    assert len(e.gate) == DH and all(0 < g < 1 for g in e.gate)
+    mixed = torch.tensor(e.pattern) @ torch.tensor(e.v)  # (d_head,): sum_j p_j v_j
+    torch.testing.assert_close(torch.tensor(e.z), mixed * torch.tensor(e.gate), atol=1e-6, rtol=0)
+    render_explanation(e)
+    out = capsys.readouterr().out
+    assert "gate = sigmoid(x W_G[3])" in out and "4. z = (sum_j softmax_j v_j) * gate" in out

@@ -164,6 +164,9 @@ class Explanation:
     k_normed: list[list[float]] = field(default_factory=list)
     #: a sliding-window layer's window (query i sees key j iff i - window < j <= i), else None
     window: int | None = None
+    #: gated layers (Qwen3-Next): the head's output gate sigmoid(x W_G[h]) at the token; ``z`` is then
+    #: the gated output, (sum_j p_j v_j) * gate; empty without a gate
+    gate: list[float] = field(default_factory=list)
 
     @property
     def token(self) -> str:
@@ -354,14 +357,16 @@ def record(model: nn.Module, run: Callable[[], Any]) -> dict[str, list[Tensor]]:
     names = ("q", "k", "v", "scores", "pattern", "z", "result")
     rotary = [n for n in ("rot_q", "rot_k") if all(getattr(a, "rotary", None) is not None for a in layers)]
     normed = [n for n in ("q_normed", "k_normed") if all(getattr(a, "qk_norm", None) for a in layers)]
+    gated = ["gate"] if all(getattr(a, "gate_weight", None) is not None for a in layers) else []
     extra = (*rotary, *normed)
     try:
-        with trace(model, [f"hook_{n}" for n in (*names, *extra)]) as t:
+        with trace(model, [f"hook_{n}" for n in (*names, *extra, *gated)]) as t:
             run()
     finally:
         for remove in removers:
             remove()
     rec = {n: [t.act(n, i) for i in range(len(layers))] for n in (*names, *extra)}
+    rec.update({n: [t[f"{path}.hook_{n}"] for path in t.layer_paths] for n in gated})  # output gates
     rec["input"] = inputs  # type: ignore[assignment]
     return rec
 
@@ -560,6 +565,7 @@ def _walk(
         **_rotated(rec, attn, layer, index, head, kv_head),
         **_normed(rec, attn, layer, index, head, kv_head),
         window=getattr(attn, "window", None),
+        gate=_floats(rec["gate"][layer][0, index, head]) if "gate" in rec else [],
     )
 
 
