@@ -367,8 +367,7 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
             k, v = kv_cache.append(k, v)  # (B, Hkv, Sk, dh) x 2
         dropout_p = self.dropout if self.training else 0.0
         gate = gate_of(self, query)  # (B, Sq, H, width) or None
-        if traced or self.softcap is not None or self.sinks is not None or gate is not None:
-            # (no fused path for caps, sinks, gates)
+        if traced or self.softcap is not None or self.sinks is not None:  # (no fused path: caps, sinks)
             z, pattern, _ = self.traced_attention(
                 q, k, v, mask, dropout_p, need_pattern=need_weights, gate=gate
             )
@@ -379,7 +378,7 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
             # (bench helper) drop our references to the fused projection before W_O allocates the
             # output: without grad this frees [B, S, 3 d_model] early and lowers the peak memory.
             del q, k, v
-            z = z.transpose(1, 2).reshape(B, Sq, H * dh)  # (B, Sq, H dh): heads concatenated
+            z = gated(z.transpose(1, 2), gate).reshape(B, Sq, H * dh)  # (B, Sq, H dh): heads concatenated
             out = F.linear(z, self.o_weight, self.o_bias)  # (B, Sq, d_model)
         if self.check_finite:
             _check_finite("attention output (inputs were finite: check the weights)", out)
