@@ -132,6 +132,9 @@ class Head:
     b_Q = _head_view("b_Q", "index")
     b_K = _head_view("b_K", "kv_index")
     b_V = _head_view("b_V", "kv_index")
+    #: gated layers only (Qwen3-Next): this head's gate weights [d_model, width] and bias (None without)
+    W_G = _head_view("W_G", "index")
+    b_G = _head_view("b_G", "index")
 
     def qk(self, delta: int | Tensor | None = None, *, augmented: bool = False) -> FactoredMatrix:
         """The QK circuit as factors (``.AB`` is the dense product): ``W_Q W_K^T`` [d_model, kdim].

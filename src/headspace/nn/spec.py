@@ -17,11 +17,12 @@ Residual layouts (``BlockSpec.layout``; ``N1``/``N2`` the block's two norms, ``A
     post_sublayer (OLMo 2): h = x + N1(A(x))           out = h + N2(M(h))
     parallel (GPT-NeoX):   out = x + A(N1(x)) + M(N2(x))   (GPT-J, Phi-2, Cohere: N2 a copy of N1)
 
-A field that no executor computes yet (``chunk``, ``gate``; the ``parallel`` layout beyond the
-block forward and the Python step; ``bias`` (ALiBi) beyond the forward, the traced path and the Python
-step) may be described; each executor refuses it by the field's name
-(:func:`refuse_unsupported`), never running without it. ``sink`` and a mixture-of-experts MLP
-(``MLPSpec.kind == "moe"``) are computed by the block forward only: the decoding steps refuse them by name.
+A field that no executor computes yet (``chunk``; the ``parallel`` layout beyond the block forward and
+the Python step; ``bias`` (ALiBi) beyond the forward, the traced path and the Python step) may be
+described; each executor refuses it by the field's name (:func:`refuse_unsupported`), never running
+without it. ``sink``, ``gate``, a mixture-of-experts MLP (``MLPSpec.kind == "moe"``) and a Gated DeltaNet
+mixer (``BlockSpec.mixer``) are computed by the block forward only: the decoding steps refuse them by
+name (decoding runs the forward with its caches).
 Every value is checked on construction: a bad one raises a one-line ``ValueError`` naming the field, what
 it expects and what came.
 """
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 
 from ..core.checks import is_int, is_number
 from .alibi import check_slopes
+from .delta_spec import DeltaNetSpec
 from .positions import Rotary
 
 #: The kinds of normalisation layer (``NormSpec.kind``).
@@ -56,8 +58,13 @@ QK_NORMS = ("head", "all", "head_layernorm")
 SCORE_BIASES = ("alibi",)
 #: Attention sinks (``AttentionSpec.sink``): one learned logit per head in the softmax (gpt-oss).
 SINKS = ("learned",)
-#: Output gates (``AttentionSpec.gate``): sigmoid gates on each head's output (Qwen3-Next).
+#: Output gates (``AttentionSpec.gate``): sigmoid gates on each head's output (Qwen3-Next):
+#: ``"elementwise"`` one gate per feature of z_h, ``"headwise"`` one per head
+#: (:mod:`headspace.attention.gates`).
 GATES = ("headwise", "elementwise")
+#: The token mixers of a block (``BlockSpec.mixer``): softmax attention, or a Gated DeltaNet
+#: (linear attention with a decaying recurrent state: Qwen3-Next, Qwen3.5; ``BlockSpec.delta_net``).
+MIXERS = ("attention", "gated_deltanet")
 #: The attention fields that change what an attention layer computes beyond the classic layer, in the
 #: order executors check them: :func:`refuse_unsupported` names the first one an executor lacks.
 ATTENTION_FEATURES = (
@@ -263,13 +270,17 @@ class MLPSpec:
 class BlockSpec:
     """One block: ``attention``, ``mlp``, the ``norm`` of every norm of the block (the two sublayer norms,
     and a sandwich block's two output norms) and the residual ``layout`` (module docstring).
-    ``dropout``: on each sublayer's output before its residual add, in [0, 1)."""
+    ``dropout``: on each sublayer's output before its residual add, in [0, 1). ``mixer``: one of
+    :data:`MIXERS`; a ``"gated_deltanet"`` block mixes tokens by the Gated DeltaNet ``delta_net``
+    describes (set exactly then) and its ``attention`` is not used."""
 
     attention: AttentionSpec
     mlp: MLPSpec
     norm: NormSpec = dataclasses.field(default_factory=NormSpec)
     layout: str = "pre"
     dropout: float = 0.0
+    mixer: str = "attention"
+    delta_net: DeltaNetSpec | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention, AttentionSpec):
@@ -281,6 +292,13 @@ class BlockSpec:
         _choice("BlockSpec", "layout", self.layout, LAYOUTS)
         if not is_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
             raise _fail("BlockSpec", "dropout", "a float in [0, 1)", self.dropout)
+        _choice("BlockSpec", "mixer", self.mixer, MIXERS)
+        deltanet = self.mixer == "gated_deltanet"
+        if deltanet != isinstance(self.delta_net, DeltaNetSpec):
+            expected = (
+                "a DeltaNetSpec for mixer='gated_deltanet'" if deltanet else "None for mixer='attention'"
+            )
+            raise _fail("BlockSpec", "delta_net", expected, type(self.delta_net).__name__)
 
     @property
     def d_model(self) -> int:
@@ -291,7 +309,10 @@ class BlockSpec:
 def features_of(spec: AttentionSpec | BlockSpec) -> list[str]:
     """The names of the features ``spec`` sets beyond the classic block, in :data:`ATTENTION_FEATURES`
     order, then ``"layout"`` for a block whose layout is ``"parallel"`` and ``"moe"`` for a block whose
-    MLP is a mixture of experts."""
+    MLP is a mixture of experts; ``"mixer"`` alone first for a Gated DeltaNet block (its attention
+    fields are not used)."""
+    if isinstance(spec, BlockSpec) and spec.mixer != "attention":
+        return ["mixer"] + (["moe"] if spec.mlp.kind == "moe" else [])
     attention = spec.attention if isinstance(spec, BlockSpec) else spec
     found = [name for name in ATTENTION_FEATURES if getattr(attention, name) not in (None, False)]
     if isinstance(spec, BlockSpec) and spec.layout == "parallel":
@@ -311,6 +332,11 @@ def refuse_unsupported(spec: AttentionSpec | BlockSpec, executor: str, supported
             continue
         if name == "layout":
             raise ValueError(f"{executor} does not support the block field 'layout' ('parallel')")
+        if name == "mixer":
+            raise ValueError(
+                f"{executor} does not support the block field 'mixer' ('gated_deltanet': Gated DeltaNet "
+                "linear attention)"
+            )
         if name == "moe":
             raise ValueError(
                 f"{executor} does not support the block field 'mlp.kind' ('moe': mixture of experts)"

@@ -41,6 +41,7 @@ _ROTARY_T = "tests/pretrained/test_rotary_families.py"
 _PARALLEL_T = "tests/pretrained/test_parallel_families.py"
 _VARIANTS_T = "tests/pretrained/test_llama_variants.py"
 _MOE_T = "tests/pretrained/test_moe_families.py"
+_NEXT_T = "tests/pretrained/test_qwen_next.py"
 _ENCDEC_T = "tests/encdec/test_families.py"
 _ABSOLUTE_T = "tests/pretrained/test_absolute_families.py"
 _NONE: dict[str, Any] = {"rotation": "none", "rope_types": ()}
@@ -460,6 +461,28 @@ FAMILIES: tuple[Family, ...] = (
         _ALIBI_T,
         rotation="none",
         rope_types=(),
+    ),
+    _d(
+        "qwen3_next",
+        "partial rotary",
+        _PRE,
+        f"{_RMS} (1 + w)",
+        "Gated DeltaNet layers among gated softmax layers; experts and a shared expert",
+        ("forward",),
+        _REL,
+        _NEXT_T,
+        partial=True,
+    ),
+    _d(
+        "qwen3_5_text",
+        "partial rotary",
+        _PRE,
+        f"{_RMS} (1 + w)",
+        "Gated DeltaNet layers among gated softmax layers (text only)",
+        ("forward",),
+        _REL,
+        _NEXT_T,
+        partial=True,
     ),
 )
 

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ...attention.delta_net import refuse_linear_attention_model
 from ...core.checks import is_int
 from .._common import JsonResult, eval_mode
 from ..causal.causal_inputs import (
@@ -192,6 +193,7 @@ def score_decomposition(
         1 + layer * (n_heads + 1) + 1`` (embed, each earlier layer's heads and MLP, bias).
     """
     module = stack_of(model, "score_decomposition")
+    refuse_linear_attention_model(module, "score_decomposition (why)")
     p = prompts_of(model, prompt)
     if p.batch != 1:
         raise ValueError(f"score_decomposition takes one prompt; got {p.batch}")
@@ -338,6 +340,7 @@ def composition_scores(
         :class:`CompositionScores`.
     """
     module = stack_of(model, "composition_scores")
+    refuse_linear_attention_model(module, "composition_scores")
     if isinstance(offsets, (str, bytes)) or not isinstance(offsets, Sequence) or not offsets:
         raise TypeError(f"offsets must be a non-empty sequence of ints; got {offsets!r}")
     if not all(is_int(o) for o in offsets):
