@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from ..attention.described import DescribedAttention
 from ..attention.functional import sdpa_attention
+from ..attention.latent import LatentAttention
 from ..attention.layer import MultiHeadAttention, check_input_tensor
 from ..core.checks import check_positive_float, check_probability
 from ..kernels.bf16 import is_bf16
@@ -66,7 +67,7 @@ def make_norm(kind: str, d_model: int, eps: float, offset: float = 0.0) -> nn.Mo
 
 
 #: The block features (:func:`~headspace.nn.spec.features_of`) :meth:`TransformerBlock.forward` computes.
-BLOCK_FEATURES = ("window", "softcap", "qk_norm", "layout", "sink", "moe")
+BLOCK_FEATURES = ("window", "softcap", "qk_norm", "layout", "sink", "moe", "latent")
 
 
 def _check_block_args(
@@ -229,6 +230,8 @@ class TransformerBlock(nn.Module):
         and ``ln_mlp_out``), the dropout and the hook points; the residual layout bound."""
         refuse_unsupported(spec, "the block forward", BLOCK_FEATURES)
         a, n, d = spec.attention, spec.norm, spec.d_model
+        if attention is None and a.latent is not None:  # DeepSeek's latent attention: its own layer
+            attention = LatentAttention.from_spec(a)  # type: ignore[assignment]
         if attention is None:
             attention = MultiHeadAttention(
                 d, a.n_heads, d_head=a.d_head, n_kv_heads=a.n_kv_heads, dropout=a.dropout,

@@ -42,6 +42,7 @@ _PARALLEL_T = "tests/pretrained/test_parallel_families.py"
 _VARIANTS_T = "tests/pretrained/test_llama_variants.py"
 _MOE_T = "tests/pretrained/test_moe_families.py"
 _ENCDEC_T = "tests/encdec/test_families.py"
+_DEEPSEEK_T = "tests/pretrained/test_deepseek.py"
 
 
 @dataclass(frozen=True)
@@ -356,6 +357,28 @@ FAMILIES: tuple[Family, ...] = (
         ("forward",),
         _REL,
         _MOE_T,
+    ),
+    _d(
+        "deepseek_v2",
+        "rotary on the shared key part",
+        _PRE,
+        _RMS,
+        "latent attention (query latent optional); group-limited experts, ungated shared experts",
+        ("forward",),
+        _REL,
+        _DEEPSEEK_T,
+        rotation="interleaved",
+    ),
+    _d(
+        "deepseek_v3",
+        "rotary on the shared key part",
+        _PRE,
+        _RMS,
+        "latent attention; dense then sigmoid-routed experts with a correction bias",
+        ("forward",),
+        _REL,
+        _DEEPSEEK_T,
+        rotation="interleaved",
     ),
 )
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..model.models import check_precision
 from .bert import load_bert
+from .deepseek import DEEPSEEK_MODEL_TYPES, load_deepseek
 from .encdec import ENCDEC_LOADERS
 from .encdec.whisper_base import load_whisper_base
 from .gguf import load_gemma3, load_gguf, load_smollm2
@@ -117,7 +118,8 @@ def load(name: str | Path, *, precision: str = "float32") -> PretrainedEncoder |
     holding a Hugging Face checkpoint loads by its ``model_type``: ``bert`` (:func:`load_bert`), ``gpt2``
     (:func:`load_gpt2`), ``llama``, ``mistral``, ``qwen2``, ``gemma2``, ``gemma3_text``, ``qwen3``,
     ``olmo2``, ``smollm3`` (:func:`load_llama`), ``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``olmoe``,
-    ``gpt_oss`` (:func:`~headspace.pretrained.moe_families.load_moe`), and the encoder-decoders ``t5``,
+    ``gpt_oss`` (:func:`~headspace.pretrained.moe_families.load_moe`), ``deepseek_v2``, ``deepseek_v3``
+    (:func:`~headspace.pretrained.deepseek.load_deepseek`), and the encoder-decoders ``t5``,
     ``bart``, ``marian``, ``whisper`` (a :class:`headspace.EncoderDecoder`, docs/encoder_decoder.md); a
     ``.gguf`` file (Llama family) loads with :func:`load_gguf`. The rotary and parallel families of
     docs/families.md load too. Errors name what was given and list what is valid (an unknown
@@ -157,6 +159,7 @@ FOLDER_LOADERS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] 
     **dict.fromkeys(ROTARY_FAMILY_TYPES, load_family),  # phi3, gemma, granite, olmo, seed_oss, olmo3, exaone4
     **dict.fromkeys(PARALLEL_FAMILY_TYPES, load_parallel_family),  # gpt_neox, stablelm, cohere, phi, gptj
     **dict.fromkeys(MOE_MODEL_TYPES, load_moe),  # mixtral, qwen2_moe, qwen3_moe, olmoe, gpt_oss
+    **dict.fromkeys(DEEPSEEK_MODEL_TYPES, load_deepseek),  # latent attention (issue #39)
 }
 
 
