@@ -1,0 +1,185 @@
+"""DeepSeek V3 (dense then mixture-of-experts layers) and V2 (no query latent; greedy and group-limited
+routing) against transformers 5.
+
+References: tiny random models built and saved by transformers itself (eager attention and experts,
+odd sizes), every norm, router and e_score_correction_bias set random so that they matter, read back
+by ``headspace.load(folder)`` without transformers. Logits within 1e-4 of their largest magnitude,
+every head's pattern within 1e-5, greedy decoding (forward with the latent cache) equal to
+transformers' ``generate``; the routing equal to transformers' router's choices, ties included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers as T
+
+import headspace as hs
+from headspace.attention.latent import LatentAttention
+from headspace.decode import describe, native, python
+from headspace.model.moe import MixtureOfExperts
+from headspace.nn.latent_cache import LatentCache
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+V, D, L, H, E, K = 67, 24, 3, 3, 8, 3
+RQ, RKV, NOPE, ROPE, DV = 14, 10, 8, 4, 6
+COMMON = dict(vocab_size=V, hidden_size=D, intermediate_size=40, moe_intermediate_size=12,
+              num_hidden_layers=L, num_attention_heads=H, num_key_value_heads=H, n_shared_experts=1,
+              n_routed_experts=E,
+              routed_scaling_factor=1.7, kv_lora_rank=RKV, qk_rope_head_dim=ROPE, v_head_dim=DV,
+              qk_nope_head_dim=NOPE, num_experts_per_tok=K, first_k_dense_replace=1, n_group=4, topk_group=2,
+              max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+              tie_word_embeddings=False)  # fmt: skip
+# name -> (config class, model class, overrides)
+FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
+    "v3": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM, {"q_lora_rank": RQ, "norm_topk_prob": True}),
+    "v2_greedy": (
+        T.DeepseekV2Config,
+        T.DeepseekV2ForCausalLM,
+        {"q_lora_rank": None, "topk_method": "greedy"},
+    ),
+    "v2_group": (
+        T.DeepseekV2Config,
+        T.DeepseekV2ForCausalLM,
+        {"q_lora_rank": None, "topk_method": "group_limited_greedy"},
+    ),
+}
+
+
+def build(family: str, folder: Path) -> Any:
+    """A random transformers model of ``family`` saved into ``folder``, read back with eager attention.
+    Layer 1's experts 2 and 3 share one router row (and V3's correction bias): every token ties them."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(1)
+    model = model_cls(config_cls(**{**COMMON, **extra})).eval()
+    with torch.no_grad():
+        for name, p in [*model.named_parameters(), *model.named_buffers()]:
+            if "inv_freq" in name:
+                continue
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif name.endswith(("mlp.gate.weight", "e_score_correction_bias")):
+                p.copy_(torch.randn_like(p))
+            else:
+                p.copy_(0.2 * torch.randn_like(p))
+        router = model.model.layers[1].mlp.gate
+        router.weight[3] = router.weight[2]
+        if hasattr(router, "e_score_correction_bias"):
+            router.e_score_correction_bias[3] = router.e_score_correction_bias[2]
+    model.save_pretrained(folder)
+    return model_cls.from_pretrained(
+        folder, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
+    return {f: (folder := tmp_path_factory.mktemp(f), build(f, folder)) for f in FAMILIES}
+
+
+def test_blocks_say_what_each_family_is(saved: dict) -> None:
+    for family, (folder, ref) in saved.items():
+        ours = hs.load(folder).model
+        theirs = [*ref.parameters(), *(b for n, b in ref.named_buffers() if "correction" in n)]  # (a buffer)
+        assert sum(p.numel() for p in ours.parameters()) == sum(p.numel() for p in theirs), family
+        specs = [b.spec for b in ours.blocks]
+        assert all(isinstance(b.attn, LatentAttention) for b in ours.blocks)
+        latent = specs[0].attention.latent
+        want_q = RQ if family == "v3" else None
+        assert (latent.q_lora_rank, latent.kv_lora_rank, latent.qk_rope_head_dim, latent.v_head_dim) == (
+            want_q,
+            RKV,
+            ROPE,
+            DV,
+        )
+        assert specs[0].mlp.kind == "gated" and [s.mlp.kind for s in specs[1:]] == ["moe", "moe"]
+        moe = specs[1].mlp
+        routing = {"v3": "sigmoid_group_topk", "v2_greedy": "softmax_topk", "v2_group": "softmax_group_topk"}
+        assert (moe.routing, moe.routed_scale, moe.score_bias) == (routing[family], 1.7, family == "v3")
+        assert moe.d_shared == 12 and not moe.shared_gate and moe.norm_topk == (family == "v3")
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_logits_patterns_and_greedy_decoding_equal_transformers(saved: dict, family: str) -> None:
+    folder, ref = saved[family]
+    ours = hs.load(folder)
+    torch.manual_seed(2)
+    tokens = torch.randint(3, V, (2, 11))
+    with torch.no_grad():
+        want = ref(input_ids=tokens, output_attentions=True)
+        with hs.trace(ours.model, names=["*.hook_pattern"]) as t:
+            got = ours(tokens)
+    scale = float(want.logits.abs().max())
+    torch.testing.assert_close(got, want.logits, atol=1e-4 * scale, rtol=0)
+    for layer in range(L):
+        torch.testing.assert_close(t.pattern(layer), want.attentions[layer], atol=1e-5, rtol=0)
+    prompt = tokens[:1, :5]
+    with torch.no_grad():
+        expected = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6,
+                                do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
+    assert expected.shape[1] == 11
+    assert torch.equal(ours.generate(prompt, 6, temperature=0), expected)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_routing_equals_transformers_router_ties_included(saved: dict, family: str) -> None:
+    folder, ref = saved[family]
+    ours = hs.load(folder).model
+    mlp, gate = ours.blocks[1].mlp, ref.model.layers[1].mlp.gate
+    assert isinstance(mlp, MixtureOfExperts)
+    torch.manual_seed(3)
+    x = torch.randn(40, D)
+    with torch.no_grad():
+        _, weights, indices = gate(x)  # (40, K) each
+        dense = mlp.route(x[None])[0]  # (40, E)
+    chosen = dense.ne(0).nonzero()[:, 1].reshape(-1, K)
+    assert torch.equal(chosen.sort(-1).values, indices.sort(-1).values)
+    torch.testing.assert_close(dense.gather(-1, indices), weights, atol=1e-6, rtol=0)
+    tied = chosen.eq(2).any(-1) ^ chosen.eq(3).any(-1)  # only one of the twins taken: the tie was broken
+    assert bool(tied.any()) or family == "v2_group", "the tie never fell at the k-th place"
+
+
+def test_the_latent_cache_and_the_decoding_steps(saved: dict) -> None:
+    folder, _ = saved["v3"]
+    ours = hs.load(folder)
+    caches = ours.model.make_kv_caches(1, 20)
+    assert all(isinstance(c, LatentCache) for c in caches)
+    assert {c.numbers_per_token for c in caches} == {RKV + ROPE}  # per token per layer, not 2 x H x d_head
+    tokens = torch.randint(3, V, (1, 9))
+    with torch.no_grad():
+        full = ours.model(tokens)
+        first = ours.model(tokens[:, :6], kv_caches=caches)
+        rest = [ours.model(tokens[:, i : i + 1], kv_caches=caches) for i in range(6, 9)]
+    torch.testing.assert_close(torch.cat([first, *rest], dim=1), full, atol=1e-5, rtol=0)
+    assert describe(ours.model) is None  # no cached step stands in for a latent block: forward runs
+    config = dataclasses.replace(ours.config, extra={})
+    dense = hs.Decoder(config).eval()  # the step of a plain model, given the latent block's description
+    step = describe(dense)
+    assert step is not None
+    layers = tuple(dataclasses.replace(x, spec=ours.model.blocks[0].spec) for x in step.layers)
+    latent_step = dataclasses.replace(step, layers=layers)
+    with pytest.raises(
+        ValueError, match="the native decoding step does not support the attention field 'latent'"
+    ):
+        native.native_form(latent_step)
+    with pytest.raises(
+        ValueError, match="the Python decoding step does not support the attention field 'latent'"
+    ):
+        python.prepare(latent_step)
+
+
+def test_bad_deepseek_fields_are_refused_naming_the_field() -> None:
+    from headspace.pretrained.deepseek import deepseek_config
+
+    cfg = dict(COMMON, model_type="deepseek_v2", q_lora_rank=None, topk_method="greedy")
+    with pytest.raises(ValueError, match=r"topk_method must be one of \['greedy', 'group_limited_greedy'\]"):
+        deepseek_config({**cfg, "topk_method": "noaux_tc"})
+    with pytest.raises(ValueError, match="mlp_bias=true is not supported"):
+        deepseek_config({**cfg, "mlp_bias": True})
+    with pytest.raises(ValueError, match="kv_lora_rank"):
+        deepseek_config({**cfg, "kv_lora_rank": "ten"})
