@@ -35,9 +35,17 @@ COMMON = dict(vocab_size=V, hidden_size=D, intermediate_size=40, moe_intermediat
               qk_nope_head_dim=NOPE, num_experts_per_tok=K, first_k_dense_replace=1, n_group=4, topk_group=2,
               max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
               tie_word_embeddings=False)  # fmt: skip
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
+        "mscale": 0.9, "mscale_all_dim": 0.7, "beta_fast": 32, "beta_slow": 1}  # fmt: skip
 # name -> (config class, model class, overrides)
 FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "v3": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM, {"q_lora_rank": RQ, "norm_topk_prob": True}),
+    # YaRN as DeepSeek V3 ships it: mscale_all_dim folded into the softmax scale; half-split pairs
+    "v3_yarn": (
+        T.DeepseekV3Config,
+        T.DeepseekV3ForCausalLM,
+        {"q_lora_rank": RQ, "norm_topk_prob": False, "rope_interleave": False, "rope_parameters": YARN},
+    ),
     "v2_greedy": (
         T.DeepseekV2Config,
         T.DeepseekV2ForCausalLM,
@@ -90,7 +98,7 @@ def test_blocks_say_what_each_family_is(saved: dict) -> None:
         specs = [b.spec for b in ours.blocks]
         assert all(isinstance(b.attn, LatentAttention) for b in ours.blocks)
         latent = specs[0].attention.latent
-        want_q = RQ if family == "v3" else None
+        want_q = RQ if family.startswith("v3") else None
         assert (latent.q_lora_rank, latent.kv_lora_rank, latent.qk_rope_head_dim, latent.v_head_dim) == (
             want_q,
             RKV,
@@ -99,9 +107,19 @@ def test_blocks_say_what_each_family_is(saved: dict) -> None:
         )
         assert specs[0].mlp.kind == "gated" and [s.mlp.kind for s in specs[1:]] == ["moe", "moe"]
         moe = specs[1].mlp
-        routing = {"v3": "sigmoid_group_topk", "v2_greedy": "softmax_topk", "v2_group": "softmax_group_topk"}
-        assert (moe.routing, moe.routed_scale, moe.score_bias) == (routing[family], 1.7, family == "v3")
+        v3 = family.startswith("v3")
+        routing = (
+            "sigmoid_group_topk"
+            if v3
+            else {"v2_greedy": "softmax_topk", "v2_group": "softmax_group_topk"}[family]
+        )
+        assert (moe.routing, moe.routed_scale, moe.score_bias) == (routing, 1.7, v3)
         assert moe.d_shared == 12 and not moe.shared_gate and moe.norm_topk == (family == "v3")
+        rotary = ours.blocks[0].attn.rotary
+        assert (rotary.d_head, rotary.interleaved) == (ROPE, family != "v3_yarn")
+        scale = ref.model.layers[0].self_attn.scaling  # (NOPE + ROPE) ** -0.5, times mscale ** 2 with YaRN
+        assert ours.blocks[0].attn.scale == pytest.approx(scale, rel=1e-12)
+        assert (scale != (NOPE + ROPE) ** -0.5) == (family == "v3_yarn")
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -109,7 +127,7 @@ def test_logits_patterns_and_greedy_decoding_equal_transformers(saved: dict, fam
     folder, ref = saved[family]
     ours = hs.load(folder)
     torch.manual_seed(2)
-    tokens = torch.randint(3, V, (2, 11))
+    tokens = torch.randint(3, V, (2, 21))  # longer than YaRN's original 16 positions
     with torch.no_grad():
         want = ref(input_ids=tokens, output_attentions=True)
         with hs.trace(ours.model, names=["*.hook_pattern"]) as t:

@@ -379,6 +379,7 @@ FAMILIES: tuple[Family, ...] = (
         _REL,
         _DEEPSEEK_T,
         rotation="interleaved",
+        rope_types=("default", "yarn"),
     ),
 )
 
