@@ -201,3 +201,43 @@ def test_bad_deepseek_fields_are_refused_naming_the_field() -> None:
         deepseek_config({**cfg, "mlp_bias": True})
     with pytest.raises(ValueError, match="kv_lora_rank"):
         deepseek_config({**cfg, "kv_lora_rank": "ten"})
+
+
+def test_dla_and_patching_per_latent_head(saved: dict) -> None:
+    """Direct logit attribution adds up to the logit through every latent head's hook_result, and
+    activation patching of each head (its hook_z, the prefix through the latent cache) equals patching
+    that head's z by hand."""
+    from headspace.analysis.causal.attribution import direct_logit_attribution
+    from headspace.analysis.causal.patching import patch
+
+    folder, _ = saved["v3"]
+    model = hs.load(folder).model
+    torch.manual_seed(5)
+    clean = torch.randint(3, V, (1, 9))
+    corrupt = clean.clone()
+    corrupt[0, 4] = 3 + (int(clean[0, 4]) + 7) % (V - 3)  # differs from position 4 on: a prefix of 4
+    dla = direct_logit_attribution(model, clean, 5, 7)
+    assert dla.heads.shape == (L, H) and float(dla.heads.abs().max()) > 0
+    torch.testing.assert_close(dla.total, dla.logit, atol=1e-4, rtol=0)
+    result = patch(model, clean, corrupt, answer=5, other=7)
+    assert result.effect.shape == (L, H) and float(result.effect.abs().max()) > 0
+
+    def metric(tokens: torch.Tensor) -> float:
+        logits = model(tokens)[0, -1]
+        return float(logits[5] - logits[7])
+
+    with torch.no_grad(), hs.trace(model, names=["blocks.*.attn.hook_z"]) as t:
+        model(clean)
+    for layer, head in ((0, 1), (2, 2)):
+        z_clean = t[f"blocks.{layer}.attn.hook_z"]  # (1, 9, H, DV)
+
+        def put(
+            z: torch.Tensor, _point: Any, head: int = head, z_clean: torch.Tensor = z_clean
+        ) -> torch.Tensor:
+            z = z.clone()
+            z[:, :, head] = z_clean[:, :, head]
+            return z
+
+        with torch.no_grad(), hs.trace(model, hooks={f"blocks.{layer}.attn.hook_z": put}):
+            patched = metric(corrupt)
+        assert patched == pytest.approx(float(result.patched_metric[layer, head]), abs=1e-4)
