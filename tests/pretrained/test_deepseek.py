@@ -241,3 +241,27 @@ def test_dla_and_patching_per_latent_head(saved: dict) -> None:
         with torch.no_grad(), hs.trace(model, hooks={f"blocks.{layer}.attn.hook_z": put}):
             patched = metric(corrupt)
         assert patched == pytest.approx(float(result.patched_metric[layer, head]), abs=1e-4)
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "int8"])
+def test_reduced_precision_converts_the_latent_projections(saved: dict, precision: str) -> None:
+    from headspace.kernels.bf16 import is_bf16
+    from headspace.kernels.int8 import is_int8
+
+    folder, _ = saved["v3"]
+    exact, ours = hs.load(folder), hs.load(folder, precision=precision)
+    reduced = is_bf16 if precision == "bfloat16" else is_int8
+    attn = ours.model.blocks[0].attn
+    for lin in (attn.q_a_proj, attn.q_b_proj, attn.kv_a_proj_with_mqa, attn.kv_b_proj, attn.o_proj):
+        assert reduced(lin.weight), precision
+    tokens = torch.randint(3, V, (2, 9))
+    name = "blocks.0.hook_attn_out"  # the first latent layer (later, a routing choice may flip)
+    with (
+        torch.no_grad(),
+        hs.trace(exact.model, names=[name]) as want,
+        hs.trace(ours.model, names=[name]) as got,
+    ):
+        exact(tokens), ours(tokens)
+    scale = float(want[name].abs().max())
+    torch.testing.assert_close(got[name], want[name], atol=0.05 * scale, rtol=0)
+    assert not torch.equal(got[name], want[name])

@@ -92,6 +92,10 @@ def _product_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
     found: list[tuple[nn.Module, str]] = []
     for block in model.blocks:
         attn = block.attn
+        if getattr(attn, "latent", None) is not None:  # latent attention: its projections are nn.Linear
+            found.extend((lin, "weight") for lin in attn.modules() if isinstance(lin, nn.Linear))
+            found.extend((lin, "weight") for lin in block.mlp.modules() if isinstance(lin, nn.Linear))
+            continue
         for name in ("qkv_weight",) if attn.fused else ("q_weight", "k_weight", "v_weight"):
             found.append((attn, name))
         found.append((attn, "o_weight"))
