@@ -174,6 +174,16 @@ def test_the_latent_cache_and_the_decoding_steps(saved: dict) -> None:
         first = ours.model(tokens[:, :6], kv_caches=caches)
         rest = [ours.model(tokens[:, i : i + 1], kv_caches=caches) for i in range(6, 9)]
     torch.testing.assert_close(torch.cat([first, *rest], dim=1), full, atol=1e-5, rtol=0)
+    # left-padded prompts of two lengths decode as each alone (rotation per row, the padding masked)
+    from headspace.decode.loop import generate
+
+    a, b = tokens[:, :6], tokens[:, 6:]
+    batch = torch.cat([a, torch.cat([torch.zeros(1, 3, dtype=torch.long), b], dim=1)])
+    real = torch.ones(2, 6, dtype=torch.bool)
+    real[1, :3] = False
+    both = generate(ours.model, batch, 5, key_padding=real, temperature=0)
+    assert torch.equal(both[:1], generate(ours.model, a, 5, temperature=0))
+    assert torch.equal(both[1:, 3:], generate(ours.model, b, 5, temperature=0))
     assert describe(ours.model) is None  # no cached step stands in for a latent block: forward runs
     config = dataclasses.replace(ours.config, extra={})
     dense = hs.Decoder(config).eval()  # the step of a plain model, given the latent block's description
@@ -265,3 +275,18 @@ def test_reduced_precision_converts_the_latent_projections(saved: dict, precisio
     scale = float(want[name].abs().max())
     torch.testing.assert_close(got[name], want[name], atol=0.05 * scale, rtol=0)
     assert not torch.equal(got[name], want[name])
+
+
+def test_weight_based_analyses_refuse_the_latent_by_name(saved: dict) -> None:
+    """Analyses reading a layer's W_Q / W_K / W_V tensors name the field rather than fail obscurely."""
+    import headspace.analysis as A
+
+    for family in ("v3", "v2_greedy"):  # (V2 without a query latent has a W_Q; its W_K is refused)
+        model = hs.load(saved[family][0]).model
+        for analysis in (A.composition_scores, A.circuit_spectra):
+            with pytest.raises(
+                AttributeError, match=r"^a latent attention layer \(the attention field 'latent'\)"
+            ):
+                analysis(model)
+    attn = model.blocks[0].attn
+    assert attn.W_Q.shape == (H, D, NOPE + ROPE) and not hasattr(attn, "W_K")

@@ -28,6 +28,7 @@ cached one). Per-head views: :mod:`headspace.attention.latent_heads`.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -41,6 +42,17 @@ from ..nn.spec import AttentionSpec, LatentSpec
 from . import recording
 from .checks import check_input_tensor
 from .latent_heads import LatentHead, LatentHeadList
+
+
+def no_plain_view(name: str) -> AttributeError:
+    """The one-line refusal of a per-layer ``W_Q`` / ``W_K`` / ``W_V`` tensor on a latent layer (an
+    ``AttributeError``, so ``hasattr`` is False): what reads it (a weight-based analysis) cannot run
+    on the field ``latent``; the per-head views are the factored products through the latent."""
+    return AttributeError(
+        f"a latent attention layer (the attention field 'latent') has no {name} tensor of its own: use "
+        f"attn.heads[h].{name}, a FactoredMatrix through the latent at a run's frozen norm scales "
+        "(headspace.attention.latent_heads)"
+    )
 
 
 def _fire(point: HookPoint, x: Tensor) -> Tensor:
@@ -91,6 +103,12 @@ class LatentAttention(nn.Module):
         self.hook_z = HookPoint()  # [batch, seq_q, n_heads, v_head_dim]
         self.hook_result = HookPoint()  # [batch, seq_q, n_heads, d_model]
 
+    def __getattr__(self, name: str) -> Any:
+        # a property raising AttributeError lands here (nn.Module's lookup): keep the property's message
+        if name in ("W_Q", "W_K", "W_V"):
+            raise no_plain_view(name)
+        return super().__getattr__(name)
+
     @classmethod
     def from_spec(cls, spec: AttentionSpec) -> LatentAttention:
         """The layer ``spec`` describes (fresh weights: torch's default linears, unit norms)."""
@@ -122,12 +140,22 @@ class LatentAttention(nn.Module):
         return self.o_proj.bias
 
     @property
-    def W_Q(self) -> Tensor | None:
-        """No query latent only: [n_heads, d_model, qk_head_dim], a view of ``q_proj.weight`` (None
-        with a query latent: see :attr:`W_QA` / :attr:`W_QB` and ``heads[h].W_Q``)."""
+    def W_Q(self) -> Tensor:
+        """No query latent only: [n_heads, d_model, qk_head_dim], a view of ``q_proj.weight``; with a query
+        latent there is none (:func:`no_plain_view`: see :attr:`W_QA` / :attr:`W_QB`, ``heads[h].W_Q``)."""
         if self.q_proj is None:
-            return None
+            raise no_plain_view("W_Q")
         return self.q_proj.weight.unflatten(0, (self.n_heads, self.d_head_qk)).transpose(1, 2)  # (H, d, dqk)
+
+    @property
+    def W_K(self) -> Tensor:
+        """None of its own (:func:`no_plain_view`): ``heads[h].W_K`` and :attr:`W_K_rope`."""
+        raise no_plain_view("W_K")
+
+    @property
+    def W_V(self) -> Tensor:
+        """None of its own (:func:`no_plain_view`): ``heads[h].W_V``."""
+        raise no_plain_view("W_V")
 
     @property
     def W_QA(self) -> Tensor | None:

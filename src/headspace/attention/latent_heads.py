@@ -51,7 +51,6 @@ class LatentHead:
         without a query latent."""
         a = self.attn
         if a.W_QA is None or a.W_QB is None or a.q_a_layernorm is None:
-            assert a.W_Q is not None
             W = a.W_Q[self.index]  # (d_model, dqk)
             return FactoredMatrix(W, torch.eye(W.shape[1], dtype=W.dtype, device=W.device))
         w_q = a.q_a_layernorm.weight  # (q_lora_rank,)
