@@ -163,7 +163,7 @@ def test_routing_equals_transformers_router_ties_included(saved: dict, family: s
 
 
 def test_the_latent_cache_and_the_decoding_steps(saved: dict) -> None:
-    folder, _ = saved["v3"]
+    folder, ref = saved["v3"]
     ours = hs.load(folder)
     caches = ours.model.make_kv_caches(1, 20)
     assert all(isinstance(c, LatentCache) for c in caches)
@@ -174,6 +174,9 @@ def test_the_latent_cache_and_the_decoding_steps(saved: dict) -> None:
         first = ours.model(tokens[:, :6], kv_caches=caches)
         rest = [ours.model(tokens[:, i : i + 1], kv_caches=caches) for i in range(6, 9)]
     torch.testing.assert_close(torch.cat([first, *rest], dim=1), full, atol=1e-5, rtol=0)
+    with torch.no_grad():  # transformers' cache holds the same per token: the latent and the rotary key
+        theirs = ref(input_ids=tokens, use_cache=True).past_key_values.layers[0]
+    assert theirs.keys.shape[-1] + theirs.values.shape[-1] == RKV + ROPE
     # left-padded prompts of two lengths decode as each alone (rotation per row, the padding masked)
     from headspace.decode.loop import generate
 
