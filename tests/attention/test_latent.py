@@ -119,6 +119,9 @@ def test_the_latent_cache_holds_the_latent_and_decodes_as_the_full_forward() -> 
     torch.testing.assert_close(cache.v[:, 0, :9], t["hook_rope_k"], atol=1e-6, rtol=0)
     with pytest.raises(ValueError, match=r"kv_cache overflow: 9 positions filled \+ 8 new > capacity 16"):
         layer(torch.randn(2, 8, D), kv_cache=cache)
+    with pytest.raises(ValueError, match="key_padding"):  # a refused mask leaves the cache as it was
+        layer(torch.randn(2, 2, D), kv_cache=cache, key_padding=torch.ones(2, 3, dtype=torch.bool))
+    assert cache.length == 9
     with pytest.raises(TypeError, match="kv_cache must be a LatentCache"):
         layer(x, kv_cache=hs.KVCache(2, H, NOPE + ROPE, 16))
 

@@ -167,7 +167,8 @@ class LatentAttention(nn.Module):
         """The query latent's per-head up projection [n_heads, q_lora_rank, qk_head_dim] (a view), or None."""
         if self.q_b_proj is None:
             return None
-        return self.q_b_proj.weight.unflatten(0, (self.n_heads, self.d_head_qk)).transpose(1, 2)
+        w = self.q_b_proj.weight.unflatten(0, (self.n_heads, self.d_head_qk))  # (H, dqk, q_lora_rank)
+        return w.transpose(1, 2)  # (H, q_lora_rank, dqk)
 
     @property
     def W_KVA(self) -> Tensor:
@@ -183,6 +184,7 @@ class LatentAttention(nn.Module):
     def _kv_b(self) -> Tensor:
         lat = self.latent
         w = self.kv_b_proj.weight.unflatten(0, (self.n_heads, lat.qk_nope_head_dim + lat.v_head_dim))
+        # (H, nope + dv, kv_lora_rank)
         return w.transpose(1, 2)  # (H, kv_lora_rank, nope + dv)
 
     @property
@@ -249,6 +251,7 @@ class LatentAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))  # (B, S, H dqk)
         q = _fire(self.hook_q, q.view(B, S, H, self.d_head_qk)).transpose(1, 2)  # (B, H, S, dqk)
         c, k_rope = self.kv_a_proj_with_mqa(x).split([lat.kv_lora_rank, lat.qk_rope_head_dim], dim=-1)
+        # (B, S, kv_lora_rank), (B, S, rope)
         c = _fire(self.hook_latent, self.kv_a_layernorm(c))  # (B, S, kv_lora_rank)
         k_rope = k_rope.reshape(B, 1, S, lat.qk_rope_head_dim)  # (B, 1, S, rope)
         if self.rotary is not None:
@@ -266,6 +269,7 @@ class LatentAttention(nn.Module):
         B, _, Sk, _ = c.shape
         lat, H = self.latent, self.n_heads
         kv = self.kv_b_proj(c.squeeze(1)).view(B, Sk, H, lat.qk_nope_head_dim + lat.v_head_dim)
+        # (B, Sk, H, nope + dv)
         k_nope, v = kv.split([lat.qk_nope_head_dim, lat.v_head_dim], dim=-1)  # (B, Sk, H, nope), (.., dv)
         k_rope = k_rope.squeeze(1).unsqueeze(2).expand(B, Sk, H, lat.qk_rope_head_dim)  # (B, Sk, H, rope)
         k = _fire(self.hook_k, torch.cat((k_nope, k_rope), dim=-1))  # (B, Sk, H, dqk)
@@ -300,6 +304,17 @@ class LatentAttention(nn.Module):
         start = 0 if kv_cache is None else kv_cache.length
         if kv_cache is not None:
             kv_cache.check(B, Sq, self.o_proj.weight.dtype, self.o_proj.weight.device)
+        mask = canonical_mask(
+            batch=B,
+            n_heads=self.n_heads,
+            seq_q=Sq,
+            seq_k=start + Sq,
+            key_padding=key_padding,
+            attn_mask=attn_mask,
+            is_causal=is_causal,
+            dtype=query.dtype,
+            device=query.device,
+        )  # fmt: skip  (checked before the cache takes the new positions: a refused call leaves it)
         cos = sin = None
         if self.rotary is not None:
             pos = torch.arange(start, start + Sq, device=query.device) if positions is None else positions
@@ -308,10 +323,6 @@ class LatentAttention(nn.Module):
         if kv_cache is not None:
             c, k_rope = kv_cache.append(c, k_rope)  # (B, 1, Sk, kv_lora_rank), (B, 1, Sk, rope)
         k, v = self.expand_kv(c, k_rope)  # (B, H, Sk, dqk), (B, H, Sk, dv)
-        mask = canonical_mask(
-            batch=B, n_heads=self.n_heads, seq_q=Sq, seq_k=k.shape[2], key_padding=key_padding,
-            attn_mask=attn_mask, is_causal=is_causal, dtype=query.dtype, device=query.device,
-        )  # fmt: skip
         points = (self.hook_scores, self.hook_pattern, self.hook_z)
         dropout_p = self.dropout if self.training else 0.0
         z, pattern, _ = recording.traced_attention(
