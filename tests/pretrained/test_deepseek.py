@@ -293,3 +293,50 @@ def test_weight_based_analyses_refuse_the_latent_by_name(saved: dict) -> None:
                 analysis(model)
     attn = model.blocks[0].attn
     assert attn.W_Q.shape == (H, D, NOPE + ROPE) and not hasattr(attn, "W_K")
+
+
+def test_the_released_configs_read_with_transformers_softmax_scale() -> None:
+    """DeepSeek-V3's and DeepSeek-V2-Lite's config.json as released (legacy ``rope_scaling`` YaRN,
+    ``topk_method``, ``scoring_func``, ``moe_layer_freq``; V3's fp8 quantization_config left out): the
+    blocks they describe and the softmax scale transformers computes from them."""
+    from transformers.modeling_rope_utils import yarn_apply_mscale
+
+    from headspace.pretrained.deepseek import deepseek_block_specs, deepseek_config
+
+    yarn = {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    }
+    shared = dict(hidden_act="silu", attention_bias=False, kv_lora_rank=512, max_position_embeddings=163840,
+                  moe_layer_freq=1, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                  rms_norm_eps=1e-6, rope_theta=10000, tie_word_embeddings=False)  # fmt: skip
+    v3 = dict(shared, model_type="deepseek_v3", hidden_size=7168, intermediate_size=18432,
+              first_k_dense_replace=3, moe_intermediate_size=2048, n_group=8, topk_group=4,
+              n_routed_experts=256, n_shared_experts=1, norm_topk_prob=True, num_attention_heads=128,
+              num_key_value_heads=128, num_experts_per_tok=8, num_hidden_layers=61, q_lora_rank=1536,
+              routed_scaling_factor=2.5, scoring_func="sigmoid", topk_method="noaux_tc", vocab_size=129280,
+              rope_scaling={**yarn, "mscale": 1.0, "mscale_all_dim": 1.0})  # fmt: skip
+    lite = dict(shared, model_type="deepseek_v2", hidden_size=2048, intermediate_size=10944,
+                first_k_dense_replace=1, moe_intermediate_size=1408, n_group=1, topk_group=1,
+                n_routed_experts=64, n_shared_experts=2, norm_topk_prob=False, num_attention_heads=16,
+                num_key_value_heads=16, num_experts_per_tok=6, num_hidden_layers=27, q_lora_rank=None,
+                routed_scaling_factor=1.0, scoring_func="softmax", topk_method="greedy", vocab_size=102400,
+                rope_scaling={**yarn, "mscale": 0.707, "mscale_all_dim": 0.707})  # fmt: skip
+    for hf, dense, d_shared, routing in (
+        (v3, 3, 2048, "sigmoid_group_topk"),
+        (lite, 1, 2816, "softmax_topk"),
+    ):
+        specs = deepseek_block_specs(deepseek_config(hf))
+        assert [s.mlp.kind for s in specs[: dense + 1]] == ["gated"] * dense + ["moe"]
+        assert (specs[-1].mlp.routing, specs[-1].mlp.d_shared) == (routing, d_shared)
+        attention = specs[0].attention
+        assert (attention.d_head, attention.positions.rope_type, attention.positions.d_head) == (
+            192,
+            "yarn",
+            64,
+        )
+        want = yarn_apply_mscale({**hf["rope_scaling"], "rope_type": "yarn"}, 192**-0.5)
+        assert attention.scale == pytest.approx(want, rel=1e-12) and want != 192**-0.5
