@@ -23,6 +23,7 @@ from headspace.attention.latent import LatentAttention
 from headspace.decode import describe, native, python
 from headspace.model.moe import MixtureOfExperts
 from headspace.nn.latent_cache import LatentCache
+from headspace.nn.spec import MLPSpec
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -37,6 +38,7 @@ COMMON = dict(vocab_size=V, hidden_size=D, intermediate_size=40, moe_intermediat
               tie_word_embeddings=False)  # fmt: skip
 YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16,
         "mscale": 0.9, "mscale_all_dim": 0.7, "beta_fast": 32, "beta_slow": 1}  # fmt: skip
+MOE = MLPSpec(12, "moe", "silu", False, n_experts=E, top_k=K)
 # name -> (config class, model class, overrides)
 FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "v3": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM, {"q_lora_rank": RQ, "norm_topk_prob": True}),
@@ -187,21 +189,45 @@ def test_the_latent_cache_and_the_decoding_steps(saved: dict) -> None:
     both = generate(ours.model, batch, 5, key_padding=real, temperature=0)
     assert torch.equal(both[:1], generate(ours.model, a, 5, temperature=0))
     assert torch.equal(both[1:, 3:], generate(ours.model, b, 5, temperature=0))
-    assert describe(ours.model) is None  # no cached step stands in for a latent block: forward runs
-    config = dataclasses.replace(ours.config, extra={})
-    dense = hs.Decoder(config).eval()  # the step of a plain model, given the latent block's description
-    step = describe(dense)
-    assert step is not None
-    layers = tuple(dataclasses.replace(x, spec=ours.model.blocks[0].spec) for x in step.layers)
-    latent_step = dataclasses.replace(step, layers=layers)
+    assert describe(ours.model) is None  # its MoE blocks have no cached step: forward runs
+
+
+def test_the_python_step_runs_latent_blocks_and_the_native_step_refuses_them(tmp_path: Path) -> None:
+    """A DeepSeek V3 of dense blocks only (first_k_dense_replace = every layer): the cached step runs in
+    Python (each latent layer's forward on the new position with its LatentCache), equal to forward
+    and to transformers' greedy decoding; the native step names the field it lacks."""
+    from headspace.decode.backends import Stepper
+
+    torch.manual_seed(6)
+    config = T.DeepseekV3Config(**{**COMMON, "q_lora_rank": RQ, "first_k_dense_replace": L})
+    ref = T.DeepseekV3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            p.copy_((1.0 + 0.3 * torch.randn_like(p)) if "norm" in name else 0.2 * torch.randn_like(p))
+    ref.save_pretrained(tmp_path)
+    ours = hs.load(tmp_path)
+    step = describe(ours.model)
+    assert step is not None and all(layer.latent is not None for layer in step.layers)
+    assert native.native_form(step) is None and native.prepare(step) is None  # the Python step runs it
+    stepper = Stepper(step)
+    tokens = torch.randint(3, V, (2, 8))
+    caches = ours.model.make_kv_caches(2, 16)
+    with torch.no_grad():
+        full = ours.model(tokens)  # (2, 8, V)
+        ours.model(tokens[:, :5], kv_caches=caches)
+        stepped = [stepper.logits(tokens[:, i : i + 1], caches) for i in range(5, 8)]
+    assert stepper.backend_used == "python" and caches[0].length == 8
+    torch.testing.assert_close(torch.stack(stepped, dim=1), full[:, 5:], atol=1e-5, rtol=0)
+    prompt = tokens[:1, :5]
+    with torch.no_grad():
+        expected = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6,
+                                do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
+    assert torch.equal(ours.generate(prompt, 6, temperature=0), expected)
+    latent_moe = dataclasses.replace(step.layers[0], spec=dataclasses.replace(step.layers[0].spec, mlp=MOE))
     with pytest.raises(
-        ValueError, match="the native decoding step does not support the attention field 'latent'"
+        ValueError, match=r"the Python decoding step does not support the block field 'mlp\.kind'"
     ):
-        native.native_form(latent_step)
-    with pytest.raises(
-        ValueError, match="the Python decoding step does not support the attention field 'latent'"
-    ):
-        python.prepare(latent_step)
+        python.prepare(dataclasses.replace(step, layers=(latent_moe,)))
 
 
 def test_bad_deepseek_fields_are_refused_naming_the_field() -> None:

@@ -41,6 +41,8 @@ def native_form(step: DecodeStep) -> tuple[list[NamedFields], NamedFields | None
     (:data:`NATIVE_FEATURES`) raises ``ValueError`` naming the field: it never falls back silently."""
     layers = []
     for layer in step.layers:
+        if layer.latent is not None:  # latent attention (DeepSeek): no native form, the Python step runs it
+            return None
         if layer.spec is not None:
             refuse_unsupported(layer.spec, "the native decoding step", NATIVE_FEATURES)
         fields = named_fields(layer)

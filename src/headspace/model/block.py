@@ -425,8 +425,16 @@ class TransformerBlock(nn.Module):
         :class:`~headspace.MultiHeadAttention`'s own forward (sliding windows, QK-norm and per-layer
         rotations included), no ``check_finite``, this module's MLPs; not score soft-capping (Gemma 2:
         its scores take the reference maths) nor a model-wide :attr:`decode_blockers` reason. Where
-        False, decoding runs :meth:`forward` with the KV cache."""
+        False, decoding runs :meth:`forward` with the KV cache. A pre-norm block with latent attention
+        (DeepSeek) with its own forward has the Python step (its forward on one position)."""
         a = self.attn
+        if isinstance(a, LatentAttention):
+            return (
+                self.norm == "pre"
+                and not self.decode_blockers
+                and type(a).forward is LatentAttention.forward
+                and isinstance(self.mlp, (FeedForward, GatedFeedForward))
+            )
         return (
             self.norm in ("pre", "sandwich", "post_sublayer", "parallel")
             and not self.decode_blockers
