@@ -190,9 +190,12 @@ def test_the_latent_cache_and_the_decoding_steps(saved: dict) -> None:
     assert torch.equal(both[:1], generate(ours.model, a, 5, temperature=0))
     assert torch.equal(both[1:, 3:], generate(ours.model, b, 5, temperature=0))
     assert describe(ours.model) is None  # its MoE blocks have no cached step: forward runs
+    from headspace.pretrained import families_table as ft
+
+    assert ft.decode_route(ours) == "forward" and "forward" in ft.family("deepseek_v3").decode
 
 
-def test_the_python_step_runs_latent_blocks_and_the_native_step_refuses_them(tmp_path: Path) -> None:
+def test_the_python_step_runs_latent_blocks_and_the_native_step_leaves_them_to_it(tmp_path: Path) -> None:
     """A DeepSeek V3 of dense blocks only (first_k_dense_replace = every layer): the cached step runs in
     Python (each latent layer's forward on the new position with its LatentCache), equal to forward
     and to transformers' greedy decoding; the native step names the field it lacks."""
@@ -209,6 +212,9 @@ def test_the_python_step_runs_latent_blocks_and_the_native_step_refuses_them(tmp
     step = describe(ours.model)
     assert step is not None and all(layer.latent is not None for layer in step.layers)
     assert native.native_form(step) is None and native.prepare(step) is None  # the Python step runs it
+    from headspace.pretrained import families_table as ft
+
+    assert ft.decode_route(ours) == "python" and "python" in ft.family("deepseek_v3").decode
     stepper = Stepper(step)
     tokens = torch.randint(3, V, (2, 8))
     caches = ours.model.make_kv_caches(2, 16)
