@@ -55,8 +55,10 @@ class MixtureOfExperts(nn.Module):
     ``experts_in`` [n_experts, d_mlp, d_model] (each expert's ``gate_proj`` / ``up_proj``, [out, in]),
     ``experts_out`` [n_experts, d_model, d_mlp] (``down_proj``); with ``d_shared``: ``shared`` (a
     :class:`~headspace.model.mlp.GatedFeedForward` of width ``d_shared``) and ``shared_gate``
-    (``nn.Linear(d_model, 1)``, no bias). ``ablated``: expert indices whose routing weight is set to 0
-    (the others keep theirs: no renormalisation), empty by default.
+    (``nn.Linear(d_model, 1)``, no bias; None with ``shared_gate=False``: DeepSeek). ``ablated``: expert
+    indices whose routing weight is set to 0 (the others keep theirs: no renormalisation), empty by
+    default. DeepSeek: ``groups=(n_group, topk_group)`` for the group-limited routings, ``routed_scale``
+    (the k weights' factor) and ``score_bias`` (the parameter ``score_bias`` [E], V3's correction bias).
     """
 
     def __init__(
