@@ -132,16 +132,16 @@ def sink_spec(spec: BlockSpec) -> BlockSpec:
     return dataclasses.replace(spec, attention=dataclasses.replace(spec.attention, sink="learned"))
 
 
-def chunk_spec(spec: BlockSpec) -> BlockSpec:
-    return dataclasses.replace(spec, attention=dataclasses.replace(spec.attention, chunk=4))
+def alibi_spec(spec: BlockSpec) -> BlockSpec:
+    return dataclasses.replace(spec, attention=dataclasses.replace(spec.attention, bias="alibi"))
 
 
 def test_each_executor_refuses_a_field_it_lacks_by_name() -> None:
     torch.manual_seed(6)
     model = hs.Decoder(llama_like()).eval()
     block = model.blocks[0]
-    with pytest.raises(ValueError, match="the block forward does not support the attention field 'chunk'"):
-        TransformerBlock.from_spec(chunk_spec(block.spec))
+    with pytest.raises(ValueError, match="the block forward does not support the attention field 'bias'"):
+        TransformerBlock.from_spec(alibi_spec(block.spec))
     before = block.spec
     with pytest.raises(ValueError, match="the block forward does not support the attention field 'gate'"):
         block.spec = dataclasses.replace(
@@ -162,8 +162,8 @@ def test_each_executor_refuses_a_field_it_lacks_by_name() -> None:
     ):
         python.prepare(sunk)
     # the description a block reads is the one describe reads: set below the block's own check
-    block.attn._spec = chunk_spec(block.spec).attention
-    with pytest.raises(ValueError, match="the decoding step does not support the attention field 'chunk'"):
+    block.attn._spec = alibi_spec(block.spec).attention
+    with pytest.raises(ValueError, match="the decoding step does not support the attention field 'bias'"):
         describe(model)
     qk = hs.Decoder(llama_like(qk_norm="head"))
     with pytest.raises(

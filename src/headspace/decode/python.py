@@ -200,7 +200,7 @@ def _normed_qk(layer: _Layer, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
     """QK-norm of the new q [B, H, 1, dh] and k [B, Hkv, 1, dh]: over each head's d_head (``"head"``)
     or over the concatenated heads (``"all"``), as :meth:`~headspace.MultiHeadAttention.normed_qk`."""
     assert layer.q_norm is not None and layer.k_norm is not None
-    if layer.qk_norm in ("head", "head_layernorm"):
+    if layer.qk_norm in ("head", "head_layernorm", "l2"):
         return layer.q_norm(q), layer.k_norm(k)
     B, H, _, dh = q.shape
     Hkv = k.shape[1]

@@ -66,7 +66,7 @@ def make_norm(kind: str, d_model: int, eps: float, offset: float = 0.0) -> nn.Mo
 
 
 #: The block features (:func:`~headspace.nn.spec.features_of`) :meth:`TransformerBlock.forward` computes.
-BLOCK_FEATURES = ("window", "softcap", "qk_norm", "layout", "sink", "moe")
+BLOCK_FEATURES = ("window", "chunk", "softcap", "qk_norm", "layout", "sink", "moe", "temperature")
 
 
 def _check_block_args(
@@ -113,6 +113,7 @@ def _check_block_fits(old: BlockSpec, new: BlockSpec) -> None:
         "mlp.router_bias": (old.mlp.router_bias, new.mlp.router_bias),
         "mlp.swiglu_limit": (old.mlp.swiglu_limit, new.mlp.swiglu_limit),
         "mlp.swiglu_alpha": (old.mlp.swiglu_alpha, new.mlp.swiglu_alpha),
+        "mlp.shared_gate": (old.mlp.shared_gate, new.mlp.shared_gate),
         "layout == 'sandwich'": (old.layout == "sandwich", new.layout == "sandwich"),
     }
     for name, (have, got) in fixed.items():
@@ -236,6 +237,8 @@ class TransformerBlock(nn.Module):
                 qk_norm=a.qk_norm, qk_norm_eps=a.qk_norm_eps, qk_norm_offset=a.qk_norm_offset,
                 softcap=a.softcap, scale=a.scale, sink=a.sink,
             )  # fmt: skip
+            if a.chunk is not None or a.temperature is not None:  # (Llama 4's: set on the built layer)
+                attention.spec = dataclasses.replace(attention.spec, chunk=a.chunk, temperature=a.temperature)
         self.attn = attention
         self.ln1 = make_norm(n.kind, d, n.eps, n.offset)
         m = spec.mlp
@@ -430,6 +433,8 @@ class TransformerBlock(nn.Module):
             and isinstance(a, MultiHeadAttention)
             and self.spec.attention.softcap is None  # not a head-parallel shard, which has no fused weight
             and self.spec.attention.sink is None  # (the step has no sinks: decoding runs forward)
+            and self.spec.attention.chunk is None  # nor Llama 4's chunks and query temperature
+            and self.spec.attention.temperature is None
             and type(a).forward is MultiHeadAttention.forward
             and a.fused
             and not a.check_finite

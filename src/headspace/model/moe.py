@@ -9,6 +9,11 @@ For each position ``x`` [d_model], with ``E`` experts of width ``d_mlp`` and ``k
     y_e   = (act(x W_gate[e]) * (x W_in[e])) W_out[e]       expert e's output [d_model]
     MoE(x) = sum_j w_j y_{i_j}  +  sigmoid(x w_sg) Shared(x)   (the shared term: Qwen2-MoE only)
 
+Llama 4 (``routing="topk_sigmoid"``, ``shared_gate=False``)::
+
+    v, i  = topk(r, k);   w = sigmoid(v)            each chosen logit's sigmoid (float32)
+    MoE(x) = sum_j y_{i_j}(w_j x)  +  Shared(x)     the weight scales the expert's input; no shared gate
+
 exactly as transformers' ``*TopKRouter`` / ``*Experts`` compute it (the routing weights of unchosen
 experts are 0, so the sum runs over the chosen ones only). gpt-oss (``routing="topk_softmax"``,
 ``router_bias``, expert biases, ``swiglu_limit`` / ``swiglu_alpha``)::
@@ -68,6 +73,7 @@ class MixtureOfExperts(nn.Module):
         router_bias: bool = False,
         bias: bool = False,
         swiglu: tuple[float, float] | None = None,
+        shared_gate: bool = True,
     ) -> None:
         super().__init__()
         for name, value in (("d_model", d_model), ("d_mlp", d_mlp), ("n_experts", n_experts)):
@@ -75,8 +81,10 @@ class MixtureOfExperts(nn.Module):
         check_positive_int("top_k", top_k)
         if top_k > n_experts:
             raise ValueError(f"top_k must be at most n_experts={n_experts}; got {top_k}")
-        if routing not in ("softmax_topk", "topk_softmax"):
-            raise ValueError(f"routing must be 'softmax_topk' or 'topk_softmax'; got {routing!r}")
+        if routing not in ("softmax_topk", "topk_softmax", "topk_sigmoid"):
+            raise ValueError(
+                f"routing must be 'softmax_topk', 'topk_softmax' or 'topk_sigmoid'; got {routing!r}"
+            )
         self.n_experts, self.top_k, self.norm_topk, self.act_name = n_experts, top_k, norm_topk, act
         self.routing, self.swiglu = routing, swiglu
         self.act = make_activation(act)
@@ -94,7 +102,7 @@ class MixtureOfExperts(nn.Module):
         self.shared_gate: nn.Linear | None = None
         if d_shared is not None:
             self.shared = GatedFeedForward(d_model, d_shared, act=act, bias=False)
-            self.shared_gate = nn.Linear(d_model, 1, bias=False)
+            self.shared_gate = nn.Linear(d_model, 1, bias=False) if shared_gate else None
         self.ablated: tuple[int, ...] = ()
         self.hook_router_logits = HookPoint()  # [batch, seq, n_experts]
         self.hook_top_k = HookPoint()  # [batch, seq, top_k] int64
@@ -116,10 +124,14 @@ class MixtureOfExperts(nn.Module):
         experts not chosen), firing the router's hook points."""
         logits = F.linear(x, self.router.weight, self.router.bias)  # (batch, seq, E)
         logits = _fire(self.hook_router_logits, logits)
-        if self.routing == "topk_softmax":  # gpt-oss: the k largest logits, then their softmax
+        if self.routing in ("topk_softmax", "topk_sigmoid"):  # the k largest logits, then their weights
             probs = logits
             top_i = _fire(self.hook_top_k, torch.topk(logits, self.top_k, dim=-1).indices)  # (batch, seq, k)
-            top_w = F.softmax(logits.gather(-1, top_i), dim=-1, dtype=logits.dtype)  # (batch, seq, k)
+            top_v = logits.gather(-1, top_i)  # (batch, seq, k)
+            if self.routing == "topk_softmax":  # gpt-oss: their softmax
+                top_w = F.softmax(top_v, dim=-1, dtype=logits.dtype)  # (batch, seq, k)
+            else:  # Llama 4: each one's sigmoid (float32, as transformers)
+                top_w = torch.sigmoid(top_v.float()).to(logits.dtype)  # (batch, seq, k)
             dense = torch.zeros_like(probs).scatter(-1, top_i, top_w)  # (batch, seq, E)
             if self.ablated:
                 dense[..., list(self.ablated)] = 0.0
@@ -164,7 +176,10 @@ class MixtureOfExperts(nn.Module):
         out = torch.zeros_like(flat)  # (N, d_model)
         for e in torch.nonzero(weights.ne(0).any(dim=0)).flatten().tolist():
             rows = torch.nonzero(weights[:, e]).flatten()  # (n_e,)
-            y = self.expert(e, flat[rows]) * weights[rows, e, None]  # (n_e, d_model)
+            if self.routing == "topk_sigmoid":  # Llama 4: the weight scales the expert's input
+                y = self.expert(e, flat[rows] * weights[rows, e, None])  # (n_e, d_model)
+            else:
+                y = self.expert(e, flat[rows]) * weights[rows, e, None]  # (n_e, d_model)
             if per_expert is not None:
                 per_expert[rows, e] = y
             else:
@@ -172,8 +187,10 @@ class MixtureOfExperts(nn.Module):
         if per_expert is not None:
             per_expert = self.hook_expert_out(per_expert.reshape(batch, seq, self.n_experts, d))
             out = per_expert.sum(dim=2).reshape(batch * seq, d)  # (N, d_model)
-        if self.shared is not None and self.shared_gate is not None:
-            shared = torch.sigmoid(self.shared_gate(flat)) * self.shared(flat)  # (N, d_model)
+        if self.shared is not None:
+            shared = self.shared(flat)  # (N, d_model)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(flat)) * shared  # (N, d_model)
             out = out + _fire(self.hook_shared_out, shared.reshape(batch, seq, d)).reshape(batch * seq, d)
         return out.reshape(batch, seq, d)  # (batch, seq, d_model)
 
@@ -195,5 +212,5 @@ def moe_of(d_model: int, spec: MLPSpec) -> MixtureOfExperts:
     return MixtureOfExperts(
         d_model, spec.d_mlp, spec.n_experts, spec.top_k,
         act=spec.act, norm_topk=spec.norm_topk, d_shared=spec.d_shared, routing=spec.routing,
-        router_bias=spec.router_bias, bias=spec.bias, swiglu=swiglu,
+        router_bias=spec.router_bias, bias=spec.bias, swiglu=swiglu, shared_gate=spec.shared_gate,
     )  # fmt: skip

@@ -43,13 +43,15 @@ LAYOUTS = ("post", "pre", "sandwich", "post_sublayer", "parallel")
 MLP_KINDS = ("plain", "gated", "moe")
 #: How a mixture of experts weighs its k experts (``MLPSpec.routing``): ``"softmax_topk"`` (the softmax
 #: over all experts, then the k largest: Mixtral, Qwen-MoE, OLMoE) or ``"topk_softmax"`` (the k largest
-#: logits, then the softmax over those k: gpt-oss).
-ROUTINGS = ("softmax_topk", "topk_softmax")
+#: logits, then the softmax over those k: gpt-oss) or ``"topk_sigmoid"`` (the k largest logits, each
+#: through a sigmoid, the weight scaling the expert's input, not its output: Llama 4).
+ROUTINGS = ("softmax_topk", "topk_softmax", "topk_sigmoid")
 #: The activations of an MLP (``MLPSpec.act``).
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 #: QK-norm over each head's d_head (``"head"``: Qwen3, Gemma 3) or all heads at once (``"all"``: OLMo 2),
-#: RMSNorms; ``"head_layernorm"``: a LayerNorm per head with its own weight, no bias (StableLM, Cohere).
-QK_NORMS = ("head", "all", "head_layernorm")
+#: RMSNorms; ``"head_layernorm"``: a LayerNorm per head with its own weight, no bias (StableLM, Cohere);
+#: ``"l2"``: an RMSNorm over each head's d_head without a weight (Llama 4's ``L2Norm``).
+QK_NORMS = ("head", "all", "head_layernorm", "l2")
 #: Additive score biases (``AttentionSpec.bias``): ALiBi's per-head linear distance penalty.
 SCORE_BIASES = ("alibi",)
 #: Attention sinks (``AttentionSpec.sink``): one learned logit per head in the softmax (gpt-oss).
@@ -58,7 +60,7 @@ SINKS = ("learned",)
 GATES = ("headwise", "elementwise")
 #: The attention fields that change what an attention layer computes beyond the classic layer, in the
 #: order executors check them: :func:`refuse_unsupported` names the first one an executor lacks.
-ATTENTION_FEATURES = ("window", "chunk", "softcap", "qk_norm", "bias", "sink", "gate")
+ATTENTION_FEATURES = ("window", "chunk", "softcap", "qk_norm", "bias", "sink", "gate", "temperature")
 
 
 def _fail(owner: str, name: str, expected: str, value: object) -> ValueError:
@@ -124,6 +126,9 @@ class AttentionSpec:
     softcap)``. ``qk_norm``: RMSNorm of q and k (``"head"`` or ``"all"``) with ``qk_norm_eps`` and
     ``qk_norm_offset``. ``bias``: an additive score bias (``"alibi"``). ``sink``: learned sink logits
     (``"learned"``). ``gate``: a gate on each head's output. ``dropout``: on the pattern, in [0, 1).
+    ``temperature``: ``(floor_scale, attn_scale)``, Llama 4's per-position query temperature: the query
+    at absolute position ``p`` is multiplied by ``1 + attn_scale * log(1 + floor((p + 1) / floor_scale))``
+    (:mod:`headspace.attention.temperature`); None: none.
     """
 
     d_model: int
@@ -144,6 +149,7 @@ class AttentionSpec:
     sink: str | None = None
     gate: str | None = None
     dropout: float = 0.0
+    temperature: tuple[float, float] | None = None
 
     def __post_init__(self) -> None:
         o = "AttentionSpec"
@@ -173,6 +179,14 @@ class AttentionSpec:
         _choice(o, "gate", self.gate, GATES, optional=True)
         if not is_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
             raise _fail(o, "dropout", "a float in [0, 1)", self.dropout)
+        t = self.temperature
+        if t is not None and not (
+            isinstance(t, tuple)
+            and len(t) == 2
+            and all(is_number(v) and math.isfinite(v) for v in t)
+            and t[0] > 0
+        ):
+            raise _fail(o, "temperature", "None or (floor_scale > 0, attn_scale), two finite floats", t)
 
     @property
     def score_scale(self) -> float:
@@ -192,8 +206,9 @@ class MLPSpec:
     :data:`ROUTINGS`; ``router_bias``: the router has a bias (gpt-oss); ``bias``: each expert's three
     projections have biases. ``swiglu_limit`` / ``swiglu_alpha`` (gpt-oss's clamped SwiGLU, both or
     neither): ``g = min(x W_gate, limit)``, ``u = clamp(x W_in, -limit, limit)``, hidden ``(u + 1) g
-    sigmoid(alpha g)`` in place of ``act(x W_gate) (x W_in)``. The expert fields must keep their
-    defaults for the other kinds."""
+    sigmoid(alpha g)`` in place of ``act(x W_gate) (x W_in)``. ``shared_gate`` False: the shared expert
+    is added without its sigmoid gate (Llama 4). The expert fields must keep their defaults for the
+    other kinds."""
 
     d_mlp: int
     kind: str = "plain"
@@ -207,9 +222,11 @@ class MLPSpec:
     router_bias: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float | None = None
+    shared_gate: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("MLPSpec", "d_mlp", self.d_mlp)
+        _bool("MLPSpec", "shared_gate", self.shared_gate)
         _choice("MLPSpec", "kind", self.kind, MLP_KINDS)
         _choice("MLPSpec", "act", self.act, ACTIVATIONS)
         _bool("MLPSpec", "bias", self.bias)

@@ -41,6 +41,7 @@ _ROTARY_T = "tests/pretrained/test_rotary_families.py"
 _PARALLEL_T = "tests/pretrained/test_parallel_families.py"
 _VARIANTS_T = "tests/pretrained/test_llama_variants.py"
 _MOE_T = "tests/pretrained/test_moe_families.py"
+_LLAMA4_T = "tests/pretrained/test_llama4.py"
 _ENCDEC_T = "tests/encdec/test_families.py"
 
 
@@ -356,6 +357,17 @@ FAMILIES: tuple[Family, ...] = (
         ("forward",),
         _REL,
         _MOE_T,
+    ),
+    _d(
+        "llama4_text",
+        "rotary; NoPE layers with a query temperature",
+        _PRE,
+        _RMS,
+        "chunked attention; weightless L2 QK-norm; sigmoid-routed experts and dense layers",
+        ("forward",),
+        _REL,
+        _LLAMA4_T,
+        rotation="interleaved",
     ),
 )
 

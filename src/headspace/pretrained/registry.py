@@ -20,6 +20,7 @@ from .gguf import load_gemma3, load_gguf, load_smollm2
 from .gpt2 import load_gpt2
 from .hf import checked_folder, read_json, require_file
 from .llama import load_llama
+from .llama4 import load_llama4
 from .llama_variants import VARIANT_MODEL_TYPES
 from .moe_families import MOE_MODEL_TYPES, load_moe
 from .parallel_families import PARALLEL_FAMILY_TYPES, load_parallel_family
@@ -157,6 +158,7 @@ FOLDER_LOADERS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] 
     **dict.fromkeys(ROTARY_FAMILY_TYPES, load_family),  # phi3, gemma, granite, olmo, seed_oss, olmo3, exaone4
     **dict.fromkeys(PARALLEL_FAMILY_TYPES, load_parallel_family),  # gpt_neox, stablelm, cohere, phi, gptj
     **dict.fromkeys(MOE_MODEL_TYPES, load_moe),  # mixtral, qwen2_moe, qwen3_moe, olmoe, gpt_oss
+    "llama4_text": load_llama4,  # chunks, NoPE temperature, L2 QK-norm, sigmoid-routed experts (issue #39)
 }
 
 
