@@ -20,7 +20,7 @@ import dataclasses
 from ..nn.spec import AttentionSpec, refuse_unsupported
 
 #: The attention features (:data:`~headspace.nn.spec.ATTENTION_FEATURES`) the layer's forward computes.
-FORWARD_FEATURES = ("window", "chunk", "softcap", "qk_norm", "sink", "temperature")
+FORWARD_FEATURES = ("window", "chunk", "softcap", "qk_norm", "sink", "temperature", "differential")
 
 
 class DescribedAttention:
@@ -69,6 +69,7 @@ class DescribedAttention:
             "qk_norm per-head LayerNorm": type(q_norm).__name__ == "HeadLayerNorm",
             "qk_norm weightless": type(q_norm).__name__ == "L2Norm",
             "sink is None": self._parameters.get("sinks") is None,  # type: ignore[attr-defined]
+            "differential is None": self._parameters.get("lambda_q1") is None,  # type: ignore[attr-defined]
         }
         wanted = {
             "d_model": spec.d_model,
@@ -80,6 +81,7 @@ class DescribedAttention:
             "qk_norm per-head LayerNorm": spec.qk_norm == "head_layernorm",
             "qk_norm weightless": spec.qk_norm == "l2",
             "sink is None": spec.sink is None,
+            "differential is None": spec.differential is None,
         }
         if width is not None:
             found["qk_norm width"] = width

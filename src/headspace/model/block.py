@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..attention.described import DescribedAttention
+from ..attention.differential import DifferentialAttention
 from ..attention.functional import sdpa_attention
 from ..attention.layer import MultiHeadAttention, check_input_tensor
 from ..core.checks import check_positive_float, check_probability
@@ -66,7 +67,17 @@ def make_norm(kind: str, d_model: int, eps: float, offset: float = 0.0) -> nn.Mo
 
 
 #: The block features (:func:`~headspace.nn.spec.features_of`) :meth:`TransformerBlock.forward` computes.
-BLOCK_FEATURES = ("window", "chunk", "softcap", "qk_norm", "layout", "sink", "moe", "temperature")
+BLOCK_FEATURES = (
+    "window",
+    "chunk",
+    "softcap",
+    "qk_norm",
+    "layout",
+    "sink",
+    "moe",
+    "temperature",
+    "differential",
+)
 
 
 def _check_block_args(
@@ -231,11 +242,15 @@ class TransformerBlock(nn.Module):
         refuse_unsupported(spec, "the block forward", BLOCK_FEATURES)
         a, n, d = spec.attention, spec.norm, spec.d_model
         if attention is None:
-            attention = MultiHeadAttention(
+            kind, extra = MultiHeadAttention, {}
+            if a.differential is not None:  # DiffLlama: the pair norm's eps is the description's qk_norm_eps
+                kind = DifferentialAttention
+                extra = {"lambda_init": a.differential, "norm_eps": a.qk_norm_eps}
+            attention = kind(
                 d, a.n_heads, d_head=a.d_head, n_kv_heads=a.n_kv_heads, dropout=a.dropout,
                 qkv_bias=a.qkv_bias, out_bias=a.out_bias, rotary=a.positions, window=a.window,
                 qk_norm=a.qk_norm, qk_norm_eps=a.qk_norm_eps, qk_norm_offset=a.qk_norm_offset,
-                softcap=a.softcap, scale=a.scale, sink=a.sink,
+                softcap=a.softcap, scale=a.scale, sink=a.sink, **extra,
             )  # fmt: skip
             if a.chunk is not None or a.temperature is not None:  # (Llama 4's: set on the built layer)
                 attention.spec = dataclasses.replace(attention.spec, chunk=a.chunk, temperature=a.temperature)

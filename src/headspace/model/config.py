@@ -171,6 +171,8 @@ class ModelConfig:
     moe_layers: list[int] | None = None
     dense_d_mlp: int | None = None
     shared_expert_gate: bool = True
+    #: DiffLlama: differential attention on every layer (:mod:`headspace.attention.differential`).
+    diff_attention: bool = False
     #: Biases on the q, k and v projections; derived: bias (Qwen2: True with bias=False).
     qkv_bias: bool | None = None
     #: Bias on the attention output projection (b_O); derived: bias.

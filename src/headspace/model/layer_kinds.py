@@ -8,7 +8,9 @@
   its NoPE layers);
 * ``moe_layers`` with ``dense_d_mlp``: a mixture of experts on those layers only, a gated MLP of width
   ``dense_d_mlp`` on the others (``interleave_moe_layer_step``); ``shared_expert_gate`` False: the shared
-  expert is added without a gate.
+  expert is added without a gate;
+* ``diff_attention`` (DiffLlama): differential attention on every layer, ``lambda_init`` by the layer's
+  index (``AttentionSpec.differential``, :mod:`headspace.attention.differential`).
 
 :func:`check_llama4_fields` checks them (one-line ``ValueError`` naming the field);
 :func:`attention_fields` and :func:`mlp_fields` give one layer's changes to its block description.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..attention.differential import lambda_init_of
 from ..core.checks import is_int, is_number
 
 
@@ -53,16 +56,19 @@ def check_llama4_fields(c: Any) -> None:
         raise ValueError(f"ModelConfig.dense_d_mlp must be None or a positive int; got {dense!r}")
     if layers is not None and len(layers) < c.n_layers and dense is None:
         raise ValueError("ModelConfig.moe_layers leaves dense layers: set dense_d_mlp, their MLP's width")
+    if not isinstance(c.diff_attention, bool):
+        raise ValueError(f"ModelConfig.diff_attention must be a bool; got {c.diff_attention!r}")
     if not isinstance(c.shared_expert_gate, bool):
         raise ValueError(f"ModelConfig.shared_expert_gate must be a bool; got {c.shared_expert_gate!r}")
 
 
 def attention_fields(c: Any, layer: int) -> dict[str, Any]:
-    """Layer ``layer``'s ``AttentionSpec`` fields ``chunk``, ``temperature`` and ``qk_norm`` (config
-    ``c``)."""
+    """Layer ``layer``'s ``AttentionSpec`` fields ``differential``, ``chunk``, ``temperature`` and
+    ``qk_norm`` (config ``c``)."""
     nope = c.positions == "rotary" and layer in c.nope_layers
     t = c.attn_temperature
     return {
+        "differential": lambda_init_of(layer) if c.diff_attention else None,
         "chunk": c.attention_chunk if c.layer_types[layer] == "chunked" else None,
         "temperature": (t[0], t[1]) if t is not None and nope else None,
         "qk_norm": None if c.qk_norm == "l2" and (nope or c.positions != "rotary") else c.qk_norm,

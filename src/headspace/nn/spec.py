@@ -60,7 +60,9 @@ SINKS = ("learned",)
 GATES = ("headwise", "elementwise")
 #: The attention fields that change what an attention layer computes beyond the classic layer, in the
 #: order executors check them: :func:`refuse_unsupported` names the first one an executor lacks.
-ATTENTION_FEATURES = ("window", "chunk", "softcap", "qk_norm", "bias", "sink", "gate", "temperature")
+ATTENTION_FEATURES = (
+    "window", "chunk", "softcap", "qk_norm", "bias", "sink", "gate", "temperature", "differential",
+)  # fmt: skip
 
 
 def _fail(owner: str, name: str, expected: str, value: object) -> ValueError:
@@ -128,7 +130,9 @@ class AttentionSpec:
     (``"learned"``). ``gate``: a gate on each head's output. ``dropout``: on the pattern, in [0, 1).
     ``temperature``: ``(floor_scale, attn_scale)``, Llama 4's per-position query temperature: the query
     at absolute position ``p`` is multiplied by ``1 + attn_scale * log(1 + floor((p + 1) / floor_scale))``
-    (:mod:`headspace.attention.temperature`); None: none.
+    (:mod:`headspace.attention.temperature`); None: none. ``differential``: DiffLlama's differential
+    attention with this ``lambda_init`` (:class:`headspace.attention.differential.DifferentialAttention`);
+    None: none.
     """
 
     d_model: int
@@ -150,6 +154,7 @@ class AttentionSpec:
     gate: str | None = None
     dropout: float = 0.0
     temperature: tuple[float, float] | None = None
+    differential: float | None = None
 
     def __post_init__(self) -> None:
         o = "AttentionSpec"
@@ -187,6 +192,9 @@ class AttentionSpec:
             and t[0] > 0
         ):
             raise _fail(o, "temperature", "None or (floor_scale > 0, attn_scale), two finite floats", t)
+        d = self.differential
+        if d is not None and (not is_number(d) or not math.isfinite(d)):
+            raise _fail(o, "differential", "None or a finite float (lambda_init)", d)
 
     @property
     def score_scale(self) -> float:

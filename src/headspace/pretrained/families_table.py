@@ -369,6 +369,16 @@ FAMILIES: tuple[Family, ...] = (
         _LLAMA4_T,
         rotation="interleaved",
     ),
+    _d(
+        "diffllama",
+        "rotary",
+        _PRE,
+        _RMS,
+        "differential attention: head pairs, p_1 - lambda p_2, a norm per pair",
+        ("forward",),
+        _REL,
+        "tests/pretrained/test_diffllama.py",
+    ),
 )
 
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -189,26 +189,45 @@ def llama4_state_dict(
     return sd
 
 
+Pieces = list[tuple[str, str, tuple[int, ...]]]
+
+
 def load_llama4(
     folder: str | Path, *, name: str = "", max_seq_len: int | None = None, precision: str = "float32"
 ) -> PretrainedDecoder:
     """Load a local ``llama4_text`` checkpoint folder (module docstring) onto a headspace Decoder, with
-    :func:`~headspace.pretrained.load_llama`'s checks: the parameter count the config implies against the
-    headers, tensor names, shapes and dtypes, NaN/Inf weights."""
+    :func:`~headspace.pretrained.load_llama`'s checks (:func:`load_pieces`)."""
+    return load_pieces(folder, llama4_config, llama4_tensors, name=name, max_seq_len=max_seq_len,
+                       precision=precision)  # fmt: skip
+
+
+def load_pieces(
+    folder: str | Path,
+    read_config: Callable[..., ModelConfig],
+    pieces_of: Callable[[ModelConfig, str], Pieces],
+    *,
+    name: str = "",
+    max_seq_len: int | None = None,
+    precision: str = "float32",
+) -> PretrainedDecoder:
+    """A Llama-family checkpoint folder whose config ``read_config(hf, name, max_seq_len=, source=)``
+    reads and whose tensors ``pieces_of(config, prefix)`` lists (as :func:`llama4_tensors`), onto a
+    Decoder, with :func:`~headspace.pretrained.load_llama`'s checks: the parameter count the config
+    implies against the headers, tensor names, shapes and dtypes, NaN/Inf weights."""
     check_precision(precision)
     path = checked_folder(folder)
     hf = read_json(require_file(path, "config.json", "the model configuration"))
     files, weight_map = _weight_files(path)
     config_file = str(path / "config.json")
-    config = llama4_config(hf, name=name or path.name, max_seq_len=max_seq_len, source=config_file)
+    config = read_config(hf, name or path.name, max_seq_len=max_seq_len, source=config_file)
     config.extra["source"] = str(path)
     header, per_file = _headers(files, weight_map, path / _INDEX)
     prefix = _prefix(header.tensors)
-    pieces = llama4_tensors(config, prefix)
+    pieces = pieces_of(config, prefix)
     expected = {theirs: shape for _, theirs, shape in pieces}
     fields = (
-        f"num_hidden_layers={config.n_layers}, hidden_size={config.d_model}, experts={config.n_experts} "
-        f"of width {config.d_mlp} on layers {config.moe_layers}, vocab_size={config.vocab_size}"
+        f"num_hidden_layers={config.n_layers}, hidden_size={config.d_model}, n_experts={config.n_experts}, "
+        f"moe_layers={config.moe_layers}, vocab_size={config.vocab_size}"
     )
     implied = sum(math.prod(s) for s in expected.values())
     summary = check_parameter_count(implied, len(expected), header, fields, config_file)

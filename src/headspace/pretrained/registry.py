@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..model.models import check_precision
 from .bert import load_bert
+from .diffllama import load_diffllama
 from .encdec import ENCDEC_LOADERS
 from .encdec.whisper_base import load_whisper_base
 from .gguf import load_gemma3, load_gguf, load_smollm2
@@ -159,6 +160,7 @@ FOLDER_LOADERS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] 
     **dict.fromkeys(PARALLEL_FAMILY_TYPES, load_parallel_family),  # gpt_neox, stablelm, cohere, phi, gptj
     **dict.fromkeys(MOE_MODEL_TYPES, load_moe),  # mixtral, qwen2_moe, qwen3_moe, olmoe, gpt_oss
     "llama4_text": load_llama4,  # chunks, NoPE temperature, L2 QK-norm, sigmoid-routed experts (issue #39)
+    "diffllama": load_diffllama,  # differential attention (issue #39)
 }
 
 
