@@ -21,8 +21,7 @@ import transformers as T
 
 import headspace as hs
 from headspace.attention.temperature import temperatures
-from headspace.decode import describe
-from headspace.decode.step import _layer_of
+from headspace.decode import describe, native, python
 from headspace.nn.masks import canonical_mask, chunk_mask
 from headspace.pretrained import families_table
 from headspace.pretrained.llama4 import llama4_config
@@ -66,6 +65,10 @@ def test_config_reads_every_llama4_field(saved: tuple[Path, Any]) -> None:
     assert [s.attention.temperature for s in specs] == [None, (FLOOR, 0.4), None, (FLOOR, 0.4)]
     assert [s.attention.qk_norm for s in specs] == ["l2", None, "l2", None]  # not on the NoPE layers
     assert [s.mlp.kind for s in specs] == ["gated", "moe", "gated", "moe"]
+    from headspace.analysis.lesson.chunked import supports_qk_capture
+
+    model = hs.load(folder).model  # the chunked statistics apply neither chunks nor the temperature
+    assert not any(supports_qk_capture(b.attn) for b in model.blocks)
     row = families_table.family("llama4_text")  # the generated tables' row says what loads
     assert row.rotation == "interleaved" and families_table.decode_route(hs.load(folder)) in row.decode
 
@@ -160,13 +163,16 @@ def test_head_qk_is_exact_at_frozen_l2_scales(saved: tuple[Path, Any]) -> None:
             torch.testing.assert_close(value, scores[h, i, j], atol=1e-4, rtol=1e-4)
 
 
-def test_decoding_steps_refuse_the_new_fields_by_name_and_run_the_l2_norm(saved: tuple[Path, Any]) -> None:
-    """Chunked and tempered blocks decode by the forward with its KV cache (tested against transformers
-    above); asked directly, the step names the field. Without them, the L2 QK-norm runs in the step and
-    greedy decoding equals the forward's own greedy choice at every step."""
+def test_the_python_step_runs_chunks_temperature_and_the_l2_norm(
+    saved: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without experts (which only the forward runs), a Llama 4 decodes by the Python cached step: its
+    chunk mask, query temperature and L2 QK-norm give the forward's own greedy choice at every step,
+    across chunk boundaries and past the temperature's first step; the native step has no form for
+    them (Python only), and a step asked for a field it lacks names it."""
     folder, _ = saved
     ours = hs.load(folder)
-    assert describe(ours.model) is None
+    assert describe(ours.model) is None  # experts: the forward with its KV cache (tested above)
     dense = dataclasses.replace(
         ours.config,
         moe_layers=None,
@@ -176,22 +182,38 @@ def test_decoding_steps_refuse_the_new_fields_by_name_and_run_the_l2_norm(saved:
         experts_routing="softmax_topk",
         shared_expert_d_mlp=None,
     )
-    model = hs.Decoder(dense).eval()  # fmt: skip
-    with pytest.raises(ValueError, match="the decoding step does not support the attention field 'chunk'"):
-        _layer_of(model.blocks[0], None)
-    with pytest.raises(ValueError, match="does not support the attention field 'temperature'"):
-        _layer_of(model.blocks[1], None)
-    plain = dataclasses.replace(dense, layer_types=None, attention_chunk=None, attn_temperature=None)
     torch.manual_seed(5)
-    model = hs.Decoder(plain).eval()
-    assert describe(model) is not None and model.blocks[0].attn.qk_norm == "l2"
-    prompt = torch.randint(3, V, (1, 4))
+    model = hs.Decoder(dense).eval()  # fmt: skip
     with torch.no_grad():
-        got = model.generate(prompt, 6, temperature=0)
+        for block in model.blocks:  # larger queries and keys: sharper maps, so the masks matter
+            block.attn.qkv_weight.mul_(4.0)
+    step = describe(model)
+    assert step is not None and native.native_form(step) is None
+    assert [layer.chunk for layer in step.layers] == [CHUNK, None, CHUNK, None]
+    assert step.layers[1].temperature == (FLOOR, 0.4) and step.layers[0].qk_norm == "l2"
+    calls: list[int] = []
+    original = python.layer_rows
+
+    def spy(*args: Any) -> torch.Tensor:
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(python, "layer_rows", spy)
+    prompt = torch.randint(3, V, (2, 3))
+    with torch.no_grad():
+        got = model.generate(prompt, 3 * CHUNK, temperature=0)
         want = prompt
-        for _ in range(6):  # the forward on the whole prefix, no cache, no step
+        for _ in range(3 * CHUNK):  # the forward on the whole prefix, no cache, no step
             want = torch.cat([want, model(want)[:, -1].argmax(-1, keepdim=True)], dim=1)
-    assert torch.equal(got, want)
+    assert torch.equal(got, want) and len(calls) >= L * (3 * CHUNK - 1)  # every new token by the step
+    alibi = dataclasses.replace(step.layers[0].spec.attention, bias="alibi")
+    asked = dataclasses.replace(
+        step.layers[0], spec=dataclasses.replace(step.layers[0].spec, attention=alibi)
+    )
+    with pytest.raises(
+        ValueError, match="the Python decoding step does not support the attention field 'bias'"
+    ):
+        python.prepare(dataclasses.replace(step, layers=(asked,)))
 
 
 def test_bad_llama4_fields_are_refused_naming_the_field() -> None:

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..attention.temperature import temper_queries
 from ..kernels.prepack import packed_linear_fn
 from ..kernels.q8_0 import Q8Blocks, q8_0_linear_fn
 from ..nn.kv_cache import KVCache
@@ -62,6 +63,8 @@ class _Layer(NamedTuple):
     attn_out_norm: Rows | None
     mlp_out_norm: Rows | None
     parallel: bool
+    chunk: int | None
+    temperature: tuple[float, float] | None
 
 
 def norm_fn(norm: Norm) -> Rows:
@@ -134,6 +137,8 @@ def _resolve(layer: LayerStep) -> _Layer:
         attn_out_norm=_norm_or_none(layer.attn_out_norm),
         mlp_out_norm=_norm_or_none(layer.mlp_out_norm),
         parallel=bool(layer.parallel),
+        chunk=layer.chunk,
+        temperature=layer.temperature,
     )
 
 
@@ -172,6 +177,9 @@ def layer_rows(
             q = rotate_fused(q, cos, sin, layer.rotary)  # (B, H, 1, dh)
             k_new = rotate_fused(k_new, cos, sin, layer.rotary)  # (B, Hkv, 1, dh)
     mask = None
+    position = kv.length if isinstance(kv, KVCache) else kv[2].shape[2] - 1  # the new token's
+    if layer.temperature is not None:  # Llama 4's NoPE layers
+        q = temper_queries(q, position, layer.temperature)  # (B, H, 1, dh)
     if isinstance(kv, KVCache):  # a sliding window's cache: the held keys, then the new one
         k, v = kv.append_one(k_new, v_new)  # (B, Hkv, Sk, dh) x 2
         assert layer.window is not None
@@ -181,6 +189,10 @@ def layer_rows(
         k_slot.copy_(k_new)
         v_slot.copy_(v_new)
         # one query after its cached keys: every key may be attended (no mask)
+    if layer.chunk is not None:  # Llama 4: the keys of the query's own chunk (positions absolute)
+        keys = torch.arange(position + 1 - k.shape[2], position + 1, device=x.device)  # (Sk,)
+        same = torch.div(keys, layer.chunk, rounding_mode="floor") == position // layer.chunk  # (Sk,)
+        mask = same.view(1, 1, 1, -1) if mask is None else mask & same.view(1, 1, 1, -1)  # (1, 1, 1, Sk)
     z = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=layer.gqa
     )  # (B, H, 1, dh)

@@ -65,7 +65,7 @@ _ACTIVATION_MODULES: dict[str, tuple[type[nn.Module], str | None]] = {
 #: The block features (:func:`~headspace.nn.spec.features_of`) the decoding step computes (both
 #: backends); any other is refused by its field's name. Score soft-capping is not among them: a block
 #: with it is not ``decode_supported`` and decodes by ``forward``.
-STEP_FEATURES = ("window", "qk_norm", "layout")
+STEP_FEATURES = ("window", "qk_norm", "layout", "chunk", "temperature")
 
 
 class DecoderModel(Protocol):
@@ -159,6 +159,10 @@ class LayerStep:
     mlp_out_norm: Norm | None = None
     #: True for the parallel layout (GPT-NeoX: ``out = x + Attn(norm1(x)) + MLP(norm2(x))``); None else
     parallel: bool | None = None
+    #: Llama 4: chunked attention (``AttentionSpec.chunk``) and the query temperature (floor_scale,
+    #: attn_scale) of a NoPE layer; None else. Python only (:data:`PYTHON_ONLY`)
+    chunk: int | None = None
+    temperature: tuple[float, float] | None = None
     #: the block's description the step was read from (each backend refuses the fields it lacks by name)
     spec: BlockSpec | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -166,7 +170,7 @@ class LayerStep:
 #: the :class:`LayerStep` fields only the ``"python"`` backend computes (a step with any of these set
 #: takes the Python backend): the parallel layout; the native step covers QK-norm, sliding windows,
 #: per-layer rotations and sandwich / post-sublayer norms
-PYTHON_ONLY: tuple[str, ...] = ("parallel",)
+PYTHON_ONLY: tuple[str, ...] = ("parallel", "chunk", "temperature")
 
 
 @dataclass(frozen=True)
@@ -315,6 +319,8 @@ def _layer_of(block: TransformerBlock, pack_rows: int | None) -> LayerStep:
         attn_out_norm=attn_out,
         mlp_out_norm=mlp_out,
         parallel=parallel,
+        chunk=at.chunk,
+        temperature=at.temperature,
         spec=spec,
     )
 

@@ -448,8 +448,6 @@ class TransformerBlock(nn.Module):
             and isinstance(a, MultiHeadAttention)
             and self.spec.attention.softcap is None  # not a head-parallel shard, which has no fused weight
             and self.spec.attention.sink is None  # (the step has no sinks: decoding runs forward)
-            and self.spec.attention.chunk is None  # nor Llama 4's chunks and query temperature
-            and self.spec.attention.temperature is None
             and type(a).forward is MultiHeadAttention.forward
             and a.fused
             and not a.check_finite

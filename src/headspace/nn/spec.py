@@ -17,10 +17,11 @@ Residual layouts (``BlockSpec.layout``; ``N1``/``N2`` the block's two norms, ``A
     post_sublayer (OLMo 2): h = x + N1(A(x))           out = h + N2(M(h))
     parallel (GPT-NeoX):   out = x + A(N1(x)) + M(N2(x))   (GPT-J, Phi-2, Cohere: N2 a copy of N1)
 
-A field that no executor computes yet (``chunk``, ``bias``, ``gate``; the ``parallel`` layout beyond the
-block forward and the Python step) may be described; each executor refuses it by the field's name
-(:func:`refuse_unsupported`), never running without it. ``sink`` and a mixture-of-experts MLP
-(``MLPSpec.kind == "moe"``) are computed by the block forward only: the decoding steps refuse them by name.
+A field that no executor computes yet (``bias``, ``gate``; the ``parallel`` layout beyond the block
+forward and the Python step) may be described; each executor refuses it by the field's name
+(:func:`refuse_unsupported`), never running without it. ``sink``, ``differential`` and a
+mixture-of-experts MLP (``MLPSpec.kind == "moe"``) are computed by the block forward only: the decoding
+steps refuse them by name; ``chunk`` and ``temperature`` (Llama 4) by the forward and the Python step.
 Every value is checked on construction: a bad one raises a one-line ``ValueError`` naming the field, what
 it expects and what came.
 """
