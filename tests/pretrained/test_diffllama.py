@@ -100,6 +100,10 @@ def test_pair_outputs_norm_and_head_circuits(saved: tuple[Path, Any]) -> None:
         for i, j in ((8, 3), (5, 5)):
             value = x[i] @ a.heads[h].qk(i - j).AB @ x[j]
             torch.testing.assert_close(value, scores[h, i, j], atol=1e-4, rtol=1e-4)
+    with pytest.raises(
+        ValueError, match="head 4: the attention field 'differential' mixes each pair's values"
+    ):
+        a.heads[4].ov()
 
 
 def test_the_description_names_the_differential_field(saved: tuple[Path, Any]) -> None:

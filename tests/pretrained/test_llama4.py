@@ -93,6 +93,14 @@ def test_logits_patterns_router_and_greedy_decoding_equal_transformers(saved: tu
         )
         atol = 1e-5 * max(1.0, float(want_router.abs().max()))  # (scaled to their largest magnitude)
         torch.testing.assert_close(router, want_router, atol=atol, rtol=0)
+    with torch.no_grad(), hs.trace(ours.model) as full:  # every hook point: the trace's own executor
+        ours(tokens)
+    with torch.no_grad():  # and no hook point: the fused path
+        torch.testing.assert_close(
+            ours(tokens), want.logits, atol=1e-4 * float(want.logits.abs().max()), rtol=0
+        )
+    for layer in range(L):
+        torch.testing.assert_close(full.pattern(layer), want.attentions[layer], atol=1e-5, rtol=0)
     allowed = chunk_mask(13, 13, CHUNK)  # the chunked layers see only their own chunk
     assert float(t.pattern(0)[..., ~allowed].abs().max()) == 0.0
     assert float(t.pattern(1)[..., CHUNK:, 0].min()) > 0.0  # the full layers see the first token

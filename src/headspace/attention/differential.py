@@ -14,15 +14,15 @@ key/value head of ``j`` and ``n_kv_heads`` even::
 ``lambda_init = 0.8 - 0.6 exp(-0.3 layer)`` is the description's ``differential`` field. A head's QK
 circuit is the classic one (``head.qk`` is exact for each map ``P_h``); its value is a pair's
 ``[v_g, v_{g + n_kv_heads/2}]``, mixed through the difference and the norm: a single head has no OV
-circuit of its own (``head.ov()`` of such a layer describes ``v_g W_O[h]`` only and is not what the
-layer computes). Decoding runs this forward with its KV cache; the cached steps refuse the field
-``differential`` by name.
+circuit of its own: ``head.ov()`` refuses by the field's name. Decoding runs this forward with its KV
+cache; the cached steps refuse the field ``differential`` by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -32,7 +32,31 @@ from torch import Tensor, nn
 from ..nn.hooks import HookPoint
 from ..nn.kv_cache import KVCache
 from ..nn.norms import rms_inverse
+from .heads import FactoredMatrix, Head, HeadList
 from .layer import MultiHeadAttention
+
+
+class DifferentialHead(Head):
+    """A head of a :class:`DifferentialAttention`: its QK views and circuit as any head's; no OV circuit."""
+
+    def ov(self) -> FactoredMatrix:
+        """Refused: the head's value is its pair's two value heads, mixed by ``p_1 - lambda p_2`` and the
+        pair's norm, so no ``W_V W_O`` of one head is what the layer computes."""
+        raise ValueError(
+            f"head {self.index}: the attention field 'differential' mixes each pair's values through "
+            "p_1 - lambda p_2 and a norm; a single head has no OV circuit (read hook_z_normed and "
+            "hook_result per pair)"
+        )
+
+
+class DifferentialHeads(HeadList):
+    """``attn.heads`` of a :class:`DifferentialAttention`: :class:`DifferentialHead` views."""
+
+    def __getitem__(self, index: int) -> Head:
+        return DifferentialHead(self.attn, index)
+
+    def __iter__(self) -> Iterator[Head]:
+        return (DifferentialHead(self.attn, i) for i in range(self.attn.n_heads))
 
 
 def lambda_init_of(layer: int) -> float:
@@ -68,6 +92,11 @@ class DifferentialAttention(MultiHeadAttention):
         self.hook_diff_pattern = HookPoint()  # [batch, n_pairs, seq_q, seq_k]
         self.hook_z_normed = HookPoint()  # [batch, seq_q, n_pairs, 2 d_head]
         self._hook_points += (self.hook_diff_pattern, self.hook_z_normed)
+
+    @property
+    def heads(self) -> HeadList:
+        """``attn.heads[h]``: each head's views (:class:`DifferentialHead`: no OV circuit)."""
+        return DifferentialHeads(self)
 
     @property
     def lambda_init(self) -> float:

@@ -562,6 +562,14 @@ class ModelConfig:
             parts.append(f"local theta {self.rope_local_theta:g}")
         if self.nope_layers:
             parts.append(f"NoPE layers {self.nope_layers}")
+        if self.attention_chunk is not None:
+            parts.append(f"chunks of {self.attention_chunk} on {types.count('chunked')}/{len(types)} layers")
+        if self.attn_temperature is not None:
+            parts.append("NoPE query temperature")
+        if self.moe_layers is not None:
+            parts.append(f"experts on layers {self.moe_layers}")
+        if self.diff_attention:
+            parts.append("differential attention")
         if self.qk_norm is not None:
             parts.append(f"QK-norm ({self.qk_norm})")
         if self.norm_offset:
