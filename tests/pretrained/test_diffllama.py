@@ -106,6 +106,29 @@ def test_pair_outputs_norm_and_head_circuits(saved: tuple[Path, Any]) -> None:
         a.heads[4].ov()
 
 
+def test_a_heads_z_is_its_maps_share_of_its_pair(saved: tuple[Path, Any]) -> None:
+    """hook_z is per head (its map on its pair's values): zeroing head 4's z is zeroing its map."""
+    folder, _ = saved
+    ours = hs.load(folder)
+    a, tokens = ours.model.blocks[1].attn, torch.randint(3, V, (1, 9))
+
+    def zero_head(value: torch.Tensor, axis: int) -> torch.Tensor:
+        value = value.clone()
+        value.select(axis, 4).zero_()
+        return value
+
+    with torch.no_grad():
+        base = ours(tokens)
+        remove = a.hook_z.add(lambda z, _p: zero_head(z, 2))  # (batch, seq, heads, 2 d_head)
+        by_z = ours(tokens)
+        remove()
+        remove = a.hook_pattern.add(lambda m, _p: zero_head(m, 1))  # (batch, heads, seq, seq)
+        by_pattern = ours(tokens)
+        remove()
+    assert float((by_z - base).abs().max()) > 1e-3
+    torch.testing.assert_close(by_z, by_pattern, atol=1e-5, rtol=0)
+
+
 def test_the_description_names_the_differential_field(saved: tuple[Path, Any]) -> None:
     folder, _ = saved
     ours = hs.load(folder)

@@ -7,15 +7,20 @@ key/value head of ``j`` and ``n_kv_heads`` even::
 
     lambda = exp(sum(lambda_q1 * lambda_k1)) - exp(sum(lambda_q2 * lambda_k2)) + lambda_init   (per layer)
     D_j    = P_j - lambda P_{j + n_heads/2}                        hook_diff_pattern [b, n_pairs, sq, sk]
-    z_j    = D_j [v_g, v_{g + n_kv_heads/2}]                       hook_z [b, sq, n_pairs, 2 d_head]
-    y_j    = (1 - lambda_init) RMSNorm(z_j)                        no weight, eps; hook_z_normed
+    z_h    = P_h [v_g, v_{g + n_kv_heads/2}]     (g: of h's pair)  hook_z [b, sq, n_heads, 2 d_head]
+    y_j    = (1 - lambda_init) RMSNorm(z_j - lambda z_{j + n_heads/2})     no weight; hook_z_normed
+           = (1 - lambda_init) RMSNorm(D_j [v_g, v_{g + n_kv_heads/2}])
     out    = sum_j y_j W_O[2j : 2j + 2] + b_O                      W_O's rows of the pair's two heads
 
-``lambda_init = 0.8 - 0.6 exp(-0.3 layer)`` is the description's ``differential`` field. A head's QK
-circuit is the classic one (``head.qk`` is exact for each map ``P_h``); its value is a pair's
-``[v_g, v_{g + n_kv_heads/2}]``, mixed through the difference and the norm: a single head has no OV
-circuit of its own: ``head.ov()`` refuses by the field's name. Decoding runs this forward with its KV
-cache; the cached steps refuse the field ``differential`` by name.
+``lambda_init = 0.8 - 0.6 exp(-0.3 layer)`` is the description's ``differential`` field. As in
+transformers, each head's map weighs its pair's values (``hook_z``, per head, so that patching or
+ablating a head's ``hook_z`` removes that head's map from its pair) and the pair's difference comes
+after; ``hook_diff_pattern`` is a value to read (what a hook returns there changes nothing: edit
+``hook_pattern`` or ``hook_z``). A head's QK circuit is the classic one (``head.qk`` is exact for each
+map ``P_h``); its value is its pair's ``[v_g, v_{g + n_kv_heads/2}]``, mixed through the difference and
+the norm: a single head has no OV circuit of its own: ``head.ov()`` refuses by the field's name.
+Decoding runs this forward with its KV cache; the cached steps refuse the field ``differential`` by
+name.
 """
 
 from __future__ import annotations
@@ -69,8 +74,8 @@ class DifferentialAttention(MultiHeadAttention):
     projections, views, rotation and KV cache, with ``lambda_q1``, ``lambda_k1``, ``lambda_q2``,
     ``lambda_k2`` [d_head] parameters, ``lambda_init`` (the description's ``differential``), the pair
     norm's ``norm_eps``, and the hook points ``hook_diff_pattern`` [batch, n_pairs, seq_q, seq_k] and
-    ``hook_z_normed`` [batch, seq_q, n_pairs, 2 d_head] beside the layer's own (``hook_z`` is the pairs'
-    z [batch, seq_q, n_pairs, 2 d_head]; ``hook_result`` each pair's part [batch, seq_q, n_pairs,
+    ``hook_z_normed`` [batch, seq_q, n_pairs, 2 d_head] beside the layer's own (``hook_z`` is each head's
+    z [batch, seq_q, n_heads, 2 d_head]; ``hook_result`` each pair's part [batch, seq_q, n_pairs,
     d_model]). Self-attention only; needs an even ``n_kv_heads``; no dropout."""
 
     prunable = False  # heads come in pairs across the two halves: pruning one breaks its pair
@@ -146,11 +151,13 @@ class DifferentialAttention(MultiHeadAttention):
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)  # (B, Hkv, Sk, dh) x 2
         pattern = self._pattern(q, k, mask)  # (B, H, Sq, Sk)
-        P = self.n_pairs
-        diff = pattern[:, :P] - self.lambda_full() * pattern[:, P:]  # (B, P, Sq, Sk)
-        diff = self.hook_diff_pattern(diff)
-        z = torch.matmul(diff, self._pair_values(v))  # (B, P, Sq, 2 dh)
-        z = self.hook_z(z.transpose(1, 2))  # (B, Sq, P, 2 dh)
+        P, lam = self.n_pairs, self.lambda_full()
+        if self.hook_diff_pattern.active:  # a value to read: the output is made from hook_z below
+            self.hook_diff_pattern(pattern[:, :P] - lam * pattern[:, P:])  # (B, P, Sq, Sk)
+        values = self._pair_values(v)  # (B, P, Sk, 2 dh)
+        z = torch.matmul(pattern, torch.cat([values, values], dim=1))  # (B, H, Sq, 2 dh): each head's
+        z = self.hook_z(z.transpose(1, 2))  # (B, Sq, H, 2 dh)
+        z = z[:, :, :P] - lam * z[:, :, P:]  # (B, Sq, P, 2 dh): each pair's
         normed = (1 - self.lambda_init) * (z * rms_inverse(z, self.norm_eps)).to(z.dtype)  # (B, Sq, P, 2 dh)
         normed = self.hook_z_normed(normed)
         if self.hook_result.active:
