@@ -322,8 +322,8 @@ class ModelConfig:
             )
         if self.qk_norm not in (None, "head", "all", "head_layernorm", "l2"):
             raise ValueError(
-                "ModelConfig.qk_norm must be None, 'head', 'all', 'head_layernorm' or 'l2'; "
-                f"got {self.qk_norm!r}"
+                "ModelConfig.qk_norm must be None, 'head', 'all' or 'head_layernorm' (or 'l2', Llama 4's "
+                f"weightless norm); got {self.qk_norm!r}"
             )
         check_llama4_fields(self)
         if self.qk_norm in ("head", "all") and self.norm_kind != "rmsnorm":
