@@ -111,6 +111,25 @@ def test_logits_patterns_router_and_greedy_decoding_equal_transformers(saved: tu
     assert torch.equal(ours.generate(prompt, 3 * CHUNK, temperature=0), want_ids)
 
 
+def test_a_left_padded_batch_counts_chunks_from_each_rows_first_token(saved: tuple[Path, Any]) -> None:
+    """As transformers' chunked mask: a left-padded row's chunks start at its first real token (greedy
+    decoding of the padded batch equals transformers', and each row equals itself decoded alone)."""
+    folder, ref = saved
+    ours = hs.load(folder)
+    lengths, seq, new = (9, 4, 7), 9, 2 * CHUNK
+    tokens = torch.zeros(len(lengths), seq, dtype=torch.long)  # (batch, seq), pad id 0
+    key_padding = torch.zeros(len(lengths), seq, dtype=torch.bool)  # (batch, seq)
+    for i, n in enumerate(lengths):
+        tokens[i, seq - n :] = torch.randint(3, V, (n,))
+        key_padding[i, seq - n :] = True
+    got = ours.generate(tokens, new, key_padding=key_padding, temperature=0)
+    with torch.no_grad():
+        want = ref.generate(
+            tokens, attention_mask=key_padding.long(), max_new_tokens=new, do_sample=False, pad_token_id=0
+        )
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("change", ["chunk", "temperature", "qk_norm", "interleaved"])
 def test_each_mechanism_changes_the_output(saved: tuple[Path, Any], change: str) -> None:
     """Without any one of the mechanisms the model no longer matches transformers: each one matters here."""

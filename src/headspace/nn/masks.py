@@ -88,21 +88,37 @@ def window_mask(
 
 
 def chunk_mask(
-    seq_q: int, seq_k: int, chunk: int, device: torch.device | str | None = None, query: Tensor | None = None
+    seq_q: int,
+    seq_k: int,
+    chunk: int,
+    device: torch.device | str | None = None,
+    query: Tensor | None = None,
+    left: Tensor | None = None,
 ) -> Tensor:
     """Bool ``[seq_q, seq_k]`` chunked causal mask (Llama 4's chunked attention), aligned bottom-right as
     :func:`window_mask` (True = may attend): query ``i`` at key position ``p_i = i + seq_k - seq_q`` sees
-    key ``j`` iff ``j <= p_i`` and ``j // chunk == p_i // chunk`` (the keys of its own chunk of ``chunk``
-    positions, counted from position 0). ``query``: a 1-D int tensor of query rows to build instead."""
+    key ``j`` iff ``j <= p_i`` and ``(j - l) // chunk == (p_i - l) // chunk`` (the keys of its own chunk
+    of ``chunk`` positions, counted from position ``l``). ``left``: int [batch], each row's ``l`` (its
+    left-padding columns, as transformers' chunked mask counts them) -> ``[batch, seq_q, seq_k]``;
+    None: ``l = 0``. ``query``: a 1-D int tensor of query rows to build instead of all ``seq_q``."""
     check_window(chunk, "chunk")
     rows = torch.arange(seq_q, device=device) if query is None else query.to(device)  # (rows,)
     pos = rows + (seq_k - seq_q)  # (rows,): each query's key position
     keys = torch.arange(seq_k, device=device)  # (seq_k,)
-    same = (
-        torch.div(keys, chunk, rounding_mode="floor")[None, :]
-        == torch.div(pos, chunk, rounding_mode="floor")[:, None]
-    )  # (rows, seq_k)
-    return (keys[None, :] <= pos[:, None]) & same  # (rows, seq_k)
+    causal = keys[None, :] <= pos[:, None]  # (rows, seq_k)
+    offset = torch.zeros(1, 1, dtype=torch.long, device=device) if left is None else left.to(device)[:, None]
+    k_chunk = torch.div(keys[None, :] - offset, chunk, rounding_mode="floor")  # (batch|1, seq_k)
+    q_chunk = torch.div(pos[None, :] - offset, chunk, rounding_mode="floor")  # (batch|1, rows)
+    same = k_chunk[:, None, :] == q_chunk[:, :, None]  # (batch|1, rows, seq_k)
+    return causal & same[0] if left is None else causal[None] & same  # (rows, sk) or (batch, rows, sk)
+
+
+def _left_padding(key_padding: Tensor | None) -> Tensor | None:
+    """Each row's left-padding columns (the False before its first True) of bool key_padding [batch,
+    seq_k] -> int [batch]; None for None."""
+    if key_padding is None:
+        return None
+    return (key_padding.cumsum(dim=-1) == 0).sum(dim=-1)  # (batch,)
 
 
 def _and_bool(mask: Tensor | None, allowed: Tensor, is_float: bool) -> Tensor:
@@ -253,7 +269,9 @@ def canonical_mask(
     if window is not None:
         mask = _and_bool(mask, window_mask(seq_q, seq_k, window, device)[None, None], is_float)
     if chunk is not None:
-        mask = _and_bool(mask, chunk_mask(seq_q, seq_k, chunk, device)[None, None], is_float)
+        left = _left_padding(key_padding)  # chunks count from each row's first real token
+        block = chunk_mask(seq_q, seq_k, chunk, device, left=left)  # (rows, sk) or (batch, rows, sk)
+        mask = _and_bool(mask, block[None, None] if left is None else block[:, None], is_float)
     if mask is None:
         return CanonicalMask(mask=None, is_causal=False, dead_rows=None)
 
@@ -365,8 +383,9 @@ class RowMasks:
             mask = _and_bool(mask, band[None, None], self.is_float)
         if self.chunk is not None:
             query = torch.arange(start, end, device=self.device) if index is None else index  # (rows,)
-            block = chunk_mask(self.seq_q, self.seq_k, self.chunk, self.device, query)  # (rows, seq_k)
-            mask = _and_bool(mask, block[None, None], self.is_float)
+            left = _left_padding(self.key_padding)  # chunks count from each row's first real token
+            block = chunk_mask(self.seq_q, self.seq_k, self.chunk, self.device, query, left)  # (.., rows, sk)
+            mask = _and_bool(mask, block[None, None] if left is None else block[:, None], self.is_float)
         if mask is None or n == 0:
             return CanonicalMask(mask=mask, is_causal=False, dead_rows=None)
         if self.is_float:
