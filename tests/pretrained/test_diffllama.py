@@ -21,6 +21,7 @@ import headspace as hs
 from headspace.attention.differential import DifferentialAttention, lambda_init_of
 from headspace.decode import describe
 from headspace.decode.step import _layer_of
+from headspace.pretrained import families_table
 from headspace.pretrained.diffllama import diffllama_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -139,6 +140,8 @@ def test_the_description_names_the_differential_field(saved: tuple[Path, Any]) -
     with pytest.raises(ValueError, match="differential is None must be True, fixed by the layer's weights"):
         plain.spec = block.spec
     assert describe(ours.model) is None  # decoding runs the forward with its KV cache (tested above)
+    row = families_table.family("diffllama")  # the generated tables' row says what loads
+    assert row.rotation == "half-split" and families_table.decode_route(ours) in row.decode
     with pytest.raises(
         ValueError, match="the decoding step does not support the attention field 'differential'"
     ):
