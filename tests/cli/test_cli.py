@@ -486,6 +486,8 @@ def test_every_model_option_says_what_load_accepts():
         "gpt_oss": "gpt-oss",
         "qwen3_next": "Qwen3-Next",  # issue 39's hybrids
         "qwen3_5_text": "Qwen3.5",
+        "llama4_text": "Llama 4",  # issue 39
+        "diffllama": "DiffLlama",
     }
     shown |= {"t5": "T5", "bart": "BART", "marian": "Marian", "whisper": "Whisper"}  # Python only (#40)
     shown |= {  # issue 38's rotary families

@@ -109,15 +109,15 @@ def check_rotary_positions(positions: Any, batch: int, seq_q: int, device: torch
         raise ValueError(f"positions is on {positions.device} but the query is on {device}")
 
 
-QK_NORMS = ("head", "all", "head_layernorm")
+QK_NORMS = ("head", "all", "head_layernorm", "l2")
 
 
 def _check_qk_norm(qk_norm: Any, softcap: Any) -> None:
     """``qk_norm`` None or one of :data:`QK_NORMS`; ``softcap`` None or a finite number > 0."""
     if qk_norm is not None and qk_norm not in QK_NORMS:
         raise ValueError(
-            f"qk_norm must be None, 'head' (RMSNorm over each head's d_head) or 'all' (over all heads at "
-            f"once); got {qk_norm!r}"
+            f"qk_norm must be None, 'head' (RMSNorm over each head's d_head), 'all' (over all heads at "
+            f"once), 'head_layernorm' or 'l2' (weightless, over each head); got {qk_norm!r}"
         )
     if softcap is not None and (not is_number(softcap) or not math.isfinite(softcap) or softcap <= 0):
         raise ValueError(

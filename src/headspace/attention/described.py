@@ -9,8 +9,8 @@ and what every executor that reads the layer's description computes.
 A new description must fit the layer's weights: the head counts and widths are those of ``qkv_weight``
 and ``o_weight``, ``qkv_bias`` / ``out_bias`` those of the biases present, ``qk_norm`` that of the
 ``q_norm`` / ``k_norm`` present, ``positions`` None exactly where the layer has no rotation; and every
-field must be one this layer computes (``chunk`` is refused by name; ``sink`` only where the layer
-has its ``sinks`` parameter, ``gate`` only where it has its ``gate_weight``).
+field must be one this layer computes (``sink`` only where the layer has its ``sinks`` parameter,
+``gate`` only where it has its ``gate_weight``, ``differential`` only where it has its lambdas).
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ import dataclasses
 from ..nn.spec import AttentionSpec, refuse_unsupported
 
 #: The attention features (:data:`~headspace.nn.spec.ATTENTION_FEATURES`) the layer's forward computes.
-FORWARD_FEATURES = ("window", "softcap", "qk_norm", "bias", "sink", "gate")
+FORWARD_FEATURES = (
+    "window", "chunk", "softcap", "qk_norm", "bias", "sink", "gate", "temperature", "differential",
+)  # fmt: skip
 
 
 class DescribedAttention:
@@ -67,8 +69,10 @@ class DescribedAttention:
             "positions is None": self._modules.get("rotary") is None,  # type: ignore[attr-defined]
             "qk_norm is None": q_norm is None,
             "qk_norm per-head LayerNorm": type(q_norm).__name__ == "HeadLayerNorm",
+            "qk_norm weightless": type(q_norm).__name__ == "L2Norm",
             "sink is None": self._parameters.get("sinks") is None,  # type: ignore[attr-defined]
             "gate is None": self._parameters.get("gate_weight") is None,  # type: ignore[attr-defined]
+            "differential is None": self._parameters.get("lambda_q1") is None,  # type: ignore[attr-defined]
         }
         wanted = {
             "d_model": spec.d_model,
@@ -78,12 +82,16 @@ class DescribedAttention:
             "positions is None": spec.positions is None,
             "qk_norm is None": spec.qk_norm is None,
             "qk_norm per-head LayerNorm": spec.qk_norm == "head_layernorm",
+            "qk_norm weightless": spec.qk_norm == "l2",
             "sink is None": spec.sink is None,
             "gate is None": spec.gate is None,
+            "differential is None": spec.differential is None,
         }
         if width is not None:
             found["qk_norm width"] = width
-            wanted["qk_norm width"] = spec.d_head if spec.qk_norm == "head" else spec.n_heads * spec.d_head
+            wanted["qk_norm width"] = (
+                spec.d_head if spec.qk_norm in ("head", "l2") else spec.n_heads * spec.d_head
+            )
         for name, value in wanted.items():
             if found[name] != value:
                 raise ValueError(

@@ -15,7 +15,7 @@ from ..nn.alibi import with_alibi
 from ..nn.hooks import HookPoint
 from ..nn.kv_cache import KVCache
 from ..nn.masks import CanonicalMask, canonical_mask, check_window
-from ..nn.norms import HeadLayerNorm, RMSNorm
+from ..nn.norms import HeadLayerNorm, L2Norm, RMSNorm
 from ..nn.positions import Rotary
 from ..nn.positions import rotary_tables as rotary_tables  # re-exported: analysis/chunked.py reads them here
 from ..nn.positions import rotate_fused as rotate_fused
@@ -122,6 +122,10 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
     * ``scale``: Gemma's ``query_pre_attn_scalar`` is ``scale = query_pre_attn_scalar ** -0.5``.
     * ``alibi_slopes`` (ALiBi: BLOOM, MPT, Falcon): ``-m_h * (i - j)`` joins every path's mask
       (:func:`headspace.nn.alibi.with_alibi`), so ``hook_scores`` include it (spec ``bias="alibi"``).
+    * Llama 4 (set through ``spec``): ``chunk`` (chunked attention, :func:`headspace.nn.masks.chunk_mask`),
+      ``temperature`` (the NoPE layers' per-position query scale after ``hook_q``,
+      :mod:`headspace.attention.temperature`) and ``qk_norm="l2"`` (weightless RMSNorm per head: it
+      commutes with the rotation, so it runs before it like the other QK-norms).
 
     ``check_finite`` (default False, as checking costs a pass over the inputs): when True, NaN/Inf in
     the inputs (NaN/+inf in a float ``attn_mask``) or the output raise ``ValueError`` naming the tensor
@@ -215,7 +219,10 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
         norms = qk_norm is not None
         hq, hkv = self.n_heads * self.d_head, self.n_kv_heads * self.d_head
         width_q, width_k = (self.d_head, self.d_head) if qk_norm == "head" else (hq, hkv)
-        if qk_norm == "head_layernorm":  # StableLM / Cohere: a LayerNorm per head, its own weight
+        if qk_norm == "l2":  # Llama 4: a weightless RMSNorm over each head
+            self.register_module("q_norm", L2Norm(self.d_head, eps).to(**f))
+            self.register_module("k_norm", L2Norm(self.d_head, eps).to(**f))
+        elif qk_norm == "head_layernorm":  # StableLM / Cohere: a LayerNorm per head, its own weight
             self.register_module("q_norm", HeadLayerNorm(self.n_heads, self.d_head, eps).to(**f))
             self.register_module("k_norm", HeadLayerNorm(self.n_kv_heads, self.d_head, eps).to(**f))
         else:
@@ -413,7 +420,7 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
         mask = canonical_mask(
             batch=B, n_heads=self.n_heads, seq_q=Sq, seq_k=seq_k, key_padding=key_padding,
             attn_mask=attn_mask, is_causal=is_causal, dtype=query.dtype, device=query.device,
-            window=self.window,
+            window=self.window, chunk=self._spec.chunk,
         )  # fmt: skip
         slopes = self._spec.alibi_slopes  # ALiBi: -m_h (i - j) joins the mask (headspace.nn.alibi)
         return mask if slopes is None else with_alibi(mask, slopes, Sq, seq_k, query.dtype, query.device)

@@ -19,6 +19,7 @@ from ..nn.kv_cache import KVCache
 from ..nn.norms import rms_inverse
 from ..nn.positions import rotary_tables, rotate_fused
 from .checks import check_rotary_positions
+from .temperature import temper_queries
 
 
 class HeadProjections:
@@ -180,7 +181,7 @@ class HeadProjections:
             qkv = self._fused_projection(query, scratch)  # (B, H + 2 Hkv, Sq, dh)
             qk = rotate_fused(qkv[:, : H + Hkv], cos, sin, rotary)  # (B, H + Hkv, Sq, dh), fresh
             q, k = qk.split([H, Hkv], dim=1)  # (B, H, Sq, dh), (B, Hkv, Sq, dh)
-            return q, k, qkv[:, H + Hkv :]  # v: (B, Hkv, Sq, dh)
+            return self._tempered(q, kv_cache), k, qkv[:, H + Hkv :]  # v: (B, Hkv, Sq, dh)
         q, k, v = self.project_qkv(
             query,
             None if self_attention else k_in,
@@ -200,7 +201,14 @@ class HeadProjections:
                 if self.hook_rot_q is not None:  # (None if rotary was attached after construction)
                     q = self.hook_rot_q(q.transpose(1, 2)).transpose(1, 2)  # (B, H, Sq, dh)
                     k = self.hook_rot_k(k.transpose(1, 2)).transpose(1, 2)  # (B, Hkv, Sk_new, dh)
-        return q, k, v
+        return self._tempered(q, kv_cache), k, v
+
+    def _tempered(self, q: Tensor, kv_cache: KVCache | None) -> Tensor:
+        """q [B, H, Sq, dh] times the description's per-position temperature (as it is without one)."""
+        temperature = self._spec.temperature
+        if temperature is None:
+            return q
+        return temper_queries(q, 0 if kv_cache is None else kv_cache.length, temperature)  # (B, H, Sq, dh)
 
     def normed_qk(self, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
         """QK-norm: q [B, H, Sq, dh] and k [B, Hkv, Sk, dh] through ``q_norm`` / ``k_norm``, firing
@@ -212,7 +220,7 @@ class HeadProjections:
         """
         B, H, Sq, dh = q.shape
         Hkv, Sk = k.shape[1], k.shape[2]
-        if self.qk_norm in ("head", "head_layernorm"):
+        if self.qk_norm in ("head", "head_layernorm", "l2"):
             q, k = self.q_norm(q), self.k_norm(k)  # (B, H, Sq, dh), (B, Hkv, Sk, dh)
         else:
             q = self.q_norm(q.transpose(1, 2).reshape(B, Sq, H * dh))  # (B, Sq, H dh)
@@ -237,9 +245,12 @@ class HeadProjections:
                 "centres q and k per token: no fixed circuit gives the scores"
             )
         H, Hkv, dh = self.n_heads, self.n_kv_heads, self.d_head
+        if self.qk_norm == "l2":  # weightless: the gains are 1
+            ones = torch.ones(dh, dtype=self.o_weight.dtype, device=self.o_weight.device)  # (dh,)
+            return ones.expand(H, dh), ones.expand(Hkv, dh)  # (H, dh), (Hkv, dh)
         g_q = self.q_norm.weight + self.q_norm.offset  # (dh,) or (H dh,)
         g_k = self.k_norm.weight + self.k_norm.offset  # (dh,) or (Hkv dh,)
-        if self.qk_norm == "head":
+        if self.qk_norm in ("head", "l2"):
             return g_q.expand(H, dh), g_k.expand(Hkv, dh)  # (H, dh), (Hkv, dh)
         return g_q.view(H, dh), g_k.view(Hkv, dh)  # (H, dh), (Hkv, dh)
 
@@ -258,7 +269,7 @@ class HeadProjections:
                 "qk_norm_scales: the attention field 'qk_norm' ('head_layernorm') centres q and k per "
                 "token: no per-token scale makes it linear"
             )
-        over = (-1,) if self.qk_norm == "head" else (-2, -1)
+        over = (-1,) if self.qk_norm in ("head", "l2") else (-2, -1)
         s_q = rms_inverse(q.float(), self.q_norm.eps, over)  # (B, Sq, H|1, 1)
         s_k = rms_inverse(k.float(), self.k_norm.eps, over)  # (B, Sk, Hkv|1, 1)
         s_q = s_q.expand(*q.shape[:-1], 1)[..., 0]  # (B, Sq, H)

@@ -32,7 +32,8 @@ from . import python
 from .step import DecodeStep, NamedFields, named_fields
 
 #: The block features (:func:`~headspace.nn.spec.features_of`) the C++ step computes.
-NATIVE_FEATURES = ("window", "qk_norm", "layout")  # a parallel layer: Python only (step.PYTHON_ONLY)
+# a parallel layer, chunks and the query temperature: Python only (step.PYTHON_ONLY)
+NATIVE_FEATURES = ("window", "qk_norm", "layout", "chunk", "temperature")
 
 
 def native_form(step: DecodeStep) -> tuple[list[NamedFields], NamedFields | None] | None:

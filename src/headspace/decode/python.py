@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..attention.temperature import temper_queries
 from ..kernels.prepack import packed_linear_fn
 from ..kernels.q8_0 import Q8Blocks, q8_0_linear_fn
 from ..nn.alibi import alibi_bias
@@ -65,6 +66,8 @@ class _Layer(NamedTuple):
     mlp_out_norm: Rows | None
     parallel: bool
     alibi: Tensor | None
+    chunk: int | None
+    temperature: tuple[float, float] | None
     latent: torch.nn.Module | None = None
 
 
@@ -140,6 +143,8 @@ def _resolve(layer: LayerStep) -> _Layer:
         parallel=bool(layer.parallel),
         alibi=None if layer.alibi_slopes is None else torch.tensor(layer.alibi_slopes),
         latent=layer.latent,
+        chunk=layer.chunk,
+        temperature=layer.temperature,
     )
 
 
@@ -182,6 +187,9 @@ def layer_rows(
             q = rotate_fused(q, cos, sin, layer.rotary)  # (B, H, 1, dh)
             k_new = rotate_fused(k_new, cos, sin, layer.rotary)  # (B, Hkv, 1, dh)
     mask = None
+    position = kv.length if isinstance(kv, KVCache) else kv[2].shape[2] - 1  # the new token's
+    if layer.temperature is not None:  # Llama 4's NoPE layers
+        q = temper_queries(q, position, layer.temperature)  # (B, H, 1, dh)
     if isinstance(kv, KVCache):  # a sliding window's cache: the held keys, then the new one
         k, v = kv.append_one(k_new, v_new)  # (B, Hkv, Sk, dh) x 2
         assert layer.window is not None
@@ -191,6 +199,10 @@ def layer_rows(
         k_slot.copy_(k_new)
         v_slot.copy_(v_new)
         # one query after its cached keys: every key may be attended (no mask)
+    if layer.chunk is not None:  # Llama 4: the keys of the query's own chunk (positions absolute)
+        keys = torch.arange(position + 1 - k.shape[2], position + 1, device=x.device)  # (Sk,)
+        same = torch.div(keys, layer.chunk, rounding_mode="floor") == position // layer.chunk  # (Sk,)
+        mask = same.view(1, 1, 1, -1) if mask is None else mask & same.view(1, 1, 1, -1)  # (1, 1, 1, Sk)
     if layer.alibi is not None:  # ALiBi: -m_h (i - j), the query the last of the Sk positions
         bias = alibi_bias(layer.alibi, 1, k.shape[2], device=x.device).to(x.dtype)[None]  # (1, H, 1, Sk)
         mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))  # (1, H, 1, Sk)
@@ -219,7 +231,7 @@ def _normed_qk(layer: _Layer, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
     """QK-norm of the new q [B, H, 1, dh] and k [B, Hkv, 1, dh]: over each head's d_head (``"head"``)
     or over the concatenated heads (``"all"``), as :meth:`~headspace.MultiHeadAttention.normed_qk`."""
     assert layer.q_norm is not None and layer.k_norm is not None
-    if layer.qk_norm in ("head", "head_layernorm"):
+    if layer.qk_norm in ("head", "head_layernorm", "l2"):
         return layer.q_norm(q), layer.k_norm(k)
     B, H, _, dh = q.shape
     Hkv = k.shape[1]

@@ -66,7 +66,7 @@ _ACTIVATION_MODULES: dict[str, tuple[type[nn.Module], str | None]] = {
 #: The block features (:func:`~headspace.nn.spec.features_of`) the decoding step computes (both
 #: backends); any other is refused by its field's name. Score soft-capping is not among them: a block
 #: with it is not ``decode_supported`` and decodes by ``forward``.
-STEP_FEATURES = ("window", "qk_norm", "bias", "layout")
+STEP_FEATURES = ("window", "qk_norm", "bias", "layout", "chunk", "temperature")
 #: The block features the ``"python"`` backend alone computes beyond :data:`STEP_FEATURES`: multi-head
 #: latent attention (:attr:`LayerStep.latent`; the native step refuses it by name).
 PYTHON_STEP_FEATURES = (*STEP_FEATURES, "latent")
@@ -169,6 +169,10 @@ class LayerStep:
     #: one-position step is its own forward with its :class:`~headspace.nn.latent_cache.LatentCache`
     #: (``qkv`` then describes its latent's down projection, ``o`` its W_O); None else. Python only.
     latent: nn.Module | None = dataclasses.field(default=None, compare=False, repr=False)
+    #: Llama 4: chunked attention (``AttentionSpec.chunk``) and the query temperature (floor_scale,
+    #: attn_scale) of a NoPE layer; None else. Python only (:data:`PYTHON_ONLY`)
+    chunk: int | None = None
+    temperature: tuple[float, float] | None = None
     #: the block's description the step was read from (each backend refuses the fields it lacks by name)
     spec: BlockSpec | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -176,7 +180,7 @@ class LayerStep:
 #: the :class:`LayerStep` fields only the ``"python"`` backend computes (a step with any of these set
 #: takes the Python backend): the parallel layout; the native step covers QK-norm, sliding windows,
 #: per-layer rotations and sandwich / post-sublayer norms
-PYTHON_ONLY: tuple[str, ...] = ("parallel", "alibi_slopes", "latent")
+PYTHON_ONLY: tuple[str, ...] = ("parallel", "alibi_slopes", "latent", "chunk", "temperature")
 
 
 @dataclass(frozen=True)
@@ -334,6 +338,8 @@ def _layer_of(block: TransformerBlock, pack_rows: int | None) -> LayerStep:
         parallel=parallel,
         alibi_slopes=at.alibi_slopes,
         latent=a if latent else None,
+        chunk=at.chunk,
+        temperature=at.temperature,
         spec=spec,
     )
 

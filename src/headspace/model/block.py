@@ -29,6 +29,7 @@ from torch import Tensor, nn
 
 from ..attention.delta_net import GatedDeltaNet
 from ..attention.described import DescribedAttention
+from ..attention.differential import DifferentialAttention
 from ..attention.functional import sdpa_attention
 from ..attention.latent import LatentAttention
 from ..attention.layer import MultiHeadAttention, check_input_tensor
@@ -71,6 +72,7 @@ def make_norm(kind: str, d_model: int, eps: float, offset: float = 0.0) -> nn.Mo
 #: The block features (:func:`~headspace.nn.spec.features_of`) :meth:`TransformerBlock.forward` computes.
 BLOCK_FEATURES = (
     "window",
+    "chunk",
     "softcap",
     "qk_norm",
     "bias",
@@ -83,6 +85,8 @@ BLOCK_FEATURES = (
     "k_eq_v",
     "kv_source",
     "latent",
+    "temperature",
+    "differential",
 )
 
 
@@ -130,6 +134,7 @@ def _check_block_fits(old: BlockSpec, new: BlockSpec) -> None:
         "mlp.router_bias": (old.mlp.router_bias, new.mlp.router_bias),
         "mlp.swiglu_limit": (old.mlp.swiglu_limit, new.mlp.swiglu_limit),
         "mlp.swiglu_alpha": (old.mlp.swiglu_alpha, new.mlp.swiglu_alpha),
+        "mlp.shared_gate": (old.mlp.shared_gate, new.mlp.shared_gate),
         "layout == 'sandwich'": (old.layout == "sandwich", new.layout == "sandwich"),
     }
     for name, (have, got) in fixed.items():
@@ -253,12 +258,19 @@ class TransformerBlock(nn.Module):
         if attention is None and a.latent is not None:  # DeepSeek's latent attention: its own layer
             attention = LatentAttention.from_spec(a)  # type: ignore[assignment]
         if attention is None:
-            attention = MultiHeadAttention(
+            kind, extra = MultiHeadAttention, {}
+            if a.differential is not None:  # DiffLlama: the pair norm's eps is the description's qk_norm_eps
+                kind = DifferentialAttention
+                extra = {"lambda_init": a.differential, "norm_eps": a.qk_norm_eps}
+            attention = kind(
                 d, a.n_heads, d_head=a.d_head, n_kv_heads=a.n_kv_heads, dropout=a.dropout,
                 qkv_bias=a.qkv_bias, out_bias=a.out_bias, rotary=a.positions, window=a.window,
                 qk_norm=a.qk_norm, qk_norm_eps=a.qk_norm_eps, qk_norm_offset=a.qk_norm_offset,
                 softcap=a.softcap, scale=a.scale, sink=a.sink, gate=a.gate, alibi_slopes=a.alibi_slopes,
+                **extra,
             )  # fmt: skip
+            if a.chunk is not None or a.temperature is not None:  # (Llama 4's: set on the built layer)
+                attention.spec = dataclasses.replace(attention.spec, chunk=a.chunk, temperature=a.temperature)
         self.attn = attention
         self.ln1 = make_norm(n.kind, d, n.eps, n.offset)
         m = spec.mlp

@@ -19,11 +19,13 @@ from ..nn.positions import Rotary
 from ..nn.spec import MLP_KINDS, AttentionSpec, BlockSpec, MLPSpec, NormSpec
 from .block import ACTIVATIONS, NORM_KINDS, NORMS
 from .hybrid import check_hybrid, delta_net_spec
+from .layer_kinds import attention_fields, check_llama4_fields, mlp_fields
 
 ARCHS = ("encoder", "decoder")
-#: The kinds of attention layer (``ModelConfig.layer_types``): a sliding window, every earlier key, or
-#: a Gated DeltaNet (linear attention, ``delta_net``: :mod:`headspace.model.hybrid`).
-LAYER_TYPES = ("sliding", "full", "linear")
+#: The kinds of attention layer (``ModelConfig.layer_types``): a sliding window, every earlier key,
+#: the keys of the query's own chunk (Llama 4, ``attention_chunk``), or a Gated DeltaNet (linear
+#: attention, ``delta_net``: :mod:`headspace.model.hybrid`).
+LAYER_TYPES = ("sliding", "full", "linear", "chunked")
 #: How a model knows where a token is: a learned table added to the embeddings, rotary positions
 #: (RoPE) in every attention layer, or nothing (causal decoders can do without: "NoPE").
 POSITIONS = ("learned", "rotary", "none")
@@ -164,6 +166,16 @@ class ModelConfig:
     swiglu_alpha: float | None = None
     #: Learned attention sinks on every layer (gpt-oss: one logit per head in each row's softmax).
     attn_sink: bool = False
+    #: Llama 4 (:mod:`headspace.model.layer_kinds`): the chunk of the "chunked" layers; the NoPE layers'
+    #: query temperature [floor_scale, attn_scale]; the layers with experts (None: all) and the width of
+    #: the others' gated MLP; whether a shared expert has its sigmoid gate.
+    attention_chunk: int | None = None
+    attn_temperature: list[float] | None = None
+    moe_layers: list[int] | None = None
+    dense_d_mlp: int | None = None
+    shared_expert_gate: bool = True
+    #: DiffLlama: differential attention on every layer (:mod:`headspace.attention.differential`).
+    diff_attention: bool = False
     #: Biases on the q, k and v projections; derived: bias (Qwen2: True with bias=False).
     qkv_bias: bool | None = None
     #: Bias on the attention output projection (b_O); derived: bias.
@@ -322,10 +334,12 @@ class ModelConfig:
             raise ValueError(
                 f"ModelConfig.rope_local_theta must be None or a finite number > 0; got {local!r}"
             )
-        if self.qk_norm not in (None, "head", "all", "head_layernorm"):
+        if self.qk_norm not in (None, "head", "all", "head_layernorm", "l2"):
             raise ValueError(
-                f"ModelConfig.qk_norm must be None, 'head', 'all' or 'head_layernorm'; got {self.qk_norm!r}"
+                "ModelConfig.qk_norm must be None, 'head', 'all' or 'head_layernorm' (or 'l2', Llama 4's "
+                f"weightless norm); got {self.qk_norm!r}"
             )
+        check_llama4_fields(self)
         if self.qk_norm in ("head", "all") and self.norm_kind != "rmsnorm":
             raise ValueError("ModelConfig.qk_norm is an RMSNorm: it needs norm_kind='rmsnorm'")
         if not _finite(self.norm_offset) or (self.norm_offset and self.norm_kind != "rmsnorm"):
@@ -370,30 +384,35 @@ class ModelConfig:
             qkv_bias=bias if self.qkv_bias is None else self.qkv_bias,
             out_bias=bias if self.out_bias is None else self.out_bias,
             positions=positions, scale=self.attn_scale, window=self.layer_window(layer),
-            softcap=self.attn_softcap, qk_norm=self.qk_norm, qk_norm_eps=self.ln_eps,
+            softcap=self.attn_softcap, qk_norm_eps=self.ln_eps,
             qk_norm_offset=self.norm_offset, dropout=self.attn_dropout,
             sink="learned" if self.attn_sink else None, gate=self.attn_gate,
             bias=None if self.alibi_slopes is None else "alibi",
             alibi_slopes=None if self.alibi_slopes is None else tuple(self.alibi_slopes),
+            **attention_fields(self, layer),
         )  # fmt: skip
         linear = self.layer_types is not None and self.layer_types[layer] == "linear"
         return BlockSpec(
             mixer="gated_deltanet" if linear else "attention",
             delta_net=delta_net_spec(self) if linear else None,
             attention=attention,
-            mlp=MLPSpec(
-                self.d_mlp,
-                self.mlp_kind,
-                self.act,
-                bias if self.mlp_bias is None else self.mlp_bias,
-                n_experts=self.n_experts,
-                top_k=self.experts_top_k,
-                norm_topk=self.experts_norm_topk,
-                d_shared=self.shared_expert_d_mlp,
-                routing=self.experts_routing,
-                router_bias=self.router_bias,
-                swiglu_limit=self.swiglu_limit,
-                swiglu_alpha=self.swiglu_alpha,
+            mlp=dataclasses.replace(
+                MLPSpec(
+                    self.d_mlp,
+                    self.mlp_kind,
+                    self.act,
+                    bias if self.mlp_bias is None else self.mlp_bias,
+                    n_experts=self.n_experts,
+                    top_k=self.experts_top_k,
+                    norm_topk=self.experts_norm_topk,
+                    d_shared=self.shared_expert_d_mlp,
+                    routing=self.experts_routing,
+                    router_bias=self.router_bias,
+                    swiglu_limit=self.swiglu_limit,
+                    swiglu_alpha=self.swiglu_alpha,
+                    shared_gate=self.shared_expert_gate,
+                ),
+                **mlp_fields(self, layer),
             ),
             norm=NormSpec(self.norm_kind, float(self.ln_eps), float(self.norm_offset)),
             layout=self.norm,
@@ -565,6 +584,14 @@ class ModelConfig:
             parts.append(f"local theta {self.rope_local_theta:g}")
         if self.nope_layers:
             parts.append(f"NoPE layers {self.nope_layers}")
+        if self.attention_chunk is not None:
+            parts.append(f"chunks of {self.attention_chunk} on {types.count('chunked')}/{len(types)} layers")
+        if self.attn_temperature is not None:
+            parts.append("NoPE query temperature")
+        if self.moe_layers is not None:
+            parts.append(f"experts on layers {self.moe_layers}")
+        if self.diff_attention:
+            parts.append("differential attention")
         if self.qk_norm is not None:
             parts.append(f"QK-norm ({self.qk_norm})")
         if self.norm_offset:

@@ -9,6 +9,11 @@ For each position ``x`` [d_model], with ``E`` experts of width ``d_mlp`` and ``k
     y_e   = (act(x W_gate[e]) * (x W_in[e])) W_out[e]       expert e's output [d_model]
     MoE(x) = sum_j w_j y_{i_j}  +  sigmoid(x w_sg) Shared(x)   (the shared term: Qwen2-MoE only)
 
+Llama 4 (``routing="topk_sigmoid"``, ``shared_gate=False``)::
+
+    v, i  = topk(r, k);   w = sigmoid(v)            each chosen logit's sigmoid (float32)
+    MoE(x) = sum_j y_{i_j}(w_j x)  +  Shared(x)     the weight scales the expert's input; no shared gate
+
 exactly as transformers' ``*TopKRouter`` / ``*Experts`` compute it (the routing weights of unchosen
 experts are 0, so the sum runs over the chosen ones only). gpt-oss (``routing="topk_softmax"``,
 ``router_bias``, expert biases, ``swiglu_limit`` / ``swiglu_alpha``)::
@@ -86,10 +91,9 @@ class MixtureOfExperts(nn.Module):
         check_positive_int("top_k", top_k)
         if top_k > n_experts:
             raise ValueError(f"top_k must be at most n_experts={n_experts}; got {top_k}")
-        if routing not in ("softmax_topk", "topk_softmax", *GROUP_ROUTINGS):
-            raise ValueError(
-                f"routing must be one of {['softmax_topk', 'topk_softmax', *GROUP_ROUTINGS]}; got {routing!r}"
-            )
+        known = ["softmax_topk", "topk_softmax", "topk_sigmoid", *GROUP_ROUTINGS]
+        if routing not in known:
+            raise ValueError(f"routing must be one of {known}; got {routing!r}")
         if routing in GROUP_ROUTINGS and groups is None:
             raise ValueError(f"routing={routing!r} needs groups=(n_group, topk_group); got None")
         self.n_experts, self.top_k, self.norm_topk, self.act_name = n_experts, top_k, norm_topk, act
@@ -135,10 +139,14 @@ class MixtureOfExperts(nn.Module):
         logits = _fire(self.hook_router_logits, logits)
         if self.routing in GROUP_ROUTINGS:
             return self._route_grouped(logits)
-        if self.routing == "topk_softmax":  # gpt-oss: the k largest logits, then their softmax
+        if self.routing in ("topk_softmax", "topk_sigmoid"):  # the k largest logits, then their weights
             probs = logits
             top_i = _fire(self.hook_top_k, torch.topk(logits, self.top_k, dim=-1).indices)  # (batch, seq, k)
-            top_w = F.softmax(logits.gather(-1, top_i), dim=-1, dtype=logits.dtype)  # (batch, seq, k)
+            top_v = logits.gather(-1, top_i)  # (batch, seq, k)
+            if self.routing == "topk_softmax":  # gpt-oss: their softmax
+                top_w = F.softmax(top_v, dim=-1, dtype=logits.dtype)  # (batch, seq, k)
+            else:  # Llama 4: each one's sigmoid (float32, as transformers)
+                top_w = torch.sigmoid(top_v.float()).to(logits.dtype)  # (batch, seq, k)
             dense = torch.zeros_like(probs).scatter(-1, top_i, top_w)  # (batch, seq, E)
             if self.ablated:
                 dense[..., list(self.ablated)] = 0.0
@@ -203,7 +211,10 @@ class MixtureOfExperts(nn.Module):
         out = torch.zeros_like(flat)  # (N, d_model)
         for e in torch.nonzero(weights.ne(0).any(dim=0)).flatten().tolist():
             rows = torch.nonzero(weights[:, e]).flatten()  # (n_e,)
-            y = self.expert(e, flat[rows]) * weights[rows, e, None]  # (n_e, d_model)
+            if self.routing == "topk_sigmoid":  # Llama 4: the weight scales the expert's input
+                y = self.expert(e, flat[rows] * weights[rows, e, None])  # (n_e, d_model)
+            else:
+                y = self.expert(e, flat[rows]) * weights[rows, e, None]  # (n_e, d_model)
             if per_expert is not None:
                 per_expert[rows, e] = y
             else:

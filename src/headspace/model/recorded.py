@@ -124,6 +124,8 @@ def takes(block: Any, x: Tensor, kv_cache: KVCache | None) -> bool:
         return False
     if a._parameters.get("gate_weight") is not None:  # (an output gate: the block's own forward runs)
         return False
+    if a.spec.temperature is not None:  # (the recorded stages do not temper the queries)
+        return False
     if type(mlp) not in (FeedForward, GatedFeedForward) or any(True for _ in mlp.act.parameters()):
         return False
     linears = [mlp.fc_in, mlp.fc_out] + ([mlp.fc_gate] if "fc_gate" in mlp._modules else [])

@@ -87,6 +87,40 @@ def window_mask(
     return (keys[None, :] <= pos[:, None]) & (keys[None, :] > pos[:, None] - window)  # (rows, seq_k)
 
 
+def chunk_mask(
+    seq_q: int,
+    seq_k: int,
+    chunk: int,
+    device: torch.device | str | None = None,
+    query: Tensor | None = None,
+    left: Tensor | None = None,
+) -> Tensor:
+    """Bool ``[seq_q, seq_k]`` chunked causal mask (Llama 4's chunked attention), aligned bottom-right as
+    :func:`window_mask` (True = may attend): query ``i`` at key position ``p_i = i + seq_k - seq_q`` sees
+    key ``j`` iff ``j <= p_i`` and ``(j - l) // chunk == (p_i - l) // chunk`` (the keys of its own chunk
+    of ``chunk`` positions, counted from position ``l``). ``left``: int [batch], each row's ``l`` (its
+    left-padding columns, as transformers' chunked mask counts them) -> ``[batch, seq_q, seq_k]``;
+    None: ``l = 0``. ``query``: a 1-D int tensor of query rows to build instead of all ``seq_q``."""
+    check_window(chunk, "chunk")
+    rows = torch.arange(seq_q, device=device) if query is None else query.to(device)  # (rows,)
+    pos = rows + (seq_k - seq_q)  # (rows,): each query's key position
+    keys = torch.arange(seq_k, device=device)  # (seq_k,)
+    causal = keys[None, :] <= pos[:, None]  # (rows, seq_k)
+    offset = torch.zeros(1, 1, dtype=torch.long, device=device) if left is None else left.to(device)[:, None]
+    k_chunk = torch.div(keys[None, :] - offset, chunk, rounding_mode="floor")  # (batch|1, seq_k)
+    q_chunk = torch.div(pos[None, :] - offset, chunk, rounding_mode="floor")  # (batch|1, rows)
+    same = k_chunk[:, None, :] == q_chunk[:, :, None]  # (batch|1, rows, seq_k)
+    return causal & same[0] if left is None else causal[None] & same  # (rows, sk) or (batch, rows, sk)
+
+
+def _left_padding(key_padding: Tensor | None) -> Tensor | None:
+    """Each row's left-padding columns (the False before its first True) of bool key_padding [batch,
+    seq_k] -> int [batch]; None for None."""
+    if key_padding is None:
+        return None
+    return (key_padding.cumsum(dim=-1) == 0).sum(dim=-1)  # (batch,)
+
+
 def _and_bool(mask: Tensor | None, allowed: Tensor, is_float: bool) -> Tensor:
     """``mask`` (None, bool or additive float, broadcastable) combined by AND with bool ``allowed``."""
     if mask is None:
@@ -192,6 +226,7 @@ def canonical_mask(
     dtype: torch.dtype = torch.float32,
     device: torch.device | None = None,
     window: int | None = None,
+    chunk: int | None = None,
 ) -> CanonicalMask:
     """Combine ``key_padding``, ``attn_mask``, ``is_causal`` and ``window`` into one :class:`CanonicalMask`.
 
@@ -204,6 +239,7 @@ def canonical_mask(
         device: the device of the inputs; masks must be on it.
         window: None, or a sliding window (:func:`window_mask`, bottom-right aligned, causal by
             itself) combined by AND with every other mask.
+        chunk: None, or chunked attention (:func:`chunk_mask`, likewise) combined by AND.
 
     Raises:
         TypeError: integer masks; a float mask with a bool ``key_padding``; a float mask of another dtype.
@@ -212,9 +248,11 @@ def canonical_mask(
     device = torch.device(device) if device is not None else torch.device("cpu")
     mask, is_float = _checked_masks(batch, n_heads, seq_q, seq_k, key_padding, attn_mask, dtype, device)
     check_window(window)
+    check_window(chunk, "chunk")
 
     # The causal kernel path: causality alone, square.
-    if is_causal and mask is None and key_padding is None and seq_q == seq_k and window is None:
+    plain = window is None and chunk is None
+    if is_causal and mask is None and key_padding is None and seq_q == seq_k and plain:
         return CanonicalMask(mask=None, is_causal=True, dead_rows=None)
 
     if key_padding is not None:
@@ -230,6 +268,10 @@ def canonical_mask(
             mask = mask & tri
     if window is not None:
         mask = _and_bool(mask, window_mask(seq_q, seq_k, window, device)[None, None], is_float)
+    if chunk is not None:
+        left = _left_padding(key_padding)  # chunks count from each row's first real token
+        block = chunk_mask(seq_q, seq_k, chunk, device, left=left)  # (rows, sk) or (batch, rows, sk)
+        mask = _and_bool(mask, block[None, None] if left is None else block[:, None], is_float)
     if mask is None:
         return CanonicalMask(mask=None, is_causal=False, dead_rows=None)
 
@@ -277,10 +319,12 @@ class RowMasks:
         dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
         window: int | None = None,
+        chunk: int | None = None,
     ) -> None:
         device = torch.device(device) if device is not None else torch.device("cpu")
         check_window(window)
-        self.window = window
+        check_window(chunk, "chunk")
+        self.window, self.chunk = window, chunk
         self.attn_mask, self.is_float = _checked_masks(
             batch, n_heads, seq_q, seq_k, key_padding, attn_mask, dtype, device
         )  # (b|1, h|1, sq|1, sk|1) or None: a view, never expanded
@@ -293,7 +337,11 @@ class RowMasks:
     def empty(self) -> bool:
         """True when nothing is masked (every block's mask is None)."""
         return (
-            self.attn_mask is None and self.key_padding is None and not self.is_causal and self.window is None
+            self.attn_mask is None
+            and self.key_padding is None
+            and not self.is_causal
+            and self.window is None
+            and self.chunk is None
         )
 
     def rows(self, start: int | Tensor, end: int | None = None) -> CanonicalMask:
@@ -333,6 +381,11 @@ class RowMasks:
             query = torch.arange(start, end, device=self.device) if index is None else index  # (rows,)
             band = window_mask(self.seq_q, self.seq_k, self.window, self.device, query)  # (rows, seq_k)
             mask = _and_bool(mask, band[None, None], self.is_float)
+        if self.chunk is not None:
+            query = torch.arange(start, end, device=self.device) if index is None else index  # (rows,)
+            left = _left_padding(self.key_padding)  # chunks count from each row's first real token
+            block = chunk_mask(self.seq_q, self.seq_k, self.chunk, self.device, query, left)  # (.., rows, sk)
+            mask = _and_bool(mask, block[None, None] if left is None else block[:, None], self.is_float)
         if mask is None or n == 0:
             return CanonicalMask(mask=mask, is_causal=False, dead_rows=None)
         if self.is_float:

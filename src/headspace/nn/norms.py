@@ -134,3 +134,34 @@ class HeadLayerNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
+class L2Norm(nn.Module):
+    """An RMSNorm over the last dim without a learned weight (Llama 4's ``L2Norm``, its weightless QK-norm):
+    ``x / sqrt(mean(x^2) + eps)``, computed in float32 and cast back (transformers' order).
+
+    No parameter and no buffer (nothing in the state dict); ``weight`` is a fresh ones [d_model] (float32,
+    CPU) and ``offset`` 0, so that code reading an RMSNorm's gain ``offset + weight`` reads 1.
+    Shapes: x [..., d_model] -> the same.
+    """
+
+    def __init__(self, d_model: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        if not isinstance(d_model, int) or isinstance(d_model, bool) or d_model <= 0:
+            raise ValueError(f"d_model must be a positive int; got {type(d_model).__name__} {d_model!r}")
+        if not _is_real(eps) or not math.isfinite(eps) or eps < 0:
+            raise ValueError(f"eps must be a finite number >= 0; got {type(eps).__name__} {eps!r}")
+        self.d_model, self.eps, self.offset = d_model, float(eps), 0.0
+
+    @property
+    def weight(self) -> Tensor:
+        """The gain 1 of every feature, [d_model] (a fresh tensor: the norm has no weight to edit)."""
+        return torch.ones(self.d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [..., d_model] -> [..., d_model] in x's dtype."""
+        hidden = x.to(torch.promote_types(x.dtype, torch.float32))  # [..., d_model]
+        return (hidden * rms_inverse(hidden, self.eps)).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.d_model}, eps={self.eps}"

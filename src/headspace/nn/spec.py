@@ -17,12 +17,13 @@ Residual layouts (``BlockSpec.layout``; ``N1``/``N2`` the block's two norms, ``A
     post_sublayer (OLMo 2): h = x + N1(A(x))           out = h + N2(M(h))
     parallel (GPT-NeoX):   out = x + A(N1(x)) + M(N2(x))   (GPT-J, Phi-2, Cohere: N2 a copy of N1)
 
-A field that no executor computes yet (``chunk``; the ``parallel`` layout beyond the block forward and
-the Python step; ``bias`` (ALiBi) beyond the forward, the traced path and the Python step) may be
-described; each executor refuses it by the field's name (:func:`refuse_unsupported`), never running
-without it. ``sink``, ``gate``, a mixture-of-experts MLP (``MLPSpec.kind == "moe"``) and a Gated DeltaNet
-mixer (``BlockSpec.mixer``) are computed by the block forward only: the decoding steps refuse them by
-name (decoding runs the forward with its caches).
+A field that no executor computes yet (the ``parallel`` layout beyond the block forward and the Python
+step; ``bias`` (ALiBi), ``chunk`` and ``temperature`` (Llama 4) beyond the forward, the traced path and
+the Python step) may be described; each executor refuses it by the field's name
+(:func:`refuse_unsupported`), never running without it. ``sink``, ``gate``, ``differential``, a
+mixture-of-experts MLP (``MLPSpec.kind == "moe"``) and a Gated DeltaNet mixer (``BlockSpec.mixer``) are
+computed by the block forward only: the decoding steps refuse them by name (decoding runs the forward
+with its caches).
 Every value is checked on construction: a bad one raises a one-line ``ValueError`` naming the field, what
 it expects and what came.
 """
@@ -47,15 +48,17 @@ LAYOUTS = ("post", "pre", "sandwich", "post_sublayer", "parallel")
 MLP_KINDS = ("plain", "gated", "moe")
 #: How a mixture of experts weighs its k experts (``MLPSpec.routing``): ``"softmax_topk"`` (the softmax
 #: over all experts, then the k largest: Mixtral, Qwen-MoE, OLMoE) or ``"topk_softmax"`` (the k largest
-#: logits, then the softmax over those k: gpt-oss).
+#: logits, then the softmax over those k: gpt-oss) or ``"topk_sigmoid"`` (the k largest logits, each
+#: through a sigmoid, the weight scaling the expert's input, not its output: Llama 4).
 #: DeepSeek (:mod:`headspace.model.moe_routing`): ``"sigmoid_group_topk"`` (V3: sigmoid scores, a
 #: score-correction bias, group-limited choice) and ``"softmax_group_topk"`` (V2's group-limited greedy).
-ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_group_topk", "softmax_group_topk")
+ROUTINGS = ("softmax_topk", "topk_softmax", "topk_sigmoid", "sigmoid_group_topk", "softmax_group_topk")
 #: The activations of an MLP (``MLPSpec.act``).
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 #: QK-norm over each head's d_head (``"head"``: Qwen3, Gemma 3) or all heads at once (``"all"``: OLMo 2),
-#: RMSNorms; ``"head_layernorm"``: a LayerNorm per head with its own weight, no bias (StableLM, Cohere).
-QK_NORMS = ("head", "all", "head_layernorm")
+#: RMSNorms; ``"head_layernorm"``: a LayerNorm per head with its own weight, no bias (StableLM, Cohere);
+#: ``"l2"``: an RMSNorm over each head's d_head without a weight (Llama 4's ``L2Norm``).
+QK_NORMS = ("head", "all", "head_layernorm", "l2")
 #: Additive score biases (``AttentionSpec.bias``): ALiBi's per-head linear distance penalty.
 SCORE_BIASES = ("alibi",)
 #: Attention sinks (``AttentionSpec.sink``): one learned logit per head in the softmax (gpt-oss).
@@ -71,7 +74,7 @@ MIXERS = ("attention", "gated_deltanet")
 #: order executors check them: :func:`refuse_unsupported` names the first one an executor lacks.
 ATTENTION_FEATURES = (
     "window", "chunk", "softcap", "qk_norm", "bias", "sink", "gate", "v_norm", "k_eq_v", "kv_source",
-    "latent",
+    "latent", "temperature", "differential",
 )  # fmt: skip
 
 
@@ -173,6 +176,11 @@ class AttentionSpec:
     ``latent``: multi-head latent attention (:class:`LatentSpec`); then ``d_head`` is the query/key width
     ``latent.qk_head_dim``, ``n_kv_heads == n_heads`` and ``positions`` rotates the shared
     ``qk_rope_head_dim`` features only.
+    ``temperature``: ``(floor_scale, attn_scale)``, Llama 4's per-position query temperature: the query
+    at absolute position ``p`` is multiplied by ``1 + attn_scale * log(1 + floor((p + 1) / floor_scale))``
+    (:mod:`headspace.attention.temperature`); None: none. ``differential``: DiffLlama's differential
+    attention with this ``lambda_init`` (:class:`headspace.attention.differential.DifferentialAttention`);
+    None: none.
     """
 
     d_model: int
@@ -198,6 +206,8 @@ class AttentionSpec:
     k_eq_v: bool = False
     kv_source: int | None = None
     latent: LatentSpec | None = None
+    temperature: tuple[float, float] | None = None
+    differential: float | None = None
 
     def __post_init__(self) -> None:
         o = "AttentionSpec"
@@ -240,6 +250,17 @@ class AttentionSpec:
             raise _fail(o, "kv_source", "None or a layer index >= 0", self.kv_source)
         if self.latent is not None:
             _check_latent(self)
+        t = self.temperature
+        if t is not None and not (
+            isinstance(t, tuple)
+            and len(t) == 2
+            and all(is_number(v) and math.isfinite(v) for v in t)
+            and t[0] > 0
+        ):
+            raise _fail(o, "temperature", "None or (floor_scale > 0, attn_scale), two finite floats", t)
+        d = self.differential
+        if d is not None and (not is_number(d) or not math.isfinite(d)):
+            raise _fail(o, "differential", "None or a finite float (lambda_init)", d)
 
     @property
     def score_scale(self) -> float:
@@ -274,8 +295,8 @@ class MLPSpec:
     (:mod:`headspace.model.moe_routing`): ``n_group`` / ``topk_group`` (experts in ``n_group`` groups,
     the k chosen among the best ``topk_group`` groups), ``routed_scale`` (the k weights' factor,
     ``routed_scaling_factor``), ``score_bias`` (V3's ``e_score_correction_bias``, which moves the choice
-    but not the weights) and ``shared_gate`` (False: the shared expert is added ungated). The expert
-    fields must keep their defaults for the other kinds."""
+    but not the weights) and ``shared_gate`` (False: the shared expert is added ungated: DeepSeek,
+    Llama 4). The expert fields must keep their defaults for the other kinds."""
 
     d_mlp: int
     kind: str = "plain"

@@ -42,6 +42,7 @@ _PARALLEL_T = "tests/pretrained/test_parallel_families.py"
 _VARIANTS_T = "tests/pretrained/test_llama_variants.py"
 _MOE_T = "tests/pretrained/test_moe_families.py"
 _NEXT_T = "tests/pretrained/test_qwen_next.py"
+_LLAMA4_T = "tests/pretrained/test_llama4.py"
 _ENCDEC_T = "tests/encdec/test_families.py"
 _ABSOLUTE_T = "tests/pretrained/test_absolute_families.py"
 _NONE: dict[str, Any] = {"rotation": "none", "rope_types": ()}
@@ -507,6 +508,27 @@ FAMILIES: tuple[Family, ...] = (
         _DEEPSEEK_T,
         rotation="interleaved",
         rope_types=("default", "yarn"),
+    ),
+    _d(
+        "llama4_text",
+        "rotary; NoPE layers with a query temperature",
+        _PRE,
+        _RMS,
+        "chunked attention; weightless L2 QK-norm; sigmoid-routed experts and dense layers",
+        ("forward",),
+        _REL,
+        _LLAMA4_T,
+        rotation="interleaved",
+    ),
+    _d(
+        "diffllama",
+        "rotary",
+        _PRE,
+        _RMS,
+        "differential attention: head pairs, p_1 - lambda p_2, a norm per pair",
+        ("forward",),
+        _REL,
+        "tests/pretrained/test_diffllama.py",
     ),
 )
 

@@ -17,6 +17,7 @@ from .absolute_families import ABSOLUTE_FAMILY_TYPES, load_absolute_family
 from .alibi_families import ALIBI_FAMILY_TYPES, load_alibi_family
 from .bert import load_bert
 from .deepseek import DEEPSEEK_MODEL_TYPES, load_deepseek
+from .diffllama import load_diffllama
 from .encdec import ENCDEC_LOADERS
 from .encdec.whisper_base import load_whisper_base
 from .encoder_families import ENCODER_LOADERS
@@ -26,6 +27,7 @@ from .gguf import load_gemma3, load_gguf, load_smollm2
 from .gpt2 import load_gpt2
 from .hf import checked_folder, read_json, require_file
 from .llama import load_llama
+from .llama4 import load_llama4
 from .llama_variants import VARIANT_MODEL_TYPES
 from .moe_families import MOE_MODEL_TYPES, load_moe
 from .parallel_families import PARALLEL_FAMILY_TYPES, load_parallel_family
@@ -175,6 +177,8 @@ FOLDER_LOADERS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] 
     **dict.fromkeys(ALIBI_FAMILY_TYPES, load_alibi_family),  # bloom, falcon, mpt
     **dict.fromkeys(QWEN_NEXT_MODEL_TYPES, load_qwen_next),  # qwen3_next, qwen3_5_text
     **dict.fromkeys(DEEPSEEK_MODEL_TYPES, load_deepseek),  # latent attention (issue #39)
+    "llama4_text": load_llama4,  # chunks, NoPE temperature, L2 QK-norm, sigmoid-routed experts (issue #39)
+    "diffllama": load_diffllama,  # differential attention (issue #39)
 }
 
 

@@ -372,13 +372,15 @@ def supports_qk_capture(attn: Any) -> bool:
     """Whether :func:`each_layer_qk` can recompute this layer's q and k from its input (a
     :class:`~headspace.MultiHeadAttention` with the stock ``forward``; subclasses with another calling
     convention, such as the ``torch.nn.MultiheadAttention`` drop-in, are not; nor, yet, layers with
-    soft-capped scores or ALiBi's score bias, which the chunked statistics do not apply; a sliding
-    window they apply)."""
+    soft-capped scores, ALiBi's score bias, Llama 4's chunks or query temperature, which the chunked
+    statistics do not apply; a sliding window they apply)."""
     return (
         isinstance(attn, MultiHeadAttention)
         and type(attn).forward is MultiHeadAttention.forward
         and getattr(attn, "softcap", None) is None
         and attn.spec.bias is None
+        and attn.spec.chunk is None
+        and attn.spec.temperature is None
     )
 
 
