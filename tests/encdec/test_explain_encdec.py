@@ -13,25 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from tiny_tokenizer import add_tokenizer
 
 import headspace
-from conftest import VOCAB
 from headspace.analysis.lesson.cross_explain import explain_cross
 from headspace.cli import cli
 
 SENTENCE = "the quick brown fox jumps over the lazy dog"
-
-
-def add_tokenizer(folder: Path) -> None:
-    """A word-level SentencePiece-style tokenizer.json for the tiny vocabulary: ids 0..2 <pad> </s> <unk>,
-    then "▁w3" .. "▁w36"; "</s>" appended to every source."""
-    words = ["<pad>", "</s>", "<unk>"] + [f"▁w{i}" for i in range(3, VOCAB)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Metaspace()
-    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    tok.save(str(folder / "tokenizer.json"))
 
 
 @pytest.fixture(scope="module")
