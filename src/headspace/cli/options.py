@@ -46,8 +46,8 @@ MODEL_HELP = (
     "SmolLM3, Phi-3, Gemma, Granite, OLMo, OLMo 3, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, Cohere, "
     "Phi-2, GPT-J, or the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE and gpt-oss), or a "
     ".gguf file (Llama family, Gemma 3). T5, BART, Marian and Whisper folders and 'whisper-base' (Whisper "
-    "base, from its CTranslate2 file) load in Python (headspace.load); no command runs an encoder-decoder "
-    "yet but align (Whisper)."
+    "base, from its CTranslate2 file) load in Python (headspace.load); of the commands, explain (a sentence "
+    "or SPEECH.WAV) and align (Whisper) run encoder-decoders."
 )
 
 

@@ -72,7 +72,7 @@ def _items(model: EncoderDecoder, corpus: Any) -> list[tuple[Any, str | None]]:
         elif not model.config.audio and isinstance(item, (tuple, list)) and len(item) == 2:
             out.append((str(item[0]), str(item[1])))
         else:
-            want = "a sentence or a (source, target)"
+            want = "a sentence or a (source, target) pair"
             if model.config.audio:
                 want = "a WAV path or 16 kHz samples"
             raise ValueError(f"corpus item {i} must be {want}; got {item!r}"[:300])
