@@ -45,7 +45,8 @@ def test_t5_lesson_equals_transformers_cross_attention(t5: tuple[Path, object]) 
     assert e.lesson.position == 2  # output token 2 ("w20") is predicted at the decoder's position 2
     assert torch.allclose(torch.tensor(e.lesson.pattern), want[2], atol=1e-5)
     assert torch.allclose(torch.tensor(e.pattern), want[:5], atol=1e-5)  # rows predicting w7 .. the end
-    assert e.boundaries == [1.0, 2.0, 3.0, 4.0] and e.words[0] == ("w5", 0.0, 1.0)
+    assert e.boundaries == [1.0, 2.0, 3.0, 4.0, 5.0] and e.words[0] == ("w5", 0.0, 1.0)
+    assert [w for w, _, _ in e.words] == ["w5", "w9", "w12", "w3", "w30"]  # </s> is no word
 
 
 def test_t5_default_head_is_the_most_consistent(t5: tuple[Path, object]) -> None:

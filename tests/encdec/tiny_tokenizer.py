@@ -14,6 +14,7 @@ def add_tokenizer(folder: Path) -> None:
     then "▁w3" .. "▁w36"; "</s>" appended to every source."""
     words = ["<pad>", "</s>", "<unk>"] + [f"▁w{i}" for i in range(3, VOCAB)]
     tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.add_special_tokens(words[:3])  # as T5's own tokenizer.json: <pad> </s> <unk> are special added tokens
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
     tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])

@@ -16,7 +16,8 @@ Whisper's timing code does; text patterns over the source tokens, without the me
 
 Word boundaries: for audio, each word's start and end (seconds) from the top quarter of the heads
 (:func:`~headspace.analysis.lesson.alignment.word_timings`' method: DTW, narrowed to sounding frames);
-for text, the source positions where a word starts (a token whose text begins with a space).
+for text, the source positions where a word starts (a token whose text begins with a space) or a special
+token (``</s>``) starts or ends.
 """
 
 from __future__ import annotations
@@ -251,9 +252,12 @@ def explain_cross(
     else:
         src_ids = inputs[0].tolist()
         sources = [_piece(model, t) for t in src_ids]
-        starts = [j for j, s in enumerate(sources) if j == 0 or s.startswith(" ")]
+        special = [t in model.tokenizer.control_ids for t in src_ids]  # </s> etc.: no word, its own span
+        starts = [
+            j for j, s in enumerate(sources) if j == 0 or s.startswith(" ") or special[j] or special[j - 1]
+        ]
         words = [(sources[a].strip() + "".join(sources[a + 1 : b]), float(a), float(b))
-                 for a, b in zip(starts, [*starts[1:], len(sources)])]  # fmt: skip
+                 for a, b in zip(starts, [*starts[1:], len(sources)]) if not special[a]]  # fmt: skip
         boundaries = [float(j) for j in starts[1:]]
         picture = patterns[layer, head]
     return CrossExplanation(
