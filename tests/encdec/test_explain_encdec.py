@@ -13,25 +13,13 @@ from pathlib import Path
 import pytest
 import torch
 from click.testing import CliRunner
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from tiny_tokenizer import add_tokenizer
 
 import headspace
-from conftest import VOCAB
 from headspace.analysis.lesson.cross_explain import explain_cross
 from headspace.cli import cli
 
 SENTENCE = "the quick brown fox jumps over the lazy dog"
-
-
-def add_tokenizer(folder: Path) -> None:
-    """A word-level SentencePiece-style tokenizer.json for the tiny vocabulary: ids 0..2 <pad> </s> <unk>,
-    then "▁w3" .. "▁w36"; "</s>" appended to every source."""
-    words = ["<pad>", "</s>", "<unk>"] + [f"▁w{i}" for i in range(3, VOCAB)]
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
-    tok.decoder = decoders.Metaspace()
-    tok.post_processor = processors.TemplateProcessing(single="$A </s>", special_tokens=[("</s>", 1)])
-    tok.save(str(folder / "tokenizer.json"))
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +45,8 @@ def test_t5_lesson_equals_transformers_cross_attention(t5: tuple[Path, object]) 
     assert e.lesson.position == 2  # output token 2 ("w20") is predicted at the decoder's position 2
     assert torch.allclose(torch.tensor(e.lesson.pattern), want[2], atol=1e-5)
     assert torch.allclose(torch.tensor(e.pattern), want[:5], atol=1e-5)  # rows predicting w7 .. the end
-    assert e.boundaries == [1.0, 2.0, 3.0, 4.0] and e.words[0] == ("w5", 0.0, 1.0)
+    assert e.boundaries == [1.0, 2.0, 3.0, 4.0, 5.0] and e.words[0] == ("w5", 0.0, 1.0)
+    assert [w for w, _, _ in e.words] == ["w5", "w9", "w12", "w3", "w30"]  # </s> is no word
 
 
 def test_t5_default_head_is_the_most_consistent(t5: tuple[Path, object]) -> None:

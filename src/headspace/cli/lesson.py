@@ -25,7 +25,7 @@ from ..core.defaults import (
 from ..core.errors import UsageError
 from .errors import read_input_file, reported
 from .explain_encdec import ENCDEC_TARGET_HELP, explain_encoder_decoder, is_encoder_decoder
-from .loader import at_precision, load_model
+from .loader import at_precision, encoder_decoders_allowed, load_model
 from .options import (
     TOKENS_HELP,
     choice_option,
@@ -142,7 +142,8 @@ def explain_cmd(
     if out_dir is not None:
         check_writable_folder(out_dir)
     check_before_loading(model_spec, layer, head)
-    pretrained = load_model(model_spec, encdec=True)
+    with encoder_decoders_allowed():
+        pretrained = load_model(model_spec)
     if is_encoder_decoder(pretrained):
         return explain_encoder_decoder(
             pretrained, model_spec, sentence, token=token, layer=layer, head=head, target=target,

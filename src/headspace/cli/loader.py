@@ -9,23 +9,39 @@ the loaded model (float32 loads as it always did).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from ..core.errors import UsageError
 from .errors import one_line, reported
 
-__all__ = ["UsageError", "at_precision", "load_model", "one_line"]
+__all__ = ["UsageError", "at_precision", "encoder_decoders_allowed", "load_model", "one_line"]
+
+#: True inside :func:`encoder_decoders_allowed` (``headspace explain``): any encoder-decoder loads
+_ALLOW_ENCDEC: ContextVar[bool] = ContextVar("allow_encoder_decoders", default=False)
 
 
-def load_model(spec: str, *, whisper: bool = False, encdec: bool = False) -> Any:
+@contextmanager
+def encoder_decoders_allowed() -> Iterator[None]:
+    """Inside it, :func:`load_model` lets any encoder-decoder through (the commands that run one)."""
+    token = _ALLOW_ENCDEC.set(True)
+    try:
+        yield
+    finally:
+        _ALLOW_ENCDEC.reset(token)
+
+
+def load_model(spec: str, *, whisper: bool = False) -> Any:
     """A registered model (``minilm``, ``smollm2``, ``gemma3``), a Hugging Face checkpoint folder or a
     ``.gguf`` file; with ``whisper=True`` (``headspace align``) a Whisper encoder-decoder is let through,
-    with ``encdec=True`` (``headspace explain``) any encoder-decoder."""
+    inside :func:`encoder_decoders_allowed` (``headspace explain``) any encoder-decoder."""
     from .. import pretrained
 
     with reported():
         model = pretrained.load(spec)
-    refuse_encoder_decoder(model, spec, whisper=whisper, encdec=encdec)
+    refuse_encoder_decoder(model, spec, whisper=whisper, encdec=_ALLOW_ENCDEC.get())
     return model
 
 

@@ -47,8 +47,8 @@ MODEL_HELP = (
     "Phi-2, GPT-J, DiffLlama, the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss and "
     "Llama 4, or the hybrids Qwen3-Next and Qwen3.5), or a "
     ".gguf file (Llama family, Gemma 3). T5, BART, Marian and Whisper folders and 'whisper-base' (Whisper "
-    "base, from its CTranslate2 file) load in Python (headspace.load); no command runs an encoder-decoder "
-    "yet but align (Whisper)."
+    "base, from its CTranslate2 file) load in Python (headspace.load); of the commands, explain (a sentence "
+    "or SPEECH.WAV) and align (Whisper) run encoder-decoders."
 )
 
 

@@ -16,7 +16,8 @@ Whisper's timing code does; text patterns over the source tokens, without the me
 
 Word boundaries: for audio, each word's start and end (seconds) from the top quarter of the heads
 (:func:`~headspace.analysis.lesson.alignment.word_timings`' method: DTW, narrowed to sounding frames);
-for text, the source positions where a word starts (a token whose text begins with a space).
+for text, the source positions where a word starts (a token whose text begins with a space) or a special
+token (``</s>``) starts or ends.
 """
 
 from __future__ import annotations
@@ -162,6 +163,48 @@ def _check_head(model: EncoderDecoder, layer: int | None, head: int | None) -> N
         raise ValueError(f"head must be in [0, {n_heads}); got {head}")
 
 
+@dataclass
+class CrossPatterns:
+    """Every cross-attention head's pattern at the output rows of one input (module docstring).
+
+    ``inputs``: source ids [1, seq] or features [1, n_mels, 3000]; ``prompt``, ``text``: the decoder's
+    prompt and output ids; ``patterns`` [n_layers, n_heads, n + 1, seq_k] (audio: softmax over the audio's
+    frames only, as Whisper's timing code); ``matrices``: their normalised form (same shape, for DTW);
+    ``samples``: the 16 kHz audio [n] (None for text)."""
+
+    inputs: Tensor
+    prompt: list[int]
+    text: list[int]
+    patterns: Tensor
+    matrices: Tensor
+    samples: Tensor | None
+
+
+def cross_patterns(
+    model: EncoderDecoder, source: str | os.PathLike[str] | Tensor, target: str | None = None
+) -> CrossPatterns:
+    """The cross-attention patterns of ``model``'s output for ``source`` (a sentence; Whisper: a WAV path or
+    16 kHz samples [n]); the output is ``target``'s tokens (text models) or the greedy output."""
+    _check_model(model)
+    if model.config.audio:
+        inputs, prompt, text, samples = _audio_inputs(model, source)
+        patterns = _cross_scores(model, samples, text).softmax(dim=-1)  # [L, H, rows, n_frames]
+        return CrossPatterns(inputs, prompt, text, patterns, normalise(patterns), samples)
+    inputs, prompt, text = _text_inputs(model, str(source), target)
+    rows = slice(len(prompt) - 1, len(prompt) + len(text))
+    decoder_ids = torch.tensor([[*prompt, *text, model.config.eos_token_id]])  # [1, seq_dec]
+    patterns = _text_scores(model, inputs, decoder_ids, rows)  # [L, H, rows, seq_k]
+    return CrossPatterns(inputs, prompt, text, patterns, normalise(patterns, width=1), None)
+
+
+def monotonic_scores(p: CrossPatterns) -> Tensor:
+    """Every head's monotonic-alignment score [n_layers, n_heads]: the consistency of its DTW path
+    (module docstring; near 0 for a sink or a diffuse head, near 1 for rows walking through the source)."""
+    return torch.tensor(
+        [[_consistency(a, m) for a, m in zip(pl, ml)] for pl, ml in zip(p.patterns, p.matrices)]
+    )
+
+
 def explain_cross(
     model: EncoderDecoder,
     source: str | os.PathLike[str] | Tensor,
@@ -179,19 +222,9 @@ def explain_cross(
     _check_model(model)
     _check_head(model, layer, head)
     audio = model.config.audio
-    if audio:
-        inputs, prompt, text, samples = _audio_inputs(model, source)
-        patterns = _cross_scores(model, samples, text).softmax(dim=-1)  # [L, H, rows, n_frames]
-        matrices = normalise(patterns)
-    else:
-        inputs, prompt, text = _text_inputs(model, str(source), target)
-        rows = slice(len(prompt) - 1, len(prompt) + len(text))
-        decoder_ids = torch.tensor([[*prompt, *text, model.config.eos_token_id]])  # [1, seq_dec]
-        patterns = _text_scores(model, inputs, decoder_ids, rows)  # [L, H, rows, seq_k]
-        matrices = normalise(patterns, width=1)
-    scores = torch.tensor(
-        [[_consistency(p, m) for p, m in zip(pl, ml)] for pl, ml in zip(patterns, matrices)]
-    )
+    cp = cross_patterns(model, source, target)
+    inputs, prompt, text, patterns, matrices = cp.inputs, cp.prompt, cp.text, cp.patterns, cp.matrices
+    scores = monotonic_scores(cp)
     k = _pick(model, text, token)
     chosen = "given"
     if layer is None or head is None:
@@ -209,7 +242,7 @@ def explain_cross(
     if audio:
         top = scores.flatten().argsort(descending=True)[: max(1, scores.numel() // 4)]
         chosen_m = torch.stack([matrices[int(i) // scores.shape[1], int(i) % scores.shape[1]] for i in top])
-        speech = speech_frames(samples, patterns.shape[-1])
+        speech = speech_frames(cp.samples, patterns.shape[-1])
         timed = _timings(chosen_m.mean(dim=0), groups, speech)
         words = [(w.word, round(w.start, 3), round(w.end, 3)) for w in timed]
         boundaries = sorted({t for _, a, b in words for t in (a, b)})
@@ -219,9 +252,12 @@ def explain_cross(
     else:
         src_ids = inputs[0].tolist()
         sources = [_piece(model, t) for t in src_ids]
-        starts = [j for j, s in enumerate(sources) if j == 0 or s.startswith(" ")]
+        special = [t in model.tokenizer.control_ids for t in src_ids]  # </s> etc.: no word, its own span
+        starts = [
+            j for j, s in enumerate(sources) if j == 0 or s.startswith(" ") or special[j] or special[j - 1]
+        ]
         words = [(sources[a].strip() + "".join(sources[a + 1 : b]), float(a), float(b))
-                 for a, b in zip(starts, [*starts[1:], len(sources)])]  # fmt: skip
+                 for a, b in zip(starts, [*starts[1:], len(sources)]) if not special[a]]  # fmt: skip
         boundaries = [float(j) for j in starts[1:]]
         picture = patterns[layer, head]
     return CrossExplanation(
@@ -250,4 +286,4 @@ def _full_rows(
     return t[name][0, head, n_prompt - 1 : n_prompt + n, :n_keys]  # [n + 1, n_keys]
 
 
-__all__ = ["CrossExplanation", "explain_cross"]
+__all__ = ["CrossExplanation", "CrossPatterns", "cross_patterns", "explain_cross", "monotonic_scores"]
