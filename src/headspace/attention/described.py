@@ -20,7 +20,7 @@ import dataclasses
 from ..nn.spec import AttentionSpec, refuse_unsupported
 
 #: The attention features (:data:`~headspace.nn.spec.ATTENTION_FEATURES`) the layer's forward computes.
-FORWARD_FEATURES = ("window", "softcap", "qk_norm", "sink")
+FORWARD_FEATURES = ("window", "window_sides", "softcap", "qk_norm", "sink")
 
 
 class DescribedAttention:

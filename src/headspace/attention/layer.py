@@ -396,7 +396,7 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
         return canonical_mask(
             batch=B, n_heads=self.n_heads, seq_q=Sq, seq_k=seq_k, key_padding=key_padding,
             attn_mask=attn_mask, is_causal=is_causal, dtype=query.dtype, device=query.device,
-            window=self.window,
+            window=self.window, window_sides=self._spec.window_sides,
         )  # fmt: skip
 
     def _checked_call(

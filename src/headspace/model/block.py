@@ -66,7 +66,7 @@ def make_norm(kind: str, d_model: int, eps: float, offset: float = 0.0) -> nn.Mo
 
 
 #: The block features (:func:`~headspace.nn.spec.features_of`) :meth:`TransformerBlock.forward` computes.
-BLOCK_FEATURES = ("window", "softcap", "qk_norm", "layout", "sink", "moe")
+BLOCK_FEATURES = ("window", "window_sides", "softcap", "qk_norm", "layout", "sink", "moe", "attn_norm")
 
 
 def _check_block_args(
@@ -114,6 +114,7 @@ def _check_block_fits(old: BlockSpec, new: BlockSpec) -> None:
         "mlp.swiglu_limit": (old.mlp.swiglu_limit, new.mlp.swiglu_limit),
         "mlp.swiglu_alpha": (old.mlp.swiglu_alpha, new.mlp.swiglu_alpha),
         "layout == 'sandwich'": (old.layout == "sandwich", new.layout == "sandwich"),
+        "attn_norm": (old.attn_norm, new.attn_norm),
     }
     for name, (have, got) in fixed.items():
         if have != got:
@@ -236,8 +237,11 @@ class TransformerBlock(nn.Module):
                 qk_norm=a.qk_norm, qk_norm_eps=a.qk_norm_eps, qk_norm_offset=a.qk_norm_offset,
                 softcap=a.softcap, scale=a.scale, sink=a.sink,
             )  # fmt: skip
+            if a.window_sides is not None:  # the layer's own constructor builds the causal band
+                attention.spec = dataclasses.replace(attention.spec, window_sides=a.window_sides)
         self.attn = attention
-        self.ln1 = make_norm(n.kind, d, n.eps, n.offset)
+        # no attention norm (ModernBERT's first layer): an Identity, so that ``.ln1`` stays readable
+        self.ln1 = make_norm(n.kind, d, n.eps, n.offset) if spec.attn_norm else nn.Identity()
         m = spec.mlp
         kind = GatedFeedForward if m.kind == "gated" else FeedForward
         self.mlp: FeedForward | GatedFeedForward | MixtureOfExperts = (
@@ -290,7 +294,7 @@ class TransformerBlock(nn.Module):
             )
         self.attn.spec = spec.attention
         for norm in (self.ln1, self.ln2, self.ln_attn_out, self.ln_mlp_out):
-            if norm is not None:
+            if norm is not None and not isinstance(norm, nn.Identity):
                 norm.eps = spec.norm.eps
                 if isinstance(norm, RMSNorm):
                     norm.offset = spec.norm.offset
@@ -343,7 +347,7 @@ class TransformerBlock(nn.Module):
         :func:`headspace.trace`'s recorders watch every hook point (on inputs long enough), the trace's
         executor runs the block instead (:mod:`~headspace.model.recorded`): the same output, bit for bit.
         """
-        check_input_tensor("x", x, self.d_model, "d_model", self.ln1.weight)  # before any LayerNorm
+        check_input_tensor("x", x, self.d_model, "d_model", self.ln2.weight)  # before any LayerNorm
         x = _fire(self.hook_resid_pre, x)
         kw: dict[str, Any] = {"key_padding": key_padding, "attn_mask": attn_mask, "is_causal": is_causal}
         kw.update(kv_cache=kv_cache, **({} if positions is None else {"positions": positions}))

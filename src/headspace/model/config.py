@@ -173,6 +173,11 @@ class ModelConfig:
     sliding_window: int | None = None
     #: One of "sliding" / "full" per layer; derived: all "sliding" with a sliding_window, else all "full".
     layer_types: list[str] | None = None
+    #: The sides of the "sliding" layers' window: None (causal: i - sliding_window < j <= i) or "both"
+    #: (|i - j| < sliding_window: a bidirectional encoder's local layers, ModernBERT).
+    window_sides: str | None = None
+    #: Layers whose attention input has no norm (ModernBERT's layer 0: ``h = x + A(x)``); "pre" only.
+    no_attn_norm_layers: list[int] = field(default_factory=list)
     #: Rotary only: the RoPE base of the "sliding" layers (Gemma 3's rope_local_base_freq 10000; the
     #: "full" layers use rope_theta); None: rope_theta on every layer.
     rope_local_theta: float | None = None
@@ -301,6 +306,15 @@ class ModelConfig:
                 f"got {nope!r:.120}"
             )
         self.nope_layers = sorted(set(nope))
+        if self.window_sides not in (None, "both"):
+            raise ValueError(f"ModelConfig.window_sides must be None or 'both'; got {self.window_sides!r}")
+        bare = self.no_attn_norm_layers
+        if not isinstance(bare, list) or any(not is_int(i) or not 0 <= i < self.n_layers for i in bare):
+            raise ValueError(
+                f"ModelConfig.no_attn_norm_layers must be a list of layer indices in "
+                f"[0, n_layers={self.n_layers}); got {bare!r:.120}"
+            )
+        self.no_attn_norm_layers = sorted(set(bare))
         if (nope or self.rope_local_theta is not None) and self.positions != "rotary":
             raise ValueError("ModelConfig.nope_layers and rope_local_theta need positions='rotary'")
         local = self.rope_local_theta
@@ -356,6 +370,7 @@ class ModelConfig:
             qkv_bias=bias if self.qkv_bias is None else self.qkv_bias,
             out_bias=bias if self.out_bias is None else self.out_bias,
             positions=positions, scale=self.attn_scale, window=self.layer_window(layer),
+            window_sides=None if self.layer_window(layer) is None else self.window_sides,
             softcap=self.attn_softcap, qk_norm=self.qk_norm, qk_norm_eps=self.ln_eps,
             qk_norm_offset=self.norm_offset, dropout=self.attn_dropout,
             sink="learned" if self.attn_sink else None,
@@ -379,6 +394,7 @@ class ModelConfig:
             norm=NormSpec(self.norm_kind, float(self.ln_eps), float(self.norm_offset)),
             layout=self.norm,
             dropout=float(self.dropout),
+            attn_norm=layer not in self.no_attn_norm_layers,
         )
 
     def block_specs(self) -> list[BlockSpec]:

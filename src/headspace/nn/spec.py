@@ -56,9 +56,12 @@ SCORE_BIASES = ("alibi",)
 SINKS = ("learned",)
 #: Output gates (``AttentionSpec.gate``): sigmoid gates on each head's output (Qwen3-Next).
 GATES = ("headwise", "elementwise")
+#: The sides of a sliding window (``AttentionSpec.window_sides``): ``"both"``, the band ``|i - j| < window``
+#: of a bidirectional encoder (ModernBERT's local layers); None keeps ``window`` the causal band.
+WINDOW_SIDES = ("both",)
 #: The attention fields that change what an attention layer computes beyond the classic layer, in the
 #: order executors check them: :func:`refuse_unsupported` names the first one an executor lacks.
-ATTENTION_FEATURES = ("window", "chunk", "softcap", "qk_norm", "bias", "sink", "gate")
+ATTENTION_FEATURES = ("window", "window_sides", "chunk", "softcap", "qk_norm", "bias", "sink", "gate")
 
 
 def _fail(owner: str, name: str, expected: str, value: object) -> ValueError:
@@ -119,7 +122,10 @@ class AttentionSpec:
     ``d_head`` each, on a residual stream of width ``d_model``; ``qkv_bias`` / ``out_bias`` switch the
     biases of the q/k/v and output projections. ``positions``: the rotation (RoPE) of q and k, or None.
     ``scale``: the scores' factor (None: ``1 / sqrt(d_head)``). ``window``: a sliding window (key ``j``
-    visible from query ``i`` iff ``i - window < j <= i``). ``chunk``: chunked attention (keys of the
+    visible from query ``i`` iff ``i - window < j <= i``). ``window_sides``: None (the causal band just
+    stated) or ``"both"`` (key ``j`` visible from query ``i`` iff ``|i - j| < window``: ModernBERT's
+    local layers, ``window = local_attention // 2 + 1``; needs ``window``). ``chunk``: chunked attention
+    (keys of the
     query's own chunk of that many positions only). ``softcap``: scores become ``softcap * tanh(s /
     softcap)``. ``qk_norm``: RMSNorm of q and k (``"head"`` or ``"all"``) with ``qk_norm_eps`` and
     ``qk_norm_offset``. ``bias``: an additive score bias (``"alibi"``). ``sink``: learned sink logits
@@ -135,6 +141,7 @@ class AttentionSpec:
     positions: Rotary | None = None
     scale: float | None = None
     window: int | None = None
+    window_sides: str | None = None
     chunk: int | None = None
     softcap: float | None = None
     qk_norm: str | None = None
@@ -161,6 +168,9 @@ class AttentionSpec:
         if self.scale is not None and (not is_number(self.scale) or not math.isfinite(self.scale)):
             raise _fail(o, "scale", "None (1 / sqrt(d_head)) or a finite float", self.scale)
         _optional_positive_int(o, "window", self.window)
+        _choice(o, "window_sides", self.window_sides, WINDOW_SIDES, optional=True)
+        if self.window_sides is not None and self.window is None:
+            raise _fail(o, "window_sides", "None without a window", self.window_sides)
         _optional_positive_int(o, "chunk", self.chunk)
         if self.softcap is not None:
             _positive_float(o, "softcap", self.softcap)
@@ -239,13 +249,15 @@ class MLPSpec:
 class BlockSpec:
     """One block: ``attention``, ``mlp``, the ``norm`` of every norm of the block (the two sublayer norms,
     and a sandwich block's two output norms) and the residual ``layout`` (module docstring).
-    ``dropout``: on each sublayer's output before its residual add, in [0, 1)."""
+    ``dropout``: on each sublayer's output before its residual add, in [0, 1). ``attn_norm``: False makes
+    ``N1`` the identity (``"pre"`` layout only: ModernBERT's first layer, ``h = x + A(x)``)."""
 
     attention: AttentionSpec
     mlp: MLPSpec
     norm: NormSpec = dataclasses.field(default_factory=NormSpec)
     layout: str = "pre"
     dropout: float = 0.0
+    attn_norm: bool = True
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention, AttentionSpec):
@@ -257,6 +269,9 @@ class BlockSpec:
         _choice("BlockSpec", "layout", self.layout, LAYOUTS)
         if not is_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
             raise _fail("BlockSpec", "dropout", "a float in [0, 1)", self.dropout)
+        _bool("BlockSpec", "attn_norm", self.attn_norm)
+        if not self.attn_norm and self.layout != "pre":
+            raise _fail("BlockSpec", "attn_norm", f"True for layout={self.layout!r}", self.attn_norm)
 
     @property
     def d_model(self) -> int:
@@ -266,14 +281,16 @@ class BlockSpec:
 
 def features_of(spec: AttentionSpec | BlockSpec) -> list[str]:
     """The names of the features ``spec`` sets beyond the classic block, in :data:`ATTENTION_FEATURES`
-    order, then ``"layout"`` for a block whose layout is ``"parallel"`` and ``"moe"`` for a block whose
-    MLP is a mixture of experts."""
+    order, then ``"layout"`` for a block whose layout is ``"parallel"``, ``"moe"`` for a block whose
+    MLP is a mixture of experts and ``"attn_norm"`` for a block without the attention's norm."""
     attention = spec.attention if isinstance(spec, BlockSpec) else spec
     found = [name for name in ATTENTION_FEATURES if getattr(attention, name) is not None]
     if isinstance(spec, BlockSpec) and spec.layout == "parallel":
         found.append("layout")
     if isinstance(spec, BlockSpec) and spec.mlp.kind == "moe":
         found.append("moe")
+    if isinstance(spec, BlockSpec) and not spec.attn_norm:
+        found.append("attn_norm")
     return found
 
 
@@ -287,6 +304,11 @@ def refuse_unsupported(spec: AttentionSpec | BlockSpec, executor: str, supported
             continue
         if name == "layout":
             raise ValueError(f"{executor} does not support the block field 'layout' ('parallel')")
+        if name == "attn_norm":
+            raise ValueError(
+                f"{executor} does not support the block field 'attn_norm' "
+                "(False: no norm before the attention)"
+            )
         if name == "moe":
             raise ValueError(
                 f"{executor} does not support the block field 'mlp.kind' ('moe': mixture of experts)"

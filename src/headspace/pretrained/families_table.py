@@ -404,6 +404,17 @@ FAMILIES: tuple[Family, ...] = (
         "tests/pretrained/test_encoder_families.py",
         **_NONE,
     ),
+    Family(
+        "modernbert",
+        "encoder",
+        "rotary, a base for local and one for global layers",
+        _PRE,
+        _LN,
+        "bidirectional windows on local layers; GeGLU; no norm before layer 0's attention; MLM head",
+        ("-",),
+        _REL,
+        "tests/pretrained/test_modernbert.py",
+    ),
 )
 
 

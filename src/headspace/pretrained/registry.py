@@ -23,6 +23,7 @@ from .gpt2 import load_gpt2
 from .hf import checked_folder, read_json, require_file
 from .llama import load_llama
 from .llama_variants import VARIANT_MODEL_TYPES
+from .modernbert import MODERNBERT_LOADERS
 from .moe_families import MOE_MODEL_TYPES, load_moe
 from .parallel_families import PARALLEL_FAMILY_TYPES, load_parallel_family
 from .rotary_families import ROTARY_FAMILY_TYPES, load_family
@@ -161,7 +162,8 @@ FOLDER_LOADERS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] 
     **dict.fromkeys(PARALLEL_FAMILY_TYPES, load_parallel_family),  # gpt_neox, stablelm, cohere, phi, gptj
     **dict.fromkeys(MOE_MODEL_TYPES, load_moe),  # mixtral, qwen2_moe, qwen3_moe, olmoe, gpt_oss
     **dict.fromkeys(ABSOLUTE_FAMILY_TYPES, load_absolute_family),  # opt, gpt_neo, gpt_bigcode
-    **ENCODER_LOADERS,  # roberta
+    **ENCODER_LOADERS,  # roberta, xlm-roberta, camembert
+    **MODERNBERT_LOADERS,  # modernbert
 }
 
 

@@ -1,0 +1,170 @@
+"""ModernBERT against transformers 5 itself: alternating local (bidirectional window) and global
+attention with two RoPE bases, GeGLU, a first layer without attention norm, and the masked-LM head.
+
+References: tiny random checkpoints built and saved by transformers (odd sizes, a non-default window,
+pattern and bases, every norm and bias random), read back with ``headspace.load`` and compared with
+transformers' eager forward: states / logits within 1e-4 of their largest magnitude, every head's
+pattern within 1e-5, with and without padding (padding rows: the real queries' rows only).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers as T
+
+import headspace as hs
+from headspace.nn.masks import window_mask
+from headspace.nn.spec import AttentionSpec, BlockSpec, MLPSpec
+from headspace.pretrained import PretrainedEncoder
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+V, D, L, H, DM, CTX, PAD, WIN = 83, 36, 4, 3, 29, 64, 5, 7  # d_head 12; local window 7 -> |i - j| <= 3
+
+
+def _config(**over: Any) -> Any:
+    kw = dict(vocab_size=V, hidden_size=D, num_hidden_layers=L, num_attention_heads=H, intermediate_size=DM,
+              max_position_embeddings=CTX, pad_token_id=PAD, bos_token_id=0, eos_token_id=2, cls_token_id=0,
+              sep_token_id=2, local_attention=WIN, global_attn_every_n_layers=2, global_rope_theta=1234.0,
+              local_rope_theta=77.0, norm_eps=1e-6, initializer_range=0.3, norm_bias=True,
+              attention_bias=True, mlp_bias=True, classifier_bias=True)  # fmt: skip
+    return T.ModernBertConfig(**{**kw, **over})
+
+
+def _randomise(model: Any) -> None:
+    with torch.no_grad():  # norms and biases away from their start, so a wrong one shows
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.randn_like(p) * 0.3)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any]:
+    torch.manual_seed(0)
+    model = T.ModernBertModel(_config())
+    _randomise(model)
+    folder = tmp_path_factory.mktemp("modernbert")
+    model.save_pretrained(folder)
+    return folder, T.ModernBertModel.from_pretrained(folder, attn_implementation="eager").eval()
+
+
+def _batch(padded: bool, seq: int = 13) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(PAD + 1, V, (2, seq), generator=torch.Generator().manual_seed(1))
+    real = torch.ones(2, seq, dtype=torch.bool)
+    if padded:
+        tokens[1, 8:] = PAD
+        real[1, 8:] = False
+    return tokens, real
+
+
+def _compare(ours: PretrainedEncoder, ref: Any, padded: bool) -> Any:
+    tokens, real = _batch(padded)
+    with torch.no_grad():
+        want = ref(input_ids=tokens, attention_mask=real.long(), output_attentions=True)
+        with hs.trace(ours.model, names="*.hook_pattern") as t:
+            got = ours.model(tokens, real)
+    states = want.last_hidden_state if hasattr(want, "last_hidden_state") else want.hidden_states[-1]
+    bound = 1e-4 * float(states.abs().max())
+    torch.testing.assert_close(got[real], states[real], atol=bound, rtol=0)
+    for layer in range(L):
+        ours_p, theirs = t.pattern(layer), want.attentions[layer]  # (2, H, 13, 13)
+        torch.testing.assert_close(
+            ours_p.transpose(1, 2)[real], theirs.transpose(1, 2)[real], atol=1e-5, rtol=0
+        )
+    return got
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_states_and_every_head_pattern_equal_transformers(saved: tuple[Path, Any], padded: bool) -> None:
+    folder, ref = saved
+    ours = hs.load(folder)
+    assert isinstance(ours, PretrainedEncoder)
+    specs = [b.spec for b in ours.model.blocks]
+    assert [s.attention.window for s in specs] == [None, WIN // 2 + 1, None, WIN // 2 + 1]
+    assert [s.attn_norm for s in specs] == [False, True, True, True]
+    assert isinstance(ours.model.blocks[0].ln1, torch.nn.Identity)
+    assert [s.attention.positions.base for s in specs] == [1234.0, 77.0, 1234.0, 77.0]  # type: ignore[union-attr]
+    _compare(ours, ref, padded)
+
+
+def test_the_local_layers_see_exactly_half_the_window_on_each_side(saved: tuple[Path, Any]) -> None:
+    ours = hs.load(saved[0])
+    with torch.no_grad(), hs.trace(ours.model, names="*.hook_pattern") as t:
+        ours.model(_batch(False, seq=11)[0])
+    seen = t.pattern(1)[0, 0] > 0  # (11, 11)
+    i = torch.arange(11)
+    torch.testing.assert_close(seen, (i[:, None] - i[None, :]).abs() <= WIN // 2, atol=0, rtol=0)
+    assert bool((t.pattern(0)[0, 0] > 0).all())  # a global layer sees every key
+
+
+def test_a_masked_lm_checkpoint_gives_transformers_logits(tmp_path: Path) -> None:
+    torch.manual_seed(3)
+    types = ["full_attention", "sliding_attention", "sliding_attention", "full_attention"]
+    config = _config(
+        layer_types=types,
+        norm_bias=False,
+        attention_bias=False,
+        mlp_bias=False,
+        hidden_activation="gelu_pytorch_tanh",
+    )
+    model = T.ModernBertForMaskedLM(config)
+    _randomise(model)
+    model.save_pretrained(tmp_path / "mlm")
+    ref = T.ModernBertForMaskedLM.from_pretrained(tmp_path / "mlm", attn_implementation="eager").eval()
+    ours = hs.load(tmp_path / "mlm")
+    assert ours.mlm_head is not None  # type: ignore[attr-defined]
+    assert [b.spec.attention.window is None for b in ours.model.blocks] == [True, False, False, True]
+    for padded in (False, True):
+        tokens, real = _batch(padded)
+        with torch.no_grad():
+            want = ref(input_ids=tokens, attention_mask=real.long()).logits
+            got = ours.mlm_head(ours.model(tokens, real))  # type: ignore[attr-defined]
+        torch.testing.assert_close(got[real], want[real], atol=1e-4 * float(want.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "match"),
+    [
+        ("hidden_activation", "swish", "hidden_activation"),
+        ("rope_parameters", {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 9.0}},
+         r"rope_parameters\['full_attention'\].rope_type='linear'"),
+        ("layer_types", ["full_attention"], "layer_types must list"),
+    ],
+)  # fmt: skip
+def test_what_headspace_cannot_run_is_refused_by_field_name(
+    saved: tuple[Path, Any], tmp_path: Path, key: str, value: Any, match: str
+) -> None:
+    folder = tmp_path / "modernbert"
+    shutil.copytree(saved[0], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(ValueError, match=match) as info:
+        hs.load(folder)
+    assert "\n" not in str(info.value)
+
+
+def test_the_bidirectional_window_is_a_field_the_other_executors_refuse_by_name() -> None:
+    attention = AttentionSpec(24, 2, 12, 2, window=3, window_sides="both")
+    torch.testing.assert_close(
+        window_mask(5, 5, 3, sides="both"),
+        (torch.arange(5)[:, None] - torch.arange(5)[None, :]).abs() < 3,
+        atol=0,
+        rtol=0,
+    )
+    with pytest.raises(ValueError, match="window_sides must be None without a window"):
+        AttentionSpec(24, 2, 12, 2, window_sides="both")
+    with pytest.raises(ValueError, match="attn_norm must be True for layout='post'"):
+        BlockSpec(attention, MLPSpec(10), layout="post", attn_norm=False)
+    from headspace.nn.spec import refuse_unsupported
+
+    with pytest.raises(ValueError, match="does not support the attention field 'window_sides'"):
+        refuse_unsupported(attention, "the decoding step", ("window",))
+    block = BlockSpec(AttentionSpec(24, 2, 12, 2), MLPSpec(10), attn_norm=False)
+    with pytest.raises(ValueError, match="does not support the block field 'attn_norm'"):
+        refuse_unsupported(block, "the decoding step", ())
