@@ -19,6 +19,10 @@ import torch
 import transformers as T
 
 import headspace as hs
+from headspace.analysis.lesson.chunked import each_layer_qk
+from headspace.analysis.lesson.explain import TokenizedSentence, explain
+from headspace.cli.render import window_line
+from headspace.distributed.head_parallel import attention_shard
 from headspace.nn.masks import window_mask
 from headspace.nn.spec import AttentionSpec, BlockSpec, MLPSpec
 from headspace.pretrained import PretrainedEncoder
@@ -168,3 +172,32 @@ def test_the_bidirectional_window_is_a_field_the_other_executors_refuse_by_name(
     block = BlockSpec(AttentionSpec(24, 2, 12, 2), MLPSpec(10), attn_norm=False)
     with pytest.raises(ValueError, match="does not support the block field 'attn_norm'"):
         refuse_unsupported(block, "the decoding step", ())
+
+
+def test_the_chunked_statistics_refuse_the_bidirectional_window_by_name(saved: tuple[Path, Any]) -> None:
+    ours = hs.load(saved[0])
+    tokens = _batch(False)[0]
+    seen: list[int] = []
+    each_layer_qk(ours.model, lambda: ours.model(tokens), lambda call: seen.append(call.layer), layers=[0])
+    assert seen == [0]  # a global layer: no window
+    with pytest.raises(ValueError, match="do not support the attention field 'window_sides'") as info:
+        each_layer_qk(ours.model, lambda: ours.model(tokens), lambda call: None, layers=[1])
+    assert "\n" not in str(info.value)
+
+
+def test_explain_states_the_bidirectional_window(saved: tuple[Path, Any]) -> None:
+    ours = hs.load(saved[0])
+    ids = _batch(False, 11)[0][:1]  # (1, 11)
+    sentence = TokenizedSentence("eleven tokens", [f"t{i}" for i in range(11)], ids, None)
+    e = explain(ours, "eleven tokens", 5, layer=1, head=0, tokenized=sentence)
+    assert (e.window, e.window_sides) == (WIN // 2 + 1, "both")
+    line = window_line(e)
+    assert "|5 - j| < 4 (both sides): 4 keys are" in line  # keys 0, 1, 9 and 10 of 11
+    assert [j for j, p in enumerate(e.pattern) if p > 0] == [2, 3, 4, 5, 6, 7, 8]
+
+
+def test_a_head_parallel_shard_refuses_the_bidirectional_window_by_name(saved: tuple[Path, Any]) -> None:
+    ours = hs.load(saved[0])
+    attention_shard(ours.model.blocks[0].attn, 0, 3)  # a global layer shards
+    with pytest.raises(ValueError, match="does not support the attention field 'window_sides'"):
+        attention_shard(ours.model.blocks[1].attn, 0, 3)

@@ -164,6 +164,8 @@ class Explanation:
     k_normed: list[list[float]] = field(default_factory=list)
     #: a sliding-window layer's window (query i sees key j iff i - window < j <= i), else None
     window: int | None = None
+    #: the window's sides: None (causal, as above) or "both" (key j visible iff |i - j| < window)
+    window_sides: str | None = None
     #: the positional scheme's steps for this head (partial rotary, pairs, scaling ...; :mod:`.scheme_steps`)
     scheme_steps: list[SchemeStep] = field(default_factory=list)
 
@@ -561,6 +563,7 @@ def _walk(
         **_rotated(rec, attn, layer, index, head, kv_head),
         **_normed(rec, attn, layer, index, head, kv_head),
         window=getattr(attn, "window", None),
+        window_sides=attn.spec.window_sides if hasattr(attn, "spec") else None,
         scheme_steps=scheme_steps(attn, head, len(tokens)),
     )
 
