@@ -404,6 +404,21 @@ FAMILIES: tuple[Family, ...] = (
         "tests/pretrained/test_encoder_families.py",
         **_NONE,
     ),
+    *(
+        Family(
+            kin,
+            "encoder",
+            "learned absolute (past pad_token_id)",
+            ("post",),
+            _LN,
+            "RoBERTa's architecture (loaded as roberta)",
+            ("-",),
+            _REL,
+            "tests/pretrained/test_roberta_kin.py",
+            **_NONE,
+        )
+        for kin in ("xlm-roberta", "camembert")
+    ),
     Family(
         "modernbert",
         "encoder",
