@@ -201,3 +201,27 @@ def test_a_head_parallel_shard_refuses_the_bidirectional_window_by_name(saved: t
     attention_shard(ours.model.blocks[0].attn, 0, 3)  # a global layer shards
     with pytest.raises(ValueError, match="does not support the attention field 'window_sides'"):
         attention_shard(ours.model.blocks[1].attn, 0, 3)
+
+
+@pytest.mark.parametrize("layer", [0, 1])  # a global layer (base 1234) and a local one (base 77)
+def test_head_qk_delta_equals_the_traced_scores_on_both_sides(saved: tuple[Path, Any], layer: int) -> None:
+    ours = hs.load(saved[0])
+    tokens, real = _batch(False, seq=11)
+    with (
+        torch.no_grad(),
+        hs.trace(ours.model, names=[f"blocks.{layer}.hook_attn_in", f"blocks.{layer}.attn.hook_scores"]) as t,
+    ):
+        ours.model(tokens, real)
+    attn = ours.model.blocks[layer].attn
+    x = t[f"blocks.{layer}.hook_attn_in"][0].double()  # (11, D): the attention's input
+    xa = torch.cat([x, torch.ones(11, 1, dtype=torch.float64)], dim=-1)  # (11, D + 1): bias rows
+    scores = t[f"blocks.{layer}.attn.hook_scores"][0].double() / attn.spec.score_scale  # (H, 11, 11)
+    i = torch.arange(11)
+    delta = i[:, None] - i[None, :]  # (11, 11): query - key, both signs
+    seen = torch.isfinite(scores[0])  # the window's band on a local layer, every pair on a global one
+    assert bool(seen.all()) == (layer == 0) and bool(seen[5, 8]) and bool(seen[8, 5])
+    for h in range(H):
+        circuit = attn.heads[h].qk(delta, augmented=True).AB.double()  # (11, 11, D + 1, D + 1)
+        got = torch.einsum("im,ijmn,jn->ij", xa, circuit, xa)  # (11, 11)
+        bound = 1e-4 * float(scores[h][seen].abs().max())
+        torch.testing.assert_close(got[seen], scores[h][seen], atol=bound, rtol=0)
