@@ -19,6 +19,7 @@ import torch
 import transformers as T
 
 import headspace as hs
+from headspace.analysis.circuits.decomposition import score_decomposition
 from headspace.analysis.lesson.chunked import each_layer_qk
 from headspace.analysis.lesson.explain import TokenizedSentence, explain
 from headspace.cli.render import window_line
@@ -225,3 +226,14 @@ def test_head_qk_delta_equals_the_traced_scores_on_both_sides(saved: tuple[Path,
         got = torch.einsum("im,ijmn,jn->ij", xa, circuit, xa)  # (11, 11)
         bound = 1e-4 * float(scores[h][seen].abs().max())
         torch.testing.assert_close(got[seen], scores[h][seen], atol=bound, rtol=0)
+
+
+@pytest.mark.parametrize("layer", [0, 1])  # layer 0 reads its input without a norm; layer 1 slides
+def test_the_score_decomposition_adds_up_without_the_first_attention_norm(
+    saved: tuple[Path, Any], layer: int
+) -> None:
+    ours = hs.load(saved[0])
+    ids = _batch(False, seq=10)[0][:1]  # (1, 10)
+    for query, key in ((2, 0), (9, 7)):  # both within the local window of 3 on each side
+        d = score_decomposition(ours.model, ids, layer, 1, query=query, key=key)
+        assert abs(d.total - d.score) <= 1e-5 * max(1.0, abs(d.score)), (layer, query, d.total, d.score)
