@@ -555,7 +555,10 @@ class ModelConfig:
         parts = []
         types = self.layer_types or []
         if self.sliding_window is not None:
-            parts.append(f"window {self.sliding_window} on {types.count('sliding')}/{len(types)} layers")
+            sides = " (both sides)" if self.window_sides == "both" else ""
+            parts.append(
+                f"window {self.sliding_window}{sides} on {types.count('sliding')}/{len(types)} layers"
+            )
         if self.rope_local_theta is not None:
             parts.append(f"local theta {self.rope_local_theta:g}")
         if self.nope_layers:
