@@ -237,3 +237,19 @@ def test_the_score_decomposition_adds_up_without_the_first_attention_norm(
     for query, key in ((2, 0), (9, 7)):  # both within the local window of 3 on each side
         d = score_decomposition(ours.model, ids, layer, 1, query=query, key=key)
         assert abs(d.total - d.score) <= 1e-5 * max(1.0, abs(d.score)), (layer, query, d.total, d.score)
+
+
+def test_the_config_fields_are_checked_and_round_trip(saved: tuple[Path, Any]) -> None:
+    config = hs.load(saved[0]).config
+    assert (config.window_sides, config.no_attn_norm_layers) == ("both", [0])
+    assert hs.ModelConfig.from_dict(config.to_dict()) == config
+    assert "window 4 (both sides) on 2/4 layers" in config.summary()
+    small = dict(vocab_size=10, d_model=8, n_layers=2, n_heads=2, sliding_window=2)
+    with pytest.raises(ValueError, match=r"window_sides must be None or 'both'.*arch='decoder'"):
+        hs.ModelConfig(arch="decoder", window_sides="both", **small)
+    with pytest.raises(
+        ValueError, match=r"no_attn_norm_layers must be a list of layer indices in \[0, n_layers=2\)"
+    ):
+        hs.ModelConfig(arch="encoder", norm="pre", no_attn_norm_layers=[2], **small)
+    with pytest.raises(ValueError, match="no_attn_norm_layers needs norm='pre'; got norm='post'"):
+        hs.ModelConfig(arch="encoder", no_attn_norm_layers=[0], **small)

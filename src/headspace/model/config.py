@@ -306,8 +306,11 @@ class ModelConfig:
                 f"got {nope!r:.120}"
             )
         self.nope_layers = sorted(set(nope))
-        if self.window_sides not in (None, "both"):
-            raise ValueError(f"ModelConfig.window_sides must be None or 'both'; got {self.window_sides!r}")
+        if self.window_sides not in (None, "both") or (self.window_sides and self.arch != "encoder"):
+            raise ValueError(
+                "ModelConfig.window_sides must be None or 'both' (a bidirectional encoder's window, "
+                f"arch='encoder'); got {self.window_sides!r} with arch={self.arch!r}"
+            )
         bare = self.no_attn_norm_layers
         if not isinstance(bare, list) or any(not is_int(i) or not 0 <= i < self.n_layers for i in bare):
             raise ValueError(
@@ -315,6 +318,8 @@ class ModelConfig:
                 f"[0, n_layers={self.n_layers}); got {bare!r:.120}"
             )
         self.no_attn_norm_layers = sorted(set(bare))
+        if bare and self.norm != "pre":
+            raise ValueError(f"ModelConfig.no_attn_norm_layers needs norm='pre'; got norm={self.norm!r}")
         if (nope or self.rope_local_theta is not None) and self.positions != "rotary":
             raise ValueError("ModelConfig.nope_layers and rope_local_theta need positions='rotary'")
         local = self.rope_local_theta
