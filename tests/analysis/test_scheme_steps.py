@@ -220,6 +220,7 @@ def test_explain_prints_the_steps_within_its_width_and_json_carries_them(saved: 
     render_explanation(e)
     out = capsys.readouterr().out
     assert "2e. longrope rotary scaling" in out and "plane 3: w = " in out
+    assert f"(|q| was {torch.tensor(e.q).norm():.3f})" in out  # the attention factor changes lengths
     d = json.loads(json.dumps(e.to_dict(top=2)))
     assert [s["scheme"] for s in d["scheme_steps"]] == ["partial_rotary", "rotary_pairs", "rope_scaling"]
     assert d["scheme_steps"][2]["numbers"]["long"] is True

@@ -131,10 +131,13 @@ def rotation_lines(e: Explanation) -> list[str]:
     part = f"all {dh} features" if rd >= dh else f"the first {rd} of {dh} features (the rest pass through)"
     theta = f"{e.rope_theta:g}" if e.rope_theta is not None else "?"
     q, k = ("q_n", "k_n,j") if e.q_normed else ("q", "k_j")
+    # YaRN / LongRoPE scale cos and sin by an attention factor: the rotation then changes lengths
+    scaled = [s.numbers["attention_factor"] for s in e.scheme_steps if s.scheme == "rope_scaling"]
+    same = f"(= |{q}|)" if not scaled or scaled[0] == 1.0 else f"(|{q}| was {_norm(e.q):.3f})"
     return [
         f"2b. rotary positions (RoPE, base {theta}): q and every k_j turn, {rd // 2} planes of 2 features,",
         f"    {part}; plane p by the angle position x {theta}^(-2p/{rd}) (before any rope scaling)",
-        f"    q_rot = {q} R({i})   [{dh}]   |q_rot| = {_norm(e.q_rot):.3f} (= |{q}|)",
+        f"    q_rot = {q} R({i})   [{dh}]   |q_rot| = {_norm(e.q_rot):.3f} {same}",
         f"    k_rot_j = {k} R(j): cached this way, so the score q_rot.k_rot_j depends on {i} - j only",
         f"    (key/value head {e.kv_head})",
     ]
@@ -287,7 +290,10 @@ def _render_output(c: Any, e: Explanation) -> None:
     from rich.table import Table
 
     dh, dm, tok = e.d_head, e.d_model, e.tokens[e.token_index]
-    _step(c, f"4. z = sum_j softmax_j v_j   [{dh}]   |z| = {_norm(e.z):.3f}", _vec(e.z))
+    if e.gate:  # an output gate (Qwen3-Next): z is the gated output, the input of W_O
+        _step(c, f"   gate = sigmoid(x W_G[{e.head}])   [{len(e.gate)}]", _vec(e.gate))
+    mix = "(sum_j softmax_j v_j) * gate" if e.gate else "sum_j softmax_j v_j"
+    _step(c, f"4. z = {mix}   [{dh}]   |z| = {_norm(e.z):.3f}", _vec(e.z))
     width = e.n_heads * dh
     _step(
         c,

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..attention.delta_net import GatedDeltaNet
 from ..attention.described import DescribedAttention
 from ..attention.functional import sdpa_attention
 from ..attention.layer import MultiHeadAttention, check_input_tensor
@@ -41,6 +42,7 @@ from ..nn.norms import RMSNorm
 from ..nn.positions import Rotary
 from ..nn.spec import BlockSpec, MLPSpec, NormSpec, features_of, refuse_unsupported
 from . import recorded
+from .gemma_extras import GemmaAttention
 from .mlp import ACTIVATIONS as ACTIVATIONS  # re-exported: the MLPs' old home
 from .mlp import FeedForward, GatedFeedForward, _fire, make_activation
 from .moe import MixtureOfExperts, moe_of
@@ -66,7 +68,22 @@ def make_norm(kind: str, d_model: int, eps: float, offset: float = 0.0) -> nn.Mo
 
 
 #: The block features (:func:`~headspace.nn.spec.features_of`) :meth:`TransformerBlock.forward` computes.
-BLOCK_FEATURES = ("window", "window_sides", "softcap", "qk_norm", "layout", "sink", "moe", "attn_norm")
+BLOCK_FEATURES = (
+    "window",
+    "window_sides",
+    "softcap",
+    "qk_norm",
+    "bias",
+    "layout",
+    "sink",
+    "gate",
+    "moe",
+    "mixer",
+    "v_norm",
+    "k_eq_v",
+    "kv_source",
+    "attn_norm",
+)
 
 
 def _check_block_args(
@@ -230,12 +247,16 @@ class TransformerBlock(nn.Module):
         and ``ln_mlp_out``), the dropout and the hook points; the residual layout bound."""
         refuse_unsupported(spec, "the block forward", BLOCK_FEATURES)
         a, n, d = spec.attention, spec.norm, spec.d_model
+        if spec.mixer == "gated_deltanet":  # (linear attention: attention/delta_net.py)
+            attention = GatedDeltaNet(spec.delta_net)  # type: ignore[assignment]
+        if attention is None and (a.v_norm or a.k_eq_v or a.kv_source is not None):
+            attention = GemmaAttention.from_spec(a)  # Gemma 3n / 4 (model/gemma_extras.py)
         if attention is None:
             attention = MultiHeadAttention(
                 d, a.n_heads, d_head=a.d_head, n_kv_heads=a.n_kv_heads, dropout=a.dropout,
                 qkv_bias=a.qkv_bias, out_bias=a.out_bias, rotary=a.positions, window=a.window,
                 qk_norm=a.qk_norm, qk_norm_eps=a.qk_norm_eps, qk_norm_offset=a.qk_norm_offset,
-                softcap=a.softcap, scale=a.scale, sink=a.sink,
+                softcap=a.softcap, scale=a.scale, sink=a.sink, gate=a.gate, alibi_slopes=a.alibi_slopes,
             )  # fmt: skip
             if a.window_sides is not None:  # the layer's own constructor builds the causal band
                 attention.spec = dataclasses.replace(attention.spec, window_sides=a.window_sides)
@@ -347,7 +368,8 @@ class TransformerBlock(nn.Module):
         :func:`headspace.trace`'s recorders watch every hook point (on inputs long enough), the trace's
         executor runs the block instead (:mod:`~headspace.model.recorded`): the same output, bit for bit.
         """
-        check_input_tensor("x", x, self.d_model, "d_model", self.ln2.weight)  # before any LayerNorm
+        ref = self.ln2 if isinstance(self.ln1, nn.Identity) else self.ln1  # ModernBERT's layer 0: no ln1
+        check_input_tensor("x", x, self.d_model, "d_model", ref.weight)  # before any LayerNorm
         x = _fire(self.hook_resid_pre, x)
         kw: dict[str, Any] = {"key_padding": key_padding, "attn_mask": attn_mask, "is_causal": is_causal}
         kw.update(kv_cache=kv_cache, **({} if positions is None else {"positions": positions}))
@@ -434,6 +456,7 @@ class TransformerBlock(nn.Module):
             and isinstance(a, MultiHeadAttention)
             and self.spec.attention.softcap is None  # not a head-parallel shard, which has no fused weight
             and self.spec.attention.sink is None  # (the step has no sinks: decoding runs forward)
+            and self.spec.attention.gate is None  # (nor gates: decoding runs forward)
             and type(a).forward is MultiHeadAttention.forward
             and a.fused
             and not a.check_finite

@@ -17,10 +17,12 @@ Residual layouts (``BlockSpec.layout``; ``N1``/``N2`` the block's two norms, ``A
     post_sublayer (OLMo 2): h = x + N1(A(x))           out = h + N2(M(h))
     parallel (GPT-NeoX):   out = x + A(N1(x)) + M(N2(x))   (GPT-J, Phi-2, Cohere: N2 a copy of N1)
 
-A field that no executor computes yet (``chunk``, ``bias``, ``gate``; the ``parallel`` layout beyond the
-block forward and the Python step) may be described; each executor refuses it by the field's name
-(:func:`refuse_unsupported`), never running without it. ``sink`` and a mixture-of-experts MLP
-(``MLPSpec.kind == "moe"``) are computed by the block forward only: the decoding steps refuse them by name.
+A field that no executor computes yet (``chunk``; the ``parallel`` layout beyond the block forward and
+the Python step; ``bias`` (ALiBi) beyond the forward, the traced path and the Python step) may be
+described; each executor refuses it by the field's name (:func:`refuse_unsupported`), never running
+without it. ``sink``, ``gate``, a mixture-of-experts MLP (``MLPSpec.kind == "moe"``) and a Gated DeltaNet
+mixer (``BlockSpec.mixer``) are computed by the block forward only: the decoding steps refuse them by
+name (decoding runs the forward with its caches).
 Every value is checked on construction: a bad one raises a one-line ``ValueError`` naming the field, what
 it expects and what came.
 """
@@ -32,6 +34,8 @@ import math
 from dataclasses import dataclass
 
 from ..core.checks import is_int, is_number
+from .alibi import check_slopes
+from .delta_spec import DeltaNetSpec
 from .positions import Rotary
 
 #: The kinds of normalisation layer (``NormSpec.kind``).
@@ -54,14 +58,22 @@ QK_NORMS = ("head", "all", "head_layernorm")
 SCORE_BIASES = ("alibi",)
 #: Attention sinks (``AttentionSpec.sink``): one learned logit per head in the softmax (gpt-oss).
 SINKS = ("learned",)
-#: Output gates (``AttentionSpec.gate``): sigmoid gates on each head's output (Qwen3-Next).
+#: Output gates (``AttentionSpec.gate``): sigmoid gates on each head's output (Qwen3-Next):
+#: ``"elementwise"`` one gate per feature of z_h, ``"headwise"`` one per head
+#: (:mod:`headspace.attention.gates`).
 GATES = ("headwise", "elementwise")
 #: The sides of a sliding window (``AttentionSpec.window_sides``): ``"both"``, the band ``|i - j| < window``
 #: of a bidirectional encoder (ModernBERT's local layers); None keeps ``window`` the causal band.
 WINDOW_SIDES = ("both",)
+#: The token mixers of a block (``BlockSpec.mixer``): softmax attention, or a Gated DeltaNet
+#: (linear attention with a decaying recurrent state: Qwen3-Next, Qwen3.5; ``BlockSpec.delta_net``).
+MIXERS = ("attention", "gated_deltanet")
 #: The attention fields that change what an attention layer computes beyond the classic layer, in the
 #: order executors check them: :func:`refuse_unsupported` names the first one an executor lacks.
-ATTENTION_FEATURES = ("window", "window_sides", "chunk", "softcap", "qk_norm", "bias", "sink", "gate")
+ATTENTION_FEATURES = (
+    "window", "window_sides", "chunk", "softcap", "qk_norm", "bias", "sink", "gate", "v_norm", "k_eq_v",
+    "kv_source",
+)  # fmt: skip
 
 
 def _fail(owner: str, name: str, expected: str, value: object) -> ValueError:
@@ -128,8 +140,14 @@ class AttentionSpec:
     (keys of the
     query's own chunk of that many positions only). ``softcap``: scores become ``softcap * tanh(s /
     softcap)``. ``qk_norm``: RMSNorm of q and k (``"head"`` or ``"all"``) with ``qk_norm_eps`` and
-    ``qk_norm_offset``. ``bias``: an additive score bias (``"alibi"``). ``sink``: learned sink logits
-    (``"learned"``). ``gate``: a gate on each head's output. ``dropout``: on the pattern, in [0, 1).
+    ``qk_norm_offset``. ``bias``: an additive score bias (``"alibi"``: ``-alibi_slopes[h] * (i - j)``
+    added to the scaled scores, :mod:`headspace.nn.alibi`; ``alibi_slopes`` one per head). ``sink``:
+    learned sink logits (``"learned"``). ``gate``: a gate on each head's output. ``dropout``: on the
+    pattern, in [0, 1).
+    Gemma 3n / 4 (:mod:`headspace.model.gemma_extras`): ``v_norm``: each head's v through an RMSNorm
+    over d_head without a scale, ``v / sqrt(mean(v^2) + qk_norm_eps)``; ``k_eq_v``: the values are the
+    key projection before its norm (``W_V`` is ``W_K``); ``kv_source``: the index of the earlier layer
+    whose keys and values this layer attends to (it has no ``W_K`` / ``W_V`` of its own).
     """
 
     d_model: int
@@ -148,9 +166,13 @@ class AttentionSpec:
     qk_norm_eps: float = 1e-6
     qk_norm_offset: float = 0.0
     bias: str | None = None
+    alibi_slopes: tuple[float, ...] | None = None
     sink: str | None = None
     gate: str | None = None
     dropout: float = 0.0
+    v_norm: bool = False
+    k_eq_v: bool = False
+    kv_source: int | None = None
 
     def __post_init__(self) -> None:
         o = "AttentionSpec"
@@ -179,10 +201,20 @@ class AttentionSpec:
         if not is_number(self.qk_norm_offset) or not math.isfinite(self.qk_norm_offset):
             raise _fail(o, "qk_norm_offset", "a finite float", self.qk_norm_offset)
         _choice(o, "bias", self.bias, SCORE_BIASES, optional=True)
+        if self.bias == "alibi" or self.alibi_slopes is not None:
+            if self.bias != "alibi":
+                raise _fail(o, "alibi_slopes", "None without bias='alibi'", self.alibi_slopes)
+            object.__setattr__(
+                self, "alibi_slopes", check_slopes(f"{o}.alibi_slopes", self.alibi_slopes, self.n_heads)
+            )
         _choice(o, "sink", self.sink, SINKS, optional=True)
         _choice(o, "gate", self.gate, GATES, optional=True)
         if not is_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
             raise _fail(o, "dropout", "a float in [0, 1)", self.dropout)
+        _bool(o, "v_norm", self.v_norm)
+        _bool(o, "k_eq_v", self.k_eq_v)
+        if self.kv_source is not None and (not is_int(self.kv_source) or self.kv_source < 0):
+            raise _fail(o, "kv_source", "None or a layer index >= 0", self.kv_source)
 
     @property
     def score_scale(self) -> float:
@@ -250,7 +282,9 @@ class BlockSpec:
     """One block: ``attention``, ``mlp``, the ``norm`` of every norm of the block (the two sublayer norms,
     and a sandwich block's two output norms) and the residual ``layout`` (module docstring).
     ``dropout``: on each sublayer's output before its residual add, in [0, 1). ``attn_norm``: False makes
-    ``N1`` the identity (``"pre"`` layout only: ModernBERT's first layer, ``h = x + A(x)``)."""
+    ``N1`` the identity (``"pre"`` layout only: ModernBERT's first layer, ``h = x + A(x)``).
+    ``mixer``: one of :data:`MIXERS`; a ``"gated_deltanet"`` block mixes tokens by the Gated DeltaNet
+    ``delta_net`` describes (set exactly then) and its ``attention`` is not used."""
 
     attention: AttentionSpec
     mlp: MLPSpec
@@ -258,6 +292,8 @@ class BlockSpec:
     layout: str = "pre"
     dropout: float = 0.0
     attn_norm: bool = True
+    mixer: str = "attention"
+    delta_net: DeltaNetSpec | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention, AttentionSpec):
@@ -272,6 +308,13 @@ class BlockSpec:
         _bool("BlockSpec", "attn_norm", self.attn_norm)
         if not self.attn_norm and self.layout != "pre":
             raise _fail("BlockSpec", "attn_norm", f"True for layout={self.layout!r}", self.attn_norm)
+        _choice("BlockSpec", "mixer", self.mixer, MIXERS)
+        deltanet = self.mixer == "gated_deltanet"
+        if deltanet != isinstance(self.delta_net, DeltaNetSpec):
+            expected = (
+                "a DeltaNetSpec for mixer='gated_deltanet'" if deltanet else "None for mixer='attention'"
+            )
+            raise _fail("BlockSpec", "delta_net", expected, type(self.delta_net).__name__)
 
     @property
     def d_model(self) -> int:
@@ -282,9 +325,12 @@ class BlockSpec:
 def features_of(spec: AttentionSpec | BlockSpec) -> list[str]:
     """The names of the features ``spec`` sets beyond the classic block, in :data:`ATTENTION_FEATURES`
     order, then ``"layout"`` for a block whose layout is ``"parallel"``, ``"moe"`` for a block whose
-    MLP is a mixture of experts and ``"attn_norm"`` for a block without the attention's norm."""
+    MLP is a mixture of experts and ``"attn_norm"`` for a block without the attention's norm;
+    ``"mixer"`` alone first for a Gated DeltaNet block (its attention fields are not used)."""
+    if isinstance(spec, BlockSpec) and spec.mixer != "attention":
+        return ["mixer"] + (["moe"] if spec.mlp.kind == "moe" else [])
     attention = spec.attention if isinstance(spec, BlockSpec) else spec
-    found = [name for name in ATTENTION_FEATURES if getattr(attention, name) is not None]
+    found = [name for name in ATTENTION_FEATURES if getattr(attention, name) not in (None, False)]
     if isinstance(spec, BlockSpec) and spec.layout == "parallel":
         found.append("layout")
     if isinstance(spec, BlockSpec) and spec.mlp.kind == "moe":
@@ -308,6 +354,11 @@ def refuse_unsupported(spec: AttentionSpec | BlockSpec, executor: str, supported
             raise ValueError(
                 f"{executor} does not support the block field 'attn_norm' "
                 "(False: no norm before the attention)"
+            )
+        if name == "mixer":
+            raise ValueError(
+                f"{executor} does not support the block field 'mixer' ('gated_deltanet': Gated DeltaNet "
+                "linear attention)"
             )
         if name == "moe":
             raise ValueError(

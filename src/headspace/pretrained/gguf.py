@@ -25,7 +25,9 @@ buffer; the NaN/Inf check then sums each parameter in place. No second full copy
 ever held, so the peak resident memory of a load stays near the weights' own size, well below reading
 the tensors into a dict and then converting them, and the load takes less time than that path.
 ``probe_load`` in ``benchmarks/decode.py`` measures both (docs/benchmarks.md, "Decode" and "Figures
-formerly in docstrings").
+formerly in docstrings"). Files of the rotary and parallel families (:mod:`.gguf_families`: gptneox,
+gptj, phi2, phi3, stablelm, olmo, granite, command-r, gemma) are read into tensors of their own and then
+renamed as a checkpoint folder of the family is (fusing q, k and v copies them once): not in place.
 """
 
 from __future__ import annotations
