@@ -253,3 +253,15 @@ def test_the_config_fields_are_checked_and_round_trip(saved: tuple[Path, Any]) -
         hs.ModelConfig(arch="encoder", norm="pre", no_attn_norm_layers=[2], **small)
     with pytest.raises(ValueError, match="no_attn_norm_layers needs norm='pre'; got norm='post'"):
         hs.ModelConfig(arch="encoder", no_attn_norm_layers=[0], **small)
+
+
+def test_a_full_trace_runs_the_block_without_attention_norm(saved: tuple[Path, Any]) -> None:
+    folder, ref = saved
+    ours = hs.load(folder)
+    tokens = _batch(False)[0]
+    with torch.no_grad():
+        want = ref(input_ids=tokens).last_hidden_state
+        with hs.trace(ours.model) as t:  # every hook point: the recorded executor of each block
+            got = ours.model(tokens)
+    torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
+    torch.testing.assert_close(t["blocks.0.hook_attn_in"], t["blocks.0.hook_resid_pre"], atol=0, rtol=0)
