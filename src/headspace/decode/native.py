@@ -43,6 +43,8 @@ def native_form(step: DecodeStep) -> tuple[list[NamedFields], NamedFields | None
     for layer in step.layers:
         if layer.alibi_slopes is not None:
             return None  # ALiBi: the Python step's only (:func:`prepare` refuses it by name)
+        if layer.latent is not None:  # latent attention (DeepSeek): no native form, the Python step runs it
+            return None
         if layer.spec is not None:
             refuse_unsupported(layer.spec, "the native decoding step", NATIVE_FEATURES)
         fields = named_fields(layer)

@@ -30,11 +30,12 @@ from ..kernels.prepack import packed_linear_fn
 from ..kernels.q8_0 import Q8Blocks, q8_0_linear_fn
 from ..nn.alibi import alibi_bias
 from ..nn.kv_cache import KVCache
+from ..nn.latent_cache import LatentCache
 from ..nn.masks import window_mask
 from ..nn.norms import rms_norm
 from ..nn.positions import Rotary, rotary_tables, rotate_fused
 from ..nn.spec import refuse_unsupported
-from .step import STEP_FEATURES, DecodeStep, LayerStep, Norm, Product
+from .step import PYTHON_STEP_FEATURES, STEP_FEATURES, DecodeStep, LayerStep, Norm, Product
 
 Rows = Callable[[Tensor], Tensor]
 
@@ -64,6 +65,7 @@ class _Layer(NamedTuple):
     mlp_out_norm: Rows | None
     parallel: bool
     alibi: Tensor | None
+    latent: torch.nn.Module | None = None
 
 
 def norm_fn(norm: Norm) -> Rows:
@@ -137,6 +139,7 @@ def _resolve(layer: LayerStep) -> _Layer:
         mlp_out_norm=_norm_or_none(layer.mlp_out_norm),
         parallel=bool(layer.parallel),
         alibi=None if layer.alibi_slopes is None else torch.tensor(layer.alibi_slopes),
+        latent=layer.latent,
     )
 
 
@@ -161,6 +164,10 @@ def layer_rows(
     B = x.shape[0]
     H, Hkv, dh = layer.n_heads, layer.n_kv_heads, layer.d_head
     n = x if layer.norm1 is None else layer.norm1(x)  # (B, d_model)
+    if layer.latent is not None:  # latent attention: its forward on the new position, its own cache
+        assert isinstance(kv, LatentCache)
+        a = layer.latent(n.unsqueeze(1), kv_cache=kv).squeeze(1)  # (B, d_model)
+        return _mlp_rows(layer, x, x + a)
     qkv = layer.qkv(n).view(B, H + 2 * Hkv, 1, dh)  # (B, H + 2 Hkv, 1, dh)
     rotate = cos is not None and sin is not None and layer.rotary is not None
     if layer.qk_norm is None:
@@ -192,6 +199,12 @@ def layer_rows(
     )  # (B, H, 1, dh)
     a = layer.o(z.reshape(B, H * dh))  # (B, d_model): heads concatenated
     h = x + (a if layer.attn_out_norm is None else layer.attn_out_norm(a))  # (B, d_model)
+    return _mlp_rows(layer, x, h)
+
+
+def _mlp_rows(layer: _Layer, x: Tensor, h: Tensor) -> Tensor:
+    """The MLP sublayer of :func:`layer_rows` on the block's input x and the stream after attention h,
+    each [B, d_model] -> the block's output [B, d_model]."""
     m_in = x if layer.parallel else h  # (B, d_model): a parallel block's MLP reads the block's input
     m = m_in if layer.norm2 is None else layer.norm2(m_in)  # (B, d_model)
     if layer.gate is not None:
@@ -234,7 +247,7 @@ def cache_views(caches: Sequence[KVCache], start: int) -> list[KV | KVCache]:
             )
     return [
         c
-        if c.window is not None
+        if c.window is not None or isinstance(c, LatentCache)  # (a latent layer's forward appends)
         else (
             c.k.narrow(2, start, 1),
             c.v.narrow(2, start, 1),
@@ -277,7 +290,8 @@ def prepare(step: DecodeStep) -> Callable[..., Tensor]:
     naming it)."""
     for layer in step.layers:
         if layer.spec is not None:
-            refuse_unsupported(layer.spec, "the Python decoding step", STEP_FEATURES)
+            known = PYTHON_STEP_FEATURES if layer.latent is not None else STEP_FEATURES  # (its layer with it)
+            refuse_unsupported(layer.spec, "the Python decoding step", known)
     layers = [_resolve(layer) for layer in step.layers]
     final = None if step.final_norm is None else norm_fn(step.final_norm)
     tables = LayerTables(step)

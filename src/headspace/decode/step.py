@@ -67,6 +67,9 @@ _ACTIVATION_MODULES: dict[str, tuple[type[nn.Module], str | None]] = {
 #: backends); any other is refused by its field's name. Score soft-capping is not among them: a block
 #: with it is not ``decode_supported`` and decodes by ``forward``.
 STEP_FEATURES = ("window", "qk_norm", "bias", "layout")
+#: The block features the ``"python"`` backend alone computes beyond :data:`STEP_FEATURES`: multi-head
+#: latent attention (:attr:`LayerStep.latent`; the native step refuses it by name).
+PYTHON_STEP_FEATURES = (*STEP_FEATURES, "latent")
 
 
 class DecoderModel(Protocol):
@@ -162,6 +165,10 @@ class LayerStep:
     parallel: bool | None = None
     #: ALiBi's slopes (``bias="alibi"``: ``-m_h (i - j)`` added to the scaled scores); None else
     alibi_slopes: tuple[float, ...] | None = None
+    #: a latent attention layer (DeepSeek: :class:`~headspace.attention.latent.LatentAttention`), whose
+    #: one-position step is its own forward with its :class:`~headspace.nn.latent_cache.LatentCache`
+    #: (``qkv`` then describes its latent's down projection, ``o`` its W_O); None else. Python only.
+    latent: nn.Module | None = dataclasses.field(default=None, compare=False, repr=False)
     #: the block's description the step was read from (each backend refuses the fields it lacks by name)
     spec: BlockSpec | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -169,7 +176,7 @@ class LayerStep:
 #: the :class:`LayerStep` fields only the ``"python"`` backend computes (a step with any of these set
 #: takes the Python backend): the parallel layout; the native step covers QK-norm, sliding windows,
 #: per-layer rotations and sandwich / post-sublayer norms
-PYTHON_ONLY: tuple[str, ...] = ("parallel", "alibi_slopes")
+PYTHON_ONLY: tuple[str, ...] = ("parallel", "alibi_slopes", "latent")
 
 
 @dataclass(frozen=True)
@@ -282,8 +289,15 @@ def _layer_of(block: TransformerBlock, pack_rows: int | None) -> LayerStep:
     its typed modules (``attn``, ``mlp``, ``ln1``/``ln2`` and a sandwich's output norms). A spec field
     the step does not compute raises ``ValueError`` naming it (:data:`STEP_FEATURES`)."""
     spec: BlockSpec = block.spec
-    refuse_unsupported(spec, "the decoding step", STEP_FEATURES)
+    refuse_unsupported(spec, "the decoding step", PYTHON_STEP_FEATURES)
     at, a, mlp = spec.attention, block.attn, block.mlp
+    latent = at.latent is not None
+    if latent:  # latent attention (its forward runs the step): the latent's down projection, unpacked
+        qkv, o = a.kv_a_proj_with_mqa, a.o_proj
+        qkv_p, o_p = product_of(qkv.weight, qkv.bias, None), product_of(o.weight, o.bias, None)
+    else:
+        qkv_p = product_of(a.qkv_weight, a.qkv_bias, pack_rows)
+        o_p = product_of(a.o_weight, a.o_bias, pack_rows)
     activation = _activation_of(mlp.act, spec.mlp.act)
     gate = mlp.fc_gate if spec.mlp.kind == "gated" else None
     if spec.layout == "post_sublayer":  # OLMo 2: h = x + ln1(attn(x)), out = h + ln2(mlp(h))
@@ -298,13 +312,13 @@ def _layer_of(block: TransformerBlock, pack_rows: int | None) -> LayerStep:
     parallel = True if spec.layout == "parallel" else None  # norm1 / norm2 as a pre-norm block's
     return LayerStep(
         norm1=norm1,
-        qkv=product_of(a.qkv_weight, a.qkv_bias, pack_rows),
+        qkv=qkv_p,
         n_heads=at.n_heads,
         n_kv_heads=at.n_kv_heads,
         d_head=at.d_head,
         scale=at.score_scale,
         rotary=at.positions,
-        o=product_of(a.o_weight, a.o_bias, pack_rows),
+        o=o_p,
         norm2=norm2,
         activation=activation,
         gate=None if gate is None else product_of(gate.weight, gate.bias, pack_rows),
@@ -319,6 +333,7 @@ def _layer_of(block: TransformerBlock, pack_rows: int | None) -> LayerStep:
         mlp_out_norm=mlp_out,
         parallel=parallel,
         alibi_slopes=at.alibi_slopes,
+        latent=a if latent else None,
         spec=spec,
     )
 

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from ..attention.delta_net import GatedDeltaNet
 from ..attention.described import DescribedAttention
 from ..attention.functional import sdpa_attention
+from ..attention.latent import LatentAttention
 from ..attention.layer import MultiHeadAttention, check_input_tensor
 from ..core.checks import check_positive_float, check_probability
 from ..kernels.bf16 import is_bf16
@@ -82,6 +83,7 @@ BLOCK_FEATURES = (
     "v_norm",
     "k_eq_v",
     "kv_source",
+    "latent",
     "attn_norm",
 )
 
@@ -251,6 +253,8 @@ class TransformerBlock(nn.Module):
             attention = GatedDeltaNet(spec.delta_net)  # type: ignore[assignment]
         if attention is None and (a.v_norm or a.k_eq_v or a.kv_source is not None):
             attention = GemmaAttention.from_spec(a)  # Gemma 3n / 4 (model/gemma_extras.py)
+        if attention is None and a.latent is not None:  # DeepSeek's latent attention: its own layer
+            attention = LatentAttention.from_spec(a)  # type: ignore[assignment]
         if attention is None:
             attention = MultiHeadAttention(
                 d, a.n_heads, d_head=a.d_head, n_kv_heads=a.n_kv_heads, dropout=a.dropout,
@@ -448,8 +452,16 @@ class TransformerBlock(nn.Module):
         :class:`~headspace.MultiHeadAttention`'s own forward (sliding windows, QK-norm and per-layer
         rotations included), no ``check_finite``, this module's MLPs; not score soft-capping (Gemma 2:
         its scores take the reference maths) nor a model-wide :attr:`decode_blockers` reason. Where
-        False, decoding runs :meth:`forward` with the KV cache."""
+        False, decoding runs :meth:`forward` with the KV cache. A pre-norm block with latent attention
+        (DeepSeek) with its own forward has the Python step (its forward on one position)."""
         a = self.attn
+        if isinstance(a, LatentAttention):
+            return (
+                self.norm == "pre"
+                and not self.decode_blockers
+                and type(a).forward is LatentAttention.forward
+                and isinstance(self.mlp, (FeedForward, GatedFeedForward))
+            )
         return (
             self.norm in ("pre", "sandwich", "post_sublayer", "parallel")
             and not self.decode_blockers

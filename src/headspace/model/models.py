@@ -95,6 +95,8 @@ def _product_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
         attn = block.attn
         if isinstance(attn, GatedDeltaNet):  # (its projections are nn.Linear: in_qkv, in_z, in_b, in_a, out)
             found.extend((lin, "weight") for lin in attn.children() if isinstance(lin, nn.Linear))
+        if getattr(attn, "latent", None) is not None:  # latent attention: its projections are nn.Linear
+            found.extend((lin, "weight") for lin in attn.modules() if isinstance(lin, nn.Linear))
             found.extend((lin, "weight") for lin in block.mlp.modules() if isinstance(lin, nn.Linear))
             continue
         for name in ("qkv_weight",) if attn.fused else ("q_weight", "k_weight", "v_weight"):

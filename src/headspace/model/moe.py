@@ -29,6 +29,10 @@ Hook points (``batch``, ``seq``; ``E`` = ``n_experts``):
   the direct logit attribution of an expert is its slice through the unembedding. Dense over all ``E``
   experts (not ``k``) so that one index means one expert everywhere; computed only while hooked;
 * ``hook_shared_out`` [batch, seq, d_model]: the gated shared expert's output (with ``d_shared``).
+
+DeepSeek's routings (``"sigmoid_group_topk"``, ``"softmax_group_topk"``, ``routed_scale``, the
+``score_bias`` parameter [E] and an ungated shared expert, ``shared_gate=False``) are
+:mod:`headspace.model.moe_routing`'s.
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from ..core.checks import check_positive_int
 from ..nn.hooks import HookPoint
 from ..nn.spec import MLPSpec
 from .mlp import GatedFeedForward, _fire, make_activation
+from .moe_routing import GROUP_ROUTINGS, group_topk
 
 
 class MixtureOfExperts(nn.Module):
@@ -50,8 +55,10 @@ class MixtureOfExperts(nn.Module):
     ``experts_in`` [n_experts, d_mlp, d_model] (each expert's ``gate_proj`` / ``up_proj``, [out, in]),
     ``experts_out`` [n_experts, d_model, d_mlp] (``down_proj``); with ``d_shared``: ``shared`` (a
     :class:`~headspace.model.mlp.GatedFeedForward` of width ``d_shared``) and ``shared_gate``
-    (``nn.Linear(d_model, 1)``, no bias). ``ablated``: expert indices whose routing weight is set to 0
-    (the others keep theirs: no renormalisation), empty by default.
+    (``nn.Linear(d_model, 1)``, no bias; None with ``shared_gate=False``: DeepSeek). ``ablated``: expert
+    indices whose routing weight is set to 0 (the others keep theirs: no renormalisation), empty by
+    default. DeepSeek: ``groups=(n_group, topk_group)`` for the group-limited routings, ``routed_scale``
+    (the k weights' factor) and ``score_bias`` (the parameter ``score_bias`` [E], V3's correction bias).
     """
 
     def __init__(
@@ -68,6 +75,10 @@ class MixtureOfExperts(nn.Module):
         router_bias: bool = False,
         bias: bool = False,
         swiglu: tuple[float, float] | None = None,
+        groups: tuple[int, int] | None = None,
+        routed_scale: float = 1.0,
+        score_bias: bool = False,
+        shared_gate: bool = True,
     ) -> None:
         super().__init__()
         for name, value in (("d_model", d_model), ("d_mlp", d_mlp), ("n_experts", n_experts)):
@@ -75,10 +86,16 @@ class MixtureOfExperts(nn.Module):
         check_positive_int("top_k", top_k)
         if top_k > n_experts:
             raise ValueError(f"top_k must be at most n_experts={n_experts}; got {top_k}")
-        if routing not in ("softmax_topk", "topk_softmax"):
-            raise ValueError(f"routing must be 'softmax_topk' or 'topk_softmax'; got {routing!r}")
+        if routing not in ("softmax_topk", "topk_softmax", *GROUP_ROUTINGS):
+            raise ValueError(
+                f"routing must be one of {['softmax_topk', 'topk_softmax', *GROUP_ROUTINGS]}; got {routing!r}"
+            )
+        if routing in GROUP_ROUTINGS and groups is None:
+            raise ValueError(f"routing={routing!r} needs groups=(n_group, topk_group); got None")
         self.n_experts, self.top_k, self.norm_topk, self.act_name = n_experts, top_k, norm_topk, act
-        self.routing, self.swiglu = routing, swiglu
+        self.routing, self.swiglu, self.groups, self.routed_scale = routing, swiglu, groups, routed_scale
+        #: V3's ``e_score_correction_bias`` [E] (moves the choice, not the weights), or None
+        self.register_parameter("score_bias", nn.Parameter(torch.zeros(n_experts)) if score_bias else None)
         self.act = make_activation(act)
         self.router = nn.Linear(d_model, n_experts, bias=router_bias)
         self.experts_gate = nn.Parameter(torch.empty(n_experts, d_mlp, d_model))
@@ -94,7 +111,7 @@ class MixtureOfExperts(nn.Module):
         self.shared_gate: nn.Linear | None = None
         if d_shared is not None:
             self.shared = GatedFeedForward(d_model, d_shared, act=act, bias=False)
-            self.shared_gate = nn.Linear(d_model, 1, bias=False)
+            self.shared_gate = nn.Linear(d_model, 1, bias=False) if shared_gate else None
         self.ablated: tuple[int, ...] = ()
         self.hook_router_logits = HookPoint()  # [batch, seq, n_experts]
         self.hook_top_k = HookPoint()  # [batch, seq, top_k] int64
@@ -116,6 +133,8 @@ class MixtureOfExperts(nn.Module):
         experts not chosen), firing the router's hook points."""
         logits = F.linear(x, self.router.weight, self.router.bias)  # (batch, seq, E)
         logits = _fire(self.hook_router_logits, logits)
+        if self.routing in GROUP_ROUTINGS:
+            return self._route_grouped(logits)
         if self.routing == "topk_softmax":  # gpt-oss: the k largest logits, then their softmax
             probs = logits
             top_i = _fire(self.hook_top_k, torch.topk(logits, self.top_k, dim=-1).indices)  # (batch, seq, k)
@@ -129,7 +148,27 @@ class MixtureOfExperts(nn.Module):
         top_w = probs.gather(-1, top_i)  # (batch, seq, k): the top values (or the edited choices')
         if self.norm_topk:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+        if self.routed_scale != 1.0:  # DeepSeek V2's greedy routing
+            top_w = top_w * self.routed_scale
         dense = torch.zeros_like(probs).scatter(-1, top_i, top_w)  # (batch, seq, E)
+        if self.ablated:
+            dense[..., list(self.ablated)] = 0.0
+        return _fire(self.hook_routing, dense.to(logits.dtype))
+
+    def _route_grouped(self, logits: Tensor) -> Tensor:
+        """:meth:`route` for DeepSeek's group-limited routings (:mod:`~headspace.model.moe_routing`):
+        logits [batch, seq, E] -> the dense routing weights [batch, seq, E]."""
+        assert self.groups is not None
+        batch, seq, e = logits.shape
+        flat = logits.reshape(batch * seq, e).float()  # (N, E)
+        bias = None if self.score_bias is None else self.score_bias.float()
+        top_i, top_w = group_topk(
+            flat, self.routing, self.top_k, *self.groups, score_bias=bias, norm_topk=self.norm_topk
+        )  # (N, k) x 2
+        top_i = _fire(self.hook_top_k, top_i.reshape(batch, seq, self.top_k))  # (batch, seq, k)
+        top_w = top_w.reshape(batch, seq, self.top_k) * self.routed_scale  # (batch, seq, k)
+        dense = torch.zeros(batch, seq, e, dtype=top_w.dtype, device=logits.device)  # (batch, seq, E)
+        dense = dense.scatter(-1, top_i, top_w)
         if self.ablated:
             dense[..., list(self.ablated)] = 0.0
         return _fire(self.hook_routing, dense.to(logits.dtype))
@@ -172,8 +211,10 @@ class MixtureOfExperts(nn.Module):
         if per_expert is not None:
             per_expert = self.hook_expert_out(per_expert.reshape(batch, seq, self.n_experts, d))
             out = per_expert.sum(dim=2).reshape(batch * seq, d)  # (N, d_model)
-        if self.shared is not None and self.shared_gate is not None:
-            shared = torch.sigmoid(self.shared_gate(flat)) * self.shared(flat)  # (N, d_model)
+        if self.shared is not None:
+            shared = self.shared(flat)  # (N, d_model)
+            if self.shared_gate is not None:  # Qwen2-MoE's gate (DeepSeek's shared experts have none)
+                shared = torch.sigmoid(self.shared_gate(flat)) * shared  # (N, d_model)
             out = out + _fire(self.hook_shared_out, shared.reshape(batch, seq, d)).reshape(batch * seq, d)
         return out.reshape(batch, seq, d)  # (batch, seq, d_model)
 
@@ -196,4 +237,6 @@ def moe_of(d_model: int, spec: MLPSpec) -> MixtureOfExperts:
         d_model, spec.d_mlp, spec.n_experts, spec.top_k,
         act=spec.act, norm_topk=spec.norm_topk, d_shared=spec.d_shared, routing=spec.routing,
         router_bias=spec.router_bias, bias=spec.bias, swiglu=swiglu,
+        groups=None if spec.n_group is None else (spec.n_group, spec.topk_group or spec.n_group),
+        routed_scale=spec.routed_scale, score_bias=spec.score_bias, shared_gate=spec.shared_gate,
     )  # fmt: skip

@@ -48,7 +48,9 @@ MLP_KINDS = ("plain", "gated", "moe")
 #: How a mixture of experts weighs its k experts (``MLPSpec.routing``): ``"softmax_topk"`` (the softmax
 #: over all experts, then the k largest: Mixtral, Qwen-MoE, OLMoE) or ``"topk_softmax"`` (the k largest
 #: logits, then the softmax over those k: gpt-oss).
-ROUTINGS = ("softmax_topk", "topk_softmax")
+#: DeepSeek (:mod:`headspace.model.moe_routing`): ``"sigmoid_group_topk"`` (V3: sigmoid scores, a
+#: score-correction bias, group-limited choice) and ``"softmax_group_topk"`` (V2's group-limited greedy).
+ROUTINGS = ("softmax_topk", "topk_softmax", "sigmoid_group_topk", "softmax_group_topk")
 #: The activations of an MLP (``MLPSpec.act``).
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
 #: QK-norm over each head's d_head (``"head"``: Qwen3, Gemma 3) or all heads at once (``"all"``: OLMo 2),
@@ -72,7 +74,7 @@ MIXERS = ("attention", "gated_deltanet")
 #: order executors check them: :func:`refuse_unsupported` names the first one an executor lacks.
 ATTENTION_FEATURES = (
     "window", "window_sides", "chunk", "softcap", "qk_norm", "bias", "sink", "gate", "v_norm", "k_eq_v",
-    "kv_source",
+    "kv_source", "latent",
 )  # fmt: skip
 
 
@@ -127,6 +129,32 @@ class NormSpec:
 
 
 @dataclass(frozen=True)
+class LatentSpec:
+    """Multi-head latent attention (DeepSeek V2 / V3; :class:`headspace.attention.latent.LatentAttention`).
+
+    ``q_h = RMSNorm(x W_qa) W_qb[h]`` (``q_lora_rank`` the query latent's width; None: ``q_h = x W_q[h]``,
+    V2-Lite), ``c = RMSNorm(x W_kva[:kv_lora_rank])`` the key/value latent, ``k_h = [c W_kb[h], R(x W_kr)]``
+    (the rotary part, ``qk_rope_head_dim`` wide, shared by every head), ``v_h = c W_vb[h]``
+    (``v_head_dim`` wide); q and k are ``qk_nope_head_dim + qk_rope_head_dim`` wide."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    def __post_init__(self) -> None:
+        _optional_positive_int("LatentSpec", "q_lora_rank", self.q_lora_rank)
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            _positive_int("LatentSpec", name, getattr(self, name))
+
+    @property
+    def qk_head_dim(self) -> int:
+        """The width of each head's query and key: ``qk_nope_head_dim + qk_rope_head_dim``."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
     """A self-attention layer (see :class:`headspace.MultiHeadAttention` for the formula).
 
@@ -148,6 +176,9 @@ class AttentionSpec:
     over d_head without a scale, ``v / sqrt(mean(v^2) + qk_norm_eps)``; ``k_eq_v``: the values are the
     key projection before its norm (``W_V`` is ``W_K``); ``kv_source``: the index of the earlier layer
     whose keys and values this layer attends to (it has no ``W_K`` / ``W_V`` of its own).
+    ``latent``: multi-head latent attention (:class:`LatentSpec`); then ``d_head`` is the query/key width
+    ``latent.qk_head_dim``, ``n_kv_heads == n_heads`` and ``positions`` rotates the shared
+    ``qk_rope_head_dim`` features only.
     """
 
     d_model: int
@@ -173,6 +204,7 @@ class AttentionSpec:
     v_norm: bool = False
     k_eq_v: bool = False
     kv_source: int | None = None
+    latent: LatentSpec | None = None
 
     def __post_init__(self) -> None:
         o = "AttentionSpec"
@@ -185,8 +217,9 @@ class AttentionSpec:
         if self.positions is not None:
             if not isinstance(self.positions, Rotary):
                 raise _fail(o, "positions", "None or a headspace.positions.Rotary", self.positions)
-            if self.positions.d_head != self.d_head:
-                raise _fail(o, "positions", f"a Rotary made for d_head={self.d_head}", self.positions)
+            width = self.d_head if self.latent is None else self.latent.qk_rope_head_dim
+            if self.positions.d_head != width:
+                raise _fail(o, "positions", f"a Rotary made for d_head={width}", self.positions)
         if self.scale is not None and (not is_number(self.scale) or not math.isfinite(self.scale)):
             raise _fail(o, "scale", "None (1 / sqrt(d_head)) or a finite float", self.scale)
         _optional_positive_int(o, "window", self.window)
@@ -215,11 +248,24 @@ class AttentionSpec:
         _bool(o, "k_eq_v", self.k_eq_v)
         if self.kv_source is not None and (not is_int(self.kv_source) or self.kv_source < 0):
             raise _fail(o, "kv_source", "None or a layer index >= 0", self.kv_source)
+        if self.latent is not None:
+            _check_latent(self)
 
     @property
     def score_scale(self) -> float:
         """The factor of the scores: ``scale``, or ``1 / sqrt(d_head)`` where None."""
         return 1.0 / math.sqrt(self.d_head) if self.scale is None else float(self.scale)
+
+
+def _check_latent(spec: AttentionSpec) -> None:
+    """A latent attention's fields agree with its sizes (:class:`LatentSpec`)."""
+    o, latent = "AttentionSpec", spec.latent
+    if not isinstance(latent, LatentSpec):
+        raise _fail(o, "latent", "None or a LatentSpec", latent)
+    if spec.d_head != latent.qk_head_dim:
+        raise _fail(o, "d_head", f"latent.qk_head_dim={latent.qk_head_dim} with a latent", spec.d_head)
+    if spec.n_kv_heads != spec.n_heads:
+        raise _fail(o, "n_kv_heads", f"n_heads={spec.n_heads} with a latent", spec.n_kv_heads)
 
 
 @dataclass(frozen=True)
@@ -234,8 +280,12 @@ class MLPSpec:
     :data:`ROUTINGS`; ``router_bias``: the router has a bias (gpt-oss); ``bias``: each expert's three
     projections have biases. ``swiglu_limit`` / ``swiglu_alpha`` (gpt-oss's clamped SwiGLU, both or
     neither): ``g = min(x W_gate, limit)``, ``u = clamp(x W_in, -limit, limit)``, hidden ``(u + 1) g
-    sigmoid(alpha g)`` in place of ``act(x W_gate) (x W_in)``. The expert fields must keep their
-    defaults for the other kinds."""
+    sigmoid(alpha g)`` in place of ``act(x W_gate) (x W_in)``. DeepSeek's routing
+    (:mod:`headspace.model.moe_routing`): ``n_group`` / ``topk_group`` (experts in ``n_group`` groups,
+    the k chosen among the best ``topk_group`` groups), ``routed_scale`` (the k weights' factor,
+    ``routed_scaling_factor``), ``score_bias`` (V3's ``e_score_correction_bias``, which moves the choice
+    but not the weights) and ``shared_gate`` (False: the shared expert is added ungated). The expert
+    fields must keep their defaults for the other kinds."""
 
     d_mlp: int
     kind: str = "plain"
@@ -249,9 +299,15 @@ class MLPSpec:
     router_bias: bool = False
     swiglu_limit: float | None = None
     swiglu_alpha: float | None = None
+    n_group: int | None = None
+    topk_group: int | None = None
+    routed_scale: float = 1.0
+    score_bias: bool = False
+    shared_gate: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("MLPSpec", "d_mlp", self.d_mlp)
+        _check_grouped_routing(self)
         _choice("MLPSpec", "kind", self.kind, MLP_KINDS)
         _choice("MLPSpec", "act", self.act, ACTIVATIONS)
         _bool("MLPSpec", "bias", self.bias)
@@ -275,6 +331,24 @@ class MLPSpec:
         _positive_int("MLPSpec", "top_k", self.top_k)
         if self.top_k > self.n_experts:  # type: ignore[operator]
             raise _fail("MLPSpec", "top_k", f"at most n_experts={self.n_experts}", self.top_k)
+
+
+def _check_grouped_routing(spec: MLPSpec) -> None:
+    """DeepSeek's routing fields (:class:`MLPSpec`): groups set together, dividing the experts."""
+    o = "MLPSpec"
+    _optional_positive_int(o, "n_group", spec.n_group)
+    _optional_positive_int(o, "topk_group", spec.topk_group)
+    _positive_float(o, "routed_scale", spec.routed_scale)
+    _bool(o, "score_bias", spec.score_bias)
+    _bool(o, "shared_gate", spec.shared_gate)
+    grouped = spec.routing in ("sigmoid_group_topk", "softmax_group_topk")
+    if grouped and (spec.n_group is None or spec.topk_group is None):
+        raise _fail(o, "n_group", f"set with topk_group for routing={spec.routing!r}", spec.n_group)
+    if spec.n_group is not None and spec.n_experts is not None:
+        if spec.n_experts % spec.n_group or (spec.topk_group or 0) > spec.n_group:
+            raise _fail(o, "n_group", f"a divisor of n_experts={spec.n_experts} >= topk_group", spec.n_group)
+    if spec.kind != "moe" and (grouped or spec.score_bias or spec.routed_scale != 1.0):
+        raise _fail(o, "routing", f"a plain routing with scale 1 for kind={spec.kind!r}", spec.routing)
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ _ENCDEC_T = "tests/encdec/test_families.py"
 _ABSOLUTE_T = "tests/pretrained/test_absolute_families.py"
 _NONE: dict[str, Any] = {"rotation": "none", "rope_types": ()}
 _ALIBI_T = "tests/pretrained/test_alibi_families.py"
+_DEEPSEEK_T = "tests/pretrained/test_deepseek.py"
 
 
 @dataclass(frozen=True)
@@ -509,6 +510,29 @@ FAMILIES: tuple[Family, ...] = (
         _REL,
         _NEXT_T,
         partial=True,
+    ),
+    _d(
+        "deepseek_v2",
+        "rotary on the shared key part",
+        _PRE,
+        _RMS,
+        "latent attention (query latent optional); group-limited experts, ungated shared experts",
+        ("forward", "python"),
+        _REL,
+        _DEEPSEEK_T,
+        rotation="interleaved",
+    ),
+    _d(
+        "deepseek_v3",
+        "rotary on the shared key part",
+        _PRE,
+        _RMS,
+        "latent attention; dense then sigmoid-routed experts with a correction bias",
+        ("forward", "python"),
+        _REL,
+        _DEEPSEEK_T,
+        rotation="interleaved",
+        rope_types=("default", "yarn"),
     ),
 )
 

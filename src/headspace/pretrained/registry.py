@@ -16,6 +16,7 @@ from ..model.models import check_precision
 from .absolute_families import ABSOLUTE_FAMILY_TYPES, load_absolute_family
 from .alibi_families import ALIBI_FAMILY_TYPES, load_alibi_family
 from .bert import load_bert
+from .deepseek import DEEPSEEK_MODEL_TYPES, load_deepseek
 from .encdec import ENCDEC_LOADERS
 from .encdec.whisper_base import load_whisper_base
 from .encoder_families import ENCODER_LOADERS
@@ -126,6 +127,8 @@ def load(name: str | Path, *, precision: str = "float32") -> PretrainedEncoder |
     ``olmo2``, ``smollm3`` (:func:`load_llama`), ``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``olmoe``,
     ``gpt_oss`` (:func:`~headspace.pretrained.moe_families.load_moe`), ``qwen3_next``, ``qwen3_5_text``
     (:func:`~headspace.pretrained.qwen_next.load_qwen_next`), and the encoder-decoders ``t5``,
+    ``gpt_oss`` (:func:`~headspace.pretrained.moe_families.load_moe`), ``deepseek_v2``, ``deepseek_v3``
+    (:func:`~headspace.pretrained.deepseek.load_deepseek`), and the encoder-decoders ``t5``,
     ``bart``, ``marian``, ``whisper`` (a :class:`headspace.EncoderDecoder`, docs/encoder_decoder.md); a
     ``.gguf`` file (Llama family) loads with :func:`load_gguf`. The rotary, parallel and learned-absolute
     families of docs/families.md (among them ``opt``, ``gpt_neo``, ``gpt_bigcode``, ``roberta``) load
@@ -173,6 +176,7 @@ FOLDER_LOADERS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] 
     **dict.fromkeys(GEMMA3N_MODEL_TYPES, load_gemma3n),  # gemma3n_text (pretrained/gemma3n.py)
     **dict.fromkeys(ALIBI_FAMILY_TYPES, load_alibi_family),  # bloom, falcon, mpt
     **dict.fromkeys(QWEN_NEXT_MODEL_TYPES, load_qwen_next),  # qwen3_next, qwen3_5_text
+    **dict.fromkeys(DEEPSEEK_MODEL_TYPES, load_deepseek),  # latent attention (issue #39)
 }
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ...attention.latent import LatentAttention
 from ...nn.kv_cache import KVCache
 from ..trace.trace import hooked, trace
 from .causal_inputs import last_resid
@@ -141,7 +142,11 @@ def sweep(
             kwargs["is_causal"] = True
             if p:
                 k, v = prefix[layer]
-                cache = KVCache(runs, k.shape[1], k.shape[3], seq, dtype=k.dtype, device=k.device)
+                attn = module.blocks[layer].attn
+                if isinstance(attn, LatentAttention):  # its cache holds the latent and the rotary key
+                    cache = attn.make_kv_cache(runs, seq)
+                else:
+                    cache = KVCache(runs, k.shape[1], k.shape[3], seq, dtype=k.dtype, device=k.device)
                 cache.k[:, :, :p] = k
                 cache.v[:, :, :p] = v
                 cache.length = p

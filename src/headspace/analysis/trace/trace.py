@@ -51,6 +51,7 @@ import torch
 from torch import Tensor, nn
 
 from ...attention.delta_net import GatedDeltaNet
+from ...attention.latent import LatentAttention
 from ...attention.layer import MultiHeadAttention
 from ...core.checks import is_int
 from ...nn.hooks import Deferred, HookFn, HookPoint, deferred_tensors, name_hook_points
@@ -90,13 +91,15 @@ def as_module(model: Any) -> nn.Module:
 
 
 def attention_layers(model: Any) -> list[tuple[str, MultiHeadAttention]]:
-    """Every :class:`MultiHeadAttention` in ``model`` as (module path, layer), in module order.
+    """Every :class:`MultiHeadAttention` (and :class:`~headspace.attention.latent.LatentAttention`, whose
+    hook points have the same names) in ``model`` as (module path, layer), in module order.
 
     The position in this list is the *layer index* used by :class:`Trace`, :func:`ablate`,
     :func:`~headspace.prune_heads` and :mod:`headspace.analysis` (``blocks.i.attn`` is layer ``i``).
     """
     module = as_module(model)
-    return [(name, m) for name, m in module.named_modules() if isinstance(m, MultiHeadAttention)]
+    kinds = (MultiHeadAttention, LatentAttention)
+    return [(name, m) for name, m in module.named_modules() if isinstance(m, kinds)]  # type: ignore[misc]
 
 
 def _refuse_linear_pattern(key: str, linear_paths: Sequence[str]) -> None:
