@@ -45,6 +45,7 @@ CASES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
     "gpt2": (T.GPT2Config, T.GPT2LMHeadModel, {"n_embd": D, "n_layer": L, "n_head": H, "n_positions": 32,
                                            "bos_token_id": None, "eos_token_id": None}),
     "bert": (T.BertConfig, T.BertModel, {}),
+    "modernbert": (T.ModernBertConfig, T.ModernBertModel, {"local_attention": 4}),
     "bart": (T.BartConfig, T.BartForConditionalGeneration, {
         "d_model": D, "encoder_layers": 1, "decoder_layers": 1, "encoder_attention_heads": H,
         "decoder_attention_heads": H, "encoder_ffn_dim": 19, "decoder_ffn_dim": 19,

@@ -234,9 +234,7 @@ def test_the_python_step_runs_chunks_temperature_and_the_l2_norm(
             want = torch.cat([want, model(want)[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(got, want) and len(calls) >= L * (3 * CHUNK - 1)  # every new token by the step
     sunk = dataclasses.replace(step.layers[0].spec.attention, sink="learned")
-    asked = dataclasses.replace(
-        step.layers[0], spec=dataclasses.replace(step.layers[0].spec, attention=sunk)
-    )
+    asked = dataclasses.replace(step.layers[0], spec=dataclasses.replace(step.layers[0].spec, attention=sunk))
     with pytest.raises(
         ValueError, match="the Python decoding step does not support the attention field 'sink'"
     ):

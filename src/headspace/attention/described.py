@@ -21,7 +21,8 @@ from ..nn.spec import AttentionSpec, refuse_unsupported
 
 #: The attention features (:data:`~headspace.nn.spec.ATTENTION_FEATURES`) the layer's forward computes.
 FORWARD_FEATURES = (
-    "window", "chunk", "softcap", "qk_norm", "bias", "sink", "gate", "temperature", "differential",
+    "window", "window_sides", "chunk", "softcap", "qk_norm", "bias", "sink", "gate", "temperature",
+    "differential",
 )  # fmt: skip
 
 

@@ -420,7 +420,7 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
         mask = canonical_mask(
             batch=B, n_heads=self.n_heads, seq_q=Sq, seq_k=seq_k, key_padding=key_padding,
             attn_mask=attn_mask, is_causal=is_causal, dtype=query.dtype, device=query.device,
-            window=self.window, chunk=self._spec.chunk,
+            window=self.window, window_sides=self._spec.window_sides, chunk=self._spec.chunk,
         )  # fmt: skip
         slopes = self._spec.alibi_slopes  # ALiBi: -m_h (i - j) joins the mask (headspace.nn.alibi)
         return mask if slopes is None else with_alibi(mask, slopes, Sq, seq_k, query.dtype, query.device)

@@ -172,6 +172,12 @@ def window_line(e: Explanation) -> str:
     if e.window is None:
         return ""
     i, w = e.token_index, e.window
+    if e.window_sides == "both":  # a bidirectional encoder's band (ModernBERT's local layers)
+        hidden = [j for j in range(len(e.tokens)) if abs(i - j) >= w]
+        return (
+            f"   window: key j is visible iff |{i} - j| < {w} (both sides): {len(hidden)} keys are\n"
+            f"   outside this layer's window of {w} and get no weight"
+        )
     outside = [j for j in range(len(e.tokens)) if j <= i - w]
     if not outside:
         return (

@@ -212,6 +212,12 @@ def _attention_like(
             f"head-parallel attention does not split QK-norm layers yet (qk_norm={attn.qk_norm!r}); "
             "run this model unsharded"
         )
+    sides = attn.spec.window_sides if hasattr(attn, "spec") else None
+    if sides is not None:  # the shards are built with the causal band only
+        raise ValueError(
+            f"head-parallel attention does not support the attention field 'window_sides' "
+            f"(set to {sides!r}); run this model unsharded"
+        )
     if attn.spec.bias is not None:  # each head its own slope: a shard would need its heads' share
         raise ValueError(
             f"head-parallel attention does not split the attention field 'bias' ({attn.spec.bias!r}) yet; "

@@ -73,6 +73,7 @@ def make_norm(kind: str, d_model: int, eps: float, offset: float = 0.0) -> nn.Mo
 BLOCK_FEATURES = (
     "window",
     "chunk",
+    "window_sides",
     "softcap",
     "qk_norm",
     "bias",
@@ -87,6 +88,7 @@ BLOCK_FEATURES = (
     "latent",
     "temperature",
     "differential",
+    "attn_norm",
 )
 
 
@@ -136,6 +138,7 @@ def _check_block_fits(old: BlockSpec, new: BlockSpec) -> None:
         "mlp.swiglu_alpha": (old.mlp.swiglu_alpha, new.mlp.swiglu_alpha),
         "mlp.shared_gate": (old.mlp.shared_gate, new.mlp.shared_gate),
         "layout == 'sandwich'": (old.layout == "sandwich", new.layout == "sandwich"),
+        "attn_norm": (old.attn_norm, new.attn_norm),
     }
     for name, (have, got) in fixed.items():
         if have != got:
@@ -271,8 +274,11 @@ class TransformerBlock(nn.Module):
             )  # fmt: skip
             if a.chunk is not None or a.temperature is not None:  # (Llama 4's: set on the built layer)
                 attention.spec = dataclasses.replace(attention.spec, chunk=a.chunk, temperature=a.temperature)
+            if a.window_sides is not None:  # the layer's own constructor builds the causal band
+                attention.spec = dataclasses.replace(attention.spec, window_sides=a.window_sides)
         self.attn = attention
-        self.ln1 = make_norm(n.kind, d, n.eps, n.offset)
+        # no attention norm (ModernBERT's first layer): an Identity, so that ``.ln1`` stays readable
+        self.ln1 = make_norm(n.kind, d, n.eps, n.offset) if spec.attn_norm else nn.Identity()
         m = spec.mlp
         kind = GatedFeedForward if m.kind == "gated" else FeedForward
         self.mlp: FeedForward | GatedFeedForward | MixtureOfExperts = (
@@ -325,7 +331,7 @@ class TransformerBlock(nn.Module):
             )
         self.attn.spec = spec.attention
         for norm in (self.ln1, self.ln2, self.ln_attn_out, self.ln_mlp_out):
-            if norm is not None:
+            if norm is not None and not isinstance(norm, nn.Identity):
                 norm.eps = spec.norm.eps
                 if isinstance(norm, RMSNorm):
                     norm.offset = spec.norm.offset
@@ -378,7 +384,8 @@ class TransformerBlock(nn.Module):
         :func:`headspace.trace`'s recorders watch every hook point (on inputs long enough), the trace's
         executor runs the block instead (:mod:`~headspace.model.recorded`): the same output, bit for bit.
         """
-        check_input_tensor("x", x, self.d_model, "d_model", self.ln1.weight)  # before any LayerNorm
+        ref = self.ln2 if isinstance(self.ln1, nn.Identity) else self.ln1  # ModernBERT's layer 0: no ln1
+        check_input_tensor("x", x, self.d_model, "d_model", ref.weight)  # before any LayerNorm
         x = _fire(self.hook_resid_pre, x)
         kw: dict[str, Any] = {"key_padding": key_padding, "attn_mask": attn_mask, "is_causal": is_causal}
         kw.update(kv_cache=kv_cache, **({} if positions is None else {"positions": positions}))

@@ -188,6 +188,11 @@ class ModelConfig:
     sliding_window: int | None = None
     #: One of "sliding" / "full" per layer; derived: all "sliding" with a sliding_window, else all "full".
     layer_types: list[str] | None = None
+    #: The sides of the "sliding" layers' window: None (causal: i - sliding_window < j <= i) or "both"
+    #: (|i - j| < sliding_window: a bidirectional encoder's local layers, ModernBERT).
+    window_sides: str | None = None
+    #: Layers whose attention input has no norm (ModernBERT's layer 0: ``h = x + A(x)``); "pre" only.
+    no_attn_norm_layers: list[int] = field(default_factory=list)
     #: Rotary only: the RoPE base of the "sliding" layers (Gemma 3's rope_local_base_freq 10000; the
     #: "full" layers use rope_theta); None: rope_theta on every layer.
     rope_local_theta: float | None = None
@@ -327,6 +332,20 @@ class ModelConfig:
                 f"got {nope!r:.120}"
             )
         self.nope_layers = sorted(set(nope))
+        if self.window_sides not in (None, "both") or (self.window_sides and self.arch != "encoder"):
+            raise ValueError(
+                "ModelConfig.window_sides must be None or 'both' (a bidirectional encoder's window, "
+                f"arch='encoder'); got {self.window_sides!r} with arch={self.arch!r}"
+            )
+        bare = self.no_attn_norm_layers
+        if not isinstance(bare, list) or any(not is_int(i) or not 0 <= i < self.n_layers for i in bare):
+            raise ValueError(
+                f"ModelConfig.no_attn_norm_layers must be a list of layer indices in "
+                f"[0, n_layers={self.n_layers}); got {bare!r:.120}"
+            )
+        self.no_attn_norm_layers = sorted(set(bare))
+        if bare and self.norm != "pre":
+            raise ValueError(f"ModelConfig.no_attn_norm_layers needs norm='pre'; got norm={self.norm!r}")
         if (nope or self.rope_local_theta is not None) and self.positions != "rotary":
             raise ValueError("ModelConfig.nope_layers and rope_local_theta need positions='rotary'")
         local = self.rope_local_theta
@@ -384,6 +403,7 @@ class ModelConfig:
             qkv_bias=bias if self.qkv_bias is None else self.qkv_bias,
             out_bias=bias if self.out_bias is None else self.out_bias,
             positions=positions, scale=self.attn_scale, window=self.layer_window(layer),
+            window_sides=None if self.layer_window(layer) is None else self.window_sides,
             softcap=self.attn_softcap, qk_norm_eps=self.ln_eps,
             qk_norm_offset=self.norm_offset, dropout=self.attn_dropout,
             sink="learned" if self.attn_sink else None, gate=self.attn_gate,
@@ -417,6 +437,7 @@ class ModelConfig:
             norm=NormSpec(self.norm_kind, float(self.ln_eps), float(self.norm_offset)),
             layout=self.norm,
             dropout=float(self.dropout),
+            attn_norm=layer not in self.no_attn_norm_layers,
         )
 
     def block_specs(self) -> list[BlockSpec]:
@@ -579,7 +600,10 @@ class ModelConfig:
         parts = []
         types = self.layer_types or []
         if self.sliding_window is not None:
-            parts.append(f"window {self.sliding_window} on {types.count('sliding')}/{len(types)} layers")
+            sides = " (both sides)" if self.window_sides == "both" else ""
+            parts.append(
+                f"window {self.sliding_window}{sides} on {types.count('sliding')}/{len(types)} layers"
+            )
         if self.rope_local_theta is not None:
             parts.append(f"local theta {self.rope_local_theta:g}")
         if self.nope_layers:

@@ -70,7 +70,12 @@ def check_window(window: object, name: str = "window") -> None:
 
 
 def window_mask(
-    seq_q: int, seq_k: int, window: int, device: torch.device | str | None = None, query: Tensor | None = None
+    seq_q: int,
+    seq_k: int,
+    window: int,
+    device: torch.device | str | None = None,
+    query: Tensor | None = None,
+    sides: str | None = None,
 ) -> Tensor:
     """Bool ``[seq_q, seq_k]`` sliding-window mask, aligned bottom-right (True = may attend).
 
@@ -78,12 +83,17 @@ def window_mask(
     positions, as with a KV cache: positions are absolute) and sees key ``j`` iff
     ``p_i - window < j <= p_i``: itself and the ``window - 1`` keys before it. The window includes
     causality. ``query``: a 1-D int tensor of query rows to build instead of all ``seq_q`` (rows
-    ``[len(query), seq_k]``).
+    ``[len(query), seq_k]``). ``sides="both"``: the bidirectional band ``|p_i - j| < window`` instead
+    (``window - 1`` keys on each side: ModernBERT's local attention; :data:`~headspace.nn.spec.WINDOW_SIDES`).
     """
     check_window(window)
+    if sides not in (None, "both"):
+        raise ValueError(f"window sides must be None (causal) or 'both'; got {sides!r}")
     rows = torch.arange(seq_q, device=device) if query is None else query.to(device)  # (rows,)
     pos = rows + (seq_k - seq_q)  # (rows,): each query's key position
     keys = torch.arange(seq_k, device=device)  # (seq_k,)
+    if sides == "both":
+        return (keys[None, :] - pos[:, None]).abs() < window  # (rows, seq_k)
     return (keys[None, :] <= pos[:, None]) & (keys[None, :] > pos[:, None] - window)  # (rows, seq_k)
 
 
@@ -227,6 +237,7 @@ def canonical_mask(
     device: torch.device | None = None,
     window: int | None = None,
     chunk: int | None = None,
+    window_sides: str | None = None,
 ) -> CanonicalMask:
     """Combine ``key_padding``, ``attn_mask``, ``is_causal`` and ``window`` into one :class:`CanonicalMask`.
 
@@ -240,6 +251,7 @@ def canonical_mask(
         window: None, or a sliding window (:func:`window_mask`, bottom-right aligned, causal by
             itself) combined by AND with every other mask.
         chunk: None, or chunked attention (:func:`chunk_mask`, likewise) combined by AND.
+        window_sides: None (the causal band) or ``"both"`` (:func:`window_mask`'s ``sides``).
 
     Raises:
         TypeError: integer masks; a float mask with a bool ``key_padding``; a float mask of another dtype.
@@ -267,7 +279,8 @@ def canonical_mask(
         else:
             mask = mask & tri
     if window is not None:
-        mask = _and_bool(mask, window_mask(seq_q, seq_k, window, device)[None, None], is_float)
+        band = window_mask(seq_q, seq_k, window, device, sides=window_sides)  # (seq_q, seq_k)
+        mask = _and_bool(mask, band[None, None], is_float)
     if chunk is not None:
         left = _left_padding(key_padding)  # chunks count from each row's first real token
         block = chunk_mask(seq_q, seq_k, chunk, device, left=left)  # (rows, sk) or (batch, rows, sk)
@@ -320,11 +333,12 @@ class RowMasks:
         device: torch.device | None = None,
         window: int | None = None,
         chunk: int | None = None,
+        window_sides: str | None = None,
     ) -> None:
         device = torch.device(device) if device is not None else torch.device("cpu")
         check_window(window)
         check_window(chunk, "chunk")
-        self.window, self.chunk = window, chunk
+        self.window, self.chunk, self.window_sides = window, chunk, window_sides
         self.attn_mask, self.is_float = _checked_masks(
             batch, n_heads, seq_q, seq_k, key_padding, attn_mask, dtype, device
         )  # (b|1, h|1, sq|1, sk|1) or None: a view, never expanded
@@ -379,7 +393,9 @@ class RowMasks:
                 mask = mask & tri
         if self.window is not None:
             query = torch.arange(start, end, device=self.device) if index is None else index  # (rows,)
-            band = window_mask(self.seq_q, self.seq_k, self.window, self.device, query)  # (rows, seq_k)
+            band = window_mask(
+                self.seq_q, self.seq_k, self.window, self.device, query, self.window_sides
+            )  # (rows, seq_k)
             mask = _and_bool(mask, band[None, None], self.is_float)
         if self.chunk is not None:
             query = torch.arange(start, end, device=self.device) if index is None else index  # (rows,)

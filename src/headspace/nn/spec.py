@@ -67,14 +67,17 @@ SINKS = ("learned",)
 #: ``"elementwise"`` one gate per feature of z_h, ``"headwise"`` one per head
 #: (:mod:`headspace.attention.gates`).
 GATES = ("headwise", "elementwise")
+#: The sides of a sliding window (``AttentionSpec.window_sides``): ``"both"``, the band ``|i - j| < window``
+#: of a bidirectional encoder (ModernBERT's local layers); None keeps ``window`` the causal band.
+WINDOW_SIDES = ("both",)
 #: The token mixers of a block (``BlockSpec.mixer``): softmax attention, or a Gated DeltaNet
 #: (linear attention with a decaying recurrent state: Qwen3-Next, Qwen3.5; ``BlockSpec.delta_net``).
 MIXERS = ("attention", "gated_deltanet")
 #: The attention fields that change what an attention layer computes beyond the classic layer, in the
 #: order executors check them: :func:`refuse_unsupported` names the first one an executor lacks.
 ATTENTION_FEATURES = (
-    "window", "chunk", "softcap", "qk_norm", "bias", "sink", "gate", "v_norm", "k_eq_v", "kv_source",
-    "latent", "temperature", "differential",
+    "window", "window_sides", "chunk", "softcap", "qk_norm", "bias", "sink", "gate", "v_norm", "k_eq_v",
+    "kv_source", "latent", "temperature", "differential",
 )  # fmt: skip
 
 
@@ -162,7 +165,10 @@ class AttentionSpec:
     ``d_head`` each, on a residual stream of width ``d_model``; ``qkv_bias`` / ``out_bias`` switch the
     biases of the q/k/v and output projections. ``positions``: the rotation (RoPE) of q and k, or None.
     ``scale``: the scores' factor (None: ``1 / sqrt(d_head)``). ``window``: a sliding window (key ``j``
-    visible from query ``i`` iff ``i - window < j <= i``). ``chunk``: chunked attention (keys of the
+    visible from query ``i`` iff ``i - window < j <= i``). ``window_sides``: None (the causal band just
+    stated) or ``"both"`` (key ``j`` visible from query ``i`` iff ``|i - j| < window``: ModernBERT's
+    local layers, ``window = local_attention // 2 + 1``; needs ``window``). ``chunk``: chunked attention
+    (keys of the
     query's own chunk of that many positions only). ``softcap``: scores become ``softcap * tanh(s /
     softcap)``. ``qk_norm``: RMSNorm of q and k (``"head"`` or ``"all"``) with ``qk_norm_eps`` and
     ``qk_norm_offset``. ``bias``: an additive score bias (``"alibi"``: ``-alibi_slopes[h] * (i - j)``
@@ -192,6 +198,7 @@ class AttentionSpec:
     positions: Rotary | None = None
     scale: float | None = None
     window: int | None = None
+    window_sides: str | None = None
     chunk: int | None = None
     softcap: float | None = None
     qk_norm: str | None = None
@@ -226,6 +233,9 @@ class AttentionSpec:
         if self.scale is not None and (not is_number(self.scale) or not math.isfinite(self.scale)):
             raise _fail(o, "scale", "None (1 / sqrt(d_head)) or a finite float", self.scale)
         _optional_positive_int(o, "window", self.window)
+        _choice(o, "window_sides", self.window_sides, WINDOW_SIDES, optional=True)
+        if self.window_sides is not None and self.window is None:
+            raise _fail(o, "window_sides", "None without a window", self.window_sides)
         _optional_positive_int(o, "chunk", self.chunk)
         if self.softcap is not None:
             _positive_float(o, "softcap", self.softcap)
@@ -366,15 +376,17 @@ def _check_grouped_routing(spec: MLPSpec) -> None:
 class BlockSpec:
     """One block: ``attention``, ``mlp``, the ``norm`` of every norm of the block (the two sublayer norms,
     and a sandwich block's two output norms) and the residual ``layout`` (module docstring).
-    ``dropout``: on each sublayer's output before its residual add, in [0, 1). ``mixer``: one of
-    :data:`MIXERS`; a ``"gated_deltanet"`` block mixes tokens by the Gated DeltaNet ``delta_net``
-    describes (set exactly then) and its ``attention`` is not used."""
+    ``dropout``: on each sublayer's output before its residual add, in [0, 1). ``attn_norm``: False makes
+    ``N1`` the identity (``"pre"`` layout only: ModernBERT's first layer, ``h = x + A(x)``).
+    ``mixer``: one of :data:`MIXERS`; a ``"gated_deltanet"`` block mixes tokens by the Gated DeltaNet
+    ``delta_net`` describes (set exactly then) and its ``attention`` is not used."""
 
     attention: AttentionSpec
     mlp: MLPSpec
     norm: NormSpec = dataclasses.field(default_factory=NormSpec)
     layout: str = "pre"
     dropout: float = 0.0
+    attn_norm: bool = True
     mixer: str = "attention"
     delta_net: DeltaNetSpec | None = None
 
@@ -388,6 +400,9 @@ class BlockSpec:
         _choice("BlockSpec", "layout", self.layout, LAYOUTS)
         if not is_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
             raise _fail("BlockSpec", "dropout", "a float in [0, 1)", self.dropout)
+        _bool("BlockSpec", "attn_norm", self.attn_norm)
+        if not self.attn_norm and self.layout != "pre":
+            raise _fail("BlockSpec", "attn_norm", f"True for layout={self.layout!r}", self.attn_norm)
         _choice("BlockSpec", "mixer", self.mixer, MIXERS)
         deltanet = self.mixer == "gated_deltanet"
         if deltanet != isinstance(self.delta_net, DeltaNetSpec):
@@ -404,9 +419,9 @@ class BlockSpec:
 
 def features_of(spec: AttentionSpec | BlockSpec) -> list[str]:
     """The names of the features ``spec`` sets beyond the classic block, in :data:`ATTENTION_FEATURES`
-    order, then ``"layout"`` for a block whose layout is ``"parallel"`` and ``"moe"`` for a block whose
-    MLP is a mixture of experts; ``"mixer"`` alone first for a Gated DeltaNet block (its attention
-    fields are not used)."""
+    order, then ``"layout"`` for a block whose layout is ``"parallel"``, ``"moe"`` for a block whose
+    MLP is a mixture of experts and ``"attn_norm"`` for a block without the attention's norm;
+    ``"mixer"`` alone first for a Gated DeltaNet block (its attention fields are not used)."""
     if isinstance(spec, BlockSpec) and spec.mixer != "attention":
         return ["mixer"] + (["moe"] if spec.mlp.kind == "moe" else [])
     attention = spec.attention if isinstance(spec, BlockSpec) else spec
@@ -415,6 +430,8 @@ def features_of(spec: AttentionSpec | BlockSpec) -> list[str]:
         found.append("layout")
     if isinstance(spec, BlockSpec) and spec.mlp.kind == "moe":
         found.append("moe")
+    if isinstance(spec, BlockSpec) and not spec.attn_norm:
+        found.append("attn_norm")
     return found
 
 
@@ -428,6 +445,11 @@ def refuse_unsupported(spec: AttentionSpec | BlockSpec, executor: str, supported
             continue
         if name == "layout":
             raise ValueError(f"{executor} does not support the block field 'layout' ('parallel')")
+        if name == "attn_norm":
+            raise ValueError(
+                f"{executor} does not support the block field 'attn_norm' "
+                "(False: no norm before the attention)"
+            )
         if name == "mixer":
             raise ValueError(
                 f"{executor} does not support the block field 'mixer' ('gated_deltanet': Gated DeltaNet "

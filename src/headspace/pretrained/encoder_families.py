@@ -1,4 +1,5 @@
-"""Encoders beside BERT: roberta (and the encoders of its kind, as BERT with an offset position table).
+"""Encoders beside BERT: roberta, xlm-roberta and camembert (RoBERTa's architecture), as BERT with an
+offset position table.
 
 RoBERTa is BERT (post-LN blocks, GELU MLP, embedding LayerNorm, token types) whose learned positions
 start past the padding index: transformers numbers a token ``padding_idx + 1 + i`` (``i`` its place
@@ -47,6 +48,9 @@ from .hf import (
 from .wrappers import PretrainedEncoder
 
 _POSITIONS = "embeddings.position_embeddings.weight"
+#: The model_types that are RoBERTa's architecture under another name (their checkpoints differ in
+#: vocabulary and training only: transformers' XLM-RoBERTa and CamemBERT modules are RoBERTa's).
+ROBERTA_TYPES = ("roberta", "xlm-roberta", "camembert")
 
 
 def roberta_config(hf: dict[str, Any], name: str = "", *, source: str = "config.json") -> ModelConfig:
@@ -54,9 +58,11 @@ def roberta_config(hf: dict[str, Any], name: str = "", *, source: str = "config.
     (:func:`~headspace.pretrained.bert.bert_config`, the same checks and refusals) with the position table
     shifted past ``pad_token_id`` (module docstring); ``extra["position_offset"]`` is that shift."""
     f = config_fields(hf, source)
-    if f.hf.get("model_type") not in (None, "roberta"):
+    model_type = f.hf.get("model_type") or "roberta"
+    if model_type not in ROBERTA_TYPES:
         raise ValueError(
-            f"{source}: model_type={f.hf['model_type']!r} is not supported here; supported: roberta"
+            f"{source}: model_type={f.hf['model_type']!r} is not supported here; "
+            f"supported: {', '.join(ROBERTA_TYPES)}"
         )
     pad = f.integer("pad_token_id", 1, minimum=0)
     limit = f.integer("max_position_embeddings", 512)
@@ -72,7 +78,7 @@ def roberta_config(hf: dict[str, Any], name: str = "", *, source: str = "config.
             base,
             max_seq_len=limit - offset,
             pad_token_id=pad,
-            extra={**base.extra, "model_type": "roberta", "position_offset": offset},
+            extra={**base.extra, "model_type": model_type, "position_offset": offset},
         )
 
 
@@ -135,4 +141,4 @@ def load_roberta(
 
 
 #: model_type -> loader.
-ENCODER_LOADERS: dict[str, Callable[..., PretrainedEncoder]] = {"roberta": load_roberta}
+ENCODER_LOADERS: dict[str, Callable[..., PretrainedEncoder]] = dict.fromkeys(ROBERTA_TYPES, load_roberta)

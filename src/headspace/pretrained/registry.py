@@ -29,6 +29,7 @@ from .hf import checked_folder, read_json, require_file
 from .llama import load_llama
 from .llama4 import load_llama4
 from .llama_variants import VARIANT_MODEL_TYPES
+from .modernbert import MODERNBERT_LOADERS
 from .moe_families import MOE_MODEL_TYPES, load_moe
 from .parallel_families import PARALLEL_FAMILY_TYPES, load_parallel_family
 from .qwen_next import QWEN_NEXT_MODEL_TYPES, load_qwen_next
@@ -171,7 +172,8 @@ FOLDER_LOADERS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] 
     **dict.fromkeys(PARALLEL_FAMILY_TYPES, load_parallel_family),  # gpt_neox, stablelm, cohere, phi, gptj
     **dict.fromkeys(MOE_MODEL_TYPES, load_moe),  # mixtral, qwen2_moe, qwen3_moe, olmoe, gpt_oss
     **dict.fromkeys(ABSOLUTE_FAMILY_TYPES, load_absolute_family),  # opt, gpt_neo, gpt_bigcode
-    **ENCODER_LOADERS,  # roberta
+    **ENCODER_LOADERS,  # roberta, xlm-roberta, camembert
+    **MODERNBERT_LOADERS,  # modernbert
     **dict.fromkeys(GEMMA4_MODEL_TYPES, load_gemma4),  # gemma4_text (pretrained/gemma4.py)
     **dict.fromkeys(GEMMA3N_MODEL_TYPES, load_gemma3n),  # gemma3n_text (pretrained/gemma3n.py)
     **dict.fromkeys(ALIBI_FAMILY_TYPES, load_alibi_family),  # bloom, falcon, mpt

@@ -147,7 +147,7 @@ def frozen_norm(norm: nn.Module | None, x: Tensor) -> tuple[Tensor, Tensor]:
     exactly, where ``center`` subtracts the mean for a LayerNorm and is the identity for an RMSNorm.
     A part ``p`` of ``x`` then contributes ``center(p) * scale`` (its share of the normalised stream).
     """
-    if norm is None:
+    if norm is None or isinstance(norm, nn.Identity):  # no norm (ModernBERT's first attention input)
         return torch.ones_like(x), torch.zeros_like(x)
     if isinstance(norm, nn.LayerNorm):
         sigma = torch.sqrt(x.var(dim=-1, unbiased=False, keepdim=True) + norm.eps)  # (..., 1)

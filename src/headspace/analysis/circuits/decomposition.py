@@ -284,7 +284,7 @@ def _layer_circuits(module: nn.Module, fold_norms: bool, offsets: Sequence[int])
         g = attn.n_heads // attn.n_kv_heads
         W_K, W_V = W_K.repeat_interleave(g, 0), W_V.repeat_interleave(g, 0)  # (H, d, dh) x 2
         reads_ln1 = getattr(block, "norm", None) in ("pre", "sandwich", "parallel")  # heads read ln1(x)
-        if fold_norms and reads_ln1:
+        if fold_norms and reads_ln1 and getattr(block.ln1, "weight", None) is not None:  # not Identity
             w = block.ln1.weight.double() + getattr(block.ln1, "offset", 0.0)  # (d,)
             W_Q, W_K, W_V = W_Q * w[:, None], W_K * w[:, None], W_V * w[:, None]
         after = post_attention_norm(block)

@@ -420,6 +420,17 @@ def _layer_qkv(
     return q, k, v
 
 
+def _refuse_window_sides(attn: Any, layer: int) -> None:
+    """One-line ``ValueError`` for a layer whose window has both sides: the row masks here (and the
+    statistics built on them) take the causal band only."""
+    sides = attn.spec.window_sides if hasattr(attn, "spec") else None
+    if sides is not None:
+        raise ValueError(
+            f"the chunked pattern statistics do not support the attention field 'window_sides' "
+            f"(set to {sides!r}) of layer {layer}"
+        )
+
+
 def _chosen_layers(
     all_layers: list[tuple[str, MultiHeadAttention]], layers: Sequence[int] | None
 ) -> list[int]:
@@ -492,6 +503,7 @@ def each_layer_qk(
         def hook(module: MultiHeadAttention, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
             if threading.get_ident() != owner:
                 return
+            _refuse_window_sides(module, i)
             with torch.no_grad():
                 q, k, v = _layer_qkv(module, args, kwargs)
                 call = LayerQK(

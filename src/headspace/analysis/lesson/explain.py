@@ -165,6 +165,8 @@ class Explanation:
     k_normed: list[list[float]] = field(default_factory=list)
     #: a sliding-window layer's window (query i sees key j iff i - window < j <= i), else None
     window: int | None = None
+    #: the window's sides: None (causal, as above) or "both" (key j visible iff |i - j| < window)
+    window_sides: str | None = None
     #: the positional scheme's steps for this head (partial rotary, pairs, scaling ...; :mod:`.scheme_steps`)
     scheme_steps: list[SchemeStep] = field(default_factory=list)
     #: gated layers (Qwen3-Next): the head's output gate sigmoid(x W_G[h]) at the token; ``z`` is then
@@ -568,6 +570,7 @@ def _walk(
         **_rotated(rec, attn, layer, index, head, kv_head),
         **_normed(rec, attn, layer, index, head, kv_head),
         window=getattr(attn, "window", None),
+        window_sides=attn.spec.window_sides if hasattr(attn, "spec") else None,
         scheme_steps=scheme_steps(attn, head, len(tokens)),
         gate=_floats(rec["gate"][layer][0, index, head]) if "gate" in rec else [],
     )
