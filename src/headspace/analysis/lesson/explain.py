@@ -45,6 +45,7 @@ from torch import Tensor, nn
 
 from ...core.checks import is_int
 from ...core.defaults import DEFAULT_SENTENCE, DEFAULT_TOKEN
+from . import sink_steps  # noqa: F401  (registers the learned-sink step)
 from .content_tokens import content_positions
 from .scheme_steps import SchemeStep, scheme_steps
 
@@ -561,7 +562,9 @@ def _walk(
         **_rotated(rec, attn, layer, index, head, kv_head),
         **_normed(rec, attn, layer, index, head, kv_head),
         window=getattr(attn, "window", None),
-        scheme_steps=scheme_steps(attn, head, len(tokens)),
+        scheme_steps=scheme_steps(
+            attn, head, len(tokens), index=index, scores=scores_row, pattern=pattern_row
+        ),
     )
 
 
