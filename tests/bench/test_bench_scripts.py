@@ -44,6 +44,7 @@ ELSEWHERE = {  # scripts whose smoke run lives with their own tests
     "gemma3": "needs Gemma-3-270M and transformers' copy: tests/pretrained/test_gemma3.py runs its measure()",
     "cli": "runs the commands on a tiny GPT-2 folder: tests/cli/test_bench_cli.py runs it (--quick)",
     "families": "tests/bench/test_families_bench.py runs it (--quick, two families)",
+    "attention_variants": "tests/bench/test_attention_variants_bench.py runs it (--quick, two cases)",
 }
 CHROMIUM = os.environ.get("HEADSPACE_CHROMIUM", "/usr/bin/chromium")
 
