@@ -86,6 +86,8 @@ def test_page_draws_key_weights_and_the_sink_mass_in_chromium(
             shown = float(snap["scoresNote"].split(" takes ")[1].split(" ")[0])  # the label's sink mass
             assert shown == pytest.approx(sink, abs=1e-4)
             assert "the key weights sum to 1 - sink" in page.inner_text("#scores-note")
+            s_h = float(gpt_oss.blocks[layer].attn.sinks.detach()[head])
+            assert f"H{head} {s_h:.3f}" in page.inner_text("#heads-note")  # the shown head's s_h
     finally:
         page.close()
     assert not errors

@@ -322,6 +322,7 @@
       const max = drawHeatmap(L, shown);
       legend(legendBox, "seq", 0, max, "attention weight");
     }
+    if (L.meta.sinks) $("heads-note").textContent += `; learned sinks: each row sums to 1 - sink, s_h = ${shown.map((h) => `H${h} ${fmt(L.meta.sinks[h], 3)}`).join(", ")}`;
   }
 
   function drawLines(L, shown) {
