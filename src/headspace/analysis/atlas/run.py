@@ -69,8 +69,9 @@ class Atlas:
 
     Each statistic is float64 [n_layers, max_heads] (NaN where not defined: encoders have no
     ``copying``, ``direct_effect``, ``ablation``; pruned heads): ``previous``, ``first`` (means over
-    queries ``i >= 1`` of the mass on key ``i - 1`` and on key 0), ``self``, ``entropy`` (nats),
-    ``duplicate``, ``induction``, ``copying``, ``direct_effect`` (means over queries; see
+    queries ``i >= 1`` of the mass on key ``i - 1`` and on key 0), ``sink`` (models with learned sinks:
+    the mean mass each head's sink took, every query; NaN without sinks, :mod:`.sinks`), ``self``,
+    ``entropy`` (nats), ``duplicate``, ``induction``, ``copying``, ``direct_effect`` (means over queries; see
     :mod:`.atlas_measure`), ``ablation`` (corpus loss with the head mean-ablated minus the clean loss);
     ``induction_repeated`` the repeated-random-token score of :func:`induction_scores` (decoders).
     ``examples[layer][head]``: ``{"attention": [...], "direct_effect": [...]}``, each example a dict

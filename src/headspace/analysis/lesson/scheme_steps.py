@@ -18,7 +18,8 @@ Steps registered here, for rotary layers (``attn.rotary``, :class:`headspace.nn.
   (cos and sin times ``a``: a score's rotated part grows by ``a ** 2``).
 
 A new mechanism adds its step with :func:`register_scheme_step`; see the ALiBi hook at the end of this
-module.
+module. Learned sinks (gpt-oss) register ``"sink"`` from :mod:`.sink_steps`, which reads the explained
+row (:attr:`SchemeContext.pattern`).
 """
 
 from __future__ import annotations
