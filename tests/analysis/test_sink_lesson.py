@@ -125,3 +125,18 @@ def test_a_model_without_sinks_has_no_sink_step(tmp_path: Path) -> None:
     T.LlamaForCausalLM(config).save_pretrained(tmp_path)
     e = explain(Words(hs.load(tmp_path)), SENTENCE, 3, layer=0, head=1)
     assert "sink" not in [s.scheme for s in e.scheme_steps]
+
+
+def test_analyses_that_recompute_patterns_from_q_and_k_refuse_sinks_by_name(gpt_oss: tuple) -> None:
+    from headspace.analysis.lesson.roles import head_roles, induction_scores
+
+    model = gpt_oss[0].model
+    ids = torch.randint(3, V, (1, 7))
+    roles = head_roles(model, ids, chunk_size=None)  # the traced path reads hook_pattern: the key weights
+    assert roles.current.shape == (L, H)
+    for run in (lambda: head_roles(model, ids, chunk_size=4), lambda: induction_scores(model, n=5)):
+        with pytest.raises(
+            ValueError, match=r"layer 0 \(blocks.0.attn\) has learned sinks \(attention field 'sink'\)"
+        ) as e:
+            run()
+        assert "\n" not in str(e.value)

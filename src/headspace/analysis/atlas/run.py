@@ -52,6 +52,7 @@ from .corpus import MAX_PIECE_CHARS, Corpus, Window, check_window, read_windows,
 from .guard import SHARD_FORMAT, folder_lock, read_shard, seal, weights_sha256
 from .importance import agreement, attribute_batch, check_importance
 from .measure import measure_batch
+from .sinks import has_sinks
 from .state import EXAMPLE_KINDS, MEANS, AtlasState, SealedState
 
 __all__ = ["SHARD_FORMAT", "Atlas", "atlas"]
@@ -519,7 +520,7 @@ def _atlas_run(
                 )  # fmt: skip
         stats, clean = _finish(merged, ablated, n_heads, decoder)
         nan = torch.full((L, H), float("nan"), dtype=torch.float64)
-        repeated = decoder and s.induction_repeated
+        repeated = decoder and s.induction_repeated and not has_sinks(module)  # (sinks: refused there)
         stats["induction_repeated"] = induction_scores(model).to(torch.float64) if repeated else nan
     return Atlas(
         stats=stats, examples=_examples(model, merged, read.windows, n_heads),

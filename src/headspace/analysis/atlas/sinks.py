@@ -21,13 +21,19 @@ from torch import Tensor
 
 from ..lesson.pattern_blocks import PatternBlock
 
-__all__ = ["SinkRows", "layer_sinks"]
+__all__ = ["SinkRows", "has_sinks", "layer_sinks"]
 
 
 def layer_sinks(attn: Any) -> Tensor | None:
     """The layer's sink logits, float32 [n_heads] (detached), or None for a layer without sinks."""
     sinks = getattr(attn, "sinks", None)
     return None if sinks is None else sinks.detach().float()
+
+
+def has_sinks(module: Any) -> bool:
+    """Whether any attention layer of ``module`` has learned sinks (then ``induction_repeated``, which
+    recomputes patterns without them, is NaN in the atlas)."""
+    return any(getattr(m, "sinks", None) is not None for m in module.modules())
 
 
 class SinkRows:
