@@ -45,6 +45,7 @@ ELSEWHERE = {  # scripts whose smoke run lives with their own tests
     "cli": "runs the commands on a tiny GPT-2 folder: tests/cli/test_bench_cli.py runs it (--quick)",
     "families": "tests/bench/test_families_bench.py runs it (--quick, two families)",
     "whisper": "needs Whisper base and espeak-ng: tests/encdec/test_whisper_bench.py runs it (--quick)",
+    "attention_variants": "tests/bench/test_attention_variants_bench.py runs it (--quick, two cases)",
 }
 CHROMIUM = os.environ.get("HEADSPACE_CHROMIUM", "/usr/bin/chromium")
 

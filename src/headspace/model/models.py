@@ -41,6 +41,7 @@ from ..nn.positions import Rotary
 from .block import TransformerBlock, make_norm
 from .config import ModelConfig
 from .decoding import StepPlan, decoding
+from .special_decoders import refuse_wrong_decoder
 
 
 def _check_config(config: Any, arch: str, cls_name: str) -> ModelConfig:
@@ -405,6 +406,7 @@ class Decoder(_Stack):
     """
 
     def __init__(self, config: ModelConfig) -> None:
+        refuse_wrong_decoder(config, type(self))  # a Gemma 4 / 3n config builds only its own class
         super().__init__(_check_config(config, "decoder", "Decoder"))
         c = self.config
         bias = getattr(c, "unembed_bias", False)  # GPT-J, Phi: the unembedding has a bias

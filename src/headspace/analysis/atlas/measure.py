@@ -53,6 +53,7 @@ from ...nn.masks import RowMasks
 from ...nn.norms import rms_inverse
 from ..causal.causal_inputs import is_decoder, post_attention_norm
 from ..lesson.chunked import LayerQK, each_layer_qk, iter_pattern_blocks
+from .sinks import SinkRows, layer_sinks
 from .state import AtlasState, Candidate
 
 
@@ -205,15 +206,19 @@ class BatchMeasure:
         z = torch.empty(B, H, S, dh, dtype=torch.float32, device=q4.device)  # (B, H, S, dh)
         top_key = torch.zeros(B, H, S, dtype=torch.int64, device=q4.device)  # (B, H, S)
         top_weight = torch.zeros(B, H, S, dtype=torch.float32, device=q4.device)  # (B, H, S)
-        # rows: previous, first, self, entropy, duplicate, induction
-        sums = torch.zeros(6, H, dtype=torch.float64, device=q4.device)  # (6, H)
+        # rows: previous, first, self, entropy, duplicate, induction, sink (learned sinks: .sinks)
+        sums = torch.zeros(7, H, dtype=torch.float64, device=q4.device)  # (7, H)
+        s_h = layer_sinks(attn)
+        sink_rows = None if s_h is None else SinkRows(q4, k4, s_h, call.scale)
         for block in iter_pattern_blocks(q4, k4, masks, scale=call.scale):
             idx = block.index  # (n,)
             lo, hi, W = int(idx[0]), int(idx[-1]) + 1, block.width
             w = block.weights  # (B, H, n, W): unnormalised
+            rq = real[:, lo:hi]  # (B, n)
+            if sink_rows is not None:  # the sink's term joins block.norm; its mass per row is summed
+                sums[6] += (sink_rows.apply(block).double() * rq.double()[:, None]).sum((0, 2))
             inv = block.norm.reciprocal()  # (B, H, n): 0 on dead rows
             z[:, :, lo:hi] = _grouped_z(w, v[:, :, :W]) * inv[..., None]
-            rq = real[:, lo:hi]  # (B, n)
             keys = torch.stack([(idx - 1).clamp(min=0), torch.zeros_like(idx), idx], dim=-1)[
                 None
             ]  # (1, n, 3)
@@ -242,9 +247,9 @@ class BatchMeasure:
         n_real = int(real.sum())
         n_later = int(ok.sum())
         for name, row, count in zip(
-            ("previous", "first", "self", "entropy", "duplicate", "induction"),
+            ("previous", "first", "self", "entropy", "duplicate", "induction", "sink"),
             sums,
-            (n_later, n_later, n_real, n_real, n_real, n_real),
+            (n_later, n_later, n_real, n_real, n_real, n_real, n_real if s_h is not None else 0),
         ):
             st.add_sum(name, i, row, count)
         st.z_sum[i, :H] += torch.einsum("bhsd,bs->hd", z.double(), real.double()).cpu()

@@ -53,6 +53,7 @@ from .corpus import MAX_PIECE_CHARS, Corpus, Window, check_window, read_windows,
 from .guard import SHARD_FORMAT, folder_lock, read_shard, seal, weights_sha256
 from .importance import agreement, attribute_batch, check_importance
 from .measure import measure_batch
+from .sinks import has_sinks
 from .state import EXAMPLE_KINDS, MEANS, AtlasState, SealedState
 
 __all__ = ["SHARD_FORMAT", "Atlas", "atlas"]
@@ -70,8 +71,9 @@ class Atlas:
 
     Each statistic is float64 [n_layers, max_heads] (NaN where not defined: encoders have no
     ``copying``, ``direct_effect``, ``ablation``; pruned heads): ``previous``, ``first`` (means over
-    queries ``i >= 1`` of the mass on key ``i - 1`` and on key 0), ``self``, ``entropy`` (nats),
-    ``duplicate``, ``induction``, ``copying``, ``direct_effect`` (means over queries; see
+    queries ``i >= 1`` of the mass on key ``i - 1`` and on key 0), ``sink`` (models with learned sinks:
+    the mean mass each head's sink took, every query; NaN without sinks, :mod:`.sinks`), ``self``,
+    ``entropy`` (nats), ``duplicate``, ``induction``, ``copying``, ``direct_effect`` (means over queries; see
     :mod:`.atlas_measure`), ``ablation`` (corpus loss with the head mean-ablated minus the clean loss);
     ``induction_repeated`` the repeated-random-token score of :func:`induction_scores` (decoders).
     ``examples[layer][head]``: ``{"attention": [...], "direct_effect": [...]}``, each example a dict
@@ -520,7 +522,7 @@ def _atlas_run(
                 )  # fmt: skip
         stats, clean = _finish(merged, ablated, n_heads, decoder)
         nan = torch.full((L, H), float("nan"), dtype=torch.float64)
-        repeated = decoder and s.induction_repeated
+        repeated = decoder and s.induction_repeated and not has_sinks(module)  # (sinks: refused there)
         stats["induction_repeated"] = induction_scores(model).to(torch.float64) if repeated else nan
     return Atlas(
         stats=stats, examples=_examples(model, merged, read.windows, n_heads),

@@ -24,7 +24,7 @@ from torch import Tensor
 FIXED_BITS = 40
 """Sums are stored as integers in units of 2^-FIXED_BITS."""
 
-MEANS = ("previous", "first", "self", "entropy", "duplicate", "induction", "copying", "direct_effect")
+MEANS = ("previous", "first", "sink", "self", "entropy", "duplicate", "induction", "copying", "direct_effect")
 """The per-head means of the atlas, each a sum [n_layers, max_heads] over its own count of queries."""
 
 EXAMPLE_KINDS = ("attention", "direct_effect")

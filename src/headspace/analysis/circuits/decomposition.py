@@ -203,6 +203,12 @@ def score_decomposition(
     attn = module.blocks[layer].attn
     head = _check_index("head", head, attn.n_heads, f"a head of layer {layer}")
     i = _check_index("query", query, seq, "a position of the prompt")
+    source = getattr(getattr(attn, "spec", None), "kv_source", None)
+    if source is not None:  # its keys are layer `source`'s, made from that layer's residual stream
+        raise ValueError(
+            f"score_decomposition: layer {layer} has no keys of its own (attention field kv_source={source}: "
+            f"it reads layer {source}'s keys and values); its scores are not split over its residual parts"
+        )
     with eval_mode(module), trace(module, names=_hook_names(layer)) as t:
         module(tokens)
     pattern = t[f"blocks.{layer}.attn.hook_pattern"][0, head, i]  # (seq,)

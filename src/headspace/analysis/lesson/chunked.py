@@ -346,6 +346,11 @@ class LayerQK:
     v: Tensor | None = None
 
     def _masks(self) -> dict[str, Any]:
+        if getattr(self.attn, "sinks", None) is not None:  # (the atlas adds sinks itself: atlas/sinks.py)
+            raise ValueError(
+                f"layer {self.layer} ({self.name}) has learned sinks (attention field 'sink'): its pattern "
+                "is not recomputed from q and k here; read hook_pattern (and hook_sink) from headspace.trace"
+            )
         return {
             "key_padding": self.key_padding, "attn_mask": self.attn_mask, "is_causal": self.is_causal,
             "scale": self.scale, "window": self.window,

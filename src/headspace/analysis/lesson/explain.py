@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from ...attention.delta_net import refuse_linear_attention_model
 from ...core.checks import is_int
 from ...core.defaults import DEFAULT_SENTENCE, DEFAULT_TOKEN
+from . import sink_steps  # noqa: F401  (registers the learned-sink step)
 from .content_tokens import content_positions
 from .scheme_steps import SchemeStep, scheme_steps
 
@@ -571,7 +572,9 @@ def _walk(
         **_normed(rec, attn, layer, index, head, kv_head),
         window=getattr(attn, "window", None),
         window_sides=attn.spec.window_sides if hasattr(attn, "spec") else None,
-        scheme_steps=scheme_steps(attn, head, len(tokens)),
+        scheme_steps=scheme_steps(
+            attn, head, len(tokens), index=index, scores=scores_row, pattern=pattern_row
+        ),
         gate=_floats(rec["gate"][layer][0, index, head]) if "gate" in rec else [],
     )
 

@@ -18,7 +18,8 @@ Steps registered here, for rotary layers (``attn.rotary``, :class:`headspace.nn.
   (cos and sin times ``a``: a score's rotated part grows by ``a ** 2``).
 
 A new mechanism adds its step with :func:`register_scheme_step`; see the ALiBi hook at the end of this
-module.
+module. Learned sinks (gpt-oss) register ``"sink"`` from :mod:`.sink_steps`, which reads the explained
+row (:attr:`SchemeContext.pattern`).
 """
 
 from __future__ import annotations
@@ -43,11 +44,16 @@ __all__ = [
 class SchemeContext:
     """What a step function may read: the attention layer ``attn`` (a headspace attention module), the
     explained ``head`` (a query head of that layer) and ``seq_len``, the sentence's length in tokens (the
-    forward has run: stateful schemes hold the values that call used)."""
+    forward has run: stateful schemes hold the values that call used). Where the caller has them:
+    ``index``, the explained query position, and that query's row for ``head``: ``scores`` [seq_k]
+    (scaled, ``-inf`` where masked) and ``pattern`` [seq_k] (the weights on the keys); else None."""
 
     attn: Any
     head: int
     seq_len: int
+    index: int | None = None
+    scores: torch.Tensor | None = None
+    pattern: torch.Tensor | None = None
 
 
 @dataclass
@@ -86,10 +92,19 @@ def register_scheme_step(name: str, fn: SchemeStepFn) -> SchemeStepFn:
     return fn
 
 
-def scheme_steps(attn: Any, head: int, seq_len: int) -> list[SchemeStep]:
+def scheme_steps(
+    attn: Any,
+    head: int,
+    seq_len: int,
+    *,
+    index: int | None = None,
+    scores: torch.Tensor | None = None,
+    pattern: torch.Tensor | None = None,
+) -> list[SchemeStep]:
     """Every registered step that applies to head ``head`` of the layer ``attn``, after a forward of
-    ``seq_len`` tokens, in registration order."""
-    context = SchemeContext(attn, head, seq_len)
+    ``seq_len`` tokens, in registration order (``index``, ``scores``, ``pattern``: see
+    :class:`SchemeContext`)."""
+    context = SchemeContext(attn, head, seq_len, index, scores, pattern)
     steps = (fn(context) for fn in SCHEME_STEPS.values())
     return [s for s in steps if s is not None]
 

@@ -22,7 +22,7 @@ from ...core.fileio import write_atomic
 from ..explorer.page import _json_for_script
 
 STAT_NAMES = (
-    "previous", "first", "self", "entropy", "duplicate", "induction", "induction_repeated", "copying",
+    "previous", "first", "sink", "self", "entropy", "duplicate", "induction", "induction_repeated", "copying",
     "direct_effect", "ablation",
 )  # fmt: skip
 """The statistics the grid can be coloured by (those present in the atlas)."""

@@ -209,6 +209,13 @@ def _one_thread() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def _sinks(attn: MultiHeadAttention) -> list[float] | None:
+    """The layer's learned sink logits ``s_h`` [n_heads] as floats (the page adds ``exp(s_h)`` to each
+    row's softmax, whose key weights then sum to ``1 - sink``), or None for a layer without sinks."""
+    sinks = getattr(attn, "sinks", None)
+    return None if sinks is None else [float(x) for x in sinks.detach().float().flatten()]
+
+
 def resolve_precision(precision: str, seq: int) -> str:
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {list(PRECISIONS)}; got {precision!r}")
@@ -267,6 +274,7 @@ def build_page_data(
                 "scale": attn.scale,
                 "mask": c.mask,
                 "rotary": getattr(attn, "hook_rot_q", None) is not None,
+                "sinks": _sinks(attn),  # learned sink logits s_h [n_heads] (gpt-oss), else None
                 "q": pack(c.q, dtype),
                 "k": pack(c.k, dtype),
                 "v": pack(c.v, dtype),

@@ -4,6 +4,7 @@
 // W_O [H, dh, d_model] (floats, or "grid4" codes: decodeGrid), b_O [d_model], shares [seq, H], overlaps.
 // Everything else is computed here with the model's own formulas, in float64:
 //   score_j = (q_t . k_j) * scale  (masked keys excluded)   w = softmax(score)   z_h = sum_j w_j v_j
+//   learned sinks (layer.sinks, gpt-oss): w_j = exp(score_j) / (sum_k exp(score_k) + exp(s_h)), sink = 1 - sum_j w_j
 //   out = sum_h z_h W_O[h] + b_O
 // DATA.results (optional): saved patching / attribution results, drawn as they are (view 5).
 // A large page (blob.py) holds its arrays as one deflated block (#explorer-blob, one byte a character,
@@ -41,7 +42,7 @@
   function kvHead(L, h) { return Math.floor(h / (L.H / L.Hkv)); }
   function allowed(L, t, j) { return L.meta.mask !== "causal" || j <= t; }
 
-  // One query row of one head: {scores, weights} over every key (masked keys: score -Infinity, weight 0).
+  // One query row of one head: {scores, weights, sink} (masked keys: score -Infinity, weight 0; sink: 0 without).
   function row(L, h, t) {
     const { H, Hkv, dh } = L, g = kvHead(L, h), scale = L.meta.scale;
     const scores = new Float64Array(SEQ), weights = new Float64Array(SEQ);
@@ -58,14 +59,18 @@
       scores[j] = s;
       if (s > max) max = s;
     }
+    const sinkLogit = L.meta.sinks ? L.meta.sinks[h] : null;
+    if (sinkLogit !== null && sinkLogit > max) max = sinkLogit; // the sink joins the row's maximum
     let sum = 0;
     for (let j = 0; j < SEQ; j++) {
       const e = scores[j] === -Infinity ? 0 : Math.exp(scores[j] - max);
       weights[j] = e;
       sum += e;
     }
+    const sinkExp = sinkLogit === null ? 0 : Math.exp(sinkLogit - max);
+    sum += sinkExp;
     for (let j = 0; j < SEQ; j++) weights[j] = sum > 0 ? weights[j] / sum : 0;
-    return { scores, weights };
+    return { scores, weights, sink: sum > 0 ? sinkExp / sum : 0 };
   }
 
   // The whole pattern of one head [seq_q, seq_k], computed once per (layer, head).
@@ -101,7 +106,7 @@
 
   function compute(l, h, t) {
     const L = layerData(l);
-    const { scores, weights } = row(L, h, t);
+    const { scores, weights, sink } = row(L, h, t);
     let top = 0;
     for (let j = 1; j < SEQ; j++) if (weights[j] > weights[top]) top = j;
     const zs = [];
@@ -118,7 +123,7 @@
     if (L.bO) for (let m = 0; m < L.dm; m++) out[m] += L.bO[m];
     const g = kvHead(L, h);
     const q = Array.from(L.q.subarray((t * L.H + h) * L.dh, (t * L.H + h + 1) * L.dh));
-    return { L, scores, weights, top, z: zs[h], concat, contrib, out, q, g };
+    return { L, scores, weights, sink, top, z: zs[h], concat, contrib, out, q, g };
   }
 
 
@@ -317,6 +322,7 @@
       const max = drawHeatmap(L, shown);
       legend(legendBox, "seq", 0, max, "attention weight");
     }
+    if (L.meta.sinks) $("heads-note").textContent += `; learned sinks: each row sums to 1 - sink, s_h = ${shown.map((h) => `H${h} ${fmt(L.meta.sinks[h], 3)}`).join(", ")}`;
   }
 
   function drawLines(L, shown) {
@@ -419,6 +425,8 @@
     $("kv-legend").append(marks);
 
     $("scores-note").textContent = `scale = ${fmt(L.meta.scale, 6)}, mask: ${L.meta.mask}` +
+      (L.meta.sinks ? `; learned sink s_h = ${fmt(L.meta.sinks[h], 4)} takes ${fmt(r.sink, 4)} of this row: ` +
+        `the key weights sum to 1 - sink = ${fmt(1 - r.sink, 4)}` : "") +
       (SEQ > TABLE_ROWS ? `; the ${TABLE_ROWS} largest weights of ${SEQ}, largest first` : "; every token, in order");
     const order = SEQ > TABLE_ROWS ? [...Array(SEQ).keys()].sort((a, b) => r.weights[b] - r.weights[a]).slice(0, TABLE_ROWS) : [...Array(SEQ).keys()];
     const body = $("scores-table").tBodies[0];
@@ -682,6 +690,7 @@
       const r = last;
       return { layer: r.layer, head: r.head, token: r.token, top: r.top, topToken: TOKENS[r.top],
         scores: Array.from(r.scores, (x) => (x === -Infinity ? null : x)), weights: Array.from(r.weights), q: r.q,
+        sink: r.sink, scoresNote: $("scores-note").textContent,
         z: Array.from(r.z), concat: Array.from(r.concat), contrib: Array.from(r.contrib), out: Array.from(r.out) };
     },
   };
