@@ -33,7 +33,7 @@ linear scaling on these families), phi2's fused ``attn_qkv``, any tensor the con
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -78,7 +78,8 @@ _RMS: list[_Spec] = [
 ]
 
 
-_Specs = Callable[[dict[str, Any], set[str]], list[_Spec]]  # (HF config, the file's tensor names) -> specs
+_Names = Mapping[str, tuple[int, ...]]  # the file's tensors: GGUF name -> PyTorch shape
+_Specs = Callable[[dict[str, Any], _Names], list[_Spec]]  # (HF config, the file's tensors) -> specs
 
 
 @dataclass(frozen=True)
@@ -90,7 +91,7 @@ class _Arch:
     layer_prefix: str
     layer: _Specs
     globals: _Specs
-    config: Callable[[dict[str, Any], dict[str, Any], set[str], Path], dict[str, Any]]
+    config: Callable[[dict[str, Any], dict[str, Any], _Names, Path], dict[str, Any]]
     permuted: bool = False  # llama.cpp permuted W_Q / W_K rows (its LlamaModel.permute)
     plus_one: bool = False  # norms stored as 1 + w (Gemma)
 
@@ -99,7 +100,7 @@ def _globals(embed: str, norm: str, head: str, *, norm_bias: bool, head_bias: bo
     """The tensors outside the layers: the embedding, the final norm (``norm_bias``: with a bias) and the
     unembedding where the file has one (``output.weight``; ``head_bias``: with ``output.bias``)."""
 
-    def specs(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+    def specs(c: dict[str, Any], names: _Names) -> list[_Spec]:
         out: list[_Spec] = [
             ("token_embd.weight", embed, "v,h"),
             ("output_norm.weight", f"{norm}.weight", "h"),
@@ -185,7 +186,7 @@ def _flag(meta: dict[str, Any], key: str, default: bool, path: Path) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- configs
-def _neox_config(meta: dict[str, Any], s: dict[str, Any], names: set[str], path: Path) -> dict[str, Any]:
+def _neox_config(meta: dict[str, Any], s: dict[str, Any], names: _Names, path: Path) -> dict[str, Any]:
     return {
         **_hf_base(s, "gpt_neox", _SIZE_KEYS),
         "layer_norm_eps": _eps(meta, "gptneox", path, rms=False),
@@ -197,19 +198,23 @@ def _neox_config(meta: dict[str, Any], s: dict[str, Any], names: set[str], path:
     }
 
 
-def _stablelm_config(meta: dict[str, Any], s: dict[str, Any], names: set[str], path: Path) -> dict[str, Any]:
+def _stablelm_config(meta: dict[str, Any], s: dict[str, Any], names: _Names, path: Path) -> dict[str, Any]:
     return {
         **_hf_base(s, "stablelm", _SIZE_KEYS),
         "layer_norm_eps": _eps(meta, "stablelm", path, rms=False),
-        "use_parallel_residual": _flag(meta, "stablelm.use_parallel_residual", False, path),
+        # StableLMModel.set_gguf_parameters writes the flag; without it, a layer without ffn_norm is parallel
+        "use_parallel_residual": _flag(
+            meta, "stablelm.use_parallel_residual", "blk.0.ffn_norm.weight" not in names, path
+        ),
         "use_qkv_bias": "blk.0.attn_q.bias" in names,
+        "qk_layernorm": "blk.0.attn_q_norm.weight" in names,
         "rope_parameters": _rope(s, path),
         "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in names,
     }
 
 
-def _phi2_config(meta: dict[str, Any], s: dict[str, Any], names: set[str], path: Path) -> dict[str, Any]:
+def _phi2_config(meta: dict[str, Any], s: dict[str, Any], names: _Names, path: Path) -> dict[str, Any]:
     return {
         **_hf_base(s, "phi", _SIZE_KEYS),
         "layer_norm_eps": _eps(meta, "phi2", path, rms=False),
@@ -219,7 +224,7 @@ def _phi2_config(meta: dict[str, Any], s: dict[str, Any], names: set[str], path:
     }
 
 
-def _gptj_config(meta: dict[str, Any], s: dict[str, Any], names: set[str], path: Path) -> dict[str, Any]:
+def _gptj_config(meta: dict[str, Any], s: dict[str, Any], names: _Names, path: Path) -> dict[str, Any]:
     if s["rope_theta"] != 10000.0:
         raise GGUFError(path, f"gptj.rope.freq_base is {s['rope_theta']}; GPT-J's rotation has base 10000")
     _rope_fraction(s["rope_dims"], s["d_head"], path)
@@ -238,32 +243,48 @@ def _gptj_config(meta: dict[str, Any], s: dict[str, Any], names: set[str], path:
     }
 
 
+def _longrope_lengths(meta: dict[str, Any], hf: dict[str, Any], path: Path) -> None:
+    """Phi-3's LongRoPE lengths (Phi3MiniModel.set_gguf_parameters / generate_extra_tensors): the original
+    context, and the attention factor the converter wrote, sqrt(1 + ln(s) / ln(original)) for
+    s = context / original > 1 (else 1), as transformers derives it; another stored value is kept as the
+    scaling's ``attention_factor``, since llama.cpp multiplies by the stored one."""
+    original = meta_int(meta, "phi3.rope.scaling.original_context_length", path, 1, _MAX_CONTEXT)
+    hf["original_max_position_embeddings"] = original
+    scale = hf["max_position_embeddings"] / original
+    derived = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 and original > 1 else 1.0
+    stored = meta_float(meta, "phi3.rope.scaling.attn_factor", path, 0.0, 1e3, derived)
+    if abs(stored - derived) > 1e-6 * derived:  # beyond the float32 rounding of the derived one
+        hf["rope_parameters"]["attention_factor"] = stored
+
+
 def _llama_like(model_type: str, arch: str, **fixed: Any):
     """phi3, gemma, granite, olmo, command-r: sizes, RMS (or LayerNorm) eps, the rotation."""
 
-    def config(meta: dict[str, Any], s: dict[str, Any], names: set[str], path: Path) -> dict[str, Any]:
+    def config(meta: dict[str, Any], s: dict[str, Any], names: _Names, path: Path) -> dict[str, Any]:
         hf = {**_hf_base(s, model_type, _SIZE_KEYS), "head_dim": s["d_head"], **fixed}
         hf["rope_parameters"] = _rope(s, path)
         hf["tie_word_embeddings"] = "output.weight" not in names
         if arch == "phi3":
             hf["rms_norm_eps"] = _eps(meta, arch, path, rms=True)
             hf["partial_rotary_factor"] = hf["rope_parameters"]["partial_rotary_factor"]
-            window = meta_int(meta, "phi3.attention.sliding_window", path, 1, _MAX_CONTEXT, default=0)
+            # Phi3MiniModel writes 0 for "no window" (its sign for Phi-4)
+            window = meta_int(meta, "phi3.attention.sliding_window", path, 0, _MAX_CONTEXT, default=0)
             hf["sliding_window"] = window or None
             if "rope_factors_long.weight" in names:  # LongRoPE: its factor lists are tensors of the file
-                key = "phi3.rope.scaling.original_context_length"
-                hf["original_max_position_embeddings"] = meta_int(meta, key, path, 1, _MAX_CONTEXT)
+                _longrope_lengths(meta, hf, path)
         elif arch in ("gemma", "granite"):
             hf["rms_norm_eps"] = _eps(meta, arch, path, rms=True)
         elif arch == "command-r":
             hf["layer_norm_eps"] = _eps(meta, arch, path, rms=False)
             hf["logit_scale"] = meta_float(meta, "command-r.logit_scale", path, 0.0, 1e6, 0.0625)
             hf["use_qk_norm"] = "blk.0.attn_q_norm.weight" in names
-        if arch == "granite":
+        if arch == "granite":  # GraniteModel.set_gguf_parameters writes each multiplier that is set
             for key, gguf_key in (("embedding_multiplier", "embedding_scale"), ("residual_multiplier",
                                   "residual_scale"), ("attention_multiplier", "attention.scale"),
                                   ("logits_scaling", "logit_scale")):  # fmt: skip
-                hf[key] = meta_float(meta, f"granite.{gguf_key}", path, 0.0, 1e6, 1.0)
+                # an absent attention.scale is llama.cpp's 1 / sqrt(d_head) (its f_attention_scale 0)
+                unset = 1.0 / math.sqrt(s["d_head"]) if key == "attention_multiplier" else 1.0
+                hf[key] = meta_float(meta, f"granite.{gguf_key}", path, 0.0, 1e6, unset)
         if arch == "olmo" and "olmo.attention.clamp_kqv" in meta:
             hf["clip_qkv"] = meta["olmo.attention.clamp_kqv"]  # refused by name, as in a folder
         return hf
@@ -271,8 +292,25 @@ def _llama_like(model_type: str, arch: str, **fixed: Any):
     return config
 
 
+def _starcoder_config(meta: dict[str, Any], s: dict[str, Any], names: _Names, path: Path) -> dict[str, Any]:
+    """GPT-BigCode (StarCoderModel.set_gguf_parameters): multi-query, one key/value head always."""
+    if s["num_key_value_heads"] != 1:
+        raise GGUFError(
+            path,
+            f"'starcoder.attention.head_count_kv' is {s['num_key_value_heads']}; expected 1 (multi-query)",
+        )
+    return {
+        "model_type": "gpt_bigcode", "vocab_size": s["vocab_size"], "n_embd": s["hidden_size"],
+        "n_layer": s["num_hidden_layers"], "n_head": s["num_attention_heads"],
+        "n_inner": s["intermediate_size"], "n_positions": s["max_position_embeddings"], "multi_query": True,
+        "layer_norm_epsilon": _eps(meta, "starcoder", path, rms=False),
+        "activation_function": "gelu_pytorch_tanh",  # llama.cpp's GELU is the tanh approximation
+        "tie_word_embeddings": "output.weight" not in names,
+    }  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------- tensors
-def _neox_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+def _neox_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
     return [
         *_ln("attn_norm", "input_layernorm"),
         *_ln("ffn_norm", "post_attention_layernorm"),
@@ -287,22 +325,33 @@ def _neox_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
     ]
 
 
-def _stablelm_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+def _stablelm_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
     out = [*_ln("attn_norm", "input_layernorm"), *_llama_attn(), *_SWIGLU]
     if not c["use_parallel_residual"]:
         out += _ln("ffn_norm", "post_attention_layernorm")
     if c["use_qkv_bias"]:
         out += [(f"attn_{x}.bias", f"self_attn.{x}_proj.bias", "q" if x == "q" else "kv") for x in "qkv"]
+    if c["qk_layernorm"]:  # StableLMModel._stack_qk_norm: the per-head norms stacked, [heads, d_head]
+        out += [("attn_q_norm.weight", "self_attn.q_norm.weight", "H,d"),
+                ("attn_k_norm.weight", "self_attn.k_norm.weight", "Hkv,d")]  # fmt: skip
     return out
 
 
-def _phi2_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+_PHI2_QKV = "self_attn.qkv"  # a fused q/k/v of phi2 until family_decoder splits it
+
+
+def _phi2_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
+    if "blk.0.attn_qkv.weight" in names:  # the older Wqkv checkpoints: rows [q; k; v], split on reading
+        attn = [("attn_qkv.weight", _PHI2_QKV + ".weight", "qkv,h"),
+                ("attn_qkv.bias", _PHI2_QKV + ".bias", "qkv"),
+                ("attn_output.weight", "self_attn.dense.weight", "h,q")]  # fmt: skip
+    else:
+        attn = _llama_attn("self_attn.dense") + [
+            (f"attn_{x}.bias", f"self_attn.{x}_proj.bias", "q" if x == "q" else "kv") for x in "qkv"
+        ]
     return [
         *_ln("attn_norm", "input_layernorm"),
-        *_llama_attn("self_attn.dense"),
-        ("attn_q.bias", "self_attn.q_proj.bias", "q"),
-        ("attn_k.bias", "self_attn.k_proj.bias", "kv"),
-        ("attn_v.bias", "self_attn.v_proj.bias", "kv"),
+        *attn,
         ("attn_output.bias", "self_attn.dense.bias", "h"),
         ("ffn_up.weight", "mlp.fc1.weight", "i,h"),
         ("ffn_up.bias", "mlp.fc1.bias", "i"),
@@ -311,7 +360,7 @@ def _phi2_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
     ]
 
 
-def _gptj_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+def _gptj_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
     return [
         *_ln("attn_norm", "ln_1"),
         ("attn_q.weight", "attn.q_proj.weight", "h,h"),
@@ -325,7 +374,7 @@ def _gptj_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
     ]
 
 
-def _phi3_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+def _phi3_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
     return [
         *_RMS,
         ("attn_qkv.weight", "self_attn.qkv_proj.weight", "qkv,h"),
@@ -335,15 +384,15 @@ def _phi3_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
     ]
 
 
-def _rms_llama_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+def _rms_llama_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
     return [*_RMS, *_llama_attn(), *_SWIGLU]
 
 
-def _olmo_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+def _olmo_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
     return [*_llama_attn(), *_SWIGLU]
 
 
-def _cohere_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+def _cohere_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
     out = [("attn_norm.weight", "input_layernorm.weight", "h"), *_llama_attn(), *_SWIGLU]
     if c["use_qk_norm"]:
         out += [("attn_q_norm.weight", "self_attn.q_norm.weight", "H,d"),
@@ -351,12 +400,33 @@ def _cohere_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
     return out
 
 
+def _starcoder_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
+    return [
+        *_ln("attn_norm", "ln_1"),
+        *_ln("ffn_norm", "ln_2"),
+        ("attn_qkv.weight", "attn.c_attn.weight", "qkv,h"),  # rows [q (H d); k (d); v (d)], as HF has them
+        ("attn_qkv.bias", "attn.c_attn.bias", "qkv"),
+        ("attn_output.weight", "attn.c_proj.weight", "h,q"),
+        ("attn_output.bias", "attn.c_proj.bias", "h"),
+        ("ffn_up.weight", "mlp.c_fc.weight", "i,h"),
+        ("ffn_up.bias", "mlp.c_fc.bias", "i"),
+        ("ffn_down.weight", "mlp.c_proj.weight", "h,i"),
+        ("ffn_down.bias", "mlp.c_proj.bias", "h"),
+    ]
+
+
+def _starcoder_globals(c: dict[str, Any], names: _Names) -> list[_Spec]:
+    """GPT-2's: the token and position tables, the final LayerNorm, the unembedding where there is one."""
+    out = _globals("transformer.wte.weight", "transformer.ln_f", "lm_head", norm_bias=True)(c, names)
+    return [*out, ("position_embd.weight", "transformer.wpe.weight", "p,h")]
+
+
 #: LongRoPE's factor lists, as the file stores them ([rotary_dim / 2] each) -> where they go for a while
 _LONGROPE = {"rope_factors_long.weight": "rope_parameters.long_factor",
              "rope_factors_short.weight": "rope_parameters.short_factor"}  # fmt: skip
 
 
-def _phi3_globals(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+def _phi3_globals(c: dict[str, Any], names: _Names) -> list[_Spec]:
     """Phi-3's: a Llama's, and LongRoPE's factor lists where the file has them (both, or neither)."""
     out = _globals(*_MODEL, norm_bias=False)(c, names)
     if "rope_factors_long.weight" in names or "rope_factors_short.weight" in names:
@@ -364,7 +434,7 @@ def _phi3_globals(c: dict[str, Any], names: set[str]) -> list[_Spec]:
     return out
 
 
-def _olmo_globals(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+def _olmo_globals(c: dict[str, Any], names: _Names) -> list[_Spec]:
     """OLMo's: the embedding and the unembedding where the file has one (its norms have no weights)."""
     head = [("output.weight", "lm_head.weight", "v,h")] if "output.weight" in names else []
     return [("token_embd.weight", "model.embed_tokens.weight", "v,h"), *head]
@@ -436,7 +506,13 @@ _ARCHS: dict[str, _Arch] = {
         _globals(*_MODEL, norm_bias=False),
         _llama_like("cohere", "command-r", hidden_act="silu"),
     ),
+    "starcoder": _Arch(
+        "gpt_bigcode", "transformer.h", _starcoder_layer, _starcoder_globals, _starcoder_config
+    ),
 }
+#: Architectures whose converter writes feed_forward_length as 4 * embedding_length whatever the
+#: checkpoint has (Phi2Model, StarCoderModel): their MLP width is read from ffn_up's shape instead.
+_FFN_FROM_TABLE = ("phi2", "starcoder")
 #: The ``general.architecture`` values this module reads.
 FAMILY_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHS)
 
@@ -460,7 +536,7 @@ def _dims(s: dict[str, Any]) -> dict[str, int]:
                       s["num_key_value_heads"], s["d_head"])  # fmt: skip
     return {"h": h, "i": i, "q": H * d, "kv": kv * d, "v": s["vocab_size"], "3q": 3 * H * d,
             "qkv": (H + 2 * kv) * d, "2i": 2 * i, "H": H, "Hkv": kv, "d": d,
-            "r": s["rope_dims"] // 2}  # fmt: skip
+            "r": s["rope_dims"] // 2, "p": s["max_position_embeddings"]}  # fmt: skip
 
 
 def _check_table(header: _Header, expected: dict[str, tuple[int, ...]], arch: str, path: Path) -> None:
@@ -489,8 +565,11 @@ def family_layout(meta: dict[str, Any], arch: str, header: _Header, path: Path) 
         raise GGUFError(
             path, f"metadata '{arch}.rope.scaling.type' is {kind!r}: RoPE scaling is not read here"
         )
-    present = {t.name for t in header.tensors}
+    present = {t.name: t.shape for t in header.tensors}
     s = _sizes(meta, arch, path)
+    up = present.get("blk.0.ffn_up.weight", ())
+    if arch in _FFN_FROM_TABLE and len(up) == 2 and 1 <= up[0] <= _MAX_INTERMEDIATE:
+        s["intermediate_size"] = up[0]
     hf = a.config(meta, s, present, path)
     dims = _dims(s)
     expected: dict[str, tuple[int, ...]] = {}
@@ -529,6 +608,17 @@ def _neox_rows(t: dict[str, Tensor], hf: dict[str, Any]) -> None:
         t[name] = b.view(3, H, d).transpose(0, 1).reshape(-1)  # [H 3 d]
 
 
+def _phi2_split(t: dict[str, Tensor], hf: dict[str, Any]) -> None:
+    """phi2's fused q/k/v (rows [q (H d); k (Hkv d); v (Hkv d)], llama.cpp's phi2 graph views them so)
+    into q_proj / k_proj / v_proj, in place of ``t``."""
+    d = hf["hidden_size"] // hf["num_attention_heads"]
+    rows = [hf["num_attention_heads"] * d, hf["num_key_value_heads"] * d, hf["num_key_value_heads"] * d]
+    for name in [n for n in t if n.endswith(_PHI2_QKV + ".weight") or n.endswith(_PHI2_QKV + ".bias")]:
+        stem, kind = name.rsplit(".", 1)
+        for x, part in zip("qkv", t.pop(name).split(rows, dim=0), strict=True):  # [rows, hidden] or [rows]
+            t[f"{stem}.{x}_proj.{kind}".replace("self_attn.qkv.", "self_attn.")] = part.contiguous()
+
+
 def family_decoder(
     hf: dict[str, Any], tensors: dict[str, Tensor], tokenizer: Any, *, name: str, source: str, precision: str
 ) -> Any:
@@ -537,6 +627,8 @@ def family_decoder(
     read) and ``tokenizer`` (a ``tokenizers.Tokenizer``), through the config checks and tensor renaming a
     checkpoint folder of the family gets (:func:`~.rotary_families.family_config`,
     :func:`~.parallel_families.parallel_family_config`)."""
+    from .absolute_families import FAMILIES as ABSOLUTE
+    from .absolute_families import absolute_family_config
     from .hf import check_tensors
     from .llama import _ignorable, _meta_decoder, _wrap, llama_expected, llama_state_dict
     from .parallel_families import FAMILIES as PARALLEL
@@ -549,15 +641,20 @@ def family_decoder(
     kind = hf["model_type"]
     if kind == "gpt_neox":
         _neox_rows(t, hf)
+    if kind == "phi":
+        _phi2_split(t, hf)
     if _LONGROPE["rope_factors_long.weight"] in t:  # [rotary_dim / 2] each, float32 as stored
         factors = {hf_name.split(".")[1]: t.pop(hf_name).tolist() for hf_name in _LONGROPE.values()}
         hf = {**hf, "rope_parameters": {**hf["rope_parameters"], "rope_type": "longrope", **factors}}
     where = f"{source} (GGUF metadata)"
-    if kind in PARALLEL:
-        config = parallel_family_config(hf, name, source=where)
+    if kind in PARALLEL or kind in ABSOLUTE:
+        families, make = (
+            (PARALLEL, parallel_family_config) if kind in PARALLEL else (ABSOLUTE, absolute_family_config)
+        )
+        config = make(hf, name, source=where)
         model = _meta_decoder(config)
         expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        sd = PARALLEL[kind][1](t, config)
+        sd = families[kind][1](t, config)
         ignored = check_tensors(sd, expected, lambda k: False, Path(source))
     else:
         config = family_config(hf, name, source=where)
