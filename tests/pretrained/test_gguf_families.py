@@ -306,15 +306,19 @@ def write_gguf(
     drop: str = "",
     kv: dict[str, Any] | None = None,
     replace: dict[str, np.ndarray] | None = None,
+    omit: tuple[str, ...] = (),
 ) -> Path:
-    """The checkpoint in ``folder`` as llama.cpp would write it (F32), or broken: tensor ``drop`` left
-    out, metadata ``kv`` added (string values), tensors ``replace``d (GGUF name -> array)."""
+    """The checkpoint in ``folder`` as llama.cpp would write it (F32), or changed: tensor ``drop`` left
+    out, metadata ``kv`` added or overwritten (str, int as uint32, float as float32), metadata keys
+    ``omit``ted, tensors ``replace``d (GGUF name -> array)."""
     gguf_arch = ARCHS[arch][0]
     cfg = T.AutoConfig.from_pretrained(folder)
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[gguf_arch])
     _metadata(writer, arch, cfg)
     for key, value in (kv or {}).items():
-        writer.add_string(key, value)
+        {str: writer.add_string, int: writer.add_uint32, float: writer.add_float32}[type(value)](key, value)
+    for key in omit:
+        del writer.kv_data[0][key]
     for gguf_name, array in _llama_cpp_tensors(arch, folder).items():
         if gguf_name != drop:
             writer.add_tensor(gguf_name, (replace or {}).get(gguf_name, array))
@@ -403,6 +407,8 @@ def test_the_tokenizer_comes_from_the_file(saved: dict) -> None:
         ("phi3", "", {"phi3.rope.scaling.type": "longrope"}, "'phi3.rope.scaling.type' is 'longrope'"),
         ("olmo", "", {"olmo.attention.clamp_kqv": "8"}, "clip_qkv"),
         ("phi3_longrope", "rope_factors_short.weight", None, "missing tensors .*rope_factors_short.weight"),
+        ("starcoder", "", {"starcoder.attention.head_count_kv": 4}, r"head_count_kv' is 4; expected 1"),
+        ("phi", "blk.1.attn_k.weight", None, "missing tensors for a 'phi2' model.*blk.1.attn_k.weight"),
     ],
 )
 def test_broken_files_are_refused_by_name(
@@ -431,3 +437,45 @@ def test_a_tensor_of_the_wrong_shape_is_refused_before_any_data_is_read(saved: d
     bad.write_bytes(bytes(data))
     with pytest.raises(GGUFError, match=r"'blk.0.ffn_up.weight' and .* overlap in the file"):
         load_gguf(bad)  # the header's own check, before the family's
+
+
+def _same_weights(ref: Any, **changes: Any) -> Any:
+    """transformers' model of ``ref``'s weights with config fields ``changes``, eager attention."""
+    cfg = ref.config.__class__.from_dict({**ref.config.to_dict(), **changes})
+    cfg._attn_implementation = "eager"
+    model = ref.__class__(cfg).eval()
+    model.load_state_dict(ref.state_dict())
+    return model
+
+
+def _assert_logits_equal(ours: Any, ref: Any) -> None:
+    tokens = torch.randint(0, V, (1, 20), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want, got = ref(input_ids=tokens).logits, ours(tokens)
+    torch.testing.assert_close(got, want, atol=1e-4 * float(want.abs().max()), rtol=0)
+
+
+def test_a_granite_file_without_attention_scale_runs_llama_cpps_1_over_sqrt_d(
+    saved: dict, tmp_path: Path
+) -> None:
+    folder, _, ref = saved["granite"]
+    path = write_gguf("granite", folder, tmp_path / "g.gguf", omit=("granite.attention.scale",))
+    ours = load_gguf(path)  # llama.cpp: f_attention_scale 0 -> kq_scale 1 / sqrt(d_head)
+    _assert_logits_equal(ours, _same_weights(ref, attention_multiplier=1 / math.sqrt(D // H)))
+    with pytest.raises(AssertionError):  # the checkpoint's own multiplier (0.21) is another model
+        _assert_logits_equal(ours, ref)
+
+
+def test_a_phi3_attention_factor_the_file_states_is_the_one_used(saved: dict, tmp_path: Path) -> None:
+    folder, _, ref = saved["phi3_longrope"]
+    path = write_gguf("phi3_longrope", folder, tmp_path / "p.gguf", kv={"phi3.rope.scaling.attn_factor": 1.5})
+    rope = {**ref.config.rope_parameters, "attention_factor": 1.5}
+    _assert_logits_equal(load_gguf(path), _same_weights(ref, rope_parameters=rope))
+
+
+def test_stablelm_without_its_parallel_flag_follows_the_tensor_table(saved: dict, tmp_path: Path) -> None:
+    folder, _, ref = saved["stablelm_qk_norm"]  # parallel: no ffn_norm tensors
+    path = write_gguf(
+        "stablelm_qk_norm", folder, tmp_path / "s.gguf", omit=("stablelm.use_parallel_residual",)
+    )
+    _assert_logits_equal(load_gguf(path), ref)
