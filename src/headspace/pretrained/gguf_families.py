@@ -1,33 +1,42 @@
-"""GGUF files of the rotary and parallel families: gptneox, gptj, phi2, phi3, stablelm, olmo, granite,
-command-r and gemma (llama.cpp's ``general.architecture`` names).
+"""GGUF files of the rotary, parallel and absolute-position families: gptneox, gptj, phi2, phi3,
+stablelm, olmo, granite, command-r, gemma and starcoder (llama.cpp's ``general.architecture`` names).
 
 :func:`~.gguf_format.read_gguf` dispatches here by ``general.architecture`` (:data:`FAMILY_ARCHITECTURES`)
 after the container's header-first checks (:mod:`.gguf_container`: every count, length and tensor extent
 checked against the file's size); :func:`family_layout` then reads the sizes from the metadata with bounds,
 builds the Hugging Face ``config.json`` dict of the family, and requires the tensor table to hold exactly
 the tensors that configuration implies, each of its shape, before any tensor data is read. The tensors
-come back in Hugging Face naming; :func:`family_decoder` undoes what llama.cpp's converter changed
-(:data:`_ARCHS`' ``fix``) and builds the Decoder with the same config checks and tensor renaming as a
-checkpoint folder of that family (:mod:`.rotary_families`, :mod:`.parallel_families`)::
+come back in Hugging Face naming; :func:`family_decoder` undoes what llama.cpp's converter changed and
+builds the Decoder with the same config checks and tensor renaming as a checkpoint folder of that family
+(:mod:`.rotary_families`, :mod:`.parallel_families`, :mod:`.absolute_families`). Each convention was
+checked against llama.cpp's convert_hf_to_gguf.py (the converter class in brackets)::
 
-    arch        model_type  tensors (GGUF, per layer)                         what llama.cpp changed
-    gptneox     gpt_neox    attn_qkv, attn_output, ffn_up/down, 2 LNs   qkv rows [3, H, d], not [H, 3, d]
-    gptj        gptj        attn_q/k/v/output, ffn_up/down, one LayerNorm      -
-    phi2        phi         attn_q/k/v/output (+ biases), ffn_up/down, 1 LN    -
-    phi3        phi3        attn_qkv, attn_output, ffn_up ([gate; up]), down   -
-    stablelm    stablelm    attn_q/k/v/output, ffn_gate/up/down, LayerNorms    -
-    olmo        olmo        attn_q/k/v/output, ffn_gate/up/down (no norms)     W_Q / W_K rows permuted
-    granite     granite     Llama's                                            W_Q / W_K rows permuted
-    command-r   cohere      attn_q/k/v/output, ffn_gate/up/down, 1 LN (+ QK)   -
-    gemma       gemma       Llama's                                            norms stored as 1 + w
+    arch        model_type   tensors (GGUF, per layer)                        what llama.cpp changed
+    gptneox     gpt_neox     attn_qkv, attn_output, ffn_up/down, 2 LNs  qkv rows [3, H, d], not [H, 3, d]
+    gptj        gptj         attn_q/k/v/output, ffn_up/down, one LN    (no converter class: unverified)
+    phi2        phi          attn_q/k/v (or a fused attn_qkv [q; k; v]), attn_output, ffn_up/down, 1 LN
+    phi3        phi3         attn_qkv, attn_output, ffn_up ([gate; up]), down   -
+    stablelm    stablelm     attn_q/k/v/output, ffn_gate/up/down, LNs, attn_q/k_norm [heads, d_head]
+    olmo        olmo         attn_q/k/v/output, ffn_gate/up/down (no norms)   W_Q / W_K rows permuted
+    granite     granite      Llama's                                          W_Q / W_K rows permuted
+    command-r   cohere       attn_q/k/v/output, ffn_gate/up/down, 1 LN (+ QK)   -
+    gemma       gemma        Llama's                                          norms stored as 1 + w
+    starcoder   gpt_bigcode  attn_qkv [q; k; v] (one kv head), attn_output, ffn_up/down, 2 LNs   -
 
 The metadata keys are llama.cpp's (``{arch}.block_count``, ``{arch}.rope.dimension_count`` for the
-rotated dims of each head, ``{arch}.use_parallel_residual``, ``granite.embedding_scale`` ...); a RoPE base
-the file does not give is llama.cpp's default, 10000. Phi-3's LongRoPE is read from the tensors
-``rope_factors_long`` / ``rope_factors_short`` ([rotary_dim / 2] each) and
-``phi3.rope.scaling.original_context_length``; its attention factor is derived from the context lengths,
-as transformers derives it. Refused by name: ``{arch}.rope.scaling.type`` other than none (YaRN and
-linear scaling on these families), phi2's fused ``attn_qkv``, any tensor the configuration does not imply.
+rotated dims of each head, ``{arch}.use_parallel_residual``, ``granite.embedding_scale`` ...). What the
+converter writes, and so what is read: no RoPE base for gptneox, stablelm, phi2 and gemma (GPTNeoXModel,
+StableLMModel, Phi2Model, GemmaModel: llama.cpp then runs its default 10000, and so does this reader);
+phi2's and starcoder's ``feed_forward_length`` as 4 * hidden whatever the checkpoint has (Phi2Model,
+StarCoderModel: the MLP width is read from ffn_up's shape instead); stablelm's per-head QK LayerNorms
+stacked (StableLMModel._stack_qk_norm); phi3's ``sliding_window`` 0 for none and its LongRoPE as the
+tensors ``rope_factors_long`` / ``rope_factors_short`` ([rotary_dim / 2] each) with
+``phi3.rope.scaling.original_context_length`` and ``attn_factor`` (Phi3MiniModel.generate_extra_tensors:
+a stored factor other than transformers' derived one is used as it is); granite's multipliers only when
+set (GraniteModel: an absent ``attention.scale`` is llama.cpp's 1 / sqrt(d_head)); starcoder's one
+key/value head (StarCoderModel). Refused by name: ``{arch}.rope.scaling.type`` other than none (YaRN and
+linear scaling on these families), a starcoder file with several key/value heads, any tensor the
+configuration does not imply.
 """
 
 from __future__ import annotations
