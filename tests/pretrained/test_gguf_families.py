@@ -87,6 +87,15 @@ ARCHS: dict[str, tuple[Any, Any, Any, dict[str, Any]]] = {
         "residual_multiplier": 0.37, "logits_scaling": 2.6, "tie_word_embeddings": False,
         "rope_parameters": {"rope_type": "default", "rope_theta": 120.0},
     }),
+    "granite_linear": (A.GRANITE, T.GraniteConfig, T.GraniteForCausalLM, {
+        "num_key_value_heads": KV, "attention_multiplier": 0.3, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "linear", "rope_theta": 120.0, "factor": 2.5},
+    }),
+    "granite_yarn": (A.GRANITE, T.GraniteConfig, T.GraniteForCausalLM, {
+        "num_key_value_heads": KV, "attention_multiplier": 0.3, "tie_word_embeddings": False,
+        "rope_parameters": {"rope_type": "yarn", "rope_theta": 120.0, "factor": 4.0,
+                            "original_max_position_embeddings": 8},
+    }),
     "olmo": (A.OLMO, T.OlmoConfig, T.OlmoForCausalLM, {
         "num_key_value_heads": KV, "rope_parameters": {"rope_type": "default", "rope_theta": 80.0},
     }),
@@ -154,9 +163,9 @@ def _as_llama_cpp(name: str, w: torch.Tensor, arch: str) -> torch.Tensor:
         if w.dim() == 2:  # [H 3 d, D] -> [3 H d, D]
             return w.reshape(H, 3, d, D).transpose(0, 1).reshape(3 * H * d, D)
         return w.reshape(H, 3, d).transpose(0, 1).reshape(-1)  # [H 3 d] -> [3 H d]
-    if arch in ("olmo", "granite") and name.endswith("q_proj.weight"):
+    if arch.startswith(("olmo", "granite")) and name.endswith("q_proj.weight"):
         return _permute(w, H)
-    if arch in ("olmo", "granite") and name.endswith("k_proj.weight"):
+    if arch.startswith(("olmo", "granite")) and name.endswith("k_proj.weight"):
         return _permute(w, KV)
     if arch == "gemma" and name.endswith("norm.weight"):
         return w + 1
@@ -223,11 +232,12 @@ def _others(w: gguf.GGUFWriter, arch: str, cfg: Any) -> None:
         w.add_layer_norm_rms_eps(1e-5)
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
-    elif arch == "granite":
+    elif arch.startswith("granite"):
         _base(w, cfg)
         w.add_layer_norm_rms_eps(1e-5)
         w.add_vocab_size(V)
         w.add_rope_dimension_count(D // H)
+        _scaling(w, cfg.rope_parameters)
         w.add_attention_scale(cfg.attention_multiplier)
         w.add_embedding_scale(cfg.embedding_multiplier)
         w.add_residual_scale(cfg.residual_multiplier)
@@ -256,6 +266,18 @@ def _others(w: gguf.GGUFWriter, arch: str, cfg: Any) -> None:
         w.add_head_count(H)
         w.add_rope_dimension_count(cfg.rotary_dim)
         w.add_layer_norm_eps(1e-5)
+
+
+def _scaling(w: gguf.GGUFWriter, rope: dict[str, Any]) -> None:
+    """LlamaModel.set_gguf_parameters' linear scaling (type and factor); YaRN as llama.cpp's keys name it
+    (type, factor, original context), the keys headspace's Llama reader takes."""
+    if rope["rope_type"] == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
+    elif rope["rope_type"] == "yarn":
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(rope["factor"])
+        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
 
 
 def _metadata(writer: gguf.GGUFWriter, arch: str, cfg: Any) -> None:
@@ -372,7 +394,17 @@ def test_the_gguf_file_loads_equal_to_the_safetensors_folder_and_transformers(sa
 
 @pytest.mark.parametrize(
     "arch",
-    ["gpt_neox", "phi3_longrope", "granite", "gemma", "cohere", "gptj", "stablelm_qk_norm", "starcoder"],
+    [
+        "gpt_neox",
+        "phi3_longrope",
+        "granite",
+        "granite_yarn",
+        "gemma",
+        "cohere",
+        "gptj",
+        "stablelm_qk_norm",
+        "starcoder",
+    ],
 )
 def test_greedy_decoding_of_the_gguf_load_equals_transformers(saved: dict, arch: str) -> None:
     _, path, ref = saved[arch]
@@ -405,6 +437,12 @@ def test_the_tokenizer_comes_from_the_file(saved: dict) -> None:
             "missing tensors for a 'gptneox' model.*blk.1.attn_qkv.bias",
         ),
         ("phi3", "", {"phi3.rope.scaling.type": "longrope"}, "'phi3.rope.scaling.type' is 'longrope'"),
+        (
+            "starcoder",
+            "",
+            {"starcoder.rope.scaling.type": "linear"},
+            "'starcoder.rope.scaling.type' is 'linear'",
+        ),
         ("olmo", "", {"olmo.attention.clamp_kqv": "8"}, "clip_qkv"),
         ("phi3_longrope", "rope_factors_short.weight", None, "missing tensors .*rope_factors_short.weight"),
         ("starcoder", "", {"starcoder.attention.head_count_kv": 4}, r"head_count_kv' is 4; expected 1"),

@@ -34,9 +34,10 @@ tensors ``rope_factors_long`` / ``rope_factors_short`` ([rotary_dim / 2] each) w
 ``phi3.rope.scaling.original_context_length`` and ``attn_factor`` (Phi3MiniModel.generate_extra_tensors:
 a stored factor other than transformers' derived one is used as it is); granite's multipliers only when
 set (GraniteModel: an absent ``attention.scale`` is llama.cpp's 1 / sqrt(d_head)); starcoder's one
-key/value head (StarCoderModel). Refused by name: ``{arch}.rope.scaling.type`` other than none (YaRN and
-linear scaling on these families), a starcoder file with several key/value heads, any tensor the
-configuration does not imply.
+key/value head (StarCoderModel). ``{arch}.rope.scaling.type`` linear (LlamaModel writes it with
+``rope.scaling.factor``) and yarn are read as a Llama file's are (:mod:`.gguf_config`). Refused by name:
+another scaling type (or any on gptj and starcoder), a starcoder file with several key/value heads, any
+tensor the configuration does not imply.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .gguf_config import _rope_scaling
 from .gguf_container import _Header
 from .gguf_meta import GGUFError, meta_float, meta_int
 
@@ -170,8 +172,10 @@ def _sizes(meta: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
 
 
 def _rope(s: dict[str, Any], path: Path) -> dict[str, Any]:
+    """``rope_parameters``: the base, the rotated fraction and the file's linear / YaRN scaling if any."""
     fraction = _rope_fraction(s["rope_dims"], s["d_head"], path)
-    return {"rope_type": "default", "rope_theta": s["rope_theta"], "partial_rotary_factor": fraction}
+    scaling = s.get("rope_scaling") or {"rope_type": "default"}
+    return {**scaling, "rope_theta": s["rope_theta"], "partial_rotary_factor": fraction}
 
 
 def _hf_base(s: dict[str, Any], model_type: str, keys: tuple[str, ...]) -> dict[str, Any]:
@@ -522,6 +526,8 @@ _ARCHS: dict[str, _Arch] = {
 #: Architectures whose converter writes feed_forward_length as 4 * embedding_length whatever the
 #: checkpoint has (Phi2Model, StarCoderModel): their MLP width is read from ffn_up's shape instead.
 _FFN_FROM_TABLE = ("phi2", "starcoder")
+#: Architectures whose config takes no RoPE scaling (GPT-J's fixed rotation; StarCoder has none).
+_UNROTATED = ("gptj", "starcoder")
 #: The ``general.architecture`` values this module reads.
 FAMILY_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHS)
 
@@ -570,12 +576,14 @@ def family_layout(meta: dict[str, Any], arch: str, header: _Header, path: Path) 
     :data:`FAMILY_ARCHITECTURES`), every check done before any tensor data is read."""
     a = _ARCHS[arch]
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
-    if kind != "none":
+    if kind not in ("none", "linear", "yarn") or (kind != "none" and arch in _UNROTATED):
         raise GGUFError(
             path, f"metadata '{arch}.rope.scaling.type' is {kind!r}: RoPE scaling is not read here"
         )
     present = {t.name: t.shape for t in header.tensors}
     s = _sizes(meta, arch, path)
+    # linear (LlamaModel.set_gguf_parameters: type and factor) and YaRN, read as a Llama file's are
+    s["rope_scaling"] = _rope_scaling(meta, arch, path)
     up = present.get("blk.0.ffn_up.weight", ())
     if arch in _FFN_FROM_TABLE and len(up) == 2 and 1 <= up[0] <= _MAX_INTERMEDIATE:
         s["intermediate_size"] = up[0]
