@@ -443,7 +443,7 @@ def test_the_tokenizer_comes_from_the_file(saved: dict) -> None:
             {"starcoder.rope.scaling.type": "linear"},
             "'starcoder.rope.scaling.type' is 'linear'",
         ),
-        ("olmo", "", {"olmo.attention.clamp_kqv": "8"}, "clip_qkv"),
+        ("olmo", "", {"olmo.attention.clamp_kqv": 8.0}, "clip_qkv"),  # OlmoModel: add_clamp_kqv (float32)
         ("phi3_longrope", "rope_factors_short.weight", None, "missing tensors .*rope_factors_short.weight"),
         ("starcoder", "", {"starcoder.attention.head_count_kv": 4}, r"head_count_kv' is 4; expected 1"),
         ("phi", "blk.1.attn_k.weight", None, "missing tensors for a 'phi2' model.*blk.1.attn_k.weight"),
