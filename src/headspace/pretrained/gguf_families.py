@@ -633,7 +633,7 @@ def _phi2_split(t: dict[str, Tensor], hf: dict[str, Any]) -> None:
     for name in [n for n in t if n.endswith(_PHI2_QKV + ".weight") or n.endswith(_PHI2_QKV + ".bias")]:
         stem, kind = name.rsplit(".", 1)
         for x, part in zip("qkv", t.pop(name).split(rows, dim=0), strict=True):  # [rows, hidden] or [rows]
-            t[f"{stem}.{x}_proj.{kind}".replace("self_attn.qkv.", "self_attn.")] = part.contiguous()
+            t[f"{stem.removesuffix('qkv')}{x}_proj.{kind}"] = part.contiguous()  # self_attn.{x}_proj
 
 
 def family_decoder(
