@@ -484,6 +484,8 @@ def test_every_model_option_says_what_load_accepts():
         "qwen3_moe": "Qwen3-MoE",
         "olmoe": "OLMoE",
         "gpt_oss": "gpt-oss",
+        "qwen3_next": "Qwen3-Next",  # issue 39's hybrids
+        "qwen3_5_text": "Qwen3.5",
     }
     shown |= {"t5": "T5", "bart": "BART", "marian": "Marian", "whisper": "Whisper"}  # Python only (#40)
     shown |= {  # issue 38's rotary families

@@ -9,8 +9,8 @@ and what every executor that reads the layer's description computes.
 A new description must fit the layer's weights: the head counts and widths are those of ``qkv_weight``
 and ``o_weight``, ``qkv_bias`` / ``out_bias`` those of the biases present, ``qk_norm`` that of the
 ``q_norm`` / ``k_norm`` present, ``positions`` None exactly where the layer has no rotation; and every
-field must be one this layer computes (``chunk``, ``bias`` and ``gate`` are refused by name; ``sink``
-only where the layer has its ``sinks`` parameter).
+field must be one this layer computes (``chunk`` is refused by name; ``sink`` only where the layer
+has its ``sinks`` parameter, ``gate`` only where it has its ``gate_weight``).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import dataclasses
 from ..nn.spec import AttentionSpec, refuse_unsupported
 
 #: The attention features (:data:`~headspace.nn.spec.ATTENTION_FEATURES`) the layer's forward computes.
-FORWARD_FEATURES = ("window", "softcap", "qk_norm", "sink")
+FORWARD_FEATURES = ("window", "softcap", "qk_norm", "bias", "sink", "gate")
 
 
 class DescribedAttention:
@@ -68,6 +68,7 @@ class DescribedAttention:
             "qk_norm is None": q_norm is None,
             "qk_norm per-head LayerNorm": type(q_norm).__name__ == "HeadLayerNorm",
             "sink is None": self._parameters.get("sinks") is None,  # type: ignore[attr-defined]
+            "gate is None": self._parameters.get("gate_weight") is None,  # type: ignore[attr-defined]
         }
         wanted = {
             "d_model": spec.d_model,
@@ -78,6 +79,7 @@ class DescribedAttention:
             "qk_norm is None": spec.qk_norm is None,
             "qk_norm per-head LayerNorm": spec.qk_norm == "head_layernorm",
             "sink is None": spec.sink is None,
+            "gate is None": spec.gate is None,
         }
         if width is not None:
             found["qk_norm width"] = width

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
+from ..nn.alibi import head_bias
 from .circuits import FactoredMatrix, effective_rank, qk_factors
 
 if TYPE_CHECKING:
@@ -131,6 +132,9 @@ class Head:
     b_Q = _head_view("b_Q", "index")
     b_K = _head_view("b_K", "kv_index")
     b_V = _head_view("b_V", "kv_index")
+    #: gated layers only (Qwen3-Next): this head's gate weights [d_model, width] and bias (None without)
+    W_G = _head_view("W_G", "index")
+    b_G = _head_view("b_G", "index")
 
     def qk(self, delta: int | Tensor | None = None, *, augmented: bool = False) -> FactoredMatrix:
         """The QK circuit as factors (``.AB`` is the dense product): ``W_Q W_K^T`` [d_model, kdim].
@@ -162,6 +166,9 @@ class Head:
 
         Another input changes the scales, so the circuit alone says where a head looks only up to each
         token's scale.
+
+        With ALiBi (BLOOM, MPT, Falcon) the circuit does not depend on ``delta``; the score is the circuit
+        plus the head's bias ``-m_h * delta`` (:meth:`alibi_bias`), stated apart.
         """
         rotation = None
         rotary = self.rotary
@@ -192,6 +199,27 @@ class Head:
             b_Q = None if b_Q is None else b_Q * g_q  # (dh,)
             b_K = None if b_K is None else b_K * g_k  # (dh,)
         return qk_factors(W_Q, W_K, rotation=rotation, b_Q=b_Q, b_K=b_K, augmented=augmented)
+
+    @property
+    def alibi_slope(self) -> float | None:
+        """This head's ALiBi slope ``m_h`` (the layer's ``spec.alibi_slopes[h]``), None without ALiBi."""
+        slopes = getattr(getattr(self.attn, "spec", None), "alibi_slopes", None)
+        return None if slopes is None else float(slopes[self.index])
+
+    def alibi_bias(self, delta: int | Tensor) -> float | Tensor:
+        """ALiBi's bias at query-key offset ``delta = i - j``: ``-m_h * delta``, added to the scaled score.
+
+        For an ALiBi head the score is **the circuit plus this bias**, not the circuit alone::
+
+            [x_i, 1] @ head.qk(i - j, augmented=True).AB @ [x_j, 1]^T * scale + head.alibi_bias(i - j)
+                == hook_scores[b, h, i, j]
+
+        A head without ALiBi has no bias: ``ValueError``.
+        """
+        slope = self.alibi_slope
+        if slope is None:
+            raise ValueError(f"head {self.index} has no ALiBi bias: its layer's spec.bias is None")
+        return head_bias(slope, delta)
 
     def ov(self) -> FactoredMatrix:
         """The OV circuit ``W_V W_O`` [vdim, d_model] as factors.

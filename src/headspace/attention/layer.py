@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -10,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..kernels.workspace import THREAD_SCRATCH_MIN_BYTES, thread_workspace
+from ..nn.alibi import with_alibi
 from ..nn.hooks import HookPoint
 from ..nn.kv_cache import KVCache
 from ..nn.masks import CanonicalMask, canonical_mask, check_window
@@ -26,12 +28,16 @@ from .checks import check_input_tensor as check_input_tensor
 from .checks import resolve_head_dims as resolve_head_dims
 from .described import DescribedAttention
 from .functional import get_backend
+from .gates import W_G, add_gate, b_G, gate_of, gated
 from .heads import Head, HeadList
 from .projection import HeadProjections
 from .recording import QKVOps as QKVOps  # re-exported: their old home
 from .recording import output_sum as output_sum
 from .recording import project_stages as project_stages
 from .sinks import add_sinks, fire_sink
+
+#: a hook point nothing is added to: a gated layer's attention fires hook_z itself, after the gate
+_UNWATCHED = HookPoint()
 
 
 def _last_keys(
@@ -114,6 +120,8 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
     * ``softcap`` (Gemma 2): the scaled scores become ``softcap * tanh(s / softcap)`` before the mask;
       ``hook_scores`` sees the capped, masked scores. Soft-capped layers run the reference maths.
     * ``scale``: Gemma's ``query_pre_attn_scalar`` is ``scale = query_pre_attn_scalar ** -0.5``.
+    * ``alibi_slopes`` (ALiBi: BLOOM, MPT, Falcon): ``-m_h * (i - j)`` joins every path's mask
+      (:func:`headspace.nn.alibi.with_alibi`), so ``hook_scores`` include it (spec ``bias="alibi"``).
 
     ``check_finite`` (default False, as checking costs a pass over the inputs): when True, NaN/Inf in
     the inputs (NaN/+inf in a float ``attn_mask``) or the output raise ``ValueError`` naming the tensor
@@ -147,6 +155,8 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
         qk_norm_offset: float = 0.0,
         softcap: float | None = None,
         sink: str | None = None,
+        alibi_slopes: Sequence[float] | None = None,
+        gate: str | None = None,
     ) -> None:
         super().__init__()
         d_head, n_kv_heads = resolve_head_dims(d_model, n_heads, d_head, n_kv_heads)
@@ -159,7 +169,8 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
             d_model, n_heads, d_head, n_kv_heads, qkv_bias=qkv_bias, out_bias=out_bias, positions=rotary,
             scale=None if scale is None else float(scale), window=window,
             softcap=None if softcap is None else float(softcap), qk_norm=qk_norm, qk_norm_eps=qk_norm_eps,
-            qk_norm_offset=qk_norm_offset, dropout=dropout, sink=sink,
+            qk_norm_offset=qk_norm_offset, dropout=dropout, sink=sink, gate=gate,
+            bias=None if alibi_slopes is None else "alibi", alibi_slopes=alibi_slopes,
         )  # fmt: skip
         self.kdim = d_model if kdim is None else kdim
         self.vdim = d_model if vdim is None else vdim
@@ -189,17 +200,13 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
         # rotary layers only: a layer without rotation has nothing to show there
         self.register_module("hook_rot_q", HookPoint() if rotary is not None else None)  # [b, sq, H, dh]
         self.register_module("hook_rot_k", HookPoint() if rotary is not None else None)  # [b, sk, Hkv, dh]
-        self._hook_points = (
-            self.hook_q,
-            self.hook_k,
-            self.hook_v,
-            self.hook_scores,
-            self.hook_pattern,
-            self.hook_z,
-            self.hook_result,
-        ) + (() if rotary is None else (self.hook_rot_q, self.hook_rot_k))
+        self._hook_points = (self.hook_q, self.hook_k, self.hook_v, self.hook_scores, self.hook_pattern)
+        self._hook_points += (self.hook_z, self.hook_result)
+        self._hook_points += () if rotary is None else (self.hook_rot_q, self.hook_rot_k)
         self._hook_points += () if qk_norm is None else (self.hook_q_normed, self.hook_k_normed)
-        self._hook_points += add_sinks(self, sink, f)
+        self._hook_points += add_sinks(self, sink, f) + add_gate(
+            self, gate, qkv_bias, f
+        )  # sinks.py, gates.py
         self.reset_parameters()
 
     def _init_qk_norm(self, qk_norm: str | None, eps: float, offset: float, f: dict[str, Any]) -> None:
@@ -235,6 +242,16 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
                 self.qkv_bias.zero_()
             if self.o_bias is not None:
                 self.o_bias.zero_()
+
+    @property
+    def W_G(self) -> Tensor | None:
+        """Gated layers: the output gate's weights [n_heads, d_model, width], a view (:mod:`.gates`)."""
+        return W_G(self)
+
+    @property
+    def b_G(self) -> Tensor | None:
+        """Gated layers with q/k/v biases: the gate's biases [n_heads, width], a view; else None."""
+        return b_G(self)
 
     @property
     def heads(self) -> HeadList:
@@ -277,7 +294,7 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
             s += f", qk_norm={self.qk_norm!r}"
         if self.softcap is not None:
             s += f", softcap={self.softcap:g}"
-        return s
+        return s + (", alibi" if self._spec.bias else "")
 
     # ------------------------------------------------------------------ checks
     def _check_inputs(self, query: Tensor, key: Tensor, value: Tensor) -> None:
@@ -355,11 +372,11 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)  # (B, Hkv, Sk, dh) x 2
         dropout_p = self.dropout if self.training else 0.0
-
-        if (
-            traced or self.softcap is not None or getattr(self, "sinks", None) is not None
-        ):  # (no fused: caps, sinks)
-            z, pattern, _ = self.traced_attention(q, k, v, mask, dropout_p, need_pattern=need_weights)
+        gate = gate_of(self, query)  # (B, Sq, H, width) or None
+        if traced or self.softcap is not None or self.sinks is not None:  # (no fused path: caps, sinks)
+            z, pattern, _ = self.traced_attention(
+                q, k, v, mask, dropout_p, need_pattern=need_weights, gate=gate
+            )
             out = self.output_from_heads(z)  # (B, Sq, d_model)
         else:
             backend = get_backend("explicit" if need_weights else "sdpa")
@@ -367,7 +384,7 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
             # (bench helper) drop our references to the fused projection before W_O allocates the
             # output: without grad this frees [B, S, 3 d_model] early and lowers the peak memory.
             del q, k, v
-            z = z.transpose(1, 2).reshape(B, Sq, H * dh)  # (B, Sq, H dh): heads concatenated
+            z = gated(z.transpose(1, 2), gate).reshape(B, Sq, H * dh)  # (B, Sq, H dh): heads concatenated
             out = F.linear(z, self.o_weight, self.o_bias)  # (B, Sq, d_model)
         if self.check_finite:
             _check_finite("attention output (inputs were finite: check the weights)", out)
@@ -393,11 +410,13 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
                 # a windowed cache dropped its oldest keys: the masks, given over every position, lose
                 # those columns (the window mask is bottom-right aligned, so it needs no offset)
                 key_padding, attn_mask = _last_keys(key_padding, attn_mask, seq_k)
-        return canonical_mask(
+        mask = canonical_mask(
             batch=B, n_heads=self.n_heads, seq_q=Sq, seq_k=seq_k, key_padding=key_padding,
             attn_mask=attn_mask, is_causal=is_causal, dtype=query.dtype, device=query.device,
             window=self.window,
         )  # fmt: skip
+        slopes = self._spec.alibi_slopes  # ALiBi: -m_h (i - j) joins the mask (headspace.nn.alibi)
+        return mask if slopes is None else with_alibi(mask, slopes, Sq, seq_k, query.dtype, query.device)
 
     def _checked_call(
         self,
@@ -488,6 +507,7 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
         *,
         need_pattern: bool = True,
         qk_sources: tuple[Any, Any] | None = None,
+        gate: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None, Tensor | None]:
         """The traced path: the reference backend with ``hook_scores``, ``hook_pattern`` and ``hook_z`` fired.
 
@@ -496,14 +516,17 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
         (z [B, Sq, H, dh] after ``hook_z``, pattern [B, H, Sq, Sk], weights after dropout).
         ``need_pattern=False``: the pattern may be left out (pattern and weights None) where nothing
         can replace it; how the trace records it then, and ``qk_sources``, are the trace's executor's
-        (:func:`headspace.attention.recording.traced_attention`).
+        (:func:`headspace.attention.recording.traced_attention`). ``gate`` [B, Sq, H, width] (a gated
+        layer's :func:`~headspace.attention.gates.gate_of`): z is gated before ``hook_z``.
         """
-        points = (self.hook_scores, self.hook_pattern, self.hook_z)
+        points = (self.hook_scores, self.hook_pattern, self.hook_z if gate is None else _UNWATCHED)
         z, pattern, weights = recording.traced_attention(
             q, k, v, mask, dropout_p, points, scale=self.scale, softcap=self.softcap,
             need_pattern=need_pattern, qk_sources=qk_sources, sinks=getattr(self, "sinks", None),
         )  # fmt: skip
         fire_sink(self, pattern)
+        if gate is not None:
+            z = self.hook_z(gated(z, gate))  # (B, Sq, H, dh): the input of W_O
         return z, pattern, weights
 
     def output_from_heads(self, z: Tensor) -> Tensor:

@@ -87,7 +87,16 @@ def shrink_attention(attn: MultiHeadAttention, keep: Sequence[int]) -> None:
         if getattr(attn, "qk_norm", None) == "head_layernorm":  # a weight per head: keep the kept rows
             attn.q_norm.weight = param(attn.q_norm.weight[keep], attn.q_norm.weight)  # (H', dh)
             attn.k_norm.weight = param(attn.k_norm.weight[kept_kv], attn.k_norm.weight)  # (Hkv', dh)
+        if attn._parameters.get("gate_weight") is not None:  # an output gate: the kept heads' rows
+            width = attn.gate_weight.shape[0] // H
+            attn.gate_weight = param(_kept_rows(attn.gate_weight, keep, width), attn.gate_weight)
+            if attn.gate_bias is not None:
+                attn.gate_bias = param(_kept_rows(attn.gate_bias, keep, width), attn.gate_bias)
         o = attn.o_weight  # (d_model, H dh)
         new_o = _kept_rows(o.T, keep, dh).T  # (d_model, H' dh)
         attn.o_weight = param(new_o.contiguous(), o)
-    attn.spec = dataclasses.replace(attn.spec, n_heads=len(keep), n_kv_heads=len(kept_kv))
+    slopes = attn.spec.alibi_slopes  # ALiBi: each kept head keeps its own slope
+    kept_slopes = None if slopes is None else [slopes[h] for h in keep]
+    attn.spec = dataclasses.replace(
+        attn.spec, n_heads=len(keep), n_kv_heads=len(kept_kv), alibi_slopes=kept_slopes
+    )

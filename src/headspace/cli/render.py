@@ -284,7 +284,10 @@ def _render_output(c: Any, e: Explanation) -> None:
     from rich.table import Table
 
     dh, dm, tok = e.d_head, e.d_model, e.tokens[e.token_index]
-    _step(c, f"4. z = sum_j softmax_j v_j   [{dh}]   |z| = {_norm(e.z):.3f}", _vec(e.z))
+    if e.gate:  # an output gate (Qwen3-Next): z is the gated output, the input of W_O
+        _step(c, f"   gate = sigmoid(x W_G[{e.head}])   [{len(e.gate)}]", _vec(e.gate))
+    mix = "(sum_j softmax_j v_j) * gate" if e.gate else "sum_j softmax_j v_j"
+    _step(c, f"4. z = {mix}   [{dh}]   |z| = {_norm(e.z):.3f}", _vec(e.z))
     width = e.n_heads * dh
     _step(
         c,

@@ -78,7 +78,12 @@ class Stepper:
         if name is None:
             name = "native" if self._runs.get("native", True) is not None and library.ready() else "python"
         if name not in self._runs:
-            self._runs[name] = get_backend(name)(self.step)
+            try:
+                self._runs[name] = get_backend(name)(self.step)
+            except ValueError:  # a field the chosen backend refuses by name (ALiBi: native)
+                if self.backend is not None:
+                    raise
+                self._runs[name] = None  # chosen by default: the Python step runs it
         run = self._runs[name]
         if run is None:
             name, run = "python", self._runs.get("python") or python.prepare(self.step)

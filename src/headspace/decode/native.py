@@ -41,6 +41,8 @@ def native_form(step: DecodeStep) -> tuple[list[NamedFields], NamedFields | None
     (:data:`NATIVE_FEATURES`) raises ``ValueError`` naming the field: it never falls back silently."""
     layers = []
     for layer in step.layers:
+        if layer.alibi_slopes is not None:
+            return None  # ALiBi: the Python step's only (:func:`prepare` refuses it by name)
         if layer.spec is not None:
             refuse_unsupported(layer.spec, "the native decoding step", NATIVE_FEATURES)
         fields = named_fields(layer)
@@ -59,6 +61,9 @@ def prepare(step: DecodeStep) -> Callable[..., Tensor] | None:
     """The ``"native"`` backend: ``run(x, caches, start, cos, sin)`` (the signature of
     :mod:`headspace.decode.backends`), or None where the step has no native form or the library is not
     loaded (:func:`headspace.kernels.native.ready`)."""
+    for layer in step.layers:  # asked for by name: a field it lacks is refused by name
+        if layer.spec is not None and layer.alibi_slopes is not None:
+            refuse_unsupported(layer.spec, "the native decoding step", NATIVE_FEATURES)
     form = native_form(step)
     if form is None or not library.ready():
         return None

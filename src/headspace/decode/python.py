@@ -28,6 +28,7 @@ from torch import Tensor
 
 from ..kernels.prepack import packed_linear_fn
 from ..kernels.q8_0 import Q8Blocks, q8_0_linear_fn
+from ..nn.alibi import alibi_bias
 from ..nn.kv_cache import KVCache
 from ..nn.masks import window_mask
 from ..nn.norms import rms_norm
@@ -62,6 +63,7 @@ class _Layer(NamedTuple):
     attn_out_norm: Rows | None
     mlp_out_norm: Rows | None
     parallel: bool
+    alibi: Tensor | None
 
 
 def norm_fn(norm: Norm) -> Rows:
@@ -134,6 +136,7 @@ def _resolve(layer: LayerStep) -> _Layer:
         attn_out_norm=_norm_or_none(layer.attn_out_norm),
         mlp_out_norm=_norm_or_none(layer.mlp_out_norm),
         parallel=bool(layer.parallel),
+        alibi=None if layer.alibi_slopes is None else torch.tensor(layer.alibi_slopes),
     )
 
 
@@ -181,6 +184,9 @@ def layer_rows(
         k_slot.copy_(k_new)
         v_slot.copy_(v_new)
         # one query after its cached keys: every key may be attended (no mask)
+    if layer.alibi is not None:  # ALiBi: -m_h (i - j), the query the last of the Sk positions
+        bias = alibi_bias(layer.alibi, 1, k.shape[2], device=x.device).to(x.dtype)[None]  # (1, H, 1, Sk)
+        mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))  # (1, H, 1, Sk)
     z = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=layer.gqa
     )  # (B, H, 1, dh)

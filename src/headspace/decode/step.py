@@ -16,7 +16,8 @@ blocks)::
     q, k = q_norm(q), k_norm(k)           (QK-norm only: RMSNorm over d_head, or over all heads)
     q, k = rotate(q, k)                   (rotary positions: to the new position, with the layer's base)
     z = softmax(q K^T * scale + M) V      (K, V: the cached keys and values, the new ones appended;
-                                           M: -inf on keys outside a sliding window, else none)
+                                           M: -inf on keys outside a sliding window, plus
+                                           ALiBi's -m_h (i - j) where set, else none)
     a = attn_out_norm(z W_O (+ b))        (sandwich / post-sublayer norms only)
     h = x + a
     m = act(norm2(h) W_gate) * (norm2(h) W_in) W_out     (plain MLP: act(norm2(h) W_in) W_out)
@@ -65,7 +66,7 @@ _ACTIVATION_MODULES: dict[str, tuple[type[nn.Module], str | None]] = {
 #: The block features (:func:`~headspace.nn.spec.features_of`) the decoding step computes (both
 #: backends); any other is refused by its field's name. Score soft-capping is not among them: a block
 #: with it is not ``decode_supported`` and decodes by ``forward``.
-STEP_FEATURES = ("window", "qk_norm", "layout")
+STEP_FEATURES = ("window", "qk_norm", "bias", "layout")
 
 
 class DecoderModel(Protocol):
@@ -159,6 +160,8 @@ class LayerStep:
     mlp_out_norm: Norm | None = None
     #: True for the parallel layout (GPT-NeoX: ``out = x + Attn(norm1(x)) + MLP(norm2(x))``); None else
     parallel: bool | None = None
+    #: ALiBi's slopes (``bias="alibi"``: ``-m_h (i - j)`` added to the scaled scores); None else
+    alibi_slopes: tuple[float, ...] | None = None
     #: the block's description the step was read from (each backend refuses the fields it lacks by name)
     spec: BlockSpec | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -166,7 +169,7 @@ class LayerStep:
 #: the :class:`LayerStep` fields only the ``"python"`` backend computes (a step with any of these set
 #: takes the Python backend): the parallel layout; the native step covers QK-norm, sliding windows,
 #: per-layer rotations and sandwich / post-sublayer norms
-PYTHON_ONLY: tuple[str, ...] = ("parallel",)
+PYTHON_ONLY: tuple[str, ...] = ("parallel", "alibi_slopes")
 
 
 @dataclass(frozen=True)
@@ -315,6 +318,7 @@ def _layer_of(block: TransformerBlock, pack_rows: int | None) -> LayerStep:
         attn_out_norm=attn_out,
         mlp_out_norm=mlp_out,
         parallel=parallel,
+        alibi_slopes=at.alibi_slopes,
         spec=spec,
     )
 

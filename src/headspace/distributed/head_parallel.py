@@ -212,6 +212,11 @@ def _attention_like(
             f"head-parallel attention does not split QK-norm layers yet (qk_norm={attn.qk_norm!r}); "
             "run this model unsharded"
         )
+    if attn.spec.bias is not None:  # each head its own slope: a shard would need its heads' share
+        raise ValueError(
+            f"head-parallel attention does not split the attention field 'bias' ({attn.spec.bias!r}) yet; "
+            "run this model unsharded"
+        )
     w = attn.o_weight
     kept = {name: getattr(attn, name) for name in _KEPT_SETTINGS}
     return MultiHeadAttention(

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..attention.delta_net import GatedDeltaNet
 from ..attention.described import DescribedAttention
 from ..attention.functional import sdpa_attention
 from ..attention.layer import MultiHeadAttention, check_input_tensor
@@ -67,7 +68,20 @@ def make_norm(kind: str, d_model: int, eps: float, offset: float = 0.0) -> nn.Mo
 
 
 #: The block features (:func:`~headspace.nn.spec.features_of`) :meth:`TransformerBlock.forward` computes.
-BLOCK_FEATURES = ("window", "softcap", "qk_norm", "layout", "sink", "moe", "v_norm", "k_eq_v", "kv_source")
+BLOCK_FEATURES = (
+    "window",
+    "softcap",
+    "qk_norm",
+    "bias",
+    "layout",
+    "sink",
+    "gate",
+    "moe",
+    "mixer",
+    "v_norm",
+    "k_eq_v",
+    "kv_source",
+)
 
 
 def _check_block_args(
@@ -230,6 +244,8 @@ class TransformerBlock(nn.Module):
         and ``ln_mlp_out``), the dropout and the hook points; the residual layout bound."""
         refuse_unsupported(spec, "the block forward", BLOCK_FEATURES)
         a, n, d = spec.attention, spec.norm, spec.d_model
+        if spec.mixer == "gated_deltanet":  # (linear attention: attention/delta_net.py)
+            attention = GatedDeltaNet(spec.delta_net)  # type: ignore[assignment]
         if attention is None and (a.v_norm or a.k_eq_v or a.kv_source is not None):
             attention = GemmaAttention.from_spec(a)  # Gemma 3n / 4 (model/gemma_extras.py)
         if attention is None:
@@ -237,7 +253,7 @@ class TransformerBlock(nn.Module):
                 d, a.n_heads, d_head=a.d_head, n_kv_heads=a.n_kv_heads, dropout=a.dropout,
                 qkv_bias=a.qkv_bias, out_bias=a.out_bias, rotary=a.positions, window=a.window,
                 qk_norm=a.qk_norm, qk_norm_eps=a.qk_norm_eps, qk_norm_offset=a.qk_norm_offset,
-                softcap=a.softcap, scale=a.scale, sink=a.sink,
+                softcap=a.softcap, scale=a.scale, sink=a.sink, gate=a.gate, alibi_slopes=a.alibi_slopes,
             )  # fmt: skip
         self.attn = attention
         self.ln1 = make_norm(n.kind, d, n.eps, n.offset)
@@ -433,6 +449,7 @@ class TransformerBlock(nn.Module):
             and isinstance(a, MultiHeadAttention)
             and self.spec.attention.softcap is None  # not a head-parallel shard, which has no fused weight
             and self.spec.attention.sink is None  # (the step has no sinks: decoding runs forward)
+            and self.spec.attention.gate is None  # (nor gates: decoding runs forward)
             and type(a).forward is MultiHeadAttention.forward
             and a.fused
             and not a.check_finite

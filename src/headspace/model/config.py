@@ -14,13 +14,16 @@ from typing import Any
 from ..attention.layer import resolve_head_dims
 from ..attention.pruning import kept_kv_heads
 from ..core.checks import check_index, check_positive_int, check_probability, is_int
+from ..nn.alibi import check_slopes
 from ..nn.positions import Rotary
 from ..nn.spec import MLP_KINDS, AttentionSpec, BlockSpec, MLPSpec, NormSpec
 from .block import ACTIVATIONS, NORM_KINDS, NORMS
+from .hybrid import check_hybrid, delta_net_spec
 
 ARCHS = ("encoder", "decoder")
-#: The kinds of attention layer (``ModelConfig.layer_types``): a sliding window, or every earlier key.
-LAYER_TYPES = ("sliding", "full")
+#: The kinds of attention layer (``ModelConfig.layer_types``): a sliding window, every earlier key, or
+#: a Gated DeltaNet (linear attention, ``delta_net``: :mod:`headspace.model.hybrid`).
+LAYER_TYPES = ("sliding", "full", "linear")
 #: How a model knows where a token is: a learned table added to the embeddings, rotary positions
 #: (RoPE) in every attention layer, or nothing (causal decoders can do without: "NoPE").
 POSITIONS = ("learned", "rotary", "none")
@@ -193,6 +196,13 @@ class ModelConfig:
     query_pre_attn_scalar: float | None = None
     #: The unembedding has a bias (GPT-J, Phi: logits = h W_U + b_U); needs an untied unembedding.
     unembed_bias: bool = False
+    #: ALiBi (BLOOM, MPT, Falcon's alibi variant): one slope m_h per head, -m_h (i - j) added to every
+    #: layer's scaled scores (headspace.nn.alibi); None: no ALiBi.
+    alibi_slopes: list[float] | None = None
+    #: Output gates on every softmax layer (Qwen3-Next): None, "elementwise" or "headwise".
+    attn_gate: str | None = None
+    #: The Gated DeltaNet of the "linear" layers (``layer_types``): None or a dict (model/hybrid.py).
+    delta_net: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -270,6 +280,10 @@ class ModelConfig:
         )
         self._check_llama_fields()
         self._check_layer_fields()
+        if self.alibi_slopes is not None:
+            slopes = check_slopes("ModelConfig.alibi_slopes", self.alibi_slopes, self.n_heads)
+            self.alibi_slopes = list(slopes)
+        check_hybrid(self)
 
     def _check_layer_fields(self) -> None:
         """The fields that came with Gemma / Qwen3 / OLMo 2 / SmolLM3 / Mistral's sliding window."""
@@ -358,9 +372,14 @@ class ModelConfig:
             positions=positions, scale=self.attn_scale, window=self.layer_window(layer),
             softcap=self.attn_softcap, qk_norm=self.qk_norm, qk_norm_eps=self.ln_eps,
             qk_norm_offset=self.norm_offset, dropout=self.attn_dropout,
-            sink="learned" if self.attn_sink else None,
+            sink="learned" if self.attn_sink else None, gate=self.attn_gate,
+            bias=None if self.alibi_slopes is None else "alibi",
+            alibi_slopes=None if self.alibi_slopes is None else tuple(self.alibi_slopes),
         )  # fmt: skip
+        linear = self.layer_types is not None and self.layer_types[layer] == "linear"
         return BlockSpec(
+            mixer="gated_deltanet" if linear else "attention",
+            delta_net=delta_net_spec(self) if linear else None,
             attention=attention,
             mlp=MLPSpec(
                 self.d_mlp,
@@ -388,7 +407,8 @@ class ModelConfig:
 
     def make_rotaries(self) -> list[Rotary | None]:
         """One :class:`~headspace.positions.Rotary` (or None: NoPE) per layer; layers of one kind share
-        one object (the "full" layers' base rope_theta, the "sliding" layers' rope_local_theta)."""
+        one object (the "full" layers' base rope_theta, the "sliding" layers' rope_local_theta; "linear"
+        layers have none)."""
         full = self.make_rotary()
         if full is None:
             return [None] * self.n_layers
@@ -402,7 +422,7 @@ class ModelConfig:
             )
         assert self.layer_types is not None
         return [
-            None if i in self.nope_layers else (local if t == "sliding" else full)
+            None if i in self.nope_layers or t == "linear" else (local if t == "sliding" else full)
             for i, t in enumerate(self.layer_types)
         ]
 
@@ -530,6 +550,7 @@ class ModelConfig:
             + (f", {self.mlp_kind} MLP" if self.mlp_kind != "plain" else "")
             + (f", positions {self.positions}" if self.positions != "learned" else "")
             + (f" (theta {self.rope_theta:g})" if self.positions == "rotary" else "")
+            + (", ALiBi" if self.alibi_slopes is not None else "")
             + (f", {sum(map(len, self.pruned_heads.values()))} heads pruned" if self.pruned_heads else "")
             + self._layer_summary()
         )
@@ -555,6 +576,10 @@ class ModelConfig:
             parts.append(f"embed x {self.embed_scale:.4g}")
         if self.query_pre_attn_scalar is not None:
             parts.append(f"scale 1/sqrt({self.query_pre_attn_scalar:g})")
+        if "linear" in types:
+            parts.append(f"Gated DeltaNet on {types.count('linear')}/{len(types)} layers")
+        if self.attn_gate is not None:
+            parts.append(f"{self.attn_gate} output gates")
         return "".join(f", {p}" for p in parts)
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..attention.delta_net import GatedDeltaNet
 from ..attention.pruning import shrink_attention
 from ..core.checks import is_int
 from ..kernels.bf16 import BF16Weight, is_bf16, round_to_bf16
@@ -92,6 +93,10 @@ def _product_weights(model: nn.Module) -> list[tuple[nn.Module, str]]:
     found: list[tuple[nn.Module, str]] = []
     for block in model.blocks:
         attn = block.attn
+        if isinstance(attn, GatedDeltaNet):  # (its projections are nn.Linear: in_qkv, in_z, in_b, in_a, out)
+            found.extend((lin, "weight") for lin in attn.children() if isinstance(lin, nn.Linear))
+            found.extend((lin, "weight") for lin in block.mlp.modules() if isinstance(lin, nn.Linear))
+            continue
         for name in ("qkv_weight",) if attn.fused else ("q_weight", "k_weight", "v_weight"):
             found.append((attn, name))
         found.append((attn, "o_weight"))

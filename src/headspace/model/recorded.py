@@ -122,6 +122,8 @@ def takes(block: Any, x: Tensor, kv_cache: KVCache | None) -> bool:
     a, mlp = block.attn, block.mlp
     if type(a).forward is not MultiHeadAttention.forward or not a.fused or a.softcap is not None:
         return False
+    if a._parameters.get("gate_weight") is not None:  # (an output gate: the block's own forward runs)
+        return False
     if type(mlp) not in (FeedForward, GatedFeedForward) or any(True for _ in mlp.act.parameters()):
         return False
     linears = [mlp.fc_in, mlp.fc_out] + ([mlp.fc_gate] if "fc_gate" in mlp._modules else [])

@@ -17,10 +17,12 @@ Residual layouts (``BlockSpec.layout``; ``N1``/``N2`` the block's two norms, ``A
     post_sublayer (OLMo 2): h = x + N1(A(x))           out = h + N2(M(h))
     parallel (GPT-NeoX):   out = x + A(N1(x)) + M(N2(x))   (GPT-J, Phi-2, Cohere: N2 a copy of N1)
 
-A field that no executor computes yet (``chunk``, ``bias``, ``gate``; the ``parallel`` layout beyond the
-block forward and the Python step) may be described; each executor refuses it by the field's name
-(:func:`refuse_unsupported`), never running without it. ``sink`` and a mixture-of-experts MLP
-(``MLPSpec.kind == "moe"``) are computed by the block forward only: the decoding steps refuse them by name.
+A field that no executor computes yet (``chunk``; the ``parallel`` layout beyond the block forward and
+the Python step; ``bias`` (ALiBi) beyond the forward, the traced path and the Python step) may be
+described; each executor refuses it by the field's name (:func:`refuse_unsupported`), never running
+without it. ``sink``, ``gate``, a mixture-of-experts MLP (``MLPSpec.kind == "moe"``) and a Gated DeltaNet
+mixer (``BlockSpec.mixer``) are computed by the block forward only: the decoding steps refuse them by
+name (decoding runs the forward with its caches).
 Every value is checked on construction: a bad one raises a one-line ``ValueError`` naming the field, what
 it expects and what came.
 """
@@ -32,6 +34,8 @@ import math
 from dataclasses import dataclass
 
 from ..core.checks import is_int, is_number
+from .alibi import check_slopes
+from .delta_spec import DeltaNetSpec
 from .positions import Rotary
 
 #: The kinds of normalisation layer (``NormSpec.kind``).
@@ -54,8 +58,13 @@ QK_NORMS = ("head", "all", "head_layernorm")
 SCORE_BIASES = ("alibi",)
 #: Attention sinks (``AttentionSpec.sink``): one learned logit per head in the softmax (gpt-oss).
 SINKS = ("learned",)
-#: Output gates (``AttentionSpec.gate``): sigmoid gates on each head's output (Qwen3-Next).
+#: Output gates (``AttentionSpec.gate``): sigmoid gates on each head's output (Qwen3-Next):
+#: ``"elementwise"`` one gate per feature of z_h, ``"headwise"`` one per head
+#: (:mod:`headspace.attention.gates`).
 GATES = ("headwise", "elementwise")
+#: The token mixers of a block (``BlockSpec.mixer``): softmax attention, or a Gated DeltaNet
+#: (linear attention with a decaying recurrent state: Qwen3-Next, Qwen3.5; ``BlockSpec.delta_net``).
+MIXERS = ("attention", "gated_deltanet")
 #: The attention fields that change what an attention layer computes beyond the classic layer, in the
 #: order executors check them: :func:`refuse_unsupported` names the first one an executor lacks.
 ATTENTION_FEATURES = (
@@ -124,8 +133,10 @@ class AttentionSpec:
     visible from query ``i`` iff ``i - window < j <= i``). ``chunk``: chunked attention (keys of the
     query's own chunk of that many positions only). ``softcap``: scores become ``softcap * tanh(s /
     softcap)``. ``qk_norm``: RMSNorm of q and k (``"head"`` or ``"all"``) with ``qk_norm_eps`` and
-    ``qk_norm_offset``. ``bias``: an additive score bias (``"alibi"``). ``sink``: learned sink logits
-    (``"learned"``). ``gate``: a gate on each head's output. ``dropout``: on the pattern, in [0, 1).
+    ``qk_norm_offset``. ``bias``: an additive score bias (``"alibi"``: ``-alibi_slopes[h] * (i - j)``
+    added to the scaled scores, :mod:`headspace.nn.alibi`; ``alibi_slopes`` one per head). ``sink``:
+    learned sink logits (``"learned"``). ``gate``: a gate on each head's output. ``dropout``: on the
+    pattern, in [0, 1).
     Gemma 3n / 4 (:mod:`headspace.model.gemma_extras`): ``v_norm``: each head's v through an RMSNorm
     over d_head without a scale, ``v / sqrt(mean(v^2) + qk_norm_eps)``; ``k_eq_v``: the values are the
     key projection before its norm (``W_V`` is ``W_K``); ``kv_source``: the index of the earlier layer
@@ -147,6 +158,7 @@ class AttentionSpec:
     qk_norm_eps: float = 1e-6
     qk_norm_offset: float = 0.0
     bias: str | None = None
+    alibi_slopes: tuple[float, ...] | None = None
     sink: str | None = None
     gate: str | None = None
     dropout: float = 0.0
@@ -178,6 +190,12 @@ class AttentionSpec:
         if not is_number(self.qk_norm_offset) or not math.isfinite(self.qk_norm_offset):
             raise _fail(o, "qk_norm_offset", "a finite float", self.qk_norm_offset)
         _choice(o, "bias", self.bias, SCORE_BIASES, optional=True)
+        if self.bias == "alibi" or self.alibi_slopes is not None:
+            if self.bias != "alibi":
+                raise _fail(o, "alibi_slopes", "None without bias='alibi'", self.alibi_slopes)
+            object.__setattr__(
+                self, "alibi_slopes", check_slopes(f"{o}.alibi_slopes", self.alibi_slopes, self.n_heads)
+            )
         _choice(o, "sink", self.sink, SINKS, optional=True)
         _choice(o, "gate", self.gate, GATES, optional=True)
         if not is_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
@@ -252,13 +270,17 @@ class MLPSpec:
 class BlockSpec:
     """One block: ``attention``, ``mlp``, the ``norm`` of every norm of the block (the two sublayer norms,
     and a sandwich block's two output norms) and the residual ``layout`` (module docstring).
-    ``dropout``: on each sublayer's output before its residual add, in [0, 1)."""
+    ``dropout``: on each sublayer's output before its residual add, in [0, 1). ``mixer``: one of
+    :data:`MIXERS`; a ``"gated_deltanet"`` block mixes tokens by the Gated DeltaNet ``delta_net``
+    describes (set exactly then) and its ``attention`` is not used."""
 
     attention: AttentionSpec
     mlp: MLPSpec
     norm: NormSpec = dataclasses.field(default_factory=NormSpec)
     layout: str = "pre"
     dropout: float = 0.0
+    mixer: str = "attention"
+    delta_net: DeltaNetSpec | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.attention, AttentionSpec):
@@ -270,6 +292,13 @@ class BlockSpec:
         _choice("BlockSpec", "layout", self.layout, LAYOUTS)
         if not is_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
             raise _fail("BlockSpec", "dropout", "a float in [0, 1)", self.dropout)
+        _choice("BlockSpec", "mixer", self.mixer, MIXERS)
+        deltanet = self.mixer == "gated_deltanet"
+        if deltanet != isinstance(self.delta_net, DeltaNetSpec):
+            expected = (
+                "a DeltaNetSpec for mixer='gated_deltanet'" if deltanet else "None for mixer='attention'"
+            )
+            raise _fail("BlockSpec", "delta_net", expected, type(self.delta_net).__name__)
 
     @property
     def d_model(self) -> int:
@@ -280,7 +309,10 @@ class BlockSpec:
 def features_of(spec: AttentionSpec | BlockSpec) -> list[str]:
     """The names of the features ``spec`` sets beyond the classic block, in :data:`ATTENTION_FEATURES`
     order, then ``"layout"`` for a block whose layout is ``"parallel"`` and ``"moe"`` for a block whose
-    MLP is a mixture of experts."""
+    MLP is a mixture of experts; ``"mixer"`` alone first for a Gated DeltaNet block (its attention
+    fields are not used)."""
+    if isinstance(spec, BlockSpec) and spec.mixer != "attention":
+        return ["mixer"] + (["moe"] if spec.mlp.kind == "moe" else [])
     attention = spec.attention if isinstance(spec, BlockSpec) else spec
     found = [name for name in ATTENTION_FEATURES if getattr(attention, name) not in (None, False)]
     if isinstance(spec, BlockSpec) and spec.layout == "parallel":
@@ -300,6 +332,11 @@ def refuse_unsupported(spec: AttentionSpec | BlockSpec, executor: str, supported
             continue
         if name == "layout":
             raise ValueError(f"{executor} does not support the block field 'layout' ('parallel')")
+        if name == "mixer":
+            raise ValueError(
+                f"{executor} does not support the block field 'mixer' ('gated_deltanet': Gated DeltaNet "
+                "linear attention)"
+            )
         if name == "moe":
             raise ValueError(
                 f"{executor} does not support the block field 'mlp.kind' ('moe': mixture of experts)"

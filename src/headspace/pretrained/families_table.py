@@ -41,9 +41,11 @@ _ROTARY_T = "tests/pretrained/test_rotary_families.py"
 _PARALLEL_T = "tests/pretrained/test_parallel_families.py"
 _VARIANTS_T = "tests/pretrained/test_llama_variants.py"
 _MOE_T = "tests/pretrained/test_moe_families.py"
+_NEXT_T = "tests/pretrained/test_qwen_next.py"
 _ENCDEC_T = "tests/encdec/test_families.py"
 _ABSOLUTE_T = "tests/pretrained/test_absolute_families.py"
 _NONE: dict[str, Any] = {"rotation": "none", "rope_types": ()}
+_ALIBI_T = "tests/pretrained/test_alibi_families.py"
 
 
 @dataclass(frozen=True)
@@ -425,6 +427,62 @@ FAMILIES: tuple[Family, ...] = (
         ("forward",),
         _REL,
         "tests/pretrained/test_gemma3n.py",
+    ),
+    _d(
+        "bloom",
+        "ALiBi",
+        _PRE,
+        f"{_LN} with bias",
+        "LayerNorm after the embeddings; qkv fused per head",
+        ("python",),
+        _REL,
+        _ALIBI_T,
+        rotation="none",
+        rope_types=(),
+    ),
+    _d(
+        "falcon",
+        "rotary or ALiBi",
+        ("parallel", "pre"),
+        f"{_LN} with bias",
+        "new_decoder_architecture (grouped kv, ln_attn/ln_mlp) or multi_query; parallel_attn; bias",
+        ("python", "native"),
+        _REL,
+        _ALIBI_T,
+    ),
+    _d(
+        "mpt",
+        "ALiBi",
+        _PRE,
+        f"{_LN} without bias",
+        "no biases; softmax_scale; clip_qkv, qk_ln refused",
+        ("python",),
+        _REL,
+        _ALIBI_T,
+        rotation="none",
+        rope_types=(),
+    ),
+    _d(
+        "qwen3_next",
+        "partial rotary",
+        _PRE,
+        f"{_RMS} (1 + w)",
+        "Gated DeltaNet layers among gated softmax layers; experts and a shared expert",
+        ("forward",),
+        _REL,
+        _NEXT_T,
+        partial=True,
+    ),
+    _d(
+        "qwen3_5_text",
+        "partial rotary",
+        _PRE,
+        f"{_RMS} (1 + w)",
+        "Gated DeltaNet layers among gated softmax layers (text only)",
+        ("forward",),
+        _REL,
+        _NEXT_T,
+        partial=True,
     ),
 )
 

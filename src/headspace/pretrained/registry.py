@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ..model.models import check_precision
 from .absolute_families import ABSOLUTE_FAMILY_TYPES, load_absolute_family
+from .alibi_families import ALIBI_FAMILY_TYPES, load_alibi_family
 from .bert import load_bert
 from .encdec import ENCDEC_LOADERS
 from .encdec.whisper_base import load_whisper_base
@@ -27,6 +28,7 @@ from .llama import load_llama
 from .llama_variants import VARIANT_MODEL_TYPES
 from .moe_families import MOE_MODEL_TYPES, load_moe
 from .parallel_families import PARALLEL_FAMILY_TYPES, load_parallel_family
+from .qwen_next import QWEN_NEXT_MODEL_TYPES, load_qwen_next
 from .rotary_families import ROTARY_FAMILY_TYPES, load_family
 from .wrappers import PretrainedDecoder, PretrainedEncoder
 
@@ -121,7 +123,8 @@ def load(name: str | Path, *, precision: str = "float32") -> PretrainedEncoder |
     holding a Hugging Face checkpoint loads by its ``model_type``: ``bert`` (:func:`load_bert`), ``gpt2``
     (:func:`load_gpt2`), ``llama``, ``mistral``, ``qwen2``, ``gemma2``, ``gemma3_text``, ``qwen3``,
     ``olmo2``, ``smollm3`` (:func:`load_llama`), ``mixtral``, ``qwen2_moe``, ``qwen3_moe``, ``olmoe``,
-    ``gpt_oss`` (:func:`~headspace.pretrained.moe_families.load_moe`), and the encoder-decoders ``t5``,
+    ``gpt_oss`` (:func:`~headspace.pretrained.moe_families.load_moe`), ``qwen3_next``, ``qwen3_5_text``
+    (:func:`~headspace.pretrained.qwen_next.load_qwen_next`), and the encoder-decoders ``t5``,
     ``bart``, ``marian``, ``whisper`` (a :class:`headspace.EncoderDecoder`, docs/encoder_decoder.md); a
     ``.gguf`` file (Llama family) loads with :func:`load_gguf`. The rotary, parallel and learned-absolute
     families of docs/families.md (among them ``opt``, ``gpt_neo``, ``gpt_bigcode``, ``roberta``) load
@@ -166,6 +169,8 @@ FOLDER_LOADERS: dict[str, Callable[..., PretrainedEncoder | PretrainedDecoder]] 
     **ENCODER_LOADERS,  # roberta
     **dict.fromkeys(GEMMA4_MODEL_TYPES, load_gemma4),  # gemma4_text (pretrained/gemma4.py)
     **dict.fromkeys(GEMMA3N_MODEL_TYPES, load_gemma3n),  # gemma3n_text (pretrained/gemma3n.py)
+    **dict.fromkeys(ALIBI_FAMILY_TYPES, load_alibi_family),  # bloom, falcon, mpt
+    **dict.fromkeys(QWEN_NEXT_MODEL_TYPES, load_qwen_next),  # qwen3_next, qwen3_5_text
 }
 
 

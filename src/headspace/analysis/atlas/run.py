@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...attention.delta_net import refuse_linear_attention_model
 from ...core.checks import is_int
 from ...core.fileio import write_atomic
 from ...core.process_group import DistInfo, all_gather_bytes, device_of
@@ -452,6 +453,7 @@ def atlas(
     if not is_int(max_piece_chars) or max_piece_chars < 1:
         raise ValueError(f"max_piece_chars must be a positive int; got {max_piece_chars!r}")
     module = as_module(model)
+    refuse_linear_attention_model(module, "atlas")
     if not attention_layers(model):
         raise ValueError(f"model has no MultiHeadAttention layer; got {type(model).__name__}")
     settings = _Settings(

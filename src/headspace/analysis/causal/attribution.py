@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ...attention.delta_net import refuse_linear_attention_model
 from .._common import JsonResult, eval_mode
 from ..trace.trace import trace
 from .budget import attribution_bytes, check_memory, shape_of
@@ -129,6 +130,7 @@ def direct_logit_attribution(
             "direct_logit_attribution does not support the block field 'layout' ('post'): the norm after "
             "each residual add rescales the whole stream, so no part has a fixed direct path to the logit"
         )
+    refuse_linear_attention_model(module, "direct_logit_attribution (per head)")
     p = prompts_of(model, prompts)
     a = token_id(model, answer, "answer")
     b = None if other is None else token_id(model, other, "other")

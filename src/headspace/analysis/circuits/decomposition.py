@@ -17,6 +17,8 @@ with the rotary rotation of the offset, the q/k biases in the augmented row). Wi
 3, OLMo 2) ``Q`` has the norms' gains folded in and every part is multiplied by the run's frozen norm
 scales of the query and the key (:meth:`MultiHeadAttention.qk_norm_scales`). The ``parts`` add up to the
 traced ``hook_scores`` value (up to float rounding; the decomposition itself is computed in float64).
+With ALiBi (BLOOM, MPT, Falcon) the head's bias ``-m_h (i - j)`` (:meth:`headspace.Head.alibi_bias`)
+depends on the positions alone: it joins the ``("bias", "bias")`` part.
 
 **Composition scores** (:func:`composition_scores`; Elhage et al. 2021, "A Mathematical Framework for
 Transformer Circuits"). How much an earlier head ``s``'s OV circuit ``W_OV^s = W_V^s W_O^s`` feeds a later
@@ -48,6 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ...attention.delta_net import refuse_linear_attention_model
 from ...core.checks import is_int
 from .._common import JsonResult, eval_mode
 from ..causal.causal_inputs import (
@@ -190,6 +193,7 @@ def score_decomposition(
         1 + layer * (n_heads + 1) + 1`` (embed, each earlier layer's heads and MLP, bias).
     """
     module = stack_of(model, "score_decomposition")
+    refuse_linear_attention_model(module, "score_decomposition (why)")
     p = prompts_of(model, prompt)
     if p.batch != 1:
         raise ValueError(f"score_decomposition takes one prompt; got {p.batch}")
@@ -210,6 +214,8 @@ def score_decomposition(
     u = _augmented_rows(stack, bias, i) @ qk.A.double()  # (n + 1, dh)
     v = qk.B.double() @ _augmented_rows(stack, bias, j).T  # (dh, n + 1)
     parts = (u @ v) * attn.scale  # (n + 1, n + 1)
+    if attn.heads[head].alibi_slope is not None:  # ALiBi's -m_h (i - j): a constant, in bias x bias
+        parts[-1, -1] += float(attn.heads[head].alibi_bias(i - j))
     if getattr(attn, "qk_norm", None) is not None:  # at this run's frozen norm scales (see Head.qk)
         s_q, s_k = attn.qk_norm_scales(t[f"blocks.{layer}.attn.hook_q"], t[f"blocks.{layer}.attn.hook_k"])
         parts = parts * float(s_q[0, i, head]) * float(s_k[0, j, attn.heads[head].kv_index])
@@ -334,6 +340,7 @@ def composition_scores(
         :class:`CompositionScores`.
     """
     module = stack_of(model, "composition_scores")
+    refuse_linear_attention_model(module, "composition_scores")
     if isinstance(offsets, (str, bytes)) or not isinstance(offsets, Sequence) or not offsets:
         raise TypeError(f"offsets must be a non-empty sequence of ints; got {offsets!r}")
     if not all(is_int(o) for o in offsets):

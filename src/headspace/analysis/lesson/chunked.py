@@ -372,11 +372,13 @@ def supports_qk_capture(attn: Any) -> bool:
     """Whether :func:`each_layer_qk` can recompute this layer's q and k from its input (a
     :class:`~headspace.MultiHeadAttention` with the stock ``forward``; subclasses with another calling
     convention, such as the ``torch.nn.MultiheadAttention`` drop-in, are not; nor, yet, layers with
-    soft-capped scores, which the chunked statistics do not apply; a sliding window they apply)."""
+    soft-capped scores or ALiBi's score bias, which the chunked statistics do not apply; a sliding
+    window they apply)."""
     return (
         isinstance(attn, MultiHeadAttention)
         and type(attn).forward is MultiHeadAttention.forward
         and getattr(attn, "softcap", None) is None
+        and attn.spec.bias is None
     )
 
 
@@ -427,6 +429,11 @@ def _chosen_layers(
                 f"layers: {i} is out of range; this model has {len(all_layers)} attention layers"
             )
         name, attn = all_layers[i]
+        if isinstance(attn, MultiHeadAttention) and attn.spec.bias is not None:
+            raise ValueError(
+                f"layer {i} ({name}): the chunked statistics do not add the attention field 'bias' "
+                f"({attn.spec.bias!r}) to the scores; use the traced patterns"
+            )
         if not supports_qk_capture(attn):
             raise ValueError(
                 f"layer {i} ({name or type(attn).__name__}) is a {type(attn).__name__} with its own forward; "

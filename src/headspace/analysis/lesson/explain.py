@@ -43,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ...attention.delta_net import refuse_linear_attention_model
 from ...core.checks import is_int
 from ...core.defaults import DEFAULT_SENTENCE, DEFAULT_TOKEN
 from .content_tokens import content_positions
@@ -166,6 +167,9 @@ class Explanation:
     window: int | None = None
     #: the positional scheme's steps for this head (partial rotary, pairs, scaling ...; :mod:`.scheme_steps`)
     scheme_steps: list[SchemeStep] = field(default_factory=list)
+    #: gated layers (Qwen3-Next): the head's output gate sigmoid(x W_G[h]) at the token; ``z`` is then
+    #: the gated output, (sum_j p_j v_j) * gate; empty without a gate
+    gate: list[float] = field(default_factory=list)
 
     @property
     def token(self) -> str:
@@ -356,14 +360,16 @@ def record(model: nn.Module, run: Callable[[], Any]) -> dict[str, list[Tensor]]:
     names = ("q", "k", "v", "scores", "pattern", "z", "result")
     rotary = [n for n in ("rot_q", "rot_k") if all(getattr(a, "rotary", None) is not None for a in layers)]
     normed = [n for n in ("q_normed", "k_normed") if all(getattr(a, "qk_norm", None) for a in layers)]
+    gated = ["gate"] if all(getattr(a, "gate_weight", None) is not None for a in layers) else []
     extra = (*rotary, *normed)
     try:
-        with trace(model, [f"hook_{n}" for n in (*names, *extra)]) as t:
+        with trace(model, [f"hook_{n}" for n in (*names, *extra, *gated)]) as t:
             run()
     finally:
         for remove in removers:
             remove()
     rec = {n: [t.act(n, i) for i in range(len(layers))] for n in (*names, *extra)}
+    rec.update({n: [t[f"{path}.hook_{n}"] for path in t.layer_paths] for n in gated})  # output gates
     rec["input"] = inputs  # type: ignore[assignment]
     return rec
 
@@ -488,6 +494,7 @@ def explain(
     if not isinstance(sentence, str) or not sentence.strip():
         raise ValueError(f"sentence must be a non-empty string; got {sentence!r}")
     model = pretrained.model
+    refuse_linear_attention_model(model, "explain (the lesson)")
     _check_head_choice(model, layer, head)
     if tokenized is None:
         tokenized = tokenize_sentence(pretrained, sentence)
@@ -562,6 +569,7 @@ def _walk(
         **_normed(rec, attn, layer, index, head, kv_head),
         window=getattr(attn, "window", None),
         scheme_steps=scheme_steps(attn, head, len(tokens)),
+        gate=_floats(rec["gate"][layer][0, index, head]) if "gate" in rec else [],
     )
 
 

@@ -50,6 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ...attention.delta_net import GatedDeltaNet
 from ...attention.layer import MultiHeadAttention
 from ...core.checks import is_int
 from ...nn.hooks import Deferred, HookFn, HookPoint, deferred_tensors, name_hook_points
@@ -96,6 +97,16 @@ def attention_layers(model: Any) -> list[tuple[str, MultiHeadAttention]]:
     """
     module = as_module(model)
     return [(name, m) for name, m in module.named_modules() if isinstance(m, MultiHeadAttention)]
+
+
+def _refuse_linear_pattern(key: str, linear_paths: Sequence[str]) -> None:
+    """One-line ``ValueError`` where ``key`` asks a Gated DeltaNet layer for a softmax value."""
+    path, _, name = key.rpartition(".")
+    if path in linear_paths and name in ("hook_scores", "hook_pattern", "hook_rot_q", "hook_rot_k"):
+        raise ValueError(
+            f"{key!r}: {path} is a Gated DeltaNet layer (the block field 'mixer' is 'gated_deltanet'): "
+            "linear attention has no softmax scores or pattern"
+        )
 
 
 def _join(prefix: str, name: str) -> str:
@@ -226,6 +237,8 @@ class Trace(Mapping[str, Tensor]):
         self.calls: dict[str, int] = {}
         self.layer_paths: list[str] = list(layer_paths)
         self._layers = list(layers)
+        #: the module paths of the model's Gated DeltaNet layers (no pattern; not counted as layers)
+        self.linear_paths: list[str] = []
 
     # -- Mapping
     def __getitem__(self, key: str | tuple) -> Tensor:
@@ -238,6 +251,7 @@ class Trace(Mapping[str, Tensor]):
         try:
             return self._value(key)
         except KeyError:
+            _refuse_linear_pattern(str(key), self.linear_paths)
             close = difflib.get_close_matches(str(key), list(self._values), n=3, cutoff=0.5)
             raise KeyError(
                 f"{key!r} was not recorded; recorded: {close or list(self._values)[:5]} "
@@ -407,6 +421,7 @@ def trace(
         raise TypeError(f"all_threads must be a bool; got {type(all_threads).__name__} {all_threads!r}")
     layers = attention_layers(model)
     t = Trace([p for p, _ in layers], [m for _, m in layers])
+    t.linear_paths = [p for p, m in as_module(model).named_modules() if isinstance(m, GatedDeltaNet)]
     chosen = select_hook_points(model, names)
 
     recorders = {name: _Recorder(t, name, detach) for name in chosen}
