@@ -104,6 +104,7 @@ ARCHS: dict[str, tuple[Any, Any, Any, dict[str, Any]]] = {
         "rope_parameters": {"rope_type": "default", "rope_theta": 70.0},
     }),
     "gptj": (A.GPTJ, T.GPTJConfig, T.GPTJForCausalLM, {"rotary_dim": 8, "n_inner": None}),
+    "bloom": (A.BLOOM, T.BloomConfig, T.BloomForCausalLM, {"layer_norm_epsilon": 1e-5}),
     "starcoder": (A.STARCODER, T.GPTBigCodeConfig, T.GPTBigCodeForCausalLM, {
         "multi_query": True, "n_inner": DM, "layer_norm_epsilon": 1e-5,
     }),
@@ -158,7 +159,7 @@ def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def _as_llama_cpp(name: str, w: torch.Tensor, arch: str) -> torch.Tensor:
     """What llama.cpp's converter (convert_hf_to_gguf.py) stores for Hugging Face tensor ``name``."""
-    if arch.startswith("gpt_neox") and "query_key_value" in name:
+    if arch.startswith(("gpt_neox", "bloom")) and "query_key_value" in name:  # GPTNeoX / BloomModel
         d = D // H
         if w.dim() == 2:  # [H 3 d, D] -> [3 H d, D]
             return w.reshape(H, 3, d, D).transpose(0, 1).reshape(3 * H * d, D)
@@ -250,6 +251,14 @@ def _others(w: gguf.GGUFWriter, arch: str, cfg: Any) -> None:
         w.add_layer_norm_eps(1e-5)
         w.add_logit_scale(cfg.logit_scale)
         w.add_rope_scaling_type(gguf.RopeScalingType.NONE)
+    elif arch == "bloom":  # BloomModel: context seq_length, else n_embed (BloomConfig has none)
+        w.add_context_length(getattr(cfg, "seq_length", None) or D)
+        w.add_embedding_length(D)
+        w.add_feed_forward_length(4 * D)
+        w.add_block_count(L)
+        w.add_head_count(H)
+        w.add_head_count_kv(H)
+        w.add_layer_norm_eps(1e-5)
     elif arch == "starcoder":
         w.add_context_length(CTX)
         w.add_embedding_length(D)
@@ -306,7 +315,8 @@ def _llama_cpp_tensors(arch: str, folder: Path) -> dict[str, np.ndarray]:
         if per_head:  # StableLMModel._stack_qk_norm: the heads' norms [d_head] stacked in head order
             norms.setdefault(f"{names.get_name(per_head[1])}.weight", {})[int(per_head[2])] = w.float()
             continue
-        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        lookup = re.sub(r"transformer\.", "", name) if arch == "bloom" else name  # as BloomModel strips it
+        gguf_name = names.get_name(lookup, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
         out[gguf_name] = _as_llama_cpp(name, w.float(), arch)
     for gguf_name, heads in norms.items():
@@ -404,6 +414,7 @@ def test_the_gguf_file_loads_equal_to_the_safetensors_folder_and_transformers(sa
         "gptj",
         "stablelm_qk_norm",
         "starcoder",
+        "bloom",
     ],
 )
 def test_greedy_decoding_of_the_gguf_load_equals_transformers(saved: dict, arch: str) -> None:

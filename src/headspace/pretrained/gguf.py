@@ -47,7 +47,8 @@ import torch
 from torch import Tensor
 
 from ..model.models import check_precision
-from .gguf_families import FAMILY_MODEL_TYPES, family_decoder
+from .gguf_families import FAMILY_MODEL_TYPES
+from .gguf_family_decoder import family_decoder
 from .gguf_format import read_gguf, smollm2_gguf_path
 from .llama import EmptyLlama, empty_llama
 from .tokenization import TextTokenizer

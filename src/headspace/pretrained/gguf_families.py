@@ -6,9 +6,10 @@ after the container's header-first checks (:mod:`.gguf_container`: every count, 
 checked against the file's size); :func:`family_layout` then reads the sizes from the metadata with bounds,
 builds the Hugging Face ``config.json`` dict of the family, and requires the tensor table to hold exactly
 the tensors that configuration implies, each of its shape, before any tensor data is read. The tensors
-come back in Hugging Face naming; :func:`family_decoder` undoes what llama.cpp's converter changed and
-builds the Decoder with the same config checks and tensor renaming as a checkpoint folder of that family
-(:mod:`.rotary_families`, :mod:`.parallel_families`, :mod:`.absolute_families`). Each convention was
+come back in Hugging Face naming; :func:`.gguf_family_decoder.family_decoder` undoes what llama.cpp's
+converter changed and builds the Decoder with the same config checks and tensor renaming as a checkpoint
+folder of that family (:mod:`.rotary_families`, :mod:`.parallel_families`, :mod:`.absolute_families`,
+:mod:`.alibi_families`). Each convention was
 checked against llama.cpp's convert_hf_to_gguf.py (the converter class in brackets)::
 
     arch        model_type   tensors (GGUF, per layer)                        what llama.cpp changed
@@ -21,6 +22,7 @@ checked against llama.cpp's convert_hf_to_gguf.py (the converter class in bracke
     granite     granite      Llama's                                          W_Q / W_K rows permuted
     command-r   cohere       attn_q/k/v/output, ffn_gate/up/down, 1 LN (+ QK)   -
     gemma       gemma        Llama's                                          norms stored as 1 + w
+    bloom       bloom        token_embd_norm; attn_qkv, attn_output, ffn_up/down, 2 LNs  qkv [3, H, d]
     starcoder   gpt_bigcode  attn_qkv [q; k; v] (one kv head), attn_output, ffn_up/down, 2 LNs   -
 
 The metadata keys are llama.cpp's (``{arch}.block_count``, ``{arch}.rope.dimension_count`` for the
@@ -48,14 +50,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import Tensor
-
 from .gguf_config import _rope_scaling
 from .gguf_container import _Header
 from .gguf_meta import GGUFError, meta_float, meta_int
 
-__all__ = ["FAMILY_ARCHITECTURES", "FamilyLayout", "family_decoder", "family_layout"]
+__all__ = ["FAMILY_ARCHITECTURES", "FAMILY_MODEL_TYPES", "FamilyLayout", "family_layout"]
 
 _MAX_LAYERS, _MAX_HIDDEN, _MAX_INTERMEDIATE = 10_000, 1 << 17, 1 << 20
 _MAX_HEADS, _MAX_VOCAB, _MAX_CONTEXT = 4096, 1 << 22, 1 << 24
@@ -322,6 +321,17 @@ def _starcoder_config(meta: dict[str, Any], s: dict[str, Any], names: _Names, pa
     }  # fmt: skip
 
 
+def _bloom_config(meta: dict[str, Any], s: dict[str, Any], names: _Names, path: Path) -> dict[str, Any]:
+    """BLOOM (BloomModel.set_gguf_parameters: context seq_length, else n_embed; MLP 4 * n_embed)."""
+    return {
+        "model_type": "bloom", "vocab_size": s["vocab_size"], "hidden_size": s["hidden_size"],
+        "n_layer": s["num_hidden_layers"], "n_head": s["num_attention_heads"],
+        "seq_length": s["max_position_embeddings"],
+        "layer_norm_epsilon": _eps(meta, "bloom", path, rms=False),
+        "tie_word_embeddings": "output.weight" not in names,
+    }  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------- tensors
 def _neox_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
     return [
@@ -428,6 +438,29 @@ def _starcoder_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
     ]
 
 
+def _bloom_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
+    return [
+        *_ln("attn_norm", "input_layernorm"),
+        *_ln("ffn_norm", "post_attention_layernorm"),
+        ("attn_qkv.weight", "self_attention.query_key_value.weight", "3q,h"),  # rows [3, H, d] (BloomModel)
+        ("attn_qkv.bias", "self_attention.query_key_value.bias", "3q"),
+        ("attn_output.weight", "self_attention.dense.weight", "h,q"),
+        ("attn_output.bias", "self_attention.dense.bias", "h"),
+        ("ffn_up.weight", "mlp.dense_h_to_4h.weight", "i,h"),
+        ("ffn_up.bias", "mlp.dense_h_to_4h.bias", "i"),
+        ("ffn_down.weight", "mlp.dense_4h_to_h.weight", "h,i"),
+        ("ffn_down.bias", "mlp.dense_4h_to_h.bias", "h"),
+    ]
+
+
+def _bloom_globals(c: dict[str, Any], names: _Names) -> list[_Spec]:
+    """The embedding and its LayerNorm, the final LayerNorm, the unembedding where there is one."""
+    out = _globals("transformer.word_embeddings.weight", "transformer.ln_f", "lm_head", norm_bias=True)(
+        c, names
+    )
+    return [*out, *_ln("token_embd_norm", "transformer.word_embeddings_layernorm")]
+
+
 def _starcoder_globals(c: dict[str, Any], names: _Names) -> list[_Spec]:
     """GPT-2's: the token and position tables, the final LayerNorm, the unembedding where there is one."""
     out = _globals("transformer.wte.weight", "transformer.ln_f", "lm_head", norm_bias=True)(c, names)
@@ -519,6 +552,7 @@ _ARCHS: dict[str, _Arch] = {
         _globals(*_MODEL, norm_bias=False),
         _llama_like("cohere", "command-r", hidden_act="silu"),
     ),
+    "bloom": _Arch("bloom", "transformer.h", _bloom_layer, _bloom_globals, _bloom_config),
     "starcoder": _Arch(
         "gpt_bigcode", "transformer.h", _starcoder_layer, _starcoder_globals, _starcoder_config
     ),
@@ -527,7 +561,7 @@ _ARCHS: dict[str, _Arch] = {
 #: checkpoint has (Phi2Model, StarCoderModel): their MLP width is read from ffn_up's shape instead.
 _FFN_FROM_TABLE = ("phi2", "starcoder")
 #: Architectures whose config takes no RoPE scaling (GPT-J's fixed rotation; StarCoder has none).
-_UNROTATED = ("gptj", "starcoder")
+_UNROTATED = ("gptj", "starcoder", "bloom")
 #: The ``general.architecture`` values this module reads.
 FAMILY_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHS)
 
@@ -608,84 +642,5 @@ def family_layout(meta: dict[str, Any], arch: str, header: _Header, path: Path) 
     return FamilyLayout(hf, expected, names, heads, minus_one)
 
 
-#: The Hugging Face model types :func:`family_decoder` builds.
+#: The Hugging Face model types :func:`.gguf_family_decoder.family_decoder` builds.
 FAMILY_MODEL_TYPES: tuple[str, ...] = tuple(a.model_type for a in _ARCHS.values())
-
-
-def _neox_rows(t: dict[str, Tensor], hf: dict[str, Any]) -> None:
-    """GPT-NeoX's fused q/k/v rows from llama.cpp's order [3, H, d_head] back to Hugging Face's
-    [H, 3, d_head] (weights and biases), in place of ``t``."""
-    H = hf["num_attention_heads"]
-    d = hf["hidden_size"] // H
-    for name in [n for n in t if n.endswith("attention.query_key_value.weight")]:
-        w = t[name]  # [3 H d, hidden] rows q (all heads), k, v
-        t[name] = w.view(3, H, d, -1).transpose(0, 1).reshape(w.shape)  # [H 3 d, hidden]
-    for name in [n for n in t if n.endswith("attention.query_key_value.bias")]:
-        b = t[name]  # [3 H d]
-        t[name] = b.view(3, H, d).transpose(0, 1).reshape(-1)  # [H 3 d]
-
-
-def _phi2_split(t: dict[str, Tensor], hf: dict[str, Any]) -> None:
-    """phi2's fused q/k/v (rows [q (H d); k (Hkv d); v (Hkv d)], llama.cpp's phi2 graph views them so)
-    into q_proj / k_proj / v_proj, in place of ``t``."""
-    d = hf["hidden_size"] // hf["num_attention_heads"]
-    rows = [hf["num_attention_heads"] * d, hf["num_key_value_heads"] * d, hf["num_key_value_heads"] * d]
-    for name in [n for n in t if n.endswith(_PHI2_QKV + ".weight") or n.endswith(_PHI2_QKV + ".bias")]:
-        stem, kind = name.rsplit(".", 1)
-        for x, part in zip("qkv", t.pop(name).split(rows, dim=0), strict=True):  # [rows, hidden] or [rows]
-            t[f"{stem.removesuffix('qkv')}{x}_proj.{kind}"] = part.contiguous()  # self_attn.{x}_proj
-
-
-def family_decoder(
-    hf: dict[str, Any], tensors: dict[str, Tensor], tokenizer: Any, *, name: str, source: str, precision: str
-) -> Any:
-    """The :class:`~headspace.pretrained.PretrainedDecoder` of a family file: ``hf`` (its
-    :class:`FamilyLayout` config, special token ids added), ``tensors`` (Hugging Face names, float32, as
-    read) and ``tokenizer`` (a ``tokenizers.Tokenizer``), through the config checks and tensor renaming a
-    checkpoint folder of the family gets (:func:`~.rotary_families.family_config`,
-    :func:`~.parallel_families.parallel_family_config`)."""
-    from .absolute_families import FAMILIES as ABSOLUTE
-    from .absolute_families import absolute_family_config
-    from .hf import check_tensors
-    from .llama import _ignorable, _meta_decoder, _wrap, llama_expected, llama_state_dict
-    from .parallel_families import FAMILIES as PARALLEL
-    from .parallel_families import parallel_family_config
-    from .rotary_families import FAMILIES as ROTARY
-    from .rotary_families import family_config
-    from .tokenization import TextTokenizer
-
-    t = dict(tensors)
-    kind = hf["model_type"]
-    if kind == "gpt_neox":
-        _neox_rows(t, hf)
-    if kind == "phi":
-        _phi2_split(t, hf)
-    if _LONGROPE["rope_factors_long.weight"] in t:  # [rotary_dim / 2] each, float32 as stored
-        factors = {hf_name.split(".")[1]: t.pop(hf_name).tolist() for hf_name in _LONGROPE.values()}
-        hf = {**hf, "rope_parameters": {**hf["rope_parameters"], "rope_type": "longrope", **factors}}
-    where = f"{source} (GGUF metadata)"
-    if kind in PARALLEL or kind in ABSOLUTE:
-        families, make = (
-            (PARALLEL, parallel_family_config) if kind in PARALLEL else (ABSOLUTE, absolute_family_config)
-        )
-        config = make(hf, name, source=where)
-        model = _meta_decoder(config)
-        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        sd = families[kind][1](t, config)
-        ignored = check_tensors(sd, expected, lambda k: False, Path(source))
-    else:
-        config = family_config(hf, name, source=where)
-        if config.tie_embeddings or config.extra.get("tied_checkpoint"):
-            t.pop("lm_head.weight", None)
-        t = ROTARY[kind][1](t, config)
-        ignored = check_tensors(t, llama_expected(config, "model."), _ignorable, Path(source))
-        sd = llama_state_dict(t, config, "model.")
-        model = _meta_decoder(config)
-        for key, param in model.state_dict().items():  # a LayerNorm bias the file has not: 0 (OLMo)
-            if key not in sd and key.endswith(".bias") and key.rsplit(".", 2)[-2].startswith("ln"):
-                sd[key] = torch.zeros(param.shape)
-    config.extra["source"] = source
-    sd = {k: v.float() for k, v in sd.items() if k in model.state_dict()}
-    model.load_state_dict(sd, strict=True, assign=True)
-    tok = TextTokenizer.from_tokenizer(tokenizer, pad_id=config.pad_token_id, copy=False)
-    return _wrap(model, config, tok, ignored).to_precision(precision)
