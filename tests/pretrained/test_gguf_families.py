@@ -105,6 +105,7 @@ ARCHS: dict[str, tuple[Any, Any, Any, dict[str, Any]]] = {
     }),
     "gptj": (A.GPTJ, T.GPTJConfig, T.GPTJForCausalLM, {"rotary_dim": 8, "n_inner": None}),
     "bloom": (A.BLOOM, T.BloomConfig, T.BloomForCausalLM, {"layer_norm_epsilon": 1e-5}),
+    "mpt": (A.MPT, T.MptConfig, T.MptForCausalLM, {"expansion_ratio": 4}),
     "starcoder": (A.STARCODER, T.GPTBigCodeConfig, T.GPTBigCodeForCausalLM, {
         "multi_query": True, "n_inner": DM, "layer_norm_epsilon": 1e-5,
     }),
@@ -259,6 +260,14 @@ def _others(w: gguf.GGUFWriter, arch: str, cfg: Any) -> None:
         w.add_head_count(H)
         w.add_head_count_kv(H)
         w.add_layer_norm_eps(1e-5)
+    elif arch == "mpt":  # MPTModel: max_alibi_bias the config's alibi_bias_max
+        w.add_context_length(cfg.max_seq_len)
+        w.add_embedding_length(D)
+        w.add_block_count(L)
+        w.add_feed_forward_length(4 * D)
+        w.add_head_count(H)
+        w.add_layer_norm_eps(1e-5)
+        w.add_max_alibi_bias(float(cfg.attn_config.alibi_bias_max))
     elif arch == "starcoder":
         w.add_context_length(CTX)
         w.add_embedding_length(D)
@@ -415,6 +424,7 @@ def test_the_gguf_file_loads_equal_to_the_safetensors_folder_and_transformers(sa
         "stablelm_qk_norm",
         "starcoder",
         "bloom",
+        "mpt",
     ],
 )
 def test_greedy_decoding_of_the_gguf_load_equals_transformers(saved: dict, arch: str) -> None:
@@ -458,6 +468,12 @@ def test_the_tokenizer_comes_from_the_file(saved: dict) -> None:
         ("phi3_longrope", "rope_factors_short.weight", None, "missing tensors .*rope_factors_short.weight"),
         ("starcoder", "", {"starcoder.attention.head_count_kv": 4}, r"head_count_kv' is 4; expected 1"),
         ("phi", "blk.1.attn_k.weight", None, "missing tensors for a 'phi2' model.*blk.1.attn_k.weight"),
+        (
+            "mpt",
+            "",
+            {"mpt.attention.max_alibi_bias": 0.0},
+            "alibi=False is not supported",
+        ),  # MPT without ALiBi
     ],
 )
 def test_broken_files_are_refused_by_name(

@@ -332,6 +332,24 @@ def _bloom_config(meta: dict[str, Any], s: dict[str, Any], names: _Names, path: 
     }  # fmt: skip
 
 
+def _mpt_config(meta: dict[str, Any], s: dict[str, Any], names: _Names, path: Path) -> dict[str, Any]:
+    """MPT (MPTModel.set_gguf_parameters: MLP 4 * d_model, eps 1e-5, ``max_alibi_bias`` the config's
+    alibi_bias_max or 0 for no ALiBi, ``clamp_kqv`` when set; no softmax_scale is written)."""
+    attn: dict[str, Any] = {"alibi": True, "alibi_bias_max": 8}
+    bias_max = meta_float(meta, "mpt.attention.max_alibi_bias", path, -1.0, 1e6, 8.0)
+    if bias_max != 8.0:  # 0: no ALiBi; both refused by name, as a folder's would be
+        attn = {"alibi": bias_max > 0, "alibi_bias_max": bias_max}
+    if "mpt.attention.clamp_kqv" in meta:
+        attn["clip_qkv"] = meta["mpt.attention.clamp_kqv"]
+    return {
+        "model_type": "mpt", "vocab_size": s["vocab_size"], "d_model": s["hidden_size"],
+        "n_layers": s["num_hidden_layers"], "n_heads": s["num_attention_heads"],
+        "max_seq_len": s["max_position_embeddings"], "attn_config": attn, "no_bias": True,
+        "layer_norm_epsilon": _eps(meta, "mpt", path, rms=False),
+        "tie_word_embeddings": "output.weight" not in names,
+    }  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------- tensors
 def _neox_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
     return [
@@ -461,6 +479,17 @@ def _bloom_globals(c: dict[str, Any], names: _Names) -> list[_Spec]:
     return [*out, *_ln("token_embd_norm", "transformer.word_embeddings_layernorm")]
 
 
+def _mpt_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
+    return [
+        ("attn_norm.weight", "norm_1.weight", "h"),  # LayerNorms without bias, no biases anywhere
+        ("attn_qkv.weight", "attn.Wqkv.weight", "3q,h"),  # rows [q; k; v], as HF has them
+        ("attn_output.weight", "attn.out_proj.weight", "h,q"),
+        ("ffn_norm.weight", "norm_2.weight", "h"),
+        ("ffn_up.weight", "ffn.up_proj.weight", "i,h"),
+        ("ffn_down.weight", "ffn.down_proj.weight", "h,i"),
+    ]
+
+
 def _starcoder_globals(c: dict[str, Any], names: _Names) -> list[_Spec]:
     """GPT-2's: the token and position tables, the final LayerNorm, the unembedding where there is one."""
     out = _globals("transformer.wte.weight", "transformer.ln_f", "lm_head", norm_bias=True)(c, names)
@@ -553,6 +582,13 @@ _ARCHS: dict[str, _Arch] = {
         _llama_like("cohere", "command-r", hidden_act="silu"),
     ),
     "bloom": _Arch("bloom", "transformer.h", _bloom_layer, _bloom_globals, _bloom_config),
+    "mpt": _Arch(
+        "mpt",
+        "transformer.blocks",
+        _mpt_layer,
+        _globals("transformer.wte.weight", "transformer.norm_f", "lm_head", norm_bias=False),
+        _mpt_config,
+    ),
     "starcoder": _Arch(
         "gpt_bigcode", "transformer.h", _starcoder_layer, _starcoder_globals, _starcoder_config
     ),
@@ -561,7 +597,7 @@ _ARCHS: dict[str, _Arch] = {
 #: checkpoint has (Phi2Model, StarCoderModel): their MLP width is read from ffn_up's shape instead.
 _FFN_FROM_TABLE = ("phi2", "starcoder")
 #: Architectures whose config takes no RoPE scaling (GPT-J's fixed rotation; StarCoder has none).
-_UNROTATED = ("gptj", "starcoder", "bloom")
+_UNROTATED = ("gptj", "starcoder", "bloom", "mpt")
 #: The ``general.architecture`` values this module reads.
 FAMILY_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHS)
 
