@@ -105,6 +105,10 @@ ARCHS: dict[str, tuple[Any, Any, Any, dict[str, Any]]] = {
     }),
     "gptj": (A.GPTJ, T.GPTJConfig, T.GPTJForCausalLM, {"rotary_dim": 8, "n_inner": None}),
     "bloom": (A.BLOOM, T.BloomConfig, T.BloomForCausalLM, {"layer_norm_epsilon": 1e-5}),
+    "falcon": (A.FALCON, T.FalconConfig, T.FalconForCausalLM, {
+        "new_decoder_architecture": True, "num_kv_heads": KV, "ffn_hidden_size": DM, "bias": False,
+        "tie_word_embeddings": False, "max_position_embeddings": 2048,
+    }),
     "mpt": (A.MPT, T.MptConfig, T.MptForCausalLM, {"expansion_ratio": 4}),
     "starcoder": (A.STARCODER, T.GPTBigCodeConfig, T.GPTBigCodeForCausalLM, {
         "multi_query": True, "n_inner": DM, "layer_norm_epsilon": 1e-5,
@@ -160,6 +164,15 @@ def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def _as_llama_cpp(name: str, w: torch.Tensor, arch: str) -> torch.Tensor:
     """What llama.cpp's converter (convert_hf_to_gguf.py) stores for Hugging Face tensor ``name``."""
+    if arch == "falcon" and "query_key_value" in name:  # FalconModel: [Hkv, g + 2, d] rows -> q, k, v
+        d = D // H
+        grouped = w.view(KV, H // KV + 2, d, D)
+        q, k, v = (
+            grouped[:, :-2].reshape(H * d, D),
+            grouped[:, -2].reshape(KV * d, D),
+            grouped[:, -1].reshape(KV * d, D),
+        )
+        return torch.cat([q, k, v])
     if arch.startswith(("gpt_neox", "bloom")) and "query_key_value" in name:  # GPTNeoX / BloomModel
         d = D // H
         if w.dim() == 2:  # [H 3 d, D] -> [3 H d, D]
@@ -259,6 +272,14 @@ def _others(w: gguf.GGUFWriter, arch: str, cfg: Any) -> None:
         w.add_block_count(L)
         w.add_head_count(H)
         w.add_head_count_kv(H)
+        w.add_layer_norm_eps(1e-5)
+    elif arch == "falcon":  # FalconModel: context 2048 (not in config.json), MLP 4 * hidden, no RoPE base
+        w.add_context_length(2048)
+        w.add_embedding_length(D)
+        w.add_feed_forward_length(4 * D)
+        w.add_block_count(L)
+        w.add_head_count(H)
+        w.add_head_count_kv(KV)
         w.add_layer_norm_eps(1e-5)
     elif arch == "mpt":  # MPTModel: max_alibi_bias the config's alibi_bias_max
         w.add_context_length(cfg.max_seq_len)
@@ -425,6 +446,7 @@ def test_the_gguf_file_loads_equal_to_the_safetensors_folder_and_transformers(sa
         "starcoder",
         "bloom",
         "mpt",
+        "falcon",
     ],
 )
 def test_greedy_decoding_of_the_gguf_load_equals_transformers(saved: dict, arch: str) -> None:

@@ -45,27 +45,32 @@ tensor the configuration does not imply.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from .gguf_config import _rope_scaling
 from .gguf_container import _Header
+from .gguf_families_abs import (
+    _bloom_config,
+    _bloom_globals,
+    _bloom_layer,
+    _falcon_config,
+    _falcon_layer,
+    _mpt_config,
+    _mpt_layer,
+    _starcoder_config,
+    _starcoder_globals,
+    _starcoder_layer,
+)
 from .gguf_meta import GGUFError, meta_float, meta_int
+from .gguf_specs import _eps, _globals, _ln, _Names, _rope, _rope_fraction, _Spec, _Specs
 
 __all__ = ["FAMILY_ARCHITECTURES", "FAMILY_MODEL_TYPES", "FamilyLayout", "family_layout"]
 
 _MAX_LAYERS, _MAX_HIDDEN, _MAX_INTERMEDIATE = 10_000, 1 << 17, 1 << 20
 _MAX_HEADS, _MAX_VOCAB, _MAX_CONTEXT = 4096, 1 << 22, 1 << 24
-
-# (GGUF part under blk.N., Hugging Face name under the layer prefix, shape key); shape keys: see _shape
-_Spec = tuple[str, str, str]
-
-
-def _ln(gguf: str, hf: str) -> list[_Spec]:
-    """A LayerNorm with a bias."""
-    return [(f"{gguf}.weight", f"{hf}.weight", "h"), (f"{gguf}.bias", f"{hf}.bias", "h")]
 
 
 def _llama_attn(o: str = "self_attn.o_proj") -> list[_Spec]:
@@ -88,10 +93,6 @@ _RMS: list[_Spec] = [
 ]
 
 
-_Names = Mapping[str, tuple[int, ...]]  # the file's tensors: GGUF name -> PyTorch shape
-_Specs = Callable[[dict[str, Any], _Names], list[_Spec]]  # (HF config, the file's tensors) -> specs
-
-
 @dataclass(frozen=True)
 class _Arch:
     """One llama.cpp architecture: its model_type, where its layers live in Hugging Face naming, its
@@ -106,43 +107,10 @@ class _Arch:
     plus_one: bool = False  # norms stored as 1 + w (Gemma)
 
 
-def _globals(embed: str, norm: str, head: str, *, norm_bias: bool, head_bias: bool = False) -> _Specs:
-    """The tensors outside the layers: the embedding, the final norm (``norm_bias``: with a bias) and the
-    unembedding where the file has one (``output.weight``; ``head_bias``: with ``output.bias``)."""
-
-    def specs(c: dict[str, Any], names: _Names) -> list[_Spec]:
-        out: list[_Spec] = [
-            ("token_embd.weight", embed, "v,h"),
-            ("output_norm.weight", f"{norm}.weight", "h"),
-        ]
-        if norm_bias:
-            out.append(("output_norm.bias", f"{norm}.bias", "h"))
-        if "output.weight" in names:
-            out.append(("output.weight", f"{head}.weight", "v,h"))
-            if head_bias:
-                out.append(("output.bias", f"{head}.bias", "v"))
-        return out
-
-    return specs
-
-
 def _shape(key: str, s: dict[str, int]) -> tuple[int, ...]:
     """``"q,h"`` -> (heads * d_head, hidden) from the sizes ``s`` (:func:`_dims`: h, i, q, kv, v, 3q, qkv,
     2i, H, Hkv, d; r = rotary_dim / 2)."""
     return tuple(s[k] for k in key.split(","))
-
-
-def _rope_fraction(rope_dims: int, d_head: int, path: Path) -> float:
-    """``partial_rotary_factor`` f with ``int(d_head * f) == rope_dims`` (transformers' rotary width)."""
-    if not 2 <= rope_dims <= d_head or rope_dims % 2:
-        raise GGUFError(
-            path, f"RoPE rotates {rope_dims} of {d_head} dims per head; expected an even 2..{d_head}"
-        )
-    f = rope_dims / d_head
-    for candidate in (f, math.nextafter(f, 2.0)):
-        if int(d_head * candidate) == rope_dims:
-            return candidate
-    raise GGUFError(path, f"no partial_rotary_factor gives {rope_dims} rotated dims of {d_head}")
 
 
 def _sizes(meta: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
@@ -170,24 +138,12 @@ def _sizes(meta: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
     }
 
 
-def _rope(s: dict[str, Any], path: Path) -> dict[str, Any]:
-    """``rope_parameters``: the base, the rotated fraction and the file's linear / YaRN scaling if any."""
-    fraction = _rope_fraction(s["rope_dims"], s["d_head"], path)
-    scaling = s.get("rope_scaling") or {"rope_type": "default"}
-    return {**scaling, "rope_theta": s["rope_theta"], "partial_rotary_factor": fraction}
-
-
 def _hf_base(s: dict[str, Any], model_type: str, keys: tuple[str, ...]) -> dict[str, Any]:
     return {"model_type": model_type, **{k: s[k] for k in keys}}
 
 
 _SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "max_position_embeddings")  # fmt: skip
-
-
-def _eps(meta: dict[str, Any], arch: str, path: Path, rms: bool) -> float:
-    key = "attention.layer_norm_rms_epsilon" if rms else "attention.layer_norm_epsilon"
-    return meta_float(meta, f"{arch}.{key}", path, 0.0, 1.0, 1e-5)
 
 
 def _flag(meta: dict[str, Any], key: str, default: bool, path: Path) -> bool:
@@ -304,52 +260,6 @@ def _llama_like(model_type: str, arch: str, **fixed: Any):
     return config
 
 
-def _starcoder_config(meta: dict[str, Any], s: dict[str, Any], names: _Names, path: Path) -> dict[str, Any]:
-    """GPT-BigCode (StarCoderModel.set_gguf_parameters): multi-query, one key/value head always."""
-    if s["num_key_value_heads"] != 1:
-        raise GGUFError(
-            path,
-            f"'starcoder.attention.head_count_kv' is {s['num_key_value_heads']}; expected 1 (multi-query)",
-        )
-    return {
-        "model_type": "gpt_bigcode", "vocab_size": s["vocab_size"], "n_embd": s["hidden_size"],
-        "n_layer": s["num_hidden_layers"], "n_head": s["num_attention_heads"],
-        "n_inner": s["intermediate_size"], "n_positions": s["max_position_embeddings"], "multi_query": True,
-        "layer_norm_epsilon": _eps(meta, "starcoder", path, rms=False),
-        "activation_function": "gelu_pytorch_tanh",  # llama.cpp's GELU is the tanh approximation
-        "tie_word_embeddings": "output.weight" not in names,
-    }  # fmt: skip
-
-
-def _bloom_config(meta: dict[str, Any], s: dict[str, Any], names: _Names, path: Path) -> dict[str, Any]:
-    """BLOOM (BloomModel.set_gguf_parameters: context seq_length, else n_embed; MLP 4 * n_embed)."""
-    return {
-        "model_type": "bloom", "vocab_size": s["vocab_size"], "hidden_size": s["hidden_size"],
-        "n_layer": s["num_hidden_layers"], "n_head": s["num_attention_heads"],
-        "seq_length": s["max_position_embeddings"],
-        "layer_norm_epsilon": _eps(meta, "bloom", path, rms=False),
-        "tie_word_embeddings": "output.weight" not in names,
-    }  # fmt: skip
-
-
-def _mpt_config(meta: dict[str, Any], s: dict[str, Any], names: _Names, path: Path) -> dict[str, Any]:
-    """MPT (MPTModel.set_gguf_parameters: MLP 4 * d_model, eps 1e-5, ``max_alibi_bias`` the config's
-    alibi_bias_max or 0 for no ALiBi, ``clamp_kqv`` when set; no softmax_scale is written)."""
-    attn: dict[str, Any] = {"alibi": True, "alibi_bias_max": 8}
-    bias_max = meta_float(meta, "mpt.attention.max_alibi_bias", path, -1.0, 1e6, 8.0)
-    if bias_max != 8.0:  # 0: no ALiBi; both refused by name, as a folder's would be
-        attn = {"alibi": bias_max > 0, "alibi_bias_max": bias_max}
-    if "mpt.attention.clamp_kqv" in meta:
-        attn["clip_qkv"] = meta["mpt.attention.clamp_kqv"]
-    return {
-        "model_type": "mpt", "vocab_size": s["vocab_size"], "d_model": s["hidden_size"],
-        "n_layers": s["num_hidden_layers"], "n_heads": s["num_attention_heads"],
-        "max_seq_len": s["max_position_embeddings"], "attn_config": attn, "no_bias": True,
-        "layer_norm_epsilon": _eps(meta, "mpt", path, rms=False),
-        "tie_word_embeddings": "output.weight" not in names,
-    }  # fmt: skip
-
-
 # ---------------------------------------------------------------------------------------------- tensors
 def _neox_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
     return [
@@ -441,61 +351,6 @@ def _cohere_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
     return out
 
 
-def _starcoder_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
-    return [
-        *_ln("attn_norm", "ln_1"),
-        *_ln("ffn_norm", "ln_2"),
-        ("attn_qkv.weight", "attn.c_attn.weight", "qkv,h"),  # rows [q (H d); k (d); v (d)], as HF has them
-        ("attn_qkv.bias", "attn.c_attn.bias", "qkv"),
-        ("attn_output.weight", "attn.c_proj.weight", "h,q"),
-        ("attn_output.bias", "attn.c_proj.bias", "h"),
-        ("ffn_up.weight", "mlp.c_fc.weight", "i,h"),
-        ("ffn_up.bias", "mlp.c_fc.bias", "i"),
-        ("ffn_down.weight", "mlp.c_proj.weight", "h,i"),
-        ("ffn_down.bias", "mlp.c_proj.bias", "h"),
-    ]
-
-
-def _bloom_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
-    return [
-        *_ln("attn_norm", "input_layernorm"),
-        *_ln("ffn_norm", "post_attention_layernorm"),
-        ("attn_qkv.weight", "self_attention.query_key_value.weight", "3q,h"),  # rows [3, H, d] (BloomModel)
-        ("attn_qkv.bias", "self_attention.query_key_value.bias", "3q"),
-        ("attn_output.weight", "self_attention.dense.weight", "h,q"),
-        ("attn_output.bias", "self_attention.dense.bias", "h"),
-        ("ffn_up.weight", "mlp.dense_h_to_4h.weight", "i,h"),
-        ("ffn_up.bias", "mlp.dense_h_to_4h.bias", "i"),
-        ("ffn_down.weight", "mlp.dense_4h_to_h.weight", "h,i"),
-        ("ffn_down.bias", "mlp.dense_4h_to_h.bias", "h"),
-    ]
-
-
-def _bloom_globals(c: dict[str, Any], names: _Names) -> list[_Spec]:
-    """The embedding and its LayerNorm, the final LayerNorm, the unembedding where there is one."""
-    out = _globals("transformer.word_embeddings.weight", "transformer.ln_f", "lm_head", norm_bias=True)(
-        c, names
-    )
-    return [*out, *_ln("token_embd_norm", "transformer.word_embeddings_layernorm")]
-
-
-def _mpt_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
-    return [
-        ("attn_norm.weight", "norm_1.weight", "h"),  # LayerNorms without bias, no biases anywhere
-        ("attn_qkv.weight", "attn.Wqkv.weight", "3q,h"),  # rows [q; k; v], as HF has them
-        ("attn_output.weight", "attn.out_proj.weight", "h,q"),
-        ("ffn_norm.weight", "norm_2.weight", "h"),
-        ("ffn_up.weight", "ffn.up_proj.weight", "i,h"),
-        ("ffn_down.weight", "ffn.down_proj.weight", "h,i"),
-    ]
-
-
-def _starcoder_globals(c: dict[str, Any], names: _Names) -> list[_Spec]:
-    """GPT-2's: the token and position tables, the final LayerNorm, the unembedding where there is one."""
-    out = _globals("transformer.wte.weight", "transformer.ln_f", "lm_head", norm_bias=True)(c, names)
-    return [*out, ("position_embd.weight", "transformer.wpe.weight", "p,h")]
-
-
 #: LongRoPE's factor lists, as the file stores them ([rotary_dim / 2] each) -> where they go for a while
 _LONGROPE = {"rope_factors_long.weight": "rope_parameters.long_factor",
              "rope_factors_short.weight": "rope_parameters.short_factor"}  # fmt: skip
@@ -582,6 +437,13 @@ _ARCHS: dict[str, _Arch] = {
         _llama_like("cohere", "command-r", hidden_act="silu"),
     ),
     "bloom": _Arch("bloom", "transformer.h", _bloom_layer, _bloom_globals, _bloom_config),
+    "falcon": _Arch(
+        "falcon",
+        "transformer.h",
+        _falcon_layer,
+        _globals("transformer.word_embeddings.weight", "transformer.ln_f", "lm_head", norm_bias=True),
+        _falcon_config,
+    ),
     "mpt": _Arch(
         "mpt",
         "transformer.blocks",
@@ -595,7 +457,7 @@ _ARCHS: dict[str, _Arch] = {
 }
 #: Architectures whose converter writes feed_forward_length as 4 * embedding_length whatever the
 #: checkpoint has (Phi2Model, StarCoderModel): their MLP width is read from ffn_up's shape instead.
-_FFN_FROM_TABLE = ("phi2", "starcoder")
+_FFN_FROM_TABLE = ("phi2", "starcoder", "falcon")
 #: Architectures whose config takes no RoPE scaling (GPT-J's fixed rotation; StarCoder has none).
 _UNROTATED = ("gptj", "starcoder", "bloom", "mpt")
 #: The ``general.architecture`` values this module reads.

@@ -42,6 +42,22 @@ def _phi2_split(t: dict[str, Tensor], hf: dict[str, Any]) -> None:
             t[f"{stem.removesuffix('qkv')}{x}_proj.{kind}"] = part.contiguous()  # self_attn.{x}_proj
 
 
+def _falcon_rows(t: dict[str, Tensor], hf: dict[str, Any]) -> None:
+    """Falcon's q/k/v rows from llama.cpp's [q (H d); k (Hkv d); v (Hkv d)] (FalconModel.modify_tensors)
+    back to Hugging Face's: per kv group [a group's queries; its key; its value] (new architecture), per
+    head [q; k; v] (old, one kv head per head); multi-query's are already Hugging Face's. In place."""
+    H, Hkv = hf["num_attention_heads"], hf["num_kv_heads"]
+    d = hf["hidden_size"] // H
+    if hf["multi_query"]:
+        return
+    for name in [n for n in t if n.endswith("self_attention.query_key_value.weight")]:
+        w = t[name]  # [(H + 2 Hkv) d, hidden]
+        q, k, v = w.split([H * d, Hkv * d, Hkv * d])
+        g = H // Hkv
+        parts = [q.view(Hkv, g, d, -1), k.view(Hkv, 1, d, -1), v.view(Hkv, 1, d, -1)]  # [Hkv, ., d, hidden]
+        t[name] = torch.cat(parts, dim=1).reshape(w.shape)  # [Hkv (g + 2) d, hidden]
+
+
 def family_decoder(
     hf: dict[str, Any], tensors: dict[str, Tensor], tokenizer: Any, *, name: str, source: str, precision: str
 ) -> Any:
@@ -68,6 +84,8 @@ def family_decoder(
         _neox_rows(t, hf)
     if kind == "phi":
         _phi2_split(t, hf)
+    if kind == "falcon":
+        _falcon_rows(t, hf)
     if _LONGROPE["rope_factors_long.weight"] in t:  # [rotary_dim / 2] each, float32 as stored
         factors = {hf_name.split(".")[1]: t.pop(hf_name).tolist() for hf_name in _LONGROPE.values()}
         hf = {**hf, "rope_parameters": {**hf["rope_parameters"], "rope_type": "longrope", **factors}}
