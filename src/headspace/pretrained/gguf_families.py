@@ -1,5 +1,6 @@
-"""GGUF files of the rotary, parallel and absolute-position families: gptneox, gptj, phi2, phi3,
-stablelm, olmo, granite, command-r, gemma and starcoder (llama.cpp's ``general.architecture`` names).
+"""GGUF files of the rotary, parallel, absolute-position and ALiBi families: gptneox, gptj, phi2, phi3,
+stablelm, olmo, granite, command-r, gemma, starcoder, bloom, mpt and falcon (llama.cpp's
+``general.architecture`` names; the last four's specs in :mod:`.gguf_families_abs`).
 
 :func:`~.gguf_format.read_gguf` dispatches here by ``general.architecture`` (:data:`FAMILY_ARCHITECTURES`)
 after the container's header-first checks (:mod:`.gguf_container`: every count, length and tensor extent
@@ -23,6 +24,8 @@ checked against llama.cpp's convert_hf_to_gguf.py (the converter class in bracke
     command-r   cohere       attn_q/k/v/output, ffn_gate/up/down, 1 LN (+ QK)   -
     gemma       gemma        Llama's                                          norms stored as 1 + w
     bloom       bloom        token_embd_norm; attn_qkv, attn_output, ffn_up/down, 2 LNs  qkv [3, H, d]
+    mpt         mpt          attn_qkv [q; k; v], attn_output, ffn_up/down, 2 LNs without bias   -
+    falcon      falcon       attn_qkv, attn_output, ffn_up/down, attn_norm (+ _2)   kv groups -> [q; k; v]
     starcoder   gpt_bigcode  attn_qkv [q; k; v] (one kv head), attn_output, ffn_up/down, 2 LNs   -
 
 The metadata keys are llama.cpp's (``{arch}.block_count``, ``{arch}.rope.dimension_count`` for the
