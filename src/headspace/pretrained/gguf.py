@@ -26,8 +26,9 @@ ever held, so the peak resident memory of a load stays near the weights' own siz
 the tensors into a dict and then converting them, and the load takes less time than that path.
 ``probe_load`` in ``benchmarks/decode.py`` measures both (docs/benchmarks.md, "Decode" and "Figures
 formerly in docstrings"). Files of the rotary and parallel families (:mod:`.gguf_families`: gptneox,
-gptj, phi2, phi3, stablelm, olmo, granite, command-r, gemma) are read into tensors of their own and then
-renamed as a checkpoint folder of the family is (fusing q, k and v copies them once): not in place.
+gptj, phi2, phi3, stablelm, olmo, granite, command-r, gemma, starcoder, bloom, mpt, falcon) are read
+into tensors of their own and then renamed as a checkpoint folder of the family is (fusing q, k and v
+copies them once): not in place.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ import torch
 from torch import Tensor
 
 from ..model.models import check_precision
-from .gguf_families import FAMILY_MODEL_TYPES, family_decoder
+from .gguf_families import FAMILY_MODEL_TYPES
+from .gguf_family_decoder import family_decoder
 from .gguf_format import read_gguf, smollm2_gguf_path
 from .llama import EmptyLlama, empty_llama
 from .tokenization import TextTokenizer
@@ -78,8 +80,8 @@ def load_gguf(
     sha256: str | None = None,
 ) -> PretrainedDecoder:
     """Load a GGUF file of a supported architecture (Llama, Gemma 3, and the families of
-    :mod:`.gguf_families`: gptneox, gptj, phi2, phi3, stablelm, olmo, granite, command-r, gemma) onto a
-    headspace Decoder.
+    :mod:`.gguf_families`: gptneox, gptj, phi2, phi3, stablelm, olmo, granite, command-r, gemma,
+    starcoder, bloom, mpt, falcon) onto a headspace Decoder.
 
     ``path``: the file, or its parts in order; ``sha256``: the SHA-256 its bytes must have, checked
     before they are parsed (:func:`~.gguf_format.read_gguf`).

@@ -1,33 +1,48 @@
-"""GGUF files of the rotary and parallel families: gptneox, gptj, phi2, phi3, stablelm, olmo, granite,
-command-r and gemma (llama.cpp's ``general.architecture`` names).
+"""GGUF files of the rotary, parallel, absolute-position and ALiBi families: gptneox, gptj, phi2, phi3,
+stablelm, olmo, granite, command-r, gemma, starcoder, bloom, mpt and falcon (llama.cpp's
+``general.architecture`` names; the last four's specs in :mod:`.gguf_families_abs`).
 
 :func:`~.gguf_format.read_gguf` dispatches here by ``general.architecture`` (:data:`FAMILY_ARCHITECTURES`)
 after the container's header-first checks (:mod:`.gguf_container`: every count, length and tensor extent
 checked against the file's size); :func:`family_layout` then reads the sizes from the metadata with bounds,
 builds the Hugging Face ``config.json`` dict of the family, and requires the tensor table to hold exactly
 the tensors that configuration implies, each of its shape, before any tensor data is read. The tensors
-come back in Hugging Face naming; :func:`family_decoder` undoes what llama.cpp's converter changed
-(:data:`_ARCHS`' ``fix``) and builds the Decoder with the same config checks and tensor renaming as a
-checkpoint folder of that family (:mod:`.rotary_families`, :mod:`.parallel_families`)::
+come back in Hugging Face naming; :func:`.gguf_family_decoder.family_decoder` undoes what llama.cpp's
+converter changed and builds the Decoder with the same config checks and tensor renaming as a checkpoint
+folder of that family (:mod:`.rotary_families`, :mod:`.parallel_families`, :mod:`.absolute_families`,
+:mod:`.alibi_families`). Each convention was
+checked against llama.cpp's convert_hf_to_gguf.py (the converter class in brackets)::
 
-    arch        model_type  tensors (GGUF, per layer)                         what llama.cpp changed
-    gptneox     gpt_neox    attn_qkv, attn_output, ffn_up/down, 2 LNs   qkv rows [3, H, d], not [H, 3, d]
-    gptj        gptj        attn_q/k/v/output, ffn_up/down, one LayerNorm      -
-    phi2        phi         attn_q/k/v/output (+ biases), ffn_up/down, 1 LN    -
-    phi3        phi3        attn_qkv, attn_output, ffn_up ([gate; up]), down   -
-    stablelm    stablelm    attn_q/k/v/output, ffn_gate/up/down, LayerNorms    -
-    olmo        olmo        attn_q/k/v/output, ffn_gate/up/down (no norms)     W_Q / W_K rows permuted
-    granite     granite     Llama's                                            W_Q / W_K rows permuted
-    command-r   cohere      attn_q/k/v/output, ffn_gate/up/down, 1 LN (+ QK)   -
-    gemma       gemma       Llama's                                            norms stored as 1 + w
+    arch        model_type   tensors (GGUF, per layer)                        what llama.cpp changed
+    gptneox     gpt_neox     attn_qkv, attn_output, ffn_up/down, 2 LNs  qkv rows [3, H, d], not [H, 3, d]
+    gptj        gptj         attn_q/k/v/output, ffn_up/down, one LN    (no converter class: unverified)
+    phi2        phi          attn_q/k/v (or a fused attn_qkv [q; k; v]), attn_output, ffn_up/down, 1 LN
+    phi3        phi3         attn_qkv, attn_output, ffn_up ([gate; up]), down   -
+    stablelm    stablelm     attn_q/k/v/output, ffn_gate/up/down, LNs, attn_q/k_norm [heads, d_head]
+    olmo        olmo         attn_q/k/v/output, ffn_gate/up/down (no norms)   W_Q / W_K rows permuted
+    granite     granite      Llama's                                          W_Q / W_K rows permuted
+    command-r   cohere       attn_q/k/v/output, ffn_gate/up/down, 1 LN (+ QK)   -
+    gemma       gemma        Llama's                                          norms stored as 1 + w
+    bloom       bloom        token_embd_norm; attn_qkv, attn_output, ffn_up/down, 2 LNs  qkv [3, H, d]
+    mpt         mpt          attn_qkv [q; k; v], attn_output, ffn_up/down, 2 LNs without bias   -
+    falcon      falcon       attn_qkv, attn_output, ffn_up/down, attn_norm (+ _2)   kv groups -> [q; k; v]
+    starcoder   gpt_bigcode  attn_qkv [q; k; v] (one kv head), attn_output, ffn_up/down, 2 LNs   -
 
 The metadata keys are llama.cpp's (``{arch}.block_count``, ``{arch}.rope.dimension_count`` for the
-rotated dims of each head, ``{arch}.use_parallel_residual``, ``granite.embedding_scale`` ...); a RoPE base
-the file does not give is llama.cpp's default, 10000. Phi-3's LongRoPE is read from the tensors
-``rope_factors_long`` / ``rope_factors_short`` ([rotary_dim / 2] each) and
-``phi3.rope.scaling.original_context_length``; its attention factor is derived from the context lengths,
-as transformers derives it. Refused by name: ``{arch}.rope.scaling.type`` other than none (YaRN and
-linear scaling on these families), phi2's fused ``attn_qkv``, any tensor the configuration does not imply.
+rotated dims of each head, ``{arch}.use_parallel_residual``, ``granite.embedding_scale`` ...). What the
+converter writes, and so what is read: no RoPE base for gptneox, stablelm, phi2 and gemma (GPTNeoXModel,
+StableLMModel, Phi2Model, GemmaModel: llama.cpp then runs its default 10000, and so does this reader);
+phi2's and starcoder's ``feed_forward_length`` as 4 * hidden whatever the checkpoint has (Phi2Model,
+StarCoderModel: the MLP width is read from ffn_up's shape instead); stablelm's per-head QK LayerNorms
+stacked (StableLMModel._stack_qk_norm); phi3's ``sliding_window`` 0 for none and its LongRoPE as the
+tensors ``rope_factors_long`` / ``rope_factors_short`` ([rotary_dim / 2] each) with
+``phi3.rope.scaling.original_context_length`` and ``attn_factor`` (Phi3MiniModel.generate_extra_tensors:
+a stored factor other than transformers' derived one is used as it is); granite's multipliers only when
+set (GraniteModel: an absent ``attention.scale`` is llama.cpp's 1 / sqrt(d_head)); starcoder's one
+key/value head (StarCoderModel). ``{arch}.rope.scaling.type`` linear (LlamaModel writes it with
+``rope.scaling.factor``) and yarn are read as a Llama file's are (:mod:`.gguf_config`). Refused by name:
+another scaling type (or any on gptj and starcoder), a starcoder file with several key/value heads, any
+tensor the configuration does not imply.
 """
 
 from __future__ import annotations
@@ -38,24 +53,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from torch import Tensor
-
+from .gguf_config import _rope_scaling
 from .gguf_container import _Header
+from .gguf_families_abs import (
+    _bloom_config,
+    _bloom_globals,
+    _bloom_layer,
+    _falcon_config,
+    _falcon_layer,
+    _mpt_config,
+    _mpt_layer,
+    _starcoder_config,
+    _starcoder_globals,
+    _starcoder_layer,
+)
 from .gguf_meta import GGUFError, meta_float, meta_int
+from .gguf_specs import _eps, _globals, _ln, _Names, _rope, _rope_fraction, _Spec, _Specs
 
-__all__ = ["FAMILY_ARCHITECTURES", "FamilyLayout", "family_decoder", "family_layout"]
+__all__ = ["FAMILY_ARCHITECTURES", "FAMILY_MODEL_TYPES", "FamilyLayout", "family_layout"]
 
 _MAX_LAYERS, _MAX_HIDDEN, _MAX_INTERMEDIATE = 10_000, 1 << 17, 1 << 20
 _MAX_HEADS, _MAX_VOCAB, _MAX_CONTEXT = 4096, 1 << 22, 1 << 24
-
-# (GGUF part under blk.N., Hugging Face name under the layer prefix, shape key); shape keys: see _shape
-_Spec = tuple[str, str, str]
-
-
-def _ln(gguf: str, hf: str) -> list[_Spec]:
-    """A LayerNorm with a bias."""
-    return [(f"{gguf}.weight", f"{hf}.weight", "h"), (f"{gguf}.bias", f"{hf}.bias", "h")]
 
 
 def _llama_attn(o: str = "self_attn.o_proj") -> list[_Spec]:
@@ -78,9 +96,6 @@ _RMS: list[_Spec] = [
 ]
 
 
-_Specs = Callable[[dict[str, Any], set[str]], list[_Spec]]  # (HF config, the file's tensor names) -> specs
-
-
 @dataclass(frozen=True)
 class _Arch:
     """One llama.cpp architecture: its model_type, where its layers live in Hugging Face naming, its
@@ -90,48 +105,15 @@ class _Arch:
     layer_prefix: str
     layer: _Specs
     globals: _Specs
-    config: Callable[[dict[str, Any], dict[str, Any], set[str], Path], dict[str, Any]]
+    config: Callable[[dict[str, Any], dict[str, Any], _Names, Path], dict[str, Any]]
     permuted: bool = False  # llama.cpp permuted W_Q / W_K rows (its LlamaModel.permute)
     plus_one: bool = False  # norms stored as 1 + w (Gemma)
-
-
-def _globals(embed: str, norm: str, head: str, *, norm_bias: bool, head_bias: bool = False) -> _Specs:
-    """The tensors outside the layers: the embedding, the final norm (``norm_bias``: with a bias) and the
-    unembedding where the file has one (``output.weight``; ``head_bias``: with ``output.bias``)."""
-
-    def specs(c: dict[str, Any], names: set[str]) -> list[_Spec]:
-        out: list[_Spec] = [
-            ("token_embd.weight", embed, "v,h"),
-            ("output_norm.weight", f"{norm}.weight", "h"),
-        ]
-        if norm_bias:
-            out.append(("output_norm.bias", f"{norm}.bias", "h"))
-        if "output.weight" in names:
-            out.append(("output.weight", f"{head}.weight", "v,h"))
-            if head_bias:
-                out.append(("output.bias", f"{head}.bias", "v"))
-        return out
-
-    return specs
 
 
 def _shape(key: str, s: dict[str, int]) -> tuple[int, ...]:
     """``"q,h"`` -> (heads * d_head, hidden) from the sizes ``s`` (:func:`_dims`: h, i, q, kv, v, 3q, qkv,
     2i, H, Hkv, d; r = rotary_dim / 2)."""
     return tuple(s[k] for k in key.split(","))
-
-
-def _rope_fraction(rope_dims: int, d_head: int, path: Path) -> float:
-    """``partial_rotary_factor`` f with ``int(d_head * f) == rope_dims`` (transformers' rotary width)."""
-    if not 2 <= rope_dims <= d_head or rope_dims % 2:
-        raise GGUFError(
-            path, f"RoPE rotates {rope_dims} of {d_head} dims per head; expected an even 2..{d_head}"
-        )
-    f = rope_dims / d_head
-    for candidate in (f, math.nextafter(f, 2.0)):
-        if int(d_head * candidate) == rope_dims:
-            return candidate
-    raise GGUFError(path, f"no partial_rotary_factor gives {rope_dims} rotated dims of {d_head}")
 
 
 def _sizes(meta: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
@@ -159,22 +141,12 @@ def _sizes(meta: dict[str, Any], arch: str, path: Path) -> dict[str, Any]:
     }
 
 
-def _rope(s: dict[str, Any], path: Path) -> dict[str, Any]:
-    fraction = _rope_fraction(s["rope_dims"], s["d_head"], path)
-    return {"rope_type": "default", "rope_theta": s["rope_theta"], "partial_rotary_factor": fraction}
-
-
 def _hf_base(s: dict[str, Any], model_type: str, keys: tuple[str, ...]) -> dict[str, Any]:
     return {"model_type": model_type, **{k: s[k] for k in keys}}
 
 
 _SIZE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads", "max_position_embeddings")  # fmt: skip
-
-
-def _eps(meta: dict[str, Any], arch: str, path: Path, rms: bool) -> float:
-    key = "attention.layer_norm_rms_epsilon" if rms else "attention.layer_norm_epsilon"
-    return meta_float(meta, f"{arch}.{key}", path, 0.0, 1.0, 1e-5)
 
 
 def _flag(meta: dict[str, Any], key: str, default: bool, path: Path) -> bool:
@@ -185,7 +157,7 @@ def _flag(meta: dict[str, Any], key: str, default: bool, path: Path) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- configs
-def _neox_config(meta: dict[str, Any], s: dict[str, Any], names: set[str], path: Path) -> dict[str, Any]:
+def _neox_config(meta: dict[str, Any], s: dict[str, Any], names: _Names, path: Path) -> dict[str, Any]:
     return {
         **_hf_base(s, "gpt_neox", _SIZE_KEYS),
         "layer_norm_eps": _eps(meta, "gptneox", path, rms=False),
@@ -197,19 +169,23 @@ def _neox_config(meta: dict[str, Any], s: dict[str, Any], names: set[str], path:
     }
 
 
-def _stablelm_config(meta: dict[str, Any], s: dict[str, Any], names: set[str], path: Path) -> dict[str, Any]:
+def _stablelm_config(meta: dict[str, Any], s: dict[str, Any], names: _Names, path: Path) -> dict[str, Any]:
     return {
         **_hf_base(s, "stablelm", _SIZE_KEYS),
         "layer_norm_eps": _eps(meta, "stablelm", path, rms=False),
-        "use_parallel_residual": _flag(meta, "stablelm.use_parallel_residual", False, path),
+        # StableLMModel.set_gguf_parameters writes the flag; without it, a layer without ffn_norm is parallel
+        "use_parallel_residual": _flag(
+            meta, "stablelm.use_parallel_residual", "blk.0.ffn_norm.weight" not in names, path
+        ),
         "use_qkv_bias": "blk.0.attn_q.bias" in names,
+        "qk_layernorm": "blk.0.attn_q_norm.weight" in names,
         "rope_parameters": _rope(s, path),
         "hidden_act": "silu",
         "tie_word_embeddings": "output.weight" not in names,
     }
 
 
-def _phi2_config(meta: dict[str, Any], s: dict[str, Any], names: set[str], path: Path) -> dict[str, Any]:
+def _phi2_config(meta: dict[str, Any], s: dict[str, Any], names: _Names, path: Path) -> dict[str, Any]:
     return {
         **_hf_base(s, "phi", _SIZE_KEYS),
         "layer_norm_eps": _eps(meta, "phi2", path, rms=False),
@@ -219,7 +195,7 @@ def _phi2_config(meta: dict[str, Any], s: dict[str, Any], names: set[str], path:
     }
 
 
-def _gptj_config(meta: dict[str, Any], s: dict[str, Any], names: set[str], path: Path) -> dict[str, Any]:
+def _gptj_config(meta: dict[str, Any], s: dict[str, Any], names: _Names, path: Path) -> dict[str, Any]:
     if s["rope_theta"] != 10000.0:
         raise GGUFError(path, f"gptj.rope.freq_base is {s['rope_theta']}; GPT-J's rotation has base 10000")
     _rope_fraction(s["rope_dims"], s["d_head"], path)
@@ -238,32 +214,48 @@ def _gptj_config(meta: dict[str, Any], s: dict[str, Any], names: set[str], path:
     }
 
 
+def _longrope_lengths(meta: dict[str, Any], hf: dict[str, Any], path: Path) -> None:
+    """Phi-3's LongRoPE lengths (Phi3MiniModel.set_gguf_parameters / generate_extra_tensors): the original
+    context, and the attention factor the converter wrote, sqrt(1 + ln(s) / ln(original)) for
+    s = context / original > 1 (else 1), as transformers derives it; another stored value is kept as the
+    scaling's ``attention_factor``, since llama.cpp multiplies by the stored one."""
+    original = meta_int(meta, "phi3.rope.scaling.original_context_length", path, 1, _MAX_CONTEXT)
+    hf["original_max_position_embeddings"] = original
+    scale = hf["max_position_embeddings"] / original
+    derived = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1.0 and original > 1 else 1.0
+    stored = meta_float(meta, "phi3.rope.scaling.attn_factor", path, 0.0, 1e3, derived)
+    if abs(stored - derived) > 1e-6 * derived:  # beyond the float32 rounding of the derived one
+        hf["rope_parameters"]["attention_factor"] = stored
+
+
 def _llama_like(model_type: str, arch: str, **fixed: Any):
     """phi3, gemma, granite, olmo, command-r: sizes, RMS (or LayerNorm) eps, the rotation."""
 
-    def config(meta: dict[str, Any], s: dict[str, Any], names: set[str], path: Path) -> dict[str, Any]:
+    def config(meta: dict[str, Any], s: dict[str, Any], names: _Names, path: Path) -> dict[str, Any]:
         hf = {**_hf_base(s, model_type, _SIZE_KEYS), "head_dim": s["d_head"], **fixed}
         hf["rope_parameters"] = _rope(s, path)
         hf["tie_word_embeddings"] = "output.weight" not in names
         if arch == "phi3":
             hf["rms_norm_eps"] = _eps(meta, arch, path, rms=True)
             hf["partial_rotary_factor"] = hf["rope_parameters"]["partial_rotary_factor"]
-            window = meta_int(meta, "phi3.attention.sliding_window", path, 1, _MAX_CONTEXT, default=0)
+            # Phi3MiniModel writes 0 for "no window" (its sign for Phi-4)
+            window = meta_int(meta, "phi3.attention.sliding_window", path, 0, _MAX_CONTEXT, default=0)
             hf["sliding_window"] = window or None
             if "rope_factors_long.weight" in names:  # LongRoPE: its factor lists are tensors of the file
-                key = "phi3.rope.scaling.original_context_length"
-                hf["original_max_position_embeddings"] = meta_int(meta, key, path, 1, _MAX_CONTEXT)
+                _longrope_lengths(meta, hf, path)
         elif arch in ("gemma", "granite"):
             hf["rms_norm_eps"] = _eps(meta, arch, path, rms=True)
         elif arch == "command-r":
             hf["layer_norm_eps"] = _eps(meta, arch, path, rms=False)
             hf["logit_scale"] = meta_float(meta, "command-r.logit_scale", path, 0.0, 1e6, 0.0625)
             hf["use_qk_norm"] = "blk.0.attn_q_norm.weight" in names
-        if arch == "granite":
+        if arch == "granite":  # GraniteModel.set_gguf_parameters writes each multiplier that is set
             for key, gguf_key in (("embedding_multiplier", "embedding_scale"), ("residual_multiplier",
                                   "residual_scale"), ("attention_multiplier", "attention.scale"),
                                   ("logits_scaling", "logit_scale")):  # fmt: skip
-                hf[key] = meta_float(meta, f"granite.{gguf_key}", path, 0.0, 1e6, 1.0)
+                # an absent attention.scale is llama.cpp's 1 / sqrt(d_head) (its f_attention_scale 0)
+                unset = 1.0 / math.sqrt(s["d_head"]) if key == "attention_multiplier" else 1.0
+                hf[key] = meta_float(meta, f"granite.{gguf_key}", path, 0.0, 1e6, unset)
         if arch == "olmo" and "olmo.attention.clamp_kqv" in meta:
             hf["clip_qkv"] = meta["olmo.attention.clamp_kqv"]  # refused by name, as in a folder
         return hf
@@ -272,7 +264,7 @@ def _llama_like(model_type: str, arch: str, **fixed: Any):
 
 
 # ---------------------------------------------------------------------------------------------- tensors
-def _neox_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+def _neox_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
     return [
         *_ln("attn_norm", "input_layernorm"),
         *_ln("ffn_norm", "post_attention_layernorm"),
@@ -287,22 +279,33 @@ def _neox_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
     ]
 
 
-def _stablelm_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+def _stablelm_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
     out = [*_ln("attn_norm", "input_layernorm"), *_llama_attn(), *_SWIGLU]
     if not c["use_parallel_residual"]:
         out += _ln("ffn_norm", "post_attention_layernorm")
     if c["use_qkv_bias"]:
         out += [(f"attn_{x}.bias", f"self_attn.{x}_proj.bias", "q" if x == "q" else "kv") for x in "qkv"]
+    if c["qk_layernorm"]:  # StableLMModel._stack_qk_norm: the per-head norms stacked, [heads, d_head]
+        out += [("attn_q_norm.weight", "self_attn.q_norm.weight", "H,d"),
+                ("attn_k_norm.weight", "self_attn.k_norm.weight", "Hkv,d")]  # fmt: skip
     return out
 
 
-def _phi2_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+_PHI2_QKV = "self_attn.qkv"  # a fused q/k/v of phi2 until family_decoder splits it
+
+
+def _phi2_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
+    if "blk.0.attn_qkv.weight" in names:  # the older Wqkv checkpoints: rows [q; k; v], split on reading
+        attn = [("attn_qkv.weight", _PHI2_QKV + ".weight", "qkv,h"),
+                ("attn_qkv.bias", _PHI2_QKV + ".bias", "qkv"),
+                ("attn_output.weight", "self_attn.dense.weight", "h,q")]  # fmt: skip
+    else:
+        attn = _llama_attn("self_attn.dense") + [
+            (f"attn_{x}.bias", f"self_attn.{x}_proj.bias", "q" if x == "q" else "kv") for x in "qkv"
+        ]
     return [
         *_ln("attn_norm", "input_layernorm"),
-        *_llama_attn("self_attn.dense"),
-        ("attn_q.bias", "self_attn.q_proj.bias", "q"),
-        ("attn_k.bias", "self_attn.k_proj.bias", "kv"),
-        ("attn_v.bias", "self_attn.v_proj.bias", "kv"),
+        *attn,
         ("attn_output.bias", "self_attn.dense.bias", "h"),
         ("ffn_up.weight", "mlp.fc1.weight", "i,h"),
         ("ffn_up.bias", "mlp.fc1.bias", "i"),
@@ -311,7 +314,7 @@ def _phi2_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
     ]
 
 
-def _gptj_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+def _gptj_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
     return [
         *_ln("attn_norm", "ln_1"),
         ("attn_q.weight", "attn.q_proj.weight", "h,h"),
@@ -325,7 +328,7 @@ def _gptj_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
     ]
 
 
-def _phi3_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+def _phi3_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
     return [
         *_RMS,
         ("attn_qkv.weight", "self_attn.qkv_proj.weight", "qkv,h"),
@@ -335,15 +338,15 @@ def _phi3_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
     ]
 
 
-def _rms_llama_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+def _rms_llama_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
     return [*_RMS, *_llama_attn(), *_SWIGLU]
 
 
-def _olmo_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+def _olmo_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
     return [*_llama_attn(), *_SWIGLU]
 
 
-def _cohere_layer(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+def _cohere_layer(c: dict[str, Any], names: _Names) -> list[_Spec]:
     out = [("attn_norm.weight", "input_layernorm.weight", "h"), *_llama_attn(), *_SWIGLU]
     if c["use_qk_norm"]:
         out += [("attn_q_norm.weight", "self_attn.q_norm.weight", "H,d"),
@@ -356,7 +359,7 @@ _LONGROPE = {"rope_factors_long.weight": "rope_parameters.long_factor",
              "rope_factors_short.weight": "rope_parameters.short_factor"}  # fmt: skip
 
 
-def _phi3_globals(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+def _phi3_globals(c: dict[str, Any], names: _Names) -> list[_Spec]:
     """Phi-3's: a Llama's, and LongRoPE's factor lists where the file has them (both, or neither)."""
     out = _globals(*_MODEL, norm_bias=False)(c, names)
     if "rope_factors_long.weight" in names or "rope_factors_short.weight" in names:
@@ -364,7 +367,7 @@ def _phi3_globals(c: dict[str, Any], names: set[str]) -> list[_Spec]:
     return out
 
 
-def _olmo_globals(c: dict[str, Any], names: set[str]) -> list[_Spec]:
+def _olmo_globals(c: dict[str, Any], names: _Names) -> list[_Spec]:
     """OLMo's: the embedding and the unembedding where the file has one (its norms have no weights)."""
     head = [("output.weight", "lm_head.weight", "v,h")] if "output.weight" in names else []
     return [("token_embd.weight", "model.embed_tokens.weight", "v,h"), *head]
@@ -436,7 +439,30 @@ _ARCHS: dict[str, _Arch] = {
         _globals(*_MODEL, norm_bias=False),
         _llama_like("cohere", "command-r", hidden_act="silu"),
     ),
+    "bloom": _Arch("bloom", "transformer.h", _bloom_layer, _bloom_globals, _bloom_config),
+    "falcon": _Arch(
+        "falcon",
+        "transformer.h",
+        _falcon_layer,
+        _globals("transformer.word_embeddings.weight", "transformer.ln_f", "lm_head", norm_bias=True),
+        _falcon_config,
+    ),
+    "mpt": _Arch(
+        "mpt",
+        "transformer.blocks",
+        _mpt_layer,
+        _globals("transformer.wte.weight", "transformer.norm_f", "lm_head", norm_bias=False),
+        _mpt_config,
+    ),
+    "starcoder": _Arch(
+        "gpt_bigcode", "transformer.h", _starcoder_layer, _starcoder_globals, _starcoder_config
+    ),
 }
+#: Architectures whose converter writes feed_forward_length as 4 * embedding_length whatever the
+#: checkpoint has (Phi2Model, StarCoderModel): their MLP width is read from ffn_up's shape instead.
+_FFN_FROM_TABLE = ("phi2", "starcoder", "falcon")
+#: Architectures whose config takes no RoPE scaling (GPT-J's fixed rotation; StarCoder has none).
+_UNROTATED = ("gptj", "starcoder", "bloom", "mpt")
 #: The ``general.architecture`` values this module reads.
 FAMILY_ARCHITECTURES: tuple[str, ...] = tuple(_ARCHS)
 
@@ -460,7 +486,7 @@ def _dims(s: dict[str, Any]) -> dict[str, int]:
                       s["num_key_value_heads"], s["d_head"])  # fmt: skip
     return {"h": h, "i": i, "q": H * d, "kv": kv * d, "v": s["vocab_size"], "3q": 3 * H * d,
             "qkv": (H + 2 * kv) * d, "2i": 2 * i, "H": H, "Hkv": kv, "d": d,
-            "r": s["rope_dims"] // 2}  # fmt: skip
+            "r": s["rope_dims"] // 2, "p": s["max_position_embeddings"]}  # fmt: skip
 
 
 def _check_table(header: _Header, expected: dict[str, tuple[int, ...]], arch: str, path: Path) -> None:
@@ -485,12 +511,17 @@ def family_layout(meta: dict[str, Any], arch: str, header: _Header, path: Path) 
     :data:`FAMILY_ARCHITECTURES`), every check done before any tensor data is read."""
     a = _ARCHS[arch]
     kind = meta.get(f"{arch}.rope.scaling.type", "none")
-    if kind != "none":
+    if kind not in ("none", "linear", "yarn") or (kind != "none" and arch in _UNROTATED):
         raise GGUFError(
             path, f"metadata '{arch}.rope.scaling.type' is {kind!r}: RoPE scaling is not read here"
         )
-    present = {t.name for t in header.tensors}
+    present = {t.name: t.shape for t in header.tensors}
     s = _sizes(meta, arch, path)
+    # linear (LlamaModel.set_gguf_parameters: type and factor) and YaRN, read as a Llama file's are
+    s["rope_scaling"] = _rope_scaling(meta, arch, path)
+    up = present.get("blk.0.ffn_up.weight", ())
+    if arch in _FFN_FROM_TABLE and len(up) == 2 and 1 <= up[0] <= _MAX_INTERMEDIATE:
+        s["intermediate_size"] = up[0]
     hf = a.config(meta, s, present, path)
     dims = _dims(s)
     expected: dict[str, tuple[int, ...]] = {}
@@ -512,66 +543,5 @@ def family_layout(meta: dict[str, Any], arch: str, header: _Header, path: Path) 
     return FamilyLayout(hf, expected, names, heads, minus_one)
 
 
-#: The Hugging Face model types :func:`family_decoder` builds.
+#: The Hugging Face model types :func:`.gguf_family_decoder.family_decoder` builds.
 FAMILY_MODEL_TYPES: tuple[str, ...] = tuple(a.model_type for a in _ARCHS.values())
-
-
-def _neox_rows(t: dict[str, Tensor], hf: dict[str, Any]) -> None:
-    """GPT-NeoX's fused q/k/v rows from llama.cpp's order [3, H, d_head] back to Hugging Face's
-    [H, 3, d_head] (weights and biases), in place of ``t``."""
-    H = hf["num_attention_heads"]
-    d = hf["hidden_size"] // H
-    for name in [n for n in t if n.endswith("attention.query_key_value.weight")]:
-        w = t[name]  # [3 H d, hidden] rows q (all heads), k, v
-        t[name] = w.view(3, H, d, -1).transpose(0, 1).reshape(w.shape)  # [H 3 d, hidden]
-    for name in [n for n in t if n.endswith("attention.query_key_value.bias")]:
-        b = t[name]  # [3 H d]
-        t[name] = b.view(3, H, d).transpose(0, 1).reshape(-1)  # [H 3 d]
-
-
-def family_decoder(
-    hf: dict[str, Any], tensors: dict[str, Tensor], tokenizer: Any, *, name: str, source: str, precision: str
-) -> Any:
-    """The :class:`~headspace.pretrained.PretrainedDecoder` of a family file: ``hf`` (its
-    :class:`FamilyLayout` config, special token ids added), ``tensors`` (Hugging Face names, float32, as
-    read) and ``tokenizer`` (a ``tokenizers.Tokenizer``), through the config checks and tensor renaming a
-    checkpoint folder of the family gets (:func:`~.rotary_families.family_config`,
-    :func:`~.parallel_families.parallel_family_config`)."""
-    from .hf import check_tensors
-    from .llama import _ignorable, _meta_decoder, _wrap, llama_expected, llama_state_dict
-    from .parallel_families import FAMILIES as PARALLEL
-    from .parallel_families import parallel_family_config
-    from .rotary_families import FAMILIES as ROTARY
-    from .rotary_families import family_config
-    from .tokenization import TextTokenizer
-
-    t = dict(tensors)
-    kind = hf["model_type"]
-    if kind == "gpt_neox":
-        _neox_rows(t, hf)
-    if _LONGROPE["rope_factors_long.weight"] in t:  # [rotary_dim / 2] each, float32 as stored
-        factors = {hf_name.split(".")[1]: t.pop(hf_name).tolist() for hf_name in _LONGROPE.values()}
-        hf = {**hf, "rope_parameters": {**hf["rope_parameters"], "rope_type": "longrope", **factors}}
-    where = f"{source} (GGUF metadata)"
-    if kind in PARALLEL:
-        config = parallel_family_config(hf, name, source=where)
-        model = _meta_decoder(config)
-        expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        sd = PARALLEL[kind][1](t, config)
-        ignored = check_tensors(sd, expected, lambda k: False, Path(source))
-    else:
-        config = family_config(hf, name, source=where)
-        if config.tie_embeddings or config.extra.get("tied_checkpoint"):
-            t.pop("lm_head.weight", None)
-        t = ROTARY[kind][1](t, config)
-        ignored = check_tensors(t, llama_expected(config, "model."), _ignorable, Path(source))
-        sd = llama_state_dict(t, config, "model.")
-        model = _meta_decoder(config)
-        for key, param in model.state_dict().items():  # a LayerNorm bias the file has not: 0 (OLMo)
-            if key not in sd and key.endswith(".bias") and key.rsplit(".", 2)[-2].startswith("ln"):
-                sd[key] = torch.zeros(param.shape)
-    config.extra["source"] = source
-    sd = {k: v.float() for k, v in sd.items() if k in model.state_dict()}
-    model.load_state_dict(sd, strict=True, assign=True)
-    tok = TextTokenizer.from_tokenizer(tokenizer, pad_id=config.pad_token_id, copy=False)
-    return _wrap(model, config, tok, ignored).to_precision(precision)
