@@ -21,7 +21,6 @@ import transformers as T
 
 import headspace as hs
 from headspace.analysis.atlas.run import atlas
-from headspace.analysis.causal.attribution import direct_logit_attribution
 from headspace.analysis.circuits.decomposition import composition_scores, score_decomposition
 from headspace.analysis.lesson.explain import explain
 from headspace.attention.delta_net import DeltaNetCache, GatedDeltaNet
@@ -171,8 +170,6 @@ def test_analyses_that_need_a_pattern_refuse_deltanet_layers_by_name(saved: dict
         composition_scores(ours.model)
     with pytest.raises(ValueError, match="atlas needs a softmax .*" + named):
         atlas(ours, ["some text"])
-    with pytest.raises(ValueError, match="direct_logit_attribution \\(per head\\) needs .*" + named):
-        direct_logit_attribution(ours.model, tokens, 5)
     with pytest.raises(ValueError, match="explain \\(the lesson\\) needs a softmax .*" + named):
         explain(ours, "a b c", 0)
     layer = ours.model.blocks[0].attn

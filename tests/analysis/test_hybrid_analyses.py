@@ -1,0 +1,96 @@
+"""Analyses on gated and hybrid models (issue #39): Qwen3-Next / Qwen3.5 built by transformers 5.25.
+
+Direct logit attribution per head on the gated softmax layers (gate frozen at its run's value) and on the
+Gated DeltaNet layers (each value head's ``z_h W_O[h]``), against transformers' own logit.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import transformers as T
+
+import headspace as hs
+from headspace.analysis.causal.attribution import direct_logit_attribution
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+V, D = 61, 24
+COMMON = dict(vocab_size=V, hidden_size=D, intermediate_size=20, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, linear_num_key_heads=2, linear_num_value_heads=6, linear_key_head_dim=5,
+              linear_value_head_dim=7, linear_conv_kernel_dim=3, max_position_embeddings=64, pad_token_id=0,
+              bos_token_id=1, eos_token_id=2)  # fmt: skip
+FAMILIES: dict[str, tuple[Any, Any, dict[str, Any]]] = {
+    "qwen3_next": (T.Qwen3NextConfig, T.Qwen3NextForCausalLM,
+                   dict(head_dim=6, partial_rotary_factor=1 / 3, num_experts=5, num_experts_per_tok=2,
+                        moe_intermediate_size=9, shared_expert_intermediate_size=11, decoder_sparse_step=1,
+                        mlp_only_layers=[])),
+    "qwen3_5_text": (T.Qwen3_5TextConfig, T.Qwen3_5ForCausalLM, dict(head_dim=8)),
+}  # fmt: skip
+
+
+def _build(family: str, folder: Path) -> Any:
+    """A random transformers model of ``family`` (every zero-initialised parameter set random), saved."""
+    config_cls, model_cls, extra = FAMILIES[family]
+    torch.manual_seed(3)
+    model = model_cls(config_cls(**COMMON, **extra)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("linear_attn.norm.weight"):
+                p.copy_(1.0 + 0.3 * torch.randn_like(p))
+            elif "norm" in name:
+                p.copy_(0.3 * torch.randn_like(p))
+            elif name.endswith("gate.weight") and "proj" not in name:
+                p.copy_(torch.randn_like(p))
+            else:
+                p.copy_(0.2 * torch.randn_like(p))
+    model.save_pretrained(folder)
+    return model_cls.from_pretrained(
+        folder, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Any]]:
+    return {f: (folder := tmp_path_factory.mktemp(f), _build(f, folder)) for f in FAMILIES}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_dla_per_head_on_hybrids_adds_up_to_transformers_logit(saved: dict, family: str) -> None:
+    folder, ref = saved[family]
+    ours = hs.load(folder)
+    tokens = torch.randint(3, V, (2, 9), generator=torch.Generator().manual_seed(0))
+    dla = direct_logit_attribution(ours.model, tokens, 5, 7)
+    with torch.no_grad():
+        logits = ref(tokens).logits[:, -1]  # (2, vocab)
+    expected = logits[:, 5] - logits[:, 7]  # (2,)
+    scale = float(logits.abs().max())
+    assert torch.allclose(dla.per_prompt["logit"], expected, atol=1e-4 * scale)
+    assert torch.allclose(dla.per_prompt["total"], expected, atol=1e-4 * scale)
+    assert dla.mixers == ["gated_deltanet"] * 3 + ["attention"]
+    assert dla.layer_heads == [6, 6, 6, 4] and dla.gated == [False, False, False, True]
+    assert dla.heads.shape == (4, 6)
+    assert torch.equal(dla.heads[3, 4:], torch.zeros(2))  # the softmax layer's padding
+    assert all(head < dla.layer_heads[layer] for layer, head, _ in dla.top_heads(24))
+    assert len(dla.top_heads(24)) == 3 * 6 + 4
+
+
+def test_dla_deltanet_heads_are_their_outputs_through_w_o(saved: dict) -> None:
+    """A DeltaNet head's part is (z_h W_O[h]) * (w / sigma) . W_U[:, a]: recomputed by hand from hook_z,
+    the layer's W_O view and the final norm's own output (RMSNorm: y / x = w / sigma)."""
+    folder, _ = saved["qwen3_5_text"]
+    model = hs.load(folder).model
+    tokens = torch.randint(3, V, (1, 7), generator=torch.Generator().manual_seed(1))
+    dla = direct_logit_attribution(model, tokens, 9)
+    names = ["blocks.1.attn.hook_z", "blocks.3.hook_resid_post"]
+    with torch.no_grad(), hs.trace(model, names=names) as t:
+        model(tokens)
+        x = t["blocks.3.hook_resid_post"][0, -1]  # (d_model,)
+        ratio = model.ln_final(x) / x  # (d_model,): w / sigma
+        z = t["blocks.1.attn.hook_z"][0, -1]  # (n_v_heads, d_v)
+        out = torch.einsum("hd,hdm->hm", z, model.blocks[1].attn.W_O)  # (n_v_heads, d_model)
+        by_hand = (out * ratio) @ model.W_U[:, 9]  # (n_v_heads,)
+    assert torch.allclose(dla.heads[1], by_hand, atol=1e-5 * float(by_hand.abs().max()))
