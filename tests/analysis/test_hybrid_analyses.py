@@ -15,6 +15,8 @@ import transformers as T
 
 import headspace as hs
 from headspace.analysis.causal.attribution import direct_logit_attribution
+from headspace.analysis.causal.patching import patch
+from headspace.analysis.trace.trace import hooked
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -94,3 +96,45 @@ def test_dla_deltanet_heads_are_their_outputs_through_w_o(saved: dict) -> None:
         out = torch.einsum("hd,hdm->hm", z, model.blocks[1].attn.W_O)  # (n_v_heads, d_model)
         by_hand = (out * ratio) @ model.W_U[:, 9]  # (n_v_heads,)
     assert torch.allclose(dla.heads[1], by_hand, atol=1e-5 * float(by_hand.abs().max()))
+
+
+def _manual_patch(model: Any, clean: torch.Tensor, corrupt: torch.Tensor, layer: int, head: int) -> float:
+    """logit(5) - logit(7) of the corrupt run with head ``head`` of ``layer``'s ``hook_z`` (a gated head's
+    gated z; a DeltaNet head's gated-norm output) replaced by the clean run's, all positions."""
+    name = f"blocks.{layer}.attn.hook_z"
+    with torch.no_grad(), hs.trace(model, names=[name]) as t:
+        model(clean)
+    clean_z = t[name]  # (1, seq, n_heads, d_head)
+
+    def put(z: torch.Tensor, point: Any) -> torch.Tensor:  # (1, seq, n_heads, d_head)
+        z = z.clone()
+        z[:, :, head] = clean_z[:, :, head]
+        return z
+
+    with torch.no_grad(), hooked(model, {name: put}):
+        logits = model(corrupt)[0, -1]  # (vocab,)
+    return float(logits[5] - logits[7])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_patching_per_head_on_gated_and_deltanet_layers_equals_a_manual_patch(
+    saved: dict, family: str
+) -> None:
+    folder, ref = saved[family]
+    model = hs.load(folder).model
+    g = torch.Generator().manual_seed(2)
+    clean = torch.randint(3, V, (1, 8), generator=g)
+    corrupt = clean.clone()
+    corrupt[0, 3] = (clean[0, 3] + 11) % (V - 3) + 3  # one token differs, at position 3
+    result = patch(model, clean, corrupt, answer=5, other=7, site="heads")
+    with torch.no_grad():
+        lc, lk = ref(clean).logits[0, -1], ref(corrupt).logits[0, -1]  # (vocab,) x 2
+    c, k = float(lc[5] - lc[7]), float(lk[5] - lk[7])
+    assert result.clean_metric == pytest.approx(c, abs=1e-4) and result.corrupt_metric == pytest.approx(
+        k, abs=1e-4
+    )
+    assert result.effect.shape == (4, 6)
+    assert float(result.effect[:3, 4:].abs().min()) > 1e-4  # DeltaNet heads matter (not all zero)
+    for layer, head in [(0, 0), (1, 5), (2, 3), (3, 0), (3, 3)]:  # DeltaNet heads, then gated softmax heads
+        manual = (_manual_patch(model, clean, corrupt, layer, head) - k) / (c - k)
+        assert float(result.effect[layer, head]) == pytest.approx(manual, abs=1e-4), (layer, head)
