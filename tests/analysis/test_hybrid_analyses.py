@@ -16,6 +16,7 @@ import transformers as T
 import headspace as hs
 from headspace.analysis.causal.attribution import direct_logit_attribution
 from headspace.analysis.causal.patching import patch
+from headspace.analysis.lesson.explain import TokenizedSentence, explain
 from headspace.analysis.trace.trace import hooked
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -138,3 +139,26 @@ def test_patching_per_head_on_gated_and_deltanet_layers_equals_a_manual_patch(
     for layer, head in [(0, 0), (1, 5), (2, 3), (3, 0), (3, 3)]:  # DeltaNet heads, then gated softmax heads
         manual = (_manual_patch(model, clean, corrupt, layer, head) - k) / (c - k)
         assert float(result.effect[layer, head]) == pytest.approx(manual, abs=1e-4), (layer, head)
+
+
+def test_explain_walks_a_softmax_layer_of_a_hybrid_and_refuses_a_deltanet_layer_by_name(saved: dict) -> None:
+    folder, ref = saved["qwen3_next"]
+    ours = hs.load(folder)
+    text = "the cat sat on the mat"
+    tokens = torch.tensor([[3, 7, 11, 13, 3, 17]])  # one id per word, "the" twice
+    tokenized = TokenizedSentence(text, text.split(), tokens, None)
+    e = explain(ours, text, "mat", layer=3, head=1, tokenized=tokenized)
+    with torch.no_grad():
+        pattern = ref(tokens, output_attentions=True).attentions[-1][
+            0, 1, 5
+        ]  # (seq,): the one softmax layer, 3
+    assert (e.layer, e.head) == (3, 1)
+    assert torch.allclose(torch.tensor(e.pattern), pattern, atol=1e-5)
+    assert len(e.gate) == 6  # the output gate of head 1 at "mat", shown in the lesson
+    chosen = explain(ours, text, "mat", tokenized=tokenized)  # no layer: the softmax layers are ranked
+    assert chosen.layer == 3 and {f.layer for f in chosen.ranking} == {3}
+    for layer in (0, 2):
+        with pytest.raises(
+            ValueError, match=f"explain \\(the lesson\\) of layer {layer} needs a softmax .*'mixer'"
+        ):
+            explain(ours, text, "mat", layer=layer, head=0, tokenized=tokenized)

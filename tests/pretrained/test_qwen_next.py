@@ -22,7 +22,6 @@ import transformers as T
 import headspace as hs
 from headspace.analysis.atlas.run import atlas
 from headspace.analysis.circuits.decomposition import composition_scores, score_decomposition
-from headspace.analysis.lesson.explain import explain
 from headspace.attention.delta_net import DeltaNetCache, GatedDeltaNet
 from headspace.decode import describe, native, python
 from headspace.decode.step import _layer_of
@@ -170,8 +169,6 @@ def test_analyses_that_need_a_pattern_refuse_deltanet_layers_by_name(saved: dict
         composition_scores(ours.model)
     with pytest.raises(ValueError, match="atlas needs a softmax .*" + named):
         atlas(ours, ["some text"])
-    with pytest.raises(ValueError, match="explain \\(the lesson\\) needs a softmax .*" + named):
-        explain(ours, "a b c", 0)
     layer = ours.model.blocks[0].attn
     assert isinstance(layer, GatedDeltaNet)
     with pytest.raises(ValueError, match="a Gated DeltaNet layer has no softmax pattern and takes no mask"):
