@@ -16,6 +16,7 @@ import transformers as T
 import headspace as hs
 from headspace.analysis.causal.attribution import direct_logit_attribution
 from headspace.analysis.causal.patching import patch
+from headspace.analysis.circuits.decomposition import score_decomposition
 from headspace.analysis.lesson.explain import TokenizedSentence, explain
 from headspace.analysis.trace.trace import hooked
 
@@ -162,3 +163,19 @@ def test_explain_walks_a_softmax_layer_of_a_hybrid_and_refuses_a_deltanet_layer_
             ValueError, match=f"explain \\(the lesson\\) of layer {layer} needs a softmax .*'mixer'"
         ):
             explain(ours, text, "mat", layer=layer, head=0, tokenized=tokenized)
+
+
+def test_why_decomposes_a_softmax_head_of_a_hybrid_and_refuses_a_deltanet_layer_by_name(saved: dict) -> None:
+    folder, ref = saved["qwen3_5_text"]
+    model = hs.load(folder).model
+    tokens = torch.tensor([[3, 7, 11, 13, 3, 17, 19]])
+    d = score_decomposition(model, tokens, 3, 2, query=6)
+    with torch.no_grad():
+        pattern = ref(tokens, output_attentions=True).attentions[-1][0, 2, 6]  # (seq,): layer 3
+    assert d.pattern == pytest.approx(float(pattern[d.key]), abs=1e-5)
+    assert d.total == pytest.approx(d.score, abs=1e-4 * max(1.0, abs(d.score)))
+    assert "L0H5" in d.components and "mlp2" in d.components  # DeltaNet heads (6 per layer) are parts
+    with pytest.raises(
+        ValueError, match=r"score_decomposition \(why\) of layer 1 needs a softmax .*'mixer'"
+    ):
+        score_decomposition(model, tokens, 1, 0)

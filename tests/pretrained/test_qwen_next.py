@@ -163,7 +163,9 @@ def test_analyses_that_need_a_pattern_refuse_deltanet_layers_by_name(saved: dict
     ours = hs.load(saved["qwen3_5_text"][0])
     tokens = torch.randint(3, V, (1, 6))
     named = r"blocks \[0, 1, 2\] are Gated DeltaNet \(the block field 'mixer' is 'gated_deltanet'"
-    with pytest.raises(ValueError, match="score_decomposition \\(why\\) needs a softmax .*" + named):
+    with pytest.raises(
+        ValueError, match=r"score_decomposition \(why\) of layer 0 needs a softmax .*'mixer'"
+    ):
         score_decomposition(ours.model, tokens, 0, 0)
     with pytest.raises(ValueError, match="composition_scores needs a softmax .*" + named):
         composition_scores(ours.model)
