@@ -19,6 +19,7 @@ from headspace.analysis.causal.patching import patch
 from headspace.analysis.circuits.decomposition import score_decomposition
 from headspace.analysis.lesson.explain import TokenizedSentence, explain
 from headspace.analysis.trace.trace import hooked
+from headspace.viz.explorer.data import build_page_data, capture_layers, unpack
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -175,7 +176,27 @@ def test_why_decomposes_a_softmax_head_of_a_hybrid_and_refuses_a_deltanet_layer_
     assert d.pattern == pytest.approx(float(pattern[d.key]), abs=1e-5)
     assert d.total == pytest.approx(d.score, abs=1e-4 * max(1.0, abs(d.score)))
     assert "L0H5" in d.components and "mlp2" in d.components  # DeltaNet heads (6 per layer) are parts
-    with pytest.raises(
-        ValueError, match=r"score_decomposition \(why\) of layer 1 needs a softmax .*'mixer'"
-    ):
+    with pytest.raises(ValueError, match=r"score_decomposition \(why\) of layer 1 needs a softmax .*'mixer'"):
         score_decomposition(model, tokens, 1, 0)
+
+
+def test_the_explorer_page_shows_each_gated_heads_gate(saved: dict) -> None:
+    """The page data of a gated layer holds its gate per token and head, equal to sigmoid(x W_G[h]) from
+    the layer's own input and W_G view; the DeltaNet layers are not drawn (no pattern)."""
+    model = hs.load(saved["qwen3_next"][0]).model
+    tokens = torch.tensor([[3, 7, 11, 13, 3, 17]])
+    captures = capture_layers(model, lambda: model(tokens))
+    data = build_page_data(captures, [str(i) for i in tokens[0].tolist()], precision="float32")
+    (layer,) = data["layers"]  # the one softmax layer, block 3
+    assert layer["name"].endswith("blocks.3.attn")
+    assert layer["gate_kind"] == "elementwise" and "frozen" in layer["gate_label"]
+    gate = torch.from_numpy(unpack(layer["gate"]).copy())  # (seq, n_heads, d_head)
+    attn = model.blocks[3].attn
+    with torch.no_grad(), hs.trace(model, names=["blocks.3.hook_attn_in"]) as t:
+        model(tokens)
+        x = t["blocks.3.hook_attn_in"][0]  # (seq, d_model)
+        by_hand = torch.sigmoid(torch.einsum("sd,hdw->shw", x, attn.W_G))  # (seq, n_heads, d_head)
+    assert gate.shape == (6, 4, 6)
+    assert torch.allclose(gate, by_hand, atol=1e-6)
+    mean = torch.from_numpy(unpack(layer["gate_mean"]).copy())  # (seq, n_heads)
+    assert torch.allclose(mean, by_hand.mean(-1), atol=1e-6)
