@@ -13,6 +13,14 @@ post-sublayer norm), it is frozen the same way at the layer's output ``sum_h r_{
 head's part is its ``hook_result`` through that norm (the norm's shift joins ``b_O^l``); the MLP's part is
 ``hook_mlp_out``, taken after its norm.
 
+**Gates and hybrids** (Qwen3-Next, Qwen3.5). A gated softmax layer's ``hook_result`` is the gated
+``(z_h * sigmoid(x W_G[h])) W_O[h]``: each head's part holds the gate **frozen at its run's value**
+(the gate is not attributed apart; the parts still add up exactly). A Gated DeltaNet layer's heads are
+its value heads, each ``z_h W_O[h]`` (its ``hook_result``; ``z_h`` the gated norm's output, its silu gate
+as on the run): exact the same way. Layers may have different head counts: ``heads`` is padded with
+zeros to the widest layer and ``layer_heads`` gives each layer's count. A mixture of experts is one
+part per layer (``mlps``: the routed and shared experts together).
+
 **Logit lens.** Each layer's residual stream at the last position, read through the final norm and the
 unembedding as if the model stopped there: the top tokens per layer, and the answer's rank and
 probability per layer. The last row is the model's own prediction.
@@ -26,7 +34,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ...attention.delta_net import refuse_linear_attention_model
+from ...attention.delta_net import GatedDeltaNet
 from .._common import JsonResult, eval_mode
 from ..trace.trace import trace
 from .budget import attribution_bytes, check_memory, shape_of
@@ -61,12 +69,15 @@ class LogitAttribution(JsonResult):
 
     Shapes (``P`` prompts; means over prompts in the fields without ``per_prompt``):
 
-    * ``heads``: [n_layers, n_heads], each head's ``hook_result``;
+    * ``heads``: [n_layers, max_heads], each head's ``hook_result`` (a gated head's with its gate
+      frozen at the run's value); a layer with fewer heads is padded with zeros (``layer_heads``);
     * ``mlps``: [n_layers]; ``attn_biases``: [n_layers] (``b_O``, 0 without bias;
       through a post-attention norm, with that norm's shift);
     * ``embed``, ``norm_bias``, ``total``, ``logit``: scalars (0-d tensors); ``total`` is the sum of every
       part and equals ``logit``, the model's own logit (difference), up to float rounding;
-    * ``per_prompt``: the same per prompt (``heads`` [P, n_layers, n_heads] ...).
+    * ``per_prompt``: the same per prompt (``heads`` [P, n_layers, max_heads] ...);
+    * ``layer_heads``: each layer's head count; ``mixers``: each layer's mixer (``"attention"`` or
+      ``"gated_deltanet"``); ``gated``: whether each layer's heads carry a frozen output gate.
     """
 
     kind = "direct_logit_attribution"
@@ -83,13 +94,18 @@ class LogitAttribution(JsonResult):
     answer_token: str
     other_token: str | None
     per_prompt: dict[str, Tensor] = field(default_factory=dict)
+    layer_heads: list[int] = field(default_factory=list)
+    mixers: list[str] = field(default_factory=list)
+    gated: list[bool] = field(default_factory=list)
 
     def top_heads(self, k: int = 10) -> list[tuple[int, int, float]]:
         """The ``k`` heads with the largest absolute contribution: ``[(layer, head, value), ...]``."""
         flat = self.heads.flatten()
-        order = flat.abs().argsort(descending=True)[:k]
         n = self.heads.shape[1]
-        return [(int(i) // n, int(i) % n, float(flat[i])) for i in order]
+        counts = self.layer_heads or [n] * self.heads.shape[0]
+        real = [i for i in range(flat.numel()) if i % n < counts[i // n]]  # the padding left out
+        order = sorted(real, key=lambda i: -abs(float(flat[i])))[:k]
+        return [(i // n, i % n, float(flat[i])) for i in order]
 
 
 def _check_memory(module: Any, p: Any, kind: str, max_memory: Any) -> None:
@@ -121,6 +137,9 @@ def direct_logit_attribution(
     Returns:
         :class:`LogitAttribution`; ``total == logit`` (the parts add up to the model's logit).
 
+    Gated layers and Gated DeltaNet layers are attributed per head (module docstring: a gate is frozen
+    at its run's value; the result's ``layer_heads``, ``mixers`` and ``gated`` say which is which).
+
     Raises:
         ValueError: a block of the ``post`` layout (a norm after each residual add: OPT-350m), by name.
     """
@@ -130,7 +149,6 @@ def direct_logit_attribution(
             "direct_logit_attribution does not support the block field 'layout' ('post'): the norm after "
             "each residual add rescales the whole stream, so no part has a fixed direct path to the logit"
         )
-    refuse_linear_attention_model(module, "direct_logit_attribution (per head)")
     p = prompts_of(model, prompts)
     a = token_id(model, answer, "answer")
     b = None if other is None else token_id(model, other, "other")
@@ -156,20 +174,7 @@ def direct_logit_attribution(
     mlps = torch.stack(
         [contrib(gather_last(t[f"blocks.{i}.hook_mlp_out"], p.last)) for i in range(n_layers)], dim=1
     )  # (P, L)
-    per_layer, biases = [], []
-    for i, block in enumerate(module.blocks):
-        r = gather_last(t.result(i), p.last)  # (P, H, d_model)
-        b_O = block.attn.o_bias
-        bias = r.new_zeros(p.batch, r.shape[-1]) if b_O is None else b_O.expand(p.batch, -1)  # (P, d_model)
-        post = post_attention_norm(block)
-        if post is not None:  # the heads reach the stream through this norm, frozen at the layer's output
-            s_post, beta_post = frozen_norm(post, r.sum(1) + bias)  # (P, d_model) x 2
-            r = centered(post, r) * s_post[:, None]  # (P, H, d_model)
-            bias = centered(post, bias) * s_post + beta_post  # (P, d_model)
-        per_layer.append(contrib(r))  # (P, H)
-        biases.append(contrib(bias[:, None])[:, 0])  # (P,)
-    heads = torch.stack(per_layer, dim=1)  # (P, L, H)
-    attn_biases = torch.stack(biases, dim=1)  # (P, L)
+    heads, attn_biases, counts = _attention_parts(module, t, p, contrib)  # (P, L, H), (P, L), [L]
     norm_bias = beta @ u  # (P,)
     total = embed + heads.sum((1, 2)) + mlps.sum(1) + attn_biases.sum(1) + norm_bias  # (P,)
     last_logits = gather_last(logits, p.last)  # (P, vocab)
@@ -182,8 +187,37 @@ def direct_logit_attribution(
         heads=heads.mean(0), mlps=mlps.mean(0), attn_biases=attn_biases.mean(0), embed=embed.mean(0),
         norm_bias=norm_bias.mean(0), total=total.mean(0), logit=logit.mean(0), answer=a, other=b,
         answer_token=token_str(model, a), other_token=None if b is None else token_str(model, b),
-        per_prompt=per,
+        per_prompt=per, layer_heads=counts, mixers=[_mixer(block) for block in module.blocks],
+        gated=[getattr(block.attn, "gate_weight", None) is not None for block in module.blocks],
     )  # fmt: skip
+
+
+def _attention_parts(module: Any, t: Any, p: Any, contrib: Any) -> tuple[Tensor, Tensor, list[int]]:
+    """Each layer's heads' parts [P, L, max_heads] (zeros after a layer's own heads), its bias parts
+    [P, L] and its head counts, from the trace ``t`` (``blocks.*.attn.hook_result``); ``contrib`` maps
+    a part [P, ..., d_model] at the last position to its logit contribution [P, ...]."""
+    per_layer, biases = [], []
+    for i, block in enumerate(module.blocks):
+        r = gather_last(t[f"blocks.{i}.attn.hook_result"], p.last)  # (P, H, d_model)
+        b_O = getattr(block.attn, "o_bias", None)  # a Gated DeltaNet has none
+        bias = r.new_zeros(p.batch, r.shape[-1]) if b_O is None else b_O.expand(p.batch, -1)  # (P, d_model)
+        post = post_attention_norm(block)
+        if post is not None:  # the heads reach the stream through this norm, frozen at the layer's output
+            s_post, beta_post = frozen_norm(post, r.sum(1) + bias)  # (P, d_model) x 2
+            r = centered(post, r) * s_post[:, None]  # (P, H, d_model)
+            bias = centered(post, bias) * s_post + beta_post  # (P, d_model)
+        per_layer.append(contrib(r))  # (P, H)
+        biases.append(contrib(bias[:, None])[:, 0])  # (P,)
+    counts = [h.shape[1] for h in per_layer]
+    width = max(counts)
+    heads = torch.stack([torch.nn.functional.pad(h, (0, width - h.shape[1])) for h in per_layer], dim=1)
+    # (P, L, max_heads): zeros after each layer's own heads
+    return heads, torch.stack(biases, dim=1), counts
+
+
+def _mixer(block: Any) -> str:
+    """The block field 'mixer' of ``block``: ``"gated_deltanet"`` or ``"attention"``."""
+    return "gated_deltanet" if isinstance(block.attn, GatedDeltaNet) else "attention"
 
 
 @dataclass

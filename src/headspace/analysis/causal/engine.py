@@ -18,10 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ...attention.latent import LatentAttention
-from ...nn.kv_cache import KVCache
 from ..trace.trace import hooked, trace
 from .causal_inputs import last_resid
+from .hybrid import prefix_cache, prefix_state
 
 __all__ = [
     "FullRun",
@@ -141,16 +140,7 @@ def sweep(
         if decoder:
             kwargs["is_causal"] = True
             if p:
-                k, v = prefix[layer]
-                attn = module.blocks[layer].attn
-                if isinstance(attn, LatentAttention):  # its cache holds the latent and the rotary key
-                    cache = attn.make_kv_cache(runs, seq)
-                else:
-                    cache = KVCache(runs, k.shape[1], k.shape[3], seq, dtype=k.dtype, device=k.device)
-                cache.k[:, :, :p] = k
-                cache.v[:, :, :p] = v
-                cache.length = p
-                kwargs["kv_cache"] = cache
+                kwargs["kv_cache"] = prefix_cache(module.blocks[layer].attn, prefix[layer], runs, seq, p)
             if rotary is not None:
                 kwargs["positions"] = positions
         return kwargs
@@ -265,7 +255,7 @@ def corrupt_stream(
     if decoder and p:
         caches = module.make_kv_caches(1, tokens.shape[1])
         module(tokens[:, :p], None, caches)  # the prefix, the same in every run
-        prefix = [(c.k[:, :, :p].clone(), c.v[:, :, :p].clone()) for c in caches]  # (1, Hkv, p, dh) x 2
+        prefix = [prefix_state(c, p) for c in caches]  # (1, Hkv, p, dh) x 2 (a DeltaNet: its state)
         with trace(module, names=names) as t:
             module(tokens[:, p:], None, caches)
     else:

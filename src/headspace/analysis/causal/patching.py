@@ -6,6 +6,8 @@ normalised, ``(patched - corrupt) / (clean - corrupt)``: 0 = no effect, 1 = the 
 restored. Sites (``site=``):
 
 * ``"heads"``: each head's output ``hook_z`` (the input of its rows of W_O), all positions -> [layer, head];
+  a gated head's ``hook_z`` is the gated z (the gate as on the run it came from), a Gated DeltaNet
+  head's its gated norm's output (hybrids: layers keep their own head counts, padded to the widest);
 * ``"heads_pos"``: the same per position -> [layer, head, position];
 * ``"resid"``: the residual stream entering each block, per position -> [layer, position];
 * ``"mlp"``: each MLP's output, all positions -> [layer].

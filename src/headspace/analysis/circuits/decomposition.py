@@ -50,7 +50,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...attention.delta_net import refuse_linear_attention_model
+from ...attention.delta_net import refuse_linear_attention, refuse_linear_attention_model
 from ...core.checks import is_int
 from .._common import JsonResult, eval_mode
 from ..causal.causal_inputs import (
@@ -138,8 +138,9 @@ def residual_parts(module: nn.Module, t: Any, layer: int) -> tuple[list[str], Te
     for i in range(layer):
         block = module.blocks[i]
         kind = getattr(block, "norm", "pre" if block.pre_ln else "post")
-        result = t.result(i)[0].double()  # (seq, H, d_model)
-        b_O = torch.zeros_like(bias) if block.attn.b_O is None else block.attn.b_O.double().expand_as(bias)
+        result = t[f"blocks.{i}.attn.hook_result"][0].double()  # (seq, H, d_model): a DeltaNet's heads too
+        b_O = getattr(block.attn, "b_O", None)  # a Gated DeltaNet has none
+        b_O = torch.zeros_like(bias) if b_O is None else b_O.double().expand_as(bias)
         post = post_attention_norm(block)
         if post is not None:  # h = x + N(a): N frozen at the layer's output a
             scale, beta = frozen_norm(post, result.sum(1) + b_O)  # (seq, d_model) x 2
@@ -179,7 +180,9 @@ def score_decomposition(
 ) -> ScoreDecomposition:
     """Split head ``head`` of layer ``layer``'s score of ``query`` on ``key`` over pairs of parts.
 
-    See the module docstring for the formula. Exact: ``parts.sum() == score`` to float rounding.
+    See the module docstring for the formula. Exact: ``parts.sum() == score`` to float rounding. On a
+    hybrid (Qwen3-Next, Qwen3.5) the earlier Gated DeltaNet layers' heads are parts like any head (their
+    ``hook_result``); a Gated DeltaNet ``layer`` itself has no score and is refused by name.
 
     Args:
         model: a loaded model (``headspace.load(...)``) or a bare Encoder/Decoder (then ``prompt`` is ids).
@@ -193,7 +196,6 @@ def score_decomposition(
         1 + layer * (n_heads + 1) + 1`` (embed, each earlier layer's heads and MLP, bias).
     """
     module = stack_of(model, "score_decomposition")
-    refuse_linear_attention_model(module, "score_decomposition (why)")
     p = prompts_of(model, prompt)
     if p.batch != 1:
         raise ValueError(f"score_decomposition takes one prompt; got {p.batch}")
@@ -201,6 +203,7 @@ def score_decomposition(
     tokens = p.tokens[:, :seq]  # (1, seq)
     layer = _check_index("layer", layer, len(module.blocks), "an attention layer")
     attn = module.blocks[layer].attn
+    refuse_linear_attention(attn, f"score_decomposition (why) of layer {layer}")  # a hybrid's DeltaNet
     head = _check_index("head", head, attn.n_heads, f"a head of layer {layer}")
     i = _check_index("query", query, seq, "a position of the prompt")
     source = getattr(getattr(attn, "spec", None), "kv_source", None)

@@ -43,11 +43,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...attention.delta_net import refuse_linear_attention_model
 from ...core.checks import is_int
 from ...core.defaults import DEFAULT_SENTENCE, DEFAULT_TOKEN
 from . import sink_steps  # noqa: F401  (registers the learned-sink step)
 from .content_tokens import content_positions
+from .hybrid import is_deltanet, refuse_deltanet_layer, softmax_indices
 from .scheme_steps import SchemeStep, scheme_steps
 
 
@@ -361,6 +361,7 @@ def record(model: nn.Module, run: Callable[[], Any]) -> dict[str, list[Tensor]]:
     # each block's hook_attn_in: the attention's input after its norm, in every residual layout
     removers = [b.hook_attn_in.add(grab_input(i), this_thread=True) for i, b in enumerate(model.blocks)]
     names = ("q", "k", "v", "scores", "pattern", "z", "result")
+    layers = [a for a in layers if not is_deltanet(a)]  # a hybrid's softmax layers
     rotary = [n for n in ("rot_q", "rot_k") if all(getattr(a, "rotary", None) is not None for a in layers)]
     normed = [n for n in ("q_normed", "k_normed") if all(getattr(a, "qk_norm", None) for a in layers)]
     gated = ["gate"] if all(getattr(a, "gate_weight", None) is not None for a in layers) else []
@@ -371,8 +372,10 @@ def record(model: nn.Module, run: Callable[[], Any]) -> dict[str, list[Tensor]]:
     finally:
         for remove in removers:
             remove()
-    rec = {n: [t.act(n, i) for i in range(len(layers))] for n in (*names, *extra)}
-    rec.update({n: [t[f"{path}.hook_{n}"] for path in t.layer_paths] for n in gated})  # output gates
+    index = softmax_indices(model)  # per block: its softmax layer index, None for a Gated DeltaNet
+    rec = {n: [None if j is None else t.act(n, j) for j in index] for n in (*names, *extra)}
+    gates = {n: [t[f"{path}.hook_{n}"] for path in t.layer_paths] for n in gated}  # output gates
+    rec.update({n: [None if j is None else g[j] for j in index] for n, g in gates.items()})
     rec["input"] = inputs  # type: ignore[assignment]
     return rec
 
@@ -409,16 +412,17 @@ def value_norms(values: Tensor, W_O: Tensor) -> Tensor:
 
 
 def rank_heads(
-    patterns: Sequence[Tensor],
+    patterns: Sequence[Tensor | None],
     tokens: Sequence[str],
     index: int,
     special: set[int],
     top_k: int = 3,
-    norms: Sequence[Tensor] | None = None,
+    norms: Sequence[Tensor | None] | None = None,
 ) -> list[HeadFocus]:
     """Rank every (layer, head) for the token at ``index``, relational heads first (see the module).
 
-    ``patterns[layer]`` is [1, n_heads, seq_q, seq_k] (or [n_heads, seq_q, seq_k]); ``norms[layer]``
+    ``patterns[layer]`` is [1, n_heads, seq_q, seq_k] (or [n_heads, seq_q, seq_k]; None for a layer
+    without a pattern, a hybrid's Gated DeltaNet layer, which is skipped); ``norms[layer]``
     [n_heads, seq_k] the :func:`value_norms` (None: flow is the attention weight alone). Relational heads
     (top key another content token) come first, by decreasing ``content_flow``; then the
     positional and function-word heads, by decreasing weight of their top key. Ties keep (layer, head)
@@ -428,6 +432,8 @@ def rank_heads(
     content = content_positions(tokens, index, special)
     relational, positional = [], []
     for layer, pattern in enumerate(patterns):
+        if pattern is None:  # a Gated DeltaNet layer of a hybrid: no pattern
+            continue
         pattern = pattern[0] if pattern.dim() == 4 else pattern  # (n_heads, seq_q, seq_k)
         for head in range(pattern.shape[0]):
             row = pattern[head, index].float()  # (seq_k,)
@@ -497,8 +503,8 @@ def explain(
     if not isinstance(sentence, str) or not sentence.strip():
         raise ValueError(f"sentence must be a non-empty string; got {sentence!r}")
     model = pretrained.model
-    refuse_linear_attention_model(model, "explain (the lesson)")
     _check_head_choice(model, layer, head)
+    refuse_deltanet_layer(model, layer, "explain (the lesson)")  # a hybrid: its softmax layers only
     if tokenized is None:
         tokenized = tokenize_sentence(pretrained, sentence)
     elif tokenized.text != sentence:
@@ -510,7 +516,7 @@ def explain(
         occurrences = [index]
     rec = _record_ids(model, tokenized.ids, tokenized.key_padding)
     layers = _attention_layers(model)
-    norms = [value_norms(rec["v"][i][0], a.W_O) for i, a in enumerate(layers)]
+    norms = [None if is_deltanet(a) else value_norms(rec["v"][i][0], a.W_O) for i, a in enumerate(layers)]
     ranking = rank_heads(rec["pattern"], tokens, index, special_positions(pretrained, tokens), norms=norms)
     if head is None:
         candidates = [f for f in ranking if layer is None or f.layer == layer]

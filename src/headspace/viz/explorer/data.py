@@ -13,6 +13,8 @@ What the page stores, per attention layer (``seq`` = the sentence's tokens)::
     overlap          {"W_Q", "W_K", "W_V", "W_O"} [heads, heads]: mean squared cosine of the principal
                      angles between two heads' subspaces, with the random baseline d_head / d_model
 
+for a gated layer, its output gate (``gate``, ``gate_mean``, ``gate_kind``, ``gate_label``: :mod:`.gates`);
+
 and, for the whole page, ``initial`` {"layer", "head", "token"}: where it opens, and ``results``: the
 saved patching / attribution results it shows as heatmaps (a list of views, plain JSON numbers; see
 :mod:`headspace.viz.explorer.results`; empty without results).
@@ -48,6 +50,7 @@ from ...analysis import overlap_matrix, random_overlap, shares_from_result
 from ...analysis.trace.trace import attention_layers, trace
 from ...attention.layer import MultiHeadAttention
 from .codec import decode_grid, encode_grid
+from .gates import GATE_HOOK, gate_fields, traced_gate
 
 #: Format tag written into every page, bumped when the data layout changes.
 FORMAT = "headspace-explorer/3"
@@ -80,6 +83,7 @@ class LayerCapture:
     result: Tensor
     out: Tensor
     mask: str
+    gate: Tensor | None = None  # [seq, n_heads, width]: a gated layer's output gate (.gates)
 
 
 def _mask_kind(name: str, scores: Tensor) -> str:
@@ -107,7 +111,7 @@ def capture_layers(model: nn.Module, run: Callable[[], Any]) -> list[LayerCaptur
     layers = attention_layers(model)
     if not layers:
         raise ValueError(f"model has no headspace MultiHeadAttention layer to show ({type(model).__name__})")
-    wanted = set(_HOOKS + _ROTARY_HOOKS)
+    wanted = set(_HOOKS + _ROTARY_HOOKS + (GATE_HOOK,))
     with torch.no_grad(), trace(model, lambda name: name.rsplit(".", 1)[-1] in wanted) as t:
         run()
     captures = []
@@ -157,6 +161,7 @@ def capture_layers(model: nn.Module, run: Callable[[], Any]) -> list[LayerCaptur
                 result=result,
                 out=out,
                 mask=mask,
+                gate=traced_gate(t, name),
             )
         )
     return captures
@@ -284,6 +289,7 @@ def build_page_data(
                 "wo_norms": [float(x) for x in W_O.flatten(1).norm(dim=1)],
                 "overlap": {key: pack(m, "float32") for key, m in overlap.items()},
                 "overlap_baseline": random_overlap(attn.d_model, attn.d_head, attn.d_head),
+                **gate_fields(c.gate, pack, dtype),  # gated layers: the output gate view (.gates)
             }
         )
     return {
