@@ -561,7 +561,9 @@ def _walk(
         **_rotated(rec, attn, layer, index, head, kv_head),
         **_normed(rec, attn, layer, index, head, kv_head),
         window=getattr(attn, "window", None),
-        scheme_steps=scheme_steps(attn, head, len(tokens)),
+        scheme_steps=scheme_steps(
+            attn, head, len(tokens), query=index, scores=scores_row.float(), keys=tuple(order)
+        ),
     )
 
 

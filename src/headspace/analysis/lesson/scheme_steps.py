@@ -17,12 +17,18 @@ Steps registered here, for rotary layers (``attn.rotary``, :class:`headspace.nn.
   and LongRoPE pick theirs from the call's length), with YaRN's and LongRoPE's attention factor ``a``
   (cos and sin times ``a``: a score's rotated part grows by ``a ** 2``).
 
-A new mechanism adds its step with :func:`register_scheme_step`; see the ALiBi hook at the end of this
-module.
+and for ALiBi layers (``attn.spec.alibi_slopes``, :mod:`headspace.nn.alibi`: BLOOM, MPT, Falcon-alibi):
+
+* ``"alibi"``: the head's slope ``m_h`` and, for the explained query ``i`` and its top keys ``j``, the
+  bias ``-m_h * (i - j)`` with the scaled score before it (``hook_scores - bias``) and after it (the
+  traced ``hook_scores``, the score softmax reads).
+
+A new mechanism adds its step with :func:`register_scheme_step`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,11 +49,17 @@ __all__ = [
 class SchemeContext:
     """What a step function may read: the attention layer ``attn`` (a headspace attention module), the
     explained ``head`` (a query head of that layer) and ``seq_len``, the sentence's length in tokens (the
-    forward has run: stateful schemes hold the values that call used)."""
+    forward has run: stateful schemes hold the values that call used). Optional, for steps that show the
+    explained query's scores: ``query`` (its position ``i``), ``scores`` (the head's traced row
+    ``hook_scores[0, head, i]`` [seq_len], float; ``-inf`` where masked) and ``keys`` (the positions
+    ``j`` of its top keys, best first)."""
 
     attn: Any
     head: int
     seq_len: int
+    query: int | None = None
+    scores: torch.Tensor | None = None
+    keys: tuple[int, ...] = ()
 
 
 @dataclass
@@ -86,10 +98,18 @@ def register_scheme_step(name: str, fn: SchemeStepFn) -> SchemeStepFn:
     return fn
 
 
-def scheme_steps(attn: Any, head: int, seq_len: int) -> list[SchemeStep]:
+def scheme_steps(
+    attn: Any,
+    head: int,
+    seq_len: int,
+    *,
+    query: int | None = None,
+    scores: torch.Tensor | None = None,
+    keys: tuple[int, ...] = (),
+) -> list[SchemeStep]:
     """Every registered step that applies to head ``head`` of the layer ``attn``, after a forward of
-    ``seq_len`` tokens, in registration order."""
-    context = SchemeContext(attn, head, seq_len)
+    ``seq_len`` tokens, in registration order (``query``, ``scores``, ``keys``: :class:`SchemeContext`)."""
+    context = SchemeContext(attn, head, seq_len, query, scores, tuple(keys))
     steps = (fn(context) for fn in SCHEME_STEPS.values())
     return [s for s in steps if s is not None]
 
@@ -219,13 +239,37 @@ register_scheme_step("partial_rotary", partial_rotary_step)
 register_scheme_step("rotary_pairs", rotary_pairs_step)
 register_scheme_step("rope_scaling", rope_scaling_step)
 
-# ---------------------------------------------------------------------------------------------------------
-# HOOK: ALiBi (issue #38). nn/alibi.py is built in parallel; its step is NOT written here. Once the layer
-# carries its ALiBi slopes, register one function here (or from the module that owns ALiBi):
-#
-#     register_scheme_step("alibi", alibi_step)
-#
-# where alibi_step(c: SchemeContext) returns None for a layer without ALiBi, else
-# SchemeStep("alibi", "ALiBi: bias -m_h * delta added to the score", lines, {"slope": m_h, ...}) with head
-# c.head's slope m_h and, for the explained query, the bias -m_h * (i - j) of a few keys j.
-# ---------------------------------------------------------------------------------------------------------
+
+def alibi_step(c: SchemeContext) -> SchemeStep | None:
+    """ALiBi: the head's slope ``m_h`` and, for the explained query ``i`` and each top key ``j``, the bias
+    ``-m_h * (i - j)`` with the scaled score before it and after it (``after`` is the traced
+    ``hook_scores``, ``before = after + m_h * (i - j)``). Without a query: the bias at offsets 0..3."""
+    slopes = getattr(getattr(c.attn, "spec", None), "alibi_slopes", None)
+    if slopes is None:
+        return None
+    m = float(slopes[c.head])
+    title = f"ALiBi: bias -m_h x (i - j) added to the score, slope m_h = {m:.6g}"
+    lines = [
+        f"head {c.head}'s slope m_h = {m:.6g}: every key j loses m_h x (i - j) from its scaled score,",
+        "a linear penalty in the distance with no position in q or k (softmax reads the sum)",
+    ]
+    numbers: dict[str, Any] = {"slope": m}
+    finite = c.scores is not None and any(math.isfinite(float(c.scores[j])) for j in c.keys)
+    if c.query is None or c.scores is None or not finite:
+        deltas = [0, 1, 2, 3]
+        lines.append("offsets " + ", ".join(f"{d}: {-m * d:.4g}" for d in deltas))
+        numbers.update(delta=deltas, bias=[-m * d for d in deltas])
+        return SchemeStep("alibi", title, lines, numbers)
+    i = int(c.query)
+    keys = [int(j) for j in c.keys if math.isfinite(float(c.scores[j]))]  # masked keys have no score
+    after = [float(c.scores[j]) for j in keys]
+    bias = [-m * (i - j) for j in keys]
+    before = [a - b for a, b in zip(after, bias)]
+    lines.append(f"query {i}'s top keys: score before the bias -> after")
+    lines += [f"key {j} (i - j = {i - j}): {s0:.4f} {b:+.4f} -> {s1:.4f}"
+              for j, s0, b, s1 in zip(keys, before, bias, after)]  # fmt: skip
+    numbers.update(query=i, keys=keys, delta=[i - j for j in keys], bias=bias, before=before, after=after)
+    return SchemeStep("alibi", title, lines, numbers)
+
+
+register_scheme_step("alibi", alibi_step)
