@@ -637,8 +637,8 @@ def _engine_calls(
             kw["key_padding"] = replicate(padding, runs // b)  # (runs, keep)
         if decoder:
             kw["is_causal"] = True
-        if positions is not None:
-            kw["positions"] = positions
+        if positions is not None and getattr(module.blocks[layer].attn, "rotary", None) is not None:
+            kw["positions"] = positions  # (NoPE layers, e.g. EXAONE 4's global ones: none, as forward)
         return kw
 
     return hooks, block_kwargs

@@ -146,8 +146,8 @@ def sweep(
                 cache.v[:, :, :p] = v
                 cache.length = p
                 kwargs["kv_cache"] = cache
-            if rotary is not None:
-                kwargs["positions"] = positions
+            if rotary is not None and getattr(module.blocks[layer].attn, "rotary", None) is not None:
+                kwargs["positions"] = positions  # (NoPE layers: none, as the model's forward)
         return kwargs
 
     x = run_from_layers(module, joins, hooks, block_kwargs)
