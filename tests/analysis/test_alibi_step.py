@@ -18,7 +18,7 @@ import transformers as T
 
 import headspace as hs
 from headspace.analysis.lesson.explain import explain
-from headspace.cli.render import EXPLAIN_WIDTH, scheme_lines
+from headspace.cli.render import EXPLAIN_WIDTH, render_explanation, scheme_lines
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -116,6 +116,13 @@ def test_alibi_step_shows_the_slope_and_each_top_keys_score_before_and_after_the
     assert all(len(line) <= EXPLAIN_WIDTH for line in lines)
     carried = json.loads(json.dumps(e.to_dict()))["scheme_steps"]
     assert next(s for s in carried if s["scheme"] == "alibi")["numbers"] == n
+
+
+def test_the_scores_step_says_its_scores_include_the_bias(saved: dict, capsys: pytest.CaptureFixture) -> None:
+    render_explanation(explain(Words(saved["mpt"][0]), SENTENCE, 6, layer=1, head=3))
+    assert "- m_h (i - j) (ALiBi, 2c)" in capsys.readouterr().out
+    render_explanation(explain(Words(saved["gpt2"][0]), SENTENCE, 6, layer=1, head=3))
+    assert "ALiBi" not in capsys.readouterr().out
 
 
 def test_first_token_keeps_only_its_own_key_and_a_model_without_alibi_has_no_step(saved: dict) -> None:

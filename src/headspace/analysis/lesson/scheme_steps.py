@@ -263,7 +263,7 @@ def alibi_step(c: SchemeContext) -> SchemeStep | None:
     i = int(c.query)
     keys = [int(j) for j in c.keys if math.isfinite(float(c.scores[j]))]  # masked keys have no score
     after = [float(c.scores[j]) for j in keys]
-    bias = [-m * (i - j) for j in keys]
+    bias = [-m * (i - j) + 0.0 for j in keys]  # + 0.0: no -0.0 at delta 0
     before = [a - b for a, b in zip(after, bias)]
     lines.append(f"query {i}'s top keys: score before the bias -> after")
     lines += [f"key {j} (i - j = {i - j}): {s0:.4f} {b:+.4f} -> {s1:.4f}"

@@ -64,6 +64,7 @@ PRECISIONS = ("auto", "float32", "float16")
 _HOOKS = ("hook_q", "hook_k", "hook_v", "hook_scores", "hook_pattern", "hook_z", "hook_result")
 #: Rotary layers also have these: q and k after the rotation, the ones the scores are made of.
 _ROTARY_HOOKS = ("hook_rot_q", "hook_rot_k")
+_NORMED_HOOKS = ("hook_q_normed", "hook_k_normed")
 
 
 @dataclass
@@ -122,7 +123,7 @@ def capture_layers(model: nn.Module, run: Callable[[], Any]) -> list[LayerCaptur
     layers = attention_layers(model)
     if not layers:
         raise ValueError(f"model has no headspace MultiHeadAttention layer to show ({type(model).__name__})")
-    wanted = set(_HOOKS + _ROTARY_HOOKS)
+    wanted = set(_HOOKS + _ROTARY_HOOKS + _NORMED_HOOKS)
     with torch.no_grad(), trace(model, lambda name: name.rsplit(".", 1)[-1] in wanted) as t:
         run()
     captures = []
@@ -147,8 +148,11 @@ def capture_layers(model: nn.Module, run: Callable[[], Any]) -> list[LayerCaptur
                 f"{rec['k'].shape[1]} keys"
             )
         rot_q, rot_k = f"{name}.hook_rot_q", f"{name}.hook_rot_k"
+        norm_q, norm_k = f"{name}.hook_q_normed", f"{name}.hook_k_normed"
         if rot_q in t and rot_k in t:  # rotary positions: the scores are q k^T of the rotated q and k
             q, k = t[rot_q], t[rot_k]
+        elif norm_q in t and norm_k in t:  # QK-norm without rotary (a NoPE layer): the normed q and k
+            q, k = t[norm_q], t[norm_k]
         else:
             k = rec["k"]
         q, k, v = q[0].float(), k[0].float(), rec["v"][0].float()  # (S, H, dh), (S, Hkv, dh) x 2
