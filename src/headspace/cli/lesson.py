@@ -244,8 +244,7 @@ def heads_cmd(
 
     kw: dict[str, Any] = {} if threshold is None else {"threshold": threshold}
     # a decoder's heads also get the induction score (repeated random tokens: where copying heads look)
-    induction = is_decoder(pretrained)
-    roles = head_roles(pretrained, sentences, induction=induction, **kw)
+    roles = head_roles(pretrained, sentences, induction=_induction(pretrained), **kw)
     importance = (
         None if no_importance else head_importance(pretrained, sentences, mode=mode, progress=not as_json)
     )
@@ -276,6 +275,20 @@ def heads_cmd(
 
 #: The sentences ``heads`` names under its table (the rest are counted; --json lists them all).
 SHOWN_SENTENCES = 3
+
+
+def _induction(pretrained: Any) -> Any:
+    """A decoder's induction scores [n_layers, n_heads] (:func:`headspace.analysis.induction_scores`),
+    ``n`` tokens per copy: the default, or as many as fit a shorter ``max_seq_len`` (two copies after a
+    BOS: ``(max_seq_len - 1) // 2``); False for an encoder (no induction column)."""
+    if not is_decoder(pretrained):
+        return False
+    from ..analysis import induction_scores
+    from ..analysis.lesson.roles import DEFAULT_INDUCTION_N
+
+    max_len = getattr(pretrained.model.config, "max_seq_len", None)
+    fits = (max_len - 1) // 2 if isinstance(max_len, int) and max_len >= 3 else DEFAULT_INDUCTION_N
+    return induction_scores(pretrained, n=min(DEFAULT_INDUCTION_N, fits))
 
 
 def heads_legend(sentences: Sequence[str], roles: Any, importance: Any) -> list[str]:

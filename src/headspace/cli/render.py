@@ -326,8 +326,10 @@ def render_explanation(e: Explanation, *, top_heads: int = 5) -> None:
     q_name, k_name = ("q_rot", "k_rot_j") if rotated else ("q_n", "k_n,j") if e.q_normed else ("q", "k_j")
     root = 1.0 / (e.scale * e.scale)  # the scale is 1 / sqrt(root): d_head, or Gemma's query_pre_attn_scalar
     root_text = f"{root:.0f}" if abs(root - round(root)) < 1e-6 else f"{root:.4g}"
+    alibi = " - m_h (i - j) (ALiBi, 2c)" if any(st.scheme == "alibi" for st in e.scheme_steps) else ""
     c.print(
-        f"3. scores {q_name}.{k_name} / sqrt({root_text}) and the softmax over the {len(e.tokens)} tokens"
+        f"3. scores {q_name}.{k_name} / sqrt({root_text}){alibi} and the softmax over the {len(e.tokens)} "
+        "tokens"
     )
     c.print(_scores_table(e, rotated))
     if e.window is not None:

@@ -486,12 +486,15 @@ def _replicated(a: _Ablations, bar: Any) -> tuple[list[float], float]:
 
 
 def _engine_applies(module: nn.Module, batches: Sequence[Batch]) -> bool:
-    """Whether the batched engine can run: an Encoder or Decoder fed token ids alone."""
+    """Whether the batched engine can run: an Encoder or Decoder fed token ids alone, whose blocks run
+    as the stock forward runs them (not Gemma 4 / 3n: per-layer inputs, shared keys, AltUp; their
+    heads are ablated through the whole forward instead)."""
     from ...model.models import Decoder, Encoder
 
-    return isinstance(module, (Encoder, Decoder)) and all(
-        b.tokens is not None and len(b.args) == 1 for b in batches
+    stock = type(module).forward is Encoder.forward or (
+        type(module).forward is Decoder.forward and type(module).hidden_states is Decoder.hidden_states
     )
+    return stock and all(b.tokens is not None and len(b.args) == 1 for b in batches)
 
 
 def _plain_unembedding(module: nn.Module) -> Tensor | None:
@@ -637,8 +640,8 @@ def _engine_calls(
             kw["key_padding"] = replicate(padding, runs // b)  # (runs, keep)
         if decoder:
             kw["is_causal"] = True
-        if positions is not None:
-            kw["positions"] = positions
+        if positions is not None and getattr(module.blocks[layer].attn, "rotary", None) is not None:
+            kw["positions"] = positions  # (NoPE layers, e.g. EXAONE 4's global ones: none, as forward)
         return kw
 
     return hooks, block_kwargs

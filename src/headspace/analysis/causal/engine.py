@@ -141,8 +141,8 @@ def sweep(
             kwargs["is_causal"] = True
             if p:
                 kwargs["kv_cache"] = prefix_cache(module.blocks[layer].attn, prefix[layer], runs, seq, p)
-            if rotary is not None:
-                kwargs["positions"] = positions
+            if rotary is not None and getattr(module.blocks[layer].attn, "rotary", None) is not None:
+                kwargs["positions"] = positions  # (NoPE layers: none, as the model's forward)
         return kwargs
 
     x = run_from_layers(module, joins, hooks, block_kwargs)

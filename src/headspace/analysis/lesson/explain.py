@@ -579,7 +579,13 @@ def _walk(
         window=getattr(attn, "window", None),
         window_sides=attn.spec.window_sides if hasattr(attn, "spec") else None,
         scheme_steps=scheme_steps(
-            attn, head, len(tokens), index=index, scores=scores_row, pattern=pattern_row
+            attn,
+            head,
+            len(tokens),
+            index=index,
+            scores=scores_row.float(),
+            pattern=pattern_row,
+            keys=tuple(order),
         ),
         gate=_floats(rec["gate"][layer][0, index, head]) if "gate" in rec else [],
     )

@@ -515,7 +515,9 @@ def induction_scores(
     the same definition.
 
     Only the pattern rows of the second copy are computed, from each layer's q and k
-    (:func:`headspace.analysis.chunked.each_layer_qk`), so no layer builds a pattern.
+    (:func:`headspace.analysis.chunked.each_layer_qk`), so no layer builds a pattern; where that cannot
+    be exact (an ALiBi layer's bias, a layer with its own forward: Gemma 2's softcap, Gemma 3n, Gemma 4)
+    every layer's traced ``hook_pattern`` gives the rows instead (``2 n + 1`` tokens: a small pattern).
 
     Args:
         model: a Decoder (or Encoder), a pretrained wrapper, or any module taking token ids [batch, seq]
@@ -558,11 +560,36 @@ def induction_scores(
     keys = queries - n + 1  # (n,): the token after the first occurrence
     rows: list[Tensor] = [torch.empty(0)] * len(layers)
 
-    def score(call: Any) -> None:
-        p = call.pattern_rows(queries)  # (batch, n_heads, n, seq)
-        mass = p.gather(-1, keys[None, None, :, None].expand(*p.shape[:3], 1)).squeeze(-1)  # (batch, H, n)
-        rows[call.layer] = mass.mean(dim=(0, 2)).cpu()  # (H,)
+    def mass(layer: int, p: Tensor) -> None:  # p: (batch, n_heads, n, seq), the second copy's rows
+        m = p.gather(-1, keys[None, None, :, None].expand(*p.shape[:3], 1)).squeeze(-1)  # (batch, H, n)
+        rows[layer] = m.float().mean(dim=(0, 2)).cpu()  # (H,)
 
     with eval_mode(module):
-        each_layer_qk(model, lambda: module(tokens), score)
+        if all(_chunkable(m) for _, m in layers):
+            each_layer_qk(
+                model, lambda: module(tokens), lambda call: mass(call.layer, call.pattern_rows(queries))
+            )
+        else:  # ALiBi, or a layer with its own forward: each layer's traced pattern (2 n + 1 tokens)
+            names = {
+                (f"{path}.hook_pattern" if path else "hook_pattern"): _rows_of(mass, i, queries)
+                for i, (path, _) in enumerate(layers)
+            }
+            with hooked(model, names):
+                module(tokens)
     return pad_heads(rows)
+
+
+def _chunkable(attn: Any) -> bool:
+    """Whether :func:`~.chunked.each_layer_qk` recomputes ``attn``'s scores whole: its q and k can be
+    recomputed from its input and no score bias (ALiBi) is added to them."""
+    return supports_qk_capture(attn) and getattr(getattr(attn, "spec", None), "bias", None) is None
+
+
+def _rows_of(mass: Any, layer: int, queries: Tensor) -> Any:
+    """A ``hook_pattern`` function handing ``mass(layer, rows)`` the pattern rows ``queries`` of the call
+    (``rows`` [batch, n_heads, len(queries), seq]); the pattern is left unchanged."""
+
+    def fn(value: Tensor, point: Any) -> None:  # value: (batch, n_heads, seq, seq)
+        mass(layer, value[:, :, queries])
+
+    return fn

@@ -17,13 +17,19 @@ Steps registered here, for rotary layers (``attn.rotary``, :class:`headspace.nn.
   and LongRoPE pick theirs from the call's length), with YaRN's and LongRoPE's attention factor ``a``
   (cos and sin times ``a``: a score's rotated part grows by ``a ** 2``).
 
-A new mechanism adds its step with :func:`register_scheme_step`; see the ALiBi hook at the end of this
-module. Learned sinks (gpt-oss) register ``"sink"`` from :mod:`.sink_steps`, which reads the explained
-row (:attr:`SchemeContext.pattern`).
+and for ALiBi layers (``attn.spec.alibi_slopes``, :mod:`headspace.nn.alibi`: BLOOM, MPT, Falcon-alibi):
+
+* ``"alibi"``: the head's slope ``m_h`` and, for the explained query ``i`` and its top keys ``j``, the
+  bias ``-m_h * (i - j)`` with the scaled score before it (``hook_scores - bias``) and after it (the
+  traced ``hook_scores``, the score softmax reads).
+
+A new mechanism adds its step with :func:`register_scheme_step`. Learned sinks (gpt-oss) register
+``"sink"`` from :mod:`.sink_steps`, which reads the explained row (:attr:`SchemeContext.pattern`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,8 +51,10 @@ class SchemeContext:
     """What a step function may read: the attention layer ``attn`` (a headspace attention module), the
     explained ``head`` (a query head of that layer) and ``seq_len``, the sentence's length in tokens (the
     forward has run: stateful schemes hold the values that call used). Where the caller has them:
-    ``index``, the explained query position, and that query's row for ``head``: ``scores`` [seq_k]
-    (scaled, ``-inf`` where masked) and ``pattern`` [seq_k] (the weights on the keys); else None."""
+    ``index``, the explained query position ``i``, and that query's row for ``head``: ``scores``
+    [seq_k] (the traced ``hook_scores[0, head, i]``, float, scaled, ``-inf`` where masked), ``pattern``
+    [seq_k] (the weights on the keys) and ``keys`` (the positions ``j`` of its top keys, best first);
+    else None / ()."""
 
     attn: Any
     head: int
@@ -54,6 +62,7 @@ class SchemeContext:
     index: int | None = None
     scores: torch.Tensor | None = None
     pattern: torch.Tensor | None = None
+    keys: tuple[int, ...] = ()
 
 
 @dataclass
@@ -100,11 +109,12 @@ def scheme_steps(
     index: int | None = None,
     scores: torch.Tensor | None = None,
     pattern: torch.Tensor | None = None,
+    keys: tuple[int, ...] = (),
 ) -> list[SchemeStep]:
     """Every registered step that applies to head ``head`` of the layer ``attn``, after a forward of
-    ``seq_len`` tokens, in registration order (``index``, ``scores``, ``pattern``: see
+    ``seq_len`` tokens, in registration order (``index``, ``scores``, ``pattern``, ``keys``: see
     :class:`SchemeContext`)."""
-    context = SchemeContext(attn, head, seq_len, index, scores, pattern)
+    context = SchemeContext(attn, head, seq_len, index, scores, pattern, tuple(keys))
     steps = (fn(context) for fn in SCHEME_STEPS.values())
     return [s for s in steps if s is not None]
 
@@ -234,13 +244,37 @@ register_scheme_step("partial_rotary", partial_rotary_step)
 register_scheme_step("rotary_pairs", rotary_pairs_step)
 register_scheme_step("rope_scaling", rope_scaling_step)
 
-# ---------------------------------------------------------------------------------------------------------
-# HOOK: ALiBi (issue #38). nn/alibi.py is built in parallel; its step is NOT written here. Once the layer
-# carries its ALiBi slopes, register one function here (or from the module that owns ALiBi):
-#
-#     register_scheme_step("alibi", alibi_step)
-#
-# where alibi_step(c: SchemeContext) returns None for a layer without ALiBi, else
-# SchemeStep("alibi", "ALiBi: bias -m_h * delta added to the score", lines, {"slope": m_h, ...}) with head
-# c.head's slope m_h and, for the explained query, the bias -m_h * (i - j) of a few keys j.
-# ---------------------------------------------------------------------------------------------------------
+
+def alibi_step(c: SchemeContext) -> SchemeStep | None:
+    """ALiBi: the head's slope ``m_h`` and, for the explained query ``i`` and each top key ``j``, the bias
+    ``-m_h * (i - j)`` with the scaled score before it and after it (``after`` is the traced
+    ``hook_scores``, ``before = after + m_h * (i - j)``). Without a query: the bias at offsets 0..3."""
+    slopes = getattr(getattr(c.attn, "spec", None), "alibi_slopes", None)
+    if slopes is None:
+        return None
+    m = float(slopes[c.head])
+    title = f"ALiBi: bias -m_h x (i - j) added to the score, slope m_h = {m:.6g}"
+    lines = [
+        f"head {c.head}'s slope m_h = {m:.6g}: every key j loses m_h x (i - j) from its scaled score,",
+        "a linear penalty in the distance with no position in q or k (softmax reads the sum)",
+    ]
+    numbers: dict[str, Any] = {"slope": m}
+    finite = c.scores is not None and any(math.isfinite(float(c.scores[j])) for j in c.keys)
+    if c.index is None or c.scores is None or not finite:
+        deltas = [0, 1, 2, 3]
+        lines.append("offsets " + ", ".join(f"{d}: {-m * d:.4g}" for d in deltas))
+        numbers.update(delta=deltas, bias=[-m * d for d in deltas])
+        return SchemeStep("alibi", title, lines, numbers)
+    i = int(c.index)
+    keys = [int(j) for j in c.keys if math.isfinite(float(c.scores[j]))]  # masked keys have no score
+    after = [float(c.scores[j]) for j in keys]
+    bias = [-m * (i - j) + 0.0 for j in keys]  # + 0.0: no -0.0 at delta 0
+    before = [a - b for a, b in zip(after, bias)]
+    lines.append(f"query {i}'s top keys: score before the bias -> after")
+    lines += [f"key {j} (i - j = {i - j}): {s0:.4f} {b:+.4f} -> {s1:.4f}"
+              for j, s0, b, s1 in zip(keys, before, bias, after)]  # fmt: skip
+    numbers.update(query=i, keys=keys, delta=[i - j for j in keys], bias=bias, before=before, after=after)
+    return SchemeStep("alibi", title, lines, numbers)
+
+
+register_scheme_step("alibi", alibi_step)

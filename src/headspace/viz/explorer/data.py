@@ -7,7 +7,11 @@ What the page stores, per attention layer (``seq`` = the sentence's tokens)::
                      (rotary layers: q and k after the rotation, hook_rot_q and hook_rot_k; "rotary" true)
     W_O              [n_heads, d_head, d_model]   out = sum_h z_h W_O[h] + b_O
     b_O              [d_model] or null
-    scale, mask      the scores' scale and mask ("none" or "causal")
+    scale, mask      the scores' scale and mask ("none", "causal" or "window": causal within the last
+                     ``window`` keys, i - window < j <= i, as a sliding-window layer)
+    window           the window of a "window" mask, else null
+    alibi            ALiBi's slopes [n_heads] (BLOOM, MPT, Falcon): -alibi[h] * (i - j) joins each score;
+                     null without ALiBi
     shares           [seq, n_heads]               ||z_h W_O[h]|| / sum_h' ||z_h' W_O[h']|| per token
     wo_norms         [n_heads]                    ||W_O[h]||_F, no input needed
     overlap          {"W_Q", "W_K", "W_V", "W_O"} [heads, heads]: mean squared cosine of the principal
@@ -19,7 +23,8 @@ and, for the whole page, ``initial`` {"layer", "head", "token"}: where it opens,
 saved patching / attribution results it shows as heatmaps (a list of views, plain JSON numbers; see
 :mod:`headspace.viz.explorer.results`; empty without results).
 
-The page computes the rest in the browser from these: ``scores = q k^T * scale`` (masked),
+The page computes the rest in the browser from these: ``scores = q k^T * scale`` (plus ALiBi's
+bias, masked),
 ``pattern = softmax(scores)``, ``z = pattern v``, the concatenation of the heads and
 ``out = concat(z) W_O + b_O``. Nothing is approximated by that: :func:`capture_layers` checks that the
 traced scores are exactly ``q k^T * scale`` under the stated mask before the page is built, and the
@@ -49,6 +54,7 @@ from torch import Tensor, nn
 from ...analysis import overlap_matrix, random_overlap, shares_from_result
 from ...analysis.trace.trace import attention_layers, trace
 from ...attention.layer import MultiHeadAttention
+from ...nn.alibi import alibi_bias
 from .codec import decode_grid, encode_grid
 from .gates import GATE_HOOK, gate_fields, traced_gate
 
@@ -61,6 +67,7 @@ PRECISIONS = ("auto", "float32", "float16")
 _HOOKS = ("hook_q", "hook_k", "hook_v", "hook_scores", "hook_pattern", "hook_z", "hook_result")
 #: Rotary layers also have these: q and k after the rotation, the ones the scores are made of.
 _ROTARY_HOOKS = ("hook_rot_q", "hook_rot_k")
+_NORMED_HOOKS = ("hook_q_normed", "hook_k_normed")
 
 
 @dataclass
@@ -84,20 +91,29 @@ class LayerCapture:
     out: Tensor
     mask: str
     gate: Tensor | None = None  # [seq, n_heads, width]: a gated layer's output gate (.gates)
+    #: the window of a "window" mask (i - window < j <= i), else None
+    window: int | None = None
+    #: ALiBi's slopes [n_heads] (-alibi[h] * (i - j) joins the scores), else None
+    alibi: list[float] | None = None
 
 
-def _mask_kind(name: str, scores: Tensor) -> str:
-    """``"none"`` if every score is finite, ``"causal"`` if exactly the causal triangle is; else refuse."""
+def _mask_kind(name: str, scores: Tensor) -> tuple[str, int | None]:
+    """(``"none"``, None) if every score is finite, (``"causal"``, None) if exactly the causal triangle
+    is, (``"window"``, w) if exactly the keys ``i - w < j <= i`` are (a sliding window); else refuse."""
     finite = torch.isfinite(scores)  # (H, Sq, Sk)
     if bool(finite.all()):
-        return "none"
+        return "none", None
     seq_q, seq_k = scores.shape[-2:]
-    tri = torch.ones(seq_q, seq_k, dtype=torch.bool, device=scores.device).tril(seq_k - seq_q)  # (Sq, Sk)
+    ones = torch.ones(seq_q, seq_k, dtype=torch.bool, device=scores.device)  # (Sq, Sk)
+    tri = ones.tril(seq_k - seq_q)  # (Sq, Sk)
     if bool((finite == tri).all()):
-        return "causal"
+        return "causal", None
+    w = int(finite.sum(-1).max())  # the widest row: the window
+    if bool((finite == (tri & ~ones.tril(seq_k - seq_q - w))).all()):
+        return "window", w
     raise ValueError(
-        f"the explorer draws unmasked or causal self-attention; layer {name!r} masks another set of keys "
-        "(padding or a custom mask): pass a single unpadded sequence"
+        f"the explorer draws unmasked, causal or sliding-window self-attention; layer {name!r} masks "
+        "another set of keys (padding or a custom mask): pass a single unpadded sequence"
     )
 
 
@@ -111,7 +127,7 @@ def capture_layers(model: nn.Module, run: Callable[[], Any]) -> list[LayerCaptur
     layers = attention_layers(model)
     if not layers:
         raise ValueError(f"model has no headspace MultiHeadAttention layer to show ({type(model).__name__})")
-    wanted = set(_HOOKS + _ROTARY_HOOKS + (GATE_HOOK,))
+    wanted = set(_HOOKS + _ROTARY_HOOKS + _NORMED_HOOKS + (GATE_HOOK,))
     with torch.no_grad(), trace(model, lambda name: name.rsplit(".", 1)[-1] in wanted) as t:
         run()
     captures = []
@@ -136,14 +152,19 @@ def capture_layers(model: nn.Module, run: Callable[[], Any]) -> list[LayerCaptur
                 f"{rec['k'].shape[1]} keys"
             )
         rot_q, rot_k = f"{name}.hook_rot_q", f"{name}.hook_rot_k"
+        norm_q, norm_k = f"{name}.hook_q_normed", f"{name}.hook_k_normed"
         if rot_q in t and rot_k in t:  # rotary positions: the scores are q k^T of the rotated q and k
             q, k = t[rot_q], t[rot_k]
+        elif norm_q in t and norm_k in t:  # QK-norm without rotary (a NoPE layer): the normed q and k
+            q, k = t[norm_q], t[norm_k]
         else:
             k = rec["k"]
         q, k, v = q[0].float(), k[0].float(), rec["v"][0].float()  # (S, H, dh), (S, Hkv, dh) x 2
         scores = rec["scores"][0].float()  # (H, S, S)
-        mask = _mask_kind(name, scores)
-        _check_scores_are_qk(name, attn, q, k, scores)
+        mask, window = _mask_kind(name, scores)
+        slopes = getattr(getattr(attn, "spec", None), "alibi_slopes", None)
+        alibi = None if slopes is None else [float(m) for m in slopes]
+        _check_scores_are_qk(name, attn, q, k, scores, alibi)
         result = rec["result"][0].float()  # (S, H, d_model)
         out = result.sum(dim=1)  # (S, d_model)
         if attn.b_O is not None:
@@ -162,17 +183,30 @@ def capture_layers(model: nn.Module, run: Callable[[], Any]) -> list[LayerCaptur
                 out=out,
                 mask=mask,
                 gate=traced_gate(t, name),
+                window=window,
+                alibi=alibi,
             )
         )
     return captures
 
 
-def _check_scores_are_qk(name: str, attn: MultiHeadAttention, q: Tensor, k: Tensor, scores: Tensor) -> None:
-    """The page recomputes scores as ``q k^T * scale``; refuse a layer whose scores are something else
-    (an additive float mask or a position bias would make the page's numbers wrong)."""
+def _check_scores_are_qk(
+    name: str,
+    attn: MultiHeadAttention,
+    q: Tensor,
+    k: Tensor,
+    scores: Tensor,
+    alibi: list[float] | None = None,
+) -> None:
+    """The page recomputes scores as ``q k^T * scale`` (plus ALiBi's ``-alibi[h] * (i - j)`` where
+    ``alibi`` is given); refuse a layer whose scores are something else (an additive float mask, another
+    position bias or a softcap would make the page's numbers wrong)."""
     group = q.shape[1] // k.shape[1]
     k_rep = k.repeat_interleave(group, dim=1).transpose(0, 1)  # (H, S, dh)
     recomputed = torch.matmul((q * attn.scale).transpose(0, 1), k_rep.transpose(1, 2))  # (H, S, S)
+    if alibi is not None:
+        S = q.shape[0]
+        recomputed = recomputed + alibi_bias(alibi, S, S, device=q.device)  # (H, S, S)
     diff = (recomputed - scores).abs()  # (H, S, S); inf where masked
     bad = torch.isfinite(scores) & (diff > 1e-4 + 1e-4 * scores.abs())
     if bool(bad.any()):
@@ -278,6 +312,8 @@ def build_page_data(
                 "d_model": attn.d_model,
                 "scale": attn.scale,
                 "mask": c.mask,
+                "window": c.window,
+                "alibi": c.alibi,
                 "rotary": getattr(attn, "hook_rot_q", None) is not None,
                 "sinks": _sinks(attn),  # learned sink logits s_h [n_heads] (gpt-oss), else None
                 "q": pack(c.q, dtype),

@@ -3,7 +3,7 @@
 // Stored per layer (see headspace/viz/explorer/data.py): q [seq, H, dh], k and v [seq, Hkv, dh],
 // W_O [H, dh, d_model] (floats, or "grid4" codes: decodeGrid), b_O [d_model], shares [seq, H], overlaps.
 // Everything else is computed here with the model's own formulas, in float64:
-//   score_j = (q_t . k_j) * scale  (masked keys excluded)   w = softmax(score)   z_h = sum_j w_j v_j
+//   score_j = (q_t . k_j) * scale - alibi_h (t - j)  (masked keys excluded)   w = softmax(score)   z_h = sum_j w_j v_j
 //   learned sinks (layer.sinks, gpt-oss): w_j = exp(score_j) / (sum_k exp(score_k) + exp(s_h)), sink = 1 - sum_j w_j
 //   out = sum_h z_h W_O[h] + b_O
 // DATA.results (optional): saved patching / attribution results, drawn as they are (view 5).
@@ -40,11 +40,12 @@
 
   // ------------------------------------------------------------------ the model's maths
   function kvHead(L, h) { return Math.floor(h / (L.H / L.Hkv)); }
-  function allowed(L, t, j) { return L.meta.mask !== "causal" || j <= t; }
+  function allowed(L, t, j) { // "window": causal within the last meta.window keys (sliding window)
+    const m = L.meta.mask; return m === "none" || (j <= t && (m !== "window" || t - j < L.meta.window)); }
 
   // One query row of one head: {scores, weights, sink} (masked keys: score -Infinity, weight 0; sink: 0 without).
   function row(L, h, t) {
-    const { H, Hkv, dh } = L, g = kvHead(L, h), scale = L.meta.scale;
+    const { H, Hkv, dh } = L, g = kvHead(L, h), scale = L.meta.scale, slope = L.meta.alibi ? L.meta.alibi[h] : 0;
     const scores = new Float64Array(SEQ), weights = new Float64Array(SEQ);
     const qo = (t * H + h) * dh;
     const qs = new Float64Array(dh);
@@ -56,8 +57,8 @@
       const ko = (j * Hkv + g) * dh;
       let s = 0;
       for (let i = 0; i < dh; i++) s += qs[i] * K[ko + i];
-      scores[j] = s;
-      if (s > max) max = s;
+      scores[j] = s - slope * (t - j); // ALiBi: -m_h (t - j)
+      if (scores[j] > max) max = scores[j];
     }
     const sinkLogit = L.meta.sinks ? L.meta.sinks[h] : null;
     if (sinkLogit !== null && sinkLogit > max) max = sinkLogit; // the sink joins the row's maximum
@@ -424,7 +425,8 @@
       '<span class="swatch" style="border:2px solid #1d1d1f"></span>the top attended token\'s v';
     $("kv-legend").append(marks);
 
-    $("scores-note").textContent = `scale = ${fmt(L.meta.scale, 6)}, mask: ${L.meta.mask}` +
+    $("scores-note").textContent = `scale = ${fmt(L.meta.scale, 6)}, mask: ${L.meta.mask}${L.meta.window ? " " + L.meta.window : ""}` +
+      (L.meta.alibi ? `, ALiBi slope ${fmt(L.meta.alibi[h], 6)}` : "") +
       (L.meta.sinks ? `; learned sink s_h = ${fmt(L.meta.sinks[h], 4)} takes ${fmt(r.sink, 4)} of this row: ` +
         `the key weights sum to 1 - sink = ${fmt(1 - r.sink, 4)}` : "") +
       (SEQ > TABLE_ROWS ? `; the ${TABLE_ROWS} largest weights of ${SEQ}, largest first` : "; every token, in order");
