@@ -8,9 +8,14 @@ the project's own published benchmarks:
 
 * ``circuit --task ioi --edges 200``: EAP-IG (5 steps) + the faithfulness curve (``circuits.json``);
 * ``atlas --corpus`` (a small corpus of this checkout's docs): its tokens at the statistics' rate
-  plus the ablation's rate (``atlas.json``);
+  plus the rate of its default importance pass, AtP* (``atlas.json``'s ``importance`` part);
 * ``heads``: the importance engine (``heads.json``);
-* ``generate --tokens N``: the prefill at its rate plus N decode steps (``decode.json``, batch 1).
+* ``generate --tokens N``: the prefill at its rate plus N decode steps (``decode.json``, batch 1);
+* ``explain``, ``patch`` and ``attribute`` as the README's first commands run them (no engine benchmark of
+  their own: their rows give the wall time beside the load only).
+
+``--readme`` writes the README's timing sentence (between its ``cli-timings`` markers) from the published
+``cli.json``, so that the README's figures are this script's; a test holds the two equal.
 
 Targets (issue 41): quiet within 30% of load + engine (``quiet_over_expected <= 1.3``), busy at most
 2.5x quiet (``busy_over_quiet <= 2.5``). The machine's load average is recorded with every row: a
@@ -18,8 +23,8 @@ loaded machine's figures say so.
 
 ``--quick``: the smoke run: ``--model`` (a small checkpoint folder), tiny sizes, no engine figures.
 
-Usage: python benchmarks/cli.py [--model smollm2] [--commands heads,circuit,atlas,generate]
-       [--no-busy] [--quick] [--out PATH | --save]
+Usage: python benchmarks/cli.py [--model smollm2] [--commands heads,circuit,atlas,generate,...]
+       [--no-busy] [--quick] [--out PATH | --save] [--readme]
 Writes benchmarks/results/local/cli.json (git-ignored) unless ``--out PATH``; only ``--save`` replaces
 the committed benchmarks/results/cli.json.
 """
@@ -44,7 +49,14 @@ from headspace.core.fileio import write_json
 RESULTS = Path(__file__).resolve().parent / "results"
 """The published results (committed); runs without --save write to RESULTS / "local"."""
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = ("circuit", "atlas", "heads", "generate")
+COMMANDS = ("circuit", "atlas", "heads", "generate", "explain", "patch", "attribute")
+#: The README's markers around the sentence :func:`readme_sentence` writes.
+MARKERS = ("<!-- cli-timings:start -->", "<!-- cli-timings:end -->")
+EXPLAIN = "The trophy didn't fit in the suitcase because it was too big"
+#: The quick run's explain and attribute arguments: words a small test tokenizer knows (the IOI templates').
+QUICK_PROMPT = "When Mary and John went to the store, John gave a drink to"
+QUICK_EXPLAIN = [QUICK_PROMPT, "--token", "John"]
+QUICK_ATTRIBUTE = [QUICK_PROMPT, "--answer", " Mary"]
 PROMPT = "The capital of France is"
 GENERATE_TOKENS = 32
 
@@ -63,11 +75,12 @@ def engine_circuit() -> float | None:
 
 
 def engine_atlas(tokens: int) -> float | None:
-    """``tokens`` at atlas.json's statistics rate plus its ablation rate, seconds."""
+    """``tokens`` at atlas.json's statistics rate plus the rate of the default importance pass (AtP*),
+    seconds; None when the published atlas.json lacks either part."""
     parts = (_published("atlas.json") or {}).get("parts", {})
-    if "stats" not in parts or "ablation" not in parts:
+    if "stats" not in parts or "importance" not in parts:
         return None
-    return tokens / parts["stats"]["tokens_per_s"] + tokens / parts["ablation"]["tokens_per_s"]
+    return tokens / parts["stats"]["tokens_per_s"] + tokens / parts["importance"]["tokens_per_s"]
 
 
 def engine_heads() -> float | None:
@@ -116,6 +129,9 @@ def command_lines(model: str, work: Path, quick: bool) -> dict[str, list[str]]:
         + (["--tokens", "16", "--window", "8"] if quick else []),
         "heads": ["heads", "--model", model],
         "generate": ["generate", "--model", model, PROMPT, "--tokens", str(4 if quick else GENERATE_TOKENS)],
+        "explain": ["explain", "--model", model, *(QUICK_EXPLAIN if quick else [EXPLAIN, "--token", "it"])],
+        "patch": ["patch", "--model", model],
+        "attribute": ["attribute", "--model", model, *(QUICK_ATTRIBUTE if quick else [])],
     }
 
 
@@ -161,6 +177,12 @@ def measure(
     return rows
 
 
+def _torch_version() -> str:
+    import torch
+
+    return str(torch.__version__)
+
+
 class _nothing:
     def __enter__(self) -> None:
         return None
@@ -201,6 +223,43 @@ def print_table(table: list[dict[str, Any]], say: Callable[[str], None] = print)
         say("| " + " | ".join(_cell(row[c]) for c in cols) + " |")
 
 
+def readme_sentence(doc: dict[str, Any]) -> str:
+    """The README's timing sentence from a ``cli.json`` document: each command's quiet wall time, and
+    the load and the machine it was measured on."""
+    quiet = {r["command"]: r for r in doc["table"] if r["quiet_s"] is not None}
+    order = [
+        c for c in ("explain", "patch", "attribute", "heads", "generate", "circuit", "atlas") if c in quiet
+    ]
+    load = next(iter(quiet.values()))["load_s"] if quiet else None
+    parts = ", ".join(f"`{c}` {quiet[c]['quiet_s']:.1f} s" for c in order)
+    m = doc.get("machine", {})
+    facts = (m.get("date"), m.get("cpu_model") or m.get("cpu"), f"{m.get('cores')} cores",
+             m.get("torch") and f"torch {m['torch']}")  # fmt: skip
+    on = ", ".join(str(x) for x in facts if x)
+    return (
+        f"Timed by `python benchmarks/cli.py --save` ({on}), each a fresh process, model `{doc['model']}` "
+        f"(its load alone: {load} s): {parts}."
+    )
+
+
+def write_readme(doc: dict[str, Any], readme: Path = ROOT / "README.md") -> None:
+    """Replace the README's sentence between :data:`MARKERS` with :func:`readme_sentence`."""
+    text = readme.read_text(encoding="utf-8")
+    start, end = text.index(MARKERS[0]), text.index(MARKERS[1])
+    new = text[: start + len(MARKERS[0])] + readme_sentence(doc) + text[end:]
+    readme.write_text(new, encoding="utf-8")
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
@@ -209,8 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--no-busy", action="store_true", help="only the quiet run")
     ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, no engine figures")
+    ap.add_argument("--readme", action="store_true", help="write the README's timing sentence from cli.json")
     add_output_options(ap, "cli.json")
     args = ap.parse_args(argv)
+    if args.readme:
+        write_readme(_published("cli.json") or ap.error("no published benchmarks/results/cli.json"))
+        return 0
     check_output_options(ap, args, "cli.json", smoke="quick")
     names = [n.strip() for n in args.commands.split(",") if n.strip()]
     if not names or set(names) - set(COMMANDS):
@@ -232,8 +295,9 @@ def main(argv: list[str] | None = None) -> int:
     print_table(table)
     doc = {
         "benchmark": "cli", "model": args.model, "quick": args.quick, "rows": rows, "table": table,
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
-                    "python": platform.python_version()},
+        "machine": {"cpu": platform.processor() or platform.machine(), "cpu_model": _cpu_model(),
+                    "cores": os.cpu_count(), "python": platform.python_version(), "torch": _torch_version(),
+                    "date": time.strftime("%Y-%m-%d")},
         "targets": {"quiet_over_expected": 1.3, "busy_over_quiet": 2.5},
     }  # fmt: skip
     write_json(out, doc)

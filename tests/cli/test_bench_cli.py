@@ -39,7 +39,7 @@ def test_the_engine_figures_come_from_the_published_benchmarks(script: ModuleTyp
     heads = json.loads((ROOT / "benchmarks/results/heads.json").read_text())
     assert script.engine_heads() == next(r["wall_s"] for r in heads["rows"] if r["case"] == "engine")
     atlas = json.loads((ROOT / "benchmarks/results/atlas.json").read_text())["parts"]
-    per_token = 1 / atlas["stats"]["tokens_per_s"] + 1 / atlas["ablation"]["tokens_per_s"]
+    per_token = 1 / atlas["stats"]["tokens_per_s"] + 1 / atlas["importance"]["tokens_per_s"]  # atp*
     assert script.engine_atlas(162) == pytest.approx(162 * per_token)
     assert 0 < script.engine_generate(6, 32) < 32 * 0.1  # 32 steps of tens of milliseconds
 
@@ -59,8 +59,9 @@ def test_quick_run_times_every_command_quiet_and_busy(
     doc = json.loads(out.read_text())
     assert doc["benchmark"] == "cli" and doc["quick"]
     assert [(r["command"], r["mode"]) for r in doc["rows"]] == [
-        (c, m) for m in ("quiet", "busy") for c in ("circuit", "atlas", "heads", "generate")
+        (c, m) for m in ("quiet", "busy") for c in script.COMMANDS
     ]
+    assert {"explain", "patch", "attribute"} <= set(script.COMMANDS)  # the README's first commands
     assert all(r["rc"] == 0 and r["wall_s"] > 0 and r["load_s"] > 0 for r in doc["rows"])
     printed = capsys.readouterr().out
     for row in doc["table"]:
@@ -75,3 +76,16 @@ def test_local_by_default_and_save_refused_with_out_or_quick(script: ModuleType,
             script.main(argv)
         assert exc.value.code == 2
     assert not list(tmp_path.iterdir())
+
+
+def test_the_readme_timings_are_the_published_benchmark(script: ModuleType, tmp_path: Path) -> None:
+    doc = json.loads((ROOT / "benchmarks/results/cli.json").read_text())
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    start, end = (readme.index(m) for m in script.MARKERS)
+    assert readme[start + len(script.MARKERS[0]) : end] == script.readme_sentence(doc)
+    for row in doc["table"]:
+        assert f"`{row['command']}` {row['quiet_s']:.1f} s" in readme  # every timed command is quoted
+    copy = tmp_path / "README.md"
+    copy.write_text(readme.replace(script.readme_sentence(doc), "stale"), encoding="utf-8")
+    script.write_readme(doc, copy)
+    assert copy.read_text(encoding="utf-8") == readme
