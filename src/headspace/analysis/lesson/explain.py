@@ -45,7 +45,7 @@ from torch import Tensor, nn
 
 from ...core.checks import is_int
 from ...core.defaults import DEFAULT_SENTENCE, DEFAULT_TOKEN
-from . import sink_steps  # noqa: F401  (registers the learned-sink step)
+from . import mechanism_steps, sink_steps  # noqa: F401  (register the mechanisms' and the sink's steps)
 from .content_tokens import content_positions
 from .hybrid import is_deltanet, refuse_deltanet_layer, softmax_indices
 from .scheme_steps import SchemeStep, scheme_steps
@@ -586,6 +586,7 @@ def _walk(
             scores=scores_row.float(),
             pattern=pattern_row,
             keys=tuple(order),
+            values={n: v[layer] for n, v in rec.items() if n != "input" and v[layer] is not None},
         ),
         gate=_floats(rec["gate"][layer][0, index, head]) if "gate" in rec else [],
     )

@@ -54,7 +54,8 @@ class SchemeContext:
     ``index``, the explained query position ``i``, and that query's row for ``head``: ``scores``
     [seq_k] (the traced ``hook_scores[0, head, i]``, float, scaled, ``-inf`` where masked), ``pattern``
     [seq_k] (the weights on the keys) and ``keys`` (the positions ``j`` of its top keys, best first);
-    else None / ()."""
+    ``values``, the layer's recorded hook values by name (``q``, ``k``, ``v``, ``pattern`` ...; batch
+    first, shapes as their hook points); else None / ()."""
 
     attn: Any
     head: int
@@ -63,6 +64,7 @@ class SchemeContext:
     scores: torch.Tensor | None = None
     pattern: torch.Tensor | None = None
     keys: tuple[int, ...] = ()
+    values: dict[str, torch.Tensor] | None = None
 
 
 @dataclass
@@ -110,11 +112,12 @@ def scheme_steps(
     scores: torch.Tensor | None = None,
     pattern: torch.Tensor | None = None,
     keys: tuple[int, ...] = (),
+    values: dict[str, torch.Tensor] | None = None,
 ) -> list[SchemeStep]:
     """Every registered step that applies to head ``head`` of the layer ``attn``, after a forward of
-    ``seq_len`` tokens, in registration order (``index``, ``scores``, ``pattern``, ``keys``: see
-    :class:`SchemeContext`)."""
-    context = SchemeContext(attn, head, seq_len, index, scores, pattern, tuple(keys))
+    ``seq_len`` tokens, in registration order (``index``, ``scores``, ``pattern``, ``keys``,
+    ``values``: see :class:`SchemeContext`)."""
+    context = SchemeContext(attn, head, seq_len, index, scores, pattern, tuple(keys), values)
     steps = (fn(context) for fn in SCHEME_STEPS.values())
     return [s for s in steps if s is not None]
 
