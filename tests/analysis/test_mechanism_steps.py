@@ -106,6 +106,21 @@ def gemma4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
     return _saved(tmp_path_factory.mktemp("gemma4_steps"), model, T.Gemma4ForCausalLM)
 
 
+@pytest.fixture(scope="module")
+def gemma3n(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    torch.manual_seed(5)
+    config = T.Gemma3nTextConfig(
+        vocab_size=53, hidden_size=24, intermediate_size=[26, 22], num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=12, max_position_embeddings=64, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"], hidden_size_per_layer_input=5,
+        vocab_size_per_layer_input=40, num_kv_shared_layers=0, laurel_rank=3, altup_num_inputs=3,
+        activation_sparsity_pattern=[0.95, 0.0], pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    model = T.Gemma3nForCausalLM(config).eval()
+    _randomise(model)
+    return _saved(tmp_path_factory.mktemp("gemma3n_steps"), model, T.Gemma3nForCausalLM)
+
+
 def _steps(loaded: Any, index: int, layer: int, head: int) -> tuple[Any, dict[str, Any]]:
     e = explain(Words(loaded), SENTENCE, index, layer=layer, head=head)
     return e, {s.scheme: s for s in e.scheme_steps}
@@ -194,9 +209,11 @@ def test_differential_step_gives_the_pairs_lambda_and_difference(
     assert n["diff"] == pytest.approx(diff.tolist(), abs=1e-5)  # float32 hook against a float64 sum
 
 
-@pytest.mark.parametrize(("layer", "head"), [(0, 1), (1, 2)])
-def test_v_norm_step_gives_each_values_length_before_and_after(gemma4: tuple, layer: int, head: int) -> None:
-    loaded, _ = gemma4
+@pytest.mark.parametrize(("family", "layer", "head"), [("gemma4", 0, 1), ("gemma4", 1, 2), ("gemma3n", 1, 1)])
+def test_v_norm_step_gives_each_values_length_before_and_after(
+    request: pytest.FixtureRequest, family: str, layer: int, head: int
+) -> None:
+    loaded, _ = request.getfixturevalue(family)
     _, steps = _steps(loaded, 8, layer, head)
     n = steps["v_norm"].numbers
     attn = loaded.model.blocks[layer].attn
