@@ -47,7 +47,7 @@ from ...core.checks import is_int
 from ...core.defaults import DEFAULT_SENTENCE, DEFAULT_TOKEN
 from . import mechanism_steps, sink_steps  # noqa: F401  (register the mechanisms' and the sink's steps)
 from .content_tokens import content_positions
-from .hybrid import is_deltanet, refuse_deltanet_layer, softmax_indices
+from .hybrid import is_deltanet, refuse_deltanet_layer, refuse_unwalkable, softmax_indices
 from .scheme_steps import SchemeStep, scheme_steps
 
 
@@ -505,6 +505,7 @@ def explain(
     model = pretrained.model
     _check_head_choice(model, layer, head)
     refuse_deltanet_layer(model, layer, "explain (the lesson)")  # a hybrid: its softmax layers only
+    refuse_unwalkable(model, "explain (the lesson)")  # latent attention, borrowed keys and values
     if tokenized is None:
         tokenized = tokenize_sentence(pretrained, sentence)
     elif tokenized.text != sentence:
