@@ -32,7 +32,7 @@
       decoded.set(l, {
         meta: L, H: L.n_heads, Hkv: L.n_kv_heads, dh: L.d_head, dm: L.d_model,
         q: decode(L.q), k: decode(L.k), v: decode(L.v), WO: decode(L.W_O), bO: decode(L.b_O),
-        shares: decode(L.shares), overlap: overlap, patterns: new Map(),
+        shares: decode(L.shares), overlap: overlap, patterns: new Map(), ...mechanismArrays(L, decode), // explorer_mechanisms.js
       });
     }
     return decoded.get(l);
@@ -93,7 +93,7 @@
       const vo = (j * Hkv + g) * dh;
       for (let i = 0; i < dh; i++) z[i] += w[j] * L.v[vo + i];
     }
-    return z;
+    return gated(L, h, t, z); // an output gate multiplies z_h (explorer_mechanisms.js)
   }
 
   function contribution(L, h, z) { // z_h W_O[h] -> [d_model]
@@ -110,6 +110,8 @@
     const { scores, weights, sink } = row(L, h, t);
     let top = 0;
     for (let j = 1; j < SEQ; j++) if (weights[j] > weights[top]) top = j;
+    const g = kvHead(L, h), q = Array.from(L.q.subarray((t * L.H + h) * L.dh, (t * L.H + h + 1) * L.dh));
+    if (L.meta.differential) return { L, scores, weights, sink, top, q, g, ...diffCompute(L, h, t, row) };
     const zs = [];
     for (let hh = 0; hh < L.H; hh++) zs.push(hh === h ? zOf(L, hh, t, weights) : zOf(L, hh, t));
     const concat = new Float64Array(L.H * L.dh);
@@ -122,11 +124,8 @@
       for (let m = 0; m < L.dm; m++) out[m] += c[m];
     }
     if (L.bO) for (let m = 0; m < L.dm; m++) out[m] += L.bO[m];
-    const g = kvHead(L, h);
-    const q = Array.from(L.q.subarray((t * L.H + h) * L.dh, (t * L.H + h + 1) * L.dh));
     return { L, scores, weights, sink, top, z: zs[h], concat, contrib, out, q, g };
   }
-
 
   // ------------------------------------------------------------------ canvas grids with hover text
   const tip = $("tip");
@@ -135,9 +134,6 @@
     tip.style.left = ev.clientX + 12 + "px"; tip.style.top = ev.clientY + 12 + "px";
   }
   function hideTip() { tip.hidden = true; }
-
-
-
 
   function hoverable(canvas, textAt, onClick) {
     canvas.addEventListener("mousemove", (ev) => {
@@ -323,6 +319,7 @@
       const max = drawHeatmap(L, shown);
       legend(legendBox, "seq", 0, max, "attention weight");
     }
+    $("heads-note").textContent += mechanismNote(L, shown, state.token); // gates, differential pairs
     if (L.meta.sinks) $("heads-note").textContent += `; learned sinks: each row sums to 1 - sink, s_h = ${shown.map((h) => `H${h} ${fmt(L.meta.sinks[h], 3)}`).join(", ")}`;
   }
 
@@ -370,7 +367,6 @@
     if (y < view.scrollTop || y > view.scrollTop + view.clientHeight - RH) view.scrollTop = Math.max(0, y - view.clientHeight / 2);
     return wmax;
   }
-
 
   function drawHeatmap(L, shown) {
     const canvas = $("heatmap-canvas");
@@ -451,6 +447,7 @@
     const zm = maxAbs(r.z);
     cells($("z-cells"), r.z, zm, "z");
     $("z-legend").replaceChildren(); legend($("z-legend"), "div", -zm, zm, "z");
+    mechanismView($("z-legend"), L, h, t, r, TOKENS); // the gate, the pair's difference row
 
     const cm = maxAbs(r.concat);
     const cc = $("concat-canvas");
@@ -692,7 +689,7 @@
       const r = last;
       return { layer: r.layer, head: r.head, token: r.token, top: r.top, topToken: TOKENS[r.top],
         scores: Array.from(r.scores, (x) => (x === -Infinity ? null : x)), weights: Array.from(r.weights), q: r.q,
-        sink: r.sink, scoresNote: $("scores-note").textContent,
+        sink: r.sink, gate: r.L.gate ? Array.from(gateOf(r.L, r.head, r.token)) : null, diff: r.diff ? Array.from(r.diff) : null, scoresNote: $("scores-note").textContent,
         z: Array.from(r.z), concat: Array.from(r.concat), contrib: Array.from(r.contrib), out: Array.from(r.out) };
     },
   };
