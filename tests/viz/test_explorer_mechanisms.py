@@ -155,6 +155,11 @@ def test_the_page_draws_each_pairs_difference_map_and_output(
         z, normed = t[f"blocks.{i}.attn.hook_z"][0], t[f"blocks.{i}.attn.hook_z_normed"][0]  # (S, H|P, 2dh)
         result, out = t[f"blocks.{i}.attn.hook_result"][0], t[f"blocks.{i}.hook_attn_out"][0]  # (S, P, dm)
         np.testing.assert_allclose(unpack(layer["diff_maps"]), diff.numpy(), atol=tol)
+        norms = result.norm(dim=-1)  # (S, P): each pair's part
+        shares = unpack(layer["shares"])  # (S, H): each head shows its pair's share
+        np.testing.assert_allclose(
+            shares, (norms / norms.sum(-1, keepdim=True))[:, [0, 1, 2, 0, 1, 2]], atol=1e-6
+        )
         for r in _page_js(layer, tmp_path):
             h, s = r["h"], r["t"]
             assert r["pair"] == h % 3
@@ -163,3 +168,40 @@ def test_the_page_draws_each_pairs_difference_map_and_output(
             close(r["concat"], normed[s].flatten(), 50 * tol)  # the norm divides by a small rms
             close(r["contrib"], result[s, h % 3], 50 * tol)
             close(r["out"], out[s], 50 * tol)
+
+
+@pytest.mark.slow
+def test_the_page_draws_gates_and_difference_maps_in_chromium(
+    qwen3_next: Any, diffllama: Any, browser: Any, tmp_path: Path
+) -> None:
+    """The whole page (headless Chromium): the pipeline's z is the gated hook_z and its gate line shows
+    the gate; on DiffLlama it draws the pair's map, whose row equals hook_diff_pattern."""
+    for model, block, layer, vocab in [(qwen3_next, "blocks.3", 0, 61), (diffllama, "blocks.1", 1, 71)]:
+        toks = torch.randint(3, vocab, (1, SEQ), generator=torch.Generator().manual_seed(4))  # (1, SEQ)
+        explorer = Explorer(model, toks, precision="float32")
+        path = explorer.save(tmp_path / f"{vocab}.html")
+        t = _traced(model, toks)
+        page = browser.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda e, errors=errors: errors.append(str(e)))
+        try:
+            page.goto(path.as_uri())
+            page.wait_for_selector("body[data-ready='true']", timeout=30_000)
+            page.evaluate(f"window.headspaceExplorer.select({{layer: {layer}, head: 2, token: 5}})")
+            snap = page.evaluate("window.headspaceExplorer.snapshot()")
+            close(snap["z"], t[f"{block}.attn.hook_z"][0, 5, 2])
+            note = page.inner_text("#heads-note")
+            if "gate" in explorer.data["layers"][layer]:
+                want = torch.from_numpy(unpack(explorer.data["layers"][layer]["gate"])[5, 2].copy())  # (dh,)
+                close(snap["gate"], want, 1e-7)
+                assert snap["diff"] is None and "output gate" in note
+                assert "gate sigmoid(x W_G[2])" in page.inner_text("#z-legend")
+                assert page.locator("#diff-view").is_hidden()
+            else:
+                close(snap["diff"], t[f"{block}.attn.hook_diff_pattern"][0, 2, 5])
+                assert "differential pairs" in note and "p_1 - lambda p_2" in page.inner_text("#z-legend")
+                assert page.locator("#diff-canvas").get_attribute("data-pair") == "2"
+                assert page.locator("#diff-view").is_visible()
+        finally:
+            page.close()
+        assert not errors

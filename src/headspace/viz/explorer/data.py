@@ -330,7 +330,8 @@ def build_page_data(
                 "overlap": {key: pack(m, "float32") for key, m in overlap.items()},
                 "overlap_baseline": random_overlap(attn.d_model, attn.d_head, attn.d_head),
                 **gate_fields(c.gate, pack, dtype),  # gated layers: the output gate view (.gates)
-                **diff_fields(attn, c.diff, c.pattern, pack, dtype),  # differential maps (.differential)
+                # differential layers: the pair maps, lambda, per-head shares (.differential)
+                **diff_fields(attn, c.diff, c.pattern, c.result, pack, dtype),
             }
         )
     return {

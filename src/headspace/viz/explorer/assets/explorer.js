@@ -447,7 +447,7 @@
     const zm = maxAbs(r.z);
     cells($("z-cells"), r.z, zm, "z");
     $("z-legend").replaceChildren(); legend($("z-legend"), "div", -zm, zm, "z");
-    mechanismView($("z-legend"), L, h, t, r, TOKENS); // the gate, the pair's difference row
+    mechanismView($("z-legend"), L, h, t, r, TOKENS, row); // the gate, the pair's difference row
 
     const cm = maxAbs(r.concat);
     const cc = $("concat-canvas");

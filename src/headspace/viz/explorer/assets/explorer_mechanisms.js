@@ -89,7 +89,7 @@ function mechanismNote(L, shown, t) {
 }
 
 // The pipeline's mechanism lines: the gate of this head and token, and the pair's difference map row.
-function mechanismView(box, L, h, t, r, tokens) {
+function mechanismView(box, L, h, t, r, tokens, rowOf) {
   const g = gateOf(L, h, t);
   if (g) {
     const s = document.createElement("span");
@@ -107,4 +107,25 @@ function mechanismView(box, L, h, t, r, tokens) {
       (L.meta.differential.recomputed ? "" : " (stored map)") + "; z above is head " + h + "'s own (hook_z)";
     box.append(s);
   }
+  drawDiffMap(L, t, r, tokens, rowOf);
+}
+
+// The whole map D_j of the selected head's pair [seq_q, seq_k] (diverging: D may be negative), row t outlined.
+function drawDiffMap(L, t, r, tokens, rowOf) {
+  const view = document.getElementById("diff-view");
+  view.hidden = !r.diff;
+  if (!r.diff) return;
+  const S = tokens.length, D = [];
+  for (let i = 0; i < S; i++) D.push(diffRow(L, r.pair, i, rowOf));
+  let m = 0;
+  for (const d of D) m = Math.max(m, maxAbs(d));
+  const canvas = document.getElementById("diff-canvas"), cell = Math.max(1, Math.min(36, Math.floor(560 / S)));
+  const labels = S <= 48 ? tokens : null;
+  const ctx = paintGrid(canvas, S, S, (i, j) => diverging(D[i][j], m),
+    { cw: cell, ch: cell, ox: labels ? 90 : 0, oy: labels ? 70 : 0, rowLabels: labels, colLabels: labels });
+  outline(ctx, canvas, t, 0, 1, S, "#e8710a");
+  canvas.dataset.pair = String(r.pair);
+  const box = document.getElementById("diff-legend");
+  box.replaceChildren();
+  legend(box, "div", -m, m, `D_${r.pair} (${L.meta.differential.recomputed ? "recomputed from q, k" : "stored"})`);
 }
