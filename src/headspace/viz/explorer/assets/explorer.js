@@ -6,6 +6,7 @@
 //   score_j = (q_t . k_j) * scale - alibi_h (t - j)  (masked keys excluded)   w = softmax(score)   z_h = sum_j w_j v_j
 //   learned sinks (layer.sinks, gpt-oss): w_j = exp(score_j) / (sum_k exp(score_k) + exp(s_h)), sink = 1 - sum_j w_j
 //   out = sum_h z_h W_O[h] + b_O
+// Output gates (z_h times the run's gate) and differential pairs (DiffLlama): explorer_mechanisms.js.
 // DATA.results (optional): saved patching / attribution results, drawn as they are (view 5).
 // A large page (blob.py) holds its arrays as one deflated block (#explorer-blob, one byte a character,
 // NUL, CR, "<" and "~" written as "~" and the byte + 64); an array's fields then say where its bytes are.
