@@ -202,6 +202,8 @@ def test_the_page_draws_gates_and_difference_maps_in_chromium(
                 assert "differential pairs" in note and "p_1 - lambda p_2" in page.inner_text("#z-legend")
                 assert page.locator("#diff-canvas").get_attribute("data-pair") == "2"
                 assert page.locator("#diff-view").is_visible()
+                wo_rows = page.evaluate("document.getElementById('wo-canvas')._grid.rows")
+                assert wo_rows == 12 and "W_O[4], W_O[5]" in page.inner_text("#wo-legend")  # pair 2's rows
         finally:
             page.close()
         assert not errors

@@ -453,16 +453,17 @@
     const cm = maxAbs(r.concat);
     const cc = $("concat-canvas");
     const cctx = paintGrid(cc, 1, L.H * L.dh, (_, i) => diverging(r.concat[i], cm), { cw: 2, ch: 18 });
-    outline(cctx, cc, 0, h * L.dh, 1, L.dh, "#e8710a");
+    const [o0, nr] = r.diff ? [r.pair * 2 * L.dh, 2 * L.dh] : [h * L.dh, L.dh]; // a pair: W_O rows of heads 2j, 2j + 1
+    outline(cctx, cc, 0, o0, 1, nr, "#e8710a");
     cc._hover = (_, i) => `head ${Math.floor(i / L.dh)}, z[${i % L.dh}] = ${fmt(r.concat[i], 6)}`;
-    $("concat-legend").replaceChildren(); legend($("concat-legend"), "div", -cm, cm, "concat (this head outlined)");
+    $("concat-legend").replaceChildren(); legend($("concat-legend"), "div", -cm, cm, `concat (this ${r.diff ? "pair" : "head"} outlined)`);
 
     let wm = 0;
-    for (let i = 0; i < L.dh * L.dm; i++) wm = Math.max(wm, Math.abs(L.WO[h * L.dh * L.dm + i]));
+    for (let i = 0; i < nr * L.dm; i++) wm = Math.max(wm, Math.abs(L.WO[o0 * L.dm + i]));
     const wc = $("wo-canvas");
-    paintGrid(wc, L.dh, L.dm, (i, m) => diverging(L.WO[(h * L.dh + i) * L.dm + m], wm), { cw: 2, ch: 5 });
-    wc._hover = (i, m) => `W_O[${h}][${i}, ${m}] = ${fmt(L.WO[(h * L.dh + i) * L.dm + m], 6)}`;
-    $("wo-legend").replaceChildren(); legend($("wo-legend"), "div", -wm, wm, "W_O[h]");
+    paintGrid(wc, nr, L.dm, (i, m) => diverging(L.WO[(o0 + i) * L.dm + m], wm), { cw: 2, ch: 5 });
+    wc._hover = (i, m) => `W_O[${Math.floor((o0 + i) / L.dh)}][${(o0 + i) % L.dh}, ${m}] = ${fmt(L.WO[(o0 + i) * L.dm + m], 6)}`;
+    $("wo-legend").replaceChildren(); legend($("wo-legend"), "div", -wm, wm, r.diff ? `W_O[${2 * r.pair}], W_O[${2 * r.pair + 1}]` : "W_O[h]");
 
     for (const [id, arr, name, legendId] of [["contrib-canvas", r.contrib, "z_h W_O[h]", "contrib-legend"], ["out-canvas", r.out, "out", "out-legend"]]) {
       const c = $(id), m = maxAbs(arr);
