@@ -18,6 +18,7 @@ What the page stores, per attention layer (``seq`` = the sentence's tokens)::
                      angles between two heads' subspaces, with the random baseline d_head / d_model
 
 for a gated layer, its output gate (``gate``, ``gate_mean``, ``gate_kind``, ``gate_label``: :mod:`.gates`);
+for a differential layer, ``differential`` and ``diff_maps`` (:mod:`.differential`);
 
 and, for the whole page, ``initial`` {"layer", "head", "token"}: where it opens, and ``results``: the
 saved patching / attribution results it shows as heatmaps (a list of views, plain JSON numbers; see
@@ -56,6 +57,7 @@ from ...analysis.trace.trace import attention_layers, trace
 from ...attention.layer import MultiHeadAttention
 from ...nn.alibi import alibi_bias
 from .codec import decode_grid, encode_grid
+from .differential import DIFF_HOOK, diff_fields, traced_diff
 from .gates import GATE_HOOK, gate_fields, traced_gate
 
 #: Format tag written into every page, bumped when the data layout changes.
@@ -91,6 +93,7 @@ class LayerCapture:
     out: Tensor
     mask: str
     gate: Tensor | None = None  # [seq, n_heads, width]: a gated layer's output gate (.gates)
+    diff: Tensor | None = None  # [n_pairs, seq, seq]: a differential layer's pair maps (.differential)
     #: the window of a "window" mask (i - window < j <= i), else None
     window: int | None = None
     #: ALiBi's slopes [n_heads] (-alibi[h] * (i - j) joins the scores), else None
@@ -127,7 +130,7 @@ def capture_layers(model: nn.Module, run: Callable[[], Any]) -> list[LayerCaptur
     layers = attention_layers(model)
     if not layers:
         raise ValueError(f"model has no headspace MultiHeadAttention layer to show ({type(model).__name__})")
-    wanted = set(_HOOKS + _ROTARY_HOOKS + _NORMED_HOOKS + (GATE_HOOK,))
+    wanted = set(_HOOKS + _ROTARY_HOOKS + _NORMED_HOOKS + (GATE_HOOK, DIFF_HOOK))
     with torch.no_grad(), trace(model, lambda name: name.rsplit(".", 1)[-1] in wanted) as t:
         run()
     captures = []
@@ -183,6 +186,7 @@ def capture_layers(model: nn.Module, run: Callable[[], Any]) -> list[LayerCaptur
                 out=out,
                 mask=mask,
                 gate=traced_gate(t, name),
+                diff=traced_diff(t, name),
                 window=window,
                 alibi=alibi,
             )
@@ -326,6 +330,8 @@ def build_page_data(
                 "overlap": {key: pack(m, "float32") for key, m in overlap.items()},
                 "overlap_baseline": random_overlap(attn.d_model, attn.d_head, attn.d_head),
                 **gate_fields(c.gate, pack, dtype),  # gated layers: the output gate view (.gates)
+                # differential layers: the pair maps, lambda, per-head shares (.differential)
+                **diff_fields(attn, c.diff, c.pattern, c.result, pack, dtype),
             }
         )
     return {

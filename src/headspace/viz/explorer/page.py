@@ -67,7 +67,9 @@ def render_page(data: dict[str, Any]) -> str:
         raise TypeError("data must be the dict from build_page_data (with 'tokens' and 'layers')")
     title = html.escape(str(data.get("title", "headspace explorer")))
     template, css, block = asset("template.html"), asset("explorer.css"), ""
-    js = asset("explorer_draw.js") + "\n" + asset("explorer.js")  # the helpers first, in one script
+    js = "\n".join(
+        asset(a) for a in ("explorer_draw.js", "explorer_mechanisms.js", "explorer.js")
+    )  # helpers first
     big = blob.base64_chars(data) >= blob.BLOB_MIN_CHARS
     if big:
         data, deflated = blob.to_blob(data)

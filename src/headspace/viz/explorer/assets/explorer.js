@@ -6,6 +6,7 @@
 //   score_j = (q_t . k_j) * scale - alibi_h (t - j)  (masked keys excluded)   w = softmax(score)   z_h = sum_j w_j v_j
 //   learned sinks (layer.sinks, gpt-oss): w_j = exp(score_j) / (sum_k exp(score_k) + exp(s_h)), sink = 1 - sum_j w_j
 //   out = sum_h z_h W_O[h] + b_O
+// Output gates (z_h times the run's gate) and differential pairs (DiffLlama): explorer_mechanisms.js.
 // DATA.results (optional): saved patching / attribution results, drawn as they are (view 5).
 // A large page (blob.py) holds its arrays as one deflated block (#explorer-blob, one byte a character,
 // NUL, CR, "<" and "~" written as "~" and the byte + 64); an array's fields then say where its bytes are.
@@ -32,7 +33,7 @@
       decoded.set(l, {
         meta: L, H: L.n_heads, Hkv: L.n_kv_heads, dh: L.d_head, dm: L.d_model,
         q: decode(L.q), k: decode(L.k), v: decode(L.v), WO: decode(L.W_O), bO: decode(L.b_O),
-        shares: decode(L.shares), overlap: overlap, patterns: new Map(),
+        shares: decode(L.shares), overlap: overlap, patterns: new Map(), ...mechanismArrays(L, decode), // explorer_mechanisms.js
       });
     }
     return decoded.get(l);
@@ -93,7 +94,7 @@
       const vo = (j * Hkv + g) * dh;
       for (let i = 0; i < dh; i++) z[i] += w[j] * L.v[vo + i];
     }
-    return z;
+    return gated(L, h, t, z); // an output gate multiplies z_h (explorer_mechanisms.js)
   }
 
   function contribution(L, h, z) { // z_h W_O[h] -> [d_model]
@@ -110,6 +111,8 @@
     const { scores, weights, sink } = row(L, h, t);
     let top = 0;
     for (let j = 1; j < SEQ; j++) if (weights[j] > weights[top]) top = j;
+    const g = kvHead(L, h), q = Array.from(L.q.subarray((t * L.H + h) * L.dh, (t * L.H + h + 1) * L.dh));
+    if (L.meta.differential) return { L, scores, weights, sink, top, q, g, ...diffCompute(L, h, t, row) };
     const zs = [];
     for (let hh = 0; hh < L.H; hh++) zs.push(hh === h ? zOf(L, hh, t, weights) : zOf(L, hh, t));
     const concat = new Float64Array(L.H * L.dh);
@@ -122,11 +125,8 @@
       for (let m = 0; m < L.dm; m++) out[m] += c[m];
     }
     if (L.bO) for (let m = 0; m < L.dm; m++) out[m] += L.bO[m];
-    const g = kvHead(L, h);
-    const q = Array.from(L.q.subarray((t * L.H + h) * L.dh, (t * L.H + h + 1) * L.dh));
     return { L, scores, weights, sink, top, z: zs[h], concat, contrib, out, q, g };
   }
-
 
   // ------------------------------------------------------------------ canvas grids with hover text
   const tip = $("tip");
@@ -135,9 +135,6 @@
     tip.style.left = ev.clientX + 12 + "px"; tip.style.top = ev.clientY + 12 + "px";
   }
   function hideTip() { tip.hidden = true; }
-
-
-
 
   function hoverable(canvas, textAt, onClick) {
     canvas.addEventListener("mousemove", (ev) => {
@@ -323,6 +320,7 @@
       const max = drawHeatmap(L, shown);
       legend(legendBox, "seq", 0, max, "attention weight");
     }
+    $("heads-note").textContent += mechanismNote(L, shown, state.token); // gates, differential pairs
     if (L.meta.sinks) $("heads-note").textContent += `; learned sinks: each row sums to 1 - sink, s_h = ${shown.map((h) => `H${h} ${fmt(L.meta.sinks[h], 3)}`).join(", ")}`;
   }
 
@@ -370,7 +368,6 @@
     if (y < view.scrollTop || y > view.scrollTop + view.clientHeight - RH) view.scrollTop = Math.max(0, y - view.clientHeight / 2);
     return wmax;
   }
-
 
   function drawHeatmap(L, shown) {
     const canvas = $("heatmap-canvas");
@@ -451,20 +448,22 @@
     const zm = maxAbs(r.z);
     cells($("z-cells"), r.z, zm, "z");
     $("z-legend").replaceChildren(); legend($("z-legend"), "div", -zm, zm, "z");
+    mechanismView($("z-legend"), L, h, t, r, TOKENS, row); // the gate, the pair's difference row
 
     const cm = maxAbs(r.concat);
     const cc = $("concat-canvas");
     const cctx = paintGrid(cc, 1, L.H * L.dh, (_, i) => diverging(r.concat[i], cm), { cw: 2, ch: 18 });
-    outline(cctx, cc, 0, h * L.dh, 1, L.dh, "#e8710a");
+    const [o0, nr] = r.diff ? [r.pair * 2 * L.dh, 2 * L.dh] : [h * L.dh, L.dh]; // a pair: W_O rows of heads 2j, 2j + 1
+    outline(cctx, cc, 0, o0, 1, nr, "#e8710a");
     cc._hover = (_, i) => `head ${Math.floor(i / L.dh)}, z[${i % L.dh}] = ${fmt(r.concat[i], 6)}`;
-    $("concat-legend").replaceChildren(); legend($("concat-legend"), "div", -cm, cm, "concat (this head outlined)");
+    $("concat-legend").replaceChildren(); legend($("concat-legend"), "div", -cm, cm, `concat (this ${r.diff ? "pair" : "head"} outlined)`);
 
     let wm = 0;
-    for (let i = 0; i < L.dh * L.dm; i++) wm = Math.max(wm, Math.abs(L.WO[h * L.dh * L.dm + i]));
+    for (let i = 0; i < nr * L.dm; i++) wm = Math.max(wm, Math.abs(L.WO[o0 * L.dm + i]));
     const wc = $("wo-canvas");
-    paintGrid(wc, L.dh, L.dm, (i, m) => diverging(L.WO[(h * L.dh + i) * L.dm + m], wm), { cw: 2, ch: 5 });
-    wc._hover = (i, m) => `W_O[${h}][${i}, ${m}] = ${fmt(L.WO[(h * L.dh + i) * L.dm + m], 6)}`;
-    $("wo-legend").replaceChildren(); legend($("wo-legend"), "div", -wm, wm, "W_O[h]");
+    paintGrid(wc, nr, L.dm, (i, m) => diverging(L.WO[(o0 + i) * L.dm + m], wm), { cw: 2, ch: 5 });
+    wc._hover = (i, m) => `W_O[${Math.floor((o0 + i) / L.dh)}][${(o0 + i) % L.dh}, ${m}] = ${fmt(L.WO[(o0 + i) * L.dm + m], 6)}`;
+    $("wo-legend").replaceChildren(); legend($("wo-legend"), "div", -wm, wm, r.diff ? `W_O[${2 * r.pair}], W_O[${2 * r.pair + 1}]` : "W_O[h]");
 
     for (const [id, arr, name, legendId] of [["contrib-canvas", r.contrib, "z_h W_O[h]", "contrib-legend"], ["out-canvas", r.out, "out", "out-legend"]]) {
       const c = $(id), m = maxAbs(arr);
@@ -692,7 +691,7 @@
       const r = last;
       return { layer: r.layer, head: r.head, token: r.token, top: r.top, topToken: TOKENS[r.top],
         scores: Array.from(r.scores, (x) => (x === -Infinity ? null : x)), weights: Array.from(r.weights), q: r.q,
-        sink: r.sink, scoresNote: $("scores-note").textContent,
+        sink: r.sink, gate: r.L.gate ? Array.from(gateOf(r.L, r.head, r.token)) : null, diff: r.diff ? Array.from(r.diff) : null, scoresNote: $("scores-note").textContent,
         z: Array.from(r.z), concat: Array.from(r.concat), contrib: Array.from(r.contrib), out: Array.from(r.out) };
     },
   };
