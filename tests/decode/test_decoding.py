@@ -53,7 +53,9 @@ GEMMA_LIKE = [
     # window of 7 that the steps fill (written in place) and then cross (the oldest key dropped)
     {**LLAMA, "act": "silu", "n_kv_heads": 2, "nope_layers": [0], "sliding_window": 7},
 ]  # fmt: skip
-STEP_CONFIGS = CONFIGS + GEMMA_LIKE
+#: the post layout (OPT-350m: a norm after each residual add, no final norm): the Python step only
+POST = {"norm": "post", "act": "relu"}
+STEP_CONFIGS = CONFIGS + GEMMA_LIKE + [POST]
 
 
 def decoder(**kw) -> Decoder:
@@ -376,7 +378,8 @@ def test_the_backend_registry_has_one_signature(monkeypatch: pytest.MonkeyPatch)
 
 def test_describe_names_every_part_and_refuses_blocks_without_a_step() -> None:
     """The step's description is the model's parameters themselves, each a named field; a post-norm
-    block has no cached step (forward decodes)."""
+    block's step is the Python backend's only (no native form); a block with score soft-capping has
+    no cached step (forward decodes)."""
     from headspace.decode import named_fields
 
     model = decoder(**CONFIGS[2])
@@ -394,9 +397,14 @@ def test_describe_names_every_part_and_refuses_blocks_without_a_step() -> None:
     int8_step = describe(int8)
     assert int8_step is not None and int8_step.layers[0].qkv.kind == "other"
     assert named_fields(int8_step.layers[0]) is None  # no native form: the Python step runs it
-    post = Decoder(ModelConfig(arch="decoder", vocab_size=V, d_model=H * DH, n_layers=L, n_heads=H, d_mlp=11,
-                               max_seq_len=19, norm="post")).eval()  # fmt: skip
-    assert describe(post) is None and post.decode_plan() is None
+    capped = decoder(**LLAMA, attn_softcap=5.0)
+    assert describe(capped) is None and capped.decode_plan() is None
+    post = decoder(**POST)  # the post layout: a step, the Python backend's only
+    post_step = describe(post)
+    assert post_step is not None and post.decode_plan() is not None
+    assert [x.post for x in post_step.layers] == [True] * L and post_step.final_norm is None
+    assert post_step.layers[0].norm1.weight is post.blocks[0].ln1.weight  # type: ignore[union-attr]
+    assert named_fields(post_step.layers[0]) is None  # no native form: the Python step runs it
     prompt = torch.randint(0, V, (B, 4))
     assert torch.equal(
         post.generate(prompt, 3, temperature=0), post.generate(prompt, 3, temperature=0, use_cache=False)

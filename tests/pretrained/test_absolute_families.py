@@ -265,7 +265,7 @@ def test_what_headspace_cannot_run_is_refused_by_field_name(
 
 def test_the_families_table_rows_say_what_loading_builds(saved: dict) -> None:
     """Each row of headspace.pretrained.families_table: its layouts and decoding routes are the loaded
-    models' (OPT's pre layout decodes through the native step, its post layout through the forward)."""
+    models' (OPT's pre layout decodes through the native step, its post layout through the Python one)."""
     from headspace.decode.step import blocks_of
     from headspace.pretrained import families_table as ft
 
@@ -279,7 +279,7 @@ def test_the_families_table_rows_say_what_loading_builds(saved: dict) -> None:
         assert {b.spec.layout for b in blocks_of(ours.model)} <= set(row.layouts), arch
         routes[arch] = ft.decode_route(ours)
         assert routes[arch] in row.decode, (arch, routes[arch])
-    assert (routes["opt"], routes["opt_post"]) == ("native", "forward")
+    assert (routes["opt"], routes["opt_post"]) == ("native", "python")
 
 
 @pytest.mark.parametrize("arch", ["opt", "gpt_neo", "gpt_bigcode", "gpt_bigcode_mha"])
@@ -356,3 +356,53 @@ def test_left_padded_batch_decodes_as_transformers_does(saved: dict, arch: str) 
     torch.testing.assert_close(mine[real], logits[real], atol=1e-4 * float(logits.abs().max()), rtol=0)
     got = ours.generate(tokens, 8, temperature=0, key_padding=real)
     assert torch.equal(got[:, 7:], want[:, 7:])
+
+
+def test_the_post_layout_decodes_through_the_python_step(
+    saved: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OPT-350m's post layout (``h = LN1(x + Attn(x))``, ``out = LN2(h + MLP(h))``) has a cached step,
+    the Python backend's: every new token of an unpadded batch goes through it and the greedy tokens
+    are transformers' and the whole forward's; a left-padded batch (which decodes by the forward with
+    its KV caches, as every family's does) still equals transformers'. The native step, asked for by
+    name, refuses the field by name."""
+    from headspace.decode import describe, native, python
+
+    folder, ref = saved["opt_post"]
+    ours = hs.load(folder)
+    step = describe(ours.model)
+    assert step is not None and [layer.post for layer in step.layers] == [True] * L
+    assert native.native_form(step) is None  # the Python step's only
+    calls: list[int] = []
+    original = python.layer_rows
+
+    def spy(*args: Any) -> torch.Tensor:
+        calls.append(1)
+        return original(*args)
+
+    monkeypatch.setattr(python, "layer_rows", spy)
+    prompt = torch.randint(1, V, (2, 6), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        got = ours.generate(prompt, 10, temperature=0)
+        want = ref.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=10, do_sample=False, pad_token_id=0
+        )
+        forward = prompt
+        for _ in range(10):  # the forward on the whole prefix, no cache, no step
+            forward = torch.cat([forward, ours.model(forward)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(got, want) and torch.equal(got, forward)
+    # every new token by the step (the prompt's by the forward; the last one needs no step)
+    assert len(calls) == L * 9
+    assert torch.equal(ours.generate(prompt, 10, temperature=0, backend="python"), want)
+    tokens, real = prompt.clone(), torch.ones(2, 6, dtype=torch.bool)
+    tokens[1, :2], real[1, :2] = 0, False  # row 1: 2 padding tokens, then 4 real ones
+    with torch.no_grad():
+        padded = ref.generate(
+            tokens, attention_mask=real.long(), max_new_tokens=8, do_sample=False, pad_token_id=0
+        )
+    assert torch.equal(ours.generate(tokens, 8, temperature=0, key_padding=real), padded)
+    refused = "^the native decoding step does not support the block field 'layout' \\('post'\\)$"
+    with pytest.raises(ValueError, match=refused):
+        native.prepare(step)
+    with pytest.raises(ValueError, match=refused):
+        ours.generate(prompt, 3, temperature=0, backend="native")

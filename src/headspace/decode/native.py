@@ -10,9 +10,10 @@ relatives' operations: QK-norm (over each head or over all heads), sliding windo
 cache written as its own ``append_one`` writes it, the window's mask passed to attention), per-layer
 rotations and NoPE layers (each layer handed its own tables, the other rotaries' made per call as the
 Python step makes them), sandwich and post-sublayer norms. A description with any other part (int8
-weights, another norm or activation) has no native form (:func:`native_form` is None) and takes the
-Python step; so does a call with gradients enabled on a model with windowed caches (their
-``append_one`` then keeps the keys' history, which only the Python step does).
+weights, another norm or activation, the parallel or post layout) has no native form
+(:func:`native_form` is None) and takes the Python step (asked for by name, :func:`prepare` refuses
+ALiBi and the post layout by field name); so does a call with gradients enabled on a model with
+windowed caches (their ``append_one`` then keeps the keys' history, which only the Python step does).
 
 Notation used for tensor shapes:
     rotary_dim (the features of d_head a rotation turns).
@@ -32,7 +33,7 @@ from . import python
 from .step import DecodeStep, NamedFields, named_fields
 
 #: The block features (:func:`~headspace.nn.spec.features_of`) the C++ step computes.
-# a parallel layer, chunks and the query temperature: Python only (step.PYTHON_ONLY)
+# a parallel or post layer, chunks and the query temperature: Python only (step.PYTHON_ONLY)
 NATIVE_FEATURES = ("window", "qk_norm", "layout", "chunk", "temperature")
 
 
@@ -67,6 +68,8 @@ def prepare(step: DecodeStep) -> Callable[..., Tensor] | None:
     for layer in step.layers:  # asked for by name: a field it lacks is refused by name
         if layer.spec is not None and layer.alibi_slopes is not None:
             refuse_unsupported(layer.spec, "the native decoding step", NATIVE_FEATURES)
+        if layer.post:  # the post layout (OPT-350m): the Python step's only
+            raise ValueError("the native decoding step does not support the block field 'layout' ('post')")
     form = native_form(step)
     if form is None or not library.ready():
         return None

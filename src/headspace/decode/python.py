@@ -65,6 +65,7 @@ class _Layer(NamedTuple):
     attn_out_norm: Rows | None
     mlp_out_norm: Rows | None
     parallel: bool
+    post: bool
     alibi: Tensor | None
     chunk: int | None
     temperature: tuple[float, float] | None
@@ -141,6 +142,7 @@ def _resolve(layer: LayerStep) -> _Layer:
         attn_out_norm=_norm_or_none(layer.attn_out_norm),
         mlp_out_norm=_norm_or_none(layer.mlp_out_norm),
         parallel=bool(layer.parallel),
+        post=bool(layer.post),
         alibi=None if layer.alibi_slopes is None else torch.tensor(layer.alibi_slopes),
         latent=layer.latent,
         chunk=layer.chunk,
@@ -168,7 +170,7 @@ def layer_rows(
     gate's product in place on the fresh gate output."""
     B = x.shape[0]
     H, Hkv, dh = layer.n_heads, layer.n_kv_heads, layer.d_head
-    n = x if layer.norm1 is None else layer.norm1(x)  # (B, d_model)
+    n = x if layer.norm1 is None or layer.post else layer.norm1(x)  # (B, d_model)
     if layer.latent is not None:  # latent attention: its forward on the new position, its own cache
         assert isinstance(kv, LatentCache)
         a = layer.latent(n.unsqueeze(1), kv_cache=kv).squeeze(1)  # (B, d_model)
@@ -211,19 +213,23 @@ def layer_rows(
     )  # (B, H, 1, dh)
     a = layer.o(z.reshape(B, H * dh))  # (B, d_model): heads concatenated
     h = x + (a if layer.attn_out_norm is None else layer.attn_out_norm(a))  # (B, d_model)
+    if layer.post and layer.norm1 is not None:  # the post layout: norm1 after the residual add
+        h = layer.norm1(h)  # (B, d_model)
     return _mlp_rows(layer, x, h)
 
 
 def _mlp_rows(layer: _Layer, x: Tensor, h: Tensor) -> Tensor:
     """The MLP sublayer of :func:`layer_rows` on the block's input x and the stream after attention h,
-    each [B, d_model] -> the block's output [B, d_model]."""
+    each [B, d_model] -> the block's output [B, d_model] (the post layout: ``norm2(h + m)``)."""
     m_in = x if layer.parallel else h  # (B, d_model): a parallel block's MLP reads the block's input
-    m = m_in if layer.norm2 is None else layer.norm2(m_in)  # (B, d_model)
+    m = m_in if layer.norm2 is None or layer.post else layer.norm2(m_in)  # (B, d_model)
     if layer.gate is not None:
         m = layer.act_(layer.gate(m)).mul_(layer.fc_in(m))  # (B, d_mlp): act(gate) * up
     else:
         m = layer.act_(layer.fc_in(m))  # (B, d_mlp)
     m = layer.fc_out(m)  # (B, d_model)
+    if layer.post and layer.norm2 is not None:  # the post layout: norm2 after the residual add
+        return layer.norm2(h + m)  # (B, d_model)
     return h + (m if layer.mlp_out_norm is None else layer.mlp_out_norm(m))  # (B, d_model)
 
 

@@ -10,7 +10,7 @@ run a step from this description alone; the native one hands it to C++ field by 
 (:func:`named_fields`).
 
 Per block, for the new position's rows x [batch, d_model] (pre-norm, sandwich and post-sublayer
-blocks)::
+blocks; the post layout below)::
 
     qkv = norm1(x) W_QKV (+ b)      -> q [batch, n_heads, 1, d_head], k, v [batch, n_kv_heads, 1, d_head]
     q, k = q_norm(q), k_norm(k)           (QK-norm only: RMSNorm over d_head, or over all heads)
@@ -25,6 +25,10 @@ blocks)::
 
 then ``final_norm``, the unembedding and, with ``final_softcap``, ``cap * tanh(logits / cap)``. A norm
 absent from a block (None) is the identity: a post-sublayer block (OLMo 2) has no ``norm1``/``norm2``.
+A post-layout block (BERT's order, OPT-350m: :attr:`LayerStep.post`) normalises after each residual add
+instead, the same qkv, attention and MLP products on the unnormalised rows::
+
+    h = norm1(x + z W_O (+ b))            out = norm2(h + m)     (m as above, on h itself)
 
 A description holds the parameters themselves (and views of them): in-place edits of their values
 show in later steps, parameters replaced since (``to_precision``, pruning, assignment) do not, and
@@ -163,6 +167,9 @@ class LayerStep:
     mlp_out_norm: Norm | None = None
     #: True for the parallel layout (GPT-NeoX: ``out = x + Attn(norm1(x)) + MLP(norm2(x))``); None else
     parallel: bool | None = None
+    #: True for the post layout (OPT-350m: ``h = norm1(x + Attn(x))``, ``out = norm2(h + MLP(h))``: the
+    #: block's ``norm1``/``norm2`` after each residual add, none before a sublayer); None else. Python only
+    post: bool | None = None
     #: ALiBi's slopes (``bias="alibi"``: ``-m_h (i - j)`` added to the scaled scores); None else
     alibi_slopes: tuple[float, ...] | None = None
     #: a latent attention layer (DeepSeek: :class:`~headspace.attention.latent.LatentAttention`), whose
@@ -178,9 +185,9 @@ class LayerStep:
 
 
 #: the :class:`LayerStep` fields only the ``"python"`` backend computes (a step with any of these set
-#: takes the Python backend): the parallel layout; the native step covers QK-norm, sliding windows,
-#: per-layer rotations and sandwich / post-sublayer norms
-PYTHON_ONLY: tuple[str, ...] = ("parallel", "alibi_slopes", "latent", "chunk", "temperature")
+#: takes the Python backend): the parallel and post layouts; the native step covers QK-norm, sliding
+#: windows, per-layer rotations and sandwich / post-sublayer norms
+PYTHON_ONLY: tuple[str, ...] = ("parallel", "post", "alibi_slopes", "latent", "chunk", "temperature")
 
 
 @dataclass(frozen=True)
@@ -247,9 +254,9 @@ def describe(
     unembed_q8: Q8Blocks | None = None,
 ) -> DecodeStep | None:
     """``model``'s cached decoding step described (:class:`DecodeStep`), or None where some block has no
-    such step (:attr:`~headspace.block.TransformerBlock.decode_supported` False: post-norm, score
-    soft-capping, a head-parallel shard, ``check_finite``, another attention or MLP), which then
-    decodes by ``forward``. ``pack_rows`` packs every float32 product for that batch;
+    such step (:attr:`~headspace.block.TransformerBlock.decode_supported` False: score soft-capping,
+    a head-parallel shard, ``check_finite``, another attention or MLP), which then decodes by
+    ``forward``. ``pack_rows`` packs every float32 product for that batch;
     ``unembed_rows`` (without ``pack_rows``) packs the unembedding alone for that batch;
     ``unembed_q8``, the unembedding's own Q8_0 blocks (:func:`headspace.kernels.q8_0.q8_0_blocks`),
     makes the unembedding a ``"q8_0"`` product instead."""
@@ -307,13 +314,14 @@ def _layer_of(block: TransformerBlock, pack_rows: int | None) -> LayerStep:
     if spec.layout == "post_sublayer":  # OLMo 2: h = x + ln1(attn(x)), out = h + ln2(mlp(h))
         norm1 = norm2 = None
         attn_out, mlp_out = norm_of(block.ln1), norm_of(block.ln2)
-    else:  # pre-norm, or sandwich (Gemma: ln_attn_out / ln_mlp_out too)
+    else:  # pre-norm, post (norm1 / norm2 after the adds), or sandwich (Gemma: ln_attn_out / ln_mlp_out too)
         norm1, norm2 = norm_of(block.ln1), norm_of(block.ln2)
         sandwich = spec.layout == "sandwich"
         attn_out = norm_of(block.ln_attn_out) if sandwich else None
         mlp_out = norm_of(block.ln_mlp_out) if sandwich else None
     qk = at.qk_norm is not None
     parallel = True if spec.layout == "parallel" else None  # norm1 / norm2 as a pre-norm block's
+    post = True if spec.layout == "post" else None  # norm1 / norm2 after the residual adds
     return LayerStep(
         norm1=norm1,
         qkv=qkv_p,
@@ -336,6 +344,7 @@ def _layer_of(block: TransformerBlock, pack_rows: int | None) -> LayerStep:
         attn_out_norm=attn_out,
         mlp_out_norm=mlp_out,
         parallel=parallel,
+        post=post,
         alibi_slopes=at.alibi_slopes,
         latent=a if latent else None,
         chunk=at.chunk,

@@ -459,8 +459,8 @@ class TransformerBlock(nn.Module):
     @property
     def decode_supported(self) -> bool:
         """Whether the decoding step (:mod:`headspace.decode`) may stand in for :meth:`forward` on one new
-        position: pre-norm, sandwich (Gemma), post-sublayer (OLMo 2) or parallel (GPT-NeoX) blocks, fused
-        self-attention with
+        position: pre-norm, post (OPT-350m), sandwich (Gemma), post-sublayer (OLMo 2) or parallel
+        (GPT-NeoX) blocks, fused self-attention with
         :class:`~headspace.MultiHeadAttention`'s own forward (sliding windows, QK-norm and per-layer
         rotations included), no ``check_finite``, this module's MLPs; not score soft-capping (Gemma 2:
         its scores take the reference maths) nor a model-wide :attr:`decode_blockers` reason. Where
@@ -475,7 +475,7 @@ class TransformerBlock(nn.Module):
                 and isinstance(self.mlp, (FeedForward, GatedFeedForward))
             )
         return (
-            self.norm in ("pre", "sandwich", "post_sublayer", "parallel")
+            self.norm in ("pre", "post", "sandwich", "post_sublayer", "parallel")
             and not self.decode_blockers
             and isinstance(a, MultiHeadAttention)
             and self.spec.attention.softcap is None  # not a head-parallel shard, which has no fused weight

@@ -350,7 +350,7 @@ FAMILIES: tuple[Family, ...] = (
         ("pre", "post"),
         _LN,
         "do_layer_norm_before; projected embeddings",
-        ("native", "forward"),
+        ("native", "python"),
         _REL,
         _ABSOLUTE_T,
         **_NONE,
