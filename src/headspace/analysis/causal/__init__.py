@@ -6,7 +6,8 @@
   with the circuits, whose graph and tasks it runs on.
 * :mod:`.encdec_patching`: patching an encoder-decoder's cross-attention heads between clean and
   corrupt sources (:func:`~.encdec_patching.patch_cross_heads`).
-* :mod:`.attribution`: direct logit attribution and the logit lens.
+* :mod:`.attribution`: direct logit attribution and the logit lens; :mod:`.expert_attribution`: the same per
+  expert of a mixture-of-experts MLP (:func:`expert_attribution`).
 * :mod:`.ablation`: head importance, the change of a metric when each head is ablated.
 * :mod:`.engine`: the batched patching engine (runs from a layer on, many patched copies at once),
   which patching and head importance share.
@@ -21,6 +22,7 @@
 from .ablation import HeadImportance, head_importance, mean_z
 from .attribution import LogitAttribution, LogitLens, direct_logit_attribution, logit_lens
 from .budget import MemoryBudgetError, parse_memory
+from .expert_attribution import ExpertAttribution, expert_attribution
 from .interventions import ABLATION_MODES, ablate, prune_heads
 from .patching import EFFECT_KEYS, PatchResult, attribution_patching, patch, patch_activations, path_patch
 from .targets import TargetMasses
@@ -28,6 +30,7 @@ from .targets import TargetMasses
 __all__ = [
     "ABLATION_MODES",
     "EFFECT_KEYS",
+    "ExpertAttribution",
     "HeadImportance",
     "LogitAttribution",
     "LogitLens",
@@ -37,6 +40,7 @@ __all__ = [
     "ablate",
     "attribution_patching",
     "direct_logit_attribution",
+    "expert_attribution",
     "head_importance",
     "logit_lens",
     "mean_z",
