@@ -493,7 +493,11 @@ def test_every_model_option_says_what_load_accepts():
     shown |= {  # issue 38's rotary families
         "phi3": "Phi-3", "gemma": "Gemma,", "granite": "Granite", "olmo": "OLMo,", "olmo3": "OLMo 3",
         "exaone4": "EXAONE 4", "seed_oss": "Seed-OSS", "gpt_neox": "GPT-NeoX", "stablelm": "StableLM",
-        "cohere": "Cohere", "phi": "Phi-2", "gptj": "GPT-J",
+        "cohere": "Cohere", "phi": "Phi-2", "gptj": "GPT-J", "opt": "OPT", "gpt_neo": "GPT-Neo",
+        "gpt_bigcode": "GPT-BigCode", "roberta": "RoBERTa", "xlm-roberta": "XLM-RoBERTa",
+        "camembert": "CamemBERT", "modernbert": "ModernBERT", "falcon": "Falcon", "bloom": "BLOOM",
+        "mpt": "MPT", "gemma4_text": "Gemma 4", "gemma3n_text": "Gemma 3n", "deepseek_v2": "DeepSeek V2",
+        "deepseek_v3": "and V3",
     }  # fmt: skip
     assert set(FOLDER_LOADERS) <= set(shown), "a new folder model type: name it in MODEL_HELP"
     for kind in FOLDER_LOADERS:

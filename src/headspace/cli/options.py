@@ -42,13 +42,15 @@ def seed_value(ctx: click.Context, param: click.Parameter, value: Any) -> Any:
 MODEL_HELP = (
     "'minilm' (all-MiniLM-L6-v2, an encoder), 'smollm2' (SmolLM2-135M-Instruct, a decoder), 'gemma3' or "
     "'gemma3-270m' (Gemma-3-270M, a decoder), a folder holding a Hugging Face checkpoint (config.json + "
-    "model.safetensors: BERT, GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, OLMo 2, "
-    "SmolLM3, Phi-3, Gemma, Granite, OLMo, OLMo 3, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, Cohere, "
-    "Phi-2, GPT-J, DiffLlama, the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss and "
-    "Llama 4, or the hybrids Qwen3-Next and Qwen3.5), or a "
-    ".gguf file (Llama family, Gemma 3). T5, BART, Marian and Whisper folders and 'whisper-base' (Whisper "
-    "base, from its CTranslate2 file) load in Python (headspace.load); of the commands, explain (a sentence "
-    "or SPEECH.WAV) and align (Whisper) run encoder-decoders."
+    "model.safetensors: the encoders BERT, RoBERTa, XLM-RoBERTa, CamemBERT and ModernBERT; the decoders "
+    "GPT-2, Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3, Gemma 4, Gemma 3n, OLMo 2, SmolLM3, Phi-3, "
+    "Gemma, Granite, OLMo, OLMo 3, EXAONE 4, Seed-OSS, GPT-NeoX, StableLM, Cohere, Phi-2, GPT-J, OPT, "
+    "GPT-Neo, GPT-BigCode, BLOOM, Falcon, MPT, DiffLlama, DeepSeek V2 and V3, the mixtures of experts "
+    "Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss and Llama 4, or the hybrids Qwen3-Next and Qwen3.5), "
+    "or a .gguf file (Llama family, Gemma 3, and the GGUF architectures of these families). T5, BART, "
+    "Marian and Whisper folders and 'whisper-base' (Whisper base, from its CTranslate2 file) load in Python "
+    "(headspace.load); of the commands, explain (a sentence or SPEECH.WAV) and align (Whisper) run "
+    "encoder-decoders."
 )
 
 
