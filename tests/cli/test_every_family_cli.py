@@ -291,3 +291,29 @@ def test_induction_traces_alibi_layers_and_fits_a_short_context(tmp_path: Path) 
     for i in range(L):
         want = seen[f"blocks.{i}.attn.hook_pattern"][:, :, q, q - n + 1].mean(dim=(0, 2))  # (H,)
         torch.testing.assert_close(got[i], want.float())
+
+
+@pytest.mark.parametrize(
+    ("model_type", "field", "walked"),
+    [("diffllama", "differential", None), ("deepseek_v2", "latent", None), ("llama4_text", "temperature", 0)],
+)
+def test_the_walk_and_the_page_refuse_layers_they_cannot_recompute(
+    model_type: str, field: str, walked: int | None, tmp_path: Path
+) -> None:
+    """``walked``: the layer ``explain`` walks without ``--layer`` (None: it refuses the model)."""
+    import headspace as hs
+    from headspace.analysis.lesson.explain import explain
+    from headspace.viz.explorer import Explorer
+
+    loaded = hs.load(build(model_type, tmp_path / model_type))
+    said = f"attention field '{field}' is set"
+    if walked is None:
+        with pytest.raises(ValueError, match=said):
+            explain(loaded, SENTENCE, "it")
+    else:
+        assert explain(loaded, SENTENCE, "it").layer == walked
+    with pytest.raises(ValueError, match=said):
+        explain(loaded, SENTENCE, "it", layer=1, head=1)
+    ids = torch.tensor([[4, 5, 6, 7, 4, 9, 10, 11, 12, 13]])  # (1, 10)
+    with pytest.raises(ValueError, match=said):
+        Explorer(loaded.model, ids)
