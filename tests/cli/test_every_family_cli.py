@@ -268,15 +268,16 @@ def test_head_importance_equals_the_whole_forward_ablation(model_type: str, tmp_
             assert float(got.ablated[layer, head]) == pytest.approx(want, rel=1e-4, abs=1e-5)
 
 
-def test_induction_traces_alibi_layers_and_fits_a_short_context(tmp_path: Path) -> None:
-    """The chunked path cannot add ALiBi's bias: the scores come from the traced patterns, equal to the
-    attention mass read off ``hook_pattern`` by hand."""
+@pytest.mark.parametrize("model_type", ["bloom", "gpt_oss"])
+def test_induction_traces_alibi_layers_and_fits_a_short_context(model_type: str, tmp_path: Path) -> None:
+    """The chunked path cannot add ALiBi's bias (BLOOM) nor a learned sink (gpt-oss, where it refused):
+    the scores come from the traced patterns, equal to the attention mass read off ``hook_pattern``."""
     import headspace as hs
     from headspace.analysis import induction_scores
     from headspace.analysis.lesson.roles import repeated_tokens
     from headspace.analysis.trace.trace import hooked
 
-    loaded = hs.load(build("bloom", tmp_path / "bloom"))
+    loaded = hs.load(build(model_type, tmp_path / model_type))
     n = 7
     got = induction_scores(loaded, n=n, batch=2, bos=None)  # (L, H)
     tokens = repeated_tokens(V, n, 2, seed=0, bos=None, exclude=[1])  # (2, 2 n)
