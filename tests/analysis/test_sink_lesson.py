@@ -128,13 +128,14 @@ def test_a_model_without_sinks_has_no_sink_step(tmp_path: Path) -> None:
 
 
 def test_analyses_that_recompute_patterns_from_q_and_k_refuse_sinks_by_name(gpt_oss: tuple) -> None:
-    from headspace.analysis.lesson.roles import head_roles, induction_scores
+    from headspace.analysis.lesson.roles import head_roles
 
     model = gpt_oss[0].model
     ids = torch.randint(3, V, (1, 7))
     roles = head_roles(model, ids, chunk_size=None)  # the traced path reads hook_pattern: the key weights
     assert roles.current.shape == (L, H)
-    for run in (lambda: head_roles(model, ids, chunk_size=4), lambda: induction_scores(model, n=5)):
+    # induction_scores takes the traced patterns there (tests/cli/test_every_family_cli.py, gpt_oss)
+    for run in (lambda: head_roles(model, ids, chunk_size=4),):
         with pytest.raises(
             ValueError, match=r"layer 0 \(blocks.0.attn\) has learned sinks \(attention field 'sink'\)"
         ) as e:

@@ -7,6 +7,10 @@ grouped keys where the family has them) and a word-level ``tokenizer.json`` go i
 table here (config class + overrides per ``model_type``): the families' own test modules are not
 importable as packages (tests/ has no ``__init__``).
 
+Refused, by name (:data:`REFUSALS`): the one-head walk of ``explain`` and the explorer page on
+DeepSeek's latent attention, DiffLlama's differential attention and Llama 4's tempered NoPE layers: one
+line naming the attention field, exit 2.
+
 Out of scope, by name (:data:`OUT_OF_SCOPE`): the encoder-decoders (T5, BART, Marian, Whisper) need a
 source beside the ids; ``headspace explain`` handles them (tests/encdec/test_explain_encdec.py), the
 other commands refuse them in one line (checked below).
@@ -37,6 +41,14 @@ LLAMA = dict(vocab_size=V, hidden_size=D, num_hidden_layers=L, num_attention_hea
              eos_token_id=3, tie_word_embeddings=False)  # fmt: skip
 SLIDING = ["sliding_attention", "full_attention"]
 MOE = dict(num_experts_per_tok=2, head_dim=12)
+#: DeepSeek's latent attention (one key head per query head), a dense layer 0 and a routed layer 1
+MLA = dict(num_key_value_heads=H, kv_lora_rank=10, qk_rope_head_dim=4, v_head_dim=6, qk_nope_head_dim=8,
+           moe_intermediate_size=12, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+           first_k_dense_replace=1, routed_scaling_factor=1.7)  # fmt: skip
+#: Gated DeltaNet layer 0, full (gated) attention layer 1: ``--layer 1 --head 1`` is an attention head
+DELTA = dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+             linear_num_value_heads=4, linear_key_head_dim=5, linear_value_head_dim=7,
+             linear_conv_kernel_dim=3)  # fmt: skip
 
 #: model_type -> (config class, model class, overrides of LLAMA, or a full keyword set with "only")
 BUILDERS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
@@ -105,6 +117,33 @@ BUILDERS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
                alibi=True, ffn_hidden_size=DM, bos_token_id=2, eos_token_id=3, pad_token_id=1)),
     "mpt": (T.MptConfig, T.MptForCausalLM, dict(only=True, vocab_size=V, d_model=D, n_layers=L, n_heads=H,
             max_seq_len=CTX, pad_token_id=1, bos_token_id=2, eos_token_id=3)),
+    "xlm-roberta": (T.XLMRobertaConfig, T.XLMRobertaModel, dict(only=True, vocab_size=V, hidden_size=D,
+                    num_hidden_layers=L, num_attention_heads=H, intermediate_size=DM,
+                    max_position_embeddings=CTX, pad_token_id=1, bos_token_id=2, eos_token_id=3)),
+    "camembert": (T.CamembertConfig, T.CamembertModel, dict(only=True, vocab_size=V, hidden_size=D,
+                  num_hidden_layers=L, num_attention_heads=H, intermediate_size=DM,
+                  max_position_embeddings=CTX, pad_token_id=1, bos_token_id=2, eos_token_id=3)),
+    "modernbert": (T.ModernBertConfig, T.ModernBertModel, dict(only=True, vocab_size=V, hidden_size=D,
+                   num_hidden_layers=L, num_attention_heads=H, intermediate_size=DM,
+                   max_position_embeddings=CTX, pad_token_id=1, bos_token_id=2, eos_token_id=3,
+                   cls_token_id=2, sep_token_id=3, local_attention=6, global_attn_every_n_layers=2,
+                   global_rope_theta=1234.0, local_rope_theta=77.0, norm_bias=True, attention_bias=True,
+                   mlp_bias=True)),
+    "deepseek_v2": (T.DeepseekV2Config, T.DeepseekV2ForCausalLM, {**MLA, "q_lora_rank": None,
+                    "topk_method": "greedy"}),
+    "deepseek_v3": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM, {**MLA, "q_lora_rank": 14, "n_group": 2,
+                    "topk_group": 1, "norm_topk_prob": True}),
+    "qwen3_next": (T.Qwen3NextConfig, T.Qwen3NextForCausalLM, {**DELTA, "head_dim": 6,
+                   "partial_rotary_factor": 1 / 3, "num_experts": 5, "num_experts_per_tok": 2,
+                   "moe_intermediate_size": 9, "shared_expert_intermediate_size": 11,
+                   "decoder_sparse_step": 1, "mlp_only_layers": []}),
+    "qwen3_5_text": (T.Qwen3_5TextConfig, T.Qwen3_5ForCausalLM, {**DELTA, "head_dim": 8}),
+    "llama4_text": (T.Llama4TextConfig, T.Llama4ForCausalLM, {"intermediate_size": 14,
+                    "intermediate_size_mlp": 22, "head_dim": 10, "num_local_experts": 3,
+                    "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "attention_chunk_size": 5,
+                    "floor_scale": 3, "attn_scale": 0.4, "no_rope_layer_interval": 2,
+                    "rope_parameters": {"rope_type": "default", "rope_theta": 300.0}}),
+    "diffllama": (T.DiffLlamaConfig, T.DiffLlamaForCausalLM, {"head_dim": 6}),
 }  # fmt: skip
 
 #: model_type -> why this test does not run the CLI on it
@@ -149,9 +188,26 @@ def build(model_type: str, folder: Path) -> Path:
     return folder
 
 
-def _run(args: list[str]) -> Any:
+#: (model_type, command) -> the attention field its one-line refusal names: the one-head walk of
+#: ``explain`` and the explorer page recompute q k^T -> softmax -> z_h W_O[h], which these layers do not
+#: follow (headspace.attention.walkable); "explain 1 1" is ``explain --layer 1 --head 1``
+REFUSALS = {
+    **{(t, c): "latent" for t in ("deepseek_v2", "deepseek_v3") for c in ("explain", "explain 1 1", "view")},
+    **{("diffllama", c): "differential" for c in ("explain", "explain 1 1")},
+    ("llama4_text", "view"): "temperature",  # layer 1 is a NoPE layer with the query temperature
+}
+
+
+def _run(args: list[str], refused: str | None = None) -> Any:
+    """``headspace ARGS`` in-process: exit 0, or where ``refused`` names an attention field, exit 2 with
+    one line ``error: ...`` naming that field."""
     res = CliRunner().invoke(cli, args, catch_exceptions=False)
-    assert res.exit_code == 0, f"headspace {' '.join(args)}\n{res.output}"
+    if refused is None:
+        assert res.exit_code == 0, f"headspace {' '.join(args)}\n{res.output}"
+    else:
+        lines = res.output.strip().splitlines()
+        assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), res.output
+        assert f"attention field '{refused}' is set" in lines[0]
     return res
 
 
@@ -160,17 +216,23 @@ def _run(args: list[str]) -> Any:
 def test_every_command_runs_on_the_family(model_type: str, tmp_path: Path) -> None:
     folder = str(build(model_type, tmp_path / model_type))
     decoder = KINDS[model_type] == "decoder"
-    out = _run(["explain", SENTENCE, "--model", folder, "--token", "it", "--json"]).output
-    e = json.loads(out)
-    assert e["tokens"][e["token_index"]].strip() == "it" and len(e["pattern"]) == len(e["tokens"])
-    _run(["explain", SENTENCE, "--model", folder, "--token", "it", "--layer", "1", "--head", "1"])
+    refused = {c: REFUSALS.get((model_type, c)) for c in ("explain", "explain 1 1", "view")}
+    out = _run(["explain", SENTENCE, "--model", folder, "--token", "it", "--json"], refused["explain"])
+    if refused["explain"] is None:
+        e = json.loads(out.output)
+        assert e["tokens"][e["token_index"]].strip() == "it" and len(e["pattern"]) == len(e["tokens"])
+    one = ["explain", SENTENCE, "--model", folder, "--token", "it", "--layer", "1", "--head", "1"]
+    _run(one, refused["explain 1 1"])
     _run(["heads", SENTENCE, "--model", folder])
     if decoder:
         res = _run(["generate", "--model", folder, "the cat", "--tokens", "4", "--temperature", "0"])
         assert res.output.strip()
     page = tmp_path / "page.html"
-    _run(["view", SENTENCE, "--model", folder, "-o", str(page)])
-    assert page.stat().st_size > 1000 and "</html>" in page.read_text(encoding="utf-8").lower()
+    _run(["view", SENTENCE, "--model", folder, "-o", str(page)], refused["view"])
+    if refused["view"] is None:
+        assert page.stat().st_size > 1000 and "</html>" in page.read_text(encoding="utf-8").lower()
+    else:
+        assert not page.exists()
 
 
 # ------------------------------------------------------------------ what the CLI run found, checked fast
@@ -205,15 +267,16 @@ def test_head_importance_equals_the_whole_forward_ablation(model_type: str, tmp_
             assert float(got.ablated[layer, head]) == pytest.approx(want, rel=1e-4, abs=1e-5)
 
 
-def test_induction_traces_alibi_layers_and_fits_a_short_context(tmp_path: Path) -> None:
-    """The chunked path cannot add ALiBi's bias: the scores come from the traced patterns, equal to the
-    attention mass read off ``hook_pattern`` by hand."""
+@pytest.mark.parametrize("model_type", ["bloom", "gpt_oss"])
+def test_induction_traces_alibi_layers_and_fits_a_short_context(model_type: str, tmp_path: Path) -> None:
+    """The chunked path cannot add ALiBi's bias (BLOOM) nor a learned sink (gpt-oss, where it refused):
+    the scores come from the traced patterns, equal to the attention mass read off ``hook_pattern``."""
     import headspace as hs
     from headspace.analysis import induction_scores
     from headspace.analysis.lesson.roles import repeated_tokens
     from headspace.analysis.trace.trace import hooked
 
-    loaded = hs.load(build("bloom", tmp_path / "bloom"))
+    loaded = hs.load(build(model_type, tmp_path / model_type))
     n = 7
     got = induction_scores(loaded, n=n, batch=2, bos=None)  # (L, H)
     tokens = repeated_tokens(V, n, 2, seed=0, bos=None, exclude=[1])  # (2, 2 n)
@@ -228,3 +291,35 @@ def test_induction_traces_alibi_layers_and_fits_a_short_context(tmp_path: Path) 
     for i in range(L):
         want = seen[f"blocks.{i}.attn.hook_pattern"][:, :, q, q - n + 1].mean(dim=(0, 2))  # (H,)
         torch.testing.assert_close(got[i], want.float())
+
+
+@pytest.mark.parametrize(
+    ("model_type", "field", "walk_refused", "page_refused"),
+    [("diffllama", "differential", True, False), ("deepseek_v2", "latent", True, True),
+     ("llama4_text", "temperature", False, True)],
+)  # fmt: skip
+def test_the_walk_and_the_page_refuse_layers_they_cannot_recompute(
+    model_type: str, field: str, walk_refused: bool, page_refused: bool, tmp_path: Path
+) -> None:
+    """The lesson refuses a model whose heads it cannot walk (differential pairs, latent attention) and
+    walks a tempered layer (its "temperature" step says how); the explorer page draws differential pair
+    maps and refuses latent attention and tempered layers, whose scores it cannot recompute."""
+    import headspace as hs
+    from headspace.analysis.lesson.explain import explain
+    from headspace.viz.explorer import Explorer
+
+    loaded = hs.load(build(model_type, tmp_path / model_type))
+    said = f"attention field '{field}' is set"
+    ids = torch.tensor([[4, 5, 6, 7, 4, 9, 10, 11, 12, 13]])  # (1, 10)
+    if walk_refused:
+        for kwargs in ({}, {"layer": 1, "head": 1}):
+            with pytest.raises(ValueError, match=said):
+                explain(loaded, SENTENCE, "it", **kwargs)
+    else:
+        e = explain(loaded, SENTENCE, "it", layer=1, head=1)
+        assert field in {s.scheme for s in e.scheme_steps}
+    if page_refused:
+        with pytest.raises(ValueError, match=said):
+            Explorer(loaded.model, ids)
+    else:
+        Explorer(loaded.model, ids)

@@ -1,4 +1,5 @@
-"""The explorer on sliding-window layers, ALiBi layers and QK-norm layers without rotary (NoPE).
+"""The explorer on sliding-window layers (one-sided and on both sides), chunked layers, ALiBi layers and
+QK-norm layers without rotary (NoPE).
 
 The page's own JavaScript (``allowed`` and ``row`` of explorer.js, run by node on the page's stored
 q and k) and a numpy mirror of it must give back every head's traced pattern.
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 from headspace import trace
-from headspace.model.models import Decoder, ModelConfig
+from headspace.model.models import Decoder, Encoder, ModelConfig
 from headspace.nn.alibi import bloom_slopes
 from headspace.viz.explorer import Explorer
 from headspace.viz.explorer.data import unpack
@@ -46,7 +47,22 @@ def nope_qk_norm() -> Decoder:
     return Decoder(config).eval()
 
 
-MODELS = {"window": windowed, "alibi": alibi, "nope_qk_norm": nope_qk_norm}
+def band() -> Encoder:
+    """A window on both sides of the query (ModernBERT's local layers): window 5 -> |i - j| < 5."""
+    torch.manual_seed(8)
+    config = ModelConfig(**{**BASE, "arch": "encoder"}, positions="rotary", sliding_window=5,
+                         window_sides="both", layer_types=["sliding", "full"])  # fmt: skip
+    return Encoder(config).eval()
+
+
+def chunked() -> Decoder:
+    """Llama 4's chunked attention: chunks of 4 keys (query 5 sees keys 4 and 5)."""
+    torch.manual_seed(9)
+    config = ModelConfig(**BASE, positions="rotary", attention_chunk=4, layer_types=["chunked", "full"])
+    return Decoder(config).eval()
+
+
+MODELS = {"window": windowed, "alibi": alibi, "nope_qk_norm": nope_qk_norm, "band": band, "chunk": chunked}
 
 
 def _page_and_patterns(make: str) -> tuple[dict, list[torch.Tensor]]:
@@ -74,6 +90,10 @@ def mirror(layer: dict) -> np.ndarray:
     ok = np.ones((SEQ, SEQ), dtype=bool) if layer["mask"] == "none" else j <= i
     if layer["mask"] == "window":
         ok = ok & (i - j < layer["window"])
+    if layer["mask"] == "band":
+        ok = np.abs(i - j) < layer["window"]
+    if layer["mask"] == "chunk":
+        ok = ok & (i // layer["window"] == j // layer["window"])
     scores = np.where(ok[None], scores, -np.inf)
     e = np.exp(scores - scores.max(-1, keepdims=True))
     return e / e.sum(-1, keepdims=True)
@@ -103,6 +123,10 @@ def test_page_reproduces_every_heads_pattern(make: str) -> None:
     layers = data["layers"]
     if make == "window":
         assert [(x["mask"], x["window"]) for x in layers] == [("window", 3), ("causal", None)]
+    if make == "band":
+        assert [(x["mask"], x["window"]) for x in layers] == [("band", 5), ("none", None)]
+    if make == "chunk":
+        assert [(x["mask"], x["window"]) for x in layers] == [("chunk", 4), ("causal", None)]
     if make == "alibi":
         assert all(x["alibi"] == pytest.approx(bloom_slopes(4)) for x in layers)
     for layer, want in zip(layers, patterns):

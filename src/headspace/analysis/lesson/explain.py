@@ -43,11 +43,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ...attention.walkable import RECORDED_FIELDS, refuse_unwalked, unwalked_field
 from ...core.checks import is_int
 from ...core.defaults import DEFAULT_SENTENCE, DEFAULT_TOKEN
 from . import mechanism_steps, sink_steps  # noqa: F401  (register the mechanisms' and the sink's steps)
 from .content_tokens import content_positions
-from .hybrid import is_deltanet, refuse_deltanet_layer, refuse_unwalkable, softmax_indices
+from .hybrid import is_deltanet, refuse_deltanet_layer, softmax_indices
 from .scheme_steps import SchemeStep, scheme_steps
 
 
@@ -505,7 +506,8 @@ def explain(
     model = pretrained.model
     _check_head_choice(model, layer, head)
     refuse_deltanet_layer(model, layer, "explain (the lesson)")  # a hybrid: its softmax layers only
-    refuse_unwalkable(model, "explain (the lesson)")  # latent attention, borrowed keys and values
+    for i, a in enumerate(_attention_layers(model)):  # every layer is recorded for the ranking
+        refuse_unwalked(a, f"explain (the lesson) of layer {i}", RECORDED_FIELDS)
     if tokenized is None:
         tokenized = tokenize_sentence(pretrained, sentence)
     elif tokenized.text != sentence:
@@ -519,12 +521,16 @@ def explain(
     layers = _attention_layers(model)
     norms = [None if is_deltanet(a) else value_norms(rec["v"][i][0], a.W_O) for i, a in enumerate(layers)]
     ranking = rank_heads(rec["pattern"], tokens, index, special_positions(pretrained, tokens), norms=norms)
-    if head is None:
+    if head is None:  # the best head of a layer the walk can show (else the best one, refused below)
         candidates = [f for f in ranking if layer is None or f.layer == layer]
-        layer, head = candidates[0].layer, candidates[0].head
+        shown = [
+            f for f in candidates if unwalked_field(layers[f.layer], RECORDED_FIELDS) is None
+        ] or candidates
+        layer, head = shown[0].layer, shown[0].head
     elif layer is None:
         layer = next(f.layer for f in ranking if f.head == head)
     attn = layers[layer]
+    # (a tempered layer is walked: the "temperature" step gives t(p) and the untempered scores)
     return Explanation(
         model=model_name or model.config.name,
         sentence=sentence,

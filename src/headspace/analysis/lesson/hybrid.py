@@ -42,21 +42,3 @@ def refuse_deltanet_layer(model: nn.Module, layer: int | None, what: str) -> Non
         refuse_linear_attention(blocks[layer].attn, f"{what} of layer {layer}")
     elif layer is None and blocks and all(is_deltanet(b.attn) for b in blocks):
         refuse_linear_attention(blocks[0].attn, what)
-
-
-#: Attention fields the lesson cannot walk yet: latent attention (DeepSeek: q, k and v of different widths
-#: through a latent) and layers that read another layer's keys and values (Gemma 3n / 4 ``kv_source``).
-LESSON_UNSUPPORTED = ("latent", "kv_source")
-
-
-def refuse_unwalkable(model: nn.Module, what: str) -> None:
-    """A one-line ``ValueError`` naming the first :data:`LESSON_UNSUPPORTED` field some block of
-    ``model`` sets; nothing where none does."""
-    for i, block in enumerate(getattr(model, "blocks", ())):
-        spec = getattr(getattr(block, "spec", None), "attention", None)
-        for name in LESSON_UNSUPPORTED:
-            if getattr(spec, name, None) is not None:
-                raise ValueError(
-                    f"{what} does not support the attention field {name!r} (block {i}): its q, k and v do "
-                    "not follow the lesson's one-head pipeline"
-                )

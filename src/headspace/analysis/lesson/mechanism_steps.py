@@ -13,16 +13,15 @@ a layer without the mechanism gets no step. Registered on import (:mod:`.explain
 * ``"l2_norm"`` (``spec.qk_norm == "l2"``): q and each top key's k before and after the weightless norm
   ``x / sqrt(mean(x^2) + eps)``: the RMS ``|x| / sqrt(d_head)`` becomes 1 (``|x|`` becomes
   ``sqrt(d_head)``), the direction is kept;
-* ``"differential"`` (DiffLlama, ``spec.differential``): the head's pair ``(j, j + n_heads / 2)``, the
-  layer's ``lambda`` and, at the top keys, ``p_1``, ``p_2`` and ``p_1 - lambda p_2`` (the pair's row of
-  ``hook_diff_pattern``);
 * ``"v_norm"`` (Gemma 3n / 4, ``spec.v_norm``): each top key's ``|v_j|`` before and after the scaleless
   RMSNorm ``v / sqrt(mean(v^2) + eps)``;
 * ``"k_eq_v"`` (Gemma 4's global layers, ``spec.k_eq_v``): the values are the key projection before its
   norm (``W_V`` is ``W_K``): ``max |v_j - k_j|`` over the sentence (0).
 
-Not here, because ``explain`` cannot run on those layers yet: latent attention (DeepSeek MLA) and
-``kv_source`` (Gemma 3n / 4 layers that reuse an earlier layer's keys and values).
+Not here, because ``explain`` refuses those models by the field's name (its walk ``z_h W_O[h]`` is not
+what such a layer computes, :mod:`headspace.attention.walkable`): latent attention (DeepSeek MLA),
+differential attention (DiffLlama: the explorer draws its pair maps) and ``kv_source`` (Gemma 3n / 4
+layers that reuse an earlier layer's keys and values).
 """
 
 from __future__ import annotations
@@ -37,7 +36,6 @@ from .scheme_steps import SchemeContext, SchemeStep, register_scheme_step
 
 __all__ = [
     "chunk_step",
-    "differential_step",
     "k_eq_v_step",
     "l2_norm_step",
     "temperature_step",
@@ -143,34 +141,6 @@ def l2_norm_step(c: SchemeContext) -> SchemeStep | None:
     )
 
 
-def differential_step(c: SchemeContext) -> SchemeStep | None:
-    """Differential attention: the head's pair, lambda, and ``p_1 - lambda p_2`` at the top keys."""
-    if getattr(_spec(c), "differential", None) is None or c.index is None:
-        return None
-    pattern = _value(c, "pattern")  # (n_heads, seq_q, seq_k)
-    if pattern is None:
-        return None
-    n_pairs, i = int(c.attn.n_pairs), int(c.index)
-    pair = c.head % n_pairs
-    first, second = pair, pair + n_pairs
-    lam = float(c.attn.lambda_full().detach())
-    keys = list(c.keys)
-    p1 = [float(pattern[first, i, j]) for j in keys]
-    p2 = [float(pattern[second, i, j]) for j in keys]
-    diff = [a - lam * b for a, b in zip(p1, p2)]
-    lines = [
-        f"head {c.head} is the {'first' if c.head == first else 'second'} map of pair {pair}: heads "
-        f"{first} and {second};",
-        f"the pair reads p_1 - lambda p_2 with this layer's lambda = {lam:.6g}",
-        f"(lambda_init {c.attn.lambda_init:.4g}), then a per-pair RMSNorm times (1 - lambda_init)",
-    ]
-    lines += [f"key {j}: {a:.4f} - {lam:.4f} x {b:.4f} = {d:+.4f}" for j, a, b, d in zip(keys, p1, p2, diff)]
-    numbers = {"pair": pair, "heads": [first, second], "lambda": lam,
-               "lambda_init": float(c.attn.lambda_init), "query": i, "keys": keys,
-               "p1": p1, "p2": p2, "diff": diff}  # fmt: skip
-    return SchemeStep("differential", f"differential pair {pair}: p_1 - {lam:.4g} p_2", lines, numbers)
-
-
 def v_norm_step(c: SchemeContext) -> SchemeStep | None:
     """Gemma 3n / 4's value norm: each top key's ``|v_j|`` before and after (no scale)."""
     spec = _spec(c)
@@ -211,6 +181,5 @@ def k_eq_v_step(c: SchemeContext) -> SchemeStep | None:
 register_scheme_step("chunk", chunk_step)
 register_scheme_step("temperature", temperature_step)
 register_scheme_step("l2_norm", l2_norm_step)
-register_scheme_step("differential", differential_step)
 register_scheme_step("v_norm", v_norm_step)
 register_scheme_step("k_eq_v", k_eq_v_step)

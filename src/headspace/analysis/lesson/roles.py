@@ -581,8 +581,10 @@ def induction_scores(
 
 def _chunkable(attn: Any) -> bool:
     """Whether :func:`~.chunked.each_layer_qk` recomputes ``attn``'s scores whole: its q and k can be
-    recomputed from its input and no score bias (ALiBi) is added to them."""
-    return supports_qk_capture(attn) and getattr(getattr(attn, "spec", None), "bias", None) is None
+    recomputed from its input, no score bias (ALiBi) is added to them and no learned sink (gpt-oss) joins
+    their softmax."""
+    no_bias = getattr(getattr(attn, "spec", None), "bias", None) is None
+    return supports_qk_capture(attn) and no_bias and getattr(attn, "sinks", None) is None
 
 
 def _rows_of(mass: Any, layer: int, queries: Tensor) -> Any:

@@ -7,9 +7,12 @@ What the page stores, per attention layer (``seq`` = the sentence's tokens)::
                      (rotary layers: q and k after the rotation, hook_rot_q and hook_rot_k; "rotary" true)
     W_O              [n_heads, d_head, d_model]   out = sum_h z_h W_O[h] + b_O
     b_O              [d_model] or null
-    scale, mask      the scores' scale and mask ("none", "causal" or "window": causal within the last
-                     ``window`` keys, i - window < j <= i, as a sliding-window layer)
-    window           the window of a "window" mask, else null
+    scale, mask      the scores' scale and mask ("none", "causal", "window": causal within the last
+                     ``window`` keys, i - window < j <= i, as a sliding-window layer, "band": the keys
+                     |i - j| < window on both sides, as ModernBERT's local layers, or "chunk": the keys
+                     j <= i of query i's chunk, j // window == i // window, as Llama 4's chunked layers)
+    window           the window of a "window" or "band" mask (the model's sliding window), the chunk
+                     size of a "chunk" mask, else null
     alibi            ALiBi's slopes [n_heads] (BLOOM, MPT, Falcon): -alibi[h] * (i - j) joins each score;
                      null without ALiBi
     shares           [seq, n_heads]               ||z_h W_O[h]|| / sum_h' ||z_h' W_O[h']|| per token
@@ -55,6 +58,7 @@ from torch import Tensor, nn
 from ...analysis import overlap_matrix, random_overlap, shares_from_result
 from ...analysis.trace.trace import attention_layers, trace
 from ...attention.layer import MultiHeadAttention
+from ...attention.walkable import refuse_unwalked
 from ...nn.alibi import alibi_bias
 from .codec import decode_grid, encode_grid
 from .differential import DIFF_HOOK, diff_fields, traced_diff
@@ -94,7 +98,8 @@ class LayerCapture:
     mask: str
     gate: Tensor | None = None  # [seq, n_heads, width]: a gated layer's output gate (.gates)
     diff: Tensor | None = None  # [n_pairs, seq, seq]: a differential layer's pair maps (.differential)
-    #: the window of a "window" mask (i - window < j <= i), else None
+    #: the window of a "window" mask (i - window < j <= i), or of a "band" mask (|i - j| < window),
+    #: or the chunk of a "chunk" mask (j <= i, j // window == i // window)
     window: int | None = None
     #: ALiBi's slopes [n_heads] (-alibi[h] * (i - j) joins the scores), else None
     alibi: list[float] | None = None
@@ -102,7 +107,9 @@ class LayerCapture:
 
 def _mask_kind(name: str, scores: Tensor) -> tuple[str, int | None]:
     """(``"none"``, None) if every score is finite, (``"causal"``, None) if exactly the causal triangle
-    is, (``"window"``, w) if exactly the keys ``i - w < j <= i`` are (a sliding window); else refuse."""
+    is, (``"window"``, w) if exactly the keys ``i - w < j <= i`` are (a sliding window), (``"band"``, b)
+    if exactly the keys ``|i - j| < b`` are (a window on both sides), (``"chunk"``, c) if exactly the keys
+    ``j <= i`` with ``j // c == i // c`` are (chunked attention); else refuse."""
     finite = torch.isfinite(scores)  # (H, Sq, Sk)
     if bool(finite.all()):
         return "none", None
@@ -114,6 +121,13 @@ def _mask_kind(name: str, scores: Tensor) -> tuple[str, int | None]:
     w = int(finite.sum(-1).max())  # the widest row: the window
     if bool((finite == (tri & ~ones.tril(seq_k - seq_q - w))).all()):
         return "window", w
+    i = torch.arange(seq_q, device=scores.device)[:, None]  # (Sq, 1)
+    j = torch.arange(seq_k, device=scores.device)[None, :]  # (1, Sk)
+    if seq_q == seq_k and bool((finite == (tri & (i // w == j // w))).all()):
+        return "chunk", w  # Llama 4's chunks of w: the keys j <= i of query i's chunk
+    b = int(finite[0, 0].sum())  # both sides (ModernBERT's local layers): row 0 keeps the keys j < b
+    if seq_q == seq_k and bool((finite == (ones.tril(b - 1) & ~ones.tril(-b))).all()):
+        return "band", b
     raise ValueError(
         f"the explorer draws unmasked, causal or sliding-window self-attention; layer {name!r} masks "
         "another set of keys (padding or a custom mask): pass a single unpadded sequence"
@@ -130,6 +144,8 @@ def capture_layers(model: nn.Module, run: Callable[[], Any]) -> list[LayerCaptur
     layers = attention_layers(model)
     if not layers:
         raise ValueError(f"model has no headspace MultiHeadAttention layer to show ({type(model).__name__})")
+    for name, attn in layers:  # a field the page's recomputation does not follow, by name, first
+        refuse_unwalked(attn, f"the explorer page of layer {name!r}", ("latent", "temperature"))
     wanted = set(_HOOKS + _ROTARY_HOOKS + _NORMED_HOOKS + (GATE_HOOK, DIFF_HOOK))
     with torch.no_grad(), trace(model, lambda name: name.rsplit(".", 1)[-1] in wanted) as t:
         run()

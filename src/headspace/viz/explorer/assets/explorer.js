@@ -41,8 +41,8 @@
 
   // ------------------------------------------------------------------ the model's maths
   function kvHead(L, h) { return Math.floor(h / (L.H / L.Hkv)); }
-  function allowed(L, t, j) { // "window": causal within the last meta.window keys (sliding window)
-    const m = L.meta.mask; return m === "none" || (j <= t && (m !== "window" || t - j < L.meta.window)); }
+  function allowed(L, t, j) { const m = L.meta.mask, w = L.meta.window; // "window": causal, the last w keys; "band": |t - j| < w; "chunk": causal, t's chunk of w
+    return m === "none" || (m === "band" ? Math.abs(t - j) < w : j <= t && (m === "chunk" ? Math.floor(j / w) === Math.floor(t / w) : m !== "window" || t - j < w)); }
 
   // One query row of one head: {scores, weights, sink} (masked keys: score -Infinity, weight 0; sink: 0 without).
   function row(L, h, t) {
