@@ -21,21 +21,18 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from .circuits import FactoredMatrix
 
-if TYPE_CHECKING:
-    from .latent import LatentAttention
-
 
 class LatentHead:
     """One head of a :class:`~headspace.attention.latent.LatentAttention` (module docstring)."""
 
-    def __init__(self, attn: LatentAttention, index: int) -> None:
+    def __init__(self, attn: Any, index: int) -> None:
         n = attn.n_heads
         if isinstance(index, bool) or not hasattr(index, "__index__"):
             raise TypeError(f"head index must be an int in [0, {n}); got {type(index).__name__} {index!r}")
@@ -121,7 +118,7 @@ class LatentHead:
 class LatentHeadList:
     """Sequence of :class:`LatentHead` views: ``attn.heads[3]``, ``len(attn.heads)``, iteration."""
 
-    def __init__(self, attn: LatentAttention) -> None:
+    def __init__(self, attn: Any) -> None:
         self.attn = attn
 
     def __len__(self) -> int:
