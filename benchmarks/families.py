@@ -31,11 +31,14 @@ JSON) and that greedy decoding gives the same tokens.
 
 The JSON goes to benchmarks/results/local/families.json (git-ignored) unless ``--out PATH``; only
 ``--save`` replaces the committed benchmarks/results/families.json (a ``--quick`` run is never published).
+The file is rewritten after every family, its ``complete`` field false until the last one is done, so
+that a run cut short keeps the figures it took.
 """
 
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import tempfile
 import time
@@ -308,6 +311,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows: list[dict[str, Any]] = []
     failed: list[dict[str, str]] = []
     t0 = time.perf_counter()
+    path = output_path(args.out, args.save, NAME, RESULTS)
+    path.parent.mkdir(parents=True, exist_ok=True)
+
+    def write(complete: bool) -> None:
+        """The JSON so far, written atomically after every family (a run cut short keeps its figures;
+        ``complete`` says whether every family and size was reached)."""
+        doc = {
+            "benchmark": "families",
+            "args": {k: v for k, v in vars(args).items() if k not in ("out", "save")},
+            "machine": machine_info(),
+            "seconds": time.perf_counter() - t0,
+            "median_of": args.repeats,
+            "complete": complete,
+            "rows": rows,
+            "failed": failed,
+        }
+        write_json(path, doc)
+
     with tempfile.TemporaryDirectory(prefix="headspace_families_") as tmp:
         for size in args.sizes:
             for family in args.families:
@@ -316,23 +337,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                     rows.append(measure(family, size, args, Path(tmp)))
                 except Exception as e:  # one family's failure is reported, not fatal to the rest
                     failed.append({"family": family, "size": size, "error": f"{type(e).__name__}: {e}"[:300]})
+                finally:
+                    shutil.rmtree(Path(tmp) / f"{family}_{size}", ignore_errors=True)
+                write(complete=False)
+    write(complete=True)
     print(format_table(rows))
     for f in failed:
         print(f"FAILED {f['family']} ({f['size']}): {f['error']}")
     slower = [f"{r['family']} ({r['size']})" for r in rows if _fwd_ratio(r) < 1.0]
     print(f"forward slower than transformers eager: {', '.join(slower) or 'none'}")
-    path = output_path(args.out, args.save, NAME, RESULTS)
-    doc = {
-        "benchmark": "families",
-        "args": {k: v for k, v in vars(args).items() if k not in ("out", "save")},
-        "machine": machine_info(),
-        "seconds": time.perf_counter() - t0,
-        "median_of": args.repeats,
-        "rows": rows,
-        "failed": failed,
-    }
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json(path, doc)
     print(f"wrote {path}")
     return 1 if failed else 0
 
