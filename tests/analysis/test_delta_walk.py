@@ -8,16 +8,20 @@ References: the layer's own recorded rule output ``hook_o`` (headspace's chunked
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import transformers as T
+from click.testing import CliRunner
 
 import headspace as hs
+from headspace.analysis.lesson.explain import TokenizedSentence, explain
 from headspace.attention.delta_net import GatedDeltaNet
 from headspace.attention.delta_weights import delta_parts, delta_weights
+from headspace.cli import cli
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -52,8 +56,8 @@ def _build(family: str, folder: Path) -> Any:
                 p.copy_(0.3 * torch.randn_like(p))
             elif name.endswith("gate.weight") and "proj" not in name:
                 p.copy_(torch.randn_like(p))
-            elif name.endswith("dt_bias") or name.endswith("A_log"):  # decays from near 1 to near 0
-                p.copy_(torch.randn_like(p))
+            elif name.endswith("dt_bias") or name.endswith("A_log"):  # decays far from 0 and from 1
+                p.copy_(torch.randn_like(p) - 1.5)
             else:
                 p.copy_(0.3 * torch.randn_like(p))
     model.save_pretrained(folder)
@@ -181,3 +185,97 @@ def test_bad_shapes_are_refused_in_one_line() -> None:
         delta_weights(q, q, torch.randn(1, 4, 3), torch.randn(1, 4, 3))
     with pytest.raises(ValueError, match=r"q and k must be \[batch, seq, n_k_heads, d_k\]"):
         delta_weights(q, q[:, :3], torch.randn(1, 4, 2), torch.randn(1, 4, 2))
+
+
+TEXT = "the cat sat on the mat and it was happy"
+
+
+def _reference_layer(ref: Any, family: str, layer: int, ids: torch.Tensor, monkeypatch: Any) -> dict:
+    """Transformers' own values inside DeltaNet layer ``layer`` on ``ids``: the rule output ``o``
+    [1, S, Hv, dv], the gated norm's gate input ``gate_in`` and output ``z`` [1, S, Hv, dv], the layer
+    output ``out`` [1, S, d_model]."""
+    import importlib
+
+    modeling = importlib.import_module(f"transformers.models.{family.removesuffix('_text')}.modeling_"
+                                       f"{family.removesuffix('_text')}")  # fmt: skip
+    mixer = ref.model.layers[layer].linear_attn
+    got: dict[str, torch.Tensor] = {}
+    rule = modeling.torch_chunk_gated_delta_rule
+
+    def spy(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kw: Any) -> Any:
+        out = rule(query, key, value, **kw)
+        got.setdefault("o_all", []).append(out[0])  # type: ignore[attr-defined]
+        return out
+
+    def norm_hook(_m: Any, args: Any, out: torch.Tensor) -> None:
+        got["gate_in"], got["z"] = args[1], out
+
+    monkeypatch.setattr(modeling, "torch_chunk_gated_delta_rule", spy)
+    handles = [mixer.norm.register_forward_hook(norm_hook),
+               mixer.register_forward_hook(lambda _m, _a, out: got.__setitem__("out", out))]  # fmt: skip
+    try:
+        with torch.no_grad():
+            ref(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    deltanets = [i for i, b in enumerate(ref.model.layers) if hasattr(b, "linear_attn")]
+    got["o"] = got.pop("o_all")[deltanets.index(layer)]  # type: ignore[index]
+    shape = got["o"].shape  # (1, S, Hv, dv)
+    got["gate_in"], got["z"] = got["gate_in"].reshape(shape), got["z"].reshape(shape)
+    return got
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_explain_walks_a_deltanet_head_exactly_as_transformers_computes_it(
+    saved: dict, family: str, monkeypatch: Any
+) -> None:
+    folder, ref = saved[family]
+    ours = hs.load(folder)
+    ids = torch.tensor([[4 + WORDS.index(w) for w in TEXT.split()]])
+    tokenized = TokenizedSentence(TEXT, TEXT.split(), ids, None)
+    layer, head, t = 1, 5, 7  # value head 5 reads query/key head 1 (3 value heads per key head)
+    e = explain(ours, TEXT, "it", layer=layer, head=head, tokenized=tokenized)
+    want = _reference_layer(ref, family, layer, ids, monkeypatch)
+    assert (e.layer, e.head, e.kv_head, e.token_index, e.n_heads) == (layer, head, 1, t, 6)
+    w, v = torch.tensor(e.pattern), torch.tensor(e.v)  # (seq,), (seq, dv)
+    assert torch.count_nonzero(w[t + 1 :]) == 0 and all(s is None for s in e.scores[t + 1 :])
+    o = want["o"][0, t, head]  # (dv,): transformers' rule output
+    assert float((w @ v - o).abs().max()) <= 2e-5 * float(o.abs().max())
+    assert torch.allclose(
+        torch.tensor(e.gate), torch.nn.functional.silu(want["gate_in"][0, t, head]), atol=1e-6
+    )
+    assert torch.allclose(torch.tensor(e.z), want["z"][0, t, head], atol=1e-5)
+    assert torch.allclose(torch.tensor(e.out), want["out"][0, t], atol=1e-5)
+    assert [a.index for a in e.top] == sorted(range(t + 1), key=lambda j: -abs(e.pattern[j]))[:5]
+    (step,) = e.scheme_steps
+    assert step.scheme == "delta_rule" and step.numbers["o_gap"] <= 1e-5
+    assert torch.allclose(torch.tensor(step.numbers["o"], dtype=torch.float64), o.double(), atol=1e-5)
+    assert [r["j"] for r in step.numbers["top"]] == [a.index for a in e.top]
+    assert all(len(line) <= 96 for line in step.lines)
+    chosen = explain(ours, TEXT, "it", layer=layer, tokenized=tokenized)  # no head: the largest |z_h W_O[h]|
+    assert chosen.head == max(range(6), key=lambda h: e.head_contributions[h]) and chosen.layer == layer
+    assert {f.layer for f in chosen.ranking} == {3}  # the ranking: the softmax layer only
+
+
+def test_the_cli_walks_a_deltanet_head_in_100_columns(saved: dict, tmp_path: Path) -> None:
+    folder = str(saved["qwen3_next"][0])
+    args = ["explain", TEXT, "--model", folder, "--token", "it", "--layer", "0", "--head", "5"]
+    res = CliRunner().invoke(cli, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert "Gated DeltaNet" in res.output and "the delta rule: o_t = sum_j w_tj v_j" in res.output
+    assert "o = sum_j w_tj v_j" in res.output and "gate = silu(x W_Z[5])" in res.output
+    assert max(len(line) for line in res.output.splitlines()) <= 100
+    res = CliRunner().invoke(cli, [*args, "--json", "--out", str(tmp_path / "pics")], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.output)
+    assert d["layer"] == 0 and d["head"] == 5 and d["scheme_steps"][0]["scheme"] == "delta_rule"
+    assert len(d["pattern"]) == len(TEXT.split()) and all(Path(p).is_file() for p in d["pictures"])
+    res = CliRunner().invoke(cli, [*args[:-2], "--json"], catch_exceptions=False)  # --layer 0, no head
+    assert res.exit_code == 0 and json.loads(res.output)["layer"] == 0
+    res = CliRunner().invoke(cli, [*args[:-1], "6"])  # the widest layer has 6 heads: its DeltaNet ones
+    assert res.exit_code == 2
+    assert res.output.strip().splitlines() == ["error: head 6 is out of range: valid heads are 0..5"]
+    res = CliRunner().invoke(cli, [*args[:-3], "3", "--head", "5"])  # layer 3: 4 softmax heads
+    assert res.exit_code == 2
+    assert res.output.strip().splitlines() == ["error: head 5 is out of range: valid heads are 0..3"]
