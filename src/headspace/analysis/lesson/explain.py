@@ -210,12 +210,12 @@ class Explanation:
             "W_Q[h]": [self.d_model, self.d_head],
             "q": [self.d_head],
             "k": [len(self.tokens), self.d_head],
-            "v": [len(self.tokens), self.d_head],
+            "v": [len(self.tokens), len(self.z)],  # a DeltaNet head's d_v may differ from its d_k
             "scores": [len(self.tokens)],
             "pattern": [len(self.tokens)],
-            "z": [self.d_head],
-            "concat": [self.n_heads * self.d_head],
-            "W_O": [self.n_heads * self.d_head, self.d_model],
+            "z": [len(self.z)],
+            "concat": [len(self.concat)],
+            "W_O": [len(self.concat), self.d_model],
             "out": [self.d_model],
         }
         return d
