@@ -111,11 +111,13 @@ def walk_delta(
         head = int(contributions.argmax())
     s = attn.spec
     kv = head // (s.n_v_heads // s.n_k_heads)
-    w = delta_weights(rec["q"], rec["k"], rec["gate"], rec["beta"])[0, head, index]  # (seq,)
-    parts = {
-        n: p[0, head, index] for n, p in delta_parts(rec["q"], rec["k"], rec["gate"], rec["beta"]).items()
-    }
-    seen = index + 1
+    seen, seq = index + 1, rec["q"].shape[1]
+    kv_slice, v_slice = slice(kv, kv + 1), slice(head, head + 1)  # this head and its query/key head only
+    one = [rec[n][:, :seen, kv_slice] for n in ("q", "k")] + [
+        rec[n][:, :seen, v_slice] for n in ("gate", "beta")
+    ]
+    w = F.pad(delta_weights(*one)[0, 0, index], (0, seq - seen))  # (seq,): 0 after the token
+    parts = {n: F.pad(p[0, 0, index], (0, seq - seen)) for n, p in delta_parts(*one).items()}  # (seq,) each
     order = w[:seen].abs().argsort(descending=True, stable=True)[:5].tolist()
     x = rec["input"][0, index]  # (d_model,)
     with torch.inference_mode():  # the layer's own gate: silu(x W_Z[h]) in float32
