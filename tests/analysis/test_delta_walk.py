@@ -270,7 +270,8 @@ def test_the_cli_walks_a_deltanet_head_in_100_columns(saved: dict, tmp_path: Pat
     assert res.exit_code == 0, res.output
     d = json.loads(res.output)
     assert d["layer"] == 0 and d["head"] == 5 and d["scheme_steps"][0]["scheme"] == "delta_rule"
-    assert len(d["pattern"]) == len(TEXT.split()) and all(Path(p).is_file() for p in d["pictures"])
+    assert len(d["pattern"]) == len(TEXT.split()) and len(d["pictures"]) == 2
+    assert all(Path(p).is_file() and Path(p).parent == tmp_path / "pics" for p in d["pictures"])
     assert d["shapes"]["q"] == [5] and d["shapes"]["v"] == [10, 7] and d["shapes"]["W_O"] == [42, D]
     res = CliRunner().invoke(cli, [*args[:-2], "--json"], catch_exceptions=False)  # --layer 0, no head
     assert res.exit_code == 0 and json.loads(res.output)["layer"] == 0
