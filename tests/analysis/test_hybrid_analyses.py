@@ -143,7 +143,9 @@ def test_patching_per_head_on_gated_and_deltanet_layers_equals_a_manual_patch(
         assert float(result.effect[layer, head]) == pytest.approx(manual, abs=1e-4), (layer, head)
 
 
-def test_explain_walks_a_softmax_layer_of_a_hybrid_and_refuses_a_deltanet_layer_by_name(saved: dict) -> None:
+def test_explain_walks_a_softmax_layer_of_a_hybrid_and_a_deltanet_layer_by_the_delta_rule(
+    saved: dict,
+) -> None:
     folder, ref = saved["qwen3_next"]
     ours = hs.load(folder)
     text = "the cat sat on the mat"
@@ -159,11 +161,9 @@ def test_explain_walks_a_softmax_layer_of_a_hybrid_and_refuses_a_deltanet_layer_
     assert len(e.gate) == 6  # the output gate of head 1 at "mat", shown in the lesson
     chosen = explain(ours, text, "mat", tokenized=tokenized)  # no layer: the softmax layers are ranked
     assert chosen.layer == 3 and {f.layer for f in chosen.ranking} == {3}
-    for layer in (0, 2):
-        with pytest.raises(
-            ValueError, match=f"explain \\(the lesson\\) of layer {layer} needs a softmax .*'mixer'"
-        ):
-            explain(ours, text, "mat", layer=layer, head=0, tokenized=tokenized)
+    for layer in (0, 2):  # DeltaNet layers: walked by the delta rule (tests/analysis/test_delta_walk.py)
+        walked = explain(ours, text, "mat", layer=layer, head=0, tokenized=tokenized)
+        assert [s.scheme for s in walked.scheme_steps] == ["delta_rule"] and walked.n_heads == 6
 
 
 def test_why_decomposes_a_softmax_head_of_a_hybrid_and_refuses_a_deltanet_layer_by_name(saved: dict) -> None:

@@ -44,6 +44,7 @@ from .render import (
     readable_explanation,
     render_explanation,
 )
+from .render_delta import delta_pictures, render_delta_explanation
 from .shape import check_before_loading, check_loaded_shape
 
 if TYPE_CHECKING:
@@ -152,7 +153,9 @@ def explain_cmd(
     if target is not None:
         raise UsageError(f"--target: only for encoder-decoders; --model {model_spec} is not one")
     pretrained = at_precision(pretrained, model_precision)
-    check_loaded_shape(pretrained, layer, head)
+    from ..analysis.lesson.delta_walk import delta_layer, is_delta_walk
+
+    check_loaded_shape(pretrained, layer, None if delta_layer(pretrained.model, layer) else head)  # own heads
     from ..analysis.lesson.explain import explain, tokenize_sentence
 
     decoder = is_decoder(pretrained)
@@ -177,13 +180,16 @@ def explain_cmd(
         tokenized=tokenized,
     )
     shown = readable_explanation(e, piece_display(pretrained))  # "Ġcat" -> "␣cat"; the JSON keeps "Ġcat"
-    pictures = explain_pictures(shown, pretrained, out_dir) if out_dir is not None else []
+    delta = is_delta_walk(e)  # a Gated DeltaNet head: the delta rule's walk (render_delta)
+    pictures: list[Path] = []
+    if out_dir is not None:
+        pictures = delta_pictures(shown, out_dir) if delta else explain_pictures(shown, pretrained, out_dir)
     if as_json:
         d = e.to_dict(top=top_heads)
         d["pictures"] = [str(p) for p in pictures]
         json_out(clean(d))
         return
-    render_explanation(shown, top_heads=top_heads)
+    (render_delta_explanation if delta else render_explanation)(shown, top_heads=top_heads)
     for p in pictures:
         click.echo(f"wrote {p}")
 

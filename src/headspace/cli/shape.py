@@ -31,7 +31,8 @@ def _first_int(config: dict[str, Any], keys: tuple[str, ...]) -> int | None:
 
 
 def _folder_shape(folder: Path) -> tuple[int, int] | None:
-    """(n_layers, n_heads) from ``folder/config.json`` (or its ``text_config``), else None."""
+    """(n_layers, n_heads) from ``folder/config.json`` (or its ``text_config``), else None; a hybrid's
+    n_heads is its widest layer's (the softmax heads or the Gated DeltaNet value heads)."""
     path = folder / "config.json"
     try:
         if not path.is_file() or path.stat().st_size > MAX_CONFIG_BYTES:
@@ -44,8 +45,9 @@ def _folder_shape(folder: Path) -> tuple[int, int] | None:
     text = config.get("text_config")
     for part in (config, text if isinstance(text, dict) else {}):
         layers, heads = _first_int(part, _LAYER_KEYS), _first_int(part, _HEAD_KEYS)
+        linear = _first_int(part, ("linear_num_value_heads",))  # a hybrid's DeltaNet heads (Qwen3-Next)
         if layers is not None and heads is not None:
-            return layers, heads
+            return layers, max(heads, linear or 0)  # the widest layer's; each layer checks its own
     return None
 
 

@@ -1,6 +1,8 @@
 """The lesson: what each head does, read from a real model (roles, subspaces, one token's journey).
 
 * :mod:`.explain`: :func:`explain`, one token's journey through one head, in words and numbers.
+* :mod:`.delta_walk`: the same journey through a Gated DeltaNet head (Qwen3-Next, Qwen3.5), by the
+  delta rule's exact effective weights ``o_t = sum_j w_tj v_j``.
 * :mod:`.cross`: the same journey through one cross-attention head of an encoder-decoder
   (:func:`~.cross.explain_encdec`; a T5 head's bucket bias as its own step).
 * :mod:`.alignment`: which cross-attention heads align text with audio (:func:`~.alignment.alignment_heads`,

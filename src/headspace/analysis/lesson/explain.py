@@ -48,6 +48,7 @@ from ...core.checks import is_int
 from ...core.defaults import DEFAULT_SENTENCE, DEFAULT_TOKEN
 from . import mechanism_steps, sink_steps  # noqa: F401  (register the mechanisms' and the sink's steps)
 from .content_tokens import content_positions
+from .delta_walk import walk_delta
 from .hybrid import is_deltanet, refuse_deltanet_layer, softmax_indices
 from .scheme_steps import SchemeStep, scheme_steps
 
@@ -209,12 +210,12 @@ class Explanation:
             "W_Q[h]": [self.d_model, self.d_head],
             "q": [self.d_head],
             "k": [len(self.tokens), self.d_head],
-            "v": [len(self.tokens), self.d_head],
+            "v": [len(self.tokens), len(self.z)],  # a DeltaNet head's d_v may differ from its d_k
             "scores": [len(self.tokens)],
             "pattern": [len(self.tokens)],
-            "z": [self.d_head],
-            "concat": [self.n_heads * self.d_head],
-            "W_O": [self.n_heads * self.d_head, self.d_model],
+            "z": [len(self.z)],
+            "concat": [len(self.concat)],
+            "W_O": [len(self.concat), self.d_model],
             "out": [self.d_model],
         }
         return d
@@ -505,7 +506,7 @@ def explain(
         raise ValueError(f"sentence must be a non-empty string; got {sentence!r}")
     model = pretrained.model
     _check_head_choice(model, layer, head)
-    refuse_deltanet_layer(model, layer, "explain (the lesson)")  # a hybrid: its softmax layers only
+    refuse_deltanet_layer(model, None, "explain (the lesson)")  # a DeltaNet layer: .delta_walk walks it
     for i, a in enumerate(_attention_layers(model)):  # every layer is recorded for the ranking
         refuse_unwalked(a, f"explain (the lesson) of layer {i}", RECORDED_FIELDS)
     if tokenized is None:
@@ -521,7 +522,10 @@ def explain(
     layers = _attention_layers(model)
     norms = [None if is_deltanet(a) else value_norms(rec["v"][i][0], a.W_O) for i, a in enumerate(layers)]
     ranking = rank_heads(rec["pattern"], tokens, index, special_positions(pretrained, tokens), norms=norms)
-    if head is None:  # the best head of a layer the walk can show (else the best one, refused below)
+    if layer is not None and is_deltanet(layers[layer]):  # the delta rule, exactly (.delta_walk)
+        ids, pad = tokenized.ids, tokenized.key_padding
+        head, walked = walk_delta(model, layer, head, index, tokens, ids, pad, AttendedToken)
+    elif head is None:  # the best head of a layer the walk can show (else the best one, refused below)
         candidates = [f for f in ranking if layer is None or f.layer == layer]
         shown = [
             f for f in candidates if unwalked_field(layers[f.layer], RECORDED_FIELDS) is None
@@ -542,7 +546,7 @@ def explain(
         ranking=ranking,
         occurrence=occurrences.index(index) + 1,
         occurrences=occurrences,
-        **_walk(rec, attn, layer, index, head, tokens),
+        **(walked if is_deltanet(attn) else _walk(rec, attn, layer, index, head, tokens)),
     )
 
 

@@ -1,8 +1,9 @@
 """The lesson on hybrid models (Qwen3-Next, Qwen3.5): softmax layers among Gated DeltaNet layers.
 
-A Gated DeltaNet layer has no softmax pattern, so the lesson cannot walk its heads: :func:`explain` of a
-hybrid walks its softmax (full-attention) layers only and refuses a DeltaNet layer by name (the block
-field ``'mixer'``). The recorded values of a hybrid are kept per block: a DeltaNet block's entries are
+A Gated DeltaNet layer has no softmax pattern: :func:`explain` of a hybrid ranks its softmax
+(full-attention) layers' heads only, and walks a DeltaNet ``layer`` by the delta rule's exact effective
+weights (:mod:`.delta_walk`); a model without a softmax layer is refused by name (the block field
+``'mixer'``). The recorded values of a hybrid are kept per block: a DeltaNet block's entries are
 None, so ``rec[name][layer]`` is block ``layer``'s value for every softmax layer.
 """
 
