@@ -173,6 +173,8 @@ def differential_step(c: SchemeContext) -> SchemeStep | None:
             f"the pair's z_1 - lambda z_2 ({2 * a.d_head} wide) has RMS {1.0 / inv:.4f}; before W_O it is",
             f"(1 - {float(lambda_init):.4g}) (z_1 - lambda z_2) / RMS: max |. - hook_z_normed| = "
             f"{numbers['max_norm_gap']:.3g}",
+            f"W_O reads each pair's y; head h's part of out (step 7) is (1 - {float(lambda_init):.4g}) / RMS",
+            f"x (1 for head {j}, -lambda for head {j + P}) x z_h W_O[pair {j}], at this run's RMS",
         ]
     return SchemeStep(
         "differential", f"differential attention: pair {j}, p_1 - {lam:.4f} p_2", lines, numbers
