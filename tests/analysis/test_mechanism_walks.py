@@ -215,3 +215,37 @@ def test_the_ranking_reaches_every_layer_and_the_steps_print(
         if field is None:
             field = "kv_source" if loaded.model.blocks[layer].attn.spec.kv_source is not None else None
         assert (field in steps) if field else not {"latent", "differential", "kv_source"} & set(steps)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3", "diffllama"])
+@pytest.mark.parametrize(("layer", "head"), [(0, 1), (1, 0), (1, 3)])
+def test_why_splits_a_latent_or_differential_score_exactly(
+    folders: dict[str, Path], model_type: str, layer: int, head: int
+) -> None:
+    """``why`` (score_decomposition): the parts add up to ``hook_scores`` (MLA at the run's frozen
+    latent-norm scales); an earlier differential layer's parts are its heads, not its pairs."""
+    import headspace as hs
+    from headspace.analysis.circuits.decomposition import score_decomposition
+    from headspace.analysis.lesson.explain import tokenize_sentence
+
+    loaded = hs.load(folders[model_type])
+    d = score_decomposition(loaded, SENTENCE, layer, head, query=7)
+    with torch.no_grad(), hs.trace(loaded.model, names=["*.hook_scores"]) as t:
+        loaded.model(tokenize_sentence(loaded, SENTENCE).ids)
+    want = float(t[f"blocks.{layer}.attn.hook_scores"][0, head, 7, d.key])
+    assert float(d.parts.sum()) == pytest.approx(want, abs=1e-5 * max(1.0, abs(want)))
+    want_names = ["embed", *(f"L0H{h}" for h in range(H)), "mlp0"] if layer else ["embed"]
+    assert d.components == [*want_names, "bias"]
+
+
+def test_a_differential_layers_head_parts_sum_to_each_pairs_result(folders: dict[str, Path]) -> None:
+    import headspace as hs
+    from headspace.analysis.lesson.explain import tokenize_sentence
+
+    loaded = hs.load(folders["diffllama"])
+    with torch.no_grad(), hs.trace(loaded.model, names=["*.hook_z", "*.hook_result"]) as t:
+        loaded.model(tokenize_sentence(loaded, SENTENCE).ids)
+    for layer, block in enumerate(loaded.model.blocks):
+        parts = block.attn.head_parts(t[f"blocks.{layer}.attn.hook_z"][0])  # (seq, H, d_model)
+        pairs = parts[:, : H // 2] + parts[:, H // 2 :]  # (seq, P, d_model)
+        torch.testing.assert_close(pairs, t[f"blocks.{layer}.attn.hook_result"][0], atol=1e-5, rtol=1e-5)

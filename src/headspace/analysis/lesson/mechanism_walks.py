@@ -31,7 +31,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...nn.norms import rms_inverse
 from ...nn.positions import rotary_tables, rotate_fused
 from . import walk_steps  # noqa: F401  (register the steps kv_source, latent, differential)
 
@@ -151,19 +150,12 @@ def _pair_rows(attn: Any) -> Tensor:
 def head_results(attn: Any, result: Tensor, z: Tensor) -> Tensor:
     """Each head's part of the layer's output for one token, [n_heads, d_model]: ``result`` [n_heads,
     d_model] (``hook_result`` at the token) itself, except on a differential layer, whose ``result`` is
-    per pair [n_pairs, d_model]: there each head's part at the frozen pair-norm scale (module docstring),
-    from ``z`` [n_heads, 2 d_head] (``hook_z`` at the token). The rows sum to ``result.sum(0)``."""
+    per pair [n_pairs, d_model]: there each head's part at the frozen pair-norm scale (module docstring;
+    :meth:`~headspace.attention.differential.DifferentialAttention.head_parts`), from ``z`` [n_heads,
+    2 d_head] (``hook_z`` at the token). The rows sum to ``result.sum(0)``."""
     if _spec_field(attn, "differential") is None:
         return result
-    P = attn.n_pairs
-    lam = attn.lambda_full().detach().float()
-    zf = z.float()  # (H, 2 dh)
-    pair = zf[:P] - lam * zf[P:]  # (P, 2 dh)
-    coef = (1.0 - attn.lambda_init) * rms_inverse(pair, attn.norm_eps)  # (P, 1)
-    W = _pair_rows(attn).float()  # (P, 2 dh, d_model)
-    pos = torch.einsum("pd,pdm->pm", coef * zf[:P], W)  # (P, d_model)
-    neg = torch.einsum("pd,pdm->pm", -lam * coef * zf[P:], W)  # (P, d_model)
-    return torch.cat((pos, neg), dim=0)  # (H, d_model)
+    return attn.head_parts(z)  # (H, d_model)
 
 
 def flow_norms(attn: Any, values: Tensor) -> Tensor:
