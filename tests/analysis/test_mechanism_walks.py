@@ -249,3 +249,21 @@ def test_a_differential_layers_head_parts_sum_to_each_pairs_result(folders: dict
         parts = block.attn.head_parts(t[f"blocks.{layer}.attn.hook_z"][0])  # (seq, H, d_model)
         pairs = parts[:, : H // 2] + parts[:, H // 2 :]  # (seq, P, d_model)
         torch.testing.assert_close(pairs, t[f"blocks.{layer}.attn.hook_result"][0], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["gemma3n_text", "gemma4_text"])
+def test_the_explorer_page_refuses_shared_kv_layers_by_name(
+    folders: dict[str, Path], model_type: str, tmp_path: Path
+) -> None:
+    """The page recomputes scores from each layer's own q and k; a sharing layer has no k of its own: one
+    line naming the field (it said the layer "did not run during the forward pass"), exit 2."""
+    from click.testing import CliRunner
+
+    from headspace.cli import cli
+
+    page = tmp_path / "page.html"
+    res = CliRunner().invoke(cli, ["view", SENTENCE, "--model", str(folders[model_type]), "-o", str(page)])
+    lines = res.output.strip().splitlines()
+    assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), res.output
+    assert "attention field 'kv_source' is set" in lines[0] and "blocks.2.attn" in lines[0]
+    assert not page.exists()
