@@ -154,6 +154,9 @@ def test_a_latent_head_is_walked_with_its_score_split(
     again = attn.scale * (k_rot @ q_rot)  # (seq,)
     torch.testing.assert_close(again[_visible(e)], scores[_visible(e)], atol=1e-5, rtol=1e-5)
     assert len(e.z) == MLA["v_head_dim"] and e.z == pytest.approx(t[f"{path}.hook_z"][0, i, head].tolist())
+    shapes, dqk = e.to_dict()["shapes"], MLA["qk_nope_head_dim"] + MLA["qk_rope_head_dim"]
+    assert shapes["q"] == [dqk] and shapes["k"] == [len(e.tokens), dqk]
+    assert shapes["v"] == [len(e.tokens), MLA["v_head_dim"]] and shapes["z"] == [MLA["v_head_dim"]]
     cache = attn.make_kv_cache(1, 8)
     assert n["cache_per_token"] == cache.numbers_per_token == MLA["kv_lora_rank"] + MLA["qk_rope_head_dim"]
     assert n["kv_per_token"] == H * (MLA["qk_nope_head_dim"] + MLA["qk_rope_head_dim"] + MLA["v_head_dim"])

@@ -115,7 +115,8 @@ class Explanation:
         z: ``sum_j pattern_j v_j`` [d_head]. concat: all heads' z for this token [n_heads * d_head].
         out: the attention layer's output for this token ``concat W_O + b_O`` [d_model].
         head_shares: each head's share of ``sum_h || z_h W_O[h] ||`` for this token [n_heads].
-        head_contributions: ``|| z_h W_O[h] ||`` per head [n_heads].
+        head_contributions: ``|| z_h W_O[h] ||`` per head [n_heads] (differential attention: each head's
+            part at its pair's frozen norm scale, ``DifferentialAttention.head_parts``).
         ranking: every (layer, head): the relational heads by decreasing flow, then the positional heads
             by decreasing weight of their top key (:func:`rank_heads`).
         bias: whether the layer has the biases b_Q, b_K, b_V; out_bias: whether it has b_O.
@@ -206,14 +207,14 @@ class Explanation:
             d["ranking"] = [asdict(f) for f in (*self.relational[:top], *self.positional[:top])]
         d["shapes"] = {
             "x": [self.d_model],
-            "W_Q[h]": [self.d_model, self.d_head],
-            "q": [self.d_head],
-            "k": [len(self.tokens), self.d_head],
-            "v": [len(self.tokens), self.d_head],
+            "W_Q[h]": [self.d_model, len(self.q)],  # (MLA: q and k are qk_head_dim wide, v and z v_head_dim)
+            "q": [len(self.q)],
+            "k": [len(self.tokens), len(self.k[0])],
+            "v": [len(self.tokens), len(self.v[0])],
             "scores": [len(self.tokens)],
             "pattern": [len(self.tokens)],
-            "z": [self.d_head],
-            "concat": [self.n_heads * self.d_head],
+            "z": [len(self.z)],  # (differential: 2 d_head, the pair's two value heads)
+            "concat": [len(self.concat)],
             "W_O": [self.n_heads * self.d_head, self.d_model],
             "out": [self.d_model],
         }
