@@ -523,7 +523,7 @@ def explain(
     layers = _attention_layers(model)
     norms = [None if is_deltanet(a) else flow_norms(a, rec["v"][i][0]) for i, a in enumerate(layers)]
     ranking = rank_heads(rec["pattern"], tokens, index, special_positions(pretrained, tokens), norms=norms)
-    if head is None:  # the best head of a layer the walk can show (else the best one, refused below)
+    if head is None:  # the best-ranked head (within `layer` when given)
         candidates = [f for f in ranking if layer is None or f.layer == layer]
         layer, head = candidates[0].layer, candidates[0].head
     elif layer is None:
