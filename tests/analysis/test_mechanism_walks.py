@@ -73,10 +73,18 @@ def build(model_type: str, folder: Path) -> Path:
     return folder
 
 
+#: a DeepSeek V3 whose latents' down projections have biases (``attention_bias``): for ``why`` only
+BIASED = (T.DeepseekV3Config, T.DeepseekV3ForCausalLM, {**BUILDERS["deepseek_v3"][2], "attention_bias": True})
+
+
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("walks")
-    return {t: build(t, root / t) for t in BUILDERS}
+    BUILDERS["deepseek_v3_biased"] = BIASED
+    try:
+        return {t: build(t, root / t) for t in BUILDERS}
+    finally:
+        del BUILDERS["deepseek_v3_biased"]
 
 
 def _explained(folder: Path, layer: int | None, head: int | None) -> tuple[Any, Any, dict[str, Any], Any]:
@@ -220,7 +228,7 @@ def test_the_ranking_reaches_every_layer_and_the_steps_print(
         assert (field in steps) if field else not {"latent", "differential", "kv_source"} & set(steps)
 
 
-@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3", "diffllama"])
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "deepseek_v3", "deepseek_v3_biased", "diffllama"])
 @pytest.mark.parametrize(("layer", "head"), [(0, 1), (1, 0), (1, 3)])
 def test_why_splits_a_latent_or_differential_score_exactly(
     folders: dict[str, Path], model_type: str, layer: int, head: int
@@ -232,6 +240,8 @@ def test_why_splits_a_latent_or_differential_score_exactly(
     from headspace.analysis.lesson.explain import tokenize_sentence
 
     loaded = hs.load(folders[model_type])
+    if model_type == "deepseek_v3_biased":
+        assert loaded.model.blocks[layer].attn.kv_a_proj_with_mqa.bias is not None
     d = score_decomposition(loaded, SENTENCE, layer, head, query=7)
     with torch.no_grad(), hs.trace(loaded.model, names=["*.hook_scores"]) as t:
         loaded.model(tokenize_sentence(loaded, SENTENCE).ids)
