@@ -7,6 +7,9 @@ and test_gemma4.py build them, every parameter random) and read back by ``headsp
   ``l2_norm`` (against the traced ``hook_q_normed`` / ``hook_k_normed``);
 * DiffLlama: ``differential`` (against ``hook_diff_pattern``, transformers' maps and its lambda);
 * Gemma 4 (no shared keys and values): ``v_norm`` (against ``hook_v_normed``) and ``k_eq_v``.
+
+Latent attention, differential attention and shared keys/values are walked, their steps checked, in
+tests/analysis/test_mechanism_walks.py.
 """
 
 from __future__ import annotations
@@ -219,37 +222,3 @@ def test_steps_print_within_the_width_and_travel_in_json(llama4: tuple, gemma4: 
         assert all(len(line) <= EXPLAIN_WIDTH for line in scheme_lines(e))
         d = json.loads(json.dumps(e.to_dict(top=2)))
         assert want <= {s["scheme"] for s in d["scheme_steps"]}
-
-
-def test_explain_refuses_latent_attention_and_borrowed_keys_by_name(tmp_path: Path) -> None:
-    """DeepSeek's latent attention and Gemma 4's layers sharing another layer's keys and values: the
-    lesson refuses them in one line naming the field, not with a traceback from a missing hook."""
-    torch.manual_seed(1)
-    deepseek = T.DeepseekV3Config(
-        vocab_size=53, hidden_size=24, intermediate_size=26, moe_intermediate_size=10, num_hidden_layers=2,
-        num_attention_heads=3, num_key_value_heads=3, q_lora_rank=7, kv_lora_rank=5, qk_nope_head_dim=4,
-        qk_rope_head_dim=2, v_head_dim=6, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
-        first_k_dense_replace=2, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )  # fmt: skip
-    shared = T.Gemma4TextConfig(
-        vocab_size=67, hidden_size=36, intermediate_size=22, num_hidden_layers=3, num_attention_heads=3,
-        num_key_value_heads=3, head_dim=8, sliding_window=4, max_position_embeddings=64, pad_token_id=0,
-        layer_types=["sliding_attention", "full_attention", "full_attention"], bos_token_id=1, eos_token_id=2,
-        num_kv_shared_layers=1, hidden_size_per_layer_input=0, global_head_dim=8,
-    )  # fmt: skip
-    for name, config, cls, field in (
-        ("deepseek", deepseek, T.DeepseekV3ForCausalLM, "latent"),
-        ("gemma4", shared, T.Gemma4ForCausalLM, "kv_source"),
-    ):
-        loaded, _ = _saved(tmp_path / name, cls(config).eval(), cls)
-        with pytest.raises(ValueError, match=f"attention field '{field}' is set") as err:
-            explain(Words(loaded), SENTENCE, "w3")
-        assert "\n" not in str(err.value)
-
-
-def test_explain_refuses_differential_attention_by_name(diffllama: tuple) -> None:
-    """DiffLlama's heads write their pair's p_1 - lambda p_2 through a norm, not z_h W_O[h]: the walk
-    would show numbers the layer does not compute, so it refuses in one line naming the field."""
-    with pytest.raises(ValueError, match="attention field 'differential' is set") as err:
-        explain(Words(diffllama[0]), SENTENCE, 9)
-    assert "\n" not in str(err.value)

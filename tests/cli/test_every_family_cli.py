@@ -7,9 +7,9 @@ grouped keys where the family has them) and a word-level ``tokenizer.json`` go i
 table here (config class + overrides per ``model_type``): the families' own test modules are not
 importable as packages (tests/ has no ``__init__``).
 
-Refused, by name (:data:`REFUSALS`): the one-head walk of ``explain`` and the explorer page on
-DeepSeek's latent attention, DiffLlama's differential attention and Llama 4's tempered NoPE layers: one
-line naming the attention field, exit 2.
+Refused, by name (:data:`REFUSALS`): the explorer page on DeepSeek's latent attention and Llama 4's
+tempered NoPE layers: one line naming the attention field, exit 2 (``explain`` walks them all, with a
+lesson step per mechanism: tests/analysis/test_mechanism_walks.py).
 
 Out of scope, by name (:data:`OUT_OF_SCOPE`): the encoder-decoders (T5, BART, Marian, Whisper) need a
 source beside the ids; ``headspace explain`` handles them (tests/encdec/test_explain_encdec.py), the
@@ -188,12 +188,11 @@ def build(model_type: str, folder: Path) -> Path:
     return folder
 
 
-#: (model_type, command) -> the attention field its one-line refusal names: the one-head walk of
-#: ``explain`` and the explorer page recompute q k^T -> softmax -> z_h W_O[h], which these layers do not
-#: follow (headspace.attention.walkable); "explain 1 1" is ``explain --layer 1 --head 1``
+#: (model_type, command) -> the attention field its one-line refusal names: the explorer page recomputes
+#: q k^T -> softmax -> z_h W_O[h], which these layers do not follow (headspace.attention.walkable);
+#: "explain 1 1" is ``explain --layer 1 --head 1`` (no family refuses it: each mechanism has its step)
 REFUSALS = {
-    **{(t, c): "latent" for t in ("deepseek_v2", "deepseek_v3") for c in ("explain", "explain 1 1", "view")},
-    **{("diffllama", c): "differential" for c in ("explain", "explain 1 1")},
+    **{(t, "view"): "latent" for t in ("deepseek_v2", "deepseek_v3")},
     ("llama4_text", "view"): "temperature",  # layer 1 is a NoPE layer with the query temperature
 }
 
@@ -295,15 +294,15 @@ def test_induction_traces_alibi_layers_and_fits_a_short_context(model_type: str,
 
 @pytest.mark.parametrize(
     ("model_type", "field", "walk_refused", "page_refused"),
-    [("diffllama", "differential", True, False), ("deepseek_v2", "latent", True, True),
+    [("diffllama", "differential", False, False), ("deepseek_v2", "latent", False, True),
      ("llama4_text", "temperature", False, True)],
 )  # fmt: skip
 def test_the_walk_and_the_page_refuse_layers_they_cannot_recompute(
     model_type: str, field: str, walk_refused: bool, page_refused: bool, tmp_path: Path
 ) -> None:
-    """The lesson refuses a model whose heads it cannot walk (differential pairs, latent attention) and
-    walks a tempered layer (its "temperature" step says how); the explorer page draws differential pair
-    maps and refuses latent attention and tempered layers, whose scores it cannot recompute."""
+    """The lesson walks differential pairs, latent attention and tempered layers (each with its step:
+    "differential", "latent", "temperature"); the explorer page draws differential pair maps and
+    refuses latent attention and tempered layers, whose scores it cannot recompute."""
     import headspace as hs
     from headspace.analysis.lesson.explain import explain
     from headspace.viz.explorer import Explorer

@@ -126,6 +126,27 @@ class DifferentialAttention(MultiHeadAttention):
         dtype = self.o_weight.dtype
         return one.to(dtype) - two.to(dtype) + self.lambda_init
 
+    def head_parts(self, z: Tensor) -> Tensor:
+        """Each head's part of the layer's output (``b_O`` aside), from ``hook_z`` values z [..., n_heads,
+        2 d_head] -> [..., n_heads, d_model], float32 or wider, with each pair's norm frozen at this run's
+        scale ``s_j = 1 / rms(z_j - lambda z_{j+P})``::
+
+            part_j     = (1 - lambda_init) s_j z_j W_pair[j]
+            part_{j+P} = -(1 - lambda_init) s_j lambda z_{j+P} W_pair[j]
+
+        ``W_pair[j]`` the [2 d_head, d_model] rows of ``W_O`` of pair ``j``: ``part_j + part_{j+P}`` is pair
+        ``j``'s ``hook_result`` (to float rounding)."""
+        P = self.n_pairs
+        zf = z.to(torch.promote_types(z.dtype, torch.float32))  # (..., H, 2 dh)
+        lam = self.lambda_full().detach().to(zf.dtype)
+        pair = zf[..., :P, :] - lam * zf[..., P:, :]  # (..., P, 2 dh)
+        coef = (1.0 - self.lambda_init) * rms_inverse(pair, self.norm_eps)  # (..., P, 1)
+        W = self.o_weight.detach().view(self.d_model, P, 2 * self.d_head).permute(1, 2, 0).to(zf.dtype)
+        # W: (P, 2 dh, d_model), each pair's rows of W_O
+        pos = torch.einsum("...pd,pdm->...pm", coef * zf[..., :P, :], W)  # (..., P, d_model)
+        neg = torch.einsum("...pd,pdm->...pm", -lam * coef * zf[..., P:, :], W)  # (..., P, d_model)
+        return torch.cat((pos, neg), dim=-2)  # (..., H, d_model)
+
     def forward(  # type: ignore[override]
         self,
         query: Tensor,

@@ -13,10 +13,12 @@ recipe, and a layer with one of them is refused in one line naming the field (ne
 
 * ``kv_source`` (Gemma 3n / 4): the layer has no keys and values of its own; it reads an earlier layer's.
 
-``latent``, ``differential`` and ``kv_source`` break recording every layer's q, k, v, z for a ranking:
-:data:`RECORDED_FIELDS` are the ones ``explain`` refuses model-wide. A tempered layer is walked by
-``explain`` (its ``"temperature"`` step gives ``t(p)`` and the untempered scores); the explorer page,
-which recomputes scores from q and k, refuses it.
+``latent``, ``differential`` and ``kv_source`` need more than the plain hook points to record every
+layer's q, k, v, z for a ranking (:data:`RECORDED_FIELDS`): ``explain`` records it
+(:mod:`headspace.analysis.lesson.mechanism_walks`) and walks them exactly, with a step each
+(``"latent"``, ``"differential"``, ``"kv_source"``); a tempered layer is walked too (its
+``"temperature"`` step gives ``t(p)`` and the untempered scores). The explorer page, which recomputes
+scores from q and k, refuses ``latent`` and ``temperature`` by name.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ UNWALKED_FIELDS = {
     "temperature": "each query is scaled by its position's t(p) after hook_q (Llama 4's NoPE layers)",
     "kv_source": "its keys and values are another layer's (Gemma 3n / 4 layers sharing keys and values)",
 }
-#: the fields that also break recording every layer's q, k, v, z for a ranking
+#: the fields whose layers need more than the plain hook points to record q, k, v, z for a ranking
 RECORDED_FIELDS = ("latent", "differential", "kv_source")
 
 

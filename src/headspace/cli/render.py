@@ -126,9 +126,11 @@ def rotation_lines(e: Explanation) -> list[str]:
     on key j then depends on the positions only through the offset i - j. Lengths do not change. Every
     line fits :data:`EXPLAIN_WIDTH` columns but the vector, which :func:`_step` places.
     """
-    dh, i = e.d_head, e.token_index
+    dh, i = len(e.q_rot) or e.d_head, e.token_index  # (latent attention: q is qk_head_dim wide)
     rd = e.rotary_dim if e.rotary_dim is not None else dh
     part = f"all {dh} features" if rd >= dh else f"the first {rd} of {dh} features (the rest pass through)"
+    if any(s.scheme == "latent" for s in e.scheme_steps):  # MLA: the last rd features rotate (2x)
+        part = f"the last {rd} of {dh} features (the rest pass through)"
     theta = f"{e.rope_theta:g}" if e.rope_theta is not None else "?"
     q, k = ("q_n", "k_n,j") if e.q_normed else ("q", "k_j")
     # YaRN / LongRoPE scale cos and sin by an attention factor: the rotation then changes lengths
@@ -228,18 +230,20 @@ def _render_heads(c: Any, e: Explanation, top_heads: int) -> None:
 
 def _render_query(c: Any, e: Explanation) -> bool:
     """Steps 1, 2 (and 2a, 2b): x, q, the keys and values; returns whether q and k are rotated."""
-    H, g, dh, dm = e.head, e.kv_head, e.d_head, e.d_model
+    H, g, dh, dm = e.head, e.kv_head, len(e.q), e.d_model  # (latent attention: qk_head_dim, not d_head)
     tok = e.tokens[e.token_index]
+    kv = (
+        f"k, v [{len(e.tokens)}, {dh}]"
+        if len(e.v[0]) == dh
+        else f"k [{len(e.tokens)}, {dh}], v [.., {len(e.v[0])}]"
+    )
     c.print(f"\n[bold]Layer {e.layer}, head {H}[/]{kv_note(e)} for token {e.token_index} '{tok}'")
     _step(c, f"1. x, the token's input to the attention   [{dm}]   |x| = {_norm(e.x):.3f}", _vec(e.x))
     b_q, b_k, b_v = (f" + b_Q[{H}]", f" + b_K[{g}]", f" + b_V[{g}]") if e.bias else ("", "", "")
     _step(
         c, f"2. q = x W_Q[{H}]{b_q}   W_Q[{H}]: [{dm}, {dh}]  -> q [{dh}]  |q| = {_norm(e.q):.3f}", _vec(e.q)
     )
-    c.print(
-        f"   k_j = x_j W_K[{g}]{b_k}, v_j = x_j W_V[{g}]{b_v} for every token j "
-        f"-> k, v [{len(e.tokens)}, {dh}]"
-    )
+    c.print(f"   k_j = x_j W_K[{g}]{b_k}, v_j = x_j W_V[{g}]{b_v} for every token j -> {kv}")
     if e.q_normed:
         *lines, last = qk_norm_lines(e)
         for line in lines[:2]:
@@ -289,7 +293,7 @@ def _render_output(c: Any, e: Explanation) -> None:
     """Steps 4-7: z, the concatenation, the output through W_O and how W_O weighs the heads."""
     from rich.table import Table
 
-    dh, dm, tok = e.d_head, e.d_model, e.tokens[e.token_index]
+    dh, dm, tok = len(e.z), e.d_model, e.tokens[e.token_index]  # (differential: a pair's 2 d_head)
     if e.gate:  # an output gate (Qwen3-Next): z is the gated output, the input of W_O
         _step(c, f"   gate = sigmoid(x W_G[{e.head}])   [{len(e.gate)}]", _vec(e.gate))
     mix = "(sum_j softmax_j v_j) * gate" if e.gate else "sum_j softmax_j v_j"
@@ -301,7 +305,10 @@ def _render_output(c: Any, e: Explanation) -> None:
         _vec(e.concat),
     )
     b_o = " + b_O" if e.out_bias else ""
-    out = f"6. out = concat W_O{b_o}   W_O: [{width}, {dm}]  -> out [{dm}]  |out| = {_norm(e.out):.3f}"
+    rows, concat = e.n_heads * e.d_head, "concat"
+    if rows != width:  # differential attention: W_O reads each pair's normed z_j - lambda z_(j+P) (2x)
+        concat = f"\\[y_0 .. y_{e.n_heads // 2 - 1}]"  # (escaped: rich markup)
+    out = f"6. out = {concat} W_O{b_o}   W_O: [{rows}, {dm}]  -> out [{dm}]  |out| = {_norm(e.out):.3f}"
     _step(c, out, _vec(e.out))
     c.print(f"7. how W_O weighs the heads of layer {e.layer} for '{tok}' (share of sum_h |z_h W_O\\[h]|)")
     t = Table()

@@ -63,6 +63,7 @@ from ..causal.causal_inputs import (
     token_str,
 )
 from ..trace.trace import trace
+from .latent_scores import latent_score_parts
 
 __all__ = ["CompositionScores", "ScoreDecomposition", "composition_scores", "score_decomposition"]
 
@@ -111,7 +112,7 @@ def _check_index(name: str, value: Any, size: int, what: str) -> int:
 
 
 def _hook_names(layer: int) -> list[str]:
-    names = ["hook_embed", "blocks.*.attn.hook_result", "blocks.*.hook_mlp_out"]
+    names = ["hook_embed", "blocks.*.attn.hook_result", "blocks.*.attn.hook_z", "blocks.*.hook_mlp_out"]
     names += ["blocks.*.hook_resid_pre", "blocks.*.hook_attn_out", "blocks.*.hook_resid_mid"]
     names += [f"blocks.{layer}.attn.hook_q", f"blocks.{layer}.attn.hook_k"]  # QK-norm's scales
     return [*names, f"blocks.{layer}.attn.hook_scores", f"blocks.{layer}.attn.hook_pattern"]
@@ -139,6 +140,8 @@ def residual_parts(module: nn.Module, t: Any, layer: int) -> tuple[list[str], Te
         block = module.blocks[i]
         kind = getattr(block, "norm", "pre" if block.pre_ln else "post")
         result = t[f"blocks.{i}.attn.hook_result"][0].double()  # (seq, H, d_model): a DeltaNet's heads too
+        if hasattr(block.attn, "head_parts"):  # differential: hook_result is per pair; split into heads
+            result = block.attn.head_parts(t[f"blocks.{i}.attn.hook_z"][0].double())  # (seq, H, d_model)
         b_O = getattr(block.attn, "b_O", None)  # a Gated DeltaNet has none
         b_O = torch.zeros_like(bias) if b_O is None else b_O.double().expand_as(bias)
         post = post_attention_norm(block)
@@ -219,11 +222,15 @@ def score_decomposition(
     if is_decoder(module) and j > i:
         raise ValueError(f"key must be at or before the query ({i}) in a causal model; got {j}")
     names, stack, bias = residual_parts(module, t, layer)
-    qk = attn.heads[head].qk(i - j, augmented=True)  # (d_model + 1, dh), (dh, d_model + 1)
-    u = _augmented_rows(stack, bias, i) @ qk.A.double()  # (n + 1, dh)
-    v = qk.B.double() @ _augmented_rows(stack, bias, j).T  # (dh, n + 1)
-    parts = (u @ v) * attn.scale  # (n + 1, n + 1)
-    if attn.heads[head].alibi_slope is not None:  # ALiBi's -m_h (i - j): a constant, in bias x bias
+    rows_i, rows_j = _augmented_rows(stack, bias, i), _augmented_rows(stack, bias, j)  # (n + 1, d + 1) x 2
+    if getattr(attn, "latent", None) is not None:  # MLA: at the run's frozen latent-norm scales
+        parts = latent_score_parts(attn, head, rows_i, rows_j, (stack.sum(0) + bias)[None], i, j)
+    else:
+        qk = attn.heads[head].qk(i - j, augmented=True)  # (d_model + 1, dh), (dh, d_model + 1)
+        parts = (rows_i @ qk.A.double()) @ (qk.B.double() @ rows_j.T) * attn.scale  # (n + 1, n + 1)
+    if (
+        getattr(attn.heads[head], "alibi_slope", None) is not None
+    ):  # ALiBi's -m_h (i - j): a constant, in bias x bias
         parts[-1, -1] += float(attn.heads[head].alibi_bias(i - j))
     if getattr(attn, "qk_norm", None) is not None:  # at this run's frozen norm scales (see Head.qk)
         s_q, s_k = attn.qk_norm_scales(t[f"blocks.{layer}.attn.hook_q"], t[f"blocks.{layer}.attn.hook_k"])

@@ -43,13 +43,13 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ...attention.walkable import RECORDED_FIELDS, refuse_unwalked, unwalked_field
 from ...core.checks import is_int
 from ...core.defaults import DEFAULT_SENTENCE, DEFAULT_TOKEN
 from . import mechanism_steps, sink_steps  # noqa: F401  (register the mechanisms' and the sink's steps)
 from .content_tokens import content_positions
 from .delta_walk import walk_delta
 from .hybrid import is_deltanet, refuse_deltanet_layer, softmax_indices
+from .mechanism_walks import capture_shared_kv, flow_norms, head_results, mechanism_names, recorded
 from .scheme_steps import SchemeStep, scheme_steps
 
 
@@ -116,7 +116,8 @@ class Explanation:
         z: ``sum_j pattern_j v_j`` [d_head]. concat: all heads' z for this token [n_heads * d_head].
         out: the attention layer's output for this token ``concat W_O + b_O`` [d_model].
         head_shares: each head's share of ``sum_h || z_h W_O[h] ||`` for this token [n_heads].
-        head_contributions: ``|| z_h W_O[h] ||`` per head [n_heads].
+        head_contributions: ``|| z_h W_O[h] ||`` per head [n_heads] (differential attention: each head's
+            part at its pair's frozen norm scale, ``DifferentialAttention.head_parts``).
         ranking: every (layer, head): the relational heads by decreasing flow, then the positional heads
             by decreasing weight of their top key (:func:`rank_heads`).
         bias: whether the layer has the biases b_Q, b_K, b_V; out_bias: whether it has b_O.
@@ -207,15 +208,15 @@ class Explanation:
             d["ranking"] = [asdict(f) for f in (*self.relational[:top], *self.positional[:top])]
         d["shapes"] = {
             "x": [self.d_model],
-            "W_Q[h]": [self.d_model, self.d_head],
-            "q": [self.d_head],
-            "k": [len(self.tokens), self.d_head],
-            "v": [len(self.tokens), len(self.z)],  # a DeltaNet head's d_v may differ from its d_k
+            "W_Q[h]": [self.d_model, len(self.q)],  # (MLA: q and k are qk_head_dim wide, v and z v_head_dim)
+            "q": [len(self.q)],
+            "k": [len(self.tokens), len(self.k[0])],
+            "v": [len(self.tokens), len(self.v[0])],
             "scores": [len(self.tokens)],
             "pattern": [len(self.tokens)],
-            "z": [len(self.z)],
+            "z": [len(self.z)],  # (differential: 2 d_head, the pair's two value heads)
             "concat": [len(self.concat)],
-            "W_O": [len(self.concat), self.d_model],
+            "W_O": [len(self.concat), self.d_model],  # (a DeltaNet head: n_v_heads d_v)
             "out": [self.d_model],
         }
         return d
@@ -364,18 +365,21 @@ def record(model: nn.Module, run: Callable[[], Any]) -> dict[str, list[Tensor]]:
     removers = [b.hook_attn_in.add(grab_input(i), this_thread=True) for i, b in enumerate(model.blocks)]
     names = ("q", "k", "v", "scores", "pattern", "z", "result")
     layers = [a for a in layers if not is_deltanet(a)]  # a hybrid's softmax layers
-    rotary = [n for n in ("rot_q", "rot_k") if all(getattr(a, "rotary", None) is not None for a in layers)]
+    rotary = [
+        n for n in ("rot_q", "rot_k") if all(getattr(a, "hook_rot_q", None) is not None for a in layers)
+    ]
     normed = [n for n in ("q_normed", "k_normed") if all(getattr(a, "qk_norm", None) for a in layers)]
     gated = ["gate"] if all(getattr(a, "gate_weight", None) is not None for a in layers) else []
-    extra = (*rotary, *normed)
+    extra = (*rotary, *normed, *mechanism_names(model))  # (+ latent / differential hook points)
+    shared, unhook = capture_shared_kv(model)  # the keys and values kv_source layers read
     try:
         with trace(model, [f"hook_{n}" for n in (*names, *extra, *gated)]) as t:
             run()
     finally:
-        for remove in removers:
+        for remove in (*removers, unhook):
             remove()
     index = softmax_indices(model)  # per block: its softmax layer index, None for a Gated DeltaNet
-    rec = {n: [None if j is None else t.act(n, j) for j in index] for n in (*names, *extra)}
+    rec = recorded(t, model, index, (*names, *extra), shared)  # (kv_source: the owner's k, v)
     gates = {n: [t[f"{path}.hook_{n}"] for path in t.layer_paths] for n in gated}  # output gates
     rec.update({n: [None if j is None else g[j] for j in index] for n, g in gates.items()})
     rec["input"] = inputs  # type: ignore[assignment]
@@ -507,8 +511,6 @@ def explain(
     model = pretrained.model
     _check_head_choice(model, layer, head)
     refuse_deltanet_layer(model, None, "explain (the lesson)")  # a DeltaNet layer: .delta_walk walks it
-    for i, a in enumerate(_attention_layers(model)):  # every layer is recorded for the ranking
-        refuse_unwalked(a, f"explain (the lesson) of layer {i}", RECORDED_FIELDS)
     if tokenized is None:
         tokenized = tokenize_sentence(pretrained, sentence)
     elif tokenized.text != sentence:
@@ -520,17 +522,14 @@ def explain(
         occurrences = [index]
     rec = _record_ids(model, tokenized.ids, tokenized.key_padding)
     layers = _attention_layers(model)
-    norms = [None if is_deltanet(a) else value_norms(rec["v"][i][0], a.W_O) for i, a in enumerate(layers)]
+    norms = [None if is_deltanet(a) else flow_norms(a, rec["v"][i][0]) for i, a in enumerate(layers)]
     ranking = rank_heads(rec["pattern"], tokens, index, special_positions(pretrained, tokens), norms=norms)
     if layer is not None and is_deltanet(layers[layer]):  # the delta rule, exactly (.delta_walk)
         ids, pad = tokenized.ids, tokenized.key_padding
         head, walked = walk_delta(model, layer, head, index, tokens, ids, pad, AttendedToken)
-    elif head is None:  # the best head of a layer the walk can show (else the best one, refused below)
+    elif head is None:  # the best-ranked head (within `layer` when given)
         candidates = [f for f in ranking if layer is None or f.layer == layer]
-        shown = [
-            f for f in candidates if unwalked_field(layers[f.layer], RECORDED_FIELDS) is None
-        ] or candidates
-        layer, head = shown[0].layer, shown[0].head
+        layer, head = candidates[0].layer, candidates[0].head
     elif layer is None:
         layer = next(f.layer for f in ranking if f.head == head)
     attn = layers[layer]
@@ -558,7 +557,7 @@ def _walk(
     kv_head = head // attn.group_size
     pattern_row = rec["pattern"][layer][0, head, index]  # (seq_k,)
     scores_row = rec["scores"][layer][0, head, index]  # (seq_k,)
-    result = rec["result"][layer][0, index]  # (n_heads, d_model)
+    result = head_results(attn, rec["result"][layer][0, index], rec["z"][layer][0, index])  # (H, d_model)
     contributions = result.norm(dim=-1)  # (n_heads,)
     out = result.sum(dim=0)  # (d_model,)
     if attn.b_O is not None:
@@ -583,7 +582,7 @@ def _walk(
         out=_floats(out),
         head_contributions=_floats(contributions),
         head_shares=_floats(contributions / contributions.sum().clamp(min=1e-30)),
-        bias=attn.b_Q is not None,
+        bias=getattr(attn, "b_Q", None) is not None,
         out_bias=attn.b_O is not None,
         **_rotated(rec, attn, layer, index, head, kv_head),
         **_normed(rec, attn, layer, index, head, kv_head),
@@ -650,7 +649,7 @@ def _normed(rec: dict[str, list[Tensor]], attn: Any, layer: int, index: int, hea
 def _rotated(rec: dict[str, list[Tensor]], attn: Any, layer: int, index: int, head: int, kv: int) -> dict:
     """The rotary fields of an :class:`Explanation` (none without rotary positions)."""
     rotary = getattr(attn, "rotary", None)
-    if rotary is None or "rot_q" not in rec:
+    if rotary is None or "rot_q" not in rec or rec["rot_q"][layer] is None:
         return {}
     return {
         "q_rot": _floats(rec["rot_q"][layer][0, index, head]),

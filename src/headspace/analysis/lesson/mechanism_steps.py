@@ -18,10 +18,8 @@ a layer without the mechanism gets no step. Registered on import (:mod:`.explain
 * ``"k_eq_v"`` (Gemma 4's global layers, ``spec.k_eq_v``): the values are the key projection before its
   norm (``W_V`` is ``W_K``): ``max |v_j - k_j|`` over the sentence (0).
 
-Not here, because ``explain`` refuses those models by the field's name (its walk ``z_h W_O[h]`` is not
-what such a layer computes, :mod:`headspace.attention.walkable`): latent attention (DeepSeek MLA),
-differential attention (DiffLlama: the explorer draws its pair maps) and ``kv_source`` (Gemma 3n / 4
-layers that reuse an earlier layer's keys and values).
+Latent attention (DeepSeek MLA), differential attention (DiffLlama) and ``kv_source`` (Gemma 3n / 4
+layers that reuse an earlier layer's keys and values) have their steps in :mod:`.walk_steps`.
 """
 
 from __future__ import annotations

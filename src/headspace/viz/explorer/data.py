@@ -145,7 +145,7 @@ def capture_layers(model: nn.Module, run: Callable[[], Any]) -> list[LayerCaptur
     if not layers:
         raise ValueError(f"model has no headspace MultiHeadAttention layer to show ({type(model).__name__})")
     for name, attn in layers:  # a field the page's recomputation does not follow, by name, first
-        refuse_unwalked(attn, f"the explorer page of layer {name!r}", ("latent", "temperature"))
+        refuse_unwalked(attn, f"the explorer page of layer {name!r}", ("latent", "temperature", "kv_source"))
     wanted = set(_HOOKS + _ROTARY_HOOKS + _NORMED_HOOKS + (GATE_HOOK, DIFF_HOOK))
     with torch.no_grad(), trace(model, lambda name: name.rsplit(".", 1)[-1] in wanted) as t:
         run()
