@@ -19,7 +19,10 @@ argument list with its click parser, loads the model and times only the engine c
 The engine figures of the project's published benchmarks (``circuits.json``, ``atlas.json``'s
 statistics and ``importance`` parts, ``heads.json``, ``decode.json``; other days, other machine states)
 stand in a second column (``engine_published_s``, ``quiet_over_published``) and are the fallback when
-the same-run probe failed (``engine_source`` says which ``engine_s`` is).
+the same-run probe failed (``engine_source`` says which ``engine_s`` is). ``quiet_over_probe`` sets the
+command's wall time beside the probe's whole process (interpreter, imports, load and engine, nothing
+else): on a loaded machine, where one load figure at the start of a run drifts, the steadier ratio of
+what the command spends beyond its engine.
 
 ``--readme`` writes the README's timing sentence (between its ``cli-timings`` markers) from the published
 ``cli.json``, so that the README's figures are this script's; a test holds the two equal.
@@ -176,22 +179,24 @@ def engine_run(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
     """The same-run engine figure of ``headspace ARGV``: :mod:`cli_engine` (beside this script) in a
     fresh process, the command's own arguments, only the engine call timed. Its JSON line, or
     ``{"engine_s": None}`` when the probe failed (its stderr printed)."""
+    t0 = time.perf_counter()
     done = subprocess.run(
         [sys.executable, str(Path(__file__).resolve().parent / "cli_engine.py"), *argv],
         capture_output=True, text=True, env=env, check=False,
     )  # fmt: skip
+    wall = round(time.perf_counter() - t0, 2)
     if done.returncode != 0:
         print(done.stderr[-2000:], file=sys.stderr)
         return {"engine_s": None}
-    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "wall_s": wall}
 
 
 def measure(
     names: list[str], lines: dict[str, list[str]], model: str, modes: list[str], env: dict[str, str]
 ) -> list[dict[str, Any]]:
     """One row per (command, mode), with the load time of the same mode; each quiet row also holds the
-    same-run engine figure (``engine_run_s``, its parts, and the probe's own load ``engine_load_s``),
-    taken right after the command on the same machine state."""
+    same-run engine figure (``engine_run_s``, its parts, the probe's own load ``engine_load_s`` and its
+    process's wall time ``engine_wall_s``), taken right after the command on the same machine state."""
     rows = []
     load = ["-c", f"import headspace as hs; hs.load({model!r})"]
     for mode in modes:
@@ -202,8 +207,10 @@ def measure(
                 row = {"command": name, "mode": mode, "load_s": load_s, **run}
                 if mode == "quiet" and name in ENGINES:
                     probe = engine_run(lines[name], env)
-                    row.update(engine_run_s=probe.get("engine_s"), engine_load_s=probe.get("load_s"),
-                               engine_parts=probe.get("parts"))  # fmt: skip
+                    row.update(
+                        engine_run_s=probe.get("engine_s"), engine_load_s=probe.get("load_s"),
+                        engine_parts=probe.get("parts"), engine_wall_s=probe.get("wall_s"),
+                    )  # fmt: skip
                 rows.append(row)
     return rows
 
@@ -242,6 +249,8 @@ def summarise(rows: list[dict[str, Any]], engines: dict[str, float | None]) -> l
             "engine_run_s": same_run,
             "engine_published_s": None if published is None else round(published, 2),
             "quiet_over_published": _ratio(quiet, published),
+            "quiet_over_probe": None if not (quiet and quiet.get("engine_wall_s"))
+            else round(quiet["wall_s"] / quiet["engine_wall_s"], 2),
         })  # fmt: skip
     return table
 
@@ -260,8 +269,8 @@ def _cell(v: Any) -> str:
 def print_table(table: list[dict[str, Any]], say: Callable[[str], None] = print) -> None:
     """The Markdown table of :func:`summarise`'s rows."""
     cols = ("command", "quiet_s", "busy_s", "load_s", "engine_s", "expected_s", "quiet_over_expected",
-            "busy_over_quiet", "ok", "engine_source", "engine_published_s",
-            "quiet_over_published")  # fmt: skip
+            "busy_over_quiet", "ok", "engine_source", "engine_published_s", "quiet_over_published",
+            "quiet_over_probe")  # fmt: skip
     say("| " + " | ".join(cols) + " |")
     say("|" + "|".join("---" for _ in cols) + "|")
     for row in table:

@@ -7,7 +7,9 @@ before torch is imported), loads the model, then times ONLY the engine call the 
 
 * ``circuit``: :func:`~headspace.analysis.circuits.edges.edge_scores` (EAP-IG, the command's steps, pairs
   and batch size) + :func:`~headspace.analysis.circuits.edges.faithfulness_curve` on the same task;
-* ``heads``: :func:`~headspace.analysis.head_importance` on the command's sentences and ablation mode;
+* ``heads``: :func:`~headspace.analysis.head_importance` on the command's sentences and ablation mode,
+  and :func:`~headspace.analysis.head_roles` with the induction score (the table's other columns: the
+  command computes both; each is its own part);
 * ``atlas``: :func:`~headspace.analysis.atlas.run.atlas` (statistics + its importance pass, AtP* by
   default) over the command's corpus, window, batch and token limit, its shards in a fresh folder;
 * ``generate``: ``model.generate`` with the command's prompt, tokens, temperature, top-k and seed
@@ -55,15 +57,20 @@ def _circuit(model: Any, p: dict[str, Any]) -> dict[str, float]:
 
 
 def _heads(model: Any, p: dict[str, Any]) -> dict[str, float]:
-    from headspace.analysis import head_importance
-    from headspace.cli.lesson import _read_sentences
+    from headspace.analysis import head_importance, head_roles
+    from headspace.cli.lesson import _induction, _read_sentences
     from headspace.core.defaults import DEFAULT_SENTENCE
 
     file = p["sentences_file"]
     sentences = _read_sentences(file) if file is not None else [p["sentence"] or DEFAULT_SENTENCE]
+    kw: dict[str, Any] = {} if p["threshold"] is None else {"threshold": p["threshold"]}
     t0 = time.perf_counter()
+    head_roles(model, sentences, induction=_induction(model), **kw)
+    t1 = time.perf_counter()
+    if p["no_importance"]:
+        return {"head_roles": t1 - t0}
     head_importance(model, sentences, mode=p["mode"], progress=False)
-    return {"head_importance": time.perf_counter() - t0}
+    return {"head_roles": t1 - t0, "head_importance": time.perf_counter() - t1}
 
 
 def _atlas(model: Any, p: dict[str, Any]) -> dict[str, float]:

@@ -66,10 +66,12 @@ def test_quick_run_times_every_command_quiet_and_busy(
     quiet = {r["command"]: r for r in doc["rows"] if r["mode"] == "quiet"}
     for name in script.ENGINES:  # the engine timed in the same run, by the command's own arguments
         assert quiet[name]["engine_run_s"] > 0 and quiet[name]["engine_load_s"] > 0
+        assert quiet[name]["engine_wall_s"] > quiet[name]["engine_load_s"] + quiet[name]["engine_run_s"]
         assert sum(quiet[name]["engine_parts"].values()) == pytest.approx(
             quiet[name]["engine_run_s"], abs=0.01
         )
     assert set(quiet["circuit"]["engine_parts"]) == {"edge_scores", "faithfulness_curve"}
+    assert set(quiet["heads"]["engine_parts"]) == {"head_roles", "head_importance"}
     printed = capsys.readouterr().out
     for row in doc["table"]:
         assert row["engine_source"] == ("same run" if row["command"] in script.ENGINES else None)
@@ -107,6 +109,7 @@ def test_the_ratio_of_the_target_is_against_the_same_run_engine(script: ModuleTy
     heads, atlas = script.summarise(rows, {"heads": 4.0, "atlas": 1.0})
     assert heads["engine_s"] == heads["engine_run_s"] == 2.0 and heads["engine_source"] == "same run"
     assert heads["expected_s"] == 5.0 and heads["quiet_over_expected"] == 1.6
+    assert heads["quiet_over_probe"] is None  # no probe wall time given
     assert heads["engine_published_s"] == 4.0 and heads["quiet_over_published"] == pytest.approx(
         8 / 7, abs=0.01
     )
