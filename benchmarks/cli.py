@@ -3,16 +3,26 @@
 Each command runs as ``python -m headspace ...`` in a subprocess (import, model load and all), once on
 the machine as it is (``quiet``) and once while a child process spins on one core (``busy``: one
 CPU-bound competitor, issue 41). Beside each command's quiet time stands what it should cost: the
-model's load (``python -c "headspace.load(MODEL)"``, timed the same way) plus the engine's figure from
-the project's own published benchmarks:
+model's load (``python -c "headspace.load(MODEL)"``, timed the same way) plus its engine's time, taken
+IN THE SAME RUN right after the command: ``cli_engine.py`` (beside this script) parses the command's own
+argument list with its click parser, loads the model and times only the engine call the command makes
+(``engine_run_s``, its parts in the row's ``engine_parts``):
 
-* ``circuit --task ioi --edges 200``: EAP-IG (5 steps) + the faithfulness curve (``circuits.json``);
-* ``atlas --corpus`` (a small corpus of this checkout's docs): its tokens at the statistics' rate
-  plus the rate of its default importance pass, AtP* (``atlas.json``'s ``importance`` part);
-* ``heads``: the importance engine (``heads.json``);
-* ``generate --tokens N``: the prefill at its rate plus N decode steps (``decode.json``, batch 1);
-* ``explain``, ``patch`` and ``attribute`` as the README's first commands run them (no engine benchmark of
-  their own: their rows give the wall time beside the load only).
+* ``circuit --task ioi --edges 200``: EAP-IG (5 steps) + the faithfulness curve;
+* ``atlas --corpus`` (a small corpus of this checkout's docs): the statistics and the default importance
+  pass, AtP*, over the same corpus;
+* ``heads``: the importance engine (``head_importance``) on the command's sentence;
+* ``generate --tokens N``: the prefill plus the decode steps (``model.generate``);
+* ``explain``, ``patch`` and ``attribute`` as the README's first commands run them (no engine of their
+  own: their rows give the wall time beside the load only).
+
+The engine figures of the project's published benchmarks (``circuits.json``, ``atlas.json``'s
+statistics and ``importance`` parts, ``heads.json``, ``decode.json``; other days, other machine states)
+stand in a second column (``engine_published_s``, ``quiet_over_published``) and are the fallback when
+the same-run probe failed (``engine_source`` says which ``engine_s`` is). ``quiet_over_probe`` sets the
+command's wall time beside the probe's whole process (interpreter, imports, load and engine, nothing
+else): on a loaded machine, where one load figure at the start of a run drifts, the steadier ratio of
+what the command spends beyond its engine.
 
 ``--readme`` writes the README's timing sentence (between its ``cli-timings`` markers) from the published
 ``cli.json``, so that the README's figures are this script's; a test holds the two equal.
@@ -21,7 +31,8 @@ Targets (issue 41): quiet within 30% of load + engine (``quiet_over_expected <= 
 2.5x quiet (``busy_over_quiet <= 2.5``). The machine's load average is recorded with every row: a
 loaded machine's figures say so.
 
-``--quick``: the smoke run: ``--model`` (a small checkpoint folder), tiny sizes, no engine figures.
+``--quick``: the smoke run: ``--model`` (a small checkpoint folder), tiny sizes, no published engine
+figures (the same-run ones are taken).
 
 Usage: python benchmarks/cli.py [--model smollm2] [--commands heads,circuit,atlas,generate,...]
        [--no-busy] [--quick] [--out PATH | --save] [--readme]
@@ -50,6 +61,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 """The published results (committed); runs without --save write to RESULTS / "local"."""
 ROOT = Path(__file__).resolve().parents[1]
 COMMANDS = ("circuit", "atlas", "heads", "generate", "explain", "patch", "attribute")
+#: The commands whose engine ``cli_engine.py`` times in the same run (the rest have no engine of their own).
+ENGINES = ("circuit", "atlas", "heads", "generate")
 #: The README's markers around the sentence :func:`readme_sentence` writes.
 MARKERS = ("<!-- cli-timings:start -->", "<!-- cli-timings:end -->")
 EXPLAIN = "The trophy didn't fit in the suitcase because it was too big"
@@ -162,10 +175,28 @@ class Spinner:
             self.proc.wait()
 
 
+def engine_run(argv: list[str], env: dict[str, str]) -> dict[str, Any]:
+    """The same-run engine figure of ``headspace ARGV``: :mod:`cli_engine` (beside this script) in a
+    fresh process, the command's own arguments, only the engine call timed. Its JSON line, or
+    ``{"engine_s": None}`` when the probe failed (its stderr printed)."""
+    t0 = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve().parent / "cli_engine.py"), *argv],
+        capture_output=True, text=True, env=env, check=False,
+    )  # fmt: skip
+    wall = round(time.perf_counter() - t0, 2)
+    if done.returncode != 0:
+        print(done.stderr[-2000:], file=sys.stderr)
+        return {"engine_s": None}
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "wall_s": wall}
+
+
 def measure(
     names: list[str], lines: dict[str, list[str]], model: str, modes: list[str], env: dict[str, str]
 ) -> list[dict[str, Any]]:
-    """One row per (command, mode), with the load time of the same mode."""
+    """One row per (command, mode), with the load time of the same mode; each quiet row also holds the
+    same-run engine figure (``engine_run_s``, its parts, the probe's own load ``engine_load_s`` and its
+    process's wall time ``engine_wall_s``), taken right after the command on the same machine state."""
     rows = []
     load = ["-c", f"import headspace as hs; hs.load({model!r})"]
     for mode in modes:
@@ -173,7 +204,14 @@ def measure(
             load_s = timed_run(load, env)["wall_s"]
             for name in names:
                 run = timed_run(["-m", "headspace", *lines[name]], env)
-                rows.append({"command": name, "mode": mode, "load_s": load_s, **run})
+                row = {"command": name, "mode": mode, "load_s": load_s, **run}
+                if mode == "quiet" and name in ENGINES:
+                    probe = engine_run(lines[name], env)
+                    row.update(
+                        engine_run_s=probe.get("engine_s"), engine_load_s=probe.get("load_s"),
+                        engine_parts=probe.get("parts"), engine_wall_s=probe.get("wall_s"),
+                    )  # fmt: skip
+                rows.append(row)
     return rows
 
 
@@ -196,7 +234,9 @@ def summarise(rows: list[dict[str, Any]], engines: dict[str, float | None]) -> l
     table = []
     for name in dict.fromkeys(r["command"] for r in rows):
         by = {r["mode"]: r for r in rows if r["command"] == name}
-        quiet, busy, engine = by.get("quiet"), by.get("busy"), engines.get(name)
+        quiet, busy, published = by.get("quiet"), by.get("busy"), engines.get(name)
+        same_run = None if quiet is None else quiet.get("engine_run_s")
+        engine = same_run if same_run is not None else published
         expected = None if engine is None or quiet is None else round(quiet["load_s"] + engine, 2)
         table.append({
             "command": name, "quiet_s": quiet and quiet["wall_s"], "busy_s": busy and busy["wall_s"],
@@ -205,8 +245,21 @@ def summarise(rows: list[dict[str, Any]], engines: dict[str, float | None]) -> l
             "quiet_over_expected": None if expected is None else round(quiet["wall_s"] / expected, 2),
             "busy_over_quiet": None if not (quiet and busy) else round(busy["wall_s"] / quiet["wall_s"], 2),
             "ok": all(r["rc"] == 0 for r in by.values()),
+            "engine_source": None if engine is None else "same run" if same_run is not None else "published",
+            "engine_run_s": same_run,
+            "engine_published_s": None if published is None else round(published, 2),
+            "quiet_over_published": _ratio(quiet, published),
+            "quiet_over_probe": None if not (quiet and quiet.get("engine_wall_s"))
+            else round(quiet["wall_s"] / quiet["engine_wall_s"], 2),
         })  # fmt: skip
     return table
+
+
+def _ratio(quiet: dict[str, Any] | None, engine: float | None) -> float | None:
+    """``quiet``'s wall time over its load + ``engine`` (None where either is missing)."""
+    if quiet is None or engine is None:
+        return None
+    return round(quiet["wall_s"] / (quiet["load_s"] + engine), 2)
 
 
 def _cell(v: Any) -> str:
@@ -216,7 +269,8 @@ def _cell(v: Any) -> str:
 def print_table(table: list[dict[str, Any]], say: Callable[[str], None] = print) -> None:
     """The Markdown table of :func:`summarise`'s rows."""
     cols = ("command", "quiet_s", "busy_s", "load_s", "engine_s", "expected_s", "quiet_over_expected",
-            "busy_over_quiet", "ok")  # fmt: skip
+            "busy_over_quiet", "ok", "engine_source", "engine_published_s", "quiet_over_published",
+            "quiet_over_probe")  # fmt: skip
     say("| " + " | ".join(cols) + " |")
     say("|" + "|".join("---" for _ in cols) + "|")
     for row in table:
@@ -267,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         "--commands", default=",".join(COMMANDS), help="comma-separated, of " + ", ".join(COMMANDS)
     )
     ap.add_argument("--no-busy", action="store_true", help="only the quiet run")
-    ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, no engine figures")
+    ap.add_argument("--quick", action="store_true", help="smoke run: tiny sizes, no published engine figures")
     ap.add_argument("--readme", action="store_true", help="write the README's timing sentence from cli.json")
     add_output_options(ap, "cli.json")
     args = ap.parse_args(argv)

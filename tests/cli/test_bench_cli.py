@@ -63,8 +63,18 @@ def test_quick_run_times_every_command_quiet_and_busy(
     ]
     assert {"explain", "patch", "attribute"} <= set(script.COMMANDS)  # the README's first commands
     assert all(r["rc"] == 0 and r["wall_s"] > 0 and r["load_s"] > 0 for r in doc["rows"])
+    quiet = {r["command"]: r for r in doc["rows"] if r["mode"] == "quiet"}
+    for name in script.ENGINES:  # the engine timed in the same run, by the command's own arguments
+        assert quiet[name]["engine_run_s"] > 0 and quiet[name]["engine_load_s"] > 0
+        assert quiet[name]["engine_wall_s"] > quiet[name]["engine_load_s"] + quiet[name]["engine_run_s"]
+        assert sum(quiet[name]["engine_parts"].values()) == pytest.approx(
+            quiet[name]["engine_run_s"], abs=0.01
+        )
+    assert set(quiet["circuit"]["engine_parts"]) == {"edge_scores", "faithfulness_curve"}
+    assert set(quiet["heads"]["engine_parts"]) == {"head_roles", "head_importance"}
     printed = capsys.readouterr().out
     for row in doc["table"]:
+        assert row["engine_source"] == ("same run" if row["command"] in script.ENGINES else None)
         assert row["busy_over_quiet"] == pytest.approx(row["busy_s"] / row["quiet_s"], abs=0.01)
         assert f"| {row['command']} | {row['quiet_s']} | {row['busy_s']} |" in printed
 
@@ -89,3 +99,30 @@ def test_the_readme_timings_are_the_published_benchmark(script: ModuleType, tmp_
     copy.write_text(readme.replace(script.readme_sentence(doc), "stale"), encoding="utf-8")
     script.write_readme(doc, copy)
     assert copy.read_text(encoding="utf-8") == readme
+
+
+def test_the_ratio_of_the_target_is_against_the_same_run_engine(script: ModuleType) -> None:
+    rows = [
+        {"command": "heads", "mode": "quiet", "load_s": 3.0, "wall_s": 8.0, "rc": 0, "engine_run_s": 2.0},
+        {"command": "atlas", "mode": "quiet", "load_s": 3.0, "wall_s": 8.0, "rc": 0, "engine_run_s": None},
+    ]
+    heads, atlas = script.summarise(rows, {"heads": 4.0, "atlas": 1.0})
+    assert heads["engine_s"] == heads["engine_run_s"] == 2.0 and heads["engine_source"] == "same run"
+    assert heads["expected_s"] == 5.0 and heads["quiet_over_expected"] == 1.6
+    assert heads["quiet_over_probe"] is None  # no probe wall time given
+    assert heads["engine_published_s"] == 4.0 and heads["quiet_over_published"] == pytest.approx(
+        8 / 7, abs=0.01
+    )
+    # the probe failed: the published figure is the fallback, and says so
+    assert atlas["engine_s"] == 1.0 and atlas["engine_source"] == "published" and atlas["expected_s"] == 4.0
+
+
+def test_the_engine_probe_takes_the_commands_own_arguments_and_defaults(tmp_path: Path) -> None:
+    engine = _load("bench_cli_engine_script", ROOT / "benchmarks" / "cli_engine.py")
+    p = engine.command_params(["circuit", "--model", "smollm2", "--out", str(tmp_path / "o"), "--pairs", "4"])
+    assert (p["method"], p["steps"], p["pairs"], p["batch_size"]) == ("eap-ig", 5, 4, 32)
+    p = engine.command_params(["generate", "--model", "smollm2", "Hello", "--tokens", "7"])
+    assert (p["target"], p["max_new_tokens"], p["temperature"], p["seed"]) == ("Hello", 7, 0.8, 0)
+    p = engine.command_params(["atlas", "--model", "smollm2", "--corpus", "c", "--out", str(tmp_path / "a")])
+    assert (p["importance"], p["window"], p["batch_size"]) == ("atp*", 512, 8)
+    assert set(engine.RUNS) == set(engine.ENGINES) and not list(tmp_path.iterdir())

@@ -206,8 +206,7 @@ def circuit_cmd(
     scores = C.edge_scores(model, task, method, steps, **bounds)
     n = min(edges, int(scores.valid.sum()))
     circuit = C.find_circuit(scores, edges=n)
-    curve = C.faithfulness_curve(model, task, scores, **bounds)
-    faith = C.faithfulness(model, task, circuit, **bounds)
+    curve, faith = C.curve_and_faithfulness(model, task, scores, circuit, **bounds)  # one pass for both
     summary = circuit_summary(model, task, scores, circuit, curve, faith)
     out_dir.mkdir(parents=True, exist_ok=True)
     import json

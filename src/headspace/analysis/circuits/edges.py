@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -58,6 +58,7 @@ __all__ = [
     "EdgeScores",
     "Faithfulness",
     "FaithfulnessCurve",
+    "curve_and_faithfulness",
     "edge_scores",
     "faithfulness",
     "faithfulness_curve",
@@ -456,6 +457,33 @@ def faithfulness_curve(
     The areas are trapezoids over the fractions (sorted; 0 and 1 must be among them or are added: the
     empty circuit has f = 0, the full one f = 1, exactly). ``max_memory`` as for :func:`edge_scores`.
     """
+    return _curve(model, task, scores, fractions, batch_size, max_memory, None)[0]
+
+
+def curve_and_faithfulness(
+    model: Any,
+    task: Any,
+    scores: EdgeScores,
+    circuit: Any,
+    fractions: Sequence[float] = MIB_FRACTIONS,
+    *,
+    batch_size: int = 32,
+    max_memory: int | str | None = None,
+) -> tuple[FaithfulnessCurve, Faithfulness]:
+    """:func:`faithfulness_curve` and :func:`faithfulness` of ``circuit``, equal to the two calls, from one
+    batched pass: the circuit's run is one more mask beside the curve's, whose empty and full circuits
+    (the corrupt and clean runs) give the metrics :func:`faithfulness` normalises by, so the corrupt and
+    clean forwards of each batch run once for both (``headspace circuit`` needs both)."""
+    curve, faith = _curve(model, task, scores, fractions, batch_size, max_memory, circuit)
+    return curve, cast(Faithfulness, faith)  # not None: a circuit was given
+
+
+def _curve(
+    model: Any, task: Any, scores: EdgeScores, fractions: Sequence[float], batch_size: int,
+    max_memory: int | str | None, circuit: Any,
+) -> tuple[FaithfulnessCurve, Faithfulness | None]:  # fmt: skip
+    """The curve of :func:`faithfulness_curve`, and with ``circuit`` (not None) its faithfulness from the
+    same :func:`_circuit_metrics` pass (its mask last)."""
     module = stack_of(model, "faithfulness_curve")
     graph = graph_of(module)
     task = task_of(model, task)
@@ -479,11 +507,18 @@ def faithfulness_curve(
         mask = torch.zeros(graph.valid.numel(), dtype=torch.bool)
         mask[order[:k]] = True
         masks.append(mask.view_as(graph.valid))
-    metrics = _circuit_metrics(module, graph, task, masks, batch_size)
+    mask = None if circuit is None else _mask_of(circuit, graph)
+    metrics = _circuit_metrics(module, graph, task, masks + ([] if mask is None else [mask]), batch_size)
+    if mask is not None:
+        m_circuit = metrics.pop()  # the circuit's own run; metrics: the curve's again
     clean_m, corrupt_m = metrics[-1], metrics[0]  # k = total and k = 0
     f = [_normalised(m, clean_m, corrupt_m) for m in metrics]
-    return FaithfulnessCurve(
+    curve = FaithfulnessCurve(
         fractions=fr, n_edges=counts, faithfulness=f, metrics=metrics, clean_metric=clean_m,
         corrupt_metric=corrupt_m, total_edges=total, cpr=_trapezoid(fr, f),
         cmd=_trapezoid(fr, [abs(1 - v) for v in f]), method=scores.method,
     )  # fmt: skip
+    if mask is None:
+        return curve, None
+    faith = _normalised(m_circuit, clean_m, corrupt_m)
+    return curve, Faithfulness(faith, m_circuit, clean_m, corrupt_m, int(mask.sum()))
