@@ -230,7 +230,7 @@ def speech(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return paths
 
 
-@pytest.mark.slow  # Whisper base: 2 x 48 patched runs and two transcriptions (~1 min on 2 busy cores)
+@pytest.mark.slow  # Whisper base: 48 patched decoder runs, four loads (4 min on the loaded 2 cores)
 def test_commands_on_whisper_base(speech: tuple[Path, Path], tmp_path: Path) -> None:
     from headspace.pretrained.encdec.features import wav_features
 
