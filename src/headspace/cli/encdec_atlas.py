@@ -117,7 +117,7 @@ def atlas_encoder_decoder(spec: str, corpus: str, out: str) -> None:
     ranked = a.ranking()[:TOP_HEADS]
     click.echo(f"the {len(ranked)} most monotonic cross-attention heads (entropy in nats):")
     for layer, head in ranked:
-        mono, ent = float(a.monotonic[layer, head]), float(a.entropy[layer, head])
+        mono, ent = (round(float(t[layer, head]), 3) + 0.0 for t in (a.monotonic, a.entropy))  # no -0.000
         click.echo(f"  decoder layer {layer:>2} head {head:>2}  monotonic {mono:.3f}  entropy {ent:.3f}")
 
 
