@@ -230,7 +230,7 @@ def speech(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return paths
 
 
-@pytest.mark.slow  # Whisper base: 48 patched decoder runs, four loads (4 min on the loaded 2 cores)
+@pytest.mark.slow  # Whisper base: 48 patched decoder runs, five loads (5 min on the loaded 2 cores)
 def test_commands_on_whisper_base(speech: tuple[Path, Path], tmp_path: Path) -> None:
     from headspace.pretrained.encdec.features import wav_features
 
@@ -257,6 +257,14 @@ def test_commands_on_whisper_base(speech: tuple[Path, Path], tmp_path: Path) -> 
     assert a["answer"] == " fox" and abs(a["total"] - a["logit"]) < 1e-3 * max(1.0, abs(a["logit"]))
     w = _run(["why", "--model", "whisper-base", str(clean), *"--layer 3 --head 1 --json".split()])
     assert abs(w["total"] - w["score"]) < 1e-3 * max(1.0, abs(w["score"])) and w["key_source"].endswith("s")
+    at = CliRunner().invoke(cli, ["atlas", "--model", "whisper-base", "--corpus", str(clean.parent),
+                                  "--out", str(tmp_path / "atlas")])  # fmt: skip
+    assert at.exit_code == 0, at.output
+    got = json.loads((tmp_path / "atlas" / "cross_atlas.json").read_text(encoding="utf-8"))
+    want = cross_atlas(m, [str(clean), str(corrupt)])  # the folder's WAV files in name order
+    assert got["corpus"] == [str(clean), str(corrupt)] and got["n_inputs"] == 2
+    assert torch.allclose(torch.tensor(got["monotonic"]), want.monotonic, atol=1e-5)
+    assert torch.allclose(torch.tensor(got["entropy"]), want.entropy, atol=1e-5)
     (tmp_path / "bad.wav").write_bytes(b"RIFF not a wave file")
     bad = CliRunner().invoke(cli, ["patch", "--model", "whisper-base", "--clean", str(tmp_path / "bad.wav"),
                                    "--corrupt", str(corrupt)])  # fmt: skip
