@@ -132,4 +132,4 @@ def test_commands_refuse_an_encoder_decoder_by_name(tiny) -> None:
     line = res.output.strip()
     assert len(line.splitlines()) == 1
     assert line.startswith(f"error: --model {folder}: an encoder-decoder (")
-    assert "do not handle encoder-decoders yet" in line
+    assert "this command does not handle encoder-decoders yet (explain, align, patch, attribute, why" in line

@@ -16,6 +16,7 @@ import click
 
 from ..core.errors import UsageError
 from ..core.fileio import parse_json, read_regular_file
+from .encdec_inputs import is_encdec_spec
 from .errors import check_input, one_line
 from .loader import load_model
 from .options import model_choice_option
@@ -105,7 +106,12 @@ def atlas_cmd(
     no_ablation: bool,
     device: str,
 ) -> None:
-    """Every head over a corpus: the head atlas (statistics, relations, top examples)."""
+    """Every head over a corpus: the head atlas (statistics, relations, top examples). On an
+    encoder-decoder (a folder of WAV files or of sentences): the cross-attention heads' statistics."""
+    if is_encdec_spec(model_spec):
+        from .encdec_atlas import atlas_encoder_decoder
+
+        return atlas_encoder_decoder(model_spec, corpus, out)
     from ..analysis.atlas.guard import folder_lock
     from ..analysis.atlas.run import atlas
     from ..core.process_group import setup_distributed, teardown

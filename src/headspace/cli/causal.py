@@ -17,6 +17,7 @@ import click
 
 from ..core.errors import UsageError
 from .answers import warn_if_not_continuation
+from .encdec_inputs import is_encdec_spec, refuse_target, target_option
 from .loader import at_precision, load_model
 from .options import (
     TOKENS_HELP,
@@ -103,6 +104,7 @@ def _metric_shown(model: Any, name: str, answer: str, other: str) -> str:
     "atp*: AtP* (exact attention patterns for queries/keys, GradDrop), ranked by its score.",
 )
 @click.option("--top", type=click.IntRange(1, None), default=10, show_default=True, help="Sites to list.")
+@target_option
 @decoder_model_option
 @precision_option
 @out_option
@@ -110,16 +112,26 @@ def _metric_shown(model: Any, name: str, answer: str, other: str) -> str:
 @max_memory_option
 def patch_cmd(
     clean_text: str, corrupt_text: str, answer: str, other: str, site: str, method: str, top: int,
-    model_spec: str, model_precision: str, out_dir: Path | None, as_json: bool, max_memory: str | None,
+    target: str | None, model_spec: str, model_precision: str, out_dir: Path | None, as_json: bool,
+    max_memory: str | None,
 ) -> None:  # fmt: skip
     """Activation patching: put each site's clean activation into the corrupt run, read logit(answer) -
     logit(other); 1 = the clean answer restored, 0 = no effect. --method atp / atp* estimate the same
-    effects from gradients (two forwards and one backward; AtP* adds GradDrop's backward passes)."""
+    effects from gradients (two forwards and one backward; AtP* adds GradDrop's backward passes). On an
+    encoder-decoder (--clean/--corrupt WAV files or source sentences) each cross-attention head."""
     _check_distinct(clean_text, corrupt_text, answer, other)
     checked_memory(max_memory)
     _check_method(method, site)
     if out_dir is not None:
         check_writable_folder(out_dir)
+    if is_encdec_spec(model_spec):
+        from .encdec_commands import patch_encoder_decoder
+
+        return patch_encoder_decoder(
+            model_spec, clean_text, corrupt_text, site=site, method=method, target=target, top=top,
+            precision=model_precision, out_dir=out_dir, as_json=as_json,
+        )  # fmt: skip
+    refuse_target(target, model_spec)
     from ..analysis.causal.patching import EFFECT_KEYS
 
     model = at_precision(load_model(model_spec), model_precision)
@@ -236,23 +248,33 @@ def _patched(model: Any, method: str, clean_text: str, corrupt_text: str, site: 
 @click.option("--answer", default=" Paris", show_default=True, help="The answer token.")
 @click.option("--other", default=None, help="A competing token: attribute the logit difference.")
 @click.option("--top", type=click.IntRange(1, None), default=10, show_default=True, help="Parts to list.")
+@target_option
 @decoder_model_option
 @precision_option
 @out_option
 @json_option
 @max_memory_option
 def attribute_cmd(
-    prompt: str, answer: str, other: str | None, top: int, model_spec: str, model_precision: str,
-    out_dir: Path | None, as_json: bool, max_memory: str | None,
+    prompt: str, answer: str, other: str | None, top: int, target: str | None, model_spec: str,
+    model_precision: str, out_dir: Path | None, as_json: bool, max_memory: str | None,
 ) -> None:  # fmt: skip
     """The logit lens of PROMPT and the heads and MLPs that write --answer directly (direct logit
     attribution: the parts add up to the model's logit).
 
-    The answer's rank counts from 1 (1 = the top token), in the table and in --json's answer_rank."""
+    The answer's rank counts from 1 (1 = the top token), in the table and in --json's answer_rank. On an
+    encoder-decoder PROMPT is the source (a sentence, or a WAV file) and --answer an output token."""
     _check_distinct(None, None, answer, other)
     checked_memory(max_memory)
     if out_dir is not None:
         check_writable_folder(out_dir)
+    if is_encdec_spec(model_spec):
+        from .encdec_commands import attribute_encoder_decoder
+
+        return attribute_encoder_decoder(
+            model_spec, prompt, answer=answer, target=target, top=top, precision=model_precision,
+            out_dir=out_dir, as_json=as_json,
+        )  # fmt: skip
+    refuse_target(target, model_spec)
     from ..analysis.causal.attribution import direct_logit_attribution, logit_lens
 
     model = at_precision(load_model(model_spec), model_precision)

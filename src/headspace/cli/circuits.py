@@ -14,6 +14,7 @@ from typing import Any
 
 import click
 
+from .encdec_inputs import is_encdec_spec, refuse_target, target_option
 from .errors import check_input
 from .loader import at_precision, load_model
 from .options import (
@@ -71,15 +72,26 @@ def _roles(model: Any, prompt: str, layer: int) -> dict[str, str]:
 @click.option("--top", type=click.IntRange(1, None), default=5, show_default=True, help="Pairs to list.")
 @click.option("--out", "out_file", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="PNG file for the heatmap of the parts.")  # fmt: skip
+@target_option
 @model_option
 @precision_option
 @json_option
 def why_cmd(
     text: str, layer: int, head: int, query: int, key: int | None, top: int, out_file: Path | None,
-    model_spec: str, model_precision: str, as_json: bool,
+    target: str | None, model_spec: str, model_precision: str, as_json: bool,
 ) -> None:  # fmt: skip
     """Why a head attends where it does: its score of the query on the key split exactly over
-    (query-side part) x (key-side part): embeddings, earlier heads, earlier MLPs, biases."""
+    (query-side part) x (key-side part): embeddings, earlier heads, earlier MLPs, biases. On an
+    encoder-decoder (TEXT: a source sentence or a WAV file) a cross-attention head of the decoder: --token
+    a decoder position, --key a source position."""
+    if is_encdec_spec(model_spec):
+        from .encdec_commands import why_encoder_decoder
+
+        return why_encoder_decoder(
+            model_spec, text, layer=layer, head=head, query=query, key=key, top=top, target=target,
+            precision=model_precision, as_json=as_json,
+        )  # fmt: skip
+    refuse_target(target, model_spec)
     if out_file is not None:
         check_writable_folder(out_file.parent, "--out", out_file)
     check_before_loading(model_spec, layer, head, from_end=True)

@@ -55,9 +55,9 @@ def refuse_encoder_decoder(model: Any, spec: str, *, whisper: bool = False, encd
         return
     if isinstance(model, EncoderDecoder):
         raise UsageError(
-            f"--model {spec}: an encoder-decoder ({model.config.name or 'T5/BART/Marian/Whisper'}); the "
-            "headspace commands do not handle encoder-decoders yet: use headspace.load() in Python "
-            "(docs/encoder_decoder.md)"
+            f"--model {spec}: an encoder-decoder ({model.config.name or 'T5/BART/Marian/Whisper'}); this "
+            "command does not handle encoder-decoders yet (explain, align, patch, attribute, why and atlas "
+            "do): use headspace.load() in Python (docs/encoder_decoder.md)"
         )
 
 

@@ -49,8 +49,8 @@ MODEL_HELP = (
     "Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, gpt-oss and Llama 4, or the hybrids Qwen3-Next and Qwen3.5), "
     "or a .gguf file (Llama family, Gemma 3, and the GGUF architectures of these families). T5, BART, "
     "Marian and Whisper folders and 'whisper-base' (Whisper base, from its CTranslate2 file) load in Python "
-    "(headspace.load); of the commands, explain (a sentence or SPEECH.WAV) and align (Whisper) run "
-    "encoder-decoders."
+    "(headspace.load); of the commands, explain, patch, attribute, why and atlas (sentences, or WAV files "
+    "for Whisper) and align (Whisper) run encoder-decoders."
 )
 
 

@@ -60,10 +60,13 @@ def patched_logits(
     corrupt: Tensor,
     decoder_input_ids: Tensor,
     heads: Sequence[tuple[int, int]],
+    *,
+    memory: Tensor | None = None,
 ) -> Tensor:
     """The corrupt run's logits [batch, seq_dec, vocab] with the cross-attention heads ``heads`` ((decoder
     layer, head) pairs) given the clean run's ``z`` (``clean``: the clean inputs, or
-    :func:`clean_cross_z` of them)."""
+    :func:`clean_cross_z` of them). ``memory``: ``model.encode(corrupt)`` [batch, seq_k, d_model] when
+    known (the encoder is not run again; the patch is in the decoder)."""
     if not isinstance(model, EncoderDecoder):
         raise TypeError(f"model must be a headspace EncoderDecoder; got {type(model).__name__}")
     _check_heads(model, heads)
@@ -87,6 +90,8 @@ def patched_logits(
 
     hooks = {_z_name(layer): patch(layer, chosen) for layer, chosen in by_layer.items()}
     with torch.no_grad(), hooked(model, hooks):
+        if memory is not None:
+            return model.decode(decoder_input_ids, memory)
         return model(corrupt, decoder_input_ids)
 
 
@@ -110,12 +115,15 @@ def patch_cross_heads(
         corrupt_logits = model(corrupt, decoder_input_ids)
     metric = _default_metric(clean_logits) if metric is None else metric
     z = clean_cross_z(model, clean, decoder_input_ids)
+    with torch.no_grad():
+        memory = model.encode(corrupt)  # [batch, seq_k, d_model]: one encoder run for every patched run
     c = model.config
     base = metric(corrupt_logits)
     effects = torch.zeros(c.n_decoder_layers, c.n_heads)
     for layer in range(c.n_decoder_layers):
         for head in range(c.n_heads):
             effects[layer, head] = (
-                metric(patched_logits(model, z, corrupt, decoder_input_ids, [(layer, head)])) - base
+                metric(patched_logits(model, z, corrupt, decoder_input_ids, [(layer, head)], memory=memory))
+                - base
             )
     return CrossPatching(effects=effects, clean=metric(clean_logits), corrupt=base)
