@@ -34,20 +34,11 @@ import torch
 from torch import Tensor
 
 from ..model.config import ModelConfig
-from ..model.models import check_precision
-from .hf import (
-    ConfigFields,
-    check_tensors,
-    checked_folder,
-    folder_tokenizer,
-    load_tensors,
-    read_json,
-    require_file,
-)
-from .llama import _HIDDEN_ACT, _headers, _meta_decoder, _weight_files, _wrap
+from .family_frame import folder_headers, open_family, read_renamed, tie_differs
+from .hf import ConfigFields, folder_tokenizer
+from .llama import _HIDDEN_ACT, _meta_decoder, _wrap
 from .wrappers import PretrainedDecoder
 
-_INDEX = "model.safetensors.index.json"
 #: OPT's position table starts this many rows before position 0 (transformers' OPTLearnedPositionalEmbedding).
 OPT_POSITION_OFFSET = 2
 _Renamer = Callable[[dict[str, Tensor], ModelConfig], dict[str, Tensor]]
@@ -184,11 +175,7 @@ def _opt_tensors(t: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
         )
     sd: dict[str, Tensor] = {"pos_embed.weight": table[OPT_POSITION_OFFSET:]}  # [max_seq_len, d_model]
     head = embed if c.extra["tied_checkpoint"] else t.pop("lm_head.weight")  # [vocab, proj]
-    if (
-        c.extra["tied_checkpoint"]
-        and "lm_head.weight" in t
-        and not torch.equal(t.pop("lm_head.weight"), embed)
-    ):
+    if c.extra["tied_checkpoint"] and tie_differs(t.pop("lm_head.weight", None), embed):
         raise ValueError("tie_word_embeddings=true but lm_head.weight differs from embed_tokens.weight")
     if c.extra["word_embed_proj_dim"] != c.d_model:
         sd["tok_embed.weight"] = embed @ t.pop(p + "project_in.weight").T  # [vocab, d_model]
@@ -229,7 +216,7 @@ def _gpt2_like(t: dict[str, Tensor], c: ModelConfig, attn: Callable[..., None]) 
         _linear(sd, t, b + "mlp.fc_out", q + "mlp.c_proj", True)
     _norm(sd, t, "ln_final", p + "ln_f")
     head = t.pop("lm_head.weight", None)
-    if c.tie_embeddings and head is not None and not torch.equal(head, sd["tok_embed.weight"]):
+    if c.tie_embeddings and tie_differs(head, sd["tok_embed.weight"]):
         raise ValueError("tie_word_embeddings=true but lm_head.weight differs from wte.weight")
     if not c.tie_embeddings:
         sd["lm_head.weight"] = t.pop("lm_head.weight") if head is None else head
@@ -301,28 +288,22 @@ def load_absolute_family(
     folder: str | Path, *, name: str = "", precision: str = "float32"
 ) -> PretrainedDecoder:
     """Load a checkpoint folder of one of :data:`FAMILIES` onto a Decoder: the config field by field
-    (:func:`absolute_family_config`), then missing / unexpected / mis-shaped tensors refused (listed)."""
-    check_precision(precision)
-    path = checked_folder(folder)
-    config_file = str(path / "config.json")
-    hf = read_json(require_file(path, "config.json", "the model configuration"))
-    config = absolute_family_config(hf, name or path.name, source=config_file)
+    (:func:`absolute_family_config`), then missing / unexpected / mis-shaped tensors refused (listed)
+    from the safetensors headers, before any tensor is read (:func:`~.family_frame.read_renamed`)."""
+    opened = open_family(folder, precision)
+    path = opened.path
+    config = absolute_family_config(opened.hf, name or path.name, source=opened.config_file)
     config.extra["source"] = str(path)
-    files, weight_map = _weight_files(path)
-    header, per_file = _headers(files, weight_map, path / _INDEX)
-    tensors: dict[str, Tensor] = {}
-    for file_header in per_file.values():
-        tensors.update(load_tensors(file_header, file_header.tensors, list(file_header.tensors)))
+    headers = folder_headers(path)
     model = _meta_decoder(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    try:
-        sd = FAMILIES[str(config.extra["model_type"])][1](dict(tensors), config)
-    except KeyError as e:
-        raise ValueError(f"{header.path} does not match its config.json: missing tensor {e}") from None
-    except ValueError as e:
-        raise ValueError(f"{header.path}: {e}") from None
-    _sized_norms(sd, expected)
-    ignored = check_tensors(sd, expected, lambda k: False, header.path)
-    sd = {k: v.float() for k, v in sd.items() if k in expected}
+    renamer = FAMILIES[str(config.extra["model_type"])][1]
+
+    def rename(t: dict[str, Tensor]) -> dict[str, Tensor]:
+        sd = renamer(t, config)
+        _sized_norms(sd, expected)
+        return sd
+
+    sd, ignored = read_renamed(headers, rename, expected, lambda k: False)
     model.load_state_dict(sd, strict=True, assign=True)
     return _wrap(model, config, folder_tokenizer(path, config.pad_token_id), ignored).to_precision(precision)
