@@ -31,23 +31,14 @@ import torch
 from torch import Tensor
 
 from ..model.config import ModelConfig
-from ..model.models import check_precision
 from ..nn.alibi import bloom_slopes, mpt_slopes
-from .hf import (
-    ConfigFields,
-    check_tensors,
-    checked_folder,
-    folder_tokenizer,
-    load_tensors,
-    read_json,
-    require_file,
-)
-from .llama import _HIDDEN_ACT, _headers, _meta_decoder, _weight_files, _wrap
+from .family_frame import folder_headers, open_family, read_renamed
+from .hf import ConfigFields, folder_tokenizer
+from .llama import _HIDDEN_ACT, _meta_decoder, _wrap
 from .parallel_families import _move, _norm, _parallel_one_norm
 from .rotary_families import read_rope
 from .wrappers import PretrainedDecoder
 
-_INDEX = "model.safetensors.index.json"
 _Renamer = Callable[[dict[str, Tensor], ModelConfig], dict[str, Tensor]]
 
 
@@ -289,26 +280,22 @@ def load_alibi_family(
     folder: str | Path, *, name: str = "", max_seq_len: int | None = None, precision: str = "float32"
 ) -> PretrainedDecoder:
     """Load a checkpoint folder of one of :data:`FAMILIES` onto a Decoder: the config field by field
-    (:func:`alibi_family_config`), then missing / unexpected / mis-shaped tensors refused (listed)."""
-    check_precision(precision)
-    path = checked_folder(folder)
-    hf = read_json(require_file(path, "config.json", "the model configuration"))
+    (:func:`alibi_family_config`), then missing / unexpected / mis-shaped tensors refused (listed)
+    from the safetensors headers, before any tensor is read (:func:`~.family_frame.read_renamed`)."""
+    opened = open_family(folder, precision)
+    path = opened.path
     config = alibi_family_config(
-        hf, name or path.name, max_seq_len=max_seq_len, source=str(path / "config.json")
+        opened.hf, name or path.name, max_seq_len=max_seq_len, source=opened.config_file
     )
     config.extra["source"] = str(path)
-    files, weight_map = _weight_files(path)
-    header, per_file = _headers(files, weight_map, path / _INDEX)
-    tensors: dict[str, Tensor] = {}
-    for file_header in per_file.values():
-        tensors.update(load_tensors(file_header, file_header.tensors, list(file_header.tensors)))
     model = _meta_decoder(config)
     expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    try:
-        sd = FAMILIES[str(config.extra["model_type"])][1](dict(tensors), config)
-    except KeyError as e:
-        raise ValueError(f"{header.path} does not match its config.json: missing tensor {e}") from None
-    ignored = check_tensors(sd, expected, lambda k: k.endswith("rotary_emb.inv_freq"), header.path)
-    sd = {k: v.float() for k, v in sd.items() if k in expected}
+    renamer = FAMILIES[str(config.extra["model_type"])][1]
+    sd, ignored = read_renamed(
+        folder_headers(path),
+        lambda t: renamer(t, config),
+        expected,
+        lambda k: k.endswith("rotary_emb.inv_freq"),
+    )
     model.load_state_dict(sd, strict=True, assign=True)
     return _wrap(model, config, folder_tokenizer(path, config.pad_token_id), ignored).to_precision(precision)

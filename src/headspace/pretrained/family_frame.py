@@ -45,7 +45,15 @@ from .hf import (
 )
 from .shards import SHARD_INDEX, shard_headers, weight_files
 
-__all__ = ["FamilyFolder", "folder_headers", "open_family", "read_listed", "read_renamed", "tie_differs"]
+__all__ = [
+    "FamilyFolder",
+    "folder_headers",
+    "open_family",
+    "pop_tied_head",
+    "read_listed",
+    "read_renamed",
+    "tie_differs",
+]
 
 Headers = tuple[SafetensorsHeader, dict[Path, SafetensorsHeader]]
 
@@ -184,3 +192,11 @@ def read_renamed(
     tensors: dict[str, Tensor] = {**{k: meta[k] for k in unused}, **_read(per_file, names)}
     real = _renamed(rename, tensors, header.path)
     return {k: real[k].float() for k in expected}, ignored
+
+
+def pop_tied_head(tensors: dict[str, Tensor], config: ModelConfig, prefix: str, source: Path) -> None:
+    """Drop the ``lm_head.weight`` a tied checkpoint stores (when ``config.tie_embeddings``), refusing one
+    that differs from ``{prefix}embed_tokens.weight`` (a ValueError naming ``source``)."""
+    head = tensors.pop("lm_head.weight", None) if config.tie_embeddings else None
+    if tie_differs(head, tensors.get(f"{prefix}embed_tokens.weight")):
+        raise ValueError(f"{source}: tie_word_embeddings=true but lm_head.weight differs from the embedding")
