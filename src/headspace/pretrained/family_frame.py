@@ -97,7 +97,7 @@ def _read(per_file: Mapping[Path, SafetensorsHeader], names: list[str]) -> dict[
 
 def read_listed(
     headers: Headers,
-    expected: dict[str, tuple[int, ...]],
+    expected: dict[str, tuple[int, ...]] | Callable[[], dict[str, tuple[int, ...]]],
     config: ModelConfig,
     fields: str,
     config_file: str,
@@ -107,7 +107,9 @@ def read_listed(
 ) -> tuple[dict[str, Tensor], list[str]]:
     """(the ``expected`` tensors as float32, the ignored names), everything checked from the headers first.
 
-    ``expected``: every Hugging Face tensor the config implies, with its shape. The parameter count
+    ``expected``: every Hugging Face tensor the config implies, with its shape (or a function listing
+    them, called only after the count matched, when the list could be long: then ``count`` is given). The
+    parameter count
     (``count``: (parameters, tensors), by default the sum over ``expected``) is compared with the headers
     (:func:`~headspace.pretrained.hf.check_parameter_count`, ``fields`` naming the config values behind
     it); a tied checkpoint may also store ``lm_head.weight`` ([vocab, d_model], added to ``expected``);
@@ -115,8 +117,11 @@ def read_listed(
     """
     header, per_file = headers
     if count is None:
+        assert not callable(expected), "a deferred expected needs its count"
         count = (sum(math.prod(s) for s in expected.values()), len(expected))
     summary = check_parameter_count(*count, header, fields, config_file)
+    if callable(expected):  # listed only once the count is known to fit the headers
+        expected = expected()
     if "lm_head.weight" in header.tensors and config.tie_embeddings:
         expected["lm_head.weight"] = (config.vocab_size, config.d_model)
     ignored = check_tensors(header.tensors, expected, ignorable, header.path, summary=summary)
