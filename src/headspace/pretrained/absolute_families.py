@@ -34,9 +34,10 @@ import torch
 from torch import Tensor
 
 from ..model.config import ModelConfig
-from .family_frame import folder_headers, open_family, read_renamed, tie_differs
-from .hf import ConfigFields, folder_tokenizer
-from .llama import _HIDDEN_ACT, _meta_decoder, _wrap
+from .family_frame import tie_differs
+from .hf import ConfigFields, fitting_headspace
+from .llama import _HIDDEN_ACT
+from .renamed_loader import family_kind, load_renamed
 from .wrappers import PretrainedDecoder
 
 #: OPT's position table starts this many rows before position 0 (transformers' OPTLearnedPositionalEmbedding).
@@ -264,17 +265,11 @@ def absolute_family_config(
     """The :class:`ModelConfig` of a ``config.json`` of one of :data:`FAMILIES` (module docstring);
     a field headspace cannot run exactly is refused by name."""
     f = ConfigFields(hf, source)
-    kind = f.text("model_type", None, allow_none=True)
-    if kind not in FAMILIES:
-        raise ValueError(f"{source}: model_type={kind!r} is not supported here; supported: {list(FAMILIES)}")
-    if hf.get("quantization_config") is not None:
-        raise ValueError(f"{source} has a quantization_config: quantized checkpoints are not supported")
+    kind = family_kind(f, FAMILIES)
     kw = FAMILIES[kind][0](f)
     kw["extra"] = {**kw["extra"], "model_type": kind}
-    try:
+    with fitting_headspace(source):
         return ModelConfig(arch="decoder", type_vocab_size=0, positions="learned", name=name, **kw)
-    except ValueError as e:
-        raise ValueError(f"{source} does not fit headspace: {e}") from None
 
 
 def _sized_norms(sd: dict[str, Tensor], expected: dict[str, tuple[int, ...]]) -> None:
@@ -289,21 +284,10 @@ def load_absolute_family(
 ) -> PretrainedDecoder:
     """Load a checkpoint folder of one of :data:`FAMILIES` onto a Decoder: the config field by field
     (:func:`absolute_family_config`), then missing / unexpected / mis-shaped tensors refused (listed)
-    from the safetensors headers, before any tensor is read (:func:`~.family_frame.read_renamed`)."""
-    opened = open_family(folder, precision)
-    path = opened.path
-    config = absolute_family_config(opened.hf, name or path.name, source=opened.config_file)
-    config.extra["source"] = str(path)
-    headers = folder_headers(path)
-    model = _meta_decoder(config)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    renamer = FAMILIES[str(config.extra["model_type"])][1]
+    from the safetensors headers, before any tensor is read (:func:`~.renamed_loader.load_renamed`)."""
 
-    def rename(t: dict[str, Tensor]) -> dict[str, Tensor]:
-        sd = renamer(t, config)
-        _sized_norms(sd, expected)
-        return sd
+    def read(hf: dict[str, Any], name: str, source: str) -> ModelConfig:
+        return absolute_family_config(hf, name, source=source)
 
-    sd, ignored = read_renamed(headers, rename, expected, lambda k: False)
-    model.load_state_dict(sd, strict=True, assign=True)
-    return _wrap(model, config, folder_tokenizer(path, config.pad_token_id), ignored).to_precision(precision)
+    renamers = {k: v[1] for k, v in FAMILIES.items()}
+    return load_renamed(folder, read, renamers, name=name, precision=precision, fill=_sized_norms)
