@@ -7,6 +7,10 @@ rewritten with one tensor one row too long (or without it). The tensor reader
 fails, so a loader that reads any tensor before checking the header fails with that reader's error
 instead of the shape error. A control shows the replaced reader is the one the loaders use: an intact
 folder then fails on its first read.
+
+gpt_neox, bloom, opt, gpt_bigcode and phi3 read every tensor before checking shapes at 5e3c064 (these
+cases fail there); mixtral, diffllama and roberta checked their headers first already and guard the
+shared frame (pretrained/family_frame.py) they now go through.
 """
 
 from __future__ import annotations
@@ -87,6 +91,36 @@ FAMILIES: dict[str, tuple[Any, Any, dict[str, Any], str]] = {
         ),
         "model.layers.1.self_attn.o_proj.weight",
     ),
+    "diffllama": (
+        T.DiffLlamaConfig,
+        T.DiffLlamaForCausalLM,
+        dict(
+            hidden_size=D,
+            num_hidden_layers=L,
+            num_attention_heads=2 * H,
+            num_key_value_heads=H,
+            head_dim=6,
+            intermediate_size=DM,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=None,
+        ),
+        "model.layers.1.self_attn.lambda_q1",
+    ),
+    "roberta": (
+        T.RobertaConfig,
+        T.RobertaModel,
+        dict(
+            hidden_size=D,
+            num_hidden_layers=L,
+            num_attention_heads=H,
+            intermediate_size=DM,
+            pad_token_id=1,
+            bos_token_id=0,
+            eos_token_id=2,
+        ),
+        "encoder.layer.1.output.dense.weight",
+    ),
 }
 
 
@@ -122,17 +156,25 @@ def _no_payload(*args: Any, **kwargs: Any) -> Any:
 
 
 @pytest.fixture(scope="module")
-def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``saved(family)``: the family's checkpoint folder, built once per module."""
     root = tmp_path_factory.mktemp("header_first")
-    return {family: _checkpoint(root, family) for family in FAMILIES}
+    made: dict[str, Path] = {}
+
+    def get(family: str) -> Path:
+        if family not in made:
+            made[family] = _checkpoint(root, family)
+        return made[family]
+
+    return get
 
 
 @pytest.fixture
-def copy_of(folders: dict[str, Path], tmp_path: Path) -> Any:
+def copy_of(saved: Any, tmp_path: Path) -> Any:
     def copy(family: str) -> Path:
         target = tmp_path / family
         target.mkdir()
-        for f in folders[family].iterdir():
+        for f in saved(family).iterdir():
             (target / f.name).write_bytes(f.read_bytes())
         return target
 
@@ -150,7 +192,7 @@ def test_wrong_shape_is_refused_before_any_payload_is_read(
     def grow(t: dict[str, torch.Tensor]) -> None:
         assert name in t, sorted(t)
         shapes["expected"] = list(t[name].shape)
-        t[name] = torch.cat([t[name], t[name][:1]])  # one row too many: [rows + 1, cols]
+        t[name] = torch.cat([t[name], t[name][:1]])  # one row too many: [rows + 1, ...]
         shapes["found"] = list(t[name].shape)
 
     _rewrite(folder, grow)
@@ -188,3 +230,24 @@ def test_the_replaced_reader_is_the_one_the_loaders_use(
     monkeypatch.setattr(hf_module, "safe_open", _no_payload)
     with pytest.raises(ValueError, match="payload was read"):
         hs.load(folder)
+
+
+def test_pieces_that_cannot_be_fused_are_refused_in_one_line_before_any_payload_is_read(
+    copy_of: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """OPT's q, k, v are fused into one matrix; a q_proj one column too wide cannot be (torch's
+    RuntimeError at 5e3c064, after reading every tensor): a one-line ValueError naming the file."""
+    folder = copy_of("opt")
+    name = "model.decoder.layers.1.self_attn.q_proj.weight"
+
+    def widen(t: dict[str, torch.Tensor]) -> None:
+        t[name] = torch.cat([t[name], t[name][:, :1]], dim=1)  # [d, d + 1]
+
+    _rewrite(folder, widen)
+    monkeypatch.setattr(hf_module, "safe_open", _no_payload)
+    with pytest.raises(ValueError) as info:
+        hs.load(folder)
+    message = str(info.value)
+    assert "\n" not in message and "payload was read" not in message
+    assert message.startswith(f"{folder / 'model.safetensors'} does not match its config.json: ")
+    assert f"{name} {[D, D + 1]}" in message  # the tensor named, with its shape

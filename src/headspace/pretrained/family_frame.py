@@ -142,17 +142,44 @@ def tie_differs(head: Tensor | None, emb: Tensor | None) -> bool:
 Renamer = Callable[[dict[str, Tensor]], dict[str, Tensor]]
 
 
+class _Recorder(dict[str, Tensor]):
+    """A dict of tensors that remembers the order in which its entries were read (for messages)."""
+
+    def __init__(self, tensors: Mapping[str, Tensor]) -> None:
+        super().__init__(tensors)
+        self.read: list[str] = []
+
+    def __getitem__(self, key: str) -> Tensor:
+        self.read.append(key)
+        return super().__getitem__(key)
+
+    def pop(self, key: str, *default: Any) -> Any:
+        self.read.append(key)
+        return super().pop(key, *default)
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.read.append(key)
+        return super().get(key, default)
+
+
 def _renamed(rename: Renamer, tensors: dict[str, Tensor], source: Path) -> dict[str, Tensor]:
-    """``rename(tensors)``, its errors as one-line ValueErrors naming ``source``."""
+    """``rename(tensors)``, its errors as one-line ValueErrors naming ``source``; torch's errors (tensors
+    of shapes that do not combine, in a cat or a view) name the last three tensors read, with shapes."""
+    recorder = _Recorder(tensors)
     try:
-        return rename(tensors)
+        return rename(recorder)
     except KeyError as e:
         raise ValueError(f"{source} does not match its config.json: missing tensor {e}") from None
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
-    except RuntimeError as e:  # torch's shape errors (a cat or view of tensors of the wrong shapes)
+    except RuntimeError as e:
+        last = list(dict.fromkeys(reversed([k for k in recorder.read if k in tensors])))[:3][::-1]
+        read = ", ".join(f"{k} {list(tensors[k].shape)}" for k in last)
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ValueError(f"{source} does not match its config.json: {first}") from None
+        raise ValueError(
+            f"{source} does not match its config.json: the shapes of the tensors read last ({read}) do not "
+            f"combine as the config says (torch: {first})"
+        ) from None
 
 
 def _meta(header: SafetensorsHeader) -> dict[str, Tensor]:
