@@ -34,20 +34,12 @@ import torch
 from torch import Tensor
 
 from ..model.config import ModelConfig
-from ..model.models import check_precision
-from .hf import (
-    ConfigFields,
-    check_tensors,
-    checked_folder,
-    folder_tokenizer,
-    load_tensors,
-    read_json,
-    require_file,
-)
-from .llama import _HIDDEN_ACT, _headers, _meta_decoder, _weight_files, _wrap
+from .family_frame import tie_differs
+from .hf import ConfigFields, fitting_headspace
+from .llama import _HIDDEN_ACT
+from .renamed_loader import family_kind, load_renamed
 from .wrappers import PretrainedDecoder
 
-_INDEX = "model.safetensors.index.json"
 #: OPT's position table starts this many rows before position 0 (transformers' OPTLearnedPositionalEmbedding).
 OPT_POSITION_OFFSET = 2
 _Renamer = Callable[[dict[str, Tensor], ModelConfig], dict[str, Tensor]]
@@ -184,11 +176,7 @@ def _opt_tensors(t: dict[str, Tensor], c: ModelConfig) -> dict[str, Tensor]:
         )
     sd: dict[str, Tensor] = {"pos_embed.weight": table[OPT_POSITION_OFFSET:]}  # [max_seq_len, d_model]
     head = embed if c.extra["tied_checkpoint"] else t.pop("lm_head.weight")  # [vocab, proj]
-    if (
-        c.extra["tied_checkpoint"]
-        and "lm_head.weight" in t
-        and not torch.equal(t.pop("lm_head.weight"), embed)
-    ):
+    if c.extra["tied_checkpoint"] and tie_differs(t.pop("lm_head.weight", None), embed):
         raise ValueError("tie_word_embeddings=true but lm_head.weight differs from embed_tokens.weight")
     if c.extra["word_embed_proj_dim"] != c.d_model:
         sd["tok_embed.weight"] = embed @ t.pop(p + "project_in.weight").T  # [vocab, d_model]
@@ -229,7 +217,7 @@ def _gpt2_like(t: dict[str, Tensor], c: ModelConfig, attn: Callable[..., None]) 
         _linear(sd, t, b + "mlp.fc_out", q + "mlp.c_proj", True)
     _norm(sd, t, "ln_final", p + "ln_f")
     head = t.pop("lm_head.weight", None)
-    if c.tie_embeddings and head is not None and not torch.equal(head, sd["tok_embed.weight"]):
+    if c.tie_embeddings and tie_differs(head, sd["tok_embed.weight"]):
         raise ValueError("tie_word_embeddings=true but lm_head.weight differs from wte.weight")
     if not c.tie_embeddings:
         sd["lm_head.weight"] = t.pop("lm_head.weight") if head is None else head
@@ -277,17 +265,11 @@ def absolute_family_config(
     """The :class:`ModelConfig` of a ``config.json`` of one of :data:`FAMILIES` (module docstring);
     a field headspace cannot run exactly is refused by name."""
     f = ConfigFields(hf, source)
-    kind = f.text("model_type", None, allow_none=True)
-    if kind not in FAMILIES:
-        raise ValueError(f"{source}: model_type={kind!r} is not supported here; supported: {list(FAMILIES)}")
-    if hf.get("quantization_config") is not None:
-        raise ValueError(f"{source} has a quantization_config: quantized checkpoints are not supported")
+    kind = family_kind(f, FAMILIES)
     kw = FAMILIES[kind][0](f)
     kw["extra"] = {**kw["extra"], "model_type": kind}
-    try:
+    with fitting_headspace(source):
         return ModelConfig(arch="decoder", type_vocab_size=0, positions="learned", name=name, **kw)
-    except ValueError as e:
-        raise ValueError(f"{source} does not fit headspace: {e}") from None
 
 
 def _sized_norms(sd: dict[str, Tensor], expected: dict[str, tuple[int, ...]]) -> None:
@@ -301,28 +283,11 @@ def load_absolute_family(
     folder: str | Path, *, name: str = "", precision: str = "float32"
 ) -> PretrainedDecoder:
     """Load a checkpoint folder of one of :data:`FAMILIES` onto a Decoder: the config field by field
-    (:func:`absolute_family_config`), then missing / unexpected / mis-shaped tensors refused (listed)."""
-    check_precision(precision)
-    path = checked_folder(folder)
-    config_file = str(path / "config.json")
-    hf = read_json(require_file(path, "config.json", "the model configuration"))
-    config = absolute_family_config(hf, name or path.name, source=config_file)
-    config.extra["source"] = str(path)
-    files, weight_map = _weight_files(path)
-    header, per_file = _headers(files, weight_map, path / _INDEX)
-    tensors: dict[str, Tensor] = {}
-    for file_header in per_file.values():
-        tensors.update(load_tensors(file_header, file_header.tensors, list(file_header.tensors)))
-    model = _meta_decoder(config)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    try:
-        sd = FAMILIES[str(config.extra["model_type"])][1](dict(tensors), config)
-    except KeyError as e:
-        raise ValueError(f"{header.path} does not match its config.json: missing tensor {e}") from None
-    except ValueError as e:
-        raise ValueError(f"{header.path}: {e}") from None
-    _sized_norms(sd, expected)
-    ignored = check_tensors(sd, expected, lambda k: False, header.path)
-    sd = {k: v.float() for k, v in sd.items() if k in expected}
-    model.load_state_dict(sd, strict=True, assign=True)
-    return _wrap(model, config, folder_tokenizer(path, config.pad_token_id), ignored).to_precision(precision)
+    (:func:`absolute_family_config`), then missing / unexpected / mis-shaped tensors refused (listed)
+    from the safetensors headers, before any tensor is read (:func:`~.renamed_loader.load_renamed`)."""
+
+    def read(hf: dict[str, Any], name: str, source: str) -> ModelConfig:
+        return absolute_family_config(hf, name, source=source)
+
+    renamers = {k: v[1] for k, v in FAMILIES.items()}
+    return load_renamed(folder, read, renamers, name=name, precision=precision, fill=_sized_norms)

@@ -14,33 +14,19 @@ rope types other than ``default``. The untrusted-folder checks of
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor
 
 from ..model.config import ModelConfig
 from ..model.gemma3n_model import Gemma3nDecoder
 from ..model.gemma4_model import _rotaries
-from ..model.models import check_precision
 from .empty_weights import SkipMetaInit
+from .family_frame import folder_headers, open_family, pop_tied_head, read_listed
 from .gemma4 import _NORMS, _kv_sources, gemma4_config
-from .hf import (
-    ConfigFields,
-    check_dtypes,
-    check_parameter_count,
-    check_tensors,
-    check_values,
-    checked_folder,
-    folder_tokenizer,
-    load_tensors,
-    read_json,
-    require_file,
-)
-from .shards import SHARD_INDEX, shard_headers, weight_files
+from .hf import ConfigFields, folder_tokenizer
 from .wrappers import PretrainedDecoder
 
 #: ``config.json`` model types read here.
@@ -161,11 +147,9 @@ def load_gemma3n(
     folder: str | Path, *, name: str = "", max_seq_len: int | None = None, precision: str = "float32"
 ) -> PretrainedDecoder:
     """Load a local ``gemma3n_text`` checkpoint folder (module docstring) onto a Gemma3nDecoder."""
-    check_precision(precision)
-    path = checked_folder(folder)
-    hf = read_json(require_file(path, "config.json", "the model configuration"))
-    config_file = str(path / "config.json")
-    config = gemma3n_config(hf, name=name or path.name, source=config_file)
+    opened = open_family(folder, precision)
+    path = opened.path
+    config = gemma3n_config(opened.hf, name=name or path.name, source=opened.config_file)
     if max_seq_len is not None:
         if max_seq_len > config.max_seq_len:
             raise ValueError(
@@ -174,31 +158,15 @@ def load_gemma3n(
         window = None if config.sliding_window is None else min(config.sliding_window, max_seq_len)
         config = dataclasses.replace(config, max_seq_len=max_seq_len, sliding_window=window)
     config.extra["source"] = str(path)
-    files, weight_map = weight_files(path)
-    header, per_file = shard_headers(files, weight_map, path / SHARD_INDEX)
-    prefix = "" if "embed_tokens.weight" in header.tensors else "model."
+    headers = folder_headers(path)
+    prefix = "" if "embed_tokens.weight" in headers[0].tensors else "model."
     pieces = gemma3n_tensors(config, prefix)
     expected = {n: s for _, theirs in pieces for n, s in theirs}
-    implied = sum(math.prod(s) for s in expected.values())
     fields = (
         f"num_hidden_layers={config.n_layers}, hidden_size={config.d_model}, vocab_size={config.vocab_size}"
     )
-    summary = check_parameter_count(implied, len(expected), header, fields, config_file)
-    if "lm_head.weight" in header.tensors and config.tie_embeddings:
-        expected["lm_head.weight"] = (config.vocab_size, config.d_model)
-    ignored = check_tensors(header.tensors, expected, lambda _: False, header.path, summary=summary)
-    check_dtypes(header.tensors, expected, header.path)
-    tensors: dict[str, Tensor] = {}
-    for file_header in per_file.values():
-        names = [k for k in expected if k in file_header.tensors]
-        if names:
-            tensors.update(load_tensors(file_header, file_header.tensors, names))
-    check_values(tensors, list(tensors), header.path)
-    head = tensors.pop("lm_head.weight", None) if config.tie_embeddings else None
-    if head is not None and not torch.equal(head.float(), tensors[f"{prefix}embed_tokens.weight"].float()):
-        raise ValueError(
-            f"{header.path}: tie_word_embeddings=true but lm_head.weight differs from the embedding"
-        )
+    tensors, ignored = read_listed(headers, expected, config, fields, opened.config_file, lambda _: False)
+    pop_tied_head(tensors, config, prefix, headers[0].path)
     with torch.device("meta"), SkipMetaInit():
         model = Gemma3nDecoder(config)
     sd = {ours: torch.cat([tensors[n].float() for n, _ in theirs]) for ours, theirs in pieces}

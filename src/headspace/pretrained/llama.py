@@ -51,19 +51,15 @@ from .config_checks import MAX_HEAD_DIM, MAX_LAYERS, at_most, refuse_rope_scalin
 from .empty_weights import SkipMetaInit as _SkipMetaInit
 from .empty_weights import all_finite_floats as _all_finite_floats  # re-exported: tests use it
 from .empty_weights import allocate_parameters as _allocate_parameters
+from .family_frame import folder_headers, open_family, read_listed
 from .hf import (
     ConfigFields,
     SafetensorsHeader,
     TensorEntry,
-    check_dtypes,
     check_parameter_count,
     check_tensors,
     check_values,
-    checked_folder,
     folder_tokenizer,
-    load_tensors,
-    read_json,
-    require_file,
 )
 from .llama_variants import (
     VARIANT_CONTEXT,
@@ -75,9 +71,6 @@ from .llama_variants import (
     windows,
 )
 from .rope_config import extend_rope
-from .shards import SHARD_INDEX as _INDEX
-from .shards import shard_headers as _headers
-from .shards import weight_files as _weight_files
 from .tokenization import TextTokenizer
 from .wrappers import PretrainedDecoder
 
@@ -631,30 +624,19 @@ def load_llama(
     ``precision``: ``"float32"`` (exact), ``"bfloat16"`` or ``"int8"``; the model is built in float32
     and converted (:meth:`headspace.Decoder.to_precision`).
     """
-    check_precision(precision)
-    path = checked_folder(folder)
-    hf = read_json(require_file(path, "config.json", "the model configuration"))
-    files, weight_map = _weight_files(path)
-    config_file = str(path / "config.json")
-    config = llama_config(hf, name=name or path.name, max_seq_len=max_seq_len, source=config_file)
+    opened = open_family(folder, precision)
+    path = opened.path
+    config = llama_config(
+        opened.hf, name=name or path.name, max_seq_len=max_seq_len, source=opened.config_file
+    )
     config.extra["source"] = str(path)
-    header, per_file = _headers(files, weight_map, path / _INDEX)
-    source = header.path
-    summary = check_parameter_count(*llama_parameter_count(config), header, _fields(config), config_file)
-    entries = header.tensors
-    prefix = _prefix(entries)
-    expected = llama_expected(config, prefix)
-    # an untied checkpoint needs its head; a tied one may store it, as a copy of the embedding checked below
-    if "lm_head.weight" in entries:
-        expected["lm_head.weight"] = (config.vocab_size, config.d_model)
-    ignored = check_tensors(entries, expected, _ignorable, source, summary=summary)
-    check_dtypes(entries, expected, source)
-    tensors: dict[str, Tensor] = {}
-    for file_header in per_file.values():
-        names = [k for k in expected if k in file_header.tensors]
-        if names:
-            tensors.update(load_tensors(file_header, file_header.tensors, names))
-    _tied_head(tensors, config, prefix, source)
+    headers = folder_headers(path)
+    prefix = _prefix(headers[0].tensors)
+    tensors, ignored = read_listed(  # a tied checkpoint may store lm_head: a copy checked below
+        headers, lambda: llama_expected(config, prefix), config, _fields(config), opened.config_file,
+        _ignorable, count=llama_parameter_count(config),
+    )  # fmt: skip
+    _tied_head(tensors, config, prefix, headers[0].path)
     if config.tie_embeddings:
         tensors.pop("lm_head.weight", None)
     tokenizer = folder_tokenizer(path, config.pad_token_id)

@@ -36,28 +36,17 @@ import torch
 from torch import Tensor
 
 from ..model.config import ModelConfig
-from ..model.models import check_precision
+from .family_frame import folder_headers, open_family, read_listed
 from .hf import (
     ConfigFields,
-    check_dtypes,
-    check_parameter_count,
-    check_tensors,
-    check_values,
-    checked_folder,
     folder_tokenizer,
-    load_tensors,
-    read_json,
-    require_file,
 )
 from .llama import (
-    _INDEX,
-    _headers,
     _ignorable,
     _meta_decoder,
     _prefix,
     _tensors,
     _tied_head,
-    _weight_files,
     _wrap,
     llama_config,
 )
@@ -214,36 +203,22 @@ def load_pieces(
     reads and whose tensors ``pieces_of(config, prefix)`` lists (as :func:`llama4_tensors`), onto a
     Decoder, with :func:`~headspace.pretrained.load_llama`'s checks: the parameter count the config
     implies against the headers, tensor names, shapes and dtypes, NaN/Inf weights."""
-    check_precision(precision)
-    path = checked_folder(folder)
-    hf = read_json(require_file(path, "config.json", "the model configuration"))
-    files, weight_map = _weight_files(path)
-    config_file = str(path / "config.json")
-    config = read_config(hf, name or path.name, max_seq_len=max_seq_len, source=config_file)
+    opened = open_family(folder, precision)
+    path = opened.path
+    config = read_config(opened.hf, name or path.name, max_seq_len=max_seq_len, source=opened.config_file)
     config.extra["source"] = str(path)
-    header, per_file = _headers(files, weight_map, path / _INDEX)
-    prefix = _prefix(header.tensors)
+    headers = folder_headers(path)
+    prefix = _prefix(headers[0].tensors)
     pieces = pieces_of(config, prefix)
     expected = {theirs: shape for _, theirs, shape in pieces}
     fields = (
         f"num_hidden_layers={config.n_layers}, hidden_size={config.d_model}, n_experts={config.n_experts}, "
         f"moe_layers={config.moe_layers}, vocab_size={config.vocab_size}"
     )
-    implied = sum(math.prod(s) for s in expected.values())
-    summary = check_parameter_count(implied, len(expected), header, fields, config_file)
-    if "lm_head.weight" in header.tensors and config.tie_embeddings:
-        expected["lm_head.weight"] = (config.vocab_size, config.d_model)
-    ignored = check_tensors(header.tensors, expected, _ignorable, header.path, summary=summary)
-    check_dtypes(header.tensors, expected, header.path)
-    tensors: dict[str, Tensor] = {}
-    for file_header in per_file.values():
-        names = [k for k in expected if k in file_header.tensors]
-        if names:
-            tensors.update(load_tensors(file_header, file_header.tensors, names))
-    _tied_head(tensors, config, prefix, header.path)
+    tensors, ignored = read_listed(headers, expected, config, fields, opened.config_file, _ignorable)
+    _tied_head(tensors, config, prefix, headers[0].path)
     if config.tie_embeddings:
         tensors.pop("lm_head.weight", None)
-    check_values(tensors, list(tensors), header.path)
     model = _meta_decoder(config)
     model.load_state_dict(llama4_state_dict(tensors, pieces), strict=True, assign=True)
     return _wrap(model, config, folder_tokenizer(path, config.pad_token_id), ignored).to_precision(precision)

@@ -31,22 +31,13 @@ import torch
 from torch import Tensor
 
 from ..model.config import ModelConfig
-from ..model.models import check_precision
-from .hf import (
-    ConfigFields,
-    check_tensors,
-    checked_folder,
-    folder_tokenizer,
-    load_tensors,
-    read_json,
-    require_file,
-)
-from .llama import _HIDDEN_ACT, _headers, _meta_decoder, _weight_files, _wrap
+from .hf import ConfigFields, fitting_headspace
+from .llama import _HIDDEN_ACT
+from .renamed_loader import family_kind, load_renamed
 from .rope_config import extend_rope
 from .rotary_families import read_rope
 from .wrappers import PretrainedDecoder
 
-_INDEX = "model.safetensors.index.json"
 _Renamer = Callable[[dict[str, Tensor], ModelConfig], dict[str, Tensor]]
 
 
@@ -304,44 +295,29 @@ def parallel_family_config(
 ) -> ModelConfig:
     """The :class:`ModelConfig` of a ``config.json`` of one of :data:`FAMILIES` (module docstring)."""
     f = ConfigFields(hf, source)
-    kind = f.text("model_type", None, allow_none=True)
-    if kind not in FAMILIES:
-        raise ValueError(f"{source}: model_type={kind!r} is not supported here; supported: {list(FAMILIES)}")
-    if hf.get("quantization_config") is not None:
-        raise ValueError(f"{source} has a quantization_config: quantized checkpoints are not supported")
+    kind = family_kind(f, FAMILIES)
     if kind == "gptj":
         hf = gptj_as_common(hf)
         f = ConfigFields(hf, source)
     kw = FAMILIES[kind][0](hf, f, _common(hf, f, kind, max_seq_len))
-    try:
+    with fitting_headspace(source):
         return ModelConfig(name=name, **kw)
-    except ValueError as e:
-        raise ValueError(f"{source} does not fit headspace: {e}") from None
 
 
 def load_parallel_family(
     folder: str | Path, *, name: str = "", max_seq_len: int | None = None, precision: str = "float32"
 ) -> PretrainedDecoder:
     """Load a checkpoint folder of one of :data:`FAMILIES` onto a Decoder: the config field by field
-    (:func:`parallel_family_config`), then missing / unexpected / mis-shaped tensors refused (listed)."""
-    check_precision(precision)
-    path = checked_folder(folder)
-    config_file = str(path / "config.json")
-    hf = read_json(require_file(path, "config.json", "the model configuration"))
-    config = parallel_family_config(hf, name or path.name, max_seq_len=max_seq_len, source=config_file)
-    config.extra["source"] = str(path)
-    files, weight_map = _weight_files(path)
-    header, per_file = _headers(files, weight_map, path / _INDEX)
-    tensors: dict[str, Tensor] = {}
-    for file_header in per_file.values():
-        tensors.update(load_tensors(file_header, file_header.tensors, list(file_header.tensors)))
-    model = _meta_decoder(config)
-    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-    try:
-        sd = FAMILIES[str(config.extra["model_type"])][1](dict(tensors), config)
-    except KeyError as e:
-        raise ValueError(f"{header.path} does not match its config.json: missing tensor {e}") from None
-    ignored = check_tensors(sd, expected, lambda k: k.endswith("rotary_emb.inv_freq"), header.path)
-    sd = {k: v.float() for k, v in sd.items() if k in expected}
-    model.load_state_dict(sd, strict=True, assign=True)
-    return _wrap(model, config, folder_tokenizer(path, config.pad_token_id), ignored).to_precision(precision)
+    (:func:`parallel_family_config`), then missing / unexpected / mis-shaped tensors refused (listed)
+    from the safetensors headers, before any tensor is read (:func:`~.renamed_loader.load_renamed`)."""
+
+    def read(hf: dict[str, Any], name: str, source: str) -> ModelConfig:
+        return parallel_family_config(hf, name, max_seq_len=max_seq_len, source=source)
+
+    renamers = {k: v[1] for k, v in FAMILIES.items()}
+    return load_renamed(folder, read, renamers, name=name, precision=precision, ignorable=_inv_freq)
+
+
+def _inv_freq(name: str) -> bool:
+    """The RoPE frequencies older checkpoints store (recomputed here)."""
+    return name.endswith("rotary_emb.inv_freq")

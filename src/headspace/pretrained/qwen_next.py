@@ -23,7 +23,6 @@ dense layers among Qwen3-Next's sparse ones (``mlp_only_layers``, ``decoder_spar
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -32,20 +31,12 @@ import torch
 from torch import Tensor
 
 from ..model.config import ModelConfig
-from ..model.models import check_precision
+from .family_frame import folder_headers, open_family, read_listed
 from .hf import (
     ConfigFields,
-    check_dtypes,
-    check_parameter_count,
-    check_tensors,
-    check_values,
-    checked_folder,
     folder_tokenizer,
-    load_tensors,
-    read_json,
-    require_file,
 )
-from .llama import _INDEX, _headers, _ignorable, _meta_decoder, _prefix, _tied_head, _weight_files, _wrap
+from .llama import _ignorable, _meta_decoder, _prefix, _tied_head, _wrap
 from .wrappers import PretrainedDecoder
 
 #: The ``config.json`` model types read here.
@@ -338,33 +329,21 @@ def load_qwen_next(
     """Load a local Qwen3-Next or Qwen3.5 text checkpoint folder onto a headspace Decoder (module
     docstring), with :func:`~headspace.pretrained.load_llama`'s checks: the parameter count the config
     implies against the headers, tensor names, shapes and dtypes, NaN/Inf weights."""
-    check_precision(precision)
-    path = checked_folder(folder)
-    hf = read_json(require_file(path, "config.json", "the model configuration"))
-    files, weight_map = _weight_files(path)
-    config_file = str(path / "config.json")
-    config = qwen_next_config(hf, name=name or path.name, max_seq_len=max_seq_len, source=config_file)
+    opened = open_family(folder, precision)
+    path = opened.path
+    config = qwen_next_config(
+        opened.hf, name=name or path.name, max_seq_len=max_seq_len, source=opened.config_file
+    )
     config.extra["source"] = str(path)
     kind = config.extra["model_type"]
-    header, per_file = _headers(files, weight_map, path / _INDEX)
-    prefix = _prefix(header.tensors)
+    headers = folder_headers(path)
+    prefix = _prefix(headers[0].tensors)
     expected = qwen_next_tensors(config, kind, prefix)
     fields = (
         f"num_hidden_layers={config.n_layers}, hidden_size={config.d_model}, vocab_size={config.vocab_size}"
     )
-    implied = sum(math.prod(s) for s in expected.values())
-    summary = check_parameter_count(implied, len(expected), header, fields, config_file)
-    if "lm_head.weight" in header.tensors and config.tie_embeddings:
-        expected["lm_head.weight"] = (config.vocab_size, config.d_model)
-    ignored = check_tensors(header.tensors, expected, _ignorable, header.path, summary=summary)
-    check_dtypes(header.tensors, expected, header.path)
-    tensors: dict[str, Tensor] = {}
-    for file_header in per_file.values():
-        names = [k for k in expected if k in file_header.tensors]
-        if names:
-            tensors.update(load_tensors(file_header, file_header.tensors, names))
-    _tied_head(tensors, config, prefix, header.path)
-    check_values(tensors, list(tensors), header.path)
+    tensors, ignored = read_listed(headers, expected, config, fields, opened.config_file, _ignorable)
+    _tied_head(tensors, config, prefix, headers[0].path)
     sd = qwen_next_state_dict({k: v.float() for k, v in tensors.items()}, config, kind, prefix)
     model = _meta_decoder(config)
     model.load_state_dict(sd, strict=True, assign=True)

@@ -37,21 +37,11 @@ import torch
 from torch import Tensor
 
 from ..model.config import ModelConfig
-from ..model.models import check_precision
-from .hf import (
-    ConfigFields,
-    check_tensors,
-    checked_folder,
-    folder_tokenizer,
-    load_tensors,
-    read_json,
-    require_file,
-)
+from .family_frame import folder_headers, open_family, read_renamed, tie_differs
+from .hf import ConfigFields, folder_tokenizer
 from .llama import (
-    _headers,
     _ignorable,
     _meta_decoder,
-    _weight_files,
     _wrap,
     llama_config,
     llama_expected,
@@ -60,8 +50,6 @@ from .llama import (
 from .llama_variants import local_rope
 from .rope_config import extend_rope
 from .wrappers import PretrainedDecoder
-
-_INDEX = "model.safetensors.index.json"
 
 
 def read_rope(hf: Mapping[str, Any], f: ConfigFields) -> tuple[float, dict[str, Any] | None, float]:
@@ -297,31 +285,25 @@ def load_family(
     """Load a checkpoint folder of one of :data:`FAMILIES` (``config.json`` + safetensors) onto a Decoder.
 
     The same checks as :func:`~headspace.pretrained.load_llama`: the config field by field
-    (:func:`family_config`), missing / unexpected / mis-shaped tensors, NaN/Inf weights.
+    (:func:`family_config`), missing / unexpected / mis-shaped tensors and dtypes from the safetensors
+    headers before any tensor is read (:func:`~.family_frame.read_renamed`), NaN/Inf weights.
     """
-    check_precision(precision)
-    path = checked_folder(folder)
-    config_file = str(path / "config.json")
-    hf = read_json(require_file(path, "config.json", "the model configuration"))
-    config = family_config(hf, name or path.name, max_seq_len=max_seq_len, source=config_file)
+    opened = open_family(folder, precision)
+    path = opened.path
+    config = family_config(opened.hf, name or path.name, max_seq_len=max_seq_len, source=opened.config_file)
     config.extra["source"] = str(path)
-    files, weight_map = _weight_files(path)
-    header, per_file = _headers(files, weight_map, path / _INDEX)
-    tensors: dict[str, Tensor] = {}
-    for file_header in per_file.values():
-        tensors.update(load_tensors(file_header, file_header.tensors, list(file_header.tensors)))
-    prefix = "" if "embed_tokens.weight" in tensors else "model."
-    if config.tie_embeddings or config.extra.get("tied_checkpoint"):
-        head, emb = tensors.pop("lm_head.weight", None), tensors.get(f"{prefix}embed_tokens.weight")
-        if head is not None and emb is not None and not torch.equal(head, emb):
-            raise ValueError(
-                f"{header.path}: tie_word_embeddings=true but lm_head.weight differs from the embedding"
-            )
-    tensors = FAMILIES[str(config.extra["model_type"])][1](tensors, config)
-    expected = llama_expected(config, prefix)
-    ignored = check_tensors(tensors, expected, _ignorable, header.path)
+    headers = folder_headers(path)
+    prefix = "" if "embed_tokens.weight" in headers[0].tensors else "model."
+    tied = config.tie_embeddings or bool(config.extra.get("tied_checkpoint"))
+
+    def rename(t: dict[str, Tensor]) -> dict[str, Tensor]:
+        if tied and tie_differs(t.pop("lm_head.weight", None), t.get(f"{prefix}embed_tokens.weight")):
+            raise ValueError("tie_word_embeddings=true but lm_head.weight differs from the embedding")
+        return FAMILIES[str(config.extra["model_type"])][1](t, config)
+
+    tensors, ignored = read_renamed(headers, rename, llama_expected(config, prefix), _ignorable)
     tokenizer = folder_tokenizer(path, config.pad_token_id)
-    sd = {k: v.float() for k, v in llama_state_dict(tensors, config, prefix).items()}
+    sd = llama_state_dict(tensors, config, prefix)
     model = _meta_decoder(config)
     for key, param in model.state_dict().items():  # a LayerNorm's bias the checkpoint has not: 0 (OLMo)
         if key not in sd and key.endswith(".bias") and key.rsplit(".", 2)[-2].startswith("ln"):
