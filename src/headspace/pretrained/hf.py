@@ -52,9 +52,6 @@ from .tokenization import TextTokenizer
 MAX_JSON_BYTES = 64 << 20
 #: At most this many names are listed per kind of problem (the count is always given).
 MAX_LISTED = 20
-#: Bytes: :func:`load_tensors` returns tensors starting on this boundary (a cache line; what GEMMs read
-#: fastest).
-WEIGHT_ALIGNMENT = 64
 
 
 # ---------------------------------------------------------------------------------------------- files
@@ -475,9 +472,7 @@ def load_tensors(
     """The tensors ``names`` (keys of ``entries``, already checked), read one at a time, as float32.
 
     Each is read with ``safe_open`` by its stored name, converted to float32 and checked for NaN/Inf; one
-    ``ValueError`` names every weight holding NaN/Inf. Nothing else of the file is read. Every tensor
-    returned starts on a 64-byte boundary (:data:`WEIGHT_ALIGNMENT`): safetensors hands float32 tensors
-    out at 8-byte offsets, where the matrix products that read them run some 7% slower.
+    ``ValueError`` names every weight holding NaN/Inf. Nothing else of the file is read.
     """
     names = list(names)
     out: dict[str, Tensor] = {}
@@ -488,8 +483,6 @@ def load_tensors(
                 t = f.get_tensor(entries[k].name)
                 if t.is_floating_point() and t.dtype != torch.float32:
                     t = t.float()
-                if t.data_ptr() % WEIGHT_ALIGNMENT:
-                    t = t.clone()  # (torch's CPU allocator aligns to 64 bytes)
                 if t.is_floating_point():
                     bad = nonfinite_count(t)
                     if bad:
