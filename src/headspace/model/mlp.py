@@ -247,11 +247,9 @@ class GatedFeedForward(_FeedForwardLayers):
         super().__init__(d_model, d_mlp, act, bias, gated=True)
 
     def _hidden(self, x: Tensor) -> Tensor:
-        # the activation right after the gate's product, while its output is still in cache (the same
-        # values; hook_pre still fires before hook_pre_linear)
-        g = self.act(_fire(self.hook_pre, self.fc_gate(x)))  # (batch, seq, d_mlp)
+        g = _fire(self.hook_pre, self.fc_gate(x))  # (batch, seq, d_mlp)
         u = _fire(self.hook_pre_linear, self.fc_in(x))  # (batch, seq, d_mlp)
-        return g * u  # (batch, seq, d_mlp)
+        return self.act(g) * u  # (batch, seq, d_mlp)
 
     def extra_repr(self) -> str:
         return f"act={self.act_name!r}, gated"
