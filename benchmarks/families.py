@@ -35,12 +35,21 @@ JSON) and that greedy decoding gives the same tokens.
 The JSON goes to benchmarks/results/local/families.json (git-ignored) unless ``--out PATH``; only
 ``--save`` replaces the committed benchmarks/results/families.json (a ``--quick`` run is never published).
 The file is rewritten after every family, its ``complete`` field false until the last one is done, so
-that a run cut short keeps the figures it took.
+that a run cut short keeps the figures it took. Each row records the model's parameter count
+(``n_params``, transformers' count) and how it was measured (``measured``: rounds, the machine's load).
+
+``--update`` merges into the output file instead of replacing it: the rows measured now replace the
+file's rows of the same family and size, the others are kept (the file must have the run's ``--batch``,
+``--seq``, ``--new``); ``complete`` is then true when every decoder family at each of the run's sizes
+has a row, ``missing`` lists the others. Re-measuring a few families quietly and publishing one file:
+
+    python benchmarks/families.py --sizes 125m --families gemma2,exaone4 --save --update
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import shutil
 import sys
 import tempfile
@@ -75,7 +84,40 @@ REAL = "smollm2"
 LIBS = ("headspace", "transformers eager", "transformers sdpa")
 _SLIDING = {"sliding_window": 64}
 _MOE = {"num_experts_per_tok": 2, "moe_intermediate_size": 256, "shared_expert_intermediate_size": 256}
-#: model_type -> the family's own config fields, beside the size (non-default where the family has them).
+
+
+def _d_head(dims: dict[str, int]) -> int:
+    return dims["hidden_size"] // dims["num_attention_heads"]
+
+
+def _d_expert(dims: dict[str, int]) -> int:
+    """A small expert's width: 224 at 125m (8 of them, top 2: near 125M parameters in all); a multiple of
+    4 (grouped matrix products want rows of 16 bytes)."""
+    return (dims["hidden_size"] * 7 // 24 + 3) // 4 * 4
+
+
+def _first_third(dims: dict[str, int], value: float) -> list[float]:
+    n = dims["num_hidden_layers"]
+    return [value if i < n // 3 else 0.0 for i in range(n)]
+
+
+def _every_fourth_full(dims: dict[str, int]) -> list[str]:
+    """Gated DeltaNet layers with full attention on every fourth (transformers' default), or on the last
+    where there are fewer than four (transformers needs one attention layer)."""
+    n = dims["num_hidden_layers"]
+    return ["full_attention" if (i + 1) % min(4, n) == 0 else "linear_attention" for i in range(n)]
+
+
+_MOE8 = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": _d_expert}
+_DELTANET = {"head_dim": None, "linear_num_key_heads": lambda d: d["num_attention_heads"] // 2,
+             "linear_num_value_heads": lambda d: d["num_attention_heads"], "linear_key_head_dim": _d_head,
+             "linear_value_head_dim": _d_head, "layer_types": _every_fourth_full}  # fmt: skip
+_MLA = {"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": _d_expert,
+        "n_shared_experts": 1, "first_k_dense_replace": 1, "kv_lora_rank": lambda d: d["hidden_size"] // 6,
+        "q_lora_rank": lambda d: d["hidden_size"] // 4, "qk_rope_head_dim": lambda d: _d_head(d) // 2,
+        "qk_nope_head_dim": lambda d: _d_head(d) // 2, "v_head_dim": lambda d: _d_head(d) // 2}  # fmt: skip
+#: model_type -> the family's own config fields, beside the size (non-default where the family has them);
+#: a callable value is filled in from the size's fields (:data:`SIZES`).
 FIELDS: dict[str, dict[str, Any]] = {
     "llama": {"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
     "mistral": _SLIDING,
@@ -104,7 +146,24 @@ FIELDS: dict[str, dict[str, Any]] = {
     "qwen3_moe": {**_MOE, "num_experts": 4, "head_dim": None},
     "olmoe": {"num_experts": 4, "num_experts_per_tok": 2},
     "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2, "head_dim": None, **_SLIDING},
-}
+    # the families below: near 125M parameters (8 small experts of 224 at 125m, as benchmarks/
+    # attention_variants.py; transformers' defaults give billions), their mechanisms switched on
+    "gpt_neo": {"attention_types": lambda d: [[["global", "local"], d["num_hidden_layers"] // 2]],
+                "window_size": 64},
+    "gemma4_text": {**_SLIDING, "head_dim": None, "global_head_dim": lambda d: 2 * _d_head(d),
+                    "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": VOCAB},
+    "gemma3n_text": {**_SLIDING, "head_dim": None, "hidden_size_per_layer_input": 16,
+                     "vocab_size_per_layer_input": VOCAB, "laurel_rank": 32,
+                     "num_kv_shared_layers": lambda d: d["num_hidden_layers"] // 6,
+                     "activation_sparsity_pattern": lambda d: _first_third(d, 0.95)},
+    "qwen3_next": {**_MOE8, "shared_expert_intermediate_size": _d_expert, **_DELTANET},
+    "qwen3_5_text": _DELTANET,
+    "deepseek_v2": _MLA,
+    "deepseek_v3": {**_MLA, "n_group": 1, "topk_group": 1},
+    "llama4_text": {"num_local_experts": 8, "num_experts_per_tok": 1, "intermediate_size": _d_expert,
+                    "intermediate_size_mlp": 3072, "attention_chunk_size": 64, "head_dim": None},
+    "diffllama": {},
+}  # fmt: skip
 
 
 def decoder_families() -> list[str]:
@@ -114,19 +173,20 @@ def decoder_families() -> list[str]:
 
 def config_for(model_type: str, size: str) -> Any:
     """The transformers config of ``model_type`` at ``size``: the size's fields, then :data:`FIELDS`
-    (a ``head_dim`` / ``rotary_dim`` left None is filled in from the size: d_head, d_head / 2)."""
+    (a ``head_dim`` / ``rotary_dim`` left None is filled in from the size: d_head, d_head / 2; a callable
+    is called with the size's fields)."""
     from transformers import AutoConfig
 
     dims = SIZES[size]
-    d_head = dims["hidden_size"] // dims["num_attention_heads"]
-    fields = dict(FIELDS.get(model_type, {}))
+    d_head = _d_head(dims)
+    fields = {k: v(dims) if callable(v) else v for k, v in FIELDS.get(model_type, {}).items()}
     for key, fill in (("head_dim", d_head), ("rotary_dim", d_head // 2)):
         if key in fields and fields[key] is None:
             fields[key] = fill
     return AutoConfig.for_model(
         model_type, vocab_size=VOCAB, max_position_embeddings=POSITIONS, num_key_value_heads=dims[
             "num_attention_heads"], pad_token_id=0, bos_token_id=1, eos_token_id=None,
-        tie_word_embeddings=False, **dims, **fields,
+        tie_word_embeddings=False, **{**dims, **fields},
     )  # fmt: skip
 
 
@@ -266,9 +326,13 @@ def measure(model_type: str, size: str, args: argparse.Namespace, root: Path) ->
     # per round: time(n + 1 tokens) - time(1 token); a round where noise made it <= 0 is dropped
     decode_times = {k: [a - b for a, b in zip(many[k], one[k]) if a > b] for k in many}
     cfg = models["headspace"].model.config
+    n_params = sum(p.numel() for p in models["transformers eager"].parameters())
+    print(f"{model_type} at {size}: {n_params / 1e6:.1f}M parameters", file=sys.stderr, flush=True)
     return {
         "family": model_type,
         "size": size,
+        "n_params": n_params,
+        "measured": {"median_of": args.repeats, "load_average_1m": machine_info().get("load_average_1m")},
         "shape": {
             "d_model": cfg.d_model,
             "n_layers": cfg.n_layers,
@@ -321,6 +385,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 128; 8 with --quick)")
     p.add_argument("--new", type=int, default=None, help="decoded tokens (default 32; 4 with --quick)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--update",
+        action="store_true",
+        help="merge into the output JSON: measured rows replace the rows of the same family and size, "
+        "the others are kept (the file's --batch, --seq and --new must be the run's)",
+    )
     add_output_options(p, NAME)
     args = p.parse_args(argv)
     check_output_options(p, args, NAME, smoke="quick")
@@ -339,7 +409,71 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.sizes = sizes if args.sizes is None else [s.strip() for s in args.sizes.split(",") if s.strip()]
     if not args.sizes or any(s not in (*SIZES, "real") for s in args.sizes):
         p.error(f"--sizes takes sizes of {[*SIZES, 'real']}; got {args.sizes}")
+    args.previous = None
+    if args.update:
+        try:
+            args.previous = previous_results(output_path(args.out, args.save, NAME, RESULTS), args)
+        except ValueError as e:
+            p.error(str(e))
     return args
+
+
+#: The arguments that fix what a figure means: rows measured with other values are not merged (--update).
+_SAME_FOR_UPDATE = ("quick", "batch", "seq", "new")
+
+
+def previous_results(path: Path, args: argparse.Namespace) -> dict[str, Any] | None:
+    """The results file at ``path`` that ``--update`` merges into (None: no file yet); ValueError (one
+    line) when it is not this benchmark's JSON or was measured with other ``--batch`` / ``--seq`` /
+    ``--new`` / ``--quick`` than ``args``."""
+    if not path.exists():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"--update: {path} is not readable JSON ({type(e).__name__})") from None
+    if (
+        not isinstance(doc, dict)
+        or doc.get("benchmark") != "families"
+        or not isinstance(doc.get("rows"), list)
+    ):
+        raise ValueError(f"--update: {path} is not a results file of benchmarks/families.py")
+    old = doc.get("args", {})
+    differ = [k for k in _SAME_FOR_UPDATE if old.get(k) != getattr(args, k)]
+    if differ:
+        got = ", ".join(f"{k}={old.get(k)!r}" for k in differ)
+        want = ", ".join(f"{k}={getattr(args, k)!r}" for k in differ)
+        raise ValueError(f"--update: {path} was measured with {got}; this run has {want}")
+    return doc
+
+
+def merge_rows(
+    previous: dict[str, Any] | None, rows: list[dict[str, Any]], failed: list[dict[str, str]]
+) -> tuple[list[dict[str, Any]], list[dict[str, str]]]:
+    """(rows, failed) of ``previous`` (a results file; None: nothing) with this run's: a family and size
+    measured or failed in this run replaces every row and failure of ``previous`` for it; rows in the
+    order of :func:`decoder_families` within each size of ``[*SIZES, "real"]``, unknown ones last."""
+    done = {(r["family"], r["size"]) for r in [*rows, *failed]}
+    old_rows = [] if previous is None else previous["rows"]
+    old_failed = [] if previous is None else previous.get("failed", [])
+    kept = [r for r in old_rows if (r["family"], r["size"]) not in done]
+    kept_failed = [f for f in old_failed if (f["family"], f["size"]) not in done]
+    families, sizes = decoder_families(), [*SIZES, "real"]
+
+    def order(r: dict[str, Any]) -> tuple[int, int]:
+        size, family = r["size"], r["family"]
+        return (sizes.index(size) if size in sizes else len(sizes),
+                families.index(family) if family in families else len(families))  # fmt: skip
+
+    return sorted([*kept, *rows], key=order), sorted([*kept_failed, *failed], key=order)
+
+
+def missing_rows(rows: Sequence[dict[str, Any]], args: argparse.Namespace) -> list[str]:
+    """``family (size)`` of every decoder family at each of the run's sizes (size ``real``: llama) that has
+    no row in ``rows``."""
+    have = {(r["family"], r["size"]) for r in rows}
+    full = argparse.Namespace(sizes=args.sizes, families=decoder_families())
+    return [f"{family} ({size})" for family, size in jobs(full) if (family, size) not in have]
 
 
 def jobs(args: argparse.Namespace) -> list[tuple[str, str]]:
@@ -364,18 +498,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     path = output_path(args.out, args.save, NAME, RESULTS)
     path.parent.mkdir(parents=True, exist_ok=True)
 
-    def write(complete: bool) -> None:
-        """The JSON so far, written atomically after every family (a run cut short keeps its figures;
-        ``complete`` says whether every family and size was reached)."""
+    def write(finished: bool) -> None:
+        """The JSON so far, written atomically after every family (a run cut short keeps its figures).
+        ``complete``: the run reached its end; with ``--update``, also every decoder family at each of
+        the run's sizes has a row (``missing`` lists the others), this run's or the file's."""
+        all_rows, all_failed = merge_rows(args.previous, rows, failed) if args.update else (rows, failed)
+        missing = missing_rows(all_rows, args)
         doc = {
             "benchmark": "families",
-            "args": {k: v for k, v in vars(args).items() if k not in ("out", "save")},
+            "args": {k: v for k, v in vars(args).items() if k not in ("out", "save", "previous")},
             "machine": machine_info(),
             "seconds": time.perf_counter() - t0,
             "median_of": args.repeats,
-            "complete": complete,
-            "rows": rows,
-            "failed": failed,
+            "complete": finished and (not args.update or not missing),
+            **({"missing": missing} if args.update else {}),
+            "rows": all_rows,
+            "failed": all_failed,
         }
         write_json(path, doc)
 
@@ -388,8 +526,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 failed.append({"family": family, "size": size, "error": f"{type(e).__name__}: {e}"[:300]})
             finally:
                 shutil.rmtree(Path(tmp) / f"{family}_{size}", ignore_errors=True)
-            write(complete=False)
-    write(complete=True)
+            write(finished=False)
+    write(finished=True)
     print(format_table(rows))
     for f in failed:
         print(f"FAILED {f['family']} ({f['size']}): {f['error']}")

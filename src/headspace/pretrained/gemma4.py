@@ -114,6 +114,21 @@ def _rope(f: ConfigFields, types: list[str]) -> dict[str, dict[str, Any]]:
     return out
 
 
+def _by_layer(overrides: Mapping[Any, Any], n: int, source: str) -> dict[int, Any]:
+    """``per_layer_config`` keyed by layer index: transformers 5 writes its keys zero-padded to the width
+    of the largest ("05", "11") and reads them with ``int``; a key that is no layer of ``range(n)`` is
+    refused."""
+    out: dict[int, Any] = {}
+    for key, value in overrides.items():
+        i = int(key) if isinstance(key, int) or (isinstance(key, str) and key.isdigit()) else -1
+        if not 0 <= i < n:
+            raise ValueError(
+                f"{source}: per_layer_config keys must be layer indices 0..{n - 1}; got {key!r:.40}"
+            )
+        out[i] = value
+    return out
+
+
 def _layers(
     f: ConfigFields, n: int, d_head: int, n_kv: int, d_mlp: int
 ) -> tuple[list[str], list[dict[str, Any]]]:
@@ -132,12 +147,13 @@ def _layers(
                      for i, t in enumerate(types) if t == "full"}  # fmt: skip
     if not isinstance(overrides, dict):
         raise ValueError(f"{f.source}: per_layer_config must be an object; got {overrides!r:.80}")
+    overrides = _by_layer(overrides, n, f.source)
     k_eq_v = f.flag("attention_k_eq_v", False)
     sources = _kv_sources(types, f.integer("num_kv_shared_layers", 0, minimum=0), f.source)
     wide = f.flag("use_double_wide_mlp", False)
     layers = []
     for i, t in enumerate(types):
-        o = overrides.get(str(i), {})
+        o = overrides.get(i, {})
         if not isinstance(o, dict) or set(o) - {"head_dim", "num_key_value_heads"}:
             raise ValueError(
                 f"{f.source}: per_layer_config['{i}'] may set head_dim, num_key_value_heads; got {o!r:.80}"
