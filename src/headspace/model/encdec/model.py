@@ -142,10 +142,13 @@ class EncoderDecoder(nn.Module):
         attention_mask: Tensor | None = None,
         decoder_input_ids: Tensor | None = None,
         eos_token_id: int | None = None,
+        screen: bool | None = None,
     ) -> Tensor:
-        """Greedy decoding: the decoder's tokens [batch, prompt + new] (:func:`greedy`)."""
+        """Greedy decoding: the decoder's tokens [batch, prompt + new] (:func:`greedy`; ``screen``: the
+        int8 screen of the argmax, :mod:`headspace.model.encdec.screen`)."""
         return greedy(self, inputs, max_new_tokens, attention_mask=attention_mask,
-                      decoder_input_ids=decoder_input_ids, eos_token_id=eos_token_id)  # fmt: skip
+                      decoder_input_ids=decoder_input_ids, eos_token_id=eos_token_id,
+                      screen=screen)  # fmt: skip
 
 
 __all__ = ["EncoderDecoder"]
