@@ -24,8 +24,9 @@ def _weights(vocab: int = 3000, d: int = 64, seed: int = 0) -> tuple[torch.Tenso
     return w, torch.randn(vocab, generator=g)
 
 
+@pytest.mark.parametrize("product", ["fbgemm", "int_mm"])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_screen_gives_the_full_argmax(with_bias: bool) -> None:
+def test_screen_gives_the_full_argmax(with_bias: bool, product: str) -> None:
     w, b = _weights()
     bias = b if with_bias else None
     g = torch.Generator().manual_seed(1)
@@ -33,6 +34,10 @@ def test_screen_gives_the_full_argmax(with_bias: bool) -> None:
     h[:, 5] = 200.0  # one channel far above the rest (as Whisper's final stream has)
     h[::3, 7] = -150.0
     screened = ScreenedArgmax(w, bias)
+    if product == "int_mm":
+        screened.packed = None  # torch._int_mm's product instead of fbgemm's
+    elif screened.packed is None:
+        pytest.skip("fbgemm's quantized linear is not in this torch")
     want = F.linear(h, w, bias).argmax(-1)
     assert screened(h).tolist() == want.tolist()
     keep = screened.candidates(h)
@@ -79,3 +84,17 @@ def test_screen_follows_the_output_scale(tiny) -> None:
     m = headspace.load(folder)
     x = inputs_of("t5", batch=2)
     assert m.generate(x, 8, screen=True).tolist() == m.generate(x, 8, screen=False).tolist()
+
+
+def test_the_two_int8_products_are_the_exact_integer_products() -> None:
+    w, _ = _weights(vocab=1000)
+    screened = ScreenedArgmax(w, None)
+    if screened.packed is None:
+        pytest.skip("fbgemm's quantized linear is not in this torch")
+    g = torch.Generator().manual_seed(2)
+    ints = torch.randint(-127, 128, (4, w.shape[1]), generator=g).float()
+    want = (ints @ screened.q_t.float()) * screened.row_scale  # integer sums below 2**24: exact in float
+    fbgemm = screened.scaled_dots(ints)
+    screened.packed = None
+    assert torch.equal(fbgemm, want)
+    assert torch.equal(screened.scaled_dots(ints), want)

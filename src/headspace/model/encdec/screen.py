@@ -21,9 +21,17 @@ another row's, so the token equals ``argmax`` of the full float32 logits, unless
 float32 rounding of each other (the rows' products may sum in another order than the full product's).
 ``slack`` covers the float32 rounding of both products (``1e-4 (max|h| ||W_i||_1 + |a_i|)``, far above it).
 When the candidates exceed an eighth of the vocabulary, the full product is taken instead.
+
+The int8 product runs on fbgemm (torch's quantized ``linear_dynamic``) where it is there, else on
+``torch._int_mm``. fbgemm quantizes its input itself (per tensor, ``scale = (max - min) / 255``): the input
+is ``[p, -127, 128]`` against two zero columns of the weight, so that ``scale`` is exactly 1 and ``p`` passes
+unchanged; a probe at build time checks that the products are the exact integer ones, else ``_int_mm``.
 """
 
 from __future__ import annotations
+
+import warnings
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -52,6 +60,7 @@ class ScreenedArgmax:
         q = torch.round(w / self.row_scale[:, None]).to(torch.int8)  # (vocab, d_model)
         self.q_t = q.T  # (d_model, vocab): a transposed view, as the int8 product reads it fastest
         self.row_err = (w - q.to(w.dtype) * self.row_scale[:, None]).abs().amax(1)  # (vocab,): d_i
+        self.packed = _fbgemm_pack(q, self.row_scale)
         self.row_l1 = w.abs().sum(1)  # (vocab,)
 
     @staticmethod
@@ -72,9 +81,8 @@ class ScreenedArgmax:
         u = rest.abs().amax(1, keepdim=True).clamp_min(tiny) / 127  # (batch, 1)
         r = torch.round(rest / u)  # (batch, d_model): integers in [-127, 127]
         B = h.shape[0]
-        both = torch.cat((p, r)).to(torch.int8)  # (2 batch, d_model)
-        dot = torch._int_mm(both, self.q_t).to(h.dtype)  # (2 batch, vocab): exact, then to float
-        approx = (t * dot[:B] + u * dot[B:]) * self.row_scale  # (batch, vocab)
+        dot = self.scaled_dots(torch.cat((p, r)))  # (2 batch, vocab)
+        approx = t * dot[:B] + u * dot[B:]  # (batch, vocab)
         if self.bias is not None:
             approx = approx + self.bias
         h_l1 = (t * p + u * r).abs().sum(1, keepdim=True)  # (batch, 1)
@@ -82,6 +90,14 @@ class ScreenedArgmax:
         err = err + SLACK * (h.abs().amax(1, keepdim=True) * self.row_l1 + approx.abs())
         lower = (approx - err).amax(1, keepdim=True)  # (batch, 1)
         return approx + err >= lower
+
+    def scaled_dots(self, ints: Tensor) -> Tensor:
+        """``s_i (x . q_i)`` [rows, vocab] of float rows ``ints`` [rows, d_model] holding integers in
+        [-127, 127]: the integer products are exact (int32), then scaled once in float."""
+        if self.packed is not None:
+            return _fbgemm_dots(ints, self.packed)
+        dot = torch._int_mm(ints.to(torch.int8), self.q_t)  # (rows, vocab): exact int32
+        return dot.to(ints.dtype) * self.row_scale  # (rows, vocab)
 
     def __call__(self, h: Tensor) -> Tensor:
         """The greedy tokens [batch] of ``h`` [batch, d_model] (module docstring)."""
@@ -96,6 +112,32 @@ class ScreenedArgmax:
             bias = None if self.bias is None else self.bias[rows]
             out[b] = rows[F.linear(h[b], self.weight[rows], bias).argmax()]
         return out
+
+
+def _fbgemm_dots(ints: Tensor, packed: Any) -> Tensor:
+    """fbgemm's ``s_i (x . q_i)`` [rows, vocab] of integer rows ``ints`` [rows, d_model] (docstring above)."""
+    edge = ints.new_tensor([-127.0, 128.0]).expand(ints.shape[0], 2)  # (rows, 2): scale 1, zero point 127
+    x = torch.cat((ints, edge), 1)  # (rows, d_model + 2)
+    return torch.ops.quantized.linear_dynamic(x, packed, False)  # (rows, vocab)
+
+
+def _fbgemm_pack(q: Tensor, scale: Tensor) -> Any | None:
+    """fbgemm's packed weight of ``q`` [vocab, d_model] (int8) with row scales ``scale`` [vocab] and two zero
+    columns, or None where fbgemm is missing or a probe's products are not the exact integer ones."""
+    V = q.shape[0]
+    try:
+        with warnings.catch_warnings():  # torch's quantized tensors warn that they are deprecated
+            warnings.simplefilter("ignore")
+            qz = torch.cat((q, q.new_zeros(V, 2)), 1)  # (vocab, d_model + 2)
+            zeros = torch.zeros(V, dtype=torch.long)
+            qw = torch._make_per_channel_quantized_tensor(qz, scale.double(), zeros, 0)
+            packed = torch.ops.quantized.linear_prepack(qw, None)
+            probe = torch.randint(-127, 128, (2, q.shape[1]), generator=torch.Generator().manual_seed(0))
+            got = _fbgemm_dots(probe.float(), packed)  # (2, vocab)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return None
+    want = (probe.float() @ q.float().T) * scale  # (2, vocab): integer sums below 2**24 are exact
+    return packed if torch.equal(got, want) else None
 
 
 def screen_usable(weight: Tensor) -> bool:
