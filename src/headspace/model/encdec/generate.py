@@ -3,6 +3,8 @@
 The encoder runs once; each decoder layer's cross keys and values ``e W_K + b_K``, ``e W_V + b_V`` are
 computed once from its output (:meth:`EncDecAttention.cross_kv`) and read by every step; each layer's
 self-attention keeps a :class:`~headspace.decode.kv_cache.KVCache`. A step feeds only the newest token.
+While no hook point of the decoder has a function, a step runs
+:func:`~headspace.model.encdec.fast_step.fast_step` (the same maths without hook dispatch or masks).
 Each step's token is the argmax of the last position's logits, found by the int8 screen of
 :mod:`headspace.model.encdec.screen` where it runs (float32 on the CPU; ``screen=False``: the full product).
 """
@@ -16,6 +18,7 @@ from torch import Tensor, nn
 
 from ...core.checks import is_int
 from .config import EncDecConfig, check_ids
+from .fast_step import fast_step, fast_step_usable
 from .screen import ScreenedArgmax, screen_usable
 from .stacks import DecoderStack
 
@@ -79,6 +82,7 @@ def greedy(
     decoder_input_ids: Tensor | None = None,
     eos_token_id: int | None = None,
     screen: bool | None = None,
+    fast: bool = True,
 ) -> Tensor:
     """The decoder's tokens [batch, prompt + generated] by greedy search (argmax at each step).
 
@@ -90,6 +94,9 @@ def greedy(
     ``screen`` (default: where it runs): each argmax through the int8 screen, certified by the float32
     logits of the rows that may win (:mod:`headspace.model.encdec.screen`): the same tokens as the full
     product unless two logits tie within float32 rounding; ``False``: the full float32 product.
+    ``fast`` (default True): each step through :func:`fast_step` while no hook point of the decoder has a
+    function (checked once, before the first step; with a hook, the ordinary path, which fires it);
+    ``False``: always the ordinary path. Both give the same stream to float32 rounding.
     """
     if not is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0; got {max_new_tokens!r}")
@@ -119,10 +126,16 @@ def greedy(
     cross = [b.cross_attn.cross_kv(memory) for b in blocks]  # once per input: (B, H, Sk, dh) x 2 each
     cross_mask = _cross_mask(attention_mask, memory.dtype)
     screened = _screen(model, screen)
+    lean = fast and fast_step_usable(model.decoder)
     tokens, step = decoder_input_ids, decoder_input_ids
     done = torch.zeros(B, dtype=torch.bool, device=memory.device)
     for _ in range(max_new_tokens):
-        h = model.decoder(step, None, caches=caches, cross=cross, cross_mask=cross_mask)  # (B, T, d_model)
+        if lean and step.shape[1] == 1:
+            h = fast_step(model.decoder, step, caches, cross, cross_mask)  # (B, 1, d_model)
+        else:
+            h = model.decoder(
+                step, None, caches=caches, cross=cross, cross_mask=cross_mask
+            )  # (B, T, d_model)
         nxt = _next_tokens(model, h[:, -1], screened)  # (B,)
         if eos is not None:
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
