@@ -3,6 +3,10 @@
 The encoder runs once; each decoder layer's cross keys and values ``e W_K + b_K``, ``e W_V + b_V`` are
 computed once from its output (:meth:`EncDecAttention.cross_kv`) and read by every step; each layer's
 self-attention keeps a :class:`~headspace.decode.kv_cache.KVCache`. A step feeds only the newest token.
+While no hook point of the decoder has a function, a step runs
+:func:`~headspace.model.encdec.fast_step.fast_step` (the same maths without hook dispatch or masks).
+Each step's token is the argmax of the last position's logits, found by the int8 screen of
+:mod:`headspace.model.encdec.screen` where it runs (float32 on the CPU; ``screen=False``: the full product).
 """
 
 from __future__ import annotations
@@ -10,10 +14,12 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from ...core.checks import is_int
 from .config import EncDecConfig, check_ids
+from .fast_step import fast_step, fast_step_usable
+from .screen import ScreenedArgmax, screen_usable
 from .stacks import DecoderStack
 
 
@@ -24,6 +30,8 @@ class Seq2Seq(Protocol):
 
     config: EncDecConfig
     decoder: DecoderStack
+    tok_embed: nn.Embedding
+    logits_bias: Tensor | None
 
     def encode(self, inputs: Tensor, attention_mask: Tensor | None = None) -> Tensor: ...
 
@@ -38,6 +46,33 @@ def _cross_mask(attention_mask: Tensor | None, dtype: torch.dtype) -> Tensor | N
     return torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill(~keep, float("-inf"))
 
 
+#: the smallest vocabulary that takes the screen by default (below it the full product costs little)
+AUTO_MIN_VOCAB = 4096
+
+
+def _screen(model: Seq2Seq, screen: bool | None) -> ScreenedArgmax | None:
+    """The model's screen of its unembedding (made once, kept while the weights are unchanged), or None
+    where ``screen`` is False (or None, below :data:`AUTO_MIN_VOCAB` tokens) or it cannot run
+    (:func:`screen_usable`)."""
+    w, b = model.tok_embed.weight, model.logits_bias
+    if screen is False or (screen is None and w.shape[0] < AUTO_MIN_VOCAB) or not screen_usable(w):
+        return None
+    kept = model.__dict__.get("_screened_argmax")
+    if isinstance(kept, ScreenedArgmax) and kept.fits(w, b):
+        return kept
+    made = ScreenedArgmax(w, b)
+    model.__dict__["_screened_argmax"] = made  # (not a submodule, no state-dict key)
+    return made
+
+
+def _next_tokens(model: Seq2Seq, h: Tensor, screened: ScreenedArgmax | None) -> Tensor:
+    """The greedy tokens [batch] of the decoder's last position ``h`` [batch, d_model]."""
+    if screened is None:
+        return model.unembed(h[:, None])[:, 0].argmax(-1)  # (B,)
+    scale = model.config.output_scale
+    return screened(h if scale == 1.0 else h * scale)  # (B,)
+
+
 def greedy(
     model: Seq2Seq,
     inputs: Tensor,
@@ -46,6 +81,8 @@ def greedy(
     attention_mask: Tensor | None = None,
     decoder_input_ids: Tensor | None = None,
     eos_token_id: int | None = None,
+    screen: bool | None = None,
+    fast: bool = True,
 ) -> Tensor:
     """The decoder's tokens [batch, prompt + generated] by greedy search (argmax at each step).
 
@@ -53,6 +90,13 @@ def greedy(
     that produced ``eos_token_id`` (default: the config's) is continued with the pad token (the config's,
     else eos), and decoding stops when every row has or after ``max_new_tokens`` steps. The same tokens as
     transformers' ``generate(do_sample=False, num_beams=1)`` without logits processors.
+
+    ``screen`` (default: where it runs): each argmax through the int8 screen, certified by the float32
+    logits of the rows that may win (:mod:`headspace.model.encdec.screen`): the same tokens as the full
+    product unless two logits tie within float32 rounding; ``False``: the full float32 product.
+    ``fast`` (default True): each step through :func:`fast_step` while no hook point of the decoder has a
+    function (checked once, before the first step; with a hook, the ordinary path, which fires it);
+    ``False``: always the ordinary path. Both give the same stream to float32 rounding.
     """
     if not is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0; got {max_new_tokens!r}")
@@ -81,11 +125,18 @@ def greedy(
     caches = [b.attn.make_kv_cache(B, decoder_input_ids.shape[1] + max_new_tokens) for b in blocks]
     cross = [b.cross_attn.cross_kv(memory) for b in blocks]  # once per input: (B, H, Sk, dh) x 2 each
     cross_mask = _cross_mask(attention_mask, memory.dtype)
+    screened = _screen(model, screen)
+    lean = fast and fast_step_usable(model.decoder)
     tokens, step = decoder_input_ids, decoder_input_ids
     done = torch.zeros(B, dtype=torch.bool, device=memory.device)
     for _ in range(max_new_tokens):
-        h = model.decoder(step, None, caches=caches, cross=cross, cross_mask=cross_mask)  # (B, T, d_model)
-        nxt = model.unembed(h[:, -1:])[:, 0].argmax(-1)  # (B,)
+        if lean and step.shape[1] == 1:
+            h = fast_step(model.decoder, step, caches, cross, cross_mask)  # (B, 1, d_model)
+        else:
+            h = model.decoder(
+                step, None, caches=caches, cross=cross, cross_mask=cross_mask
+            )  # (B, T, d_model)
+        nxt = _next_tokens(model, h[:, -1], screened)  # (B,)
         if eos is not None:
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
             done |= nxt == eos

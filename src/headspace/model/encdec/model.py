@@ -142,10 +142,15 @@ class EncoderDecoder(nn.Module):
         attention_mask: Tensor | None = None,
         decoder_input_ids: Tensor | None = None,
         eos_token_id: int | None = None,
+        screen: bool | None = None,
+        fast: bool = True,
     ) -> Tensor:
-        """Greedy decoding: the decoder's tokens [batch, prompt + new] (:func:`greedy`)."""
+        """Greedy decoding: the decoder's tokens [batch, prompt + new] (:func:`greedy`; ``screen``: the
+        int8 screen of the argmax, :mod:`headspace.model.encdec.screen`; ``fast``: the steps without hook
+        dispatch while no decoder hook is registered, :mod:`headspace.model.encdec.fast_step`)."""
         return greedy(self, inputs, max_new_tokens, attention_mask=attention_mask,
-                      decoder_input_ids=decoder_input_ids, eos_token_id=eos_token_id)  # fmt: skip
+                      decoder_input_ids=decoder_input_ids, eos_token_id=eos_token_id,
+                      screen=screen, fast=fast)  # fmt: skip
 
 
 __all__ = ["EncoderDecoder"]

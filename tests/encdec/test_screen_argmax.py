@@ -1,0 +1,100 @@
+"""The int8 screen of greedy's argmax (headspace.model.encdec.screen): the same tokens as the full float32
+product, on near-ties and outlier channels, and through generate with the screen forced on and off (a
+registered hook seeing the same values either way)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import headspace
+from conftest import inputs_of
+from headspace.model.encdec.screen import ScreenedArgmax, screen_usable
+
+pytestmark = pytest.mark.skipif(
+    not screen_usable(torch.zeros(1)), reason="torch's int8 product does not run on this CPU"
+)
+
+
+def _weights(vocab: int = 3000, d: int = 64, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(vocab, d, generator=g) * 0.05
+    w[1::2] = w[0::2][: w[1::2].shape[0]] + torch.randn(w[1::2].shape, generator=g) * 1e-4  # near-twins
+    return w, torch.randn(vocab, generator=g)
+
+
+@pytest.mark.parametrize("product", ["fbgemm", "int_mm"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_screen_gives_the_full_argmax(with_bias: bool, product: str) -> None:
+    w, b = _weights()
+    bias = b if with_bias else None
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(64, w.shape[1], generator=g) * 3
+    h[:, 5] = 200.0  # one channel far above the rest (as Whisper's final stream has)
+    h[::3, 7] = -150.0
+    screened = ScreenedArgmax(w, bias)
+    if product == "int_mm":
+        screened.packed = None  # torch._int_mm's product instead of fbgemm's
+    elif screened.packed is None:
+        pytest.skip("fbgemm's quantized linear is not in this torch")
+    want = F.linear(h, w, bias).argmax(-1)
+    assert screened(h).tolist() == want.tolist()
+    keep = screened.candidates(h)
+    assert keep[torch.arange(h.shape[0]), want].all()
+    assert keep.sum(1).float().mean() < w.shape[0] / 50  # it screens: few rows are computed in float
+
+
+def test_screen_is_rebuilt_when_the_weights_change(tiny) -> None:
+    folder, _ = tiny("bart")
+    m = headspace.load(folder)
+    x = inputs_of("bart", batch=2)
+    first = m.generate(x, 6, screen=True)
+    kept = m.__dict__["_screened_argmax"]
+    with torch.no_grad():
+        m.tok_embed.weight[first[0, 1]] -= 100.0  # that token can no longer win
+    assert not kept.fits(m.tok_embed.weight, m.logits_bias)
+    again = m.generate(x, 6, screen=True)
+    assert again.tolist() == m.generate(x, 6, screen=False).tolist()
+    assert m.__dict__["_screened_argmax"] is not kept
+
+
+@pytest.mark.parametrize("kind", ["whisper", "bart", "t5"])
+def test_generate_same_tokens_and_hook_values_with_screen_on_and_off(tiny, kind: str) -> None:
+    folder, _ = tiny(kind)
+    m = headspace.load(folder)
+    x = inputs_of(kind, batch=3)
+    seen: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+    tokens = {}
+    for on in (False, True):
+        point = m.hook_points()["decoder.blocks.0.attn.hook_pattern"]
+        remove = point.add(lambda v, _p, on=on: seen[on].append(v.clone()))
+        try:
+            tokens[on] = m.generate(x, 8, screen=on)
+        finally:
+            remove()
+    assert tokens[True].tolist() == tokens[False].tolist()
+    assert len(seen[True]) == len(seen[False]) > 1
+    for a, b in zip(seen[True], seen[False], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_screen_follows_the_output_scale(tiny) -> None:
+    folder, _ = tiny("t5")  # T5 scales the stream by d_model ** -0.5 before the tied unembedding
+    m = headspace.load(folder)
+    x = inputs_of("t5", batch=2)
+    assert m.generate(x, 8, screen=True).tolist() == m.generate(x, 8, screen=False).tolist()
+
+
+def test_the_two_int8_products_are_the_exact_integer_products() -> None:
+    w, _ = _weights(vocab=1000)
+    screened = ScreenedArgmax(w, None)
+    if screened.packed is None:
+        pytest.skip("fbgemm's quantized linear is not in this torch")
+    g = torch.Generator().manual_seed(2)
+    ints = torch.randint(-127, 128, (4, w.shape[1]), generator=g).float()
+    want = (ints @ screened.q_t.float()) * screened.row_scale  # integer sums below 2**24: exact in float
+    fbgemm = screened.scaled_dots(ints)
+    screened.packed = None
+    assert torch.equal(fbgemm, want)
+    assert torch.equal(screened.scaled_dots(ints), want)
