@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from ...core.checks import is_int
+from ...kernels.cpu import int8_products_exact
 from .config import EncDecConfig, check_ids
 from .fast_step import fast_step, fast_step_usable
 from .screen import ScreenedArgmax, screen_usable
@@ -61,6 +62,8 @@ def _screen(model: Seq2Seq, screen: bool | None) -> ScreenedArgmax | None:
     if isinstance(kept, ScreenedArgmax) and kept.fits(w, b):
         return kept
     made = ScreenedArgmax(w, b)
+    if made.packed is None and not int8_products_exact()[1]:  # fbgemm's probe failed, _int_mm inexact
+        return None
     model.__dict__["_screened_argmax"] = made  # (not a submodule, no state-dict key)
     return made
 

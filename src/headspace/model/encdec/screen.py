@@ -23,20 +23,26 @@ float32 rounding of each other (the rows' products may sum in another order than
 ``slack`` covers the float32 rounding of both products (``1e-4 (max|h| ||W_i||_1 + max_j |a_j|)``, far above).
 When the candidates exceed an eighth of the vocabulary, the full product is taken instead.
 
-The int8 product runs on fbgemm (torch's quantized ``linear_dynamic``) where it is there, else on
-``torch._int_mm``. fbgemm quantizes its input itself (per tensor, ``scale = (max - min) / 255``): the input
+The int8 product runs on fbgemm (torch's quantized ``linear_dynamic``) where it is there and sums the
+worst case exactly, else on ``torch._int_mm`` where it does (:func:`headspace.kernels.cpu.
+int8_products_exact`; CPUs without VNNI saturate pairs in int16), else the screen is off (the full
+product), as it is when the ``int8`` fallback is forced (``HEADSPACE_FORCE_FALLBACK=int8`` or ``all``).
+fbgemm quantizes its input itself (per tensor, ``scale = (max - min) / 255``): the input
 is ``[p, -127, 128]`` against two zero columns of the weight, so that ``scale`` is exactly 1 and ``p`` passes
 unchanged; a probe at build time checks that the products are the exact integer ones, else ``_int_mm``.
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+
+from ...kernels.cpu import forced, int8_products_exact
 
 #: the share of the vocabulary above which the screen gives way to the full float32 product
 MAX_CANDIDATE_SHARE = 1 / 8
@@ -133,6 +139,8 @@ def _fbgemm_pack(q: Tensor, scale: Tensor) -> Any | None:
     """fbgemm's packed weight of ``q`` [vocab, d_model] (int8) with row scales ``scale`` [vocab] and two zero
     columns, or None where fbgemm is missing or a probe's products are not the exact integer ones."""
     V = q.shape[0]
+    if not _fbgemm_exact():
+        return None
     try:
         with warnings.catch_warnings():  # torch's quantized tensors warn that they are deprecated
             warnings.simplefilter("ignore")
@@ -149,15 +157,40 @@ def _fbgemm_pack(q: Tensor, scale: Tensor) -> Any | None:
     return packed if torch.equal(got[:, :rows], want) else None
 
 
-def screen_usable(weight: Tensor) -> bool:
-    """Whether the screen runs here: a float32 CPU weight, and torch's int8 product answers on it."""
-    if weight.dtype != torch.float32 or weight.device.type != "cpu":
-        return False
+@functools.lru_cache(maxsize=1)
+def _fbgemm_exact() -> bool:
+    """Whether fbgemm's product sums the screen's worst case exactly, asked of the kernel once per process.
+
+    On a CPU without VNNI, u8 x s8 kernels sum neighbouring pairs of products in saturating int16
+    (``vpmaddubsw``); the screen's input ``p + 127`` reaches 254 against weights of 127 (2 x 254 x 127 >
+    32767), so there the random probe of :func:`_fbgemm_pack` could pass while a real step saturates."""
+    k, n = 64, 32
     try:
-        torch._int_mm(torch.ones(1, 8, dtype=torch.int8), torch.ones(8, 8, dtype=torch.int8))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            qz = torch.cat(
+                (torch.full((n, k), 127, dtype=torch.int8), torch.zeros(n, 2, dtype=torch.int8)), 1
+            )
+            qw = torch._make_per_channel_quantized_tensor(qz, torch.ones(n, dtype=torch.double),
+                                                          torch.zeros(n, dtype=torch.long), 0)  # fmt: skip
+            packed = torch.ops.quantized.linear_prepack(qw, None)
+            for rows in (1, 64):
+                for sign in (1.0, -1.0):
+                    got = _fbgemm_dots(torch.full((rows, k), 127.0 * sign), packed)  # (rows, n)
+                    if not bool((got == sign * 127 * 127 * k).all()):
+                        return False
     except (RuntimeError, AttributeError, NotImplementedError):
         return False
     return True
+
+
+def screen_usable(weight: Tensor) -> bool:
+    """Whether the screen runs here: a float32 CPU weight, the ``int8`` fallback not forced
+    (``HEADSPACE_FORCE_FALLBACK``, :mod:`headspace.kernels.cpu`: then the full product), and an int8
+    product that sums the worst case exactly (fbgemm's, else ``torch._int_mm``'s)."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or forced("int8"):
+        return False
+    return _fbgemm_exact() or int8_products_exact()[1]
 
 
 __all__ = ["MAX_CANDIDATE_SHARE", "ScreenedArgmax", "screen_usable"]
