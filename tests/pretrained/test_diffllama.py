@@ -158,3 +158,28 @@ def test_bad_diffllama_fields_are_refused_naming_the_field() -> None:
         DifferentialAttention(12, 4, n_kv_heads=1, lambda_init=0.2)
     with pytest.raises(ValueError, match=r"AttentionSpec.differential must be None or a finite float"):
         hs.nn.spec.AttentionSpec(D, H, DH, HKV, differential=float("nan"))
+
+
+def test_one_query_head_per_key_head_equals_transformers(tmp_path: Path) -> None:
+    """num_key_value_heads == num_attention_heads (the 125M benchmark's form: no key or value copies):
+    logits, patterns and cached greedy decoding as transformers'."""
+    torch.manual_seed(1)
+    model = T.DiffLlamaForCausalLM(T.DiffLlamaConfig(**{**CONFIG, "num_key_value_heads": H})).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else 0.4 * torch.randn_like(p))
+    model.save_pretrained(tmp_path)
+    ref = T.DiffLlamaForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
+    ours = hs.load(tmp_path)
+    assert ours.model.blocks[0].attn.group_size == 1
+    tokens = torch.randint(3, V, (2, 9))
+    with torch.no_grad():
+        want = ref(input_ids=tokens, output_attentions=True)
+        with hs.trace(ours.model, names=["*.hook_pattern"]) as t:
+            got = ours(tokens)
+        want_ids = ref.generate(tokens[:1, :4], attention_mask=torch.ones(1, 4, dtype=torch.long),
+                                max_new_tokens=6, do_sample=False, pad_token_id=0)  # fmt: skip
+    torch.testing.assert_close(got, want.logits, atol=1e-4 * float(want.logits.abs().max()), rtol=0)
+    for layer in range(L):
+        torch.testing.assert_close(t.pattern(layer), want.attentions[layer], atol=1e-5, rtol=0)
+    assert torch.equal(ours.generate(tokens[:1, :4], 6, temperature=0), want_ids)

@@ -124,6 +124,25 @@ def test_greedy_decoding_equals_transformers(saved: dict, case: str) -> None:
     assert both[0].tolist() == got[0].tolist() and both[1, 2:].tolist() == alone[0].tolist()
 
 
+def test_sharing_layers_hold_no_cache(saved: dict) -> None:
+    """A kv_source layer's cache holds nothing (its keys are its owner's cache's), and decoding through
+    those caches equals the full forward."""
+    folder, _ = saved["all"]
+    model = hs.load(folder).model
+    caches = model.make_kv_caches(1, 12)
+    held = [c.k.numel() + c.v.numel() for c in caches]
+    assert held[4] == held[5] == 0 and all(n > 0 for n in held[:4])
+    tokens = torch.tensor([[5, 9, 31, 7, 44, 12, 3, 8]])
+    with torch.no_grad():
+        full = model(tokens)  # (1, 8, V)
+        model(tokens[:, :6], kv_caches=caches)
+        steps = [model(tokens[:, i : i + 1], kv_caches=caches)[:, 0] for i in (6, 7)]
+    assert torch.allclose(torch.stack(steps, 1), full[:, 6:], atol=1e-5)
+    assert caches[2].length == 8 and caches[4].capacity == 12
+    with pytest.raises(ValueError, match=r"reads layer 2's keys and values .* field 'kv_source'"):
+        caches[4].append(torch.zeros(1, 3, 1, 8), torch.zeros(1, 3, 1, 8))
+
+
 def test_the_config_says_what_each_layer_is(saved: dict) -> None:
     folder, _ = saved["all"]
     model = hs.load(folder).model

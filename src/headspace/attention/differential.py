@@ -193,7 +193,8 @@ class DifferentialAttention(MultiHeadAttention):
         """Every query head's softmax map, ``hook_scores`` and ``hook_pattern`` fired: q [B, H, Sq, dh],
         k [B, Hkv, Sk, dh] -> [B, H, Sq, Sk] (float32 softmax, a row with nothing to attend to 0)."""
         Sq = q.shape[2]
-        k = k.repeat_interleave(self.group_size, dim=1)  # (B, H, Sk, dh): each query head's key head
+        if self.group_size > 1:  # (one query head per key head: k as it is, no copy)
+            k = k.repeat_interleave(self.group_size, dim=1)  # (B, H, Sk, dh): each query head's key head
         scores = torch.matmul(q, k.transpose(2, 3)) * self.scale  # (B, H, Sq, Sk)
         if mask.is_causal:
             m = torch.ones(Sq, k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - Sq)
@@ -211,6 +212,8 @@ class DifferentialAttention(MultiHeadAttention):
         """Each pair's value ``[v_g, v_{g + n_kv_heads/2}]``: v [B, Hkv, Sk, dh] -> [B, P, Sk, 2 dh]."""
         half = self.n_kv_heads // 2
         wide = torch.cat([v[:, :half], v[:, half:]], dim=-1)  # (B, Hkv/2, Sk, 2 dh)
+        if self.group_size == 1:
+            return wide  # (B, P, Sk, 2 dh): pair j's own
         return wide.repeat_interleave(self.group_size, dim=1)  # (B, P, Sk, 2 dh): pair j's g(j)
 
     def extra_repr(self) -> str:

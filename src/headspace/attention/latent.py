@@ -41,6 +41,7 @@ from ..nn.positions import rotary_tables, rotate_fused
 from ..nn.spec import AttentionSpec, LatentSpec
 from . import recording
 from .checks import check_input_tensor
+from .latent_absorbed import absorbable, absorbed_attention
 from .latent_heads import LatentHead, LatentHeadList
 
 
@@ -322,12 +323,15 @@ class LatentAttention(nn.Module):
         q, c, k_rope = self._project(query, cos, sin)
         if kv_cache is not None:
             c, k_rope = kv_cache.append(c, k_rope)  # (B, 1, Sk, kv_lora_rank), (B, 1, Sk, rope)
-        k, v = self.expand_kv(c, k_rope)  # (B, H, Sk, dqk), (B, H, Sk, dv)
-        points = (self.hook_scores, self.hook_pattern, self.hook_z)
-        dropout_p = self.dropout if self.training else 0.0
-        z, pattern, _ = recording.traced_attention(
-            q, k, v, mask, dropout_p, points, scale=self.scale, softcap=None
-        )
+        if absorbable(self, Sq, kv_cache is not None):  # a decoding step: W_kb, W_vb absorbed
+            z, pattern = absorbed_attention(self, q, c, k_rope, mask)  # (B, Sq, H, dv), (B, H, Sq, Sk)
+        else:
+            k, v = self.expand_kv(c, k_rope)  # (B, H, Sk, dqk), (B, H, Sk, dv)
+            points = (self.hook_scores, self.hook_pattern, self.hook_z)
+            dropout_p = self.dropout if self.training else 0.0
+            z, pattern, _ = recording.traced_attention(
+                q, k, v, mask, dropout_p, points, scale=self.scale, softcap=None
+            )
         if self.hook_result.active:
             out = recording.output_from_heads(z, self.W_O, self.o_proj.bias, self.hook_result)[0]
         else:

@@ -20,11 +20,17 @@ from ..nn.hooks import HookPoint
 def sink_pattern(scores: Tensor, sinks: Tensor) -> Tensor:
     """The key weights of a softmax with one sink logit per head, as transformers computes them (the
     row maximum subtracted, sink included): scores [batch, n_heads, seq_q, seq_k] (``-inf`` where
-    masked), sinks [n_heads] -> [batch, n_heads, seq_q, seq_k]."""
+    masked), sinks [n_heads] -> [batch, n_heads, seq_q, seq_k].
+
+    In float32 / float64 the explicit subtraction of the row maximum ``M`` is left to the softmax,
+    which subtracts it itself: the shifted row's maximum is exactly 0, so both take ``exp(fl(a - M))``
+    and the pattern is transformers' bit for bit, one pass and one copy fewer. In a half type
+    transformers rounds ``a - M`` to that type before the softmax's float maths, and so does this."""
     b, h, sq, _ = scores.shape
     column = sinks.to(scores.dtype).reshape(1, h, 1, 1).expand(b, h, sq, 1)  # (batch, n_heads, seq_q, 1)
     combined = torch.cat([scores, column], dim=-1)  # (batch, n_heads, seq_q, seq_k + 1)
-    combined = combined - combined.max(dim=-1, keepdim=True).values
+    if scores.dtype not in (torch.float32, torch.float64):
+        combined = combined - combined.max(dim=-1, keepdim=True).values
     return torch.softmax(combined, dim=-1)[..., :-1]  # (batch, n_heads, seq_q, seq_k)
 
 

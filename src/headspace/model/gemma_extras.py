@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from ..attention.functional import get_backend
 from ..attention.layer import MultiHeadAttention, _last_keys
+from ..core.checks import check_positive_int
 from ..nn.hooks import HookPoint
 from ..nn.kv_cache import KVCache
 from ..nn.masks import canonical_mask
@@ -80,6 +81,33 @@ def proportional_rotary(d_head: int, base: float, partial: float, factor: float 
     rotary._inv_freq_cpu = inv_freq
     rotary._build_tables(rotary.inv_freq.device)
     return rotary
+
+
+class SharerCache(KVCache):
+    """The KV cache of a layer that reads another layer's keys and values (``kv_source``): it holds no
+    positions (``k`` and ``v`` are [batch, n_kv_heads, 0, d_head]); :meth:`append` raises, naming the
+    owner whose cache holds them. ``capacity`` is the model's (what the owner's cache accepts)."""
+
+    def __init__(
+        self, batch: int, n_kv_heads: int, d_head: int, capacity: int, source: int, like: Tensor
+    ) -> None:
+        super().__init__(1, 1, 1, 1, dtype=like.dtype, device=like.device)  # (checks, then emptied)
+        check_positive_int("KVCache capacity", capacity)
+        self._capacity, self.source = capacity, source
+        self.k = like.new_zeros(batch, n_kv_heads, 0, d_head)  # (batch, n_kv_heads, 0, d_head): nothing
+        self.v = torch.zeros_like(self.k)
+
+    @property
+    def capacity(self) -> int:
+        return self._capacity
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        raise ValueError(
+            f"this cache belongs to a layer that reads layer {self.source}'s keys and values (the attention "
+            f"field 'kv_source'); layer {self.source}'s cache holds them"
+        )
+
+    append_one = append
 
 
 class GemmaAttention(MultiHeadAttention):
@@ -159,6 +187,15 @@ class GemmaAttention(MultiHeadAttention):
                 f"reads {self.n_kv_heads} of {self.d_head}"
             )
         object.__setattr__(self, "_kv_owner", owner)
+
+    def make_kv_cache(self, batch: int, capacity: int) -> KVCache:
+        """:meth:`~headspace.MultiHeadAttention.make_kv_cache`; a sharing layer's (``kv_source``) holds
+        nothing: its keys and values are its owner's cache's, so its buffers are [batch, n_kv_heads, 0,
+        d_head] (:class:`SharerCache`)."""
+        if self._spec.kv_source is None:
+            return super().make_kv_cache(batch, capacity)
+        w = self.o_weight
+        return SharerCache(batch, self.n_kv_heads, self.d_head, capacity, self._spec.kv_source, w)
 
     @property
     def kv_owner(self) -> GemmaAttention | None:
