@@ -60,16 +60,20 @@ def attention_scores(
     """
     k = repeat_kv(k, q.shape[1]).contiguous()  # (batch, n_heads, seq_k, d_head): k^T a view, no copy
     scores = torch.matmul(q * scale, k.transpose(-2, -1))  # (batch, n_heads, seq_q, seq_k)
+    fresh = not scores.requires_grad  # no graph: the same ops in place on the fresh scores, same values
     if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+        scores = (
+            scores.div_(softcap).tanh_().mul_(softcap) if fresh else torch.tanh(scores / softcap) * softcap
+        )
     m = mask.mask
     if mask.is_causal:
         m = causal_mask(q.shape[-2], k.shape[-2], q.device)  # (seq_q, seq_k)
     if m is None:
         return scores
+    in_place = fresh and torch.broadcast_shapes(m.shape, scores.shape) == scores.shape
     if m.dtype == torch.bool:
-        return scores.masked_fill(~m, float("-inf"))
-    return scores + m
+        return scores.masked_fill_(~m, float("-inf")) if in_place else scores.masked_fill(~m, float("-inf"))
+    return scores.add_(m) if in_place and m.dtype == scores.dtype else scores + m
 
 
 def attention_pattern(scores: Tensor, mask: CanonicalMask) -> Tensor:
