@@ -378,8 +378,8 @@ def test_the_backend_registry_has_one_signature(monkeypatch: pytest.MonkeyPatch)
 
 def test_describe_names_every_part_and_refuses_blocks_without_a_step() -> None:
     """The step's description is the model's parameters themselves, each a named field; a post-norm
-    block's step is the Python backend's only (no native form); a block with score soft-capping has
-    no cached step (forward decodes)."""
+    block's step is the Python backend's only (no native form), as is a block with score
+    soft-capping."""
     from headspace.decode import named_fields
 
     model = decoder(**CONFIGS[2])
@@ -398,7 +398,10 @@ def test_describe_names_every_part_and_refuses_blocks_without_a_step() -> None:
     assert int8_step is not None and int8_step.layers[0].qkv.kind == "other"
     assert named_fields(int8_step.layers[0]) is None  # no native form: the Python step runs it
     capped = decoder(**LLAMA, attn_softcap=5.0)
-    assert describe(capped) is None and capped.decode_plan() is None
+    capped_step = describe(capped)
+    assert capped_step is not None and capped.decode_plan() is not None
+    assert [x.softcap for x in capped_step.layers] == [5.0] * L
+    assert named_fields(capped_step.layers[0]) is None  # no native form: the Python step runs it
     post = decoder(**POST)  # the post layout: a step, the Python backend's only
     post_step = describe(post)
     assert post_step is not None and post.decode_plan() is not None

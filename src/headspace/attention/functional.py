@@ -58,18 +58,22 @@ def attention_scores(
     Shapes: q [batch, n_heads, seq_q, d_head], k [batch, n_kv_heads, seq_k, d_head]
     -> [batch, n_heads, seq_q, seq_k].
     """
-    k = repeat_kv(k, q.shape[1])  # (batch, n_heads, seq_k, d_head)
+    k = repeat_kv(k, q.shape[1]).contiguous()  # (batch, n_heads, seq_k, d_head): k^T a view, no copy
     scores = torch.matmul(q * scale, k.transpose(-2, -1))  # (batch, n_heads, seq_q, seq_k)
+    fresh = not scores.requires_grad  # no graph: the same ops in place on the fresh scores, same values
     if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
+        scores = (
+            scores.div_(softcap).tanh_().mul_(softcap) if fresh else torch.tanh(scores / softcap) * softcap
+        )
     m = mask.mask
     if mask.is_causal:
         m = causal_mask(q.shape[-2], k.shape[-2], q.device)  # (seq_q, seq_k)
     if m is None:
         return scores
+    in_place = fresh and torch.broadcast_shapes(m.shape, scores.shape) == scores.shape
     if m.dtype == torch.bool:
-        return scores.masked_fill(~m, float("-inf"))
-    return scores + m
+        return scores.masked_fill_(~m, float("-inf")) if in_place else scores.masked_fill(~m, float("-inf"))
+    return scores.add_(m) if in_place and m.dtype == scores.dtype else scores + m
 
 
 def attention_pattern(scores: Tensor, mask: CanonicalMask) -> Tensor:
@@ -248,7 +252,7 @@ def reference_rows(
     if len(blocks) == 1 or dropout_p > 0.0:
         out, _, _ = reference_parts(q, k, v, mask, scale=scale, dropout_p=dropout_p)
         return out
-    k_t = repeat_kv(k, H).transpose(-2, -1)  # (B, H, dh, Sk): attention_scores' k^T
+    k_t = repeat_kv(k, H).contiguous().transpose(-2, -1)  # (B, H, dh, Sk): attention_scores' k^T
     v_all = repeat_kv(v, H)  # (B, H, Sk, dh)
     most = max(end - start for start, end in blocks)
     buffers = _RowBuffers(q, B * H * most * Sk)
@@ -273,7 +277,7 @@ def attention_rows(q: Tensor, k: Tensor, mask: CanonicalMask, *, scale: float, w
         scores = attention_scores(q, k, mask, scale=scale)  # (B, H, Sq, Sk)
         return scores if which == "scores" else attention_pattern(scores, mask)
     out = q.new_empty(B, H, Sq, Sk)
-    k_t = repeat_kv(k, H).transpose(-2, -1)  # (B, H, dh, Sk)
+    k_t = repeat_kv(k, H).contiguous().transpose(-2, -1)  # (B, H, dh, Sk): attention_scores' k^T
     most = max(end - start for start, end in blocks)
     buffers = _RowBuffers(q, B * H * most * Sk)
     for start, end in blocks:

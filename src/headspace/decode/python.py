@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..attention.functional import repeat_kv
 from ..attention.temperature import temper_queries
 from ..kernels.prepack import packed_linear_fn
 from ..kernels.q8_0 import Q8Blocks, q8_0_linear_fn
@@ -69,6 +70,7 @@ class _Layer(NamedTuple):
     alibi: Tensor | None
     chunk: int | None
     temperature: tuple[float, float] | None
+    softcap: float | None = None
     latent: torch.nn.Module | None = None
 
 
@@ -147,6 +149,7 @@ def _resolve(layer: LayerStep) -> _Layer:
         latent=layer.latent,
         chunk=layer.chunk,
         temperature=layer.temperature,
+        softcap=layer.softcap,
     )
 
 
@@ -208,14 +211,30 @@ def layer_rows(
     if layer.alibi is not None:  # ALiBi: -m_h (i - j), the query the last of the Sk positions
         bias = alibi_bias(layer.alibi, 1, k.shape[2], device=x.device).to(x.dtype)[None]  # (1, H, 1, Sk)
         mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))  # (1, H, 1, Sk)
-    z = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=layer.gqa
-    )  # (B, H, 1, dh)
+    z = _attend(layer, q, k, v, mask)  # (B, H, 1, dh)
     a = layer.o(z.reshape(B, H * dh))  # (B, d_model): heads concatenated
     h = x + (a if layer.attn_out_norm is None else layer.attn_out_norm(a))  # (B, d_model)
     if layer.post and layer.norm1 is not None:  # the post layout: norm1 after the residual add
         h = layer.norm1(h)  # (B, d_model)
     return _mlp_rows(layer, x, h)
+
+
+def _attend(layer: _Layer, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """The new query's attention output [B, H, 1, dh] from q [B, H, 1, dh], k and v [B, Hkv, Sk, dh] and
+    ``mask`` (None, a boolean [1, 1, 1, Sk] of the keys that may be attended, or an additive float
+    [1, H, 1, Sk]): ``F.scaled_dot_product_attention``; with Gemma 2's soft-capping the forward's
+    reference maths, ``softmax(cap * tanh((q * scale) k^T / cap), masked) v``
+    (:func:`headspace.attention.functional.reference_parts`)."""
+    if layer.softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=layer.gqa
+        )
+    H = q.shape[1]
+    scores = torch.matmul(q * layer.scale, repeat_kv(k, H).transpose(-2, -1))  # (B, H, 1, Sk)
+    scores = torch.tanh(scores / layer.softcap) * layer.softcap  # (B, H, 1, Sk)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1), repeat_kv(v, H))  # (B, H, 1, dh)
 
 
 def _mlp_rows(layer: _Layer, x: Tensor, h: Tensor) -> Tensor:
@@ -304,11 +323,11 @@ class LayerTables:
 def prepare(step: DecodeStep) -> Callable[..., Tensor]:
     """The ``"python"`` backend: ``run(x, caches, start, cos, sin)`` -> the rows after every block and
     the final norm (see :mod:`headspace.decode.backends` for the signature). Runs any description whose
-    blocks' specs set only :data:`~headspace.decode.step.STEP_FEATURES` (any other field: ``ValueError``
-    naming it)."""
+    blocks' specs set only :data:`~headspace.decode.step.STEP_FEATURES` and ``softcap`` (any other field:
+    ``ValueError`` naming it)."""
     for layer in step.layers:
         if layer.spec is not None:
-            known = PYTHON_STEP_FEATURES if layer.latent is not None else STEP_FEATURES  # (its layer with it)
+            known = PYTHON_STEP_FEATURES if layer.latent is not None else (*STEP_FEATURES, "softcap")
             refuse_unsupported(layer.spec, "the Python decoding step", known)
     layers = [_resolve(layer) for layer in step.layers]
     final = None if step.final_norm is None else norm_fn(step.final_norm)

@@ -68,12 +68,12 @@ _ACTIVATION_MODULES: dict[str, tuple[type[nn.Module], str | None]] = {
     name: (kind, approximate) for (kind, approximate), name in ACTIVATIONS.items()
 }
 #: The block features (:func:`~headspace.nn.spec.features_of`) the decoding step computes (both
-#: backends); any other is refused by its field's name. Score soft-capping is not among them: a block
-#: with it is not ``decode_supported`` and decodes by ``forward``.
+#: backends); any other is refused by its field's name.
 STEP_FEATURES = ("window", "qk_norm", "bias", "layout", "chunk", "temperature")
-#: The block features the ``"python"`` backend alone computes beyond :data:`STEP_FEATURES`: multi-head
-#: latent attention (:attr:`LayerStep.latent`; the native step refuses it by name).
-PYTHON_STEP_FEATURES = (*STEP_FEATURES, "latent")
+#: The block features the ``"python"`` backend alone computes beyond :data:`STEP_FEATURES`: score
+#: soft-capping (Gemma 2, :attr:`LayerStep.softcap`) and multi-head latent attention
+#: (:attr:`LayerStep.latent`); the native step refuses both by name.
+PYTHON_STEP_FEATURES = (*STEP_FEATURES, "softcap", "latent")
 
 
 class DecoderModel(Protocol):
@@ -180,6 +180,9 @@ class LayerStep:
     #: attn_scale) of a NoPE layer; None else. Python only (:data:`PYTHON_ONLY`)
     chunk: int | None = None
     temperature: tuple[float, float] | None = None
+    #: Gemma 2's score soft-capping: the scaled scores s become ``softcap * tanh(s / softcap)`` before
+    #: the mask and the softmax; None else. Python only (:data:`PYTHON_ONLY`)
+    softcap: float | None = None
     #: the block's description the step was read from (each backend refuses the fields it lacks by name)
     spec: BlockSpec | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -187,7 +190,15 @@ class LayerStep:
 #: the :class:`LayerStep` fields only the ``"python"`` backend computes (a step with any of these set
 #: takes the Python backend): the parallel and post layouts; the native step covers QK-norm, sliding
 #: windows, per-layer rotations and sandwich / post-sublayer norms
-PYTHON_ONLY: tuple[str, ...] = ("parallel", "post", "alibi_slopes", "latent", "chunk", "temperature")
+PYTHON_ONLY: tuple[str, ...] = (
+    "parallel",
+    "post",
+    "alibi_slopes",
+    "latent",
+    "chunk",
+    "temperature",
+    "softcap",
+)
 
 
 @dataclass(frozen=True)
@@ -254,8 +265,8 @@ def describe(
     unembed_q8: Q8Blocks | None = None,
 ) -> DecodeStep | None:
     """``model``'s cached decoding step described (:class:`DecodeStep`), or None where some block has no
-    such step (:attr:`~headspace.block.TransformerBlock.decode_supported` False: score soft-capping,
-    a head-parallel shard, ``check_finite``, another attention or MLP), which then decodes by
+    such step (:attr:`~headspace.block.TransformerBlock.decode_supported` False: a head-parallel
+    shard, ``check_finite``, another attention or MLP), which then decodes by
     ``forward``. ``pack_rows`` packs every float32 product for that batch;
     ``unembed_rows`` (without ``pack_rows``) packs the unembedding alone for that batch;
     ``unembed_q8``, the unembedding's own Q8_0 blocks (:func:`headspace.kernels.q8_0.q8_0_blocks`),
@@ -349,6 +360,7 @@ def _layer_of(block: TransformerBlock, pack_rows: int | None) -> LayerStep:
         latent=a if latent else None,
         chunk=at.chunk,
         temperature=at.temperature,
+        softcap=at.softcap,
         spec=spec,
     )
 

@@ -462,8 +462,8 @@ class TransformerBlock(nn.Module):
         position: pre-norm, post (OPT-350m), sandwich (Gemma), post-sublayer (OLMo 2) or parallel
         (GPT-NeoX) blocks, fused self-attention with
         :class:`~headspace.MultiHeadAttention`'s own forward (sliding windows, QK-norm and per-layer
-        rotations included), no ``check_finite``, this module's MLPs; not score soft-capping (Gemma 2:
-        its scores take the reference maths) nor a model-wide :attr:`decode_blockers` reason. Where
+        rotations included; score soft-capping, Gemma 2's, in the Python step only), no ``check_finite``,
+        this module's MLPs; not a model-wide :attr:`decode_blockers` reason. Where
         False, decoding runs :meth:`forward` with the KV cache. A pre-norm block with latent attention
         (DeepSeek) with its own forward has the Python step (its forward on one position)."""
         a = self.attn
@@ -478,7 +478,6 @@ class TransformerBlock(nn.Module):
             self.norm in ("pre", "post", "sandwich", "post_sublayer", "parallel")
             and not self.decode_blockers
             and isinstance(a, MultiHeadAttention)
-            and self.spec.attention.softcap is None  # not a head-parallel shard, which has no fused weight
             and self.spec.attention.sink is None  # (the step has no sinks: decoding runs forward)
             and self.spec.attention.gate is None  # (nor gates: decoding runs forward)
             and type(a).forward is MultiHeadAttention.forward

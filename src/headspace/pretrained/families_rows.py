@@ -124,7 +124,7 @@ FAMILIES: tuple[Family, ...] = (
         ("sandwich",),
         f"{_RMS} (1 + w)",
         "score and final soft-capping; alternating windows",
-        ("forward",),
+        ("python",),
         _ABS,
         _VARIANTS_T,
     ),
