@@ -43,6 +43,7 @@ ELSEWHERE = {  # scripts whose smoke run lives with their own tests
     "atp_star": "needs a tokenizer: tests/analysis/test_circuits.py runs it on a tiny GPT-2 folder",
     "gemma3": "needs Gemma-3-270M and transformers' copy: tests/pretrained/test_gemma3.py runs its measure()",
     "cli": "runs the commands on a tiny GPT-2 folder: tests/cli/test_bench_cli.py runs it (--quick)",
+    "cli_engine": "cli.py's same-run engine probe: tests/cli/test_bench_cli.py runs it beside each command",
     "families": "tests/bench/test_families_bench.py runs it (--quick, two families)",
     "whisper": "needs Whisper base and espeak-ng: tests/encdec/test_whisper_bench.py runs it (--quick)",
     "attention_variants": "tests/bench/test_attention_variants_bench.py runs it (--quick, two cases)",
