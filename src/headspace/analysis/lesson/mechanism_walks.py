@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ...nn.hooks import on_call
 from ...nn.positions import rotary_tables, rotate_fused
 from . import walk_steps  # noqa: F401  (register the steps kv_source, latent, differential)
 
@@ -63,26 +64,27 @@ def mechanism_names(model: nn.Module) -> list[str]:
 
 
 def capture_shared_kv(model: nn.Module) -> tuple[dict[int, tuple[Tensor, Tensor]], Callable[[], None]]:
-    """({block index: (k, v)}, remove): a forward pre-hook on every ``kv_source`` layer of ``model``
-    keeps the keys and values [batch, n_kv_heads, seq_k, d_head] it reads from the shared store."""
+    """({block index: (k, v)}, remove): before every call of each ``kv_source`` layer of ``model`` (the
+    hook machinery's :func:`~headspace.nn.hooks.on_call`), keep the keys and values [batch, n_kv_heads,
+    seq_k, d_head] it reads from the shared store."""
     kept: dict[int, tuple[Tensor, Tensor]] = {}
-    handles = []
+    removers: list[Callable[[], None]] = []
     for i, block in enumerate(getattr(model, "blocks", ())):
         source = _spec_field(block.attn, "kv_source")
         if source is None:
             continue
 
-        def keep(module: nn.Module, _args: Any, i: int = i, source: int = source) -> None:
+        def keep(module: nn.Module, _args: Any, _kwargs: Any, i: int = i, source: int = source) -> None:
             store = getattr(module, "kv_store", None)
             if store is not None and source in store:
                 k, v = store[source]
                 kept[i] = (k.detach().clone(), v.detach().clone())  # (B, Hkv, Sk, dh) x 2
 
-        handles.append(block.attn.register_forward_pre_hook(keep))
+        removers.append(on_call(block.attn, keep))
 
     def remove() -> None:
-        for h in handles:
-            h.remove()
+        for r in removers:
+            r()
 
     return kept, remove
 
