@@ -47,7 +47,7 @@ def test_screen_gives_the_full_argmax(with_bias: bool, product: str) -> None:
             pytest.skip("torch._int_mm saturates the worst case on this CPU (no VNNI)")
         screened.packed = None  # torch._int_mm's product instead of fbgemm's
     elif screened.packed is None:
-        pytest.skip("fbgemm's quantized linear is not in this torch")
+        pytest.skip("fbgemm's product is not in this torch or does not sum the worst case exactly here")
     want = F.linear(h, w, bias).argmax(-1)
     assert screened(h).tolist() == want.tolist()
     keep = screened.candidates(h)
@@ -120,3 +120,27 @@ def test_the_forced_int8_fallback_turns_the_screen_off_with_the_same_tokens(tiny
         assert not screen_usable(m.tok_embed.weight) and _screen(m, True) is None
         forced = m.generate(x, 6, screen=True)
     assert forced.tolist() == m.generate(x, 6, screen=False).tolist()
+
+
+def test_an_inexact_int8_product_is_never_used(tiny, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where neither fbgemm's nor torch._int_mm's product sums the worst case exactly (a CPU without VNNI,
+    as ATEN_CPU_CAPABILITY=avx2 emulates for _int_mm), the screen is off and the tokens are the full
+    product's; where only _int_mm is inexact and fbgemm's pack fails, generate drops the screen too."""
+    import headspace.model.encdec.generate as generate
+    import headspace.model.encdec.screen as screen
+
+    folder, _ = tiny("bart")
+    m = headspace.load(folder)
+    x = inputs_of("bart", batch=2)
+    full = m.generate(x, 6, screen=False).tolist()
+    monkeypatch.setattr(screen, "_fbgemm_exact", lambda: False)
+    monkeypatch.setattr(screen, "int8_products_exact", lambda: (False, False))
+    assert not screen_usable(m.tok_embed.weight) and _screen(m, True) is None
+    assert m.generate(x, 6, screen=True).tolist() == full
+    monkeypatch.setattr(screen, "screen_usable", lambda w: True)  # the gate passed, the pack failed
+    monkeypatch.setattr(generate, "screen_usable", lambda w: True)
+    monkeypatch.setattr(screen, "_fbgemm_pack", lambda q, s: None)
+    monkeypatch.setattr(generate, "int8_products_exact", lambda: (False, False))
+    m.__dict__.pop("_screened_argmax", None)
+    assert _screen(m, True) is None
+    assert m.generate(x, 6, screen=True).tolist() == full
