@@ -291,7 +291,6 @@ def _scores_table(e: Explanation, rotated: bool) -> Any:
 
 def _render_output(c: Any, e: Explanation) -> None:
     """Steps 4-7: z, the concatenation, the output through W_O and how W_O weighs the heads."""
-    from rich.table import Table
 
     dh, dm, tok = len(e.z), e.d_model, e.tokens[e.token_index]  # (differential: a pair's 2 d_head)
     if e.gate:  # an output gate (Qwen3-Next): z is the gated output, the input of W_O
@@ -310,18 +309,7 @@ def _render_output(c: Any, e: Explanation) -> None:
         concat = f"\\[y_0 .. y_{e.n_heads // 2 - 1}]"  # (escaped: rich markup)
     out = f"6. out = {concat} W_O{b_o}   W_O: [{rows}, {dm}]  -> out [{dm}]  |out| = {_norm(e.out):.3f}"
     _step(c, out, _vec(e.out))
-    c.print(f"7. how W_O weighs the heads of layer {e.layer} for '{tok}' (share of sum_h |z_h W_O\\[h]|)")
-    t = Table()
-    for col in ("head", "|z_h W_O\\[h]|", "share", ""):
-        t.add_column(col, justify="left" if col == "" else "right")
-    for h in sorted(range(e.n_heads), key=lambda h: -e.head_shares[h]):
-        t.add_row(
-            f"{h}{' *' if h == e.head else ''}",
-            f"{e.head_contributions[h]:.3f}",
-            f"{e.head_shares[h]:.3f}",
-            _bar(e.head_shares[h] * 2),
-        )
-    c.print(t)
+    head_share_table(c, e, 7, tok)
 
 
 def render_explanation(e: Explanation, *, top_heads: int = 5) -> None:
@@ -414,3 +402,24 @@ def pattern_grid(pretrained: Any, sentence: str, out: Path) -> Path:
         out / "heads_patterns.png",
         title=f"every head's pattern: {sentence[:60]}",
     )
+
+
+def head_share_table(c: Any, e: Any, number: int, tok: str) -> None:
+    """Step ``number`` of the walk: how W_O weighs the heads of the explained layer for the token ``tok``
+    (each head's ``|z_h W_O[h]|`` and its share of the sum, the explained head starred)."""
+    c.print(
+        f"{number}. how W_O weighs the heads of layer {e.layer} for '{tok}' (share of sum_h |z_h W_O\\[h]|)"
+    )
+    from rich.table import Table
+
+    t = Table()
+    for col in ("head", "|z_h W_O\\[h]|", "share", ""):
+        t.add_column(col, justify="left" if col == "" else "right")
+    for h in sorted(range(e.n_heads), key=lambda h: -e.head_shares[h]):
+        t.add_row(
+            f"{h}{' *' if h == e.head else ''}",
+            f"{e.head_contributions[h]:.3f}",
+            f"{e.head_shares[h]:.3f}",
+            _bar(e.head_shares[h] * 2),
+        )
+    c.print(t)

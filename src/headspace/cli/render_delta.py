@@ -10,7 +10,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .render import EXPLAIN_WIDTH, _bar, _norm, _render_heads, _step, _vec, console, token_label
+from .render import (
+    EXPLAIN_WIDTH,
+    _bar,
+    _norm,
+    _render_heads,
+    _step,
+    _vec,
+    console,
+    head_share_table,
+    token_label,
+)
 
 if TYPE_CHECKING:
     from ..analysis.lesson.explain import Explanation
@@ -84,22 +94,8 @@ def render_delta_explanation(e: Explanation, *, top_heads: int = 5) -> None:
 def _render_shares(c: Any, e: Explanation, tok: str) -> None:
     """Step 8: how W_O weighs the value heads for the token."""
     from rich.markup import escape
-    from rich.table import Table
 
-    c.print(
-        f"8. how W_O weighs the heads of layer {e.layer} for '{escape(tok)}' (share of sum_h |z_h W_O\\[h]|)"
-    )
-    t = Table()
-    for col in ("head", "|z_h W_O\\[h]|", "share", ""):
-        t.add_column(col, justify="left" if col == "" else "right")
-    for h in sorted(range(e.n_heads), key=lambda h: -e.head_shares[h]):
-        t.add_row(
-            f"{h}{' *' if h == e.head else ''}",
-            f"{e.head_contributions[h]:.3f}",
-            f"{e.head_shares[h]:.3f}",
-            _bar(e.head_shares[h] * 2),
-        )
-    c.print(t)
+    head_share_table(c, e, 8, escape(tok))
 
 
 def delta_pictures(e: Explanation, out: Path) -> list[Path]:
