@@ -1,7 +1,8 @@
-"""Interventions on heads: :func:`ablate` (while a block runs) and :func:`prune_heads` (for good).
+"""Interventions on heads and experts: :func:`ablate` (while a block runs) and :func:`prune_heads` (for good).
 
-* :func:`ablate`: a context manager that zero- or mean-ablates heads through their ``hook_z``, in the
-  calls of the thread that opened it (other threads' calls of the model are not ablated).
+* :func:`ablate`: a context manager that zero- or mean-ablates heads through their ``hook_z`` (and experts,
+  :mod:`.expert_ablation`), in the calls of the thread that opened it (other threads' calls of the
+  model are not ablated).
 * :func:`prune_heads`: removes heads, shrinking the fused weights (:mod:`headspace.pruning`) and
   recording the original indices in the model's config.
 """
@@ -20,6 +21,7 @@ from ...attention.pruning import kept_kv_heads, shrink_attention
 from ...core.checks import is_int
 from ...model.models import Decoder, Encoder
 from ..trace.trace import as_module, attention_layers, hooked
+from .expert_ablation import expert_hooks
 
 ABLATION_MODES = ("zero", "mean")
 
@@ -62,39 +64,11 @@ def _checked_means(layers: Sequence[MultiHeadAttention], means: Mapping | None) 
     return means
 
 
-@contextmanager
-def ablate(
-    model: Any,
-    heads: Mapping[tuple[int, int], str] | Sequence[tuple[int, int]],
-    *,
-    means: Mapping[tuple[int, int], Tensor] | None = None,
-    all_threads: bool = False,
-) -> Iterator[None]:
-    """Ablate heads while the block runs: ``with ablate(model, {(0, 3): "zero", (2, 1): "mean"}): model(x)``.
-
-    A head is ablated by replacing its ``z_h`` (``hook_z``, [batch, seq_q, n_heads, d_head]) before
-    ``W_O``, so its contribution ``z_h W_O[h]`` to the layer output changes and ``b_O`` stays:
-
-    * ``"zero"``: ``z_h = 0`` (the head writes nothing).
-    * ``"mean"``: ``z_h`` is replaced by ``means[(layer, head)]`` (any shape broadcasting to
-      [batch, seq_q, d_head], e.g. a [d_head] mean over a reference set, see
-      :func:`headspace.analysis.ablation.mean_z`) or, without ``means``, by its mean over the batch and
-      positions of the current input (padding positions included).
-
-    Args:
-        model: a :class:`~headspace.MultiHeadAttention` (layer 0), a model with attention layers, or a
-            pretrained wrapper with a ``.model``. Layer ``i`` is the ``i``-th attention layer in module
-            order (``blocks.i.attn``).
-        heads: ``{(layer, head): "zero" | "mean"}``, or a sequence of ``(layer, head)`` (all zeroed).
-        means: optional reference means for ``"mean"`` ablation, by ``(layer, head)``.
-        all_threads: False (default): the heads are ablated only in calls made by the thread that
-            opened the ``with`` block; another thread running the same model meanwhile gets the
-            unablated outputs (and its fast path). True: ablated in every thread's calls.
-    """
-    if not isinstance(all_threads, bool):
-        raise TypeError(f"all_threads must be a bool; got {type(all_threads).__name__} {all_threads!r}")
-    layers = _layers(model)
-    if isinstance(heads, Mapping):
+def _head_modes(layers: Sequence[MultiHeadAttention], heads: Any) -> dict[int, dict[int, str]]:
+    """``ablate``'s ``heads`` as ``{layer: {head: mode}}``, each entry checked against ``layers``."""
+    if heads is None:
+        spec = {}
+    elif isinstance(heads, Mapping):
         spec = dict(heads)
     elif isinstance(heads, Sequence) and not isinstance(heads, str):
         spec = {}
@@ -114,6 +88,57 @@ def ablate(
         if mode not in ABLATION_MODES:
             raise ValueError(f"heads[{key}] must be one of {ABLATION_MODES}; got {mode!r}")
         per_layer.setdefault(key[0], {})[key[1]] = mode
+    return per_layer
+
+
+@contextmanager
+def ablate(
+    model: Any,
+    heads: Mapping[tuple[int, int], str] | Sequence[tuple[int, int]] | None = None,
+    *,
+    means: Mapping[tuple[int, int], Tensor] | None = None,
+    experts: Mapping[tuple[int, int | str], str] | Sequence[tuple[int, int | str]] | None = None,
+    all_threads: bool = False,
+) -> Iterator[None]:
+    """Ablate heads while the block runs: ``with ablate(model, {(0, 3): "zero", (2, 1): "mean"}): model(x)``.
+
+    A head is ablated by replacing its ``z_h`` (``hook_z``, [batch, seq_q, n_heads, d_head]) before
+    ``W_O``, so its contribution ``z_h W_O[h]`` to the layer output changes and ``b_O`` stays:
+
+    * ``"zero"``: ``z_h = 0`` (the head writes nothing).
+    * ``"mean"``: ``z_h`` is replaced by ``means[(layer, head)]`` (any shape broadcasting to
+      [batch, seq_q, d_head], e.g. a [d_head] mean over a reference set, see
+      :func:`headspace.analysis.ablation.mean_z`) or, without ``means``, by its mean over the batch and
+      positions of the current input (padding positions included).
+
+    Args:
+        model: a :class:`~headspace.MultiHeadAttention` (layer 0), a model with attention layers, or a
+            pretrained wrapper with a ``.model``. Layer ``i`` is the ``i``-th attention layer in module
+            order (``blocks.i.attn``).
+        heads: ``{(layer, head): "zero" | "mean"}``, or a sequence of ``(layer, head)`` (all zeroed).
+        means: optional reference means for ``"mean"`` ablation, by ``(layer, head)``.
+        experts: ``{(layer, expert): "zero" | "mean"}`` (or a sequence of pairs, all zeroed) for the
+            mixtures of experts of a model's blocks (``layer`` a block index, ``expert`` an index or
+            ``"shared"``): ``"zero"`` removes the expert's weighted output ``w_e y_e`` from the layer
+            for the tokens routed to it (transformers' output minus that expert's term: the same as its
+            down-projection zeroed), the routing (top-k choice, the other experts' weights) unchanged;
+            ``"mean"`` replaces it, at each token routed to it, by its mean over the tokens of the
+            current input routed to it (:mod:`headspace.analysis.causal.expert_ablation`). ``heads``
+            may then be omitted.
+        all_threads: False (default): the heads are ablated only in calls made by the thread that
+            opened the ``with`` block; another thread running the same model meanwhile gets the
+            unablated outputs (and its fast path). True: ablated in every thread's calls.
+    """
+    if not isinstance(all_threads, bool):
+        raise TypeError(f"all_threads must be a bool; got {type(all_threads).__name__} {all_threads!r}")
+    hooks = {} if experts is None else expert_hooks(model, experts)
+    no_heads = heads is None or (isinstance(heads, Mapping | list | tuple) and not heads)
+    if no_heads and not means:  # experts only (or nothing)
+        with hooked(model, hooks, all_threads=all_threads):
+            yield
+        return
+    layers = _layers(model)
+    per_layer = _head_modes(layers, heads)
     means = _checked_means(layers, means)
 
     def make_fn(layer: int, modes: dict[int, str]) -> Callable[[Tensor, Any], Tensor]:
@@ -130,7 +155,6 @@ def ablate(
 
         return fn
 
-    hooks = {}
     paths = [p for p, _ in attention_layers(model)]
     for layer, modes in per_layer.items():
         name = f"{paths[layer]}.hook_z" if paths[layer] else "hook_z"
