@@ -41,6 +41,7 @@ from ..nn.positions import Rotary
 from .block import TransformerBlock, make_norm
 from .config import ModelConfig
 from .decoding import StepPlan, decoding
+from .moe_precision import bf16_experts, float32_router_params
 from .special_decoders import refuse_wrong_decoder
 
 
@@ -223,12 +224,15 @@ class _Stack(nn.Module):
                 f"precision={precision!r})"
             )
         if precision == "bfloat16":
+            kept = {id(p) for p in float32_router_params(self)}  # DeepSeek's routers, as transformers
             with torch.no_grad():
                 for p in self.parameters():
-                    if p.is_floating_point():
+                    if p.is_floating_point() and id(p) not in kept:
                         p.copy_(round_to_bf16(p))  # every weight a bfloat16 number (norms, biases too)
             for module, name in _product_weights(self):
-                _bf16_parameter(module, name)
+                if id(getattr(module, name)) not in kept:
+                    _bf16_parameter(module, name)
+            bf16_experts(self)  # the experts' stacked weights (headspace.model.moe_precision)
             return self
         for module, name in _product_weights(self):
             _quantize_parameter(module, name)
