@@ -38,6 +38,15 @@ GPT_OSS = dict(num_local_experts=5, num_experts_per_tok=2, intermediate_size=13,
 LLAMA4 = dict(num_local_experts=3, num_experts_per_tok=1, intermediate_size=14, intermediate_size_mlp=22,
               interleave_moe_layer_step=2, attention_chunk_size=5, no_rope_layer_interval=2,
               rope_parameters={"rope_type": "default", "rope_theta": 300.0})  # fmt: skip
+QWEN3_NEXT = dict(num_experts=5, num_experts_per_tok=2, moe_intermediate_size=9, intermediate_size=20,
+                  shared_expert_intermediate_size=11, decoder_sparse_step=1, mlp_only_layers=[],
+                  partial_rotary_factor=1 / 3, linear_num_key_heads=2, linear_num_value_heads=4,
+                  linear_key_head_dim=5, linear_value_head_dim=7, linear_conv_kernel_dim=3,
+                  layer_types=["linear_attention", "full_attention"])  # fmt: skip
+GEMMA4 = dict(enable_moe_block=True, num_experts=5, top_k_experts=2, moe_intermediate_size=9,
+              intermediate_size=20, num_kv_shared_layers=0, hidden_size_per_layer_input=0, global_head_dim=10,
+              sliding_window=4, attention_k_eq_v=False,
+              layer_types=["sliding_attention", "full_attention"])  # fmt: skip
 # name -> (config class, model class, overrides, path of a layer's MoE in transformers, shared expert's name)
 FAMILIES: dict[str, tuple[Any, Any, dict[str, Any], str, str | None]] = {
     "mixtral": (T.MixtralConfig, T.MixtralForCausalLM, MIXTRAL, "mlp", None),
@@ -45,6 +54,8 @@ FAMILIES: dict[str, tuple[Any, Any, dict[str, Any], str, str | None]] = {
     "deepseek_v3": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM, DEEPSEEK_V3, "mlp", "shared_experts"),
     "gpt_oss": (T.GptOssConfig, T.GptOssForCausalLM, GPT_OSS, "mlp", None),
     "llama4_text": (T.Llama4TextConfig, T.Llama4ForCausalLM, LLAMA4, "feed_forward", "shared_expert"),
+    "qwen3_next": (T.Qwen3NextConfig, T.Qwen3NextForCausalLM, QWEN3_NEXT, "mlp", "shared_expert"),
+    "gemma4_text": (T.Gemma4TextConfig, T.Gemma4ForCausalLM, GEMMA4, "", "mlp"),  # experts on the layer
 }
 
 
@@ -54,10 +65,9 @@ def build(family: str, folder: Path) -> Any:
     torch.manual_seed(5)
     model = model_cls(config_cls(**{**BASE, **extra})).eval()
     with torch.no_grad():
-        for name, p in [*model.named_parameters(), *model.named_buffers()]:
-            if "inv_freq" in name:
-                continue
-            if "norm" in name:
+        bias = [(n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")]
+        for name, p in [*model.named_parameters(), *bias]:
+            if "norm" in name or "scale" in name:  # (Gemma 4: the router's scales)
                 p.copy_(1.0 + 0.3 * torch.randn_like(p))
             elif "router" in name or name.endswith(("mlp.gate.weight", "e_score_correction_bias", "sinks")):
                 p.copy_(torch.randn_like(p))
@@ -93,7 +103,7 @@ def tokens() -> torch.Tensor:
 
 def zeroed_reference(ref: Any, path: str, layer: int, expert: int | str, shared: str | None) -> torch.Tensor:
     """transformers' logits with ``expert``'s down-projection (and bias) of ``layer`` zeroed."""
-    moe = getattr(ref.model.layers[layer], path)
+    moe = getattr(ref.model.layers[layer], path) if path else ref.model.layers[layer]
     if expert == "shared":
         params = [getattr(moe, shared).down_proj.weight]
     else:
