@@ -280,3 +280,32 @@ def test_the_explorer_page_refuses_shared_kv_layers_by_name(
     assert res.exit_code == 2 and len(lines) == 1 and lines[0].startswith("error: "), res.output
     assert "attention field 'kv_source' is set" in lines[0] and "blocks.2.attn" in lines[0]
     assert not page.exists()
+
+
+def test_direct_logit_attribution_on_a_differential_model_is_per_query_head(folders: dict[str, Path]) -> None:
+    """DLA gives each of the n_heads query heads its part (it gave n_heads / 2 pair parts as if heads); a
+    pair's two heads add up to the pair's own part (its hook_result through the frozen final norm), and
+    all the parts to the logit."""
+    import headspace as hs
+    from headspace.analysis.causal.attribution import direct_logit_attribution
+    from headspace.analysis.causal.causal_inputs import token_id
+    from headspace.analysis.lesson.explain import tokenize_sentence
+    from headspace.nn.norms import rms_inverse
+
+    loaded = hs.load(folders["diffllama"])
+    d = direct_logit_attribution(loaded, SENTENCE, "tired", "dog")
+    m = loaded.model
+    n_layers = len(m.blocks)
+    assert d.heads.shape == (n_layers, H) and d.layer_heads == [H] * n_layers
+    torch.testing.assert_close(d.total, d.logit, atol=1e-4, rtol=1e-4)
+    with torch.no_grad(), hs.trace(m, names=["*.hook_result", "hook_resid_final"]) as t:
+        m(tokenize_sentence(loaded, SENTENCE).ids)
+    u = m.W_U[:, token_id(loaded, "tired")] - m.W_U[:, token_id(loaded, "dog")]  # (d_model,)
+    x = t["hook_resid_final"][0, -1]  # (d_model,)
+    scale = (m.ln_final.offset + m.ln_final.weight) * rms_inverse(x, m.ln_final.eps)  # (d_model,)
+    for layer in range(n_layers):
+        own = (t[f"blocks.{layer}.attn.hook_result"][0, -1] * scale) @ u  # (P,): each pair's part
+        torch.testing.assert_close(
+            d.heads[layer, : H // 2] + d.heads[layer, H // 2 :], own, atol=1e-5, rtol=1e-4
+        )
+        assert not torch.allclose(d.heads[layer, : H // 2], own, atol=1e-5)  # heads, not pairs

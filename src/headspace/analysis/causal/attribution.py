@@ -139,6 +139,9 @@ def direct_logit_attribution(
 
     Gated layers and Gated DeltaNet layers are attributed per head (module docstring: a gate is frozen
     at its run's value; the result's ``layer_heads``, ``mixers`` and ``gated`` say which is which).
+    Differential layers (DiffLlama) are attributed per query head, each pair's norm frozen at its run's
+    scale (``DifferentialAttention.head_parts``): heads ``j`` and ``j + n_heads / 2`` add up to pair
+    ``j``'s ``hook_result``.
 
     Raises:
         ValueError: a block of the ``post`` layout (a norm after each residual add: OPT-350m), by name.
@@ -158,6 +161,7 @@ def direct_logit_attribution(
     last = last_resid(module)
     with eval_mode(module), torch.no_grad():
         names = ["hook_embed", "blocks.*.attn.hook_result", "blocks.*.hook_mlp_out", last]
+        names += [f"blocks.{i}.attn.hook_z" for i, b in enumerate(module.blocks) if _differential(b)]
         with trace(module, names=names) as t:
             logits = module(p.tokens, p.key_padding)  # (P, seq, vocab)
     W_U = module.W_U  # (d_model, vocab)
@@ -198,7 +202,11 @@ def _attention_parts(module: Any, t: Any, p: Any, contrib: Any) -> tuple[Tensor,
     a part [P, ..., d_model] at the last position to its logit contribution [P, ...]."""
     per_layer, biases = [], []
     for i, block in enumerate(module.blocks):
-        r = gather_last(t[f"blocks.{i}.attn.hook_result"], p.last)  # (P, H, d_model)
+        if _differential(block):  # hook_result is per pair: each head's part at its pair's frozen norm
+            z = gather_last(t[f"blocks.{i}.attn.hook_z"], p.last)  # (P, H, 2 d_head)
+            r = block.attn.head_parts(z).to(t[f"blocks.{i}.attn.hook_result"].dtype)  # (P, H, d_model)
+        else:
+            r = gather_last(t[f"blocks.{i}.attn.hook_result"], p.last)  # (P, H, d_model)
         b_O = getattr(block.attn, "o_bias", None)  # a Gated DeltaNet has none
         bias = r.new_zeros(p.batch, r.shape[-1]) if b_O is None else b_O.expand(p.batch, -1)  # (P, d_model)
         post = post_attention_norm(block)
@@ -213,6 +221,11 @@ def _attention_parts(module: Any, t: Any, p: Any, contrib: Any) -> tuple[Tensor,
     heads = torch.stack([torch.nn.functional.pad(h, (0, width - h.shape[1])) for h in per_layer], dim=1)
     # (P, L, max_heads): zeros after each layer's own heads
     return heads, torch.stack(biases, dim=1), counts
+
+
+def _differential(block: Any) -> bool:
+    """Whether ``block`` is differential attention (its ``hook_result`` holds a part per pair of heads)."""
+    return hasattr(block.attn, "head_parts")
 
 
 def _mixer(block: Any) -> str:
