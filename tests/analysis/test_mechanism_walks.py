@@ -309,3 +309,36 @@ def test_direct_logit_attribution_on_a_differential_model_is_per_query_head(fold
             d.heads[layer, : H // 2] + d.heads[layer, H // 2 :], own, atol=1e-5, rtol=1e-4
         )
         assert not torch.allclose(d.heads[layer, : H // 2], own, atol=1e-5)  # heads, not pairs
+
+
+@pytest.mark.parametrize(
+    ("model_type", "field"),
+    [("deepseek_v3", "attention field 'latent'"), ("diffllama", "attention field 'differential'"),
+     ("gemma3n_text", "attention field 'qk_norm'"), ("gemma4_text", "attention field 'qk_norm'")],
+)  # fmt: skip
+def test_the_circuit_runner_refuses_these_blocks_by_the_fields_name(
+    folders: dict[str, Path], model_type: str, field: str
+) -> None:
+    """It said "circuits need pre-norm decoder blocks ..." for all of them, naming no field."""
+    import headspace as hs
+    from headspace.analysis.circuits.nodes import graph_of
+
+    with pytest.raises(ValueError, match=f"^the circuit runner \\(block 0\\) does not support the {field}"):
+        graph_of(hs.load(folders[model_type]))
+
+
+def test_the_circuit_runner_names_a_mixture_of_experts_and_a_layout() -> None:
+    import dataclasses
+
+    from headspace.analysis.circuits.nodes import _check_block
+    from headspace.model.block import TransformerBlock
+    from headspace.nn.spec import MLPSpec
+
+    block = TransformerBlock(d_model=12, n_heads=3, d_mlp=14, norm="pre")
+    _check_block(0, block)  # a plain pre-norm block runs
+    moe = dataclasses.replace(block.spec, mlp=MLPSpec(kind="moe", d_mlp=14, n_experts=4, top_k=2))
+    with pytest.raises(ValueError, match=r"block 2\) does not support the block field 'mlp.kind' \('moe'"):
+        _check_block(2, TransformerBlock.from_spec(moe))
+    post = TransformerBlock.from_spec(dataclasses.replace(block.spec, layout="post"))
+    with pytest.raises(ValueError, match=r"block 1\) does not support the block field 'layout' \('post'\)"):
+        _check_block(1, post)

@@ -65,22 +65,30 @@ GRAPH_FEATURES = ("window",)
 
 
 def _check_block(i: int, block: Any) -> None:
-    """Refuse (one line) a block the circuit runner cannot run: not a pre-norm :class:`TransformerBlock`
-    with fused self-attention and this package's MLPs, or a spec field it does not compute (by name)."""
+    """Refuse (one line) a block the circuit runner cannot run: a spec field it does not compute, by the
+    field's name (a mixture of experts, latent attention, soft-capping, any layout but ``"pre"``, ...),
+    else anything that is not a :class:`TransformerBlock` with fused self-attention and this package's
+    MLPs."""
+    executor = f"the circuit runner (block {i})"
+    if isinstance(block, TransformerBlock):
+        refuse_unsupported(block.spec, executor, GRAPH_FEATURES)
+        if block.spec.layout != "pre":
+            raise ValueError(
+                f"{executor} does not support the block field 'layout' ({block.spec.layout!r}): circuits "
+                "need pre-norm blocks"
+            )
     ok = (
         type(block) is TransformerBlock
-        and block.spec.layout == "pre"
         and isinstance(block.attn, MultiHeadAttention)
         and block.attn.fused
         and isinstance(block.mlp, (FeedForward, GatedFeedForward))
     )
     if not ok:
-        layout = block.spec.layout if isinstance(block, TransformerBlock) else None
         raise TypeError(
             f"circuits need pre-norm decoder blocks (GPT-2, Llama-family), fused self-attention; block {i} "
-            f"is {type(block).__name__} (layout={layout!r})"
+            f"is {type(block).__name__} with {type(getattr(block, 'attn', None)).__name__} attention and "
+            f"{type(getattr(block, 'mlp', None)).__name__} MLP"
         )
-    refuse_unsupported(block.spec, f"the circuit runner (block {i})", GRAPH_FEATURES)
 
 
 def graph_of(model: Any) -> Graph:
