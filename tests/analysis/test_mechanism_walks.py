@@ -33,6 +33,8 @@ BUILDERS: dict[str, tuple[Any, Any, dict[str, Any]]] = {
                     "topk_method": "greedy"}),
     "deepseek_v3": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM, {**MLA, "q_lora_rank": 14, "n_group": 2,
                     "topk_group": 1, "norm_topk_prob": True}),
+    "mixtral": (T.MixtralConfig, T.MixtralForCausalLM, dict(num_hidden_layers=2, num_key_value_heads=2,
+                intermediate_size=37, num_local_experts=5, num_experts_per_tok=2)),
     "diffllama": (T.DiffLlamaConfig, T.DiffLlamaForCausalLM, dict(num_hidden_layers=2, num_key_value_heads=2,
                   head_dim=6, intermediate_size=37)),
     "gemma3n_text": (T.Gemma3nTextConfig, T.Gemma3nForCausalLM, dict(num_hidden_layers=4,
@@ -342,3 +344,70 @@ def test_the_circuit_runner_names_a_mixture_of_experts_and_a_layout() -> None:
     post = TransformerBlock.from_spec(dataclasses.replace(block.spec, layout="post"))
     with pytest.raises(ValueError, match=r"block 1\) does not support the block field 'layout' \('post'\)"):
         _check_block(1, post)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "deepseek_v3"])
+def test_the_lesson_walks_the_explained_tokens_experts_as_transformers_routes_it(
+    folders: dict[str, Path], model_type: str
+) -> None:
+    """The "experts" step: transformers' router logits, chosen experts and weights for the walked token
+    at the walked block (its MoE gate, hooked in the test), and the step's own two checks at rounding."""
+    import headspace as hs
+    from headspace.analysis.lesson.explain import explain, tokenize_sentence
+
+    loaded, layer = hs.load(folders[model_type]), 1  # DeepSeek's block 0 is dense
+    e = explain(loaded, SENTENCE, "it", layer=layer, head=0)
+    steps = {s.scheme: s for s in e.scheme_steps}
+    n = steps["experts"].numbers
+    assert n["block"] == layer and len(n["chosen"]) == n["top_k"] == 2
+    assert n["max_expert_gap"] < 1e-5 and n["max_sum_gap"] < 1e-5
+    hf = (
+        BUILDERS[model_type][1]
+        .from_pretrained(folders[model_type], attn_implementation="eager", experts_implementation="eager")
+        .eval()
+    )
+    got: dict[str, Any] = {}
+    gate = hf.model.layers[layer].mlp.gate
+    handle = gate.register_forward_hook(lambda _m, _a, out: got.update(out=out))
+    with torch.no_grad():
+        hf(tokenize_sentence(loaded, SENTENCE).ids)
+    handle.remove()
+    logits, weights, chosen = (o.reshape(-1, o.shape[-1]) for o in got["out"])  # (seq, E), (seq, k) x 2
+    i = e.token_index
+    assert n["chosen"] == chosen[i].tolist()
+    torch.testing.assert_close(torch.tensor(n["weights"]), weights[i].float(), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(torch.tensor(n["router_logits"]), logits[i].float(), atol=1e-5, rtol=1e-5)
+    assert any("mixture of" in line for line in steps["experts"].lines)
+
+
+def test_a_dense_block_has_no_experts_step(folders: dict[str, Path]) -> None:
+    import headspace as hs
+    from headspace.analysis.lesson.explain import explain
+
+    e = explain(hs.load(folders["deepseek_v3"]), SENTENCE, "it", layer=0, head=0)
+    assert "experts" not in {s.scheme for s in e.scheme_steps} and "latent" in {
+        s.scheme for s in e.scheme_steps
+    }
+
+
+def test_headspace_explain_prints_the_experts_step_after_the_attention(folders: dict[str, Path]) -> None:
+    from click.testing import CliRunner
+
+    from headspace.cli import cli
+
+    args = [
+        "explain",
+        "--model",
+        str(folders["mixtral"]),
+        SENTENCE,
+        "--token",
+        "it",
+        "--layer",
+        "1",
+        "--head",
+        "0",
+    ]
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 0, r.output
+    after = r.output.split("\n8. mixture of experts: token ", 1)
+    assert len(after) == 2 and "7." in after[0] and "against the MLP's output: max gap" in after[1]

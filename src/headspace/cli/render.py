@@ -145,11 +145,15 @@ def rotation_lines(e: Explanation) -> list[str]:
     ]
 
 
+#: steps of the block after the attention (a mixture of experts), printed after step 7 as 8, 9 ...
+AFTER_STEPS = ("experts",)
+
+
 def scheme_lines(e: Explanation) -> list[str]:
     """The positional scheme's steps (:mod:`headspace.analysis.lesson.scheme_steps`): each step's title as
     ``2c.``, ``2d.`` ..., its lines indented under it."""
     out = []
-    for n, step in enumerate(e.scheme_steps):
+    for n, step in enumerate(s for s in e.scheme_steps if s.scheme not in AFTER_STEPS):
         out.append(f"2{chr(ord('c') + n)}. {step.title}")
         out.extend(f"    {line}" for line in step.lines)
     return out
@@ -332,6 +336,12 @@ def render_explanation(e: Explanation, *, top_heads: int = 5) -> None:
     labels = [token_label(e.tokens, a.index) for a in e.top[:3]]
     c.print("   top attended: " + ", ".join(f"[bold]{t}[/] {a.weight:.3f}" for t, a in zip(labels, e.top)))
     _render_output(c, e)
+    from rich.markup import escape
+
+    for n, step in enumerate((s for s in e.scheme_steps if s.scheme in AFTER_STEPS), start=8):
+        c.print(escape(f"{n}. {step.title}"))  # the block after its attention: a mixture of experts
+        for line in step.lines:
+            c.print(escape(f"    {line}"))
 
 
 def explain_pictures(e: Explanation, pretrained: Any, out: Path) -> list[Path]:

@@ -16,6 +16,8 @@
 * :mod:`.subspaces`: weight-space circuits (QK, OV), their spectra and the heads' subspaces; no inputs.
 * :mod:`.rotary`: each rotary head's score split by RoPE frequency plane.
 * :mod:`.mixing`: each head's share of the attention output (how W_O weighs the heads).
+* :mod:`.expert_step`: the walked token's mixture of experts at the walked block (router logits, the
+  chosen experts and their weights, each one's output), the lesson's step after the attention.
 """
 
 from .chunked import LayerQK, PatternSummary, each_layer_qk, pattern_rows, summaries

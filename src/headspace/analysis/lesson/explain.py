@@ -48,6 +48,7 @@ from ...core.defaults import DEFAULT_SENTENCE, DEFAULT_TOKEN
 from . import mechanism_steps, sink_steps  # noqa: F401  (register the mechanisms' and the sink's steps)
 from .content_tokens import content_positions
 from .delta_walk import walk_delta
+from .expert_step import expert_step
 from .hybrid import is_deltanet, refuse_deltanet_layer, softmax_indices
 from .mechanism_walks import capture_shared_kv, flow_norms, head_results, mechanism_names, recorded
 from .scheme_steps import SchemeStep, scheme_steps
@@ -534,7 +535,7 @@ def explain(
         layer = next(f.layer for f in ranking if f.head == head)
     attn = layers[layer]
     # (a tempered layer is walked: the "temperature" step gives t(p) and the untempered scores)
-    return Explanation(
+    explanation = Explanation(
         model=model_name or model.config.name,
         sentence=sentence,
         tokens=tokens,
@@ -547,6 +548,10 @@ def explain(
         occurrences=occurrences,
         **(walked if is_deltanet(attn) else _walk(rec, attn, layer, index, head, tokens)),
     )
+    experts = expert_step(model, layer, tokenized.ids, tokenized.key_padding, index)  # a MoE block's step
+    if experts is not None:
+        explanation.scheme_steps.append(experts)
+    return explanation
 
 
 def _walk(
