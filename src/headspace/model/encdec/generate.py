@@ -141,7 +141,9 @@ def greedy(
     lean = fast and fast_step_usable(model.decoder)
     if lean and k > 0 and B == 1 and cross_mask is None and max_new_tokens > 0:
         return _speculate(model, decoder_input_ids, max_new_tokens, caches, cross, screened, eos, k, stats)
-    return _plain(model, decoder_input_ids, max_new_tokens, caches, cross, cross_mask, screened, lean, eos, pad)
+    return _plain(
+        model, decoder_input_ids, max_new_tokens, caches, cross, cross_mask, screened, lean, eos, pad
+    )
 
 
 def _plain(

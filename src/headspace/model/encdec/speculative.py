@@ -4,9 +4,10 @@ Greedy decoding at batch 1 is memory-bound: each step reads every decoder weight
 keys and values for one new token. Speculation reads them once for several tokens:
 
 1. **draft** (:func:`ngram_draft`, free): the last ``n`` tokens so far (``n`` from :data:`MAX_NGRAM` down to
-   :data:`MIN_NGRAM`) are looked up in the earlier tokens (prompt included); the up to ``k`` tokens that
-   followed their latest earlier occurrence are the draft ``d_1 .. d_m``. No match: no draft, and the step
-   is the plain one-token step (:func:`~headspace.model.encdec.fast_step.fast_step`).
+   :data:`MIN_NGRAM`) are looked up in the earlier tokens (prompt included); the ``k`` tokens that
+   followed their latest earlier occurrence (copied on into the draft itself) are the draft ``d_1 .. d_m``.
+   No match: no draft, and the step is the plain one-token step
+   (:func:`~headspace.model.encdec.fast_step.fast_step`).
 2. **verify** (:func:`fast_verify`): ONE decoder forward over the ``m + 1`` positions ``t, d_1 .. d_m``
    (``t`` = the newest token, not yet in the cache) with the self-attention cache, causal inside the new
    positions (query ``i`` sees the cached keys and new keys ``0 .. i``). Row ``i`` of the final stream
@@ -65,7 +66,12 @@ class SpeculationStats:
 
     def as_dict(self) -> dict[str, int]:
         """The counts as a JSON-ready dict."""
-        return {"verifies": self.verifies, "steps": self.steps, "drafted": self.drafted, "accepted": self.accepted}
+        return {
+            "verifies": self.verifies,
+            "steps": self.steps,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+        }
 
 
 def speculation_on(draft: int | None) -> int:
@@ -80,8 +86,10 @@ def speculation_on(draft: int | None) -> int:
 
 
 def ngram_draft(tokens: list[int], k: int, max_n: int = MAX_NGRAM, min_n: int = MIN_NGRAM) -> list[int]:
-    """Up to ``k`` tokens that followed the latest earlier occurrence of the last ``n`` of ``tokens``
-    (the longest ``n`` in ``max_n .. min_n`` that occurs earlier); [] when none does or ``k`` < 1."""
+    """``k`` tokens that followed the latest earlier occurrence of the last ``n`` of ``tokens`` (the
+    longest ``n`` in ``max_n .. min_n`` that occurs earlier), the copy running on into the tokens it drafts
+    where the occurrence is recent (a repeated run or period drafts its continuation); [] when no suffix
+    occurs earlier or ``k`` < 1."""
     if k < 1:
         return []
     size = len(tokens)
@@ -89,7 +97,10 @@ def ngram_draft(tokens: list[int], k: int, max_n: int = MAX_NGRAM, min_n: int = 
         tail = tokens[size - n :]
         for start in range(size - n - 1, -1, -1):  # the latest earlier occurrence first
             if tokens[start : start + n] == tail:
-                return tokens[start + n : start + n + k]
+                seq = list(tokens)
+                for j in range(start + n, start + n + k):  # j < len(seq): seq grows by one each time
+                    seq.append(seq[j])
+                return seq[size:]
     return []
 
 
@@ -153,7 +164,7 @@ def _accept(drafts: list[int], greedy: list[int]) -> list[int]:
     a = 0
     while a < len(drafts) and drafts[a] == greedy[a]:
         a += 1
-    return drafts[:a] + [greedy[a]]
+    return [*drafts[:a], greedy[a]]
 
 
 def speculative_loop(
