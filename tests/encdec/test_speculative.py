@@ -27,6 +27,8 @@ from headspace.nn.kv_cache import KVCache
 from headspace.pretrained.encdec.features import wav_features
 
 KINDS = ["whisper", "bart", "marian"]
+#: speculation is what these tests test: no fallback forced by the environment
+pytestmark = pytest.mark.usefixtures("automatic_choices")
 
 
 def _caches(m: headspace.EncoderDecoder, memory: torch.Tensor, n: int) -> tuple[list, list]:
