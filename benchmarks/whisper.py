@@ -8,7 +8,11 @@ faster-whisper too where installed), plus headspace's alignment of every cross-a
 * **transcribe**: seconds from the log-mel features [1, 80, 3000] to the greedy tokens after
   ``<|startoftranscript|><|en|><|transcribe|><|notimestamps|>`` (no suppressed tokens, at most 224 new),
   median over rounds (the systems in rotating order); each row says whether its tokens equal headspace's.
-  headspace's own feature extraction (WAV read, resampled, log-mel) is timed apart.
+  headspace's own feature extraction (WAV read, resampled, log-mel) is timed apart. headspace runs twice:
+  by default (exact speculative decoding with n-gram drafts, ``headspace.model.encdec.speculative``) and
+  with ``draft=0`` (one token per step); ``speculation`` in the JSON holds the default run's counts
+  (drafted, accepted, verifying forwards, one-token steps). The default audio repeats its paragraph, which
+  the drafts find; shorter ``--seconds`` (under one paragraph, ~10 s) gives speech without repeats.
 * **align**: ``alignment_heads(m, audio, transcript)`` (every head's DTW path over the audio, scored by its
   consistency) on headspace's transcript; the target is at most 2x the transcription's time.
 
@@ -37,6 +41,7 @@ from headspace.analysis.lesson.alignment import alignment_heads
 from headspace.bench.measure import machine_info
 from headspace.bench.scripts import add_output_options, check_output_options, check_positive, output_path
 from headspace.core.fileio import write_json
+from headspace.model.encdec.speculative import SpeculationStats
 from headspace.pretrained.ctranslate2 import read_ctranslate2
 from headspace.pretrained.encdec.features import log_mel, read_wav
 from headspace.pretrained.encdec.whisper_base import whisper_base_files, whisper_ct2_state_dict
@@ -46,6 +51,8 @@ NAME = "whisper.json"
 PROMPT = [50258, 50259, 50359, 50363]
 SPECIAL = {"<|endoftext|>": 50257, "<|startoftranscript|>": 50258}
 MAX_NEW = 224
+#: the speculative path's counts of headspace's last run (key: ``draft``; None: the default)
+SPECULATION: dict[int | None, dict[str, int]] = {}
 TEXT = (
     "The history of the city begins in the year when the river changed its course. Farmers came from the "
     "hills to work the new fields, and the market grew beside the bridge. "
@@ -103,12 +110,15 @@ def systems(folder: Path) -> dict[str, Callable[[torch.Tensor], list[int]]]:
     m = headspace.load("whisper-base")
     out: dict[str, Callable[[torch.Tensor], list[int]]] = {}
 
-    def ours(x: torch.Tensor) -> list[int]:
+    def ours(x: torch.Tensor, draft: int | None = None) -> list[int]:
+        stats = SpeculationStats()
         with torch.inference_mode():
-            ids = m.generate(x, MAX_NEW, decoder_input_ids=torch.tensor([PROMPT]))[0].tolist()
-        return [t for t in ids[len(PROMPT) :] if t != 50257]
+            ids = m.generate(x, MAX_NEW, decoder_input_ids=torch.tensor([PROMPT]), draft=draft, stats=stats)
+        SPECULATION[draft] = stats.as_dict()
+        return [t for t in ids[0].tolist()[len(PROMPT) :] if t != 50257]
 
     out["headspace"] = ours
+    out["headspace (no speculation)"] = lambda x: ours(x, 0)
     try:
         ref = _transformers_model()
 
@@ -189,6 +199,7 @@ def measure(seconds: float, rounds: int) -> dict[str, Any]:
         "align_every_head_s": statistics.median(align),
         "align_over_transcribe": statistics.median(align) / ours,
         "align_top_heads": [list(p) for p in found.ranking[:8]], "faster_whisper": faster_whisper_note(),
+        "speculation": SPECULATION.get(None, {}),
     }  # fmt: skip
 
 
@@ -210,6 +221,9 @@ def main() -> None:
     for r in result["rows"]:
         print(f"{r['system']:<30} {r['median_s']:9.3f} {r['headspace_speedup']:12.2f} {r['tokens']:7d}  "
               f"{r['same_tokens_as_headspace']}")  # fmt: skip
+    spec = result["speculation"]
+    print(f"speculation: {spec.get('drafted', 0)} drafted, {spec.get('accepted', 0)} accepted, "
+          f"{spec.get('verifies', 0)} verifies, {spec.get('steps', 0)} one-token steps")  # fmt: skip
     print(f"alignment of every head: {result['align_every_head_s']:.3f} s "
           f"({result['align_over_transcribe']:.2f}x headspace's transcription)")  # fmt: skip
     path = output_path(args.out, args.save, NAME, RESULTS)

@@ -30,7 +30,13 @@ def test_whisper_benchmark_quick(tmp_path: Path) -> None:
     d = json.loads(out.read_text())
     rows = {row["system"]: row for row in d["rows"]}
     assert d["transcript"].lower().startswith("the history of the city")
-    for name in ("headspace", "transformers (fp32, sdpa)", "ctranslate2 (float32)"):
+    assert set(d["speculation"]) == {"verifies", "steps", "drafted", "accepted"}
+    for name in (
+        "headspace",
+        "headspace (no speculation)",
+        "transformers (fp32, sdpa)",
+        "ctranslate2 (float32)",
+    ):
         assert rows[name]["same_tokens_as_headspace"] and rows[name]["median_s"] > 0
     assert "ctranslate2 (int8)" in rows and d["align_every_head_s"] > 0 and len(d["align_top_heads"]) == 8
     assert f"wrote {out}" in r.stdout and sorted(p.name for p in RESULTS.iterdir()) == before

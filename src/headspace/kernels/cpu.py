@@ -16,6 +16,8 @@ name below is a fast path, when it runs, and its fallback (the same maths):
   (:mod:`headspace.kernels.q8_0`) at the vector width ``torch.backends.cpu.get_cpu_capability()``
   reports, once the native library is built; else ``torch.mm`` on the float32 matrix (the same logits
   to float32 rounding).
+* ``speculative``: an encoder-decoder's exact speculative greedy decoding with n-gram drafts
+  (:mod:`headspace.model.encdec.speculative`; not CPU-dependent); else one token per decoding step.
 
 Forcing a fallback, so that a CPU that has every fast path can test the others: the environment variable
 ``HEADSPACE_FORCE_FALLBACK`` (a comma-separated list of the names above, or ``all``), read at every
@@ -53,7 +55,7 @@ __all__ = [
 ENV = "HEADSPACE_FORCE_FALLBACK"
 """The environment variable that forces fallbacks: names from :data:`FALLBACKS`, comma-separated, or
 ``all``."""
-FALLBACKS = ("bf16", "int8", "prepack", "native", "q8_0")
+FALLBACKS = ("bf16", "int8", "prepack", "native", "q8_0", "speculative")
 """The fast paths that have a fallback (see the module docstring)."""
 
 _local = threading.local()

@@ -18,9 +18,11 @@ from torch import Tensor, nn
 
 from ...core.checks import is_int
 from ...kernels.cpu import int8_products_exact
+from ...nn.kv_cache import KVCache
 from .config import EncDecConfig, check_ids
 from .fast_step import fast_step, fast_step_usable
 from .screen import ScreenedArgmax, screen_usable
+from .speculative import SpeculationStats, speculation_on, speculative_loop
 from .stacks import DecoderStack
 
 
@@ -86,6 +88,8 @@ def greedy(
     eos_token_id: int | None = None,
     screen: bool | None = None,
     fast: bool = True,
+    draft: int | None = None,
+    stats: SpeculationStats | None = None,
 ) -> Tensor:
     """The decoder's tokens [batch, prompt + generated] by greedy search (argmax at each step).
 
@@ -100,7 +104,12 @@ def greedy(
     ``fast`` (default True): each step through :func:`fast_step` while no hook point of the decoder has a
     function (checked once, before the first step; with a hook, the ordinary path, which fires it);
     ``False``: always the ordinary path. Both give the same stream to float32 rounding.
+    ``draft`` (default :data:`~headspace.model.encdec.speculative.DRAFT_TOKENS`; 0: off, as with
+    ``HEADSPACE_FORCE_FALLBACK=speculative``): at batch 1 on the fast path, exact speculative decoding
+    with up to ``draft`` n-gram drafts verified per decoder forward (:mod:`headspace.model.encdec.
+    speculative`: the same greedy tokens); ``stats`` (a :class:`SpeculationStats`) counts what it did.
     """
+    k = speculation_on(draft)
     if not is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0; got {max_new_tokens!r}")
     c = model.config
@@ -130,8 +139,29 @@ def greedy(
     cross_mask = _cross_mask(attention_mask, memory.dtype)
     screened = _screen(model, screen)
     lean = fast and fast_step_usable(model.decoder)
-    tokens, step = decoder_input_ids, decoder_input_ids
-    done = torch.zeros(B, dtype=torch.bool, device=memory.device)
+    if lean and k > 0 and B == 1 and cross_mask is None and max_new_tokens > 0:
+        return _speculate(model, decoder_input_ids, max_new_tokens, caches, cross, screened, eos, k, stats)
+    return _plain(
+        model, decoder_input_ids, max_new_tokens, caches, cross, cross_mask, screened, lean, eos, pad
+    )
+
+
+def _plain(
+    model: Seq2Seq,
+    prompt: Tensor,
+    max_new_tokens: int,
+    caches: list[KVCache],
+    cross: list[tuple[Tensor, Tensor]],
+    cross_mask: Tensor | None,
+    screened: ScreenedArgmax | None,
+    lean: bool,
+    eos: int | None,
+    pad: int | None,
+) -> Tensor:
+    """:func:`greedy`'s loop of one token per step: the tokens [batch, prompt + generated]."""
+    B = prompt.shape[0]
+    tokens, step = prompt, prompt
+    done = torch.zeros(B, dtype=torch.bool, device=prompt.device)
     for _ in range(max_new_tokens):
         if lean and step.shape[1] == 1:
             h = fast_step(model.decoder, step, caches, cross, cross_mask)  # (B, 1, d_model)
@@ -148,3 +178,30 @@ def greedy(
             break
         step = nxt[:, None]  # (B, 1)
     return tokens
+
+
+def _speculate(
+    model: Seq2Seq,
+    prompt: Tensor,
+    max_new_tokens: int,
+    caches: list[KVCache],
+    cross: list[tuple[Tensor, Tensor]],
+    screened: ScreenedArgmax | None,
+    eos: int | None,
+    k: int,
+    stats: SpeculationStats | None,
+) -> Tensor:
+    """:func:`greedy`'s loop at batch 1 with speculation (:func:`speculative_loop`): the prompt through the
+    ordinary path, as :func:`_plain` feeds it, then drafts verified. Returns [1, prompt + generated]."""
+    h = model.decoder(prompt, None, caches=caches, cross=cross, cross_mask=None)  # (1, P, d_model)
+    first = int(_next_tokens(model, h[:, -1], screened)[0])
+    new = [first]
+    if first != eos and max_new_tokens > 1:
+
+        def pick(rows: Tensor) -> Tensor:
+            return _next_tokens(model, rows, screened)  # (T,)
+
+        tokens = prompt[0].tolist() + new
+        new += speculative_loop(model.decoder, tokens, max_new_tokens - 1, caches, cross, pick, eos, k, stats)
+    added = torch.tensor([new], dtype=prompt.dtype, device=prompt.device)  # (1, generated)
+    return torch.cat((prompt, added), dim=1)  # (1, prompt + generated)

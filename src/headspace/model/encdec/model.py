@@ -21,6 +21,7 @@ from torch import Tensor, nn
 from ...nn.hooks import HookPoint, name_hook_points
 from .config import EncDecConfig, check_ids
 from .generate import greedy
+from .speculative import SpeculationStats
 from .stacks import DecoderStack, EncoderStack
 
 
@@ -144,13 +145,17 @@ class EncoderDecoder(nn.Module):
         eos_token_id: int | None = None,
         screen: bool | None = None,
         fast: bool = True,
+        draft: int | None = None,
+        stats: SpeculationStats | None = None,
     ) -> Tensor:
         """Greedy decoding: the decoder's tokens [batch, prompt + new] (:func:`greedy`; ``screen``: the
         int8 screen of the argmax, :mod:`headspace.model.encdec.screen`; ``fast``: the steps without hook
-        dispatch while no decoder hook is registered, :mod:`headspace.model.encdec.fast_step`)."""
+        dispatch while no decoder hook is registered, :mod:`headspace.model.encdec.fast_step`; ``draft``:
+        n-gram drafts per verifying forward at batch 1, 0: off, and ``stats`` its counts,
+        :mod:`headspace.model.encdec.speculative`)."""
         return greedy(self, inputs, max_new_tokens, attention_mask=attention_mask,
                       decoder_input_ids=decoder_input_ids, eos_token_id=eos_token_id,
-                      screen=screen, fast=fast)  # fmt: skip
+                      screen=screen, fast=fast, draft=draft, stats=stats)  # fmt: skip
 
 
 __all__ = ["EncoderDecoder"]
