@@ -3,7 +3,8 @@
 tests/encdec/test_whisper_base.py converts them) and ``ctranslate2`` (float32 and int8, the same file;
 faster-whisper too where installed), plus headspace's alignment of every cross-attention head.
 
-    python benchmarks/whisper.py [--seconds 30] [--rounds 3] [--save]   # --quick: ~4 s of speech, 1 round
+    python benchmarks/whisper.py [--seconds 30] [--rounds 3] [--text plain|repeated] [--save]
+    # --quick: ~4 s of speech, 1 round
 
 * **transcribe**: seconds from the log-mel features [1, 80, 3000] to the greedy tokens after
   ``<|startoftranscript|><|en|><|transcribe|><|notimestamps|>`` (no suppressed tokens, at most 224 new),
@@ -11,8 +12,9 @@ faster-whisper too where installed), plus headspace's alignment of every cross-a
   headspace's own feature extraction (WAV read, resampled, log-mel) is timed apart. headspace runs twice:
   by default (exact speculative decoding with n-gram drafts, ``headspace.model.encdec.speculative``) and
   with ``draft=0`` (one token per step); ``speculation`` in the JSON holds the default run's counts
-  (drafted, accepted, verifying forwards, one-token steps). The default audio repeats its paragraph, which
-  the drafts find; shorter ``--seconds`` (under one paragraph, ~10 s) gives speech without repeats.
+  (drafted, accepted, verifying forwards, one-token steps). The default audio (``--text plain``) is a
+  paragraph said once, no sentence repeating, so the drafts find little; ``--text repeated`` says two
+  sentences again and again, which the drafts find (the JSON's ``text`` says which).
 * **align**: ``alignment_heads(m, audio, transcript)`` (every head's DTW path over the audio, scored by its
   consistency) on headspace's transcript; the target is at most 2x the transcription's time.
 
@@ -53,23 +55,31 @@ SPECIAL = {"<|endoftext|>": 50257, "<|startoftranscript|>": 50258}
 MAX_NEW = 224
 #: the speculative path's counts of headspace's last run (key: ``draft``; None: the default)
 SPECULATION: dict[int | None, dict[str, int]] = {}
+#: a paragraph spoken once (about 40 s at espeak-ng's rate, cut to ``--seconds``): no sentence repeats
 TEXT = (
     "The history of the city begins in the year when the river changed its course. Farmers came from the "
-    "hills to work the new fields, and the market grew beside the bridge. "
+    "hills to work the new fields, and the market grew beside the bridge. Within a generation the old "
+    "ferry was gone, and carts loaded with grain crossed the water every morning. A school opened near "
+    "the church, and its first teacher kept a diary of the floods, the harvests and the prices of bread. "
+    "Later a railway reached the valley, bringing coal, newspapers and travellers who stayed for the "
+    "summer. Today the museum keeps her diary in a glass case beside a map of the vanished riverbed."
 )
+#: ``--text repeated``: the first two sentences said again and again (the drafts find the repeats)
+REPEATED = TEXT[: TEXT.index("Within")]
 
 
-def speak(folder: Path, seconds: float) -> Path:
-    """An espeak-ng WAV (22.05 kHz) of :data:`TEXT` repeated until it lasts about ``seconds``."""
+def speak(folder: Path, seconds: float, text: str = TEXT) -> Path:
+    """An espeak-ng WAV (22.05 kHz) of ``text``, said again until it lasts about ``seconds``, then cut to
+    ``seconds``."""
     path = folder / "speech.wav"
-    text = TEXT
+    said = text
     while True:
-        subprocess.run(["espeak-ng", "-w", str(path), text], check=True)
+        subprocess.run(["espeak-ng", "-w", str(path), said], check=True)
         with wave.open(str(path)) as w:
             length = w.getnframes() / w.getframerate()
-        if length >= seconds * 0.9 or len(text) > 40 * len(TEXT):
+        if length >= seconds * 0.9 or len(said) > 40 * len(text):
             break
-        text = text + TEXT
+        said = said + " " + text
     if length > seconds:  # cut to the requested length
         with wave.open(str(path)) as w:
             params, raw = w.getparams(), w.readframes(int(seconds * w.getframerate()))
@@ -161,11 +171,12 @@ def faster_whisper_note() -> str:
     return "installed; not timed apart: it runs the same ctranslate2 engine as the ctranslate2 rows"
 
 
-def measure(seconds: float, rounds: int) -> dict[str, Any]:
-    """The benchmark (module docstring) as a JSON-ready dict."""
+def measure(seconds: float, rounds: int, text: str = "plain") -> dict[str, Any]:
+    """The benchmark (module docstring) as a JSON-ready dict; ``text``: ``"plain"`` (:data:`TEXT`) or
+    ``"repeated"`` (:data:`REPEATED` said again and again)."""
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        wav = speak(folder, seconds)
+        wav = speak(folder, seconds, TEXT if text == "plain" else REPEATED)
         start = time.perf_counter()
         samples = read_wav(wav)
         feats = log_mel(samples)[None]  # [80, 3000] -> [1, 80, 3000]
@@ -194,7 +205,7 @@ def measure(seconds: float, rounds: int) -> dict[str, Any]:
         for n in runs
     ]  # fmt: skip
     return {
-        "machine": machine_info(), "audio_seconds": samples.shape[0] / 16000, "rounds": rounds,
+        "machine": machine_info(), "audio_seconds": samples.shape[0] / 16000, "rounds": rounds, "text": text,
         "features_s": feature_s, "transcript": text, "rows": rows,
         "align_every_head_s": statistics.median(align),
         "align_over_transcribe": statistics.median(align) / ours,
@@ -208,6 +219,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30.0, help="Length of the speech (at most 30).")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="Smoke run: ~4 s of speech, 1 round.")
+    parser.add_argument(
+        "--text", choices=("plain", "repeated"), default="plain",
+        help="plain: a paragraph said once, no sentence repeating (default); repeated: two sentences said "
+        "again and again, where speculative decoding's n-gram drafts find the repeats",
+    )  # fmt: skip
     add_output_options(parser, NAME)
     args = parser.parse_args()
     check_output_options(parser, args, NAME, smoke="quick")
@@ -215,7 +231,7 @@ def main() -> None:
     if shutil.which("espeak-ng") is None:
         parser.error("needs the espeak-ng program (apt-get install espeak-ng)")
     seconds, rounds = (4.0, 1) if args.quick else (min(args.seconds, 30.0), args.rounds)
-    result = measure(seconds, rounds)
+    result = measure(seconds, rounds, args.text)
     print(f"{result['audio_seconds']:.1f} s of espeak-ng speech; features {result['features_s']:.3f} s")
     print(f"{'system':<30} {'median s':>9} {'x headspace':>12} {'tokens':>7}  same tokens")
     for r in result["rows"]:
