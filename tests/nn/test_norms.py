@@ -76,3 +76,26 @@ def test_frozen_final_norms_use_the_one_statistic(offset: float) -> None:
         norm64.weight.copy_(norm.weight.double())
     want = torch.stack([torch.autograd.functional.vjp(norm64, xd, gi)[1] for gi in g])
     torch.testing.assert_close(_norm_pullback(norm64, xd, g), want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(3, 7, 64), (2, 5, 576), (4, 1, 768), (5, 1000)])
+@pytest.mark.parametrize("scale", [1e-3, 1.0, 37.0])
+def test_gemma_offset_norm_is_transformers_bit_for_bit(shape: tuple[int, ...], scale: float) -> None:
+    """Offset 1 on float32 takes F.rms_norm with the gain (1 + w): Gemma2RMSNorm's values, bit for bit,
+    and those of the written-out order (x * rms_inverse(x)) * (1 + w)."""
+    from transformers.models.gemma2.modeling_gemma2 import Gemma2RMSNorm
+
+    x = torch.randn(shape) * scale
+    w = torch.randn(shape[-1]) * 0.3
+    hf = Gemma2RMSNorm(shape[-1], eps=1e-6)
+    with torch.no_grad():
+        hf.weight.copy_(w)
+    ours = rms_norm(x, w, 1e-6, offset=1.0)
+    assert torch.equal(ours, hf(x))
+    assert torch.equal(ours, (x * rms_inverse(x, 1e-6)) * (1.0 + w))
+    # the gain keeps its gradient through the fast path (offset + weight is part of the graph)
+    wg = w.clone().requires_grad_(True)
+    rms_norm(x, wg, 1e-6, offset=1.0).sum().backward()
+    assert wg.grad is not None and torch.allclose(
+        wg.grad, (x * rms_inverse(x, 1e-6)).reshape(-1, shape[-1]).sum(0)
+    )

@@ -34,6 +34,7 @@ from torch import Tensor
 from ..kernels.blocked import blocked_attention
 from ..nn.hooks import Memo, resolve
 from ..nn.masks import CanonicalMask, causal_mask
+from ..nn.softcap import soft_cap
 from .sinks import sink_pattern
 
 AttentionBackend = Callable[..., tuple[Tensor, Tensor | None]]
@@ -62,9 +63,7 @@ def attention_scores(
     scores = torch.matmul(q * scale, k.transpose(-2, -1))  # (batch, n_heads, seq_q, seq_k)
     fresh = not scores.requires_grad  # no graph: the same ops in place on the fresh scores, same values
     if softcap is not None:
-        scores = (
-            scores.div_(softcap).tanh_().mul_(softcap) if fresh else torch.tanh(scores / softcap) * softcap
-        )
+        scores = soft_cap(scores, softcap, in_place=fresh)  # (batch, n_heads, seq_q, seq_k)
     m = mask.mask
     if mask.is_causal:
         m = causal_mask(q.shape[-2], k.shape[-2], q.device)  # (seq_q, seq_k)

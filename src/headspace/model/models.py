@@ -38,6 +38,7 @@ from ..nn.inputs import check_positions, check_tokens
 from ..nn.kv_cache import KVCache
 from ..nn.masks import check_key_padding
 from ..nn.positions import Rotary
+from ..nn.softcap import owns_output, soft_cap
 from .block import TransformerBlock, make_norm
 from .config import ModelConfig
 from .decoding import StepPlan, decoding
@@ -554,8 +555,9 @@ class Decoder(_Stack):
         else:
             logits = self.lm_head(h)  # (batch, seq, vocab_size)
         cap = self.config.final_softcap
-        if cap is not None:
-            logits = torch.tanh(logits / cap) * cap  # Gemma 2's final-logit soft-capping
+        if cap is not None:  # Gemma 2's final-logit soft-capping; in place on logits nobody else holds
+            fresh = owns_output(self.lm_head) and not (torch.is_grad_enabled() and logits.requires_grad)
+            logits = soft_cap(logits, cap, in_place=fresh)  # (batch, seq, vocab_size)
         return logits if logits.dtype == torch.float32 else logits.float()  # float32 at every precision
 
     def generate(self, tokens: Tensor, max_new_tokens: int, **options: Any) -> Tensor:

@@ -80,13 +80,16 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float, offset: float = 0.0) -> Tens
     one RMSNorm of headspace (:class:`RMSNorm` and the decoding steps call it; the native step makes
     the same roundings in C++).
 
-    On float32 ``x`` and ``weight`` with offset 0 it is ``F.rms_norm`` (torch's composite: the same
-    roundings as the steps below, in one call); otherwise transformers' order of operations: the
-    normalisation in float32, then ``weight * hidden`` in ``x``'s dtype (offset 0) or ``hidden * (offset
-    + weight)`` cast back (Gemma's ``1 + weight``). No checks: :class:`RMSNorm` makes them.
+    On float32 ``x`` and ``weight`` it is ``F.rms_norm`` with the gain ``offset + weight`` (torch's
+    composite: the same roundings as the steps below, in one call); otherwise transformers' order of
+    operations: the normalisation in float32, then ``weight * hidden`` in ``x``'s dtype (offset 0) or
+    ``hidden * (offset + weight)`` cast back (Gemma's ``1 + weight``). No checks: :class:`RMSNorm` makes
+    them.
     """
-    if offset == 0.0 and x.dtype == torch.float32 and weight.dtype == torch.float32:
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        # offset != 0: F.rms_norm with the gain (offset + weight) makes Gemma's roundings as well
+        gain = weight if offset == 0.0 else offset + weight  # [d_model]
+        return F.rms_norm(x, (x.shape[-1],), gain, eps)
     input_dtype = x.dtype
     # float32 for the narrow floats (as transformers); float64 stays float64 (gradcheck, references)
     hidden = x.to(torch.promote_types(x.dtype, torch.float32))  # [..., d_model]
