@@ -42,6 +42,7 @@ from ..nn.spec import AttentionSpec, LatentSpec
 from . import recording
 from .checks import check_input_tensor
 from .latent_absorbed import absorbable, absorbed_attention
+from .latent_fast import fast_forward_ok, fast_latent_attention
 from .latent_heads import LatentHead, LatentHeadList
 
 
@@ -325,6 +326,8 @@ class LatentAttention(nn.Module):
             c, k_rope = kv_cache.append(c, k_rope)  # (B, 1, Sk, kv_lora_rank), (B, 1, Sk, rope)
         if absorbable(self, Sq, kv_cache is not None):  # a decoding step: W_kb, W_vb absorbed
             z, pattern = absorbed_attention(self, q, c, k_rope, mask)  # (B, Sq, H, dv), (B, H, Sq, Sk)
+        elif fast_forward_ok(self, need_weights):  # nothing sees k, v, scores, pattern or z
+            z, pattern = fast_latent_attention(self, q, c, k_rope, mask), None  # (B, Sq, H, dv)
         else:
             k, v = self.expand_kv(c, k_rope)  # (B, H, Sk, dqk), (B, H, Sk, dv)
             points = (self.hook_scores, self.hook_pattern, self.hook_z)
