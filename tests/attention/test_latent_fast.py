@@ -10,7 +10,7 @@ import torch
 
 from headspace.attention import latent_fast
 from headspace.attention.latent import LatentAttention
-from headspace.nn.positions import Rotary
+from headspace.nn.positions import Rotary, rotary_tables, rotate_fused
 from headspace.nn.spec import AttentionSpec, LatentSpec
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -123,3 +123,18 @@ def test_hooks_before_the_keys_keep_the_fast_path_and_their_values(monkeypatch: 
             remove()
         layer(x, is_causal=True, need_weights=True)
     assert calls == [11, 11]  # only the last hook-free call without need_weights
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("fraction", [1.0, 0.5])
+def test_rotated_queries_are_bitwise_the_rotation_then_the_concatenation(
+    interleaved: bool, fraction: float
+) -> None:
+    rotary = Rotary(8, fraction=fraction, interleaved=interleaved)
+    q = torch.randn(2, 7, 3, NOPE + 8)  # (B, S, H, dqk): hook_q's layout
+    cos, sin = rotary_tables(rotary, torch.arange(7), q.dtype, q.device)
+    heads = q.transpose(1, 2)  # (B, H, S, dqk)
+    want = torch.cat((heads[..., :NOPE], rotate_fused(heads[..., NOPE:], cos, sin, rotary)), dim=-1)
+    got = latent_fast.rotated_queries(q, NOPE, cos, sin, rotary, None)
+    assert got.is_contiguous() and torch.equal(got, want)
+    assert torch.equal(latent_fast.rotated_queries(q, NOPE, cos, sin, rotary, 0.3), want * 0.3)

@@ -29,6 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from ..nn.masks import CanonicalMask
+from ..nn.positions import Rotary
 
 #: Query rows per block of a causal call (a block's scores are [B, H, BLOCK_ROWS, keys up to its end]).
 BLOCK_ROWS = 32
@@ -42,6 +43,40 @@ def fast_forward_ok(layer: nn.Module, need_weights: bool) -> bool:
         return False
     points = (layer.hook_k, layer.hook_v, layer.hook_scores, layer.hook_pattern, layer.hook_z)
     return not any(p.active for p in points)
+
+
+def rotated_queries(
+    q: Tensor, nope: int, cos: Tensor, sin: Tensor, rotary: Rotary, scale: float | None
+) -> Tensor:
+    """The rotated queries [B, H, S, dqk] (contiguous, head-major) of q [B, S, H, dqk] (``hook_q``'s
+    layout; only its last ``dqk - nope`` features rotate), times ``scale`` unless it is None.
+
+    Bit for bit ``torch.cat((q_nope, rotate_fused(q_rope, cos, sin, rotary)), -1)`` (then ``* scale``):
+    the same elementwise ops (``x * cos``, then ``+= swap(x) * sin``), written straight into the
+    head-major result instead of a rotated copy and a concatenation; cos / sin [b|1, 1, S, rotary_dim]
+    (:func:`~headspace.nn.positions.rotary_tables`)."""
+    B, S, H, dqk = q.shape
+    rd = rotary.rotary_dim
+    out = q.new_empty(B, H, S, dqk)  # (B, H, S, dqk)
+    tok = out.transpose(1, 2)  # (B, S, H, dqk): a view of out, in q's layout
+    xr = q[..., nope : nope + rd]  # (B, S, H, rd)
+    if rotary.interleaved:
+        swapped = torch.stack((xr[..., 1::2], xr[..., 0::2]), dim=-1).flatten(-2)  # (B, S, H, rd)
+    else:
+        swapped = xr.roll(rd // 2, dims=-1)  # (B, S, H, rd): [x_b, x_a] per plane
+    rot = tok[..., nope : nope + rd]  # (B, S, H, rd)
+    torch.mul(xr, cos.transpose(1, 2), out=rot)  # cos (b|1, S, 1, rd)
+    rot.add_(swapped.mul_(sin.transpose(1, 2)))
+    rest = [(0, nope), (nope + rd, dqk)]  # the features that do not rotate
+    for a, b in rest:
+        if b > a:
+            if scale is None:
+                tok[..., a:b].copy_(q[..., a:b])
+            else:
+                torch.mul(q[..., a:b], scale, out=tok[..., a:b])
+    if scale is not None:
+        rot.mul_(scale)
+    return out
 
 
 def _heads_kv(layer: nn.Module, c: Tensor, k_rope: Tensor) -> tuple[Tensor, Tensor]:
@@ -68,16 +103,16 @@ def _masked(scores: Tensor, mask: CanonicalMask) -> Tensor:
 
 
 def fast_latent_attention(
-    layer: nn.Module, q: Tensor, c: Tensor, k_rope: Tensor, mask: CanonicalMask
+    layer: nn.Module, qs: Tensor, c: Tensor, k_rope: Tensor, mask: CanonicalMask
 ) -> Tensor:
-    """z [B, Sq, H, dv] (contiguous) of the rotated queries q [B, H, Sq, dqk], the latent c [B, 1, Sk, r]
-    and the rotated shared key part k_rope [B, 1, Sk, rope] (module docstring for the maths)."""
-    B, H, Sq, _ = q.shape
+    """z [B, Sq, H, dv] (contiguous) of the rotated queries already times ``scale``, qs [B, H, Sq, dqk]
+    (``_project(x, cos, sin, scale)``), the latent c [B, 1, Sk, r] and the rotated shared key part
+    k_rope [B, 1, Sk, rope] (module docstring for the maths)."""
+    B, H, Sq, _ = qs.shape
     Sk = c.shape[2]
     k, v = _heads_kv(layer, c, k_rope)  # (B, H, Sk, dqk), (B, H, Sk, dv)
-    qs = q * layer.scale  # (B, H, Sq, dqk): scaled before the product, as the reference scores
     kt = k.transpose(-2, -1)  # (B, H, dqk, Sk)
-    z = q.new_empty(B, Sq, H, layer.d_head)  # (B, Sq, H, dv)
+    z = qs.new_empty(B, Sq, H, layer.d_head)  # (B, Sq, H, dv)
     if not mask.is_causal:
         scores = _masked(torch.matmul(qs, kt), mask)  # (B, H, Sq, Sk)
         pattern = torch.softmax(scores, dim=-1)  # (B, H, Sq, Sk)
@@ -86,7 +121,7 @@ def fast_latent_attention(
         z.copy_(torch.matmul(pattern, v).transpose(1, 2))  # (B, Sq, H, dv)
         return z
     offset = Sk - Sq  # query i sees keys j <= i + offset
-    above = torch.ones(BLOCK_ROWS, BLOCK_ROWS, dtype=torch.bool, device=q.device).triu(1)
+    above = torch.ones(BLOCK_ROWS, BLOCK_ROWS, dtype=torch.bool, device=qs.device).triu(1)
     # (rows, rows): True above the diagonal, the keys a block's diagonal square masks
     for i0 in range(0, Sq, BLOCK_ROWS):
         i1 = min(i0 + BLOCK_ROWS, Sq)
