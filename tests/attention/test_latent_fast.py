@@ -138,3 +138,26 @@ def test_rotated_queries_are_bitwise_the_rotation_then_the_concatenation(
     got = latent_fast.rotated_queries(q, NOPE, cos, sin, rotary, None)
     assert got.is_contiguous() and torch.equal(got, want)
     assert torch.equal(latent_fast.rotated_queries(q, NOPE, cos, sin, rotary, 0.3), want * 0.3)
+
+
+@pytest.mark.parametrize("q_lora", [RQ, None])
+def test_the_stacked_down_projection_follows_edits_of_either_weight(q_lora: int | None) -> None:
+    layer = _layer(q_lora)
+    x = torch.randn(2, 5, D)
+    first = layer.q_proj if layer.q_proj is not None else layer.q_a_proj
+    for edited in (first, layer.kv_a_proj_with_mqa):
+        with torch.no_grad():
+            q, kv = latent_fast.down_projections(layer, x)  # stacks the weights (remembered)
+            torch.testing.assert_close(q, first(x), atol=1e-6, rtol=0)
+            edited.weight.mul_(-2.0)  # an edit in place
+            if edited.bias is not None:  # (q_proj has none: then the linears run unstacked)
+                edited.bias.add_(1.0)
+            q, kv = latent_fast.down_projections(layer, x)
+            torch.testing.assert_close(q, first(x), atol=1e-6, rtol=0)
+            torch.testing.assert_close(kv, layer.kv_a_proj_with_mqa(x), atol=1e-6, rtol=0)
+    with torch.inference_mode():  # another mode: stacked again, as inference tensors
+        torch.testing.assert_close(latent_fast.down_projections(layer, x)[1], layer.kv_a_proj_with_mqa(x))
+    x.requires_grad_(True)  # grad wanted: the linears themselves (no stacked copy kept)
+    q, kv = latent_fast.down_projections(layer, x)
+    (q.sum() + kv.sum()).backward()
+    assert first.weight.grad is not None and x.grad is not None

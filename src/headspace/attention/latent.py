@@ -42,7 +42,7 @@ from ..nn.spec import AttentionSpec, LatentSpec
 from . import recording
 from .checks import check_input_tensor
 from .latent_absorbed import absorbable, absorbed_attention
-from .latent_fast import fast_forward_ok, fast_latent_attention, rotated_queries
+from .latent_fast import down_projections, fast_forward_ok, fast_latent_attention, rotated_queries
 from .latent_heads import LatentHead, LatentHeadList
 
 
@@ -249,12 +249,11 @@ class LatentAttention(nn.Module):
         ``hook_q``, ``hook_latent`` and ``hook_rope_k``."""
         B, S, _ = x.shape
         lat, H = self.latent, self.n_heads
-        if self.q_proj is not None:
-            q = self.q_proj(x)  # (B, S, H dqk)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))  # (B, S, H dqk)
-        q = _fire(self.hook_q, q.view(B, S, H, self.d_head_qk))  # (B, S, H, dqk)
-        c, k_rope = self.kv_a_proj_with_mqa(x).split([lat.kv_lora_rank, lat.qk_rope_head_dim], dim=-1)
+        q, kv_a = down_projections(self, x)  # (B, S, H dqk | q_lora_rank), (B, S, r + rope)
+        if self.q_proj is None:
+            q = self.q_b_proj(self.q_a_layernorm(q))  # (B, S, H dqk)
+        q = _fire(self.hook_q, q.reshape(B, S, H, self.d_head_qk))  # (B, S, H, dqk)
+        c, k_rope = kv_a.split([lat.kv_lora_rank, lat.qk_rope_head_dim], dim=-1)
         # (B, S, kv_lora_rank), (B, S, rope)
         c = _fire(self.hook_latent, self.kv_a_layernorm(c))  # (B, S, kv_lora_rank)
         k_rope = k_rope.reshape(B, 1, S, lat.qk_rope_head_dim)  # (B, 1, S, rope)

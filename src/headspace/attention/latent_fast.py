@@ -26,6 +26,7 @@ where nothing can see the expanded keys, values, scores, pattern or z (:func:`fa
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..nn.masks import CanonicalMask
@@ -43,6 +44,45 @@ def fast_forward_ok(layer: nn.Module, need_weights: bool) -> bool:
         return False
     points = (layer.hook_k, layer.hook_v, layer.hook_scores, layer.hook_pattern, layer.hook_z)
     return not any(p.active for p in points)
+
+
+def _stacked_down(layer: nn.Module) -> tuple[Tensor, Tensor | None] | None:
+    """The weight [n_q + kv_lora_rank + rope, d_model] and bias of the two projections that read the
+    layer's input (``q_proj`` or ``q_a_proj``, then ``kv_a_proj_with_mqa``) stacked, or None where they
+    cannot be (one has a bias and the other not, gradients wanted, ``torch.compile``). Remembered per
+    layer, keyed by each tensor's storage, version, dtype and device (and the inference mode), so an
+    edit in place, a load or a move of either weight stacks them again."""
+    first = layer.q_proj if layer.q_proj is not None else layer.q_a_proj
+    parts = (first.weight, layer.kv_a_proj_with_mqa.weight, first.bias, layer.kv_a_proj_with_mqa.bias)
+    if (parts[2] is None) != (parts[3] is None) or torch.compiler.is_compiling():
+        return None
+    if torch.is_grad_enabled() and any(p is not None and p.requires_grad for p in parts):
+        return None
+    key = (
+        torch.is_inference_mode_enabled(),  # an inference tensor may not be saved for a backward
+        *((p.data_ptr(), p._version, p.dtype, p.device) if p is not None else None for p in parts),
+    )
+    memo = layer.__dict__.get("_stacked_down_memo")
+    if memo is None or memo[0] != key:
+        with torch.no_grad():
+            weight = torch.cat(parts[:2])  # (n_q + r + rope, d_model)
+            bias = None if parts[2] is None else torch.cat(parts[2:])  # (n_q + r + rope,)
+        memo = (key, weight, bias)
+        layer.__dict__["_stacked_down_memo"] = memo
+    return memo[1], memo[2]
+
+
+def down_projections(layer: nn.Module, x: Tensor) -> tuple[Tensor, Tensor]:
+    """(``q_proj(x)`` or ``q_a_proj(x)``, ``kv_a_proj_with_mqa(x)``) of the layer's input x [B, S, d_model]:
+    [B, S, n_q] and [B, S, kv_lora_rank + rope], by one GEMM on the stacked weights where
+    :func:`_stacked_down` allows (views of its result), else by the two linears."""
+    first = layer.q_proj if layer.q_proj is not None else layer.q_a_proj
+    stacked = _stacked_down(layer)
+    if stacked is None:
+        return first(x), layer.kv_a_proj_with_mqa(x)
+    y = F.linear(x, *stacked)  # (B, S, n_q + r + rope)
+    q, kv = y.split([first.out_features, layer.kv_a_proj_with_mqa.out_features], dim=-1)
+    return q, kv  # (B, S, n_q), (B, S, r + rope): views
 
 
 def rotated_queries(
