@@ -161,3 +161,18 @@ def test_the_stacked_down_projection_follows_edits_of_either_weight(q_lora: int 
     q, kv = latent_fast.down_projections(layer, x)
     (q.sum() + kv.sum()).backward()
     assert first.weight.grad is not None and x.grad is not None
+
+
+def test_gradients_through_the_fast_path_equal_the_traced_path() -> None:
+    layer = _layer()
+    x = torch.randn(2, SEQ, D)
+    grads = []
+    for traced in (False, True):
+        layer.zero_grad()
+        remove = layer.hook_z.add(lambda t, point: None) if traced else (lambda: None)
+        xi = x.clone().requires_grad_(True)
+        layer(xi, is_causal=True).square().sum().backward()
+        remove()
+        grads.append((xi.grad, layer.q_b_proj.weight.grad.clone(), layer.kv_b_proj.weight.grad.clone()))
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..nn.masks import CanonicalMask
-from ..nn.positions import Rotary
+from ..nn.positions import Rotary, rotate_fused
 
 #: Query rows per block of a causal call (a block's scores are [B, H, BLOCK_ROWS, keys up to its end]).
 BLOCK_ROWS = 32
@@ -93,8 +93,12 @@ def rotated_queries(
 
     Bit for bit ``torch.cat((q_nope, rotate_fused(q_rope, cos, sin, rotary)), -1)`` (then ``* scale``):
     the same elementwise ops (``x * cos``, then ``+= swap(x) * sin``), written straight into the
-    head-major result instead of a rotated copy and a concatenation; cos / sin [b|1, 1, S, rotary_dim]
-    (:func:`~headspace.nn.positions.rotary_tables`)."""
+    head-major result instead of a rotated copy and a concatenation (those themselves where q needs a
+    gradient); cos / sin [b|1, 1, S, rotary_dim] (:func:`~headspace.nn.positions.rotary_tables`)."""
+    if torch.is_grad_enabled() and q.requires_grad:  # out= ops have no gradient: the reference ops
+        heads = q.transpose(1, 2)  # (B, H, S, dqk)
+        out = torch.cat((heads[..., :nope], rotate_fused(heads[..., nope:], cos, sin, rotary)), dim=-1)
+        return out if scale is None else out * scale  # (B, H, S, dqk)
     B, S, H, dqk = q.shape
     rd = rotary.rotary_dim
     out = q.new_empty(B, H, S, dqk)  # (B, H, S, dqk)
