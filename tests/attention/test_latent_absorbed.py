@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from headspace.attention import latent_fast
 from headspace.attention.latent import LatentAttention
 from headspace.nn.positions import Rotary
 from headspace.nn.spec import AttentionSpec, LatentSpec
@@ -51,6 +52,10 @@ def test_absorbed_step_equals_the_expanded_keys_and_values(monkeypatch: pytest.M
         calls: list[int] = []
         expand = layer.expand_kv
         monkeypatch.setattr(layer, "expand_kv", lambda c, r: calls.append(c.shape[2]) or expand(c, r))
+        heads_kv = latent_fast._heads_kv  # the untraced prefill's expansion (latent_fast)
+        monkeypatch.setattr(
+            latent_fast, "_heads_kv", lambda lay, c, r: calls.append(c.shape[2]) or heads_kv(lay, c, r)
+        )
         got = _decode(layer, x, padding)
     assert calls == [5]  # only the prefill expands the keys and values; the steps absorb W_kb, W_vb
     for g, w in zip(got, want):

@@ -42,6 +42,7 @@ from ..nn.spec import AttentionSpec, LatentSpec
 from . import recording
 from .checks import check_input_tensor
 from .latent_absorbed import absorbable, absorbed_attention
+from .latent_fast import down_projections, fast_forward_ok, fast_latent_attention, rotated_queries
 from .latent_heads import LatentHead, LatentHeadList
 
 
@@ -240,27 +241,28 @@ class LatentAttention(nn.Module):
         )
 
     # ------------------------------------------------------------------ forward
-    def _project(self, x: Tensor, cos: Tensor | None, sin: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        """q [B, H, S, dqk] (rotated), the latent c [B, 1, S, kv_lora_rank] and the rotated shared key
-        part [B, 1, S, rope] of the input x [B, S, d_model], through ``hook_q``, ``hook_latent`` and
-        ``hook_rope_k``."""
+    def _project(
+        self, x: Tensor, cos: Tensor | None, sin: Tensor | None, scale: float | None = None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """q [B, H, S, dqk] (rotated; times ``scale`` unless None), the latent c [B, 1, S, kv_lora_rank]
+        and the rotated shared key part [B, 1, S, rope] of the input x [B, S, d_model], through
+        ``hook_q``, ``hook_latent`` and ``hook_rope_k``."""
         B, S, _ = x.shape
         lat, H = self.latent, self.n_heads
-        if self.q_proj is not None:
-            q = self.q_proj(x)  # (B, S, H dqk)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))  # (B, S, H dqk)
-        q = _fire(self.hook_q, q.view(B, S, H, self.d_head_qk)).transpose(1, 2)  # (B, H, S, dqk)
-        c, k_rope = self.kv_a_proj_with_mqa(x).split([lat.kv_lora_rank, lat.qk_rope_head_dim], dim=-1)
+        q, kv_a = down_projections(self, x)  # (B, S, H dqk | q_lora_rank), (B, S, r + rope)
+        if self.q_proj is None:
+            q = self.q_b_proj(self.q_a_layernorm(q))  # (B, S, H dqk)
+        q = _fire(self.hook_q, q.reshape(B, S, H, self.d_head_qk))  # (B, S, H, dqk)
+        c, k_rope = kv_a.split([lat.kv_lora_rank, lat.qk_rope_head_dim], dim=-1)
         # (B, S, kv_lora_rank), (B, S, rope)
         c = _fire(self.hook_latent, self.kv_a_layernorm(c))  # (B, S, kv_lora_rank)
         k_rope = k_rope.reshape(B, 1, S, lat.qk_rope_head_dim)  # (B, 1, S, rope)
         if self.rotary is not None:
             assert cos is not None and sin is not None
-            nope = lat.qk_nope_head_dim
-            q_rot = rotate_fused(q[..., nope:], cos, sin, self.rotary)  # (B, H, S, rope)
-            q = torch.cat((q[..., :nope], q_rot), dim=-1)  # (B, H, S, dqk)
+            q = rotated_queries(q, lat.qk_nope_head_dim, cos, sin, self.rotary, scale)  # (B, H, S, dqk)
             k_rope = rotate_fused(k_rope, cos, sin, self.rotary)  # (B, 1, S, rope)
+        else:
+            q = q.transpose(1, 2) if scale is None else q.transpose(1, 2) * scale  # (B, H, S, dqk)
         k_rope = _fire(self.hook_rope_k, k_rope.reshape(B, S, lat.qk_rope_head_dim))  # (B, S, rope)
         return q, c.unsqueeze(1), k_rope.unsqueeze(1)  # (B, H, S, dqk), (B, 1, S, r), (B, 1, S, rope)
 
@@ -320,11 +322,15 @@ class LatentAttention(nn.Module):
         if self.rotary is not None:
             pos = torch.arange(start, start + Sq, device=query.device) if positions is None else positions
             cos, sin = rotary_tables(self.rotary, pos, query.dtype, query.device)  # (b|1, 1, Sq, rope) x 2
-        q, c, k_rope = self._project(query, cos, sin)
+        absorb = absorbable(self, Sq, kv_cache is not None)  # a decoding step: W_kb, W_vb absorbed
+        fast = not absorb and fast_forward_ok(self, need_weights)  # nothing sees k, v, scores, pattern, z
+        q, c, k_rope = self._project(query, cos, sin, self.scale if fast else None)  # fast: q scaled
         if kv_cache is not None:
             c, k_rope = kv_cache.append(c, k_rope)  # (B, 1, Sk, kv_lora_rank), (B, 1, Sk, rope)
-        if absorbable(self, Sq, kv_cache is not None):  # a decoding step: W_kb, W_vb absorbed
+        if absorb:
             z, pattern = absorbed_attention(self, q, c, k_rope, mask)  # (B, Sq, H, dv), (B, H, Sq, Sk)
+        elif fast:
+            z, pattern = fast_latent_attention(self, q, c, k_rope, mask), None  # (B, Sq, H, dv)
         else:
             k, v = self.expand_kv(c, k_rope)  # (B, H, Sk, dqk), (B, H, Sk, dv)
             points = (self.hook_scores, self.hook_pattern, self.hook_z)

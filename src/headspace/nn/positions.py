@@ -596,7 +596,8 @@ def rotate_fused(x: Tensor, cos: Tensor, sin_signed: Tensor, rotary: Rotary) -> 
     d_head = x.shape[-1]
     xr = x if rd == d_head else x[..., :rd]  # (batch, heads, seq, rotary_dim)
     if rotary.interleaved:
-        swapped = xr.unflatten(-1, (rd // 2, 2)).flip(-1).flatten(-2)  # (batch, heads, seq, rotary_dim)
+        swapped = torch.stack((xr[..., 1::2], xr[..., 0::2]), dim=-1).flatten(-2)  # pairs swapped
+        # (batch, heads, seq, rotary_dim): [x_b, x_a] per plane, as flip(-1) of the pairs but faster
     else:
         swapped = xr.roll(rd // 2, dims=-1)  # (batch, heads, seq, rotary_dim): [x_b, x_a] per plane
     out = xr * cos  # (batch, heads, seq, rotary_dim)
