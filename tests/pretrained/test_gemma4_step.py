@@ -94,8 +94,10 @@ def test_lean_step_equals_the_module_path_bit_for_bit(
         assert torch.equal(a, b)
     for a, b in zip(fast_caches, slow_caches, strict=True):
         assert a.length == b.length and torch.equal(a.k, b.k) and torch.equal(a.v, b.v)
-    full = model(tokens)  # (2, 11, V): the steps are the forward's last positions
-    assert torch.allclose(torch.stack(fast, 1), full[:, 5:], atol=1e-5)
+    with torch.no_grad():
+        full = model(tokens)  # (2, 11, V): the steps are the forward's last positions
+    scale = float(full.abs().max())
+    torch.testing.assert_close(torch.stack(fast, 1), full[:, 5:], atol=1e-4 * scale, rtol=0)
 
 
 @pytest.mark.parametrize("case", list(CASES))

@@ -32,7 +32,7 @@ from .block import TransformerBlock
 from .gemma_extras import GemmaAttention
 
 
-def _norm(module: nn.Module, x: Tensor) -> Tensor:
+def norm(module: nn.Module, x: Tensor) -> Tensor:
     """``module(x)``: an :class:`RMSNorm`'s maths without its call and checks, any other module called."""
     if type(module) is RMSNorm:
         return rms_norm(x, module.weight, module.eps, module.offset)
@@ -74,7 +74,7 @@ def takes(
     return model.__dict__["_step_blocks_ok"] and all_idle(hook_points(model))
 
 
-class _Shared:
+class Shared:
     """What the layers of one step share: rotary tables per Rotary module, masks per (keys, window)."""
 
     def __init__(self, positions: Tensor) -> None:
@@ -100,7 +100,7 @@ class _Shared:
         return m
 
 
-def attend(attn: GemmaAttention, x: Tensor, cache: KVCache, shared: _Shared) -> Tensor:
+def attend(attn: GemmaAttention, x: Tensor, cache: KVCache, shared: Shared) -> Tensor:
     """The attention's output [B, 1, d_model] of its normed input x [B, 1, d_model] (one new position):
     :meth:`GemmaAttention.forward`'s operations in its order, the cache appended (an owner) or the
     owner's keys read from the store (``kv_source``)."""
@@ -115,9 +115,9 @@ def attend(attn: GemmaAttention, x: Tensor, cache: KVCache, shared: _Shared) -> 
         k = out[..., H * dh : (H + Hkv) * dh].reshape(B, 1, Hkv, dh)  # (B, 1, Hkv, dh)
         v = k if spec.k_eq_v else out[..., (H + Hkv) * dh :].reshape(B, 1, Hkv, dh)
     if attn.q_norm is not None:
-        q = _norm(attn.q_norm, q)  # (B, 1, H, dh)
+        q = norm(attn.q_norm, q)  # (B, 1, H, dh)
         if k is not None:
-            k = _norm(attn.k_norm, k)  # (B, 1, Hkv, dh)
+            k = norm(attn.k_norm, k)  # (B, 1, Hkv, dh)
     if v is not None and spec.v_norm:
         vf = v.float()
         v = (vf * torch.pow(vf.pow(2).mean(-1, keepdim=True) + spec.qk_norm_eps, -0.5)).to(v.dtype)
@@ -146,23 +146,23 @@ def hidden_states(model: Any, x: Tensor, P: Tensor | None, kv_caches: list[KVCac
     """The final normed residual [B, 1, d_model] of the embedded new position x [B, 1, d_model] and its
     per-layer inputs P [B, 1, L, p] (or None), ``pos`` [1] its position: the blocks, per-layer inputs
     and layer scalars of :meth:`Gemma4Decoder.hidden_states`, inside the model's open key store."""
-    shared = _Shared(pos)
+    shared = Shared(pos)
     store = model._kv_store
     store.open()
     try:
         for i, block in enumerate(model.blocks):
-            a = attend(block.attn, _norm(block.ln1, x), kv_caches[i], shared)  # (B, 1, d_model)
-            h = x + _norm(block.ln_attn_out, a)  # (B, 1, d_model)
-            m = block.mlp(_norm(block.ln2, h))  # (B, 1, d_model)
-            x = h + _norm(block.ln_mlp_out, m)  # (B, 1, d_model)
+            a = attend(block.attn, norm(block.ln1, x), kv_caches[i], shared)  # (B, 1, d_model)
+            h = x + norm(block.ln_attn_out, a)  # (B, 1, d_model)
+            m = block.mlp(norm(block.ln2, h))  # (B, 1, d_model)
+            x = h + norm(block.ln_mlp_out, m)  # (B, 1, d_model)
             if P is not None:
                 ple = model.ple[i]
                 g = ple.act(F.linear(x, ple.gate.weight))  # (B, 1, p)
-                x = x + _norm(ple.norm, F.linear(g * P[:, :, i], ple.proj.weight))  # (B, 1, d_model)
+                x = x + norm(ple.norm, F.linear(g * P[:, :, i], ple.proj.weight))  # (B, 1, d_model)
             x = x * model.layer_scalars[i]
     finally:
         store.close()
     return model.final_norm(x)
 
 
-__all__ = ["attend", "hidden_states", "hook_points", "takes"]
+__all__ = ["Shared", "attend", "hidden_states", "hook_points", "norm", "takes"]
