@@ -8,6 +8,7 @@ caches bit for bit; greedy decoding still equals transformers.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -121,3 +122,18 @@ def test_the_lean_step_is_not_taken_in_training_or_with_padding(saved: dict) -> 
     assert not gemma4_step.takes(model, tokens, None, None, None)
     assert not gemma4_step.takes(model, torch.tensor([[5, 6]]), None, caches, None)
     assert not gemma4_step.takes(model.train(), tokens, None, caches, None)
+
+
+def test_a_module_swapped_in_between_generations_is_watched(saved: dict) -> None:
+    """The hook points are read again at each prefill: a hook on a module put in after a generation
+    fires at every step of the next one."""
+    folder, _ = saved["all"]
+    model = hs.load(folder).model
+    prompt = torch.tensor([[5, 9, 31, 7]])
+    with torch.no_grad():
+        want = model.generate(prompt, 4, temperature=0)  # (the lean steps read the hook points)
+        model.ple[1] = copy.deepcopy(model.ple[1])
+        seen: list[int] = []
+        model.ple[1].hook_out.add(lambda v, hp: seen.append(v.shape[1]))
+        got = model.generate(prompt, 4, temperature=0)
+    assert seen == [4, 1, 1, 1] and torch.equal(got, want)  # the prefill, then every step

@@ -40,12 +40,28 @@ def norm(module: nn.Module, x: Tensor) -> Tensor:
 
 
 def hook_points(model: nn.Module) -> list[HookPoint]:
-    """Every hook point of ``model`` (remembered per model: its modules are fixed once built)."""
+    """Every hook point of ``model``, read once and remembered until the next call that is not a
+    one-token step (:func:`takes` forgets them there: a prefill, or any other forward, reads them
+    again, so a module swapped in between two generations is seen), as a decoding step reads its hook
+    points once per generation."""
     points = model.__dict__.get("_step_hook_points")
     if points is None:
         points = [m for m in model.modules() if isinstance(m, HookPoint)]
         model.__dict__["_step_hook_points"] = points
     return points
+
+
+def _lean_blocks(blocks: nn.ModuleList) -> bool:
+    """Whether every block is an eval-mode sandwich :class:`~headspace.TransformerBlock` whose attention
+    is a :class:`GemmaAttention` without softcap (what :func:`attend` and :func:`hidden_states` compute)."""
+    return all(
+        type(b) is TransformerBlock
+        and not b.training
+        and b.spec.layout == "sandwich"
+        and isinstance(b.attn, GemmaAttention)
+        and b.attn.softcap is None
+        for b in blocks
+    )
 
 
 def takes(
@@ -56,22 +72,13 @@ def takes(
     positions: Tensor | None,
 ) -> bool:
     """Whether this call is a step the lean path runs (module docstring): one new position per row with
-    caches, no ``key_padding`` or ``positions``, eval mode, every block a sandwich
-    :class:`~headspace.TransformerBlock` with a :class:`GemmaAttention` without softcap, and no hook
-    point of the model active in this thread."""
-    if kv_caches is None or key_padding is not None or positions is not None or model.training:
+    caches, no ``key_padding`` or ``positions``, eval mode, every block as :func:`_lean_blocks` says,
+    and no hook point of the model active in this thread."""
+    one = kv_caches is not None and tokens.dim() == 2 and tokens.shape[1] == 1
+    if not one or key_padding is not None or positions is not None or model.training:
+        model.__dict__.pop("_step_hook_points", None)  # (read again at the next step)
         return False
-    if tokens.dim() != 2 or tokens.shape[1] != 1:
-        return False
-    if "_step_blocks_ok" not in model.__dict__:
-        model.__dict__["_step_blocks_ok"] = all(
-            type(b) is TransformerBlock
-            and b.spec.layout == "sandwich"
-            and isinstance(b.attn, GemmaAttention)
-            and b.attn.softcap is None
-            for b in model.blocks
-        )
-    return model.__dict__["_step_blocks_ok"] and all_idle(hook_points(model))
+    return _lean_blocks(model.blocks) and all_idle(hook_points(model))
 
 
 class Shared:
