@@ -37,6 +37,7 @@ from torch import Tensor, nn
 from ..nn.hooks import HookPoint
 from ..nn.kv_cache import KVCache
 from ..nn.norms import RMSNorm
+from . import gemma3n_step, gemma4_step
 from .config import ModelConfig
 from .gemma4_model import Gemma4Decoder
 from .mlp import GatedFeedForward, _fire
@@ -50,10 +51,19 @@ class SparseGatedFeedForward(GatedFeedForward):
     def __init__(self, d_model: int, d_mlp: int, act: str, sparsity: float) -> None:
         super().__init__(d_model, d_mlp, act=act, bias=False)
         self.sparsity = float(sparsity)
+        self._std_multiplier: tuple[float, Tensor] | None = None  # (sparsity, Phi^-1 of it), on first use
 
     def _hidden(self, x: Tensor) -> Tensor:
         g = self.fc_gate(x)  # (batch, seq, d_mlp)
-        std_multiplier = torch.distributions.normal.Normal(0, 1).icdf(torch.tensor(self.sparsity))
+        memo = self._std_multiplier
+        if memo is None or memo[0] != self.sparsity:  # Phi^-1(sparsity) as transformers computes it, once
+            with torch.inference_mode(False):  # (a plain tensor: usable with autograd later)
+                memo = (
+                    self.sparsity,
+                    torch.distributions.normal.Normal(0, 1).icdf(torch.tensor(self.sparsity)),
+                )
+            self._std_multiplier = memo
+        std_multiplier = memo[1]
         cutoff = g.mean(-1, keepdim=True) + g.std(-1, keepdim=True, unbiased=False) * std_multiplier.to(
             g.dtype
         )
@@ -169,10 +179,19 @@ class Gemma3nDecoder(Gemma4Decoder):
         target = torch.mean(e**2, dim=-1, keepdim=True) ** 0.5  # (B, S, 1)
         X = torch.stack([e] + [_rescale(up(e), target) for up in self.altup_up])  # (K, B, S, d)
         causal = not (kv_caches is not None and tokens.shape[1] == 1)
+        # a one-token cached step with nothing watching: the layers without module calls (bit for bit)
+        lean = (
+            gemma4_step.Shared(pos)
+            if gemma4_step.takes(self, tokens, key_padding, kv_caches, positions)
+            else None
+        )
         self._kv_store.open()
         try:
             for i in range(len(self.blocks)):
                 cache = None if kv_caches is None else kv_caches[i]
+                if lean is not None:
+                    X = gemma3n_step.layer(self, i, X, P[:, :, i], cache, lean)  # (K, B, 1, d)
+                    continue
                 kw = {"key_padding": key_padding, "is_causal": causal, "kv_cache": cache, "positions": pos}
                 X = self._layer(i, X, P[:, :, i], kw)
         finally:

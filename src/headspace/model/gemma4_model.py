@@ -35,6 +35,7 @@ from ..nn.kv_cache import KVCache
 from ..nn.norms import RMSNorm
 from ..nn.positions import Rotary
 from ..nn.spec import BlockSpec
+from . import gemma4_step
 from .block import TransformerBlock
 from .config import ModelConfig
 from .gemma4_moe import Gemma4MoE
@@ -198,6 +199,9 @@ class Gemma4Decoder(Decoder):
         docstring); owners leave their keys and values to the layers that share them."""
         x, pos, _ = self._embedded(tokens, kv_caches, positions)  # (batch, seq, d_model)
         P = self.per_layer_inputs(tokens, x) if self.ple_dim else None  # (batch, seq, L, p)
+        if gemma4_step.takes(self, tokens, key_padding, kv_caches, positions):
+            assert kv_caches is not None  # a one-token cached step, nothing watching: no module calls
+            return gemma4_step.hidden_states(self, x, P, kv_caches, pos)  # (batch, 1, d_model)
         causal = not (kv_caches is not None and tokens.shape[1] == 1)
         self._kv_store.open()
         try:

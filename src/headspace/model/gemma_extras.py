@@ -20,7 +20,8 @@ the owner it waits for: never stale keys of another run.
 Storage: ``qkv_weight`` holds the rows the layer owns: ``[W_Q; W_K; W_V]`` ((H + 2 Hkv) d_head rows),
 ``[W_Q; W_K]`` with ``k_eq_v`` ((H + Hkv) d_head) and ``W_Q`` alone with ``kv_source`` (H d_head).
 The decoding steps refuse ``v_norm``, ``k_eq_v`` and ``kv_source`` by name; decoding runs the forward
-with its KV cache (:attr:`headspace.TransformerBlock.decode_supported` is False).
+with its KV cache (:attr:`headspace.TransformerBlock.decode_supported` is False), whose one-token steps
+run without module calls while no hook is active (:mod:`headspace.model.gemma4_step`).
 """
 
 from __future__ import annotations
