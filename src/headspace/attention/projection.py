@@ -18,6 +18,7 @@ from ..kernels.workspace import Workspace
 from ..nn.kv_cache import KVCache
 from ..nn.norms import rms_inverse
 from ..nn.positions import rotary_tables, rotate_fused
+from ..nn.rotate_inplace import rotate_fused_
 from .checks import check_rotary_positions
 from .temperature import temper_queries
 
@@ -179,6 +180,10 @@ class HeadProjections:
             # q and k rotated together: they are neighbouring heads of the fused projection
             Hkv = self.n_kv_heads
             qkv = self._fused_projection(query, scratch)  # (B, H + 2 Hkv, Sq, dh)
+            if not qkv.requires_grad:  # no graph: rotated in the projection itself, heads stay views
+                rotate_fused_(qkv[:, : H + Hkv], cos, sin, rotary)
+                q, k, v = qkv.split([H, Hkv, Hkv], dim=1)  # (B, H, Sq, dh), (B, Hkv, Sq, dh) x 2: views
+                return self._tempered(q, kv_cache), k, v
             qk = rotate_fused(qkv[:, : H + Hkv], cos, sin, rotary)  # (B, H + Hkv, Sq, dh), fresh
             q, k = qk.split([H, Hkv], dim=1)  # (B, H, Sq, dh), (B, Hkv, Sq, dh)
             return self._tempered(q, kv_cache), k, qkv[:, H + Hkv :]  # v: (B, Hkv, Sq, dh)

@@ -401,7 +401,7 @@ class TransformerBlock(nn.Module):
         a = _fire(self.hook_attn_out, self.dropout(self.attn(_fire(self.hook_attn_in, self.ln1(x)), **kw)))
         h = self._resid_mid(x, a)  # (batch, seq, d_model): x + a
         m = _fire(self.hook_mlp_out, self.dropout(self.mlp(_fire(self.hook_mlp_in, self.ln2(h)))))
-        return h + m
+        return _sum(m, h, self.hook_mlp_out)  # (batch, seq, d_model): h + m
 
     def _post(self, x: Tensor, kw: dict[str, Any]) -> Tensor:
         """post (BERT): ``h = LN1(x + drop(Attn(x)))``, ``out = LN2(h + drop(MLP(h)))``."""
@@ -431,12 +431,13 @@ class TransformerBlock(nn.Module):
         ``hook_resid_mid`` (there is no middle of the residual)."""
         a = _fire(self.hook_attn_out, self.dropout(self.attn(_fire(self.hook_attn_in, self.ln1(x)), **kw)))
         m = _fire(self.hook_mlp_out, self.dropout(self.mlp(_fire(self.hook_mlp_in, self.ln2(x)))))
-        return x + a + m  # (batch, seq, d_model)
+        return _sum(_sum(a, x, self.hook_attn_out), m, _UNWATCHED)  # (batch, seq, d_model): x + a + m
 
     def _resid_mid(self, x: Tensor, a: Tensor) -> Tensor:
         """``h = x + a`` [batch, seq, d_model], passed through ``hook_resid_mid`` while it is watched."""
-        h = x + a  # (batch, seq, d_model)
-        return recorded.fire_resid_mid(self, x, a, h) if self.hook_resid_mid.fns else h
+        if self.hook_resid_mid.fns:
+            return recorded.fire_resid_mid(self, x, a, x + a)  # (batch, seq, d_model)
+        return _sum(a, x, self.hook_attn_out)  # (batch, seq, d_model): x + a
 
     def extra_repr(self) -> str:
         s = f"norm={self.norm!r}"
@@ -579,6 +580,27 @@ class TransformerBlock(nn.Module):
         if not self.pre_ln:
             out = F.layer_norm(out, (d,), self.ln2.weight, self.ln2.bias, self.ln2.eps)
         return out.view(B, S, d)  # (B, S, d_model)
+
+
+#: A hook point with no function: :func:`_sum` may write over a value no hook point has seen.
+_UNWATCHED = HookPoint()
+
+
+def _sum(a: Tensor, b: Tensor, seen_by: HookPoint) -> Tensor:
+    """``a + b`` (same shape, [batch, seq, d_model]; float addition commutes, so the same values as
+    ``b + a``), written over ``a`` where nothing else can read it: ``a`` is a sublayer's fresh output
+    that passed ``seen_by`` with no function there, no autograd graph records it, and it is a dense
+    tensor of ``b``'s shape and dtype sharing no memory with ``b``."""
+    if (
+        seen_by.fns
+        or a.requires_grad
+        or a.shape != b.shape
+        or a.dtype != b.dtype
+        or not a.is_contiguous()
+        or a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    ):
+        return a + b  # (batch, seq, d_model)
+    return a.add_(b)
 
 
 #: The residual maths of each layout (:attr:`TransformerBlock.spec`'s ``layout``), bound when it is set.

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
@@ -150,9 +151,28 @@ class _FeedForwardLayers(nn.Module):
         float ``nn.Linear`` layers), they get a :class:`DeferredMLP` of the input instead of the
         [batch, seq, d_mlp] values; the output is the same, bit for bit.
         """
-        if any(p.fns for p in self._points()) and self._may_defer(x):
-            return self._forward_deferred(x)
+        if any(p.fns for p in self._points()):
+            if self._may_defer(x):
+                return self._forward_deferred(x)
+        elif type(self)._hidden in _OWN_HIDDEN and type(self.act) in _IN_PLACE:
+            return self.fc_out(self._hidden_in_place(x))  # (batch, seq, d_model)
         return self.fc_out(_fire(self.hook_post, self._hidden(x)))  # (batch, seq, d_model)
+
+    def _hidden_in_place(self, x: Tensor) -> Tensor:
+        """:meth:`_hidden` while no hook point watches: the activation (and the gate's product) written
+        over the fresh linear outputs where no autograd graph needs them; the same values, bit for bit.
+        [batch, seq, d_model] -> [batch, seq, d_mlp]."""
+        gated = "fc_gate" in self._modules
+        pre = (self.fc_gate if gated else self.fc_in)(x)  # (batch, seq, d_mlp)
+        if (
+            pre.requires_grad
+            or type(self.fc_in) is not nn.Linear
+            or (gated and type(self.fc_gate) is not nn.Linear)
+        ):
+            hidden = self.act(pre)  # (batch, seq, d_mlp)
+            return hidden * self.fc_in(x) if gated else hidden
+        hidden = _IN_PLACE[type(self.act)](pre, self.act)  # (batch, seq, d_mlp): pre, activated
+        return hidden.mul_(self.fc_in(x)) if gated else hidden
 
     def _points(self) -> tuple[HookPoint, ...]:
         gated = "hook_pre_linear" in self._modules
@@ -207,6 +227,19 @@ class _FeedForwardLayers(nn.Module):
         return out
 
 
+def _gelu_(t: Tensor, act: nn.Module) -> Tensor:
+    return torch.ops.aten.gelu_(t, approximate=act.approximate)
+
+
+#: The activation modules with an in-place twin (same values): what :meth:`_FeedForwardLayers.forward`
+#: writes over the fresh linear output while nothing watches it.
+_IN_PLACE = {
+    nn.GELU: _gelu_,
+    nn.SiLU: lambda t, act: F.silu(t, inplace=True),
+    nn.ReLU: lambda t, act: t.relu_(),
+}
+
+
 class FeedForward(_FeedForwardLayers):
     r"""The position-wise feed-forward network ``MLP(x) = act(x W_in + b_in) W_out + b_out``.
 
@@ -257,3 +290,7 @@ class GatedFeedForward(_FeedForwardLayers):
 
     def extra_repr(self) -> str:
         return f"act={self.act_name!r}, gated"
+
+
+#: The hidden-unit functions :meth:`_FeedForwardLayers._hidden_in_place` stands in for.
+_OWN_HIDDEN = (FeedForward._hidden, GatedFeedForward._hidden)
