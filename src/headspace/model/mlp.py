@@ -20,7 +20,6 @@ from ..core.checks import check_positive_int
 from ..kernels.bf16 import is_bf16
 from ..kernels.int8 import is_int8
 from ..nn.hooks import HookPoint, Memo, Recomputed, note_source, resolve, source_of
-from .gated_in_place import gate_in_place, may_gate_in_place
 
 #: Activation names accepted by :class:`FeedForward`, :class:`GatedFeedForward` and the models' configs.
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "silu")
@@ -283,9 +282,6 @@ class GatedFeedForward(_FeedForwardLayers):
     def _hidden(self, x: Tensor) -> Tensor:
         g = _fire(self.hook_pre, self.fc_gate(x))  # (batch, seq, d_mlp)
         u = _fire(self.hook_pre_linear, self.fc_in(x))  # (batch, seq, d_mlp)
-        watched = bool(self.hook_pre.fns)
-        if may_gate_in_place(self.act, self.fc_gate, _plain_linear(self.fc_gate), watched, g, u):
-            return gate_in_place(self.act, g, u)  # (batch, seq, d_mlp): the same values, in g
         return self.act(g) * u  # (batch, seq, d_mlp)
 
     def extra_repr(self) -> str:
