@@ -214,12 +214,15 @@ class GatedDeltaNet(nn.Module):
         (the cache's last inputs in front of the call's; zeros without one), through their hook points."""
         s = self.spec
         B, S, _ = x.shape
-        mixed = self.in_qkv(x).transpose(1, 2)  # (B, conv_dim, S)
-        prev = mixed.new_zeros(B, s.conv_dim, s.conv_kernel - 1) if cache is None else cache.conv
-        full = torch.cat([prev, mixed], dim=-1)  # (B, conv_dim, K - 1 + S)
-        if cache is not None:
+        mixed = self.in_qkv(x).transpose(1, 2)  # (B, conv_dim, S), channels last
+        weight = self.conv_weight.unsqueeze(1)  # (conv_dim, 1, K)
+        if cache is None:  # zeros in front: the convolution's own padding (no copy of the input)
+            conv = F.conv1d(mixed, weight, padding=s.conv_kernel - 1, groups=s.conv_dim)[..., :S]
+        else:
+            full = torch.cat([cache.conv, mixed], dim=-1)  # (B, conv_dim, K - 1 + S)
             cache.conv.copy_(full[:, :, full.shape[-1] - (s.conv_kernel - 1) :])
-        out = F.silu(F.conv1d(full, self.conv_weight.unsqueeze(1), groups=s.conv_dim))  # (B, conv_dim, S)
+            conv = F.conv1d(full, weight, groups=s.conv_dim)
+        out = F.silu(conv)  # (B, conv_dim, S)
         out = out.transpose(1, 2)  # (B, S, conv_dim)
         kd = s.n_k_heads * s.d_k
         q = out[..., :kd].reshape(B, S, s.n_k_heads, s.d_k)  # (B, S, Hk, dk)

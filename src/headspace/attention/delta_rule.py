@@ -75,27 +75,31 @@ def chunk_rule(
     q = q * q.shape[-1] ** -0.5
     Hv, dv = v.shape[1], v.shape[-1]
     pad = (chunk - S % chunk) % chunk
-    q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))  # (B, Hv, S + pad, d)
-    beta, g = (F.pad(x, (0, pad)) for x in (beta, g))  # (B, Hv, S + pad)
+    if pad:  # (no copies where the positions fill whole chunks)
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))  # (B, Hv, S + pad, d)
+        beta, g = (F.pad(x, (0, pad)) for x in (beta, g))  # (B, Hv, S + pad)
     n = (S + pad) // chunk
     v_beta, k_beta = v * beta.unsqueeze(-1), k * beta.unsqueeze(-1)
     q, k, k_beta, v_beta = [x.reshape(B, Hv, n, chunk, x.shape[-1]) for x in (q, k, k_beta, v_beta)]
     g = g.reshape(B, Hv, n, chunk)  # (B, Hv, n, chunk)
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
     cum = g.cumsum(dim=3)  # (B, Hv, n, chunk): log decay since the chunk's start
-    pair = (cum.unsqueeze(4) - cum.unsqueeze(3)).masked_fill(upper, float("-inf")).exp()  # (.., chunk, chunk)
-    system = (k_beta @ k.transpose(-1, -2)) * pair
-    intra = (q @ k.transpose(-1, -2)) * pair
-    decayed_k_beta = k_beta * cum.exp().unsqueeze(-1)
-    new_v = torch.linalg.solve_triangular(system, v_beta, upper=False, unitriangular=True)
-    k_cum = torch.linalg.solve_triangular(system, decayed_k_beta, upper=False, unitriangular=True)
+    # (B, Hv, n, chunk, chunk): the decay from each position to each later one in its chunk
+    pair = (cum.unsqueeze(4) - cum.unsqueeze(3)).masked_fill_(upper, float("-inf")).exp_()
+    system = (k_beta @ k.transpose(-1, -2)).mul_(pair)  # (the products are fresh: scaled in place)
+    intra = (q @ k.transpose(-1, -2)).mul_(pair)
+    decay = cum.exp().unsqueeze(-1)  # (B, Hv, n, chunk, 1)
+    decayed_k_beta = k_beta * decay
+    both = torch.cat([v_beta, decayed_k_beta], dim=-1)  # (B, Hv, n, chunk, dv + dk): one solve for both
+    solved = torch.linalg.solve_triangular(system, both, upper=False, unitriangular=True)
+    new_v, k_cum = solved[..., :dv], solved[..., dv:]  # (B, Hv, n, chunk, dv), (.., dk)
     s = (
         torch.zeros(B, Hv, dk, dv, dtype=new_v.dtype, device=new_v.device)
         if state is None
         else state.to(new_v)
     )
-    out = torch.zeros_like(new_v)  # (B, Hv, n, chunk, dv)
-    q = q * cum.exp().unsqueeze(-1)
+    out = torch.empty_like(new_v)  # (B, Hv, n, chunk, dv): every chunk written below
+    q = q * decay
     k = k * (cum[..., -1:] - cum).exp().unsqueeze(-1)
     chunk_decay = cum[..., -1].exp()[..., None, None]  # (B, Hv, n, 1, 1)
     for i in range(n):

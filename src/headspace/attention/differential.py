@@ -171,14 +171,18 @@ class DifferentialAttention(MultiHeadAttention):
         q, k, v = self._heads_qkv(query, k_in, v_in, True, self.hooks_active, None, positions, kv_cache)
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)  # (B, Hkv, Sk, dh) x 2
-        pattern = self._pattern(q, k, mask)  # (B, H, Sq, Sk)
         P, lam = self.n_pairs, self.lambda_full()
-        if self.hook_diff_pattern.active:  # a value to read: the output is made from hook_z below
-            self.hook_diff_pattern(pattern[:, :P] - lam * pattern[:, P:])  # (B, P, Sq, Sk)
         values = self._pair_values(v)  # (B, P, Sk, 2 dh)
-        z = torch.matmul(pattern, torch.cat([values, values], dim=1))  # (B, H, Sq, 2 dh): each head's
-        z = self.hook_z(z.transpose(1, 2))  # (B, Sq, H, 2 dh)
-        z = z[:, :, :P] - lam * z[:, :, P:]  # (B, Sq, P, 2 dh): each pair's
+        watched = (self.hook_scores, self.hook_pattern, self.hook_diff_pattern, self.hook_z)
+        if need_weights or any(h.active for h in watched):
+            pattern = self._pattern(q, k, mask)  # (B, H, Sq, Sk)
+            if self.hook_diff_pattern.active:  # a value to read: the output is made from hook_z below
+                self.hook_diff_pattern(pattern[:, :P] - lam * pattern[:, P:])  # (B, P, Sq, Sk)
+            z = torch.matmul(pattern, torch.cat([values, values], dim=1))  # (B, H, Sq, 2 dh): each head's
+            z = self.hook_z(z.transpose(1, 2))  # (B, Sq, H, 2 dh)
+            z = z[:, :, :P] - lam * z[:, :, P:]  # (B, Sq, P, 2 dh): each pair's
+        else:  # nothing watches a map or a head's z: each pair's (p_1 - lambda p_2) v in one product
+            z = self._pair_z(q, k, values, mask, lam)  # (B, Sq, P, 2 dh)
         normed = (1 - self.lambda_init) * (z * rms_inverse(z, self.norm_eps)).to(z.dtype)  # (B, Sq, P, 2 dh)
         normed = self.hook_z_normed(normed)
         if self.hook_result.active:
@@ -188,6 +192,28 @@ class DifferentialAttention(MultiHeadAttention):
         else:
             out = F.linear(normed.reshape(B, Sq, P * 2 * self.d_head), self.o_weight, self.o_bias)
         return (out, pattern) if need_weights else out  # (B, Sq, d_model)
+
+    def _pair_z(self, q: Tensor, k: Tensor, values: Tensor, mask: Any, lam: Tensor) -> Tensor:
+        """Each pair's ``z_j - lambda z_{j+P} = (P_j - lambda P_{j+P}) [v_g, v_{g + n_kv_heads/2}]``, the
+        difference taken on the maps (one product of half the heads, no per-head z): q [B, H, Sq, dh],
+        k [B, Hkv, Sk, dh], values [B, P, Sk, 2 dh] -> [B, Sq, P, 2 dh] (0 on dead rows). The
+        same values as the hooked path's to float rounding (the scale is applied to q, not the scores)."""
+        P, Sq, Sk = self.n_pairs, q.shape[2], k.shape[2]
+        if self.group_size > 1:
+            k = k.repeat_interleave(self.group_size, dim=1)  # (B, H, Sk, dh): each query head's key head
+        scores = torch.matmul(q * self.scale, k.transpose(2, 3))  # (B, H, Sq, Sk), fresh
+        if mask.is_causal:
+            above = torch.ones(Sq, Sk, dtype=torch.bool, device=q.device).triu(Sk - Sq + 1)  # (Sq, Sk)
+            scores = scores.masked_fill_(above, float("-inf"))
+        elif mask.mask is not None:
+            m = mask.mask
+            scores = scores + m if m.is_floating_point() else scores.masked_fill(~m, float("-inf"))
+        pattern = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # (B, H, Sq, Sk)
+        diff = torch.sub(pattern[:, :P], pattern[:, P:] * lam)  # (B, P, Sq, Sk): p_1 - lambda p_2
+        dead = mask.dead_rows  # (B|1, H|1, Sq, 1): both maps 0 there, so their difference
+        if dead is not None:
+            diff = diff.masked_fill(dead[:, :P] if dead.shape[1] > 1 else dead, 0.0)  # (B, P, Sq, Sk)
+        return torch.matmul(diff, values).transpose(1, 2)  # (B, Sq, P, 2 dh)
 
     def _pattern(self, q: Tensor, k: Tensor, mask: Any) -> Tensor:
         """Every query head's softmax map, ``hook_scores`` and ``hook_pattern`` fired: q [B, H, Sq, dh],

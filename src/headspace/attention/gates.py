@@ -60,7 +60,7 @@ def gate_of(layer: nn.Module, x: Tensor) -> Tensor | None:
         return None
     B, S, _ = x.shape
     H = layer.n_heads  # type: ignore[attr-defined]
-    g = torch.sigmoid(F.linear(x, weight, layer.gate_bias)).reshape(B, S, H, -1)  # (B, S, H, width)
+    g = F.linear(x, weight, layer.gate_bias).sigmoid_().reshape(B, S, H, -1)  # (B, S, H, width): in place
     point = layer.hook_gate
     return point(g) if point.active else g  # type: ignore[operator]
 

@@ -34,7 +34,7 @@ from .projection import HeadProjections
 from .recording import QKVOps as QKVOps  # re-exported: their old home
 from .recording import output_sum as output_sum
 from .recording import project_stages as project_stages
-from .sinks import add_sinks, fire_sink
+from .sinks import add_sinks, fire_sink, sink_attention
 
 #: a hook point nothing is added to: a gated layer's attention fires hook_z itself, after the gate
 _UNWATCHED = HookPoint()
@@ -380,14 +380,15 @@ class MultiHeadAttention(DescribedAttention, HeadProjections, nn.Module):
             k, v = kv_cache.append(k, v)  # (B, Hkv, Sk, dh) x 2
         dropout_p = self.dropout if self.training else 0.0
         gate = gate_of(self, query)  # (B, Sq, H, width) or None
-        if traced or self.softcap is not None or self.sinks is not None:  # (no fused path: caps, sinks)
+        sunk = None if traced or need_weights else sink_attention(self, q, k, v, mask, dropout_p)
+        if sunk is None and (traced or self.softcap is not None or self.sinks is not None):  # (caps, sinks)
             z, pattern, _ = self.traced_attention(
                 q, k, v, mask, dropout_p, need_pattern=need_weights, gate=gate
             )
             out = self.output_from_heads(z)  # (B, Sq, d_model)
         else:
             backend = get_backend("explicit" if need_weights else "sdpa")
-            z, pattern = backend(q, k, v, mask, scale=self.scale, dropout_p=dropout_p)  # (B, H, Sq, dh)
+            z, pattern = sunk or backend(q, k, v, mask, scale=self.scale, dropout_p=dropout_p)  # (B,H,Sq,dh)
             # (bench helper) drop our references to the fused projection before W_O allocates the
             # output: without grad this frees [B, S, 3 d_model] early and lowers the peak memory.
             del q, k, v
