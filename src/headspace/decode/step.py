@@ -20,7 +20,8 @@ blocks; the post layout below)::
                                            ALiBi's -m_h (i - j) where set, else none)
     a = attn_out_norm(z W_O (+ b))        (sandwich / post-sublayer norms only)
     h = x + a
-    m = act(norm2(h) W_gate) * (norm2(h) W_in) W_out     (plain MLP: act(norm2(h) W_in) W_out)
+    m = act(norm2(h) W_gate) * (norm2(h) W_in) W_out     (plain MLP: act(norm2(h) W_in) W_out;
+                                          a mixture of experts: its module on the rows, LayerStep.moe)
     out = h + mlp_out_norm(m)             (sandwich / post-sublayer norms only)
 
 then ``final_norm``, the unembedding and, with ``final_softcap``, ``cap * tanh(logits / cap)``. A norm
@@ -72,8 +73,9 @@ _ACTIVATION_MODULES: dict[str, tuple[type[nn.Module], str | None]] = {
 STEP_FEATURES = ("window", "qk_norm", "bias", "layout", "chunk", "temperature")
 #: The block features the ``"python"`` backend alone computes beyond :data:`STEP_FEATURES`: score
 #: soft-capping (Gemma 2, :attr:`LayerStep.softcap`) and multi-head latent attention
-#: (:attr:`LayerStep.latent`); the native step refuses both by name.
-PYTHON_STEP_FEATURES = (*STEP_FEATURES, "softcap", "latent")
+#: (:attr:`LayerStep.latent`) and a mixture-of-experts MLP (:attr:`LayerStep.moe`); the native step
+#: refuses each by name.
+PYTHON_STEP_FEATURES = (*STEP_FEATURES, "softcap", "latent", "moe")
 
 
 class DecoderModel(Protocol):
@@ -156,8 +158,8 @@ class LayerStep:
     norm2: Norm | None
     activation: str
     gate: Product | None
-    fc_in: Product
-    fc_out: Product
+    fc_in: Product | None
+    fc_out: Product | None
     act_module: nn.Module | None = None
     qk_norm: str | None = None
     q_norm: Norm | None = None
@@ -183,6 +185,11 @@ class LayerStep:
     #: Gemma 2's score soft-capping: the scaled scores s become ``softcap * tanh(s / softcap)`` before
     #: the mask and the softmax; None else. Python only (:data:`PYTHON_ONLY`)
     softcap: float | None = None
+    #: a mixture-of-experts MLP (:class:`~headspace.model.moe.MixtureOfExperts`, ``mlp.kind="moe"``):
+    #: the step calls the module itself on the new rows [batch, 1, d_model] (its routing, experts,
+    #: shared expert and hook points as its forward computes them; ``gate``, ``fc_in`` and ``fc_out``
+    #: None); None else. Python only (:data:`PYTHON_ONLY`)
+    moe: nn.Module | None = dataclasses.field(default=None, compare=False, repr=False)
     #: the block's description the step was read from (each backend refuses the fields it lacks by name)
     spec: BlockSpec | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -198,6 +205,7 @@ PYTHON_ONLY: tuple[str, ...] = (
     "chunk",
     "temperature",
     "softcap",
+    "moe",
 )
 
 
@@ -321,6 +329,7 @@ def _layer_of(block: TransformerBlock, pack_rows: int | None) -> LayerStep:
         qkv_p = product_of(a.qkv_weight, a.qkv_bias, pack_rows)
         o_p = product_of(a.o_weight, a.o_bias, pack_rows)
     activation = _activation_of(mlp.act, spec.mlp.act)
+    moe = spec.mlp.kind == "moe"  # a mixture of experts: the step calls its module (no products)
     gate = mlp.fc_gate if spec.mlp.kind == "gated" else None
     if spec.layout == "post_sublayer":  # OLMo 2: h = x + ln1(attn(x)), out = h + ln2(mlp(h))
         norm1 = norm2 = None
@@ -345,8 +354,8 @@ def _layer_of(block: TransformerBlock, pack_rows: int | None) -> LayerStep:
         norm2=norm2,
         activation=activation,
         gate=None if gate is None else product_of(gate.weight, gate.bias, pack_rows),
-        fc_in=product_of(mlp.fc_in.weight, mlp.fc_in.bias, pack_rows),
-        fc_out=product_of(mlp.fc_out.weight, mlp.fc_out.bias, pack_rows),
+        fc_in=None if moe else product_of(mlp.fc_in.weight, mlp.fc_in.bias, pack_rows),
+        fc_out=None if moe else product_of(mlp.fc_out.weight, mlp.fc_out.bias, pack_rows),
         act_module=mlp.act if activation == "module" else None,
         qk_norm=at.qk_norm,
         q_norm=norm_of(a.q_norm) if qk else None,
@@ -361,6 +370,7 @@ def _layer_of(block: TransformerBlock, pack_rows: int | None) -> LayerStep:
         chunk=at.chunk,
         temperature=at.temperature,
         softcap=at.softcap,
+        moe=mlp if moe else None,
         spec=spec,
     )
 

@@ -465,14 +465,19 @@ class TransformerBlock(nn.Module):
         rotations included; score soft-capping, Gemma 2's, in the Python step only), no ``check_finite``,
         this module's MLPs; not a model-wide :attr:`decode_blockers` reason. Where
         False, decoding runs :meth:`forward` with the KV cache. A pre-norm block with latent attention
-        (DeepSeek) with its own forward has the Python step (its forward on one position)."""
+        (DeepSeek) with its own forward has the Python step (its forward on one position). A
+        :class:`~headspace.model.moe.MixtureOfExperts` MLP with its own forward has the Python step
+        (the module called on the new rows)."""
         a = self.attn
+        mlp_ok = isinstance(self.mlp, (FeedForward, GatedFeedForward)) or (
+            isinstance(self.mlp, MixtureOfExperts) and type(self.mlp).forward is MixtureOfExperts.forward
+        )
         if isinstance(a, LatentAttention):
             return (
                 self.norm == "pre"
                 and not self.decode_blockers
                 and type(a).forward is LatentAttention.forward
-                and isinstance(self.mlp, (FeedForward, GatedFeedForward))
+                and mlp_ok
             )
         return (
             self.norm in ("pre", "post", "sandwich", "post_sublayer", "parallel")
@@ -483,7 +488,7 @@ class TransformerBlock(nn.Module):
             and type(a).forward is MultiHeadAttention.forward
             and a.fused
             and not a.check_finite
-            and isinstance(self.mlp, (FeedForward, GatedFeedForward))
+            and mlp_ok
         )
 
     @property
