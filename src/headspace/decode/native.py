@@ -12,9 +12,9 @@ rotations and NoPE layers (each layer handed its own tables, the other rotaries'
 Python step makes them), sandwich and post-sublayer norms. A description with any other part (int8
 weights, another norm or activation, the parallel or post layout) has no native form
 (:func:`native_form` is None) and takes the Python step (asked for by name, :func:`prepare` refuses
-ALiBi, soft-capping, a mixture of experts and the post layout by field name); so does a call with
-gradients enabled on a model with windowed caches (their ``append_one`` then keeps the keys' history,
-which only the Python step does).
+ALiBi, soft-capping, a mixture of experts, learned sinks and the post layout by field name); so does a
+call with gradients enabled on a model with windowed caches (their ``append_one`` then keeps the keys'
+history, which only the Python step does).
 
 Notation used for tensor shapes:
     rotary_dim (the features of d_head a rotation turns).
@@ -46,8 +46,8 @@ def native_form(step: DecodeStep) -> tuple[list[NamedFields], NamedFields | None
     for layer in step.layers:
         if layer.alibi_slopes is not None or layer.softcap is not None:
             return None  # ALiBi, soft-capping: the Python step's only (:func:`prepare` refuses them by name)
-        if layer.latent is not None or layer.moe is not None:
-            return None  # latent attention (DeepSeek), a mixture of experts: the Python step runs them
+        if layer.latent is not None or layer.moe is not None or layer.sinks is not None:
+            return None  # latent attention, experts, learned sinks: the Python step runs them
         if layer.spec is not None:
             refuse_unsupported(layer.spec, "the native decoding step", NATIVE_FEATURES)
         fields = named_fields(layer)
@@ -67,7 +67,7 @@ def prepare(step: DecodeStep) -> Callable[..., Tensor] | None:
     :mod:`headspace.decode.backends`), or None where the step has no native form or the library is not
     loaded (:func:`headspace.kernels.native.ready`)."""
     for layer in step.layers:  # asked for by name: a field it lacks is refused by name
-        named = layer.alibi_slopes is not None or layer.softcap is not None or layer.moe is not None
+        named = any(x is not None for x in (layer.alibi_slopes, layer.softcap, layer.moe, layer.sinks))
         if layer.spec is not None and named:
             refuse_unsupported(layer.spec, "the native decoding step", NATIVE_FEATURES)
         if layer.post:  # the post layout (OPT-350m): the Python step's only

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..attention.functional import repeat_kv
+from ..attention.sinks import sink_pattern
 from ..attention.temperature import temper_queries
 from ..kernels.prepack import packed_linear_fn
 from ..kernels.q8_0 import Q8Blocks, q8_0_linear_fn
@@ -73,6 +74,7 @@ class _Layer(NamedTuple):
     softcap: float | None = None
     latent: torch.nn.Module | None = None
     moe: torch.nn.Module | None = None
+    sinks: Tensor | None = None
 
 
 def norm_fn(norm: Norm) -> Rows:
@@ -152,6 +154,7 @@ def _resolve(layer: LayerStep) -> _Layer:
         temperature=layer.temperature,
         softcap=layer.softcap,
         moe=layer.moe,
+        sinks=layer.sinks,
     )
 
 
@@ -224,19 +227,25 @@ def layer_rows(
 def _attend(layer: _Layer, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     """The new query's attention output [B, H, 1, dh] from q [B, H, 1, dh], k and v [B, Hkv, Sk, dh] and
     ``mask`` (None, a boolean [1, 1, 1, Sk] of the keys that may be attended, or an additive float
-    [1, H, 1, Sk]): ``F.scaled_dot_product_attention``; with Gemma 2's soft-capping the forward's
-    reference maths, ``softmax(cap * tanh((q * scale) k^T / cap), masked) v``
-    (:func:`headspace.attention.functional.reference_parts`)."""
-    if layer.softcap is None:
+    [1, H, 1, Sk]): ``F.scaled_dot_product_attention``; with Gemma 2's soft-capping or gpt-oss's
+    learned sinks the forward's reference maths, ``softmax(cap * tanh((q * scale) k^T / cap), masked)
+    v`` (:func:`headspace.attention.functional.reference_parts`), the sinks' softmax
+    :func:`~headspace.attention.sinks.sink_pattern` (each row sums to ``1 - sink``)."""
+    if layer.softcap is None and layer.sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=layer.gqa
         )
     H = q.shape[1]
     scores = torch.matmul(q * layer.scale, repeat_kv(k, H).transpose(-2, -1))  # (B, H, 1, Sk)
-    scores = torch.tanh(scores / layer.softcap) * layer.softcap  # (B, H, 1, Sk)
+    if layer.softcap is not None:
+        scores = torch.tanh(scores / layer.softcap) * layer.softcap  # (B, H, 1, Sk)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    return torch.matmul(torch.softmax(scores, dim=-1), repeat_kv(v, H))  # (B, H, 1, dh)
+    if layer.sinks is None:
+        pattern = torch.softmax(scores, dim=-1)  # (B, H, 1, Sk)
+    else:
+        pattern = sink_pattern(scores, layer.sinks)  # (B, H, 1, Sk): rows sum to 1 - sink
+    return torch.matmul(pattern, repeat_kv(v, H))  # (B, H, 1, dh)
 
 
 def _mlp_rows(layer: _Layer, x: Tensor, h: Tensor) -> Tensor:
@@ -329,12 +338,12 @@ class LayerTables:
 def prepare(step: DecodeStep) -> Callable[..., Tensor]:
     """The ``"python"`` backend: ``run(x, caches, start, cos, sin)`` -> the rows after every block and
     the final norm (see :mod:`headspace.decode.backends` for the signature). Runs any description whose
-    blocks' specs set only :data:`~headspace.decode.step.STEP_FEATURES` and ``softcap``, and ``latent``
-    or ``moe`` where the layer carries the module that computes it (as ``PYTHON_STEP_FEATURES``; any
-    other field: ``ValueError`` naming it)."""
+    blocks' specs set only :data:`~headspace.decode.step.STEP_FEATURES` and ``softcap``, and ``latent``,
+    ``moe`` or ``sink`` where the layer carries the module or parameter that computes it (as
+    ``PYTHON_STEP_FEATURES``; any other field: ``ValueError`` naming it)."""
     for layer in step.layers:
         if layer.spec is not None:
-            carried = {"latent": layer.latent, "moe": layer.moe}
+            carried = {"latent": layer.latent, "moe": layer.moe, "sink": layer.sinks}
             extra = tuple(name for name, module in carried.items() if module is not None)
             refuse_unsupported(layer.spec, "the Python decoding step", (*STEP_FEATURES, "softcap", *extra))
     layers = [_resolve(layer) for layer in step.layers]

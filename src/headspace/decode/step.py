@@ -17,7 +17,8 @@ blocks; the post layout below)::
     q, k = rotate(q, k)                   (rotary positions: to the new position, with the layer's base)
     z = softmax(q K^T * scale + M) V      (K, V: the cached keys and values, the new ones appended;
                                            M: -inf on keys outside a sliding window, plus
-                                           ALiBi's -m_h (i - j) where set, else none)
+                                           ALiBi's -m_h (i - j) where set, else none; with learned
+                                           sinks s_h the softmax's denominator has + exp(s_h) too)
     a = attn_out_norm(z W_O (+ b))        (sandwich / post-sublayer norms only)
     h = x + a
     m = act(norm2(h) W_gate) * (norm2(h) W_in) W_out     (plain MLP: act(norm2(h) W_in) W_out;
@@ -73,9 +74,9 @@ _ACTIVATION_MODULES: dict[str, tuple[type[nn.Module], str | None]] = {
 STEP_FEATURES = ("window", "qk_norm", "bias", "layout", "chunk", "temperature")
 #: The block features the ``"python"`` backend alone computes beyond :data:`STEP_FEATURES`: score
 #: soft-capping (Gemma 2, :attr:`LayerStep.softcap`) and multi-head latent attention
-#: (:attr:`LayerStep.latent`) and a mixture-of-experts MLP (:attr:`LayerStep.moe`); the native step
-#: refuses each by name.
-PYTHON_STEP_FEATURES = (*STEP_FEATURES, "softcap", "latent", "moe")
+#: (:attr:`LayerStep.latent`), a mixture-of-experts MLP (:attr:`LayerStep.moe`) and learned sinks
+#: (:attr:`LayerStep.sinks`); the native step refuses each by name.
+PYTHON_STEP_FEATURES = (*STEP_FEATURES, "softcap", "latent", "moe", "sink")
 
 
 class DecoderModel(Protocol):
@@ -190,6 +191,10 @@ class LayerStep:
     #: shared expert and hook points as its forward computes them; ``gate``, ``fc_in`` and ``fc_out``
     #: None); None else. Python only (:data:`PYTHON_ONLY`)
     moe: nn.Module | None = dataclasses.field(default=None, compare=False, repr=False)
+    #: gpt-oss's learned sinks: the attention's ``sinks`` parameter [n_heads], one logit per head in
+    #: the new row's softmax (:func:`~headspace.attention.sinks.sink_pattern`: the row sums to
+    #: ``1 - sink``); None else. Python only (:data:`PYTHON_ONLY`)
+    sinks: Tensor | None = dataclasses.field(default=None, compare=False, repr=False)
     #: the block's description the step was read from (each backend refuses the fields it lacks by name)
     spec: BlockSpec | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -206,6 +211,7 @@ PYTHON_ONLY: tuple[str, ...] = (
     "temperature",
     "softcap",
     "moe",
+    "sinks",
 )
 
 
@@ -371,6 +377,7 @@ def _layer_of(block: TransformerBlock, pack_rows: int | None) -> LayerStep:
         temperature=at.temperature,
         softcap=at.softcap,
         moe=mlp if moe else None,
+        sinks=a.sinks if at.sink is not None else None,
         spec=spec,
     )
 

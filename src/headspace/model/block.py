@@ -467,7 +467,7 @@ class TransformerBlock(nn.Module):
         False, decoding runs :meth:`forward` with the KV cache. A pre-norm block with latent attention
         (DeepSeek) with its own forward has the Python step (its forward on one position). A
         :class:`~headspace.model.moe.MixtureOfExperts` MLP with its own forward has the Python step
-        (the module called on the new rows)."""
+        (the module called on the new rows), and so do learned sinks (gpt-oss)."""
         a = self.attn
         mlp_ok = isinstance(self.mlp, (FeedForward, GatedFeedForward)) or (
             isinstance(self.mlp, MixtureOfExperts) and type(self.mlp).forward is MixtureOfExperts.forward
@@ -483,7 +483,6 @@ class TransformerBlock(nn.Module):
             self.norm in ("pre", "post", "sandwich", "post_sublayer", "parallel")
             and not self.decode_blockers
             and isinstance(a, MultiHeadAttention)
-            and self.spec.attention.sink is None  # (the step has no sinks: decoding runs forward)
             and self.spec.attention.gate is None  # (nor gates: decoding runs forward)
             and type(a).forward is MultiHeadAttention.forward
             and a.fused

@@ -340,7 +340,7 @@ FAMILIES: tuple[Family, ...] = (
         _PRE,
         _RMS,
         "experts with clamped SwiGLU; attention sinks; alternating windows",
-        ("forward",),
+        ("python",),
         _REL,
         _MOE_T,
     ),
