@@ -46,8 +46,8 @@ def native_form(step: DecodeStep) -> tuple[list[NamedFields], NamedFields | None
     for layer in step.layers:
         if layer.alibi_slopes is not None or layer.softcap is not None:
             return None  # ALiBi, soft-capping: the Python step's only (:func:`prepare` refuses them by name)
-        if layer.latent is not None or layer.moe is not None or layer.sinks is not None:
-            return None  # latent attention, experts, learned sinks: the Python step runs them
+        if any(x is not None for x in (layer.latent, layer.moe, layer.sinks, layer.out_gate, layer.mixer)):
+            return None  # latent attention, experts, sinks, gates, DeltaNet: the Python step runs them
         if layer.spec is not None:
             refuse_unsupported(layer.spec, "the native decoding step", NATIVE_FEATURES)
         fields = named_fields(layer)
@@ -67,8 +67,8 @@ def prepare(step: DecodeStep) -> Callable[..., Tensor] | None:
     :mod:`headspace.decode.backends`), or None where the step has no native form or the library is not
     loaded (:func:`headspace.kernels.native.ready`)."""
     for layer in step.layers:  # asked for by name: a field it lacks is refused by name
-        named = any(x is not None for x in (layer.alibi_slopes, layer.softcap, layer.moe, layer.sinks))
-        if layer.spec is not None and named:
+        named = (layer.alibi_slopes, layer.softcap, layer.moe, layer.sinks, layer.out_gate, layer.mixer)
+        if layer.spec is not None and any(x is not None for x in named):
             refuse_unsupported(layer.spec, "the native decoding step", NATIVE_FEATURES)
         if layer.post:  # the post layout (OPT-350m): the Python step's only
             raise ValueError("the native decoding step does not support the block field 'layout' ('post')")

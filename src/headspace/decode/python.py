@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..attention.delta_net import DeltaNetCache
 from ..attention.functional import repeat_kv
 from ..attention.sinks import sink_pattern
 from ..attention.temperature import temper_queries
@@ -75,6 +76,8 @@ class _Layer(NamedTuple):
     latent: torch.nn.Module | None = None
     moe: torch.nn.Module | None = None
     sinks: Tensor | None = None
+    out_gate: Rows | None = None
+    mixer: torch.nn.Module | None = None
 
 
 def norm_fn(norm: Norm) -> Rows:
@@ -155,6 +158,8 @@ def _resolve(layer: LayerStep) -> _Layer:
         softcap=layer.softcap,
         moe=layer.moe,
         sinks=layer.sinks,
+        out_gate=None if layer.out_gate is None else linear_fn(layer.out_gate),
+        mixer=layer.mixer,
     )
 
 
@@ -179,9 +184,10 @@ def layer_rows(
     B = x.shape[0]
     H, Hkv, dh = layer.n_heads, layer.n_kv_heads, layer.d_head
     n = x if layer.norm1 is None or layer.post else layer.norm1(x)  # (B, d_model)
-    if layer.latent is not None:  # latent attention: its forward on the new position, its own cache
-        assert isinstance(kv, LatentCache)
-        a = layer.latent(n.unsqueeze(1), kv_cache=kv).squeeze(1)  # (B, d_model)
+    if layer.latent is not None or layer.mixer is not None:  # its forward on the new position, its cache
+        assert isinstance(kv, (LatentCache, DeltaNetCache))
+        module = layer.latent if layer.latent is not None else layer.mixer
+        a = module(n.unsqueeze(1), kv_cache=kv).squeeze(1)  # (B, 1, d_model) -> (B, d_model)
         return _mlp_rows(layer, x, x + a)
     qkv = layer.qkv(n).view(B, H + 2 * Hkv, 1, dh)  # (B, H + 2 Hkv, 1, dh)
     rotate = cos is not None and sin is not None and layer.rotary is not None
@@ -217,6 +223,8 @@ def layer_rows(
         bias = alibi_bias(layer.alibi, 1, k.shape[2], device=x.device).to(x.dtype)[None]  # (1, H, 1, Sk)
         mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))  # (1, H, 1, Sk)
     z = _attend(layer, q, k, v, mask)  # (B, H, 1, dh)
+    if layer.out_gate is not None:  # Qwen3-Next: sigmoid(n W_G + b_G) per head (and feature) on z
+        z = z * torch.sigmoid(layer.out_gate(n)).view(B, H, 1, -1)  # (B, H, 1, dh)
     a = layer.o(z.reshape(B, H * dh))  # (B, d_model): heads concatenated
     h = x + (a if layer.attn_out_norm is None else layer.attn_out_norm(a))  # (B, d_model)
     if layer.post and layer.norm1 is not None:  # the post layout: norm1 after the residual add
@@ -299,7 +307,7 @@ def cache_views(caches: Sequence[KVCache], start: int) -> list[KV | KVCache]:
             )
     return [
         c
-        if c.window is not None or isinstance(c, LatentCache)  # (a latent layer's forward appends)
+        if c.window is not None or isinstance(c, (LatentCache, DeltaNetCache))  # (their forwards append)
         else (
             c.k.narrow(2, start, 1),
             c.v.narrow(2, start, 1),
@@ -339,11 +347,12 @@ def prepare(step: DecodeStep) -> Callable[..., Tensor]:
     """The ``"python"`` backend: ``run(x, caches, start, cos, sin)`` -> the rows after every block and
     the final norm (see :mod:`headspace.decode.backends` for the signature). Runs any description whose
     blocks' specs set only :data:`~headspace.decode.step.STEP_FEATURES` and ``softcap``, and ``latent``,
-    ``moe`` or ``sink`` where the layer carries the module or parameter that computes it (as
+    ``moe``, ``sink``, ``gate`` or ``mixer`` where the layer carries what computes it (as
     ``PYTHON_STEP_FEATURES``; any other field: ``ValueError`` naming it)."""
     for layer in step.layers:
         if layer.spec is not None:
             carried = {"latent": layer.latent, "moe": layer.moe, "sink": layer.sinks}
+            carried |= {"gate": layer.out_gate, "mixer": layer.mixer}
             extra = tuple(name for name, module in carried.items() if module is not None)
             refuse_unsupported(layer.spec, "the Python decoding step", (*STEP_FEATURES, "softcap", *extra))
     layers = [_resolve(layer) for layer in step.layers]

@@ -75,8 +75,9 @@ STEP_FEATURES = ("window", "qk_norm", "bias", "layout", "chunk", "temperature")
 #: The block features the ``"python"`` backend alone computes beyond :data:`STEP_FEATURES`: score
 #: soft-capping (Gemma 2, :attr:`LayerStep.softcap`) and multi-head latent attention
 #: (:attr:`LayerStep.latent`), a mixture-of-experts MLP (:attr:`LayerStep.moe`) and learned sinks
-#: (:attr:`LayerStep.sinks`); the native step refuses each by name.
-PYTHON_STEP_FEATURES = (*STEP_FEATURES, "softcap", "latent", "moe", "sink")
+#: (:attr:`LayerStep.sinks`), output gates (:attr:`LayerStep.out_gate`) and Gated DeltaNet mixers
+#: (:attr:`LayerStep.mixer`); the native step refuses each by name.
+PYTHON_STEP_FEATURES = (*STEP_FEATURES, "softcap", "latent", "moe", "sink", "gate", "mixer")
 
 
 class DecoderModel(Protocol):
@@ -195,6 +196,14 @@ class LayerStep:
     #: the new row's softmax (:func:`~headspace.attention.sinks.sink_pattern`: the row sums to
     #: ``1 - sink``); None else. Python only (:data:`PYTHON_ONLY`)
     sinks: Tensor | None = dataclasses.field(default=None, compare=False, repr=False)
+    #: Qwen3-Next's output gate (``AttentionSpec.gate``): the product ``n W_G^T + b_G`` [batch, n_heads *
+    #: width] of the attention's input n, whose sigmoid multiplies each head's z (per feature, or per
+    #: head for width 1) before W_O (:mod:`headspace.attention.gates`); None else. Python only
+    out_gate: Product | None = None
+    #: a Gated DeltaNet layer (``BlockSpec.mixer``: :class:`~headspace.attention.delta_net.GatedDeltaNet`)
+    #: whose one-position step is its own forward with its ``DeltaNetCache`` (its recurrent state;
+    #: ``qkv`` then describes its ``in_qkv``, ``o`` its ``out_proj``); None else. Python only
+    mixer: nn.Module | None = dataclasses.field(default=None, compare=False, repr=False)
     #: the block's description the step was read from (each backend refuses the fields it lacks by name)
     spec: BlockSpec | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -212,6 +221,8 @@ PYTHON_ONLY: tuple[str, ...] = (
     "softcap",
     "moe",
     "sinks",
+    "out_gate",
+    "mixer",
 )
 
 
@@ -327,9 +338,9 @@ def _layer_of(block: TransformerBlock, pack_rows: int | None) -> LayerStep:
     spec: BlockSpec = block.spec
     refuse_unsupported(spec, "the decoding step", PYTHON_STEP_FEATURES)
     at, a, mlp = spec.attention, block.attn, block.mlp
-    latent = at.latent is not None
-    if latent:  # latent attention (its forward runs the step): the latent's down projection, unpacked
-        qkv, o = a.kv_a_proj_with_mqa, a.o_proj
+    latent, mixer = at.latent is not None, spec.mixer != "attention"
+    if latent or mixer:  # latent attention, DeltaNet (their forwards run the step): unpacked projections
+        qkv, o = (a.kv_a_proj_with_mqa, a.o_proj) if latent else (a.in_qkv, a.out_proj)
         qkv_p, o_p = product_of(qkv.weight, qkv.bias, None), product_of(o.weight, o.bias, None)
     else:
         qkv_p = product_of(a.qkv_weight, a.qkv_bias, pack_rows)
@@ -345,7 +356,8 @@ def _layer_of(block: TransformerBlock, pack_rows: int | None) -> LayerStep:
         sandwich = spec.layout == "sandwich"
         attn_out = norm_of(block.ln_attn_out) if sandwich else None
         mlp_out = norm_of(block.ln_mlp_out) if sandwich else None
-    qk = at.qk_norm is not None
+    qk = at.qk_norm is not None and not mixer
+    plain = not (latent or mixer)  # MultiHeadAttention's fields (sinks, gate) are read from it
     parallel = True if spec.layout == "parallel" else None  # norm1 / norm2 as a pre-norm block's
     post = True if spec.layout == "post" else None  # norm1 / norm2 after the residual adds
     return LayerStep(
@@ -377,7 +389,9 @@ def _layer_of(block: TransformerBlock, pack_rows: int | None) -> LayerStep:
         temperature=at.temperature,
         softcap=at.softcap,
         moe=mlp if moe else None,
-        sinks=a.sinks if at.sink is not None else None,
+        sinks=a.sinks if plain and at.sink is not None else None,
+        out_gate=product_of(a.gate_weight, a.gate_bias, None) if plain and at.gate is not None else None,
+        mixer=a if mixer else None,
         spec=spec,
     )
 

@@ -467,11 +467,15 @@ class TransformerBlock(nn.Module):
         False, decoding runs :meth:`forward` with the KV cache. A pre-norm block with latent attention
         (DeepSeek) with its own forward has the Python step (its forward on one position). A
         :class:`~headspace.model.moe.MixtureOfExperts` MLP with its own forward has the Python step
-        (the module called on the new rows), and so do learned sinks (gpt-oss)."""
+        (the module called on the new rows), and so do learned sinks (gpt-oss), output gates and a
+        pre-norm Gated DeltaNet block with its own forward (Qwen3-Next / Qwen3.5)."""
         a = self.attn
         mlp_ok = isinstance(self.mlp, (FeedForward, GatedFeedForward)) or (
             isinstance(self.mlp, MixtureOfExperts) and type(self.mlp).forward is MixtureOfExperts.forward
         )
+        if isinstance(a, GatedDeltaNet):  # its forward on one position with its DeltaNetCache
+            ok = self.norm == "pre" and not self.decode_blockers and type(a).forward is GatedDeltaNet.forward
+            return ok and mlp_ok
         if isinstance(a, LatentAttention):
             return (
                 self.norm == "pre"
@@ -483,7 +487,6 @@ class TransformerBlock(nn.Module):
             self.norm in ("pre", "post", "sandwich", "post_sublayer", "parallel")
             and not self.decode_blockers
             and isinstance(a, MultiHeadAttention)
-            and self.spec.attention.gate is None  # (nor gates: decoding runs forward)
             and type(a).forward is MultiHeadAttention.forward
             and a.fused
             and not a.check_finite
