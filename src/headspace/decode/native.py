@@ -46,8 +46,9 @@ def native_form(step: DecodeStep) -> tuple[list[NamedFields], NamedFields | None
     for layer in step.layers:
         if layer.alibi_slopes is not None or layer.softcap is not None:
             return None  # ALiBi, soft-capping: the Python step's only (:func:`prepare` refuses them by name)
-        if any(x is not None for x in (layer.latent, layer.moe, layer.sinks, layer.out_gate, layer.mixer)):
-            return None  # latent attention, experts, sinks, gates, DeltaNet: the Python step runs them
+        python_only = (layer.latent, layer.moe, layer.sinks, layer.out_gate, layer.mixer, layer.differential)
+        if any(x is not None for x in python_only):
+            return None  # latent attention, experts, sinks, gates, DeltaNet, DiffLlama: the Python step's
         if layer.spec is not None:
             refuse_unsupported(layer.spec, "the native decoding step", NATIVE_FEATURES)
         fields = named_fields(layer)
@@ -68,6 +69,7 @@ def prepare(step: DecodeStep) -> Callable[..., Tensor] | None:
     loaded (:func:`headspace.kernels.native.ready`)."""
     for layer in step.layers:  # asked for by name: a field it lacks is refused by name
         named = (layer.alibi_slopes, layer.softcap, layer.moe, layer.sinks, layer.out_gate, layer.mixer)
+        named += (layer.differential,)
         if layer.spec is not None and any(x is not None for x in named):
             refuse_unsupported(layer.spec, "the native decoding step", NATIVE_FEATURES)
         if layer.post:  # the post layout (OPT-350m): the Python step's only

@@ -78,6 +78,7 @@ class _Layer(NamedTuple):
     sinks: Tensor | None = None
     out_gate: Rows | None = None
     mixer: torch.nn.Module | None = None
+    differential: torch.nn.Module | None = None
 
 
 def norm_fn(norm: Norm) -> Rows:
@@ -160,6 +161,7 @@ def _resolve(layer: LayerStep) -> _Layer:
         sinks=layer.sinks,
         out_gate=None if layer.out_gate is None else linear_fn(layer.out_gate),
         mixer=layer.mixer,
+        differential=layer.differential,
     )
 
 
@@ -188,6 +190,10 @@ def layer_rows(
         assert isinstance(kv, (LatentCache, DeltaNetCache))
         module = layer.latent if layer.latent is not None else layer.mixer
         a = module(n.unsqueeze(1), kv_cache=kv).squeeze(1)  # (B, 1, d_model) -> (B, d_model)
+        return _mlp_rows(layer, x, x + a)
+    if layer.differential is not None:  # DiffLlama: its forward on the new position, its KV cache
+        assert isinstance(kv, KVCache)
+        a = layer.differential(n.unsqueeze(1), is_causal=True, kv_cache=kv).squeeze(1)  # (B, d_model)
         return _mlp_rows(layer, x, x + a)
     qkv = layer.qkv(n).view(B, H + 2 * Hkv, 1, dh)  # (B, H + 2 Hkv, 1, dh)
     rotate = cos is not None and sin is not None and layer.rotary is not None
@@ -288,13 +294,14 @@ def _normed_qk(layer: _Layer, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
     return q, k
 
 
-def cache_views(caches: Sequence[KVCache], start: int) -> list[KV | KVCache]:
+def cache_views(caches: Sequence[KVCache], start: int, whole: Sequence[bool] = ()) -> list[KV | KVCache]:
     """Per cache, the new position ``start``'s slots [B, Hkv, 1, dh] and the filled positions [B, Hkv,
     start + 1, dh] of k and v (:data:`KV`): for every slice of one :meth:`~headspace.KVCache.stacked`
     pair in order four calls in all, else four per cache; a sliding-window cache is given as itself
-    (its buffers hold the window, not every position)."""
+    (its buffers hold the window, not every position), and so is each cache whose ``whole`` entry is
+    True (a layer whose own forward appends: differential attention)."""
     stack = caches[0].stack
-    if stack is not None and len(caches) == stack[0].shape[0]:
+    if stack is not None and len(caches) == stack[0].shape[0] and not any(whole):
         k_all, v_all, _ = stack
         if all(c.stack is not None and c.stack[0] is k_all and c.stack[2] == i for i, c in enumerate(caches)):
             return list(
@@ -307,14 +314,16 @@ def cache_views(caches: Sequence[KVCache], start: int) -> list[KV | KVCache]:
             )
     return [
         c
-        if c.window is not None or isinstance(c, (LatentCache, DeltaNetCache))  # (their forwards append)
+        if c.window is not None
+        or isinstance(c, (LatentCache, DeltaNetCache))
+        or (i < len(whole) and whole[i])
         else (
             c.k.narrow(2, start, 1),
             c.v.narrow(2, start, 1),
             c.k.narrow(2, 0, start + 1),
             c.v.narrow(2, 0, start + 1),
         )
-        for c in caches
+        for i, c in enumerate(caches)
     ]
 
 
@@ -347,23 +356,24 @@ def prepare(step: DecodeStep) -> Callable[..., Tensor]:
     """The ``"python"`` backend: ``run(x, caches, start, cos, sin)`` -> the rows after every block and
     the final norm (see :mod:`headspace.decode.backends` for the signature). Runs any description whose
     blocks' specs set only :data:`~headspace.decode.step.STEP_FEATURES` and ``softcap``, and ``latent``,
-    ``moe``, ``sink``, ``gate`` or ``mixer`` where the layer carries what computes it (as
+    ``moe``, ``sink``, ``gate``, ``mixer`` or ``differential`` where the layer carries what computes it (as
     ``PYTHON_STEP_FEATURES``; any other field: ``ValueError`` naming it)."""
     for layer in step.layers:
         if layer.spec is not None:
             carried = {"latent": layer.latent, "moe": layer.moe, "sink": layer.sinks}
-            carried |= {"gate": layer.out_gate, "mixer": layer.mixer}
+            carried |= {"gate": layer.out_gate, "mixer": layer.mixer, "differential": layer.differential}
             extra = tuple(name for name, module in carried.items() if module is not None)
             refuse_unsupported(layer.spec, "the Python decoding step", (*STEP_FEATURES, "softcap", *extra))
     layers = [_resolve(layer) for layer in step.layers]
     final = None if step.final_norm is None else norm_fn(step.final_norm)
     tables = LayerTables(step)
+    whole = [layer.differential is not None for layer in step.layers]  # (their forwards append)
 
     def run(
         x: Tensor, caches: Sequence[KVCache], start: int, cos: Tensor | None, sin: Tensor | None
     ) -> Tensor:
         per_layer = tables(x, start, cos, sin)
-        for layer, kv, (c, s) in zip(layers, cache_views(caches, start), per_layer):
+        for layer, kv, (c, s) in zip(layers, cache_views(caches, start, whole), per_layer):
             x = layer_rows(layer, x, kv, c, s)  # (B, d_model)
         return x if final is None else final(x)
 

@@ -76,8 +76,9 @@ STEP_FEATURES = ("window", "qk_norm", "bias", "layout", "chunk", "temperature")
 #: soft-capping (Gemma 2, :attr:`LayerStep.softcap`) and multi-head latent attention
 #: (:attr:`LayerStep.latent`), a mixture-of-experts MLP (:attr:`LayerStep.moe`) and learned sinks
 #: (:attr:`LayerStep.sinks`), output gates (:attr:`LayerStep.out_gate`) and Gated DeltaNet mixers
-#: (:attr:`LayerStep.mixer`); the native step refuses each by name.
-PYTHON_STEP_FEATURES = (*STEP_FEATURES, "softcap", "latent", "moe", "sink", "gate", "mixer")
+#: (:attr:`LayerStep.mixer`) and differential attention (:attr:`LayerStep.differential`); the native
+#: step refuses each by name.
+PYTHON_STEP_FEATURES = (*STEP_FEATURES, "softcap", "latent", "moe", "sink", "gate", "mixer", "differential")
 
 
 class DecoderModel(Protocol):
@@ -204,6 +205,10 @@ class LayerStep:
     #: whose one-position step is its own forward with its ``DeltaNetCache`` (its recurrent state;
     #: ``qkv`` then describes its ``in_qkv``, ``o`` its ``out_proj``); None else. Python only
     mixer: nn.Module | None = dataclasses.field(default=None, compare=False, repr=False)
+    #: DiffLlama's differential attention (:class:`~headspace.attention.differential.DifferentialAttention`)
+    #: whose one-position step is its own forward with its KV cache (handed whole, not as views);
+    #: None else. Python only
+    differential: nn.Module | None = dataclasses.field(default=None, compare=False, repr=False)
     #: the block's description the step was read from (each backend refuses the fields it lacks by name)
     spec: BlockSpec | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -223,6 +228,7 @@ PYTHON_ONLY: tuple[str, ...] = (
     "sinks",
     "out_gate",
     "mixer",
+    "differential",
 )
 
 
@@ -392,6 +398,7 @@ def _layer_of(block: TransformerBlock, pack_rows: int | None) -> LayerStep:
         sinks=a.sinks if plain and at.sink is not None else None,
         out_gate=product_of(a.gate_weight, a.gate_bias, None) if plain and at.gate is not None else None,
         mixer=a if mixer else None,
+        differential=a if plain and at.differential is not None else None,
         spec=spec,
     )
 

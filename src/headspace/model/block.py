@@ -468,13 +468,19 @@ class TransformerBlock(nn.Module):
         (DeepSeek) with its own forward has the Python step (its forward on one position). A
         :class:`~headspace.model.moe.MixtureOfExperts` MLP with its own forward has the Python step
         (the module called on the new rows), and so do learned sinks (gpt-oss), output gates and a
-        pre-norm Gated DeltaNet block with its own forward (Qwen3-Next / Qwen3.5)."""
+        pre-norm Gated DeltaNet or differential attention block with its own forward (Qwen3-Next,
+        Qwen3.5, DiffLlama)."""
         a = self.attn
         mlp_ok = isinstance(self.mlp, (FeedForward, GatedFeedForward)) or (
             isinstance(self.mlp, MixtureOfExperts) and type(self.mlp).forward is MixtureOfExperts.forward
         )
-        if isinstance(a, GatedDeltaNet):  # its forward on one position with its DeltaNetCache
-            ok = self.norm == "pre" and not self.decode_blockers and type(a).forward is GatedDeltaNet.forward
+        own = (GatedDeltaNet, DifferentialAttention)  # their forwards on one position with their caches
+        if isinstance(a, own):
+            ok = (
+                self.norm == "pre"
+                and not self.decode_blockers
+                and type(a).forward in (c.forward for c in own)
+            )
             return ok and mlp_ok
         if isinstance(a, LatentAttention):
             return (

@@ -533,7 +533,7 @@ FAMILIES: tuple[Family, ...] = (
         _PRE,
         _RMS,
         "differential attention: head pairs, p_1 - lambda p_2, a norm per pair",
-        ("forward",),
+        ("python",),
         _REL,
         "tests/pretrained/test_diffllama.py",
     ),
