@@ -55,7 +55,7 @@ def test_pattern_and_output_equal_transformers_gpt_oss_eager() -> None:
     torch.testing.assert_close(plain.sum(-1), torch.ones(2, H, S))
 
 
-def test_a_block_with_sinks_decodes_by_forward_and_a_layer_without_refuses_the_field() -> None:
+def test_a_block_with_sinks_has_the_python_step_and_a_layer_without_refuses_the_field() -> None:
     torch.manual_seed(6)
     model = hs.Decoder(hs.ModelConfig(arch="decoder", vocab_size=31, d_model=D, n_layers=1, n_heads=H,
                                       max_seq_len=32)).eval()  # fmt: skip
@@ -68,4 +68,4 @@ def test_a_block_with_sinks_decodes_by_forward_and_a_layer_without_refuses_the_f
     ):
         block.attn.spec = spec.attention  # the layer has no sink logits
     sunk = TransformerBlock.from_spec(spec)
-    assert sunk.attn.sinks.shape == (H,) and not sunk.decode_supported
+    assert sunk.attn.sinks.shape == (H,) and sunk.decode_supported  # (tests/pretrained/test_moe_families.py)

@@ -189,10 +189,44 @@ def test_the_latent_cache_and_the_decoding_steps(saved: dict) -> None:
     both = generate(ours.model, batch, 5, key_padding=real, temperature=0)
     assert torch.equal(both[:1], generate(ours.model, a, 5, temperature=0))
     assert torch.equal(both[1:, 3:], generate(ours.model, b, 5, temperature=0))
-    assert describe(ours.model) is None  # its MoE blocks have no cached step: forward runs
+    step = describe(ours.model)  # its MoE blocks too: the Python step calls each block's experts
+    assert step is not None and [layer.moe is not None for layer in step.layers] == [False, True, True]
     from headspace.pretrained import families_table as ft
 
-    assert ft.decode_route(ours) == "forward" and "forward" in ft.family("deepseek_v3").decode
+    assert ft.decode_route(ours) == "python" and "python" in ft.family("deepseek_v3").decode
+
+
+@pytest.mark.parametrize("family", ["v3", "v2_group"])
+def test_the_python_step_runs_latent_moe_blocks_as_forward_and_transformers(saved: dict, family: str) -> None:
+    """Dense then MoE blocks with latent attention: the Python step (each latent layer's forward with its
+    LatentCache, each MoE block's MixtureOfExperts on the new rows, ties and group-limited routing as
+    the module computes them) equals the full forward at every position and transformers' greedy
+    decoding; the native step, asked by name, refuses the first field it lacks by its name."""
+    from headspace.decode.backends import Stepper
+
+    folder, ref = saved[family]
+    ours = hs.load(folder)
+    step = describe(ours.model)
+    assert step is not None and all(layer.latent is not None for layer in step.layers)
+    with pytest.raises(
+        ValueError, match="the native decoding step does not support the attention field 'latent'"
+    ):
+        native.prepare(step)  # (the first field it lacks: each layer's latent, then the MoE blocks' experts)
+    stepper = Stepper(step)
+    torch.manual_seed(7)
+    tokens = torch.randint(3, V, (2, 10))
+    caches = ours.model.make_kv_caches(2, 16)
+    with torch.no_grad():
+        full = ours.model(tokens)  # (2, 10, V)
+        ours.model(tokens[:, :4], kv_caches=caches)
+        stepped = torch.stack([stepper.logits(tokens[:, i : i + 1], caches) for i in range(4, 10)], 1)
+    assert stepper.backend_used == "python"
+    torch.testing.assert_close(stepped, full[:, 4:], atol=1e-5 * float(full.abs().max()), rtol=0)
+    prompt = tokens[:1, :5]
+    with torch.no_grad():
+        expected = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=7,
+                                do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
+    assert torch.equal(ours.generate(prompt, 7, temperature=0), expected)
 
 
 def test_the_python_step_runs_latent_blocks_and_the_native_step_leaves_them_to_it(tmp_path: Path) -> None:

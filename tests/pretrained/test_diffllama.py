@@ -19,8 +19,7 @@ import transformers as T
 
 import headspace as hs
 from headspace.attention.differential import DifferentialAttention, lambda_init_of
-from headspace.decode import describe
-from headspace.decode.step import _layer_of
+from headspace.decode import Stepper, describe, native, python
 from headspace.pretrained import families_table
 from headspace.pretrained.diffllama import diffllama_config
 
@@ -139,13 +138,40 @@ def test_the_description_names_the_differential_field(saved: tuple[Path, Any]) -
     plain = hs.Decoder(dataclasses.replace(ours.config, diff_attention=False)).blocks[2]
     with pytest.raises(ValueError, match="differential is None must be True, fixed by the layer's weights"):
         plain.spec = block.spec
-    assert describe(ours.model) is None  # decoding runs the forward with its KV cache (tested above)
     row = families_table.family("diffllama")  # the generated tables' row says what loads
     assert row.rotation == "half-split" and families_table.decode_route(ours) in row.decode
+    step = describe(ours.model)
+    assert step is not None and all(
+        x.differential is ours.model.blocks[i].attn for i, x in enumerate(step.layers)
+    )
     with pytest.raises(
-        ValueError, match="the decoding step does not support the attention field 'differential'"
+        ValueError, match="the native decoding step does not support the attention field 'differential'"
     ):
-        _layer_of(block, None)
+        native.prepare(step)  # asked for by name
+    without = dataclasses.replace(
+        step, layers=tuple(dataclasses.replace(x, differential=None) for x in step.layers)
+    )
+    with pytest.raises(
+        ValueError, match="the Python decoding step does not support the attention field 'differential'"
+    ):
+        python.prepare(without)  # a description without its layer: named, never run as a plain one
+
+
+def test_the_python_step_runs_differential_attention_as_forward(saved: tuple[Path, Any]) -> None:
+    """Each differential block's step is its layer's own forward on the new position with its KV cache
+    (LayerStep.differential): the step's logits equal the full forward's at every decoded position
+    (greedy decoding through it equals transformers': tested above)."""
+    ours = hs.load(saved[0])
+    step = describe(ours.model)
+    assert step is not None
+    stepper, tokens = Stepper(step), torch.randint(3, V, (2, 12))
+    caches = ours.model.make_kv_caches(2, 16)
+    with torch.no_grad():
+        full = ours.model(tokens)  # (2, 12, V)
+        ours.model(tokens[:, :4], kv_caches=caches)
+        stepped = torch.stack([stepper.logits(tokens[:, i : i + 1], caches) for i in range(4, 12)], 1)
+    assert stepper.backend_used == "python" and caches[0].length == 12
+    torch.testing.assert_close(stepped, full[:, 4:], atol=1e-5 * float(full.abs().max()), rtol=0)
 
 
 def test_bad_diffllama_fields_are_refused_naming_the_field() -> None:

@@ -21,7 +21,7 @@ import transformers as T
 
 import headspace as hs
 from headspace.attention.temperature import temperatures
-from headspace.decode import describe, native, python
+from headspace.decode import Stepper, describe, native, python
 from headspace.nn.masks import canonical_mask, chunk_mask
 from headspace.pretrained import families_table
 from headspace.pretrained.llama4 import llama4_config
@@ -104,7 +104,7 @@ def test_logits_patterns_router_and_greedy_decoding_equal_transformers(saved: tu
     allowed = chunk_mask(13, 13, CHUNK)  # the chunked layers see only their own chunk
     assert float(t.pattern(0)[..., ~allowed].abs().max()) == 0.0
     assert float(t.pattern(1)[..., CHUNK:, 0].min()) > 0.0  # the full layers see the first token
-    prompt = tokens[:1, :4]  # greedy decoding (the forward with its KV cache) across chunks
+    prompt = tokens[:1, :4]  # greedy decoding (the Python cached step, experts included) across chunks
     with torch.no_grad():
         want_ids = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=3 * CHUNK,
                                 do_sample=False, pad_token_id=0)  # fmt: skip
@@ -193,13 +193,22 @@ def test_head_qk_is_exact_at_frozen_l2_scales(saved: tuple[Path, Any]) -> None:
 def test_the_python_step_runs_chunks_temperature_and_the_l2_norm(
     saved: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Without experts (which only the forward runs), a Llama 4 decodes by the Python cached step: its
-    chunk mask, query temperature and L2 QK-norm give the forward's own greedy choice at every step,
-    across chunk boundaries and past the temperature's first step; the native step has no form for
-    them (Python only), and a step asked for a field it lacks names it."""
+    """A Llama 4 decodes by the Python cached step: with experts (each MoE block's module called on the
+    new rows) its logits are the full forward's at every position; without them, its chunk mask, query
+    temperature and L2 QK-norm give the forward's own greedy choice at every step, across chunk
+    boundaries and past the temperature's first step; the native step has no form for them (Python
+    only), and a step asked for a field it lacks names it."""
     folder, _ = saved
     ours = hs.load(folder)
-    assert describe(ours.model) is None  # experts: the forward with its KV cache (tested above)
+    moe_step = describe(ours.model)  # experts too (greedy decoding equal to transformers: tested above)
+    assert moe_step is not None and [layer.moe is not None for layer in moe_step.layers] == [False, True] * 2
+    stepper, tokens = Stepper(moe_step), torch.randint(3, V, (2, 13))
+    caches = ours.model.make_kv_caches(2, 16)
+    with torch.no_grad():
+        full = ours.model(tokens)  # (2, 13, V)
+        ours.model(tokens[:, :3], kv_caches=caches)
+        stepped = torch.stack([stepper.logits(tokens[:, i : i + 1], caches) for i in range(3, 13)], 1)
+    torch.testing.assert_close(stepped, full[:, 3:], atol=1e-5 * float(full.abs().max()), rtol=0)
     dense = dataclasses.replace(
         ours.config,
         moe_layers=None,

@@ -18,10 +18,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers as T
+from torch import Tensor
 
 import headspace as hs
-from headspace.decode import describe, native, python
-from headspace.decode.step import _layer_of
+from headspace.decode import Stepper, describe, native, python
 from headspace.model.moe import MixtureOfExperts
 from headspace.nn.spec import MLPSpec
 
@@ -171,15 +171,58 @@ def test_expert_outputs_sum_to_the_mlp_and_ablation_removes_one(saved: dict) -> 
         mlp.ablate_experts([E])
 
 
-def test_decoding_runs_moe_by_forward_and_each_step_refuses_it_by_name(saved: dict) -> None:
-    folder, ref = saved["olmoe"]
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_python_step_decodes_moe_blocks_as_forward_and_transformers(saved: dict, family: str) -> None:
+    """The cached step carries each block's MixtureOfExperts (LayerStep.moe) and calls it on the new
+    rows: its logits equal the full forward's at every decoded position (past Mixtral's window), greedy
+    decoding equals transformers', and the native step, asked by name, names the field it lacks."""
+    folder, ref = saved[family]
     ours = hs.load(folder)
-    assert describe(ours.model) is None  # no cached step stands in for a mixture-of-experts block
+    step = describe(ours.model)
+    assert step is not None  # the cached step stands in for forward on MoE blocks
+    assert all(layer.moe is ours.model.blocks[i].mlp for i, layer in enumerate(step.layers))
+    assert ours.model.decode_plan() is not None  # generate takes the step (no hook active)
     moe_field = r"does not support the block field 'mlp.kind' \('moe"
-    with pytest.raises(ValueError, match="the decoding step " + moe_field):
-        _layer_of(ours.model.blocks[0], None)
-    # a step whose description carries the experts (a dense step given an MoE block's spec): each
-    # backend names the field rather than running a dense MLP in its place
+    with pytest.raises(ValueError, match="the native decoding step " + moe_field):
+        native.prepare(step)  # asked for by name
+    stepper = Stepper(step)
+    torch.manual_seed(3)
+    tokens = torch.randint(3, V, (2, 12))
+    caches = ours.model.make_kv_caches(2, 16)
+    with torch.no_grad():
+        full = ours.model(tokens)  # (2, 12, V)
+        ours.model(tokens[:, :4], kv_caches=caches)
+        stepped = torch.stack([stepper.logits(tokens[:, i : i + 1], caches) for i in range(4, 12)], 1)
+    assert stepper.backend_used == "python"
+    torch.testing.assert_close(stepped, full[:, 4:], atol=1e-5 * float(full.abs().max()), rtol=0)
+    prompt = tokens[:1, :5]
+    with torch.no_grad():
+        want = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=2 * W + 1,
+                            do_sample=False, pad_token_id=0, eos_token_id=None)  # fmt: skip
+    assert torch.equal(ours.generate(prompt, 2 * W + 1, temperature=0), want)
+    from headspace.pretrained import families_table as ft
+
+    assert ft.decode_route(ours) == "python" and "python" in ft.family(family).decode
+
+
+def test_a_hooked_moe_decodes_by_forward_and_a_step_without_its_module_refuses_it(saved: dict) -> None:
+    """A hook on a router makes generate take forward (the step runs only while every hook point is
+    idle), with the same tokens; a step whose description lacks the experts (a dense step given an
+    MoE block's spec) is refused by the field's name rather than run with a dense MLP in its place."""
+    folder, _ = saved["olmoe"]
+    ours = hs.load(folder)
+    prompt = torch.randint(3, V, (1, 5))
+    plain = ours.generate(prompt, 6, temperature=0)
+    seen: list[Tensor] = []
+    point = ours.model.blocks[1].mlp.hook_router_logits
+    remove = point.add(lambda t, hook: seen.append(t.clone()))
+    try:
+        assert ours.model.decode_plan() is None
+        hooked = ours.generate(prompt, 6, temperature=0)
+    finally:
+        remove()
+    assert torch.equal(hooked, plain) and len(seen) >= 6  # the router fired at every decoded token
+    moe_field = r"does not support the block field 'mlp.kind' \('moe"
     dense = hs.Decoder(dataclasses.replace(ours.config, mlp_kind="gated", n_experts=None, experts_top_k=None,
                                            experts_norm_topk=False)).eval()  # fmt: skip
     step = describe(dense)
@@ -192,12 +235,6 @@ def test_decoding_runs_moe_by_forward_and_each_step_refuses_it_by_name(saved: di
         native.native_form(moe_step)
     with pytest.raises(ValueError, match="the Python decoding step " + moe_field):
         python.prepare(moe_step)
-    prompt = torch.randint(3, V, (1, 5))
-    with torch.no_grad():
-        want = ref.generate(
-            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False, pad_token_id=0
-        )
-    assert torch.equal(ours.generate(prompt, 6, temperature=0), want)  # forward with the KV cache
 
 
 def test_bad_moe_fields_are_refused_naming_the_field(tmp_path: Path) -> None:
@@ -253,9 +290,10 @@ def transformers_gpt_oss_mlp(config: Any) -> Any:
     return mlp
 
 
-def test_gpt_oss_logits_patterns_and_sinks_equal_transformers(tmp_path: Path) -> None:
-    """gpt-oss (plain RoPE, then YaRN as gpt-oss ships it): sinks, q/k/v/o biases, sliding / full layers,
-    the experts; every zero-initialised parameter (sinks, router and expert biases) random."""
+def build_gpt_oss(folder: Path) -> Any:
+    """A random transformers gpt-oss (sliding then full layer, plain RoPE) saved into ``folder``, read
+    back with eager attention; every zero-initialised parameter (sinks, router and expert biases)
+    random."""
     torch.manual_seed(4)
     config = T.GptOssConfig(
         vocab_size=V, hidden_size=D, intermediate_size=DM, num_hidden_layers=L, num_attention_heads=H,
@@ -269,10 +307,16 @@ def test_gpt_oss_logits_patterns_and_sinks_equal_transformers(tmp_path: Path) ->
         for name, p in model.named_parameters():
             scale = 1.0 if ("router" in name or "sinks" in name) else 0.2
             p.copy_(1.0 + 0.3 * torch.randn_like(p) if "norm" in name else scale * torch.randn_like(p))
-    model.save_pretrained(tmp_path)
-    ref = T.GptOssForCausalLM.from_pretrained(
-        tmp_path, attn_implementation="eager", experts_implementation="eager"
-    )
+    model.save_pretrained(folder)
+    return T.GptOssForCausalLM.from_pretrained(
+        folder, attn_implementation="eager", experts_implementation="eager"
+    ).eval()
+
+
+def test_gpt_oss_logits_patterns_and_sinks_equal_transformers(tmp_path: Path) -> None:
+    """gpt-oss (plain RoPE, then YaRN as gpt-oss ships it): sinks, q/k/v/o biases, sliding / full layers,
+    the experts; every zero-initialised parameter (sinks, router and expert biases) random."""
+    ref = build_gpt_oss(tmp_path)
     ours = hs.load(tmp_path)
     assert ours.config.layer_types == ["sliding", "full"] and ours.config.attn_sink
     assert sum(p.numel() for p in ours.model.parameters()) == sum(p.numel() for p in ref.parameters())
@@ -293,7 +337,7 @@ def test_gpt_oss_logits_patterns_and_sinks_equal_transformers(tmp_path: Path) ->
         atol = 1e-5 * max(1.0, float(want_router.abs().max()))  # (scaled to their largest magnitude)
         torch.testing.assert_close(router, want_router, atol=atol, rtol=0)
     assert float(t.pattern(0)[:, :, W:, 0].abs().max()) == 0.0  # the sliding layer's window
-    prompt = tokens[:1, :5]  # greedy decoding (forward with the KV cache) past the window, as transformers
+    prompt = tokens[:1, :5]  # greedy decoding (the Python cached step) past the window, as transformers
     with torch.no_grad():
         want_ids = ref.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=2 * W + 1,
                                 do_sample=False, pad_token_id=0)  # fmt: skip
@@ -309,3 +353,43 @@ def test_gpt_oss_logits_patterns_and_sinks_equal_transformers(tmp_path: Path) ->
     with torch.no_grad():
         want = ref(input_ids=long).logits
         torch.testing.assert_close(ours(long), want, atol=1e-4 * float(want.abs().max()), rtol=0)
+
+
+def test_gpt_oss_decodes_through_the_python_step_with_its_sinks(tmp_path: Path) -> None:
+    """The cached step carries each layer's sinks parameter (LayerStep.sinks) into the new row's
+    softmax (attention/sinks.py's sink_pattern) and its experts: the step's logits equal the full
+    forward's at every position past the window, with the sinks as they are and after an in-place
+    edit (the description holds the parameter); the native step names the field it lacks, and so does
+    the Python step given a sink layer's description without its sinks."""
+    build_gpt_oss(tmp_path)
+    ours = hs.load(tmp_path)
+    step = describe(ours.model)
+    assert step is not None
+    assert all(layer.sinks is b.attn.sinks for layer, b in zip(step.layers, ours.model.blocks, strict=True))
+    with pytest.raises(
+        ValueError, match="the native decoding step does not support the attention field 'sink'"
+    ):
+        native.prepare(step)
+    sinkless = dataclasses.replace(
+        step, layers=tuple(dataclasses.replace(x, sinks=None) for x in step.layers)
+    )
+    with pytest.raises(
+        ValueError, match="the Python decoding step does not support the attention field 'sink'"
+    ):
+        python.prepare(sinkless)
+    torch.manual_seed(5)
+    tokens = torch.randint(3, V, (2, 12))  # past the sliding layer's window (4)
+    for edit in (False, True):
+        if edit:  # a large sink takes most of each row: the step must see the edited values
+            with torch.no_grad():
+                ours.model.blocks[1].attn.sinks.add_(3.0)
+        stepper, caches = Stepper(step), ours.model.make_kv_caches(2, 16)
+        with torch.no_grad():
+            full = ours.model(tokens)  # (2, 12, V)
+            ours.model(tokens[:, :3], kv_caches=caches)
+            stepped = torch.stack([stepper.logits(tokens[:, i : i + 1], caches) for i in range(3, 12)], 1)
+        assert stepper.backend_used == "python"
+        torch.testing.assert_close(stepped, full[:, 3:], atol=1e-5 * float(full.abs().max()), rtol=0)
+    from headspace.pretrained import families_table as ft
+
+    assert ft.decode_route(ours) == "python" and "python" in ft.family("gpt_oss").decode

@@ -24,7 +24,6 @@ from headspace.analysis.atlas.run import atlas
 from headspace.analysis.circuits.decomposition import composition_scores, score_decomposition
 from headspace.attention.delta_net import DeltaNetCache, GatedDeltaNet
 from headspace.decode import describe, native, python
-from headspace.decode.step import _layer_of
 from headspace.pretrained.qwen_next import qwen_next_config
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -116,7 +115,7 @@ def test_logits_and_patterns_equal_transformers(saved: dict, family: str) -> Non
 def test_greedy_decoding_equals_transformers(saved: dict, family: str) -> None:
     folder, ref = saved[family]
     ours = hs.load(folder)
-    assert describe(ours.model) is None  # no cached step: decoding runs forward with its caches
+    assert describe(ours.model) is not None  # the Python cached step (DeltaNet layers by their forward)
     assert isinstance(ours.model.make_kv_caches(1, 8)[0], DeltaNetCache)
     prompt = torch.randint(3, V, (1, 5))
     with torch.no_grad():
@@ -138,13 +137,47 @@ def test_a_left_padded_batch_decodes_each_row_as_alone(saved: dict) -> None:
     assert torch.equal(both[1:, 2:], model.generate(b, 5, temperature=0))
 
 
-def test_the_decoding_step_refuses_gates_and_deltanet_by_name(saved: dict) -> None:
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_python_step_runs_gates_and_deltanet_layers(saved: dict, family: str) -> None:
+    """The Python cached step runs each DeltaNet block by its layer's forward on the new position with
+    its DeltaNetCache (LayerStep.mixer) and each gated full-attention block with its output gate
+    (LayerStep.out_gate) and, in Qwen3-Next, its experts: its logits equal forward's with the caches,
+    one token at a time, and the full forward's within 1e-4 of their largest magnitude (the recurrent
+    rule against the chunked one)."""
+    from headspace.decode import Stepper
+
+    ours = hs.load(saved[family][0])
+    step = describe(ours.model)
+    assert step is not None
+    assert [(x.mixer is not None, x.out_gate is not None) for x in step.layers] == [(True, False)] * 3 + [
+        (False, True)
+    ]
+    assert all((x.moe is not None) == (family == "qwen3_next") for x in step.layers)
+    stepper, tokens = Stepper(step), torch.randint(3, V, (2, 12))
+    caches, theirs = ours.model.make_kv_caches(2, 16), ours.model.make_kv_caches(2, 16)
+    with torch.no_grad():
+        full = ours.model(tokens)  # (2, 12, V)
+        ours.model(tokens[:, :4], kv_caches=caches)
+        ours.model(tokens[:, :4], kv_caches=theirs)
+        for i in range(4, 12):
+            got = stepper.logits(tokens[:, i : i + 1], caches)  # (2, V)
+            want = ours.model(tokens[:, i : i + 1], kv_caches=theirs)[:, -1]  # (2, V)
+            torch.testing.assert_close(got, want, atol=1e-6 * float(want.abs().max()), rtol=0)
+            torch.testing.assert_close(got, full[:, i], atol=1e-4 * float(full.abs().max()), rtol=0)
+    assert stepper.backend_used == "python"
+    from headspace.pretrained import families_table as ft
+
+    assert ft.decode_route(ours) == "python" and "python" in ft.family(family).decode
+
+
+def test_the_decoding_steps_name_gates_and_deltanet_where_they_lack_them(saved: dict) -> None:
     ours = hs.load(saved["qwen3_5_text"][0])
-    with pytest.raises(ValueError, match="the decoding step does not support the block field 'mixer'"):
-        _layer_of(ours.model.blocks[0], None)
-    with pytest.raises(ValueError, match="the decoding step does not support the attention field 'gate'"):
-        _layer_of(ours.model.blocks[3], None)
-    # a dense step given the hybrid's descriptions (as a future step's would be): each backend names them
+    step = describe(ours.model)
+    assert step is not None
+    for block, field in ((0, "block field 'mixer'"), (3, "attention field 'gate'")):
+        with pytest.raises(ValueError, match=f"the native decoding step does not support the {field}"):
+            native.prepare(dataclasses.replace(step, layers=(step.layers[block],)))  # asked for by name
+    # a dense step given the hybrid's descriptions (no layer or gate of theirs): each backend names them
     dense = hs.Decoder(
         dataclasses.replace(ours.config, attn_gate=None, delta_net=None, layer_types=None)
     ).eval()

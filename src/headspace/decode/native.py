@@ -12,8 +12,9 @@ rotations and NoPE layers (each layer handed its own tables, the other rotaries'
 Python step makes them), sandwich and post-sublayer norms. A description with any other part (int8
 weights, another norm or activation, the parallel or post layout) has no native form
 (:func:`native_form` is None) and takes the Python step (asked for by name, :func:`prepare` refuses
-ALiBi and the post layout by field name); so does a call with gradients enabled on a model with
-windowed caches (their ``append_one`` then keeps the keys' history, which only the Python step does).
+ALiBi, soft-capping, a mixture of experts, learned sinks and the post layout by field name); so does a
+call with gradients enabled on a model with windowed caches (their ``append_one`` then keeps the keys'
+history, which only the Python step does).
 
 Notation used for tensor shapes:
     rotary_dim (the features of d_head a rotation turns).
@@ -45,8 +46,9 @@ def native_form(step: DecodeStep) -> tuple[list[NamedFields], NamedFields | None
     for layer in step.layers:
         if layer.alibi_slopes is not None or layer.softcap is not None:
             return None  # ALiBi, soft-capping: the Python step's only (:func:`prepare` refuses them by name)
-        if layer.latent is not None:  # latent attention (DeepSeek): no native form, the Python step runs it
-            return None
+        python_only = (layer.latent, layer.moe, layer.sinks, layer.out_gate, layer.mixer, layer.differential)
+        if any(x is not None for x in python_only):
+            return None  # latent attention, experts, sinks, gates, DeltaNet, DiffLlama: the Python step's
         if layer.spec is not None:
             refuse_unsupported(layer.spec, "the native decoding step", NATIVE_FEATURES)
         fields = named_fields(layer)
@@ -66,7 +68,9 @@ def prepare(step: DecodeStep) -> Callable[..., Tensor] | None:
     :mod:`headspace.decode.backends`), or None where the step has no native form or the library is not
     loaded (:func:`headspace.kernels.native.ready`)."""
     for layer in step.layers:  # asked for by name: a field it lacks is refused by name
-        if layer.spec is not None and (layer.alibi_slopes is not None or layer.softcap is not None):
+        named = (layer.alibi_slopes, layer.softcap, layer.moe, layer.sinks, layer.out_gate, layer.mixer)
+        named += (layer.differential,)
+        if layer.spec is not None and any(x is not None for x in named):
             refuse_unsupported(layer.spec, "the native decoding step", NATIVE_FEATURES)
         if layer.post:  # the post layout (OPT-350m): the Python step's only
             raise ValueError("the native decoding step does not support the block field 'layout' ('post')")

@@ -26,7 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..attention.delta_net import DeltaNetCache
 from ..attention.functional import repeat_kv
+from ..attention.sinks import sink_pattern
 from ..attention.temperature import temper_queries
 from ..kernels.prepack import packed_linear_fn
 from ..kernels.q8_0 import Q8Blocks, q8_0_linear_fn
@@ -37,7 +39,7 @@ from ..nn.masks import window_mask
 from ..nn.norms import rms_norm
 from ..nn.positions import Rotary, rotary_tables, rotate_fused
 from ..nn.spec import refuse_unsupported
-from .step import PYTHON_STEP_FEATURES, STEP_FEATURES, DecodeStep, LayerStep, Norm, Product
+from .step import STEP_FEATURES, DecodeStep, LayerStep, Norm, Product
 
 Rows = Callable[[Tensor], Tensor]
 
@@ -57,8 +59,8 @@ class _Layer(NamedTuple):
     norm2: Rows | None
     gate: Rows | None
     act_: Rows
-    fc_in: Rows
-    fc_out: Rows
+    fc_in: Rows | None
+    fc_out: Rows | None
     qk_norm: str | None
     q_norm: Rows | None
     k_norm: Rows | None
@@ -72,6 +74,11 @@ class _Layer(NamedTuple):
     temperature: tuple[float, float] | None
     softcap: float | None = None
     latent: torch.nn.Module | None = None
+    moe: torch.nn.Module | None = None
+    sinks: Tensor | None = None
+    out_gate: Rows | None = None
+    mixer: torch.nn.Module | None = None
+    differential: torch.nn.Module | None = None
 
 
 def norm_fn(norm: Norm) -> Rows:
@@ -135,8 +142,8 @@ def _resolve(layer: LayerStep) -> _Layer:
         norm2=_norm_or_none(layer.norm2),
         gate=None if layer.gate is None else linear_fn(layer.gate),
         act_=activation_fn_(layer.activation, layer.act_module),
-        fc_in=linear_fn(layer.fc_in),
-        fc_out=linear_fn(layer.fc_out),
+        fc_in=None if layer.fc_in is None else linear_fn(layer.fc_in),
+        fc_out=None if layer.fc_out is None else linear_fn(layer.fc_out),
         qk_norm=layer.qk_norm,
         q_norm=_norm_or_none(layer.q_norm),
         k_norm=_norm_or_none(layer.k_norm),
@@ -150,6 +157,11 @@ def _resolve(layer: LayerStep) -> _Layer:
         chunk=layer.chunk,
         temperature=layer.temperature,
         softcap=layer.softcap,
+        moe=layer.moe,
+        sinks=layer.sinks,
+        out_gate=None if layer.out_gate is None else linear_fn(layer.out_gate),
+        mixer=layer.mixer,
+        differential=layer.differential,
     )
 
 
@@ -174,9 +186,14 @@ def layer_rows(
     B = x.shape[0]
     H, Hkv, dh = layer.n_heads, layer.n_kv_heads, layer.d_head
     n = x if layer.norm1 is None or layer.post else layer.norm1(x)  # (B, d_model)
-    if layer.latent is not None:  # latent attention: its forward on the new position, its own cache
-        assert isinstance(kv, LatentCache)
-        a = layer.latent(n.unsqueeze(1), kv_cache=kv).squeeze(1)  # (B, d_model)
+    if layer.latent is not None or layer.mixer is not None:  # its forward on the new position, its cache
+        assert isinstance(kv, (LatentCache, DeltaNetCache))
+        module = layer.latent if layer.latent is not None else layer.mixer
+        a = module(n.unsqueeze(1), kv_cache=kv).squeeze(1)  # (B, 1, d_model) -> (B, d_model)
+        return _mlp_rows(layer, x, x + a)
+    if layer.differential is not None:  # DiffLlama: its forward on the new position, its KV cache
+        assert isinstance(kv, KVCache)
+        a = layer.differential(n.unsqueeze(1), is_causal=True, kv_cache=kv).squeeze(1)  # (B, d_model)
         return _mlp_rows(layer, x, x + a)
     qkv = layer.qkv(n).view(B, H + 2 * Hkv, 1, dh)  # (B, H + 2 Hkv, 1, dh)
     rotate = cos is not None and sin is not None and layer.rotary is not None
@@ -212,6 +229,8 @@ def layer_rows(
         bias = alibi_bias(layer.alibi, 1, k.shape[2], device=x.device).to(x.dtype)[None]  # (1, H, 1, Sk)
         mask = bias if mask is None else bias.masked_fill(~mask, float("-inf"))  # (1, H, 1, Sk)
     z = _attend(layer, q, k, v, mask)  # (B, H, 1, dh)
+    if layer.out_gate is not None:  # Qwen3-Next: sigmoid(n W_G + b_G) per head (and feature) on z
+        z = z * torch.sigmoid(layer.out_gate(n)).view(B, H, 1, -1)  # (B, H, 1, dh)
     a = layer.o(z.reshape(B, H * dh))  # (B, d_model): heads concatenated
     h = x + (a if layer.attn_out_norm is None else layer.attn_out_norm(a))  # (B, d_model)
     if layer.post and layer.norm1 is not None:  # the post layout: norm1 after the residual add
@@ -222,19 +241,25 @@ def layer_rows(
 def _attend(layer: _Layer, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
     """The new query's attention output [B, H, 1, dh] from q [B, H, 1, dh], k and v [B, Hkv, Sk, dh] and
     ``mask`` (None, a boolean [1, 1, 1, Sk] of the keys that may be attended, or an additive float
-    [1, H, 1, Sk]): ``F.scaled_dot_product_attention``; with Gemma 2's soft-capping the forward's
-    reference maths, ``softmax(cap * tanh((q * scale) k^T / cap), masked) v``
-    (:func:`headspace.attention.functional.reference_parts`)."""
-    if layer.softcap is None:
+    [1, H, 1, Sk]): ``F.scaled_dot_product_attention``; with Gemma 2's soft-capping or gpt-oss's
+    learned sinks the forward's reference maths, ``softmax(cap * tanh((q * scale) k^T / cap), masked)
+    v`` (:func:`headspace.attention.functional.reference_parts`), the sinks' softmax
+    :func:`~headspace.attention.sinks.sink_pattern` (each row sums to ``1 - sink``)."""
+    if layer.softcap is None and layer.sinks is None:
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=layer.scale, enable_gqa=layer.gqa
         )
     H = q.shape[1]
     scores = torch.matmul(q * layer.scale, repeat_kv(k, H).transpose(-2, -1))  # (B, H, 1, Sk)
-    scores = torch.tanh(scores / layer.softcap) * layer.softcap  # (B, H, 1, Sk)
+    if layer.softcap is not None:
+        scores = torch.tanh(scores / layer.softcap) * layer.softcap  # (B, H, 1, Sk)
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    return torch.matmul(torch.softmax(scores, dim=-1), repeat_kv(v, H))  # (B, H, 1, dh)
+    if layer.sinks is None:
+        pattern = torch.softmax(scores, dim=-1)  # (B, H, 1, Sk)
+    else:
+        pattern = sink_pattern(scores, layer.sinks)  # (B, H, 1, Sk): rows sum to 1 - sink
+    return torch.matmul(pattern, repeat_kv(v, H))  # (B, H, 1, dh)
 
 
 def _mlp_rows(layer: _Layer, x: Tensor, h: Tensor) -> Tensor:
@@ -242,11 +267,15 @@ def _mlp_rows(layer: _Layer, x: Tensor, h: Tensor) -> Tensor:
     each [B, d_model] -> the block's output [B, d_model] (the post layout: ``norm2(h + m)``)."""
     m_in = x if layer.parallel else h  # (B, d_model): a parallel block's MLP reads the block's input
     m = m_in if layer.norm2 is None or layer.post else layer.norm2(m_in)  # (B, d_model)
-    if layer.gate is not None:
-        m = layer.act_(layer.gate(m)).mul_(layer.fc_in(m))  # (B, d_mlp): act(gate) * up
+    if layer.moe is not None:  # a mixture of experts: its module on the new position's rows
+        m = layer.moe(m.unsqueeze(1)).squeeze(1)  # (B, 1, d_model) -> (B, d_model)
     else:
-        m = layer.act_(layer.fc_in(m))  # (B, d_mlp)
-    m = layer.fc_out(m)  # (B, d_model)
+        assert layer.fc_in is not None and layer.fc_out is not None
+        if layer.gate is not None:
+            m = layer.act_(layer.gate(m)).mul_(layer.fc_in(m))  # (B, d_mlp): act(gate) * up
+        else:
+            m = layer.act_(layer.fc_in(m))  # (B, d_mlp)
+        m = layer.fc_out(m)  # (B, d_model)
     if layer.post and layer.norm2 is not None:  # the post layout: norm2 after the residual add
         return layer.norm2(h + m)  # (B, d_model)
     return h + (m if layer.mlp_out_norm is None else layer.mlp_out_norm(m))  # (B, d_model)
@@ -265,13 +294,14 @@ def _normed_qk(layer: _Layer, q: Tensor, k: Tensor) -> tuple[Tensor, Tensor]:
     return q, k
 
 
-def cache_views(caches: Sequence[KVCache], start: int) -> list[KV | KVCache]:
+def cache_views(caches: Sequence[KVCache], start: int, whole: Sequence[bool] = ()) -> list[KV | KVCache]:
     """Per cache, the new position ``start``'s slots [B, Hkv, 1, dh] and the filled positions [B, Hkv,
     start + 1, dh] of k and v (:data:`KV`): for every slice of one :meth:`~headspace.KVCache.stacked`
     pair in order four calls in all, else four per cache; a sliding-window cache is given as itself
-    (its buffers hold the window, not every position)."""
+    (its buffers hold the window, not every position), and so is each cache whose ``whole`` entry is
+    True (a layer whose own forward appends: differential attention)."""
     stack = caches[0].stack
-    if stack is not None and len(caches) == stack[0].shape[0]:
+    if stack is not None and len(caches) == stack[0].shape[0] and not any(whole):
         k_all, v_all, _ = stack
         if all(c.stack is not None and c.stack[0] is k_all and c.stack[2] == i for i, c in enumerate(caches)):
             return list(
@@ -284,14 +314,16 @@ def cache_views(caches: Sequence[KVCache], start: int) -> list[KV | KVCache]:
             )
     return [
         c
-        if c.window is not None or isinstance(c, LatentCache)  # (a latent layer's forward appends)
+        if c.window is not None
+        or isinstance(c, (LatentCache, DeltaNetCache))
+        or (i < len(whole) and whole[i])
         else (
             c.k.narrow(2, start, 1),
             c.v.narrow(2, start, 1),
             c.k.narrow(2, 0, start + 1),
             c.v.narrow(2, 0, start + 1),
         )
-        for c in caches
+        for i, c in enumerate(caches)
     ]
 
 
@@ -323,21 +355,25 @@ class LayerTables:
 def prepare(step: DecodeStep) -> Callable[..., Tensor]:
     """The ``"python"`` backend: ``run(x, caches, start, cos, sin)`` -> the rows after every block and
     the final norm (see :mod:`headspace.decode.backends` for the signature). Runs any description whose
-    blocks' specs set only :data:`~headspace.decode.step.STEP_FEATURES` and ``softcap`` (any other field:
-    ``ValueError`` naming it)."""
+    blocks' specs set only :data:`~headspace.decode.step.STEP_FEATURES` and ``softcap``, and ``latent``,
+    ``moe``, ``sink``, ``gate``, ``mixer`` or ``differential`` where the layer carries what computes it (as
+    ``PYTHON_STEP_FEATURES``; any other field: ``ValueError`` naming it)."""
     for layer in step.layers:
         if layer.spec is not None:
-            known = PYTHON_STEP_FEATURES if layer.latent is not None else (*STEP_FEATURES, "softcap")
-            refuse_unsupported(layer.spec, "the Python decoding step", known)
+            carried = {"latent": layer.latent, "moe": layer.moe, "sink": layer.sinks}
+            carried |= {"gate": layer.out_gate, "mixer": layer.mixer, "differential": layer.differential}
+            extra = tuple(name for name, module in carried.items() if module is not None)
+            refuse_unsupported(layer.spec, "the Python decoding step", (*STEP_FEATURES, "softcap", *extra))
     layers = [_resolve(layer) for layer in step.layers]
     final = None if step.final_norm is None else norm_fn(step.final_norm)
     tables = LayerTables(step)
+    whole = [layer.differential is not None for layer in step.layers]  # (their forwards append)
 
     def run(
         x: Tensor, caches: Sequence[KVCache], start: int, cos: Tensor | None, sin: Tensor | None
     ) -> Tensor:
         per_layer = tables(x, start, cos, sin)
-        for layer, kv, (c, s) in zip(layers, cache_views(caches, start), per_layer):
+        for layer, kv, (c, s) in zip(layers, cache_views(caches, start, whole), per_layer):
             x = layer_rows(layer, x, kv, c, s)  # (B, d_model)
         return x if final is None else final(x)
 

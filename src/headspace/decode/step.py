@@ -17,10 +17,12 @@ blocks; the post layout below)::
     q, k = rotate(q, k)                   (rotary positions: to the new position, with the layer's base)
     z = softmax(q K^T * scale + M) V      (K, V: the cached keys and values, the new ones appended;
                                            M: -inf on keys outside a sliding window, plus
-                                           ALiBi's -m_h (i - j) where set, else none)
+                                           ALiBi's -m_h (i - j) where set, else none; with learned
+                                           sinks s_h the softmax's denominator has + exp(s_h) too)
     a = attn_out_norm(z W_O (+ b))        (sandwich / post-sublayer norms only)
     h = x + a
-    m = act(norm2(h) W_gate) * (norm2(h) W_in) W_out     (plain MLP: act(norm2(h) W_in) W_out)
+    m = act(norm2(h) W_gate) * (norm2(h) W_in) W_out     (plain MLP: act(norm2(h) W_in) W_out;
+                                          a mixture of experts: its module on the rows, LayerStep.moe)
     out = h + mlp_out_norm(m)             (sandwich / post-sublayer norms only)
 
 then ``final_norm``, the unembedding and, with ``final_softcap``, ``cap * tanh(logits / cap)``. A norm
@@ -72,8 +74,11 @@ _ACTIVATION_MODULES: dict[str, tuple[type[nn.Module], str | None]] = {
 STEP_FEATURES = ("window", "qk_norm", "bias", "layout", "chunk", "temperature")
 #: The block features the ``"python"`` backend alone computes beyond :data:`STEP_FEATURES`: score
 #: soft-capping (Gemma 2, :attr:`LayerStep.softcap`) and multi-head latent attention
-#: (:attr:`LayerStep.latent`); the native step refuses both by name.
-PYTHON_STEP_FEATURES = (*STEP_FEATURES, "softcap", "latent")
+#: (:attr:`LayerStep.latent`), a mixture-of-experts MLP (:attr:`LayerStep.moe`) and learned sinks
+#: (:attr:`LayerStep.sinks`), output gates (:attr:`LayerStep.out_gate`) and Gated DeltaNet mixers
+#: (:attr:`LayerStep.mixer`) and differential attention (:attr:`LayerStep.differential`); the native
+#: step refuses each by name.
+PYTHON_STEP_FEATURES = (*STEP_FEATURES, "softcap", "latent", "moe", "sink", "gate", "mixer", "differential")
 
 
 class DecoderModel(Protocol):
@@ -156,8 +161,8 @@ class LayerStep:
     norm2: Norm | None
     activation: str
     gate: Product | None
-    fc_in: Product
-    fc_out: Product
+    fc_in: Product | None
+    fc_out: Product | None
     act_module: nn.Module | None = None
     qk_norm: str | None = None
     q_norm: Norm | None = None
@@ -183,6 +188,27 @@ class LayerStep:
     #: Gemma 2's score soft-capping: the scaled scores s become ``softcap * tanh(s / softcap)`` before
     #: the mask and the softmax; None else. Python only (:data:`PYTHON_ONLY`)
     softcap: float | None = None
+    #: a mixture-of-experts MLP (:class:`~headspace.model.moe.MixtureOfExperts`, ``mlp.kind="moe"``):
+    #: the step calls the module itself on the new rows [batch, 1, d_model] (its routing, experts,
+    #: shared expert and hook points as its forward computes them; ``gate``, ``fc_in`` and ``fc_out``
+    #: None); None else. Python only (:data:`PYTHON_ONLY`)
+    moe: nn.Module | None = dataclasses.field(default=None, compare=False, repr=False)
+    #: gpt-oss's learned sinks: the attention's ``sinks`` parameter [n_heads], one logit per head in
+    #: the new row's softmax (:func:`~headspace.attention.sinks.sink_pattern`: the row sums to
+    #: ``1 - sink``); None else. Python only (:data:`PYTHON_ONLY`)
+    sinks: Tensor | None = dataclasses.field(default=None, compare=False, repr=False)
+    #: Qwen3-Next's output gate (``AttentionSpec.gate``): the product ``n W_G^T + b_G`` [batch, n_heads *
+    #: width] of the attention's input n, whose sigmoid multiplies each head's z (per feature, or per
+    #: head for width 1) before W_O (:mod:`headspace.attention.gates`); None else. Python only
+    out_gate: Product | None = None
+    #: a Gated DeltaNet layer (``BlockSpec.mixer``: :class:`~headspace.attention.delta_net.GatedDeltaNet`)
+    #: whose one-position step is its own forward with its ``DeltaNetCache`` (its recurrent state;
+    #: ``qkv`` then describes its ``in_qkv``, ``o`` its ``out_proj``); None else. Python only
+    mixer: nn.Module | None = dataclasses.field(default=None, compare=False, repr=False)
+    #: DiffLlama's differential attention (:class:`~headspace.attention.differential.DifferentialAttention`)
+    #: whose one-position step is its own forward with its KV cache (handed whole, not as views);
+    #: None else. Python only
+    differential: nn.Module | None = dataclasses.field(default=None, compare=False, repr=False)
     #: the block's description the step was read from (each backend refuses the fields it lacks by name)
     spec: BlockSpec | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -198,6 +224,11 @@ PYTHON_ONLY: tuple[str, ...] = (
     "chunk",
     "temperature",
     "softcap",
+    "moe",
+    "sinks",
+    "out_gate",
+    "mixer",
+    "differential",
 )
 
 
@@ -313,14 +344,15 @@ def _layer_of(block: TransformerBlock, pack_rows: int | None) -> LayerStep:
     spec: BlockSpec = block.spec
     refuse_unsupported(spec, "the decoding step", PYTHON_STEP_FEATURES)
     at, a, mlp = spec.attention, block.attn, block.mlp
-    latent = at.latent is not None
-    if latent:  # latent attention (its forward runs the step): the latent's down projection, unpacked
-        qkv, o = a.kv_a_proj_with_mqa, a.o_proj
+    latent, mixer = at.latent is not None, spec.mixer != "attention"
+    if latent or mixer:  # latent attention, DeltaNet (their forwards run the step): unpacked projections
+        qkv, o = (a.kv_a_proj_with_mqa, a.o_proj) if latent else (a.in_qkv, a.out_proj)
         qkv_p, o_p = product_of(qkv.weight, qkv.bias, None), product_of(o.weight, o.bias, None)
     else:
         qkv_p = product_of(a.qkv_weight, a.qkv_bias, pack_rows)
         o_p = product_of(a.o_weight, a.o_bias, pack_rows)
     activation = _activation_of(mlp.act, spec.mlp.act)
+    moe = spec.mlp.kind == "moe"  # a mixture of experts: the step calls its module (no products)
     gate = mlp.fc_gate if spec.mlp.kind == "gated" else None
     if spec.layout == "post_sublayer":  # OLMo 2: h = x + ln1(attn(x)), out = h + ln2(mlp(h))
         norm1 = norm2 = None
@@ -330,7 +362,8 @@ def _layer_of(block: TransformerBlock, pack_rows: int | None) -> LayerStep:
         sandwich = spec.layout == "sandwich"
         attn_out = norm_of(block.ln_attn_out) if sandwich else None
         mlp_out = norm_of(block.ln_mlp_out) if sandwich else None
-    qk = at.qk_norm is not None
+    qk = at.qk_norm is not None and not mixer
+    plain = not (latent or mixer)  # MultiHeadAttention's fields (sinks, gate) are read from it
     parallel = True if spec.layout == "parallel" else None  # norm1 / norm2 as a pre-norm block's
     post = True if spec.layout == "post" else None  # norm1 / norm2 after the residual adds
     return LayerStep(
@@ -345,8 +378,8 @@ def _layer_of(block: TransformerBlock, pack_rows: int | None) -> LayerStep:
         norm2=norm2,
         activation=activation,
         gate=None if gate is None else product_of(gate.weight, gate.bias, pack_rows),
-        fc_in=product_of(mlp.fc_in.weight, mlp.fc_in.bias, pack_rows),
-        fc_out=product_of(mlp.fc_out.weight, mlp.fc_out.bias, pack_rows),
+        fc_in=None if moe else product_of(mlp.fc_in.weight, mlp.fc_in.bias, pack_rows),
+        fc_out=None if moe else product_of(mlp.fc_out.weight, mlp.fc_out.bias, pack_rows),
         act_module=mlp.act if activation == "module" else None,
         qk_norm=at.qk_norm,
         q_norm=norm_of(a.q_norm) if qk else None,
@@ -361,6 +394,11 @@ def _layer_of(block: TransformerBlock, pack_rows: int | None) -> LayerStep:
         chunk=at.chunk,
         temperature=at.temperature,
         softcap=at.softcap,
+        moe=mlp if moe else None,
+        sinks=a.sinks if plain and at.sink is not None else None,
+        out_gate=product_of(a.gate_weight, a.gate_bias, None) if plain and at.gate is not None else None,
+        mixer=a if mixer else None,
+        differential=a if plain and at.differential is not None else None,
         spec=spec,
     )
 

@@ -466,25 +466,38 @@ class TransformerBlock(nn.Module):
         rotations included; score soft-capping, Gemma 2's, in the Python step only), no ``check_finite``,
         this module's MLPs; not a model-wide :attr:`decode_blockers` reason. Where
         False, decoding runs :meth:`forward` with the KV cache. A pre-norm block with latent attention
-        (DeepSeek) with its own forward has the Python step (its forward on one position)."""
+        (DeepSeek) with its own forward has the Python step (its forward on one position). A
+        :class:`~headspace.model.moe.MixtureOfExperts` MLP with its own forward has the Python step
+        (the module called on the new rows), and so do learned sinks (gpt-oss), output gates and a
+        pre-norm Gated DeltaNet or differential attention block with its own forward (Qwen3-Next,
+        Qwen3.5, DiffLlama)."""
         a = self.attn
+        mlp_ok = isinstance(self.mlp, (FeedForward, GatedFeedForward)) or (
+            isinstance(self.mlp, MixtureOfExperts) and type(self.mlp).forward is MixtureOfExperts.forward
+        )
+        own = (GatedDeltaNet, DifferentialAttention)  # their forwards on one position with their caches
+        if isinstance(a, own):
+            ok = (
+                self.norm == "pre"
+                and not self.decode_blockers
+                and type(a).forward in (c.forward for c in own)
+            )
+            return ok and mlp_ok
         if isinstance(a, LatentAttention):
             return (
                 self.norm == "pre"
                 and not self.decode_blockers
                 and type(a).forward is LatentAttention.forward
-                and isinstance(self.mlp, (FeedForward, GatedFeedForward))
+                and mlp_ok
             )
         return (
             self.norm in ("pre", "post", "sandwich", "post_sublayer", "parallel")
             and not self.decode_blockers
             and isinstance(a, MultiHeadAttention)
-            and self.spec.attention.sink is None  # (the step has no sinks: decoding runs forward)
-            and self.spec.attention.gate is None  # (nor gates: decoding runs forward)
             and type(a).forward is MultiHeadAttention.forward
             and a.fused
             and not a.check_finite
-            and isinstance(self.mlp, (FeedForward, GatedFeedForward))
+            and mlp_ok
         )
 
     @property
