@@ -189,10 +189,17 @@ def test_the_latent_cache_and_the_decoding_steps(saved: dict) -> None:
     both = generate(ours.model, batch, 5, key_padding=real, temperature=0)
     assert torch.equal(both[:1], generate(ours.model, a, 5, temperature=0))
     assert torch.equal(both[1:, 3:], generate(ours.model, b, 5, temperature=0))
-    assert describe(ours.model) is None  # its MoE blocks have no cached step: forward runs
+    step = describe(ours.model)  # its MoE blocks: the Python step runs the experts' own forward
+    assert step is not None and any(layer.moe is not None for layer in step.layers)
+    assert all(layer.latent is not None for layer in step.layers)
+    with torch.no_grad():
+        want = ref.generate(
+            a, attention_mask=torch.ones_like(a), max_new_tokens=5, do_sample=False, pad_token_id=0
+        )
+    assert torch.equal(generate(ours.model, a, 5, temperature=0), want)
     from headspace.pretrained import families_table as ft
 
-    assert ft.decode_route(ours) == "forward" and "forward" in ft.family("deepseek_v3").decode
+    assert ft.decode_route(ours) == "python" and "python" in ft.family("deepseek_v3").decode
 
 
 def test_the_python_step_runs_latent_blocks_and_the_native_step_leaves_them_to_it(tmp_path: Path) -> None:

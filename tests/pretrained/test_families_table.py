@@ -116,7 +116,7 @@ def test_a_configurable_layout_and_route_are_each_reached(loaded: dict) -> None:
     assert (ft.decode_route(parallel), ft.decode_route(sequential)) == ("python", "native")
     assert ft.family("gpt_neox").layouts == ("parallel", "pre")
     assert ft.decode_route(loaded["gemma2"][1]) == "python"  # score soft-capping: the Python step only
-    assert ft.decode_route(loaded["mixtral"][1]) == "forward"  # experts: the steps refuse 'mlp.kind'
+    assert ft.decode_route(loaded["mixtral"][1]) == "python"  # experts: the native step refuses 'mlp.kind'
 
 
 def test_the_readme_and_docs_tables_are_the_generated_ones() -> None:

@@ -193,13 +193,20 @@ def test_head_qk_is_exact_at_frozen_l2_scales(saved: tuple[Path, Any]) -> None:
 def test_the_python_step_runs_chunks_temperature_and_the_l2_norm(
     saved: tuple[Path, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Without experts (which only the forward runs), a Llama 4 decodes by the Python cached step: its
-    chunk mask, query temperature and L2 QK-norm give the forward's own greedy choice at every step,
-    across chunk boundaries and past the temperature's first step; the native step has no form for
-    them (Python only), and a step asked for a field it lacks names it."""
+    """A Llama 4 decodes by the Python cached step (its experts by their own forward, the dense model
+    below without them): its chunk mask, query temperature and L2 QK-norm give the forward's own
+    greedy choice at every step, across chunk boundaries and past the temperature's first step; the
+    native step has no form for them (Python only), and a step asked for a field it lacks names it."""
     folder, _ = saved
     ours = hs.load(folder)
-    assert describe(ours.model) is None  # experts: the forward with its KV cache (tested above)
+    moe_step = describe(ours.model)  # the experts: LayerStep.moe, run by the Python step
+    assert moe_step is not None and [x.moe is not None for x in moe_step.layers] == [False, True] * 2
+    prompt = torch.randint(3, V, (1, 3), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        want = prompt
+        for _ in range(2 * CHUNK):  # the forward on the whole prefix, no cache, no step
+            want = torch.cat([want, ours.model(want)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        assert torch.equal(ours.model.generate(prompt, 2 * CHUNK, temperature=0), want)
     dense = dataclasses.replace(
         ours.config,
         moe_layers=None,

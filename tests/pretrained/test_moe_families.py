@@ -20,8 +20,7 @@ import torch.nn.functional as F
 import transformers as T
 
 import headspace as hs
-from headspace.decode import describe, native, python
-from headspace.decode.step import _layer_of
+from headspace.decode import Stepper, describe, native, python
 from headspace.model.moe import MixtureOfExperts
 from headspace.nn.spec import MLPSpec
 
@@ -171,15 +170,47 @@ def test_expert_outputs_sum_to_the_mlp_and_ablation_removes_one(saved: dict) -> 
         mlp.ablate_experts([E])
 
 
-def test_decoding_runs_moe_by_forward_and_each_step_refuses_it_by_name(saved: dict) -> None:
-    folder, ref = saved["olmoe"]
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_moe_decodes_through_the_python_step_and_the_native_step_refuses_it_by_name(
+    saved: dict, family: str
+) -> None:
+    folder, ref = saved[family]
     ours = hs.load(folder)
-    assert describe(ours.model) is None  # no cached step stands in for a mixture-of-experts block
+    step = describe(ours.model)  # the Python step runs each block's experts by their forward
+    assert step is not None and [x.moe for x in step.layers] == [b.mlp for b in ours.model.blocks]
+    assert native.native_form(step) is None  # generate's default: the Python step
     moe_field = r"does not support the block field 'mlp.kind' \('moe"
-    with pytest.raises(ValueError, match="the decoding step " + moe_field):
-        _layer_of(ours.model.blocks[0], None)
-    # a step whose description carries the experts (a dense step given an MoE block's spec): each
-    # backend names the field rather than running a dense MLP in its place
+    with pytest.raises(ValueError, match="the native decoding step " + moe_field):
+        native.prepare(step)  # asked for by name
+    stepper = Stepper(step)
+    tokens = torch.randint(3, V, (2, 11), generator=torch.Generator().manual_seed(4))  # past the window
+    caches = ours.model.make_kv_caches(2, 16)
+    with torch.no_grad():
+        full = ours.model(tokens)  # (2, 11, V)
+        ours.model(tokens[:, :3], kv_caches=caches)
+        stepped = torch.stack([stepper.logits(tokens[:, i : i + 1], caches) for i in range(3, 11)], 1)
+    assert stepper.backend_used == "python"
+    torch.testing.assert_close(stepped, full[:, 3:], atol=1e-5 * float(full.abs().max()), rtol=0)
+    prompt = tokens[:1, :5]
+    with torch.no_grad():
+        want = ref.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False, pad_token_id=0
+        )
+    assert torch.equal(ours.generate(prompt, 6, temperature=0), want)
+    seen: list[torch.Tensor] = []  # a hooked expert output: decoding takes forward, same tokens
+    remove = ours.model.blocks[0].mlp.hook_top_k.add(lambda t, hook: seen.append(t))
+    try:
+        assert torch.equal(ours.generate(prompt, 6, temperature=0), want) and len(seen) == 6
+    finally:
+        remove()
+
+
+def test_a_dense_step_given_an_moe_spec_refuses_it_by_name(saved: dict) -> None:
+    folder, _ = saved["olmoe"]
+    ours = hs.load(folder)
+    moe_field = r"does not support the block field 'mlp.kind' \('moe"
+    # a step whose description carries the experts but not the experts themselves (a dense step given
+    # an MoE block's spec): each backend names the field rather than running a dense MLP in its place
     dense = hs.Decoder(dataclasses.replace(ours.config, mlp_kind="gated", n_experts=None, experts_top_k=None,
                                            experts_norm_topk=False)).eval()  # fmt: skip
     step = describe(dense)
@@ -192,12 +223,6 @@ def test_decoding_runs_moe_by_forward_and_each_step_refuses_it_by_name(saved: di
         native.native_form(moe_step)
     with pytest.raises(ValueError, match="the Python decoding step " + moe_field):
         python.prepare(moe_step)
-    prompt = torch.randint(3, V, (1, 5))
-    with torch.no_grad():
-        want = ref.generate(
-            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6, do_sample=False, pad_token_id=0
-        )
-    assert torch.equal(ours.generate(prompt, 6, temperature=0), want)  # forward with the KV cache
 
 
 def test_bad_moe_fields_are_refused_naming_the_field(tmp_path: Path) -> None:

@@ -45,7 +45,7 @@ def native_form(step: DecodeStep) -> tuple[list[NamedFields], NamedFields | None
     for layer in step.layers:
         if layer.alibi_slopes is not None or layer.softcap is not None:
             return None  # ALiBi, soft-capping: the Python step's only (:func:`prepare` refuses them by name)
-        if layer.latent is not None:  # latent attention (DeepSeek): no native form, the Python step runs it
+        if layer.latent is not None or layer.moe is not None:  # latent attention, experts: the Python step's
             return None
         if layer.spec is not None:
             refuse_unsupported(layer.spec, "the native decoding step", NATIVE_FEATURES)
@@ -66,7 +66,8 @@ def prepare(step: DecodeStep) -> Callable[..., Tensor] | None:
     :mod:`headspace.decode.backends`), or None where the step has no native form or the library is not
     loaded (:func:`headspace.kernels.native.ready`)."""
     for layer in step.layers:  # asked for by name: a field it lacks is refused by name
-        if layer.spec is not None and (layer.alibi_slopes is not None or layer.softcap is not None):
+        python_only = layer.alibi_slopes is not None or layer.softcap is not None or layer.moe is not None
+        if layer.spec is not None and python_only:
             refuse_unsupported(layer.spec, "the native decoding step", NATIVE_FEATURES)
         if layer.post:  # the post layout (OPT-350m): the Python step's only
             raise ValueError("the native decoding step does not support the block field 'layout' ('post')")

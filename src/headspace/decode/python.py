@@ -37,7 +37,7 @@ from ..nn.masks import window_mask
 from ..nn.norms import rms_norm
 from ..nn.positions import Rotary, rotary_tables, rotate_fused
 from ..nn.spec import refuse_unsupported
-from .step import PYTHON_STEP_FEATURES, STEP_FEATURES, DecodeStep, LayerStep, Norm, Product
+from .step import STEP_FEATURES, DecodeStep, LayerStep, Norm, Product
 
 Rows = Callable[[Tensor], Tensor]
 
@@ -57,8 +57,8 @@ class _Layer(NamedTuple):
     norm2: Rows | None
     gate: Rows | None
     act_: Rows
-    fc_in: Rows
-    fc_out: Rows
+    fc_in: Rows | None
+    fc_out: Rows | None
     qk_norm: str | None
     q_norm: Rows | None
     k_norm: Rows | None
@@ -72,6 +72,7 @@ class _Layer(NamedTuple):
     temperature: tuple[float, float] | None
     softcap: float | None = None
     latent: torch.nn.Module | None = None
+    moe: torch.nn.Module | None = None
 
 
 def norm_fn(norm: Norm) -> Rows:
@@ -135,8 +136,8 @@ def _resolve(layer: LayerStep) -> _Layer:
         norm2=_norm_or_none(layer.norm2),
         gate=None if layer.gate is None else linear_fn(layer.gate),
         act_=activation_fn_(layer.activation, layer.act_module),
-        fc_in=linear_fn(layer.fc_in),
-        fc_out=linear_fn(layer.fc_out),
+        fc_in=None if layer.fc_in is None else linear_fn(layer.fc_in),
+        fc_out=None if layer.fc_out is None else linear_fn(layer.fc_out),
         qk_norm=layer.qk_norm,
         q_norm=_norm_or_none(layer.q_norm),
         k_norm=_norm_or_none(layer.k_norm),
@@ -147,6 +148,7 @@ def _resolve(layer: LayerStep) -> _Layer:
         post=bool(layer.post),
         alibi=None if layer.alibi_slopes is None else torch.tensor(layer.alibi_slopes),
         latent=layer.latent,
+        moe=layer.moe,
         chunk=layer.chunk,
         temperature=layer.temperature,
         softcap=layer.softcap,
@@ -242,11 +244,15 @@ def _mlp_rows(layer: _Layer, x: Tensor, h: Tensor) -> Tensor:
     each [B, d_model] -> the block's output [B, d_model] (the post layout: ``norm2(h + m)``)."""
     m_in = x if layer.parallel else h  # (B, d_model): a parallel block's MLP reads the block's input
     m = m_in if layer.norm2 is None or layer.post else layer.norm2(m_in)  # (B, d_model)
-    if layer.gate is not None:
-        m = layer.act_(layer.gate(m)).mul_(layer.fc_in(m))  # (B, d_mlp): act(gate) * up
+    if layer.moe is not None:  # a mixture of experts: its forward on the new position
+        m = layer.moe(m.unsqueeze(1)).squeeze(1)  # (B, 1, d_model) -> (B, d_model)
     else:
-        m = layer.act_(layer.fc_in(m))  # (B, d_mlp)
-    m = layer.fc_out(m)  # (B, d_model)
+        assert layer.fc_in is not None and layer.fc_out is not None
+        if layer.gate is not None:
+            m = layer.act_(layer.gate(m)).mul_(layer.fc_in(m))  # (B, d_mlp): act(gate) * up
+        else:
+            m = layer.act_(layer.fc_in(m))  # (B, d_mlp)
+        m = layer.fc_out(m)  # (B, d_model)
     if layer.post and layer.norm2 is not None:  # the post layout: norm2 after the residual add
         return layer.norm2(h + m)  # (B, d_model)
     return h + (m if layer.mlp_out_norm is None else layer.mlp_out_norm(m))  # (B, d_model)
@@ -327,7 +333,8 @@ def prepare(step: DecodeStep) -> Callable[..., Tensor]:
     ``ValueError`` naming it)."""
     for layer in step.layers:
         if layer.spec is not None:
-            known = PYTHON_STEP_FEATURES if layer.latent is not None else (*STEP_FEATURES, "softcap")
+            own = {"latent": layer.latent, "moe": layer.moe}  # a spec field the layer's module runs
+            known = (*STEP_FEATURES, "softcap", *(f for f, m in own.items() if m is not None))
             refuse_unsupported(layer.spec, "the Python decoding step", known)
     layers = [_resolve(layer) for layer in step.layers]
     final = None if step.final_norm is None else norm_fn(step.final_norm)

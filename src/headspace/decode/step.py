@@ -73,7 +73,7 @@ STEP_FEATURES = ("window", "qk_norm", "bias", "layout", "chunk", "temperature")
 #: The block features the ``"python"`` backend alone computes beyond :data:`STEP_FEATURES`: score
 #: soft-capping (Gemma 2, :attr:`LayerStep.softcap`) and multi-head latent attention
 #: (:attr:`LayerStep.latent`); the native step refuses both by name.
-PYTHON_STEP_FEATURES = (*STEP_FEATURES, "softcap", "latent")
+PYTHON_STEP_FEATURES = (*STEP_FEATURES, "softcap", "latent", "moe")
 
 
 class DecoderModel(Protocol):
@@ -156,8 +156,8 @@ class LayerStep:
     norm2: Norm | None
     activation: str
     gate: Product | None
-    fc_in: Product
-    fc_out: Product
+    fc_in: Product | None
+    fc_out: Product | None
     act_module: nn.Module | None = None
     qk_norm: str | None = None
     q_norm: Norm | None = None
@@ -183,6 +183,10 @@ class LayerStep:
     #: Gemma 2's score soft-capping: the scaled scores s become ``softcap * tanh(s / softcap)`` before
     #: the mask and the softmax; None else. Python only (:data:`PYTHON_ONLY`)
     softcap: float | None = None
+    #: a mixture of experts (:class:`~headspace.model.moe.MixtureOfExperts`, ``mlp.kind == "moe"``), whose
+    #: forward on the new position is the MLP's step (``gate``, ``fc_in``, ``fc_out`` then None); None
+    #: else. Python only
+    moe: nn.Module | None = dataclasses.field(default=None, compare=False, repr=False)
     #: the block's description the step was read from (each backend refuses the fields it lacks by name)
     spec: BlockSpec | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -198,6 +202,7 @@ PYTHON_ONLY: tuple[str, ...] = (
     "chunk",
     "temperature",
     "softcap",
+    "moe",
 )
 
 
@@ -320,7 +325,8 @@ def _layer_of(block: TransformerBlock, pack_rows: int | None) -> LayerStep:
     else:
         qkv_p = product_of(a.qkv_weight, a.qkv_bias, pack_rows)
         o_p = product_of(a.o_weight, a.o_bias, pack_rows)
-    activation = _activation_of(mlp.act, spec.mlp.act)
+    moe = spec.mlp.kind == "moe"  # a mixture of experts: its own forward is the MLP's step
+    activation = "module" if moe else _activation_of(mlp.act, spec.mlp.act)
     gate = mlp.fc_gate if spec.mlp.kind == "gated" else None
     if spec.layout == "post_sublayer":  # OLMo 2: h = x + ln1(attn(x)), out = h + ln2(mlp(h))
         norm1 = norm2 = None
@@ -345,8 +351,8 @@ def _layer_of(block: TransformerBlock, pack_rows: int | None) -> LayerStep:
         norm2=norm2,
         activation=activation,
         gate=None if gate is None else product_of(gate.weight, gate.bias, pack_rows),
-        fc_in=product_of(mlp.fc_in.weight, mlp.fc_in.bias, pack_rows),
-        fc_out=product_of(mlp.fc_out.weight, mlp.fc_out.bias, pack_rows),
+        fc_in=None if moe else product_of(mlp.fc_in.weight, mlp.fc_in.bias, pack_rows),
+        fc_out=None if moe else product_of(mlp.fc_out.weight, mlp.fc_out.bias, pack_rows),
         act_module=mlp.act if activation == "module" else None,
         qk_norm=at.qk_norm,
         q_norm=norm_of(a.q_norm) if qk else None,
@@ -361,6 +367,7 @@ def _layer_of(block: TransformerBlock, pack_rows: int | None) -> LayerStep:
         chunk=at.chunk,
         temperature=at.temperature,
         softcap=at.softcap,
+        moe=mlp if moe else None,
         spec=spec,
     )
 

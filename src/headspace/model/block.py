@@ -148,6 +148,14 @@ def _check_block_fits(old: BlockSpec, new: BlockSpec) -> None:
             )
 
 
+def _steps_mlp(mlp: nn.Module) -> bool:
+    """Whether the decoding step computes ``mlp``: the dense MLPs, or a mixture of experts with
+    :class:`MixtureOfExperts`'s own forward (the step calls it on the new position)."""
+    if isinstance(mlp, MixtureOfExperts):
+        return type(mlp).forward is MixtureOfExperts.forward
+    return isinstance(mlp, (FeedForward, GatedFeedForward))
+
+
 class TransformerBlock(nn.Module):
     r"""One transformer block: multi-head self-attention and a feed-forward network, each wrapped in a
     residual connection and a LayerNorm.
@@ -463,7 +471,8 @@ class TransformerBlock(nn.Module):
         (GPT-NeoX) blocks, fused self-attention with
         :class:`~headspace.MultiHeadAttention`'s own forward (sliding windows, QK-norm and per-layer
         rotations included; score soft-capping, Gemma 2's, in the Python step only), no ``check_finite``,
-        this module's MLPs; not a model-wide :attr:`decode_blockers` reason. Where
+        this module's MLPs (a :class:`~headspace.model.moe.MixtureOfExperts` with its own forward: the
+        step runs it on the new position); not a model-wide :attr:`decode_blockers` reason. Where
         False, decoding runs :meth:`forward` with the KV cache. A pre-norm block with latent attention
         (DeepSeek) with its own forward has the Python step (its forward on one position)."""
         a = self.attn
@@ -472,7 +481,7 @@ class TransformerBlock(nn.Module):
                 self.norm == "pre"
                 and not self.decode_blockers
                 and type(a).forward is LatentAttention.forward
-                and isinstance(self.mlp, (FeedForward, GatedFeedForward))
+                and _steps_mlp(self.mlp)
             )
         return (
             self.norm in ("pre", "post", "sandwich", "post_sublayer", "parallel")
@@ -483,7 +492,7 @@ class TransformerBlock(nn.Module):
             and type(a).forward is MultiHeadAttention.forward
             and a.fused
             and not a.check_finite
-            and isinstance(self.mlp, (FeedForward, GatedFeedForward))
+            and _steps_mlp(self.mlp)
         )
 
     @property
