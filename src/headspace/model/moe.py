@@ -50,6 +50,7 @@ from ..core.checks import check_positive_int
 from ..nn.hooks import HookPoint
 from ..nn.spec import MLPSpec
 from .mlp import GatedFeedForward, _fire, make_activation
+from .moe_kernels import routed_sum
 from .moe_routing import GROUP_ROUTINGS, group_topk
 
 
@@ -206,22 +207,18 @@ class MixtureOfExperts(nn.Module):
         batch, seq, d = x.shape
         weights = self.route(x).reshape(batch * seq, self.n_experts)  # (N, E)
         flat = x.reshape(batch * seq, d)  # (N, d_model)
-        dense = self.hook_expert_out.active
-        per_expert = flat.new_zeros(batch * seq, self.n_experts, d) if dense else None  # (N, E, d_model)
-        out = torch.zeros_like(flat)  # (N, d_model)
-        for e in torch.nonzero(weights.ne(0).any(dim=0)).flatten().tolist():
-            rows = torch.nonzero(weights[:, e]).flatten()  # (n_e,)
-            if self.routing == "topk_sigmoid":  # Llama 4: the weight scales the expert's input
-                y = self.expert(e, flat[rows] * weights[rows, e, None])  # (n_e, d_model)
-            else:
-                y = self.expert(e, flat[rows]) * weights[rows, e, None]  # (n_e, d_model)
-            if per_expert is not None:
-                per_expert[rows, e] = y
-            else:
-                out.index_add_(0, rows, y)
-        if per_expert is not None:
+        if self.hook_expert_out.active:  # each expert's weighted output, dense over the experts
+            per_expert = flat.new_zeros(batch * seq, self.n_experts, d)  # (N, E, d_model)
+            for e in torch.nonzero(weights.ne(0).any(dim=0)).flatten().tolist():
+                rows = torch.nonzero(weights[:, e]).flatten()  # (n_e,)
+                if self.routing == "topk_sigmoid":  # Llama 4: the weight scales the expert's input
+                    per_expert[rows, e] = self.expert(e, flat[rows] * weights[rows, e, None])
+                else:
+                    per_expert[rows, e] = self.expert(e, flat[rows]) * weights[rows, e, None]
             per_expert = self.hook_expert_out(per_expert.reshape(batch, seq, self.n_experts, d))
             out = per_expert.sum(dim=2).reshape(batch * seq, d)  # (N, d_model)
+        else:  # the same sum without the dense outputs, tokens sorted by expert once (moe_kernels)
+            out = routed_sum(flat, weights, self.expert, scale_input=self.routing == "topk_sigmoid")
         if self.shared is not None:
             shared = self.shared(flat)  # (N, d_model)
             if self.shared_gate is not None:  # Qwen2-MoE's gate (DeepSeek's shared experts have none)
