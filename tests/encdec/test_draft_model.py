@@ -18,7 +18,7 @@ from conftest import inputs_of
 from headspace.model.encdec import speculative
 from headspace.model.encdec.draft_model import DraftModel, draft_model_usable
 from headspace.model.encdec.screen import _fbgemm_exact
-from headspace.model.encdec.speculative import SpeculationStats
+from headspace.model.encdec.speculative import MODEL_TRIAL, SpeculationStats
 from headspace.pretrained.encdec.features import wav_features
 
 KINDS = ["whisper", "bart", "marian"]
@@ -56,8 +56,38 @@ def test_draft_model_generate_equals_plain(tiny, kind: str, monkeypatch: pytest.
                 got = m.generate(x, n, eos_token_id=eos, draft=k, stats=stats)[0].tolist()
                 assert got == plain
                 if len(plain) > 3:
-                    assert stats.model_drafted == stats.drafted > 0 and stats.steps == 0
+                    assert stats.model_drafted == stats.drafted > 0
                     assert stats.model_accepted == stats.accepted <= stats.drafted
+
+
+@pytest.mark.parametrize("right", [False, True])
+def test_drafts_always_wrong_stop_and_always_right_go_on(
+    tiny, right: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Drafts that are never the model's tokens: the same tokens, and the draft model is asked no more
+    once :data:`MODEL_TRIAL` of its drafted tokens were rejected (one-token steps after); drafts that
+    always are: every one accepted, no one-token step."""
+    folder, _ = tiny("whisper")
+    m = headspace.load(folder)
+    x = inputs_of("whisper", batch=1, seed=2)
+    _no_ngrams(monkeypatch)
+    n, k = 20, 4
+    plain = m.generate(x, n, eos_token_id=-1, draft=0)[0].tolist()
+
+    def propose(self: DraftModel, tokens: list[int], want: int) -> list[int]:
+        assert tokens == plain[: len(tokens)]  # only the greedy tokens reach the draft model
+        after = plain[len(tokens) : len(tokens) + want]
+        return after if right else [(t + 1) % m.config.vocab_size for t in after]
+
+    monkeypatch.setattr(DraftModel, "propose", propose)
+    stats = SpeculationStats()
+    assert m.generate(x, n, eos_token_id=-1, draft=k, stats=stats)[0].tolist() == plain
+    if right:
+        assert stats.model_accepted == stats.model_drafted > n - 1 - stats.verifies - 1
+        assert stats.steps == 0
+    else:
+        assert stats.model_accepted == 0 and MODEL_TRIAL <= stats.model_drafted < MODEL_TRIAL + k
+        assert stats.steps == n - 1 - stats.verifies
 
 
 @pytest.mark.parametrize("kind", KINDS)
