@@ -9,11 +9,13 @@ faster-whisper too where installed), plus headspace's alignment of every cross-a
 * **transcribe**: seconds from the log-mel features [1, 80, 3000] to the greedy tokens after
   ``<|startoftranscript|><|en|><|transcribe|><|notimestamps|>`` (no suppressed tokens, at most 224 new),
   median over rounds (the systems in rotating order); each row says whether its tokens equal headspace's.
-  headspace's own feature extraction (WAV read, resampled, log-mel) is timed apart. headspace runs twice:
-  by default (exact speculative decoding with n-gram drafts, ``headspace.model.encdec.speculative``) and
-  with ``draft=0`` (one token per step); ``speculation`` in the JSON holds the default run's counts
-  (drafted, accepted, verifying forwards, one-token steps). The default audio (``--text plain``) is a
-  paragraph said once, no sentence repeating, so the drafts find little; ``--text repeated`` says two
+  headspace's own feature extraction (WAV read, resampled, log-mel) is timed apart. headspace runs three
+  times: by default (exact speculative decoding, ``headspace.model.encdec.speculative``: n-gram drafts,
+  else the int8 draft model's, ``headspace.model.encdec.draft_model``), with ``draft_model=False`` (n-gram
+  drafts only) and with ``draft=0`` (one token per step); ``speculation`` in the JSON holds the default
+  run's counts (drafted, accepted, verifying forwards, one-token steps, the draft model's drafted and
+  accepted). The default audio (``--text plain``) is a
+  paragraph said once, no sentence repeating, so the n-gram drafts find little; ``--text repeated`` says two
   sentences again and again, which the drafts find (the JSON's ``text`` says which).
 * **align**: ``alignment_heads(m, audio, transcript)`` (every head's DTW path over the audio, scored by its
   consistency) on headspace's transcript; the target is at most 2x the transcription's time.
@@ -120,15 +122,18 @@ def systems(folder: Path) -> dict[str, Callable[[torch.Tensor], list[int]]]:
     m = headspace.load("whisper-base")
     out: dict[str, Callable[[torch.Tensor], list[int]]] = {}
 
-    def ours(x: torch.Tensor, draft: int | None = None) -> list[int]:
+    def ours(x: torch.Tensor, draft: int | None = None, model: bool | None = None) -> list[int]:
         stats = SpeculationStats()
         with torch.inference_mode():
-            ids = m.generate(x, MAX_NEW, decoder_input_ids=torch.tensor([PROMPT]), draft=draft, stats=stats)
-        SPECULATION[draft] = stats.as_dict()
+            ids = m.generate(x, MAX_NEW, decoder_input_ids=torch.tensor([PROMPT]), draft=draft,
+                             draft_model=model, stats=stats)  # fmt: skip
+        if model is None:
+            SPECULATION[draft] = stats.as_dict()
         return [t for t in ids[0].tolist()[len(PROMPT) :] if t != 50257]
 
     out["headspace"] = ours
     out["headspace (no speculation)"] = lambda x: ours(x, 0)
+    out["headspace (n-gram drafts only)"] = lambda x: ours(x, None, False)
     try:
         ref = _transformers_model()
 

@@ -30,10 +30,18 @@ def test_whisper_benchmark_quick(tmp_path: Path) -> None:
     d = json.loads(out.read_text())
     rows = {row["system"]: row for row in d["rows"]}
     assert d["transcript"].lower().startswith("the history of the city")
-    assert set(d["speculation"]) == {"verifies", "steps", "drafted", "accepted"}
+    assert set(d["speculation"]) == {
+        "verifies",
+        "steps",
+        "drafted",
+        "accepted",
+        "model_drafted",
+        "model_accepted",
+    }
     for name in (
         "headspace",
         "headspace (no speculation)",
+        "headspace (n-gram drafts only)",
         "transformers (fp32, sdpa)",
         "ctranslate2 (float32)",
     ):

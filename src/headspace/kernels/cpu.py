@@ -18,6 +18,8 @@ name below is a fast path, when it runs, and its fallback (the same maths):
   to float32 rounding).
 * ``speculative``: an encoder-decoder's exact speculative greedy decoding with n-gram drafts
   (:mod:`headspace.model.encdec.speculative`; not CPU-dependent); else one token per decoding step.
+* ``draft_model``: its drafts from the decoder's int8 copy (:mod:`headspace.model.encdec.draft_model`);
+  else n-gram drafts only.
 
 Forcing a fallback, so that a CPU that has every fast path can test the others: the environment variable
 ``HEADSPACE_FORCE_FALLBACK`` (a comma-separated list of the names above, or ``all``), read at every
@@ -55,7 +57,7 @@ __all__ = [
 ENV = "HEADSPACE_FORCE_FALLBACK"
 """The environment variable that forces fallbacks: names from :data:`FALLBACKS`, comma-separated, or
 ``all``."""
-FALLBACKS = ("bf16", "int8", "prepack", "native", "q8_0", "speculative")
+FALLBACKS = ("bf16", "int8", "prepack", "native", "q8_0", "speculative", "draft_model")
 """The fast paths that have a fallback (see the module docstring)."""
 
 _local = threading.local()

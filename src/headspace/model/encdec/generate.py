@@ -20,6 +20,7 @@ from ...core.checks import is_int
 from ...kernels.cpu import int8_products_exact
 from ...nn.kv_cache import KVCache
 from .config import EncDecConfig, check_ids
+from .draft_model import DraftModel, draft_model_usable
 from .fast_step import fast_step, fast_step_usable
 from .screen import ScreenedArgmax, screen_usable
 from .speculative import SpeculationStats, speculation_on, speculative_loop
@@ -90,6 +91,7 @@ def greedy(
     fast: bool = True,
     draft: int | None = None,
     stats: SpeculationStats | None = None,
+    draft_model: bool | None = None,
 ) -> Tensor:
     """The decoder's tokens [batch, prompt + generated] by greedy search (argmax at each step).
 
@@ -108,8 +110,12 @@ def greedy(
     ``HEADSPACE_FORCE_FALLBACK=speculative``): at batch 1 on the fast path, exact speculative decoding
     with up to ``draft`` n-gram drafts verified per decoder forward (:mod:`headspace.model.encdec.
     speculative`: the same greedy tokens); ``stats`` (a :class:`SpeculationStats`) counts what it did.
+    ``draft_model`` (default: where it runs; False: off, as with ``HEADSPACE_FORCE_FALLBACK=draft_model``):
+    where the n-gram lookup finds no draft, the drafts come from the decoder's int8 copy
+    (:mod:`headspace.model.encdec.draft_model`), verified the same way (the same greedy tokens).
     """
     k = speculation_on(draft)
+    with_model = draft_model_usable(model.decoder, draft_model)
     if not is_int(max_new_tokens) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens must be an int >= 0; got {max_new_tokens!r}")
     c = model.config
@@ -140,7 +146,10 @@ def greedy(
     screened = _screen(model, screen)
     lean = fast and fast_step_usable(model.decoder)
     if lean and k > 0 and B == 1 and cross_mask is None and max_new_tokens > 0:
-        return _speculate(model, decoder_input_ids, max_new_tokens, caches, cross, screened, eos, k, stats)
+        drafter = _drafter(model, cross, total) if with_model else None
+        return _speculate(
+            model, decoder_input_ids, max_new_tokens, caches, cross, screened, eos, k, stats, drafter
+        )
     return _plain(
         model, decoder_input_ids, max_new_tokens, caches, cross, cross_mask, screened, lean, eos, pad
     )
@@ -180,6 +189,17 @@ def _plain(
     return tokens
 
 
+def _drafter(model: Seq2Seq, cross: list[tuple[Tensor, Tensor]], capacity: int) -> DraftModel:
+    """The model's :class:`DraftModel` (made once, kept while the weights are unchanged), started on
+    ``cross`` with caches of ``capacity`` positions."""
+    w, kept = model.tok_embed.weight, model.__dict__.get("_draft_model")
+    if not (isinstance(kept, DraftModel) and kept.fits(model.decoder, w)):
+        kept = DraftModel(model.decoder, w, model.logits_bias, model.config.output_scale)
+        model.__dict__["_draft_model"] = kept  # (not a submodule, no state-dict key)
+    kept.start(model.decoder, cross, capacity)
+    return kept
+
+
 def _speculate(
     model: Seq2Seq,
     prompt: Tensor,
@@ -190,6 +210,7 @@ def _speculate(
     eos: int | None,
     k: int,
     stats: SpeculationStats | None,
+    drafter: DraftModel | None = None,
 ) -> Tensor:
     """:func:`greedy`'s loop at batch 1 with speculation (:func:`speculative_loop`): the prompt through the
     ordinary path, as :func:`_plain` feeds it, then drafts verified. Returns [1, prompt + generated]."""
@@ -202,6 +223,11 @@ def _speculate(
             return _next_tokens(model, rows, screened)  # (T,)
 
         tokens = prompt[0].tolist() + new
-        new += speculative_loop(model.decoder, tokens, max_new_tokens - 1, caches, cross, pick, eos, k, stats)
+        propose = None if drafter is None else drafter.propose
+        new += speculative_loop(
+            model.decoder, tokens, max_new_tokens - 1, caches, cross, pick, eos, k, stats, propose
+        )
+    if drafter is not None:
+        drafter.stop()
     added = torch.tensor([new], dtype=prompt.dtype, device=prompt.device)  # (1, generated)
     return torch.cat((prompt, added), dim=1)  # (1, prompt + generated)

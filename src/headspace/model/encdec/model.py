@@ -147,15 +147,18 @@ class EncoderDecoder(nn.Module):
         fast: bool = True,
         draft: int | None = None,
         stats: SpeculationStats | None = None,
+        draft_model: bool | None = None,
     ) -> Tensor:
         """Greedy decoding: the decoder's tokens [batch, prompt + new] (:func:`greedy`; ``screen``: the
         int8 screen of the argmax, :mod:`headspace.model.encdec.screen`; ``fast``: the steps without hook
         dispatch while no decoder hook is registered, :mod:`headspace.model.encdec.fast_step`; ``draft``:
         n-gram drafts per verifying forward at batch 1, 0: off, and ``stats`` its counts,
-        :mod:`headspace.model.encdec.speculative`)."""
+        :mod:`headspace.model.encdec.speculative`; ``draft_model``: drafts from the decoder's int8 copy where
+        the n-grams find none, :mod:`headspace.model.encdec.draft_model`)."""
         return greedy(self, inputs, max_new_tokens, attention_mask=attention_mask,
                       decoder_input_ids=decoder_input_ids, eos_token_id=eos_token_id,
-                      screen=screen, fast=fast, draft=draft, stats=stats)  # fmt: skip
+                      screen=screen, fast=fast, draft=draft, stats=stats,
+                      draft_model=draft_model)  # fmt: skip
 
 
 __all__ = ["EncoderDecoder"]

@@ -50,6 +50,9 @@ from .stacks import DecoderStack
 DRAFT_TOKENS = 6
 #: the longest and shortest suffix looked up for a draft
 MAX_NGRAM, MIN_NGRAM = 4, 2
+#: a draft model whose drafts were accepted less than this share, over at least ``MODEL_TRIAL`` drafted
+#: tokens of one call, is asked no more in that call (its drafts cost more than they save)
+MODEL_ACCEPTANCE, MODEL_TRIAL = 0.5, 12
 
 
 @dataclass
@@ -63,6 +66,9 @@ class SpeculationStats:
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
+    #: of ``drafted`` and ``accepted``: the draft model's (:mod:`headspace.model.encdec.draft_model`)
+    model_drafted: int = 0
+    model_accepted: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """The counts as a JSON-ready dict."""
@@ -71,6 +77,8 @@ class SpeculationStats:
             "steps": self.steps,
             "drafted": self.drafted,
             "accepted": self.accepted,
+            "model_drafted": self.model_drafted,
+            "model_accepted": self.model_accepted,
         }
 
 
@@ -177,14 +185,23 @@ def speculative_loop(
     eos: int | None,
     k: int,
     stats: SpeculationStats | None = None,
+    drafter: Callable[[list[int], int], list[int]] | None = None,
 ) -> list[int]:
     """The new greedy tokens (at most ``max_new``; the end token kept, and last) after ``tokens``, whose last
     entry is the newest token (not yet in the caches; every earlier one is). ``next_tokens``: stream rows
-    [T, d_model] -> greedy tokens [T]. Batch 1, no cross mask (module docstring)."""
+    [T, d_model] -> greedy tokens [T]. ``drafter`` (tokens, k) -> up to k drafts: asked where the n-gram
+    lookup finds none (a draft model), until its drafts of this call were accepted less than
+    :data:`MODEL_ACCEPTANCE` of the time over at least :data:`MODEL_TRIAL` drafted tokens. Batch 1, no
+    cross mask (module docstring)."""
     new: list[int] = []
+    tried = kept = 0  # the draft model's drafted and accepted tokens in this call
     stats = SpeculationStats() if stats is None else stats
     while len(new) < max_new:
-        drafts = ngram_draft(tokens, min(k, max_new - len(new) - 1))
+        m = min(k, max_new - len(new) - 1)
+        drafts = ngram_draft(tokens, m)
+        modelled = not drafts and drafter is not None and m > 0
+        if modelled:
+            drafts = drafter(tokens, m)[:m]
         ids = torch.tensor([tokens[-1:] + drafts])  # (1, 1 + m)
         if drafts:
             cached = caches[0].length
@@ -194,6 +211,12 @@ def speculative_loop(
             stats.verifies, stats.drafted, stats.accepted = (
                 stats.verifies + 1, stats.drafted + len(drafts), stats.accepted + len(made) - 1
             )  # fmt: skip
+            if modelled:
+                tried, kept = tried + len(drafts), kept + len(made) - 1
+                stats.model_drafted += len(drafts)
+                stats.model_accepted += len(made) - 1
+                if tried >= MODEL_TRIAL and kept < MODEL_ACCEPTANCE * tried:
+                    drafter = None
         else:
             h = fast_step(decoder, ids, caches, cross, None)  # (1, 1, d_model)
             made = next_tokens(h[0]).tolist()
