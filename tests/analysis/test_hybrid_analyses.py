@@ -163,7 +163,7 @@ def test_explain_walks_a_softmax_layer_of_a_hybrid_and_a_deltanet_layer_by_the_d
     assert chosen.layer == 3 and {f.layer for f in chosen.ranking} == {3}
     for layer in (0, 2):  # DeltaNet layers: walked by the delta rule (tests/analysis/test_delta_walk.py)
         walked = explain(ours, text, "mat", layer=layer, head=0, tokenized=tokenized)
-        assert [s.scheme for s in walked.scheme_steps] == ["delta_rule"] and walked.n_heads == 6
+        assert [s.scheme for s in walked.scheme_steps] == ["delta_rule", "experts"] and walked.n_heads == 6
 
 
 def test_why_decomposes_a_softmax_head_of_a_hybrid_and_refuses_a_deltanet_layer_by_name(saved: dict) -> None:

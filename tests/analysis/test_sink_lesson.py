@@ -106,7 +106,7 @@ def test_sink_from_scores_is_the_softmax_column_of_the_sink() -> None:
 
 def test_sink_step_is_printed_within_the_width_and_carried_by_json(gpt_oss: tuple, capsys) -> None:
     e = explain(Words(gpt_oss[0]), SENTENCE, 5, layer=1, head=2)
-    assert [s.scheme for s in e.scheme_steps][-1] == "sink"
+    assert [s.scheme for s in e.scheme_steps][-2:] == ["sink", "experts"]  # experts: after the attention
     lines = scheme_lines(e)
     assert any("learned sink: the row sums to 1 - sink" in line for line in lines)
     assert all(len(line) <= EXPLAIN_WIDTH for line in lines)

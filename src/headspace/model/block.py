@@ -605,7 +605,8 @@ def _sum(a: Tensor, b: Tensor, seen_by: HookPoint) -> Tensor:
     that passed ``seen_by`` with no function there, no autograd graph records it, and it is a dense
     tensor of ``b``'s shape and dtype sharing no memory with ``b``."""
     if (
-        seen_by.fns
+        torch.compiler.is_compiling()  # the compiler fuses the add itself (and cannot trace data_ptr)
+        or seen_by.fns
         or a.requires_grad
         or a.shape != b.shape
         or a.dtype != b.dtype
