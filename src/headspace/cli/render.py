@@ -376,6 +376,16 @@ def explain_pictures(e: Explanation, pretrained: Any, out: Path) -> list[Path]:
             title=f"layer {e.layer}, head {e.head}: where '{tok}' attends",
             query=e.token_index,
         ),
+        *vector_pictures(e, out),
+    ]
+
+
+def vector_pictures(e: Explanation, out: Path) -> list[Path]:
+    """The walk's q, k, v and z as cells, and how W_O weighs the heads (every walk has both)."""
+    from ..viz import plots
+
+    tag, tok = f"L{e.layer}_H{e.head}", e.tokens[e.token_index]
+    return [
         plots.plot_vectors(
             {"q": e.q, "k": e.k, "v": e.v, "z": e.z},
             out / f"explain_{tag}_qkvz.png",

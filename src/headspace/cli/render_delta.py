@@ -20,6 +20,7 @@ from .render import (
     console,
     head_share_table,
     token_label,
+    vector_pictures,
 )
 
 if TYPE_CHECKING:
@@ -101,20 +102,4 @@ def _render_shares(c: Any, e: Explanation, tok: str) -> None:
 def delta_pictures(e: Explanation, out: Path) -> list[Path]:
     """PNG pictures of a DeltaNet walk: q, k, v and z as cells, and how W_O weighs the heads (the
     effective weights are signed and unnormalised: no softmax picture)."""
-    from ..viz import plots
-
-    tag, tok = f"L{e.layer}_H{e.head}", e.tokens[e.token_index]
-    return [
-        plots.plot_vectors(
-            {"q": e.q, "k": e.k, "v": e.v, "z": e.z},
-            out / f"explain_{tag}_qkvz.png",
-            title=f"layer {e.layer}, head {e.head}: q of '{tok}', k and v of every token, z",
-            row_labels=e.tokens,
-        ),
-        plots.plot_head_shares(
-            e.head_shares,
-            out / f"explain_L{e.layer}_wo_shares.png",
-            title=f"layer {e.layer}: how W_O weighs the heads for '{tok}'",
-            highlight=e.head,
-        ),
-    ]
+    return vector_pictures(e, out)
