@@ -181,7 +181,6 @@ def test_whisper_base_plain_speech_draft_model_equals_plain(tmp_path: Path) -> N
     tokens with the draft model as one token per step, and most drafts accepted."""
     if shutil.which("espeak-ng") is None:
         pytest.skip("needs the espeak-ng program")
-    pytest.importorskip("scipy")
     m = headspace.load("whisper-base")
     wav = tmp_path / "speech.wav"
     text = "Farmers came from the hills to work the new fields, and the market grew beside the bridge."

@@ -165,7 +165,6 @@ def test_whisper_base_speech_speculative_equals_plain(tmp_path: Path) -> None:
     the same greedy tokens with speculation as one token per step."""
     if shutil.which("espeak-ng") is None:
         pytest.skip("needs the espeak-ng program")
-    pytest.importorskip("scipy")
     m = headspace.load("whisper-base")
     wav = tmp_path / "speech.wav"
     text = "the quick brown fox jumps over the lazy dog. " * 3
