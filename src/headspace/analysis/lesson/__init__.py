@@ -7,6 +7,8 @@
   (:func:`~.cross.explain_encdec`; a T5 head's bucket bias as its own step).
 * :mod:`.alignment`: which cross-attention heads align text with audio (:func:`~.alignment.alignment_heads`,
   by dynamic time warping) and the word timings they give (:func:`~.alignment.word_timings`).
+* :mod:`.dtw`: the dynamic time warping under it, a batch of cost matrices one anti-diagonal at a
+  time (the scalar loop's paths, identical).
 * :mod:`.content_tokens`: the words a relational head can send a token to (explain's head choice).
 * :mod:`.roles`: head roles (mass on previous / next / current / first / last token, entropy, a label)
   and induction scores.

@@ -46,6 +46,7 @@ from torch import Tensor
 
 from ...model.encdec import EncoderDecoder
 from ...pretrained.encdec.features import SAMPLE_RATE, log_mel, read_wav
+from .dtw import dtw_paths
 
 #: seconds per encoder frame (2 x 10 ms hop)
 FRAME_SECONDS = 0.02
@@ -178,34 +179,8 @@ def normalise(pattern: Tensor, width: int = MEDIAN_WIDTH) -> Tensor:
 def dtw(cost: Tensor) -> tuple[np.ndarray, np.ndarray]:
     """Whisper's dynamic time warping of ``cost`` [rows, frames]: the (row, frame) indices of the
     cheapest monotonic path from (0, 0) to (rows - 1, frames - 1), steps (1, 1), (1, 0), (0, 1); ties
-    prefer the frame step, as ``whisper.timing.dtw_cpu`` does."""
-    x = cost.double().tolist()
-    n, m = len(x), len(x[0])
-    acc = [[float("inf")] * (m + 1) for _ in range(n + 1)]  # python lists: scalar access is fast
-    trace = [[-1] * (m + 1) for _ in range(n + 1)]
-    acc[0][0] = 0.0
-    for j in range(1, m + 1):
-        for i in range(1, n + 1):
-            c0, c1, c2 = acc[i - 1][j - 1], acc[i - 1][j], acc[i][j - 1]
-            if c0 < c1 and c0 < c2:
-                c, t = c0, 0
-            elif c1 < c0 and c1 < c2:
-                c, t = c1, 1
-            else:
-                c, t = c2, 2
-            acc[i][j] = x[i - 1][j - 1] + c
-            trace[i][j] = t
-    i, j = n, m
-    trace[0] = [2] * (m + 1)
-    for row in trace:
-        row[0] = 1
-    rows, frames = [], []
-    while i > 0 or j > 0:
-        rows.append(i - 1)
-        frames.append(j - 1)
-        t = trace[i][j] if i > 0 and j > 0 else (2 if i == 0 else 1)
-        i, j = (i - 1, j - 1) if t == 0 else (i - 1, j) if t == 1 else (i, j - 1)
-    return np.array(rows[::-1]), np.array(frames[::-1])
+    prefer the frame step, as ``whisper.timing.dtw_cpu`` does (:func:`.dtw.dtw_paths`, one matrix)."""
+    return dtw_paths(cost[None])[0]  # [rows, frames] -> [1, rows, frames]
 
 
 def _jumps(rows: np.ndarray, frames: np.ndarray, n_rows: int) -> np.ndarray:
@@ -257,11 +232,15 @@ def _trim(start: int, end: int, speech: np.ndarray | None, gap: int = MAX_GAP) -
 
 
 def _timings(
-    matrix: Tensor, groups: list[tuple[str, int, int]], speech: np.ndarray | None = None
+    matrix: Tensor,
+    groups: list[tuple[str, int, int]],
+    speech: np.ndarray | None = None,
+    path: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> list[WordTiming]:
     """Word timings from a normalised matrix [rows, frames] (module docstring); with ``speech``
-    [frames] (bool) each word's frames are narrowed to the sounding ones (:func:`speech_frames`)."""
-    rows, frames = dtw(-matrix)
+    [frames] (bool) each word's frames are narrowed to the sounding ones (:func:`speech_frames`).
+    ``path``: ``dtw(-matrix)`` when the caller has it already."""
+    rows, frames = dtw(-matrix) if path is None else path
     jump = _jumps(rows, frames, matrix.shape[0])
     out = []
     for w, s, e in groups:
@@ -270,9 +249,10 @@ def _timings(
     return out
 
 
-def _consistency(pattern: Tensor, matrix: Tensor, widen: int = 2) -> float:
-    """The path-consistency score of one head (module docstring); ``pattern`` [rows, frames] softmax."""
-    rows, frames = dtw(-matrix)
+def _consistency(pattern: Tensor, path: tuple[np.ndarray, np.ndarray], widen: int = 2) -> float:
+    """The path-consistency score of one head (module docstring); ``pattern`` [rows, frames] softmax,
+    ``path`` the DTW path of its negated normalised matrix."""
+    rows, frames = path
     n, m = pattern.shape
     mask = torch.zeros(n, m, dtype=pattern.dtype)  # [rows, frames]: each row's path stretch, widened
     for r in range(n):
@@ -282,6 +262,18 @@ def _consistency(pattern: Tensor, matrix: Tensor, widen: int = 2) -> float:
     own = mass.diagonal()
     others = (mass.sum(0) - own) / max(n - 1, 1)
     return float((own - others).mean())
+
+
+def consistency_scores(patterns: Tensor, matrices: Tensor) -> Tensor:
+    """Every head's path-consistency score [L, H] (module docstring) from its softmax ``patterns`` and
+    normalised ``matrices``, each [L, H, rows, frames]: all heads' DTW paths in one batch."""
+    n_layers, n_heads = patterns.shape[:2]
+    paths = dtw_paths(-matrices.flatten(0, 1))  # [L, H, rows, frames] -> [L H, rows, frames]
+    scores = torch.zeros(n_layers, n_heads)
+    for layer in range(n_layers):
+        for h in range(n_heads):
+            scores[layer, h] = _consistency(patterns[layer, h], paths[layer * n_heads + h])
+    return scores
 
 
 def _check_word_times(word_times: Any) -> list[tuple[str, float, float]]:
@@ -312,9 +304,11 @@ def _timing_scores(
     [L, H], of each head's word timings alone (module docstring)."""
     n_layers, n_heads = patterns.shape[:2]
     iou, error = torch.zeros(n_layers, n_heads), torch.zeros(n_layers, n_heads)
+    matrices = normalise(patterns)  # [L, H, rows, frames]
+    paths = dtw_paths(-matrices.flatten(0, 1))  # [L, H, rows, frames] -> [L H, rows, frames]
     for layer in range(n_layers):
         for h in range(n_heads):
-            found = _timings(normalise(patterns[layer, h]), groups, speech)
+            found = _timings(matrices[layer, h], groups, speech, paths[layer * n_heads + h])
             ov, err = 0.0, 0.0
             for t, (_, t0, t1) in zip(found, truth, strict=True):
                 union = max(t.end, t1) - min(t.start, t0)
@@ -357,7 +351,7 @@ def alignment_heads(
             key=lambda p: (-float(scores[p]), float(error[p])),
         )
         return AlignmentHeads(scores, order, "timings", [w for w, _, _ in groups], error)
-    scores = torch.tensor([[_consistency(p, normalise(p)) for p in layer] for layer in patterns])
+    scores = consistency_scores(patterns, normalise(patterns))
     order = sorted(
         ((lay, h) for lay in range(scores.shape[0]) for h in range(scores.shape[1])),
         key=lambda p: -float(scores[p]),

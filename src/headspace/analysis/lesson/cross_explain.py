@@ -34,10 +34,10 @@ from ...pretrained.encdec.features import log_mel, read_wav
 from ..trace.trace import trace
 from .alignment import (
     FRAME_SECONDS,
-    _consistency,
     _cross_scores,
     _text_ids,
     _timings,
+    consistency_scores,
     normalise,
     speech_frames,
     word_groups,
@@ -200,9 +200,7 @@ def cross_patterns(
 def monotonic_scores(p: CrossPatterns) -> Tensor:
     """Every head's monotonic-alignment score [n_layers, n_heads]: the consistency of its DTW path
     (module docstring; near 0 for a sink or a diffuse head, near 1 for rows walking through the source)."""
-    return torch.tensor(
-        [[_consistency(a, m) for a, m in zip(pl, ml)] for pl, ml in zip(p.patterns, p.matrices)]
-    )
+    return consistency_scores(p.patterns, p.matrices)
 
 
 def explain_cross(
