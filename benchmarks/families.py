@@ -23,7 +23,8 @@ gguf_file=...)`` of the same file, both in float32:
   prefill out,
 
 for ``headspace``, ``transformers eager`` and ``transformers sdpa``, rounds rotating over the three
-(``headspace.bench.round_robin``); median and spread (min, max) of ``--repeats`` rounds. Before timing,
+(``headspace.bench.round_robin``); median and spread (min, max) of ``--repeats`` rounds, and of
+``--forward-rounds`` rounds for the forward (cheap, and the noisiest of the three: default 9). Before timing,
 the script checks that the three give the same logits (``max |ours - theirs| / max |theirs|`` is in the
 JSON) and that greedy decoding gives the same tokens.
 
@@ -320,7 +321,7 @@ def measure(model_type: str, size: str, args: argparse.Namespace, root: Path) ->
         return lambda: g(ids[:1], n)
 
     with torch.inference_mode():
-        fwd_times = round_robin({k: fwd(f) for k, f in forward.items()}, args.repeats)
+        fwd_times = round_robin({k: fwd(f) for k, f in forward.items()}, args.forward_rounds)
         one = round_robin({k: dec(g, 1) for k, g in generate.items()}, args.repeats)
         many = round_robin({k: dec(g, args.new + 1) for k, g in generate.items()}, args.repeats)
     # per round: time(n + 1 tokens) - time(1 token); a round where noise made it <= 0 is dropped
@@ -332,7 +333,11 @@ def measure(model_type: str, size: str, args: argparse.Namespace, root: Path) ->
         "family": model_type,
         "size": size,
         "n_params": n_params,
-        "measured": {"median_of": args.repeats, "load_average_1m": machine_info().get("load_average_1m")},
+        "measured": {
+            "median_of": args.repeats,
+            "forward_median_of": args.forward_rounds,
+            "load_average_1m": machine_info().get("load_average_1m"),
+        },
         "shape": {
             "d_model": cfg.d_model,
             "n_layers": cfg.n_layers,
@@ -381,6 +386,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true", help="a smoke run: tiny size, few tokens, 1 round")
     p.add_argument("--repeats", type=int, default=None, help="rounds per figure (default 5; 1 with --quick)")
+    p.add_argument(
+        "--forward-rounds",
+        type=int,
+        default=None,
+        help="rounds of the forward figure (default 9; 1 with --quick)",
+    )
     p.add_argument("--batch", type=int, default=None, help="forward batch (default 4; 1 with --quick)")
     p.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 128; 8 with --quick)")
     p.add_argument("--new", type=int, default=None, help="decoded tokens (default 32; 4 with --quick)")
@@ -394,8 +405,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     add_output_options(p, NAME)
     args = p.parse_args(argv)
     check_output_options(p, args, NAME, smoke="quick")
-    check_positive(p, args, ("repeats", "batch", "seq", "new", "threads"))
-    for key, full, quick in (("repeats", 5, 1), ("batch", 4, 1), ("seq", 128, 8), ("new", 32, 4)):
+    check_positive(p, args, ("repeats", "forward_rounds", "batch", "seq", "new", "threads"))
+    defaults = (("repeats", 5, 1), ("forward_rounds", 9, 1), ("batch", 4, 1), ("seq", 128, 8), ("new", 32, 4))
+    for key, full, quick in defaults:
         if getattr(args, key) is None:
             setattr(args, key, quick if args.quick else full)
     known = decoder_families()

@@ -60,6 +60,7 @@ def test_the_size_is_what_the_issue_asks_and_bad_arguments_exit_2(capsys: pytest
         (["--sizes", "huge"], "--sizes takes sizes of"),
         (["--quick", "--save"], "a --quick smoke run is never published"),
         (["--repeats", "0"], "--repeats must be positive"),
+        (["--forward-rounds", "0"], "--forward-rounds must be positive"),
     ):
         with pytest.raises(SystemExit) as exc:
             module.parse_args(argv)
@@ -177,4 +178,4 @@ def test_the_families_added_to_the_benchmark_run_at_the_tiny_size(tmp_path: Path
     assert doc["failed"] == [] and len(doc["rows"]) == 9
     for r in doc["rows"]:
         assert max(r["logits_rel_diff"].values()) < 1e-5 and all(r["same_greedy_tokens"].values())
-        assert r["n_params"] > 0 and r["measured"]["median_of"] == 1
+        assert r["n_params"] > 0 and r["measured"]["median_of"] == 1 == r["measured"]["forward_median_of"]
