@@ -9,9 +9,8 @@ cumulative log decay inside the chunk, ``P_ij = exp(c_i - c_j)`` for ``j <= i``,
     V_new   = U - W S;   o = (q exp(c)) S + ((q k^T) * P) V_new
     S      <- exp(c_last) S + (k exp(c_last - c))^T V_new
 
-What differs from the reference (the same operations on the same values: bit for bit equal to it and to
-transformers where ``1 / sqrt(d_k)`` is a power of two, and else to float32 rounding; tested against both
-in tests/attention/test_delta_net.py):
+What differs from the reference (the same operations on the same values, in the same order: bit for bit
+equal to it and to transformers; tested against both in tests/attention/test_delta_fast_paths.py):
 
 * q and k are L2-normalised at the key heads (each row alone: the same rows as after the repeat to the
   value heads), q's ``1 / sqrt(d_k)`` joins the norm's factor where it is a power of two (exact), and

@@ -260,9 +260,17 @@ class GatedDeltaNet(nn.Module):
         B, S = o.shape[:2]
         gate = self.in_z(x).reshape(B, S, s.n_v_heads, s.d_v)  # (B, S, Hv, dv)
         h = o.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + s.norm_eps)
-        z = self.norm_weight * h.to(o.dtype)
-        z = (z * F.silu(gate.to(torch.float32))).to(o.dtype)  # (B, S, Hv, dv)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + s.norm_eps)  # (B, S, Hv, dv), fresh
+        w = self.norm_weight
+        if (
+            type(self.in_z) is nn.Linear
+            and o.dtype == gate.dtype == w.dtype == torch.float32
+            and not (torch.is_grad_enabled() and (h.requires_grad or gate.requires_grad or w.requires_grad))
+        ):  # the same products, written over the fresh h and gate (no graph needs them)
+            z = h.mul_(w).mul_(F.silu(gate, inplace=True))  # (B, S, Hv, dv)
+        else:
+            z = w * h.to(o.dtype)
+            z = (z * F.silu(gate.to(torch.float32))).to(o.dtype)  # (B, S, Hv, dv)
         z = self.hook_z(z)
         if self.hook_result.active:
             result = self.hook_result(torch.einsum("bshd,hdm->bshm", z, self.W_O))  # (B, S, Hv, d_model)
