@@ -12,6 +12,8 @@ import headspace as hs
 from headspace.attention.delta_chunk import fast_chunk_rule
 from headspace.attention.delta_net import GatedDeltaNet, causal_depthwise_conv
 from headspace.attention.delta_rule import chunk_rule, reference_chunk_rule
+from headspace.kernels import cpu
+from headspace.kernels.denormals import flushed_denormals, flushing_denormals
 from headspace.nn.delta_spec import DeltaNetSpec
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -107,3 +109,30 @@ def test_the_layer_hooked_differentiable_and_fast_paths_agree() -> None:
     o, state = fast_chunk_rule(q, k, v, t["hook_gate"], t["hook_beta"])
     torch.testing.assert_close(t["hook_o"], o, atol=0, rtol=0)
     torch.testing.assert_close(t["hook_state"], state, atol=0, rtol=0)
+
+
+def test_denormals_are_flushed_in_the_rule_only_and_the_fallback_keeps_them() -> None:
+    assert not flushing_denormals()  # torch's default
+    with flushed_denormals():
+        assert flushing_denormals() == torch.set_flush_denormal(True)  # on where torch can
+    assert not flushing_denormals()  # and off again
+    with cpu.force_fallback("denormals"), flushed_denormals():
+        assert not flushing_denormals()
+    torch.set_flush_denormal(True)
+    try:
+        if flushing_denormals():  # on before the block: left on after it
+            with flushed_denormals():
+                pass
+            assert flushing_denormals()
+    finally:
+        torch.set_flush_denormal(False)
+    # strong decays (log decays to -300 within a chunk): the reference makes denormal floats there
+    q, k, v, g, beta = inputs(128, 2, 4, 16, 8)
+    g = g * 10.0
+    want, want_state = reference_chunk_rule(q, k, v, g, beta)
+    got, got_state = fast_chunk_rule(q, k, v, g, beta)
+    with cpu.force_fallback("denormals"):
+        kept, kept_state = fast_chunk_rule(q, k, v, g, beta)
+    assert not flushing_denormals()
+    for a, b in ((got, want), (kept, want), (got_state, want_state), (kept_state, want_state)):
+        torch.testing.assert_close(a, b, atol=1e-37, rtol=0)  # what differs is below 2^-126

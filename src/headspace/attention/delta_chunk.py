@@ -36,6 +36,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..kernels.denormals import flushed_denormals
+
+#: Log decays below this give a decay of 0: ``log(2^-126)``, where the exp would be a denormal float,
+#: which is what the CPU's flush-to-zero mode makes of it (:mod:`headspace.kernels.denormals`), on any
+#: thread (the flush mode holds in the calling thread only).
+LOG_DECAY_FLOOR = math.log(torch.finfo(torch.float32).tiny)
+
+
+def decay_exp(log_decay: Tensor) -> Tensor:
+    """``exp(log_decay)``, 0 where ``log_decay < LOG_DECAY_FLOOR`` (no denormal floats); a fresh tensor."""
+    return log_decay.masked_fill(log_decay < LOG_DECAY_FLOOR, float("-inf")).exp_()
+
 
 def heads_first_normalised(x: Tensor, repeat: int, scale: float | None = None) -> Tensor:
     """x [B, S, Hk, d] -> ``x / sqrt(sum x^2 + 1e-6)`` (times ``scale`` where given) in float32,
@@ -68,7 +80,7 @@ def _solve_chunks(
     # the right-hand side [v_beta, k_beta exp(c)] [.., C, dv + dk], column-major as LAPACK solves in place
     both = k.new_empty(B, Hv, n, dv + dk, C).transpose(-1, -2)  # (B, Hv, n, C, dv + dk)
     torch.mul(v, beta.unsqueeze(-1), out=both[..., :dv])
-    torch.mul(k_beta, cum.exp().unsqueeze(-1), out=both[..., dv:])
+    torch.mul(k_beta, decay_exp(cum).unsqueeze(-1), out=both[..., dv:])
     torch.linalg.solve_triangular(system, both, upper=False, unitriangular=True, out=both)
     return both[..., :dv], both[..., dv:], k_beta
 
@@ -78,7 +90,16 @@ def fast_chunk_rule(
 ) -> tuple[Tensor, Tensor]:
     """q, k [B, S, Hk, dk], v [B, S, Hv, dv], g, beta [B, S, Hv], state [B, Hv, dk, dv] or None ->
     (o [B, S, Hv, dv] in q's dtype, the final state [B, Hv, dk, dv] float32): the chunked rule (module
-    docstring), no autograd."""
+    docstring), no autograd. Denormal floats are flushed to zero (in this thread) while it runs:
+    :func:`headspace.kernels.denormals.flushed_denormals`."""
+    with flushed_denormals():
+        return _chunks(q, k, v, g, beta, state, chunk)
+
+
+def _chunks(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None, chunk: int
+) -> tuple[Tensor, Tensor]:
+    """:func:`fast_chunk_rule`'s body."""
     dtype = q.dtype
     B, S, Hk, dk = k.shape
     Hv, dv = v.shape[2], v.shape[3]
@@ -96,12 +117,13 @@ def fast_chunk_rule(
     cum = g4.cumsum(dim=3)  # (B, Hv, n, C): log decay since the chunk's start
     upper = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).triu(1)
     # (B, Hv, n, C, C): the decay from each position to each later one in its chunk
-    pair = (cum.unsqueeze(4) - cum.unsqueeze(3)).masked_fill_(upper, float("-inf")).exp_()
+    pair = cum.unsqueeze(4) - cum.unsqueeze(3)
+    pair = pair.masked_fill_(upper, float("-inf")).masked_fill_(pair < LOG_DECAY_FLOOR, float("-inf")).exp_()
     new_v, k_cum, _ = _solve_chunks(kn, v5, beta4, cum, pair)  # (.., C, dv), (.., C, dk)
     intra = torch.matmul(qn, kn.transpose(-1, -2)).mul_(pair)  # (B, Hv, n, C, C)
-    q_dec = qn.mul_(cum.exp().unsqueeze(-1))  # (B, Hv, n, C, dk): qn is not needed undecayed again
-    k_dec = kn.mul_((cum[..., -1:] - cum).exp().unsqueeze(-1))  # (B, Hv, n, C, dk)
-    chunk_decay = cum[..., -1].exp().reshape(B * Hv, n, 1, 1)  # (B Hv, n, 1, 1)
+    q_dec = qn.mul_(decay_exp(cum).unsqueeze(-1))  # (B, Hv, n, C, dk): qn is not needed undecayed again
+    k_dec = kn.mul_(decay_exp(cum[..., -1:] - cum).unsqueeze(-1))  # (B, Hv, n, C, dk)
+    chunk_decay = decay_exp(cum[..., -1]).reshape(B * Hv, n, 1, 1)  # (B Hv, n, 1, 1)
     s = (
         torch.zeros(B * Hv, dk, dv, dtype=torch.float32, device=q.device)
         if state is None
