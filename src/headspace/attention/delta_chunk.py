@@ -10,16 +10,22 @@ cumulative log decay inside the chunk, ``P_ij = exp(c_i - c_j)`` for ``j <= i``,
     S      <- exp(c_last) S + (k exp(c_last - c))^T V_new
 
 What differs from the reference (the same operations on the same values, in the same order: bit for bit
-equal to it and to transformers; tested against both in tests/attention/test_delta_fast_paths.py):
+equal to it and to transformers but for denormal floats, below; tested against both in
+tests/attention/test_delta_fast_paths.py):
 
 * q and k are L2-normalised at the key heads (each row alone: the same rows as after the repeat to the
   value heads), q's ``1 / sqrt(d_k)`` joins the norm's factor where it is a power of two (exact), and
-  the normalised rows are written once,
-  heads first and repeated, in one pass (the reference: repeat, transpose, normalise, scale);
+  the normalised rows are written once, heads first and repeated, in one pass (the reference: repeat,
+  transpose, normalise, scale);
 * ``v_beta`` and the decayed ``k_beta`` are written straight into the right-hand side of the one solve,
   laid out column-major, which LAPACK solves in place (no concatenation, no copy in and out);
 * the chunk loop fuses its adds into the matrix products (``baddbmm``) and writes its output in the
   [batch, seq, n_v_heads, d_v] layout the layer wants (no transpose at the end).
+
+* denormal floats (magnitudes below 2^-126) are 0: the CPU's flush-to-zero mode is on in the calling
+  thread while the rule runs (:func:`headspace.kernels.denormals.flushed_denormals`), and decays whose
+  exp would be denormal are 0 on every thread (:data:`LOG_DECAY_FLOOR`). Strong decays make them by
+  the thousand, and x86 CPUs multiply them tens of times slower.
 
 It writes into fresh buffers (``out=``, in-place ops): callers take it only where no autograd graph is
 recorded (:func:`headspace.attention.delta_rule.chunk_rule` decides).
