@@ -43,6 +43,26 @@ from ..nn.kv_cache import KVCache
 from .delta_rule import chunk_rule, recurrent_rule
 
 
+def causal_depthwise_conv(x: Tensor, weight: Tensor) -> Tensor:
+    """The causal depthwise convolution of x [B, S, C] (channels last) by ``weight`` [C, K]: ``out[:, t]
+    = sum_j weight[:, j] * x[:, t - K + 1 + j]``, summed in order of j, with zeros before the first
+    position: [B, S, C] fresh, what ``F.conv1d`` computes with ``K - 1`` zeros of padding in front (bit
+    for bit on the CPU), without moving x to channels first: K multiply-adds over shifted slices, in
+    place (no autograd graph)."""
+    K = weight.shape[1]
+    S = x.shape[1]
+    taps = weight.t().contiguous()  # (K, C): each tap's weights, contiguous
+    out = torch.empty_like(x)  # (B, S, C)
+    out[:, : min(K - 1, S)].zero_()  # the positions the first tap does not reach start from zero
+    if S > K - 1:
+        torch.mul(x[:, : S - K + 1], taps[0], out=out[:, K - 1 :])
+    for j in range(1, K):  # tap j reaches back K - 1 - j positions: it adds to positions K - 1 - j ..
+        back = K - 1 - j
+        if back < S:
+            out[:, back:].addcmul_(x[:, : S - back], taps[j])
+    return out
+
+
 class DeltaNetCache(KVCache):
     """A Gated DeltaNet layer's decoding state: ``conv`` [batch, conv_dim, conv_kernel - 1] (the last
     inputs of the convolution) and ``state`` [batch, n_v_heads, d_k, d_v]; ``length`` positions seen,
@@ -214,16 +234,20 @@ class GatedDeltaNet(nn.Module):
         (the cache's last inputs in front of the call's; zeros without one), through their hook points."""
         s = self.spec
         B, S, _ = x.shape
-        mixed = self.in_qkv(x).transpose(1, 2)  # (B, conv_dim, S), channels last
-        weight = self.conv_weight.unsqueeze(1)  # (conv_dim, 1, K)
-        if cache is None:  # zeros in front: the convolution's own padding (no copy of the input)
-            conv = F.conv1d(mixed, weight, padding=s.conv_kernel - 1, groups=s.conv_dim)[..., :S]
+        mixed = self.in_qkv(x)  # (B, S, conv_dim)
+        weight = self.conv_weight
+        if cache is None and not (torch.is_grad_enabled() and (mixed.requires_grad or weight.requires_grad)):
+            out = F.silu(causal_depthwise_conv(mixed, weight), inplace=True)  # (B, S, conv_dim), fresh
         else:
-            full = torch.cat([cache.conv, mixed], dim=-1)  # (B, conv_dim, K - 1 + S)
-            cache.conv.copy_(full[:, :, full.shape[-1] - (s.conv_kernel - 1) :])
-            conv = F.conv1d(full, weight, groups=s.conv_dim)
-        out = F.silu(conv)  # (B, conv_dim, S)
-        out = out.transpose(1, 2)  # (B, S, conv_dim)
+            mixed = mixed.transpose(1, 2)  # (B, conv_dim, S), channels first
+            if cache is None:  # zeros in front: the convolution's own padding (no copy of the input)
+                conv = F.conv1d(mixed, weight.unsqueeze(1), padding=s.conv_kernel - 1, groups=s.conv_dim)
+                conv = conv[..., :S]  # (B, conv_dim, S)
+            else:
+                full = torch.cat([cache.conv, mixed], dim=-1)  # (B, conv_dim, K - 1 + S)
+                cache.conv.copy_(full[:, :, full.shape[-1] - (s.conv_kernel - 1) :])
+                conv = F.conv1d(full, weight.unsqueeze(1), groups=s.conv_dim)  # (B, conv_dim, S)
+            out = F.silu(conv).transpose(1, 2)  # (B, S, conv_dim)
         kd = s.n_k_heads * s.d_k
         q = out[..., :kd].reshape(B, S, s.n_k_heads, s.d_k)  # (B, S, Hk, dk)
         k = out[..., kd : 2 * kd].reshape(B, S, s.n_k_heads, s.d_k)  # (B, S, Hk, dk)
@@ -236,9 +260,17 @@ class GatedDeltaNet(nn.Module):
         B, S = o.shape[:2]
         gate = self.in_z(x).reshape(B, S, s.n_v_heads, s.d_v)  # (B, S, Hv, dv)
         h = o.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + s.norm_eps)
-        z = self.norm_weight * h.to(o.dtype)
-        z = (z * F.silu(gate.to(torch.float32))).to(o.dtype)  # (B, S, Hv, dv)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + s.norm_eps)  # (B, S, Hv, dv), fresh
+        w = self.norm_weight
+        if (
+            type(self.in_z) is nn.Linear
+            and o.dtype == gate.dtype == w.dtype == torch.float32
+            and not (torch.is_grad_enabled() and (h.requires_grad or gate.requires_grad or w.requires_grad))
+        ):  # the same products, written over the fresh h and gate (no graph needs them)
+            z = h.mul_(w).mul_(F.silu(gate, inplace=True))  # (B, S, Hv, dv)
+        else:
+            z = w * h.to(o.dtype)
+            z = (z * F.silu(gate.to(torch.float32))).to(o.dtype)  # (B, S, Hv, dv)
         z = self.hook_z(z)
         if self.hook_result.active:
             result = self.hook_result(torch.einsum("bshd,hdm->bshm", z, self.W_O))  # (B, S, Hv, d_model)

@@ -20,6 +20,8 @@ name below is a fast path, when it runs, and its fallback (the same maths):
   (:mod:`headspace.model.encdec.speculative`; not CPU-dependent); else one token per decoding step.
 * ``draft_model``: its drafts from the decoder's int8 copy (:mod:`headspace.model.encdec.draft_model`);
   else n-gram drafts only.
+* ``denormals``: the Gated DeltaNet's chunked rule with denormal floats flushed to zero in the calling
+  thread, where ``torch.set_flush_denormal`` can (:mod:`headspace.kernels.denormals`); else as they come.
 
 Forcing a fallback, so that a CPU that has every fast path can test the others: the environment variable
 ``HEADSPACE_FORCE_FALLBACK`` (a comma-separated list of the names above, or ``all``), read at every
@@ -57,7 +59,7 @@ __all__ = [
 ENV = "HEADSPACE_FORCE_FALLBACK"
 """The environment variable that forces fallbacks: names from :data:`FALLBACKS`, comma-separated, or
 ``all``."""
-FALLBACKS = ("bf16", "int8", "prepack", "native", "q8_0", "speculative", "draft_model")
+FALLBACKS = ("bf16", "int8", "prepack", "native", "q8_0", "speculative", "draft_model", "denormals")
 """The fast paths that have a fallback (see the module docstring)."""
 
 _local = threading.local()
