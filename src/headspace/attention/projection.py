@@ -16,7 +16,7 @@ from torch import Tensor
 
 from ..kernels.workspace import Workspace
 from ..nn.kv_cache import KVCache
-from ..nn.norms import rms_inverse
+from ..nn.norms import HeadLayerNorm, L2Norm, RMSNorm, rms_inverse
 from ..nn.positions import rotary_tables, rotate_fused
 from ..nn.rotate_inplace import rotate_fused_
 from .checks import check_rotary_positions
@@ -199,6 +199,13 @@ class HeadProjections:
             v = self.hook_v(v.transpose(1, 2)).transpose(1, 2)  # (B, Hkv, Sk_new, dh)
         if qk_norm:
             q, k = self.normed_qk(q, k)  # (B, H, Sq, dh), (B, Hkv, Sk_new, dh)
+        if rotary is not None and qk_norm and not traced and self._fresh_qk_norms(q, k):
+            # the norm's fresh outputs, seen by no hook and no graph: rotated in place (the same values)
+            return (
+                self._tempered(rotate_fused_(q, cos, sin, rotary), kv_cache),
+                rotate_fused_(k, cos, sin, rotary),
+                v,
+            )
         if rotary is not None and (traced or qk_norm):
             q = rotate_fused(q, cos, sin, rotary)  # (B, H, Sq, dh)
             k = rotate_fused(k, cos, sin, rotary)  # (B, Hkv, Sk_new, dh)
@@ -207,6 +214,14 @@ class HeadProjections:
                     q = self.hook_rot_q(q.transpose(1, 2)).transpose(1, 2)  # (B, H, Sq, dh)
                     k = self.hook_rot_k(k.transpose(1, 2)).transpose(1, 2)  # (B, Hkv, Sk_new, dh)
         return self._tempered(q, kv_cache), k, v
+
+    def _fresh_qk_norms(self, q: Tensor, k: Tensor) -> bool:
+        """Whether q and k, just out of the layer's own QK-norms, are fresh tensors that no autograd graph
+        records: the untraced path may then rotate them in place."""
+        own = (RMSNorm, L2Norm, HeadLayerNorm)
+        return (
+            type(self.q_norm) in own and type(self.k_norm) in own and not (q.requires_grad or k.requires_grad)
+        )
 
     def _tempered(self, q: Tensor, kv_cache: KVCache | None) -> Tensor:
         """q [B, H, Sq, dh] times the description's per-position temperature (as it is without one)."""

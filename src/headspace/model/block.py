@@ -48,6 +48,7 @@ from .gemma_extras import GemmaAttention
 from .mlp import ACTIVATIONS as ACTIVATIONS  # re-exported: the MLPs' old home
 from .mlp import FeedForward, GatedFeedForward, _fire, make_activation
 from .moe import MixtureOfExperts, moe_of
+from .parallel_norm import shared_norm
 
 #: Residual/LayerNorm arrangements accepted by :class:`TransformerBlock`.
 NORMS = ("post", "pre", "sandwich", "post_sublayer", "parallel")
@@ -428,9 +429,15 @@ class TransformerBlock(nn.Module):
     def _parallel(self, x: Tensor, kw: dict[str, Any]) -> Tensor:
         """parallel (GPT-NeoX, GPT-J, Phi-2, Cohere): ``out = x + drop(Attn(LN1(x))) + drop(MLP(LN2(x)))``,
         both sublayers reading the block's input (a one-norm family's LN2 is a copy of its LN1); no
-        ``hook_resid_mid`` (there is no middle of the residual)."""
-        a = _fire(self.hook_attn_out, self.dropout(self.attn(_fire(self.hook_attn_in, self.ln1(x)), **kw)))
-        m = _fire(self.hook_mlp_out, self.dropout(self.mlp(_fire(self.hook_mlp_in, self.ln2(x)))))
+        ``hook_resid_mid`` (there is no middle of the residual). While LN2 equals LN1 and nothing watches
+        them, LN1(x) serves both (:mod:`~headspace.model.parallel_norm`: the same values)."""
+        n = shared_norm(self, x, MultiHeadAttention, (FeedForward, GatedFeedForward))  # (b, s, d) or None
+        a = self.attn(_fire(self.hook_attn_in, self.ln1(x) if n is None else n), **kw)  # (b, s, d)
+        a = _fire(self.hook_attn_out, self.dropout(a))
+        m = _fire(
+            self.hook_mlp_out,
+            self.dropout(self.mlp(_fire(self.hook_mlp_in, self.ln2(x) if n is None else n))),
+        )
         return _sum(_sum(a, x, self.hook_attn_out), m, _UNWATCHED)  # (batch, seq, d_model): x + a + m
 
     def _resid_mid(self, x: Tensor, a: Tensor) -> Tensor:

@@ -44,6 +44,7 @@ from .config import ModelConfig
 from .decoding import StepPlan, decoding
 from .moe_precision import bf16_experts, float32_router_params
 from .special_decoders import refuse_wrong_decoder
+from .unembed_recycled import recycled_logits
 
 
 def _check_config(config: Any, arch: str, cls_name: str) -> ModelConfig:
@@ -550,9 +551,13 @@ class Decoder(_Stack):
     def unembed(self, h: Tensor) -> Tensor:
         """Logits [..., vocab_size] (float32) of final residuals h [..., d_model] (after LN_f): the
         unembedding, then ``cap * tanh(logits / cap)`` with ``config.final_softcap``."""
+        logits = None
         if self.lm_head is None:
-            logits = F.linear(h, self.tok_embed.weight)  # (batch, seq, vocab_size)
-        else:
+            logits = recycled_logits(h, self.tok_embed.weight, None)  # (no page faults: unembed_recycled)
+            logits = F.linear(h, self.tok_embed.weight) if logits is None else logits  # (batch, seq, vocab)
+        elif type(self.lm_head) is nn.Linear and owns_output(self.lm_head):  # (no module hook to fire)
+            logits = recycled_logits(h, self.lm_head.weight, self.lm_head.bias)  # (batch, seq, vocab_size)
+        if logits is None:
             logits = self.lm_head(h)  # (batch, seq, vocab_size)
         cap = self.config.final_softcap
         if cap is not None:  # Gemma 2's final-logit soft-capping; in place on logits nobody else holds

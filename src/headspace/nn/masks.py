@@ -266,6 +266,8 @@ def canonical_mask(
     plain = window is None and chunk is None
     if is_causal and mask is None and key_padding is None and seq_q == seq_k and plain:
         return CanonicalMask(mask=None, is_causal=True, dead_rows=None)
+    if is_causal and mask is None and key_padding is None and chunk is None and window is not None:
+        return _remembered_band(seq_q, seq_k, window, window_sides, device)  # every sliding layer's
 
     if key_padding is not None:
         pad = key_padding[:, None, None, :]  # (batch, 1, 1, seq_k)
@@ -302,6 +304,39 @@ def canonical_mask(
     if seq_k > 0 and (compiling or bool(dead.any())):
         return CanonicalMask(mask=mask | dead, is_causal=False, dead_rows=dead)
     return CanonicalMask(mask=mask, is_causal=False, dead_rows=None)
+
+
+#: The last mask :func:`_remembered_band` built: ((its sizes, window, sides, device, inference mode), mask).
+_LAST_BAND: list[tuple[tuple[object, ...], CanonicalMask] | None] = [None]
+#: :func:`_remembered_band` keeps masks of at most this many entries (seq_q * seq_k); larger ones are built
+#: afresh on every call rather than held between calls.
+BAND_MEMO_MAX = 1 << 22
+
+
+def _remembered_band(
+    seq_q: int, seq_k: int, window: int, sides: str | None, device: torch.device
+) -> CanonicalMask:
+    """:func:`canonical_mask` of causality AND a sliding window alone (no padding, no user mask), built by
+    the same ops as its general path (the same values); the last one is kept and returned again, the
+    same object, for the same sizes, window, sides, device and inference mode: every sliding layer of a
+    forward asks for the same mask. Not kept under ``torch.compile`` or past :data:`BAND_MEMO_MAX`
+    entries. No caller writes into a canonical mask (they make new tensors from it)."""
+    compiling = torch.compiler.is_compiling()
+    keep = not compiling and seq_q * seq_k <= BAND_MEMO_MAX
+    key = (seq_q, seq_k, window, sides, device, torch.is_inference_mode_enabled())
+    last = _LAST_BAND[0]
+    if keep and last is not None and last[0] == key:
+        return last[1]
+    tri = causal_mask(seq_q, seq_k, device)[None, None]  # (1, 1, seq_q, seq_k)
+    m = _and_bool(tri, window_mask(seq_q, seq_k, window, device, sides=sides)[None, None], False)
+    dead = ~m.any(dim=-1, keepdim=True)  # (1, 1, seq_q, 1)
+    if seq_k > 0 and (compiling or bool(dead.any())):
+        made = CanonicalMask(mask=m | dead, is_causal=False, dead_rows=dead)
+    else:
+        made = CanonicalMask(mask=m, is_causal=False, dead_rows=None)
+    if keep:
+        _LAST_BAND[0] = (key, made)
+    return made
 
 
 class RowMasks:

@@ -24,11 +24,24 @@ def rotate_fused_(x: Tensor, cos: Tensor, sin_signed: Tensor, rotary: Rotary) ->
     """
     rd = rotary.rotary_dim
     xr = x if rd == x.shape[-1] else x[..., :rd]  # (batch, heads, seq, rotary_dim), a view of x
-    if rotary.interleaved:
-        swapped = xr.unflatten(-1, (rd // 2, 2)).flip(-1).flatten(-2)  # (batch, heads, seq, rotary_dim)
-    else:
-        swapped = xr.roll(rd // 2, dims=-1)  # (batch, heads, seq, rotary_dim): [x_b, x_a] per plane, fresh
+    if not rotary.interleaved:
+        return _rotate_halves_(x, xr, cos, sin_signed, rd // 2)
+    swapped = xr.unflatten(-1, (rd // 2, 2)).flip(-1).flatten(-2)  # (batch, heads, seq, rotary_dim)
     swapped.mul_(sin_signed)
     xr.mul_(cos)
     xr.add_(swapped)
+    return x
+
+
+def _rotate_halves_(x: Tensor, xr: Tensor, cos: Tensor, sin_signed: Tensor, half: int) -> Tensor:
+    """Rotate-half in place on the halves ``a = xr[..., :half]``, ``b = xr[..., half:]``, with no rolled
+    copy of ``xr``: ``a <- a * cos_a + b * sin_a``, ``b <- b * cos_b + a * sin_b`` (``sin_a = -sin``,
+    ``sin_b = +sin``: the signed table), the turn's two products taken before either half is written.
+    Each output is the sum of the same two rounded products as :func:`rotate_fused_`'s ``xr * cos +
+    roll(xr) * sin_signed``: the same values, bit for bit. Returns ``x``."""
+    a, b = xr[..., :half], xr[..., half:]  # (batch, heads, seq, half) x 2, views of x
+    turn_b = a * sin_signed[..., half:]  # (batch, heads, seq, half): b's turn term, a * sin
+    turn_a = b * sin_signed[..., :half]  # (batch, heads, seq, half): a's turn term, -b * sin
+    a.mul_(cos[..., :half]).add_(turn_a)
+    b.mul_(cos[..., half:]).add_(turn_b)
     return x
