@@ -42,9 +42,6 @@ DeepSeek's routings (``"sigmoid_group_topk"``, ``"softmax_group_topk"``, ``route
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -53,7 +50,6 @@ from ..core.checks import check_positive_int
 from ..nn.hooks import HookPoint
 from ..nn.spec import MLPSpec
 from .mlp import _IN_PLACE, GatedFeedForward, _fire, make_activation
-from .moe_fused import gate_in_rows, lay_out_gate_in
 from .moe_kernels import routed_sum
 from .moe_routing import GROUP_ROUTINGS, group_topk
 
@@ -107,9 +103,8 @@ class MixtureOfExperts(nn.Module):
         self.register_parameter("score_bias", nn.Parameter(torch.zeros(n_experts)) if score_bias else None)
         self.act = make_activation(act)
         self.router = nn.Linear(d_model, n_experts, bias=router_bias)
-        gate_in = torch.empty(n_experts, 2, d_mlp, d_model)  # (E, 2, d_mlp, d_model): halves, moe_fused
-        self.experts_gate = nn.Parameter(gate_in[:, 0])  # (E, d_mlp, d_model)
-        self.experts_in = nn.Parameter(gate_in[:, 1])  # (E, d_mlp, d_model)
+        self.experts_gate = nn.Parameter(torch.empty(n_experts, d_mlp, d_model))
+        self.experts_in = nn.Parameter(torch.empty(n_experts, d_mlp, d_model))
         self.experts_out = nn.Parameter(torch.empty(n_experts, d_model, d_mlp))
         for w in (self.experts_gate, self.experts_in, self.experts_out):
             nn.init.normal_(w, std=0.02)
@@ -187,60 +182,16 @@ class MixtureOfExperts(nn.Module):
             dense[..., list(self.ablated)] = 0.0
         return _fire(self.hook_routing, dense.to(logits.dtype))
 
-    def _load_from_state_dict(self, state_dict: Any, prefix: str, local_metadata: Any, *args: Any) -> None:
-        """``nn.Module``'s, then (after ``load_state_dict(..., assign=True)``, which puts the loaded tensors
-        in place of the parameters) ``experts_gate`` and ``experts_in`` laid out again as the halves of
-        one buffer (:mod:`~headspace.model.moe_fused`): the same values."""
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, *args)
-        gate, up = self.experts_gate, self.experts_in
-        if (
-            local_metadata.get("assign_to_params_buffers", False)
-            and gate_in_rows(gate, up) is None
-            and all(type(w) is nn.Parameter and w.is_floating_point() for w in (gate, up))
-            and gate.shape == up.shape
-            and gate.dtype == up.dtype
-            and gate.device == up.device
-            and gate.device.type != "meta"
-        ):
-            self.experts_gate, self.experts_in = lay_out_gate_in(gate, up)
-
     def expert(self, e: int, x: Tensor) -> Tensor:
         """Expert ``e``'s unweighted output ``(act(x W_gate[e]) * (x W_in[e])) W_out[e]`` (with biases
         and the clamped SwiGLU where set: module docstring): [..., d_model] -> [..., d_model]."""
-        return self._expert_fn()(e, x)
-
-    def _expert_fn(self) -> Callable[[int, Tensor], Tensor]:
-        """:meth:`expert` as a function of ``(e, x)``, the weights' layout read once: where ``experts_gate``
-        and ``experts_in`` are the halves of one buffer (:func:`~headspace.model.moe_fused.gate_in_rows`)
-        and the experts have no biases and no clamped SwiGLU, ``x W_gate[e]`` and ``x W_in[e]`` are one
-        product ``x [W_gate[e]; W_in[e]]^T`` [..., 2 d_mlp] (transformers' ``gate_up_proj``), where no
-        gradient is taken (the view over both halves is ``experts_gate``'s alone to autograd)."""
-        if type(self).expert is not MixtureOfExperts.expert or "expert" in self.__dict__:
-            return self.expert  # (a subclass's or a patched expert)
-        rows = None
-        grad = torch.is_grad_enabled() and (self.experts_gate.requires_grad or self.experts_in.requires_grad)
-        if not grad and self.swiglu is None and all(b is None for b in self._expert_biases()):
-            rows = gate_in_rows(self.experts_gate, self.experts_in)  # (E, 2 d_mlp, d_model)
-        if rows is None:
-            return self._expert_apart
-        d_mlp, w_out, act = self.experts_gate.shape[1], self.experts_out, self.act
-        in_place = _IN_PLACE.get(type(act))
-
-        def run(e: int, x: Tensor) -> Tensor:
-            both = F.linear(x, rows[e])  # (..., 2 d_mlp): [x W_gate[e] | x W_in[e]]
-            gate, up = both[..., :d_mlp], both[..., d_mlp:]  # (..., d_mlp) x 2, views
-            if in_place is None or both.requires_grad:  # (x itself may take a gradient)
-                return F.linear(act(gate) * up, w_out[e])  # (..., d_model)
-            return F.linear(in_place(gate, act).mul_(up), w_out[e])  # (..., d_model)
-
-        return run
-
-    def _expert_apart(self, e: int, x: Tensor) -> Tensor:
-        """:meth:`expert` with the gate and up products apart (any layout, biases, clamped SwiGLU)."""
         b_gate, b_in, b_out = (None if b is None else b[e] for b in self._expert_biases())
         gate = F.linear(x, self.experts_gate[e], b_gate)  # (..., d_mlp)
         up = F.linear(x, self.experts_in[e], b_in)  # (..., d_mlp)
-        if self.swiglu is None:
+        in_place = _IN_PLACE.get(type(self.act))
+        if self.swiglu is None and in_place is not None and not (gate.requires_grad or up.requires_grad):
+            hidden = in_place(gate, self.act).mul_(up)  # (..., d_mlp): the same values, in gate's memory
+        elif self.swiglu is None:
             hidden = self.act(gate) * up  # (..., d_mlp)
         else:
             limit, alpha = self.swiglu
@@ -259,20 +210,21 @@ class MixtureOfExperts(nn.Module):
         batch, seq, d = x.shape
         weights = self.route(x).reshape(batch * seq, self.n_experts)  # (N, E)
         flat = x.reshape(batch * seq, d)  # (N, d_model)
-        expert = self._expert_fn()
         if self.hook_expert_out.active:  # each expert's weighted output, dense over the experts
             per_expert = flat.new_zeros(batch * seq, self.n_experts, d)  # (N, E, d_model)
             for e in torch.nonzero(weights.ne(0).any(dim=0)).flatten().tolist():
                 rows = torch.nonzero(weights[:, e]).flatten()  # (n_e,)
                 if self.routing == "topk_sigmoid":  # Llama 4: the weight scales the expert's input
-                    per_expert[rows, e] = expert(e, flat[rows] * weights[rows, e, None])
+                    per_expert[rows, e] = self.expert(e, flat[rows] * weights[rows, e, None])
                 else:
-                    per_expert[rows, e] = expert(e, flat[rows]) * weights[rows, e, None]
+                    per_expert[rows, e] = self.expert(e, flat[rows]) * weights[rows, e, None]
             per_expert = self.hook_expert_out(per_expert.reshape(batch, seq, self.n_experts, d))
             out = per_expert.sum(dim=2).reshape(batch * seq, d)  # (N, d_model)
         else:  # the same sum without the dense outputs, tokens sorted by expert once (moe_kernels)
-            fresh = expert != self.expert  # (this module's own products: each output a new tensor)
-            out = routed_sum(flat, weights, expert, scale_input=self.routing == "topk_sigmoid", fresh=fresh)
+            own = type(self).expert is MixtureOfExperts.expert and "expert" not in self.__dict__
+            out = routed_sum(  # (fresh: this class's expert returns a new tensor each call)
+                flat, weights, self.expert, scale_input=self.routing == "topk_sigmoid", fresh=own
+            )
         if self.shared is not None:
             shared = self.shared(flat)  # (N, d_model)
             if self.shared_gate is not None:  # Qwen2-MoE's gate (DeepSeek's shared experts have none)
