@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from ..core.checks import check_positive_int
 from ..nn.hooks import HookPoint
 from ..nn.spec import MLPSpec
-from .mlp import GatedFeedForward, _fire, make_activation
+from .mlp import _IN_PLACE, GatedFeedForward, _fire, make_activation
 from .moe_kernels import routed_sum
 from .moe_routing import GROUP_ROUTINGS, group_topk
 
@@ -188,7 +188,10 @@ class MixtureOfExperts(nn.Module):
         b_gate, b_in, b_out = (None if b is None else b[e] for b in self._expert_biases())
         gate = F.linear(x, self.experts_gate[e], b_gate)  # (..., d_mlp)
         up = F.linear(x, self.experts_in[e], b_in)  # (..., d_mlp)
-        if self.swiglu is None:
+        in_place = _IN_PLACE.get(type(self.act))
+        if self.swiglu is None and in_place is not None and not (gate.requires_grad or up.requires_grad):
+            hidden = in_place(gate, self.act).mul_(up)  # (..., d_mlp): the same values, in gate's memory
+        elif self.swiglu is None:
             hidden = self.act(gate) * up  # (..., d_mlp)
         else:
             limit, alpha = self.swiglu
@@ -218,12 +221,17 @@ class MixtureOfExperts(nn.Module):
             per_expert = self.hook_expert_out(per_expert.reshape(batch, seq, self.n_experts, d))
             out = per_expert.sum(dim=2).reshape(batch * seq, d)  # (N, d_model)
         else:  # the same sum without the dense outputs, tokens sorted by expert once (moe_kernels)
-            out = routed_sum(flat, weights, self.expert, scale_input=self.routing == "topk_sigmoid")
+            own = type(self).expert is MixtureOfExperts.expert and "expert" not in self.__dict__
+            out = routed_sum(  # (fresh: this class's expert returns a new tensor each call)
+                flat, weights, self.expert, scale_input=self.routing == "topk_sigmoid", fresh=own
+            )
         if self.shared is not None:
             shared = self.shared(flat)  # (N, d_model)
             if self.shared_gate is not None:  # Qwen2-MoE's gate (DeepSeek's shared experts have none)
                 shared = torch.sigmoid(self.shared_gate(flat)) * shared  # (N, d_model)
-            out = out + _fire(self.hook_shared_out, shared.reshape(batch, seq, d)).reshape(batch * seq, d)
+            shared = _fire(self.hook_shared_out, shared.reshape(batch, seq, d)).reshape(batch * seq, d)
+            # (the routed sum is this call's own tensor: added to in place where no graph needs it)
+            out = out + shared if out.requires_grad or shared.requires_grad else out.add_(shared)
         return out.reshape(batch, seq, d)  # (batch, seq, d_model)
 
     def extra_repr(self) -> str:

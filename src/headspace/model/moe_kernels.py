@@ -40,11 +40,13 @@ def routed_sum(
     expert: Callable[[int, Tensor], Tensor],
     *,
     scale_input: bool = False,
+    fresh: bool = False,
 ) -> Tensor:
     """``out`` [N, d_model] of the module docstring: ``flat`` [N, d_model], ``weights`` [N, E] (the
     dense routing weights), ``expert(e, rows)`` expert ``e``'s unweighted output [n, d_model] on
     ``rows`` [n, d_model]; ``scale_input``: each row is scaled by its weight before the expert (Llama 4)
-    instead of the expert's output after it."""
+    instead of the expert's output after it; ``fresh``: ``expert`` returns a new tensor of its own each
+    call (the weight then multiplies it in place where no gradient is taken: the same values)."""
     tokens, experts, counts = expert_pairs(weights)
     out = torch.zeros_like(flat)  # (N, d_model)
     if tokens.numel() == 0:
@@ -59,7 +61,8 @@ def routed_sum(
         if scale_input:
             y = expert(e, chosen[start:end] * w[start:end])  # (n, d_model)
         else:
-            y = expert(e, chosen[start:end]) * w[start:end]  # (n, d_model)
+            y = expert(e, chosen[start:end])  # (n, d_model)
+            y = y.mul_(w[start:end]) if fresh and not y.requires_grad else y * w[start:end]
         out.index_add_(0, tokens[start:end], y)
         start = end
     return out

@@ -53,8 +53,9 @@ def group_topk(
     if routing == "sigmoid_group_topk":
         scores = logits.sigmoid()  # (N, E)
         choice = scores if score_bias is None else scores + score_bias  # (N, E)
-        groups = choice.view(n, n_group, e // n_group).topk(2, dim=-1)[0].sum(dim=-1)  # (N, G)
-        choice = choice.masked_fill(~_group_mask(groups, topk_group, e), float("-inf"))  # (N, E)
+        if topk_group < n_group:  # (every group kept: the mask is all True, nothing to fill)
+            groups = choice.view(n, n_group, e // n_group).topk(2, dim=-1)[0].sum(dim=-1)  # (N, G)
+            choice = choice.masked_fill(~_group_mask(groups, topk_group, e), float("-inf"))  # (N, E)
         indices = torch.topk(choice, k=top_k, dim=-1, sorted=False)[1]  # (N, k)
         weights = scores.gather(1, indices)  # (N, k)
         if norm_topk:
@@ -62,8 +63,9 @@ def group_topk(
         return indices, weights
     if routing == "softmax_group_topk":
         scores = logits.softmax(dim=-1, dtype=torch.float32)  # (N, E)
-        groups = scores.view(n, n_group, e // n_group).max(dim=-1).values  # (N, G)
-        scores = scores.masked_fill(~_group_mask(groups, topk_group, e), 0.0)  # (N, E)
+        if topk_group < n_group:  # (every group kept: the mask is all True, nothing to fill)
+            groups = scores.view(n, n_group, e // n_group).max(dim=-1).values  # (N, G)
+            scores = scores.masked_fill(~_group_mask(groups, topk_group, e), 0.0)  # (N, E)
         weights, indices = torch.topk(scores, k=top_k, dim=-1, sorted=False)  # (N, k) x 2
         return indices, weights
     raise ValueError(f"routing must be one of {list(GROUP_ROUTINGS)}; got {routing!r}")
