@@ -63,6 +63,9 @@ NAME = "whisper.json"
 PROMPT = [50258, 50259, 50359, 50363]
 SPECIAL = {"<|endoftext|>": 50257, "<|startoftranscript|>": 50258}
 MAX_NEW = 224
+#: ctranslate2's ``max_length``, the model's 448 positions: given MAX_NEW + 4 = 228 it stopped after 114
+#: tokens (on both audios), mid-sentence; every system here ends at its end-of-text token before its cap
+CT2_MAX_LENGTH = 448
 #: the speculative path's counts of headspace's last run (key: ``draft``; None: the default)
 SPECULATION: dict[int | None, dict[str, int]] = {}
 #: a paragraph spoken once (about 40 s at espeak-ng's rate, cut to ``--seconds``): no sentence repeats
@@ -167,7 +170,7 @@ def _ct2_systems(folder: Path) -> dict[str, Callable[[torch.Tensor], list[int]]]
     millisecond, inside the timed call). The child ends with this process."""
     child = subprocess.Popen(
         [sys.executable, str(Path(__file__).with_name("whisper_ct2_child.py")), str(_ct2_folder(folder)),
-         json.dumps(PROMPT), str(MAX_NEW + len(PROMPT))],
+         json.dumps(PROMPT), str(CT2_MAX_LENGTH)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     atexit.register(child.kill)
