@@ -105,3 +105,22 @@ def test_a_graph_takes_the_ordinary_rotation(model: Any) -> None:
     assert model.blocks[1].attn.qkv_weight.grad is not None
     model.zero_grad(set_to_none=True)
     torch.testing.assert_close(got.detach(), want, atol=1e-5 * float(want.abs().max()), rtol=0)
+
+
+def test_per_layer_inputs_summed_in_place_equal_the_hooked_sum(model: Any) -> None:
+    torch.manual_seed(4)
+    tokens = torch.randint(3, V, (2, 9))
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    with torch.inference_mode():
+        fast = model(tokens)
+        for ple in model.ple:
+            ple.hook_out.add(lambda t, hook: kept.append((t, t.clone())))
+        try:
+            hooked = model(tokens)
+        finally:
+            for ple in model.ple:
+                ple.hook_out.clear()
+    assert len(kept) == L
+    for t, copy in kept:
+        assert torch.equal(t, copy)  # the term the hook holds was not summed over
+    assert torch.equal(fast, hooked)  # h + term, times the layer scalar: the same values either way

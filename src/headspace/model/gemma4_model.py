@@ -105,9 +105,16 @@ class PerLayerInput(nn.Module):
         y = self.norm(self.proj(self.act(self.gate(h)) * per_layer))  # (B, S, d_model)
         return self.hook_out(y) if self.hook_out.fns else y
 
-    def forward(self, h: Tensor, per_layer: Tensor) -> Tensor:
-        """h [B, S, d_model], per_layer [B, S, p] -> ``h + term`` [B, S, d_model]."""
-        return h + self.term(h, per_layer)
+    def forward(self, h: Tensor, per_layer: Tensor, scale: Tensor | None = None) -> Tensor:
+        """h [B, S, d_model], per_layer [B, S, p] -> ``h + term`` [B, S, d_model], times ``scale`` (a
+        0-d tensor: the layer scalar) when given. While no hook function and no autograd graph sees the
+        term, the sum and the product are written over it (the same values)."""
+        y = self.term(h, per_layer)  # (B, S, d_model)
+        if self.hook_out.fns or y.requires_grad or h.requires_grad:
+            out = h + y  # (B, S, d_model)
+            return out if scale is None else out * scale
+        out = y.add_(h)  # (B, S, d_model): the term is fresh and unseen
+        return out if scale is None else out.mul_(scale)
 
 
 class Gemma4Decoder(Decoder):
@@ -208,9 +215,10 @@ class Gemma4Decoder(Decoder):
             for i, block in enumerate(self.blocks):
                 cache = None if kv_caches is None else kv_caches[i]
                 x = block(x, key_padding=key_padding, is_causal=causal, kv_cache=cache, positions=pos)
-                if P is not None:
-                    x = self.ple[i](x, P[:, :, i])  # (batch, seq, d_model)
-                x = x * self.layer_scalars[i]
+                if P is not None:  # (batch, seq, d_model), the layer scalar applied
+                    x = self.ple[i](x, P[:, :, i], self.layer_scalars[i])
+                else:
+                    x = x * self.layer_scalars[i]
         finally:
             self._kv_store.close()
         return self.final_norm(x)
