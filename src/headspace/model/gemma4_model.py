@@ -37,6 +37,7 @@ from ..nn.positions import Rotary
 from ..nn.spec import BlockSpec
 from . import gemma4_step
 from .block import TransformerBlock
+from .block import _sum as residual_sum
 from .config import ModelConfig
 from .gemma4_moe import Gemma4MoE
 from .gemma_extras import GemmaAttention, SharedKV, proportional_rotary
@@ -110,11 +111,10 @@ class PerLayerInput(nn.Module):
         0-d tensor: the layer scalar) when given. While no hook function and no autograd graph sees the
         term, the sum and the product are written over it (the same values)."""
         y = self.term(h, per_layer)  # (B, S, d_model)
-        if self.hook_out.fns or y.requires_grad or h.requires_grad:
-            out = h + y  # (B, S, d_model)
-            return out if scale is None else out * scale
-        out = y.add_(h)  # (B, S, d_model): the term is fresh and unseen
-        return out if scale is None else out.mul_(scale)
+        out = residual_sum(y, h, self.hook_out)  # (B, S, d_model): over y where nothing else reads it
+        if scale is None:
+            return out
+        return out.mul_(scale) if out is y and not h.requires_grad else out * scale
 
 
 class Gemma4Decoder(Decoder):
