@@ -37,6 +37,7 @@ from ..nn.positions import Rotary
 from ..nn.spec import BlockSpec
 from . import gemma4_step
 from .block import TransformerBlock
+from .block import _sum as residual_sum
 from .config import ModelConfig
 from .gemma4_moe import Gemma4MoE
 from .gemma_extras import GemmaAttention, SharedKV, proportional_rotary
@@ -105,9 +106,15 @@ class PerLayerInput(nn.Module):
         y = self.norm(self.proj(self.act(self.gate(h)) * per_layer))  # (B, S, d_model)
         return self.hook_out(y) if self.hook_out.fns else y
 
-    def forward(self, h: Tensor, per_layer: Tensor) -> Tensor:
-        """h [B, S, d_model], per_layer [B, S, p] -> ``h + term`` [B, S, d_model]."""
-        return h + self.term(h, per_layer)
+    def forward(self, h: Tensor, per_layer: Tensor, scale: Tensor | None = None) -> Tensor:
+        """h [B, S, d_model], per_layer [B, S, p] -> ``h + term`` [B, S, d_model], times ``scale`` (a
+        0-d tensor: the layer scalar) when given. While no hook function and no autograd graph sees the
+        term, the sum and the product are written over it (the same values)."""
+        y = self.term(h, per_layer)  # (B, S, d_model)
+        out = residual_sum(y, h, self.hook_out)  # (B, S, d_model): over y where nothing else reads it
+        if scale is None:
+            return out
+        return out.mul_(scale) if out is y and not h.requires_grad else out * scale
 
 
 class Gemma4Decoder(Decoder):
@@ -208,9 +215,10 @@ class Gemma4Decoder(Decoder):
             for i, block in enumerate(self.blocks):
                 cache = None if kv_caches is None else kv_caches[i]
                 x = block(x, key_padding=key_padding, is_causal=causal, kv_cache=cache, positions=pos)
-                if P is not None:
-                    x = self.ple[i](x, P[:, :, i])  # (batch, seq, d_model)
-                x = x * self.layer_scalars[i]
+                if P is not None:  # (batch, seq, d_model), the layer scalar applied
+                    x = self.ple[i](x, P[:, :, i], self.layer_scalars[i])
+                else:
+                    x = x * self.layer_scalars[i]
         finally:
             self._kv_store.close()
         return self.final_norm(x)

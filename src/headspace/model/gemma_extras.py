@@ -39,9 +39,10 @@ from ..core.checks import check_positive_int
 from ..nn.hooks import HookPoint
 from ..nn.kv_cache import KVCache
 from ..nn.masks import canonical_mask
-from ..nn.norms import rms_inverse
+from ..nn.norms import RMSNorm, rms_inverse
 from ..nn.positions import Rotary
 from ..nn.spec import AttentionSpec, refuse_unsupported
+from .gemma_rotate import rotate_heads_
 
 
 class SharedKV(dict):
@@ -301,9 +302,6 @@ class GemmaAttention(MultiHeadAttention):
             vf = v.float()
             v = (vf * torch.pow(vf.pow(2).mean(-1, keepdim=True) + self._spec.qk_norm_eps, -0.5)).to(v.dtype)
             v = self.hook_v_normed(v) if self.hook_v_normed.fns else v  # (B, Sq, Hkv, dh)
-        q = q.transpose(1, 2)  # (B, H, Sq, dh)
-        k = None if k is None else k.transpose(1, 2)  # (B, Hkv, Sq, dh)
-        v = None if v is None else v.transpose(1, 2)  # (B, Hkv, Sq, dh)
         rotary = self._modules.get("rotary")
         if rotary is not None:
             if positions is None:
@@ -312,6 +310,12 @@ class GemmaAttention(MultiHeadAttention):
             else:
                 check_rotary_positions(positions, B, Sq, query.device)
             cos, sin = rotary_tables(rotary, positions, query.dtype, query.device)  # (B|1, 1, Sq, dh)
+            if self._rotates_in_place(q, k):  # rotated in place in the [B, Sq, heads, dh] layout
+                q, k, rotary = rotate_heads_(q, k, cos, sin, rotary)
+        q = q.transpose(1, 2)  # (B, H, Sq, dh)
+        k = None if k is None else k.transpose(1, 2)  # (B, Hkv, Sq, dh)
+        v = None if v is None else v.transpose(1, 2)  # (B, Hkv, Sq, dh)
+        if rotary is not None:
             q = rotate_fused(q, cos, sin, rotary)  # (B, H, Sq, dh)
             if self.hook_rot_q is not None and self.hook_rot_q.fns:
                 q = self.hook_rot_q(q.transpose(1, 2)).transpose(1, 2)  # (B, H, Sq, dh)
@@ -320,6 +324,12 @@ class GemmaAttention(MultiHeadAttention):
                 if self.hook_rot_k is not None and self.hook_rot_k.fns:
                     k = self.hook_rot_k(k.transpose(1, 2)).transpose(1, 2)  # (B, Hkv, Sq, dh)
         return q, k, v
+
+    def _rotates_in_place(self, q: Tensor, k: Tensor | None) -> bool:
+        """Whether q [B, Sq, H, dh] and k (None for a sharing layer) are the QK-norms' fresh outputs that
+        no hook point and no autograd graph sees: the rotation may then overwrite them."""
+        fresh = [(self.q_norm, q)] + ([] if k is None else [(self.k_norm, k)])
+        return not self.hooks_active and all(type(n) is RMSNorm and not x.requires_grad for n, x in fresh)
 
     def forward(
         self,
