@@ -46,6 +46,7 @@ ELSEWHERE = {  # scripts whose smoke run lives with their own tests
     "cli_engine": "cli.py's same-run engine probe: tests/cli/test_bench_cli.py runs it beside each command",
     "families": "tests/bench/test_families_bench.py runs it (--quick, two families)",
     "whisper": "needs Whisper base and espeak-ng: tests/encdec/test_whisper_bench.py runs it (--quick)",
+    "whisper_ct2_child": "whisper.py's ctranslate2 process: tests/encdec/test_whisper_bench.py runs both",
     "attention_variants": "tests/bench/test_attention_variants_bench.py runs it (--quick, two cases)",
 }
 CHROMIUM = os.environ.get("HEADSPACE_CHROMIUM", "/usr/bin/chromium")
